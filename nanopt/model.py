@@ -1,0 +1,253 @@
+"""The Llama model: RMSNorm -> RoPE -> GQA attention -> SwiGLU MLP -> block -> Llama."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from nanopt.attention import AttentionFn, sdpa
+from nanopt.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama does) and cast back: bf16 variance loses too many bits.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama-3's long-context scaling when configured.
+
+    Llama 3.1+ keeps high frequencies (short wavelengths) as they are, divides low frequencies by
+    `rope_factor`, and interpolates smoothly in between.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if cfg.rope_scaling == "llama3":
+        old_len = cfg.rope_original_max_seq_len
+        low_freq_wavelen = old_len / cfg.rope_low_freq_factor
+        high_freq_wavelen = old_len / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > low_freq_wavelen,
+            inv_freq / cfg.rope_factor,
+            torch.where(wavelen < high_freq_wavelen, inv_freq, interpolated),
+        )
+    return inv_freq.float()
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables (seq_len, head_dim) in the rotate-half layout Hugging Face Llama uses."""
+    inv_freq = rope_frequencies(cfg).to(device)
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # T D/2
+    emb = torch.cat([freqs, freqs], dim=-1)  # T D
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: B H T D, cos/sin: T D
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value buffers for incremental decoding: B Hkv Tmax D each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.kernel: AttentionFn = sdpa
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        cache: Optional[KVCache] = None, start_pos: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # B Hq T D
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache.k[:B, :, start_pos : start_pos + T] = k
+            cache.v[:B, :, start_pos : start_pos + T] = v
+            k, v = cache.k[:B, :, : start_pos + T], cache.v[:B, :, : start_pos + T]
+        y = self.kernel(q, k, v, start_pos)  # B Hq T D
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        max_len = cfg.max_seq_len or 2048
+        cos, sin = rope_tables(cfg, max_len, device=self.embed.weight.device)
+        # Computed once, not saved: they follow from the config.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss).
+        self.loss_chunk_tokens = 8192
+
+    def set_attention(self, kernel: AttentionFn) -> None:
+        for layer in self.layers:
+            layer.attention.kernel = kernel
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every initialisation in one place (call after materialising from the meta device):
+
+        - embeddings and every Linear: normal(0, init_std)
+        - the two projections that write into the residual stream (attention wo, MLP w2):
+          normal(0, init_std / sqrt(2 * n_layers)), so the residual variance does not grow with depth
+        - RMSNorm gains: ones
+        - RoPE tables: recomputed (buffers on meta hold no data)
+        With tied embeddings the LM head is the embedding matrix and is initialised once.
+        """
+        std = self.cfg.init_std
+        nn.init.normal_(self.embed.weight, 0.0, std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, 0.0, std)
+        for layer in self.layers:
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.mlp.w1, layer.mlp.w3):
+                nn.init.normal_(lin.weight, 0.0, std)
+            for lin in (layer.attention.wo, layer.mlp.w2):
+                nn.init.normal_(lin.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
+            layer.attention_norm.weight.fill_(1.0)
+            layer.mlp_norm.weight.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+        cos, sin = rope_tables(self.cfg, self.rope_cos.shape[0], device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Unique parameters (a tied head is counted once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    def hidden(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
+        """Final normalised hidden states, B T C."""
+        T = idx.shape[1]
+        cos = self.rope_cos[start_pos : start_pos + T]
+        sin = self.rope_sin[start_pos : start_pos + T]
+        x = self.embed(idx)  # B T C
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos)
+        return self.norm(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+        caches: Optional[list[KVCache]] = None, start_pos: int = 0,
+    ) -> torch.Tensor:
+        """idx: B T token ids. Returns logits B T V, or the mean cross-entropy when targets are given.
+
+        targets use -100 for positions to ignore.
+        """
+        h = self.hidden(idx, caches, start_pos)
+        if targets is None:
+            return self.lm_head(h)  # B T C @ C V -> B T V
+        return self._chunked_loss(h, targets)
+
+    def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy without holding all B×T×V logits at once.
+
+        Each chunk's logits are recomputed in backward (activation checkpointing), so peak memory is
+        one chunk of logits instead of the whole batch: at vocab 128256 and 16k tokens the full fp32
+        logits alone would be 8.4 GB. A single chunk takes the plain path.
+        """
+        flat_h = h.reshape(-1, h.shape[-1])  # BT C
+        flat_t = targets.reshape(-1)  # BT
+        n = flat_h.shape[0]
+        count = (flat_t != -100).sum().clamp(min=1)
+        if n <= self.loss_chunk_tokens:
+            return F.cross_entropy(self.lm_head(flat_h).float(), flat_t, ignore_index=-100, reduction="sum") / count
+        total = flat_h.new_zeros((), dtype=torch.float32)
+        for start in range(0, n, self.loss_chunk_tokens):
+            end = start + self.loss_chunk_tokens
+            total = total + torch.utils.checkpoint.checkpoint(
+                _chunk_loss_sum, flat_h[start:end], flat_t[start:end], self.lm_head.weight, use_reentrant=False
+            )
+        return total / count
+
+    def new_caches(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> list[KVCache]:
+        shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
+        return [
+            KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in self.layers
+        ]
+
+
+def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(h, weight)  # N C @ C V -> N V
+    return F.cross_entropy(logits.float(), t, ignore_index=-100, reduction="sum")
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> Llama:
+    """Build on the meta device (no memory, no wasted init), materialise on `device`, initialise once."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty re-creates parameters, which unties them
+        model.lm_head.weight = model.embed.weight
+    model.init_weights()
+    return model

@@ -1,0 +1,91 @@
+"""Tokenizers behind one small interface: the built-in byte-level one, or any Hugging Face tokenizer."""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self) -> list[int]:
+        """UTF-8 byte length of each token id (0 for special tokens), for bits-per-byte."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens (0..255); 256 marks the beginning of a document. Needs no files."""
+
+    name = "byte"
+    vocab_size = 257
+    bos_id: Optional[int] = 256
+    eos_id: Optional[int] = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> list[int]:
+        return [1] * 256 + [0]
+
+
+def get_tokenizer(name: str) -> Tokenizer:
+    """`byte` -> ByteTokenizer; anything else is a Hugging Face tokenizer name or directory."""
+    if name == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(name)
+
+
+class HFTokenizer:
+    """Any `transformers.AutoTokenizer` (a hub name, with HF_TOKEN for gated repos, or a directory)."""
+
+    def __init__(self, name: str):
+        try:
+            from transformers import AutoTokenizer  # optional dependency: the `data` extra
+        except ImportError:
+            from nanopt.config import ConfigError
+
+            raise ConfigError(
+                f"`data.tokenizer` is {name!r}, which needs the transformers package: "
+                f"pip install -e '.[data]' (or use `data.tokenizer: byte`)."
+            ) from None
+        try:
+            self.hf = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as e:
+            from nanopt.config import ConfigError
+
+            raise ConfigError(
+                f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. "
+                f"Give a local directory with tokenizer files or a hub name you have access to."
+            ) from None
+        self.name = name
+        self.vocab_size = len(self.hf)
+        self.bos_id = self.hf.bos_token_id
+        self.eos_id = self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.hf(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self) -> list[int]:
+        special = set(self.hf.all_special_ids)
+        out = []
+        for i in range(self.vocab_size):
+            out.append(0 if i in special else len(self.hf.decode([i]).encode("utf-8")))
+        return out
