@@ -1,0 +1,101 @@
+"""Config loading, overrides and the errors a user sees."""
+from __future__ import annotations
+
+import pytest
+
+from nanopt.config import ConfigError, configs_dir, load_config, parse_overrides, resolve, to_yaml
+from nanopt.main import run
+
+from conftest import run_module
+
+
+@pytest.mark.parametrize("path", sorted(configs_dir().glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_resolves(path):
+    cfg = load_config(path)
+    world = 8 if path.stem == "1b" else 1
+    resolve(cfg, world)
+    assert cfg.train.grad_accum_steps >= 1
+
+
+def test_no_config_is_the_embedded_tiny_default():
+    assert load_config(None) == load_config(configs_dir() / "tiny.yaml")
+
+
+def test_overrides_convert_types():
+    cfg = load_config(None, parse_overrides([
+        "--train.max_steps=50", "--train.lr", "1e-3", "--model.tie_embeddings=false",
+        "--run.name=abc", "--train.global_batch_tokens=16_384",
+    ]))
+    assert cfg.train.max_steps == 50 and isinstance(cfg.train.max_steps, int)
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.model.tie_embeddings is False
+    assert cfg.run.name == "abc"
+    assert cfg.train.global_batch_tokens == 16384
+
+
+def test_resolve_derives_accumulation_from_world_size():
+    cfg = load_config(None, parse_overrides(["--train.micro_batch_size=4", "--train.seq_len=64",
+                                             "--train.global_batch_tokens=1024"]))
+    assert resolve(cfg, 1).train.grad_accum_steps == 4
+    cfg = load_config(None, parse_overrides(["--train.micro_batch_size=4", "--train.seq_len=64",
+                                             "--train.global_batch_tokens=1024"]))
+    assert resolve(cfg, 2).train.grad_accum_steps == 2
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config(None, parse_overrides(["--train.max_steps=7"]))
+    path = tmp_path / "c.yaml"
+    path.write_text(to_yaml(resolve(cfg, 1)))
+    again = resolve(load_config(path), 1)
+    assert again == cfg
+
+
+BAD = [
+    (["--train.max_step=5"], "train.max_step"),
+    (["--trian.max_steps=5"], "trian"),
+    (["--train.max_steps=five"], "train.max_steps"),
+    (["--train.max_steps=-3"], "train.max_steps"),
+    (["--model.tie_embeddings=maybe"], "model.tie_embeddings"),
+    (["--train.precision=fp8"], "train.precision"),
+    (["--model.attention=magic"], "model.attention"),
+    (["--runtime.device=tpu"], "runtime.device"),
+    (["--model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["--model.dim=100"], "model.dim"),
+    (["--train.global_batch_tokens=1000"], "train.global_batch_tokens"),
+    (["--train.grad_accum_steps=2"], "train.grad_accum_steps"),
+    (["--train.max_steps"], "--train.max_steps"),
+    (["stray"], "stray"),
+]
+
+
+@pytest.mark.parametrize("args,named", BAD, ids=[a[0][0] for a in BAD])
+def test_bad_input_exits_2_with_a_message_naming_the_key(args, named, capsys, tmp_path):
+    code = run([*args, f"--run.dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert named in err
+    assert "Traceback" not in err
+    assert not any(tmp_path.iterdir()), "a refused config must not write anything"
+
+
+def test_bad_yaml_files_name_the_file(tmp_path, capsys):
+    cases = {
+        "broken.yaml": "train:\n  max_steps: [1,\n",
+        "unknown.yaml": "train:\n  max_stepz: 3\n",
+        "section.yaml": "trainer:\n  max_steps: 3\n",
+        "list.yaml": "- 1\n- 2\n",
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        assert run([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err, err
+    assert run([str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
+    proc = run_module(["nanopt.main", "--train.max_steps=abc", f"--run.dir={tmp_path}"])
+    assert proc.returncode == 2
+    assert "train.max_steps" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,75 @@
+"""Real torchrun processes (gloo on CPU): DDP equals one process, and two 'nodes' train together."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REPO, free_port, run_module, small_overrides, torchrun
+
+# fp32 so the comparison is about the algorithm, not bf16 rounding; 8 sequences per step.
+ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "train.global_batch_tokens": 256})
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _final_weights(run_dir: Path) -> dict:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    la, lb = _losses(a), _losses(b)
+    assert la.keys() == lb.keys() and len(la) == 4
+    for step in la:
+        assert abs(la[step] - lb[step]) < 1e-5, (step, la[step], lb[step])
+    wa, wb = _final_weights(a), _final_weights(b)
+    for name in wa:
+        assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, corpus_dir) -> Path:
+    run_dir = tmp_path_factory.mktemp("single")
+    proc = run_module(["nanopt.main", *ARGS, f"--run.dir={run_dir}"], env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_two_ranks_match_one_rank(single_run, tmp_path):
+    proc = torchrun(2, [*ARGS, f"--run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 ranks x 1 accum" in proc.stdout
+    _assert_same_run(single_run, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    digests = summary["weights_sha256_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+
+
+def test_two_nodes_over_c10d_rendezvous_match_one_rank(single_run, tmp_path):
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        launcher = ["--nnodes=2", f"--node-rank={node}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node=1",
+               "-m", "nanopt.main", *ARGS, f"--run.dir={tmp_path}"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    _assert_same_run(single_run, tmp_path)
+    digests = json.loads((tmp_path / "summary.json").read_text())["weights_sha256_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
