@@ -1,0 +1,358 @@
+"""Modal entrypoint: package nanopt, run the same torchrun command a user would type, keep results on a Volume.
+
+    modal run modal_app.py --config configs/1b.yaml [--gpus 8] [--gpu-type H100] [--run-name NAME] [--prepare]
+
+No training logic lives here. The training function writes the config into the run directory on the
+Volume and launches `torchrun --standalone --nproc-per-node=<n> -m nanopt.main --config <that file>`
+from the Volume root, so every relative path in the config (run.dir, data.dir) lands on the Volume.
+Re-running the same run name resumes from the newest complete checkpoint, which is what Modal's
+retries do after a preemption or a crash.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import modal
+
+REPO = Path(__file__).resolve().parent
+APP_NAME = "nanopt"
+VOLUME_NAME = "nanopt"
+VOLUME_PATH = "/vol"  # where the Volume is mounted in every container; tests point it at a tmp dir
+RUN_CONFIG_NAME = "modal_config.yaml"  # nanopt itself writes the resolved config.yaml next to it
+
+TRAIN_GPU = "H100"
+TRAIN_GPUS = 8
+EVAL_GPU = "L40S"  # 48 GB: enough to evaluate the 1B model in bf16, at a fraction of an H100's price
+PREPARE_CPUS = 32.0
+DAY_S = 24 * 60 * 60  # Modal's longest function timeout; a retry after a timeout resumes the run
+COMMIT_EVERY_S = 10 * 60  # make checkpoints and metrics visible to other containers while training runs
+MASTER_PORT = 29500
+# Multi-node (experimental): NANOPT_MODAL_NODES=2 modal run modal_app.py ... makes a cluster of that many
+# containers, each with the requested GPUs. The cluster size is fixed when the function is decorated.
+NODES = int(os.environ.get("NANOPT_MODAL_NODES", "1") or 1)
+
+TORCH_VERSION = "2.8.0"  # the default PyPI wheel for Linux is the CUDA 12.8 build
+FLASH_ATTN_VERSION = "2.8.3"  # has prebuilt wheels for torch 2.8 / CUDA 12 / Python 3.11
+PIP_PACKAGES = [
+    f"torch=={TORCH_VERSION}",
+    "numpy>=1.24",
+    "pyyaml>=6",
+    "safetensors>=0.4",
+    "tqdm>=4.60",
+    "tensorboard>=2.14",
+    "torch-tb-profiler>=0.4",
+    "datasets>=2.19",
+    "transformers>=4.44",
+    "tokenizers>=0.19",
+    "wandb",
+    "packaging",
+    "ninja",
+    "wheel",
+]
+# flash-attn only installs cleanly from a prebuilt wheel (a source build needs nvcc and an hour). If no
+# wheel matches, the image keeps going without it and `model.attention: auto` falls back to sdpa.
+FLASH_ATTN_INSTALL = (
+    f"pip install --no-build-isolation flash-attn=={FLASH_ATTN_VERSION} && python -c 'import flash_attn' "
+    "|| (pip uninstall -y flash-attn; echo 'flash-attn is not available in this image; attention uses sdpa')"
+)
+
+image = (
+    modal.Image.debian_slim(python_version="3.11")
+    .pip_install(*PIP_PACKAGES)
+    .run_commands(FLASH_ATTN_INSTALL)
+    .env({
+        "HF_HOME": f"{VOLUME_PATH}/hf",  # downloaded tokenizers and datasets persist across runs
+        "NANOPT_CACHE": f"{VOLUME_PATH}/cache/nanopt",  # the embedded corpus shards
+        "PYTHONUNBUFFERED": "1",
+    })
+    # Last: local sources are mounted at container start, so editing nanopt never rebuilds the image.
+    .add_local_python_source("nanopt")
+    .add_local_dir(REPO / "configs", "/root/configs")
+)
+
+app = modal.App(APP_NAME, image=image)
+volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
+hf_secret = modal.Secret.from_name("huggingface", required_keys=["HF_TOKEN"])
+wandb_secret = modal.Secret.from_name("wandb", required_keys=["WANDB_API_KEY"])  # added when log.wandb is on
+# Retries restart a crashed attempt; nanopt resumes it from the newest complete checkpoint on the Volume.
+retries = modal.Retries(max_retries=10, initial_delay=0.0, backoff_coefficient=1.0)
+
+TRAIN_OPTIONS: dict[str, Any] = dict(
+    gpu=f"{TRAIN_GPU}:{TRAIN_GPUS}",
+    volumes={VOLUME_PATH: volume},
+    secrets=[hf_secret],
+    timeout=DAY_S,
+    retries=retries,
+)
+
+
+# ---------------------------------------------------------------- pure helpers (tested offline)
+
+
+def torchrun_command(config_path: str, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                     master_addr: str = "") -> list[str]:
+    """The launch command, exactly as a user would type it on one machine (or on each node of a cluster)."""
+    if nnodes == 1:
+        launcher = ["--standalone"]
+    else:
+        launcher = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+                    f"--master-port={MASTER_PORT}"]
+    return ["torchrun", *launcher, f"--nproc-per-node={nproc}", "-m", "nanopt.main", "--config", config_path]
+
+
+def eval_command(run_dir: str, split: str) -> list[str]:
+    """`nanopt eval RUN --split SPLIT`; the image has nanopt's source but not its console script."""
+    return [sys.executable, "-m", "nanopt.cli", "eval", run_dir, "--split", split]
+
+
+def prepare_command(config_path: str) -> list[str]:
+    """`nanopt prepare --config FILE`."""
+    return [sys.executable, "-m", "nanopt.cli", "prepare", "--config", config_path]
+
+
+def run_dir_for(run_name: str) -> str:
+    """A run directory relative to the Volume root (the working directory of every launched command)."""
+    return f"runs/{run_name}"
+
+
+def check_config(path: str, world_size: int, run_name: str = "") -> tuple[str, Any]:
+    """Load and validate a config as nanopt will, for this world size; return (YAML for the Volume, Config).
+
+    Raises nanopt's ConfigError. The YAML is the full config with run.name and run.dir pointing at the
+    run directory on the Volume.
+    """
+    import copy
+
+    from nanopt.config import ConfigError, load_config, resolve, to_yaml, validate
+
+    if world_size < 1:
+        raise ConfigError(f"--gpus must be at least 1, got {world_size}.")
+    cfg = load_config(path)
+    if run_name:
+        cfg.run.name = run_name
+    cfg.run.dir = run_dir_for(cfg.run.name)
+    validate(cfg)
+    resolve(copy.deepcopy(cfg), world_size)  # the batch must divide over this many GPUs: check before paying
+    return to_yaml(cfg), cfg
+
+
+def write_run_config(config_yaml: str, run_name: str) -> str:
+    """Write the config into the run directory on the Volume; return its path."""
+    run_dir = Path(VOLUME_PATH) / run_dir_for(run_name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RUN_CONFIG_NAME
+    path.write_text(config_yaml)
+    return str(path)
+
+
+def launch_env() -> dict[str, str]:
+    """The environment for launched commands: they run from the Volume root and must still import nanopt."""
+    import nanopt
+
+    source_root = str(Path(nanopt.__file__).resolve().parent.parent)  # /root in the container
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)}
+
+
+def run_forwarding_signals(cmd: list[str], cwd: str, env: Optional[dict[str, str]] = None) -> tuple[int, Optional[int]]:
+    """Run cmd to completion, passing SIGINT/SIGTERM on to it; return (exit code, forwarded signal or None).
+
+    Modal preempts a container with SIGINT and ~30 s of grace. torchrun hands the signal to its workers,
+    which is nanopt's cue to checkpoint. The child gets its own session so it hears each signal once.
+    """
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
+    forwarded: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        forwarded.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return proc.wait(), (forwarded[0] if forwarded else None)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if proc.poll() is None:  # leaving early (the input was cancelled): do not orphan the workers
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@contextlib.contextmanager
+def committing(every_s: float) -> Iterator[None]:
+    """Commit the Volume every `every_s` seconds while the block runs, and once when it ends."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                volume.commit()
+            except Exception as e:  # a failed intermediate commit must not stop training
+                print(f"modal_app: volume commit failed ({e}); will retry", flush=True)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        volume.commit()
+
+
+def finish(what: str, run_name: str, code: int, forwarded: Optional[int]) -> dict[str, Any]:
+    """Turn an exit code into a result, or into an exception that makes Modal retry (and nanopt resume)."""
+    result = {"run_dir": f"{VOLUME_PATH}/{run_dir_for(run_name)}", "exit_code": code}
+    if forwarded is not None:
+        raise RuntimeError(f"{what} was interrupted by signal {forwarded}; the next attempt resumes from "
+                           f"the newest checkpoint in {result['run_dir']}.")
+    if code == 2:
+        # nanopt's exit code for bad input: a retry would fail the same way, so report instead of raising.
+        result["error"] = f"{what} rejected its config (exit code 2); see the log above."
+        return result
+    if code != 0:
+        raise RuntimeError(f"{what} exited with code {code}; Modal retries and nanopt resumes from the "
+                           f"newest checkpoint in {result['run_dir']}.")
+    return result
+
+
+# ---------------------------------------------------------------- Modal functions
+
+
+def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str = "") -> dict[str, Any]:
+    config_path = write_run_config(config_yaml, run_name)
+    cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr)
+    print("modal_app: " + " ".join(cmd), flush=True)
+    if node_rank != 0:  # only node 0 writes results (nanopt's rank 0), so only it commits
+        code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, launch_env())
+    else:
+        volume.commit()
+        with committing(COMMIT_EVERY_S):
+            code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, launch_env())
+    return finish("training", run_name, code, forwarded)
+
+
+@app.function(**TRAIN_OPTIONS)
+def train(config_yaml: str, run_name: str, gpus: int = TRAIN_GPUS) -> dict[str, Any]:
+    """Train on one machine with `gpus` GPUs (set the GPU spec to match with .with_options(gpu=...))."""
+    return _train(config_yaml, run_name, gpus)
+
+
+if NODES > 1 or not modal.is_local():
+    # Defined only when asked for, so a plain `modal run` never registers a clustered function. Inside a
+    # container it is always defined (the server holds the real cluster size), so any app can find it.
+    @app.function(**TRAIN_OPTIONS)
+    @modal.clustered(size=max(NODES, 2), rdma=True)
+    def train_multinode(config_yaml: str, run_name: str, gpus: int = TRAIN_GPUS) -> dict[str, Any]:
+        """Experimental: one torchrun per container, rendezvous at container 0 over the cluster network."""
+        cluster = modal.Cluster.from_context()
+        ips = cluster.container_ips(family="ipv4") or cluster.container_ips()
+        return _train(config_yaml, run_name, gpus, len(ips), cluster.container_rank(), ips[0])
+
+
+@app.function(gpu=EVAL_GPU, volumes={VOLUME_PATH: volume}, secrets=[hf_secret], timeout=4 * 60 * 60)
+def evaluate(run_name: str, split: str = "val") -> int:
+    """Evaluate the newest checkpoint of a run out of band (`nanopt eval`), while training may continue."""
+    volume.reload()  # see the checkpoints the training container committed since this one started
+    code = subprocess.run(eval_command(run_dir_for(run_name), split), cwd=VOLUME_PATH, env=launch_env()).returncode
+    volume.commit()
+    return code
+
+
+@app.function(cpu=PREPARE_CPUS, memory=64 * 1024, volumes={VOLUME_PATH: volume}, secrets=[hf_secret],
+              timeout=DAY_S)
+def prepare_data(config_yaml: str, run_name: str) -> None:
+    """`nanopt prepare` on a many-core CPU container, writing token shards to data.dir on the Volume."""
+    config_path = write_run_config(config_yaml, run_name)
+    with committing(COMMIT_EVERY_S):
+        code = subprocess.run(prepare_command(config_path), cwd=VOLUME_PATH, env=launch_env()).returncode
+    if code != 0:
+        raise RuntimeError(f"nanopt prepare exited with code {code}; training was not started.")
+
+
+def tensorboard_wsgi(logdir: str, reload_every_s: float = 30.0) -> Any:
+    """TensorBoard (scalars + every installed plugin, including the PyTorch Profiler) as a WSGI app.
+
+    Page loads reload the Volume, at most every `reload_every_s`, so new events from training show up.
+    """
+    import time
+
+    from tensorboard import program
+    from tensorboard.backend import application
+
+    board = program.TensorBoard()  # default plugins = TensorBoard's own + entry points (torch_tb_profiler)
+    board.configure(logdir=logdir, reload_interval=30, load_fast="false")  # in-process reader, no data server
+    # TensorBoard has no public "give me the WSGI app" call; this is what its own server does (and what
+    # Modal's TensorBoard example does).
+    data_provider, multiplexer = board._make_data_provider()
+    tb_app = application.TensorBoardWSGIApp(board.flags, board.plugin_loaders, data_provider,
+                                            board.assets_zip_provider, multiplexer)
+    last_reload = [0.0]
+
+    def with_volume_reload(environ: dict, start_response: Any) -> Any:
+        if environ.get("PATH_INFO") == "/" and time.monotonic() - last_reload[0] > reload_every_s:
+            last_reload[0] = time.monotonic()
+            try:
+                volume.reload()
+            except Exception as e:  # e.g. files held open; the next page load tries again
+                print(f"modal_app: volume reload skipped ({e})", flush=True)
+        return tb_app(environ, start_response)
+
+    return with_volume_reload
+
+
+@app.function(volumes={VOLUME_PATH: volume}, scaledown_window=15 * 60, timeout=DAY_S)
+@modal.concurrent(max_inputs=50)
+@modal.wsgi_app()
+def tensorboard_app() -> Any:
+    """TensorBoard over every run directory on the Volume."""
+    return tensorboard_wsgi(f"{VOLUME_PATH}/runs")
+
+
+# ---------------------------------------------------------------- local entrypoint
+
+
+def web_url(function: Any) -> str:
+    try:
+        return function.get_web_url() or "(not available)"
+    except Exception as e:
+        return f"(not available: {e})"
+
+
+@app.local_entrypoint()
+def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_name: str = "",
+         prepare: bool = False) -> None:
+    """Validate the config here, optionally prepare data, then train on Modal GPUs."""
+    from nanopt.config import ConfigError
+
+    try:
+        config_yaml, cfg = check_config(config, gpus * NODES, run_name)
+    except ConfigError as e:
+        print(f"modal_app: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    name = cfg.run.name
+    secrets = [hf_secret, wandb_secret] if cfg.log.wandb else [hf_secret]
+    trainer = (train_multinode if NODES > 1 else train).with_options(gpu=f"{gpu_type}:{gpus}", secrets=secrets)
+
+    run_dir = run_dir_for(name)
+    print(f"run:         {name} on {NODES} x {gpu_type}:{gpus}")
+    print(f"results:     Volume '{VOLUME_NAME}', {run_dir}/  (modal volume get {VOLUME_NAME} {run_dir})")
+    print(f"tensorboard: {web_url(tensorboard_app)}  (while this app runs; `modal deploy modal_app.py` keeps it)")
+    print(f"evaluate:    modal run modal_app.py::evaluate --run-name {name}")
+    if prepare:
+        prepare_data.remote(config_yaml, name)
+    result = trainer.remote(config_yaml, name, gpus)
+    print(f"done:        {result}")
