@@ -51,6 +51,7 @@ PIP_PACKAGES = [
     "datasets>=2.19",
     "transformers>=4.44",
     "tokenizers>=0.19",
+    "tiktoken>=0.7",
     "wandb",
     "packaging",
     "ninja",

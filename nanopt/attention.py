@@ -60,7 +60,14 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
     return out.transpose(1, 2)
 
 
-BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash}
+def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+    """torch_xla's Pallas flash attention (TPU only; lives in nanopt/xla.py with the rest of torch_xla)."""
+    from nanopt.xla import flash_attention
+
+    return flash_attention(q, k, v, causal_offset)
+
+
+BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash, "xla_flash": xla_flash}
 
 
 def flash_unavailable_reason(device_type: str) -> Optional[str]:
@@ -76,6 +83,14 @@ def flash_unavailable_reason(device_type: str) -> Optional[str]:
 
 def choose(name: str, device_type: str) -> tuple[str, AttentionFn]:
     """Resolve the configured backend for this device, logging any fallback and its reason once."""
+    if name == "xla_flash":
+        from nanopt.runtime import xla_flash_unavailable_reason  # the device check lives with the device
+
+        reason = xla_flash_unavailable_reason(device_type)
+        if reason is None:
+            return "xla_flash", xla_flash
+        log.warning("attention: xla_flash requested but %s; falling back to sdpa", reason)
+        return "sdpa", sdpa
     if name in ("flash", "auto"):
         reason = flash_unavailable_reason(device_type)
         if reason is None:

@@ -45,7 +45,7 @@ class ModelConfig:
     rope_original_max_seq_len: int = 8192
     max_seq_len: int = 0  # 0 -> train.seq_len
     tie_embeddings: bool = True
-    attention: str = "sdpa"  # sdpa | eager | flash | auto
+    attention: str = "sdpa"  # sdpa | eager | flash | auto | xla_flash (Pallas, TPU)
     init_std: float = 0.02
 
     @property
@@ -81,6 +81,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     compile: bool = False
+    # The speedrun clock and warm starts (README: "Evaluation, sampling and export").
+    target_val_loss: Optional[float] = None  # record step/tokens/train seconds when val loss first reaches it
+    stop_at_target: bool = False  # end the run (final eval, checkpoint, summary) once the target is reached
+    init_from: str = ""  # "hf:DIR": start from the weights of a Hugging Face Llama directory
     # Derived in resolve(); not settable.
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -89,12 +93,20 @@ class TrainConfig:
 class EvalConfig:
     every: int = 50  # steps; 0 disables periodic validation
     batches: int = 8  # micro-batches (per the whole world) in the fixed validation set
+    # Picks the fixed validation windows; separate from run.seed so runs with different seeds are
+    # measured on the same tokens.
+    seed: int = 0
+    test_at_end: bool = True  # evaluate the test split (when it has shards) after the final step
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 0  # steps; 0 -> only at the end
     keep: int = 3
+    # Exact resume and remote copies (README: "Resume, preemption and faults"; nanopt/checkpoint.py).
+    resume: bool = True  # continue from the newest usable checkpoint; false = fresh start into an empty run dir
+    mirror: str = ""  # fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to
+    allow_changes: str = ""  # comma list of config keys allowed to differ from the checkpoint's on resume
 
 
 @dataclass
@@ -121,6 +133,59 @@ class SampleConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (see prepare.py)."""
+    # "embedded" (the Shakespeare plays), a datasets builder for local files ("json", "parquet",
+    # "text" with `data_files`), or a Hugging Face hub dataset name: all go through load_dataset.
+    dataset: str = "embedded"
+    subset: str = ""  # the dataset's config name, e.g. "sample-100BT"
+    data_files: str = ""  # local file or glob for json/parquet/text; comma-separated for several
+    split: str = "train"  # the source split to read (datasets slice syntax allowed: "train[:10%]")
+    text_field: str = "text"
+    sample_by: str = ""  # text builder only: line | paragraph | document ("" = the builder's default)
+    streaming: bool = True
+    shuffle_buffer: int = 10000  # streaming shuffle buffer (documents); 0 disables shuffling
+    shuffle_seed: int = 42
+    add_bos: bool = True  # the tokenizer's BOS before every document
+    add_eos: bool = False  # the tokenizer's EOS after every document
+    # Token budgets, filled in order val -> test -> train from the (shuffled) document stream; a
+    # split takes whole documents, the one that crosses its budget is cut. 0 = no such split (val,
+    # test) or "every remaining document" (train).
+    train_tokens: int = 0
+    val_tokens: int = 0
+    test_tokens: int = 0
+    shard_tokens: int = 100_000_000
+    workers: int = 0  # tokenizer processes; 0 -> one per CPU core
+    batch_documents: int = 128  # documents per worker task
+
+
+@dataclass
+class MfuConfig:
+    """What MFU is measured against (nanopt/mfu.py; README: "MFU and time-to-train estimates")."""
+    # auto: detect the accelerator (CPU: a measured matmul peak); or a key of nanopt.mfu.PEAKS
+    # (h100-sxm, h100-pcie, a100, tpu-v5e, ...) to force that device's dense spec-sheet peak.
+    hardware: str = "auto"
+    warmup_steps: int = 1  # steps (from the start or a resume) kept out of the MFU average
+    causal_halving: bool = True  # count half the T×T attention scores (causal kernels skip the rest)
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler around the training loop (nanopt/profiling.py); off costs nothing."""
+    enabled: bool = False
+    # Schedule in optimizer steps, like the blog: skip `wait`, warm up `warmup`, record `active`;
+    # shrunk to fit when the run (or what is left of it on resume) is shorter than their sum.
+    wait: int = 10
+    warmup: int = 5
+    active: int = 20
+    ranks: str = "0"  # ranks that write a trace: "0", a comma list "0,1,4", or "all"
+    record_shapes: bool = False
+    memory: bool = False  # profile_memory: allocations per op (Memory view in TensorBoard)
+    with_stack: bool = False  # Python stacks per op (bigger traces)
+    memory_snapshot: bool = False  # CUDA only: allocator history dump for pytorch.org/memory_viz
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -131,6 +196,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    mfu: MfuConfig = field(default_factory=MfuConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,7 +210,7 @@ class Config:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling": ("none", "llama3"),
-    "model.attention": ("sdpa", "eager", "flash", "auto"),
+    "model.attention": ("sdpa", "eager", "flash", "auto", "xla_flash"),
     "train.precision": ("bf16", "bf16-pure", "fp32"),
     "train.schedule": ("cosine", "wsd", "constant"),
     "runtime.device": ("auto", "cpu", "cuda", "xla"),
@@ -328,6 +396,66 @@ def _non_negative(cfg: Config, *keys: str) -> None:
             raise ConfigError(f"`{key}` must be zero or positive, got {value}.")
 
 
+def _validate_prepare(cfg: Config) -> None:
+    """The `prepare` section (read only by `nanopt prepare`)."""
+    p = cfg.prepare
+    _positive(cfg, "prepare.shard_tokens", "prepare.batch_documents")
+    _non_negative(
+        cfg, "prepare.train_tokens", "prepare.val_tokens", "prepare.test_tokens", "prepare.workers",
+        "prepare.shuffle_buffer",
+    )
+    if p.sample_by not in ("", "line", "paragraph", "document"):
+        raise ConfigError(
+            f"`prepare.sample_by` is {p.sample_by!r}; valid values: line, paragraph, document, or empty "
+            f"for the text builder's default."
+        )
+    if not p.text_field.strip():
+        raise ConfigError("`prepare.text_field` must name the column holding each document's text (e.g. text).")
+    if not p.dataset.strip():
+        raise ConfigError(
+            "`prepare.dataset` is empty; use embedded, json/parquet/text with `prepare.data_files`, "
+            "or a Hugging Face dataset name such as HuggingFaceFW/fineweb-edu."
+        )
+    if p.dataset in ("json", "parquet", "text", "csv") and not p.data_files:
+        raise ConfigError(
+            f"`prepare.dataset` is {p.dataset!r}, a loader for local files, but `prepare.data_files` is empty; "
+            f"set it to a file or glob, e.g. `--prepare.data_files=docs/*.{p.dataset}`."
+        )
+
+
+def parse_ranks(text: str) -> Optional[list[int]]:
+    """`profile.ranks` -> sorted rank ids, or None for "all". Raises ConfigError when unreadable."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        ranks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        ranks = []
+    if not ranks or ranks[0] < 0:
+        raise ConfigError(
+            f"`profile.ranks` is {text!r}; use a rank such as 0, a comma-separated list such as 0,1,4, or all."
+        )
+    return ranks
+
+
+def _validate_mfu(cfg: Config) -> None:
+    from nanopt.mfu import PEAKS  # stdlib-only at import time
+
+    if cfg.mfu.hardware != "auto" and cfg.mfu.hardware not in PEAKS:
+        raise ConfigError(
+            f"`mfu.hardware` is {cfg.mfu.hardware!r}; use auto (detect; CPU measures its peak) or one of: "
+            f"{', '.join(PEAKS)}."
+        )
+    _non_negative(cfg, "mfu.warmup_steps")
+
+
+def _validate_profile(cfg: Config) -> None:
+    """The `profile` section (read by nanopt/profiling.py)."""
+    _non_negative(cfg, "profile.wait", "profile.warmup")
+    _positive(cfg, "profile.active")
+    parse_ranks(cfg.profile.ranks)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no knowledge of the world size."""
     for key, choices in CHOICES.items():
@@ -368,8 +496,40 @@ def validate(cfg: Config) -> None:
         value = getattr(cfg.train, key.split(".")[1])
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
+    _validate_speedrun(cfg)
     if cfg.run.name.strip() == "" or "/" in cfg.run.name:
         raise ConfigError(f"`run.name` must be a non-empty name without '/', got {cfg.run.name!r}.")
+    _validate_prepare(cfg)
+    _validate_profile(cfg)
+    _validate_mfu(cfg)
+    _validate_checkpoint(cfg)
+
+
+def _validate_checkpoint(cfg: Config) -> None:
+    """`checkpoint.allow_changes` names real keys (a typo would otherwise silently allow nothing)."""
+    for key in filter(None, (k.strip() for k in cfg.checkpoint.allow_changes.split(","))):
+        section, _, name = key.partition(".")
+        known = {f.name for f in fields(getattr(cfg, section))} if section in _section_names() else set()
+        if name not in known:
+            raise ConfigError(
+                f"`checkpoint.allow_changes` names {key!r}, which is not a config key; list `section.key` "
+                f"names separated by commas, e.g. `--checkpoint.allow_changes=train.lr,train.warmup_steps`."
+            )
+
+
+def _validate_speedrun(cfg: Config) -> None:
+    t = cfg.train
+    if t.target_val_loss is not None and not (math.isfinite(t.target_val_loss) and t.target_val_loss > 0):
+        raise ConfigError(f"`train.target_val_loss` must be a positive number (nats per token), got {t.target_val_loss}.")
+    if t.stop_at_target and t.target_val_loss is None:
+        raise ConfigError("`train.stop_at_target` is true but `train.target_val_loss` is not set; set both, e.g. "
+                          "`--train.target_val_loss=1.8 --train.stop_at_target=true`.")
+    if t.stop_at_target and not cfg.eval.every:
+        raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set `eval.every` "
+                          "to a positive number of steps.")
+    if t.init_from and (not t.init_from.startswith("hf:") or not t.init_from[3:].strip()):
+        raise ConfigError(f"`train.init_from` is {t.init_from!r}; it takes `hf:DIR`, a directory written by "
+                          f"`nanopt export` or by transformers' save_pretrained (or \"\" to start from scratch).")
 
 
 def resolve(cfg: Config, world_size: int) -> Config:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import shutil
@@ -14,7 +13,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -188,14 +187,21 @@ class Loader:
         self.seed = int(state["seed"])
 
 
-def eval_batches(windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed validation set: the first batches × micro_batch windows in file order, split over ranks.
+def eval_batches(
+    windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int, seed: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed evaluation set: batches × micro_batch windows, dealt round-robin to the ranks.
 
-    Fixed (no permutation) so every evaluation, on any world size, sees the same tokens.
+    The windows are the first batches × micro_batch of a permutation of all the split's windows drawn
+    from `seed` alone (eval.seed, not run.seed), so they sample the whole split rather than its first
+    document, and every evaluation of every run with the same seq_len, micro_batch and batches, on any
+    world size, sees exactly the same tokens. Batch b goes to rank b mod world; summing over ranks
+    gives the single-process result.
     """
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).numpy()
     out = []
     for b in range(rank, batches, world):
-        idx = [(b * micro_batch + i) % len(windows) for i in range(micro_batch)]
+        idx = [int(order[(b * micro_batch + i) % len(windows)]) for i in range(micro_batch)]
         t = torch.from_numpy(np.stack([windows.get(i) for i in idx]))
         out.append((t[:, :-1], t[:, 1:]))
     return out

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from nanopt.model import Llama
+from nanopt.runtime import static_shapes
 
 
 @torch.no_grad()
@@ -17,6 +18,8 @@ def generate(
 
     use_cache=False recomputes the whole context every token (the reference the cache must match).
     """
+    if use_cache and static_shapes(prompt.device):  # XLA: a KV cache growing by one is a new graph per token
+        return generate_padded(model, prompt, max_new_tokens, temperature, top_k, generator)
     B, T = prompt.shape
     total = T + max_new_tokens
     limit = model.rope_cos.shape[0]
@@ -38,6 +41,36 @@ def generate(
     return out
 
 
+@torch.no_grad()
+def generate_padded(
+    model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+    generator: Optional[torch.Generator] = None, min_bucket: int = 16,
+) -> torch.Tensor:
+    """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input.
+
+    The context is a host buffer of L tokens, L = prompt + new tokens rounded up to a power of two
+    (a bucket, capped at max_seq_len), zero-padded on the right; causal attention keeps the padding
+    invisible to the real positions. Each token re-runs the padded context (no KV cache: O(L²) per
+    token) and reads the last real position through a device index tensor, so one compiled graph
+    serves every token and every prompt length in the bucket. Sampling itself runs on the host RNG.
+    """
+    B, T = prompt.shape
+    total = T + max_new_tokens
+    limit = model.rope_cos.shape[0]
+    if total > limit:
+        raise ValueError(f"prompt + new tokens = {total} exceeds the model's max_seq_len {limit}")
+    length = min(limit, max(min_bucket, 1 << (total - 1).bit_length()))
+    device = model.embed.weight.device
+    buf = torch.zeros(B, length, dtype=torch.long)  # B L, on the host
+    buf[:, :T] = prompt.cpu()
+    for pos in range(T, total):
+        last = torch.tensor([pos - 1])  # the position whose logits predict token `pos`
+        h = model.hidden(buf.to(device)).index_select(1, last.to(device))  # B L C -> B 1 C
+        logits = model.lm_head(h)[:, 0].cpu()  # B C @ C V -> B V
+        buf[:, pos] = _pick(logits, temperature, top_k, generator)
+    return buf[:, :total].to(prompt.device)
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> torch.Tensor:
     logits = logits.float()
     if temperature <= 0:
@@ -52,12 +85,21 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, generator: Optio
 
 def sample_text(model: Llama, tokenizer, prompt: str, n: int, max_new_tokens: int, temperature: float,
                 top_k: int, seed: int, device: torch.device) -> list[str]:
-    """n continuations of `prompt` as text (the prompt included)."""
+    """n continuations of `prompt` as text (the prompt included), each max_new_tokens long.
+
+    Past the model's context (max_seq_len) the window slides: the cache is rebuilt from the last half
+    of the context and decoding goes on, so a short-context model still gives the tokens asked for.
+    """
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
     limit = model.rope_cos.shape[0]
-    ids = ids[-max(1, limit - max_new_tokens):]
-    max_new = min(max_new_tokens, limit - len(ids))
-    x = torch.tensor([ids] * n, dtype=torch.long, device=device)
+    out = torch.tensor([ids] * n, dtype=torch.long, device=device)  # n T
     g = torch.Generator().manual_seed(seed)
-    out = generate(model, x, max_new, temperature, top_k, generator=g)
+    new_tokens = 0
+    while new_tokens < max_new_tokens:
+        keep = out.shape[1] if out.shape[1] < limit else max(1, limit // 2)
+        context = out[:, -keep:]
+        chunk = min(max_new_tokens - new_tokens, limit - keep)
+        step = generate(model, context, chunk, temperature, top_k, generator=g)[:, keep:]  # n chunk
+        out = torch.cat([out, step], dim=1)
+        new_tokens += chunk
     return [tokenizer.decode(row.tolist()) for row in out]

@@ -10,11 +10,15 @@ from nanopt.config import ConfigError, load_config, parse_overrides, resolve
 
 log = logging.getLogger("nanopt")
 
-USAGE = """usage: python -m nanopt.main [CONFIG.yaml | --config CONFIG.yaml] [--section.key=value ...]
+USAGE = """usage: python -m nanopt.main [CONFIG.yaml | --config CONFIG.yaml] [--section.key=value ...] [--debug]
 
 Train a Llama-style model. With no config, the embedded default (configs/tiny.yaml) runs on CPU.
 Overrides use dotted keys, e.g. --train.max_steps=50 --runtime.device=cpu.
 Launch several processes with torchrun, e.g. torchrun --standalone --nproc-per-node=2 -m nanopt.main CONFIG.
+Re-running the same command on the same run directory resumes from its newest checkpoint.
+--debug (or NANOPT_DEBUG=1) shows Python tracebacks instead of one-paragraph errors.
+
+Exit status: 0 finished, 2 bad input, 3 loss became NaN/inf, 75 preempted by SIGTERM/SIGINT (resumable).
 """
 
 
@@ -44,20 +48,44 @@ def split_args(argv: list[str]) -> tuple[Optional[str], list[str]]:
     return path, rest
 
 
+class _CurrentStdout(logging.StreamHandler):
+    """Writes to whatever sys.stdout is at the time of the record, not the one at setup: callers that
+    swap stdout (tests, notebooks, wrappers) would otherwise leave the handler on a closed stream."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging(is_main: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if is_main else logging.WARNING,
-        format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout, force=True,
-    )
+    handler = _CurrentStdout()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, handlers=[handler], force=True)
 
 
 def debug_enabled() -> bool:
     return os.environ.get("NANOPT_DEBUG", "") not in ("", "0")
 
 
+def pop_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """`--debug` anywhere on the command line (or NANOPT_DEBUG=1): show tracebacks instead of one paragraph."""
+    rest = [a for a in argv if a != "--debug"]
+    return len(rest) != len(argv) or debug_enabled(), rest
+
+
 def run(argv: list[str]) -> int:
-    from nanopt import runtime
+    # Idle OpenMP threads sleep instead of spinning: on a busy CPU, spinning steals the cores the other
+    # thread needs (2-3x slower steps, bench/README "Performance"). libgomp reads it when torch loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from nanopt import faults, runtime
+    from nanopt.data import ShardError
     from nanopt.train import TrainingError, train
+
+    debug, argv = pop_debug(argv)
 
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
@@ -70,18 +98,22 @@ def run(argv: list[str]) -> int:
         cfg = load_config(path, parse_overrides(rest))
         rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
         resolve(cfg, rt.world_size)
-        train(cfg, rt)
+        with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then faults.Preempted
+            train(cfg, rt)
         return 0
-    except ConfigError as e:
-        if debug_enabled():
+    except faults.Preempted as e:
+        print(f"nanopt: {e}", file=sys.stderr)
+        return faults.EXIT_PREEMPTED
+    except (ConfigError, ShardError) as e:
+        if debug:
             raise
         print(f"nanopt: error: {e}", file=sys.stderr)
-        return 2
+        return faults.EXIT_BAD_INPUT
     except TrainingError as e:
-        if debug_enabled():
+        if debug:
             raise
         print(f"nanopt: training stopped: {e}", file=sys.stderr)
-        return 3
+        return faults.EXIT_DIVERGED
     finally:
         runtime.teardown(rt)
 

@@ -97,6 +97,8 @@ def step_line(step: int, max_steps: int, v: dict[str, Any]) -> str:
         f"mfu {'  n/a' if mfu is None else f'{100 * mfu:4.1f}%'}",
         f"eta {format_duration(v.get('eta_s', 0.0))}",
     ]
+    if v.get("peak_memory_gib") is not None:  # mfu.peak_memory_gib: None where the device cannot tell
+        parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB")
     return " | ".join(parts)
 
 

@@ -242,12 +242,20 @@ def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor) -> t
     return F.cross_entropy(logits.float(), t, ignore_index=-100, reduction="sum")
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> Llama:
-    """Build on the meta device (no memory, no wasted init), materialise on `device`, initialise once."""
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu",
+                init_device: torch.device | str | None = None) -> Llama:
+    """Build on the meta device (no memory, no wasted init), materialise on `device`, initialise once.
+
+    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves.
+    """
     with torch.device("meta"):
         model = Llama(cfg)
-    model.to_empty(device=device)
+    model.to_empty(device=init_device or device)
     if cfg.tie_embeddings:  # to_empty re-creates parameters, which unties them
         model.lm_head.weight = model.embed.weight
     model.init_weights()
+    if init_device is not None and torch.device(init_device) != torch.device(device):
+        model.to(device)
+        if cfg.tie_embeddings:  # moving across device types re-creates parameters too
+            model.lm_head.weight = model.embed.weight
     return model

@@ -9,7 +9,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,37 @@ class Runtime:
     world_size: int
     local_world_size: int
     precision: str  # bf16 | bf16-pure | fp32
+    xla: Optional[Any] = None  # nanopt.xla.XlaBackend when kind == "xla" (SPMD over all local chips)
+
+    @property
+    def num_devices(self) -> int:
+        """Accelerators doing the work: one per rank, or every chip this process drives under SPMD."""
+        return self.xla.num_devices if self.xla is not None else self.world_size
+
+    @property
+    def init_device(self) -> torch.device:
+        """Where weights are initialised: on XLA the host, since RNG on the XLA device differs from (and
+        with torch.Generator crashes on) the CPU's; the model then moves to `device`."""
+        return torch.device("cpu") if self.kind == "xla" else self.device
+
+    @property
+    def static_shapes(self) -> bool:
+        return static_shapes(self.device)
+
+    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
+        """The train step as the loop should call it: on XLA one compiled graph, reused every step."""
+        return self.xla.compile_step(step_fn, optimizer) if self.xla is not None else step_fn
+
+    def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host batch on the device; on XLA sharded along the batch dimension over the data mesh."""
+        if self.xla is not None:
+            return self.xla.shard_batch(t)
+        return t.to(self.device, non_blocking=True)
+
+    def mark_step(self) -> None:
+        """End of a unit of lazy work (an eval batch): XLA compiles/runs the graph so far; no-op elsewhere."""
+        if self.xla is not None:
+            self.xla.mark_step()
 
     @property
     def is_main(self) -> bool:
@@ -51,6 +82,8 @@ class Runtime:
         """Wait for queued device work, so host timers measure it."""
         if self.kind == "cuda":
             torch.cuda.synchronize(self.device)
+        elif self.xla is not None:
+            self.xla.wait()
 
     def barrier(self) -> None:
         if self.distributed:
@@ -61,6 +94,14 @@ class Runtime:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def gather_objects(self, obj: object) -> list:
+        """Every rank's `obj`, in rank order (a list of one without a process group)."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def peak_memory_bytes(self) -> Optional[int]:
         """Peak allocated device memory since start, or None where the device cannot tell."""
         if self.kind == "cuda":
@@ -69,14 +110,78 @@ class Runtime:
             import resource  # peak resident set of this process; Linux reports KiB
 
             return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        if self.xla is not None:
+            return self.xla.peak_memory_bytes()
         return None
+
+    # ---- profiler seams (nanopt/profiling.py asks these instead of branching on the device)
+
+    def profiler_activities(self) -> Optional[list]:
+        """torch.profiler activities: CPU always, CUDA on GPUs; None on XLA, whose profiler is a separate
+        server (torch_xla.debug.profiler) that nanopt's profiler path does not drive."""
+        if self.kind == "xla":
+            return None
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if self.kind == "cuda" else [ProfilerActivity.CPU]
+
+    def start_memory_history(self) -> bool:
+        """Start recording the CUDA caching allocator's history; False where the device has none."""
+        if self.kind != "cuda":
+            return False
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        return True
+
+    def dump_memory_snapshot(self, path: str) -> None:
+        """Write the recorded allocator history (view at pytorch.org/memory_viz) and stop recording."""
+        if self.kind == "cuda":
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def hardware_name(self) -> str:
         if self.kind == "cuda":
             return torch.cuda.get_device_name(self.device)
         if self.kind == "cpu":
             return _cpu_model_name()
-        return "xla"
+        return self.xla.hardware_name() if self.xla is not None else "xla"
+
+    def power_limit_watts(self) -> Optional[float]:
+        """The GPU board's default power limit in watts, or None (not CUDA, or NVML/nvidia-smi silent).
+
+        nanopt/mfu.py uses it to tell an H100 SXM (700 W) from a PCIe card (350 W) when the name is bare.
+        """
+        if self.kind != "cuda":
+            return None
+        return _cuda_default_power_limit(self.device)
+
+
+def _cuda_default_power_limit(device: torch.device) -> Optional[float]:
+    # Address the board by UUID: CUDA_VISIBLE_DEVICES renumbers devices, NVML and nvidia-smi do not.
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    nvml_id = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    try:
+        import pynvml  # nvidia-ml-py, optional
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(nvml_id)
+        return pynvml.nvmlDeviceGetPowerManagementDefaultLimit(handle) / 1000.0  # milliwatts
+    except Exception:  # not installed, or NVML unavailable: ask nvidia-smi
+        pass
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=power.default_limit", "--format=csv,noheader,nounits", "-i", nvml_id],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+        return float(out.strip().splitlines()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def static_shapes(device: torch.device) -> bool:
+    """True where every new tensor shape is a new compiled graph (XLA): sampling pads to fixed lengths."""
+    return torch.device(device).type == "xla"
 
 
 def _cpu_model_name() -> str:
@@ -109,11 +214,6 @@ def detect_kind(requested: str) -> str:
             "`runtime.device` is cuda but torch sees no CUDA device (torch "
             f"{torch.__version__}); use `--runtime.device=cpu` or install a CUDA build of torch."
         )
-    if requested == "xla":
-        raise ConfigError(
-            "`runtime.device` is xla, but the XLA path is not part of this build yet; "
-            "use `--runtime.device=cpu` or `cuda`."
-        )
     return requested
 
 
@@ -124,6 +224,8 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world = _env_int("LOCAL_WORLD_SIZE", world)
     kind = detect_kind(device)
+    if kind == "xla":
+        return _init_xla(rank, world, precision)
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -137,11 +239,49 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
         torch.set_num_threads(n)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if kind == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=30)
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(minutes=30),
-            device_id=dev if kind == "cuda" else None,
+            backend=backend, timeout=timeout,
+            device_id=dev if kind == "cuda" else None, **_restart_store(timeout),
         )
     return Runtime(kind, dev, rank, local_rank, world, local_world, precision)
+
+
+def _restart_store(timeout: datetime.timedelta) -> dict:
+    """After a torchrun --max-restarts restart, a store namespaced by the attempt (else {}: torch's default).
+
+    torchrun's agent keeps one store across restarts, so a restarted group would read the dead attempt's
+    peer addresses from it and fail to connect (seen with gloo on torch 2.13; pytorch/pytorch#167288).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if attempt == "0":
+        return {}
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return {"store": dist.PrefixStore(f"nanopt_attempt_{attempt}", store), "rank": rank, "world_size": world}
+
+
+def _init_xla(rank: int, world: int, precision: str) -> Runtime:
+    """One process drives every local chip through SPMD (xr.use_spmd + a ('data',) mesh); torch_xla is
+    imported only here. Multi-process XLA (torchrun / xmp.spawn) is not how nanopt runs it."""
+    if world > 1:
+        raise ConfigError(
+            f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). On XLA one "
+            f"process drives all chips through SPMD: run `python -m nanopt.main ...` once per host, without torchrun."
+        )
+    from nanopt.xla import XlaBackend
+
+    backend = XlaBackend()
+    log.info("xla: SPMD over %d %s device(s), mesh ('data',)", backend.num_devices, backend.pjrt_device)
+    return Runtime("xla", backend.device, 0, 0, 1, 1, precision, xla=backend)
+
+
+def xla_flash_unavailable_reason(device_type: str) -> Optional[str]:
+    """Why `model.attention: xla_flash` (Pallas, TPU only) cannot run on this device, or None when it can."""
+    if device_type != "xla":
+        return f"xla_flash needs `runtime.device: xla` on a TPU (this run is on {device_type})"
+    from nanopt.xla import flash_unavailable_reason
+
+    return flash_unavailable_reason()
 
 
 def teardown(rt: Optional[Runtime] = None) -> None:

@@ -73,11 +73,49 @@ class HFTokenizer:
         self.vocab_size = len(self.hf)
         self.bos_id = self.hf.bos_token_id
         self.eos_id = self.hf.eos_token_id
+        self._tiktoken = None  # None: not built yet; False: not usable for this tokenizer (see encode_batch)
+        self._tiktoken_checked = False
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents in one call, with the same ids as `encode` on each (tests/test_prepare.py checks).
+
+        Byte-level BPE tokenizers (GPT-2, Llama-3 style) run on tiktoken when it is installed (see
+        fastbpe.py); the first batch is encoded by both engines and any difference keeps the Hugging Face
+        one for good. Otherwise the Rust engine is called directly, skipping the transformers wrapper.
+        """
+        if self.fast_engine() is None:
+            return self._encode_batch_hf(texts)
+        ids = [self._tiktoken.encode(t, allowed_special="all") for t in texts]
+        if not self._tiktoken_checked:
+            self._tiktoken_checked = True
+            if ids != self._encode_batch_hf(texts):
+                import logging
+
+                logging.getLogger("nanopt").warning(
+                    "tokenizer %s: the tiktoken engine disagrees with Hugging Face on the first batch; "
+                    "using the Hugging Face engine", self.name)
+                self._tiktoken = False
+                return self._encode_batch_hf(texts)
+        return ids
+
+    def fast_engine(self):
+        """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its
+        workers so they share it), or None when it is not installed or not equivalent."""
+        if self._tiktoken is None:
+            from nanopt.fastbpe import tiktoken_encoding
+
+            self._tiktoken = (tiktoken_encoding(self.hf.backend_tokenizer.to_str()) if self.hf.is_fast else None) or False
+        return self._tiktoken or None
+
+    def _encode_batch_hf(self, texts: list[str]) -> list[list[int]]:
+        if self.hf.is_fast:
+            backend = self.hf.backend_tokenizer
+            # encode_batch_fast (tokenizers >= 0.20) skips the character offsets: about 2x faster here.
+            encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.hf(texts, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanopt.config import ConfigError, configs_dir, load_config, parse_overrides, resolve, to_yaml
+from nanopt.config import configs_dir, load_config, parse_overrides, resolve, to_yaml
 from nanopt.main import run
 
 from conftest import run_module

@@ -1,0 +1,132 @@
+"""Shared bench helpers: the environment banner, alternating timing, matmul peak, FLOPs per token.
+
+Benches are not tests. Every number they print is a median of several repeats measured alternately
+in one process after warm-up, so that a noisy, shared machine slows every contender equally.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout, no install needed
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def cpu_flags() -> str:
+    """The matmul-relevant ISA flags, because they decide which precision is fast on CPU."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have)
+    except OSError:
+        pass
+    return "?"
+
+
+def banner(title: str, extra: Optional[dict] = None) -> None:
+    """Print the exact command and the environment this bench ran with."""
+    cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    print(f"# {title}")
+    print(f"command : {cmd}")
+    print(f"date    : {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
+    print(f"torch   : {torch.__version__} | python {platform.python_version()} | threads {torch.get_num_threads()}"
+          f" | env {env or '{}'}")
+    if torch.cuda.is_available():
+        print(f"device  : {torch.cuda.get_device_name()}")
+    print(f"cpu     : {cpu_model()} x{os.cpu_count()} | {cpu_flags()} | load avg {os.getloadavg()[0]:.2f}")
+    for k, v in (extra or {}).items():
+        print(f"{k:8s}: {v}")
+    print()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+              device: torch.device = torch.device("cpu")) -> dict[str, list[float]]:
+    """Seconds per call of each fn, measured round-robin (rotating the order each round) after warm-up."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+            sync(device)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            sync(device)
+            t0 = time.perf_counter()
+            fns[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs: list[float]) -> str:
+    """Relative half-range of the middle of the repeats: how much to trust the median."""
+    if len(xs) < 3:
+        return "n/a"
+    s = sorted(xs)
+    lo, hi = s[len(s) // 4], s[-1 - len(s) // 4]
+    return f"±{50 * (hi - lo) / statistics.median(xs):.0f}%"
+
+
+def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), budget_s: float = 0.5) -> float:
+    """Best FLOP/s of a fixed 2048² matmul (8192² on GPU) seen in about budget_s.
+
+    Benches call this inside their alternating rounds, so the peak sees the same contention as the
+    model. nanopt.mfu.measure_matmul_flops picks its size from the first timing, which on a loaded
+    machine can settle on a small, slow size; a fixed, large size is the steadier ceiling here.
+    """
+    n = 8192 if device.type == "cuda" else 2048
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    out = a @ a  # warm-up: allocation, kernel selection
+    best, start = 0.0, time.perf_counter()
+    while True:
+        sync(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, a, out=out)
+        sync(device)
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - t0))
+        if time.perf_counter() - start > budget_s:
+            return best
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token exactly as the training loop counts them (nanopt.mfu): 6N + attention.
+
+    6 = 2 (multiply + add) × 3 (forward, backward for activations, backward for weights); N includes
+    the LM head even when tied (a real matmul; the embedding lookup is not). Attention counts only the
+    unmasked causal half of the score/value matmuls, 6·L·T·D.
+    """
+    from nanopt.mfu import flops_per_token as fpt
+
+    return float(fpt(cfg, seq_len))

@@ -1,0 +1,184 @@
+"""2 processes × 1 thread (DDP, gloo) vs 1 process × 2 threads at the same global batch, on CPU.
+
+Both set-ups live in the same pair of processes and alternate, round by round: rank 0 runs the
+single-process step with 2 threads while rank 1 waits at a barrier, then both ranks run the DDP step
+with 1 thread each. Both models start from the same weights and see the same batches, so their
+losses must agree step for step (the check), and the timings see the same machine load.
+
+    python bench/ddp.py
+    python bench/ddp.py --dim 512 --precision fp32 --compile
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import queue
+import socket
+import time
+
+import _common as C
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=257)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step (as in the config)")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--compile", action="store_true", help="torch.compile both models (train.compile)")
+    return p.parse_args()
+
+
+def batches(round_idx: int, n_seq: int, a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's global batch: identical on every rank, so each rank can slice its share."""
+    g = torch.Generator().manual_seed(1000 + round_idx)
+    tokens = torch.randint(0, min(a.vocab, 64), (n_seq, a.seq + 1), generator=g)  # small alphabet: loss falls
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namespace, out: "mp.Queue") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nanopt import runtime
+    from nanopt.config import ModelConfig, TrainConfig
+    from nanopt.model import build_model
+    from nanopt.optim import build_optimizer
+    from nanopt.train import train_step
+
+    rt = runtime.init("cpu", a.precision, threads=1)  # starts the gloo group
+    store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=datetime.timedelta(minutes=30))
+    single_rt = dataclasses.replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
+    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
+                      ffn_dim=a.ffn, max_seq_len=a.seq)
+    tcfg = TrainConfig(lr=1e-3)
+
+    def build(distributed: bool):
+        torch.manual_seed(0)  # the same initial weights for both set-ups
+        model = build_model(cfg, rt.device)
+        fwd = torch.compile(model) if a.compile else model
+        if distributed:
+            fwd = DDP(fwd, gradient_as_bucket_view=True)
+        return model, fwd, build_optimizer(model, tcfg, "cpu")
+
+    ddp_model, ddp_fwd, ddp_opt = build(True)
+    single = build(False) if rank == 0 else None
+    mb, global_seq = a.micro_batch, a.micro_batch * world
+    accum_single = world  # same micro_batch_size, so one process accumulates `world` micro-steps
+
+    def ddp_step(r: int) -> float:
+        x, y = batches(r, global_seq, a)
+        mine = [(x[rank * mb:(rank + 1) * mb], y[rank * mb:(rank + 1) * mb])]
+        loss, _ = train_step(ddp_fwd, ddp_opt, mine, rt, 1.0)
+        rt.all_reduce_sum(loss)
+        return loss.item() / world
+
+    def single_step(r: int) -> float:
+        x, y = batches(r, global_seq, a)
+        micro = [(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) for i in range(accum_single)]
+        _, fwd, opt = single
+        loss, _ = train_step(fwd, opt, micro, single_rt, 1.0)
+        return loss.item()
+
+    warmup = 2
+    times = {"1 proc x 2 threads": [], "2 procs x 1 thread": []}
+    losses = []
+    compile_s = time.perf_counter()
+    for r in range(warmup + a.repeats):
+        order = ["single", "ddp"] if r % 2 == 0 else ["ddp", "single"]  # alternate who goes first
+        row = {}
+        for which in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if which == "single":
+                if rank == 0:
+                    torch.set_num_threads(world)
+                    row["single"] = single_step(r)
+                    torch.set_num_threads(1)
+                    store.set(f"single_done_{r}", "1")
+                else:  # a blocking socket read: gloo's barrier busy-polls and would steal rank 0's 2nd core
+                    store.wait([f"single_done_{r}"])
+                elapsed, name = time.perf_counter() - t0, "1 proc x 2 threads"
+            else:
+                row["ddp"] = ddp_step(r)
+                elapsed, name = time.perf_counter() - t0, "2 procs x 1 thread"
+            if r >= warmup:
+                times[name].append(elapsed)
+        if r == warmup - 1:
+            compile_s = time.perf_counter() - compile_s
+        if rank == 0:
+            losses.append((row["single"], row["ddp"]))
+    if rank == 0:
+        out.put({"times": times, "losses": losses, "warmup_s": compile_s})
+    runtime.teardown(rt)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    a = parse()
+    world = 2
+    from nanopt.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
+                      ffn_dim=a.ffn, max_seq_len=a.seq)
+    tokens = a.micro_batch * world * a.seq
+    C.banner("DDP on CPU: 2 processes x 1 thread vs 1 process x 2 threads", {
+        "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}",
+        "batch": f"global {a.micro_batch * world} sequences = {tokens} tokens/step; micro-batch {a.micro_batch}; "
+                 f"1 proc accumulates {world} micro-steps; {a.precision}; compile={a.compile}",
+        "step": "nanopt.train.train_step (no_sync on non-final micro-steps, clip 1.0, fused AdamW) + loss all-reduce",
+    })
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port, store_port = free_port(), free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, store_port, a, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    while True:  # a crashed worker must not leave us waiting forever
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise SystemExit("a worker process failed; its traceback is above")
+    for p in procs:
+        p.join()
+    times, losses = result["times"], result["losses"]
+    print(f"warm-up (2 rounds, incl. compile) {result['warmup_s']:.0f} s\n")
+    print(f"{'set-up':20s} | {'step ms':>7s} | {'spread':>6s} | {'tokens/s':>8s}")
+    print("-" * 52)
+    med = {}
+    for name, ts in times.items():
+        med[name] = C.median(ts)
+        print(f"{name:20s} | {1000 * med[name]:7.0f} | {C.spread(ts):>6s} | {tokens / med[name]:8.0f}")
+    print("\nround | loss 1 proc | loss 2 procs | |diff|")
+    worst = 0.0
+    for i, (s, d) in enumerate(losses):
+        worst = max(worst, abs(s - d))
+        print(f"{i:5d} | {s:11.5f} | {d:12.5f} | {abs(s - d):.1e}")
+    ratio = med["1 proc x 2 threads"] / med["2 procs x 1 thread"]
+    tol = 2e-2 if a.precision == "bf16" else 1e-4
+    verdict = "match" if worst <= tol else "MISMATCH"
+    print(f"RATIO 2 procs x 1 thread / 1 proc x 2 threads tokens/s = {ratio:.2f}; losses {verdict} "
+          f"(max |diff| {worst:.1e}, tolerance {tol:g} for {a.precision}; first {losses[0][0]:.3f} -> last {losses[-1][0]:.3f})")
+
+
+if __name__ == "__main__":
+    main()

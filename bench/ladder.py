@@ -1,0 +1,132 @@
+"""The optimisation ladder on this machine: each rung's tokens/s and MFU against the matmul peak
+measured in the same alternating rounds (spec-sheet peak on a known GPU).
+
+    python bench/ladder.py                     # dim 512, 4 layers, seq 256
+    python bench/ladder.py --repeats 5 --no-compile
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import _common as C
+import torch
+
+
+@dataclass
+class Rung:
+    label: str
+    precision: str  # bf16 (autocast) | fp32
+    attention: str  # eager | sdpa
+    micro_batch: int
+    compile: bool
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--small-batch", type=int, default=1, help="micro-batch of the first rungs")
+    p.add_argument("--large-batch", type=int, default=4, help="micro-batch from the 'larger micro-batch' rung on")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="0 -> all cores")
+    p.add_argument("--no-compile", action="store_true")
+    return p.parse_args()
+
+
+def rungs(a: argparse.Namespace) -> list[Rung]:
+    small, large = a.small_batch, a.large_batch
+    out = [
+        Rung("fp32, eager attention", "fp32", "eager", small, False),
+        Rung("+ bf16 autocast", "bf16", "eager", small, False),
+        Rung("+ sdpa", "bf16", "sdpa", small, False),
+        Rung(f"+ micro-batch {large}", "bf16", "sdpa", large, False),
+    ]
+    if not a.no_compile:
+        out.append(Rung("+ torch.compile", "bf16", "sdpa", large, True))
+    # Without AMX tiles a CPU's bf16 matmul (avx512_bf16 dot products) can be slower than fp32 FMA:
+    # the last rung asks whether bf16 is worth it on this device at all.
+    out.append(Rung("same, fp32 instead of bf16", "fp32", "sdpa", large, not a.no_compile))
+    return out
+
+
+def make_step(r: Rung, cfg, a: argparse.Namespace, device: torch.device):
+    from nanopt.attention import BACKENDS
+    from nanopt.model import build_model
+    from nanopt.optim import param_groups
+
+    torch.manual_seed(0)
+    model = build_model(cfg, device).train()
+    model.set_attention(BACKENDS[r.attention])
+    fwd = torch.compile(model) if r.compile else model
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    idx = torch.randint(0, a.vocab, (r.micro_batch, a.seq), device=device)
+    targets = torch.roll(idx, -1, dims=1)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=r.precision == "bf16"):
+            loss = fwd(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    a = parse()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from nanopt.config import ModelConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
+                      ffn_dim=a.ffn, max_seq_len=a.seq)
+    fpt = C.flops_per_token(cfg, a.seq)
+    C.banner("optimisation ladder", {
+        "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}"
+                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.mfu convention)",
+        "peak": "best 2048^2 matmul FLOP/s per precision, measured inside the same alternating rounds",
+    })
+    ladder = rungs(a)
+    fns = {r.label: make_step(r, cfg, a, device) for r in ladder}
+    t0 = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    print(f"warm-up (incl. compile) {time.perf_counter() - t0:.0f} s", flush=True)
+    peaks: dict[str, list[float]] = {"bf16": [], "fp32": []}
+    fns["peak bf16"] = lambda: peaks["bf16"].append(C.peak_flops(torch.bfloat16, device))
+    fns["peak fp32"] = lambda: peaks["fp32"].append(C.peak_flops(torch.float32, device))
+    times = C.alternate(fns, repeats=a.repeats, warmup=1, device=device)
+    peak = {k: C.median(v) for k, v in peaks.items()}
+
+    print(f"\n{'rung':28s} | {'prec':4s} | {'mb':>2s} | {'step ms':>7s} | {'spread':>6s} | {'tokens/s':>8s} "
+          f"| {'GFLOP/s':>7s} | {'MFU':>5s} | {'% bf16 peak':>11s}")
+    print("-" * 100)
+    best = (0.0, "")
+    for r in ladder:
+        m = C.median(times[r.label])
+        tps = r.micro_batch * a.seq / m
+        achieved = fpt * tps
+        mfu = achieved / peak[r.precision]
+        of_bf16 = achieved / peak["bf16"]
+        best = max(best, (of_bf16, r.label))
+        print(f"{r.label:28s} | {r.precision:4s} | {r.micro_batch:2d} | {1000 * m:7.0f} | {C.spread(times[r.label]):>6s} "
+              f"| {tps:8.0f} | {achieved / 1e9:7.1f} | {100 * mfu:4.0f}% | {100 * of_bf16:10.0f}%")
+    print(f"measured matmul peak: bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s "
+          f"(median of {a.repeats} in-round bests); MFU is against the rung's own precision")
+    first = C.median(times[ladder[0].label]) / ladder[0].micro_batch
+    last = min(C.median(times[r.label]) / r.micro_batch for r in ladder)
+    print(f"RATIO best rung = {100 * best[0]:.0f}% of the measured bf16 matmul peak ({best[1]}); "
+          f"{first / last:.2f}x the first rung's tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""nanopt vs Hugging Face LlamaForCausalLM: one full train step (forward, backward, clip, AdamW) at
+identical shape, precision and optimizer settings, both measured alternately in this process.
+
+    python bench/vs_hf.py                       # dim 512, bf16 and fp32, eager and torch.compile
+    python bench/vs_hf.py --no-compile --repeats 5 --precisions bf16
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common as C
+import torch
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--precisions", default="bf16,fp32", help="comma list of bf16 (autocast) and fp32")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="0 -> all cores")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    p.add_argument("--hf-compile", action="store_true", help="also time torch.compile(HF model)")
+    return p.parse_args()
+
+
+def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):
+    """The same step for both models: autocast forward, backward, clip 1.0, fused AdamW, zero_grad."""
+    from nanopt.optim import param_groups
+
+    fused = device.type in ("cuda", "cpu")
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def main() -> None:
+    a = parse()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nanopt.config import ModelConfig
+    from nanopt.model import build_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
+                      ffn_dim=a.ffn, max_seq_len=a.seq, tie_embeddings=True, attention="sdpa")
+    hf_cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
+                         rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=True,
+                         use_cache=False)
+    tokens = a.batch * a.seq
+    fpt = C.flops_per_token(cfg, a.seq)
+    C.banner("nanopt vs HF LlamaForCausalLM, full train step", {
+        "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} "
+                 f"seq {a.seq} batch {a.batch} ({tokens} tokens/step, {fpt / 1e6:.1f} MFLOP/token)",
+        "step": "autocast fwd + loss, backward, clip_grad_norm 1.0, fused AdamW (wd 0.1 on matrices), zero_grad",
+        "hf": "transformers LlamaForCausalLM, attn_implementation=sdpa, labels=input (HF shifts inside)",
+    })
+    torch.manual_seed(0)
+    idx = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)  # data on device before the step
+    targets = torch.roll(idx, -1, dims=1)
+
+    rows = []
+    for precision in a.precisions.split(","):
+        torch.manual_seed(0)
+        hf = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
+        ours = build_model(cfg, device).train()
+        fns = {
+            "HF transformers": make_step(hf, lambda: hf(input_ids=idx, labels=idx).loss, precision, device),
+            "nanopt": make_step(ours, lambda: ours(idx, targets), precision, device),
+        }
+        if not a.no_compile:
+            ours_c = build_model(cfg, device).train()
+            compiled = torch.compile(ours_c)
+            fns["nanopt + compile"] = make_step(ours_c, lambda: compiled(idx, targets), precision, device)
+        if a.hf_compile:
+            hf_c = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
+            hf_compiled = torch.compile(hf_c)
+            fns["HF + compile"] = make_step(hf_c, lambda: hf_compiled(input_ids=idx, labels=idx).loss, precision, device)
+        t0 = time.perf_counter()
+        for fn in fns.values():  # compile and allocate outside the timed rounds
+            fn()
+        print(f"[{precision}] warm-up (incl. compile) {time.perf_counter() - t0:.0f} s", flush=True)
+        times = C.alternate(fns, repeats=a.repeats, warmup=1, device=device)
+        base = C.median(times["HF transformers"])
+        for name, ts in times.items():
+            m = C.median(ts)
+            rows.append((precision, name, 1000 * m, C.spread(ts), tokens / m, fpt * tokens / m / 1e9, base / m))
+
+    print(f"\n{'precision':9s} | {'implementation':16s} | {'step ms':>8s} | {'spread':>6s} | {'tokens/s':>8s} "
+          f"| {'GFLOP/s':>7s} | vs HF")
+    print("-" * 78)
+    for p, name, ms, sp, tps, gf, ratio in rows:
+        print(f"{p:9s} | {name:16s} | {ms:8.0f} | {sp:>6s} | {tps:8.0f} | {gf:7.1f} | {ratio:.2f}x")
+    print(f"(median of {a.repeats} alternating repeats after warm-up; spread = half inter-quartile range)")
+    for p in dict.fromkeys(r[0] for r in rows):
+        eager = next(r[-1] for r in rows if r[0] == p and r[1] == "nanopt")
+        best_ratio, best_name = max((r[-1], r[1]) for r in rows if r[0] == p and r[1].startswith("nanopt"))
+        print(f"RATIO {p}: nanopt/HF tokens/s = {eager:.2f}x eager, best {best_ratio:.2f}x ({best_name})")
+
+if __name__ == "__main__":
+    main()

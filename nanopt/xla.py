@@ -1,0 +1,229 @@
+"""The XLA (TPU) device path behind runtime.py: PJRT selection, the SPMD data mesh, one compiled graph per
+train step with a recompile guard, and Pallas flash attention.
+
+Imported only by runtime.py when `runtime.device` is xla (and by the xla_flash kernel, which only runs
+there), so torch_xla is never imported on CUDA or CPU runs.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from nanopt.config import ConfigError
+
+log = logging.getLogger("nanopt")
+
+# Compilations one train step may cost before it counts as a recompile: step 0 traces the optimizer's
+# state initialisation, step 1 the steady-state graph that every later step reuses.
+WARMUP_STEP_COMPILES = 2
+# Recompiles after warm-up that a run tolerates before it is stopped (each one stalls every chip).
+MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
+
+
+def _tpu_visible() -> bool:
+    """A TPU VM exposes its chips as /dev/accel* (v4, v5p) or /dev/vfio/* (v5e, v6e)."""
+    return any(Path("/dev").glob("accel*")) or any(p.name != "vfio" for p in Path("/dev/vfio").glob("*"))
+
+
+def _select_pjrt_device() -> str:
+    """PJRT_DEVICE decides where XLA runs; torch_xla silently falls back to CPU without it, so we don't."""
+    pjrt = os.environ.get("PJRT_DEVICE", "")
+    if pjrt:
+        return pjrt.upper()
+    if _tpu_visible():
+        log.warning("xla: PJRT_DEVICE is not set; TPU chips are visible, so using PJRT_DEVICE=TPU "
+                    "(export PJRT_DEVICE=TPU to silence this)")
+        os.environ["PJRT_DEVICE"] = "TPU"
+        return "TPU"
+    raise ConfigError(
+        "`runtime.device` is xla but the environment variable PJRT_DEVICE is not set and no TPU is visible; "
+        "torch_xla would silently run on the host CPU. On a TPU VM run `export PJRT_DEVICE=TPU`; to try the "
+        "XLA path on this machine's CPU set PJRT_DEVICE=CPU (CPU_NUM_DEVICES=N gives N devices)."
+    )
+
+
+class XlaBackend:
+    """One process drives every local chip through SPMD: parameters replicated, batches sharded on 'data'."""
+
+    def __init__(self) -> None:
+        # Python scalars (lr, loss scale, ...) become graph inputs instead of constants: no recompiles.
+        os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
+        self.pjrt_device = _select_pjrt_device()
+        try:
+            import torch_xla
+            import torch_xla.runtime as xr
+        except ImportError as e:
+            raise ConfigError(
+                f"`runtime.device` is xla but torch_xla cannot be imported ({e}). Install it beside its matching "
+                f"torch: `pip install -e \".[tpu]\"` (torch 2.9 + torch_xla 2.9)."
+            ) from None
+        import numpy as np
+        import torch_xla.debug.metrics as met
+        import torch_xla.distributed.spmd as xs
+
+        self._torch_xla, self._xr, self._xs, self._met = torch_xla, xr, xs, met
+        # SPMD must be switched on before anything touches the runtime (device queries included).
+        xr.use_spmd()
+        if self.pjrt_device == "TPU":
+            cache = Path(os.environ.get("NANOPT_CACHE", Path.home() / ".cache" / "nanopt")) / "xla-compile-cache"
+            cache.mkdir(parents=True, exist_ok=True)
+            xr.initialize_cache(str(cache), readonly=False)  # compiled graphs survive restarts
+            log.info("xla: persistent compilation cache at %s", cache)
+        self.num_devices = xr.global_runtime_device_count()
+        self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
+        xs.set_global_mesh(self.mesh)
+        self.device = torch_xla.device()
+        self.step_calls = 0
+        self.step_compiles = 0  # compilations charged to train-step calls
+        self.recompiles = 0  # of those, the ones after warm-up
+
+    # ---- counters and names
+
+    def compile_count(self) -> int:
+        """Graphs compiled so far in this process (train steps, eval, sampling), from torch_xla's metrics."""
+        data = self._met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+    def hardware_name(self) -> str:
+        """'TPU v6e', 'TPU v5litepod', ... (what nanopt.mfu's peak table matches), or 'XLA CPU'."""
+        if self.pjrt_device == "TPU":
+            try:
+                from torch_xla._internal import tpu
+
+                return f"TPU {tpu.get_tpu_type()}"
+            except Exception as e:  # metadata server unreachable: MFU will be null rather than guessed
+                log.warning("xla: cannot tell the TPU generation (%s)", e)
+                return "TPU"
+        return f"XLA {self.pjrt_device}"
+
+    def peak_memory_bytes(self) -> Optional[int]:
+        """Peak bytes on the first chip where PJRT reports it (TPU), else None."""
+        try:
+            real = self._torch_xla.real_devices()[0]
+            info = self._torch_xla._XLAC._xla_memory_info(real)
+            return int(info.get("peak_bytes_used", info["bytes_used"]))
+        except Exception:
+            return None
+
+    # ---- data and graph boundaries
+
+    def shard_batch(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor -> device, split along dim 0 over the 'data' axis of the mesh."""
+        if t.shape[0] % self.num_devices:
+            raise ConfigError(
+                f"a batch of {t.shape[0]} sequences cannot be split over {self.num_devices} XLA devices; make "
+                f"`train.micro_batch_size` a multiple of {self.num_devices} (on XLA it is per process, i.e. "
+                f"summed over the chips this process drives)."
+            )
+        t = t.to(self.device)
+        self._xs.mark_sharding(t, self.mesh, ("data",) + (None,) * (t.dim() - 1))
+        return t
+
+    def mark_step(self) -> None:
+        """Cut the lazy graph here and run it (between eval batches, after init)."""
+        self._torch_xla.sync()
+
+    def wait(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+    # ---- the compiled train step
+
+    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
+        """Wrap train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph.
+
+        - micro-batches are moved and sharded outside the compiled region, so the graph only sees device data;
+        - AdamW keeps its step count on the device (capturable) and reads lr from a device tensor, so
+          neither a host sync nor an LR change alters the graph;
+        - compilations are counted per call; a run that keeps recompiling is stopped with the reason.
+        """
+        for group in optimizer.param_groups:
+            group["capturable"] = True  # bias corrections from the on-device step, no .item()
+        optimizer.defaults["capturable"] = True
+        compiled = self._torch_xla.compile(step_fn, name="train_step")
+
+        def run(model: torch.nn.Module, opt: torch.optim.Optimizer, micro_batches: list, rt: Any,
+                grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+            if hasattr(model, "_orig_mod"):  # a torch.compile wrapper
+                raise ConfigError("`train.compile` is torch.compile (CUDA/CPU); on XLA the step is already one "
+                                  "compiled graph. Use `--train.compile=false`.")
+            batches = [(self.shard_batch(x), self.shard_batch(y)) for x, y in micro_batches]
+            lrs = [group["lr"] for group in opt.param_groups]
+            for group, lr in zip(opt.param_groups, lrs):
+                group["lr"] = torch.tensor(float(lr), dtype=torch.float32).to(self.device)
+            self.mark_step()  # whatever is pending from outside the step is not the step's graph
+            before = self.compile_count()
+            try:
+                loss, grad_norm = compiled(model, opt, batches, rt, grad_clip)
+            finally:
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr  # the loop, the logger and checkpoints see plain floats
+            self._count(self.compile_count() - before)
+            return loss, grad_norm
+
+        return run
+
+    def _count(self, new_compiles: int) -> None:
+        self.step_calls += 1
+        self.step_compiles += new_compiles
+        if not new_compiles:
+            return
+        if self.step_calls <= WARMUP_STEP_COMPILES:
+            log.info("xla: train step call %d compiled %d graph(s) (%d so far, expected %d then none)",
+                     self.step_calls, new_compiles, self.step_compiles, WARMUP_STEP_COMPILES)
+            return
+        self.recompiles += new_compiles
+        log.warning("xla: train step call %d RECOMPILED (%d recompile(s) after warm-up); each one stalls the run. "
+                    "PT_XLA_DEBUG_LEVEL=2 prints why.", self.step_calls, self.recompiles)
+        if self.recompiles > MAX_RECOMPILES:
+            from nanopt.train import TrainingError
+
+            raise TrainingError(
+                f"the XLA train step recompiled {self.recompiles} times after warm-up (limit {MAX_RECOMPILES}, "
+                f"NANOPT_XLA_MAX_RECOMPILES changes it): something in the step changes shape or is baked in as "
+                f"a constant each step. Run with PT_XLA_DEBUG_LEVEL=2 to see which op differs."
+            )
+
+
+# ---------------------------------------------------------------- Pallas flash attention (TPU)
+
+
+def flash_unavailable_reason() -> Optional[str]:
+    """Why torch_xla's Pallas flash attention cannot run in this (XLA) process, or None when it can."""
+    pjrt = os.environ.get("PJRT_DEVICE", "").upper()  # set (or checked) by XlaBackend
+    if pjrt != "TPU":
+        return f"Pallas kernels run only on TPU (PJRT_DEVICE={pjrt or 'unset'})"
+    try:
+        from torch_xla.experimental.custom_kernel import flash_attention  # noqa: F401
+        import jax  # noqa: F401  (Pallas kernels are traced through JAX: the torch_xla[pallas] extra)
+    except ImportError as e:
+        return f"torch_xla's Pallas kernels are not importable ({e}); install the `tpu` extra"
+    return None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+    """q: B Hq T D, k/v: B Hkv T D -> B Hq T D with the Pallas kernel, sharded like the batch.
+
+    The kernel wants as many KV heads as query heads, so GQA repeats them; decoding with a cache
+    (Tq != Tk) takes sdpa, which XLA lowers natively.
+    """
+    if causal_offset or q.shape[2] != k.shape[2]:
+        from nanopt.attention import sdpa
+
+        return sdpa(q, k, v, causal_offset)
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.custom_kernel import flash_attention as pallas_flash
+
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)  # B Hkv T D -> B Hq T D
+        v = v.repeat_interleave(groups, dim=1)
+    mesh = xs.get_global_mesh()
+    spec = ("data", None, None, None) if mesh is not None else None
+    return pallas_flash(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]), partition_spec=spec, mesh=mesh)

@@ -1,0 +1,63 @@
+"""attention.choose(): flash-attn when it can run, otherwise SDPA with the reason logged; flash numerics on CUDA."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+
+import pytest
+import torch
+
+from nanopt import attention
+from nanopt.attention import choose, flash_unavailable_reason, sdpa
+
+
+def test_auto_on_cpu_picks_sdpa_and_logs_why(caplog):
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        name, fn = choose("auto", "cpu")
+    assert (name, fn) == ("sdpa", sdpa)
+    assert "auto chose sdpa because flash-attn needs a CUDA device (this run is on cpu)" in caplog.text
+
+
+def test_flash_requested_on_cpu_falls_back_with_a_warning(caplog):
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        name, fn = choose("flash", "cpu")
+    assert (name, fn) == ("sdpa", sdpa)
+    [record] = [r for r in caplog.records if "flash requested" in r.getMessage()]
+    assert record.levelno == logging.WARNING and "needs a CUDA device" in record.getMessage()
+
+
+def test_on_cuda_without_the_package_the_reason_names_the_install(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` raise ImportError
+    assert "install the `gpu` extra" in flash_unavailable_reason("cuda")
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        assert choose("auto", "cuda")[0] == "sdpa"
+    assert "flash-attn is not importable" in caplog.text
+
+
+def test_on_cuda_with_the_package_auto_and_flash_pick_flash(monkeypatch):
+    fake = type(sys)("flash_attn")  # only its importability is consulted by choose(); nothing is called
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    assert flash_unavailable_reason("cuda") is None
+    assert choose("auto", "cuda") == ("flash", attention.flash)
+    assert choose("flash", "cuda") == ("flash", attention.flash)
+    assert choose("sdpa", "cuda") == ("sdpa", sdpa)  # an explicit choice is never overridden
+
+
+HAVE_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+@pytest.mark.skipif(not HAVE_FLASH, reason="needs a CUDA GPU with the flash-attn package (pip install -e '.[gpu]'); "
+                    "this machine has neither")
+@pytest.mark.parametrize("kv_heads,tq,tk", [(8, 256, 256), (2, 256, 256), (2, 1, 300), (2, 17, 300)])
+def test_flash_matches_sdpa_on_cuda(kv_heads, tq, tk):
+    """Same outputs as SDPA in bf16, for MHA, GQA, one-token decoding and a chunk of new tokens after a cache."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, tq, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16)
+    offset = tk - tq
+    ref = sdpa(q.float(), k.float(), v.float(), offset)
+    out = attention.flash(q, k, v, offset)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,159 @@
+"""Bad input anywhere a user types or points -> one paragraph naming the problem, exit code 2, no traceback.
+
+Most cases run in-process through nanopt.main.run / nanopt.cli.run (fast); a few run as real processes to
+prove that nothing but the paragraph reaches the terminal, and that --debug brings the traceback back.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_module, small_overrides
+from nanopt import cli
+from nanopt.data import HEADER_BYTES, open_shard, write_shard
+from nanopt.main import run
+
+ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.tensorboard": "false"})
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, Path]:
+    """Broken configs and shard directories, each with exactly one thing wrong."""
+    root = tmp_path_factory.mktemp("bad")
+    out: dict[str, Path] = {}
+    (root / "invalid.yaml").write_text("train:\n  lr: [1, 2\n")
+    (root / "list.yaml").write_text("- train\n- model\n")
+    (root / "section.yaml").write_text("trian:\n  lr: 0.1\n")
+    (root / "scalar_section.yaml").write_text("train: 5\n")
+    (root / "key.yaml").write_text("train:\n  learning_rate: 0.1\n")
+    for name in ("invalid", "list", "section", "scalar_section", "key"):
+        out[name] = root / f"{name}.yaml"
+    (root / "a_dir.yaml").mkdir()
+    out["a_dir"] = root / "a_dir.yaml"
+
+    good_train = open_shard(corpus_dir / "train_000000.bin")[:20000]
+    good_val = open_shard(corpus_dir / "val_000000.bin")[:5000]
+
+    def shard_dir(name: str) -> Path:
+        d = root / name
+        write_shard(d / "train_000000.bin", good_train, 257)
+        write_shard(d / "val_000000.bin", good_val, 257)
+        out[name] = d
+        return d
+
+    d = shard_dir("flipped")  # one token changed behind the checksum's back
+    raw = bytearray((d / "train_000000.bin").read_bytes())
+    raw[HEADER_BYTES + 10] ^= 0x01
+    (d / "train_000000.bin").write_bytes(bytes(raw))
+    d = shard_dir("truncated")
+    (d / "train_000000.bin").write_bytes((d / "train_000000.bin").read_bytes()[:-7])
+    d = shard_dir("not_a_shard")
+    (d / "train_000000.bin").write_bytes(b"this is a text file, not tokens\n" * 10)
+    d = shard_dir("no_train")
+    (d / "train_000000.bin").unlink()
+    d = shard_dir("big_vocab")
+    write_shard(d / "train_000000.bin", np.asarray(good_train), 50000)
+    d = shard_dir("tiny")
+    write_shard(d / "train_000000.bin", good_train[:10], 257)
+    (root / "a_file").write_text("not a directory")
+    out["a_file"] = root / "a_file"
+    (root / "nonempty_run").mkdir()
+    (root / "nonempty_run" / "notes.txt").write_text("someone's earlier run")
+    out["nonempty_run"] = root / "nonempty_run"
+    out["root"] = root
+    return out
+
+
+# (case id, argv builder, words the message must contain)
+CASES = [
+    ("int_type", lambda f: ["--model.dim=wide"], ["model.dim", "integer"]),
+    ("float_type", lambda f: ["--train.lr=fast"], ["train.lr", "number"]),
+    ("bool_type", lambda f: ["--checkpoint.resume=maybe"], ["checkpoint.resume", "true or false"]),
+    ("unknown_key", lambda f: ["--train.learning_rate=0.1"], ["train.learning_rate", "unknown key"]),
+    ("unknown_section", lambda f: ["--trian.lr=0.1"], ["trian", "unknown section"]),
+    ("not_dotted", lambda f: ["--lr=0.1"], ["--lr=0.1", "--train.max_steps=50"]),
+    ("no_value", lambda f: ["--train.max_steps"], ["--train.max_steps", "no value"]),
+    ("negative_steps", lambda f: ["--train.max_steps=-5"], ["train.max_steps", "positive"]),
+    ("zero_batch", lambda f: ["--train.micro_batch_size=0"], ["train.micro_batch_size", "positive"]),
+    ("zero_keep", lambda f: ["--checkpoint.keep=0"], ["checkpoint.keep", "positive"]),
+    ("bad_choice", lambda f: ["--train.precision=fp8"], ["train.precision", "bf16"]),
+    ("heads_divide", lambda f: ["--model.n_heads=3"], ["model.dim", "n_heads"]),
+    ("batch_divide", lambda f: ["--train.global_batch_tokens=100"], ["train.global_batch_tokens", "multiple"]),
+    ("missing_config", lambda f: ["--config", str(f["root"] / "nope.yaml")], ["nope.yaml", "does not exist"]),
+    ("invalid_yaml", lambda f: ["--config", str(f["invalid"])], ["invalid.yaml", "not valid YAML", "line"]),
+    ("yaml_list", lambda f: ["--config", str(f["list"])], ["list.yaml", "mapping"]),
+    ("yaml_section", lambda f: ["--config", str(f["section"])], ["section.yaml", "trian"]),
+    ("yaml_scalar_section", lambda f: ["--config", str(f["scalar_section"])], ["scalar_section.yaml", "train"]),
+    ("yaml_key", lambda f: ["--config", str(f["key"])], ["key.yaml", "learning_rate"]),
+    ("config_is_dir", lambda f: ["--config", str(f["a_dir"])], ["a_dir.yaml", "cannot be read"]),
+    ("two_configs", lambda f: ["--config", "configs/tiny.yaml", "--config=configs/tiny.yaml"], ["two config files"]),
+    ("data_missing", lambda f: [f"--data.source={f['root'] / 'no_such_dir'}"], ["no_such_dir", "nanopt prepare"]),
+    ("shard_checksum", lambda f: [f"--data.source={f['flipped']}"], ["train_000000.bin", "checksum"]),
+    ("shard_truncated", lambda f: [f"--data.source={f['truncated']}"], ["train_000000.bin", "truncated"]),
+    ("shard_magic", lambda f: [f"--data.source={f['not_a_shard']}"], ["train_000000.bin", "not a nanopt token shard"]),
+    ("shard_none", lambda f: [f"--data.source={f['no_train']}"], ["train_*.bin", "nanopt prepare"]),
+    ("shard_vocab", lambda f: [f"--data.source={f['big_vocab']}"], ["50000", "model.vocab_size"]),
+    ("shard_too_short", lambda f: [f"--data.source={f['tiny']}"], ["train.seq_len", "fewer than"]),
+    ("run_dir_is_file", lambda f: [f"--run.dir={f['a_file']}"], ["a_file", "is a file", "run.dir"]),
+    ("resume_false_nonempty", lambda f: [f"--run.dir={f['nonempty_run']}", "--checkpoint.resume=false"],
+     ["nonempty_run", "not empty", "run.dir"]),
+    ("mirror_protocol", lambda f: ["--checkpoint.mirror=nosuchfs://bucket/run"], ["checkpoint.mirror", "nosuchfs"]),
+    ("allow_changes_typo", lambda f: ["--checkpoint.allow_changes=train.lrr"], ["checkpoint.allow_changes", "train.lrr"]),
+    ("no_cuda", lambda f: ["--runtime.device=cuda"], ["runtime.device", "cpu"]),
+]
+
+
+@pytest.mark.parametrize("case, argv, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_a_paragraph_naming_it(case, argv, words, files, tmp_path, capsys):
+    if case == "no_cuda":
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU, so --runtime.device=cuda is valid here")
+    extra = argv(files)
+    run_dir = [] if any(a.startswith("--run.dir") for a in extra) else [f"--run.dir={tmp_path / 'run'}"]
+    rc = run([*ARGS, *extra, *run_dir])  # the case's own flags come last, so they win
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("nanopt: error: ") and "Traceback" not in err
+    assert err.strip().count("\n") == 0, f"not one paragraph: {err!r}"
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+
+
+def test_at_least_twenty_bad_inputs_are_covered():
+    assert len(CASES) >= 20
+
+
+def test_unknown_subcommand_and_bad_flags_through_the_cli(capsys):
+    assert cli.run(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+    assert cli.run(["train", "--model.dim=wide"]) == 2
+    err = capsys.readouterr().err
+    assert "model.dim" in err and "Traceback" not in err
+
+
+def test_debug_flag_reraises_in_process(monkeypatch):
+    from nanopt.config import ConfigError
+
+    monkeypatch.delenv("NANOPT_DEBUG", raising=False)
+    with pytest.raises(ConfigError, match="model.dim"):
+        run(["--debug", "--model.dim=wide"])
+    with pytest.raises(ConfigError, match="model.dim"):
+        cli.run(["--debug", "train", "--model.dim=wide"])
+    monkeypatch.setenv("NANOPT_DEBUG", "1")
+    with pytest.raises(ConfigError):
+        run(["--model.dim=wide"])
+
+
+def test_real_processes_print_one_paragraph_and_no_traceback(files, tmp_path):
+    bad_override = run_module(["nanopt.main", "--train.max_steps=-1"])
+    assert bad_override.returncode == 2
+    assert bad_override.stderr.strip() == "nanopt: error: `train.max_steps` must be positive, got -1."
+    corrupt = run_module(["nanopt.cli", "train", *ARGS, f"--data.source={files['flipped']}",
+                          f"--run.dir={tmp_path / 'run'}"], env={"OMP_NUM_THREADS": "1"})
+    assert corrupt.returncode == 2, corrupt.stderr
+    assert "checksum" in corrupt.stderr and "Traceback" not in corrupt.stderr

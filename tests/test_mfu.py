@@ -1,0 +1,276 @@
+"""MFU: FLOPs per token by hand and by FlopCounterMode, peaks and detection, the meter, the estimator."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import REPO, run_module, small_overrides
+from nanopt import cli, mfu
+from nanopt.attention import eager
+from nanopt.config import ConfigError, ModelConfig, load_config
+from nanopt.model import build_model
+from nanopt.runtime import Runtime
+
+# ---------------------------------------------------------------- FLOPs per token, by hand
+
+
+def test_llama_3_2_1b_6n_is_six_times_its_parameter_count():
+    m = load_config(REPO / "configs" / "1b.yaml").model
+    counts = mfu.param_counts(m)
+    # Tied embeddings: the LM head matmul is counted, the lookup is not -> N is exactly the parameter count.
+    assert counts.total == 1_235_814_400
+    assert counts.n_6n == 1_235_814_400
+    assert mfu.flops_per_token_6n(m) == 6 * 1_235_814_400
+    # Attention at seq 4096: 12 · L · T · (n_heads · head_dim) = 12 · 16 · 4096 · 2048, halved when causal.
+    assert mfu.attention_flops_per_token(m, 4096, causal_halving=False) == 1_610_612_736
+    assert mfu.attention_flops_per_token(m, 4096, causal_halving=True) == 805_306_368
+    assert mfu.flops_per_token(m, 4096) == 7_414_886_400 + 805_306_368
+
+
+def test_tiny_config_by_hand_tied_and_untied():
+    m = load_config(REPO / "configs" / "tiny.yaml").model  # vocab 257, dim 256, 4 layers, 8/4 heads, ffn 768
+    # Per layer: wq 256·256 + wk,wv 2·256·128 + wo 256·256 = 196,608; SwiGLU 3·256·768 = 589,824.
+    blocks = 4 * (196_608 + 589_824)  # 3,145,728
+    norms = 256 * (2 * 4 + 1)  # 2,304
+    head = 257 * 256  # 65,792
+    assert mfu.param_counts(m).total == blocks + norms + head == 3_213_824
+    assert mfu.flops_per_token_6n(m) == 6 * 3_213_824 == 19_282_944
+    # seq 256: 12 · 4 · 256 · 256 = 3,145,728 in full, 1,572,864 causal.
+    assert mfu.flops_per_token(m, 256, causal_halving=False) == 19_282_944 + 3_145_728
+    assert mfu.flops_per_token(m, 256) == 19_282_944 + 1_572_864
+
+    m.tie_embeddings = False  # a separate head adds parameters, not FLOPs: the head matmul was already counted
+    assert mfu.param_counts(m).total == 3_213_824 + 65_792
+    assert mfu.flops_per_token_6n(m) == 19_282_944
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_counts_match_the_built_model(tied):
+    m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied,
+                    max_seq_len=16)
+    model = build_model(m)
+    counts = mfu.param_counts(m)
+    assert counts.total == model.num_params()
+    assert counts.n_6n == model.num_params() - (0 if tied else model.embed.weight.numel())
+
+
+def test_flop_counter_agrees_and_backward_is_twice_forward():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    torch.manual_seed(0)
+    model = build_model(m)
+    # The eager kernel does its T×T products with matmuls FlopCounterMode sees (the CPU sdpa kernel has no
+    # FLOP formula); like every dense kernel it computes the full square, so compare with causal_halving=False.
+    model.set_attention(eager)
+    B, T = 3, 16
+    idx = torch.randint(0, m.vocab_size, (B, T))
+    with FlopCounterMode(display=False) as forward_counter:
+        loss = model(idx, idx)
+    with FlopCounterMode(display=False) as backward_counter:
+        loss.backward()
+    forward, backward = forward_counter.get_total_flops(), backward_counter.get_total_flops()
+    norms = mfu.param_counts(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
+    expected_training = (mfu.flops_per_token(m, T, causal_halving=False) - 6 * norms) * B * T
+    assert forward == expected_training // 3
+    assert (forward + backward) / forward == pytest.approx(3.0, rel=0.01)
+    assert forward + backward == pytest.approx(mfu.flops_per_token(m, T, causal_halving=False) * B * T, rel=0.01)
+
+
+# ---------------------------------------------------------------- peaks and detection
+
+
+def test_peak_table_holds_dense_spec_sheet_numbers():
+    expected_bf16 = {"h100-sxm": 989.4, "h100-pcie": 756.5, "h100-nvl": 835.5, "h200": 989.5, "a100": 312.0,
+                     "l4": 121.0, "b200": 2250.0, "tpu-v4": 275.0, "tpu-v5e": 197.0, "tpu-v5p": 459.0,
+                     "tpu-v6e": 918.0}
+    for key, tflops in expected_bf16.items():
+        assert mfu.table_peak(key, "bf16") == pytest.approx(tflops * 1e12)
+        assert mfu.PEAKS[key].source.startswith("https://")
+    assert mfu.table_peak("h100-sxm", "fp32") == pytest.approx(494.7e12)  # fp32 runs use TF32 tensor cores
+    assert mfu.table_peak("a100", "fp32") == pytest.approx(156e12)
+    assert mfu.table_peak("tpu-v5e", "fp32") is None
+
+
+@pytest.mark.parametrize("name, watts, key", [
+    ("NVIDIA H100 80GB HBM3", None, "h100-sxm"),
+    ("NVIDIA H100 PCIe", None, "h100-pcie"),
+    ("NVIDIA H100 NVL", None, "h100-nvl"),
+    ("NVIDIA H100", 700.0, "h100-sxm"),
+    ("NVIDIA H100", 350.0, "h100-pcie"),
+    ("NVIDIA H100", None, None),  # a bare name and no power limit: unknown, not a guess
+    ("NVIDIA H200", None, "h200"),
+    ("NVIDIA H200 NVL", None, "h200-nvl"),
+    ("NVIDIA GH200 480GB", None, None),
+    ("NVIDIA A100-SXM4-80GB", None, "a100"),
+    ("NVIDIA A100 80GB PCIe", None, "a100"),
+    ("NVIDIA L4", None, "l4"),
+    ("NVIDIA L40S", None, None),
+    ("NVIDIA B200", None, "b200"),
+    ("NVIDIA GB200", None, None),
+    ("NVIDIA GeForce RTX 4090", None, None),
+    ("TPU v4", None, "tpu-v4"),
+    ("TPU v5 lite", None, "tpu-v5e"),
+    ("TPU v5e", None, "tpu-v5e"),
+    ("TPU v5", None, "tpu-v5p"),
+    ("TPU v5p", None, "tpu-v5p"),
+    ("TPU v6 lite", None, "tpu-v6e"),
+    ("TPU v3", None, None),
+    # torch_xla's accelerator types, as nanopt/xla.py reports them
+    ("TPU v4-8", None, "tpu-v4"), ("TPU v5litepod-16", None, "tpu-v5e"), ("TPU v5p-8", None, "tpu-v5p"),
+    ("TPU v6e-8", None, "tpu-v6e"), ("TPU", None, None),
+])
+def test_detect_hardware(name, watts, key):
+    assert mfu.detect_hardware(name, watts) == key
+
+
+class NamedDevice(Runtime):
+    """A Runtime that reports a given accelerator name and power limit (the detection inputs); its
+    tensors live on the CPU. Only run_peak's table path is exercised with it."""
+
+    def __init__(self, name: str, watts=None, world_size: int = 1):
+        super().__init__("cuda", torch.device("cpu"), 0, 0, world_size, world_size, "bf16")
+        self._name, self._watts = name, watts
+
+    def hardware_name(self) -> str:
+        return self._name
+
+    def power_limit_watts(self):
+        return self._watts
+
+
+def test_unknown_accelerator_gives_null_mfu_and_one_warning(caplog):
+    cfg = load_config(None, [])
+    rt = NamedDevice("NVIDIA Z100 Hypothetical")
+    with caplog.at_level(logging.WARNING, logger="nanopt"):
+        meters = [mfu.meter_for_run(cfg, rt) for _ in range(2)]
+    warnings = [r for r in caplog.records if "unknown accelerator" in r.getMessage()]
+    assert len(warnings) == 1 and "--mfu.hardware" in warnings[0].getMessage()
+    values = meters[1].update(step=20, window_steps=10, step_seconds=0.5)
+    assert values["mfu"] is None and values["mfu_6n"] is None
+    assert values["tflops_per_device"] > 0  # achieved FLOP/s is still known
+
+
+def test_power_limit_and_override_choose_the_peak():
+    cfg = load_config(None, [])
+    assert mfu.run_peak(cfg, NamedDevice("NVIDIA H100", 700.0))[0] == pytest.approx(989.4e12)
+    assert mfu.run_peak(cfg, NamedDevice("NVIDIA H100", 350.0))[0] == pytest.approx(756.5e12)
+    forced = load_config(None, [("mfu.hardware", "a100"), ("train.precision", "fp32")])
+    peak, where = mfu.run_peak(forced, NamedDevice("NVIDIA Z100 Hypothetical"))
+    assert peak == pytest.approx(156e12) and "mfu.hardware" in where
+
+
+def test_bad_hardware_override_is_a_config_error():
+    with pytest.raises(ConfigError, match="h100-sxm"):
+        load_config(None, [("mfu.hardware", "z100")])
+
+
+def test_cpu_peak_is_measured():
+    peak = mfu.measure_matmul_flops(torch.float32, budget_s=0.05)
+    assert peak > 1e8  # any CPU that runs torch does a 256² fp32 matmul faster than 0.1 GFLOP/s
+
+
+# ---------------------------------------------------------------- the meter
+
+
+class FakeClock:
+    """Per-device time: each micro-step (one micro-batch on one device) takes `micro_s` seconds."""
+
+    def __init__(self, micro_s: float):
+        self.micro_s = micro_s
+        self.now = 0.0
+
+    def train_step(self, accum: int) -> None:
+        self.now += accum * self.micro_s  # ranks run in parallel: world size adds no time
+
+
+def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
+    micro_batch, seq = 4, 256
+    m = load_config(REPO / "configs" / "tiny.yaml").model
+    meter = mfu.MFUMeter(mfu.flops_per_token(m, seq), mfu.flops_per_token_6n(m),
+                         tokens_per_step=micro_batch * seq * world * accum, peak_flops=1e12, world_size=world,
+                         warmup_steps=2)
+    clock, out = FakeClock(micro_s), []
+    window_start, window_step = clock.now, 0
+    for step in range(1, steps + 1):
+        clock.train_step(accum)
+        if step % 3 == 0:  # log every 3 steps, like the loop: mean step time over the window
+            n = step - window_step
+            out.append(meter.update(step, n, (clock.now - window_start) / n))
+            window_start, window_step = clock.now, step
+    return out
+
+
+def test_grad_accumulation_and_world_size_do_not_change_mfu():
+    reference = simulated_mfu(world=1, accum=1)
+    assert reference[0]["mfu"] is None  # the window (1..3] holds the 2 warm-up steps
+    expected = 4 * 256 / 0.02 * mfu.flops_per_token(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
+    assert reference[1]["mfu"] == pytest.approx(expected)
+    for world, accum in [(1, 4), (8, 1), (8, 4), (64, 2)]:
+        got = simulated_mfu(world, accum)
+        for a, b in zip(reference, got):
+            for key in ("mfu", "mfu_6n", "tflops_per_device"):
+                assert a[key] == b[key] if a[key] is None else a[key] == pytest.approx(b[key])
+    # ... and a device twice as fast reports twice the MFU (the comparison above can fail).
+    assert simulated_mfu(8, 4, micro_s=0.01)[1]["mfu"] == pytest.approx(2 * reference[1]["mfu"])
+
+
+def test_mfu_6n_leaves_out_attention():
+    values = simulated_mfu(world=2, accum=2)[-1]
+    m = load_config(REPO / "configs" / "tiny.yaml").model
+    assert values["mfu_6n"] / values["mfu"] == pytest.approx(mfu.flops_per_token_6n(m) / mfu.flops_per_token(m, 256))
+
+
+# ---------------------------------------------------------------- the estimator
+
+
+def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
+    code = cli.run(["estimate", "--config", str(REPO / "configs" / "1b.yaml"), "--hardware", "h100-sxm",
+                    "--gpus", "8", "--mfu", "0.4", "--price-per-gpu-hour", "3.0", "--json"])
+    assert code == 0
+    got = json.loads(capsys.readouterr().out)
+    # By hand: the config's budget is 23,570 steps × 2^20 tokens; 6N + causal attention at seq 4096.
+    tokens = 23_570 * 1_048_576  # 24,714,936,320 ≈ 20 tokens per parameter
+    flops_per_token = 6 * 1_235_814_400 + 6 * 16 * 4096 * 2048  # 8,220,192,768
+    hours = tokens * flops_per_token / (8 * 989.4e12 * 0.4) / 3600
+    assert got["params"] == 1_235_814_400
+    assert got["flops_per_token"] == flops_per_token and got["flops_per_token_6n"] == 7_414_886_400
+    assert got["tokens"] == tokens
+    assert got["hours"] == pytest.approx(hours) and got["hours"] == pytest.approx(17.8245, abs=1e-3)
+    assert got["gpu_hours"] == pytest.approx(8 * hours)
+    assert got["cost_usd"] == pytest.approx(8 * hours * 3.0) and got["cost_usd"] == pytest.approx(427.79, abs=0.01)
+
+
+def test_estimate_tokens_flag_and_bad_input(capsys):
+    args = ["estimate", str(REPO / "configs" / "tiny.yaml"), "--gpus", "1", "--json"]
+    assert cli.run(args + ["--tokens", "20x"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tokens"] == 20 * 3_213_824 and got["cost_usd"] is None
+    assert cli.run(args + ["--tokens", "2.5B", "--train.seq_len=512"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tokens"] == 2_500_000_000 and got["seq_len"] == 512
+    for bad in (["--hardware", "z100"], ["--mfu", "40"], ["--tokens", "lots"], ["--gpus", "0"]):
+        assert cli.run(args + bad) == 2
+        assert "error" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- in the training loop
+
+
+def test_training_run_logs_numeric_mfu_on_cpu(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_module(["nanopt.main", *small_overrides(**{"run.dir": run_dir})], env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MEASURED" in proc.stdout, proc.stdout[-2000:]  # the CPU peak is labelled as measured
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6], records
+    assert steps[0]["mfu"] is None  # warm-up step
+    for r in steps[1:]:
+        assert isinstance(r["mfu"], float) and 0 < r["mfu_6n"] < r["mfu"], r
+        assert r["peak_memory_gib"] > 0, r
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "MEASURED" in summary["mfu_peak_source"] and summary["mfu_peak_flops_per_device"] > 0

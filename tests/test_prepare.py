@@ -1,0 +1,414 @@
+"""`nanopt prepare`: local files through `datasets` -> a locally built HF tokenizer -> token shards."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub; fail fast if it tried
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_module, small_overrides
+from nanopt import data, prepare
+from nanopt.config import ConfigError, load_config
+from nanopt.tokenizer import get_tokenizer
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch; café naïve façade "
+         "über — “quoted” 42 3.14 emoji 🦊 tabs\tand newlines").split(" ")
+
+
+def make_documents(n: int = 48, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 120))]
+        lines = [" ".join(words[j : j + 12]) for j in range(0, len(words), 12)]
+        docs.append(f"Document {i}. " + "\n".join(lines))
+    docs[7] = ""  # an empty document still counts (it is a BOS alone)
+    return docs
+
+
+DOCS = make_documents()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE trained here with `tokenizers`, saved and loaded back through transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 clean_up_tokenization_spaces=False)
+    out = tmp_path_factory.mktemp("tokenizer")
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    return get_tokenizer(str(tokenizer_dir))
+
+
+def write_source(directory, fmt: str, docs: list[str]) -> tuple[str, str, list[str]]:
+    """Write docs in a format; returns (dataset builder, data_files, the documents in reading order)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if fmt == "jsonl":
+        path = directory / "docs.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
+        return "json", str(path), docs
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        half = len(docs) // 2  # two files, read in name order
+        pq.write_table(pa.table({"text": docs[:half]}), directory / "a.parquet")
+        pq.write_table(pa.table({"text": docs[half:]}), directory / "b.parquet")
+        return "parquet", str(directory / "*.parquet"), docs
+    if fmt == "text":  # one file per document (sample_by=document); datasets reads a glob in name order
+        for i, d in enumerate(docs):
+            (directory / f"doc_{i:04d}.txt").write_text(d)
+        return "text", str(directory / "*.txt"), docs
+    raise ValueError(fmt)
+
+
+def config(tmp_path, tokenizer_dir, dataset: str, data_files: str, out_name: str = "shards", **prepare_keys):
+    keys = {"shuffle_buffer": 0, "workers": 1, "batch_documents": 5, "shard_tokens": 300, **prepare_keys}
+    overrides = [("data.source", str(tmp_path / out_name)), ("data.tokenizer", str(tokenizer_dir)),
+                 ("model.vocab_size", "600"), ("prepare.dataset", dataset), ("prepare.data_files", data_files)]
+    overrides += [(f"prepare.{k}", str(v)) for k, v in keys.items()]
+    return load_config(None, overrides)
+
+
+def read_split(directory, split: str) -> np.ndarray:
+    paths = data.split_paths(directory, split)
+    return np.concatenate([np.asarray(data.open_shard(p)) for p in paths]) if paths else np.zeros(0, np.int64)
+
+
+def framed(tok, docs: list[str], bos=True, eos=False) -> list[list[int]]:
+    """Each document's tokens as prepare should write them, computed one document at a time."""
+    return [([tok.bos_id] if bos else []) + tok.encode(d) + ([tok.eos_id] if eos else []) for d in docs]
+
+
+# ---------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "text"])
+def test_shards_decode_back_to_the_source_documents(tmp_path, tokenizer_dir, tok, fmt):
+    dataset, files, docs = write_source(tmp_path / "src", fmt, DOCS)
+    extra = {"sample_by": "document"} if fmt == "text" else {}
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, **extra)
+    stats = prepare.prepare(cfg, progress=False)
+
+    out = tmp_path / "shards"
+    tokens = read_split(out, "train")
+    assert data.read_header(out / "train_000000.bin").dtype == np.uint16
+    assert len(data.split_paths(out, "train")) == math.ceil(len(tokens) / 300) > 1  # documents straddle shards
+    assert data.split_paths(out, "val") == [] and data.split_paths(out, "test") == []
+    starts = np.flatnonzero(tokens == tok.bos_id)
+    pieces = np.split(tokens, starts[1:])
+    assert len(pieces) == len(docs)
+    for piece, doc in zip(pieces, docs):
+        assert piece[0] == tok.bos_id
+        assert tok.decode(piece[1:].tolist()) == doc
+    assert stats["splits"]["train"]["documents"] == len(docs)
+    assert stats["splits"]["train"]["tokens"] == len(tokens) == sum(map(len, framed(tok, docs)))
+
+
+def test_bos_and_eos_frame_every_document(tmp_path, tokenizer_dir, tok):
+    dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, add_eos="true", workers=2)
+    prepare.prepare(cfg, progress=False)
+    expected = np.concatenate([np.asarray(x) for x in framed(tok, docs, bos=True, eos=True)])
+    assert np.array_equal(read_split(tmp_path / "shards", "train"), expected)
+
+
+def test_encode_documents_matches_one_document_at_a_time(tok):
+    texts = ["", "a b", DOCS[3], "", "🦊"]
+    for bos, eos in ((None, None), (tok.bos_id, None), (None, tok.eos_id), (tok.bos_id, tok.eos_id)):
+        lengths, flat = prepare.encode_documents(tok, texts, bos, eos)
+        ref = [([bos] if bos is not None else []) + tok.encode(t) + ([eos] if eos is not None else []) for t in texts]
+        assert lengths.tolist() == [len(r) for r in ref]
+        assert flat.tolist() == [i for r in ref for i in r]
+
+
+def test_batch_encode_on_tiktoken_gives_the_same_ids_as_transformers(tokenizer_dir):
+    tok = get_tokenizer(str(tokenizer_dir))  # a fresh one: its engine is chosen on the first batch
+    texts = DOCS + ["a literal <s> and </s> inside text", "  leading spaces\n\n\ttabs  ", "'s 're 1234 🦊🦊"]
+    ids = tok.encode_batch(texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")  # the fast engine is really in use
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+    assert tok.encode_batch(texts[::-1]) == ids[::-1]  # and stays equal after the first-batch check
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_path):
+    """Llama-3's tokenizer.json shape: Split(regex, Isolated) + ByteLevel(use_regex=false), ignore_merges."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(ignore_merges=True))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=500, special_tokens=["<|begin_of_text|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>").save_pretrained(tmp_path)
+    tok = get_tokenizer(str(tmp_path))
+    texts = DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S"]
+    ids = tok.encode_batch(texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, caplog):
+    tok = get_tokenizer(str(tokenizer_dir))
+
+    class Wrong:
+        def encode(self, text, allowed_special=()):
+            return [3] * len(text)
+
+    tok._tiktoken = Wrong()
+    with caplog.at_level("WARNING", logger="nanopt"):
+        ids = tok.encode_batch(DOCS[:5])
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in DOCS[:5]]
+    assert tok._tiktoken is False and "disagrees" in caplog.text
+
+
+def test_tokenizers_that_are_not_plain_byte_level_bpe_keep_the_transformers_engine():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from nanopt.fastbpe import tiktoken_encoding
+
+    wl = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert tiktoken_encoding(wl.to_str()) is None
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.normalizer = normalizers.NFKC()  # tiktoken has no normaliser
+    assert tiktoken_encoding(bpe.to_str()) is None
+
+
+# ---------------------------------------------------------------- budgets, counts, stats
+
+
+def test_splits_honour_the_token_budgets_and_stats_are_right(tmp_path, tokenizer_dir, tok):
+    dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
+    budgets = {"val": 400, "test": 350, "train": 1500}
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, val_tokens=400, test_tokens=350, train_tokens=1500)
+    stats = prepare.prepare(cfg, progress=False)
+
+    # Independent reference: fill val, then test, then train with whole documents from the stream, in
+    # order; the document that crosses a budget is cut there and the rest of it is dropped.
+    per_doc = framed(tok, docs)
+    i = 0
+    for split in ("val", "test", "train"):
+        taken: list[list[int]] = []
+        while sum(map(len, taken)) < budgets[split]:
+            room = budgets[split] - sum(map(len, taken))
+            taken.append(per_doc[i][:room])
+            i += 1
+        got = read_split(tmp_path / "shards", split)
+        assert len(got) == budgets[split]
+        assert got.tolist() == [t for d in taken for t in d]
+        lengths = [len(d) for d in taken]
+        s = stats["splits"][split]
+        assert s["tokens"] == budgets[split] and s["documents"] == len(taken)
+        assert s["mean_tokens_per_document"] == pytest.approx(np.mean(lengths))
+        assert s["median_tokens_per_document"] == pytest.approx(np.median(lengths))
+        sizes = [data.read_header(p).count for p in data.split_paths(tmp_path / "shards", split)]
+        assert sizes[:-1] == [300] * (len(sizes) - 1) and 0 < sizes[-1] <= 300
+    assert i < len(docs)  # the budget stopped the run before the source ran out
+    assert stats["documents_read"] == i
+    assert json.loads((tmp_path / "shards" / "stats.json").read_text())["splits"] == stats["splits"]
+
+
+def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_path, tokenizer_dir, tok, capsys):
+    dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, train_tokens=100_000, val_tokens=5000, test_tokens=5000)
+    e = prepare.estimate(cfg, 10)
+    mean = np.mean([len(x) for x in framed(tok, docs[:10])])
+    assert e["mean_tokens_per_document"] == pytest.approx(mean)
+    assert e["documents_needed"] == math.ceil(110_000 / mean)
+    assert e["documents_with_25pct_buffer"] == math.ceil(e["documents_needed"] * 1.25)
+
+    from nanopt import cli
+
+    argv = ["prepare", "tiny", "--estimate-only", "10", f"--data.source={tmp_path / 'never'}", f"--data.tokenizer={tokenizer_dir}",
+            f"--prepare.dataset={dataset}", f"--prepare.data_files={files}", "--prepare.shuffle_buffer=0",
+            "--prepare.train_tokens=100000", "--prepare.val_tokens=5000", "--prepare.test_tokens=5000"]
+    assert cli.run(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"{e['documents_with_25pct_buffer']:,}" in printed and f"{mean:.1f} tokens/document" in printed
+    assert not (tmp_path / "never").exists()  # an estimate writes nothing
+
+
+# ---------------------------------------------------------------- interrupt and resume
+
+
+def _shard_bytes(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.bin"))}
+
+
+def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenizer_dir, monkeypatch):
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    keys = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
+    whole = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
+    assert sum(s["shards"] for s in whole["splits"].values()) >= 8
+
+    real_write = data.write_shard
+
+    def crash_on(call: int, after_write: bool):
+        calls = {"n": 0}
+
+        def write_shard(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == call:
+                if after_write:  # the shard reached the disk but the manifest never heard of it
+                    real_write(*args, **kwargs)
+                raise KeyboardInterrupt
+            return real_write(*args, **kwargs)
+
+        return write_shard
+
+    resumed = tmp_path / "resumed"
+    # First run: the worker pool is running when Ctrl-C arrives, mid-stream, before shard 3 is written.
+    monkeypatch.setattr(data, "write_shard", crash_on(3, after_write=False))
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", workers=2, **keys), progress=False)
+    manifest = json.loads((resumed / "manifest.json").read_text())
+    assert len(manifest["shards"]) == 2 and not manifest["state"]["complete"]
+    # Second run: dies right after writing a shard, before committing it.
+    monkeypatch.setattr(data, "write_shard", crash_on(2, after_write=True))
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
+    assert len(json.loads((resumed / "manifest.json").read_text())["shards"]) == 3
+    assert len(list(resumed.glob("*.bin"))) == 4  # one uncommitted shard on disk
+    # Third run finishes.
+    monkeypatch.setattr(data, "write_shard", real_write)
+    final = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
+    assert _shard_bytes(resumed) == _shard_bytes(tmp_path / "whole")
+    assert final["splits"] == whole["splits"]  # no document counted twice or lost in the statistics
+    assert final["this_run"]["tokens"] < sum(keys[k] for k in ("val_tokens", "test_tokens", "train_tokens"))
+
+    # A finished directory is left alone.
+    again = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
+    assert again["this_run"]["tokens"] == 0 and _shard_bytes(resumed) == _shard_bytes(tmp_path / "whole")
+
+
+def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir):
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500), progress=False)
+    with pytest.raises(ConfigError, match="different configuration"):
+        prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500, shard_tokens=100),
+                        progress=False)
+
+
+# ---------------------------------------------------------------- the hub path, offline
+
+
+def test_hub_dataset_is_streamed_and_shuffled_as_configured(tmp_path, tokenizer_dir, tok, monkeypatch):
+    """configs/1b.yaml's source, with datasets.load_dataset patched to serve local rows: the same
+    functions run, and the call and the shuffle get exactly the recipe's arguments."""
+    import datasets
+
+    calls, shuffles = [], []
+    rows = datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))}).to_iterable_dataset(num_shards=4)
+
+    def fake_load_dataset(path, *args, **kwargs):
+        calls.append((path, args, kwargs))
+        return rows
+
+    real_shuffle = datasets.IterableDataset.shuffle
+
+    def spy_shuffle(self, *args, **kwargs):
+        shuffles.append((args, kwargs))
+        return real_shuffle(self, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets.IterableDataset, "shuffle", spy_shuffle)
+    overrides = [("data.source", str(tmp_path / "fineweb")), ("data.tokenizer", str(tokenizer_dir)),
+                 ("model.vocab_size", "600"), ("prepare.train_tokens", "0"), ("prepare.val_tokens", "0"),
+                 ("prepare.test_tokens", "0"), ("prepare.workers", "1")]
+    cfg = load_config(REPO / "configs" / "1b.yaml", overrides)
+    prepare.prepare(cfg, progress=False)
+
+    assert calls == [("HuggingFaceFW/fineweb-edu", (), {"name": "sample-100BT", "split": "train", "streaming": True})]
+    p = cfg.prepare
+    assert shuffles == [((), {"seed": p.shuffle_seed, "buffer_size": p.shuffle_buffer})]
+    order = [r["text"] for r in real_shuffle(rows, seed=p.shuffle_seed, buffer_size=p.shuffle_buffer)]
+    assert order != DOCS and sorted(order) == sorted(DOCS)
+    expected = np.concatenate([np.asarray(x) for x in framed(tok, order, bos=p.add_bos, eos=p.add_eos)])
+    assert np.array_equal(read_split(tmp_path / "fineweb", "train"), expected)
+
+
+# ---------------------------------------------------------------- large vocabularies, bad input, training
+
+
+def test_vocabularies_over_65536_ids_are_written_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    wl = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok_dir = tmp_path / "big"
+    PreTrainedTokenizerFast(tokenizer_object=wl, bos_token="<s>", unk_token="<unk>").save_pretrained(tok_dir)
+    docs = ["w69999 w0 w65536", "w70000 w12"]  # w70000 is unknown
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", docs)
+    cfg = config(tmp_path, tok_dir, dataset, files, shard_tokens=1000)
+    prepare.prepare(cfg, progress=False)
+    shard = tmp_path / "shards" / "train_000000.bin"
+    assert data.read_header(shard).dtype == np.uint32 and data.read_header(shard).vocab_size == 70_002
+    assert np.asarray(data.open_shard(shard)).tolist() == [0, 70_001, 2, 65_538, 0, 1, 14]
+
+
+def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
+    from nanopt import cli
+
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS[:3])
+    base = ["prepare", f"--data.tokenizer={tokenizer_dir}", "--no-progress", "--prepare.workers", "1"]
+    cases = {
+        "data.source": base + ["--prepare.dataset=json", f"--prepare.data_files={files}"],
+        "prepare.data_files": base + [f"--data.source={tmp_path / 'o1'}", "--prepare.dataset=parquet"],
+        "cannot be loaded": base + [f"--data.source={tmp_path / 'o2'}", "--prepare.dataset=json",
+                                    f"--prepare.data_files={tmp_path / 'missing.jsonl'}"],
+        "prepare.text_field": base + [f"--data.source={tmp_path / 'o3'}", "--prepare.dataset=json",
+                                      f"--prepare.data_files={files}", "--prepare.text_field=body"],
+        "--estimate-only": base + ["--estimate-only", "many"],
+    }
+    for needle, argv in cases.items():
+        assert cli.run(argv) == 2, needle
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+
+
+def test_training_runs_on_prepared_shards(tmp_path, tokenizer_dir):
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, val_tokens=300, train_tokens=2400, shard_tokens=1200)
+    prepare.prepare(cfg, progress=False)
+    run_dir = tmp_path / "run"
+    proc = run_module(["nanopt.main", *small_overrides(**{
+        "data.source": tmp_path / "shards", "data.tokenizer": tokenizer_dir, "model.vocab_size": 600,
+        "run.dir": run_dir, "train.max_steps": 3, "eval.every": 3,
+    })], env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if "loss" in x]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    assert abs(losses[0] - math.log(600)) < 1.0  # a fresh model on this 600-id vocabulary
+    assert any("val_loss" in x for x in lines)
