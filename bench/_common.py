@@ -103,8 +103,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), b
     """Best FLOP/s of a fixed 2048² matmul (8192² on GPU) seen in about budget_s.
 
     Benches call this inside their alternating rounds, so the peak sees the same contention as the
-    model. nanopt.mfu.measure_matmul_flops picks its size from the first timing, which on a loaded
-    machine can settle on a small, slow size; a fixed, large size is the steadier ceiling here.
+    model; a larger size than the training loop's start-up measurement, since benches can afford it.
     """
     n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, dtype=dtype, device=device)

@@ -200,38 +200,30 @@ def warn_once(key: str, message: str) -> None:
 
 
 def measure_matmul_flops(dtype: torch.dtype, device: Any = "cpu", budget_s: float = 0.3,
-                         sync: Callable[[], None] = lambda: None) -> float:
+                         sync: Callable[[], None] = lambda: None, n: int = 1024) -> float:
     """Best square-matmul FLOP/s seen within about `budget_s` seconds: the measured peak.
 
-    The size doubles from 256 until one product takes over 5 ms (so threads have enough work), then
-    timed batches of ~10 ms repeat until the budget is spent and the fastest batch is reported.
+    A fixed size (1024: big enough to keep every core busy, small enough for ~10 ms per product on a
+    CPU) rather than one picked from a first timing, which a busy machine skews toward tiny sizes and
+    a peak far too low. Timed batches repeat until the budget is spent; the fastest is reported,
+    since interference only ever makes a batch slower.
     """
     import torch
 
     start = time.perf_counter()
-    n = 256
     with torch.no_grad():
-        while True:
-            a = torch.randn(n, n, dtype=dtype, device=device)
-            b = torch.randn(n, n, dtype=dtype, device=device)
-            out = a @ b  # warm-up: allocation, kernel selection
-            sync()
-            t0 = time.perf_counter()
-            torch.matmul(a, b, out=out)
-            sync()
-            one = time.perf_counter() - t0
-            if one > 0.005 or n >= 2048:
-                break
-            n *= 2
-        reps = max(1, int(0.01 / max(one, 1e-6)))
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        out = a @ b  # warm-up: allocation, kernel selection
+        sync()
         best = 0.0
         while True:
             t0 = time.perf_counter()
-            for _ in range(reps):
+            for _ in range(3):
                 torch.matmul(a, b, out=out)
             sync()
             elapsed = time.perf_counter() - t0
-            best = max(best, 2 * n**3 * reps / elapsed)  # N N @ N N: n³ multiply-adds
+            best = max(best, 2 * n**3 * 3 / elapsed)  # N N @ N N: n³ multiply-adds, 3 products
             if time.perf_counter() - start > budget_s:
                 return best
 

@@ -155,7 +155,7 @@ def test_unknown_accelerator_gives_null_mfu_and_one_warning(caplog):
 
 
 def test_power_limit_and_override_choose_the_peak():
-    cfg = load_config(None, [])
+    cfg = load_config(None, [("train.precision", "bf16")])
     assert mfu.run_peak(cfg, NamedDevice("NVIDIA H100", 700.0))[0] == pytest.approx(989.4e12)
     assert mfu.run_peak(cfg, NamedDevice("NVIDIA H100", 350.0))[0] == pytest.approx(756.5e12)
     forced = load_config(None, [("mfu.hardware", "a100"), ("train.precision", "fp32")])

@@ -46,3 +46,15 @@ def test_tiny_run_learns_and_writes_a_complete_run_directory(tmp_path, corpus_di
     assert summary["steps"] == 30 and summary["tokens_seen"] == 30 * 256
     assert summary["final_val_loss"] == evals[-1]["val_loss"]
     assert "samples from step 30" in out and "Elementary, my dear" in out
+
+
+def test_bf16_autocast_and_pure_bf16_both_train(tmp_path, corpus_dir):
+    for precision, weight_dtype in (("bf16", torch.float32), ("bf16-pure", torch.bfloat16)):
+        run_dir = tmp_path / precision
+        args = small_overrides(**{"train.precision": precision, "train.max_steps": 12, "train.lr": 1e-2,
+                                  "log.every": 11})
+        assert run([*args, f"--run.dir={run_dir}"]) == 0
+        losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        assert losses[-1] < losses[0] - 1.0, (precision, losses)
+        weights = load_file(str(run_dir / "checkpoints" / "step_000012" / "model.safetensors"))
+        assert weights["embed.weight"].dtype == weight_dtype, precision
