@@ -134,10 +134,6 @@ def free_port() -> int:
 def main() -> None:
     a = parse()
     world = 2
-    from nanopt.config import ModelConfig
-
-    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
-                      ffn_dim=a.ffn, max_seq_len=a.seq)
     tokens = a.micro_batch * world * a.seq
     C.banner("DDP on CPU: 2 processes x 1 thread vs 1 process x 2 threads", {
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}",
