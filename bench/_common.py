@@ -23,13 +23,9 @@ import torch  # noqa: E402
 
 
 def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
+    from nanopt.runtime import _cpu_model_name
+
+    return _cpu_model_name()
 
 
 def cpu_flags() -> str:

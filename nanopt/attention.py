@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +69,8 @@ def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: 
 
 BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash, "xla_flash": xla_flash}
 
-
-def flash_unavailable_reason(device_type: str) -> Optional[str]:
-    """Why flash-attn cannot be used here, or None when it can."""
-    if device_type != "cuda":
-        return f"flash-attn needs a CUDA device (this run is on {device_type})"
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError as e:
-        return f"flash-attn is not importable ({e}); install the `gpu` extra"
-    return None
+# Whether a kernel can run is a device question, answered in runtime.py (the one device module).
+from nanopt.runtime import flash_unavailable_reason  # noqa: E402
 
 
 def choose(name: str, device_type: str) -> tuple[str, AttentionFn]:

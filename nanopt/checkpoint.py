@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from nanopt import runtime
 from nanopt.config import Config, ConfigError
 from nanopt.faults import fault_hook
 
@@ -96,8 +97,7 @@ def rng_state() -> dict[str, Any]:
                   "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state.update(runtime.device_rng_state())  # CUDA generators where a GPU is in use
     return state
 
 
@@ -108,8 +108,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         npy = ("MT19937", npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
     np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    runtime.set_device_rng_state(state)
 
 
 def _tuples(x: Any) -> Any:

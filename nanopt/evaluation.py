@@ -159,6 +159,7 @@ def eval_cli(argv: list[str]) -> int:
             print(f"{ckpt} (step {loaded.step}) | {args.split} loss {loss:.4f} | {args.split} bpb {bpb:.4f} | "
                   f"{record['eval_tokens']:,} tokens in {seconds:.1f} s on {rt.world_size} rank(s) | "
                   f"appended to {loaded.run_dir / 'metrics.jsonl'}")
+        runtime.teardown(rt, wait_for_peers=True)
     finally:
         runtime.teardown(rt)
     return 0

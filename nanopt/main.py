@@ -100,6 +100,7 @@ def run(argv: list[str]) -> int:
         resolve(cfg, rt.world_size)
         with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then faults.Preempted
             train(cfg, rt)
+        runtime.teardown(rt, wait_for_peers=True)
         return 0
     except faults.Preempted as e:
         print(f"nanopt: {e}", file=sys.stderr)

@@ -29,7 +29,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_kind: str) -> torch.optim.AdamW:
     # fused AdamW is one kernel per step on CUDA (and a vectorised loop on CPU); foreach elsewhere.
-    fused = device_kind in ("cuda", "cpu")
+    from nanopt.runtime import fused_adamw_supported
+
+    fused = fused_adamw_supported(device_kind)
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
         fused=fused,

@@ -275,6 +275,39 @@ def _init_xla(rank: int, world: int, precision: str) -> Runtime:
     return Runtime("xla", backend.device, 0, 0, 1, 1, precision, xla=backend)
 
 
+def flash_unavailable_reason(device_type: str) -> Optional[str]:
+    """Why flash-attn (CUDA only) cannot be used on this device, or None when it can."""
+    if device_type != "cuda":
+        return f"flash-attn needs a CUDA device (this run is on {device_type})"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        return f"flash-attn is not importable ({e}); install the `gpu` extra"
+    return None
+
+
+def fused_adamw_supported(device_type: str) -> bool:
+    """torch's fused AdamW exists for CUDA and CPU (one kernel per step); XLA uses the foreach path."""
+    return device_type in ("cuda", "cpu")
+
+
+def ddp_device_ids(rt: "Runtime") -> Optional[list[int]]:
+    """DDP wants the local GPU index on CUDA and nothing on CPU."""
+    return [rt.local_rank] if rt.kind == "cuda" else None
+
+
+def device_rng_state() -> dict[str, Any]:
+    """RNG states of accelerators in use (CUDA), for exact resume; empty elsewhere."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"cuda": torch.cuda.get_rng_state_all()}
+    return {}
+
+
+def set_device_rng_state(state: dict[str, Any]) -> None:
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def xla_flash_unavailable_reason(device_type: str) -> Optional[str]:
     """Why `model.attention: xla_flash` (Pallas, TPU only) cannot run on this device, or None when it can."""
     if device_type != "xla":
@@ -284,6 +317,15 @@ def xla_flash_unavailable_reason(device_type: str) -> Optional[str]:
     return flash_unavailable_reason()
 
 
-def teardown(rt: Optional[Runtime] = None) -> None:
+def teardown(rt: Optional[Runtime] = None, wait_for_peers: bool = False) -> None:
+    """Leave the process group (a no-op when there is none or it is already gone).
+
+    wait_for_peers: on a successful exit, wait for every rank first: a rank that destroys its gloo
+    connections while a peer is still finishing (rank 0 writing files) can abort that peer ("terminate
+    called without an active exception", seen here). On an error path do not wait: the peers may never
+    arrive, and torchrun stops them when this rank exits non-zero.
+    """
     if dist.is_available() and dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()

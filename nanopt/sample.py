@@ -27,8 +27,9 @@ def sample_cli(argv: list[str]) -> int:
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda, but torch sees no CUDA device; use --device cpu.")
+    from nanopt.runtime import detect_kind
+
+    detect_kind(args.device)  # a clear error when --device cuda has no GPU behind it
     loaded = load(args.path, args.device)
     cfg = loaded.cfg
     if not cfg.data.tokenizer:

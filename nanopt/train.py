@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import checkpoint, data, evaluation, faults, mfu, profiling
+from nanopt import checkpoint, data, evaluation, faults, mfu, profiling, runtime
 from nanopt.attention import choose
 from nanopt.config import Config, ConfigError, to_yaml
 from nanopt.generate import sample_text
@@ -186,7 +186,7 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     if t.compile:
         train_model = torch.compile(model)
     if rt.distributed:
-        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.kind == "cuda" else None,
+        train_model = DDP(train_model, device_ids=runtime.ddp_device_ids(rt),
                           gradient_as_bucket_view=True)
     step_fn = rt.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
 
