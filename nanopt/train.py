@@ -288,7 +288,8 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
             window_start_time, window_start_step = time.perf_counter(), state.step
         faults.fault_hook("pause", state.step, rt.rank, run_dir)
         if stop.should_stop() and state.step < t.max_steps:
-            saved_to = save_checkpoint()
+            saved_to = save_checkpoint()  # first: the grace period may end during the trace export
+            profiler.stop()  # a preempted run still writes the trace it has
             ckpt.close()
             metrics.close()
             raise faults.Preempted(stop.signame, state.step, saved_to)
