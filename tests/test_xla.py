@@ -3,7 +3,7 @@
 torch_xla 2.9 runs only beside torch 2.9, so scripts/xla_venv.sh builds (once, cached outside the repo)
 a venv with both and this checkout on its path; tests/xla_driver.py runs there. The reference is the
 same config trained by the system torch on the plain CPU device. Cold: ~4 minutes for the venv; warm:
-well under a minute of XLA runs. In CI (CI=true) a venv that cannot be built fails the tests, never skips.
+well under a minute of XLA runs. A venv that cannot be built fails the tests (in CI and outside it); they never skip.
 """
 from __future__ import annotations
 
@@ -38,10 +38,8 @@ def xla_python() -> Path:
     except subprocess.TimeoutExpired:
         error = f"timed out after {VENV_BUILD_TIMEOUT_S} s"
     if error is not None:
-        message = f"scripts/xla_venv.sh could not build the torch_xla venv ({error})"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message + " — outside CI this skips; in CI it fails")
+        # A failure, never a skip: only absent hardware may skip, and this needs none (PyPI access only).
+        pytest.fail(f"scripts/xla_venv.sh could not build the torch_xla venv ({error})")
     print(f"\nxla venv ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return Path(proc.stdout.strip().splitlines()[-1]) / "bin" / "python"
 
