@@ -125,3 +125,23 @@ def flops_per_token(cfg, seq_len: int) -> float:
     from nanopt.mfu import flops_per_token as fpt
 
     return float(fpt(cfg, seq_len))
+
+
+def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):
+    """The same step for both models: autocast forward, backward, clip 1.0, fused AdamW, zero_grad."""
+    from nanopt.optim import param_groups
+    from nanopt.runtime import fused_adamw_supported
+
+    fused = fused_adamw_supported(device.type)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step

@@ -59,25 +59,14 @@ def rungs(a: argparse.Namespace) -> list[Rung]:
 def make_step(r: Rung, cfg, a: argparse.Namespace, device: torch.device):
     from nanopt.attention import BACKENDS
     from nanopt.model import build_model
-    from nanopt.optim import param_groups
 
     torch.manual_seed(0)
     model = build_model(cfg, device).train()
     model.set_attention(BACKENDS[r.attention])
     fwd = torch.compile(model) if r.compile else model
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
     idx = torch.randint(0, a.vocab, (r.micro_batch, a.seq), device=device)
     targets = torch.roll(idx, -1, dims=1)
-
-    def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=r.precision == "bf16"):
-            loss = fwd(idx, targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return C.make_step(model, lambda: fwd(idx, targets), r.precision, device)
 
 
 def main() -> None:

@@ -31,25 +31,6 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):
-    """The same step for both models: autocast forward, backward, clip 1.0, fused AdamW, zero_grad."""
-    from nanopt.optim import param_groups
-
-    fused = device.type in ("cuda", "cpu")
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-
-    def step() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = loss_fn()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
 def main() -> None:
     a = parse()
     if a.threads:
@@ -84,17 +65,17 @@ def main() -> None:
         hf = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
         ours = build_model(cfg, device).train()
         fns = {
-            "HF transformers": make_step(hf, lambda: hf(input_ids=idx, labels=idx).loss, precision, device),
-            "nanopt": make_step(ours, lambda: ours(idx, targets), precision, device),
+            "HF transformers": C.make_step(hf, lambda: hf(input_ids=idx, labels=idx).loss, precision, device),
+            "nanopt": C.make_step(ours, lambda: ours(idx, targets), precision, device),
         }
         if not a.no_compile:
             ours_c = build_model(cfg, device).train()
             compiled = torch.compile(ours_c)
-            fns["nanopt + compile"] = make_step(ours_c, lambda: compiled(idx, targets), precision, device)
+            fns["nanopt + compile"] = C.make_step(ours_c, lambda: compiled(idx, targets), precision, device)
         if a.hf_compile:
             hf_c = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
             hf_compiled = torch.compile(hf_c)
-            fns["HF + compile"] = make_step(hf_c, lambda: hf_compiled(input_ids=idx, labels=idx).loss, precision, device)
+            fns["HF + compile"] = C.make_step(hf_c, lambda: hf_compiled(input_ids=idx, labels=idx).loss, precision, device)
         t0 = time.perf_counter()
         for fn in fns.values():  # compile and allocate outside the timed rounds
             fn()

@@ -151,12 +151,14 @@ def test_xla_without_pjrt_device_is_a_clean_error():
     assert "PJRT_DEVICE" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_xla_without_torch_xla_is_a_clean_error():
-    import importlib.util
-
-    if importlib.util.find_spec("torch_xla") is not None:
-        pytest.skip("torch_xla is installed in this interpreter, so there is no missing-package error to see")
-    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"], env={"PJRT_DEVICE": "CPU"})
+def test_xla_without_torch_xla_is_a_clean_error(tmp_path):
+    # A stand-in package that fails to import, first on the path: the test runs whether or not this
+    # interpreter has the real torch_xla.
+    (tmp_path / "torch_xla").mkdir()
+    (tmp_path / "torch_xla" / "__init__.py").write_text("raise ImportError('No module named torch_xla (hidden)')\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"],
+                      env={"PJRT_DEVICE": "CPU", "PYTHONPATH": path})
     assert proc.returncode == 2, proc.stderr
     assert 'pip install -e ".[tpu]"' in proc.stderr and "Traceback" not in proc.stderr
 
