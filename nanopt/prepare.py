@@ -133,16 +133,12 @@ def batched(texts: Iterable[str], size: int, first: int = 0) -> Iterator[tuple[i
 def encode_documents(tokenizer, texts: list[str], bos: Optional[int], eos: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
     """A batch of texts -> (tokens per document [n] int64, the documents' tokens back to back [sum] uint32),
     each document framed by BOS/EOS when given."""
-    ids = tokenizer.encode_batch(texts)
-    body = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))  # n
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(body.sum()))
-    starts = np.cumsum(body) - body  # n: where each document's text begins in `flat`
-    if bos is not None:
-        flat = np.insert(flat, starts, bos)  # before each document; now doc i ends at cumsum(body)[i] + i + 1
-    if eos is not None:
-        ends = np.cumsum(body) + (np.arange(1, len(ids) + 1) if bos is not None else 0)
-        flat = np.insert(flat, ends, eos)
-    lengths = body + (bos is not None) + (eos is not None)
+    docs = tokenizer.encode_batch_arrays(texts)  # n arrays of uint32
+    head = [np.array([bos], dtype=np.uint32)] if bos is not None else []
+    tail = [np.array([eos], dtype=np.uint32)] if eos is not None else []
+    pieces = [piece for doc in docs for piece in (*head, doc, *tail)]
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs)) + (bos is not None) + (eos is not None)
     return lengths, flat
 
 

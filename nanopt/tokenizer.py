@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
+import numpy as np
+
 
 class Tokenizer(Protocol):
     name: str
@@ -32,6 +34,10 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
+
+    def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """Like encode_batch, one uint32 array per text (no Python int per token: nanopt prepare's path)."""
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -80,26 +86,32 @@ class HFTokenizer:
         return self.hf.encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many documents in one call, with the same ids as `encode` on each (tests/test_prepare.py checks).
+        """Many documents in one call, with the same ids as `encode` on each (tests/test_prepare.py checks)."""
+        return [a.tolist() for a in self.encode_batch_arrays(texts)]
+
+    def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """encode_batch as one uint32 array per document, the form nanopt prepare writes.
 
         Byte-level BPE tokenizers (GPT-2, Llama-3 style) run on tiktoken when it is installed (see
-        fastbpe.py); the first batch is encoded by both engines and any difference keeps the Hugging Face
-        one for good. Otherwise the Rust engine is called directly, skipping the transformers wrapper.
+        fastbpe.py), which hands back a buffer without building a Python int per token; the first batch
+        is encoded by both engines and any difference keeps the Hugging Face one for good. Otherwise the
+        Rust engine is called directly, skipping the transformers wrapper.
         """
         if self.fast_engine() is None:
-            return self._encode_batch_hf(texts)
-        ids = [self._tiktoken.encode(t, allowed_special="all") for t in texts]
+            return [np.array(ids, dtype=np.uint32) for ids in self._encode_batch_hf(texts)]
+        arrays = [self._tiktoken.encode_to_numpy(t, allowed_special="all") for t in texts]
         if not self._tiktoken_checked:
             self._tiktoken_checked = True
-            if ids != self._encode_batch_hf(texts):
+            reference = self._encode_batch_hf(texts)
+            if [a.tolist() for a in arrays] != reference:
                 import logging
 
                 logging.getLogger("nanopt").warning(
                     "tokenizer %s: the tiktoken engine disagrees with Hugging Face on the first batch; "
                     "using the Hugging Face engine", self.name)
                 self._tiktoken = False
-                return self._encode_batch_hf(texts)
-        return ids
+                return [np.array(ids, dtype=np.uint32) for ids in reference]
+        return arrays
 
     def fast_engine(self):
         """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its

@@ -179,8 +179,8 @@ def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, cap
     tok = get_tokenizer(str(tokenizer_dir))
 
     class Wrong:
-        def encode(self, text, allowed_special=()):
-            return [3] * len(text)
+        def encode_to_numpy(self, text, allowed_special=()):
+            return np.full(len(text), 3, dtype=np.uint32)
 
     tok._tiktoken = Wrong()
     with caplog.at_level("WARNING", logger="nanopt"):
