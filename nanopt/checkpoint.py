@@ -43,8 +43,11 @@ SAFE_KEYS = {
     "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.stop_at_target",
     "train.init_from", "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
+    "eval.every", "eval.test_at_end",
 }
-SAFE_SECTIONS = {"log", "eval", "sample", "runtime", "profile", "prepare", "mfu"}
+# Not eval.seed / eval.batches: they pick the validation windows, so changing them mid-run would make the
+# val-loss curve before and after the resume measure different tokens.
+SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu"}
 DERIVED_KEYS = {"train.grad_accum_steps"}  # follows from the world size, which may change
 
 

@@ -234,8 +234,12 @@ def test_changed_config_is_refused_unless_safe_or_allowed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.dim: 64 in the checkpoint, 32 now" in err and "train.lr" in err
     assert "checkpoint.allow_changes" in err
+    # The validation windows are part of the run: another eval.seed would measure different tokens.
+    assert train_here(tmp_path, "--train.max_steps=2", "--eval.seed=7") == 2
+    assert "eval.seed: 0 in the checkpoint, 7 now" in capsys.readouterr().err
     # Known-safe keys (length, cadence, logging) resume without complaint.
-    assert train_here(tmp_path, "--train.max_steps=3", "--checkpoint.every=3", "--log.every=2") == 0
+    assert train_here(tmp_path, "--train.max_steps=3", "--checkpoint.every=3", "--log.every=2",
+                      "--eval.every=3") == 0
     assert checkpoint.complete_checkpoints(tmp_path / "checkpoints")[-1].name == "step_000003"
     # An explicitly allowed change is accepted.
     assert train_here(tmp_path, "--train.max_steps=4", "--train.lr=0.001", "--checkpoint.allow_changes=train.lr") == 0
