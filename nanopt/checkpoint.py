@@ -41,7 +41,7 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # goes, what it logs or where things live, not the state the next step computes from.
 SAFE_KEYS = {
     "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.stop_at_target",
-    "train.init_from", "model.attention", "data.source", "data.dir", "data.verify_checksum",
+    "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
     "eval.every", "eval.test_at_end",
 }

@@ -81,6 +81,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
     compile: bool = False
+    # The loss runs over chunks of this many positions, recomputing each chunk's logits in backward, so
+    # at most chunk × vocab fp32 logits are live (README: "Data preparation and the 1B recipe"). Lower it
+    # when the logits dominate memory; 0 = never chunk (full logits, no recompute: fastest when they fit).
+    loss_chunk_tokens: int = 8192
     # The speedrun clock and warm starts (README: "Evaluation, sampling and export").
     target_val_loss: Optional[float] = None  # record step/tokens/train seconds when val loss first reaches it
     stop_at_target: bool = False  # end the run (final eval, checkpoint, summary) once the target is reached
@@ -472,7 +476,7 @@ def validate(cfg: Config) -> None:
     )
     _non_negative(
         cfg, "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio",
-        "eval.every", "checkpoint.every", "runtime.threads", "model.max_seq_len",
+        "train.loss_chunk_tokens", "eval.every", "checkpoint.every", "runtime.threads", "model.max_seq_len",
         "sample.num_samples", "sample.max_new_tokens", "sample.temperature", "sample.top_k",
     )
     m = cfg.model

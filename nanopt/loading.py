@@ -75,6 +75,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     ckpt = find_checkpoint(path)
     cfg = checkpoint_config(ckpt)
     model = build_model(cfg.model, device)
+    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
     try:
         checkpoint.load_model_weights(model, ckpt / "model.safetensors")
     except (ValueError, RuntimeError) as e:

@@ -144,7 +144,8 @@ class Llama(nn.Module):
         # Computed once, not saved: they follow from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss).
+        # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss); 0 =
+        # never chunk. The training loop sets it from `train.loss_chunk_tokens`.
         self.loss_chunk_tokens = 8192
 
     def set_attention(self, kernel: AttentionFn) -> None:
@@ -219,7 +220,7 @@ class Llama(nn.Module):
         flat_t = targets.reshape(-1)  # BT
         n = flat_h.shape[0]
         count = (flat_t != -100).sum().clamp(min=1)
-        if n <= self.loss_chunk_tokens:
+        if self.loss_chunk_tokens <= 0 or n <= self.loss_chunk_tokens:
             return F.cross_entropy(self.lm_head(flat_h).float(), flat_t, ignore_index=-100, reduction="sum") / count
         total = flat_h.new_zeros((), dtype=torch.float32)
         for start in range(0, n, self.loss_chunk_tokens):

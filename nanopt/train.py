@@ -165,6 +165,7 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     model = build_model(cfg.model, rt.device, init_device=rt.init_device)  # XLA: initialised with the host RNG
     if rt.param_dtype != torch.float32:
         model.to(rt.param_dtype)
+    model.loss_chunk_tokens = t.loss_chunk_tokens
     attention_name, kernel = choose(cfg.model.attention, rt.kind)
     model.set_attention(kernel)
     optimizer = build_optimizer(model, t, rt.kind)

@@ -100,6 +100,7 @@ CASES = [
     ("resume_false_nonempty", lambda f: [f"--run.dir={f['nonempty_run']}", "--checkpoint.resume=false"],
      ["nonempty_run", "not empty", "run.dir"]),
     ("mirror_protocol", lambda f: ["--checkpoint.mirror=nosuchfs://bucket/run"], ["checkpoint.mirror", "nosuchfs"]),
+    ("loss_chunk_negative", lambda f: ["--train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens", "zero or positive"]),
     ("allow_changes_typo", lambda f: ["--checkpoint.allow_changes=train.lrr"], ["checkpoint.allow_changes", "train.lrr"]),
     ("no_cuda", lambda f: ["--runtime.device=cuda"], ["runtime.device", "cpu"]),
 ]

@@ -31,7 +31,7 @@ def test_chunked_loss_and_every_gradient_match_the_full_logits_path(tie):
     full_loss, full_grads = _loss_and_grads(model, idx, targets, chunk=10**9)  # 130 tokens in one piece
     reference = torch.nn.functional.cross_entropy(model(idx).reshape(-1, vocab).float(), targets.reshape(-1))
     assert torch.allclose(full_loss, reference, atol=1e-6)
-    for chunk in (16, 47):
+    for chunk in (16, 47, 0):  # 0: `train.loss_chunk_tokens: 0`, never chunk
         loss, grads = _loss_and_grads(model, idx, targets, chunk)
         assert torch.allclose(loss, full_loss, atol=1e-6, rtol=1e-6)
         assert grads.keys() == full_grads.keys()
