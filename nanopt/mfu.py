@@ -2,7 +2,8 @@
 
 MFU = achieved model FLOP/s / (per-device dense peak × world size). "Model" FLOPs are the FLOPs the
 model needs per token whatever the implementation does (recomputation is not counted), so MFU compares
-runs across kernels, batch shapes and hardware.
+runs across kernels, batch shapes and hardware. HFU (hardware FLOPs utilisation) adds the FLOPs this
+implementation recomputes, so it says how busy the hardware was rather than how useful the work was.
 """
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int, causal_halving: bool
 def flops_per_token(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
     """Training FLOPs per token in the 6N + attention convention (the `mfu` we log)."""
     return flops_per_token_6n(m) + attention_flops_per_token(m, seq_len, causal_halving)
+
+
+def recompute_flops_per_token(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: int) -> int:
+    """FLOPs per token that nanopt computes twice: the chunked loss (model.py, `train.loss_chunk_tokens`)
+    runs the LM head forward again in backward, 2·vocab·dim per token, whenever a micro-batch holds more
+    positions than one chunk. Nothing else is recomputed (no activation checkpointing in the blocks)."""
+    chunked = 0 < loss_chunk_tokens < micro_batch_tokens
+    return 2 * param_counts(m).lm_head if chunked else 0
 
 
 # ---------------------------------------------------------------- dense peaks
@@ -241,9 +250,11 @@ class MFUMeter:
 
     def __init__(self, flops_per_token: float, flops_per_token_6n: float, tokens_per_step: int,
                  peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
-                 peak_label: str = ""):
+                 peak_label: str = "", flops_per_token_hw: Optional[float] = None):
         self.flops_per_token = flops_per_token
         self.flops_per_token_6n = flops_per_token_6n
+        # What the hardware computes: the model's FLOPs plus recomputation (for HFU).
+        self.flops_per_token_hw = flops_per_token if flops_per_token_hw is None else flops_per_token_hw
         self.tokens_per_step = tokens_per_step
         self.peak_flops = peak_flops  # per device
         self.world_size = world_size
@@ -253,7 +264,8 @@ class MFUMeter:
     def summary(self) -> dict[str, Any]:
         """What every MFU figure of the run is relative to, for summary.json."""
         return {"mfu_peak_flops_per_device": self.peak_flops, "mfu_peak_source": self.peak_label,
-                "flops_per_token": self.flops_per_token, "flops_per_token_6n": self.flops_per_token_6n}
+                "flops_per_token": self.flops_per_token, "flops_per_token_6n": self.flops_per_token_6n,
+                "flops_per_token_hardware": self.flops_per_token_hw}
 
     def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
         """Metrics for the `window_steps` optimizer steps ending at `step`, which took `step_seconds` each.
@@ -262,13 +274,15 @@ class MFUMeter:
         """
         window_steps = max(window_steps, 1)
         if step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
-            return {"mfu": None, "mfu_6n": None, "tflops_per_device": None}
+            return {"mfu": None, "mfu_6n": None, "hfu": None, "tflops_per_device": None}
         tokens_per_s_per_device = self.tokens_per_step / step_seconds / self.world_size
         achieved = tokens_per_s_per_device * self.flops_per_token
-        out: dict[str, Optional[float]] = {"mfu": None, "mfu_6n": None, "tflops_per_device": achieved / 1e12}
+        out: dict[str, Optional[float]] = {"mfu": None, "mfu_6n": None, "hfu": None,
+                                           "tflops_per_device": achieved / 1e12}
         if self.peak_flops:
             out["mfu"] = achieved / self.peak_flops
             out["mfu_6n"] = tokens_per_s_per_device * self.flops_per_token_6n / self.peak_flops
+            out["hfu"] = tokens_per_s_per_device * self.flops_per_token_hw / self.peak_flops
         return out
 
 
@@ -321,15 +335,17 @@ def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
     seq = cfg.train.seq_len
     fpt = flops_per_token(cfg.model, seq, cfg.mfu.causal_halving)
     fpt_6n = flops_per_token_6n(cfg.model)
+    micro_tokens = cfg.train.micro_batch_size * seq  # what one loss call sees (per process, XLA included)
+    fpt_hw = fpt + recompute_flops_per_token(cfg.model, micro_tokens, cfg.train.loss_chunk_tokens)
     peak, where = run_peak(cfg, rt)
     if rt.is_main:
         peak_text = "n/a" if peak is None else f"{peak / 1e12:.3f} TFLOP/s per device × {rt.num_devices}"
-        log.info("mfu: peak %s (%s); FLOPs/token %s (6N+attention, causal %s) | 6N %s",
+        log.info("mfu: peak %s (%s); FLOPs/token %s (6N+attention, causal %s) | 6N %s | hardware %s",
                  peak_text, where, f"{fpt:.4g}", "halved" if cfg.mfu.causal_halving else "full",
-                 f"{fpt_6n:.4g}")
+                 f"{fpt_6n:.4g}", f"{fpt_hw:.4g}")
     # num_devices: ranks on CUDA/CPU, every chip one SPMD process drives on XLA.
     return MFUMeter(fpt, fpt_6n, cfg.train.global_batch_tokens, peak, rt.num_devices, start_step,
-                    cfg.mfu.warmup_steps, where)
+                    cfg.mfu.warmup_steps, where, fpt_hw)
 
 
 # ---------------------------------------------------------------- time to train

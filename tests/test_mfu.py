@@ -78,6 +78,16 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     assert forward == expected_training // 3
     assert (forward + backward) / forward == pytest.approx(3.0, rel=0.01)
     assert forward + backward == pytest.approx(mfu.flops_per_token(m, T, causal_halving=False) * B * T, rel=0.01)
+    assert mfu.recompute_flops_per_token(m, B * T, model.loss_chunk_tokens) == 0  # 48 positions: one chunk
+
+    # A chunked loss recomputes each chunk's logits in backward: HFU counts that work, MFU does not.
+    model.zero_grad(set_to_none=True)
+    model.loss_chunk_tokens = 16  # 48 positions -> 3 chunks
+    with FlopCounterMode(display=False) as chunked_counter:
+        model(idx, idx).backward()
+    extra = mfu.recompute_flops_per_token(m, B * T, 16)
+    assert extra == 2 * m.vocab_size * m.dim
+    assert chunked_counter.get_total_flops() - (forward + backward) == extra * B * T
 
 
 # ---------------------------------------------------------------- peaks and detection
@@ -212,7 +222,7 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
     for world, accum in [(1, 4), (8, 1), (8, 4), (64, 2)]:
         got = simulated_mfu(world, accum)
         for a, b in zip(reference, got):
-            for key in ("mfu", "mfu_6n", "tflops_per_device"):
+            for key in ("mfu", "mfu_6n", "hfu", "tflops_per_device"):
                 assert a[key] == b[key] if a[key] is None else a[key] == pytest.approx(b[key])
     # ... and a device twice as fast reports twice the MFU (the comparison above can fail).
     assert simulated_mfu(8, 4, micro_s=0.01)[1]["mfu"] == pytest.approx(2 * reference[1]["mfu"])
@@ -271,6 +281,21 @@ def test_training_run_logs_numeric_mfu_on_cpu(tmp_path):
     assert steps[0]["mfu"] is None  # warm-up step
     for r in steps[1:]:
         assert isinstance(r["mfu"], float) and 0 < r["mfu_6n"] < r["mfu"], r
+        assert r["hfu"] == r["mfu"], r  # the small config's micro-batch is one loss chunk: nothing recomputed
         assert r["peak_memory_gib"] > 0, r
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "MEASURED" in summary["mfu_peak_source"] and summary["mfu_peak_flops_per_device"] > 0
+
+
+def test_hfu_counts_recomputation_on_top_of_mfu():
+    m = load_config(REPO / "configs" / "1b.yaml").model
+    fpt = mfu.flops_per_token(m, 4096)
+    # 1b.yaml: micro-batch 4 × 4096 = 16,384 positions, chunks of 8192 -> the LM head forward runs twice.
+    hw = fpt + mfu.recompute_flops_per_token(m, 4 * 4096, 8192)
+    assert hw - fpt == 2 * 128_256 * 2048
+    assert mfu.recompute_flops_per_token(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
+    meter = mfu.MFUMeter(fpt, mfu.flops_per_token_6n(m), tokens_per_step=2**20, peak_flops=989.4e12,
+                         world_size=8, warmup_steps=0, flops_per_token_hw=hw)
+    out = meter.update(step=5, window_steps=1, step_seconds=2.5)
+    assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]
+    assert meter.summary()["flops_per_token_hardware"] == hw
