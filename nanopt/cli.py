@@ -12,7 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("nanopt.main:run", "train a model (same as python -m nanopt.main)"),
     "prepare": ("nanopt.prepare:run", "tokenise a dataset into token shards (--estimate-only N to size it)"),
     "estimate": ("nanopt.mfu:estimate_command", "time, GPU-hours and cost to train a config at an assumed MFU"),
-    "eval": ("nanopt.evaluation:eval_cli", "evaluate a run or checkpoint on its val/test set; appends to metrics.jsonl"),
+    "eval": ("nanopt.evaluation:eval_cli", "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl"),
     "runs": ("nanopt.evaluation:runs_cli", "leaderboard of runs/*/summary.json: time-to-target, val loss/bpb"),
     "sample": ("nanopt.sample:sample_cli", "sample continuations of a prompt from a run, checkpoint or HF dir"),
     "export": ("nanopt.export:export_cli", "write a checkpoint as a Hugging Face LlamaForCausalLM directory"),

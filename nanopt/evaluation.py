@@ -41,9 +41,15 @@ def split_batches(cfg: Config, rt: Runtime, directory: Path, split: str, batches
     return data.eval_batches(windows, cfg.train.micro_batch_size, batches, rt.rank, rt.world_size, cfg.eval.seed)
 
 
+# Out-of-band results get their own file: the training process owns metrics.jsonl (a resume trims it past
+# the checkpoint's step, and on a Modal Volume the trainer's commit of it would drop lines written by
+# another container), so evaluations written there could be lost.
+EVALS = "evals.jsonl"
+
+
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line with a single write() in O_APPEND mode, so a line never interleaves with the
-    lines a running training process appends to the same metrics.jsonl."""
+    """Append one JSON line with a single write() in O_APPEND mode, so concurrent `nanopt eval` runs
+    never interleave their lines."""
     line = (json.dumps(record) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -119,7 +125,7 @@ def eval_cli(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="nanopt eval", description=(
         "Evaluate a checkpoint on the run's fixed validation (or test) set and append the result to the run's "
-        "metrics.jsonl. Safe while the run is still training; under torchrun the ranks share the batches."))
+        f"{EVALS}. Safe while the run is still training; under torchrun the ranks share the batches."))
     p.add_argument("path", help="a run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--split", choices=("val", "test"), default="val")
     p.add_argument("--batches", type=int, default=0, help="micro-batches in the evaluation set (default: eval.batches)")
@@ -155,10 +161,10 @@ def eval_cli(argv: list[str]) -> int:
                       "source": "nanopt eval", "checkpoint": str(ckpt), "eval_batches": batches_n,
                       "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
                       "world_size": rt.world_size, "precision": precision}
-            append_record(loaded.run_dir / "metrics.jsonl", record)
+            append_record(loaded.run_dir / EVALS, record)
             print(f"{ckpt} (step {loaded.step}) | {args.split} loss {loss:.4f} | {args.split} bpb {bpb:.4f} | "
                   f"{record['eval_tokens']:,} tokens in {seconds:.1f} s on {rt.world_size} rank(s) | "
-                  f"appended to {loaded.run_dir / 'metrics.jsonl'}")
+                  f"appended to {loaded.run_dir / EVALS}")
         runtime.teardown(rt, wait_for_peers=True)
     finally:
         runtime.teardown(rt)

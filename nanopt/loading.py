@@ -22,7 +22,7 @@ class Loaded:
     cfg: Config  # the run's resolved config; for a Hugging Face directory, defaults + its model shape
     source: Path  # the checkpoint directory or the Hugging Face directory
     step: Optional[int]  # optimizer steps behind these weights, when known
-    run_dir: Optional[Path]  # where the run's metrics.jsonl lives (None for a bare Hugging Face directory)
+    run_dir: Optional[Path]  # the run directory; None for a bare Hugging Face directory
 
 
 def is_hf_dir(path: Path) -> bool:

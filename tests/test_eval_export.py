@@ -23,8 +23,13 @@ CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def evals(run_dir: Path) -> list[dict]:
+    """What `nanopt eval` appended: its own file, never the trainer's metrics.jsonl."""
+    return records(run_dir, "evals.jsonl")
 
 
 def train(run_dir: Path, **changes) -> int:
@@ -86,10 +91,12 @@ def test_eval_batches_are_a_seeded_sample_of_the_whole_split(corpus_dir):
     assert starts != first
 
 
-def test_eval_checkpoint_is_deterministic_and_appends_to_metrics(trained_run):
+def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_run):
+    before = (trained_run / "metrics.jsonl").read_bytes()
     nanopt_cli("eval", trained_run)
     nanopt_cli("eval", trained_run / "checkpoints")
-    out_of_band = [r for r in records(trained_run) if r.get("source") == "nanopt eval"][-2:]
+    assert (trained_run / "metrics.jsonl").read_bytes() == before  # the trainer's log is left alone
+    out_of_band = [r for r in evals(trained_run) if r.get("source") == "nanopt eval"][-2:]
     assert len(out_of_band) == 2 and out_of_band[0]["step"] == 8
     assert out_of_band[0]["val_loss"] == out_of_band[1]["val_loss"]
     assert out_of_band[0]["val_bpb"] == out_of_band[1]["val_bpb"]
@@ -97,21 +104,21 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_metrics(trained_run):
     summary = json.loads((trained_run / "summary.json").read_text())
     assert out_of_band[0]["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
     nanopt_cli("eval", trained_run, "--split", "test")
-    test_record = records(trained_run)[-1]
+    test_record = evals(trained_run)[-1]
     assert test_record["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-6)
 
 
 def test_two_rank_eval_equals_one_rank_eval(trained_run):
     nanopt_cli("eval", trained_run, "--batches", "4")
-    one = records(trained_run)[-1]
+    one = evals(trained_run)[-1]
     proc = run_module(["torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli", "eval",
                        str(trained_run), "--batches", "4"], env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = records(trained_run)[-1]
+    two = evals(trained_run)[-1]
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-9)
     assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-9)
-    assert sum(r.get("world_size") == 2 for r in records(trained_run)) == 1  # rank 0 alone appends
+    assert sum(r.get("world_size") == 2 for r in evals(trained_run)) == 1  # rank 0 alone appends
 
 
 # ---------------------------------------------------------------- the speedrun clock
