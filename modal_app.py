@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,6 +31,9 @@ RUN_CONFIG_NAME = "modal_config.yaml"  # nanopt itself writes the resolved confi
 TRAIN_GPU = "H100"
 TRAIN_GPUS = 8
 EVAL_GPU = "L40S"  # 48 GB: enough to evaluate the 1B model in bf16, at a fraction of an H100's price
+BENCH_GPU = "H100"
+# The benches that mean something on a GPU (ddp.py and prepare.py measure CPU cores).
+GPU_BENCHES = ("vs_hf", "ladder")
 PREPARE_CPUS = 32.0
 DAY_S = 24 * 60 * 60  # Modal's longest function timeout; a retry after a timeout resumes the run
 COMMIT_EVERY_S = 10 * 60  # make checkpoints and metrics visible to other containers while training runs
@@ -76,6 +80,7 @@ image = (
     # Last: local sources are mounted at container start, so editing nanopt never rebuilds the image.
     .add_local_python_source("nanopt")
     .add_local_dir(REPO / "configs", "/root/configs")
+    .add_local_dir(REPO / "bench", "/root/bench")
 )
 
 app = modal.App(APP_NAME, image=image)
@@ -116,6 +121,13 @@ def eval_command(run_dir: str, split: str) -> list[str]:
 def prepare_command(config_path: str) -> list[str]:
     """`nanopt prepare --config FILE`."""
     return [sys.executable, "-m", "nanopt.cli", "prepare", "--config", config_path]
+
+
+def bench_command(name: str, args: str = "") -> list[str]:
+    """`python bench/NAME.py ARGS` (REPO is /root in the container, where bench/ is mounted)."""
+    if name not in GPU_BENCHES:
+        raise ValueError(f"no GPU bench {name!r}; choose one of: {', '.join(GPU_BENCHES)}")
+    return [sys.executable, str(REPO / "bench" / f"{name}.py"), *shlex.split(args)]
 
 
 def run_dir_for(run_name: str) -> str:
@@ -271,6 +283,16 @@ def evaluate(run_name: str, split: str = "val") -> int:
     code = subprocess.run(eval_command(run_dir_for(run_name), split), cwd=VOLUME_PATH, env=launch_env()).returncode
     volume.commit()
     return code
+
+
+@app.function(gpu=BENCH_GPU, timeout=2 * 60 * 60)
+def bench(name: str = "vs_hf", args: str = "") -> int:
+    """A bench on one GPU: `modal run modal_app.py::bench --name vs_hf --args "--repeats 7"`.
+
+    Where the 1.5x-over-Hugging-Face goal and the GPU rungs of the ladder get measured (README:
+    Performance); the output is the bench's own table, printed to this terminal.
+    """
+    return subprocess.run(bench_command(name, args)).returncode
 
 
 @app.function(cpu=PREPARE_CPUS, memory=64 * 1024, volumes={VOLUME_PATH: volume}, secrets=[hf_secret],

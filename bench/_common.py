@@ -115,6 +115,18 @@ def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), b
             return best
 
 
+def spec_peak(device: torch.device, precision: str) -> Optional[float]:
+    """The dense spec-sheet peak of a GPU nanopt.mfu knows (as training reports MFU), else None (CPU or unknown)."""
+    if device.type != "cuda":
+        return None
+    from nanopt import mfu
+    from nanopt.runtime import Runtime
+
+    rt = Runtime("cuda", device, 0, 0, 1, 1, precision)
+    key = mfu.detect_hardware(rt.hardware_name(), rt.power_limit_watts())
+    return None if key is None else mfu.table_peak(key, precision)
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token exactly as the training loop counts them (nanopt.mfu): 6N + attention.
 

@@ -1,5 +1,5 @@
 """The optimisation ladder on this machine: each rung's tokens/s and MFU against the matmul peak
-measured in the same alternating rounds (spec-sheet peak on a known GPU).
+measured in the same alternating rounds (on a GPU nanopt.mfu knows, its spec-sheet peak, as in training).
 
     python bench/ladder.py                     # dim 512, 4 layers, seq 256
     python bench/ladder.py --repeats 5 --no-compile
@@ -95,6 +95,9 @@ def main() -> None:
     fns["peak fp32"] = lambda: peaks["fp32"].append(C.peak_flops(torch.float32, device))
     times = C.alternate(fns, repeats=a.repeats, warmup=1, device=device)
     peak = {k: C.median(v) for k, v in peaks.items()}
+    # MFU as training reports it: a known GPU's spec sheet; on CPU (or an unknown GPU) the measured peak.
+    spec = {k: C.spec_peak(device, k) for k in peak}
+    mfu_peak = spec if all(spec.values()) else peak
 
     print(f"\n{'rung':28s} | {'prec':4s} | {'mb':>2s} | {'step ms':>7s} | {'spread':>6s} | {'tokens/s':>8s} "
           f"| {'GFLOP/s':>7s} | {'MFU':>5s} | {'% bf16 peak':>11s}")
@@ -104,13 +107,15 @@ def main() -> None:
         m = C.median(times[r.label])
         tps = r.micro_batch * a.seq / m
         achieved = fpt * tps
-        mfu = achieved / peak[r.precision]
+        mfu = achieved / mfu_peak[r.precision]
         of_bf16 = achieved / peak["bf16"]
         best = max(best, (of_bf16, r.label))
         print(f"{r.label:28s} | {r.precision:4s} | {r.micro_batch:2d} | {1000 * m:7.0f} | {C.spread(times[r.label]):>6s} "
               f"| {tps:8.0f} | {achieved / 1e9:7.1f} | {100 * mfu:4.0f}% | {100 * of_bf16:10.0f}%")
     print(f"measured matmul peak: bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s "
-          f"(median of {a.repeats} in-round bests); MFU is against the rung's own precision")
+          f"(median of {a.repeats} in-round bests); MFU is against the rung's own precision, "
+          + ("measured peak" if mfu_peak is peak else
+             f"spec-sheet peak bf16 {spec['bf16'] / 1e12:.0f} / fp32 (tf32) {spec['fp32'] / 1e12:.0f} TFLOP/s"))
     first = C.median(times[ladder[0].label]) / ladder[0].micro_batch
     last = min(C.median(times[r.label]) / r.micro_batch for r in ladder)
     print(f"RATIO best rung = {100 * best[0]:.0f}% of the measured bf16 matmul peak ({best[1]}); "

@@ -113,6 +113,18 @@ def test_other_functions_spec():
     assert modal_app.tensorboard_app.info().web_info is not None
 
 
+def test_bench_function_runs_a_real_bench(capfd):
+    assert modal_app.bench.info().gpus == [(modal_app.BENCH_GPU, 1)]
+    with pytest.raises(ValueError, match="vs_hf, ladder"):
+        modal_app.bench_command("ddp")  # a CPU-only bench is refused, naming the ones that make sense
+    # .local() runs the real bench script (here on CPU, at a toy shape) and passes its exit code on.
+    args = ("--dim 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --vocab 64 --seq 16 --batch 2 --repeats 1 "
+            "--profile-rounds 1 --precisions fp32 --no-compile")
+    assert modal_app.bench.local("vs_hf", args) == 0
+    out = capfd.readouterr().out
+    assert "RATIO fp32: nanopt/HF" in out and "CEILING fp32" in out
+
+
 def test_multinode_is_a_cluster_when_asked_for(tmp_path):
     code = ("import modal_app\n"
             "info = modal_app.train_multinode.info()\n"
