@@ -41,24 +41,31 @@ HARD_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_f
             "aten::_efficient_attention_backward", "aten::_flash_attention_forward", "aten::_flash_attention_backward")
 
 
-def kernel_split(fns: dict, names: tuple[str, ...], rounds: int) -> dict[str, tuple[float, float]]:
+def kernel_split(fns: dict, names: tuple[str, ...], rounds: int,
+                 device: torch.device) -> dict[str, tuple[float, float]]:
     """{name: (median seconds per step in matmul + attention kernels, median wall seconds per step)}, from
     `rounds` profiled steps of each model, alternating like the timing rounds.
 
-    Kernel time is the self time of those ops on the calling thread (each runs its own OpenMP team, so it
-    is wall time); both models pay the same small profiler overhead per op.
+    On CPU, kernel time is the self time of those ops on the calling thread (each runs its own OpenMP
+    team, so it is wall time); on CUDA, the GPU time of the kernels they launch. Both models pay the same
+    small profiler overhead per op.
     """
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     hard: dict[str, list[float]] = {n: [] for n in names}
     wall: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(rounds):
         for name in names:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=activities) as prof:
+                C.sync(device)
                 t0 = time.perf_counter()
                 fns[name]()
+                C.sync(device)
                 wall[name].append(time.perf_counter() - t0)
-            hard[name].append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in HARD_OPS) / 1e6)
+            events = [e for e in prof.key_averages() if e.key in HARD_OPS]
+            hard[name].append(sum(e.device_time_total if cuda else e.self_cpu_time_total for e in events) / 1e6)
     return {n: (C.median(hard[n]), C.median(wall[n])) for n in names}
 
 
@@ -115,7 +122,7 @@ def main() -> None:
         times = C.alternate(fns, repeats=a.repeats, warmup=1, device=device)
         base = C.median(times["HF transformers"])
         # Where the eager step goes, to bound what removing overhead could ever win.
-        for name, split in kernel_split(fns, ("HF transformers", "nanopt"), a.profile_rounds).items():
+        for name, split in kernel_split(fns, ("HF transformers", "nanopt"), a.profile_rounds, device).items():
             hard[(precision, name)] = split
         for name, ts in times.items():
             m = C.median(ts)
