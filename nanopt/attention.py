@@ -73,8 +73,8 @@ BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash
 from nanopt.runtime import flash_unavailable_reason  # noqa: E402
 
 
-def choose(name: str, device_type: str) -> tuple[str, AttentionFn]:
-    """Resolve the configured backend for this device, logging any fallback and its reason once."""
+def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, AttentionFn]:
+    """Resolve the configured backend for this device and precision, logging any fallback and its reason once."""
     if name == "xla_flash":
         from nanopt.runtime import xla_flash_unavailable_reason  # the device check lives with the device
 
@@ -84,7 +84,7 @@ def choose(name: str, device_type: str) -> tuple[str, AttentionFn]:
         log.warning("attention: xla_flash requested but %s; falling back to sdpa", reason)
         return "sdpa", sdpa
     if name in ("flash", "auto"):
-        reason = flash_unavailable_reason(device_type)
+        reason = flash_unavailable_reason(device_type, precision)
         if reason is None:
             return "flash", flash
         if name == "flash":

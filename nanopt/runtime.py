@@ -275,10 +275,12 @@ def _init_xla(rank: int, world: int, precision: str) -> Runtime:
     return Runtime("xla", backend.device, 0, 0, 1, 1, precision, xla=backend)
 
 
-def flash_unavailable_reason(device_type: str) -> Optional[str]:
-    """Why flash-attn (CUDA only) cannot be used on this device, or None when it can."""
+def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optional[str]:
+    """Why flash-attn (CUDA only, fp16/bf16 only) cannot be used for this run, or None when it can."""
     if device_type != "cuda":
         return f"flash-attn needs a CUDA device (this run is on {device_type})"
+    if precision == "fp32":  # its kernels reject fp32 q/k/v, and an fp32 run has no autocast to cast them
+        return "flash-attn computes in fp16/bf16 only and train.precision is fp32"
     try:
         import flash_attn  # noqa: F401
     except ImportError as e:

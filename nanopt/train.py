@@ -166,7 +166,7 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     if rt.param_dtype != torch.float32:
         model.to(rt.param_dtype)
     model.loss_chunk_tokens = t.loss_chunk_tokens
-    attention_name, kernel = choose(cfg.model.attention, rt.kind)
+    attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision)
     model.set_attention(kernel)
     optimizer = build_optimizer(model, t, rt.kind)
     state = RunState()

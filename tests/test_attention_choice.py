@@ -44,6 +44,16 @@ def test_on_cuda_with_the_package_auto_and_flash_pick_flash(monkeypatch):
     assert choose("sdpa", "cuda") == ("sdpa", sdpa)  # an explicit choice is never overridden
 
 
+def test_an_fp32_run_on_cuda_keeps_sdpa_because_flash_rejects_fp32(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))
+    assert "fp16/bf16 only" in flash_unavailable_reason("cuda", "fp32")
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        assert choose("auto", "cuda", "fp32") == ("sdpa", sdpa)
+        assert choose("flash", "cuda", "fp32") == ("sdpa", sdpa)
+    assert "train.precision is fp32" in caplog.text
+    assert choose("auto", "cuda", "bf16-pure") == ("flash", attention.flash)
+
+
 HAVE_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
