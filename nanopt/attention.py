@@ -56,8 +56,13 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
     """
     from flash_attn import flash_attn_func  # imported lazily: the package exists only on CUDA hosts
 
+    dtype = q.dtype
+    if not (dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == dtype):
+        # Its kernels take one half type only. Training never gets here in fp32 (choose() keeps SDPA),
+        # but sampling at the end of a bf16-autocast run calls the model outside autocast with fp32 weights.
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).to(dtype)
 
 
 def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:

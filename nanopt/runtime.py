@@ -299,15 +299,26 @@ def ddp_device_ids(rt: "Runtime") -> Optional[list[int]]:
 
 
 def device_rng_state() -> dict[str, Any]:
-    """RNG states of accelerators in use (CUDA), for exact resume; empty elsewhere."""
+    """This rank's own GPU generator (CUDA), for exact resume; empty elsewhere.
+
+    One state, not get_rng_state_all(): every rank sees all 8 GPUs of its node, and restoring 8 states
+    on a resume with fewer visible GPUs would index generators that do not exist.
+    """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {"cuda": torch.cuda.get_rng_state_all()}
+        return {"cuda": torch.cuda.get_rng_state(torch.cuda.current_device())}
     return {}
 
 
 def set_device_rng_state(state: dict[str, Any]) -> None:
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda")
+    if saved is None or not torch.cuda.is_available():
+        return
+    if isinstance(saved, (list, tuple)):  # written by nanopt before this was per rank: one state per GPU
+        index = torch.cuda.current_device()
+        if index >= len(saved):
+            return
+        saved = saved[index]
+    torch.cuda.set_rng_state(saved, torch.cuda.current_device())
 
 
 def xla_flash_unavailable_reason(device_type: str) -> Optional[str]:

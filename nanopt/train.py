@@ -187,8 +187,10 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     if t.compile:
         train_model = torch.compile(model)
     if rt.distributed:
+        # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
+        # before each forward (DDP's default would send them from rank 0 every micro-step).
         train_model = DDP(train_model, device_ids=runtime.ddp_device_ids(rt),
-                          gradient_as_bucket_view=True)
+                          gradient_as_bucket_view=True, broadcast_buffers=False)
     step_fn = rt.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
 
     metrics = MetricsLogger(

@@ -71,3 +71,28 @@ def test_flash_matches_sdpa_on_cuda(kv_heads, tq, tk):
     out = attention.flash(q, k, v, offset)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_wrapper_hands_flash_attn_one_half_dtype_and_returns_the_callers(monkeypatch):
+    """CPU twin of the flash path's layout and dtype handling: a stand-in flash_attn_func that enforces
+    flash-attn's input rules (B T H D, fp16/bf16 only, one dtype) and computes causal attention with SDPA.
+    The real kernel's numerics are the CUDA test above."""
+    seen = []
+
+    def flash_attn_func(q, k, v, causal):
+        assert causal and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+        seen.append(q.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)  # B T H D, like flash-attn
+
+    fake = type(sys)("flash_attn")
+    fake.flash_attn_func = flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)  # B H T D, GQA
+    out = attention.flash(q, k, v)  # fp32 in (sampling outside autocast): computed in bf16, fp32 out
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32
+    assert torch.allclose(out, sdpa(q, k, v), atol=3e-2)
+    out = attention.flash(q.bfloat16(), k.bfloat16(), v.bfloat16())  # the training path: untouched bf16
+    assert seen[-1] == torch.bfloat16 and out.dtype == torch.bfloat16

@@ -303,3 +303,22 @@ def test_every_rng_round_trips_through_a_weights_only_checkpoint(tmp_path):
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
     checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_a_gpu_rank_restores_its_own_generator_whatever_the_visible_gpu_count(monkeypatch):
+    """CPU twin of the CUDA RNG restore: torch.cuda's state calls are replaced by recorders, so what is
+    checked is which saved state goes to which device (the real generators need a GPU)."""
+    from nanopt import runtime
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((state, device)))
+    own = torch.tensor([7], dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    runtime.set_device_rng_state({"cuda": own})  # today's format: this rank's state only
+    runtime.set_device_rng_state({"cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(8)]})  # older: all 8
+    assert [(int(s), d) for s, d in calls] == [(7, 3), (3, 3)]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    runtime.set_device_rng_state({"cuda": [own] * 4})  # saved on a 4-GPU node, restored as GPU 5: nothing to take
+    runtime.set_device_rng_state({})  # a CPU checkpoint
+    assert len(calls) == 2
