@@ -42,6 +42,7 @@ MASTER_PORT = 29500
 # containers, each with the requested GPUs. The cluster size is fixed when the function is decorated.
 NODES = int(os.environ.get("NANOPT_MODAL_NODES", "1") or 1)
 
+PYTHON_VERSION = "3.11"
 TORCH_VERSION = "2.8.0"  # the default PyPI wheel for Linux is the CUDA 12.8 build
 FLASH_ATTN_VERSION = "2.8.3"  # has prebuilt wheels for torch 2.8 / CUDA 12 / Python 3.11
 PIP_PACKAGES = [
@@ -61,15 +62,22 @@ PIP_PACKAGES = [
     "ninja",
     "wheel",
 ]
-# flash-attn only installs cleanly from a prebuilt wheel (a source build needs nvcc and an hour). If no
-# wheel matches, the image keeps going without it and `model.attention: auto` falls back to sdpa.
+# flash-attn from its release's prebuilt wheel for this torch, CUDA 12, the C++11 ABI (PyPI's torch 2.8 wheels)
+# and Python 3.11, by URL: `pip install flash-attn==X` fetches the source package, whose setup.py needs
+# nvcc (absent from debian_slim) before it ever looks for a wheel. If the wheel cannot be installed, the
+# image keeps going without it and `model.attention: auto` falls back to sdpa.
+FLASH_ATTN_WHEEL = (
+    f"https://github.com/Dao-AILab/flash-attention/releases/download/v{FLASH_ATTN_VERSION}/"
+    f"flash_attn-{FLASH_ATTN_VERSION}%2Bcu12torch{'.'.join(TORCH_VERSION.split('.')[:2])}cxx11abiTRUE-"
+    f"cp{PYTHON_VERSION.replace('.', '')}-cp{PYTHON_VERSION.replace('.', '')}-linux_x86_64.whl"
+)
 FLASH_ATTN_INSTALL = (
-    f"pip install --no-build-isolation flash-attn=={FLASH_ATTN_VERSION} && python -c 'import flash_attn' "
+    f"pip install '{FLASH_ATTN_WHEEL}' && python -c 'import flash_attn' "
     "|| (pip uninstall -y flash-attn; echo 'flash-attn is not available in this image; attention uses sdpa')"
 )
 
 image = (
-    modal.Image.debian_slim(python_version="3.11")
+    modal.Image.debian_slim(python_version=PYTHON_VERSION)
     .pip_install(*PIP_PACKAGES)
     .run_commands(FLASH_ATTN_INSTALL)
     .env({
@@ -118,9 +126,11 @@ def eval_command(run_dir: str, split: str) -> list[str]:
     return [sys.executable, "-m", "nanopt.cli", "eval", run_dir, "--split", split]
 
 
-def prepare_command(config_path: str) -> list[str]:
-    """`nanopt prepare --config FILE`."""
-    return [sys.executable, "-m", "nanopt.cli", "prepare", "--config", config_path]
+def prepare_command(config_path: str, workers: int = 0) -> list[str]:
+    """`nanopt prepare --config FILE`, with `--prepare.workers=N` when given: inside a Modal container
+    os.cpu_count() can report the host's cores rather than the ones the function asked for."""
+    cmd = [sys.executable, "-m", "nanopt.cli", "prepare", "--config", config_path]
+    return cmd + [f"--prepare.workers={workers}"] if workers else cmd
 
 
 def bench_command(name: str, args: str = "") -> list[str]:
@@ -225,15 +235,34 @@ def committing(every_s: float) -> Iterator[None]:
         volume.commit()
 
 
-def finish(what: str, run_name: str, code: int, forwarded: Optional[int]) -> dict[str, Any]:
-    """Turn an exit code into a result, or into an exception that makes Modal retry (and nanopt resume)."""
+EXIT_BAD_INPUT, EXIT_DIVERGED = 2, 3  # nanopt.faults' codes that a retry would only repeat
+
+
+def worker_exit_codes(path: Path) -> list[int]:
+    """The codes nanopt's workers recorded in NANOPT_EXIT_STATUS_FILE ("RANK CODE" lines), if any."""
+    try:
+        return [int(line.split()[1]) for line in path.read_text().splitlines() if len(line.split()) == 2]
+    except (OSError, ValueError):
+        return []
+
+
+def finish(what: str, run_name: str, code: int, forwarded: Optional[int],
+           worker_codes: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Turn an exit code into a result, or into an exception that makes Modal retry (and nanopt resume).
+
+    `code` is the launched command's (torchrun says 1 for any failed worker); `worker_codes` are what
+    nanopt's own processes recorded, which tell bad input and divergence apart from a crash.
+    """
     result = {"run_dir": f"{VOLUME_PATH}/{run_dir_for(run_name)}", "exit_code": code}
     if forwarded is not None:
         raise RuntimeError(f"{what} was interrupted by signal {forwarded}; the next attempt resumes from "
                            f"the newest checkpoint in {result['run_dir']}.")
-    if code == 2:
-        # nanopt's exit code for bad input: a retry would fail the same way, so report instead of raising.
-        result["error"] = f"{what} rejected its config (exit code 2); see the log above."
+    final = [c for c in (code, *worker_codes) if c in (EXIT_BAD_INPUT, EXIT_DIVERGED)]
+    if final:
+        # A retry would fail the same way (same config and data; a deterministic resume diverges again).
+        reason = "rejected its config or data" if EXIT_BAD_INPUT in final else "stopped on a non-finite loss"
+        result["exit_code"] = final[0]
+        result["error"] = f"{what} {reason} (exit code {final[0]}); see the log above. Not retried."
         return result
     if code != 0:
         raise RuntimeError(f"{what} exited with code {code}; Modal retries and nanopt resumes from the "
@@ -246,16 +275,22 @@ def finish(what: str, run_name: str, code: int, forwarded: Optional[int]) -> dic
 
 def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "") -> dict[str, Any]:
+    import tempfile
+
+    from nanopt.main import EXIT_STATUS_ENV
+
     config_path = write_run_config(config_yaml, run_name)
     cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr)
     print("modal_app: " + " ".join(cmd), flush=True)
+    status = Path(tempfile.mkdtemp(prefix="nanopt-exit-")) / "codes"  # in the container, not on the Volume
+    env = {**launch_env(), EXIT_STATUS_ENV: str(status)}
     if node_rank != 0:  # only node 0 writes results (nanopt's rank 0), so only it commits
-        code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, launch_env())
+        code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
     else:
         volume.commit()
         with committing(COMMIT_EVERY_S):
-            code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, launch_env())
-    return finish("training", run_name, code, forwarded)
+            code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
+    return finish("training", run_name, code, forwarded, tuple(worker_exit_codes(status)))
 
 
 @app.function(**TRAIN_OPTIONS)
@@ -299,9 +334,12 @@ def bench(name: str = "vs_hf", args: str = "") -> int:
               timeout=DAY_S)
 def prepare_data(config_yaml: str, run_name: str) -> None:
     """`nanopt prepare` on a many-core CPU container, writing token shards to data.dir on the Volume."""
+    from nanopt.config import load_config
+
     config_path = write_run_config(config_yaml, run_name)
+    workers = load_config(config_path).prepare.workers or int(PREPARE_CPUS)  # the config's own choice wins
     with committing(COMMIT_EVERY_S):
-        code = subprocess.run(prepare_command(config_path), cwd=VOLUME_PATH, env=launch_env()).returncode
+        code = subprocess.run(prepare_command(config_path, workers), cwd=VOLUME_PATH, env=launch_env()).returncode
     if code != 0:
         raise RuntimeError(f"nanopt prepare exited with code {code}; training was not started.")
 

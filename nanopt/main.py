@@ -77,7 +77,22 @@ def pop_debug(argv: list[str]) -> tuple[bool, list[str]]:
     return len(rest) != len(argv) or debug_enabled(), rest
 
 
+# torchrun exits 1 whenever any worker fails, whatever the worker's own code was. A launcher that must tell
+# bad input (2) or a diverged run (3), which a retry cannot fix, from a crash or a preemption sets this to
+# a file path; each worker appends "RANK CODE" to it as it exits (modal_app.py reads it).
+EXIT_STATUS_ENV = "NANOPT_EXIT_STATUS_FILE"
+
+
 def run(argv: list[str]) -> int:
+    code = _run(argv)
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {code}\n")
+    return code
+
+
+def _run(argv: list[str]) -> int:
     # Idle OpenMP threads sleep instead of spinning: on a busy CPU, spinning steals the cores the other
     # thread needs (2-3x slower steps, bench/README "Performance"). libgomp reads it when torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

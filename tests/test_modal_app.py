@@ -151,6 +151,14 @@ def test_image_installs_every_runtime_dependency_of_the_package():
 # ---------------------------------------------------------------- commands
 
 
+def test_flash_attn_comes_from_the_wheel_built_for_the_images_torch_and_python():
+    wheel = modal_app.FLASH_ATTN_WHEEL
+    assert wheel.endswith(".whl") and f"/v{modal_app.FLASH_ATTN_VERSION}/" in wheel
+    assert "torch2.8cxx11abiTRUE" in wheel and "cp311-cp311" in wheel  # TORCH_VERSION 2.8.0, Python 3.11
+    assert (modal_app.TORCH_VERSION, modal_app.PYTHON_VERSION) == ("2.8.0", "3.11")  # bump both together
+    assert f"'{wheel}'" in modal_app.FLASH_ATTN_INSTALL and "attention uses sdpa" in modal_app.FLASH_ATTN_INSTALL
+
+
 def test_torchrun_command_is_what_the_readme_says():
     readme = (REPO / "README.md").read_text()
     config = f"{modal_app.VOLUME_PATH}/runs/<name>/{modal_app.RUN_CONFIG_NAME}"
@@ -166,6 +174,7 @@ def test_torchrun_command_is_what_the_readme_says():
 def test_eval_and_prepare_commands_call_the_nanopt_cli():
     assert modal_app.eval_command("runs/1b", "val")[1:] == ["-m", "nanopt.cli", "eval", "runs/1b", "--split", "val"]
     assert modal_app.prepare_command("c.yaml")[1:] == ["-m", "nanopt.cli", "prepare", "--config", "c.yaml"]
+    assert modal_app.prepare_command("c.yaml", 32)[-1] == "--prepare.workers=32"
 
 
 def test_finish_retries_crashes_and_interruptions_but_not_config_errors():
@@ -173,6 +182,12 @@ def test_finish_retries_crashes_and_interruptions_but_not_config_errors():
     assert "error" in modal_app.finish("training", "r", 2, None)  # retrying cannot fix a bad config
     with pytest.raises(RuntimeError, match="code 1"):
         modal_app.finish("training", "r", 1, None)
+    # torchrun says 1 for any failed worker; the workers' own codes decide. Ranks that torchrun stopped
+    # after another rank's bad input record 75, and the bad input still wins.
+    assert modal_app.finish("training", "r", 1, None, (2, 75))["exit_code"] == 2
+    assert "non-finite" in modal_app.finish("training", "r", 1, None, (3, 3))["error"]
+    with pytest.raises(RuntimeError, match="code 1"):
+        modal_app.finish("training", "r", 1, None, (75, 75))  # preempted without a forwarded signal: retry
     with pytest.raises(RuntimeError, match="interrupted"):
         modal_app.finish("training", "r", 0, signal.SIGINT)  # preempted: the attempt must not count as done
 
@@ -216,6 +231,23 @@ def trained(tmp_path_factory):
             warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted; that is the point
             result = modal_app.train.local(config_yaml, cfg.run.name, 2)
     return tmp / "vol", result, fake
+
+
+def test_bad_data_under_torchrun_is_reported_not_retried(tmp_path, capfd):
+    """Real torchrun (2 CPU ranks) on a config whose shards do not exist: torchrun exits 1, the workers
+    record 2, and the function returns the error instead of raising (which would make Modal retry)."""
+    fake = FakeVolume()
+    with mock.patch.object(modal_app, "volume", fake), \
+            mock.patch.object(modal_app, "VOLUME_PATH", str(tmp_path / "vol")):
+        (tmp_path / "vol" / "empty").mkdir(parents=True)
+        config_yaml, cfg = modal_app.check_config(str(small_config(tmp_path)), 2, "no-data")
+        config_yaml = config_yaml.replace("source: embedded", "source: empty")
+        assert "source: empty" in config_yaml
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = modal_app.train.local(config_yaml, cfg.run.name, 2)
+    assert result["exit_code"] == 2 and "Not retried" in result["error"], result
+    assert "train_*.bin" in capfd.readouterr().err  # nanopt's own one-paragraph error reached the log
 
 
 def test_training_function_launches_torchrun_and_writes_the_run_directory(trained):
