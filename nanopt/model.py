@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 from nanopt.attention import AttentionFn, sdpa
 from nanopt.config import ModelConfig
+from nanopt.runtime import checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -216,17 +216,17 @@ class Llama(nn.Module):
         one chunk of logits instead of the whole batch: at vocab 128256 and 16k tokens the full fp32
         logits alone would be 8.4 GB. A single chunk takes the plain path.
         """
-        flat_h = h.reshape(-1, h.shape[-1])  # BT C
-        flat_t = targets.reshape(-1)  # BT
-        n = flat_h.shape[0]
-        count = (flat_t != -100).sum().clamp(min=1)
-        if self.loss_chunk_tokens <= 0 or n <= self.loss_chunk_tokens:
-            return F.cross_entropy(self.lm_head(flat_h).float(), flat_t, ignore_index=-100, reduction="sum") / count
-        total = flat_h.new_zeros((), dtype=torch.float32)
-        for start in range(0, n, self.loss_chunk_tokens):
-            end = start + self.loss_chunk_tokens
-            total = total + torch.utils.checkpoint.checkpoint(
-                _chunk_loss_sum, flat_h[start:end], flat_t[start:end], self.lm_head.weight, use_reentrant=False
+        B, T, _ = h.shape
+        count = (targets != -100).sum().clamp(min=1)
+        if self.loss_chunk_tokens <= 0 or B * T <= self.loss_chunk_tokens:
+            return _chunk_loss_sum(h, targets, self.lm_head.weight) / count
+        # Chunks run along the sequence and span the whole batch, so with the batch sharded over devices
+        # (XLA SPMD) every chunk keeps every device busy.
+        step = max(1, self.loss_chunk_tokens // B)
+        total = h.new_zeros((), dtype=torch.float32)
+        for start in range(0, T, step):
+            total = total + checkpoint(
+                _chunk_loss_sum, h[:, start : start + step], targets[:, start : start + step], self.lm_head.weight
             )
         return total / count
 
@@ -239,8 +239,9 @@ class Llama(nn.Module):
 
 
 def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(h, weight)  # N C @ C V -> N V
-    return F.cross_entropy(logits.float(), t, ignore_index=-100, reduction="sum")
+    """Summed cross-entropy of h (B T C) against t (B T), -100 ignored."""
+    logits = F.linear(h, weight)  # B T C @ C V -> B T V
+    return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu",

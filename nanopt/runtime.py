@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 
 from nanopt.config import ConfigError
@@ -266,11 +267,11 @@ def _init_xla(rank: int, world: int, precision: str) -> Runtime:
     if world > 1:
         raise ConfigError(
             f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). On XLA one "
-            f"process drives all chips through SPMD: run `python -m nanopt.main ...` once per host, without torchrun."
+            f"process drives all of a host's chips through SPMD: run `python -m nanopt.main ...` without torchrun."
         )
     from nanopt.xla import XlaBackend
 
-    backend = XlaBackend()
+    backend = XlaBackend(precision)
     log.info("xla: SPMD over %d %s device(s), mesh ('data',)", backend.num_devices, backend.pjrt_device)
     return Runtime("xla", backend.device, 0, 0, 1, 1, precision, xla=backend)
 
@@ -319,6 +320,19 @@ def set_device_rng_state(state: dict[str, Any]) -> None:
             return
         saved = saved[index]
     torch.cuda.set_rng_state(saved, torch.cuda.current_device())
+
+
+def checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """Activation checkpointing (recompute `fn` in backward) on any device.
+
+    On XLA torch's own checkpoint fails (it looks up a `torch.xla` module) and XLA's common-subexpression
+    pass would fold the recompute away anyway: torch_xla's version adds an optimisation barrier.
+    """
+    if args[0].device.type == "xla":
+        from nanopt.xla import checkpoint as xla_checkpoint
+
+        return xla_checkpoint(fn, *args)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def xla_flash_unavailable_reason(device_type: str) -> Optional[str]:

@@ -50,7 +50,7 @@ def _select_pjrt_device() -> str:
 class XlaBackend:
     """One process drives every local chip through SPMD: parameters replicated, batches sharded on 'data'."""
 
-    def __init__(self) -> None:
+    def __init__(self, precision: str = "bf16") -> None:
         # Python scalars (lr, loss scale, ...) become graph inputs instead of constants: no recompiles.
         os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
         self.pjrt_device = _select_pjrt_device()
@@ -69,6 +69,16 @@ class XlaBackend:
         self._torch_xla, self._xr, self._xs, self._met = torch_xla, xr, xs, met
         # SPMD must be switched on before anything touches the runtime (device queries included).
         xr.use_spmd()
+        if xr.process_count() > 1:
+            raise ConfigError(
+                f"`runtime.device` is xla on a multi-host TPU slice ({xr.process_count()} hosts). nanopt drives the "
+                f"chips of one host through SPMD; pod slices are not supported. Use a single-host slice (e.g. v6e-4 or v6e-8)."
+            )
+        if precision == "fp32":
+            # On TPU an fp32 matmul is one bf16 pass by default; an fp32 run should compute in fp32.
+            import torch_xla.backends
+
+            torch_xla.backends.set_mat_mul_precision("highest")
         if self.pjrt_device == "TPU":
             cache = Path(os.environ.get("NANOPT_CACHE", Path.home() / ".cache" / "nanopt")) / "xla-compile-cache"
             cache.mkdir(parents=True, exist_ok=True)
@@ -194,6 +204,13 @@ class XlaBackend:
 # ---------------------------------------------------------------- Pallas flash attention (TPU)
 
 
+def checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """torch_xla's activation checkpointing (reentrant only), with the barrier that keeps the recompute."""
+    from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+    return xla_checkpoint(fn, *args)
+
+
 def flash_unavailable_reason() -> Optional[str]:
     """Why torch_xla's Pallas flash attention cannot run in this (XLA) process, or None when it can."""
     pjrt = os.environ.get("PJRT_DEVICE", "").upper()  # set (or checked) by XlaBackend
@@ -225,5 +242,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_of
         k = k.repeat_interleave(groups, dim=1)  # B Hkv T D -> B Hq T D
         v = v.repeat_interleave(groups, dim=1)
     mesh = xs.get_global_mesh()
+    if mesh is not None and q.shape[0] % mesh.size():
+        # The kernel is sharded over the batch: a batch the mesh does not divide (sampling a couple of
+        # sequences at the end of a run) would come back padded to a multiple of the mesh size.
+        from nanopt.attention import sdpa
+
+        return sdpa(q, k, v, causal_offset)
     spec = ("data", None, None, None) if mesh is not None else None
     return pallas_flash(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]), partition_spec=spec, mesh=mesh)

@@ -65,13 +65,16 @@ def _lrs(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
     """Every process at once (2 cores, mostly compile time): XLA on 1 device, SPMD on 4 devices (with
-    xla_flash asked for, which must fall back on CPU), the recompile guard, and the CPU reference."""
+    xla_flash asked for, which must fall back on CPU, and a chunked loss), the recompile guard, and the
+    CPU reference."""
     root = tmp_path_factory.mktemp("xla")
     driver = str(REPO / "tests" / "xla_driver.py")
     jobs = {
         "xla1": ([str(xla_python), driver, "train", str(root / "xla1"), *OVERRIDES], _xla_env(1)),
+        # The loss in chunks here (torch_xla's checkpoint, chunks spanning the sharded batch); the CPU
+        # reference computes it whole, so matching losses check the chunked path on XLA too.
         "xla4": ([str(xla_python), driver, "train", str(root / "xla4"), *OVERRIDES,
-                  "--model.attention=xla_flash"], _xla_env(4)),
+                  "--model.attention=xla_flash", "--train.loss_chunk_tokens=32"], _xla_env(4)),
         "guard": ([str(xla_python), driver, "guard"], _xla_env(1)),
         "cpu": ([sys.executable, "-m", "nanopt.main", *OVERRIDES, "--runtime.device=cpu",
                  f"--run.dir={root / 'cpu'}"], {**os.environ, "OMP_NUM_THREADS": "1"}),
