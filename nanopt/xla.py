@@ -201,7 +201,7 @@ class XlaBackend:
             )
 
 
-# ---------------------------------------------------------------- Pallas flash attention (TPU)
+# ---------------------------------------------------------------- activation checkpointing
 
 
 def checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
@@ -209,6 +209,9 @@ def checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
 
     return xla_checkpoint(fn, *args)
+
+
+# ---------------------------------------------------------------- Pallas flash attention (TPU)
 
 
 def flash_unavailable_reason() -> Optional[str]:
