@@ -161,6 +161,9 @@ class PrepareConfig:
     shard_tokens: int = 100_000_000
     workers: int = 0  # tokenizer processes; 0 -> one per CPU core
     batch_documents: int = 128  # documents per worker task
+    # A source error mid-stream (a hub outage longer than datasets' own retries) restarts the stream from
+    # the last committed shard this many times, waiting 1, 2, 3... minutes; 0 = stop at the first error.
+    retries: int = 5
 
 
 @dataclass
@@ -406,7 +409,7 @@ def _validate_prepare(cfg: Config) -> None:
     _positive(cfg, "prepare.shard_tokens", "prepare.batch_documents")
     _non_negative(
         cfg, "prepare.train_tokens", "prepare.val_tokens", "prepare.test_tokens", "prepare.workers",
-        "prepare.shuffle_buffer",
+        "prepare.shuffle_buffer", "prepare.retries",
     )
     if p.sample_by not in ("", "line", "paragraph", "document"):
         raise ConfigError(

@@ -4,7 +4,7 @@ GPT-2 style and Llama-3 tokenizers are byte-level BPE: a regex splits the text i
 UTF-8 bytes are merged pair by pair. tiktoken runs exactly that, several times faster per CPU second
 than the Hugging Face `tokenizers` engine. A tokenizer qualifies only when its tokenizer.json has the
 plain shape (no normaliser, a recognised split pattern, BPE without dropout/byte fallback, merges whose
-results have ascending ids so "lowest merged rank first" = "merge list order"); HFTokenizer also
+results have non-decreasing ids so "lowest merged rank first" = "merge list order"); HFTokenizer also
 compares both engines on its first batch and keeps the Hugging Face one on any difference.
 """
 from __future__ import annotations
@@ -69,7 +69,9 @@ def tiktoken_encoding(backend_json: str):
         return None
     if len(ranks) != len(vocab) - len(set(special) & set(vocab)) or not all(bytes([b]) in ranks for b in range(256)):
         return None
-    if any(a >= b for a, b in zip(merged, merged[1:])):
+    # Non-decreasing, not strictly increasing: files converted from tiktoken (Llama-3's, by transformers'
+    # TikTokenConverter) list every split of a token as its own merge, so one result id repeats.
+    if any(a > b for a, b in zip(merged, merged[1:])):
         return None
     try:
         return tiktoken.Encoding("nanopt-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)

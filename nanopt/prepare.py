@@ -38,8 +38,10 @@ log = logging.getLogger("nanopt")
 MANIFEST = "manifest.json"
 STATS = "stats.json"
 SPLITS = ("val", "test", "train")
-# Manifest keys that decide the bytes of the output: resuming with any of them changed would mix two datasets.
-_WORKER_ONLY_KEYS = ("workers", "batch_documents")
+# Prepare keys that do not decide the bytes of the output (every other key is in the manifest's fingerprint:
+# resuming with one of those changed would mix two datasets).
+_WORKER_ONLY_KEYS = ("workers", "batch_documents", "retries")
+RETRY_WAIT_S = 60.0  # times the attempt number
 
 # (first document index, tokens per document [n] int64, all their tokens [sum] uint32)
 Encoded = tuple[int, np.ndarray, np.ndarray]
@@ -442,6 +444,40 @@ def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
     return stats
 
 
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    """What a flaky source raises mid-stream: OS and connection errors, and the HTTP errors of the hub clients."""
+    errors: list[type[BaseException]] = [OSError]
+    try:
+        from huggingface_hub.errors import HfHubHTTPError
+
+        errors.append(HfHubHTTPError)
+    except ImportError:
+        pass
+    try:
+        import httpx
+
+        errors.append(httpx.HTTPError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def prepare_with_retries(cfg: Config, progress: bool = True) -> dict[str, Any]:
+    """prepare(), started again from the last committed shard after a transient source error (resume is
+    exact, so the output is the same bytes), up to `prepare.retries` times."""
+    for attempt in range(cfg.prepare.retries + 1):
+        try:
+            return prepare(cfg, progress)
+        except _transient_errors() as e:
+            if attempt == cfg.prepare.retries:
+                raise
+            wait = RETRY_WAIT_S * (attempt + 1)
+            log.warning("prepare: the source failed (%s: %s); resuming from the last committed shard in %.0f s "
+                        "(retry %d of %d)", type(e).__name__, e, wait, attempt + 1, cfg.prepare.retries)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 def estimate(cfg: Config, sample_documents: int) -> dict[str, Any]:
     """Tokenise the first N documents of the (shuffled) stream; the document count the budget needs, +25%."""
     from nanopt.tokenizer import get_tokenizer
@@ -523,7 +559,15 @@ def run(argv: list[str]) -> int:
         else:
             print("prepare.train_tokens is 0 (every document): no budget to size")
         return 0
-    stats = prepare(cfg, progress=progress)
+    try:
+        stats = prepare_with_retries(cfg, progress)
+    except _transient_errors() as e:
+        if os.environ.get("NANOPT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"nanopt prepare: error: the source kept failing ({type(e).__name__}: {e}) after "
+              f"{cfg.prepare.retries} retries. Every shard committed so far in {output_dir(cfg)} is kept; run the "
+              f"same command again to resume from there (raise `prepare.retries` for a flaky source).", file=sys.stderr)
+        return 1
     for name, s in stats["splits"].items():
         print(f"{name:>5}: {s['tokens']:,} tokens in {s['shards']} shards, {s['documents']:,} documents, "
               f"{s['mean_tokens_per_document']:.1f} mean / {s['median_tokens_per_document']:.0f} median tokens/document")

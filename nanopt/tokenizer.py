@@ -120,6 +120,12 @@ class HFTokenizer:
             from nanopt.fastbpe import tiktoken_encoding
 
             self._tiktoken = (tiktoken_encoding(self.hf.backend_tokenizer.to_str()) if self.hf.is_fast else None) or False
+            if self._tiktoken is False:  # say so: the Hugging Face engine is several times slower per core
+                import logging
+
+                logging.getLogger("nanopt").info(
+                    "tokenizer %s: not plain byte-level BPE or tiktoken not installed; using the Hugging Face engine",
+                    self.name)
         return self._tiktoken or None
 
     def _encode_batch_hf(self, texts: list[str]) -> list[list[int]]:

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, run_module, small_overrides
 from nanopt import data, prepare
-from nanopt.config import ConfigError, load_config
+from nanopt.config import ConfigError, load_config, to_yaml
 from nanopt.tokenizer import get_tokenizer
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch; café naïve façade "
@@ -175,6 +175,37 @@ def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_p
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
 
 
+def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_path):
+    """Llama-3's tokenizer.json came from tiktoken ranks through transformers' TikTokenConverter, which
+    writes one merge per split of each token, so merge results repeat; the engine must still be used."""
+    import base64
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from nanopt.fastbpe import byte_decoder
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    to_byte = byte_decoder()
+    ranks = sorted((i, bytes(to_byte[c] for c in token)) for token, i in bpe.get_vocab().items())
+    (tmp_path / "ranks.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {i}\n" for i, b in ranks))
+    converted = TikTokenConverter(vocab_file=str(tmp_path / "ranks.tiktoken"), pattern=LLAMA3_SPLIT,
+                                  extra_special_tokens=["<|begin_of_text|>"]).converted()
+    model = json.loads(converted.to_str())["model"]
+    results = [model["vocab"]["".join(m) if isinstance(m, list) else m.replace(" ", "")] for m in model["merges"]]
+    assert any(a == b for a, b in zip(results, results[1:]))  # the Llama-3 shape: repeated merge results
+    PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|begin_of_text|>").save_pretrained(tmp_path / "tok")
+    tok = get_tokenizer(str(tmp_path / "tok"))
+    texts = DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S", "aaaa bbbbbb\n\n\t  ccc"]
+    ids = tok.encode_batch(texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+
+
 def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, caplog):
     tok = get_tokenizer(str(tokenizer_dir))
 
@@ -308,6 +339,40 @@ def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenize
     # A finished directory is left alone.
     again = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
     assert again["this_run"]["tokens"] == 0 and _shard_bytes(resumed) == _shard_bytes(tmp_path / "whole")
+
+
+def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, tokenizer_dir, monkeypatch, caplog,
+                                                                      capsys):
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    keys = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
+    prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
+    real_iter, failures, waits = prepare.iter_texts, [], []
+
+    def flaky(ds, text_field, start=0):  # the stream breaks twice, each time a few documents past the start
+        for i, text in enumerate(real_iter(ds, text_field, start)):
+            if len(failures) < 2 and i == 7:
+                failures.append(start)
+                raise ConnectionError("hub connection reset")
+            yield text
+
+    monkeypatch.setattr(prepare, "iter_texts", flaky)
+    monkeypatch.setattr(prepare.time, "sleep", waits.append)
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)
+    with caplog.at_level("WARNING", logger="nanopt"):
+        stats = prepare.prepare_with_retries(cfg, progress=False)
+    assert len(failures) == 2 and failures[1] > 0  # the second attempt resumed past the start
+    assert waits == [prepare.RETRY_WAIT_S, 2 * prepare.RETRY_WAIT_S] and "retry 1 of 5" in caplog.text
+    assert _shard_bytes(tmp_path / "flaky") == _shard_bytes(tmp_path / "whole")
+    assert stats["splits"]["train"]["tokens"] == 2000
+
+    failures.clear()  # out of retries: one paragraph, exit 1, the committed shards stay
+    monkeypatch.setattr(prepare, "prepare", lambda cfg, progress: (_ for _ in ()).throw(ConnectionError("down")))
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(to_yaml(config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)))
+    assert prepare.run(["--config", str(cfg_file), "--no-progress", "--prepare.retries=1"]) == 1
+    err = capsys.readouterr().err
+    assert "kept failing (ConnectionError: down) after 1 retries" in err and "run the same command again" in err
+    assert _shard_bytes(tmp_path / "flaky") == _shard_bytes(tmp_path / "whole")
 
 
 def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir):
