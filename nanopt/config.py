@@ -143,6 +143,7 @@ class PrepareConfig:
     # "text" with `data_files`), or a Hugging Face hub dataset name: all go through load_dataset.
     dataset: str = "embedded"
     subset: str = ""  # the dataset's config name, e.g. "sample-100BT"
+    revision: str = ""  # a hub dataset's commit or tag to read (pins the stream a resume re-reads); "" = main
     data_files: str = ""  # local file or glob for json/parquet/text; comma-separated for several
     split: str = "train"  # the source split to read (datasets slice syntax allowed: "train[:10%]")
     text_field: str = "text"

@@ -15,6 +15,7 @@ Output directory (= data.dir or data.source, exactly where training reads):
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -89,6 +90,8 @@ def load_documents(p: PrepareConfig):
         kwargs: dict[str, Any] = {"split": p.split, "streaming": p.streaming}
         if p.subset:
             kwargs["name"] = p.subset
+        if p.revision:
+            kwargs["revision"] = p.revision
         if p.data_files:
             kwargs["data_files"] = [f.strip() for f in p.data_files.split(",") if f.strip()]
         if p.sample_by:
@@ -201,14 +204,24 @@ def split_budgets(p: PrepareConfig) -> list[tuple[str, Optional[int]]]:
     return out
 
 
-def fingerprint(cfg: Config, vocab_size: int) -> dict[str, Any]:
+def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
+    """What decides the output bytes. The tokenizer's own definition is hashed too: a hub tokenizer can
+    change under the same name between a run and its resume."""
     keys = {k: v for k, v in asdict(cfg.prepare).items() if k not in _WORKER_ONLY_KEYS}
-    return {"prepare": keys, "tokenizer": cfg.data.tokenizer, "vocab_size": vocab_size}
+    out = {"prepare": keys, "tokenizer": cfg.data.tokenizer, "vocab_size": tokenizer.vocab_size}
+    definition = getattr(tokenizer, "definition", None)
+    if definition is not None:
+        out["tokenizer_sha256"] = hashlib.sha256(definition().encode()).hexdigest()
+    return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    """Write, fsync, rename: the manifest is the commit point, so it must never be torn on disk."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -391,7 +404,7 @@ def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
                     cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
     budgets = split_budgets(p)
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, budgets, p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer.vocab_size))
+    writer = ShardWriter(out, budgets, p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
     writer.resume()
     st = writer.state
     started = time.perf_counter()

@@ -136,6 +136,12 @@ class HFTokenizer:
             return [e.ids for e in encode(texts, add_special_tokens=False)]
         return self.hf(texts, add_special_tokens=False)["input_ids"]
 
+    def definition(self) -> str:
+        """The tokenizer's full definition (tokenizer.json for fast tokenizers), for fingerprints."""
+        if self.hf.is_fast:
+            return self.hf.backend_tokenizer.to_str()
+        return repr(sorted(self.hf.get_vocab().items()))
+
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 

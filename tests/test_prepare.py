@@ -381,6 +381,17 @@ def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir
     with pytest.raises(ConfigError, match="different configuration"):
         prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500, shard_tokens=100),
                         progress=False)
+    # The same tokenizer name with a different definition (a hub tokenizer updated in place) is refused too.
+    import shutil
+
+    changed = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, changed)
+    prepare.prepare(config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
+    spec = json.loads((changed / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][:-1]
+    (changed / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="different configuration"):
+        prepare.prepare(config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
 
 
 # ---------------------------------------------------------------- the hub path, offline
@@ -419,6 +430,13 @@ def test_hub_dataset_is_streamed_and_shuffled_as_configured(tmp_path, tokenizer_
     assert order != DOCS and sorted(order) == sorted(DOCS)
     expected = np.concatenate([np.asarray(x) for x in framed(tok, order, bos=p.add_bos, eos=p.add_eos)])
     assert np.array_equal(read_split(tmp_path / "fineweb", "train"), expected)
+
+    # A pinned revision reaches the hub call, and is part of what a resume must match.
+    pinned = load_config(REPO / "configs" / "1b.yaml", overrides + [("prepare.revision", "v1.2.0")])
+    prepare.load_documents(pinned.prepare)
+    assert calls[-1][2]["revision"] == "v1.2.0"
+    with pytest.raises(ConfigError, match="different configuration"):
+        prepare.prepare(pinned, progress=False)
 
 
 # ---------------------------------------------------------------- large vocabularies, bad input, training
