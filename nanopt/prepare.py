@@ -26,6 +26,8 @@ import signal
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
@@ -180,14 +182,19 @@ def encode_stream(
             yield _encode_task(batch)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(workers, _init_worker, (tokenizer.name, bos, eos)) as pool:
+    # concurrent.futures rather than multiprocessing.Pool: when a worker dies (the OOM killer), Pool
+    # replaces it and waits forever for the lost task; this pool raises BrokenProcessPool instead.
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _init_worker, (tokenizer.name, bos, eos))
+    try:
         pending: deque = deque()
         for batch in batches:
-            pending.append(pool.apply_async(_encode_task, (batch,)))
+            pending.append(pool.submit(_encode_task, batch))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:  # also on Ctrl-C or an error downstream: drop queued batches, let running ones end
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---------------------------------------------------------------- splits, shards, manifest
@@ -574,6 +581,13 @@ def run(argv: list[str]) -> int:
         return 0
     try:
         stats = prepare_with_retries(cfg, progress)
+    except BrokenProcessPool:
+        if os.environ.get("NANOPT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"nanopt prepare: error: a tokenizer worker process died (killed for memory?). Every shard committed "
+              f"so far in {output_dir(cfg)} is kept; run the same command again to resume, with a lower "
+              f"`prepare.workers` or `prepare.batch_documents` if memory is short.", file=sys.stderr)
+        return 1
     except _transient_errors() as e:
         if os.environ.get("NANOPT_DEBUG", "") not in ("", "0"):
             raise

@@ -375,6 +375,32 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
     assert _shard_bytes(tmp_path / "flaky") == _shard_bytes(tmp_path / "whole")
 
 
+_REAL_ENCODE_TASK = prepare._encode_task
+
+
+def _encode_task_then_die(batch):
+    """A worker task (module level, so the pool can pickle it) that kills its process at document 20,
+    as the OOM killer would."""
+    if batch[0] >= 20:
+        os._exit(9)
+    return _REAL_ENCODE_TASK(batch)
+
+
+def test_a_worker_that_dies_stops_prepare_with_an_error_not_a_hang(tmp_path, tokenizer_dir, monkeypatch, capsys):
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, "dies", workers=2, shard_tokens=100, train_tokens=2000)
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(to_yaml(cfg))
+    monkeypatch.setattr(prepare, "_encode_task", _encode_task_then_die)
+    assert prepare.run(["--config", str(cfg_file), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "worker process died" in err and "run the same command again" in err
+    manifest = json.loads((tmp_path / "dies" / "manifest.json").read_text())
+    assert manifest["shards"] and not manifest["state"]["complete"]  # what was committed stays, resumable
+    monkeypatch.setattr(prepare, "_encode_task", _REAL_ENCODE_TASK)
+    assert prepare.run(["--config", str(cfg_file), "--no-progress"]) == 0  # and it resumes to the end
+
+
 def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir):
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
     prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500), progress=False)
