@@ -581,19 +581,17 @@ def run(argv: list[str]) -> int:
         return 0
     try:
         stats = prepare_with_retries(cfg, progress)
-    except BrokenProcessPool:
+    except (BrokenProcessPool, *_transient_errors()) as e:
         if os.environ.get("NANOPT_DEBUG", "") not in ("", "0"):
             raise
-        print(f"nanopt prepare: error: a tokenizer worker process died (killed for memory?). Every shard committed "
-              f"so far in {output_dir(cfg)} is kept; run the same command again to resume, with a lower "
-              f"`prepare.workers` or `prepare.batch_documents` if memory is short.", file=sys.stderr)
-        return 1
-    except _transient_errors() as e:
-        if os.environ.get("NANOPT_DEBUG", "") not in ("", "0"):
-            raise
-        print(f"nanopt prepare: error: the source kept failing ({type(e).__name__}: {e}) after "
-              f"{cfg.prepare.retries} retries. Every shard committed so far in {output_dir(cfg)} is kept; run the "
-              f"same command again to resume from there (raise `prepare.retries` for a flaky source).", file=sys.stderr)
+        if isinstance(e, BrokenProcessPool):
+            what = "a tokenizer worker process died (killed for memory?)"
+            hint = "with a lower `prepare.workers` or `prepare.batch_documents` if memory is short"
+        else:
+            what = f"the source kept failing ({type(e).__name__}: {e}) after {cfg.prepare.retries} retries"
+            hint = "or raise `prepare.retries` for a flaky source"
+        print(f"nanopt prepare: error: {what}. Every shard committed so far in {output_dir(cfg)} is kept; run the "
+              f"same command again to resume from there, {hint}.", file=sys.stderr)
         return 1
     for name, s in stats["splits"].items():
         print(f"{name:>5}: {s['tokens']:,} tokens in {s['shards']} shards, {s['documents']:,} documents, "
