@@ -127,6 +127,25 @@ def spec_peak(device: torch.device, precision: str) -> Optional[float]:
     return None if key is None else mfu.table_peak(key, precision)
 
 
+def add_shape_args(p, dim: int, ffn: int, vocab: int) -> None:
+    """The model-shape flags every training bench takes (the defaults differ per bench)."""
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=ffn)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--seq", type=int, default=256)
+
+
+def model_config(a, **extra):
+    """nanopt's ModelConfig for the shape flags of add_shape_args."""
+    from nanopt.config import ModelConfig
+
+    return ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
+                       ffn_dim=a.ffn, max_seq_len=a.seq, **extra)
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token exactly as the training loop counts them (nanopt.mfu): 6N + attention.
 

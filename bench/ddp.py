@@ -26,13 +26,7 @@ import torch.multiprocessing as mp
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=257)
-    p.add_argument("--seq", type=int, default=256)
+    C.add_shape_args(p, dim=256, ffn=768, vocab=257)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step (as in the config)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--repeats", type=int, default=7)
@@ -53,7 +47,7 @@ def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namesp
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from nanopt import runtime
-    from nanopt.config import ModelConfig, TrainConfig
+    from nanopt.config import TrainConfig
     from nanopt.model import build_model
     from nanopt.optim import build_optimizer
     from nanopt.train import train_step
@@ -61,8 +55,7 @@ def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namesp
     rt = runtime.init("cpu", a.precision, threads=1)  # starts the gloo group
     store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=datetime.timedelta(minutes=30))
     single_rt = dataclasses.replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
-    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
-                      ffn_dim=a.ffn, max_seq_len=a.seq)
+    cfg = C.model_config(a)
     tcfg = TrainConfig(lr=1e-3)
 
     def build(distributed: bool):

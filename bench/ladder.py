@@ -25,13 +25,7 @@ class Rung:
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=256)
+    C.add_shape_args(p, dim=512, ffn=1536, vocab=8192)
     p.add_argument("--small-batch", type=int, default=1, help="micro-batch of the first rungs")
     p.add_argument("--large-batch", type=int, default=4, help="micro-batch from the 'larger micro-batch' rung on")
     p.add_argument("--repeats", type=int, default=5)
@@ -73,11 +67,9 @@ def main() -> None:
     a = parse()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from nanopt.config import ModelConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
-                      ffn_dim=a.ffn, max_seq_len=a.seq)
+    cfg = C.model_config(a)
     fpt = C.flops_per_token(cfg, a.seq)
     C.banner("optimisation ladder", {
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}"

@@ -17,13 +17,7 @@ import torch
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=256)
+    C.add_shape_args(p, dim=512, ffn=1536, vocab=8192)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--precisions", default="bf16,fp32", help="comma list of bf16 (autocast) and fp32")
     p.add_argument("--repeats", type=int, default=7)
@@ -75,12 +69,10 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nanopt.config import ModelConfig
     from nanopt.model import build_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads,
-                      ffn_dim=a.ffn, max_seq_len=a.seq, tie_embeddings=True, attention="sdpa")
+    cfg = C.model_config(a, tie_embeddings=True, attention="sdpa")
     hf_cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=a.ffn, num_hidden_layers=a.layers,
                          num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
                          rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=True,
