@@ -22,6 +22,8 @@ from typing import Any, Iterator, Optional
 
 import modal
 
+from nanopt.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_STATUS_ENV  # stdlib only: cheap at import
+
 REPO = Path(__file__).resolve().parent
 APP_NAME = "nanopt"
 VOLUME_NAME = "nanopt"
@@ -235,7 +237,7 @@ def committing(every_s: float) -> Iterator[None]:
         volume.commit()
 
 
-EXIT_BAD_INPUT, EXIT_DIVERGED = 2, 3  # nanopt.faults' codes that a retry would only repeat
+# EXIT_BAD_INPUT and EXIT_DIVERGED (nanopt.errors): codes that a retry would only repeat.
 
 
 def worker_exit_codes(path: Path) -> list[int]:
@@ -276,8 +278,6 @@ def finish(what: str, run_name: str, code: int, forwarded: Optional[int],
 def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "") -> dict[str, Any]:
     import tempfile
-
-    from nanopt.main import EXIT_STATUS_ENV
 
     config_path = write_run_config(config_yaml, run_name)
     cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr)

@@ -23,9 +23,9 @@ import torch  # noqa: E402
 
 
 def cpu_model() -> str:
-    from nanopt.runtime import _cpu_model_name
+    from nanopt.hardware import cpu_model_name
 
-    return _cpu_model_name()
+    return cpu_model_name()
 
 
 def cpu_flags() -> str:
@@ -116,15 +116,15 @@ def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), b
 
 
 def spec_peak(device: torch.device, precision: str) -> Optional[float]:
-    """The dense spec-sheet peak of a GPU nanopt.mfu knows (as training reports MFU), else None (CPU or unknown)."""
+    """The dense spec-sheet peak of a GPU nanopt.hardware knows (as training reports MFU), else None (CPU or unknown)."""
     if device.type != "cuda":
         return None
-    from nanopt import mfu
+    from nanopt.hardware import detect_hardware, table_peak
     from nanopt.runtime import Runtime
 
     rt = Runtime("cuda", device, 0, 0, 1, 1, precision)
-    key = mfu.detect_hardware(rt.hardware_name(), rt.power_limit_watts())
-    return None if key is None else mfu.table_peak(key, precision)
+    key = detect_hardware(rt.hardware_name(), rt.power_limit_watts())
+    return None if key is None else table_peak(key, precision)
 
 
 def add_shape_args(p, dim: int, ffn: int, vocab: int) -> None:
@@ -147,24 +147,23 @@ def model_config(a, **extra):
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token exactly as the training loop counts them (nanopt.mfu): 6N + attention.
+    """Training FLOPs per token exactly as the training loop counts them (nanopt.flops): 6N + attention.
 
     6 = 2 (multiply + add) × 3 (forward, backward for activations, backward for weights); N includes
     the LM head even when tied (a real matmul; the embedding lookup is not). Attention counts only the
     unmasked causal half of the score/value matmuls, 6·L·T·D.
     """
-    from nanopt.mfu import flops_per_token as fpt
+    from nanopt.flops import flops_per_token as fpt
 
     return float(fpt(cfg, seq_len))
 
 
 def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):
     """The same step for both models: autocast forward, backward, clip 1.0, fused AdamW, zero_grad."""
-    from nanopt.optim import param_groups
-    from nanopt.runtime import fused_adamw_supported
+    from nanopt.config import TrainConfig
+    from nanopt.optim import build_optimizer
 
-    fused = fused_adamw_supported(device.type)
-    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    opt = build_optimizer(model, TrainConfig(lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), device.type)
 
     def step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):

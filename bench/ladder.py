@@ -1,5 +1,5 @@
 """The optimisation ladder on this machine: each rung's tokens/s and MFU against the matmul peak
-measured in the same alternating rounds (on a GPU nanopt.mfu knows, its spec-sheet peak, as in training).
+measured in the same alternating rounds (on a GPU nanopt.hardware knows, its spec-sheet peak, as in training).
 
     python bench/ladder.py                     # dim 512, 4 layers, seq 256
     python bench/ladder.py --repeats 5 --no-compile
@@ -73,7 +73,7 @@ def main() -> None:
     fpt = C.flops_per_token(cfg, a.seq)
     C.banner("optimisation ladder", {
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}"
-                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.mfu convention)",
+                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.flops convention)",
         "peak": "best 2048^2 matmul FLOP/s per precision, measured inside the same alternating rounds",
     })
     ladder = rungs(a)

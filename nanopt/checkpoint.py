@@ -1,9 +1,10 @@
-"""Checkpoints: atomic save with a checksummed manifest, exact resume, and background copies to a mirror.
+"""Checkpoints: atomic save with a checksummed manifest, exact resume, and copies to a mirror (mirror.py).
 
 A checkpoint directory `checkpoints/step_NNNNNN/` holds
   model.safetensors  weights (a tied LM head is stored once, as embed.weight)
   optimizer.pt       optimizer state (torch.save; loaded with weights_only=True)
-  state.json         step, tokens seen, run state, loader position, data fingerprint, resolved config, versions
+  state.json         step, each resumable component's state_dict() (run state, loader position, speedrun
+                     clock), the data fingerprint, the resolved config, versions
   rng.pt             python / numpy / torch (/ CUDA) RNG states of every rank (weights_only=True)
   COMPLETE           written last: a JSON manifest of every file's size and crc32
 It is written to `.tmp_step_NNNNNN/`, fsynced, renamed into place; `checkpoints/latest` is updated last.
@@ -15,40 +16,37 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
-import random
 import re
 import shutil
-import threading
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanopt import runtime
-from nanopt.config import Config, ConfigError
+from nanopt import data, optim
+from nanopt.config import Config, resume_changes
+from nanopt.errors import ConfigError
 from nanopt.faults import fault_hook
+from nanopt.io import fsync_dir, write_json, write_text
+from nanopt.metrics import trim_metrics
+from nanopt.mirror import Mirror
+from nanopt.runtime import Runtime, rng_state, set_rng_state
 
 log = logging.getLogger("nanopt")
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
-# Config keys that may differ between a checkpoint and the run resuming it: they change how long the run
-# goes, what it logs or where things live, not the state the next step computes from.
-SAFE_KEYS = {
-    "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.stop_at_target",
-    "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
-    "eval.every", "eval.test_at_end",
-}
-# Not eval.seed / eval.batches: they pick the validation windows, so changing them mid-run would make the
-# val-loss curve before and after the resume measure different tokens.
-SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu"}
-DERIVED_KEYS = {"train.grad_accum_steps"}  # follows from the world size, which may change
+
+class Stateful(Protocol):
+    """What the checkpointer saves besides weights and optimizer: anything with a JSON-able state_dict()."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -88,45 +86,7 @@ def check_shapes(model: torch.nn.Module, path: Path) -> None:
         raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
 
 
-# ---------------------------------------------------------------- RNG
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states, in types torch.load(weights_only=True) accepts."""
-    _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    state.update(runtime.device_rng_state())  # CUDA generators where a GPU is in use
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tuples(state["python"]))
-    npy = state["numpy"]
-    if isinstance(npy, dict):
-        npy = ("MT19937", npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-    np.random.set_state(npy)
-    torch.set_rng_state(state["torch"])
-    runtime.set_device_rng_state(state)
-
-
-def _tuples(x: Any) -> Any:
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---------------------------------------------------------------- save
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ---------------------------------------------------------------- save and verify
 
 
 def _crc32(path: Path) -> int:
@@ -158,24 +118,20 @@ def save(
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save({"ranks": rng if rng is not None else [rng_state()]}, tmp / "rng.pt")
     versions = {"torch": torch.__version__, "numpy": np.__version__}
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "versions": versions}, indent=2))
+    write_json(tmp / "state.json", {**state, "step": step, "versions": versions})
     manifest = {}
     for f in sorted(tmp.iterdir()):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
         manifest[f.name] = {"bytes": f.stat().st_size, "crc32": _crc32(f)}
-    with open(tmp / "COMPLETE", "w") as fh:
-        json.dump({"step": step, "files": manifest}, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    write_json(tmp / "COMPLETE", {"step": step, "files": manifest}, indent=1)
+    fsync_dir(tmp)
     if final.exists():  # same step saved again (e.g. final save right after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     fault_hook("kill-after-save", step)
-    (ckpt_root / "latest.tmp").write_text(final.name + "\n")
-    os.replace(ckpt_root / "latest.tmp", ckpt_root / "latest")
+    write_text(ckpt_root / "latest", final.name + "\n")
     for old in complete_checkpoints(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -222,35 +178,12 @@ def verify(ckpt: Path) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------- config and data checks
-
-
-def _flatten(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, values in cfg_dict.items() if isinstance(values, dict) for k, v in values.items()}
-
-
-def config_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """Keys whose value differs from the checkpoint's and that are neither known safe nor allowed by the user."""
-    before, now = _flatten(saved), _flatten(cfg.to_dict())
-    allowed = {k.strip() for k in cfg.checkpoint.allow_changes.split(",") if k.strip()}
-    out = []
-    for key in sorted(before.keys() & now.keys()):  # a key only one side knows is from another nanopt version
-        if before[key] == now[key] or key in SAFE_KEYS | DERIVED_KEYS | allowed or key.split(".")[0] in SAFE_SECTIONS:
-            continue
-        out.append(f"{key}: {before[key]!r} in the checkpoint, {now[key]!r} now")
-    return out
-
-
-def data_fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
-    """Name, token count, vocabulary and stored crc32 of each training shard (headers only: cheap)."""
-    from nanopt.data import HEADER, HEADER_BYTES
-
-    out = []
-    for p in paths:
-        with open(p, "rb") as f:
-            _, _, _, count, vocab, crc = HEADER.unpack_from(f.read(HEADER_BYTES))
-        out.append({"name": p.name, "tokens": count, "vocab": vocab, "crc32": crc})
-    return out
+def _upgrade(saved: dict[str, Any]) -> dict[str, Any]:
+    """state.json written before the run state was split into components kept the speedrun clock's
+    result as a top-level `target`."""
+    if "speedrun" not in saved:
+        saved["speedrun"] = {"hit": saved.get("target")}
+    return saved
 
 
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
@@ -265,122 +198,23 @@ def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
     return "the shards differ"
 
 
-# ---------------------------------------------------------------- mirror
-
-
-class Mirror:
-    """Copies each completed checkpoint to an fsspec URL in a background thread; fetches them back.
-
-    The remote layout matches the local one: URL/step_NNNNNN/<files> with COMPLETE uploaded last (object
-    stores have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the
-    local directory never races an upload.
-    """
-
-    def __init__(self, url: str, keep: int):
-        try:
-            import fsspec
-
-            self.fs, self.root = fsspec.core.url_to_fs(url)
-        except (ImportError, ValueError) as e:
-            raise ConfigError(
-                f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or file://, "
-                f"or install the filesystem's package (gcsfs for gs://, s3fs for s3://)."
-            ) from None
-        self.url, self.keep = url, keep
-        self.root = self.root.rstrip("/")
-        self.failures: list[str] = []
-        self._queue: "queue.Queue[Path]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-
-    def upload(self, ckpt: Path) -> None:
-        """Queue a copy of `ckpt`; returns at once."""
-        staging = ckpt.parent / ".mirror-staging" / ckpt.name
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        for f in ckpt.iterdir():
-            try:
-                os.link(f, staging / f.name)
-            except OSError:  # a filesystem without hard links
-                shutil.copy2(f, staging / f.name)
-        self._queue.put(staging)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="nanopt-mirror", daemon=True)
-            self._thread.start()
-
-    def wait(self) -> None:
-        """Block until every queued copy is done (or failed with a warning)."""
-        if self._thread is not None:
-            self._queue.join()
-
-    def _work(self) -> None:
-        while True:
-            staging = self._queue.get()
-            try:
-                self._put(staging)
-            except Exception as e:  # a remote hiccup must not kill training; the local checkpoint is intact
-                self.failures.append(f"{staging.name}: {e}")
-                log.warning("checkpoint mirror: copying %s to %s failed: %s", staging.name, self.url, e)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-                self._queue.task_done()
-
-    def _put(self, staging: Path) -> None:
-        remote = f"{self.root}/{staging.name}"
-        if self.fs.exists(remote):
-            self.fs.rm(remote, recursive=True)
-        self.fs.makedirs(remote, exist_ok=True)
-        names = sorted(f.name for f in staging.iterdir() if f.name != "COMPLETE") + ["COMPLETE"]
-        for name in names:
-            self.fs.put_file(str(staging / name), f"{remote}/{name}")
-        self.fs.pipe_file(f"{self.root}/latest", (staging.name + "\n").encode())
-        for step in self.steps()[:-self.keep]:
-            self.fs.rm(f"{self.root}/step_{step:06d}", recursive=True)
-        log.info("checkpoint mirror: %s copied to %s", staging.name, self.url)
-
-    def steps(self) -> list[int]:
-        """Steps of complete remote checkpoints, oldest first."""
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for entry in entries:
-            m = STEP_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if m and self.fs.exists(f"{self.root}/{m.group(0)}/COMPLETE"):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
-
-    def fetch(self, step: int, ckpt_root: Path) -> Path:
-        """Download URL/step_NNNNNN into ckpt_root (via a temp dir) and return it; ValueError if it does not verify."""
-        name = f"step_{step:06d}"
-        tmp = ckpt_root / f".tmp_{name}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        for entry in self.fs.ls(f"{self.root}/{name}", detail=False):
-            fname = str(entry).rstrip("/").rsplit("/", 1)[-1]
-            self.fs.get_file(f"{self.root}/{name}/{fname}", str(tmp / fname))
-        problem = verify(tmp)
-        if problem:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ValueError(problem)
-        os.replace(tmp, ckpt_root / name)
-        return ckpt_root / name
-
-
 # ---------------------------------------------------------------- the run's checkpointer
 
 
 class Checkpointer:
-    """Everything train() asks of checkpoints: restore at start, save (all ranks call it), finish mirror copies."""
+    """Everything the training loop asks of checkpoints: restore at start, save (all ranks call it), and on
+    close wait for the mirror's copies.
 
-    def __init__(self, cfg: Config, rt: Any, data_paths: list[Path]):
+    Besides weights, optimizer and RNGs it saves `states`, a dict of named Stateful components (run state,
+    loader, speedrun clock): adding resumable state is adding an entry.
+    """
+
+    def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt = cfg, rt
         self.run_dir = cfg.run_dir
         self.root = self.run_dir / "checkpoints"
-        self.data = data_fingerprint(data_paths)
-        self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep) if cfg.checkpoint.mirror else None
+        self.data = data.fingerprint(data_paths)
+        self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep, STEP_DIR) if cfg.checkpoint.mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run
         self.last_saved_step = -1
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -401,8 +235,10 @@ class Checkpointer:
 
     # -- restore
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> Optional[dict[str, Any]]:
-        """Load the newest usable checkpoint into model/optimizer/loader/RNGs; its state.json, or None to start fresh."""
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                states: dict[str, Stateful]) -> Optional[dict[str, Any]]:
+        """Load the newest usable checkpoint into model, optimizer, states and RNGs; its state.json, or None
+        to start fresh."""
         rt = self.rt
         if not self.cfg.checkpoint.resume:
             if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
@@ -432,12 +268,11 @@ class Checkpointer:
                 trim_metrics(self.run_dir / "metrics.jsonl", 0)
             return None
         ckpt = self.root / f"step_{chosen - 1:06d}"
-        saved = self._load(ckpt, model, optimizer, loader)
+        saved = self._load(ckpt, model, optimizer, states)
         self.latest = ckpt
         if rt.is_main:
             trim_metrics(self.run_dir / "metrics.jsonl", saved["step"])
-            log.info("resuming from %s (step %d, %s tokens seen)", ckpt, saved["step"],
-                     f"{saved.get('tokens_seen', 0):,}")
+            log.info("resuming from %s (step %d)", ckpt, saved["step"])
         return saved
 
     def _choose(self) -> Optional[Path]:
@@ -459,16 +294,11 @@ class Checkpointer:
                 log.warning("skipping checkpoint %s: %s; moved it to %s and trying the previous one", p, problem, aside)
                 problems.append(f"{p.name}: {problem}")
         if self.mirror is not None:
-            for step in reversed(self.mirror.steps()):
-                root.mkdir(parents=True, exist_ok=True)
-                try:
-                    found = self.mirror.fetch(step, root)
-                except (ValueError, OSError) as e:
-                    log.warning("skipping mirror checkpoint step_%06d in %s: %s", step, self.mirror.url, e)
-                    problems.append(f"mirror step_{step:06d}: {e}")
-                    continue
-                log.info("no usable local checkpoint: fetched step_%06d from the mirror %s", step, self.mirror.url)
-                return found
+            for name in reversed(self.mirror.names()):
+                found = self._fetch(name)
+                if isinstance(found, Path):
+                    return found
+                problems.append(f"mirror {name}: {found}")
         if problems:
             raise ConfigError(
                 f"no usable checkpoint in {root}: {'; '.join(problems)}. Nothing was loaded. To start the run over, "
@@ -476,11 +306,27 @@ class Checkpointer:
             )
         return None
 
-    def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Any) -> dict[str, Any]:
-        saved = read_state(ckpt)
+    def _fetch(self, name: str) -> Path | str:
+        """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
+        tmp = self.root / f".tmp_{name}"
+        try:
+            problem = verify(self.mirror.fetch(name, tmp))
+        except OSError as e:
+            problem = str(e)
+        if problem:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("skipping mirror checkpoint %s in %s: %s", name, self.mirror.url, problem)
+            return problem
+        os.replace(tmp, self.root / name)
+        log.info("no usable local checkpoint: fetched %s from the mirror %s", name, self.mirror.url)
+        return self.root / name
+
+    def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              states: dict[str, Stateful]) -> dict[str, Any]:
+        saved = _upgrade(read_state(ckpt))
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        changes = config_changes(saved.get("config", {}), self.cfg)
+        changes = resume_changes(saved.get("config", {}), self.cfg)
         if changes:
             raise ConfigError(
                 f"the config differs from the one checkpoint {ckpt} was trained with: {'; '.join(changes)}. {fix}"
@@ -496,8 +342,10 @@ class Checkpointer:
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True, map_location=self.rt.init_device))
-        loader.load_state_dict(saved["loader"])
+        optim.load_state_dict(optimizer, model,
+                              torch.load(ckpt / "optimizer.pt", weights_only=True, map_location=self.rt.init_device))
+        for name, component in states.items():
+            component.load_state_dict(saved[name])
         rngs = torch.load(ckpt / "rng.pt", weights_only=True)
         ranks = rngs["ranks"] if "ranks" in rngs else [rngs]
         if len(ranks) != self.rt.world_size and self.rt.is_main:
@@ -509,15 +357,16 @@ class Checkpointer:
 
     # -- save
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Any,
-             run_state: dict[str, Any]) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             states: dict[str, Stateful]) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes. Returns the checkpoint path."""
         final = self.root / f"step_{step:06d}"
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
         rngs = self.rt.gather_objects(rng_state())
         if self.rt.is_main:
-            state = {**run_state, "loader": loader.state_dict(), "data": self.data, "config": self.cfg.to_dict()}
+            state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
+                     "config": self.cfg.to_dict()}
             final = save(self.root, step, model, optimizer, state, keep=self.cfg.checkpoint.keep, rng=rngs)
             if self.mirror is not None:
                 self.mirror.upload(final)
@@ -532,20 +381,3 @@ class Checkpointer:
             if self.mirror.failures:
                 log.warning("checkpoint mirror %s: %d copy(ies) failed: %s", self.mirror.url,
                             len(self.mirror.failures), "; ".join(self.mirror.failures))
-
-
-def trim_metrics(path: Path, step: int) -> None:
-    """Drop metrics.jsonl records past `step` (all of them for a fresh start): the resumed run logs them again."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record_step = json.loads(line).get("step", 0)
-        except (ValueError, AttributeError):
-            continue
-        if step > 0 and record_step <= step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)

@@ -1,58 +1,75 @@
-"""The `nanopt` console script: one line per subcommand, each implemented next to what it drives."""
+"""The `nanopt` console script: one line per subcommand, each a module in nanopt/commands/ with main(argv).
+
+Commands are imported by name when they run, so `nanopt estimate` never loads torch and `nanopt train`
+can set the OpenMP environment before torch loads.
+"""
 from __future__ import annotations
 
 import importlib
 import os
 import sys
+from dataclasses import dataclass, field
 
-from nanopt.config import ConfigError
+from nanopt.errors import EXIT_BAD_INPUT, ConfigError, debug_enabled
 
-# name -> ("module:function", one-line help). Each function takes argv (list[str]) and returns an exit code.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("nanopt.main:run", "train a model (same as python -m nanopt.main)"),
-    "prepare": ("nanopt.prepare:run", "tokenise a dataset into token shards (--estimate-only N to size it)"),
-    "estimate": ("nanopt.mfu:estimate_command", "time, GPU-hours and cost to train a config at an assumed MFU"),
-    "eval": ("nanopt.evaluation:eval_cli", "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl"),
-    "runs": ("nanopt.evaluation:runs_cli", "leaderboard of runs/*/summary.json: time-to-target, val loss/bpb"),
-    "sample": ("nanopt.sample:sample_cli", "sample continuations of a prompt from a run, checkpoint or HF dir"),
-    "export": ("nanopt.export:export_cli", "write a checkpoint as a Hugging Face LlamaForCausalLM directory"),
+
+@dataclass(frozen=True)
+class Command:
+    module: str  # under nanopt.commands; its main(argv: list[str]) -> int is the command
+    help: str
+    env: dict[str, str] = field(default_factory=dict)  # defaults set before the module is imported
+
+
+# Idle OpenMP threads sleep instead of spinning: on a busy CPU, spinning steals the cores the other
+# thread needs (2-3x slower steps, README "Performance"). libgomp reads it when torch loads.
+_TRAIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train", "train a model (same as python -m nanopt.main)", _TRAIN_ENV),
+    "prepare": Command("prepare", "tokenise a dataset into token shards (--sample-documents N to size it)"),
+    "estimate": Command("estimate", "time, GPU-hours and cost to train a config at an assumed MFU"),
+    "eval": Command("eval", "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl"),
+    "runs": Command("runs", "leaderboard of runs/*/summary.json: time-to-target, val loss/bpb"),
+    "sample": Command("sample", "sample continuations of a prompt from a run, checkpoint or HF dir"),
+    "export": Command("export", "write a checkpoint as a Hugging Face LlamaForCausalLM directory"),
 }
 
 
 def usage() -> str:
     lines = ["usage: nanopt COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "`nanopt COMMAND --help` for a command's options."]
+    lines += [f"  {name:<10} {c.help}" for name, c in COMMANDS.items()]
+    lines += ["", "`nanopt COMMAND --help` for a command's options; `--debug` (or NANOPT_DEBUG=1) shows tracebacks."]
     return "\n".join(lines)
 
 
 def run(argv: list[str]) -> int:
     # `--debug` anywhere (or NANOPT_DEBUG=1): tracebacks instead of one-paragraph errors, for every subcommand.
-    debug = "--debug" in argv or os.environ.get("NANOPT_DEBUG", "") not in ("", "0")
+    debug = "--debug" in argv or debug_enabled()
     argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
+    if name not in COMMANDS:
         print(f"nanopt: error: unknown command {name!r}.\n\n{usage()}", file=sys.stderr)
-        return 2
-    module_name, func_name = SUBCOMMANDS[name][0].split(":")
-    func = getattr(importlib.import_module(module_name), func_name)
+        return EXIT_BAD_INPUT
+    command = COMMANDS[name]
+    for key, value in command.env.items():
+        os.environ.setdefault(key, value)
     previous = os.environ.get("NANOPT_DEBUG")
     if debug:
-        os.environ["NANOPT_DEBUG"] = "1"  # seen by subcommands that catch their own errors (nanopt.main.run)
+        os.environ["NANOPT_DEBUG"] = "1"  # seen by commands that catch their own errors (train)
     try:
-        return int(func(rest) or 0)
+        return int(importlib.import_module(f"nanopt.commands.{command.module}").main(rest) or 0)
     except ConfigError as e:
         if debug:
             raise
         print(f"nanopt {name}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     finally:
-        if debug and previous is None:
+        if previous is None:
             os.environ.pop("NANOPT_DEBUG", None)
-        elif debug:
+        else:
             os.environ["NANOPT_DEBUG"] = previous
 
 

@@ -1,7 +1,6 @@
 """Typed run configuration: YAML file + dotted CLI overrides -> validated, resolved Config."""
 from __future__ import annotations
 
-import dataclasses
 import math
 import types
 import typing
@@ -11,9 +10,8 @@ from typing import Any, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """Bad user input in a config file, an override or a CLI flag; printed as one paragraph, exit 2."""
+from nanopt.errors import ConfigError
+from nanopt.hardware import PEAKS
 
 
 # The embedded default when no config file is given: same values as configs/tiny.yaml.
@@ -170,7 +168,7 @@ class PrepareConfig:
 @dataclass
 class MfuConfig:
     """What MFU is measured against (nanopt/mfu.py; README: "MFU and time-to-train estimates")."""
-    # auto: detect the accelerator (CPU: a measured matmul peak); or a key of nanopt.mfu.PEAKS
+    # auto: detect the accelerator (CPU: a measured matmul peak); or a key of nanopt.hardware.PEAKS
     # (h100-sxm, h100-pcie, a100, tpu-v5e, ...) to force that device's dense spec-sheet peak.
     hardware: str = "auto"
     warmup_steps: int = 1  # steps (from the start or a resume) kept out of the MFU average
@@ -216,12 +214,15 @@ class Config:
         return Path(self.run.dir or f"runs/{self.run.name}")
 
 
+# Every device nanopt runs on; `nanopt eval` and `nanopt sample` offer the same list.
+DEVICES = ("auto", "cpu", "cuda", "xla")
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling": ("none", "llama3"),
     "model.attention": ("sdpa", "eager", "flash", "auto", "xla_flash"),
     "train.precision": ("bf16", "bf16-pure", "fp32"),
     "train.schedule": ("cosine", "wsd", "constant"),
-    "runtime.device": ("auto", "cpu", "cuda", "xla"),
+    "runtime.device": DEVICES,
 }
 
 
@@ -360,6 +361,32 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def split_args(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Find the config path (positional or --config) and leave the rest (overrides, other flags)."""
+    path: Optional[str] = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" or arg.startswith("--config="):
+            if "=" in arg:
+                value = arg.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                value = argv[i + 1]
+                i += 1
+            else:
+                raise ConfigError("command line: `--config` needs a file, e.g. `--config configs/tiny.yaml`.")
+            if path is not None:
+                raise ConfigError(f"command line: two config files given ({path} and {value}); pass one.")
+            path = value
+        elif not arg.startswith("-") and path is None and not rest:
+            path = arg
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
 def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
     """Read a YAML file (None -> the embedded default) and apply overrides. Not yet resolved."""
     cfg = Config()
@@ -447,8 +474,6 @@ def parse_ranks(text: str) -> Optional[list[int]]:
 
 
 def _validate_mfu(cfg: Config) -> None:
-    from nanopt.mfu import PEAKS  # stdlib-only at import time
-
     if cfg.mfu.hardware != "auto" and cfg.mfu.hardware not in PEAKS:
         raise ConfigError(
             f"`mfu.hardware` is {cfg.mfu.hardware!r}; use auto (detect; CPU measures its peak) or one of: "
@@ -575,5 +600,34 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def replace(cfg: Config, **sections: Any) -> Config:
-    return dataclasses.replace(cfg, **sections)
+# ---------------------------------------------------------------- what a resume may change
+
+# Config keys that may differ between a checkpoint and the run resuming it: they change how long the run
+# goes, what it logs or where things live, not the state the next step computes from.
+SAFE_KEYS = {
+    "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.stop_at_target",
+    "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
+    "eval.every", "eval.test_at_end",
+}
+# Not eval.seed / eval.batches: they pick the validation windows, so changing them mid-run would make the
+# val-loss curve before and after the resume measure different tokens.
+SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu"}
+DERIVED_KEYS = {"train.grad_accum_steps"}  # follows from the world size, which may change
+
+
+def _flatten(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, values in cfg_dict.items() if isinstance(values, dict) for k, v in values.items()}
+
+
+def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """Keys whose value differs from the checkpoint's config and that are neither known safe nor allowed by
+    `checkpoint.allow_changes`, each as "key: old in the checkpoint, new now"."""
+    before, now = _flatten(saved), _flatten(cfg.to_dict())
+    allowed = {k.strip() for k in cfg.checkpoint.allow_changes.split(",") if k.strip()}
+    out = []
+    for key in sorted(before.keys() & now.keys()):  # a key only one side knows is from another nanopt version
+        if before[key] == now[key] or key in SAFE_KEYS | DERIVED_KEYS | allowed or key.split(".")[0] in SAFE_SECTIONS:
+            continue
+        out.append(f"{key}: {before[key]!r} in the checkpoint, {now[key]!r} now")
+    return out

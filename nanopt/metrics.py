@@ -1,25 +1,41 @@
-"""Where numbers go: one console line per logged step, metrics.jsonl, TensorBoard, optional W&B.
+"""Where numbers go: the console (logging set-up, one line per logged step), metrics.jsonl, TensorBoard,
+optional W&B.
 
-Only rank 0 builds a MetricsLogger; other ranks get a silent one.
+Only rank 0's MetricsLogger writes; other ranks get a silent one.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from nanopt.io import clean, write_text
+
 log = logging.getLogger("nanopt")
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as null rather than emit an unparseable line."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+class _CurrentStdout(logging.StreamHandler):
+    """Writes to whatever sys.stdout is at the time of the record, not the one at setup: callers that
+    swap stdout (tests, notebooks, wrappers) would otherwise leave the handler on a closed stream."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def setup_logging(is_main: bool) -> None:
+    """INFO lines with a clock on rank 0, warnings only elsewhere (so N ranks do not print N copies)."""
+    handler = _CurrentStdout()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, handlers=[handler], force=True)
 
 
 def format_duration(seconds: float) -> str:
@@ -30,36 +46,31 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
+    """Writes nothing until open(): a resume first trims metrics.jsonl past its checkpoint's step."""
+
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[dict] = None):
-        self.enabled = enabled
+        self.run_dir, self.enabled, self.tensorboard, self.wandb_cfg = run_dir, enabled, tensorboard, wandb_cfg
         self.writer = None
         self.wandb = None
         self.file = None
-        if not enabled:
+
+    def open(self) -> None:
+        if not self.enabled:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tb"))
-        if wandb_cfg is not None:
-            try:
-                import wandb
-            except ImportError:
-                log.warning("log.wandb is on but the wandb package is not installed (pip install wandb); skipping W&B")
-            else:
-                # WANDB_MODE=offline is honoured by wandb itself.
-                self.wandb = wandb.init(
-                    project=wandb_cfg["project"], name=wandb_cfg["name"], config=wandb_cfg["config"],
-                    dir=str(run_dir), resume="allow",
-                )
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        if self.wandb_cfg is not None:
+            self.wandb = _wandb_run(self.run_dir, self.wandb_cfg)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Append one record {step, time, **values} to every sink."""
-        if not self.enabled:
+        if self.file is None:
             return
-        record = {"step": step, "time": time.time(), **{k: _clean(v) for k, v in values.items()}}
+        record = {"step": step, "time": time.time(), **{k: clean(v) for k, v in values.items()}}
         self.file.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for k, v in values.items():
@@ -72,10 +83,6 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
 
-    def flush(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -83,6 +90,18 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+        self.file = self.writer = self.wandb = None
+
+
+def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        log.warning("log.wandb is on but the wandb package is not installed (pip install wandb); skipping W&B")
+        return None
+    # WANDB_MODE=offline is honoured by wandb itself.
+    return wandb.init(project=wandb_cfg["project"], name=wandb_cfg["name"], config=wandb_cfg["config"],
+                      dir=str(run_dir), resume="allow")
 
 
 def step_line(step: int, max_steps: int, v: dict[str, Any]) -> str:
@@ -102,7 +121,16 @@ def step_line(step: int, max_steps: int, v: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({k: _clean(v) for k, v in data.items()}, indent=2) + "\n")
-    os.replace(tmp, path)
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop metrics.jsonl records past `step` (all of them for a fresh start): the resumed run logs them again."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):
+            continue
+        if step > 0 and record_step <= step:
+            kept.append(line)
+    write_text(path, "".join(line + "\n" for line in kept))

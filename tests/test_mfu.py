@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_module, small_overrides
-from nanopt import cli, mfu
+from nanopt import cli, flops, hardware, mfu
 from nanopt.attention import eager
 from nanopt.config import ConfigError, ModelConfig, load_config
 from nanopt.model import build_model
@@ -19,15 +19,15 @@ from nanopt.runtime import Runtime
 
 def test_llama_3_2_1b_6n_is_six_times_its_parameter_count():
     m = load_config(REPO / "configs" / "1b.yaml").model
-    counts = mfu.param_counts(m)
+    counts = flops.param_counts(m)
     # Tied embeddings: the LM head matmul is counted, the lookup is not -> N is exactly the parameter count.
     assert counts.total == 1_235_814_400
     assert counts.n_6n == 1_235_814_400
-    assert mfu.flops_per_token_6n(m) == 6 * 1_235_814_400
+    assert flops.flops_per_token_6n(m) == 6 * 1_235_814_400
     # Attention at seq 4096: 12 · L · T · (n_heads · head_dim) = 12 · 16 · 4096 · 2048, halved when causal.
-    assert mfu.attention_flops_per_token(m, 4096, causal_halving=False) == 1_610_612_736
-    assert mfu.attention_flops_per_token(m, 4096, causal_halving=True) == 805_306_368
-    assert mfu.flops_per_token(m, 4096) == 7_414_886_400 + 805_306_368
+    assert flops.attention_flops_per_token(m, 4096, causal_halving=False) == 1_610_612_736
+    assert flops.attention_flops_per_token(m, 4096, causal_halving=True) == 805_306_368
+    assert flops.flops_per_token(m, 4096) == 7_414_886_400 + 805_306_368
 
 
 def test_tiny_config_by_hand_tied_and_untied():
@@ -36,15 +36,15 @@ def test_tiny_config_by_hand_tied_and_untied():
     blocks = 4 * (196_608 + 589_824)  # 3,145,728
     norms = 256 * (2 * 4 + 1)  # 2,304
     head = 257 * 256  # 65,792
-    assert mfu.param_counts(m).total == blocks + norms + head == 3_213_824
-    assert mfu.flops_per_token_6n(m) == 6 * 3_213_824 == 19_282_944
+    assert flops.param_counts(m).total == blocks + norms + head == 3_213_824
+    assert flops.flops_per_token_6n(m) == 6 * 3_213_824 == 19_282_944
     # seq 256: 12 · 4 · 256 · 256 = 3,145,728 in full, 1,572,864 causal.
-    assert mfu.flops_per_token(m, 256, causal_halving=False) == 19_282_944 + 3_145_728
-    assert mfu.flops_per_token(m, 256) == 19_282_944 + 1_572_864
+    assert flops.flops_per_token(m, 256, causal_halving=False) == 19_282_944 + 3_145_728
+    assert flops.flops_per_token(m, 256) == 19_282_944 + 1_572_864
 
     m.tie_embeddings = False  # a separate head adds parameters, not FLOPs: the head matmul was already counted
-    assert mfu.param_counts(m).total == 3_213_824 + 65_792
-    assert mfu.flops_per_token_6n(m) == 19_282_944
+    assert flops.param_counts(m).total == 3_213_824 + 65_792
+    assert flops.flops_per_token_6n(m) == 19_282_944
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -52,7 +52,7 @@ def test_param_counts_match_the_built_model(tied):
     m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied,
                     max_seq_len=16)
     model = build_model(m)
-    counts = mfu.param_counts(m)
+    counts = flops.param_counts(m)
     assert counts.total == model.num_params()
     assert counts.n_6n == model.num_params() - (0 if tied else model.embed.weight.numel())
 
@@ -73,19 +73,19 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     with FlopCounterMode(display=False) as backward_counter:
         loss.backward()
     forward, backward = forward_counter.get_total_flops(), backward_counter.get_total_flops()
-    norms = mfu.param_counts(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
-    expected_training = (mfu.flops_per_token(m, T, causal_halving=False) - 6 * norms) * B * T
+    norms = flops.param_counts(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
+    expected_training = (flops.flops_per_token(m, T, causal_halving=False) - 6 * norms) * B * T
     assert forward == expected_training // 3
     assert (forward + backward) / forward == pytest.approx(3.0, rel=0.01)
-    assert forward + backward == pytest.approx(mfu.flops_per_token(m, T, causal_halving=False) * B * T, rel=0.01)
-    assert mfu.recompute_flops_per_token(m, B * T, model.loss_chunk_tokens) == 0  # 48 positions: one chunk
+    assert forward + backward == pytest.approx(flops.flops_per_token(m, T, causal_halving=False) * B * T, rel=0.01)
+    assert flops.recompute_flops_per_token(m, B * T, model.loss_chunk_tokens) == 0  # 48 positions: one chunk
 
     # A chunked loss recomputes each chunk's logits in backward: HFU counts that work, MFU does not.
     model.zero_grad(set_to_none=True)
     model.loss_chunk_tokens = 16  # 48 positions -> 3 chunks
     with FlopCounterMode(display=False) as chunked_counter:
         model(idx, idx).backward()
-    extra = mfu.recompute_flops_per_token(m, B * T, 16)
+    extra = flops.recompute_flops_per_token(m, B * T, 16)
     assert extra == 2 * m.vocab_size * m.dim
     assert chunked_counter.get_total_flops() - (forward + backward) == extra * B * T
 
@@ -98,11 +98,11 @@ def test_peak_table_holds_dense_spec_sheet_numbers():
                      "l4": 121.0, "b200": 2250.0, "tpu-v4": 275.0, "tpu-v5e": 197.0, "tpu-v5p": 459.0,
                      "tpu-v6e": 918.0}
     for key, tflops in expected_bf16.items():
-        assert mfu.table_peak(key, "bf16") == pytest.approx(tflops * 1e12)
-        assert mfu.PEAKS[key].source.startswith("https://")
-    assert mfu.table_peak("h100-sxm", "fp32") == pytest.approx(494.7e12)  # fp32 runs use TF32 tensor cores
-    assert mfu.table_peak("a100", "fp32") == pytest.approx(156e12)
-    assert mfu.table_peak("tpu-v5e", "fp32") is None
+        assert hardware.table_peak(key, "bf16") == pytest.approx(tflops * 1e12)
+        assert hardware.PEAKS[key].source.startswith("https://")
+    assert hardware.table_peak("h100-sxm", "fp32") == pytest.approx(494.7e12)  # fp32 runs use TF32 tensor cores
+    assert hardware.table_peak("a100", "fp32") == pytest.approx(156e12)
+    assert hardware.table_peak("tpu-v5e", "fp32") is None
 
 
 @pytest.mark.parametrize("name, watts, key", [
@@ -134,7 +134,7 @@ def test_peak_table_holds_dense_spec_sheet_numbers():
     ("TPU v6e-8", None, "tpu-v6e"), ("TPU", None, None),
 ])
 def test_detect_hardware(name, watts, key):
-    assert mfu.detect_hardware(name, watts) == key
+    assert hardware.detect_hardware(name, watts) == key
 
 
 class NamedDevice(Runtime):
@@ -179,7 +179,7 @@ def test_bad_hardware_override_is_a_config_error():
 
 
 def test_cpu_peak_is_measured():
-    peak = mfu.measure_matmul_flops(torch.float32, budget_s=0.05)
+    peak = hardware.measure_matmul_flops(torch.float32, budget_s=0.05)
     assert peak > 1e8  # any CPU that runs torch does a 256² fp32 matmul faster than 0.1 GFLOP/s
 
 
@@ -200,7 +200,7 @@ class FakeClock:
 def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
     micro_batch, seq = 4, 256
     m = load_config(REPO / "configs" / "tiny.yaml").model
-    meter = mfu.MFUMeter(mfu.flops_per_token(m, seq), mfu.flops_per_token_6n(m),
+    meter = mfu.MFUMeter(flops.flops_per_token(m, seq), flops.flops_per_token_6n(m),
                          tokens_per_step=micro_batch * seq * world * accum, peak_flops=1e12, world_size=world,
                          warmup_steps=2)
     clock, out = FakeClock(micro_s), []
@@ -217,7 +217,7 @@ def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12
 def test_grad_accumulation_and_world_size_do_not_change_mfu():
     reference = simulated_mfu(world=1, accum=1)
     assert reference[0]["mfu"] is None  # the window (1..3] holds the 2 warm-up steps
-    expected = 4 * 256 / 0.02 * mfu.flops_per_token(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
+    expected = 4 * 256 / 0.02 * flops.flops_per_token(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
     assert reference[1]["mfu"] == pytest.approx(expected)
     for world, accum in [(1, 4), (8, 1), (8, 4), (64, 2)]:
         got = simulated_mfu(world, accum)
@@ -231,7 +231,7 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
 def test_mfu_6n_leaves_out_attention():
     values = simulated_mfu(world=2, accum=2)[-1]
     m = load_config(REPO / "configs" / "tiny.yaml").model
-    assert values["mfu_6n"] / values["mfu"] == pytest.approx(mfu.flops_per_token_6n(m) / mfu.flops_per_token(m, 256))
+    assert values["mfu_6n"] / values["mfu"] == pytest.approx(flops.flops_per_token_6n(m) / flops.flops_per_token(m, 256))
 
 
 # ---------------------------------------------------------------- the estimator
@@ -289,12 +289,12 @@ def test_training_run_logs_numeric_mfu_on_cpu(tmp_path):
 
 def test_hfu_counts_recomputation_on_top_of_mfu():
     m = load_config(REPO / "configs" / "1b.yaml").model
-    fpt = mfu.flops_per_token(m, 4096)
+    fpt = flops.flops_per_token(m, 4096)
     # 1b.yaml: micro-batch 4 × 4096 = 16,384 positions, chunks of 8192 -> the LM head forward runs twice.
-    hw = fpt + mfu.recompute_flops_per_token(m, 4 * 4096, 8192)
+    hw = fpt + flops.recompute_flops_per_token(m, 4 * 4096, 8192)
     assert hw - fpt == 2 * 128_256 * 2048
-    assert mfu.recompute_flops_per_token(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
-    meter = mfu.MFUMeter(fpt, mfu.flops_per_token_6n(m), tokens_per_step=2**20, peak_flops=989.4e12,
+    assert flops.recompute_flops_per_token(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
+    meter = mfu.MFUMeter(fpt, flops.flops_per_token_6n(m), tokens_per_step=2**20, peak_flops=989.4e12,
                          world_size=8, warmup_steps=0, flops_per_token_hw=hw)
     out = meter.update(step=5, window_steps=1, step_seconds=2.5)
     assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]

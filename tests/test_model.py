@@ -1,14 +1,17 @@
 """The Llama model: shapes, init, parameter count, causality, attention backends agree."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+import nanopt.model
 from nanopt.attention import eager, sdpa
 from nanopt.config import ModelConfig, configs_dir, load_config
-from nanopt.model import Llama, build_model, rope_frequencies
+from nanopt.flops import param_counts
+from nanopt.model import Block, Llama, build_model, rope_frequencies
 
 
 def small(**kw) -> ModelConfig:
@@ -64,8 +67,7 @@ def test_init_weights_follows_its_docstring():
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_future_tokens_do_not_change_earlier_logits(attention):
     torch.manual_seed(0)
-    model = build_model(small())
-    model.set_attention({"sdpa": sdpa, "eager": eager}[attention])
+    model = build_model(small(), kernel={"sdpa": sdpa, "eager": eager}[attention])
     idx = torch.randint(0, 97, (2, 20))
     changed = idx.clone()
     changed[:, 12:] = (changed[:, 12:] + 1) % 97
@@ -128,3 +130,88 @@ def test_bf16_autocast_forward_backward_runs_and_is_close_to_fp32():
     loss.backward()
     assert abs(loss.item() - fp32) < 0.05
     assert model.embed.weight.grad is not None
+
+
+def test_build_model_returns_a_ready_model():
+    model = build_model(small(), kernel=eager, loss_chunk_tokens=24, dtype=torch.bfloat16)
+    assert all(layer.attention.kernel is eager for layer in model.layers)
+    assert model.loss_chunk_tokens == 24
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.rope_cos.dtype == torch.bfloat16  # bf16-pure casts everything, as before build_model took dtype
+    assert model.lm_head.weight is model.embed.weight
+    idx = torch.randint(0, 97, (2, 16))
+    assert model(idx, idx).dtype == torch.float32  # 32 tokens -> 2 chunks of the loss, summed in fp32
+
+
+class Gate(torch.nn.Module):
+    """A parameterised module type init_weights has no rule for."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.empty(dim))
+
+
+def test_init_raises_on_a_module_type_without_a_rule():
+    model = build_model(small())
+    model.layers[1].gate = Gate(64)
+    with pytest.raises(TypeError, match=r"layers\.1\.gate\.gain \(Gate\)"):
+        model.init_weights()
+
+
+def test_build_model_raises_on_a_bare_parameter_without_a_rule(monkeypatch):
+    original = Block.__init__
+
+    def with_scalar(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.scale = torch.nn.Parameter(torch.ones(()))  # e.g. a learned residual scale added later
+
+    monkeypatch.setattr(Block, "__init__", with_scalar)
+    with pytest.raises(TypeError, match=r"layers\.0\.scale \(Block\)"):
+        build_model(small())
+
+
+def test_init_rejects_a_linear_bias():
+    model = build_model(small())
+    model.layers[0].mlp.w1.bias = torch.nn.Parameter(torch.empty(160))
+    with pytest.raises(TypeError, match=r"layers\.0\.mlp\.w1\.bias \(Linear\)"):
+        model.init_weights()
+
+
+def test_build_model_checks_the_flops_parameter_count(monkeypatch):
+    cfg = small()
+    wrong = dataclasses.replace(param_counts(cfg), total=param_counts(cfg).total + 1)
+    monkeypatch.setattr(nanopt.model, "param_counts", lambda m: wrong)
+    with pytest.raises(RuntimeError, match=f"{wrong.total:,}.*{wrong.total - 1:,}"):
+        build_model(cfg)
+
+
+# Computed from the pre-refactor init (explicit per-layer list, before init went by module type) with
+# torch.manual_seed(0): (first element, last element, sum of |w|). A change here means a seed or an
+# init_from checkpoint no longer reproduces its weights. The tolerance only absorbs last-bit differences
+# of the CPU's vectorised normal_; a different draw order changes every value.
+PRE_REFACTOR_INIT = {
+    True: {
+        "embed.weight": (-0.022516796365380287, 0.0106993168592453, 98.82315082207742),
+        "layers.0.attention.wq.weight": (0.027983762323856354, -0.016371456906199455, 64.92082663940892),
+        "layers.1.attention.wo.weight": (-0.007425937335938215, -0.011231726966798306, 32.68684556988728),
+        "layers.1.mlp.w2.weight": (-0.007951552979648113, 0.01047640573233366, 82.26741931744391),
+    },
+    False: {
+        "embed.weight": (-0.022516796365380287, 0.0106993168592453, 98.82315082207742),
+        "lm_head.weight": (0.027983762323856354, -0.0030806788709014654, 99.74077445077819),
+        "layers.0.attention.wq.weight": (-0.026358405128121376, 0.01371619664132595, 65.75826418062843),
+        "layers.1.attention.wo.weight": (-0.009510974399745464, 0.025634264573454857, 33.00093413121385),
+        "layers.1.mlp.w2.weight": (0.004275167360901833, -0.0033433649223297834, 82.805849460932),
+    },
+}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_init_reproduces_the_pre_refactor_weights(tie):
+    torch.manual_seed(0)
+    state = build_model(small(tie_embeddings=tie)).state_dict()
+    for name, (first, last, abs_sum) in PRE_REFACTOR_INIT[tie].items():
+        w = state[name].flatten()
+        assert w[0].item() == pytest.approx(first, rel=1e-5), name
+        assert w[-1].item() == pytest.approx(last, rel=1e-5), name
+        assert w.double().abs().sum().item() == pytest.approx(abs_sum, rel=1e-6), name

@@ -1,23 +1,72 @@
-"""Optimizer groups and the learning-rate schedule (a pure function of step)."""
+"""Optimizer groups by kind, the learning-rate schedule (a pure function of step), and optimizer-state resume."""
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
+import torch
 
 from nanopt.config import ModelConfig, TrainConfig
 from nanopt.model import build_model
-from nanopt.optim import build_optimizer, lr_at, param_groups
+from nanopt.optim import (
+    apply_schedule, build_optimizer, load_state_dict, lr_at, lr_multiplier, param_groups,
+)
+
+
+def tiny(tie: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                   max_seq_len=16, tie_embeddings=tie))
+
+
+def by_kind(groups: list[dict]) -> dict[str, dict]:
+    return {g["kind"]: g for g in groups}
 
 
 def test_norm_gains_do_not_decay_and_tied_weights_appear_once():
-    model = build_model(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16))
-    decay, no_decay = param_groups(model, 0.1)
-    assert all(p.dim() == 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
-    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
-    assert len(no_decay["params"]) == 2 * 2 + 1  # two norms per layer + the final norm
-    ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
+    model = tiny()
+    groups = param_groups(model, TrainConfig(weight_decay=0.1))
+    for g in groups:  # every matrix decays with 0.1, every vector not at all
+        assert all(p.dim() == 2 for p in g["params"]) or all(p.dim() == 1 for p in g["params"])
+        assert g["weight_decay"] == (0.1 if g["params"][0].dim() == 2 else 0.0)
+    assert len(by_kind(groups)["scalar"]["params"]) == 2 * 2 + 1  # two norms per layer + the final norm
+    ids = [id(p) for g in groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     opt = build_optimizer(model, TrainConfig(), "cpu")
     assert opt.defaults["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_groups_are_kinds_in_a_fixed_order_with_every_param_once(tie):
+    model = tiny(tie)
+    cfg = TrainConfig(lr=0.02, weight_decay=0.3)
+    groups = param_groups(model, cfg)
+    g = by_kind(groups)
+    assert [x["kind"] for x in groups] == (["matrix", "embedding", "scalar"] if tie
+                                           else ["matrix", "embedding", "head", "scalar"])
+    assert g["embedding"]["params"] == [model.embed.weight]  # tied: the head is this one param
+    if not tie:
+        assert g["head"]["params"] == [model.lm_head.weight]
+    block_linears = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert {id(p) for p in g["matrix"]["params"]} == {id(p) for p in block_linears}
+    assert len(g["matrix"]["params"]) == 7 * 2  # wq wk wv wo w1 w2 w3 per layer
+    ids = [id(p) for x in groups for p in x["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each exactly once
+    for x in groups:  # today every kind runs at the one lr; only scalars skip decay
+        assert x["base_lr"] == 0.02 and x["weight_decay"] == (0.0 if x["kind"] == "scalar" else 0.3)
+    opt = build_optimizer(model, cfg, "cpu")
+    assert [x["lr"] for x in opt.param_groups] == [0.02] * len(groups)
+    assert [x["kind"] for x in opt.param_groups] == [x["kind"] for x in groups]
+
+
+def test_apply_schedule_scales_each_groups_own_base_lr():
+    model = tiny()
+    opt = build_optimizer(model, TrainConfig(lr=1.0), "cpu")
+    opt.param_groups[0]["base_lr"] = 0.1  # a group with its own lr must not be overwritten by the others'
+    apply_schedule(opt, 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert all(g["lr"] == pytest.approx(0.5) for g in opt.param_groups[1:])
 
 
 def test_cosine_warms_up_linearly_then_decays_to_the_floor():
@@ -41,3 +90,109 @@ def test_wsd_is_flat_then_decays_over_the_last_fraction():
 def test_constant_schedule():
     cfg = TrainConfig(lr=0.5, warmup_steps=4, schedule="constant")
     assert [lr_at(s, cfg) for s in (0, 3, 4, 1000)] == [0.125, 0.5, 0.5, 0.5]
+
+
+def test_the_multiplier_is_the_schedule_relative_to_the_peak():
+    cfg = TrainConfig(lr=3.0, warmup_steps=5, max_steps=50, min_lr_ratio=0.2, schedule="cosine")
+    assert lr_multiplier(4, cfg) == 1.0 and lr_multiplier(50, cfg) == pytest.approx(0.2)
+    assert all(lr_at(s, cfg) == pytest.approx(3.0 * lr_multiplier(s, cfg)) for s in range(60))
+
+
+# ---------------------------------------------------------------- resume
+
+
+def legacy_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """What build_optimizer made before kinds: [every >=2-D param, every 1-D param], fused on CPU."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 50, (2, 9), generator=g)
+    opt.zero_grad(set_to_none=True)
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    opt.step()
+
+
+def saved(opt: torch.optim.Optimizer) -> dict:
+    """The state_dict as a checkpoint holds it: serialised, so later steps cannot mutate it."""
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_old_two_group_checkpoint_resumes_bit_identically(tie):
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
+    old_model = tiny(tie)
+    old = legacy_optimizer(old_model, cfg)
+    for s in range(3):
+        for g in old.param_groups:
+            g["lr"] = lr_at(s, cfg)  # what the old set_lr did
+        step(old_model, old, s)
+    state = saved(old)
+
+    new_model = copy.deepcopy(old_model)  # deepcopy keeps the tie
+    new = build_optimizer(new_model, cfg, "cpu")
+    load_state_dict(new, new_model, state)
+    for g in new.param_groups:  # the run's own keys come back; the saved lr is kept
+        assert g["base_lr"] == cfg.lr and g["lr"] == lr_at(2, cfg) and g["fused"] is True
+        assert g["weight_decay"] == (0.0 if g["kind"] == "scalar" else 0.1)
+
+    m = lr_multiplier(3, cfg)
+    for g in old.param_groups:
+        g["lr"] = cfg.lr * m
+    apply_schedule(new, m)
+    step(old_model, old, 3)
+    step(new_model, new, 3)
+    assert_same_params(old_model, new_model)
+
+
+def test_a_kind_layout_checkpoint_round_trips_bit_identically():
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
+    model = tiny(tie=False)
+    opt = build_optimizer(model, cfg, "cpu")
+    for s in range(3):
+        apply_schedule(opt, lr_multiplier(s, cfg))
+        step(model, opt, s)
+    state = saved(opt)
+
+    resumed_model = copy.deepcopy(model)
+    resumed = build_optimizer(resumed_model, cfg, "cpu")
+    load_state_dict(resumed, resumed_model, state)
+    assert [g["kind"] for g in resumed.param_groups] == ["matrix", "embedding", "head", "scalar"]
+    for opt_, model_ in ((opt, model), (resumed, resumed_model)):
+        apply_schedule(opt_, lr_multiplier(3, cfg))
+        step(model_, opt_, 3)
+    assert_same_params(model, resumed_model)
+
+
+def test_a_resume_takes_decay_base_lr_and_implementation_from_this_run():
+    model = tiny()
+    opt = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1), "cpu")  # fused
+    step(model, opt, 0)
+    state = saved(opt)
+    resumed = build_optimizer(model, TrainConfig(lr=5e-3, weight_decay=0.05), "xla")  # not fused
+    load_state_dict(resumed, model, state)
+    for g in resumed.param_groups:
+        assert g["base_lr"] == 5e-3 and g["lr"] == 1e-2  # the saved lr stays until apply_schedule
+        assert g["weight_decay"] == (0.0 if g["kind"] == "scalar" else 0.05)
+        assert not g["fused"]
+    apply_schedule(resumed, 1.0)
+    step(model, resumed, 1)  # the unfused path accepts the state the fused one saved
+
+
+def test_a_checkpoint_of_other_groups_is_refused():
+    opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu")
+    tied = tiny(tie=True)
+    with pytest.raises(ValueError, match="groups"):
+        load_state_dict(build_optimizer(tied, TrainConfig(), "cpu"), tied, saved(opt))

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO, run_module, small_overrides
 from nanopt import data, prepare
+from nanopt.commands import prepare as prepare_command
 from nanopt.config import ConfigError, load_config, to_yaml
 from nanopt.tokenizer import get_tokenizer
 
@@ -271,7 +272,7 @@ def test_splits_honour_the_token_budgets_and_stats_are_right(tmp_path, tokenizer
 def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_path, tokenizer_dir, tok, capsys):
     dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
     cfg = config(tmp_path, tokenizer_dir, dataset, files, train_tokens=100_000, val_tokens=5000, test_tokens=5000)
-    e = prepare.estimate(cfg, 10)
+    e = prepare.sample_documents(cfg, 10)
     mean = np.mean([len(x) for x in framed(tok, docs[:10])])
     assert e["mean_tokens_per_document"] == pytest.approx(mean)
     assert e["documents_needed"] == math.ceil(110_000 / mean)
@@ -279,7 +280,7 @@ def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_pat
 
     from nanopt import cli
 
-    argv = ["prepare", "tiny", "--estimate-only", "10", f"--data.source={tmp_path / 'never'}", f"--data.tokenizer={tokenizer_dir}",
+    argv = ["prepare", "tiny", "--sample-documents", "10", f"--data.source={tmp_path / 'never'}", f"--data.tokenizer={tokenizer_dir}",
             f"--prepare.dataset={dataset}", f"--prepare.data_files={files}", "--prepare.shuffle_buffer=0",
             "--prepare.train_tokens=100000", "--prepare.val_tokens=5000", "--prepare.test_tokens=5000"]
     assert cli.run(argv) == 0
@@ -369,7 +370,7 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
     monkeypatch.setattr(prepare, "prepare", lambda cfg, progress: (_ for _ in ()).throw(ConnectionError("down")))
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(to_yaml(config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)))
-    assert prepare.run(["--config", str(cfg_file), "--no-progress", "--prepare.retries=1"]) == 1
+    assert prepare_command.main(["--config", str(cfg_file), "--no-progress", "--prepare.retries=1"]) == 1
     err = capsys.readouterr().err
     assert "kept failing (ConnectionError: down) after 1 retries" in err and "run the same command again" in err
     assert _shard_bytes(tmp_path / "flaky") == _shard_bytes(tmp_path / "whole")
@@ -392,13 +393,13 @@ def test_a_worker_that_dies_stops_prepare_with_an_error_not_a_hang(tmp_path, tok
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(to_yaml(cfg))
     monkeypatch.setattr(prepare, "_encode_task", _encode_task_then_die)
-    assert prepare.run(["--config", str(cfg_file), "--no-progress"]) == 1
+    assert prepare_command.main(["--config", str(cfg_file), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "worker process died" in err and "run the same command again" in err
     manifest = json.loads((tmp_path / "dies" / "manifest.json").read_text())
     assert manifest["shards"] and not manifest["state"]["complete"]  # what was committed stays, resumable
     monkeypatch.setattr(prepare, "_encode_task", _REAL_ENCODE_TASK)
-    assert prepare.run(["--config", str(cfg_file), "--no-progress"]) == 0  # and it resumes to the end
+    assert prepare_command.main(["--config", str(cfg_file), "--no-progress"]) == 0  # and it resumes to the end
 
 
 def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir):
@@ -498,7 +499,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
                                     f"--prepare.data_files={tmp_path / 'missing.jsonl'}"],
         "prepare.text_field": base + [f"--data.source={tmp_path / 'o3'}", "--prepare.dataset=json",
                                       f"--prepare.data_files={files}", "--prepare.text_field=body"],
-        "--estimate-only": base + ["--estimate-only", "many"],
+        "--sample-documents": base + ["--sample-documents", "many"],
     }
     for needle, argv in cases.items():
         assert cli.run(argv) == 2, needle

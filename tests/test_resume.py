@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, small_overrides, torchrun
-from nanopt import checkpoint, faults
+from nanopt import checkpoint, errors, faults, profiling, runtime
 from nanopt.main import run
 
 STEPS = 8
@@ -108,7 +109,7 @@ def test_sigterm_checkpoints_within_seconds_and_says_resumable(tmp_path, referen
     elapsed = time.monotonic() - sent
     err.seek(0)
     stderr = err.read()
-    assert returncode == faults.EXIT_PREEMPTED == 75, stderr
+    assert returncode == errors.EXIT_PREEMPTED == 75, stderr
     assert elapsed < 10, f"took {elapsed:.1f} s to checkpoint and exit"
     assert "received SIGTERM" in stderr and "resumable" in stderr and "step 3" in stderr
     assert checkpoint.complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
@@ -128,7 +129,7 @@ def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypa
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=interrupt_when_paused, daemon=True).start()
-    assert train_here(tmp_path) == faults.EXIT_PREEMPTED
+    assert train_here(tmp_path) == errors.EXIT_PREEMPTED
     assert "preempted by SIGINT after step 5" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers are restored
     monkeypatch.delenv("NANOPT_TEST_HOOK")
@@ -199,12 +200,45 @@ def test_diverged_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys
     rc = run([*ARGS, f"--run.dir={tmp_path}", "--train.lr=1e30", "--checkpoint.every=1", "--log.every=100",
               "--train.warmup_steps=0"])
     err = capsys.readouterr().err
-    assert rc == faults.EXIT_DIVERGED == 3, err
+    assert rc == errors.EXIT_DIVERGED == 3, err
     assert "NaN/inf" in err and "train.lr" in err and "Traceback" not in err
     kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
     for ckpt in kept:  # every checkpoint on disk holds finite weights
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values()), ckpt
     assert (f"{kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
+
+
+def test_a_diverged_run_closes_the_profiler_and_the_mirror_like_a_finished_one(tmp_path, capsys):
+    """TrainingError leaves through the same with/finally as a finished run: the profiler is stopped and its
+    trace written, and the mirror's queued copies are waited for."""
+    run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
+    rc = run([*ARGS, f"--run.dir={run_dir}", "--train.lr=1e30", "--checkpoint.every=1", "--log.every=100",
+              "--train.warmup_steps=0", f"--checkpoint.mirror={mirror}", "--profile.enabled=true",
+              "--profile.wait=0", "--profile.warmup=0", "--profile.active=6"])
+    err = capsys.readouterr().err
+    assert rc == errors.EXIT_DIVERGED, err
+    assert not profiling._active  # not left recording in this process
+    assert list((run_dir / "tb" / "plugins" / "profile").rglob("*.pt.trace.json")), "no trace written"
+    kept = [p.name for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")]
+    assert kept == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
+
+
+# Written by nanopt before the re-layering (commit 08d2620): step 3 of the run below, two-group optimizer
+# state, the speedrun result as a top-level `target`. That run, uninterrupted, ended at this val loss.
+LEGACY_CKPT = REPO / "tests" / "data" / "legacy_step_000003"
+LEGACY_ARGS = small_overrides(**{"eval.every": 3, "train.precision": "fp32", "log.tensorboard": "false",
+                                 "checkpoint.every": 3, "train.target_val_loss": 10})
+LEGACY_FINAL_VAL_LOSS = 4.466378688812256
+
+
+def test_a_checkpoint_written_before_the_relayering_still_resumes(tmp_path, capsys):
+    shutil.copytree(LEGACY_CKPT, tmp_path / "checkpoints" / "step_000003")
+    assert run([*LEGACY_ARGS, f"--run.dir={tmp_path}"]) == 0, capsys.readouterr().err
+    assert "resuming from" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["step_to_target"] == 0  # the clock came through the resume
+    # Same trajectory as the old code's uninterrupted run (moments and step counts were carried over).
+    assert summary["final_val_loss"] == pytest.approx(LEGACY_FINAL_VAL_LOSS, abs=1e-5)
 
 
 def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, capsys):
@@ -299,10 +333,10 @@ def test_every_rng_round_trips_through_a_weights_only_checkpoint(tmp_path):
 
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
-    torch.save({"ranks": [checkpoint.rng_state()]}, tmp_path / "rng.pt")
+    torch.save({"ranks": [runtime.rng_state()]}, tmp_path / "rng.pt")
     expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
+    runtime.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
 
 

@@ -19,7 +19,7 @@ def train_and_sample(run_dir: str, overrides: list[str]) -> dict:
     from nanopt import runtime
     from nanopt.config import load_config, parse_overrides, resolve
     from nanopt.generate import generate
-    from nanopt.main import setup_logging
+    from nanopt.metrics import setup_logging
     from nanopt.model import build_model
     from nanopt.train import train
 
@@ -51,7 +51,7 @@ def train_and_sample(run_dir: str, overrides: list[str]) -> dict:
 
 def recompile_guard() -> dict:
     from nanopt import runtime
-    from nanopt.train import TrainingError
+    from nanopt.errors import TrainingError
     from nanopt.xla import MAX_RECOMPILES, WARMUP_STEP_COMPILES
 
     rt = runtime.init("xla", "fp32", 1)

@@ -1,13 +1,12 @@
 """To and from Hugging Face transformers' LlamaForCausalLM: config.json + safetensors (+ tokenizer files).
 
 nanopt's Llama already uses Hugging Face's rotate-half RoPE layout, so conversion is renaming only: no
-q/k permutation. `nanopt export RUN_OR_CHECKPOINT --out DIR` writes a directory that
+q/k permutation. `nanopt export RUN_OR_CHECKPOINT --out DIR` (commands/export.py) writes a directory that
 `AutoModelForCausalLM.from_pretrained(DIR)` loads; `train.init_from=hf:DIR` and `load_model(DIR)` read
 one back, whether nanopt or transformers wrote it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
@@ -15,9 +14,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from nanopt.config import Config, ConfigError, ModelConfig, config_from_dict
+from nanopt.config import Config, ModelConfig, config_from_dict
+from nanopt.errors import ConfigError
+from nanopt.io import read_json
 from nanopt.model import Llama, build_model
+from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
@@ -158,8 +161,6 @@ def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin."""
-    from safetensors.torch import load_file
-
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
     if single.is_file():
@@ -207,8 +208,6 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[
     """(model in eval mode, config) from a Hugging Face Llama directory. The config is nanopt's own when
     nanopt exported the directory (nanopt.json), else the defaults; its model section always comes from
     config.json and data.tokenizer is the directory itself when it holds tokenizer files ("" if none)."""
-    from nanopt.loading import read_json
-
     directory = Path(directory)
     mcfg = model_config_from_hf(read_json(directory / "config.json"), directory)
     extra = directory / "nanopt.json"
@@ -224,8 +223,6 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[
 def init_from(model: Llama, spec: str) -> None:
     """`train.init_from=hf:DIR`: copy DIR's weights into the freshly built model, after checking that the
     run's model config has the same architecture (the error lists the overrides that would make it so)."""
-    from nanopt.loading import read_json
-
     directory = Path(spec[3:])
     if not (directory / "config.json").is_file():
         raise ConfigError(f"`train.init_from` is {spec!r} but {directory}/config.json does not exist; point it at a "
@@ -247,10 +244,6 @@ def init_from(model: Llama, spec: str) -> None:
 def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_cfg: Optional[Config] = None,
                  dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None) -> Path:
     """Write `model` as a Hugging Face LlamaForCausalLM directory; tokenizer files too for an HF tokenizer."""
-    from safetensors.torch import save_file
-
-    from nanopt.tokenizer import get_tokenizer
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = get_tokenizer(tokenizer) if tokenizer else None
@@ -264,23 +257,3 @@ def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
         (out / "nanopt.json").write_text(json.dumps({"config": nanopt_cfg.to_dict(), **(meta or {})}, indent=2) + "\n")
     return out
-
-
-def export_cli(argv: list[str]) -> int:
-    """`nanopt export RUN_OR_CHECKPOINT --out DIR [--dtype float32|bfloat16]`."""
-    from nanopt.loading import load
-
-    p = argparse.ArgumentParser(prog="nanopt export", description=(
-        "Write a checkpoint as a Hugging Face LlamaForCausalLM directory (config.json, model.safetensors, "
-        "tokenizer files when the run used a Hugging Face tokenizer)."))
-    p.add_argument("path", help="a run directory (its newest checkpoint) or a checkpoint directory")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    args = p.parse_args(argv)
-    loaded = load(args.path)
-    meta = {"step": loaded.step, "source": str(loaded.source)}
-    out = export_model(loaded.model, args.out, loaded.cfg.data.tokenizer, loaded.cfg, getattr(torch, args.dtype), meta)
-    print(f"exported {loaded.source} (step {loaded.step}, {loaded.model.num_params():,} parameters) to {out}; "
-          f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
-    return 0
-

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+from nanopt import runtime
+from nanopt.config import DEVICES
+from nanopt.errors import ConfigError
+from nanopt.generate import sample_text
+from nanopt.loading import load
+from nanopt.tokenizer import get_tokenizer
 
-from nanopt.config import ConfigError
 
-
-def sample_cli(argv: list[str]) -> int:
-    from nanopt.generate import sample_text
-    from nanopt.loading import load
-    from nanopt.tokenizer import get_tokenizer
-
+def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nanopt sample", description=(
         "Sample continuations of a prompt with the KV cache (prefill once, then one token per step)."))
     p.add_argument("path", help="a run directory, a checkpoint directory, or a Hugging Face Llama directory")
@@ -22,15 +21,13 @@ def sample_cli(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the run's sample.temperature)")
     p.add_argument("--top-k", type=int, default=None, help="0 = no top-k filter (default: the run's sample.top_k)")
     p.add_argument("--seed", type=int, default=None, help="default: the run's run.seed")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=DEVICES, default="cpu")
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
-    from nanopt.runtime import detect_kind
-
-    detect_kind(args.device)  # a clear error when --device cuda has no GPU behind it
-    loaded = load(args.path, args.device)
+    rt = runtime.init(args.device, "fp32")  # a clear error when --device cuda has no GPU behind it
+    loaded = load(args.path, rt.device)
     cfg = loaded.cfg
     if not cfg.data.tokenizer:
         raise ConfigError(f"{loaded.source} has no tokenizer files and no nanopt.json naming one, so its token ids "
@@ -43,7 +40,7 @@ def sample_cli(argv: list[str]) -> int:
     prompt = cfg.sample.prompt if args.prompt is None else args.prompt
     seed = cfg.run.seed if args.seed is None else args.seed
     samples = sample_text(loaded.model, tokenizer, prompt, args.num_samples, args.max_new_tokens, temperature,
-                          top_k, seed, torch.device(args.device))
+                          top_k, seed, rt.device)
     print(f"--- {len(samples)} samples from {loaded.source}, prompt {prompt!r}, temperature {temperature}, "
           f"top-k {top_k}, seed {seed} ---")
     for s in samples:

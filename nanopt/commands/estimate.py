@@ -1,0 +1,77 @@
+"""`nanopt estimate CONFIG [--hardware KEY] [--gpus N] [--mfu F] [--tokens T]`: time, GPU-hours and cost to
+train a config at an assumed MFU, before renting anything. Torch-free."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from nanopt.config import load_config, parse_overrides, split_args
+from nanopt.errors import ConfigError
+from nanopt.flops import estimate, param_counts, parse_tokens
+from nanopt.hardware import PEAKS, matmul_precision, table_peak
+
+
+def _hours_text(hours: float) -> str:
+    if hours >= 1:
+        return f"{hours:,.1f} h ({hours / 24:,.1f} days)"
+    return f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.2f} s"
+
+
+def main(argv: list[str]) -> int:
+    """`nanopt estimate`: how long and how much to train a config, before renting anything."""
+    parser = argparse.ArgumentParser(
+        prog="nanopt estimate", allow_abbrev=False, usage="nanopt estimate [CONFIG | --config CONFIG] [options] [--section.key=value ...]",
+        description="Time, GPU-hours and cost to train a config at an assumed MFU (6N + causal attention "
+                    "FLOPs, dense peaks). Extra --section.key=value overrides apply to the config.",
+    )
+    parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
+    parser.add_argument("--gpus", type=int, default=8, help="number of devices (default 8)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
+    parser.add_argument("--tokens", help="tokens to train (25B, 2.5e10, 20x = per parameter); "
+                                         "default: the config's budget, train.max_steps × train.global_batch_tokens")
+    parser.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; without it cost is null")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, rest = parser.parse_known_args(argv)
+    path, rest = split_args(rest)  # the config path, positional or --config, as `nanopt train` reads it
+    cfg = load_config(path, parse_overrides(rest))
+    if args.hardware not in PEAKS:
+        raise ConfigError(f"`--hardware {args.hardware}` is not in the peak table; valid: {', '.join(PEAKS)}.")
+    if args.gpus <= 0:
+        raise ConfigError(f"`--gpus` must be positive, got {args.gpus}.")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}.")
+    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
+        raise ConfigError(f"`--price-per-gpu-hour` must be zero or positive, got {args.price_per_gpu_hour}.")
+    if table_peak(args.hardware, cfg.train.precision) is None:
+        raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "
+                          f"peak; estimate a bf16 run (--train.precision=bf16).")
+    t = cfg.train
+    params = param_counts(cfg.model).total
+    if args.tokens is None:
+        tokens = t.max_steps * t.global_batch_tokens
+        source = f"config budget: {t.max_steps:,} steps × {t.global_batch_tokens:,} tokens/step"
+    else:
+        tokens = parse_tokens(args.tokens, params)
+        source = f"--tokens {args.tokens}"
+    result = estimate(cfg.model, t.seq_len, tokens, args.hardware, args.gpus, args.mfu, t.precision,
+                      args.price_per_gpu_hour, cfg.mfu.causal_halving)
+    result["tokens_source"] = source
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    r = result
+    cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
+            else "pass --price-per-gpu-hour for a cost")
+    print("\n".join([
+        f"{cfg.run.name}: {r['gpus']} × {PEAKS[r['hardware']].name} "
+        f"({r['peak_flops_per_gpu'] / 1e12:.1f} TFLOP/s dense {r['precision']} each) at {100 * r['mfu']:.0f}% MFU",
+        f"  parameters     {r['params']:,} (N for 6N: {r['n_6n']:,})",
+        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + causal attention at seq {r['seq_len']}); 6N alone "
+        f"{r['flops_per_token_6n']:.4g}",
+        f"  tokens         {r['tokens']:,} ({source}; {r['tokens_per_param']:.1f} tokens/parameter)",
+        f"  total FLOPs    {r['total_flops']:.3g}",
+        f"  wall time      {_hours_text(r['hours'])}",
+        f"  GPU-hours      {r['gpu_hours']:,.{1 if r['gpu_hours'] >= 10 else 3}f}",
+        f"  cost           {cost}",
+    ]))
+    return 0

@@ -1,0 +1,65 @@
+"""`nanopt train [CONFIG | --config CONFIG] [--section.key=value ...]` (= `python -m nanopt.main`):
+parse -> runtime.init -> train -> teardown, and the exit status that says how it ended."""
+from __future__ import annotations
+
+import os
+import sys
+
+from nanopt import faults, runtime
+from nanopt.config import load_config, parse_overrides, resolve, split_args
+from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED, EXIT_STATUS_ENV, ConfigError,
+                           Preempted, ShardError, TrainingError, debug_enabled)
+from nanopt.metrics import setup_logging
+from nanopt.train import train
+
+USAGE = """usage: python -m nanopt.main [CONFIG.yaml | --config CONFIG.yaml] [--section.key=value ...] [--debug]
+
+Train a Llama-style model. With no config, the embedded default (configs/tiny.yaml) runs on CPU.
+Overrides use dotted keys, e.g. --train.max_steps=50 --runtime.device=cpu.
+Launch several processes with torchrun, e.g. torchrun --standalone --nproc-per-node=2 -m nanopt.main CONFIG.
+Re-running the same command on the same run directory resumes from its newest checkpoint.
+--debug (or NANOPT_DEBUG=1) shows Python tracebacks instead of one-paragraph errors.
+
+Exit status: 0 finished, 2 bad input, 3 loss became NaN/inf, 75 preempted by SIGTERM/SIGINT (resumable).
+"""
+
+
+def main(argv: list[str]) -> int:
+    code = _run(argv)
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if path:  # torchrun reports 1 for any failure; a launcher reads each worker's own code here
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {code}\n")
+    return code
+
+
+def _run(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return EXIT_OK
+    setup_logging(int(os.environ.get("RANK", "0") or 0) == 0)
+    rt = None
+    try:
+        path, rest = split_args(argv)
+        cfg = load_config(path, parse_overrides(rest))
+        rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
+        resolve(cfg, rt.world_size)
+        with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then Preempted
+            train(cfg, rt)
+        runtime.teardown(rt, wait_for_peers=True)
+        return EXIT_OK
+    except Preempted as e:
+        print(f"nanopt: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except (ConfigError, ShardError) as e:
+        if debug_enabled():
+            raise
+        print(f"nanopt: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingError as e:
+        if debug_enabled():
+            raise
+        print(f"nanopt: training stopped: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    finally:
+        runtime.teardown(rt)

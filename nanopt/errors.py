@@ -1,0 +1,52 @@
+"""What can go wrong, as types and exit statuses; the one place NANOPT_DEBUG is read. No torch, no nanopt imports.
+
+Exit statuses (python -m nanopt.main / nanopt train; modal_app.py reads them):
+  0   finished
+  2   bad input (config, override, flag, path, shard, checkpoint): one paragraph says what and how to fix
+  3   training stopped (loss became NaN/inf); the last good checkpoint is kept
+  75  preempted (SIGTERM/SIGINT): a checkpoint was saved; re-run the same command to resume
+      (75 is EX_TEMPFAIL in sysexits.h, "temporary failure, try again")
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75
+
+# torchrun exits 1 whenever any worker fails, whatever the worker's own code was. A launcher that must tell
+# bad input (2) or a diverged run (3), which a retry cannot fix, from a crash or a preemption sets this to
+# a file path; each worker appends "RANK CODE" to it as it exits (modal_app.py reads it).
+EXIT_STATUS_ENV = "NANOPT_EXIT_STATUS_FILE"
+
+
+class ConfigError(ValueError):
+    """Bad user input in a config file, an override or a CLI flag; printed as one paragraph, exit 2."""
+
+
+class ShardError(ValueError):
+    """A token shard that cannot be trusted: wrong magic, version, size or checksum (exit 2)."""
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. the loss became NaN); the message says why and what was kept (exit 3)."""
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint of a signalled run is safely on disk; the train command turns it into exit 75."""
+
+    def __init__(self, signame: str, step: int, ckpt: Optional[Path]):
+        self.signame, self.step, self.ckpt = signame, step, ckpt
+        super().__init__(
+            f"preempted by {signame} after step {step}; checkpoint {ckpt} is complete. The run is resumable: "
+            f"re-run the same command to continue from step {step} (exit status {EXIT_PREEMPTED})."
+        )
+
+
+def debug_enabled() -> bool:
+    """NANOPT_DEBUG=1 (or `--debug`, which the CLI turns into it): tracebacks instead of one-paragraph errors."""
+    return os.environ.get("NANOPT_DEBUG", "") not in ("", "0")

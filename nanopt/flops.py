@@ -1,0 +1,134 @@
+"""FLOPs per token of the Llama in model.py, from its config alone, and the time/cost to train it.
+
+Torch-free: `nanopt estimate` and the model's start-up check (model.build_model asserts param_counts
+equals the built model) both use it. MFU itself (the in-loop meter) is in mfu.py.
+
+"Model" FLOPs are the FLOPs the model needs per token whatever the implementation does (recomputation is
+not counted), so MFU compares runs across kernels, batch shapes and hardware. HFU (hardware FLOPs
+utilisation) adds the FLOPs this implementation recomputes (recompute_flops_per_token).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nanopt.config import ModelConfig
+from nanopt.errors import ConfigError
+from nanopt.hardware import matmul_precision, table_peak
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of the Llama in model.py, by what they do per token."""
+
+    embedding: int  # the lookup table, vocab × dim: a gather, no FLOPs
+    lm_head: int  # the vocab × dim output matmul: FLOPs per token even when tied to the embedding
+    block_matmuls: int  # wq, wk, wv, wo, w1, w2, w3 of every layer
+    norms: int  # RMSNorm gains (dim × (2 layers + 1)); an elementwise multiply, ~0.005% of the 1B model
+    total: int  # unique parameters, a tied head counted once (== Llama.num_params())
+
+    @property
+    def n_6n(self) -> int:
+        """N of the 6N rule: everything a token passes through once, the LM head included, the lookup not.
+
+        Norm gains are included so that with tied embeddings N is exactly the familiar parameter count
+        (Llama-3.2-1B: 1,235,814,400); they change FLOPs by 5 parts in 100,000.
+        """
+        return self.block_matmuls + self.norms + self.lm_head
+
+
+def param_counts(m: ModelConfig) -> ParamCounts:
+    """Count parameters from the config alone (no model is built)."""
+    q_dim = m.n_heads * m.head_dim
+    kv_dim = m.n_kv_heads * m.head_dim
+    attention = m.dim * q_dim + 2 * m.dim * kv_dim + q_dim * m.dim  # wq, wk + wv, wo
+    mlp = 3 * m.dim * m.ffn_dim  # w1 (gate), w3 (up), w2 (down)
+    block_matmuls = m.n_layers * (attention + mlp)
+    norms = m.dim * (2 * m.n_layers + 1)
+    embedding = lm_head = m.vocab_size * m.dim
+    total = embedding + block_matmuls + norms + (0 if m.tie_embeddings else lm_head)
+    return ParamCounts(embedding, lm_head, block_matmuls, norms, total)
+
+
+def flops_per_token_6n(m: ModelConfig) -> int:
+    """Training FLOPs per token in the 6N convention.
+
+    Each weight does one multiply-add (2 FLOPs) per token in the forward pass, and twice that in the
+    backward pass (gradient w.r.t. the input and w.r.t. the weight): 2 + 4 = 6 FLOPs per parameter.
+    Activation recomputation (e.g. the chunked loss recomputing logits) is not counted: it is work the
+    implementation chose, not work the model needs.
+    """
+    return 6 * param_counts(m).n_6n
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
+    """Training FLOPs per token of the two attention matmuls (scores Q·Kᵀ and the weighted sum P·V).
+
+    Per layer and token, forward: 2·T·d (scores against T keys) + 2·T·d (values), d = n_heads × head_dim
+    (GQA shares K/V heads but every query head still does its own products); backward doubles it:
+    12·L·T·d in all. With causal_halving=True (our default) only the unmasked half of the T×T score
+    matrix is counted, 6·L·T·d: causal kernels (flash, sdpa is_causal) skip the masked half, so counting
+    it would credit work nobody does. PaLM (appendix B), nanoGPT and torchtitan count the full square
+    (causal_halving=False): use that when comparing with their MFU figures.
+    """
+    full = 12 * m.n_layers * seq_len * m.n_heads * m.head_dim
+    return full // 2 if causal_halving else full
+
+
+def flops_per_token(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
+    """Training FLOPs per token in the 6N + attention convention (the `mfu` we log)."""
+    return flops_per_token_6n(m) + attention_flops_per_token(m, seq_len, causal_halving)
+
+
+def recompute_flops_per_token(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: int) -> int:
+    """FLOPs per token that nanopt computes twice: the chunked loss (model.py, `train.loss_chunk_tokens`)
+    runs the LM head forward again in backward, 2·vocab·dim per token, whenever a micro-batch holds more
+    positions than one chunk. Nothing else is recomputed (no activation checkpointing in the blocks)."""
+    chunked = 0 < loss_chunk_tokens < micro_batch_tokens
+    return 2 * param_counts(m).lm_head if chunked else 0
+
+
+def estimate(m: ModelConfig, seq_len: int, tokens: int, hardware: str, gpus: int, mfu: float,
+             precision: str = "bf16", price_per_gpu_hour: Optional[float] = None,
+             causal_halving: bool = True) -> dict[str, Any]:
+    """Wall time, GPU-hours and cost to train `tokens` tokens at a given MFU (6N + attention FLOPs)."""
+    counts = param_counts(m)
+    fpt = flops_per_token(m, seq_len, causal_halving)
+    peak = table_peak(hardware, precision)
+    if peak is None:
+        raise ValueError(f"{hardware} has no dense {matmul_precision(precision)} peak")
+    total_flops = tokens * fpt
+    seconds = total_flops / (gpus * peak * mfu)
+    hours = seconds / 3600
+    return {
+        "params": counts.total, "n_6n": counts.n_6n,
+        "flops_per_token": fpt, "flops_per_token_6n": 6 * counts.n_6n, "causal_halving": causal_halving,
+        "seq_len": seq_len, "tokens": tokens, "tokens_per_param": tokens / counts.total,
+        "total_flops": total_flops, "hardware": hardware, "precision": matmul_precision(precision),
+        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
+        "hours": hours, "gpu_hours": hours * gpus,
+        "price_per_gpu_hour": price_per_gpu_hour,
+        "cost_usd": None if price_per_gpu_hour is None else hours * gpus * price_per_gpu_hour,
+    }
+
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_tokens(text: str, params: int) -> int:
+    """`24714985472`, `2.5e10`, `25B` / `300M` / `1.2T`, or `20x` (tokens per parameter)."""
+    s = text.strip().lower().replace("_", "").replace(",", "")
+    try:
+        if s.endswith("x"):
+            value = float(s[:-1]) * params
+        elif s and s[-1] in _SUFFIX:
+            value = float(s[:-1]) * _SUFFIX[s[-1]]
+        else:
+            value = float(s)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"`--tokens {text}` is not a token count; write e.g. 25000000000, 2.5e10, 25B or "
+                          f"20x (tokens per parameter).")
+    return int(round(value))
