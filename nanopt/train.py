@@ -21,7 +21,7 @@ from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, to_yaml
 from nanopt.errors import Preempted
-from nanopt.evaluation import SpeedrunClock, evaluate, split_batches, token_bytes_table
+from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
 from nanopt.io import write_json, write_text
 from nanopt.metrics import MetricsLogger, format_duration, step_line
@@ -31,8 +31,6 @@ from nanopt.runtime import Runtime
 from nanopt.tokenizer import Tokenizer, get_tokenizer
 
 log = logging.getLogger("nanopt")
-
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches, rt: Runtime,
