@@ -375,9 +375,11 @@ class Checkpointer:
         return final
 
     def close(self) -> None:
-        """Wait for queued mirror copies; warn about any that failed."""
+        """Wait for queued mirror copies; warn once about any that failed. Safe to call again (the loop's
+        finish waits before writing the summary, and the run's cleanup closes whatever way it ended)."""
         if self.mirror is not None and self.rt.is_main:
             self.mirror.wait()
             if self.mirror.failures:
                 log.warning("checkpoint mirror %s: %d copy(ies) failed: %s", self.mirror.url,
                             len(self.mirror.failures), "; ".join(self.mirror.failures))
+                self.mirror.failures.clear()

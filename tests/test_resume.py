@@ -8,6 +8,7 @@ reference run.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -25,6 +26,7 @@ from safetensors.torch import load_file
 from conftest import REPO, small_overrides, torchrun
 from nanopt import checkpoint, errors, faults, profiling, runtime
 from nanopt.main import run
+from nanopt.mirror import Mirror
 
 STEPS = 8
 ARGS = small_overrides(**{
@@ -357,3 +359,16 @@ def test_a_gpu_rank_restores_its_own_generator_whatever_the_visible_gpu_count(mo
     runtime.set_device_rng_state({"cuda": [own] * 4})  # saved on a 4-GPU node, restored as GPU 5: nothing to take
     runtime.set_device_rng_state({})  # a CPU checkpoint
     assert len(calls) == 2
+
+
+def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):
+    """finish() waits for the mirror before the summary and the run's cleanup closes again: one warning."""
+    ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only close()'s collaborators are needed
+    ckpt.rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
+    ckpt.mirror = Mirror(str(tmp_path / "mirror"), 1, checkpoint.STEP_DIR)
+    ckpt.mirror.failures.append("step_000001: no space left on device")
+    with caplog.at_level(logging.WARNING, logger="nanopt"):
+        ckpt.close()
+        ckpt.close()
+    assert [r.getMessage() for r in caplog.records].count(
+        f"checkpoint mirror {tmp_path / 'mirror'}: 1 copy(ies) failed: step_000001: no space left on device") == 1
