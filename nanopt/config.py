@@ -45,6 +45,13 @@ class ModelConfig:
     tie_embeddings: bool = True
     attention: str = "sdpa"  # sdpa | eager | flash | auto | xla_flash (Pallas, TPU)
     init_std: float = 0.02
+    # Speedrun options (README: "Speedrun"), each off by default so the model stays the Llama that
+    # `nanopt export` writes for transformers.
+    qk_norm: bool = False  # RMS-normalise queries and keys per head (no gain) before RoPE
+    mlp: str = "swiglu"  # swiglu: w2(silu(w1 x) * w3 x) | relu2: w2(relu(w1 x)^2), no w3
+    logit_softcap: float = 0.0  # logits -> c * tanh(logits / c); 0 = off
+    value_embeddings: bool = False  # each layer adds its own token embedding to the attention values
+    residual_scalars: bool = False  # each layer's input is a * x + b * x0 (x0: the embedding), a, b learned
 
     @property
     def head_dim(self) -> int:
@@ -85,10 +92,36 @@ class TrainConfig:
     loss_chunk_tokens: int = 8192
     # The speedrun clock and warm starts (README: "Evaluation, sampling and export").
     target_val_loss: Optional[float] = None  # record step/tokens/train seconds when val loss first reaches it
+    # The same in bits per byte: a target that recipes with different tokenizers can race to. Set one of the two.
+    target_val_bpb: Optional[float] = None
     stop_at_target: bool = False  # end the run (final eval, checkpoint, summary) once the target is reached
     init_from: str = ""  # "hf:DIR": start from the weights of a Hugging Face Llama directory
     # Derived in resolve(); not settable.
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
+
+
+@dataclass
+class OptimConfig:
+    """Which optimizer updates which kind of parameter (nanopt/optim.py; README: "Speedrun").
+
+    Kinds: matrix (the hidden 2-D weights), embedding (token and value embeddings), head (an untied LM
+    head), scalar (norm gains, residual scalars). A per-kind lr or weight decay left null takes train.lr or
+    train.weight_decay; scalars never decay. The schedule (train.schedule) scales every kind's lr alike.
+    """
+    name: str = "adamw"  # adamw | muon (Muon on the matrix kind, AdamW with train.beta1/beta2 on the rest)
+    matrix_lr: Optional[float] = None
+    embedding_lr: Optional[float] = None
+    head_lr: Optional[float] = None
+    scalar_lr: Optional[float] = None
+    matrix_weight_decay: Optional[float] = None
+    embedding_weight_decay: Optional[float] = None
+    head_weight_decay: Optional[float] = None
+    # torch.optim.Muon's settings. match_rms_adamw scales each matrix's update to AdamW's typical RMS, so a
+    # matrix_lr of AdamW's size works; "original" is Keller Jordan's sqrt(max(1, rows/cols)) (lr ~0.02).
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"
 
 
 @dataclass
@@ -197,6 +230,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -220,6 +254,9 @@ DEVICES = ("auto", "cpu", "cuda", "xla")
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.rope_scaling": ("none", "llama3"),
     "model.attention": ("sdpa", "eager", "flash", "auto", "xla_flash"),
+    "model.mlp": ("swiglu", "relu2"),
+    "optim.name": ("adamw", "muon"),
+    "optim.muon_adjust_lr": ("match_rms_adamw", "original"),
     "train.precision": ("bf16", "bf16-pure", "fp32"),
     "train.schedule": ("cosine", "wsd", "constant"),
     "runtime.device": DEVICES,
@@ -507,6 +544,7 @@ def validate(cfg: Config) -> None:
         cfg, "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio",
         "train.loss_chunk_tokens", "eval.every", "checkpoint.every", "runtime.threads", "model.max_seq_len",
         "sample.num_samples", "sample.max_new_tokens", "sample.temperature", "sample.top_k",
+        "model.logit_softcap",
     )
     m = cfg.model
     if m.dim % m.n_heads:
@@ -530,6 +568,7 @@ def validate(cfg: Config) -> None:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
     _validate_speedrun(cfg)
+    _validate_optim(cfg)
     if cfg.run.name.strip() == "" or "/" in cfg.run.name:
         raise ConfigError(f"`run.name` must be a non-empty name without '/', got {cfg.run.name!r}.")
     _validate_prepare(cfg)
@@ -550,13 +589,35 @@ def _validate_checkpoint(cfg: Config) -> None:
             )
 
 
+def _validate_optim(cfg: Config) -> None:
+    o = cfg.optim
+    for name in ("matrix_lr", "embedding_lr", "head_lr", "scalar_lr"):
+        value = getattr(o, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"`optim.{name}` must be a positive number (or null for train.lr), got {value}.")
+    for name in ("matrix_weight_decay", "embedding_weight_decay", "head_weight_decay"):
+        value = getattr(o, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"`optim.{name}` must be zero or positive (or null for train.weight_decay), got {value}.")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"`optim.muon_momentum` must be in [0, 1), got {o.muon_momentum}.")
+    _positive(cfg, "optim.muon_ns_steps")
+
+
 def _validate_speedrun(cfg: Config) -> None:
     t = cfg.train
-    if t.target_val_loss is not None and not (math.isfinite(t.target_val_loss) and t.target_val_loss > 0):
-        raise ConfigError(f"`train.target_val_loss` must be a positive number (nats per token), got {t.target_val_loss}.")
-    if t.stop_at_target and t.target_val_loss is None:
-        raise ConfigError("`train.stop_at_target` is true but `train.target_val_loss` is not set; set both, e.g. "
-                          "`--train.target_val_loss=1.8 --train.stop_at_target=true`.")
+    for key, value, unit in (("target_val_loss", t.target_val_loss, "nats per token"),
+                             ("target_val_bpb", t.target_val_bpb, "bits per byte")):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"`train.{key}` must be a positive number ({unit}), got {value}.")
+    if t.target_val_loss is not None and t.target_val_bpb is not None:
+        raise ConfigError(f"`train.target_val_loss` ({t.target_val_loss}) and `train.target_val_bpb` "
+                          f"({t.target_val_bpb}) are both set; the speedrun clock races to one target: set the "
+                          f"other to null.")
+    if t.stop_at_target and t.target_val_loss is None and t.target_val_bpb is None:
+        raise ConfigError("`train.stop_at_target` is true but no target is set; set `train.target_val_loss` (nats "
+                          "per token) or `train.target_val_bpb` (bits per byte), e.g. "
+                          "`--train.target_val_bpb=2.0 --train.stop_at_target=true`.")
     if t.stop_at_target and not cfg.eval.every:
         raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set `eval.every` "
                           "to a positive number of steps.")
@@ -605,8 +666,8 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 # Config keys that may differ between a checkpoint and the run resuming it: they change how long the run
 # goes, what it logs or where things live, not the state the next step computes from.
 SAFE_KEYS = {
-    "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.stop_at_target",
-    "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
+    "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.target_val_bpb",
+    "train.stop_at_target", "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
     "eval.every", "eval.test_at_end",
 }
