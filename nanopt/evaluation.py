@@ -64,34 +64,52 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
 
 
 class SpeedrunClock:
-    """The first evaluation at or below `train.target_val_loss`: its step, tokens and training seconds.
+    """The first evaluation at or below the run's target: its step, tokens and training seconds.
 
-    Resumable (state_dict); a resume with another target starts the clock over.
+    The target is `train.target_val_loss` (nats per token) or `train.target_val_bpb` (bits per byte, which
+    recipes with different tokenizers can race to). Resumable (state_dict); a resume with another target
+    starts the clock over.
     """
 
-    def __init__(self, target: Optional[float]):
-        self.target = target
+    def __init__(self, target: Optional[float], metric: str = "val_loss"):
+        if metric not in ("val_loss", "val_bpb"):
+            raise ValueError(f"the speedrun clock measures val_loss or val_bpb, not {metric!r}")
+        self.target, self.metric = target, metric
         self.hit: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def for_config(cls, cfg: Config) -> "SpeedrunClock":
+        t = cfg.train
+        if t.target_val_bpb is not None:
+            return cls(t.target_val_bpb, "val_bpb")
+        return cls(t.target_val_loss, "val_loss")
 
     @property
     def reached(self) -> bool:
         return self.hit is not None
 
-    def observe(self, val_loss: float, step: int, tokens: int, train_seconds: float, rt: Runtime) -> None:
-        if self.target is None or self.hit is not None or val_loss > self.target:
+    @property
+    def key(self) -> str:
+        """The summary key that names the target: target_val_loss or target_val_bpb."""
+        return f"target_{self.metric}"
+
+    def observe(self, val_loss: float, val_bpb: float, step: int, tokens: int, train_seconds: float,
+                rt: Runtime) -> None:
+        value = val_bpb if self.metric == "val_bpb" else val_loss
+        if self.target is None or self.hit is not None or value > self.target:
             return
-        self.hit = {"target_val_loss": self.target, "val_loss": val_loss, "step": step, "tokens": tokens,
-                    "train_seconds": train_seconds}
+        self.hit = {self.key: self.target, "val_loss": val_loss, "val_bpb": val_bpb, "step": step,
+                    "tokens": tokens, "train_seconds": train_seconds}
         if rt.is_main:
-            log.info("target val loss %.4f reached at step %d after %.1f s of training (%s tokens)",
-                     self.target, step, train_seconds, f"{tokens:,}")
+            log.info("target %s %.4f reached at step %d after %.1f s of training (%s tokens)",
+                     self.metric.replace("_", " "), self.target, step, train_seconds, f"{tokens:,}")
 
     def summary(self) -> dict[str, Any]:
         """summary.json fields (nulls when the target was set but not reached; none when no target)."""
         if self.target is None:
             return {}
         hit = self.hit or {}
-        return {"target_val_loss": self.target, "target_reached": bool(hit), "step_to_target": hit.get("step"),
+        return {self.key: self.target, "target_reached": bool(hit), "step_to_target": hit.get("step"),
                 "tokens_to_target": hit.get("tokens"), "train_seconds_to_target": hit.get("train_seconds")}
 
     def state_dict(self) -> dict[str, Any]:
@@ -99,4 +117,4 @@ class SpeedrunClock:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         hit = state.get("hit")
-        self.hit = hit if hit is not None and hit.get("target_val_loss") == self.target else None
+        self.hit = hit if hit is not None and hit.get(self.key) == self.target else None

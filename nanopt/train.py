@@ -159,7 +159,7 @@ class Evaluator:
         val_loss, val_bpb = evaluate(self.model, self.batches, self.token_bytes, self.rt)
         if state.best_val_loss is None or val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
-        self.clock.observe(val_loss, state.step, state.tokens_seen, state.train_seconds, self.rt)
+        self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
         self.metrics.log(state.step, {**self.last, "tokens_seen": state.tokens_seen})
         if self.rt.is_main:
@@ -273,7 +273,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     model, attention_name = _model(cfg, rt)
     optimizer = build_optimizer(model, t, rt.kind)
-    state, clock = RunState(), SpeedrunClock(t.target_val_loss)
+    state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume: model, optimizer, loader position, every rank's RNGs, the run state and the speedrun
     # clock (README: "Resume, preemption and faults"); refuses a changed config or data, skips corrupt ones.
     ckpt = Checkpointer(cfg, rt, data.split_paths(directory, "train"))

@@ -64,6 +64,13 @@ BAD = [
     (["--train.global_batch_tokens=1000"], "train.global_batch_tokens"),
     (["--train.grad_accum_steps=2"], "train.grad_accum_steps"),
     (["--train.max_steps"], "--train.max_steps"),
+    (["--model.mlp=gelu"], "model.mlp"),
+    (["--model.logit_softcap=-1"], "model.logit_softcap"),
+    (["--optim.name=sgd"], "optim.name"),
+    (["--optim.matrix_lr=0"], "optim.matrix_lr"),
+    (["--optim.muon_momentum=1.5"], "optim.muon_momentum"),
+    (["--train.target_val_bpb=2", "--train.target_val_loss=1.5"], "train.target_val_bpb"),
+    (["--train.stop_at_target=true"], "train.target_val_bpb"),
     (["stray"], "stray"),
 ]
 

@@ -151,6 +151,23 @@ def test_target_is_recorded_and_the_run_stops_when_asked(trained_run, tmp_path, 
     assert f"{summary['train_seconds_to_target']:.1f}" in row and f"{summary['final_val_loss']:.4f}" in row
 
 
+def test_bits_per_byte_target_stops_the_run(tmp_path, capsys):
+    """train.target_val_bpb races to bits per byte (the same target for any tokenizer)."""
+    run_dir = tmp_path / "bpb"
+    assert train(run_dir, **{"train.max_steps": 60, "eval.every": 2, "train.target_val_bpb": 6.5,
+                             "train.stop_at_target": "true"}) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = [r for r in records(run_dir) if r.get("val_bpb") is not None]
+    hit = next(r for r in lines if r["val_bpb"] <= 6.5)
+    assert summary["target_val_bpb"] == 6.5 and "target_val_loss" not in summary
+    assert summary["target_reached"] and summary["step_to_target"] == hit["step"] == summary["steps"] < 60
+    assert all(r["val_bpb"] > 6.5 for r in lines if r["step"] < hit["step"])
+    capsys.readouterr()
+    nanopt_cli("runs", tmp_path)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("bpb "))
+    assert "6.500 bpb" in row
+
+
 # ---------------------------------------------------------------- Hugging Face export / import
 
 PARITY = {

@@ -13,6 +13,13 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _target(r: dict[str, Any]) -> str:
+    """The run's target with its unit (runs may race to a loss or to bits per byte)."""
+    if r.get("target_val_bpb") is not None:
+        return f"{r['target_val_bpb']:.3f} bpb"
+    return "-" if r.get("target_val_loss") is None else f"{r['target_val_loss']:.3f} nats"
+
+
 def leaderboard(root: Path) -> list[dict[str, Any]]:
     """Every runs/*/summary.json, fastest to target first, then the rest by final validation loss."""
     rows = []
@@ -23,7 +30,7 @@ def leaderboard(root: Path) -> list[dict[str, Any]]:
             continue
         rows.append({**summary, "run": path.parent.name})  # the directory names the run
     reached = sorted((r for r in rows if r.get("train_seconds_to_target") is not None),
-                     key=lambda r: (r.get("target_val_loss") or 0, r["train_seconds_to_target"]))
+                     key=lambda r: (_target(r), r["train_seconds_to_target"]))
     rest = sorted((r for r in rows if r.get("train_seconds_to_target") is None),
                   key=lambda r: (r.get("final_val_loss") is None, r.get("final_val_loss") or 0))
     return reached + rest
@@ -35,7 +42,7 @@ def format_leaderboard(rows: list[dict[str, Any]]) -> str:
     table = [header]
     for r in rows:
         table.append((
-            r["run"], _fmt(r.get("target_val_loss"), ".3f"), _fmt(r.get("train_seconds_to_target"), ".1f"),
+            r["run"], _target(r), _fmt(r.get("train_seconds_to_target"), ".1f"),
             _fmt(r.get("step_to_target"), "d"), _fmt(r.get("tokens_to_target"), ","),
             _fmt(r.get("final_val_loss"), ".4f"), _fmt(r.get("final_val_bpb"), ".4f"), _fmt(r.get("test_bpb"), ".4f"),
             _fmt(r.get("train_seconds"), ".1f"), _fmt(r.get("tokens_seen"), ","), _fmt(r.get("params"), ","),
