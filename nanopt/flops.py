@@ -22,20 +22,24 @@ from nanopt.hardware import matmul_precision, table_peak
 class ParamCounts:
     """Parameters of the Llama in model.py, by what they do per token."""
 
-    embedding: int  # the lookup table, vocab × dim: a gather, no FLOPs
+    # The lookup tables, gathers with no FLOPs: the token embedding (vocab × dim) and, with
+    # value_embeddings, one vocab × (n_kv_heads × head_dim) table per layer.
+    embedding: int
     lm_head: int  # the vocab × dim output matmul: FLOPs per token even when tied to the embedding
-    block_matmuls: int  # wq, wk, wv, wo, w1, w2, w3 of every layer
+    block_matmuls: int  # wq, wk, wv, wo, w1, w2 (and w3 unless mlp is relu2) of every layer
     norms: int  # RMSNorm gains (dim × (2 layers + 1)); an elementwise multiply, ~0.005% of the 1B model
+    scalars: int  # residual_scalars: a and b of every layer (2 × n_layers); 0 when off
     total: int  # unique parameters, a tied head counted once (== Llama.num_params())
 
     @property
     def n_6n(self) -> int:
-        """N of the 6N rule: everything a token passes through once, the LM head included, the lookup not.
+        """N of the 6N rule: everything a token passes through once, the LM head included, the lookups not.
 
-        Norm gains are included so that with tied embeddings N is exactly the familiar parameter count
-        (Llama-3.2-1B: 1,235,814,400); they change FLOPs by 5 parts in 100,000.
+        Norm gains (and residual scalars) are included so that with tied embeddings N is exactly the
+        familiar parameter count (Llama-3.2-1B: 1,235,814,400); they change FLOPs by 5 parts in 100,000.
+        qk_norm (no gain) and logit_softcap are elementwise and parameter-free: no change to N.
         """
-        return self.block_matmuls + self.norms + self.lm_head
+        return self.block_matmuls + self.norms + self.scalars + self.lm_head
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
@@ -43,12 +47,16 @@ def param_counts(m: ModelConfig) -> ParamCounts:
     q_dim = m.n_heads * m.head_dim
     kv_dim = m.n_kv_heads * m.head_dim
     attention = m.dim * q_dim + 2 * m.dim * kv_dim + q_dim * m.dim  # wq, wk + wv, wo
-    mlp = 3 * m.dim * m.ffn_dim  # w1 (gate), w3 (up), w2 (down)
+    mlp_matrices = 2 if m.mlp == "relu2" else 3  # w1, w2 (relu2) or w1 (gate), w3 (up), w2 (down)
+    mlp = mlp_matrices * m.dim * m.ffn_dim
     block_matmuls = m.n_layers * (attention + mlp)
     norms = m.dim * (2 * m.n_layers + 1)
-    embedding = lm_head = m.vocab_size * m.dim
-    total = embedding + block_matmuls + norms + (0 if m.tie_embeddings else lm_head)
-    return ParamCounts(embedding, lm_head, block_matmuls, norms, total)
+    scalars = 2 * m.n_layers if m.residual_scalars else 0
+    lm_head = m.vocab_size * m.dim
+    embedding = lm_head + (m.n_layers * m.vocab_size * kv_dim if m.value_embeddings else 0)
+    total = embedding + block_matmuls + norms + scalars + (0 if m.tie_embeddings else lm_head)
+    return ParamCounts(embedding=embedding, lm_head=lm_head, block_matmuls=block_matmuls, norms=norms,
+                       scalars=scalars, total=total)
 
 
 def flops_per_token_6n(m: ModelConfig) -> int:
