@@ -66,7 +66,7 @@ def generate_padded(
     for pos in range(T, total):
         last = torch.tensor([pos - 1])  # the position whose logits predict token `pos`
         h = model.hidden(buf.to(device)).index_select(1, last.to(device))  # B L C -> B 1 C
-        logits = model.lm_head(h)[:, 0].cpu()  # B C @ C V -> B V
+        logits = model.logits(h)[:, 0].cpu()  # B 1 C @ C V -> B V (soft-capped when the model caps)
         buf[:, pos] = _pick(logits, temperature, top_k, generator)
     return buf[:, :total].to(prompt.device)
 

@@ -1,6 +1,12 @@
-"""The Llama model: RMSNorm -> RoPE -> GQA attention -> SwiGLU MLP -> block -> Llama."""
+"""The Llama model: RMSNorm -> RoPE -> GQA attention -> SwiGLU MLP -> block -> Llama.
+
+Opt-in speedrun options (ModelConfig: qk_norm, mlp=relu2, logit_softcap, value_embeddings,
+residual_scalars) change the architecture; each is off by default, and with all off the modules, the
+state_dict keys, a seed's weights and the forward pass are those of the plain Llama that hf.py exports.
+"""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -88,6 +94,11 @@ def residual_linear(in_features: int, out_features: int) -> nn.Linear:
     return lin
 
 
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS-normalise each head's vector (last dim), no gain, in fp32 like RMSNorm: B H T D -> B H T D."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, kernel: AttentionFn = sdpa):
         super().__init__()
@@ -96,16 +107,26 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = residual_linear(cfg.n_heads * cfg.head_dim, cfg.dim)
+        # qk_norm: None = off, else the eps of the per-head RMS norm of q and k.
+        self.qk_norm_eps: Optional[float] = cfg.norm_eps if cfg.qk_norm else None
+        # value_embeddings: this layer's own token -> value table, added to v. Registered only when on, so
+        # a default model's state_dict (which hf.py exports) has no such key.
+        self.value_embed: Optional[nn.Embedding] = (
+            nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim) if cfg.value_embeddings else None
+        )
         self.kernel = kernel
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cache: Optional[KVCache] = None, start_pos: int = 0,
+        cache: Optional[KVCache] = None, start_pos: int = 0, idx: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """x: B T C; idx: the B T token ids of x's positions (needed only with value embeddings)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # B Hq T D
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
+        v = self.values(x, idx).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
+        if self.qk_norm_eps is not None:  # before RoPE: the rotation keeps the norm, the scores stay bounded
+            q, k = head_rms_norm(q, self.qk_norm_eps), head_rms_norm(k, self.qk_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.k[:B, :, start_pos : start_pos + T] = k
@@ -114,18 +135,53 @@ class Attention(nn.Module):
         y = self.kernel(q, k, v, start_pos)  # B Hq T D
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
+    def values(self, x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
+        """wv(x), plus this layer's value embedding of the tokens when on: B T C -> B T Hkv*D.
+
+        Computed before the KV cache write, so a cached position keeps the embedding of its own token.
+        """
+        v = self.wv(x)  # B T C @ C Hkv*D -> B T Hkv*D
+        if self.value_embed is None:
+            return v
+        if idx is None:
+            raise ValueError("this model has value embeddings (model.value_embeddings): pass the token ids as idx")
+        # The lookup is fp32 under autocast while wv's output is bf16: match it so q, k, v share a dtype.
+        return v + self.value_embed(idx).to(v.dtype)  # B T Hkv*D
+
 
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), or with `mlp: relu2` w2(relu(w1 x)^2) and no w3."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.relu2 = cfg.mlp == "relu2"
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate (relu2: the only input matrix)
+        if not self.relu2:
+            self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = residual_linear(cfg.ffn_dim, cfg.dim)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # B T C -> B T F -> B T C
+        if self.relu2:
+            return self.w2(F.relu(self.w1(x)).square())
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ResidualScalars(nn.Module):
+    """`residual_scalars`: a block's input becomes a * x + b * x0, x0 the embedding output, a and b learned.
+
+    a = 1, b = 0 at init (init_weights), i.e. the plain residual stream; b lets every layer re-read the
+    token embedding directly. Shape (1,) each so the optimizer files them under the scalar kind.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(1))
+        self.b = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        # The scalars are fp32 parameters: cast them so a bf16 residual stream stays bf16.
+        return self.a.to(x.dtype) * x + self.b.to(x.dtype) * x0  # B T C
 
 
 class Block(nn.Module):
@@ -135,9 +191,19 @@ class Block(nn.Module):
         self.attention = Attention(cfg, kernel)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        # Registered only when on, like the value embedding, so a default state_dict is unchanged.
+        self.residual_scalars: Optional[ResidualScalars] = ResidualScalars() if cfg.residual_scalars else None
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, start_pos: int = 0):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None,
+        start_pos: int = 0, *, x0: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x, x0 (the embedding output, for residual scalars): B T C; idx: B T token ids (value embeddings)."""
+        if self.residual_scalars is not None:
+            if x0 is None:
+                raise ValueError("this block has residual scalars (model.residual_scalars): pass the embedding as x0")
+            x = self.residual_scalars(x, x0)
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos, idx)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -180,6 +246,8 @@ class Llama(nn.Module):
         - a Linear marked RESIDUAL_OUT (attention wo, MLP w2: they write into the residual stream):
           normal(0, init_std / sqrt(2 * n_layers)), so the residual variance does not grow with depth
         - RMSNorm gains: ones
+        - residual scalars (ResidualScalars): a = 1, b = 0, the plain residual stream
+        - value embeddings are nn.Embedding: normal(0, init_std), like the token embedding
         - RoPE tables: recomputed (buffers on meta hold no data)
         With tied embeddings the LM head is the embedding matrix and is initialised once. A parameter no
         rule covers raises, naming its module and type: after to_empty it would be uninitialised memory.
@@ -202,17 +270,19 @@ class Llama(nn.Module):
         """Modules in the order that keeps a seed's weights as they were before init went by type: the
         top-level modules (embed, then an untied lm_head), then layer by layer wq, wk, wv, w1, w3 before
         the depth-scaled wo, w2. Registration order alone would interleave them (and moving parameters to
-        match would reorder state_dict and optimizer state)."""
+        match would reorder state_dict and optimizer state). Option modules (a value embedding after wv, the
+        residual scalars last) draw in that order too; a default model has none, so its weights stay as they were."""
         top = [m for name, m in self.named_modules() if name.split(".")[0] != "layers"]
         # sorted is stable: within a layer, registration order, residual outputs last.
         per_layer = [m for layer in self.layers for m in sorted(layer.modules(), key=_is_residual_out)]
         return top + per_layer
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Unique parameters (a tied head is counted once)."""
+        """Unique parameters (a tied head is counted once); exclude_embedding leaves out every lookup table
+        (the token embedding and any value embeddings), as flops.ParamCounts.embedding counts them."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
-            n -= self.embed.weight.numel()
+            n -= sum(p.numel() for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
         return n
 
     def hidden(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
@@ -220,10 +290,14 @@ class Llama(nn.Module):
         T = idx.shape[1]
         cos = self.rope_cos[start_pos : start_pos + T]
         sin = self.rope_sin[start_pos : start_pos + T]
-        x = self.embed(idx)  # B T C
+        x = x0 = self.embed(idx)  # B T C; x0 stays the embedding (residual scalars re-read it every layer)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos)
+            x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos, x0=x0, idx=idx)
         return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states: B T C @ C V -> B T V, soft-capped (in fp32) when logit_softcap is set."""
+        return soft_cap(self.lm_head(h), self.cfg.logit_softcap)
 
     def forward(
         self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
@@ -235,7 +309,7 @@ class Llama(nn.Module):
         """
         h = self.hidden(idx, caches, start_pos)
         if targets is None:
-            return self.lm_head(h)  # B T C @ C V -> B T V
+            return self.logits(h)  # B T V
         return self._chunked_loss(h, targets)
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -247,15 +321,18 @@ class Llama(nn.Module):
         """
         B, T, _ = h.shape
         count = (targets != -100).sum().clamp(min=1)
+        # The cap is bound here so recompute (typed for tensors; torch_xla's reentrant checkpoint on XLA) gets
+        # tensor arguments only.
+        loss_sum = functools.partial(_chunk_loss_sum, softcap=self.cfg.logit_softcap)
         if self.loss_chunk_tokens <= 0 or B * T <= self.loss_chunk_tokens:
-            return _chunk_loss_sum(h, targets, self.lm_head.weight) / count
+            return loss_sum(h, targets, self.lm_head.weight) / count
         # Chunks run along the sequence and span the whole batch, so with the batch sharded over devices
         # (XLA SPMD) every chunk keeps every device busy.
         step = max(1, self.loss_chunk_tokens // B)
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, T, step):
             total = total + recompute(
-                _chunk_loss_sum, h[:, start : start + step], targets[:, start : start + step], self.lm_head.weight
+                loss_sum, h[:, start : start + step], targets[:, start : start + step], self.lm_head.weight
             )
         return total / count
 
@@ -267,9 +344,17 @@ class Llama(nn.Module):
         ]
 
 
-def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of h (B T C) against t (B T), -100 ignored."""
-    logits = F.linear(h, weight)  # B T C @ C V -> B T V
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) in fp32 (bf16 tanh near ±cap would flatten differences), or logits as they
+    are when cap is 0 (off)."""
+    if cap <= 0:
+        return logits
+    return cap * torch.tanh(logits.float() / cap)  # B T V, fp32
+
+
+def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
+    """Summed cross-entropy of h (B T C) against t (B T), -100 ignored; logits soft-capped when softcap > 0."""
+    logits = soft_cap(F.linear(h, weight), softcap)  # B T C @ C V -> B T V
     return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
 
 
@@ -289,6 +374,10 @@ def _init_by_type(module: nn.Module, cfg: ModelConfig) -> list[nn.Parameter]:
     if isinstance(module, RMSNorm):
         module.weight.fill_(1.0)
         return [module.weight]
+    if isinstance(module, ResidualScalars):  # start as the plain residual stream: 1 * x + 0 * x0
+        module.a.fill_(1.0)
+        module.b.fill_(0.0)
+        return [module.a, module.b]
     return []
 
 
