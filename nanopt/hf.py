@@ -46,6 +46,34 @@ _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _ARCH_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
               "rope_scaling", "tie_embeddings")
 _LLAMA3_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+# nanopt's opt-in architecture options and the value that means off: LlamaForCausalLM has none of them.
+_OPTIONS_OFF: dict[str, Any] = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeddings": False,
+                                "residual_scalars": False}
+
+
+def options_on(m: ModelConfig) -> list[str]:
+    """Names of the model options that are on (empty for a plain Llama)."""
+    return [k for k, off in _OPTIONS_OFF.items() if getattr(m, k) != off]
+
+
+def _options_text(m: ModelConfig, on: list[str]) -> tuple[str, str]:
+    """What is set and the overrides that turn it off, for error messages:
+    ("model.qk_norm=true, model.mlp=relu2", "--model.qk_norm=false --model.mlp=swiglu")."""
+    def value(v: Any) -> str:  # as a --section.key=value override writes it: true, relu2, 30.0
+        return json.dumps(v).strip('"')
+    return (", ".join(f"model.{k}={value(getattr(m, k))}" for k in on),
+            " ".join(f"--model.{k}={value(_OPTIONS_OFF[k])}" for k in on))
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """Raise ConfigError when the model uses an option LlamaForCausalLM cannot represent: its export would
+    load in transformers and compute something else (qk_norm, softcap) or fail (extra weights)."""
+    on = options_on(m)
+    if on:
+        text, offs = _options_text(m, on)
+        raise ConfigError(f"this model cannot be exported to Hugging Face: it sets {text}, which transformers' "
+                          f"LlamaForCausalLM cannot represent. To export, train with them off ({offs}); otherwise "
+                          f"use the nanopt checkpoint directly (`nanopt sample`, `nanopt eval`, `nanopt.load_model`).")
 
 
 def hf_name(name: str) -> str:
@@ -71,6 +99,7 @@ def nanopt_name(name: str) -> str:
 
 def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
+    check_exportable(model.cfg)
     out = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.cfg.tie_embeddings:
@@ -229,6 +258,12 @@ def init_from(model: Llama, spec: str) -> None:
                           f"directory written by `nanopt export` or transformers' save_pretrained.")
     theirs = model_config_from_hf(read_json(directory / "config.json"), directory)
     ours = model.cfg
+    on = options_on(ours)
+    if on:  # a plain Llama has no weights for them, or its weights mean something else with them on
+        text, offs = _options_text(ours, on)
+        raise ConfigError(f"`train.init_from` {directory} holds a plain Llama (transformers' LlamaForCausalLM), but "
+                          f"the run's model config sets {text}, which that architecture does not have; "
+                          f"start from it with them off ({offs}) or train from scratch (train.init_from=\"\").")
     # The llama3 factors only matter when both sides use llama3 scaling.
     keys = _ARCH_KEYS + (_LLAMA3_KEYS if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
     differ = [k for k in keys if getattr(ours, k) != getattr(theirs, k)]
@@ -243,7 +278,10 @@ def init_from(model: Llama, spec: str) -> None:
 
 def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_cfg: Optional[Config] = None,
                  dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None) -> Path:
-    """Write `model` as a Hugging Face LlamaForCausalLM directory; tokenizer files too for an HF tokenizer."""
+    """Write `model` as a Hugging Face LlamaForCausalLM directory; tokenizer files too for an HF tokenizer.
+
+    Raises ConfigError, before writing anything, for a model with an option Llama lacks (check_exportable)."""
+    check_exportable(model.cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = get_tokenizer(tokenizer) if tokenizer else None
