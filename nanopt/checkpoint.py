@@ -342,8 +342,11 @@ class Checkpointer:
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        optim.load_state_dict(optimizer, model,
-                              torch.load(ckpt / "optimizer.pt", weights_only=True, map_location=self.rt.init_device))
+        opt_state = torch.load(ckpt / "optimizer.pt", weights_only=True, map_location=self.rt.init_device)
+        try:
+            optim.load_state_dict(optimizer, model, opt_state)
+        except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
+            raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
             component.load_state_dict(saved[name])
         rngs = torch.load(ckpt / "rng.pt", weights_only=True)

@@ -1,36 +1,45 @@
-"""Optimizer parameter groups by kind, the learning-rate schedule as a multiplier (a pure function of step),
-and optimizer-state loading that resumes checkpoints written with the older two-group layout."""
+"""Optimizer parameter groups by kind, the optimizers by name (adamw, muon), the learning-rate schedule as a
+multiplier (a pure function of step), and optimizer-state loading that resumes checkpoints written with the
+older two-group layout."""
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 
-from nanopt.config import TrainConfig
+from nanopt.config import OptimConfig, TrainConfig
 from nanopt.runtime import fused_adamw_supported
+
+log = logging.getLogger("nanopt")
 
 # Group order is fixed: the optimizer's state_dict indexes parameters by their position across groups,
 # so a stable order keeps checkpoints loadable.
 KINDS = ("matrix", "embedding", "head", "scalar")
+# Every group names the torch optimizer that steps it, so a checkpoint says which update rule its state is for.
+# Checkpoints from before optim.name have no such key: they are AdamW's.
+ADAMW, MUON = "adamw", "muon"
 # Group keys that belong to this run's config and device rather than to the training trajectory: a resume
 # takes them from the freshly built optimizer, never from the checkpoint.
-RUN_KEYS = ("kind", "base_lr", "weight_decay")
+RUN_KEYS = ("kind", "optimizer", "base_lr", "weight_decay")
 IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def kind_hparams(kind: str, cfg: TrainConfig) -> tuple[float, float]:
-    """(base lr, weight decay) of one kind. Per-kind config keys, when they come, are one line each here.
+def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = None) -> tuple[float, float]:
+    """(base lr, weight decay) of one kind: optim.<kind>_lr and optim.<kind>_weight_decay, where null means
+    train.lr and train.weight_decay.
 
-    Scalars (RMSNorm gains) never decay: pulling a gain toward zero shrinks the whole layer's output,
-    which is not what weight decay is for.
+    Scalars (RMSNorm gains, residual scalars) never decay: pulling a gain toward zero shrinks the whole
+    layer's output, which is not what weight decay is for.
     """
-    if kind == "scalar":
-        return cfg.lr, 0.0
-    if kind in ("matrix", "embedding", "head"):
-        return cfg.lr, cfg.weight_decay
-    raise ValueError(f"unknown parameter kind {kind!r}; expected one of {KINDS}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown parameter kind {kind!r}; expected one of {KINDS}")
+    optim = optim or OptimConfig()
+    lr = getattr(optim, f"{kind}_lr")
+    decay = 0.0 if kind == "scalar" else getattr(optim, f"{kind}_weight_decay")
+    return (train.lr if lr is None else lr), (train.weight_decay if decay is None else decay)
 
 
 def param_kind(p: torch.Tensor, embedding_ids: set[int], head_ids: set[int]) -> str:
@@ -44,7 +53,7 @@ def param_kind(p: torch.Tensor, embedding_ids: set[int], head_ids: set[int]) -> 
     return "matrix"
 
 
-def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConfig] = None) -> list[dict]:
     """One group per non-empty kind, in KINDS order; each carries kind, base_lr, weight_decay and params.
 
     Every trainable parameter appears exactly once (model.parameters() yields a tied weight once).
@@ -59,17 +68,83 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     groups = []
     for kind, params in by_kind.items():
         if params:
-            lr, wd = kind_hparams(kind, cfg)
+            lr, wd = kind_hparams(kind, train, optim)
             groups.append({"kind": kind, "base_lr": lr, "weight_decay": wd, "params": params})
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device_kind: str) -> torch.optim.Optimizer:
-    """AdamW over the kind groups, each starting at its base lr (apply_schedule scales it every step)."""
-    groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, cfg)]
+def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str,
+                    optim: Optional[OptimConfig] = None) -> torch.optim.Optimizer:
+    """The optimizer optim.name asks for over the kind groups, each starting at its base lr (apply_schedule
+    scales it every step). adamw: AdamW on every kind. muon: Muon on the matrix kind (the hidden 2-D weights
+    it is made for), AdamW on embeddings, head and scalars, as one MuonWithAdamW."""
+    optim = optim or OptimConfig()
+    groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
+    if optim.name == ADAMW:
+        return _adamw(groups, train, device_kind)
+    if optim.name == MUON:
+        if device_kind == "xla":
+            log.warning("optim.name=muon on XLA: torch_xla does not lower the addmm(beta, alpha) of Muon's "
+                        "Newton-Schulz iteration and runs it on the host, so the train step is cut into ~2 graphs "
+                        "per matrix (compiled once, then reused) and is slow; adamw keeps it one graph.")
+        matrix = [g for g in groups if g["kind"] == "matrix"]
+        rest = [g for g in groups if g["kind"] != "matrix"]
+        return MuonWithAdamW(_muon(matrix, optim), _adamw(rest, train, device_kind))
+    raise ValueError(f"unknown optimizer {optim.name!r}; expected {ADAMW!r} or {MUON!r}")
+
+
+def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.optim.AdamW:
     # fused AdamW is one kernel per step on CUDA (and a vectorised loop on CPU); foreach elsewhere.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=fused_adamw_supported(device_kind))
+    return torch.optim.AdamW([dict(g, optimizer=ADAMW) for g in groups], lr=train.lr,
+                             betas=(train.beta1, train.beta2), eps=train.eps, fused=fused_adamw_supported(device_kind))
+
+
+def _muon(groups: list[dict], optim: OptimConfig) -> torch.optim.Muon:
+    # Each group brings its own lr and weight decay; Muon scales the lr per matrix shape (adjust_lr_fn).
+    return torch.optim.Muon([dict(g, optimizer=MUON) for g in groups], momentum=optim.muon_momentum,
+                            nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
+                            adjust_lr_fn=optim.muon_adjust_lr)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon on the matrix group and AdamW on the others, stepped, scheduled and checkpointed as one optimizer.
+
+    The two torch optimizers keep their own update rules. This one holds the very group dicts and the state
+    they step (shared objects, not copies), so param_groups is in KINDS order, state_dict() is a single
+    optimizer's (each group says which optimizer owns it, by its "optimizer" key) and torch's
+    load_state_dict works unchanged; since that replaces the groups and the state, the two are re-pointed
+    at the new ones afterwards.
+    """
+
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
+        self.optimizers = {MUON: muon, ADAMW: adamw}
+        # Muon holds only the matrix group, which comes first in KINDS: concatenating keeps KINDS order.
+        # "capturable" is the flag the XLA step sets through `defaults` (xla.compile_step) so AdamW keeps its
+        # step count on the device; Muon, which has no step count, ignores it.
+        super().__init__([*muon.param_groups, *adamw.param_groups], defaults={"capturable": False})
+        self._share()
+
+    def _share(self) -> None:
+        """Point each torch optimizer at its groups and the state here (after a load: at the loaded ones)."""
+        for name, opt in self.optimizers.items():
+            opt.param_groups = [g for g in self.param_groups if g.get("optimizer") == name]
+            opt.state = self.state
+            if not opt.param_groups:
+                raise ValueError(f"no parameter group is marked for {name}; groups: "
+                                 f"{[g.get('optimizer') for g in self.param_groups]}")
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers.values():
+            opt.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._share()
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
@@ -116,11 +191,17 @@ def load_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module, state: d
 
     Accepts the current kind layout and the older two-group layout ([every >=2-D param, every <2-D param],
     no "kind"), whose per-parameter state is moved onto the kind groups by parameter identity. The
-    trajectory (moments, step counts, lr, betas, eps) comes from the checkpoint; kind, base_lr,
-    weight_decay and the implementation flags come from this run, since torch's load would otherwise
-    replace them with the saved groups' (or drop them, as old groups lack kind and base_lr).
+    trajectory (moments, momentum buffers, step counts, lr, betas, eps, Muon's momentum and Newton-Schulz
+    settings) comes from the checkpoint; kind, optimizer, base_lr, weight_decay and the implementation flags
+    come from this run, since torch's load would otherwise replace them with the saved groups' (or drop
+    them, as old groups lack kind and base_lr). State written by another optimizer (adamw vs muon) is refused.
     """
     current = [{k: g[k] for k in RUN_KEYS + IMPL_KEYS if k in g} for g in optimizer.param_groups]
+    saved_name, name = optimizer_name(state["param_groups"]), optimizer_name(optimizer.param_groups)
+    if saved_name != name:  # torch would load AdamW moments as Muon momentum (or fail halfway) without a word
+        raise ValueError(f"the saved optimizer state is {saved_name}'s and this run's optimizer is {name} "
+                         f"(optim.name): one's moments mean nothing to the other. Resume with "
+                         f"`--optim.name={saved_name}`, or start a new run to train with {name}")
     if _is_legacy(state):
         state = _from_legacy(state, optimizer, model)
     saved_kinds = [g.get("kind") for g in state["param_groups"]]
@@ -132,6 +213,11 @@ def load_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module, state: d
         group.update(keys)
         if group.get("fused") or group.get("capturable"):
             _steps_on_param_device(optimizer, group)
+
+
+def optimizer_name(groups: list[dict]) -> str:
+    """optim.name of the optimizer these param groups (live or saved) belong to: muon when Muon steps any."""
+    return MUON if any(g.get("optimizer") == MUON for g in groups) else ADAMW
 
 
 def _is_legacy(state: dict) -> bool:

@@ -272,7 +272,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
                                     cfg.eval.seed)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     model, attention_name = _model(cfg, rt)
-    optimizer = build_optimizer(model, t, rt.kind)
+    optimizer = build_optimizer(model, t, rt.kind, cfg.optim)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume: model, optimizer, loader position, every rank's RNGs, the run state and the speedrun
     # clock (README: "Resume, preemption and faults"); refuses a changed config or data, skips corrupt ones.
