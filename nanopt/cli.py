@@ -20,9 +20,11 @@ class Command:
     env: dict[str, str] = field(default_factory=dict)  # defaults set before the module is imported
 
 
-# Idle OpenMP threads sleep instead of spinning: on a busy CPU, spinning steals the cores the other
-# thread needs (2-3x slower steps, README "Performance"). libgomp reads it when torch loads.
-_TRAIN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Idle OpenMP threads spin instead of sleeping: on a quiet machine PASSIVE costs a wake-up per small op
+# (2x slower steps at nanoGPT's shape) and libgomp's default (spin, then sleep) is 3-10x slower when
+# another job shares the cores; ACTIVE is never far from the best (bench/omp_policy.py, README
+# "Performance"). On a shared machine set OMP_WAIT_POLICY=PASSIVE. libgomp reads it when torch loads.
+_TRAIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE"}
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train", "train a model (same as python -m nanopt.main)", _TRAIN_ENV),

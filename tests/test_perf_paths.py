@@ -1,5 +1,5 @@
 """The speed paths must not change the numbers: torch.compile (train.compile) gives eager's loss and
-gradients; and `nanopt.main.run` makes idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) before torch
+gradients; and `nanopt.main.run` makes idle OpenMP threads spin (OMP_WAIT_POLICY=ACTIVE) before torch
 loads, unless the user chose a policy.
 
 Speed itself is never asserted here (see bench/ for that). The compile test builds a SMALL model in
@@ -61,9 +61,9 @@ def _policy_after_run(env_policy: str | None) -> str:
     return out.stdout.rsplit("POLICY=", 1)[1].strip()
 
 
-def test_run_makes_idle_openmp_threads_sleep_before_torch_loads():
-    assert _policy_after_run(None) == "PASSIVE"
+def test_run_makes_idle_openmp_threads_spin_before_torch_loads():
+    assert _policy_after_run(None) == "ACTIVE"
 
 
 def test_run_keeps_a_user_chosen_openmp_wait_policy():
-    assert _policy_after_run("ACTIVE") == "ACTIVE"
+    assert _policy_after_run("PASSIVE") == "PASSIVE"
