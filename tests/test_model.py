@@ -11,7 +11,7 @@ import nanopt.model
 from nanopt.attention import eager, sdpa
 from nanopt.config import ModelConfig, configs_dir, load_config
 from nanopt.flops import param_counts
-from nanopt.model import Block, Llama, build_model, rope_frequencies
+from nanopt.model import Block, Llama, apply_rope, build_model, rms_normalize, rope_frequencies, rope_tables
 
 
 def small(**kw) -> ModelConfig:
@@ -215,3 +215,29 @@ def test_init_reproduces_the_pre_refactor_weights(tie):
         assert w[0].item() == pytest.approx(first, rel=1e-5), name
         assert w[-1].item() == pytest.approx(last, rel=1e-5), name
         assert w.double().abs().sum().item() == pytest.approx(abs_sum, rel=1e-6), name
+
+
+def test_rms_normalize_matches_the_textbook_formula_and_its_gradient():
+    # The hand-written backward (model._RMSNormalize) against autograd's, in float64 via gradcheck too.
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: rms_normalize(t, 1e-5), (x,))
+    x = torch.randn(4, 7, 32, requires_grad=True)
+    g = torch.randn(4, 7, 32)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    (ref_grad,) = torch.autograd.grad(ref, x, g)
+    out = rms_normalize(x, 1e-5)
+    (grad,) = torch.autograd.grad(out, x, g)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(grad, ref_grad)
+
+
+def test_rope_is_hugging_faces_rotate_half():
+    # rope_tables carries rotate-half's sign in the sin table; apply_rope must equal HF's formula.
+    cfg = ModelConfig(dim=64, n_heads=2, n_kv_heads=2, max_seq_len=16)
+    cos, sin = rope_tables(cfg, 16)
+    plain_sin = sin[:, cfg.head_dim // 2 :].repeat(1, 2)  # the unsigned table HF uses: [sin, sin]
+    x = torch.randn(2, 2, 16, cfg.head_dim)
+    half = cfg.head_dim // 2
+    rotate_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + rotate_half * plain_sin)
+    torch.testing.assert_close(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))  # a rotation
