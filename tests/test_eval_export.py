@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from conftest import run_module, small_overrides
 from nanopt import data
-from nanopt.config import ModelConfig
+from nanopt.config import ModelConfig, configs_dir
 from nanopt.hf import export_model
 from nanopt.model import build_model
 from nanopt.runtime import Runtime
@@ -166,6 +167,24 @@ def test_bits_per_byte_target_stops_the_run(tmp_path, capsys):
     nanopt_cli("runs", tmp_path)
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("bpb "))
     assert "6.500 bpb" in row
+
+
+def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, corpus_dir):
+    """configs/speedrun-cpu.yaml as the README runs it (Muon, QK-norm, ReLU², softcap, untied) on a prepared
+    directory: the val bpb falls below an easy target well before max_steps, and the run stops there."""
+    from nanopt.main import run
+
+    run_dir = tmp_path / "speedrun"
+    args = ["--config", str(configs_dir() / "speedrun-cpu.yaml"), f"--run.dir={run_dir}", f"--data.source={corpus_dir}",
+            "--train.target_val_bpb=4.5", "--train.stop_at_target=true", "--eval.every=5", "--eval.batches=2",
+            "--log.tensorboard=false", "--checkpoint.resume=false"]
+    assert run(args) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["optim"]["name"] == "muon" and config["model"]["mlp"] == "relu2" and config["model"]["qk_norm"]
+    assert summary["target_reached"] and summary["steps"] == summary["step_to_target"] < 100
+    first = next(r["val_bpb"] for r in records(run_dir) if r.get("val_bpb") is not None)
+    assert first > 7.5 and summary["final_val_bpb"] <= 4.5  # from ~8 bits per byte (uniform over 257) to the target
 
 
 # ---------------------------------------------------------------- Hugging Face export / import
