@@ -2,15 +2,17 @@
 gradients; and `nanopt.main.run` makes idle OpenMP threads spin (OMP_WAIT_POLICY=ACTIVE) before torch
 loads, unless the user chose a policy.
 
-Speed itself is never asserted here (see bench/ for that). The compile test builds a SMALL model in
-fp32 with inductor: about 30-50 s cold on 2 busy cores, ~10 s once inductor's on-disk graph cache is warm.
+Speed itself is never asserted here (see bench/ for that). The compile test builds two SMALL models in
+fp32 with inductor: each about 30-50 s cold on 2 busy cores, ~10 s once inductor's on-disk graph cache is warm.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import REPO
 
@@ -18,12 +20,17 @@ from nanopt.config import ModelConfig
 from nanopt.model import build_model
 
 SMALL_MODEL = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+# Every speedrun option on (configs/speedrun-cpu.yaml's and the two it leaves off): their ops and the hand-written
+# RMS-norm backward must trace and compile too.
+ALL_OPTIONS = dataclasses.replace(SMALL_MODEL, qk_norm=True, mlp="relu2", logit_softcap=15.0, value_embeddings=True,
+                                  residual_scalars=True, tie_embeddings=False)
 
 
-def test_compiled_model_matches_eager_loss_and_grads():
+@pytest.mark.parametrize("cfg", [SMALL_MODEL, ALL_OPTIONS], ids=["llama", "speedrun-options"])
+def test_compiled_model_matches_eager_loss_and_grads(cfg):
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model(SMALL_MODEL)
+    model = build_model(cfg)
     idx = torch.randint(0, 257, (4, 32))
     targets = torch.roll(idx, -1, dims=1)
     targets[:, -1] = -100  # an ignored position must stay ignored when compiled

@@ -1,0 +1,115 @@
+"""Steps and seconds to a target val bits-per-byte for the speedrun recipe and each of its parts.
+
+Every variant is the recipe (`--config`, default configs/speedrun-cpu.yaml) with a few overrides: one option
+turned off (or on, if the recipe leaves it off), the MLP swapped, and AdamW in place of Muon at several
+learning rates and schedule lengths (every kind at `train.lr`; Muon's goal is measured against the best of those). Each variant runs
+`--seeds` times as a whole `python -m nanopt.main` process with `train.stop_at_target`, the variants
+alternating within each seed, and the table gives mean ± half-range of the optimizer steps and of the
+training seconds (`train_seconds_to_target`: steps only, no start-up or evaluation) to the target.
+
+    python bench/ablation.py --target-bpb 2.70
+    python bench/ablation.py --target-bpb 2.70 --seeds 5 --only recipe,adamw-lr3e-3
+    python bench/ablation.py --target-bpb 2.70 --variant "wide=--model.dim=256 --model.n_heads=8"
+
+The target: nanoGPT's final val loss on the embedded corpus, which `bench/vs_nanogpt.py` prints in bits
+per byte.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import _common as C
+import yaml
+
+ADAMW_LRS = ("1e-3", "2e-3", "4e-3")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(C.REPO / "configs" / "speedrun-cpu.yaml"))
+    p.add_argument("--target-bpb", type=float, required=True, help="val bits per byte to race to")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--only", default="", help="comma list of variant names to run (default: all)")
+    p.add_argument("--variant", action="append", default=[], help='extra "name=--key=value --key=value"')
+    p.add_argument("--json", type=Path, default=None, help="also write every run's result here")
+    return p.parse_args()
+
+
+def variants(config: str, extra: list[str]) -> dict[str, list[str]]:
+    """name -> overrides of the recipe. Boolean options flip; AdamW gets a small grid of lr x schedule length."""
+    raw = yaml.safe_load(Path(config).read_text())
+    model, train = raw.get("model", {}), raw.get("train", {})
+    out: dict[str, list[str]] = {"recipe": []}
+    for key in ("qk_norm", "value_embeddings", "residual_scalars"):
+        on = bool(model.get(key, False))
+        out[f"{'no ' if on else '+'}{key}"] = [f"--model.{key}={str(not on).lower()}"]
+    if model.get("logit_softcap", 0):
+        out["no logit_softcap"] = ["--model.logit_softcap=0"]
+    # The other MLP at the same parameter count: SwiGLU has 3 matrices to ReLU²'s 2.
+    if model.get("mlp", "swiglu") == "relu2":
+        out["swiglu mlp"] = ["--model.mlp=swiglu", f"--model.ffn_dim={int(model['ffn_dim']) * 2 // 3}"]
+    else:
+        out["relu2 mlp"] = ["--model.mlp=relu2", f"--model.ffn_dim={int(model['ffn_dim']) * 3 // 2}"]
+    steps = int(train["max_steps"])
+    for lr in ADAMW_LRS:  # AdamW needs longer schedules than Muon: 1.5x and 2x the recipe's
+        for length in (steps * 3 // 2, steps * 2):
+            out[f"adamw lr {lr}, {length} steps"] = [
+                "--optim.name=adamw", f"--train.lr={lr}", "--optim.matrix_lr=null", "--optim.embedding_lr=null",
+                "--optim.head_lr=null", "--optim.scalar_lr=null", f"--train.max_steps={length}"]
+    for v in extra:
+        name, _, args = v.partition("=")
+        out[name] = args.split()
+    return out
+
+
+def run_once(config: str, overrides: list[str], target: float, seed: int, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "nanopt.main", "--config", config, f"--run.dir={run_dir}", f"--run.seed={seed}",
+           f"--train.target_val_bpb={target}", "--train.stop_at_target=true", "--checkpoint.resume=false",
+           "--log.tensorboard=false", "--sample.num_samples=0", *overrides]
+    proc = subprocess.run(cmd, cwd=C.REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    s = json.loads((run_dir / "summary.json").read_text())
+    return {"reached": s["target_reached"], "steps": s["step_to_target"], "seconds": s["train_seconds_to_target"],
+            "final_val_bpb": s.get("final_val_bpb"), "max_steps": s.get("step")}
+
+
+def cell(rows: list[dict], key: str, fmt: str) -> str:
+    hit = [r[key] for r in rows if r["reached"]]
+    if len(hit) < len(rows):
+        return f"{len(hit)}/{len(rows)} reached" + (f" (mean {statistics.mean(hit):{fmt}})" if hit else "")
+    half = (max(hit) - min(hit)) / 2
+    return f"{statistics.mean(hit):{fmt}} ± {half:{fmt}}"
+
+
+def main() -> None:
+    a = parse()
+    table = variants(a.config, a.variant)
+    if a.only:
+        table = {k: v for k, v in table.items() if k in a.only.split(",")}
+    C.banner("Speedrun ablation: steps and seconds to a target", {"config": a.config, "target": f"{a.target_bpb} bpb"})
+    work = Path(tempfile.mkdtemp(prefix="nanopt-ablation-"))
+    results: dict[str, list[dict]] = {name: [] for name in table}
+    for seed in range(a.seeds):
+        names = list(table)[seed % len(table):] + list(table)[: seed % len(table)]  # rotate: drift hits all alike
+        for name in names:
+            r = run_once(a.config, table[name], a.target_bpb, seed, work / f"{len(results[name])}-{seed}-{abs(hash(name))}")
+            results[name].append(r)
+            where = f"step {r['steps']}, {r['seconds']:.1f} s" if r["reached"] else "not reached"
+            print(f"seed {seed} | {name}: {where}", file=sys.stderr, flush=True)
+    print(f"| variant | steps to {a.target_bpb} bpb | train seconds to target | overrides |\n|---|---|---|---|")
+    for name, rows in results.items():
+        shown = " ".join(o for o in table[name] if not o.endswith("=null")) or "-"  # AdamW's kind lrs reset to train.lr
+        print(f"| {name} | {cell(rows, 'steps', '.0f')} | {cell(rows, 'seconds', '.1f')} | `{shown}` |")
+    if a.json:
+        a.json.write_text(json.dumps({"target_bpb": a.target_bpb, "variants": table, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
