@@ -13,7 +13,7 @@ per character are nats per byte, and nanoGPT's loss converts exactly to nanopt's
    and `--train.stop_at_target=true`. Whole-process wall time, data preparation included (nanoGPT: its
    char-level bins; nanopt: `nanopt prepare`), for `--seeds` seeds, alternating, mean and spread.
 
-    python bench/vs_nanogpt.py                      # both parts (about 12 minutes on 2 cores)
+    python bench/vs_nanogpt.py                      # both parts (about 6 minutes on 2 cores)
     python bench/vs_nanogpt.py --part step
     python bench/vs_nanogpt.py --nanogpt ~/src/nanoGPT --seeds 5
     python bench/vs_nanogpt.py --smoke              # a few steps of everything: checks the bench runs
