@@ -65,8 +65,8 @@ def _lrs(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
     """Every process at once (2 cores, mostly compile time): XLA on 1 device, SPMD on 4 devices (with
-    xla_flash asked for, which must fall back on CPU, and a chunked loss), the recompile guard, and the
-    CPU reference."""
+    xla_flash asked for, which must fall back on CPU, and a chunked loss), the recompile guard, Muon on 1
+    device, and the CPU references."""
     root = tmp_path_factory.mktemp("xla")
     driver = str(REPO / "tests" / "xla_driver.py")
     jobs = {
@@ -78,6 +78,11 @@ def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
         "guard": ([str(xla_python), driver, "guard"], _xla_env(1)),
         "cpu": ([sys.executable, "-m", "nanopt.main", *OVERRIDES, "--runtime.device=cpu",
                  f"--run.dir={root / 'cpu'}"], {**os.environ, "OMP_NUM_THREADS": "1"}),
+        # Muon on XLA (its Newton-Schulz runs partly on the host there: ~1 minute for 12 tiny steps).
+        "xla1-muon": ([str(xla_python), driver, "train", str(root / "xla1-muon"), *OVERRIDES, "--optim.name=muon"],
+                      _xla_env(1)),
+        "cpu-muon": ([sys.executable, "-m", "nanopt.main", *OVERRIDES, "--optim.name=muon", "--runtime.device=cpu",
+                      f"--run.dir={root / 'cpu-muon'}"], {**os.environ, "OMP_NUM_THREADS": "1"}),
     }
     t0 = time.perf_counter()
     procs = {name: subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -101,6 +106,15 @@ def test_xla_training_matches_cpu_losses(runs):
     assert len(cpu) == len(xla) == 12
     assert xla == pytest.approx(cpu, abs=5e-5), f"cpu {cpu}\nxla {xla}"
     assert xla[-1] < xla[0] - 0.5  # and it actually trained
+
+
+def test_xla_training_with_muon_matches_cpu_losses(runs):
+    # torch.optim.Muon orthogonalises in bf16 (_zeropower_via_newtonschulz casts the update), and XLA's bf16
+    # matmuls round differently from oneDNN's, so the two drift apart by ~1e-3 per step, not fp32's 1e-6.
+    cpu, xla = _losses(runs["root"] / "cpu-muon"), _losses(runs["root"] / "xla1-muon")
+    assert len(cpu) == len(xla) == 12
+    assert xla == pytest.approx(cpu, abs=2e-2), f"cpu {cpu}\nxla {xla}"
+    assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and with Muon, not AdamW
 
 
 def test_train_step_compiles_twice_then_reuses_while_lr_changes(runs):
