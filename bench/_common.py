@@ -22,6 +22,12 @@ if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout, no 
 import torch  # noqa: E402
 
 
+# nanoGPT's documented CPU shape (4 layers, 4 heads, dim 128, block 64, batch 12) as nanopt overrides: a Llama with
+# MHA and a SwiGLU of 3 x 128 x 344 weights ~ nanoGPT's 2 x 128 x 512 MLP. Used by vs_nanogpt.py and omp_policy.py.
+NANOGPT_SHAPE = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=4",
+                 "--model.ffn_dim=344", "--train.seq_len=64", "--train.micro_batch_size=12",
+                 "--train.global_batch_tokens=768"]
+
 def cpu_model() -> str:
     from nanopt.hardware import cpu_model_name
 

@@ -25,12 +25,7 @@ from pathlib import Path
 import _common as C
 
 POLICIES = ("unset", "ACTIVE", "PASSIVE", "spin:10000", "spin:100000")
-SHAPES = {
-    "tiny": [],  # configs/tiny.yaml as shipped
-    "nanogpt": ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=4",
-                "--model.ffn_dim=344", "--train.seq_len=64", "--train.micro_batch_size=12",
-                "--train.global_batch_tokens=768"],
-}
+SHAPES = {"tiny": [], "nanogpt": C.NANOGPT_SHAPE}  # configs/tiny.yaml as shipped; nanoGPT's CPU shape
 
 
 def parse() -> argparse.Namespace:
@@ -50,6 +45,10 @@ def spin() -> None:
         pass
 
 
+# The train command itself, not the CLI, which would fill in its own default when the variable is absent.
+LAUNCH = "import sys\nfrom nanopt.commands.train import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
 def step_ms(a: argparse.Namespace, work: Path, shape: str, policy: str, ranks: int, tag: str) -> float:
     run_dir = work / tag
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -57,9 +56,7 @@ def step_ms(a: argparse.Namespace, work: Path, shape: str, policy: str, ranks: i
         env["GOMP_SPINCOUNT"] = policy.split(":", 1)[1]
     elif policy != "unset":
         env["OMP_WAIT_POLICY"] = policy
-    # The train command itself, not the CLI, which would fill in its own default when the variable is absent.
     launch = work / "launch.py"
-    launch.write_text("import sys\nfrom nanopt.commands.train import main\nsys.exit(main(sys.argv[1:]))\n")
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
     cmd = [*launcher, str(launch), "--config", "configs/tiny.yaml", *SHAPES[shape], f"--run.dir={run_dir}",
            f"--train.max_steps={a.steps}", "--log.every=1", "--eval.every=0", "--eval.test_at_end=false",
@@ -77,6 +74,7 @@ def main() -> None:
     a = parse()
     C.banner("OpenMP wait policy for nanopt train on CPU", {"load": f"{a.load} busy-looping process(es) when loaded"})
     work = Path(tempfile.mkdtemp(prefix="nanopt-omp-"))
+    (work / "launch.py").write_text(LAUNCH)
     policies = tuple(a.policies.split(","))
     print("| shape | ranks | machine | " + " | ".join(f"{p} ms/step" for p in policies) + " | best |")
     print("|---|---|---|" + "---|" * (len(policies) + 1))

@@ -47,10 +47,7 @@ PEER = C.REPO.parent / "shared" / "peers" / "nanoGPT"
 NANOGPT_SHAPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
                  "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 NANOGPT_ITERS = 2000
-# nanopt at that shape: a Llama with MHA and a SwiGLU of 3 x 128 x 344 weights ~ nanoGPT's 2 x 128 x 512 MLP.
-NANOPT_SHAPE = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=4",
-                "--model.ffn_dim=344", "--train.seq_len=64", "--train.micro_batch_size=12",
-                "--train.global_batch_tokens=768", "--train.precision=fp32", "--train.compile=false"]
+NANOPT_SHAPE = [*C.NANOGPT_SHAPE, "--train.precision=fp32", "--train.compile=false"]
 ITER_LINE = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", re.M)
 
