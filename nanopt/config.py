@@ -23,6 +23,9 @@ class RunConfig:
     name: str = "tiny"
     dir: str = ""  # output directory; "" -> runs/<name>
     seed: int = 1337
+    # Wall-clock seconds this session may train; then it checkpoints and exits 75, like a preemption, so a
+    # job scheduler's hard timeout (Modal's, a SLURM limit) never kills it mid-run. 0 = no limit.
+    time_limit_s: float = 0.0
 
 
 @dataclass
@@ -542,7 +545,7 @@ def validate(cfg: Config) -> None:
     )
     _non_negative(
         cfg, "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio",
-        "train.loss_chunk_tokens", "eval.every", "checkpoint.every", "runtime.threads", "model.max_seq_len",
+        "train.loss_chunk_tokens", "eval.every", "checkpoint.every", "run.time_limit_s", "runtime.threads", "model.max_seq_len",
         "sample.num_samples", "sample.max_new_tokens", "sample.temperature", "sample.top_k",
         "model.logit_softcap",
     )
@@ -666,7 +669,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 # Config keys that may differ between a checkpoint and the run resuming it: they change how long the run
 # goes, what it logs or where things live, not the state the next step computes from.
 SAFE_KEYS = {
-    "run.name", "run.dir", "train.max_steps", "train.compile", "train.target_val_loss", "train.target_val_bpb",
+    "run.name", "run.dir", "run.time_limit_s", "train.max_steps", "train.compile", "train.target_val_loss", "train.target_val_bpb",
     "train.stop_at_target", "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
     "eval.every", "eval.test_at_end",

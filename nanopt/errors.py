@@ -4,7 +4,7 @@ Exit statuses (python -m nanopt.main / nanopt train; modal_app.py reads them):
   0   finished
   2   bad input (config, override, flag, path, shard, checkpoint): one paragraph says what and how to fix
   3   training stopped (loss became NaN/inf); the last good checkpoint is kept
-  75  preempted (SIGTERM/SIGINT): a checkpoint was saved; re-run the same command to resume
+  75  preempted (SIGTERM/SIGINT, or run.time_limit_s reached): a checkpoint was saved; re-run the same command to resume
       (75 is EX_TEMPFAIL in sysexits.h, "temporary failure, try again")
 """
 from __future__ import annotations

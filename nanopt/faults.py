@@ -71,28 +71,41 @@ def preemption_handlers() -> Iterator[None]:
 
 
 class StopSignal:
-    """All ranks agree, after every step, whether any of them was signalled, so they stop at the same step.
+    """All ranks agree, after every step, whether any of them was signalled or ran past `run.time_limit_s`,
+    so they stop (checkpoint, exit 75) after the same step.
 
-    torchrun forwards SIGTERM to each worker separately: one rank can see it a step before another. The
-    sum runs on a CPU (gloo) group, so it never waits for the accelerator's queue.
+    torchrun forwards SIGTERM to each worker separately: one rank can see it a step before another, and
+    each rank reads its own clock. The sum runs on a CPU (gloo) group, so it never waits for the
+    accelerator's queue. The time limit counts from the start of set-up (this object is made first), so
+    checkpoint loading and compilation are inside it, as they are inside a scheduler's timeout.
     """
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, time_limit_s: float = 0.0):
         self.rt = rt
+        self.time_limit_s = time_limit_s
+        self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
+        self.timed_out = False  # on any rank, as of the last should_stop()
         self._group = None
         if rt.distributed and dist.get_backend() != "gloo":
             self._group = dist.new_group(backend="gloo")  # a collective: every rank builds it, in the same order
 
     @property
     def signame(self) -> str:
-        return signal.Signals(signalled()).name if signalled() else "a signal to another rank"
+        if signalled():
+            return signal.Signals(signalled()).name
+        if self.timed_out:
+            return f"the time limit (run.time_limit_s = {self.time_limit_s:g} s of wall time)"
+        return "a signal to another rank"
 
     def should_stop(self) -> bool:
-        """True on every rank when any rank has been signalled. A collective: call it on all ranks each step."""
-        flag = torch.tensor([1 if signalled() else 0], dtype=torch.int32)
+        """True on every rank when any rank has been signalled or is past the deadline. A collective: call it
+        on all ranks each step."""
+        late = self.deadline is not None and time.monotonic() >= self.deadline
+        flags = torch.tensor([1 if signalled() else 0, 1 if late else 0], dtype=torch.int32)
         if self.rt.distributed:
-            dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self._group)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._group)
+        self.timed_out = bool(flags[1].item())
+        return bool(flags.sum().item())
 
 
 class FiniteGuard:

@@ -264,6 +264,7 @@ def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.opt
 def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
     """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is one."""
     t = cfg.train
+    stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
     seed_everything(cfg.run.seed)
     directory = data.data_dir(cfg, rt)
     train_windows, val_windows = data.open_split(directory, "train", cfg), data.open_split(directory, "val", cfg)
@@ -293,7 +294,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
     return Run(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
                clock, ckpt, metrics, meter, Evaluator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
                StepLogger(cfg, rt, metrics, meter, guard, state.step), guard,
-               faults.StopSignal(rt),  # SIGTERM/SIGINT on any rank -> all ranks checkpoint after the same step
+               stop,  # SIGTERM/SIGINT or the time limit on any rank -> all ranks checkpoint after the same step
                time.perf_counter())
 
 
@@ -323,7 +324,8 @@ def one_step(run: Run) -> None:
 
 
 def loop(run: Run, profiler: profiling.Off | profiling.Profile) -> None:
-    """Steps until max_steps, the speedrun target (stop_at_target) or a stop signal (checkpoint, Preempted)."""
+    """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal or the time limit
+    (checkpoint, Preempted)."""
     cfg, state = run.cfg, run.state
     if state.step == 0 and cfg.eval.every:
         run.evaluator.run(state)

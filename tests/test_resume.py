@@ -119,6 +119,31 @@ def test_sigterm_checkpoints_within_seconds_and_says_resumable(tmp_path, referen
     assert_same_as(reference, run_dir)
 
 
+def test_time_limit_checkpoints_exits_75_and_resumes(tmp_path, reference, capsys):
+    """run.time_limit_s: past it, the run checkpoints after the current step and exits 75 like a preemption
+    (a scheduler's hard timeout would otherwise kill it and lose the steps since the last checkpoint)."""
+    assert train_here(tmp_path, "--run.time_limit_s=1e-6") == errors.EXIT_PREEMPTED  # over at once: step 1
+    err = capsys.readouterr().err
+    assert "preempted by the time limit (run.time_limit_s = 1e-06 s of wall time) after step 1" in err
+    assert checkpoint.verify(tmp_path / "checkpoints" / "step_000001") is None  # step 1 is not a periodic save
+    assert train_here(tmp_path, "--run.time_limit_s=0") == 0  # a safe change on resume
+    assert_same_as(reference, tmp_path)
+
+
+def test_time_limit_is_read_on_every_step(monkeypatch):
+    """The limit is checked against the clock at each step, not only at start-up; no limit never stops."""
+    now = [100.0]
+    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
+    rt = runtime.init("cpu", "fp32", 0)
+    stop, unlimited = faults.StopSignal(rt, time_limit_s=60), faults.StopSignal(rt)
+    now[0] = 159.9
+    assert not stop.should_stop() and not stop.timed_out
+    now[0] = 160.0
+    assert stop.should_stop() and stop.timed_out and "time limit" in stop.signame
+    now[0] = 1e9
+    assert not unlimited.should_stop()
+
+
 def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypatch, capsys):
     """Modal preempts with SIGINT: same behaviour, here through nanopt.main.run in this very process."""
     monkeypatch.setenv("NANOPT_TEST_HOOK", "pause:5")

@@ -20,7 +20,8 @@ Launch several processes with torchrun, e.g. torchrun --standalone --nproc-per-n
 Re-running the same command on the same run directory resumes from its newest checkpoint.
 --debug (or NANOPT_DEBUG=1) shows Python tracebacks instead of one-paragraph errors.
 
-Exit status: 0 finished, 2 bad input, 3 loss became NaN/inf, 75 preempted by SIGTERM/SIGINT (resumable).
+Exit status: 0 finished, 2 bad input, 3 loss became NaN/inf, 75 preempted by SIGTERM/SIGINT or past
+run.time_limit_s (a checkpoint was saved; resumable).
 """
 
 
