@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
@@ -105,7 +106,8 @@ def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
         if crc != stored:
             raise ShardError(
                 f"token shard {info.path} fails its checksum (stored {stored:#010x}, computed {crc:#010x}): "
-                f"the file is corrupt; re-run `nanopt prepare` for it"
+                f"the file is corrupt. Run `nanopt prepare --verify` with the config that wrote it: it rebuilds "
+                f"corrupt and lost shards to identical bytes"
             )
     return tokens
 
@@ -294,6 +296,82 @@ def split_paths(directory: Path, split: str) -> list[Path]:
     return sorted(directory.glob(f"{split}_*.bin"))
 
 
+# ---------------------------------------------------------------- the manifest `nanopt prepare` writes
+MANIFEST = "manifest.json"
+SPLITS = ("val", "test", "train")
+
+
+def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
+    """The checksum write_shard would store for these tokens (to compare before overwriting a file)."""
+    return zlib.crc32(np.ascontiguousarray(np.asarray(tokens).astype(token_dtype(vocab_size))))
+
+
+def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
+    """The directory's manifest.json as `nanopt prepare` wrote it, or None where there is none (the embedded
+    corpus, shards written by hand)."""
+    path = directory / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["shards"], manifest["state"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is unreadable ({e}), so the shards beside it cannot be checked; re-run "
+                          f"`nanopt prepare` with the config that wrote them, or restore the file.") from None
+    return manifest
+
+
+def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) -> Optional[str]:
+    """Why the committed shard `entry` of a manifest is not on disk as committed (None when it is): missing,
+    resized, a different shard under its name, or (verify) corrupt."""
+    path = directory / entry["file"]
+    if not path.exists():
+        return f"{entry['file']} is missing"
+    try:
+        info = read_header(path)
+        if verify:
+            open_shard(path, verify=True)
+    except ShardError as e:
+        return str(e)
+    if info.count != entry["tokens"]:
+        return f"{entry['file']} holds {info.count} tokens, the manifest says {entry['tokens']}"
+    if "crc32" in entry and info.crc32 != entry["crc32"]:
+        return f"{entry['file']} is another shard than the one committed (crc32 {info.crc32:#010x}, the manifest says {entry['crc32']:#010x})"
+    return None
+
+
+def manifest_problems(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """Every difference between the split shards on disk and the manifest: committed shards missing, resized
+    or replaced, and shard files the manifest does not list."""
+    problems = [p for e in manifest["shards"] if (p := entry_problem(directory, e))]
+    listed = {e["file"] for e in manifest["shards"]}
+    pending = {e["file"] for e in manifest.get("rebuild", [])}
+    for path in (p for split in SPLITS for p in split_paths(directory, split)):
+        if path.name not in listed:
+            why = "waiting to be rebuilt by `nanopt prepare`" if path.name in pending else "not in the manifest"
+            problems.append(f"{path.name} is {why}")
+    return problems
+
+
+def check_manifest(directory: Path) -> None:
+    """Refuse (ConfigError, exit 2) shards that do not match the manifest `nanopt prepare` wrote: training on
+    a partial copy would silently see less (or other) data than was prepared."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return
+    problems = manifest_problems(directory, manifest)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ConfigError(
+            f"the token shards in {directory} do not match its {MANIFEST}: {shown}. Training on them would use "
+            f"other data than was prepared. Re-run `nanopt prepare` with the config that wrote them: it rebuilds "
+            f"lost shards to identical bytes (or says why it cannot); or restore the files from your copy."
+        )
+    if not manifest["state"].get("complete"):
+        log.warning("`nanopt prepare` has not finished in %s (%d shards committed so far): training reads only "
+                    "those", directory, len(manifest["shards"]))
+
+
 def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
     """Name, token count, vocabulary and stored crc32 of each shard (headers only: cheap). A checkpoint
     records its training shards' fingerprint; a resume refuses data that differs."""
@@ -320,6 +398,7 @@ def data_dir(cfg: Config, rt: Runtime) -> Path:
             f"`data.source` is {cfg.data.source!r} but {directory} is not a directory of token shards; "
             f"use `data.source: embedded` or run `nanopt prepare --config ...` first."
         )
+    check_manifest(directory)
     return directory
 
 

@@ -15,6 +15,7 @@ Output directory (= data.dir or data.source, exactly where training reads):
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import itertools
 import json
@@ -42,9 +43,9 @@ from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
-MANIFEST = "manifest.json"
+MANIFEST = data.MANIFEST
 STATS = "stats.json"
-SPLITS = ("val", "test", "train")
+SPLITS = data.SPLITS
 # Prepare keys that do not decide the bytes of the output (every other key is in the manifest's fingerprint:
 # resuming with one of those changed would mix two datasets).
 _WORKER_ONLY_KEYS = ("workers", "batch_documents", "retries")
@@ -100,9 +101,11 @@ def load_documents(p: PrepareConfig):
             kwargs["data_files"] = [f.strip() for f in p.data_files.split(",") if f.strip()]
         if p.sample_by:
             kwargs["sample_by"] = p.sample_by
+        _refuse_empty_files(p, only_if_all=True)
         try:
             ds = datasets.load_dataset(p.dataset, **kwargs)
         except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
+            _refuse_empty_files(p)
             raise ConfigError(
                 f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r}, files "
                 f"{p.data_files or '-'}) cannot be loaded: {type(e).__name__}: {e}. Check the name and subset, "
@@ -114,6 +117,30 @@ def load_documents(p: PrepareConfig):
         else:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
             ds = ds.shuffle(seed=p.shuffle_seed)
     return ds
+
+
+def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:
+    """datasets fails on an empty local file with an unhelpful error (StopIteration for json, a generation
+    error for text), or reads blank lines as documents: name the empty files instead (only_if_all: only
+    when every file is empty, the check made before loading)."""
+    files = [f.strip() for f in (p.data_files or "").split(",") if f.strip()]
+    matched = [Path(m) for f in files for m in sorted(glob.glob(os.path.expanduser(f)))]
+    empty = [m for m in matched if m.is_file() and not _has_content(m)]
+    if empty and (not only_if_all or len(empty) == len(matched)):
+        names = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise ConfigError(
+            f"`prepare.data_files` names {len(empty)} empty file(s): {names}. There are no documents to tokenise in "
+            f"them; point `prepare.data_files` at files that hold documents (or remove the empty ones)."
+        )
+
+
+def _has_content(path: Path) -> bool:
+    """False for a file of zero bytes or whitespace only (what a failed export or a truncated copy leaves)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return True
+    return False
 
 
 def iter_texts(ds, text_field: str, start: int = 0) -> Iterator[str]:
@@ -232,21 +259,20 @@ class ShardWriter:
     def __init__(self, out: Path, budgets: list[tuple[str, Optional[int]]], shard_tokens: int, vocab_size: int,
                  fingerprint_: dict[str, Any]):
         self.out, self.budgets, self.shard_tokens, self.vocab_size = out, budgets, shard_tokens, vocab_size
-        self.state: dict[str, Any] = {
-            "split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0,
-            "doclens": {name: 0 for name, _ in budgets}, "complete": False,
-        }
+        self.state: dict[str, Any] = self._initial_state()
         self.manifest: dict[str, Any] = {"fingerprint": fingerprint_, "shards": [], "state": self.state}
         self.buffer: list[np.ndarray] = []
         self.buffer_tokens = 0
         self.doclens: list[int] = []  # lengths of documents finished since the last commit
 
     # ---- resume
-    def resume(self) -> None:
-        """Adopt an existing manifest in `out` (same fingerprint only) and drop anything it did not commit."""
+    def resume(self, verify: bool = False) -> None:
+        """Adopt an existing manifest in `out` (same fingerprint only), drop anything it did not commit, and
+        roll back to before the first committed shard that is lost (missing, resized, replaced, or with
+        verify, corrupt): the stream is replayed from there and every later shard rebuilt or checked."""
         path = self.out / MANIFEST
         if path.exists():
-            saved = json.loads(path.read_text())
+            saved = data.read_manifest(self.out)
             if saved.get("fingerprint") != self.manifest["fingerprint"]:
                 raise ConfigError(
                     f"{self.out} holds shards prepared with a different configuration ({path} records "
@@ -255,7 +281,8 @@ class ShardWriter:
                 )
             self.manifest = saved
             self.state = saved["state"]
-        committed = {s["file"] for s in self.manifest["shards"]}
+            self._roll_back_to_first_lost(verify)
+        committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         ours = [f for name, _ in self.budgets for f in self.out.glob(f"{name}_*.bin*")]
         if ours and not path.exists():
             raise ConfigError(
@@ -272,6 +299,32 @@ class ShardWriter:
             if f.exists():
                 with open(f, "r+b") as fh:
                     fh.truncate(count * 4)
+
+    def _roll_back_to_first_lost(self, verify: bool) -> None:
+        shards = self.manifest["shards"]
+        lost = [(i, why) for i, e in enumerate(shards) if (why := data.entry_problem(self.out, e, verify))]
+        if not lost:
+            return
+        first, why = lost[0][0], "; ".join(why for _, why in lost)
+        if any("after" not in e for e in shards[:first]) or (first and "crc32" not in shards[first - 1]):
+            raise ConfigError(
+                f"{why}, in {self.out}; its manifest was written by an older nanopt that did not record where each "
+                f"shard starts, so it cannot be rebuilt. Delete {self.out} and prepare again, or restore the file."
+            )
+        log.warning("%s: rebuilding from shard %s on (the later shards are re-made and checked against their "
+                    "checksums; intact ones are kept)", why, shards[first]["file"])
+        for i, _ in lost:  # a resized, replaced or corrupt file is not the shard: it is re-made from the source
+            (self.out / shards[i]["file"]).unlink(missing_ok=True)
+        # Intact shards after the lost one stay on disk, listed under "rebuild" until re-made and found identical.
+        self.manifest["rebuild"] = shards[first:] + self.manifest.get("rebuild", [])
+        self.manifest["shards"] = shards[:first]
+        self.state = json.loads(json.dumps(shards[first - 1]["after"])) if first else self._initial_state()
+        self.manifest["state"] = self.state
+        write_json(self.out / MANIFEST, self.manifest)
+
+    def _initial_state(self) -> dict[str, Any]:
+        return {"split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0,
+                "doclens": {name: 0 for name, _ in self.budgets}, "complete": False}
 
     @property
     def tokens_written(self) -> int:
@@ -329,11 +382,10 @@ class ShardWriter:
         name = self.budgets[st["split_index"]][0]
         file = f"{name}_{st['shard_index']:06d}.bin"
         tokens = np.concatenate(self.buffer) if self.buffer else np.zeros(0, np.uint32)
-        data.write_shard(self.out / file, tokens, self.vocab_size)
+        self._write_or_check(file, tokens)
         self._save_doclens()
-        self.manifest["shards"].append(
-            {"file": file, "split": name, "tokens": int(len(tokens)), "next_doc": next_doc, "next_offset": next_offset}
-        )
+        entry = {"file": file, "split": name, "tokens": int(len(tokens)), "next_doc": next_doc,
+                 "next_offset": next_offset, "crc32": data.read_header(self.out / file).crc32}
         self.buffer, self.buffer_tokens = [], 0
         st["next_doc"], st["next_offset"] = next_doc, next_offset
         st["shard_index"] += 1
@@ -343,7 +395,30 @@ class ShardWriter:
             st["shard_index"] = st["split_tokens"] = 0
             if st["split_index"] == len(self.budgets):
                 st["complete"] = True
+        entry["after"] = json.loads(json.dumps(st))  # where to restart if a later shard is lost
+        self.manifest["shards"].append(entry)
         write_json(self.out / MANIFEST, self.manifest)  # last: the commit point
+
+    def _write_or_check(self, file: str, tokens: np.ndarray) -> None:
+        """Write the shard; a shard being rebuilt must come out as the bytes it had (else the source changed,
+        and mixing old and new shards would be a third dataset): an intact copy on disk is kept as it is."""
+        pending = {e["file"]: e for e in self.manifest.get("rebuild", [])}
+        old = pending.get(file)
+        if old is not None:
+            crc = data.shard_crc32(tokens, self.vocab_size)
+            if crc != old.get("crc32") or len(tokens) != old["tokens"]:
+                raise ConfigError(
+                    f"rebuilding {self.out / file} gave other tokens than the shard it replaces ({len(tokens)} "
+                    f"tokens, crc32 {crc:#010x}; it had {old['tokens']}, {old.get('crc32', 0):#010x}): the source or "
+                    f"the tokenizer changed since the directory was prepared. Restore the lost shards from a copy, "
+                    f"or prepare into a new directory."
+                )
+            self.manifest["rebuild"] = [e for e in self.manifest["rebuild"] if e["file"] != file]
+            if not self.manifest["rebuild"]:
+                del self.manifest["rebuild"]
+            if data.entry_problem(self.out, old) is None:
+                return
+        data.write_shard(self.out / file, tokens, self.vocab_size)
 
     # ---- statistics
     def stats(self) -> dict[str, Any]:
@@ -381,9 +456,10 @@ def _workers(p: PrepareConfig) -> int:
     return p.workers or os.cpu_count() or 1
 
 
-def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
+def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
-    committed; returns the statistics also written to stats.json."""
+    committed and rebuilding committed shards that were lost (with verify: also corrupt ones, which reads
+    every byte); returns the statistics also written to stats.json."""
     from tqdm import tqdm
 
     p = cfg.prepare
@@ -397,7 +473,7 @@ def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
     budgets = split_budgets(p)
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, budgets, p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
-    writer.resume()
+    writer.resume(verify)
     st = writer.state
     started = time.perf_counter()
     new_tokens, documents = 0, 0
@@ -425,10 +501,20 @@ def prepare(cfg: Config, progress: bool = True) -> dict[str, Any]:
                 if writer.done:
                     break
             else:
+                if writer.state["next_doc"] == 0:  # the source ended before its first document
+                    _refuse_empty_files(p)
+                    raise ConfigError(f"`prepare.dataset` {p.dataset!r} (files {p.data_files or '-'}) holds no "
+                                      f"documents; point it at a source that has some.")
                 writer.finish()
         finally:
             stream.close()  # stops the worker pool, also on Ctrl-C
             bar.close()
+        if writer.done and writer.manifest.get("rebuild"):
+            left = ", ".join(e["file"] for e in writer.manifest["rebuild"][:5])
+            raise ConfigError(
+                f"rebuilding {out} ended before shard(s) {left} were re-made: the source now holds fewer documents "
+                f"than when it was prepared. Restore the lost shards from a copy, or prepare into a new directory."
+            )
         short = [name for name, b in budgets if b is not None and writer.stats()[name]["tokens"] < b]
         if short:
             log.warning("the source ran out before the budget of split(s) %s was reached: see %s",
@@ -467,12 +553,12 @@ def transient_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def prepare_with_retries(cfg: Config, progress: bool = True) -> dict[str, Any]:
+def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """prepare(), started again from the last committed shard after a transient source error (resume is
     exact, so the output is the same bytes), up to `prepare.retries` times."""
     for attempt in range(cfg.prepare.retries + 1):
         try:
-            return prepare(cfg, progress)
+            return prepare(cfg, progress, verify)
         except transient_errors() as e:
             if attempt == cfg.prepare.retries:
                 raise

@@ -367,7 +367,7 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
     assert stats["splits"]["train"]["tokens"] == 2000
 
     failures.clear()  # out of retries: one paragraph, exit 1, the committed shards stay
-    monkeypatch.setattr(prepare, "prepare", lambda cfg, progress: (_ for _ in ()).throw(ConnectionError("down")))
+    monkeypatch.setattr(prepare, "prepare", lambda *args: (_ for _ in ()).throw(ConnectionError("down")))
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(to_yaml(config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)))
     assert prepare_command.main(["--config", str(cfg_file), "--no-progress", "--prepare.retries=1"]) == 1
@@ -419,6 +419,120 @@ def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir
     (changed / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ConfigError, match="different configuration"):
         prepare.prepare(config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
+
+
+# ---------------------------------------------------------------- lost, resized, replaced and corrupt shards
+
+KEYS = dict(val_tokens=400, test_tokens=350, train_tokens=1800, shard_tokens=300)  # 2 val, 2 test, 6 train shards
+
+
+@pytest.fixture
+def prepared(tmp_path, tokenizer_dir):
+    """(config, its output directory, the bytes of every shard) of one complete preparation, and a pristine copy."""
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    cfg = config(tmp_path, tokenizer_dir, dataset, files, "shards", **KEYS)
+    stats = prepare.prepare(cfg, progress=False)
+    out = tmp_path / "shards"
+    assert len(data.split_paths(out, "train")) == 6
+    return cfg, out, _shard_bytes(out), stats
+
+
+def _train_exit(out, tokenizer_dir, run_dir, capsys) -> tuple[int, str]:
+    from nanopt.main import run
+
+    code = run(small_overrides(**{"data.source": out, "data.tokenizer": tokenizer_dir, "model.vocab_size": 600,
+                                  "run.dir": run_dir, "train.max_steps": 1, "eval.every": 0, "train.seq_len": 32}))
+    return code, capsys.readouterr().err
+
+
+def test_training_refuses_shards_that_do_not_match_the_manifest_naming_them(prepared, tokenizer_dir, tmp_path,
+                                                                              capsys):
+    cfg, out, _, _ = prepared
+    for name in ("train_000001.bin", "train_000002.bin", "train_000003.bin", "train_000004.bin", "train_000005.bin"):
+        (out / name).unlink()  # a partial copy: one train shard of six arrived
+    code, err = _train_exit(out, tokenizer_dir, tmp_path / "run1", capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "train_000001.bin is missing" in err and "train_000005.bin is missing" in err and "nanopt prepare" in err
+    assert not (tmp_path / "run1" / "checkpoints").exists()  # refused before anything was trained or written
+
+
+@pytest.mark.parametrize("fault", ["resized", "replaced", "extra", "val lost"])
+def test_every_kind_of_mismatch_is_named(prepared, tokenizer_dir, fault):
+    cfg, out, shards, _ = prepared
+    if fault == "resized":  # a shard cut short and its header rewritten to match: self-consistent, but not what was made
+        data.write_shard(out / "train_000002.bin", data.open_shard(out / "train_000002.bin")[:100], 600)
+        expected = "train_000002.bin holds 100 tokens, the manifest says 300"
+    elif fault == "replaced":  # another shard of the same size copied over it
+        (out / "train_000003.bin").write_bytes(shards["train_000004.bin"])
+        expected = "train_000003.bin is another shard than the one committed"
+    elif fault == "extra":
+        (out / "train_000099.bin").write_bytes(shards["train_000000.bin"])
+        expected = "train_000099.bin is not in the manifest"
+    else:
+        (out / "val_000001.bin").unlink()
+        expected = "val_000001.bin is missing"
+    with pytest.raises(ConfigError, match="do not match its manifest.json") as e:
+        data.check_manifest(out)
+    assert expected in str(e.value)
+
+
+def test_prepare_rebuilds_lost_and_resized_shards_to_identical_bytes(prepared):
+    cfg, out, whole, stats = prepared
+    for name in ("val_000000.bin", "train_000001.bin", "train_000002.bin", "train_000005.bin"):
+        (out / name).unlink()
+    with open(out / "test_000001.bin", "r+b") as f:  # truncated by a partial copy
+        f.truncate(200)
+    again = prepare.prepare(cfg, progress=False)
+    assert _shard_bytes(out) == whole
+    assert again["splits"] == stats["splits"] and again["this_run"]["tokens"] > 0
+    assert json.loads((out / "stats.json").read_text())["splits"]["train"]["shards"] == 6
+    data.check_manifest(out)  # training accepts the directory again
+    assert "rebuild" not in json.loads((out / "manifest.json").read_text())
+    assert prepare.prepare(cfg, progress=False)["this_run"]["tokens"] == 0  # whole again: nothing to do
+
+
+def test_verify_rebuilds_a_corrupt_shard_that_only_its_checksum_shows(prepared):
+    cfg, out, whole, _ = prepared
+    raw = bytearray(whole["train_000004.bin"])
+    raw[data.HEADER_BYTES + 11] ^= 0x40  # one flipped bit in the tokens: header and size still agree
+    (out / "train_000004.bin").write_bytes(bytes(raw))
+    with pytest.raises(data.ShardError, match="prepare --verify"):
+        data.open_shard(out / "train_000004.bin")
+    assert prepare.prepare(cfg, progress=False)["this_run"]["tokens"] == 0  # headers only: not seen
+    prepare.prepare(cfg, progress=False, verify=True)
+    assert _shard_bytes(out) == whole
+
+
+def test_a_rebuild_that_would_give_other_bytes_is_refused_and_keeps_the_files(prepared, tmp_path):
+    cfg, out, whole, _ = prepared
+    write_source(tmp_path / "src", "jsonl", make_documents(seed=1))  # the source changed under the same name
+    (out / "train_000001.bin").unlink()
+    with pytest.raises(ConfigError, match="source or the tokenizer changed"):
+        prepare.prepare(cfg, progress=False)
+    left = _shard_bytes(out)
+    assert left == {k: v for k, v in whole.items() if k != "train_000001.bin"}  # nothing else was lost
+    with pytest.raises(ConfigError, match="waiting to be rebuilt"):
+        data.check_manifest(out)
+
+
+def test_a_manifest_without_restart_points_refuses_to_rebuild(prepared):
+    cfg, out, _, _ = prepared
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["shards"]:  # as nanopt wrote it before shards recorded where they start
+        entry.pop("after"), entry.pop("crc32")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "train_000003.bin").unlink()
+    with pytest.raises(ConfigError, match="older nanopt.*Delete"):
+        prepare.prepare(cfg, progress=False)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+@pytest.mark.parametrize("builder,suffix", [("json", "jsonl"), ("text", "txt")])
+def test_an_empty_data_file_is_named_as_empty(tmp_path, tokenizer_dir, content, builder, suffix):
+    (tmp_path / f"docs.{suffix}").write_text(content)
+    cfg = config(tmp_path, tokenizer_dir, builder, str(tmp_path / f"docs.{suffix}"))
+    with pytest.raises(ConfigError, match=r"names 1 empty file\(s\): .*docs\." + suffix):
+        prepare.prepare(cfg, progress=False)
 
 
 # ---------------------------------------------------------------- the hub path, offline

@@ -12,10 +12,13 @@ from nanopt.metrics import setup_logging
 from nanopt.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
 
 
-USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--sample-documents N] [--no-progress] [--section.key=value ...]
+USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--sample-documents N] [--verify] [--no-progress]
+                      [--section.key=value ...]
 
 Tokenise the dataset configured in the `prepare` section with data.tokenizer into token shards in
-data.source (where training reads them). Running it again resumes an interrupted preparation.
+data.source (where training reads them). Running it again resumes an interrupted preparation and rebuilds
+committed shards that were lost (missing, resized or replaced), to identical bytes.
+  --verify            also read every shard and rebuild the corrupt ones (checksum mismatch)
   --sample-documents N  tokenise the first N documents, print tokens per document and the documents the
                         budget needs (+25%); write nothing
   --no-progress       no progress bar
@@ -23,14 +26,16 @@ Overrides use dotted keys, e.g. --prepare.train_tokens=1e9 --prepare.workers=8.
 """
 
 
-def _take_flags(argv: list[str]) -> tuple[Optional[int], bool, list[str]]:
-    """(--sample-documents N, progress bar?, the remaining arguments for config.split_args)."""
-    sample_n, progress, rest = None, True, []
+def _take_flags(argv: list[str]) -> tuple[Optional[int], bool, bool, list[str]]:
+    """(--sample-documents N, progress bar?, --verify?, the remaining arguments for config.split_args)."""
+    sample_n, progress, verify, rest = None, True, False, []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--no-progress":
             progress = False
+        elif arg == "--verify":
+            verify = True
         elif arg == "--sample-documents" or arg.startswith("--sample-documents="):
             if "=" in arg:
                 value = arg.split("=", 1)[1]
@@ -47,7 +52,7 @@ def _take_flags(argv: list[str]) -> tuple[Optional[int], bool, list[str]]:
         else:
             rest.append(arg)
         i += 1
-    return sample_n, progress, rest
+    return sample_n, progress, verify, rest
 
 
 def main(argv: list[str]) -> int:
@@ -56,7 +61,7 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     setup_logging(is_main=True)
-    sample_n, progress, rest = _take_flags(argv)
+    sample_n, progress, verify, rest = _take_flags(argv)
     path, overrides = split_args(rest)
     cfg = load_config(path, parse_overrides(overrides))
     if sample_n is not None:
@@ -71,7 +76,7 @@ def main(argv: list[str]) -> int:
             print("prepare.train_tokens is 0 (every document): no budget to size")
         return 0
     try:
-        stats = prepare_with_retries(cfg, progress)
+        stats = prepare_with_retries(cfg, progress, verify)
     except (BrokenProcessPool, *transient_errors()) as e:
         if debug_enabled():
             raise
