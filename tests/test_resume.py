@@ -268,6 +268,25 @@ def test_a_checkpoint_written_before_the_relayering_still_resumes(tmp_path, caps
     assert summary["final_val_loss"] == pytest.approx(LEGACY_FINAL_VAL_LOSS, abs=1e-5)
 
 
+def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
+    """The COMPLETE manifest is summed by worker threads while the next file is written: it must still
+    describe exactly the bytes on disk, and no temp directory or thread may outlive the save."""
+    import zlib
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    final = checkpoint.save(tmp_path, 4, model, opt, {"config": {}}, keep=2)
+    files = json.loads((final / "COMPLETE").read_text())["files"]
+    assert sorted(files) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
+    for name, entry in files.items():
+        raw = (final / name).read_bytes()
+        assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
+    assert checkpoint.verify(final) is None and not list(tmp_path.glob(".tmp_*"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
+
+
 def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, capsys):
     assert train_here(tmp_path) == 0
     newest = tmp_path / "checkpoints" / "step_000008" / "model.safetensors"
