@@ -16,15 +16,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanopt"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),                                          # exit codes and error types
     ("io", "hardware", "fastbpe"),                        # atomic files, peak table, BPE engine
-    ("config", "tokenizer"),                              # typed config; tokenizers
-    ("flops", "xla"),                                     # FLOPs per token; the XLA backend
+    ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
+    ("flops", "xla", "plots"),                            # FLOPs per token; the XLA backend; matplotlib pictures
     ("runtime",),                                         # THE device module
     ("attention",),                                       # kernels and the choice between them
     ("model", "optim", "data", "faults", "metrics"),
     ("mfu", "profiling", "mirror", "evaluation", "generate", "hf"),
     ("checkpoint",),
     ("loading",),
-    ("train", "prepare"),
+    ("train", "prepare", "sweep"),
     ("commands",),                                        # nanopt/commands/*: one module per subcommand
     ("cli",),
     ("main",),
