@@ -31,6 +31,8 @@ COMMANDS: dict[str, Command] = {
     "prepare": Command("prepare", "tokenise a dataset into token shards (--sample-documents N to size it)"),
     "estimate": Command("estimate", "time, GPU-hours and cost to train a config at an assumed MFU"),
     "eval": Command("eval", "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl"),
+    # No OpenMP env: the sweep itself never loads torch; it sets each run's (PASSIVE when runs share cores).
+    "sweep": Command("sweep", "a grid of runs (--set KEY=V1,V2, --seeds N), one per GPU or CPU share; re-run resumes"),
     "runs": Command("runs", "leaderboard of runs/*/summary.json: time-to-target, val loss/bpb"),
     "sample": Command("sample", "sample continuations of a prompt from a run, checkpoint or HF dir"),
     "export": Command("export", "write a checkpoint as a Hugging Face LlamaForCausalLM directory"),

@@ -1,0 +1,55 @@
+"""`nanopt sweep [CONFIG] --set KEY=V1,V2 [--set ...] [--seeds N] [--name NAME | --dir DIR] [--parallel K]
+[--nproc P] [--section.key=value ...]`: a grid of runs under runs/NAME/, one per device slot (nanopt/sweep.py)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import NoReturn
+
+from nanopt import sweep
+from nanopt.config import DEFAULT_CONFIG, split_args
+from nanopt.errors import ConfigError
+
+DESCRIPTION = """\
+Run every combination of the --set values, once per seed, each as an ordinary run directory
+DIR/<key=value,...,seed=S>/ started as its own process (python -m nanopt.main, or torchrun with --nproc).
+Seeds count up from the config's run.seed (or --run.seed=S): S, S+1, ... Placement: on CUDA one run per
+GPU (--nproc P: P GPUs per run), at most --parallel at a time (default: as many as fit); on CPU --parallel
+runs share the cores, each with cores / parallel threads (default: one run per core). Running the same
+sweep again skips finished runs and resumes interrupted ones from their checkpoints (set
+--checkpoint.every for long runs). Each run's output is in its stdout.log; DIR/sweep.json describes the
+sweep. Exit status: 0 all done, 1 a run failed, 2 bad input, 75 stopped by a signal (run it again).
+Other flags of the form --section.key=value apply to every run."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one paragraph and exit 2, like every other bad input
+        raise ConfigError(f"{message}. Usage: {self.format_usage().strip().removeprefix('usage: ')}")
+
+
+def main(argv: list[str]) -> int:
+    p = _Parser(prog="nanopt sweep", allow_abbrev=False, description=DESCRIPTION,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                usage="nanopt sweep [CONFIG] --set KEY=V1,V2 [--set ...] [--seeds N] [--name NAME | --dir DIR] "
+                      "[--parallel K] [--nproc P] [--section.key=value ...]")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a config key and its values, comma-separated; repeat for more keys (the grid is their product)")
+    p.add_argument("--seeds", type=int, default=1, help="runs per setting, seeds run.seed, run.seed+1, ... (default 1)")
+    p.add_argument("--name", help="sweep name: the runs go under runs/NAME (default: CONFIG's name + '-sweep')")
+    p.add_argument("--dir", help="where the runs go (default runs/NAME)")
+    p.add_argument("--parallel", type=int, help="runs at a time (default: GPUs // nproc on CUDA, one per core on CPU)")
+    p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, launched with torchrun (default 1)")
+    config, rest = split_args(argv)
+    args, overrides = p.parse_known_args(rest)
+    if not args.set and args.seeds == 1:
+        raise ConfigError("nothing to sweep: give --set KEY=V1,V2 (e.g. --set optim.name=adamw,muon) and/or "
+                          "--seeds N with N > 1.")
+    points, configs = sweep.plan(config, args.set, args.seeds, overrides, args.nproc)
+    name = args.name or f"{Path(config).stem if config else DEFAULT_CONFIG}-sweep"
+    if "/" in name or name in ("", ".", ".."):
+        raise ConfigError(f"--name {name!r}: a sweep name is one directory name; use --dir DIR for a path.")
+    root = Path(args.dir or f"runs/{name}")
+    meta = {"name": name, "config": config, "command": ["nanopt", "sweep", *argv],
+            "set": dict(sweep.parse_set(s) for s in args.set), "seeds": sorted({pt.seed for pt in points}),
+            "overrides": overrides}
+    return sweep.run_sweep(config, root, points, configs, overrides, args.nproc, args.parallel, meta)

@@ -1,0 +1,467 @@
+"""`nanopt sweep`: a grid of ordinary runs (every --set value × seeds), each its own process, placed one per
+device slot, at most K at a time; skips finished runs and resumes interrupted ones when run again.
+
+Torch-free: the parent only reads configs, starts processes and watches their run directories, so it
+costs the runs no memory and no start-up time. The pieces are plain functions so other launchers (Modal)
+reuse them: plan() -> the grid's points, place() -> device slots, point_state() -> done/resume/new.
+
+DIR/sweep.json (rewritten atomically on every state change) describes the sweep for `nanopt runs`:
+  {"name", "config", "command": [...], "set": {key: [values]}, "seeds": [...], "overrides": [...],
+   "nproc", "parallel", "points": [{"name", "dir", "values": {key: value}, "seed", "status",
+   "exit_code", "steps", "final_val_loss", "wall_seconds", "command": [...]}]}
+status: queued | running | done | skipped (done before this session) | failed | interrupted | not started.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from nanopt.config import Config, load_config, parse_overrides, resolve
+from nanopt.errors import EXIT_PREEMPTED, ConfigError
+from nanopt.io import clean, write_json
+
+SWEEP_FILE = "sweep.json"
+LOG_FILE = "stdout.log"  # each run's stdout and stderr, appended across sessions
+# Keys the sweep sets itself for every point: where the run lives, what it is called, its seed.
+RESERVED = ("run.dir", "run.name", "run.seed")
+# 2 concurrent 1-thread runs did more tiny runs per hour on 2 cores than 1 run with 2 threads (README
+# "Sweeps"): small models' ops parallelise badly within a process, independent runs perfectly.
+THREADS_PER_CPU_RUN = 1
+
+
+# ---------------------------------------------------------------- the grid
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of the grid: its directory name, its --set values (as written) and its seed."""
+
+    name: str
+    values: dict[str, str]
+    seed: int
+
+    def overrides(self) -> list[str]:
+        return [f"--{k}={v}" for k, v in self.values.items()] + [f"--run.seed={self.seed}"]
+
+
+def parse_set(text: str) -> tuple[str, list[str]]:
+    """`KEY=V1,V2,...` -> (KEY, [V1, V2, ...]); ConfigError naming the flag when it does not read."""
+    key, sep, values = text.partition("=")
+    items = [v.strip() for v in values.split(",")]
+    if not sep or key.count(".") != 1 or not all(items):
+        raise ConfigError(
+            f"--set {text!r}: write `--set section.key=V1,V2,...`, e.g. `--set optim.name=adamw,muon` or "
+            f"`--set train.lr=1e-3,3e-3`: one config key, then its values separated by commas (no empty value).")
+    if key in RESERVED:
+        raise ConfigError(
+            f"--set {text!r}: the sweep sets `{key}` itself for every run. Use --seeds N for seeds (they count up "
+            f"from the config's run.seed, or from --run.seed=S), and --name / --dir for where the runs go.")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"--set {text!r}: a value is repeated; list each value of `{key}` once.")
+    return key.strip(), items
+
+
+def _safe(value: str) -> str:
+    """A value as a path component: the characters a shell and a file system both take as they are."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", value) or "_"
+
+
+def point_name(values: dict[str, str], seed: int) -> str:
+    """`train.lr=1e-3,optim.name=muon,seed=1337`: readable, one directory level, filesystem-safe."""
+    return ",".join([f"{k}={_safe(v)}" for k, v in values.items()] + [f"seed={seed}"])
+
+
+def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
+    """The cartesian product of every --set, once per seed. Seeds vary slowest, so the first K runs
+    launched cover different settings: a sweep stopped early has compared every setting once."""
+    keys = [k for k, _ in sets]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--set names a key twice ({', '.join(keys)}); give each key once with all its values.")
+    points = [Point(point_name(dict(zip(keys, combo)), seed), dict(zip(keys, combo)), seed)
+              for seed in seeds for combo in itertools.product(*(vals for _, vals in sets))]
+    names = [p.name for p in points]
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"two grid points get the same directory name once their values are made filesystem-safe "
+            f"({', '.join(sorted({n for n in names if names.count(n) > 1}))}); use values that differ in letters, "
+            f"digits or '._+-'.")
+    return points
+
+
+def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list[str],
+         nproc: int = 1) -> tuple[list[Point], dict[str, Config]]:
+    """Parse the --set flags and check every point's config before anything starts (a typo found after
+    ten runs is ten runs late). Returns the points and each point's loaded config, by point name."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds {seeds}: give the number of seeds per setting, 1 or more.")
+    base = parse_overrides(overrides)
+    for key, _ in base:
+        if key in ("run.dir", "run.name"):
+            raise ConfigError(f"--{key}: the sweep names and places every run itself; use --name NAME or --dir DIR.")
+    sets = [parse_set(s) for s in set_args]
+    clash = {k for k, _ in base} & {k for k, _ in sets}
+    if clash:
+        raise ConfigError(f"{', '.join(sorted(clash))} is both an override and a --set key; keep it in --set only.")
+    base_seed = load_config(config, base).run.seed
+    points = grid(sets, [base_seed + i for i in range(seeds)])
+    configs = {}
+    for p in points:
+        try:
+            # resolve() with the runs' world size: a batch that does not split over --nproc ranks fails here.
+            configs[p.name] = resolve(load_config(config, base + parse_overrides(p.overrides())), nproc)
+        except ConfigError as e:
+            raise ConfigError(f"grid point {p.name}: {e}") from None
+    return points, configs
+
+
+# ---------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one run goes: environment for its process and overrides for its config."""
+
+    label: str
+    env: dict[str, str] = field(default_factory=dict)
+    overrides: tuple[str, ...] = ()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (taskset/cgroup affinity), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: Optional[int] = None,
+          runs: Optional[int] = None, threads: int = 0) -> list[Slot]:
+    """Device slots for concurrent runs. CUDA: `nproc` GPUs per slot (CUDA_VISIBLE_DEVICES), one slot per
+    group, `parallel` at most the number of groups. CPU: `parallel` runs (default: one per
+    THREADS_PER_CPU_RUN cores) share the cores, each with cores // (parallel × nproc) threads per rank
+    (at least 1), or `threads` when the user set runtime.threads. XLA: one process drives every chip, so one
+    run at a time. Never more slots than `runs` (a thread left idle helps nobody)."""
+    if nproc < 1 or (parallel is not None and parallel < 1):
+        raise ConfigError(f"--nproc {nproc} / --parallel {parallel}: both count processes; give 1 or more.")
+    if kind == "cuda":
+        groups = [devices[i:i + nproc] for i in range(0, len(devices) - nproc + 1, nproc)]
+        if not groups:
+            raise ConfigError(f"--nproc {nproc}: each run wants {nproc} GPUs and {len(devices)} are visible; "
+                              f"lower --nproc or make more GPUs visible (CUDA_VISIBLE_DEVICES).")
+        if parallel is not None and parallel > len(groups):
+            raise ConfigError(f"--parallel {parallel}: {len(devices)} GPUs hold {len(groups)} runs of {nproc} GPU(s) "
+                              f"at a time; use --parallel {len(groups)} or fewer (one run per GPU never shares one).")
+        k = min(parallel or len(groups), runs or len(groups))
+        return [Slot(f"cuda:{','.join(g)}", {"CUDA_VISIBLE_DEVICES": ",".join(g)}) for g in groups[:k]]
+    if kind == "xla":
+        return [Slot("xla")] * min(parallel or 1, runs or 1)
+    k = parallel or max(1, cores // THREADS_PER_CPU_RUN)
+    k = min(k, runs) if runs else k
+    n = threads or max(1, cores // (k * nproc))
+    # Spinning idle OpenMP threads (ACTIVE, nanopt train's default) steal the cores of the runs beside
+    # them: 1.4-10x slower steps when another job shares the cores (README "Performance"). With one thread
+    # per run nothing spins and PASSIVE costs nothing. A lone run keeps train's ACTIVE.
+    env = {"OMP_NUM_THREADS": str(n), **({"OMP_WAIT_POLICY": "PASSIVE"} if k > 1 else {})}
+    label = f"cpu: {n} thread{'s' if n > 1 else ''}" + (f" x {nproc} ranks" if nproc > 1 else "")
+    return [Slot(label, env, (f"--runtime.threads={n}",))] * k
+
+
+def discover(device: str) -> tuple[str, list[str]]:
+    """The device kind the runs will get and, for CUDA, the ids to hand out. Asks torch in a child process,
+    through runtime.detect_kind as the runs themselves will, so this process stays torch-free."""
+    if device in ("cpu", "xla"):
+        return device, []
+    probe = ("import torch; from nanopt import runtime; "
+             "print(torch.cuda.device_count() if runtime.detect_kind('auto') == 'cuda' else 0)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    count = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+    if count == 0:
+        if device == "cuda":
+            raise ConfigError("`runtime.device` is cuda but torch sees no CUDA device; use --runtime.device=cpu "
+                              "or install a CUDA build of torch.")
+        return "cpu", []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    # Under CUDA_VISIBLE_DEVICES=3,5 torch's devices 0, 1 are GPUs 3, 5: a child must be given "3", not "0".
+    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(count)]
+    return "cuda", ids[:count]
+
+
+# ---------------------------------------------------------------- run directories
+
+
+def point_state(run_dir: Path, cfg: Config) -> str:
+    """done: summary.json says it trained to max_steps (or stopped at its target); resume: a checkpoint
+    exists, and nanopt resumes from it on the same run.dir; new: nothing to go on."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        steps = int(summary.get("steps") or 0)
+        if steps >= cfg.train.max_steps or (cfg.train.stop_at_target and summary.get("step_to_target") is not None):
+            return "done"
+    except (OSError, ValueError, TypeError):
+        pass
+    return "resume" if (run_dir / "checkpoints" / "latest").exists() else "new"
+
+
+def latest_metrics(run_dir: Path) -> dict[str, Any]:
+    """The newest train step and loss, and val loss, from the tail of metrics.jsonl ({} before the first log)."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return {}
+    out: dict[str, Any] = {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the first, cut line of the tail, or one being written
+        if "loss" in record and "loss" not in out:
+            out.update(step=record.get("step"), loss=record["loss"])
+        if "val_loss" in record and "val_loss" not in out:
+            out["val_loss"] = record["val_loss"]
+        if "loss" in out and "val_loss" in out:
+            break
+    return out
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def tail(path: Path, lines: int = 10) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return f.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclass
+class Job:
+    point: Point
+    dir: Path
+    cfg: Config
+    status: str = "queued"
+    proc: Optional[subprocess.Popen] = None
+    slot: Optional[int] = None
+    command: list[str] = field(default_factory=list)
+    exit_code: Optional[int] = None
+    started: float = 0.0
+    wall: Optional[float] = None
+    resumed: bool = False  # it had a checkpoint when this session started it
+    log: Optional[IO[bytes]] = None
+
+    def record(self) -> dict[str, Any]:
+        summary = read_summary(self.dir) if self.status in ("done", "skipped") else {}
+        return {"name": self.point.name, "dir": str(self.dir), "values": self.point.values, "seed": self.point.seed,
+                "status": self.status, "exit_code": self.exit_code, "steps": summary.get("steps"),
+                "final_val_loss": clean(summary.get("final_val_loss")), "wall_seconds": self.wall,
+                "command": self.command}
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep dies, so a run is never left orphaned to clash with
+    the same run started by the next sweep; it checkpoints and exits 75 like any preempted run."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def launch_command(config: Optional[str], job: Job, overrides: list[str], nproc: int, slot: Slot) -> list[str]:
+    """`python -m nanopt.main CONFIG ...` or, for DDP runs, `torchrun --standalone --nproc-per-node=P -m
+    nanopt.main ...` (--standalone: each run its own rendezvous on a free port, so runs never meet)."""
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    else:
+        launcher = [sys.executable]
+    return [*launcher, "-m", "nanopt.main", *([config] if config else []), *overrides, *job.point.overrides(),
+            f"--run.dir={job.dir}", f"--run.name={job.point.name}", *slot.overrides]
+
+
+class Progress:
+    """One line per run. On a terminal the block is redrawn in place; otherwise (a log file, CI) a line is
+    printed when a run changes state, so a log stays readable."""
+
+    def __init__(self, jobs: list[Job], out: IO[str]):
+        self.jobs, self.out = jobs, out
+        self.tty = out.isatty()
+        self.width = max(len(j.point.name) for j in jobs)
+        self.drawn = 0
+
+    def line(self, job: Job, slots: list[Slot]) -> str:
+        text = f"{job.point.name:<{self.width}}  {job.status:<11}"
+        if job.status == "running":
+            m = latest_metrics(job.dir)
+            if m.get("step") is not None:
+                text += f"  step {m['step']}/{job.cfg.train.max_steps}  loss {m['loss']:.4f}"
+            if m.get("val_loss") is not None:
+                text += f"  val {m['val_loss']:.4f}"
+            text += f"  {time.monotonic() - job.started:.0f}s  [{slots[job.slot].label}]" if job.slot is not None else ""
+            text += "  resumed" if job.resumed else ""
+        elif job.status in ("done", "skipped"):
+            val = read_summary(job.dir).get("final_val_loss")
+            text += f"  val {val:.4f}" if isinstance(val, (int, float)) else ""
+        elif job.status in ("failed", "interrupted"):
+            text += f"  exit {job.exit_code}, log {job.dir / LOG_FILE}"
+        return text
+
+    def changed(self, job: Job, slots: list[Slot]) -> None:
+        if not self.tty:
+            print(self.line(job, slots), file=self.out, flush=True)
+
+    def redraw(self, slots: list[Slot]) -> None:
+        if not self.tty:
+            return
+        up = f"\x1b[{self.drawn}F" if self.drawn else ""
+        self.out.write(up + "".join(f"\x1b[2K{self.line(j, slots)}\n" for j in self.jobs))
+        self.out.flush()
+        self.drawn = len(self.jobs)
+
+
+def final_table(jobs: list[Job]) -> str:
+    """point, status, steps, final val loss, training seconds (the run's own, from summary.json) and the wall
+    seconds this session spent on it (start-up, evaluation and checkpoints included; - when skipped)."""
+    header = ("point", "status", "steps", "final val loss", "train (s)", "wall (s)")
+    rows = [header]
+    for j in jobs:
+        s = read_summary(j.dir)
+        status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
+        val, train_s = s.get("final_val_loss"), s.get("train_seconds")
+        rows.append((j.point.name, status, "-" if s.get("steps") is None else str(s["steps"]),
+                     f"{val:.4f}" if isinstance(val, (int, float)) else "-",
+                     f"{train_s:.1f}" if isinstance(train_s, (int, float)) else "-",
+                     "-" if j.wall is None else f"{j.wall:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
+              overrides: list[str], nproc: int = 1, parallel: Optional[int] = None,
+              meta: Optional[dict[str, Any]] = None, out: IO[str] = sys.stdout, poll_s: float = 0.5) -> int:
+    """Run every point not yet done, at most one per slot at a time; returns 0 when all are done, 1 when
+    any failed, 75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run the sweep again to go on)."""
+    root.mkdir(parents=True, exist_ok=True)
+    jobs = [Job(p, root / p.name, configs[p.name]) for p in points]
+    for j in jobs:
+        state = point_state(j.dir, j.cfg)
+        j.status = "skipped" if state == "done" else "queued"
+    pending = [j for j in jobs if j.status == "queued"]
+    slots: list[Slot] = []
+    if pending:  # discovery starts torch in a child (seconds): not worth it when everything is done
+        kind, devices = discover(pending[0].cfg.runtime.device)
+        user_threads = next((int(v) for k, v in parse_overrides(overrides) if k == "runtime.threads"), 0)
+        slots = place(kind, devices, usable_cores(), nproc, parallel, len(pending), user_threads)
+    meta = {**(meta or {}), "nproc": nproc, "parallel": len(slots) or parallel}
+
+    def save() -> None:
+        write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
+
+    stop: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        # Stop launching; pass the signal on so every running run checkpoints and exits 75. (From a
+        # terminal the children got the same Ctrl-C already: a repeat within 1 s counts as one signal.)
+        stop.append(signum)
+        for j in jobs:
+            if j.proc is not None and j.proc.poll() is None:
+                j.proc.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    progress = Progress(jobs, out)
+    skipped = sum(j.status == "skipped" for j in jobs)
+    print(f"sweep {root}: {len(jobs)} runs, {skipped} already done, {len(pending)} to run"
+          + (f", {len(slots)} at a time ({slots[0].label})" if slots else ""), file=out, flush=True)
+    save()
+    free = list(range(len(slots)))
+    try:
+        while True:
+            while free and pending and not stop:
+                job, job.slot = pending.pop(0), free.pop(0)
+                _start(job, config, overrides, nproc, slots[job.slot])
+                if job.status != "running":
+                    free.append(job.slot)
+                progress.changed(job, slots)
+                save()
+            running = [j for j in jobs if j.status == "running"]
+            if not running and (not pending or stop):
+                break
+            for j in running:
+                if j.proc is not None and j.proc.poll() is not None:
+                    _finished(j)
+                    free.append(j.slot)
+                    progress.changed(j, slots)
+                    save()
+            progress.redraw(slots)
+            time.sleep(poll_s)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    for j in pending:
+        j.status = "not started"
+    save()
+    progress.redraw(slots)
+    print("\n" + final_table(jobs), file=out)
+    for j in jobs:
+        if j.status == "failed":
+            print(f"\n{j.point.name} failed with exit {j.exit_code}; last lines of {j.dir / LOG_FILE}:", file=out)
+            print("\n".join("  " + line for line in tail(j.dir / LOG_FILE)), file=out)
+    print(f"\n{root / SWEEP_FILE} describes the sweep; `nanopt runs {root}` compares the runs.", file=out, flush=True)
+    if any(j.status == "failed" for j in jobs):
+        return 1
+    return EXIT_PREEMPTED if stop or any(j.status in ("interrupted", "not started") for j in jobs) else 0
+
+
+def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, slot: Slot) -> None:
+    job.dir.mkdir(parents=True, exist_ok=True)
+    job.resumed = point_state(job.dir, job.cfg) == "resume"
+    job.command = launch_command(config, job, overrides, nproc, slot)
+    env = {**os.environ, **slot.env}
+    if "OMP_WAIT_POLICY" in os.environ:  # the user's explicit choice wins over the sweep's default
+        env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
+    job.log = open(job.dir / LOG_FILE, "ab")
+    job.log.write(f"\n=== nanopt sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(job.command)}\n".encode())
+    job.log.flush()
+    job.started = time.monotonic()
+    job.status = "running"
+    try:
+        job.proc = subprocess.Popen(job.command, stdout=job.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, preexec_fn=_die_with_parent)
+    except OSError as e:  # the launcher itself is missing: this run fails, the others may still go
+        job.log.write(f"nanopt sweep: cannot start the run: {e}\n".encode())
+        job.log.close()
+        job.proc = None
+        job.status, job.exit_code, job.wall = "failed", 127, 0.0
+
+
+def _finished(job: Job) -> None:
+    assert job.proc is not None and job.log is not None
+    job.exit_code = job.proc.returncode
+    job.wall = time.monotonic() - job.started
+    job.log.close()
+    if job.exit_code == 0 and point_state(job.dir, job.cfg) == "done":
+        job.status = "done"
+    elif job.exit_code in (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGINT):
+        job.status = "interrupted"
+    else:
+        job.status = "failed"
