@@ -1,0 +1,317 @@
+"""Pictures of runs, from their files: curves.png at the end of every run, `nanopt plot`'s overlays, and the
+profiled run's offline profile.html.
+
+matplotlib is optional (the XLA test environment does not install it): it is imported inside the drawing
+functions, and through its object API with the Agg canvas only, so nothing here touches pyplot's global
+state or an interactive backend. Callers inside a training run use the *_quietly helpers: a picture that
+cannot be drawn is a log line, never a failed run.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from nanopt.errors import ConfigError
+from nanopt.io import write_bytes, write_text
+
+log = logging.getLogger("nanopt")
+
+CURVES_FILE = "curves.png"
+PROFILE_PAGE = "profile.html"
+METRICS_FILE = "metrics.jsonl"
+X_AXES = ("steps", "tokens", "seconds")
+X_LABELS = {"steps": "optimizer step", "tokens": "tokens seen",
+            "seconds": "training seconds (sum of logged step times)"}
+
+Record = dict[str, Any]
+
+
+# ---------------------------------------------------------------- reading runs
+
+
+def read_metrics(run_dir: Path) -> list[Record]:
+    """The run's metrics.jsonl records; a line that does not parse (the one being written) is left out."""
+    path = Path(run_dir) / METRICS_FILE
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append(record)
+    return out
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Run directories (those with a metrics.jsonl) at or below each path, in order, each once.
+    Raises ConfigError naming a path that is not one and holds none."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise ConfigError(f"{p} is not a directory; give run directories (runs/<name>, holding {METRICS_FILE}) "
+                              f"or a sweep directory that holds them.")
+        runs = sorted(m.parent for m in p.rglob(METRICS_FILE))
+        if not runs:
+            raise ConfigError(f"{p} holds no run: no {METRICS_FILE} in it or below it. Give a run directory "
+                              f"(runs/<name>) or a sweep directory of runs; a run writes {METRICS_FILE} once it starts.")
+        found += [r for r in runs if r not in found]
+    return found
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    """Each run named by its path relative to what all of them share (runs/a, runs/b -> a, b)."""
+    resolved = [r.resolve() for r in runs]
+    if len(resolved) == 1:
+        return [resolved[0].name]
+    common = Path(os.path.commonpath(resolved))
+    return [str(r.relative_to(common)) or r.name for r in resolved]
+
+
+def _seconds_axis(records: list[Record]) -> tuple[list[float], list[float]]:
+    """(steps, training seconds at them): each logged step time times the steps since the previous log line.
+    metrics.jsonl has no clock of training time; wall time would bill evaluations, checkpoints and the gap
+    before a resume, and step_ms already leaves those out (train.py SpeedWindow)."""
+    steps, seconds, last_step, total = [0.0], [0.0], 0, 0.0
+    for r in records:
+        if r.get("step_ms") is None or r["step"] <= last_step:
+            continue
+        total += (r["step"] - last_step) * r["step_ms"] / 1000
+        last_step = r["step"]
+        steps.append(float(last_step))
+        seconds.append(total)
+    return steps, seconds
+
+
+def series(records: list[Record], metric: str, x: str) -> tuple[list[float], list[float]]:
+    """(x values, metric values) of the records that carry the metric; x is steps, tokens or seconds."""
+    if x not in X_AXES:
+        raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}.")
+    tokens_per_step = next((r["tokens_seen"] / r["step"] for r in records
+                            if r.get("tokens_seen") and r["step"] > 0), 0.0)
+    at_steps, at_seconds = _seconds_axis(records)
+    xs, ys = [], []
+    for r in records:
+        value = r.get(metric)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            continue
+        step = r["step"]
+        if x == "steps":
+            xs.append(float(step))
+        elif x == "tokens":
+            xs.append(float(r.get("tokens_seen", step * tokens_per_step)))  # test lines carry no tokens_seen
+        else:
+            xs.append(_interp(step, at_steps, at_seconds))
+        ys.append(float(value))
+    return xs, ys
+
+
+def _interp(step: float, at: list[float], values: list[float]) -> float:
+    """Piecewise-linear value at `step` (held flat past the last point)."""
+    for i in range(1, len(at)):
+        if step <= at[i]:
+            span = at[i] - at[i - 1]
+            return values[i - 1] + (values[i] - values[i - 1]) * ((step - at[i - 1]) / span if span else 1.0)
+    return values[-1]
+
+
+def metric_names(records: list[Record]) -> list[str]:
+    """Numeric keys the records carry (what --metric accepts)."""
+    names = {k for r in records for k, v in r.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
+    return sorted(names)
+
+
+# ---------------------------------------------------------------- matplotlib, lazily
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _figure(width: float, height: float) -> Any:
+    """A Figure on the Agg canvas, not registered with pyplot (no global state, no GUI, freed when dropped)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _plot(ax: Any, xs: list[float], ys: list[float], label: str, eval_line: bool = False, **kw: Any) -> None:
+    """A line; evaluation series (few points) get markers so a single final evaluation still shows."""
+    if xs:
+        ax.plot(xs, ys, label=label, marker="o" if eval_line else None, markersize=4, linewidth=1.5, **kw)
+
+
+# ---------------------------------------------------------------- curves.png
+
+
+def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
+    """The run's curves (train and val loss against steps, tokens and training seconds; MFU, tokens/s and
+    lr against steps) as one PNG, default <run_dir>/curves.png."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    if not records:
+        raise ConfigError(f"{run_dir / METRICS_FILE} has no records to plot; train the run first.")
+    fig = _figure(15, 8)
+    axes = fig.subplots(2, 3)
+    for ax, x in zip(axes[0], X_AXES):
+        _plot(ax, *series(records, "loss", x), "train loss", color="tab:blue")
+        _plot(ax, *series(records, "val_loss", x), "val loss", eval_line=True, color="tab:orange")
+        ax.set(xlabel=X_LABELS[x], ylabel="loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    mfu_x, mfu_y = series(records, "mfu", "steps")
+    panels = ((axes[1][0], mfu_x, [100 * v for v in mfu_y], "MFU (%)"),
+              (axes[1][1], *series(records, "tokens_per_s", "steps"), "tokens/s"),
+              (axes[1][2], *series(records, "lr", "steps"), "learning rate"))
+    for ax, xs, ys, name in panels:
+        _plot(ax, xs, ys, name, color="tab:green")
+        ax.set(xlabel=X_LABELS["steps"], ylabel=name)
+        ax.grid(alpha=0.3)
+        if not xs:  # e.g. MFU on a device with no known peak: say so rather than leave a blank box
+            ax.text(0.5, 0.5, f"no {name} values logged", ha="center", va="center", transform=ax.transAxes)
+    finals = [r for r in records if r.get("val_loss") is not None]
+    title = str(run_dir.resolve().name)
+    if finals:
+        title += f"  |  final val loss {finals[-1]['val_loss']:.4f} at step {finals[-1]['step']}"
+    fig.suptitle(title)
+    return write_bytes(out or run_dir / CURVES_FILE, _png(fig))
+
+
+# ---------------------------------------------------------------- nanopt plot: runs overlaid
+
+
+def overlay_png(runs: list[Path], out: Path, metric: str = "val_loss", x: str = "steps",
+                labels: Optional[list[str]] = None) -> Path:
+    """One metric of several runs against steps, tokens or training seconds, one line per run."""
+    labels = labels or run_labels(runs)
+    per_run = [read_metrics(r) for r in runs]
+    if not any(series(records, metric, x)[0] for records in per_run):
+        available = sorted({name for records in per_run for name in metric_names(records)})
+        raise ConfigError(f"no run logged {metric!r}; pick --metric from: {', '.join(available) or '(none)'}.")
+    fig = _figure(10, 6)
+    ax = fig.subplots()
+    for records, label in zip(per_run, labels):
+        xs, ys = series(records, metric, x)
+        _plot(ax, xs, ys, label, eval_line=len(xs) < 30)
+    ax.set(xlabel=X_LABELS[x], ylabel=metric, title=f"{metric} against {x}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return write_bytes(Path(out), _png(fig))
+
+
+# ---------------------------------------------------------------- the offline profile page
+
+_SHARES = (("compute_share", "compute", "#4c72b0"), ("data_loader_share", "data loader", "#dd8452"),
+           ("host_overhead_share", "host overhead", "#c44e52"))
+
+
+def profile_png(summary: dict) -> bytes:
+    """The step breakdown (one stacked bar of the three shares) beside the top ops' self ms per step."""
+    fig = _figure(12, 4.5)
+    left, right = fig.subplots(1, 2, width_ratios=(1, 2))
+    start = 0.0
+    for key, name, colour in _SHARES:
+        share = summary[key]
+        left.barh([0], [100 * share], left=[100 * start], color=colour, label=f"{name} {100 * share:.1f}%")
+        start += share
+    left.set(xlim=(0, 100), yticks=[], xlabel="% of profiled step time",
+             title=f"{summary['step_ms_mean']:.1f} ms/step ({summary['mode']})")
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=1)
+    ops = summary.get("top_ops", [])
+    steps = max(1, summary.get("profiled_steps", 1))
+    right.barh([op["name"] for op in ops][::-1], [op["self_ms"] / steps for op in ops][::-1], color="#4c72b0")
+    right.set(xlabel="self ms per step", title="top ops by self time")
+    right.tick_params(axis="y", labelsize=8)
+    return _png(fig)
+
+
+def profile_html(summary: dict, picture: Optional[bytes]) -> str:
+    """A page that opens offline: inline CSS, the picture as a base64 data: URI, the top ops as a table."""
+    esc = html.escape
+    steps = max(1, summary.get("profiled_steps", 1))
+    peak = summary.get("peak_memory_bytes")
+    facts = [("profiled steps", f"{summary.get('first_step')}-{summary.get('last_step')} ({steps} steps)"),
+             ("step time", f"{summary['step_ms_mean']:.2f} ms/step ({summary['mode']})"),
+             *((name, f"{100 * summary[key]:.1f}%") for key, name, _ in _SHARES),
+             ("peak memory", "n/a" if peak is None else f"{peak / 2**20:,.0f} MiB"),
+             ("trace", str(summary.get("trace_file")))]
+    fact_rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts)
+    op_rows = "".join(
+        f"<tr><td>{esc(op['name'])}</td><td>{op['calls']}</td><td>{op['self_ms']:.2f}</td>"
+        f"<td>{op['self_ms'] / steps:.2f}</td><td>{100 * op['self_share']:.1f}%</td>"
+        f"<td>{op.get('self_cpu_ms', 0.0):.2f}</td></tr>" for op in summary.get("top_ops", []))
+    label_rows = "".join(f"<tr><td>{esc(k)}</td><td>{v:.2f}</td></tr>" for k, v in summary.get("label_ms", {}).items())
+    image = (f'<img alt="step breakdown and top ops" src="data:image/png;base64,{base64.b64encode(picture).decode()}">'
+             if picture else "<p><em>No picture: matplotlib is not installed (pip install matplotlib).</em></p>")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>nanopt profile</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: left; }}
+td:not(:first-child) {{ text-align: right; font-variant-numeric: tabular-nums; }}
+img {{ max-width: 100%; }}
+</style></head><body>
+<h1>Where the profiled steps' time went</h1>
+<table>{fact_rows}</table>
+{image}
+<h2>Top ops by self time</h2>
+<table><tr><th>op</th><th>calls</th><th>self ms</th><th>self ms/step</th><th>share of step time</th>
+<th>self CPU ms</th></tr>{op_rows}</table>
+<h2>Host time inside each range (ms)</h2>
+<table>{label_rows}</table>
+<p>From profile_summary.json. This page needs no network: TensorBoard's PyTorch Profiler tab loads Google
+Charts from gstatic and shows nothing on an offline machine. The full trace (above) also opens offline in
+Chrome's chrome://tracing.</p>
+</body></html>
+"""
+
+
+def profile_page(summary: dict, out: Path) -> Path:
+    """Write profile.html for a profile summary (the picture left out, with a line, without matplotlib)."""
+    return write_text(Path(out), profile_html(summary, profile_png(summary) if have_matplotlib() else None))
+
+
+# ---------------------------------------------------------------- inside a training run: never fatal
+
+
+def _quietly(what: str, needs_matplotlib: bool, draw: Callable[[], Path]) -> Optional[Path]:
+    if needs_matplotlib and not have_matplotlib():
+        log.info("%s skipped: matplotlib is not installed", what)
+        return None
+    try:
+        return draw()
+    except Exception as e:  # a picture must never fail a run that trained
+        log.warning("%s could not be drawn (%r); the run itself is fine", what, e)
+        return None
+
+
+def curves_quietly(run_dir: Path) -> Optional[Path]:
+    """curves.png for a finished run, or a log line saying why not."""
+    return _quietly(CURVES_FILE, True, lambda: curves_png(run_dir))
+
+
+def profile_page_quietly(summary: dict, run_dir: Path) -> Optional[Path]:
+    """profile.html beside profile_summary.json, or a warning."""
+    return _quietly(PROFILE_PAGE, False, lambda: profile_page(summary, Path(run_dir) / PROFILE_PAGE))
