@@ -141,11 +141,13 @@ def have_matplotlib() -> bool:
 
 
 def _figure(width: float, height: float) -> Any:
-    """A Figure on the Agg canvas, not registered with pyplot (no global state, no GUI, freed when dropped)."""
+    """A Figure on the Agg canvas, not registered with pyplot (no global state, no GUI, freed when dropped).
+    Margins are set by hand (subplots_adjust): constrained layout doubled the drawing time at the end of
+    every run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
     return fig
 
@@ -174,6 +176,7 @@ def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
         raise ConfigError(f"{run_dir / METRICS_FILE} has no records to plot; train the run first.")
     fig = _figure(15, 8)
     axes = fig.subplots(2, 3)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.07, top=0.93, wspace=0.22, hspace=0.25)
     for ax, x in zip(axes[0], X_AXES):
         _plot(ax, *series(records, "loss", x), "train loss", color="tab:blue")
         _plot(ax, *series(records, "val_loss", x), "val loss", eval_line=True, color="tab:orange")
@@ -211,6 +214,7 @@ def overlay_png(runs: list[Path], out: Path, metric: str = "val_loss", x: str = 
         raise ConfigError(f"no run logged {metric!r}; pick --metric from: {', '.join(available) or '(none)'}.")
     fig = _figure(10, 6)
     ax = fig.subplots()
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.94)
     for records, label in zip(per_run, labels):
         xs, ys = series(records, metric, x)
         _plot(ax, xs, ys, label, eval_line=len(xs) < 30)
@@ -227,22 +231,26 @@ _SHARES = (("compute_share", "compute", "#4c72b0"), ("data_loader_share", "data 
 
 
 def profile_png(summary: dict) -> bytes:
-    """The step breakdown (one stacked bar of the three shares) beside the top ops' self ms per step."""
-    fig = _figure(12, 4.5)
-    left, right = fig.subplots(1, 2, width_ratios=(1, 2))
+    """The step breakdown (one stacked bar of the three shares) above the top ops' self ms per step."""
+    fig = _figure(10, 6)
+    top, bottom = fig.subplots(2, 1, height_ratios=(1, 4))
+    fig.subplots_adjust(left=0.36, right=0.97, bottom=0.09, top=0.86, hspace=0.6)
     start = 0.0
     for key, name, colour in _SHARES:
         share = summary[key]
-        left.barh([0], [100 * share], left=[100 * start], color=colour, label=f"{name} {100 * share:.1f}%")
+        top.barh([0], [100 * share], left=[100 * start], color=colour, label=f"{name} {100 * share:.1f}%")
         start += share
-    left.set(xlim=(0, 100), yticks=[], xlabel="% of profiled step time",
-             title=f"{summary['step_ms_mean']:.1f} ms/step ({summary['mode']})")
-    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=1)
+    top.set(xlim=(0, 100), yticks=[], xlabel="% of profiled step time")
+    top.set_title(f"steps {summary.get('first_step')}-{summary.get('last_step')}: {summary['step_ms_mean']:.1f} "
+                  f"ms/step ({summary['mode']})", pad=28)
+    top.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     ops = summary.get("top_ops", [])
     steps = max(1, summary.get("profiled_steps", 1))
-    right.barh([op["name"] for op in ops][::-1], [op["self_ms"] / steps for op in ops][::-1], color="#4c72b0")
-    right.set(xlabel="self ms per step", title="top ops by self time")
-    right.tick_params(axis="y", labelsize=8)
+    names = [op["name"] if len(op["name"]) <= 48 else op["name"][:47] + "…" for op in ops]  # the table has them whole
+    rows = list(range(len(ops)))[::-1]  # positions, not names: two names may shorten to the same label
+    bottom.barh(rows, [op["self_ms"] / steps for op in ops], color="#4c72b0")
+    bottom.set(yticks=rows, yticklabels=names, xlabel="self ms per step", title="top ops by self time")
+    bottom.tick_params(axis="y", labelsize=8)
     return _png(fig)
 
 
