@@ -28,6 +28,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
+from nanopt import plots
 from nanopt.config import Config, ConfigError, ProfileConfig, parse_ranks
 from nanopt.metrics import MetricsLogger
 from nanopt.runtime import Runtime
@@ -226,6 +227,7 @@ class Profile:
         (self.run_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
         if not self.rt.is_main:
             return
+        plots.profile_page_quietly(summary, self.run_dir)  # profile.html: the summary, viewable offline
         for line in format_summary(summary).splitlines():
             log.info("%s", line)
         log.info("profile: summary in %s; trace in %s: `tensorboard --logdir %s` (PYTORCH_PROFILER tab) "

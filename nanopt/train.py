@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import data, faults, hf, mfu, profiling, runtime
+from nanopt import data, faults, hf, mfu, plots, profiling, runtime
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, to_yaml
@@ -369,6 +369,7 @@ def finish(run: Run) -> dict[str, Any]:
     }
     if rt.is_main:
         write_json(cfg.run_dir / "summary.json", summary)
+        plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
         _print_samples(run)
         log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
                  f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
