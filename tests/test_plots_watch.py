@@ -1,0 +1,273 @@
+"""Pictures and evaluation while training, on real runs: every run's curves.png, `nanopt plot` overlays, a
+profiled run's offline profile.html, and `nanopt eval --watch` beside a real training process."""
+from __future__ import annotations
+
+import base64
+import contextlib
+import html
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, small_overrides
+from nanopt import plots
+from nanopt.cli import run as cli
+from nanopt.commands import eval as eval_command
+
+image = pytest.importorskip("matplotlib.image")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train(run_dir: Path, **changes: object) -> None:
+    """A real training run in this process (a fresh interpreter would pay torch's import again)."""
+    from nanopt.main import run
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run(small_overrides(**{"run.dir": str(run_dir), **changes})) == 0
+
+
+def decode(png: Path | bytes) -> np.ndarray:
+    """H W C floats in [0, 1]; fails unless the bytes are a real PNG."""
+    data = png if isinstance(png, bytes) else png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return image.imread(io.BytesIO(data), format="png")
+
+
+def assert_drawn(pixels: np.ndarray, width: int, height: int, colours: tuple[str, ...]) -> None:
+    """The size asked for, and a picture: marks over a white page, with pixels of each of `colours` (the
+    lines or bars drawn; empty axes are only greys)."""
+    assert pixels.shape[:2] == (height, width)
+    rgb = (pixels[..., :3] * 255).round().astype(np.int16)
+    non_white = (rgb < 250).any(axis=-1).mean()
+    assert 0.02 < non_white < 0.6, non_white
+    for colour in colours:
+        target = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+        near = (np.abs(rgb - target).max(axis=-1) <= 12).sum()
+        assert near > 50, (colour, near)
+
+
+BLUE, ORANGE, GREEN = "#1f77b4", "#ff7f0e", "#2ca02c"  # matplotlib's first three line colours
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """A directory of two real runs (different learning rates), validation and checkpoints every 2 steps."""
+    root = tmp_path_factory.mktemp("sweep")
+    for name, lr in (("lr_low", 0.001), ("lr_high", 0.004)):
+        train(root / name, **{"train.lr": lr, "eval.every": 2, "checkpoint.every": 2})
+    return root
+
+
+# ---------------------------------------------------------------- curves.png
+
+
+def test_every_run_writes_its_curves(sweep):
+    for run_dir in (sweep / "lr_low", sweep / "lr_high"):
+        assert_drawn(decode(run_dir / plots.CURVES_FILE), 1500, 800, (BLUE, ORANGE, GREEN))
+
+
+def test_the_axes_are_the_runs_own_numbers(sweep):
+    run_dir = sweep / "lr_low"
+    recs = plots.read_metrics(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    xs, ys = plots.series(recs, "val_loss", "tokens")
+    assert xs == [0, 512, 1024, 1536]  # eval at steps 0, 2, 4, 6 of 256 tokens
+    assert ys[-1] == pytest.approx(summary["final_val_loss"])
+    steps, train_loss = plots.series(recs, "loss", "steps")
+    assert steps == [1, 2, 3, 4, 5, 6] and train_loss[0] > train_loss[-1]
+    # Training seconds from the logged step times, not wall time: close to the run's own clock.
+    seconds, _ = plots.series(recs, "loss", "seconds")
+    assert seconds == sorted(seconds) and seconds[-1] == pytest.approx(summary["train_seconds"], rel=0.5)
+
+
+def test_without_matplotlib_a_run_skips_the_picture_with_one_line(sweep, tmp_path, monkeypatch, caplog):
+    shutil.copy(sweep / "lr_low" / "metrics.jsonl", tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    with caplog.at_level("INFO", logger="nanopt"):
+        assert plots.curves_quietly(tmp_path) is None
+    assert "curves.png skipped: matplotlib is not installed" in caplog.text
+    assert not (tmp_path / plots.CURVES_FILE).exists()
+    assert cli(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
+
+
+def test_a_picture_that_cannot_be_drawn_is_a_warning_not_an_error(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text("")
+    with caplog.at_level("WARNING", logger="nanopt"):
+        assert plots.curves_quietly(tmp_path) is None
+    assert "curves.png could not be drawn" in caplog.text
+
+
+# ---------------------------------------------------------------- nanopt plot
+
+
+def test_plot_overlays_a_sweeps_runs(sweep, tmp_path, monkeypatch, capsys):
+    assert plots.find_runs([sweep]) == [sweep / "lr_high", sweep / "lr_low"]
+    assert plots.run_labels(plots.find_runs([sweep])) == ["lr_high", "lr_low"]
+    out = tmp_path / "overlay.png"
+    assert cli(["plot", str(sweep), "-o", str(out), "--x", "tokens", "--metric", "val_loss"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert_drawn(decode(out), 1000, 600, (BLUE, ORANGE))  # one line per run
+    # Runs named one by one, training loss against seconds, the default file name.
+    monkeypatch.chdir(tmp_path)
+    assert cli(["plot", str(sweep / "lr_low"), str(sweep / "lr_high"), "--metric", "loss", "--x", "seconds"]) == 0
+    assert_drawn(decode(tmp_path / "plot_loss_seconds.png"), 1000, 600, (BLUE, ORANGE))
+
+
+def test_plot_refuses_what_is_not_a_run(sweep, tmp_path, capsys):
+    assert cli(["plot", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert cli(["plot", str(tmp_path)]) == 2
+    assert "holds no run" in capsys.readouterr().err
+    assert cli(["plot", str(sweep), "--metric", "val_losss", "-o", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no run logged 'val_losss'" in err and "val_loss" in err and "tokens_per_s" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+# ---------------------------------------------------------------- the offline profile page
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("profiled")
+    train(run_dir, **{"profile.enabled": "true"})  # 6 steps: the schedule shrinks to 1/1/4
+    return run_dir
+
+
+def test_a_profiled_run_writes_a_page_that_needs_no_network(profiled):
+    page = (profiled / plots.PROFILE_PAGE).read_text()
+    summary = json.loads((profiled / "profile_summary.json").read_text())
+    assert "http://" not in page and "https://" not in page  # nothing to fetch: no CDN, no fonts, no charts API
+    assert "<script" not in page and "<link" not in page
+    assert re.findall(r'src="([^"]*)"', page) and all(s.startswith("data:image/png;base64,")
+                                                      for s in re.findall(r'src="([^"]*)"', page))
+    assert summary["top_ops"] and all(html.escape(op["name"]) in page for op in summary["top_ops"])
+    assert f"{100 * summary['host_overhead_share']:.1f}%" in page
+    [embedded] = re.findall(r'src="data:image/png;base64,([^"]*)"', page)
+    assert_drawn(decode(base64.b64decode(embedded)), 1000, 600, ("#4c72b0", "#c44e52"))  # compute, overhead
+
+
+def test_the_profile_page_without_matplotlib_still_has_the_table(profiled, tmp_path, monkeypatch):
+    summary = json.loads((profiled / "profile_summary.json").read_text())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    page = plots.profile_page(summary, tmp_path / "p.html").read_text()
+    assert "matplotlib is not installed" in page and "<img" not in page
+    assert all(html.escape(op["name"]) in page for op in summary["top_ops"])
+
+
+# ---------------------------------------------------------------- nanopt eval --watch
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in records(run_dir / "evals.jsonl")]
+
+
+def _wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
+    """Train the run (paused after step 4 until the watcher has caught up, preempted, resumed) and check the
+    watcher's end."""
+    train_cmd = [sys.executable, "-m", "nanopt.main", *small_overrides(**{
+        "run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10, "train.max_steps": 8})]
+    # The trainer waits after step 4 (a test hook) until the watcher has evaluated checkpoints 2 and 4: the
+    # evaluations happen while the run is still training, not after it.
+    trainer = subprocess.Popen(train_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env={**ENV, "NANOPT_TEST_HOOK": "pause:4"})
+    try:
+        _wait_for(lambda: _steps(run_dir) == [2, 4], "checkpoints 2 and 4 evaluated", trainer)
+        assert not (run_dir / "summary.json").exists()
+        trainer.send_signal(signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
+        assert trainer.wait(timeout=120) == 75, trainer.stderr.read()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.communicate()
+    resumed = subprocess.run(train_cmd, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out, err = watcher.communicate(timeout=300)
+    assert watcher.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == "the run finished at step 8; 4 checkpoint(s) evaluated by this watcher"
+    assert _steps(run_dir) == [2, 4, 6, 8]  # one line per checkpoint, in order, none twice
+
+
+def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()  # an empty directory: the watcher may start before the run does
+    watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch",
+                                "--interval", "0.2", "--timeout", "300"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    try:
+        _train_beside(watcher, run_dir)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+    last = records(run_dir / "evals.jsonl")[-1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert last["source"] == "nanopt eval" and last["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
+    # A second watcher finds everything done and adds nothing.
+    before = (run_dir / "evals.jsonl").read_bytes()
+    again = subprocess.run([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch", "--interval", "0.2"],
+                           capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 checkpoint(s) evaluated" in again.stdout
+    assert (run_dir / "evals.jsonl").read_bytes() == before
+
+
+def test_watch_skips_a_checkpoint_pruned_while_it_is_read(sweep, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep / "lr_low", run_dir)
+    listed = eval_command.complete_checkpoints
+
+    def listed_then_pruned(root: Path) -> list[Path]:
+        found = listed(root)
+        if found and found[0].name == "step_000002":
+            shutil.rmtree(found[0])  # what checkpoint.keep does to the oldest, right after the watcher looked
+        return found
+
+    monkeypatch.setattr(eval_command, "complete_checkpoints", listed_then_pruned)
+    assert cli(["eval", str(run_dir), "--watch", "--interval", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "step_000002: it was removed while being read (pruned by checkpoint.keep)" in out
+    assert _steps(run_dir) == [4, 6]
+
+
+def test_watch_stops_at_the_timeout_when_the_run_does_not_finish(sweep, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep / "lr_high", run_dir)
+    (run_dir / "summary.json").unlink()  # as if still training
+    t0 = time.monotonic()
+    assert cli(["eval", str(run_dir), "--watch", "--interval", "0.2", "--timeout", "1"]) == 0
+    assert time.monotonic() - t0 < 60
+    assert "--timeout 1 s passed before the run finished; 3 checkpoint(s) evaluated" in capsys.readouterr().out
+    assert _steps(run_dir) == [2, 4, 6]
+
+
+def test_watch_refuses_what_is_not_a_run_directory(sweep, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a run")
+    assert cli(["eval", str(tmp_path), "--watch"]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    assert cli(["eval", str(tmp_path / "missing"), "--watch"]) == 2
+    assert cli(["eval", str(sweep / "lr_low" / "checkpoints" / "step_000006"), "--watch"]) == 2
+    assert "is a checkpoint" in capsys.readouterr().err
+    assert cli(["eval", str(sweep / "lr_low"), "--watch", "--interval", "0"]) == 2
