@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +91,10 @@ def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
     points = [Point(point_name(dict(zip(keys, combo)), seed), dict(zip(keys, combo)), seed)
               for seed in seeds for combo in itertools.product(*(vals for _, vals in sets))]
     names = [p.name for p in points]
+    too_long = next((n for n in names if len(n.encode()) > 255), None)
+    if too_long:  # the file system's limit for one path component
+        raise ConfigError(f"grid point {too_long[:60]}... makes a directory name over 255 bytes; sweep fewer keys "
+                          f"at once or use shorter values.")
     if len(set(names)) != len(names):
         raise ConfigError(
             f"two grid points get the same directory name once their values are made filesystem-safe "
@@ -104,6 +109,8 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
     ten runs is ten runs late). Returns the points and each point's loaded config, by point name."""
     if seeds < 1:
         raise ConfigError(f"--seeds {seeds}: give the number of seeds per setting, 1 or more.")
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: the number of processes (GPUs) per run; give 1 or more.")
     base = parse_overrides(overrides)
     for key, _ in base:
         if key in ("run.dir", "run.name"):
@@ -190,10 +197,14 @@ def discover(device: str) -> tuple[str, list[str]]:
             raise ConfigError("`runtime.device` is cuda but torch sees no CUDA device; use --runtime.device=cpu "
                               "or install a CUDA build of torch.")
         return "cpu", []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    # Under CUDA_VISIBLE_DEVICES=3,5 torch's devices 0, 1 are GPUs 3, 5: a child must be given "3", not "0".
-    ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(count)]
-    return "cuda", ids[:count]
+    return "cuda", visible_ids(count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def visible_ids(count: int, visible: Optional[str]) -> list[str]:
+    """What to put in each run's CUDA_VISIBLE_DEVICES for torch's devices 0..count-1. Under
+    CUDA_VISIBLE_DEVICES=3,5 torch's devices 0, 1 are GPUs 3, 5: a run must be given "3", not "0"."""
+    ids = [v.strip() for v in visible.split(",")] if visible and visible.strip() else [str(i) for i in range(count)]
+    return ids[:count]
 
 
 # ---------------------------------------------------------------- run directories
@@ -331,10 +342,19 @@ class Progress:
     def redraw(self, slots: list[Slot]) -> None:
         if not self.tty:
             return
-        up = f"\x1b[{self.drawn}F" if self.drawn else ""
-        self.out.write(up + "".join(f"\x1b[2K{self.line(j, slots)}\n" for j in self.jobs))
+        size = shutil.get_terminal_size()
+        jobs = self.jobs
+        if len(jobs) > size.lines - 3:  # a block taller than the screen cannot be redrawn in place
+            counts = {s: sum(j.status == s for j in jobs) for s in ("queued", "done", "skipped", "failed")}
+            jobs = [j for j in jobs if j.status == "running"]
+            extra = [", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+        else:
+            extra = []
+        lines = [self.line(j, slots) for j in jobs] + extra
+        up = f"\x1b[{self.drawn}F" if self.drawn else ""  # back to the block's first line, then clear below
+        self.out.write(up + "\x1b[J" + "".join(line[:size.columns - 1] + "\n" for line in lines))
         self.out.flush()
-        self.drawn = len(self.jobs)
+        self.drawn = len(lines)
 
 
 def final_table(jobs: list[Job]) -> str:

@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, launched with torchrun (default 1)")
     config, rest = split_args(argv)
     args, overrides = p.parse_known_args(rest)
+    if args.parallel is not None and args.parallel < 1:
+        raise ConfigError(f"--parallel {args.parallel}: the number of runs at a time; give 1 or more.")
     if not args.set and args.seeds == 1:
         raise ConfigError("nothing to sweep: give --set KEY=V1,V2 (e.g. --set optim.name=adamw,muon) and/or "
                           "--seeds N with N > 1.")
