@@ -179,7 +179,7 @@ def _steps(run_dir: Path) -> list[int]:
 def _wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before {what}"
+        assert proc.poll() is None, f"the process exited ({proc.returncode}) before {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
@@ -261,6 +261,25 @@ def test_watch_stops_at_the_timeout_when_the_run_does_not_finish(sweep, tmp_path
     assert time.monotonic() - t0 < 60
     assert "--timeout 1 s passed before the run finished; 3 checkpoint(s) evaluated" in capsys.readouterr().out
     assert _steps(run_dir) == [2, 4, 6]
+
+
+def test_watch_ends_on_ctrl_c_with_one_line(sweep, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep / "lr_high", run_dir)
+    (run_dir / "summary.json").unlink()  # as if still training
+    watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch", "--interval", "0.2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    try:
+        _wait_for(lambda: len(_steps(run_dir)) == 3, "the three checkpoints evaluated", watcher)
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
+    assert watcher.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == "stopped (Ctrl-C); 3 checkpoint(s) evaluated by this watcher"
+    assert "Traceback" not in err
 
 
 def test_watch_refuses_what_is_not_a_run_directory(sweep, tmp_path, capsys):
