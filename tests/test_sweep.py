@@ -237,6 +237,23 @@ def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
     assert "interrupted (exit 75)" in out
 
 
+def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(tmp_path):
+    """SIGKILL to the sweep alone: its runs get SIGTERM (PR_SET_PDEATHSIG), checkpoint and exit, so none is left
+    running to clash with the same run started by the next sweep."""
+    root = tmp_path / "sw"
+    proc = subprocess.Popen(_sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
+    first = root / "seed=1337"
+    _wait_for([first / ".test_paused.rank0"], proc)
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while "preempted by SIGTERM after step 3" not in (first / sweep.LOG_FILE).read_text():
+        assert time.monotonic() < deadline, (first / sweep.LOG_FILE).read_text()
+        time.sleep(0.1)
+    assert (first / "checkpoints" / "step_000003").is_dir() and not (root / "seed=1338").exists()
+
+
 def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
     root = tmp_path / "sw"
     result = _run(_sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), tmp_path)
