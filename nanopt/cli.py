@@ -33,7 +33,8 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("eval", "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl"),
     # No OpenMP env: the sweep itself never loads torch; it sets each run's (PASSIVE when runs share cores).
     "sweep": Command("sweep", "a grid of runs (--set KEY=V1,V2, --seeds N), one per GPU or CPU share; re-run resumes"),
-    "runs": Command("runs", "leaderboard of runs/*/summary.json: time-to-target, val loss/bpb"),
+    "runs": Command("runs", "runs below DIR grouped by seed: mean, sd, 95% CI; --compare A B (Welch p-value)"),
+    "compare": Command("compare", "two runs side by side: speed, time to target, loss, profile shares and top ops"),
     "plot": Command("plot", "overlay runs (or a sweep's runs) in one PNG: --metric val_loss, --x steps|tokens|seconds"),
     "sample": Command("sample", "sample continuations of a prompt from a run, checkpoint or HF dir"),
     "export": Command("export", "write a checkpoint as a Hugging Face LlamaForCausalLM directory"),
