@@ -6,7 +6,9 @@ No training logic lives here. The training function writes the config into the r
 Volume and launches `torchrun --standalone --nproc-per-node=<n> -m nanopt.main --config <that file>`
 from the Volume root, so every relative path in the config (run.dir, data.dir) lands on the Volume.
 Re-running the same run name resumes from the newest complete checkpoint, which is what Modal's
-retries do after a preemption or a crash.
+retries do after a preemption, a time limit, or a crash that saved a newer checkpoint; a failure that
+would only repeat itself (bad input, divergence, a crash with no progress) is reported, not retried,
+and `modal run` exits with its code.
 """
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import modal
 
-from nanopt.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_STATUS_ENV  # stdlib only: cheap at import
+from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED,  # stdlib only: cheap at import
+                           EXIT_STATUS_ENV)
 
 REPO = Path(__file__).resolve().parent
 APP_NAME = "nanopt"
@@ -30,14 +34,23 @@ VOLUME_NAME = "nanopt"
 VOLUME_PATH = "/vol"  # where the Volume is mounted in every container; tests point it at a tmp dir
 RUN_CONFIG_NAME = "modal_config.yaml"  # nanopt itself writes the resolved config.yaml next to it
 
+# Training may be served an H200 for an "H100" request (same price, faster memory): only faster, and its MFU
+# stays honest because nanopt takes the peak from the device it detects (the H200's dense bf16 peak is the
+# H100 SXM's). Benches report H100 numbers, so they ask for exactly an H100 ("!": no upgrade).
 TRAIN_GPU = "H100"
 TRAIN_GPUS = 8
 EVAL_GPU = "L40S"  # 48 GB: enough to evaluate the 1B model in bf16, at a fraction of an H100's price
-BENCH_GPU = "H100"
+BENCH_GPU = "H100!"
 # The benches that mean something on a GPU (ddp.py and prepare.py measure CPU cores).
 GPU_BENCHES = ("vs_hf", "ladder")
 PREPARE_CPUS = 32.0
-DAY_S = 24 * 60 * 60  # Modal's longest function timeout; a retry after a timeout resumes the run
+DAY_S = 24 * 60 * 60  # Modal's longest function timeout
+TRAIN_TIMEOUT_S = DAY_S
+# The trainer is told to stop (checkpoint, exit 75) this long before the function's timeout, so the timeout
+# never kills it between checkpoints. The margin holds the step in progress, the final checkpoint (14.8 GB
+# for configs/1b.yaml: ~5 min even at 50 MB/s), torchrun's shutdown and the Volume commit of that checkpoint.
+# It costs at most 1% of a 24 h attempt.
+TIME_LIMIT_MARGIN_S = 15 * 60
 COMMIT_EVERY_S = 10 * 60  # make checkpoints and metrics visible to other containers while training runs
 MASTER_PORT = 29500
 # Multi-node (experimental): NANOPT_MODAL_NODES=2 modal run modal_app.py ... makes a cluster of that many
@@ -52,6 +65,8 @@ PIP_PACKAGES = [
     "numpy>=1.24",
     "pyyaml>=6",
     "safetensors>=0.4",
+    "matplotlib>=3.7",  # curves.png after every run
+    "scipy>=1.10",
     "tqdm>=4.60",
     "tensorboard>=2.14",
     "torch-tb-profiler>=0.4",
@@ -78,8 +93,14 @@ FLASH_ATTN_INSTALL = (
     "|| (pip uninstall -y flash-attn; echo 'flash-attn is not available in this image; attention uses sdpa')"
 )
 
+# NCCL's InfiniBand/RoCE transport dlopens libibverbs and needs the verbs provider for the NIC (mlx5 is in
+# ibverbs-providers); without them a multi-node run silently falls back to TCP sockets. A single node uses
+# NVLink and never needs them; they are a few MB, so one image serves both.
+APT_PACKAGES = ["libibverbs1", "ibverbs-providers"]
+
 image = (
     modal.Image.debian_slim(python_version=PYTHON_VERSION)
+    .apt_install(*APT_PACKAGES)
     .pip_install(*PIP_PACKAGES)
     .run_commands(FLASH_ATTN_INSTALL)
     .env({
@@ -97,14 +118,15 @@ app = modal.App(APP_NAME, image=image)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 hf_secret = modal.Secret.from_name("huggingface", required_keys=["HF_TOKEN"])
 wandb_secret = modal.Secret.from_name("wandb", required_keys=["WANDB_API_KEY"])  # added when log.wandb is on
-# Retries restart a crashed attempt; nanopt resumes it from the newest complete checkpoint on the Volume.
+# Modal retries an attempt when the function raises; `finish` raises only for an attempt that was
+# preempted or saved a newer checkpoint, and nanopt resumes from the newest complete one on the Volume.
 retries = modal.Retries(max_retries=10, initial_delay=0.0, backoff_coefficient=1.0)
 
 TRAIN_OPTIONS: dict[str, Any] = dict(
     gpu=f"{TRAIN_GPU}:{TRAIN_GPUS}",
     volumes={VOLUME_PATH: volume},
     secrets=[hf_secret],
-    timeout=DAY_S,
+    timeout=TRAIN_TIMEOUT_S,
     retries=retries,
 )
 
@@ -237,7 +259,38 @@ def committing(every_s: float) -> Iterator[None]:
         volume.commit()
 
 
-# EXIT_BAD_INPUT and EXIT_DIVERGED (nanopt.errors): codes that a retry would only repeat.
+class RetryAttempt(RuntimeError):
+    """Raised out of the training function so that Modal runs another attempt (which nanopt resumes).
+
+    `exit_code` is what `modal run` exits with if this was the last attempt Modal allowed.
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[Any, tuple[str, int]]:  # Modal pickles it back to the caller
+        return type(self), (str(self), self.exit_code)
+
+
+def time_limit_args(user_limit_s: float, timeout_s: float, elapsed_s: float) -> list[str]:
+    """`--run.time_limit_s=...` so the trainer checkpoints and exits 75 before Modal's timeout kills it.
+
+    The budget is the timeout less TIME_LIMIT_MARGIN_S and the time this attempt already spent; a smaller
+    limit the config sets stands (nothing is added), a larger one could not be honoured and is lowered.
+    """
+    budget = max(timeout_s - TIME_LIMIT_MARGIN_S - elapsed_s, 60.0)  # a limit <= 0 would mean "none"
+    if 0 < user_limit_s <= budget:
+        return []
+    return [f"--run.time_limit_s={budget:.0f}"]
+
+
+def newest_checkpoint_step(run_dir: Path) -> int:
+    """The step of the newest complete checkpoint in a run directory, -1 if there is none."""
+    from nanopt.checkpoint import STEP_DIR, complete_checkpoints  # imports torch: only inside a function
+
+    found = complete_checkpoints(run_dir / "checkpoints")
+    return int(STEP_DIR.match(found[-1].name).group(1)) if found else -1
 
 
 def worker_exit_codes(path: Path) -> list[int]:
@@ -248,17 +301,22 @@ def worker_exit_codes(path: Path) -> list[int]:
         return []
 
 
-def finish(what: str, run_name: str, code: int, forwarded: Optional[int],
-           worker_codes: tuple[int, ...] = ()) -> dict[str, Any]:
-    """Turn an exit code into a result, or into an exception that makes Modal retry (and nanopt resume).
+def finish(what: str, run_name: str, code: int, forwarded: Optional[int], worker_codes: tuple[int, ...] = (),
+           nproc: int = 1, progressed: bool = False) -> dict[str, Any]:
+    """Turn an attempt's outcome into a result (not retried) or a RetryAttempt (Modal retries, nanopt resumes).
 
     `code` is the launched command's (torchrun says 1 for any failed worker); `worker_codes` are what
-    nanopt's own processes recorded, which tell bad input and divergence apart from a crash.
+    nanopt's own processes recorded: a crashed worker records nothing, the ones torchrun then stops record
+    75, so "preempted" needs all `nproc` local workers to say 75. `progressed`: a newer complete checkpoint
+    exists than when the attempt started. Retried: a preemption (a signal reached this function, or every
+    worker stopped resumably, e.g. at run.time_limit_s) and a crash after progress. Not retried: bad input
+    (2), divergence (3), and a crash without progress (an OOM at step 0, a broken NCCL setup), which
+    would only repeat, each time re-reading the data and the checkpoint on every GPU.
     """
     result = {"run_dir": f"{VOLUME_PATH}/{run_dir_for(run_name)}", "exit_code": code}
-    if forwarded is not None:
-        raise RuntimeError(f"{what} was interrupted by signal {forwarded}; the next attempt resumes from "
-                           f"the newest checkpoint in {result['run_dir']}.")
+    if forwarded is not None:  # the container is being preempted: this attempt must not count as done
+        raise RetryAttempt(f"{what} was interrupted by signal {forwarded}; the next attempt resumes from the "
+                           f"newest checkpoint in {result['run_dir']}.", EXIT_PREEMPTED)
     final = [c for c in (code, *worker_codes) if c in (EXIT_BAD_INPUT, EXIT_DIVERGED)]
     if final:
         # A retry would fail the same way (same config and data; a deterministic resume diverges again).
@@ -266,9 +324,20 @@ def finish(what: str, run_name: str, code: int, forwarded: Optional[int],
         result["exit_code"] = final[0]
         result["error"] = f"{what} {reason} (exit code {final[0]}); see the log above. Not retried."
         return result
-    if code != 0:
-        raise RuntimeError(f"{what} exited with code {code}; Modal retries and nanopt resumes from the "
-                           f"newest checkpoint in {result['run_dir']}.")
+    if code == 0:
+        return result
+    preempted = code == EXIT_PREEMPTED or (len(worker_codes) >= nproc and set(worker_codes) == {EXIT_PREEMPTED})
+    if preempted:
+        raise RetryAttempt(f"{what} stopped resumably (exit code {EXIT_PREEMPTED}: preempted or past "
+                           f"run.time_limit_s); the next attempt resumes from the newest checkpoint in "
+                           f"{result['run_dir']}.", EXIT_PREEMPTED)
+    if progressed:
+        raise RetryAttempt(f"{what} exited with code {code} after saving a newer checkpoint; Modal retries and "
+                           f"nanopt resumes from the newest checkpoint in {result['run_dir']}.", code)
+    result["exit_code"] = code if 0 < code < 256 else 1  # a negative code is a signal; exit statuses are 0-255
+    result["error"] = (f"{what} exited with code {code} without saving a newer checkpoint than it started from, so a "
+                       f"retry would most likely fail the same way (e.g. out of memory, NCCL); see the log above. "
+                       f"Not retried: fix the cause and re-run the same command to resume.")
     return result
 
 
@@ -276,11 +345,17 @@ def finish(what: str, run_name: str, code: int, forwarded: Optional[int],
 
 
 def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_rank: int = 0,
-           master_addr: str = "") -> dict[str, Any]:
+           master_addr: str = "", timeout_s: float = TRAIN_TIMEOUT_S) -> dict[str, Any]:
     import tempfile
 
+    from nanopt.config import load_config
+
+    started = time.monotonic()  # Modal's timeout runs from here (near enough: the margin covers the rest)
     config_path = write_run_config(config_yaml, run_name)
-    cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr)
+    run_dir = Path(VOLUME_PATH) / run_dir_for(run_name)
+    before = newest_checkpoint_step(run_dir)
+    limit = time_limit_args(load_config(config_path).run.time_limit_s, timeout_s, time.monotonic() - started)
+    cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr) + limit
     print("modal_app: " + " ".join(cmd), flush=True)
     status = Path(tempfile.mkdtemp(prefix="nanopt-exit-")) / "codes"  # in the container, not on the Volume
     env = {**launch_env(), EXIT_STATUS_ENV: str(status)}
@@ -290,7 +365,10 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
         volume.commit()
         with committing(COMMIT_EVERY_S):
             code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
-    return finish("training", run_name, code, forwarded, tuple(worker_exit_codes(status)))
+    # Other nodes never see node 0's new checkpoints in their view of the Volume: they cannot judge progress,
+    # so they leave the call to node 0 (counting as progressed keeps them from ending the run on their own).
+    progressed = node_rank != 0 or newest_checkpoint_step(run_dir) > before
+    return finish("training", run_name, code, forwarded, tuple(worker_exit_codes(status)), gpus, progressed)
 
 
 @app.function(**TRAIN_OPTIONS)
@@ -332,16 +410,35 @@ def bench(name: str = "vs_hf", args: str = "") -> int:
 
 @app.function(cpu=PREPARE_CPUS, memory=64 * 1024, volumes={VOLUME_PATH: volume}, secrets=[hf_secret],
               timeout=DAY_S)
-def prepare_data(config_yaml: str, run_name: str) -> None:
+def prepare_data(config_yaml: str, run_name: str) -> int:
     """`nanopt prepare` on a many-core CPU container, writing token shards to data.dir on the Volume."""
     from nanopt.config import load_config
 
     config_path = write_run_config(config_yaml, run_name)
     workers = load_config(config_path).prepare.workers or int(PREPARE_CPUS)  # the config's own choice wins
     with committing(COMMIT_EVERY_S):
-        code = subprocess.run(prepare_command(config_path, workers), cwd=VOLUME_PATH, env=launch_env()).returncode
+        return subprocess.run(prepare_command(config_path, workers), cwd=VOLUME_PATH, env=launch_env()).returncode
+
+
+def trainer_for(nodes: int, gpu_spec: str, wandb: bool) -> Any:
+    """The training function for this many nodes, on these GPUs, with the secrets the config needs."""
+    secrets = [hf_secret, wandb_secret] if wandb else [hf_secret]
+    return (train_multinode if nodes > 1 else train).with_options(gpu=gpu_spec, secrets=secrets)
+
+
+@app.function(timeout=DAY_S)  # no GPU, a fraction of a core: it only waits for prepare, then starts training
+def prepare_then_train(config_yaml: str, run_name: str, gpus: int, gpu_spec: str, wandb: bool = False,
+                       nodes: int = 1) -> dict[str, Any]:
+    """`--prepare`: prepare on the CPU container, then start training on the GPUs, all on Modal's side, so a
+    laptop that disconnects during a `--detach` run's prepare still gets its training. Returns the training
+    call's id (the entrypoint waits for it) or, when prepare failed, the error; the GPUs are not billed
+    during prepare."""
+    code = prepare_data.remote(config_yaml, run_name)
     if code != 0:
-        raise RuntimeError(f"nanopt prepare exited with code {code}; training was not started.")
+        return {"run_dir": f"{VOLUME_PATH}/{run_dir_for(run_name)}", "exit_code": code,
+                "error": f"nanopt prepare exited with code {code}; see the log above. Training was not started."}
+    # spawn, not remote: training outlives this function's 24 h timeout when it takes several attempts.
+    return {"call_id": trainer_for(nodes, gpu_spec, wandb).spawn(config_yaml, run_name, gpus).object_id}
 
 
 def tensorboard_wsgi(logdir: str, reload_every_s: float = 30.0) -> Any:
@@ -393,10 +490,15 @@ def web_url(function: Any) -> str:
         return f"(not available: {e})"
 
 
+def wait_for_call(call_id: str) -> Any:
+    """The result of a spawned call (its retries included), waiting as long as it takes."""
+    return modal.FunctionCall.from_id(call_id).get()
+
+
 @app.local_entrypoint()
 def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_name: str = "",
          prepare: bool = False) -> None:
-    """Validate the config here, optionally prepare data, then train on Modal GPUs."""
+    """Validate the config here, then (prepare and) train on Modal; exit with the training's status."""
     from nanopt.config import ConfigError
 
     try:
@@ -405,15 +507,23 @@ def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_nam
         print(f"modal_app: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     name = cfg.run.name
-    secrets = [hf_secret, wandb_secret] if cfg.log.wandb else [hf_secret]
-    trainer = (train_multinode if NODES > 1 else train).with_options(gpu=f"{gpu_type}:{gpus}", secrets=secrets)
+    gpu_spec = f"{gpu_type}:{gpus}"
 
     run_dir = run_dir_for(name)
-    print(f"run:         {name} on {NODES} x {gpu_type}:{gpus}")
+    print(f"run:         {name} on {NODES} x {gpu_spec}")
     print(f"results:     Volume '{VOLUME_NAME}', {run_dir}/  (modal volume get {VOLUME_NAME} {run_dir})")
     print(f"tensorboard: {web_url(tensorboard_app)}  (while this app runs; `modal deploy modal_app.py` keeps it)")
     print(f"evaluate:    modal run modal_app.py::evaluate --run-name {name}")
-    if prepare:
-        prepare_data.remote(config_yaml, name)
-    result = trainer.remote(config_yaml, name, gpus)
+    try:
+        if prepare:
+            launched = prepare_then_train.remote(config_yaml, name, gpus, gpu_spec, cfg.log.wandb, NODES)
+            result = wait_for_call(launched["call_id"]) if "call_id" in launched else launched
+        else:
+            result = trainer_for(NODES, gpu_spec, cfg.log.wandb).remote(config_yaml, name, gpus)
+    except Exception as e:  # the last attempt Modal allowed failed, or Modal itself did
+        print(f"modal_app: error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(getattr(e, "exit_code", 1)) from None
+    if result["exit_code"] != 0:  # `modal run` exits 0 unless the entrypoint says otherwise
+        print(f"modal_app: error: {result['error']}", file=sys.stderr)
+        raise SystemExit(result["exit_code"])
     print(f"done:        {result}")

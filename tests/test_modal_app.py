@@ -108,13 +108,16 @@ def test_other_functions_spec():
     evaluate, prepare = modal_app.evaluate.info(), modal_app.prepare_data.info()
     assert evaluate.gpus and evaluate.gpus[0][0] == modal_app.EVAL_GPU and evaluate.gpus[0][1] == 1
     assert prepare.gpus == [] and prepare.cpu == modal_app.PREPARE_CPUS
+    # --prepare's driver holds no GPU while prepare runs, and waits as long as prepare may take.
+    driver = modal_app.prepare_then_train.info()
+    assert driver.gpus == [] and driver.timeout == prepare.timeout == 24 * 60 * 60
     for info in (evaluate, prepare, modal_app.tensorboard_app.info()):
         assert info.volumes[modal_app.VOLUME_PATH].name == "nanopt"
     assert modal_app.tensorboard_app.info().web_info is not None
 
 
 def test_bench_function_runs_a_real_bench(capfd):
-    assert modal_app.bench.info().gpus == [(modal_app.BENCH_GPU, 1)]
+    assert modal_app.bench.info().gpus == [("H100!", 1)]  # "!": its timings are H100 timings, never an H200's
     with pytest.raises(ValueError, match="vs_hf, ladder"):
         modal_app.bench_command("ddp")  # a CPU-only bench is refused, naming the ones that make sense
     # .local() runs the real bench script (here on CPU, at a toy shape) and passes its exit code on.
@@ -148,6 +151,23 @@ def test_image_installs_every_runtime_dependency_of_the_package():
         assert name in names, f"{name} (pyproject) is not installed in the Modal image"
 
 
+def test_image_has_the_verbs_libraries_nccl_needs_for_rdma(tmp_path):
+    """Without libibverbs and the mlx5 provider, NCCL across nodes falls back to TCP sockets."""
+    code = ("import modal\n"
+            "calls = []\n"
+            "real = modal.Image.apt_install\n"
+            "def spy(self, *packages, **kw):\n"
+            "    calls.extend(packages)\n"
+            "    return real(self, *packages, **kw)\n"
+            "modal.Image.apt_install = spy\n"
+            "import modal_app\n"
+            "print(' '.join(calls))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env=offline_env(tmp_path), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert {"libibverbs1", "ibverbs-providers"} <= set(out.stdout.split())
+
+
 # ---------------------------------------------------------------- commands
 
 
@@ -177,19 +197,46 @@ def test_eval_and_prepare_commands_call_the_nanopt_cli():
     assert modal_app.prepare_command("c.yaml", 32)[-1] == "--prepare.workers=32"
 
 
-def test_finish_retries_crashes_and_interruptions_but_not_config_errors():
-    assert modal_app.finish("training", "r", 0, None)["exit_code"] == 0
-    assert "error" in modal_app.finish("training", "r", 2, None)  # retrying cannot fix a bad config
-    with pytest.raises(RuntimeError, match="code 1"):
-        modal_app.finish("training", "r", 1, None)
-    # torchrun says 1 for any failed worker; the workers' own codes decide. Ranks that torchrun stopped
-    # after another rank's bad input record 75, and the bad input still wins.
-    assert modal_app.finish("training", "r", 1, None, (2, 75))["exit_code"] == 2
-    assert "non-finite" in modal_app.finish("training", "r", 1, None, (3, 3))["error"]
-    with pytest.raises(RuntimeError, match="code 1"):
-        modal_app.finish("training", "r", 1, None, (75, 75))  # preempted without a forwarded signal: retry
-    with pytest.raises(RuntimeError, match="interrupted"):
-        modal_app.finish("training", "r", 0, signal.SIGINT)  # preempted: the attempt must not count as done
+def test_finish_retries_preemptions_and_progress_but_not_what_would_repeat():
+    finish, Retry = modal_app.finish, modal_app.RetryAttempt
+    assert finish("training", "r", 0, None)["exit_code"] == 0
+    # Bad input and divergence: reported, never retried. torchrun says 1 for any failed worker; the workers'
+    # own codes decide, and ranks that torchrun stopped after another rank's bad input record 75.
+    assert "Not retried" in finish("training", "r", 2, None)["error"]
+    assert finish("training", "r", 1, None, (2, 75), 2, progressed=True)["exit_code"] == 2
+    assert "non-finite" in finish("training", "r", 1, None, (3, 3), 2)["error"]
+    # Preempted (every worker stopped resumably, e.g. at run.time_limit_s, or the container got a signal).
+    with pytest.raises(Retry, match="resumably") as preempted:
+        finish("training", "r", 1, None, (75, 75), 2)
+    assert preempted.value.exit_code == 75
+    with pytest.raises(Retry, match="interrupted") as signalled:
+        finish("training", "r", 0, signal.SIGINT)  # the attempt must not count as done
+    assert signalled.value.exit_code == 75
+    # A crash: one rank died without recording a code, the other was stopped by torchrun (75). Without a
+    # newer checkpoint a retry would repeat it (an OOM at step 0 would run 11 times on 8 GPUs): reported.
+    crashed = finish("training", "r", 1, None, (75,), 2, progressed=False)
+    assert crashed["exit_code"] == 1 and "Not retried" in crashed["error"]
+    assert finish("training", "r", -9, None, (), 2)["exit_code"] == 1  # killed by a signal: still an exit status
+    with pytest.raises(Retry, match="newer checkpoint") as progressed:
+        finish("training", "r", 1, None, (75,), 2, progressed=True)
+    assert progressed.value.exit_code == 1
+
+
+def test_retry_attempt_survives_the_trip_back_to_the_caller():
+    """Modal pickles the last attempt's exception to the entrypoint, which exits with its code."""
+    import pickle
+
+    back = pickle.loads(pickle.dumps(modal_app.RetryAttempt("preempted", 75)))
+    assert isinstance(back, modal_app.RetryAttempt) and (str(back), back.exit_code) == ("preempted", 75)
+
+
+def test_time_limit_is_the_timeout_less_the_margin_unless_the_config_sets_a_smaller_one():
+    day, margin = 24 * 60 * 60, modal_app.TIME_LIMIT_MARGIN_S
+    assert 60 <= margin <= 30 * 60  # enough for the final checkpoint and the commit; cheap against 24 h
+    assert modal_app.time_limit_args(0, day, 5) == [f"--run.time_limit_s={day - margin - 5}"]
+    assert modal_app.time_limit_args(3600, day, 5) == []  # the user's own, shorter limit stands
+    assert modal_app.time_limit_args(2 * day, day, 5) == [f"--run.time_limit_s={day - margin - 5}"]
+    assert modal_app.time_limit_args(0, 60, 0) == ["--run.time_limit_s=60"]  # never 0 (= no limit)
 
 
 def test_sigint_is_forwarded_to_the_launched_process(tmp_path):
@@ -260,6 +307,9 @@ def test_training_function_launches_torchrun_and_writes_the_run_directory(traine
     assert max(line["step"] for line in lines) == 6
     assert (run_dir / "checkpoints" / "step_000006" / "COMPLETE").exists()
     assert any((run_dir / "tb").iterdir())
+    # The trainer was told to stop before Modal's 24 h timeout, leaving the margin for the last checkpoint.
+    limit = load_config(run_dir / "config.yaml").run.time_limit_s
+    assert 24 * 60 * 60 - modal_app.TIME_LIMIT_MARGIN_S - 60 < limit <= 24 * 60 * 60 - modal_app.TIME_LIMIT_MARGIN_S
     assert fake.commits >= 2  # after writing the config, and after torchrun exited
 
 
@@ -287,15 +337,88 @@ def test_tensorboard_serves_the_runs_with_the_profiler_plugin(trained, tmp_path)
     assert seen["runs"] == ["modal-smoke/tb"]
 
 
+def run_train_local(volume_dir: Path, config_path: Path, run_name: str, **overrides: object) -> dict:
+    """train.local() on 2 CPU ranks with `volume_dir` as the Volume; overrides are `section.key: value`."""
+    with mock.patch.object(modal_app, "volume", FakeVolume()), \
+            mock.patch.object(modal_app, "VOLUME_PATH", str(volume_dir)):
+        _, cfg = modal_app.check_config(str(config_path), 2, run_name)  # where the run directory goes
+        cfg_yaml = to_yaml(load_config(config_path, parse_overrides(
+            [f"--run.name={run_name}", f"--run.dir={cfg.run.dir}", *(f"--{k}={v}" for k, v in overrides.items())])))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return modal_app.train.local(cfg_yaml, run_name, 2)
+
+
+def run_losses(run_dir: Path) -> list[tuple[int, float]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(line["step"], line["loss"]) for line in lines if "loss" in line]
+
+
+def test_sigint_to_torchrun_is_a_retried_preemption_and_the_retry_finishes_the_same_run(trained, tmp_path,
+                                                                                      monkeypatch):
+    """Real torchrun (2 CPU ranks) under the training function, SIGINT to its process group while the ranks
+    are paused after step 3: the attempt raises RetryAttempt (Modal retries it), step 3's checkpoint is
+    complete, and the next attempt resumes and ends with the uninterrupted run's weights and losses."""
+    volume_dir = tmp_path / "vol"
+    run_dir = volume_dir / "runs" / "modal-preempted"
+    launched: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen:
+        launched.append(real_popen(*args, **kwargs))
+        return launched[-1]
+
+    def interrupt_when_paused() -> None:
+        markers = [run_dir / f".test_paused.rank{r}" for r in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(m.exists() for m in markers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(launched[0].pid, signal.SIGINT)  # torchrun runs in its own session: this is its group
+
+    monkeypatch.setenv("NANOPT_TEST_HOOK", "pause:3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threading.Thread(target=interrupt_when_paused, daemon=True).start()
+    with mock.patch.object(subprocess, "Popen", popen), pytest.raises(modal_app.RetryAttempt) as attempt:
+        run_train_local(volume_dir, small_config(tmp_path), "modal-preempted")
+    assert attempt.value.exit_code == 75 and "resumably" in str(attempt.value)
+    assert len(launched) == 1 and launched[0].poll() is not None
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
+    assert checkpoints == ["step_000003"]
+
+    monkeypatch.delenv("NANOPT_TEST_HOOK")
+    assert run_train_local(volume_dir, small_config(tmp_path), "modal-preempted")["exit_code"] == 0
+    reference = trained[0] / "runs" / "modal-smoke"
+    final = Path("checkpoints") / "step_000006" / "model.safetensors"
+    assert (run_dir / final).read_bytes() == (reference / final).read_bytes()
+    assert run_losses(run_dir) == run_losses(reference)
+
+
+def test_a_crash_without_progress_is_reported_and_one_after_progress_is_retried(tmp_path, monkeypatch):
+    """Every rank SIGKILLs itself in step 5 (NANOPT_TEST_HOOK), like a CUDA OOM or an NCCL abort: torchrun
+    exits 1 and no worker records a code. With no checkpoint saved in the attempt, retrying would repeat the
+    crash: the result says so and `modal run` exits 1. With checkpoint.every=2 it saved step 4 first: retried."""
+    monkeypatch.setenv("NANOPT_TEST_HOOK", "kill-in-step:5")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    volume_dir = tmp_path / "vol"
+    result = run_train_local(volume_dir, small_config(tmp_path), "crash")
+    assert result["exit_code"] == 1 and "without saving a newer checkpoint" in result["error"], result
+    with pytest.raises(modal_app.RetryAttempt, match="newer checkpoint"):
+        run_train_local(volume_dir, small_config(tmp_path), "crash", **{"checkpoint.every": 2})
+    assert (volume_dir / "runs" / "crash" / "checkpoints" / "step_000004" / "COMPLETE").exists()
+
+
 # ---------------------------------------------------------------- the local entrypoint
 
 
 @pytest.fixture
 def remote_calls(monkeypatch):
-    """Replace every Modal function the entrypoint could call; nothing may reach Modal."""
-    fakes = {name: mock.MagicMock(name=name) for name in ("train", "prepare_data", "tensorboard_app")}
+    """Replace every Modal function the entrypoint could call; nothing may reach Modal. Training succeeds
+    unless a test says otherwise."""
+    names = ("train", "prepare_data", "prepare_then_train", "tensorboard_app", "wait_for_call")
+    fakes = {name: mock.MagicMock(name=name) for name in names}
     for name, fake in fakes.items():
         monkeypatch.setattr(modal_app, name, fake)
+    fakes["train"].with_options.return_value.remote.return_value = {"run_dir": "/vol/runs/t1", "exit_code": 0}
     return fakes
 
 
@@ -319,13 +442,72 @@ def test_entrypoint_rejects_a_batch_that_does_not_divide_over_the_gpus(remote_ca
 
 
 def test_entrypoint_sends_the_validated_config_to_the_training_function(remote_calls, capsys):
-    modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, gpu_type="A100", run_name="t1",
-                   prepare=True)
+    modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, gpu_type="A100", run_name="t1")
     train = remote_calls["train"]
     assert train.with_options.call_args.kwargs["gpu"] == "A100:2"
     config_yaml, name, gpus = train.with_options.return_value.remote.call_args.args
     assert (name, gpus) == ("t1", 2)
     assert "dir: runs/t1" in config_yaml
-    remote_calls["prepare_data"].remote.assert_called_once_with(config_yaml, "t1")
+    assert not remote_calls["prepare_data"].mock_calls and not remote_calls["prepare_then_train"].mock_calls
     out = capsys.readouterr().out
-    assert "runs/t1" in out and "tensorboard" in out
+    assert "runs/t1" in out and "tensorboard" in out and "done:" in out
+
+
+def test_entrypoint_prepare_hands_the_whole_sequence_to_modal(remote_calls):
+    """--prepare: one remote call prepares and then starts training, so a --detach run whose laptop leaves
+    during prepare still trains; the entrypoint only waits for the training call it started."""
+    remote_calls["prepare_then_train"].remote.return_value = {"call_id": "fc-123"}
+    remote_calls["wait_for_call"].return_value = {"run_dir": "/vol/runs/t1", "exit_code": 0}
+    modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, gpu_type="A100", run_name="t1",
+                   prepare=True)
+    config_yaml, name, gpus, gpu_spec, wandb, nodes = remote_calls["prepare_then_train"].remote.call_args.args
+    assert (name, gpus, gpu_spec, wandb, nodes) == ("t1", 2, "A100:2", False, 1) and "dir: runs/t1" in config_yaml
+    remote_calls["wait_for_call"].assert_called_once_with("fc-123")
+    assert not remote_calls["prepare_data"].mock_calls  # never from here: the laptop may be gone
+    assert not remote_calls["train"].with_options.return_value.remote.mock_calls
+
+
+def test_prepare_then_train_prepares_on_cpu_then_spawns_training_on_the_gpus(monkeypatch):
+    remote_calls = {name: mock.MagicMock(name=name) for name in ("train", "prepare_data")}
+    for name, fake in remote_calls.items():
+        monkeypatch.setattr(modal_app, name, fake)
+    order = mock.Mock()
+    order.attach_mock(remote_calls["prepare_data"].remote, "prepare")
+    order.attach_mock(remote_calls["train"].with_options.return_value.spawn, "spawn")
+    remote_calls["prepare_data"].remote.return_value = 0
+    remote_calls["train"].with_options.return_value.spawn.return_value.object_id = "fc-9"
+    assert modal_app.prepare_then_train.local("YAML", "t1", 2, "H100:2") == {"call_id": "fc-9"}
+    assert [c[0] for c in order.mock_calls] == ["prepare", "spawn"]
+    assert order.mock_calls[1].args == ("YAML", "t1", 2)
+    assert remote_calls["train"].with_options.call_args.kwargs["gpu"] == "H100:2"
+    # prepare failed: no GPUs are started, and the entrypoint gets prepare's exit code.
+    remote_calls["prepare_data"].remote.return_value = 2
+    remote_calls["train"].with_options.return_value.spawn.reset_mock()
+    result = modal_app.prepare_then_train.local("YAML", "t1", 2, "H100:2")
+    assert result["exit_code"] == 2 and "not started" in result["error"]
+    assert not remote_calls["train"].with_options.return_value.spawn.mock_calls
+
+
+@pytest.mark.parametrize("code, words", [(2, "rejected its config"), (3, "non-finite loss")])
+def test_entrypoint_exits_with_the_status_of_training_that_is_not_retried(remote_calls, capsys, code, words):
+    """`modal run` must not exit 0 when training refused its input (2) or diverged (3)."""
+    remote = remote_calls["train"].with_options.return_value.remote
+    remote.return_value = modal_app.finish("training", "t1", 1, None, (code, 75), 2)
+    with pytest.raises(SystemExit) as exit_info:
+        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
+    assert exit_info.value.code == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and err[0].startswith("modal_app: error:")
+
+
+def test_entrypoint_exits_with_the_code_of_the_last_attempt_modal_allowed(remote_calls, capsys):
+    remote = remote_calls["train"].with_options.return_value.remote
+    remote.side_effect = modal_app.RetryAttempt("training stopped resumably (exit code 75)", 75)
+    with pytest.raises(SystemExit) as exit_info:
+        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
+    assert exit_info.value.code == 75
+    assert "stopped resumably" in capsys.readouterr().err
+    remote.side_effect = ConnectionError("lost the connection")  # anything else Modal raises: 1, one line
+    with pytest.raises(SystemExit) as exit_info:
+        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
+    assert exit_info.value.code == 1 and "lost the connection" in capsys.readouterr().err
