@@ -381,7 +381,6 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
               meta: Optional[dict[str, Any]] = None, out: IO[str] = sys.stdout, poll_s: float = 0.5) -> int:
     """Run every point not yet done, at most one per slot at a time; returns 0 when all are done, 1 when
     any failed, 75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run the sweep again to go on)."""
-    root.mkdir(parents=True, exist_ok=True)
     jobs = [Job(p, root / p.name, configs[p.name]) for p in points]
     for j in jobs:
         state = point_state(j.dir, j.cfg)
@@ -392,20 +391,17 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
         kind, devices = discover(pending[0].cfg.runtime.device)
         user_threads = next((int(v) for k, v in parse_overrides(overrides) if k == "runtime.threads"), 0)
         slots = place(kind, devices, usable_cores(), nproc, parallel, len(pending), user_threads)
+    root.mkdir(parents=True, exist_ok=True)
     meta = {**(meta or {}), "nproc": nproc, "parallel": len(slots) or parallel}
 
     def save() -> None:
         write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
 
-    stop: list[int] = []
+    stop: list[int] = []  # signals received; the loop below acts on them (a handler could miss a run being started)
+    forwarded = 0
 
     def on_signal(signum: int, frame: object) -> None:
-        # Stop launching; pass the signal on so every running run checkpoints and exits 75. (From a
-        # terminal the children got the same Ctrl-C already: a repeat within 1 s counts as one signal.)
         stop.append(signum)
-        for j in jobs:
-            if j.proc is not None and j.proc.poll() is None:
-                j.proc.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     progress = Progress(jobs, out)
@@ -416,6 +412,13 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
     free = list(range(len(slots)))
     try:
         while True:
+            if len(stop) > forwarded:
+                # Stop launching; pass the signal on so every running run checkpoints and exits 75 (a second
+                # one: exits at once). From a terminal the runs got Ctrl-C already: a repeat within 1 s counts once.
+                forwarded = len(stop)
+                for j in jobs:
+                    if j.proc is not None and j.proc.poll() is None:
+                        j.proc.send_signal(signal.SIGTERM)
             while free and pending and not stop:
                 job, job.slot = pending.pop(0), free.pop(0)
                 _start(job, config, overrides, nproc, slots[job.slot])
