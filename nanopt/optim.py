@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from nanopt.config import OptimConfig, TrainConfig
-from nanopt.runtime import fused_adamw_supported
+from nanopt.runtime import adamw_options
 
 log = logging.getLogger("nanopt")
 
@@ -94,9 +94,9 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str,
 
 
 def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.optim.AdamW:
-    # fused AdamW is one kernel per step on CUDA (and a vectorised loop on CPU); foreach elsewhere.
+    # fused AdamW is one kernel per step on CUDA (and a vectorised loop on CPU); foreach on XLA.
     return torch.optim.AdamW([dict(g, optimizer=ADAMW) for g in groups], lr=train.lr,
-                             betas=(train.beta1, train.beta2), eps=train.eps, fused=fused_adamw_supported(device_kind))
+                             betas=(train.beta1, train.beta2), eps=train.eps, **adamw_options(device_kind))
 
 
 def _muon(groups: list[dict], optim: OptimConfig) -> torch.optim.Muon:
@@ -210,9 +210,8 @@ def load_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module, state: d
         raise ValueError(f"the saved optimizer has parameter groups {saved_kinds}, this model has {kinds}")
     optimizer.load_state_dict(state)
     for group, keys in zip(optimizer.param_groups, current):
-        group.update(keys)
-        if group.get("fused") or group.get("capturable"):
-            _steps_on_param_device(optimizer, group)
+        group.update(keys)  # e.g. a CUDA checkpoint's fused=True would fail on XLA, an XLA one's foreach on CPU
+        _place_steps(optimizer, group)
 
 
 def optimizer_name(groups: list[dict]) -> str:
@@ -264,10 +263,14 @@ def _from_legacy(state: dict, optimizer: torch.optim.Optimizer, model: nn.Module
     return {"state": new_state, "param_groups": new_groups}
 
 
-def _steps_on_param_device(optimizer: torch.optim.Optimizer, group: dict) -> None:
-    """Fused and capturable AdamW read the step count from a float32 tensor beside the param. torch's load
-    places it by the saved group's flags, so a checkpoint from a plain run would leave it on the host."""
+def _place_steps(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """Put each step count where this run's flags want it, as a fresh step would: fused and capturable AdamW
+    read a float32 tensor beside the param, the others a host tensor (a device one would sync every step).
+    torch's load places it by the saved group's flags, i.e. by the device the checkpoint came from."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
     for p in group["params"]:
         step = optimizer.state.get(p, {}).get("step")
-        if isinstance(step, torch.Tensor) and step.device != p.device:
-            optimizer.state[p]["step"] = step.to(dtype=torch.float32, device=p.device)
+        if isinstance(step, torch.Tensor):
+            want = p.device if on_device else torch.device("cpu")
+            if step.device != want or (on_device and step.dtype != torch.float32):
+                optimizer.state[p]["step"] = step.to(dtype=torch.float32 if on_device else step.dtype, device=want)

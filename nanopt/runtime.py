@@ -281,9 +281,12 @@ def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optio
     return None
 
 
-def fused_adamw_supported(device_type: str) -> bool:
-    """torch's fused AdamW exists for CUDA and CPU (one kernel per step); XLA uses the foreach path."""
-    return device_type in ("cuda", "cpu")
+def adamw_options(device_type: str) -> dict[str, bool]:
+    """The AdamW implementation flags for this device: fused on CUDA and CPU (one kernel per step), the
+    XLA backend's choice there (torch would otherwise pick its per-parameter loop)."""
+    if device_type == "xla":
+        return dict(xla.ADAMW_OPTIONS)
+    return {"fused": device_type in ("cuda", "cpu")}
 
 
 def ddp_device_ids(rt: "Runtime") -> Optional[list[int]]:

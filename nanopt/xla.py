@@ -24,6 +24,11 @@ log = logging.getLogger("nanopt")
 WARMUP_STEP_COMPILES = 2
 # Recompiles after warm-up that a run tolerates before it is stopped (each one stalls every chip).
 MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
+# AdamW on XLA: torch picks foreach only on CUDA-like devices, and its per-parameter loop traces a dozen ops
+# per parameter in Python every step. foreach cannot be capturable here (torch's multi-tensor Adam refuses
+# XLA for it) nor take a tensor lr, so its step counts stay on the host (bias corrections need no device
+# sync) and lr stays a Python float, a graph input under XLA_NO_SPECIAL_SCALARS: no recompiles either way.
+ADAMW_OPTIONS = {"foreach": True}
 
 
 def _tpu_visible() -> bool:
@@ -154,11 +159,13 @@ class XlaBackend:
           alter the graph (the groups hold plain floats again afterwards);
         - an optimizer that has a `capturable` option (Adam, AdamW, ...) keeps its step count on the device,
           so bias corrections need no host sync; one without it (SGD) is left as it is;
+        - foreach groups (ADAMW_OPTIONS) are left as built: torch refuses both of the above for them on XLA;
         - compilations are counted per call; a run that keeps recompiling is stopped with the reason.
         """
-        if "capturable" in optimizer.defaults:  # only optimizers that define the flag understand it
+        if "capturable" in optimizer.defaults and not optimizer.defaults.get("foreach"):
             optimizer.defaults["capturable"] = True  # groups added later inherit it
-            for group in optimizer.param_groups:
+        for group in optimizer.param_groups:
+            if "capturable" in group and not group.get("foreach"):  # only optimizers that define the flag understand it
                 group["capturable"] = True  # bias corrections from the on-device step, no .item()
         compiled = self._torch_xla.compile(step_fn, name="train_step")
 
@@ -170,7 +177,8 @@ class XlaBackend:
             batches = [(self.shard_batch(x), self.shard_batch(y)) for x, y in micro_batches]
             lrs = [group["lr"] for group in opt.param_groups]
             for group, lr in zip(opt.param_groups, lrs):
-                group["lr"] = torch.tensor(float(lr), dtype=torch.float32).to(self.device)
+                if not group.get("foreach"):
+                    group["lr"] = torch.tensor(float(lr), dtype=torch.float32).to(self.device)
             self.mark_step()  # whatever is pending from outside the step is not the step's graph
             before = self.compile_count()
             try:

@@ -196,3 +196,39 @@ def test_a_checkpoint_of_other_groups_is_refused():
     tied = tiny(tie=True)
     with pytest.raises(ValueError, match="groups"):
         load_state_dict(build_optimizer(tied, TrainConfig(), "cpu"), tied, saved(opt))
+
+
+def test_adamw_on_xla_is_foreach_and_the_flags_come_from_the_runtime():
+    # torch picks foreach only on CUDA-like devices: left alone, AdamW on XLA traces its per-parameter loop.
+    groups = build_optimizer(tiny(), TrainConfig(), "xla").param_groups
+    assert all(g["foreach"] is True and not g["fused"] and not g["capturable"] for g in groups)
+    assert all(g["fused"] is True for g in build_optimizer(tiny(), TrainConfig(), "cpu").param_groups)
+
+
+@pytest.mark.parametrize("saved_flags", [{"fused": True}, {"capturable": True, "fused": False}],
+                         ids=["fused-cuda-or-cpu", "capturable-xla"])
+def test_state_of_other_implementation_flags_loads_steps_and_keeps_this_runs_flags(saved_flags):
+    # A resume on another device type: the trajectory from the checkpoint, the implementation from this run.
+    cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
+    model = tiny()
+    opt = build_optimizer(model, cfg, "cpu")
+    for s in range(3):
+        step(model, opt, s)
+    state = saved(opt)
+    for g in state["param_groups"]:
+        g.update(saved_flags)
+    for target in ("cpu", "xla"):  # fused here; the XLA backend's foreach (built on CPU params here)
+        resumed_model = copy.deepcopy(model)
+        resumed = build_optimizer(resumed_model, cfg, target)
+        load_state_dict(resumed, resumed_model, copy.deepcopy(state))  # a step shares the loaded tensor
+        built = build_optimizer(tiny(), cfg, target).param_groups[0]
+        for g in resumed.param_groups:
+            assert all(g[k] == built[k] for k in ("fused", "capturable", "foreach", "differentiable")), g
+        first = resumed.state[resumed_model.embed.weight]
+        assert first["step"].item() == 3 and first["step"].dtype == torch.float32
+        step(resumed_model, resumed, 3)
+        model_, opt_ = copy.deepcopy((model, opt))  # the uninterrupted run, one more step
+        step(model_, opt_, 3)
+        for p, q in zip(model_.parameters(), resumed_model.parameters()):  # same update, to fused/foreach rounding
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+

@@ -21,6 +21,7 @@ def train_and_sample(run_dir: str, overrides: list[str]) -> dict:
     from nanopt.generate import generate
     from nanopt.metrics import setup_logging
     from nanopt.model import build_model
+    from nanopt.optim import build_optimizer
     from nanopt.train import train
 
     setup_logging(True)
@@ -46,6 +47,9 @@ def train_and_sample(run_dir: str, overrides: list[str]) -> dict:
         on_host = generate(host_model, prompt, 12, temperature=0)
         matches.append(bool(torch.equal(on_xla, on_host)))
     out.update(sample_tokens=12, sample_compiles=compiles, sample_matches_cpu=matches)
+    # The optimizer train() built, as build_optimizer builds it for this device.
+    optimizer = build_optimizer(xla_model, cfg.train, rt.kind, cfg.optim)
+    out["adamw_foreach"] = all(g["foreach"] for g in optimizer.param_groups if g["optimizer"] == "adamw")
     return out
 
 
