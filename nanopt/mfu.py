@@ -74,7 +74,8 @@ class MFUMeter:
 
 
 def peak_memory_gib(rt: Runtime) -> Optional[float]:
-    """This rank's peak device memory (CUDA: allocated; CPU: resident set) in GiB, or None."""
+    """This rank's peak device memory (CUDA: allocated; CPU: resident set; XLA: the busiest chip's, see
+    xla.PeakMemory) in GiB, or None."""
     peak = rt.peak_memory_bytes()
     return None if peak is None else peak / 2**30
 

@@ -56,6 +56,13 @@ class Runtime:
             return self.xla.shard_batch(t)
         return t.to(self.device, non_blocking=True)
 
+    def warn_if_checkpoints_perishable(self, mirror: str) -> None:
+        """At start-up: warn when checkpoints live only on a disk the VM takes with it (a spot or preemptible
+        TPU VM, asked of its metadata server, and no checkpoint.mirror); nothing elsewhere."""
+        message = self.xla.preemption_warning(mirror) if self.xla is not None else None
+        if message:
+            log.warning("%s", message)
+
     def mark_step(self) -> None:
         """End of a unit of lazy work (an eval batch): XLA compiles/runs the graph so far; no-op elsewhere."""
         if self.xla is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,9 +33,10 @@ MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
 ADAMW_OPTIONS = {"foreach": True}
 
 
-def _tpu_visible() -> bool:
-    """A TPU VM exposes its chips as /dev/accel* (v4, v5p) or /dev/vfio/* (v5e, v6e)."""
-    return any(Path("/dev").glob("accel*")) or any(p.name != "vfio" for p in Path("/dev/vfio").glob("*"))
+def tpu_attached(dev: Path = Path("/dev")) -> bool:
+    """Whether this machine shows TPU chips: /dev/accel* (v2 to v4) or /dev/vfio/N (v5e, v5p, v6e). Not
+    /dev/vfio/vfio alone: that is the VFIO control node, present wherever the vfio driver is, chips or not."""
+    return any(dev.glob("accel*")) or any(p.name != "vfio" for p in (dev / "vfio").glob("*"))
 
 
 def _select_pjrt_device() -> str:
@@ -41,7 +44,7 @@ def _select_pjrt_device() -> str:
     pjrt = os.environ.get("PJRT_DEVICE", "")
     if pjrt:
         return pjrt.upper()
-    if _tpu_visible():
+    if tpu_attached():
         log.warning("xla: PJRT_DEVICE is not set; TPU chips are visible, so using PJRT_DEVICE=TPU "
                     "(export PJRT_DEVICE=TPU to silence this)")
         os.environ["PJRT_DEVICE"] = "TPU"
@@ -94,6 +97,7 @@ class XlaBackend:
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
+        self._peak_memory = PeakMemory([("PJRT memory info", self._pjrt_peak_bytes), ("tpu-info", tpu_info_hbm_bytes)])
         self.step_calls = 0
         self.step_compiles = 0  # compilations charged to train-step calls
         self.recompiles = 0  # of those, the ones after warm-up
@@ -118,13 +122,17 @@ class XlaBackend:
         return f"XLA {self.pjrt_device}"
 
     def peak_memory_bytes(self) -> Optional[int]:
-        """Peak bytes on the first chip where PJRT reports it (TPU), else None."""
-        try:
-            real = self._torch_xla.real_devices()[0]
-            info = self._torch_xla._XLAC._xla_memory_info(real)
-            return int(info.get("peak_bytes_used", info["bytes_used"]))
-        except Exception:
-            return None
+        """Peak bytes on the busiest chip (PeakMemory says from where), or None."""
+        return self._peak_memory()
+
+    def _pjrt_peak_bytes(self) -> int:
+        real = self._torch_xla.real_devices()[0]
+        info = self._torch_xla._XLAC._xla_memory_info(real)  # refused for SPMD's virtual device
+        return int(info.get("peak_bytes_used", info["bytes_used"]))
+
+    def preemption_warning(self, mirror: str) -> Optional[str]:
+        """Why this run's checkpoints may not survive the VM (a spot/preemptible TPU VM, no mirror), or None."""
+        return preemption_warning(mirror) if self.pjrt_device == "TPU" else None
 
     # ---- data and graph boundaries
 
@@ -209,6 +217,87 @@ class XlaBackend:
                 f"NANOPT_XLA_MAX_RECOMPILES changes it): something in the step changes shape or is baked in as "
                 f"a constant each step. Run with PT_XLA_DEBUG_LEVEL=2 to see which op differs."
             )
+
+
+# ---------------------------------------------------------------- peak memory
+
+
+class PeakMemory:
+    """Peak device bytes from the first source that answers, each a callable that returns bytes or raises.
+
+    PJRT's memory info has a true peak, but refuses SPMD's virtual device (how nanopt always runs); tpu-info
+    (installed with torch_xla[tpu]) reads the HBM in use from libtpu's metrics server, so its peak is the
+    highest use seen at the calls so far (the logging steps). A source that fails is not asked again; with
+    none left the answer is None, and one warning says why.
+    """
+
+    def __init__(self, sources: list[tuple[str, Callable[[], int]]]) -> None:
+        self.sources = list(sources)
+        self.failures: list[str] = []
+        self.peak: Optional[int] = None
+
+    def __call__(self) -> Optional[int]:
+        while self.sources:
+            name, read = self.sources[0]
+            try:
+                used = int(read())
+            except Exception as e:  # not installed, no chip, server down, refused: the next source, for good
+                self.failures.append(f"{name}: {e}")
+                self.sources.pop(0)
+                if not self.sources:
+                    log.warning("peak memory unavailable on this device (%s); peak_memory_gib stays null",
+                                "; ".join(self.failures))
+                continue
+            self.peak = used if self.peak is None else max(self.peak, used)
+            return self.peak
+        return None
+
+
+def tpu_info_hbm_bytes() -> int:
+    """HBM in use now on the busiest local TPU chip, from libtpu's metrics server through tpu-info; raises
+    when it cannot tell (tpu-info missing, no chip, no server)."""
+    from tpu_info import device, metrics  # tpu-info, a dependency of torch_xla[tpu]
+
+    chip, count = device.get_local_chips()
+    if chip is None or not count:
+        raise RuntimeError("tpu-info sees no TPU chip")
+    return max(usage.memory_usage for usage in metrics.get_chip_usage(chip))
+
+
+# ---------------------------------------------------------------- spot / preemptible TPU VMs
+
+METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/scheduling/"
+
+
+def gce_metadata(key: str, timeout_s: float = 1.0) -> Optional[str]:
+    """instance/scheduling/<key> from the GCE metadata server, or None when it does not answer in time (off
+    Google Cloud there is no such host); never raises, so no run fails for it."""
+    request = urllib.request.Request(METADATA_URL + key, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.read().decode(errors="replace").strip()
+    except (OSError, ValueError):  # URLError, HTTPError, timeouts, refused connections are all OSErrors
+        return None
+
+
+def preemption_warning(mirror: str, fetch: Callable[[str], Optional[str]] = gce_metadata) -> Optional[str]:
+    """A warning when this VM is spot or preemptible and checkpoint.mirror is unset, else None.
+
+    A preempted spot VM is recreated with a new boot disk: checkpoints written only to local disk are gone,
+    and the run starts over. The metadata server says which kind of VM this is (spot: provisioning-model
+    SPOT; the older preemptible VMs: preemptible TRUE).
+    """
+    if mirror:
+        return None
+    if (fetch("provisioning-model") or "").upper() == "SPOT":
+        kind = "a spot"
+    elif (fetch("preemptible") or "").upper() == "TRUE":
+        kind = "a preemptible"
+    else:
+        return None
+    return (f"this is {kind} TPU VM and checkpoint.mirror is unset: a preempted VM comes back with a new boot "
+            f"disk, so its local checkpoints are lost and the run starts over. Set "
+            f"`--checkpoint.mirror=gs://BUCKET/PATH` (gcsfs comes with the `tpu` extra) to resume from a copy.")
 
 
 # ---------------------------------------------------------------- activation checkpointing

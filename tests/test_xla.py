@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import types
+import urllib.error
+import urllib.request
+from collections import namedtuple
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, run_module, small_overrides
+from nanopt import xla
+from nanopt.config import configs_dir, load_config, resolve
 
 VENV_BUILD_TIMEOUT_S = 1800  # cold: ~7 GB of wheels; minutes on a good link
 RUN_TIMEOUT_S = 600
@@ -62,41 +70,80 @@ def _lrs(run_dir: Path) -> list[float]:
     return [r["lr"] for r in rows if "lr" in r]
 
 
+def _cpu_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _phase(device: str, run_dir: Path, args: list[str], xla_python: Path, kill_in_step: int = 0
+           ) -> tuple[list[str], dict, int]:
+    """(command, env, expected exit) of one training process on `device` (xla on 1 device, or cpu), optionally
+    SIGKILLed in step `kill_in_step`."""
+    if device == "xla":
+        cmd = [str(xla_python), str(REPO / "tests" / "xla_driver.py"), "train", str(run_dir), *args]
+        env = _xla_env(1)
+    else:
+        cmd = [sys.executable, "-m", "nanopt.main", *args, "--runtime.device=cpu", f"--run.dir={run_dir}"]
+        env = _cpu_env()
+    if kill_in_step:
+        env = {**env, "NANOPT_TEST_HOOK": f"kill-in-step:{kill_in_step}"}
+    return cmd, env, -9 if kill_in_step else 0
+
+
+# Interrupted runs: killed in step 6 (after the checkpoint of step 4), resumed on the same or the other device.
+RESUME = ["--checkpoint.every=4"]
+BF16 = ["--train.precision=bf16"]
+
+
 @pytest.fixture(scope="module")
 def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
-    """Every process at once (2 cores, mostly compile time): XLA on 1 device, SPMD on 4 devices (with
-    xla_flash asked for, which must fall back on CPU, and a chunked loss), the recompile guard, Muon on 1
-    device, and the CPU references."""
+    """Every job at once (2 cores, mostly compile time), each a chain of processes: XLA on 1 device, SPMD on 4
+    devices (with xla_flash asked for, which must fall back on CPU, and a chunked loss), the recompile guard,
+    Muon on 1 device, bf16, interrupted runs resumed on XLA, CPU -> XLA and XLA -> CPU, and the CPU references."""
     root = tmp_path_factory.mktemp("xla")
     driver = str(REPO / "tests" / "xla_driver.py")
+    x = str(xla_python)
+
+    def resumed(name: str, first: str, then: str, *extra: str) -> list[tuple[list[str], dict, int]]:
+        args = [*OVERRIDES, *RESUME, *extra]
+        return [_phase(first, root / name, args, xla_python, kill_in_step=6), _phase(then, root / name, args, xla_python)]
+
     jobs = {
-        "xla1": ([str(xla_python), driver, "train", str(root / "xla1"), *OVERRIDES], _xla_env(1)),
+        "xla1": [_phase("xla", root / "xla1", OVERRIDES, xla_python)],
         # The loss in chunks here (torch_xla's checkpoint, chunks spanning the sharded batch); the CPU
         # reference computes it whole, so matching losses check the chunked path on XLA too.
-        "xla4": ([str(xla_python), driver, "train", str(root / "xla4"), *OVERRIDES,
-                  "--model.attention=xla_flash", "--train.loss_chunk_tokens=32"], _xla_env(4)),
-        "guard": ([str(xla_python), driver, "guard"], _xla_env(1)),
-        "cpu": ([sys.executable, "-m", "nanopt.main", *OVERRIDES, "--runtime.device=cpu",
-                 f"--run.dir={root / 'cpu'}"], {**os.environ, "OMP_NUM_THREADS": "1"}),
+        "xla4": [([x, driver, "train", str(root / "xla4"), *OVERRIDES,
+                   "--model.attention=xla_flash", "--train.loss_chunk_tokens=32"], _xla_env(4), 0)],
+        "guard": [([x, driver, "guard"], _xla_env(1), 0)],
+        "cpu": [_phase("cpu", root / "cpu", OVERRIDES, xla_python)],
         # Muon on XLA (its Newton-Schulz runs partly on the host there: ~1 minute for 12 tiny steps).
-        "xla1-muon": ([str(xla_python), driver, "train", str(root / "xla1-muon"), *OVERRIDES, "--optim.name=muon"],
-                      _xla_env(1)),
-        "cpu-muon": ([sys.executable, "-m", "nanopt.main", *OVERRIDES, "--optim.name=muon", "--runtime.device=cpu",
-                      f"--run.dir={root / 'cpu-muon'}"], {**os.environ, "OMP_NUM_THREADS": "1"}),
+        "xla1-muon": [_phase("xla", root / "xla1-muon", [*OVERRIDES, "--optim.name=muon"], xla_python)],
+        "cpu-muon": [_phase("cpu", root / "cpu-muon", [*OVERRIDES, "--optim.name=muon"], xla_python)],
+        "xla1-bf16": [_phase("xla", root / "xla1-bf16", [*OVERRIDES, *BF16], xla_python)],
+        "cpu-bf16": [_phase("cpu", root / "cpu-bf16", [*OVERRIDES, *BF16], xla_python)],
+        "xla-xla": resumed("xla-xla", "xla", "xla"),
+        "cpu-xla": resumed("cpu-xla", "cpu", "xla"),
+        "xla-cpu": resumed("xla-cpu", "xla", "cpu"),
+        "cpu-xla-bf16": resumed("cpu-xla-bf16", "cpu", "xla", *BF16),
     }
+
+    def run_chain(name: str) -> dict:
+        text, result = "", {}
+        for cmd, env, expected in jobs[name]:
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:
+                raise AssertionError(f"{name} timed out:\n{str(e.output)[-4000:]}") from None
+            text += proc.stdout
+            assert proc.returncode == expected, f"{name} exited {proc.returncode}, not {expected}:\n{text[-4000:]}"
+            results = [line for line in proc.stdout.splitlines() if line.startswith("XLA_RESULT ")]
+            result = json.loads(results[-1][len("XLA_RESULT "):]) if results else result
+        return {"log": text, **result}
+
     t0 = time.perf_counter()
-    procs = {name: subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True) for name, (cmd, env) in jobs.items()}
-    out = {"root": root}
-    for name, proc in procs.items():
-        try:
-            text, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            text, _ = proc.communicate()
-        assert proc.returncode == 0, f"{name} failed (exit {proc.returncode}):\n{text[-4000:]}"
-        results = [line for line in text.splitlines() if line.startswith("XLA_RESULT ")]
-        out[name] = {"log": text, **(json.loads(results[-1][len("XLA_RESULT "):]) if results else {})}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(run_chain, name) for name in jobs}
+        out = {"root": root, **{name: f.result() for name, f in futures.items()}}
     print(f"\nxla runs took {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return out
 
@@ -115,6 +162,41 @@ def test_xla_training_with_muon_matches_cpu_losses(runs):
     assert len(cpu) == len(xla) == 12
     assert xla == pytest.approx(cpu, abs=2e-2), f"cpu {cpu}\nxla {xla}"
     assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and with Muon, not AdamW
+
+
+def test_adamw_on_xla_is_foreach(runs):
+    # torch picks foreach only on CUDA-like devices; the XLA backend asks for it (one traced op per tensor
+    # list, not a Python loop over parameters), and the run still matches the CPU one (above).
+    assert runs["xla1"]["adamw_foreach"] is True
+
+
+def test_xla_in_bf16_matches_cpu_losses(runs):
+    # bf16 autocast on both: XLA's and oneDNN's bf16 matmuls round differently (measured: within 2e-3).
+    cpu, xla = _losses(runs["root"] / "cpu-bf16"), _losses(runs["root"] / "xla1-bf16")
+    assert len(cpu) == len(xla) == 12
+    assert xla == pytest.approx(cpu, abs=1e-2), f"cpu {cpu}\nxla {xla}"
+    assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and in bf16
+    assert runs["xla1-bf16"]["step_compiles"] == 2 and runs["xla1-bf16"]["recompiles"] == 0
+
+
+def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):
+    assert _losses(runs["root"] / "xla-xla") == _losses(runs["root"] / "xla1")
+    r = runs["xla-xla"]
+    assert "resuming from" in r["log"] and "step_000004" in r["log"]
+    assert r["step_calls"] == 8 and r["step_compiles"] == 2 and r["recompiles"] == 0  # steps 5..12, one graph
+
+
+@pytest.mark.parametrize("name, reference, tolerance", [
+    ("cpu-xla", "cpu", 5e-5), ("xla-cpu", "cpu", 5e-5), ("cpu-xla-bf16", "cpu-bf16", 1e-2)])
+def test_a_run_resumes_on_the_other_device_type(runs, name, reference, tolerance):
+    # runtime.* may change on resume: the optimizer's implementation (fused on CPU, foreach on XLA) comes
+    # from the new run, its moments and step counts from the checkpoint.
+    got, want = _losses(runs["root"] / name), _losses(runs["root"] / reference)
+    assert len(got) == len(want) == 12
+    assert got == pytest.approx(want, abs=tolerance), f"{reference} {want}\n{name} {got}"
+    assert "resuming from" in runs[name]["log"] and "step_000004" in runs[name]["log"]
+    if name.startswith("cpu-xla"):
+        assert runs[name]["step_compiles"] == 2 and runs[name]["recompiles"] == 0
 
 
 def test_train_step_compiles_twice_then_reuses_while_lr_changes(runs):
@@ -162,7 +244,7 @@ def test_recompile_guard_stops_a_run_that_keeps_recompiling(runs):
 def test_xla_without_pjrt_device_is_a_clean_error():
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
     proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"], env=env)
-    if any(Path("/dev").glob("accel*")):
+    if xla.tpu_attached():
         pytest.skip("a TPU is visible here: PJRT_DEVICE defaults to TPU with a warning instead")
     assert proc.returncode == 2, proc.stderr
     assert "PJRT_DEVICE" in proc.stderr and "Traceback" not in proc.stderr
@@ -187,3 +269,105 @@ def test_xla_flash_off_xla_falls_back_to_sdpa_with_the_reason(caplog):
         name, kernel = choose("xla_flash", "cpu")
     assert (name, kernel) == ("sdpa", sdpa)
     assert "xla_flash requested but xla_flash needs `runtime.device: xla`" in caplog.text
+
+
+def test_tpu_config_keeps_the_step_graph_to_a_few_micro_steps():
+    # Every micro-step is unrolled into the one compiled step graph: big micro-batches, few of them.
+    cfg = resolve(load_config(configs_dir() / "tpu-v6e.yaml"), 1)
+    assert cfg.train.grad_accum_steps <= 4, cfg.train
+    assert cfg.train.global_batch_tokens == 131072  # the batch it was tuned for, unchanged
+    assert "checkpoint.mirror" in (configs_dir() / "tpu-v6e.yaml").read_text()  # how a spot VM keeps its checkpoints
+
+
+# ---- TPU detection, peak memory and spot VMs: CPU twins with the device, tpu-info and the network faked
+
+
+@pytest.mark.parametrize("files, attached", [
+    ([], False), (["null", "vfio/vfio"], False),  # the VFIO control node alone is not a chip
+    (["accel0"], True),  # v2 to v4
+    (["vfio/vfio", "vfio/0", "vfio/1"], True),  # v5e, v5p, v6e
+], ids=["none", "vfio-control-only", "accel", "vfio-chips"])
+def test_a_tpu_is_seen_as_accel_or_vfio_chips(tmp_path, files, attached):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    assert xla.tpu_attached(tmp_path) is attached
+
+
+def test_peak_memory_falls_back_to_tpu_info_and_keeps_the_highest_use(caplog):
+    def spmd_refuses() -> int:
+        raise RuntimeError("Invalid device SPMD:0")
+
+    uses = iter([5 * 2**30, 9 * 2**30, 7 * 2**30])
+    peak = xla.PeakMemory([("PJRT memory info", spmd_refuses), ("tpu-info", lambda: next(uses))])
+    with caplog.at_level("WARNING", logger="nanopt"):
+        assert [peak(), peak(), peak()] == [5 * 2**30, 9 * 2**30, 9 * 2**30]  # a peak, not the current use
+    assert "unavailable" not in caplog.text
+
+
+def test_peak_memory_without_a_source_is_null_with_one_warning_saying_why(caplog):
+    def spmd_refuses() -> int:
+        raise RuntimeError("Invalid device SPMD:0")
+
+    def no_tpu_info() -> int:
+        raise ImportError("No module named 'tpu_info'")
+
+    peak = xla.PeakMemory([("PJRT memory info", spmd_refuses), ("tpu-info", no_tpu_info)])
+    with caplog.at_level("WARNING", logger="nanopt"):
+        assert [peak(), peak(), peak()] == [None, None, None]
+    assert caplog.text.count("peak memory unavailable on this device") == 1
+    assert "SPMD:0" in caplog.text and "tpu_info" in caplog.text
+
+
+def test_tpu_info_hbm_is_the_busiest_chips_use(monkeypatch):
+    # tpu-info's API (tpu_info.device.get_local_chips, tpu_info.metrics.get_chip_usage -> Usage(device_id,
+    # memory_usage, total_memory, duty_cycle_pct)) faked: no TPU, no libtpu metrics server here.
+    usage = namedtuple("Usage", "device_id memory_usage total_memory duty_cycle_pct")
+    device = types.SimpleNamespace(get_local_chips=lambda: ("v6e", 4))
+    metrics = types.SimpleNamespace(get_chip_usage=lambda chip: [usage(i, (10 + i % 2) * 2**30, 32 * 2**30, 100.0)
+                                                                  for i in range(4)] if chip == "v6e" else [])
+    package = types.ModuleType("tpu_info")
+    package.device, package.metrics = device, metrics
+    monkeypatch.setitem(sys.modules, "tpu_info", package)
+    monkeypatch.setitem(sys.modules, "tpu_info.device", device)
+    monkeypatch.setitem(sys.modules, "tpu_info.metrics", metrics)
+    assert xla.tpu_info_hbm_bytes() == 11 * 2**30
+    device.get_local_chips = lambda: (None, 0)
+    with pytest.raises(RuntimeError, match="no TPU chip"):
+        xla.tpu_info_hbm_bytes()
+
+
+@pytest.mark.parametrize("metadata, warned", [
+    ({"provisioning-model": "SPOT", "preemptible": "FALSE"}, "a spot"),
+    ({"provisioning-model": "STANDARD", "preemptible": "TRUE"}, "a preemptible"),
+    ({"provisioning-model": "STANDARD", "preemptible": "FALSE"}, None),
+    ({}, None),  # the metadata server did not answer: not on Google Cloud, or not in time
+])
+def test_a_spot_or_preemptible_tpu_vm_without_a_mirror_is_warned(metadata, warned):
+    asked = []
+
+    def fetch(key: str) -> str | None:
+        asked.append(key)
+        return metadata.get(key)
+
+    message = xla.preemption_warning("", fetch)
+    if warned is None:
+        assert message is None
+    else:
+        assert message.startswith(f"this is {warned} TPU VM") and "--checkpoint.mirror=gs://" in message
+    assert set(asked) <= {"provisioning-model", "preemptible"}
+    assert xla.preemption_warning("gs://bucket/run", fetch) is None  # a mirror keeps the checkpoints
+
+
+def test_the_metadata_server_unreachable_is_none_not_an_error(monkeypatch):
+    seen = []
+    for error in (urllib.error.URLError("Name or service not known"), socket.timeout("timed out"),
+                  ConnectionRefusedError(111, "refused")):
+        def urlopen(request, timeout, error=error):
+            seen.append((request.full_url, request.get_header("Metadata-flavor"), timeout))
+            raise error
+
+        monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+        assert xla.gce_metadata("preemptible") is None
+    assert seen[0] == (xla.METADATA_URL + "preemptible", "Google", 1.0)
+    assert xla.METADATA_URL == "http://metadata.google.internal/computeMetadata/v1/instance/scheduling/"
