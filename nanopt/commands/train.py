@@ -44,6 +44,7 @@ def _run(argv: list[str]) -> int:
         path, rest = split_args(argv)
         cfg = load_config(path, parse_overrides(rest))
         rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
+        rt.warn_if_checkpoints_perishable(cfg.checkpoint.mirror)
         resolve(cfg, rt.world_size)
         with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then Preempted
             train(cfg, rt)
