@@ -527,3 +527,76 @@ def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_nam
         print(f"modal_app: error: {result['error']}", file=sys.stderr)
         raise SystemExit(result["exit_code"])
     print(f"done:        {result}")
+
+
+# ---------------------------------------------------------------- sweeps: one container per grid point
+
+
+def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> tuple[str, list[tuple[str, str, int]]]:
+    """(sweep name, [(run name on the Volume "NAME/POINT", config YAML, max_steps)]) for `nanopt sweep`'s grid
+    of `config` x `sets` ("KEY=V1,V2;KEY2=..." ) x `seeds`, each point checked for `gpus` GPUs here, before
+    anything is paid for. Raises nanopt's ConfigError."""
+    from nanopt.config import ConfigError, load_config, parse_overrides, to_yaml
+    from nanopt.sweep import plan
+
+    set_args = [s.strip() for s in sets.split(";") if s.strip()]
+    if not set_args and seeds == 1:
+        raise ConfigError("nothing to sweep: give --sets 'KEY=V1,V2[;KEY2=...]' and/or --seeds N with N > 1.")
+    points, _ = plan(config, set_args, seeds, [], gpus)
+    sweep = name or f"{Path(config).stem}-sweep"
+    if "/" in sweep or sweep in (".", ".."):
+        raise ConfigError(f"--name {sweep!r}: a sweep name is one directory name.")
+    out = []
+    for point in points:
+        cfg = load_config(config, parse_overrides(point.overrides()))
+        cfg.run.name, cfg.run.dir = point.name, run_dir_for(f"{sweep}/{point.name}")
+        out.append((f"{sweep}/{point.name}", to_yaml(cfg), cfg.train.max_steps))
+    return sweep, out
+
+
+def finished_steps(run_name: str) -> Optional[int]:
+    """Steps in the run's summary.json on the Volume, or None when it has none (not finished, or never started)."""
+    import json
+
+    try:
+        return json.loads(b"".join(volume.read_file(f"{run_dir_for(run_name)}/summary.json")))["steps"]
+    except Exception:  # not found (Modal raises its own error types), unreadable: not finished
+        return None
+
+
+@app.local_entrypoint()
+def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int = 1,
+          gpu_type: str = TRAIN_GPU) -> None:
+    """`modal run modal_app.py::sweep --config C --sets 'optim.name=adamw,muon' --seeds 3`: every grid point
+    trains in its own container (`gpus` GPUs each) at the same time, under runs/NAME/POINT/ on the Volume.
+    A finished point is skipped; an interrupted one resumes; a failed one is reported and the rest go on."""
+    from nanopt.config import ConfigError
+
+    try:
+        sweep_name, runs = sweep_configs(config, sets, seeds, name, gpus)
+    except ConfigError as e:
+        print(f"modal_app: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    gpu_spec = f"{gpu_type}:{gpus}"
+    print(f"sweep {sweep_name}: {len(runs)} runs on {gpu_spec} each; results on Volume '{VOLUME_NAME}', "
+          f"{run_dir_for(sweep_name)}/ (then `nanopt runs {run_dir_for(sweep_name)}`)")
+    calls, codes = {}, {}
+    for run_name, config_yaml, max_steps in runs:
+        if finished_steps(run_name) == max_steps:
+            print(f"  {run_name}: finished before, skipped")
+            codes[run_name] = 0
+            continue
+        calls[run_name] = train.with_options(gpu=gpu_spec).spawn(config_yaml, run_name, gpus)
+    for run_name, call in calls.items():  # all run at once; collect in grid order
+        try:
+            result = call.get()
+            codes[run_name] = result["exit_code"]
+            line = "done" if result["exit_code"] == 0 else f"failed: {result['error']}"
+        except Exception as e:  # out of retries, or Modal itself failed
+            codes[run_name] = getattr(e, "exit_code", 1)
+            line = f"failed: {type(e).__name__}: {e}"
+        print(f"  {run_name}: {line}", flush=True)
+    failed = [n for n, c in codes.items() if c != 0]
+    print(f"sweep {sweep_name}: {len(codes) - len(failed)} of {len(codes)} runs finished")
+    if failed:
+        raise SystemExit(1)

@@ -511,3 +511,42 @@ def test_entrypoint_exits_with_the_code_of_the_last_attempt_modal_allowed(remote
     with pytest.raises(SystemExit) as exit_info:
         modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
     assert exit_info.value.code == 1 and "lost the connection" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(monkeypatch, capsys):
+    """`modal run modal_app.py::sweep`: nanopt sweep's grid, each point its own training call on the Volume
+    under runs/NAME/POINT; a point whose summary.json shows max_steps is not paid for again; a failed point is
+    reported, the others finish, and the exit status says a run failed."""
+    train = mock.MagicMock(name="train")
+    monkeypatch.setattr(modal_app, "train", train)
+    from nanopt.config import load_config
+
+    finished = {"s/optim.name=muon,seed=1337": load_config(str(REPO / "configs" / "tiny.yaml")).train.max_steps}
+    monkeypatch.setattr(modal_app, "finished_steps", lambda run_name: finished.get(run_name))
+    spawned = train.with_options.return_value.spawn
+    spawned.return_value.get.side_effect = [{"exit_code": 0}, {"exit_code": 3, "error": "diverged"},
+                                            {"exit_code": 0}]
+    with pytest.raises(SystemExit) as exit_info:
+        modal_app.sweep(config=str(REPO / "configs" / "tiny.yaml"), sets="optim.name=adamw,muon", seeds=2,
+                        name="s", gpus=1, gpu_type="A10G")
+    assert exit_info.value.code == 1
+    assert train.with_options.call_args.kwargs["gpu"] == "A10G:1"
+    names = [c.args[1] for c in spawned.call_args_list]
+    assert names == ["s/optim.name=adamw,seed=1337", "s/optim.name=adamw,seed=1338", "s/optim.name=muon,seed=1338"]
+    assert "optim.name=muon,seed=1337" not in str(spawned.call_args_list)  # finished before: not paid for
+    yaml_text = spawned.call_args_list[2].args[0]
+    assert "dir: runs/s/optim.name=muon,seed=1338" in yaml_text and "seed: 1338" in yaml_text
+    out = capsys.readouterr().out
+    assert "finished before, skipped" in out and "failed: diverged" in out and "3 of 4 runs finished" in out
+
+
+def test_sweep_rejects_a_bad_grid_before_any_container_starts(monkeypatch, capsys):
+    train = mock.MagicMock(name="train")
+    monkeypatch.setattr(modal_app, "train", train)
+    with pytest.raises(SystemExit) as exit_info:
+        modal_app.sweep(config=str(REPO / "configs" / "tiny.yaml"), sets="optim.nmae=adamw,muon")
+    assert exit_info.value.code == 2 and "optim.nmae" in capsys.readouterr().err
+    assert not train.mock_calls
