@@ -530,12 +530,30 @@ def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_nam
 
 
 # ---------------------------------------------------------------- sweeps: one container per grid point
+# `sweep` is a remote driver (a Function, not a second local entrypoint): `modal run modal_app.py --config ...`
+# stays unambiguous (Modal picks the one local entrypoint when no function is named), `--detach` keeps a sweep
+# going after the laptop disconnects, and the driver reads the Volume directly to skip finished points.
+
+
+class SweepError(RuntimeError):
+    """Raised by the sweep driver: `modal run` then prints the message and exits 1."""
+
+
+def sweep_config_path(config: str) -> str:
+    """The config inside the container: a relative path is taken from the repository root, where the image
+    has configs/ (a path on the caller's laptop is not visible to a Modal function)."""
+    path = Path(config) if Path(config).is_absolute() else REPO / config
+    if not path.is_file():
+        raise SweepError(f"--config {config}: no such file in the image. The sweep runs on Modal's side, which sees "
+                         f"only the repository's configs/ directory (mounted at {REPO / 'configs'}); put the config "
+                         f"there and give its path relative to the repository, e.g. configs/tiny.yaml.")
+    return str(path)
 
 
 def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> tuple[str, list[tuple[str, str, int]]]:
     """(sweep name, [(run name on the Volume "NAME/POINT", config YAML, max_steps)]) for `nanopt sweep`'s grid
-    of `config` x `sets` ("KEY=V1,V2;KEY2=..." ) x `seeds`, each point checked for `gpus` GPUs here, before
-    anything is paid for. Raises nanopt's ConfigError."""
+    of `config` x `sets` ("KEY=V1,V2;KEY2=..." ) x `seeds`, each point checked for `gpus` GPUs before any
+    GPU is paid for. Raises nanopt's ConfigError."""
     from nanopt.config import ConfigError, load_config, parse_overrides, to_yaml
     from nanopt.sweep import plan
 
@@ -559,35 +577,14 @@ def finished_steps(run_name: str) -> Optional[int]:
     import json
 
     try:
-        return json.loads(b"".join(volume.read_file(f"{run_dir_for(run_name)}/summary.json")))["steps"]
-    except Exception:  # not found (Modal raises its own error types), unreadable: not finished
+        return json.loads((Path(VOLUME_PATH) / run_dir_for(run_name) / "summary.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: not finished
         return None
 
 
-@app.local_entrypoint()
-def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int = 1,
-          gpu_type: str = TRAIN_GPU) -> None:
-    """`modal run modal_app.py::sweep --config C --sets 'optim.name=adamw,muon' --seeds 3`: every grid point
-    trains in its own container (`gpus` GPUs each) at the same time, under runs/NAME/POINT/ on the Volume.
-    A finished point is skipped; an interrupted one resumes; a failed one is reported and the rest go on."""
-    from nanopt.config import ConfigError
-
-    try:
-        sweep_name, runs = sweep_configs(config, sets, seeds, name, gpus)
-    except ConfigError as e:
-        print(f"modal_app: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    gpu_spec = f"{gpu_type}:{gpus}"
-    print(f"sweep {sweep_name}: {len(runs)} runs on {gpu_spec} each; results on Volume '{VOLUME_NAME}', "
-          f"{run_dir_for(sweep_name)}/ (then `nanopt runs {run_dir_for(sweep_name)}`)")
-    calls, codes = {}, {}
-    for run_name, config_yaml, max_steps in runs:
-        if finished_steps(run_name) == max_steps:
-            print(f"  {run_name}: finished before, skipped")
-            codes[run_name] = 0
-            continue
-        calls[run_name] = train.with_options(gpu=gpu_spec).spawn(config_yaml, run_name, gpus)
-    for run_name, call in calls.items():  # all run at once; collect in grid order
+def collect(calls: dict[str, Any], codes: dict[str, int]) -> None:
+    """Wait for each spawned training call in grid order, print one line per run, record its exit code."""
+    for run_name, call in calls.items():
         try:
             result = call.get()
             codes[run_name] = result["exit_code"]
@@ -596,7 +593,36 @@ def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int
             codes[run_name] = getattr(e, "exit_code", 1)
             line = f"failed: {type(e).__name__}: {e}"
         print(f"  {run_name}: {line}", flush=True)
+
+
+@app.function(volumes={VOLUME_PATH: volume}, timeout=DAY_S)  # no GPU: it spawns the trainings and waits
+def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int = 1,
+          gpu_type: str = TRAIN_GPU) -> dict[str, int]:
+    """`modal run modal_app.py::sweep --config configs/C.yaml --sets 'optim.name=adamw,muon' --seeds 3`: every
+    grid point trains in its own container (`gpus` GPUs each) at the same time, under runs/NAME/POINT/ on the
+    Volume. A finished point is skipped; an interrupted one resumes; a failed one is reported and the rest go
+    on. Returns {run name: exit code}; raises SweepError (modal run exits 1) on a bad grid or a failed run."""
+    from nanopt.config import ConfigError
+
+    try:
+        sweep_name, runs = sweep_configs(sweep_config_path(config), sets, seeds, name, gpus)
+    except ConfigError as e:
+        raise SweepError(f"the sweep was refused before any GPU started: {e}") from None
+    gpu_spec = f"{gpu_type}:{gpus}"
+    print(f"sweep {sweep_name}: {len(runs)} runs on {gpu_spec} each; results on Volume '{VOLUME_NAME}', "
+          f"{run_dir_for(sweep_name)}/ (then `nanopt runs {run_dir_for(sweep_name)}`)", flush=True)
+    volume.reload()  # see runs that other containers finished since this one started
+    calls, codes = {}, {}
+    for run_name, config_yaml, max_steps in runs:
+        if finished_steps(run_name) == max_steps:
+            print(f"  {run_name}: finished before, skipped", flush=True)
+            codes[run_name] = 0
+            continue
+        calls[run_name] = train.with_options(gpu=gpu_spec).spawn(config_yaml, run_name, gpus)
+    collect(calls, codes)
     failed = [n for n, c in codes.items() if c != 0]
-    print(f"sweep {sweep_name}: {len(codes) - len(failed)} of {len(codes)} runs finished")
+    print(f"sweep {sweep_name}: {len(codes) - len(failed)} of {len(codes)} runs finished", flush=True)
     if failed:
-        raise SystemExit(1)
+        raise SweepError(f"{len(failed)} of {len(codes)} runs failed: {', '.join(failed)}; re-run the same command "
+                         f"to retry them (finished runs are skipped).")
+    return codes

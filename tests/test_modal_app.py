@@ -516,37 +516,61 @@ def test_entrypoint_exits_with_the_code_of_the_last_attempt_modal_allowed(remote
 # ---------------------------------------------------------------- sweeps
 
 
-def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(monkeypatch, capsys):
+def run_sweep_driver(monkeypatch, tmp_path, train, **kwargs):
+    """modal_app.sweep.local(**kwargs) with `train` (a mock) as the training function, tmp_path/vol as the Volume."""
+    monkeypatch.setattr(modal_app, "train", train)
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
+    monkeypatch.setattr(modal_app.volume, "reload", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        return modal_app.sweep.local(**kwargs)
+
+
+def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(monkeypatch, tmp_path, capsys):
     """`modal run modal_app.py::sweep`: nanopt sweep's grid, each point its own training call on the Volume
     under runs/NAME/POINT; a point whose summary.json shows max_steps is not paid for again; a failed point is
-    reported, the others finish, and the exit status says a run failed."""
-    train = mock.MagicMock(name="train")
-    monkeypatch.setattr(modal_app, "train", train)
+    reported, the others finish, and the driver raises so that `modal run` exits 1."""
     from nanopt.config import load_config
 
-    finished = {"s/optim.name=muon,seed=1337": load_config(str(REPO / "configs" / "tiny.yaml")).train.max_steps}
-    monkeypatch.setattr(modal_app, "finished_steps", lambda run_name: finished.get(run_name))
+    max_steps = load_config(str(REPO / "configs" / "tiny.yaml")).train.max_steps
+    done = tmp_path / "vol" / "runs" / "s" / "optim.name=muon,seed=1337"
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text(json.dumps({"steps": max_steps}))
+    half = tmp_path / "vol" / "runs" / "s" / "optim.name=adamw,seed=1338"  # stopped early: run again (resumes)
+    half.mkdir(parents=True)
+    (half / "summary.json").write_text(json.dumps({"steps": max_steps - 1}))
+    train = mock.MagicMock(name="train")
     spawned = train.with_options.return_value.spawn
     spawned.return_value.get.side_effect = [{"exit_code": 0}, {"exit_code": 3, "error": "diverged"},
                                             {"exit_code": 0}]
-    with pytest.raises(SystemExit) as exit_info:
-        modal_app.sweep(config=str(REPO / "configs" / "tiny.yaml"), sets="optim.name=adamw,muon", seeds=2,
-                        name="s", gpus=1, gpu_type="A10G")
-    assert exit_info.value.code == 1
+    with pytest.raises(modal_app.SweepError, match="1 of 4 runs failed: s/optim.name=adamw,seed=1338"):
+        run_sweep_driver(monkeypatch, tmp_path, train, config="configs/tiny.yaml", sets="optim.name=adamw,muon",
+                         seeds=2, name="s", gpus=1, gpu_type="A10G")
     assert train.with_options.call_args.kwargs["gpu"] == "A10G:1"
     names = [c.args[1] for c in spawned.call_args_list]
     assert names == ["s/optim.name=adamw,seed=1337", "s/optim.name=adamw,seed=1338", "s/optim.name=muon,seed=1338"]
-    assert "optim.name=muon,seed=1337" not in str(spawned.call_args_list)  # finished before: not paid for
     yaml_text = spawned.call_args_list[2].args[0]
     assert "dir: runs/s/optim.name=muon,seed=1338" in yaml_text and "seed: 1338" in yaml_text
     out = capsys.readouterr().out
-    assert "finished before, skipped" in out and "failed: diverged" in out and "3 of 4 runs finished" in out
+    assert "muon,seed=1337: finished before, skipped" in out and "failed: diverged" in out
+    assert "3 of 4 runs finished" in out
 
 
-def test_sweep_rejects_a_bad_grid_before_any_container_starts(monkeypatch, capsys):
-    train = mock.MagicMock(name="train")
-    monkeypatch.setattr(modal_app, "train", train)
-    with pytest.raises(SystemExit) as exit_info:
-        modal_app.sweep(config=str(REPO / "configs" / "tiny.yaml"), sets="optim.nmae=adamw,muon")
-    assert exit_info.value.code == 2 and "optim.nmae" in capsys.readouterr().err
-    assert not train.mock_calls
+def test_sweep_rejects_a_bad_grid_before_any_container_starts(monkeypatch, tmp_path):
+    for kwargs, words in [(dict(config="configs/tiny.yaml", sets="optim.nmae=adamw,muon"), "optim.nmae"),
+                          (dict(config="/home/me/my.yaml", sets="optim.name=adamw,muon"), "configs/ directory"),
+                          (dict(config="configs/tiny.yaml"), "nothing to sweep")]:
+        train = mock.MagicMock(name="train")
+        with pytest.raises(modal_app.SweepError, match=words):
+            run_sweep_driver(monkeypatch, tmp_path, train, **kwargs)
+        assert not train.mock_calls
+
+
+def test_modal_run_sweep_help_works_offline_next_to_the_default_entrypoint(tmp_path):
+    """`::sweep` must not be a second local entrypoint: `modal run modal_app.py --config ...` would then be
+    ambiguous and refused (test_modal_run_help_works_offline_and_shows_config checks that the default still resolves)."""
+    out = subprocess.run([sys.executable, "-m", "modal", "run", "modal_app.py::sweep", "--help"], capture_output=True,
+                         text=True, cwd=REPO, env=offline_env(tmp_path), timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--config", "--sets", "--seeds", "--name", "--gpus", "--gpu-type"):
+        assert flag in out.stdout
