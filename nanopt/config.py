@@ -151,6 +151,7 @@ class CheckpointConfig:
 class LogConfig:
     every: int = 10
     tensorboard: bool = True
+    curves: bool = True  # curves.png at the end of the run (~1 s of matplotlib)
     wandb: bool = False
     wandb_project: str = "nanopt"
 

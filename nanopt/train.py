@@ -369,7 +369,8 @@ def finish(run: Run) -> dict[str, Any]:
     }
     if rt.is_main:
         write_json(cfg.run_dir / "summary.json", summary)
-        plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
+        if cfg.log.curves:
+            plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
         _print_samples(run)
         log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
                  f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)

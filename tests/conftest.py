@@ -24,6 +24,7 @@ SMALL = [
     "--train.seq_len=32", "--train.micro_batch_size=4", "--train.global_batch_tokens=256",
     "--train.max_steps=6", "--train.warmup_steps=2", "--eval.every=0", "--eval.batches=2",
     "--log.every=1", "--sample.num_samples=0", "--runtime.threads=1",
+    "--log.curves=false",  # ~1 s of matplotlib per run; tests/test_plots_watch.py draws them
 ]
 
 

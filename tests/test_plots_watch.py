@@ -33,7 +33,7 @@ def train(run_dir: Path, **changes: object) -> None:
     from nanopt.main import run
 
     with contextlib.redirect_stdout(io.StringIO()):
-        assert run(small_overrides(**{"run.dir": str(run_dir), **changes})) == 0
+        assert run(small_overrides(**{"run.dir": str(run_dir), "log.curves": "true", **changes})) == 0
 
 
 def decode(png: Path | bytes) -> np.ndarray:

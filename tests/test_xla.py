@@ -74,12 +74,13 @@ def _cpu_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _phase(device: str, run_dir: Path, args: list[str], xla_python: Path, kill_in_step: int = 0
-           ) -> tuple[list[str], dict, int]:
+def _phase(device: str, run_dir: Path, args: list[str], xla_python: Path, kill_in_step: int = 0,
+           sample: bool = False) -> tuple[list[str], dict, int]:
     """(command, env, expected exit) of one training process on `device` (xla on 1 device, or cpu), optionally
-    SIGKILLed in step `kill_in_step`."""
+    SIGKILLed in step `kill_in_step`; `sample`: the XLA run also checks sampling."""
     if device == "xla":
-        cmd = [str(xla_python), str(REPO / "tests" / "xla_driver.py"), "train", str(run_dir), *args]
+        mode = "train" if sample else "train-only"
+        cmd = [str(xla_python), str(REPO / "tests" / "xla_driver.py"), mode, str(run_dir), *args]
         env = _xla_env(1)
     else:
         cmd = [sys.executable, "-m", "nanopt.main", *args, "--runtime.device=cpu", f"--run.dir={run_dir}"]
@@ -92,6 +93,8 @@ def _phase(device: str, run_dir: Path, args: list[str], xla_python: Path, kill_i
 # Interrupted runs: killed in step 6 (after the checkpoint of step 4), resumed on the same or the other device.
 RESUME = ["--checkpoint.every=4"]
 BF16 = ["--train.precision=bf16"]
+# Muon on XLA compiles ~2 graphs per matrix per step for its first two steps (~1 s each here): one layer, 6 steps.
+MUON = ["--optim.name=muon", "--model.n_layers=1", "--train.max_steps=6", "--train.warmup_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +111,16 @@ def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
         return [_phase(first, root / name, args, xla_python, kill_in_step=6), _phase(then, root / name, args, xla_python)]
 
     jobs = {
-        "xla1": [_phase("xla", root / "xla1", OVERRIDES, xla_python)],
+        "xla1": [_phase("xla", root / "xla1", OVERRIDES, xla_python, sample=True)],
         # The loss in chunks here (torch_xla's checkpoint, chunks spanning the sharded batch); the CPU
         # reference computes it whole, so matching losses check the chunked path on XLA too.
-        "xla4": [([x, driver, "train", str(root / "xla4"), *OVERRIDES,
+        "xla4": [([x, driver, "train-only", str(root / "xla4"), *OVERRIDES,
                    "--model.attention=xla_flash", "--train.loss_chunk_tokens=32"], _xla_env(4), 0)],
         "guard": [([x, driver, "guard"], _xla_env(1), 0)],
         "cpu": [_phase("cpu", root / "cpu", OVERRIDES, xla_python)],
-        # Muon on XLA (its Newton-Schulz runs partly on the host there: ~1 minute for 12 tiny steps).
-        "xla1-muon": [_phase("xla", root / "xla1-muon", [*OVERRIDES, "--optim.name=muon"], xla_python)],
-        "cpu-muon": [_phase("cpu", root / "cpu-muon", [*OVERRIDES, "--optim.name=muon"], xla_python)],
-        "xla1-bf16": [_phase("xla", root / "xla1-bf16", [*OVERRIDES, *BF16], xla_python)],
+        # Muon on XLA: its Newton-Schulz runs partly on the host there (see MUON).
+        "xla1-muon": [_phase("xla", root / "xla1-muon", [*OVERRIDES, *MUON], xla_python)],
+        "cpu-muon": [_phase("cpu", root / "cpu-muon", [*OVERRIDES, *MUON], xla_python)],
         "cpu-bf16": [_phase("cpu", root / "cpu-bf16", [*OVERRIDES, *BF16], xla_python)],
         "xla-xla": resumed("xla-xla", "xla", "xla"),
         "cpu-xla": resumed("cpu-xla", "cpu", "xla"),
@@ -127,7 +129,7 @@ def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
     }
 
     def run_chain(name: str) -> dict:
-        text, result = "", {}
+        text, result, t0 = "", {}, time.perf_counter()
         for cmd, env, expected in jobs[name]:
             try:
                 proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -138,13 +140,14 @@ def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
             assert proc.returncode == expected, f"{name} exited {proc.returncode}, not {expected}:\n{text[-4000:]}"
             results = [line for line in proc.stdout.splitlines() if line.startswith("XLA_RESULT ")]
             result = json.loads(results[-1][len("XLA_RESULT "):]) if results else result
-        return {"log": text, **result}
+        return {"log": text, "seconds": time.perf_counter() - t0, **result}
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = {name: pool.submit(run_chain, name) for name in jobs}
         out = {"root": root, **{name: f.result() for name, f in futures.items()}}
-    print(f"\nxla runs took {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    chains = ", ".join(f"{name} {out[name]['seconds']:.0f}" for name in jobs)
+    print(f"\nxla runs took {time.perf_counter() - t0:.1f} s (2 cores shared; per chain, s: {chains})", file=sys.stderr)
     return out
 
 
@@ -159,9 +162,9 @@ def test_xla_training_with_muon_matches_cpu_losses(runs):
     # torch.optim.Muon orthogonalises in bf16 (_zeropower_via_newtonschulz casts the update), and XLA's bf16
     # matmuls round differently from oneDNN's, so the two drift apart by ~1e-3 per step, not fp32's 1e-6.
     cpu, xla = _losses(runs["root"] / "cpu-muon"), _losses(runs["root"] / "xla1-muon")
-    assert len(cpu) == len(xla) == 12
+    assert len(cpu) == len(xla) == 6
     assert xla == pytest.approx(cpu, abs=2e-2), f"cpu {cpu}\nxla {xla}"
-    assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and with Muon, not AdamW
+    assert xla[-1] < xla[0] - 0.3 and cpu[0] != _losses(runs["root"] / "cpu")[0]  # it trained, with Muon, one layer
 
 
 def test_adamw_on_xla_is_foreach(runs):
@@ -171,12 +174,14 @@ def test_adamw_on_xla_is_foreach(runs):
 
 
 def test_xla_in_bf16_matches_cpu_losses(runs):
-    # bf16 autocast on both: XLA's and oneDNN's bf16 matmuls round differently (measured: within 2e-3).
-    cpu, xla = _losses(runs["root"] / "cpu-bf16"), _losses(runs["root"] / "xla1-bf16")
+    # bf16 autocast on both: XLA's and oneDNN's bf16 matmuls round differently (measured: within 2e-3). Steps 5-12
+    # of cpu-xla-bf16 ran on XLA (resumed from a CPU checkpoint), so they are the XLA path in bf16.
+    cpu, xla = _losses(runs["root"] / "cpu-bf16"), _losses(runs["root"] / "cpu-xla-bf16")
     assert len(cpu) == len(xla) == 12
     assert xla == pytest.approx(cpu, abs=1e-2), f"cpu {cpu}\nxla {xla}"
     assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and in bf16
-    assert runs["xla1-bf16"]["step_compiles"] == 2 and runs["xla1-bf16"]["recompiles"] == 0
+    assert runs["cpu-xla-bf16"]["precision"] == "bf16"
+    assert runs["cpu-xla-bf16"]["step_compiles"] == 2 and runs["cpu-xla-bf16"]["recompiles"] == 0
 
 
 def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):

@@ -15,7 +15,7 @@ import sys
 import torch
 
 
-def train_and_sample(run_dir: str, overrides: list[str]) -> dict:
+def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) -> dict:
     from nanopt import runtime
     from nanopt.config import load_config, parse_overrides, resolve
     from nanopt.generate import generate
@@ -30,7 +30,10 @@ def train_and_sample(run_dir: str, overrides: list[str]) -> dict:
     resolve(cfg, rt.world_size)
     train(cfg, rt)
     out = {"step_calls": rt.xla.step_calls, "step_compiles": rt.xla.step_compiles,
-           "recompiles": rt.xla.recompiles, "num_devices": rt.num_devices, "hardware": rt.hardware_name()}
+           "recompiles": rt.xla.recompiles, "num_devices": rt.num_devices, "hardware": rt.hardware_name(),
+           "precision": cfg.train.precision}
+    if not sample:  # sampling compiles its own graphs: one run checks it, the others skip that cost
+        return out
 
     # Sampling: the same host-initialised weights on XLA and on the CPU, greedy, two prompt lengths.
     torch.manual_seed(cfg.run.seed)
@@ -79,8 +82,8 @@ def recompile_guard() -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "train":
-        result = train_and_sample(sys.argv[2], sys.argv[3:])
+    if sys.argv[1] in ("train", "train-only"):
+        result = train_and_sample(sys.argv[2], sys.argv[3:], sample=sys.argv[1] == "train")
     else:
         result = recompile_guard()
     print("XLA_RESULT " + json.dumps(result), flush=True)
