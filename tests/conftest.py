@@ -61,3 +61,16 @@ def corpus_dir() -> Path:
     from nanopt.data import embedded_shards
 
     return embedded_shards("byte")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the XLA runs in the background (tests/xla_jobs.py) when any test will read them."""
+    if any(item.path.name == "test_xla.py" and "runs" in getattr(item, "fixturenames", ()) for item in session.items):
+        import xla_jobs  # a test helper beside this file; importing it at the top would be circular
+
+        xla_jobs.start()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if "xla_jobs" in sys.modules:
+        sys.modules["xla_jobs"].stop()

@@ -1,64 +1,27 @@
-"""The XLA device path, on torch_xla's CPU device (PJRT_DEVICE=CPU) in its own venv.
+"""The XLA device path, on torch_xla's CPU device (PJRT_DEVICE=CPU) in its own venv (tests/xla_jobs.py).
 
-torch_xla 2.9 runs only beside torch 2.9, so scripts/xla_venv.sh builds (once, cached outside the repo)
-a venv with both and this checkout on its path; tests/xla_driver.py runs there. The reference is the
-same config trained by the system torch on the plain CPU device. Cold: ~4 minutes for the venv; warm:
-well under a minute of XLA runs. A venv that cannot be built fails the tests (in CI and outside it); they never skip.
+The reference is the same config trained by the system torch on the plain CPU device. Cold: ~4 minutes for
+the venv; warm: about two minutes of both cores for the XLA runs, mostly hidden behind the rest of the suite.
+A venv that cannot be built fails the tests (in CI and outside it); they never skip.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 import types
 import urllib.error
 import urllib.request
 from collections import namedtuple
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_module, small_overrides
+import xla_jobs
+from conftest import run_module, small_overrides
 from nanopt import xla
 from nanopt.config import configs_dir, load_config, resolve
-
-VENV_BUILD_TIMEOUT_S = 1800  # cold: ~7 GB of wheels; minutes on a good link
-RUN_TIMEOUT_S = 600
-
-# fp32 so XLA and CPU agree to float rounding (measured: within 1e-6); 12 steps of warmup + cosine: the LR changes every step.
-OVERRIDES = small_overrides(**{
-    "train.max_steps": 12, "train.warmup_steps": 3, "train.precision": "fp32", "eval.every": 0,
-})
-
-
-@pytest.fixture(scope="session")
-def xla_python() -> Path:
-    """The venv's python (built on first use, reused afterwards)."""
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "xla_venv.sh")], capture_output=True, text=True,
-                              timeout=VENV_BUILD_TIMEOUT_S)
-        error = None if proc.returncode == 0 else f"exit {proc.returncode}:\n{proc.stderr[-3000:]}"
-    except subprocess.TimeoutExpired:
-        error = f"timed out after {VENV_BUILD_TIMEOUT_S} s"
-    if error is not None:
-        # A failure, never a skip: only absent hardware may skip, and this needs none (PyPI access only).
-        pytest.fail(f"scripts/xla_venv.sh could not build the torch_xla venv ({error})")
-    print(f"\nxla venv ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return Path(proc.stdout.strip().splitlines()[-1]) / "bin" / "python"
-
-
-def _xla_env(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), OMP_NUM_THREADS="1",
-               XLA_FLAGS="--xla_backend_optimization_level=0",  # compiles ~3x faster; the numbers don't change
-               PYTHONPATH=str(REPO))
-    return env
-
 
 def _losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -70,85 +33,13 @@ def _lrs(run_dir: Path) -> list[float]:
     return [r["lr"] for r in rows if "lr" in r]
 
 
-def _cpu_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _phase(device: str, run_dir: Path, args: list[str], xla_python: Path, kill_in_step: int = 0,
-           sample: bool = False) -> tuple[list[str], dict, int]:
-    """(command, env, expected exit) of one training process on `device` (xla on 1 device, or cpu), optionally
-    SIGKILLed in step `kill_in_step`; `sample`: the XLA run also checks sampling."""
-    if device == "xla":
-        mode = "train" if sample else "train-only"
-        cmd = [str(xla_python), str(REPO / "tests" / "xla_driver.py"), mode, str(run_dir), *args]
-        env = _xla_env(1)
-    else:
-        cmd = [sys.executable, "-m", "nanopt.main", *args, "--runtime.device=cpu", f"--run.dir={run_dir}"]
-        env = _cpu_env()
-    if kill_in_step:
-        env = {**env, "NANOPT_TEST_HOOK": f"kill-in-step:{kill_in_step}"}
-    return cmd, env, -9 if kill_in_step else 0
-
-
-# Interrupted runs: killed in step 6 (after the checkpoint of step 4), resumed on the same or the other device.
-RESUME = ["--checkpoint.every=4"]
-BF16 = ["--train.precision=bf16"]
-# Muon on XLA compiles ~2 graphs per matrix per step for its first two steps (~1 s each here): one layer, 6 steps.
-MUON = ["--optim.name=muon", "--model.n_layers=1", "--train.max_steps=6", "--train.warmup_steps=2"]
-
-
 @pytest.fixture(scope="module")
-def runs(xla_python, corpus_dir, tmp_path_factory) -> dict:
-    """Every job at once (2 cores, mostly compile time), each a chain of processes: XLA on 1 device, SPMD on 4
-    devices (with xla_flash asked for, which must fall back on CPU, and a chunked loss), the recompile guard,
-    Muon on 1 device, bf16, interrupted runs resumed on XLA, CPU -> XLA and XLA -> CPU, and the CPU references."""
-    root = tmp_path_factory.mktemp("xla")
-    driver = str(REPO / "tests" / "xla_driver.py")
-    x = str(xla_python)
-
-    def resumed(name: str, first: str, then: str, *extra: str) -> list[tuple[list[str], dict, int]]:
-        args = [*OVERRIDES, *RESUME, *extra]
-        return [_phase(first, root / name, args, xla_python, kill_in_step=6), _phase(then, root / name, args, xla_python)]
-
-    jobs = {
-        "xla1": [_phase("xla", root / "xla1", OVERRIDES, xla_python, sample=True)],
-        # The loss in chunks here (torch_xla's checkpoint, chunks spanning the sharded batch); the CPU
-        # reference computes it whole, so matching losses check the chunked path on XLA too.
-        "xla4": [([x, driver, "train-only", str(root / "xla4"), *OVERRIDES,
-                   "--model.attention=xla_flash", "--train.loss_chunk_tokens=32"], _xla_env(4), 0)],
-        "guard": [([x, driver, "guard"], _xla_env(1), 0)],
-        "cpu": [_phase("cpu", root / "cpu", OVERRIDES, xla_python)],
-        # Muon on XLA: its Newton-Schulz runs partly on the host there (see MUON).
-        "xla1-muon": [_phase("xla", root / "xla1-muon", [*OVERRIDES, *MUON], xla_python)],
-        "cpu-muon": [_phase("cpu", root / "cpu-muon", [*OVERRIDES, *MUON], xla_python)],
-        "cpu-bf16": [_phase("cpu", root / "cpu-bf16", [*OVERRIDES, *BF16], xla_python)],
-        "xla-xla": resumed("xla-xla", "xla", "xla"),
-        "cpu-xla": resumed("cpu-xla", "cpu", "xla"),
-        "xla-cpu": resumed("xla-cpu", "xla", "cpu"),
-        "cpu-xla-bf16": resumed("cpu-xla-bf16", "cpu", "xla", *BF16),
-    }
-
-    def run_chain(name: str) -> dict:
-        text, result, t0 = "", {}, time.perf_counter()
-        for cmd, env, expected in jobs[name]:
-            try:
-                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, timeout=RUN_TIMEOUT_S)
-            except subprocess.TimeoutExpired as e:
-                raise AssertionError(f"{name} timed out:\n{str(e.output)[-4000:]}") from None
-            text += proc.stdout
-            assert proc.returncode == expected, f"{name} exited {proc.returncode}, not {expected}:\n{text[-4000:]}"
-            results = [line for line in proc.stdout.splitlines() if line.startswith("XLA_RESULT ")]
-            result = json.loads(results[-1][len("XLA_RESULT "):]) if results else result
-        return {"log": text, "seconds": time.perf_counter() - t0, **result}
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        futures = {name: pool.submit(run_chain, name) for name in jobs}
-        out = {"root": root, **{name: f.result() for name, f in futures.items()}}
-    chains = ", ".join(f"{name} {out[name]['seconds']:.0f}" for name in jobs)
-    print(f"\nxla runs took {time.perf_counter() - t0:.1f} s (2 cores shared; per chain, s: {chains})", file=sys.stderr)
-    return out
+def runs() -> dict:
+    """The XLA and CPU runs of tests/xla_jobs.py (started in the background when the session was collected)."""
+    try:
+        return xla_jobs.results()
+    except xla_jobs.SetupError as e:
+        pytest.fail(str(e))
 
 
 def test_xla_training_matches_cpu_losses(runs):

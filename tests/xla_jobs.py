@@ -1,0 +1,194 @@
+"""The training runs behind tests/test_xla.py, started in the background as soon as the session is collected.
+
+They are mostly XLA compile time on one thread each (~2 minutes of both cores if run at the end). Most of
+the suite runs one thread at a time, so conftest.py starts them when collection ends, at the lowest CPU
+priority (nice 19): they fill the core the other tests leave idle and never slow those down much.
+test_xla.py's `runs` fixture waits for them, and starts them itself when conftest did not.
+
+torch_xla 2.9 runs only beside torch 2.9, so scripts/xla_venv.sh builds (once, cached outside the repo) a
+venv with both and this checkout on its path; tests/xla_driver.py runs there. A venv that cannot be built
+fails the tests (in CI and outside it): only absent hardware may skip, and this needs none (PyPI only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from conftest import REPO, small_overrides
+
+VENV_BUILD_TIMEOUT_S = 1800  # cold: ~7 GB of wheels; minutes on a good link
+RUN_TIMEOUT_S = 1200  # one process, at nice 19 beside the rest of the suite
+DRIVER = str(REPO / "tests" / "xla_driver.py")
+
+# fp32 so XLA and CPU agree to float rounding (measured: within 1e-6); 12 steps of warmup + cosine: the LR changes every step.
+OVERRIDES = small_overrides(**{
+    "train.max_steps": 12, "train.warmup_steps": 3, "train.precision": "fp32", "eval.every": 0,
+})
+# Interrupted runs: killed in step 6 (after the checkpoint of step 4), resumed on the same or the other device.
+RESUME = ["--checkpoint.every=4"]
+BF16 = ["--train.precision=bf16"]
+# Muon on XLA compiles ~2 graphs per matrix per step for its first two steps (~1 s each here): one layer, 6 steps.
+MUON = ["--optim.name=muon", "--model.n_layers=1", "--train.max_steps=6", "--train.warmup_steps=2"]
+
+Step = tuple[list[str], dict, int]  # command, environment, expected exit code
+
+
+class SetupError(RuntimeError):
+    """The torch_xla venv could not be built: the tests fail with this message."""
+
+
+def build_venv() -> str:
+    """The venv's python (built on first use, reused afterwards)."""
+    try:
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "xla_venv.sh")], capture_output=True, text=True,
+                              timeout=VENV_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv (timed out after "
+                         f"{VENV_BUILD_TIMEOUT_S} s)") from None
+    if proc.returncode != 0:
+        raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    return str(Path(proc.stdout.strip().splitlines()[-1]) / "bin" / "python")
+
+
+def xla_env(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
+    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), OMP_NUM_THREADS="1",
+               XLA_FLAGS="--xla_backend_optimization_level=0",  # compiles ~3x faster; the numbers don't change
+               PYTHONPATH=str(REPO))
+    return env
+
+
+def phase(device: str, run_dir: Path, args: list[str], python: str, kill_in_step: int = 0,
+          sample: bool = False) -> Step:
+    """One training process on `device` (xla on 1 device, or cpu), optionally SIGKILLed in step
+    `kill_in_step`; `sample`: the XLA run also checks sampling (its own graphs: checked once)."""
+    if device == "xla":
+        cmd, env = [python, DRIVER, "train" if sample else "train-only", str(run_dir), *args], xla_env(1)
+    else:
+        cmd = [sys.executable, "-m", "nanopt.main", *args, "--runtime.device=cpu", f"--run.dir={run_dir}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if kill_in_step:
+        env = {**env, "NANOPT_TEST_HOOK": f"kill-in-step:{kill_in_step}"}
+    return cmd, env, -9 if kill_in_step else 0
+
+
+def jobs(root: Path, python: str) -> dict[str, list[Step]]:
+    """Each job a chain of processes: XLA on 1 device, SPMD on 4 devices (with xla_flash asked for, which must
+    fall back on CPU, and a chunked loss), the recompile guard, Muon, interrupted runs resumed on XLA,
+    CPU -> XLA (also in bf16: the XLA path in bf16) and XLA -> CPU, and the CPU references."""
+    def resumed(name: str, first: str, then: str, *extra: str) -> list[Step]:
+        args = [*OVERRIDES, *RESUME, *extra]
+        return [phase(first, root / name, args, python, kill_in_step=6), phase(then, root / name, args, python)]
+
+    return {
+        # The slowest chains first: they start before the pool is full.
+        "xla1-muon": [phase("xla", root / "xla1-muon", [*OVERRIDES, *MUON], python)],
+        "xla1": [phase("xla", root / "xla1", OVERRIDES, python, sample=True)],
+        # The loss in chunks here (torch_xla's checkpoint, chunks spanning the sharded batch); the CPU
+        # reference computes it whole, so matching losses check the chunked path on XLA too.
+        "xla4": [([python, DRIVER, "train-only", str(root / "xla4"), *OVERRIDES,
+                   "--model.attention=xla_flash", "--train.loss_chunk_tokens=32"], xla_env(4), 0)],
+        "xla-xla": resumed("xla-xla", "xla", "xla"),
+        "cpu-xla": resumed("cpu-xla", "cpu", "xla"),
+        "xla-cpu": resumed("xla-cpu", "xla", "cpu"),
+        "cpu-xla-bf16": resumed("cpu-xla-bf16", "cpu", "xla", *BF16),
+        "guard": [([python, DRIVER, "guard"], xla_env(1), 0)],
+        "cpu": [phase("cpu", root / "cpu", OVERRIDES, python)],
+        "cpu-muon": [phase("cpu", root / "cpu-muon", [*OVERRIDES, *MUON], python)],
+        "cpu-bf16": [phase("cpu", root / "cpu-bf16", [*OVERRIDES, *BF16], python)],
+    }
+
+
+class Background:
+    """The venv build and every chain, in threads; each process at nice 19 and killed if the session ends first."""
+
+    def __init__(self, workers: int = 4) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="nanopt-xla-tests-"))
+        self.workers = workers  # a few at a time: each process finishes sooner, and memory stays bounded
+        self.procs: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.started = time.perf_counter()
+        self.future: Future = ThreadPoolExecutor(max_workers=1).submit(self._all)
+
+    def _run(self, name: str, step: Step) -> str:
+        cmd, env, expected = step
+        with self.lock:
+            if self.stopped:
+                raise AssertionError(f"{name}: the session ended before it ran")
+            proc = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            self.procs.add(proc)
+        try:
+            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"{name} timed out after {RUN_TIMEOUT_S} s:\n{proc.communicate()[0][-4000:]}") from None
+        finally:
+            with self.lock:
+                self.procs.discard(proc)
+        assert proc.returncode == expected, f"{name} exited {proc.returncode}, not {expected}:\n{out[-4000:]}"
+        return out
+
+    def _chain(self, name: str, steps: list[Step]) -> dict:
+        text, result, t0 = "", {}, time.perf_counter()
+        for step in steps:
+            out = self._run(name, step)
+            text += out
+            found = [line for line in out.splitlines() if line.startswith("XLA_RESULT ")]
+            result = json.loads(found[-1][len("XLA_RESULT "):]) if found else result
+        return {"log": text, "seconds": time.perf_counter() - t0, **result}
+
+    def _all(self) -> dict:
+        python = build_venv()
+        venv_s = time.perf_counter() - self.started
+        chains = jobs(self.root, python)
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            futures = {name: pool.submit(self._chain, name, steps) for name, steps in chains.items()}
+            out = {"root": self.root, **{name: f.result() for name, f in futures.items()}}
+        times = ", ".join(f"{name} {out[name]['seconds']:.0f}" for name in chains)
+        print(f"\nxla: venv ready in {venv_s:.0f} s, runs done {time.perf_counter() - self.started:.0f} s after the "
+              f"start (per chain, s: {times})", file=sys.stderr)
+        return out
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for proc in self.procs:
+                proc.kill()
+        self.future.exception()  # wait for the threads to notice
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_background: Optional[Background] = None
+
+
+def start() -> Background:
+    """Start the runs (once per session)."""
+    global _background
+    if _background is None:
+        from nanopt.data import embedded_shards
+
+        embedded_shards("byte")  # the corpus cache, built once here rather than raced for by the runs
+        _background = Background()
+    return _background
+
+
+def results() -> dict:
+    """Every chain's log, seconds and XLA_RESULT fields, and "root" (the run directories); waits for them."""
+    return start().future.result()
+
+
+def stop() -> None:
+    if _background is not None:
+        _background.stop()
