@@ -43,7 +43,7 @@ def sweep_seconds(a: argparse.Namespace, work: Path, parallel: int, tag: str) ->
     """Wall seconds of one fresh sweep of a.runs seeds at --parallel `parallel`."""
     cmd = [sys.executable, "-m", "nanopt.cli", "sweep", "configs/tiny.yaml", "--seeds", str(a.runs),
            "--name", tag, "--dir", str(work / tag), "--parallel", str(parallel),
-           f"--train.max_steps={a.steps}", "--checkpoint.resume=false"]
+           f"--train.max_steps={a.steps}"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=C.REPO, env=env, capture_output=True, text=True)

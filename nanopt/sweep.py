@@ -128,6 +128,12 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
             configs[p.name] = resolve(load_config(config, base + parse_overrides(p.overrides())), nproc)
         except ConfigError as e:
             raise ConfigError(f"grid point {p.name}: {e}") from None
+        if not configs[p.name].checkpoint.resume:
+            raise ConfigError(
+                f"grid point {p.name}: checkpoint.resume is false (in {config or 'the defaults'} or an override), but a "
+                f"sweep resumes the runs it interrupted, and it writes each run's {LOG_FILE} into the run directory "
+                f"before the run starts, which a run that may not resume refuses. Drop it: every point has its own "
+                f"directory under runs/NAME, so a sweep under a new --name starts fresh.")
     return points, configs
 
 

@@ -278,6 +278,7 @@ def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
     (["--set", "train.lr=1e-3,2e-3", "--run.dir=x"], "--run.dir"),
     (["--set", "train.lr=1e-3,2e-3", "--train.lr=1e-2"], "both an override and a --set key"),
     (["--set", "train.lr=1e-3,2e-3", "--bogus"], "cannot read `--bogus`"),
+    (["--set", "train.lr=1e-3,2e-3", "--checkpoint.resume=false"], "checkpoint.resume is false .* Drop it"),
     ([], "nothing to sweep"),
 ])
 def test_bad_input_is_one_paragraph_and_exit_2_before_anything_starts(args, match, tmp_path, monkeypatch, capsys):
