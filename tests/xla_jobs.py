@@ -46,18 +46,9 @@ class SetupError(RuntimeError):
     """The torch_xla venv could not be built: the tests fail with this message."""
 
 
-def build_venv() -> str:
-    """The venv's python (built on first use, reused afterwards)."""
-    try:
-        proc = subprocess.run(["bash", str(REPO / "scripts" / "xla_venv.sh")], capture_output=True, text=True,
-                              timeout=VENV_BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv (timed out after "
-                         f"{VENV_BUILD_TIMEOUT_S} s)") from None
-    if proc.returncode != 0:
-        raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv (exit {proc.returncode}):\n"
-                         f"{proc.stderr[-3000:]}")
-    return str(Path(proc.stdout.strip().splitlines()[-1]) / "bin" / "python")
+def venv_python(out: str) -> str:
+    """The venv's python from scripts/xla_venv.sh's output (its last line is the venv's path)."""
+    return str(Path(out.strip().splitlines()[-1]) / "bin" / "python")
 
 
 def xla_env(devices: int) -> dict[str, str]:
@@ -121,22 +112,41 @@ class Background:
         self.started = time.perf_counter()
         self.future: Future = ThreadPoolExecutor(max_workers=1).submit(self._all)
 
-    def _run(self, name: str, step: Step) -> str:
-        cmd, env, expected = step
+    def _start(self, name: str, cmd: list[str], **kwargs) -> subprocess.Popen:
         with self.lock:
             if self.stopped:
                 raise AssertionError(f"{name}: the session ended before it ran")
-            proc = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=REPO, text=True, **kwargs)
             self.procs.add(proc)
+            return proc
+
+    def _wait(self, name: str, proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         try:
-            out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+            return proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError(f"{name} timed out after {RUN_TIMEOUT_S} s:\n{proc.communicate()[0][-4000:]}") from None
+            raise AssertionError(f"{name} timed out after {timeout} s:\n{str(proc.communicate()[0])[-4000:]}") from None
         finally:
             with self.lock:
                 self.procs.discard(proc)
+
+    def _build_venv(self) -> str:
+        """The venv's python, built on first use (the session's end kills a build in progress)."""
+        proc = self._start("scripts/xla_venv.sh", ["bash", str(REPO / "scripts" / "xla_venv.sh")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = self._wait("scripts/xla_venv.sh", proc, VENV_BUILD_TIMEOUT_S)
+        except AssertionError as e:
+            raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv ({e})") from None
+        if proc.returncode != 0:
+            raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv (exit {proc.returncode}):\n"
+                             f"{err[-3000:]}")
+        return venv_python(out)
+
+    def _run(self, name: str, step: Step) -> str:
+        cmd, env, expected = step
+        proc = self._start(name, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = self._wait(name, proc, RUN_TIMEOUT_S)
         assert proc.returncode == expected, f"{name} exited {proc.returncode}, not {expected}:\n{out[-4000:]}"
         return out
 
@@ -150,7 +160,7 @@ class Background:
         return {"log": text, "seconds": time.perf_counter() - t0, **result}
 
     def _all(self) -> dict:
-        python = build_venv()
+        python = self._build_venv()
         venv_s = time.perf_counter() - self.started
         chains = jobs(self.root, python)
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
