@@ -104,8 +104,9 @@ class StopSignal:
         flags = torch.tensor([1 if signalled() else 0, 1 if late else 0], dtype=torch.int32)
         if self.rt.distributed:
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._group)
-        self.timed_out = bool(flags[1].item())
-        return bool(flags.sum().item())
+        any_signalled, any_late = flags.tolist()  # a host tensor: no device sync
+        self.timed_out = any_late > 0
+        return any_signalled + any_late > 0
 
 
 class FiniteGuard:

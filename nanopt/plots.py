@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import logging
 import math
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from nanopt.errors import ConfigError
-from nanopt.io import write_bytes, write_text
+from nanopt.io import read_jsonl, write_bytes, write_text
 
 log = logging.getLogger("nanopt")
 
@@ -38,16 +37,7 @@ Record = dict[str, Any]
 
 def read_metrics(run_dir: Path) -> list[Record]:
     """The run's metrics.jsonl records; a line that does not parse (the one being written) is left out."""
-    path = Path(run_dir) / METRICS_FILE
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            out.append(record)
-    return out
+    return [r for r in read_jsonl(Path(run_dir) / METRICS_FILE) if isinstance(r.get("step"), int)]
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:

@@ -17,7 +17,7 @@ from nanopt.checkpoint import STEP_DIR, complete_checkpoints, verify
 from nanopt.config import DEVICES, Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import EVALS, evaluate, split_batches, token_bytes_table
-from nanopt.io import append_jsonl
+from nanopt.io import append_jsonl, read_jsonl
 from nanopt.loading import checkpoint_config, find_checkpoint, load
 from nanopt.metrics import setup_logging
 from nanopt.runtime import Runtime
@@ -120,16 +120,8 @@ def _is_run_dir(path: Path) -> bool:
 
 def evaluated(run_dir: Path, split: str) -> set[tuple[int, int]]:
     """(step, eval batches) already in evals.jsonl for this split: what a restarted watcher must not redo."""
-    path = run_dir / EVALS
-    done = set()
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(r, dict) and r.get(f"{split}_loss") is not None and r.get("source") == "nanopt eval":
-            done.add((r.get("step"), r.get("eval_batches")))
-    return done
+    return {(r.get("step"), r.get("eval_batches")) for r in read_jsonl(run_dir / EVALS)
+            if r.get(f"{split}_loss") is not None and r.get("source") == "nanopt eval"}
 
 
 def finished_at(run_dir: Path) -> Optional[int]:
