@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanopt import xla
-from nanopt.runtime import flash_unavailable_reason, xla_flash_unavailable_reason
+from nanopt.runtime import flash_unavailable_reason, sdpa_gqa_unfused_reason, xla_flash_unavailable_reason
 
 log = logging.getLogger("nanopt")
 
@@ -55,6 +55,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int =
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def sdpa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+    """sdpa with the K/V heads repeated to the query heads instead of enable_gqa: a fused kernel where
+    enable_gqa would get the math one (runtime.sdpa_gqa_unfused_reason). Costs the repeated K/V, B Hq T D each."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # B Hq Tk D
+    return sdpa(q, k, v, causal_offset)
+
+
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
     """flash-attn 2 (CUDA only). It wants B T H D and handles GQA natively.
 
@@ -82,6 +91,15 @@ def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: 
 BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash, "xla_flash": xla_flash}
 
 
+def _sdpa_for(device_type: str, precision: str) -> tuple[str, AttentionFn]:
+    """sdpa, or sdpa_repeat_kv where enable_gqa would fall to the unfused math kernel (logged once)."""
+    reason = sdpa_gqa_unfused_reason(device_type, precision)
+    if reason is None:
+        return "sdpa", sdpa
+    log.info("attention: sdpa repeats K/V heads for grouped-query attention because %s", reason)
+    return "sdpa (K/V repeated)", sdpa_repeat_kv
+
+
 def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, AttentionFn]:
     """Resolve the configured backend for this device and precision, logging any fallback and its reason once."""
     if name == "xla_flash":
@@ -89,7 +107,7 @@ def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, A
         if reason is None:
             return "xla_flash", xla_flash
         log.warning("attention: xla_flash requested but %s; falling back to sdpa", reason)
-        return "sdpa", sdpa
+        return _sdpa_for(device_type, precision)
     if name in ("flash", "auto"):
         reason = flash_unavailable_reason(device_type, precision)
         if reason is None:
@@ -98,5 +116,7 @@ def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, A
             log.warning("attention: flash requested but %s; falling back to sdpa", reason)
         else:
             log.info("attention: auto chose sdpa because %s", reason)
-        return "sdpa", sdpa
+        return _sdpa_for(device_type, precision)
+    if name == "sdpa":
+        return _sdpa_for(device_type, precision)
     return name, BACKENDS[name]

@@ -117,7 +117,9 @@ def step_line(step: int, max_steps: int, v: dict[str, Any]) -> str:
         f"eta {format_duration(v.get('eta_s', 0.0))}",
     ]
     if v.get("peak_memory_gib") is not None:  # mfu.peak_memory_gib: None where the device cannot tell
-        parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB")
+        # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
+        reserved = v.get("peak_reserved_gib")
+        parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB" + ("" if reserved is None else f" ({reserved:.2f} reserved)"))
     return " | ".join(parts)
 
 

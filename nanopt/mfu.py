@@ -80,6 +80,12 @@ def peak_memory_gib(rt: Runtime) -> Optional[float]:
     return None if peak is None else peak / 2**30
 
 
+def peak_reserved_gib(rt: Runtime) -> Optional[float]:
+    """This rank's peak reserved device memory in GiB (CUDA's caching allocator), or None elsewhere."""
+    peak = rt.peak_reserved_bytes()
+    return None if peak is None else peak / 2**30
+
+
 def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
     """(per-device peak FLOP/s or None, a description for the log) for this run's device and precision.
 

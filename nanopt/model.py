@@ -32,8 +32,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as Llama does) and cast back: bf16 variance loses too many bits.
-        return self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)
+        # Normalise in fp32 (as Llama does): bf16 variance loses too many bits. Under autocast the output is
+        # cast once, here, to the autocast dtype: the Linears after the norm (wq, wk, wv; w1, w3) would each
+        # cast it again, to the same bf16 values, and each keep its own copy for backward.
+        y = self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)
+        if torch.is_autocast_enabled(y.device.type):
+            return y.to(torch.get_autocast_dtype(y.device.type))
+        return y
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -319,7 +319,8 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
     # on the device (GPU) or on the host (CPU).
     ops: dict[str, list] = {}  # name -> [self us, calls, self CPU us]
     for e in events:
-        if e.device_type != DeviceType.CPU or e.is_user_annotation or e.is_python_function:
+        # is_python_function is newer than some supported torch (2.11 lacks it): absent means not one.
+        if e.device_type != DeviceType.CPU or e.is_user_annotation or getattr(e, "is_python_function", False):
             continue
         row = ops.setdefault(e.key, [0.0, 0, 0.0])
         row[0] += e.self_device_time_total if device_mode else e.self_cpu_time_total

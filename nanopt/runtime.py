@@ -128,6 +128,13 @@ class Runtime:
             return self.xla.peak_memory_bytes()
         return None
 
+    def peak_reserved_bytes(self) -> Optional[int]:
+        """Peak memory the CUDA caching allocator reserved since start (what runs out: allocated plus the
+        allocator's cached, fragmented blocks), or None on other devices."""
+        if self.kind == "cuda":
+            return int(torch.cuda.max_memory_reserved(self.device))
+        return None
+
     # ---- profiler seams (nanopt/profiling.py asks these instead of branching on the device)
 
     def profiler_activities(self) -> Optional[list]:
@@ -285,6 +292,17 @@ def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optio
         import flash_attn  # noqa: F401
     except ImportError as e:
         return f"flash-attn is not importable ({e}); install the `gpu` extra"
+    return None
+
+
+def sdpa_gqa_unfused_reason(device_type: str, precision: str) -> Optional[str]:
+    """Why SDPA with enable_gqa would fall to its math kernel here (T x T scores in memory), or None.
+
+    On CUDA in fp32 the flash kernel refuses fp32 and the memory-efficient kernel refuses enable_gqa, so
+    the math kernel runs: 8 GiB of scores per layer at 1B shapes (bench/gpu_check.py measures it).
+    """
+    if device_type == "cuda" and precision == "fp32":
+        return "SDPA's fused CUDA kernels take either fp32 or enable_gqa, not both"
     return None
 
 

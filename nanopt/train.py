@@ -136,6 +136,7 @@ class StepLogger:
             "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": t.global_batch_tokens / step_s, "step_ms": 1000 * step_s,
             **self.meter.update(state.step, steps, step_s), "peak_memory_gib": mfu.peak_memory_gib(self.rt),
+            "peak_reserved_gib": mfu.peak_reserved_gib(self.rt),
             "tokens_seen": state.tokens_seen, "eta_s": step_s * (t.max_steps - state.step),
         }
         self.metrics.log(state.step, values)
