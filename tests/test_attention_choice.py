@@ -54,6 +54,32 @@ def test_an_fp32_run_on_cuda_keeps_sdpa_because_flash_rejects_fp32(monkeypatch, 
     assert choose("auto", "cuda", "bf16-pure") == ("flash", attention.flash)
 
 
+def test_fp32_on_cuda_repeats_kv_heads_so_sdpa_keeps_a_fused_kernel(monkeypatch, caplog):
+    # bench/gpu_check.py on an H100 (torch 2.11): fp32 with enable_gqa -> MATH kernel, 8.1 GiB for one 1B layer's
+    # scores; K/V repeated -> EFFICIENT_ATTENTION, 0.25 GiB. Elsewhere enable_gqa stays (no copies of K/V).
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        for name in ("sdpa", "auto", "flash"):
+            assert choose(name, "cuda", "fp32") == ("sdpa (K/V repeated)", attention.sdpa_repeat_kv)
+    assert "fp32 or enable_gqa, not both" in caplog.text
+    for device, precision in (("cuda", "bf16"), ("cpu", "fp32"), ("cpu", "bf16")):
+        assert choose("sdpa", device, precision) == ("sdpa", sdpa)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_sdpa_with_repeated_kv_heads_equals_sdpa_with_enable_gqa(kv_heads):
+    g = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)  # B Hq T D
+    k, v = (torch.randn(2, kv_heads, 16, 8, generator=g, requires_grad=True) for _ in range(2))  # B Hkv T D
+    out = attention.sdpa_repeat_kv(q, k, v)
+    ref = sdpa(q, k, v)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
 HAVE_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 

@@ -132,6 +132,35 @@ def test_bf16_autocast_forward_backward_runs_and_is_close_to_fp32():
     assert model.embed.weight.grad is not None
 
 
+def test_rmsnorm_under_autocast_casts_once_and_changes_no_value():
+    """The norm hands bf16 to the Linears after it (they would each cast the fp32 output to these same values):
+    one cast instead of three, one saved copy instead of three. The forward is bitwise that of the fp32-output
+    norm; in backward the Linears' input gradients now meet in bf16 before the norm (one more bf16 rounding)."""
+    torch.manual_seed(0)
+    model = build_model(small())
+    idx = torch.randint(0, 97, (2, 32))
+    norm = model.layers[0].attention_norm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm(torch.randn(2, 3, 64)).dtype == torch.bfloat16
+    assert norm(torch.randn(2, 3, 64)).dtype == torch.float32  # no autocast: the input's dtype, as before
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads()
+    fp32_output = lambda self, x: self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nanopt.model.RMSNorm, "forward", fp32_output)
+        ref_loss, ref_grads = loss_and_grads()
+    assert torch.equal(loss, ref_loss)
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).norm() <= 1e-2 * r.norm()
+
+
 def test_build_model_returns_a_ready_model():
     model = build_model(small(), kernel=eager, loss_chunk_tokens=24, dtype=torch.bfloat16)
     assert all(layer.attention.kernel is eager for layer in model.layers)

@@ -1,0 +1,70 @@
+"""bench/gpu_check.py --cpu-smoke: the GPU check's own code, run at toy size on CPU so that it cannot rot
+between the sessions that have a GPU (README "Performance" has its figures from an H100)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_gpu_check():
+    sys.path.insert(0, str(REPO / "bench"))  # gpu_check imports its neighbour _common
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
+    # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
+    # real runs would add ~80 s (tests/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
+                           "--sections", "env,attention,ddp,1b"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not any("error" in result[s] for s in ("env", "attention", "ddp", "1b")), result
+    assert result["env"]["torch"] == __import__("torch").__version__
+    for dtype in ("bfloat16", "float32"):
+        row = result["attention"][dtype]
+        assert row["nanopt_sdpa_rel_err"] < (2e-2 if dtype == "bfloat16" else 1e-5)
+        assert row["sdpa_kernel_enable_gqa"] and row["nanopt_kernel"] == "sdpa"
+    # Finding 1's evidence: without the in-place zeroing the no_sync gradients live outside DDP's bucket.
+    assert result["ddp"]["set_to_none"]["grad_storages"] > 1 == result["ddp"]["in_place"]["grad_storages"]
+    run = result["1b"]["eager"]
+    assert run["rc"] == 0 and run["tokens_per_s"] > 0 and run["steps_timed"] == [3, 4, 5, 10]
+    assert run["profile"]["compute_share"] > 0.5 and run["top_ops"], run
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "## DDP gradients" in report and "## Training 1b" in report and "FAILED" not in report
+
+
+def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rerun(tmp_path, monkeypatch):
+    """check_resume's bookkeeping on fake runs: which steps it compares, the differences, the digests."""
+    gc = load_gpu_check()
+    losses = {"resume-straight": 1.0, "resume-again": 1.0, "resume-killed": 1.25}
+    calls = []
+
+    def fake_run(args, run_dir, timeout, env=None):
+        calls.append((run_dir.name, (env or {}).get("NANOPT_TEST_HOOK")))
+        killed = env is not None
+        resumed = run_dir.name == "resume-killed" and not killed  # goes on from the step-4 checkpoint
+        steps = range(1, 7) if killed else range(5, 11) if resumed else range(1, 11)
+        records = [{"step": s, "loss": losses[run_dir.name] * s} for s in steps]
+        if not killed:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            digest = "same" if run_dir.name != "resume-killed" else "other"
+            (run_dir / "summary.json").write_text(json.dumps({"weights_sha256_per_rank": [digest]}))
+        return {"rc": -9 if killed else 0, "records": records, "log_tail": ""}
+
+    monkeypatch.setattr(gc, "nanopt_run", fake_run)
+    out = gc.check_resume([], tmp_path, tmp_path / "shards", 10)
+    assert calls == [("resume-straight", None), ("resume-again", None), ("resume-killed", "kill-in-step:7"),
+                     ("resume-killed", None)]
+    assert out["rc"] == [0, 0, -9, 0] and out["steps_compared"] == [5, 6, 7, 8, 9, 10]
+    assert out["max_abs_loss_diff"] == 0.25 * 10 and out["weights_equal"] is False
+    assert out["rerun_max_abs_loss_diff"] == 0.0 and out["rerun_weights_equal"] is True
+    assert not any((tmp_path / d).exists() for d in ("resume-straight", "resume-again", "resume-killed"))
