@@ -1,6 +1,6 @@
 """Verify nanopt's CUDA path on one GPU and measure it: one command, a Markdown report and a JSON file.
 
-    python bench/gpu_check.py                                   # every section, about 10 minutes on one H100
+    python bench/gpu_check.py                                   # every section, about 11 minutes on one H100
     python bench/gpu_check.py --sections env,attention,ddp      # some of them
     python bench/gpu_check.py --cpu-smoke                       # the same code at toy size on CPU (a test runs it)
 
@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _common import REPO, spec_peak  # noqa: F401  (REPO on sys.path: nanopt imports from the checkout)
+from _common import REPO, spec_peak  # importing _common puts REPO on sys.path: nanopt from this checkout
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from nanopt import attention, data, hardware  # noqa: E402
 from nanopt.config import ModelConfig, load_config  # noqa: E402
+from nanopt.io import read_jsonl  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
 
@@ -107,9 +108,8 @@ def check_env(device: torch.device, smoke: bool) -> dict[str, Any]:
     out["power_limit_w"] = rt.power_limit_watts()
     out["nanopt_hardware"] = hardware.detect_hardware(props.name, out["power_limit_w"])
     out["spec_peak_bf16_tflops"] = (spec_peak(device, "bf16") or 0) / 1e12 or None
-    n = 8192
-    out["measured_bf16_matmul_tflops"] = round(hardware.measure_matmul_flops(
-        torch.bfloat16, device, budget_s=2.0, sync=torch.cuda.synchronize, n=n) / 1e12, 1)
+    out["measured_bf16_matmul_tflops"] = round(hardware.measure_matmul_flops(  # 8192^3: big enough to fill an H100
+        torch.bfloat16, device, budget_s=2.0, sync=torch.cuda.synchronize, n=8192) / 1e12, 1)
     return out
 
 
@@ -244,7 +244,7 @@ def nanopt_run(args: list[str], run_dir: Path, timeout: float, env: Optional[dic
         rc, log = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, log = None, f"timed out after {timeout:.0f} s\n" + (e.stdout or b"").decode(errors="replace")[-3000:]
-    records = data_records(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl")
     lines = log.strip().splitlines()
     notable = [ln for ln in lines if any(w in ln for w in ("profile", "WARNING", "Error", "attention", "model:"))]
     return {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": records,
@@ -255,12 +255,6 @@ def _stamps(lines: list[str]) -> list[str]:
     """The first and last log lines, and the first step's: where a run's wall time went."""
     steps = [ln for ln in lines if " step " in ln]
     return [ln[:120] for ln in (lines[:1] + steps[:1] + steps[-1:] + lines[-1:])]
-
-
-def data_records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def speed_of(records: list[dict[str, Any]], skip: set[int]) -> dict[str, Any]:
@@ -305,13 +299,14 @@ def check_train(name: str, args: list[str], variants: list[str], work: Path, ste
     return out
 
 
-# Each variant is a set of overrides on the config as shipped ("default").
+# Each variant is a set of overrides on the config as shipped (the GPU configs: compiled, loss unchunked).
 VARIANTS: dict[str, list[str]] = {
     "default": [],
-    "eager": ["--train.compile=false"],
     "compiled": ["--train.compile=true"],
-    # One loss chunk per micro-batch: no logits recomputed in backward, at the memory of whole-batch logits.
-    "nochunk": ["--train.compile=true", "--train.loss_chunk_tokens=1000000"],
+    # The documented escape hatch: eager needs the loss in chunks, or it holds whole-batch fp32 logits.
+    "eager": ["--train.compile=false", "--train.loss_chunk_tokens=8192"],
+    "chunked": ["--train.compile=true", "--train.loss_chunk_tokens=8192"],  # compiled, with the eager loss
+    "nochunk": ["--train.compile=true", "--train.loss_chunk_tokens=0"],
 }
 
 
@@ -406,7 +401,7 @@ def _fmt(x: Any, spec: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
-    p.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default: eager,compiled; "
+    p.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default: compiled,eager; "
                    "smoke: eager)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps per training run (0: 12; smoke 10)")
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the script, measures nothing")
@@ -415,7 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=420, help="seconds allowed per training run")
     a = p.parse_args(argv)
     sections = [s for s in a.sections.split(",") if s]
-    a.variants = a.variants or ("eager" if a.cpu_smoke else "eager,compiled")
+    a.variants = a.variants or ("eager" if a.cpu_smoke else "compiled,eager")
     unknown = set(sections) - set(SECTIONS) | set(a.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown section or variant {sorted(unknown)}")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 from nanopt.config import Config
 from nanopt.errors import ConfigError, ShardError
-from nanopt.io import cache_dir, write_bytes
+from nanopt.io import cache_dir, write_bytes, write_json
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
@@ -378,6 +379,43 @@ def check_manifest(directory: Path) -> None:
                     "those", directory, len(manifest["shards"]))
 
 
+# shard name -> [size, mtime_ns, stored crc32] of the file when its checksum last passed: a start, resume or
+# retry re-reads only shards written or changed since (at 1B, ~99 GB that every start read whole before).
+VERIFIED = ".verified.json"
+
+
+def _stamp(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, read_header(path).crc32]
+
+
+def verify_shards(directory: Path, paths: list[Path]) -> None:
+    """Checksum each shard that changed since it last passed (ShardError names a corrupt one), then record it in
+    VERIFIED. Damage that keeps a file's size and mtime goes unseen after its first pass: `nanopt prepare --verify`
+    re-reads everything. A directory that cannot be written (a read-only mount) is verified at every start."""
+    stamps_path = directory / VERIFIED
+    try:
+        stamps = json.loads(stamps_path.read_text()) if stamps_path.exists() else {}
+    except (OSError, ValueError):
+        stamps = {}  # unreadable: verify everything and write it afresh
+    recorded = 0
+    for path in (p for p in paths if stamps.get(p.name) != _stamp(p)):
+        open_shard(path, verify=True)
+        stamp = _stamp(path)
+        # A file modified within the filesystem's timestamp granularity of now could change again under the
+        # same mtime: trust the stamp only once its mtime is safely in the past (git's "racy" rule).
+        if time.time_ns() - stamp[1] > 2_000_000_000:
+            stamps[path.name] = stamp
+            recorded += 1
+    if not recorded:
+        return
+    try:
+        write_json(stamps_path, stamps)
+    except OSError as e:
+        log.info("data: %d shard(s) verified, but %s cannot be written (%s): the next start verifies them again",
+                 recorded, stamps_path, e)
+
+
 def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
     """Name, token count, vocabulary and stored crc32 of each shard (headers only: cheap). A checkpoint
     records its training shards' fingerprint; a resume refuses data that differs."""
@@ -408,13 +446,18 @@ def data_dir(cfg: Config, rt: Runtime) -> Path:
     return directory
 
 
-def open_split(directory: Path, split: str, cfg: Config) -> TokenWindows:
-    """The split's shards as windows of train.seq_len + 1 tokens, checked against the model's vocabulary."""
+def open_split(directory: Path, split: str, cfg: Config, verify: bool = True) -> TokenWindows:
+    """The split's shards as windows of train.seq_len + 1 tokens, checked against the model's vocabulary.
+
+    With `verify` (and `data.verify_checksum`) every shard not yet verified in its present form is read whole
+    for its crc32 (see verify_shards); training passes verify on one rank per node."""
     paths = split_paths(directory, split)
     if not paths:
         raise ConfigError(f"no `{split}_*.bin` token shards in {directory}; run `nanopt prepare` for this config.")
     try:
-        windows = TokenWindows(paths, cfg.train.seq_len, verify=cfg.data.verify_checksum)
+        if verify and cfg.data.verify_checksum:
+            verify_shards(directory, paths)
+        windows = TokenWindows(paths, cfg.train.seq_len, verify=False)
     except ShardError as e:
         raise ConfigError(str(e)) from None
     if windows.vocab_size > cfg.model.vocab_size:

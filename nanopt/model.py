@@ -419,7 +419,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     """A ready model: built on the meta device (no memory, no wasted init), materialised, initialised once.
 
     `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves to
-    `device`. A `dtype` other than fp32 (bf16-pure) casts everything at the end, RoPE tables included.
+    `device`. A `dtype` other than fp32 (bf16-pure) casts the parameters at the end; the RoPE tables stay fp32.
     Raises RuntimeError when flops.param_counts disagrees with the model: MFU would be wrong.
     """
     with torch.device("meta"):
@@ -430,9 +430,12 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     if init_device is not None and torch.device(init_device) != torch.device(device):
         model.to(device)
         model.tie_head()
-    if dtype != torch.float32:  # bf16-pure: everything, RoPE tables included, as training always did
+    if dtype != torch.float32:  # bf16-pure: the parameters; the RoPE tables stay fp32
         model.to(dtype)
         model.tie_head()  # a cast keeps parameters in place today; re-tie in case torch re-creates them
+        # In bf16 every cos/sin entry would be rounded by up to 2^-9, an error added to every q and k rotation;
+        # apply_rope rotates in fp32 and casts back.
+        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     _check_param_count(cfg, model)
     return model
 

@@ -271,7 +271,11 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
     stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
     seed_everything(cfg.run.seed)
     directory = data.data_dir(cfg, rt)
-    train_windows, val_windows = data.open_split(directory, "train", cfg), data.open_split(directory, "val", cfg)
+    # One checksum pass per node (its ranks read the same files), and only over shards new since the last one.
+    verify = rt.local_rank == 0
+    train_windows = data.open_split(directory, "train", cfg, verify)
+    val_windows = data.open_split(directory, "val", cfg, verify)
+    rt.barrier()  # the node's other ranks wait for its verdict
     loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, cfg.run.seed)
     val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
                                     cfg.eval.seed)
@@ -292,6 +296,11 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
                  "seq x %d ranks x %d accum", f"{model.num_params():,}", attention_name, t.precision, rt.kind,
                  rt.world_size, rt.hardware_name(), t.global_batch_tokens, t.micro_batch_size, t.seq_len,
                  rt.world_size, t.grad_accum_steps)
+    if rt.is_main and t.precision == "bf16-pure":
+        log.warning("train.precision is bf16-pure: the weights and AdamW's state are bf16, so an update smaller than "
+                    "~2^-9 of a weight rounds away (decoupled weight decay of lr x wd = %.1e per step does nothing, and "
+                    "late small updates are lost). Use bf16 (autocast, fp32 weights) unless memory forces this.",
+                    t.lr * t.weight_decay)
     meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
     guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)

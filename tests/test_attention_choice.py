@@ -47,9 +47,10 @@ def test_on_cuda_with_the_package_auto_and_flash_pick_flash(monkeypatch):
 def test_an_fp32_run_on_cuda_keeps_sdpa_because_flash_rejects_fp32(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))
     assert "fp16/bf16 only" in flash_unavailable_reason("cuda", "fp32")
+    kept = ("sdpa (K/V repeated)", attention.sdpa_repeat_kv)  # SDPA in the form that keeps a fused kernel (below)
     with caplog.at_level(logging.INFO, logger="nanopt"):
-        assert choose("auto", "cuda", "fp32") == ("sdpa", sdpa)
-        assert choose("flash", "cuda", "fp32") == ("sdpa", sdpa)
+        assert choose("auto", "cuda", "fp32") == kept
+        assert choose("flash", "cuda", "fp32") == kept
     assert "train.precision is fp32" in caplog.text
     assert choose("auto", "cuda", "bf16-pure") == ("flash", attention.flash)
 

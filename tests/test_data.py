@@ -1,13 +1,16 @@
 """Token shards and the loader: format round trip, refusal of bad shards, rank-disjoint deterministic batches."""
 from __future__ import annotations
 
+import os
 import shutil
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from nanopt import data
+from nanopt.config import Config
 from nanopt.tokenizer import ByteTokenizer
 
 
@@ -43,6 +46,39 @@ def test_corrupt_shard_fails_its_checksum(tmp_path):
     with pytest.raises(data.ShardError, match="checksum"):
         data.open_shard(path)
     assert len(data.open_shard(path, verify=False)) == 100  # the escape hatch still reads it
+
+
+def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, monkeypatch):
+    """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
+    cfg = Config()
+    cfg.train.seq_len = 8
+    for i in range(2):
+        data.write_shard(tmp_path / f"train_00000{i}.bin", np.arange(100) % 257, vocab_size=257)
+    data.open_split(tmp_path, "train", cfg)
+    assert not (tmp_path / data.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
+    for path in tmp_path.glob("train_*.bin"):
+        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # written 10 s ago
+    passes = []
+    real_open = data.open_shard
+    monkeypatch.setattr(data, "open_shard", lambda p, verify=True: (verify and passes.append(p.name),
+                                                                     real_open(p, verify))[1])
+    data.open_split(tmp_path, "train", cfg)
+    assert passes == ["train_000000.bin", "train_000001.bin"]
+    data.open_split(tmp_path, "train", cfg)  # a resume, a retry: nothing changed, nothing re-read
+    data.open_split(tmp_path, "train", cfg, verify=False)  # another rank of the node
+    assert len(passes) == 2
+    path = tmp_path / "train_000001.bin"  # corrupted after its pass: it is written anew, so its stamp changes
+    raw = bytearray(path.read_bytes())
+    raw[data.HEADER_BYTES + 3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
+        data.open_split(tmp_path, "train", cfg)
+    assert passes[2:] == ["train_000001.bin"]
+    (tmp_path / data.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
+    data.write_shard(path, np.arange(100) % 257, vocab_size=257)
+    os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
+    data.open_split(tmp_path, "train", cfg)
+    assert passes[3:] == ["train_000000.bin", "train_000001.bin"]
 
 
 def test_not_a_shard_is_refused(tmp_path):

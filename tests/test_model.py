@@ -166,7 +166,9 @@ def test_build_model_returns_a_ready_model():
     assert all(layer.attention.kernel is eager for layer in model.layers)
     assert model.loss_chunk_tokens == 24
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.rope_cos.dtype == torch.bfloat16  # bf16-pure casts everything, as before build_model took dtype
+    # bf16-pure casts the parameters only: bf16 cos/sin tables would round every rotation (issue 16, finding 6).
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    torch.testing.assert_close(model.rope_cos, rope_tables(small(), model.rope_cos.shape[0])[0])
     assert model.lm_head.weight is model.embed.weight
     idx = torch.randint(0, 97, (2, 16))
     assert model(idx, idx).dtype == torch.float32  # 32 tokens -> 2 chunks of the loss, summed in fp32
