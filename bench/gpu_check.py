@@ -269,6 +269,8 @@ def speed_of(records: list[dict[str, Any]], skip: set[int]) -> dict[str, Any]:
 
     last = steps[-1]
     return {"steps_timed": [r["step"] for r in steps], "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"),
+            # every logged step's time, the skipped ones too: compilation, the profiler's cost, recompiles
+            "step_ms_each": {r["step"]: round(r["step_ms"]) for r in records if "step_ms" in r},
             "step_ms": med("step_ms"), "loss_last": last["loss"],
             "peak_allocated_gib": max((r.get("peak_memory_gib") or 0) for r in records if "loss" in r) or None,
             "peak_reserved_gib": max((r.get("peak_reserved_gib") or 0) for r in records if "loss" in r) or None}

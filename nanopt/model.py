@@ -435,7 +435,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
         model.tie_head()  # a cast keeps parameters in place today; re-tie in case torch re-creates them
         # In bf16 every cos/sin entry would be rounded by up to 2^-9, an error added to every q and k rotation;
         # apply_rope rotates in fp32 and casts back.
-        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+        model.rope_cos, model.rope_sin = rope_tables(cfg, model.rope_cos.shape[0], device=model.rope_cos.device)
     _check_param_count(cfg, model)
     return model
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +62,13 @@ def corpus_dir() -> Path:
     from nanopt.data import embedded_shards
 
     return embedded_shards("byte")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`pytest &`) with SIGINT ignored, and every process a test starts would
+    # inherit that: the Ctrl-C and preemption tests would then wait for an exit that never comes.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
