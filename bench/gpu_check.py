@@ -313,8 +313,9 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def check_resume(args: list[str], work: Path, shards: Path, timeout: float) -> dict[str, Any]:
-    """10 steps straight vs killed in step 7 (SIGKILL) and resumed from the step-4 checkpoint: losses and
-    weights (summary.json's digest) must match, RNG and fused AdamW state included."""
+    """10 steps straight vs killed in step 7 (SIGKILL) and resumed from the step-4 checkpoint (RNG and fused
+    AdamW state included): loss differences and whether the weights (summary.json's digest) are equal, next to
+    the same for a second straight run, the device's own run-to-run noise (bitwise on CPU, not on cuDNN)."""
     common = [*args, *QUIET, f"--data.source={shards}", "--train.max_steps=10", "--checkpoint.every=4",
               "--checkpoint.keep=1"]
     straight = nanopt_run(common, work / "resume-straight", timeout)

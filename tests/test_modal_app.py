@@ -363,10 +363,13 @@ def test_sigint_to_torchrun_is_a_retried_preemption_and_the_retry_finishes_the_s
     run_dir = volume_dir / "runs" / "modal-preempted"
     launched: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
+    this_thread = threading.get_ident()
 
     def popen(*args: object, **kwargs: object) -> subprocess.Popen:
-        launched.append(real_popen(*args, **kwargs))
-        return launched[-1]
+        proc = real_popen(*args, **kwargs)
+        if threading.get_ident() == this_thread:  # the patch is process-wide: tests/xla_jobs.py's threads start runs too
+            launched.append(proc)
+        return proc
 
     def interrupt_when_paused() -> None:
         markers = [run_dir / f".test_paused.rank{r}" for r in (0, 1)]
