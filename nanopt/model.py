@@ -20,6 +20,9 @@ from nanopt.config import ModelConfig
 from nanopt.flops import param_counts
 from nanopt.runtime import recompute
 
+# Loss chunk (positions) under torch.no_grad when train.loss_chunk_tokens is 0 (see Llama._chunked_loss).
+NO_GRAD_CHUNK_TOKENS = 8192
+
 # Attribute marking a Linear that writes into the residual stream (attention wo, MLP w2): init_weights
 # scales its std by 1/sqrt(2 * n_layers) so the residual variance does not grow with depth.
 RESIDUAL_OUT = "residual_out"
@@ -356,11 +359,14 @@ class Llama(nn.Module):
         # The cap is bound here so recompute (typed for tensors; torch_xla's reentrant checkpoint on XLA) gets
         # tensor arguments only.
         loss_sum = functools.partial(_chunk_loss_sum, softcap=self.cfg.logit_softcap)
-        if self.loss_chunk_tokens <= 0 or B * T <= self.loss_chunk_tokens:
+        # Without autograd (evaluation) chunks cost nothing, so the logits stay bounded even where training runs
+        # unchunked (the compiled GPU configs: 25 GB of logits per 170m micro-batch otherwise).
+        chunk = self.loss_chunk_tokens if torch.is_grad_enabled() else self.loss_chunk_tokens or NO_GRAD_CHUNK_TOKENS
+        if chunk <= 0 or B * T <= chunk:
             return loss_sum(h, targets, self.lm_head.weight) / count
         # Chunks run along the sequence and span the whole batch, so with the batch sharded over devices
         # (XLA SPMD) every chunk keeps every device busy.
-        step = max(1, self.loss_chunk_tokens // B)
+        step = max(1, chunk // B)
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, T, step):
             total = total + recompute(

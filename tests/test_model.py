@@ -112,6 +112,24 @@ def test_chunked_loss_equals_full_loss_and_gradient():
     assert torch.allclose(g_full, model.embed.weight.grad, atol=1e-6)
 
 
+def test_evaluation_chunks_the_loss_even_when_training_does_not(monkeypatch):
+    """loss_chunk_tokens 0 (the compiled GPU configs) means no chunks with autograd; under no_grad chunks cost
+    nothing, so evaluation bounds its logits to NO_GRAD_CHUNK_TOKENS positions at a time. Same loss."""
+    torch.manual_seed(0)
+    model = build_model(small(), loss_chunk_tokens=0)
+    idx, tgt = torch.randint(0, 97, (2, 40)), torch.randint(0, 97, (2, 40))
+    sizes = []
+    real = nanopt.model._chunk_loss_sum
+    monkeypatch.setattr(nanopt.model, "_chunk_loss_sum", lambda h, *a, **k: (sizes.append(h.shape[1]), real(h, *a, **k))[1])
+    monkeypatch.setattr(nanopt.model, "NO_GRAD_CHUNK_TOKENS", 20)  # 80 positions -> 4 chunks of 10 per row
+    train_loss = model(idx, tgt)
+    assert sizes == [40]  # with autograd: one piece, as configured
+    with torch.no_grad():
+        eval_loss = model(idx, tgt)
+    assert sizes[1:] == [10, 10, 10, 10]
+    torch.testing.assert_close(eval_loss, train_loss.detach())
+
+
 def test_llama3_rope_scaling_changes_only_low_frequencies():
     plain = rope_frequencies(small(dim=128, n_heads=2, rope_theta=500000.0))
     scaled = rope_frequencies(small(dim=128, n_heads=2, rope_theta=500000.0, rope_scaling="llama3"))
