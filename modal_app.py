@@ -42,7 +42,7 @@ TRAIN_GPUS = 8
 EVAL_GPU = "L40S"  # 48 GB: enough to evaluate the 1B model in bf16, at a fraction of an H100's price
 BENCH_GPU = "H100!"
 # The benches that mean something on a GPU (ddp.py and prepare.py measure CPU cores).
-GPU_BENCHES = ("vs_hf", "ladder")
+GPU_BENCHES = ("vs_hf", "ladder", "gpu_check")  # gpu_check: the CUDA path verified (README "On one H100")
 PREPARE_CPUS = 32.0
 DAY_S = 24 * 60 * 60  # Modal's longest function timeout
 TRAIN_TIMEOUT_S = DAY_S
