@@ -28,12 +28,18 @@ def _causal_mask(tq: int, tk: int, offset: int, device: torch.device) -> torch.T
     return k_pos <= q_pos  # Tq Tk, True = may attend
 
 
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA without kernel support: each KV head repeated for the `groups` query heads it serves.
+    k/v: B Hkv Tk D -> B Hq Tk D (unchanged when Hkv == Hq)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
     """The naive baseline: materialise the T×T score matrix, mask, softmax, weight the values."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # GQA: each KV head serves `groups` query heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    k, v = repeat_kv(q, k, v)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # B H Tq D @ B H D Tk -> B H Tq Tk
     mask = _causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -58,10 +64,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int =
 def sdpa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
     """sdpa with the K/V heads repeated to the query heads instead of enable_gqa: a fused kernel where
     enable_gqa would get the math one (runtime.sdpa_gqa_unfused_reason). Costs the repeated K/V, B Hq T D each."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # B Hq Tk D
-    return sdpa(q, k, v, causal_offset)
+    return sdpa(q, *repeat_kv(q, k, v), causal_offset)
 
 
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:

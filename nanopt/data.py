@@ -399,9 +399,11 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
     except (OSError, ValueError):
         stamps = {}  # unreadable: verify everything and write it afresh
     recorded = 0
-    for path in (p for p in paths if stamps.get(p.name) != _stamp(p)):
-        open_shard(path, verify=True)
+    for path in paths:
         stamp = _stamp(path)
+        if stamps.get(path.name) == stamp:
+            continue
+        open_shard(path, verify=True)
         # A file modified within the filesystem's timestamp granularity of now could change again under the
         # same mtime: trust the stamp only once its mtime is safely in the past (git's "racy" rule).
         if time.time_ns() - stamp[1] > 2_000_000_000:
