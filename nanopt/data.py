@@ -5,6 +5,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -306,6 +307,16 @@ def split_paths(directory: Path, split: str) -> list[Path]:
 # ---------------------------------------------------------------- the manifest `nanopt prepare` writes
 MANIFEST = "manifest.json"
 SPLITS = ("val", "test", "train")
+# The only names `nanopt prepare` gives shards: f"{split}_{index:06d}.bin" (seven digits only past index 999999).
+_SHARD_NAME = re.compile(rf"(?:{'|'.join(SPLITS)})_([0-9]{{6,}})\.bin")
+_NAME_FIX = "{split}_NNNNNN.bin"
+
+
+def is_shard_name(name: object) -> bool:
+    """True for exactly the file names `nanopt prepare` writes shards under. Such a name has no directory part and
+    no `..`, so a manifest entry that passes can only point inside the manifest's own directory."""
+    m = _SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
+    return m is not None and f"{int(m[1]):06d}" == m[1]
 
 
 def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
@@ -313,24 +324,76 @@ def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
     return zlib.crc32(np.ascontiguousarray(np.asarray(tokens).astype(token_dtype(vocab_size))))
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true/false load as bool, a subclass of int
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)  # a bad entry as it stands in the file, cut short only when very long
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _manifest_error(directory: Path, problem: str) -> ConfigError:
+    path = directory / MANIFEST
+    return ConfigError(
+        f"{path} cannot be used: {problem}. Nothing was read or deleted on its word. Restore {path} from a copy, "
+        f"or delete it together with the shards ({_NAME_FIX}) in {directory} and run `nanopt prepare` again."
+    )
+
+
+def _entry_shape_problem(entry: object) -> Optional[str]:
+    """Why a manifest entry is not one prepare writes (None when it is). The file name matters most: a manifest
+    in a shared directory must not be able to make prepare delete, or training read, any other file."""
+    if not isinstance(entry, dict):
+        return f"is {_shown(entry)}, not a JSON object"
+    if not is_shard_name(entry.get("file")):
+        return (f"names the file {_shown(entry.get('file'))}, which is not a shard name `nanopt prepare` writes "
+                f"({_NAME_FIX} inside the manifest's directory)")
+    if not isinstance(entry.get("split"), str) or not _is_int(entry.get("tokens")):
+        return f"for {entry['file']} lacks a `split` string or a `tokens` count"
+    if "crc32" in entry and not _is_int(entry["crc32"]):
+        return f"for {entry['file']} has a `crc32` that is not a number"
+    if "after" in entry and not isinstance(entry["after"], dict):
+        return f"for {entry['file']} has an `after` that is not a JSON object"
+    return None
+
+
+def _manifest_shape_problem(manifest: object) -> Optional[str]:
+    if not isinstance(manifest, dict):
+        return f"it holds {_shown(manifest)}, not a JSON object"
+    if not isinstance(manifest.get("state"), dict):
+        return "its `state` is missing or not a JSON object"
+    for key in ("shards", "rebuild"):
+        entries = manifest.get(key, [] if key == "rebuild" else None)
+        if not isinstance(entries, list):
+            return f"its `{key}` is missing or not a list"
+        for i, entry in enumerate(entries):
+            if why := _entry_shape_problem(entry):
+                return f"the entry `{key}[{i}]` {why}"
+    return None
+
+
 def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
     """The directory's manifest.json as `nanopt prepare` wrote it, or None where there is none (the embedded
-    corpus, shards written by hand)."""
+    corpus, shards written by hand). Anything else (not UTF-8, not JSON, another shape, an entry naming a file
+    that is not a shard of this directory) is refused with ConfigError before any file it names is touched."""
     path = directory / MANIFEST
     if not path.exists():
         return None
     try:
-        manifest = json.loads(path.read_text())
-        manifest["shards"], manifest["state"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path} is unreadable ({e}), so the shards beside it cannot be checked; re-run "
-                          f"`nanopt prepare` with the config that wrote them, or restore the file.") from None
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, and bad UTF-8 (UnicodeDecodeError)
+        raise _manifest_error(directory, f"it is unreadable ({e})") from None
+    if problem := _manifest_shape_problem(manifest):
+        raise _manifest_error(directory, problem)
     return manifest
 
 
 def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) -> Optional[str]:
     """Why the committed shard `entry` of a manifest is not on disk as committed (None when it is): missing,
     resized, a different shard under its name, or (verify) corrupt."""
+    if why := _entry_shape_problem(entry):  # read_manifest refuses these already; a name is never followed unchecked
+        raise _manifest_error(directory, f"an entry {why}")
     path = directory / entry["file"]
     if not path.exists():
         return f"{entry['file']} is missing"
@@ -379,26 +442,45 @@ def check_manifest(directory: Path) -> None:
                     "those", directory, len(manifest["shards"]))
 
 
-# shard name -> [size, mtime_ns, stored crc32] of the file when its checksum last passed: a start, resume or
-# retry re-reads only shards written or changed since (at 1B, ~99 GB that every start read whole before).
+# shard name -> [size, mtime_ns, inode, ctime_ns, stored crc32] of the file when its checksum last passed: a start,
+# resume or retry re-reads only shards written or changed since (at 1B, ~99 GB that every start read whole before).
+# Size and mtime alone would trust a copy: cp -a, rsync -a and tar keep both (and carry this file along), so a shard
+# damaged in transit would never be read. A copy is a new inode with a new ctime, which no copier can set.
 VERIFIED = ".verified.json"
+_RACY_NS = 2_000_000_000  # a file modified this recently is not recorded (see verify_shards)
 
 
 def _stamp(path: Path) -> list[int]:
     st = path.stat()
-    return [st.st_size, st.st_mtime_ns, read_header(path).crc32]
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, read_header(path).crc32]
+
+
+def _read_stamps(path: Path) -> dict[str, list[int]]:
+    """The recorded stamps. The file is only a cache: when it is damaged (not UTF-8, not JSON, not an object of
+    name -> list of numbers) it is ignored with a warning and every shard is verified again, never a failed start."""
+    if not path.exists():
+        return {}
+    try:
+        stamps = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, and bad UTF-8 (UnicodeDecodeError)
+        why = str(e)
+    else:
+        if isinstance(stamps, dict) and all(isinstance(v, list) and all(map(_is_int, v)) for v in stamps.values()):
+            return stamps
+        why = f"{_shown(stamps)} is not an object of shard name -> list of numbers"
+    log.warning("data: ignoring the damaged verification record %s (%s): every shard is verified again", path, why)
+    return {}
 
 
 def verify_shards(directory: Path, paths: list[Path]) -> None:
-    """Checksum each shard that changed since it last passed (ShardError names a corrupt one), then record it in
-    VERIFIED. Damage that keeps a file's size and mtime goes unseen after its first pass: `nanopt prepare --verify`
-    re-reads everything. A directory that cannot be written (a read-only mount) is verified at every start."""
+    """Checksum each shard that changed since it last passed (ShardError names a corrupt one), recording each in
+    VERIFIED as it passes, so a start preempted mid-way keeps what it read. A copied shard is verified again (new
+    inode and ctime); damage in place that keeps size, mtime, inode and ctime goes unseen after the first pass:
+    `nanopt prepare --verify` re-reads everything. A directory that cannot be written (a read-only mount) is
+    verified at every start."""
     stamps_path = directory / VERIFIED
-    try:
-        stamps = json.loads(stamps_path.read_text()) if stamps_path.exists() else {}
-    except (OSError, ValueError):
-        stamps = {}  # unreadable: verify everything and write it afresh
-    recorded = 0
+    stamps = _read_stamps(stamps_path)
+    unwritten: Optional[OSError] = None
     for path in paths:
         stamp = _stamp(path)
         if stamps.get(path.name) == stamp:
@@ -406,16 +488,15 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
         open_shard(path, verify=True)
         # A file modified within the filesystem's timestamp granularity of now could change again under the
         # same mtime: trust the stamp only once its mtime is safely in the past (git's "racy" rule).
-        if time.time_ns() - stamp[1] > 2_000_000_000:
+        if time.time_ns() - stamp[1] > _RACY_NS:
             stamps[path.name] = stamp
-            recorded += 1
-    if not recorded:
-        return
-    try:
-        write_json(stamps_path, stamps)
-    except OSError as e:
-        log.info("data: %d shard(s) verified, but %s cannot be written (%s): the next start verifies them again",
-                 recorded, stamps_path, e)
+            try:  # one atomic write per shard: cheap beside reading a shard of hundreds of MB
+                write_json(stamps_path, stamps)
+            except OSError as e:
+                unwritten = e
+    if unwritten is not None:
+        log.info("data: shards verified, but %s cannot be written (%s): the next start verifies them again",
+                 stamps_path, unwritten)
 
 
 def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import time
@@ -249,6 +250,20 @@ def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
     return out
 
 
+# A temp file nanopt.io.write_bytes writes on the way to NAME: `.NAME.<pid>.<thread>.tmp`, or `NAME.tmp` (older nanopt).
+_TEMP_FILE = re.compile(r"\.(?P<hidden>.+)\.[0-9]+\.[0-9]+\.tmp|(?P<plain>.+)\.tmp")
+
+
+def _remove_if_ours(path: Path) -> None:
+    """Delete an uncommitted file that prepare itself writes: a shard name, or a temp file on the way to one. A
+    shared directory may hold a user's own files under similar names (train_000001.bin.bak, .gz): those stay."""
+    m = _TEMP_FILE.fullmatch(path.name)
+    if data.is_shard_name((m["hidden"] or m["plain"]) if m else path.name):
+        path.unlink(missing_ok=True)
+    else:
+        log.info("prepare: left %s alone: `nanopt prepare` does not write a file of that name", path)
+
+
 class ShardWriter:
     """Pours documents into the splits by budget and each split into shards, committing after every shard.
 
@@ -267,7 +282,8 @@ class ShardWriter:
 
     # ---- resume
     def resume(self, verify: bool = False) -> None:
-        """Adopt an existing manifest in `out` (same fingerprint only), drop anything it did not commit, and
+        """Adopt an existing manifest in `out` (same fingerprint only; read_manifest refuses entries that are not
+        shard names of `out`), delete the shard and temp files prepare wrote but did not commit (and nothing else), and
         roll back to before the first committed shard that is lost (missing, resized, replaced, or with
         verify, corrupt): the stream is replayed from there and every later shard rebuilt or checked."""
         path = self.out / MANIFEST
@@ -283,20 +299,22 @@ class ShardWriter:
             self.state = saved["state"]
             self._roll_back_to_first_lost(verify)
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
-        ours = [f for name, _ in self.budgets for f in self.out.glob(f"{name}_*.bin*")]
-        if ours and not path.exists():
+        present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
+        if present and not path.exists():
             raise ConfigError(
-                f"{self.out} already holds token shards ({ours[0].name}, ...) but no {MANIFEST}, so they were not "
+                f"{self.out} already holds token shards ({present[0].name}, ...) but no {MANIFEST}, so they were not "
                 f"written by `nanopt prepare` and cannot be resumed; point `data.source` at an empty directory."
             )
-        for stray in ours:  # shards (or temp files) written after the last commit
+        hidden = [f for name, _ in self.budgets for f in sorted(self.out.glob(f".{name}_*.bin.*.tmp"))]
+        for stray in present + hidden:  # shards (or temp files) written after the last commit
             if stray.name not in committed:
-                stray.unlink()
+                _remove_if_ours(stray)
         if not path.exists():  # from now on every shard file on disk is explained by the manifest
             write_json(path, self.manifest)
-        for name, count in self.state["doclens"].items():
+        for name, _ in self.budgets:  # this config's split names: a key in the manifest never becomes a path
+            count = self.state["doclens"].get(name)
             f = self.out / f".doclens-{name}.u32"
-            if f.exists():
+            if count is not None and f.exists():
                 with open(f, "r+b") as fh:
                     fh.truncate(count * 4)
 
