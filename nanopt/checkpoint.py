@@ -8,17 +8,16 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
   rng.pt             python / numpy / torch (/ CUDA) RNG states of every rank (weights_only=True)
   COMPLETE           written last: a JSON manifest of every file's size and crc32
 It is written to `.tmp_step_NNNNNN/`, fsynced, renamed into place; `checkpoints/latest` is updated last.
-On resume the newest checkpoint whose manifest verifies is used; a broken one is renamed `corrupt_step_NNNNNN`
-with a warning and the previous one is tried.
+The names and the verification are rundirs.py's (every reader asks it). On resume the newest checkpoint that
+verifies is used; a damaged one stays where it is, named in a warning, and the previous one is tried. When
+the run has trained but none is usable, every re-run refuses (exit 2) until the user decides
+(`checkpoint.start_over`): a transient failure never becomes a silent restart.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -28,19 +27,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanopt import data, optim
-from nanopt.config import Config, resume_changes
+from nanopt import data, optim, rundirs
+from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.errors import ConfigError
 from nanopt.faults import fault_hook
 from nanopt.io import fsync_dir, write_json, write_text
-from nanopt.metrics import trim_metrics
 from nanopt.mirror import Mirror
 from nanopt.runtime import Runtime, rng_state, set_rng_state
 
 log = logging.getLogger("nanopt")
-
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
 
 class Stateful(Protocol):
     """What the checkpointer saves besides weights and optimizer: anything with a JSON-able state_dict()."""
@@ -90,14 +85,6 @@ def check_shapes(model: torch.nn.Module, path: Path) -> None:
 # ---------------------------------------------------------------- save and verify
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -118,7 +105,7 @@ class _Sealer:
         self.pending: dict[str, tuple[Future, Future]] = {}
 
     def add(self, path: Path) -> None:
-        self.pending[path.name] = (self.pool.submit(_fsync, path), self.pool.submit(_crc32, path))
+        self.pending[path.name] = (self.pool.submit(_fsync, path), self.pool.submit(rundirs.crc32_of, path))
 
     def manifest(self) -> dict[str, dict[str, int]]:
         """Every file's size and crc32, once all are durable."""
@@ -142,86 +129,38 @@ def save(
     """
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_step_{step:06d}"
+    tmp = ckpt_root / f".tmp_{final.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     sealer = _Sealer()
     # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-    save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    sealer.add(tmp / "model.safetensors")
+    save_file(model_state(model), str(tmp / rundirs.MODEL_FILE), metadata={"format": "pt"})
+    sealer.add(tmp / rundirs.MODEL_FILE)
     fault_hook("kill-in-save", step)
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        sealer.add(tmp / "optimizer.pt")
-    torch.save({"ranks": rng if rng is not None else [rng_state()]}, tmp / "rng.pt")
-    sealer.add(tmp / "rng.pt")
+        torch.save(optimizer.state_dict(), tmp / rundirs.OPTIMIZER_FILE)
+        sealer.add(tmp / rundirs.OPTIMIZER_FILE)
+    torch.save({"ranks": rng if rng is not None else [rng_state()]}, tmp / rundirs.RNG_FILE)
+    sealer.add(tmp / rundirs.RNG_FILE)
     versions = {"torch": torch.__version__, "numpy": np.__version__}
-    write_json(tmp / "state.json", {**state, "step": step, "versions": versions})
-    sealer.add(tmp / "state.json")
+    write_json(tmp / rundirs.STATE_FILE, {**state, "step": step, "versions": versions})
+    sealer.add(tmp / rundirs.STATE_FILE)
     files = sealer.manifest()
     for name, entry in files.items():
         entry["bytes"] = (tmp / name).stat().st_size
-    write_json(tmp / "COMPLETE", {"step": step, "files": files}, indent=1)
+    write_json(tmp / rundirs.COMPLETE_FILE, {"step": step, "files": files}, indent=1)
     fsync_dir(tmp)
     if final.exists():  # same step saved again (e.g. final save right after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
     fault_hook("kill-after-save", step)
-    write_text(ckpt_root / "latest", final.name + "\n")
-    for old in complete_checkpoints(ckpt_root)[:-keep]:
+    write_text(ckpt_root / rundirs.LATEST_FILE, final.name + "\n")
+    # Only step_NNNNNN directories are ours to prune; the one just written (verified as it was sealed) is kept.
+    for old in rundirs.checkpoint_dirs(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def complete_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    found = [p for p in ckpt_root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "COMPLETE").exists()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
-
-def read_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / "state.json").read_text())
-
-
-def verify(ckpt: Path) -> Optional[str]:
-    """None if the checkpoint is whole, else why not (missing marker, missing file, size or crc32 mismatch)."""
-    marker = ckpt / "COMPLETE"
-    if not marker.exists():
-        return "it has no COMPLETE marker (its write was interrupted)"
-    text = marker.read_text()
-    try:
-        files = json.loads(text)["files"]
-    except (ValueError, KeyError, TypeError):
-        if text.strip() != "ok":  # "ok" = a checkpoint from before manifests: check what can be checked
-            return "its COMPLETE manifest is unreadable"
-        files = {name: None for name in ("model.safetensors", "state.json")}
-    for name, expected in files.items():
-        path = ckpt / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if expected is None:
-            continue
-        if path.stat().st_size != expected["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _crc32(path) != expected["crc32"]:
-            return f"{name} fails its crc32 checksum (the file is corrupt)"
-    try:
-        read_state(ckpt)["step"]
-    except (ValueError, KeyError, TypeError):
-        return "state.json is unreadable"
-    return None
-
-
-def _upgrade(saved: dict[str, Any]) -> dict[str, Any]:
-    """state.json written before the run state was split into components kept the speedrun clock's
-    result as a top-level `target`."""
-    if "speedrun" not in saved:
-        saved["speedrun"] = {"hit": saved.get("target")}
-    return saved
 
 
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
@@ -249,27 +188,18 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt = cfg, rt
-        self.run_dir = cfg.run_dir
-        self.root = self.run_dir / "checkpoints"
+        self.run_dir = cfg.run_dir  # made, and locked, by the trainer (rundirs.DirLock) before this
+        self.root = rundirs.checkpoints_dir(self.run_dir)
         self.data = data.fingerprint(data_paths)
-        self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep, STEP_DIR) if cfg.checkpoint.mirror else None
+        self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep, rundirs.STEP_DIR) if cfg.checkpoint.mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run
         self.last_saved_step = -1
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ConfigError(f"the run directory {self.run_dir} is a file; set `run.dir` to a directory "
-                              f"(or remove the file).")
-        if rt.is_main:  # fail now, in one paragraph, rather than at the first checkpoint
+        if rt.is_main and self.mirror is not None:  # fail now, in one paragraph, rather than at the first checkpoint
             try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"cannot create the run directory {self.run_dir} ({e.strerror}); "
-                                  f"set `run.dir` to a writable directory.") from None
-            if self.mirror is not None:
-                try:
-                    self.mirror.fs.makedirs(self.mirror.root, exist_ok=True)
-                except Exception as e:  # any fsspec backend error: permissions, credentials, network
-                    raise ConfigError(f"`checkpoint.mirror` {cfg.checkpoint.mirror!r} cannot be written ({e}); "
-                                      f"check the URL and credentials, or unset it.") from None
+                self.mirror.fs.makedirs(self.mirror.root, exist_ok=True)
+            except Exception as e:  # any fsspec backend error: permissions, credentials, network
+                raise ConfigError(f"`checkpoint.mirror` {cfg.checkpoint.mirror!r} cannot be written ({e}); "
+                                  f"check the URL and credentials, or unset it.") from None
 
     # -- restore
 
@@ -279,7 +209,7 @@ class Checkpointer:
         to start fresh."""
         rt = self.rt
         if not self.cfg.checkpoint.resume:
-            if self.run_dir.is_dir() and any(self.run_dir.iterdir()):
+            if rt.is_main and any(p.name != rundirs.LOCK_FILE for p in self.run_dir.iterdir()):
                 raise ConfigError(
                     f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is not empty, "
                     f"and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), delete the directory, "
@@ -288,67 +218,81 @@ class Checkpointer:
             rt.barrier()  # every rank looks before rank 0 writes into the directory
             return None
         # Rank 0 picks (and, when needed, downloads) the checkpoint; all ranks load that same one.
-        chosen, error = 0, None
+        chosen, error = None, None
         if rt.is_main:
             try:
                 found = self._choose()
-                chosen = int(STEP_DIR.match(found.name).group(1)) + 1 if found else 0
+                chosen = found.name if found else None
             except ConfigError as e:
-                chosen, error = -(rt.world_size + 1), e
-        code = torch.tensor([chosen], dtype=torch.int64, device=rt.device)
-        chosen = int(rt.all_reduce_sum(code).item())
+                error = str(e)
+        chosen, error = rt.gather_objects((chosen, error))[0]
         if error is not None:
-            raise error
-        if chosen < 0:
-            raise ConfigError(f"rank 0 could not resume from {self.root}; its message says why.")
-        if chosen == 0:
-            if rt.is_main:
-                trim_metrics(self.run_dir / "metrics.jsonl", 0)
+            raise ConfigError(error if rt.is_main else f"rank 0 could not resume from {self.root}: {error}")
+        if chosen is None:
+            if rt.is_main:  # nothing was checkpointed and no earlier training shows (_choose refuses otherwise)
+                rundirs.trim_metrics(self.run_dir, 0)
             return None
-        ckpt = self.root / f"step_{chosen - 1:06d}"
+        ckpt = self.root / chosen
         saved = self._load(ckpt, model, optimizer, states)
         self.latest = ckpt
         if rt.is_main:
-            trim_metrics(self.run_dir / "metrics.jsonl", saved["step"])
+            rundirs.trim_metrics(self.run_dir, saved["step"])
             log.info("resuming from %s (step %d)", ckpt, saved["step"])
         return saved
 
     def _choose(self) -> Optional[Path]:
-        """Newest verified local checkpoint, else the newest verified one on the mirror, else None (fresh)."""
-        root = self.root
-        problems = []
-        if root.is_dir():
-            for tmp in root.glob(".tmp_step_*"):
-                log.warning("removing %s: a checkpoint write that was interrupted", tmp)
-                shutil.rmtree(tmp, ignore_errors=True)
-            dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-            for p in sorted(dirs, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True):
-                problem = verify(p)
-                if problem is None:
-                    return p
-                aside = p.with_name("corrupt_" + p.name)
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(p, aside)
-                log.warning("skipping checkpoint %s: %s; moved it to %s and trying the previous one", p, problem, aside)
-                problems.append(f"{p.name}: {problem}")
+        """Newest verified local checkpoint, else the newest verified one on the mirror, else None (fresh) when
+        the directory shows no training; ConfigError when it does (or `checkpoint.start_over`: fresh)."""
+        for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
+            log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
+            shutil.rmtree(tmp, ignore_errors=True)
+        good, problems = rundirs.usable_checkpoints(self.root)
+        for line in problems:
+            log.warning("skipping checkpoint %s", line)
+        if good:
+            if problems:
+                log.warning("resuming from %s, the newest complete checkpoint; the damaged ones were left in place",
+                            good[0].name)
+            return good[0]
         if self.mirror is not None:
             for name in reversed(self.mirror.names()):
                 found = self._fetch(name)
                 if isinstance(found, Path):
                     return found
                 problems.append(f"mirror {name}: {found}")
-        if problems:
-            raise ConfigError(
-                f"no usable checkpoint in {root}: {'; '.join(problems)}. Nothing was loaded. To start the run over, "
-                f"move or delete {self.run_dir} (or set `run.dir` to a new directory)."
-            )
-        return None
+        evidence = problems or self._earlier_training()
+        if not evidence:
+            return None
+        if self.cfg.checkpoint.start_over:
+            log.warning("checkpoint.start_over: no usable checkpoint in %s (%s); training from step 0 and "
+                        "starting metrics over", self.root, "; ".join(evidence))
+            return None
+        raise ConfigError(
+            f"the run directory {self.run_dir} shows earlier training but holds no usable checkpoint "
+            f"({'; '.join(evidence)}). Nothing was loaded or changed. If the checkpoints are still arriving "
+            f"(a volume not yet synced, a copy in progress), wait and run the same command again. To train this "
+            f"run from step 0 instead, add `--checkpoint.start_over=true` (its metrics start over; damaged "
+            f"checkpoints are left in place and pruned as new ones are saved), or set `run.dir` to a new directory."
+        )
+
+    def _earlier_training(self) -> list[str]:
+        """What shows that a session trained here before, though no checkpoint remains: a `latest` pointer,
+        a summary, or metrics past step 0."""
+        found = []
+        if (self.root / rundirs.LATEST_FILE).is_file():
+            found.append(f"{rundirs.CHECKPOINTS_DIR}/{rundirs.LATEST_FILE} names a checkpoint that is not there")
+        if rundirs.read_summary(self.run_dir) is not None:
+            found.append(f"{rundirs.SUMMARY_FILE} is there")
+        step = rundirs.latest_figures(self.run_dir).get("step")
+        if isinstance(step, int) and step > 0:
+            found.append(f"{rundirs.METRICS_FILE} logs training up to step {step}")
+        return found
 
     def _fetch(self, name: str) -> Path | str:
         """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
         tmp = self.root / f".tmp_{name}"
         try:
-            problem = verify(self.mirror.fetch(name, tmp))
+            problem = rundirs.verify_checkpoint(self.mirror.fetch(name, tmp))
         except OSError as e:
             problem = str(e)
         if problem:
@@ -361,10 +305,16 @@ class Checkpointer:
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               states: dict[str, Stateful]) -> dict[str, Any]:
-        saved = _upgrade(read_state(ckpt))
+        saved = rundirs.read_state(ckpt)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        changes = resume_changes(saved.get("config", {}), self.cfg)
+        where = str(ckpt / rundirs.STATE_FILE)
+        config_from_dict(saved.get("config"), where)  # checked like a YAML config before it is compared
+        missing = [name for name in states if not isinstance(saved.get(name), dict)]
+        if missing:
+            raise ConfigError(f"{where} has no state for {', '.join(missing)}; it was written by another nanopt "
+                              f"version. Resume with that version, or start a new run (a new `run.dir`).")
+        changes = resume_changes(saved["config"], self.cfg)
         if changes:
             raise ConfigError(
                 f"the config differs from the one checkpoint {ckpt} was trained with: {'; '.join(changes)}. {fix}"
@@ -376,18 +326,18 @@ class Checkpointer:
                 f"shards the run was trained on, or start a new run (a new `run.dir`)."
             )
         try:
-            load_model_weights(model, ckpt / "model.safetensors")
+            load_model_weights(model, ckpt / rundirs.MODEL_FILE)
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        opt_state = torch.load(ckpt / "optimizer.pt", weights_only=True, map_location=self.rt.init_device)
+        opt_state = torch.load(ckpt / rundirs.OPTIMIZER_FILE, weights_only=True, map_location=self.rt.init_device)
         try:
             optim.load_state_dict(optimizer, model, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
             component.load_state_dict(saved[name])
-        rngs = torch.load(ckpt / "rng.pt", weights_only=True)
+        rngs = torch.load(ckpt / rundirs.RNG_FILE, weights_only=True)
         ranks = rngs["ranks"] if "ranks" in rngs else [rngs]
         if len(ranks) != self.rt.world_size and self.rt.is_main:
             log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank 0's",
@@ -401,7 +351,7 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful]) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes. Returns the checkpoint path."""
-        final = self.root / f"step_{step:06d}"
+        final = rundirs.checkpoint_path(self.run_dir, step)
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
         rngs = self.rt.gather_objects(rng_state())

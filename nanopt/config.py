@@ -145,6 +145,9 @@ class CheckpointConfig:
     resume: bool = True  # continue from the newest usable checkpoint; false = fresh start into an empty run dir
     mirror: str = ""  # fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to
     allow_changes: str = ""  # comma list of config keys allowed to differ from the checkpoint's on resume
+    # When the run directory shows training but holds no usable checkpoint (all damaged, or none written
+    # before a crash), a re-run refuses (exit 2) rather than silently starting over; true starts at step 0.
+    start_over: bool = False
 
 
 @dataclass
@@ -252,6 +255,8 @@ class Config:
         return Path(self.run.dir or f"runs/{self.run.name}")
 
 
+SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
+
 # Every device nanopt runs on; `nanopt eval` and `nanopt sample` offer the same list.
 DEVICES = ("auto", "cpu", "cuda", "xla")
 
@@ -303,8 +308,13 @@ def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
+            text = value.strip().replace("_", "")
             try:
-                number = float(value.replace("_", ""))
+                return int(text)  # exactly: float() would round integers above 2^53 (seeds)
+            except ValueError:
+                pass
+            try:
+                number = float(text)  # 1e6, 4096.0
             except ValueError:
                 number = math.nan
             if number.is_integer():
@@ -573,8 +583,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
     _validate_speedrun(cfg)
     _validate_optim(cfg)
-    if cfg.run.name.strip() == "" or "/" in cfg.run.name:
-        raise ConfigError(f"`run.name` must be a non-empty name without '/', got {cfg.run.name!r}.")
+    if cfg.run.name.strip() in ("", ".", "..") or "/" in cfg.run.name or "\\" in cfg.run.name:
+        raise ConfigError(f"`run.name` must be one directory name (not empty, '.' or '..', no '/'), got "
+                          f"{cfg.run.name!r}: the run goes to runs/<name>; use `run.dir` for a path.")
+    if not 0 <= cfg.run.seed < SEED_LIMIT:
+        raise ConfigError(f"`run.seed` must be in [0, 2^32), got {cfg.run.seed}: numpy and the data order take "
+                          f"32-bit seeds, so larger ones would alias or overflow.")
     _validate_prepare(cfg)
     _validate_profile(cfg)
     _validate_mfu(cfg)
@@ -654,14 +668,23 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from to_dict() output (checkpoints, saved config.yaml)."""
+def config_from_dict(data: Any, where: str) -> Config:
+    """Rebuild a Config from to_dict() output (a checkpoint's state.json, a saved config.yaml) with the same
+    conversions and checks as a YAML config, so a damaged file is one paragraph naming `where`, never a
+    model sized by an unchecked number. Derived keys are recomputed by resolve(), not read."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the config is not a mapping of sections; the file is damaged.")
     cfg = Config()
     for section_name, values in data.items():
+        if section_name not in _section_names() or not isinstance(values, dict):
+            raise ConfigError(f"{where}: `{section_name}` is not a config section holding keys; the file is damaged "
+                              f"or was written by another nanopt version.")
         section = getattr(cfg, section_name)
+        derived = {f.name for f in fields(section) if f.metadata.get("derived")}
         for name, value in values.items():
-            if any(f.name == name for f in fields(section)):
-                setattr(section, name, value)
+            if name not in derived:
+                _apply(cfg, f"{section_name}.{name}", value, where)
+    validate(cfg)  # its messages name the key; the caller's context names the file
     return cfg
 
 
@@ -673,6 +696,7 @@ SAFE_KEYS = {
     "run.name", "run.dir", "run.time_limit_s", "train.max_steps", "train.compile", "train.target_val_loss", "train.target_val_bpb",
     "train.stop_at_target", "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
+    "checkpoint.start_over",
     "eval.every", "eval.test_at_end",
 }
 # Not eval.seed / eval.batches: they pick the validation windows, so changing them mid-run would make the

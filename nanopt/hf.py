@@ -233,6 +233,14 @@ def _tokenizer_for(directory: Path, nanopt_cfg: Optional[Config]) -> str:
     return nanopt_cfg.data.tokenizer if nanopt_cfg is not None else ""
 
 
+def _saved_config(path: Path) -> Any:
+    """The `config` entry of an exported nanopt.json (ConfigError naming the file when it has none)."""
+    saved = read_json(path)
+    if not isinstance(saved, dict) or "config" not in saved:
+        raise ConfigError(f"{path} has no `config` entry; the file is damaged. Export the run again (nanopt export).")
+    return saved["config"]
+
+
 def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
     """(model in eval mode, config) from a Hugging Face Llama directory. The config is nanopt's own when
     nanopt exported the directory (nanopt.json), else the defaults; its model section always comes from
@@ -240,7 +248,7 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[
     directory = Path(directory)
     mcfg = model_config_from_hf(read_json(directory / "config.json"), directory)
     extra = directory / "nanopt.json"
-    cfg = config_from_dict(read_json(extra)["config"]) if extra.is_file() else Config()
+    cfg = config_from_dict(_saved_config(extra), str(extra)) if extra.is_file() else Config()
     cfg.model = mcfg
     cfg.data.tokenizer = _tokenizer_for(directory, cfg if extra.is_file() else None)
     model = build_model(mcfg, device)

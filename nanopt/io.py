@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,9 @@ def fsync_dir(path: Path) -> None:
 def write_bytes(path: Path, *chunks: bytes) -> Path:
     """Write `path` so that it holds either its old content or all of `chunks`, even across a crash."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    # A name of this writer's own: two processes replacing one file (a lease's heartbeat and its takeover, a
+    # sweep's state) must never write into, or rename, each other's half-written temp file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -70,7 +73,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     parse (the one being written) is left out; no file is no records."""
     path = Path(path)
     out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    # errors="replace": a damaged byte spoils its own line (left out), not the whole file.
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         try:
             record = json.loads(line)
         except ValueError:
@@ -81,8 +85,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file a user pointed at (a config.json, a manifest); ConfigError naming it when unreadable."""
+    """A JSON file a user pointed at (a config.json, a manifest); ConfigError naming it when unreadable
+    (missing, not UTF-8, not JSON: UnicodeDecodeError is a ValueError but no JSONDecodeError)."""
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{path} cannot be read as JSON: {e}.") from None

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from nanopt import checkpoint
+from nanopt import checkpoint, rundirs
 from nanopt.config import Config, config_from_dict
 from nanopt.errors import ConfigError
 from nanopt.hf import load_hf
@@ -27,42 +27,48 @@ class Loaded:
 
 
 def is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / "state.json").is_file()
+    return (path / "config.json").is_file() and not (path / rundirs.STATE_FILE).is_file()
 
 
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory from a run directory (its newest complete checkpoint), a checkpoints/
-    directory, or a checkpoint itself. Raises ConfigError naming what was expected."""
+    directory, or a checkpoint itself. Damaged checkpoints are skipped with a warning naming each and why;
+    ConfigError when none is usable."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
                           f"(runs/<name>/checkpoints/step_NNNNNN).")
-    if (path / "state.json").is_file():
-        problem = checkpoint.verify(path)
+    if rundirs.step_of(path) is not None and path.is_dir():
+        problem = rundirs.verify_checkpoint(path)
         if problem:
-            raise ConfigError(f"checkpoint {path} cannot be used: {problem}; pick an earlier one in {path.parent}.")
+            raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
+                              f"or give the run directory to take its newest complete checkpoint.")
         return path
-    for root in (path / "checkpoints", path):
-        for ckpt in reversed(checkpoint.complete_checkpoints(root)):
-            problem = checkpoint.verify(ckpt)
-            if problem is None:
-                return ckpt
-            log.warning("skipping checkpoint %s: %s", ckpt, problem)
-    raise ConfigError(f"{path} holds no complete checkpoint (looked for checkpoints/step_NNNNNN/ with a COMPLETE "
-                      f"marker); train the run first, or point at a checkpoint directory.")
+    ckpt, skipped = rundirs.newest_checkpoint(path)
+    for line in skipped:
+        log.warning("skipping checkpoint %s", line)
+    if ckpt is None:
+        why = f" ({len(skipped)} damaged: {'; '.join(skipped)})" if skipped else ""
+        raise ConfigError(f"{path} holds no complete checkpoint{why}; looked for checkpoints/step_NNNNNN/ with a "
+                          f"COMPLETE manifest that verifies. Train the run first, or point at a checkpoint directory.")
+    if skipped:
+        log.warning("using %s, the newest complete checkpoint", ckpt)
+    return ckpt
 
 
 def run_dir_of(ckpt: Path) -> Path:
     """runs/<name>/checkpoints/step_N -> runs/<name>."""
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    return ckpt.parent.parent if ckpt.parent.name == rundirs.CHECKPOINTS_DIR else ckpt.parent
 
 
 def checkpoint_config(ckpt: Path) -> Config:
-    state = checkpoint.read_state(ckpt)
+    """The run config a checkpoint was trained with, checked like a YAML config before anything is built."""
+    state = rundirs.read_state(ckpt)
+    where = str(ckpt / rundirs.STATE_FILE)
     if "config" not in state:
-        raise ConfigError(f"{ckpt / 'state.json'} has no `config` entry, so the model shape is unknown; "
-                          f"it was not written by this version of nanopt.")
-    return config_from_dict(state["config"])
+        raise ConfigError(f"{where} has no `config` entry, so the model shape is unknown; it was not written by "
+                          f"this version of nanopt.")
+    return config_from_dict(state["config"], where)
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
@@ -75,11 +81,11 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     cfg = checkpoint_config(ckpt)
     model = build_model(cfg.model, device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     try:
-        checkpoint.load_model_weights(model, ckpt / "model.safetensors")
+        checkpoint.load_model_weights(model, ckpt / rundirs.MODEL_FILE)
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"the weights in {ckpt} do not fit the model its state.json describes: {e}") from None
     model.eval()
-    step = checkpoint.read_state(ckpt).get("step")
+    step = rundirs.read_state(ckpt)["step"]
     return Loaded(model, cfg, ckpt, step, run_dir_of(ckpt))
 
 

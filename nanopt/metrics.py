@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from nanopt.io import clean, write_text
+from nanopt.io import clean
+from nanopt.rundirs import METRICS_FILE
 
 log = logging.getLogger("nanopt")
 
@@ -46,7 +47,7 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes nothing until open(): a resume first trims metrics.jsonl past its checkpoint's step."""
+    """Writes nothing until open(): a resume first trims metrics.jsonl past its checkpoint's step (rundirs)."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[dict] = None):
         self.run_dir, self.enabled, self.tensorboard, self.wandb_cfg = run_dir, enabled, tensorboard, wandb_cfg
@@ -58,7 +59,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.file = open(self.run_dir / METRICS_FILE, "a", buffering=1)
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -121,18 +122,3 @@ def step_line(step: int, max_steps: int, v: dict[str, Any]) -> str:
         reserved = v.get("peak_reserved_gib")
         parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB" + ("" if reserved is None else f" ({reserved:.2f} reserved)"))
     return " | ".join(parts)
-
-
-def trim_metrics(path: Path, step: int) -> None:
-    """Drop metrics.jsonl records past `step` (all of them for a fresh start): the resumed run logs them again."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record_step = json.loads(line).get("step", 0)
-        except (ValueError, AttributeError):
-            continue
-        if step > 0 and record_step <= step:
-            kept.append(line)
-    write_text(path, "".join(line + "\n" for line in kept))

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import data, faults, hf, mfu, plots, profiling, runtime
+from nanopt import data, faults, hf, mfu, plots, profiling, rundirs, runtime
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
-from nanopt.config import Config, to_yaml
-from nanopt.errors import Preempted
+from nanopt.config import Config, resume_changes, to_yaml
+from nanopt.errors import ConfigError, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
 from nanopt.io import write_json, write_text
@@ -144,7 +144,7 @@ class StepLogger:
             log.info(step_line(state.step, t.max_steps, values))
 
 
-class Evaluator:
+class Validator:
     """Validation every `eval.every` steps (and at step 0 and the end): val loss and bpb, best loss, the
     speedrun clock."""
 
@@ -210,7 +210,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 @dataclass
-class Run:
+class Session:
     """Everything setup() builds for the loop."""
 
     cfg: Config
@@ -226,7 +226,7 @@ class Run:
     ckpt: Checkpointer
     metrics: MetricsLogger
     meter: mfu.MFUMeter
-    evaluator: Evaluator
+    evaluator: Validator
     logger: StepLogger
     guard: faults.FiniteGuard
     stop: faults.StopSignal
@@ -265,7 +265,7 @@ def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.opt
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
 
 
-def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
+def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is one."""
     t = cfg.train
     stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
@@ -291,7 +291,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
         hf.init_from(model, t.init_from)
     metrics.open()
     if rt.is_main:
-        write_text(cfg.run_dir / "config.yaml", to_yaml(cfg))
+        write_text(cfg.run_dir / rundirs.CONFIG_FILE, to_yaml(cfg))
         log.info("model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d "
                  "seq x %d ranks x %d accum", f"{model.num_params():,}", attention_name, t.precision, rt.kind,
                  rt.world_size, rt.hardware_name(), t.global_batch_tokens, t.micro_batch_size, t.seq_len,
@@ -304,14 +304,14 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Run:
     meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
     guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
-    return Run(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
-               clock, ckpt, metrics, meter, Evaluator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
+    return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
+               clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
                StepLogger(cfg, rt, metrics, meter, guard, state.step), guard,
                stop,  # SIGTERM/SIGINT or the time limit on any rank -> all ranks checkpoint after the same step
                time.perf_counter())
 
 
-def one_step(run: Run) -> None:
+def one_step(run: Session) -> None:
     """Schedule, data, the step, then the bookkeeping that needs the step's result: counters, the logger's
     host sync on logging steps, and training time (device work included) up to here."""
     cfg, rt, state = run.cfg, run.rt, run.state
@@ -336,7 +336,7 @@ def one_step(run: Run) -> None:
         run.logger.log(state, loss_value, run.optimizer.param_groups[0]["lr"], grad_norm, seconds)
 
 
-def loop(run: Run, profiler: profiling.Off | profiling.Profile) -> None:
+def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
     """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal or the time limit
     (checkpoint, Preempted)."""
     cfg, state = run.cfg, run.state
@@ -361,7 +361,7 @@ def loop(run: Run, profiler: profiling.Off | profiling.Profile) -> None:
             raise Preempted(run.stop.signame, state.step, run.save())
 
 
-def finish(run: Run) -> dict[str, Any]:
+def finish(run: Session) -> dict[str, Any]:
     """Final evaluation (val, then test), the last checkpoint, summary.json and samples."""
     cfg, rt, state, model = run.cfg, run.rt, run.state, run.model
     if run.evaluator.last_step != state.step:
@@ -379,9 +379,11 @@ def finish(run: Run) -> dict[str, Any]:
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),
         **test_eval, **run.clock.summary(),
+        # What makes the run finished (rundirs.finished) when it ends before max_steps.
+        "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and run.clock.reached,
     }
     if rt.is_main:
-        write_json(cfg.run_dir / "summary.json", summary)
+        write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)
         if cfg.log.curves:
             plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
         _print_samples(run)
@@ -390,7 +392,7 @@ def finish(run: Run) -> dict[str, Any]:
     return summary
 
 
-def _print_samples(run: Run) -> None:
+def _print_samples(run: Session) -> None:
     s = run.cfg.sample
     if not s.num_samples:
         return
@@ -403,12 +405,74 @@ def _print_samples(run: Run) -> None:
     run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)
 
 
+def own_run_dir(cfg: Config, rt: Runtime) -> Optional[rundirs.DirLock]:
+    """The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
+    raises ConfigError naming the holder when another process writes the directory."""
+    lock, problem = None, None
+    if rt.is_main:
+        try:
+            lock = rundirs.DirLock(cfg.run_dir).acquire()
+        except ConfigError as e:
+            problem = str(e)
+    problem = rt.gather_objects(problem)[0]  # every rank learns rank 0's verdict
+    if problem is not None:
+        raise ConfigError(problem)
+    return lock
+
+
+def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
+    """The summary of this run when it is already finished (rundirs.finished), after checking that the
+    finished run is this config's: a re-run of its command changes nothing; another config is refused."""
+    summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
+    if summary is None:
+        return None
+    changes = resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg)
+    if changes:
+        raise ConfigError(f"{cfg.run_dir} holds a finished run of another config ({'; '.join(changes)}; \"in the "
+                          f"checkpoint\" = its config.yaml). Set `run.dir` (or `run.name`) to a new directory for this "
+                          f"one, run the config it used, or accept the change with "
+                          f"`--checkpoint.allow_changes=KEY[,KEY...]`.")
+    return summary
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """A finished run's summary.json in one line."""
+    parts = [f"{summary.get('steps')} steps"]
+    if isinstance(summary.get("tokens_seen"), int):
+        parts.append(f"{summary['tokens_seen']:,} tokens")
+    if isinstance(summary.get("train_seconds"), (int, float)):
+        parts.append(f"{format_duration(summary['train_seconds'])} of training")
+    for key in ("final_val_loss", "final_val_bpb"):
+        if isinstance(summary.get(key), (int, float)):
+            parts.append(f"{key} {summary[key]:.4f}")
+    if summary.get("stopped_at_target"):
+        parts.append(f"stopped at its target at step {summary.get('step_to_target')}")
+    return "summary: " + ", ".join(parts)
+
+
 def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Run (or resume) training as configured; returns the summary written to summary.json.
+    """Run (or resume) training as configured; returns the summary written to summary.json. A finished run
+    (rundirs.finished) is not trained further: its summary is returned and nothing is written.
 
     Whatever ends the run (the last step, a stop signal, a diverged loss, an error) closes the profiler,
-    the checkpointer (waiting for mirror copies) and the logs the same way.
+    the checkpointer (waiting for mirror copies), the logs and the run directory's lock the same way.
     """
+    lock = own_run_dir(cfg, rt)
+    try:
+        done = finished_summary(cfg) if rt.is_main else None
+        done = rt.gather_objects(done)[0]
+        if done is not None:
+            if rt.is_main:
+                log.info("%s is finished; nothing to train (a longer run: raise train.max_steps; another run: set "
+                         "run.dir). %s", cfg.run_dir, summary_line(done))
+            return done
+        return _train(cfg, rt)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     metrics = MetricsLogger(cfg.run_dir, enabled=rt.is_main, tensorboard=cfg.log.tensorboard,
                             wandb_cfg={"project": cfg.log.wandb_project, "name": cfg.run.name,
                                        "config": cfg.to_dict()} if cfg.log.wandb else None)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, small_overrides, torchrun
-from nanopt import checkpoint, errors, faults, profiling, runtime
+from nanopt import checkpoint, errors, faults, profiling, rundirs, runtime
 from nanopt.main import run
 from nanopt.mirror import Mirror
 
@@ -32,6 +32,11 @@ STEPS = 8
 ARGS = small_overrides(**{
     "train.precision": "fp32", "train.max_steps": STEPS, "checkpoint.every": 2, "log.tensorboard": "false",
 })
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints that verify, oldest first."""
+    return sorted(rundirs.usable_checkpoints(root)[0], key=rundirs.step_of)
 
 
 def final_weights(run_dir: Path, step: int = STEPS) -> bytes:
@@ -85,7 +90,7 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
 def test_sigkill_anywhere_then_resume_is_bitwise_identical(tmp_path, reference, hook, resumes_from, capsys):
     proc = train_process(tmp_path, hook)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    complete = [p.name for p in checkpoint.complete_checkpoints(tmp_path / "checkpoints")]
+    complete = [p.name for p in complete_checkpoints(tmp_path / "checkpoints")]
     assert complete[-1] == f"step_{resumes_from:06d}"
     if hook.startswith("kill-in-save"):
         assert (tmp_path / "checkpoints" / ".tmp_step_000004").is_dir()  # the interrupted write is really there
@@ -114,7 +119,7 @@ def test_sigterm_checkpoints_within_seconds_and_says_resumable(tmp_path, referen
     assert returncode == errors.EXIT_PREEMPTED == 75, stderr
     assert elapsed < 10, f"took {elapsed:.1f} s to checkpoint and exit"
     assert "received SIGTERM" in stderr and "resumable" in stderr and "step 3" in stderr
-    assert checkpoint.complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
+    assert complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
     assert train_here(run_dir) == 0
     assert_same_as(reference, run_dir)
 
@@ -125,7 +130,7 @@ def test_time_limit_checkpoints_exits_75_and_resumes(tmp_path, reference, capsys
     assert train_here(tmp_path, "--run.time_limit_s=1e-6") == errors.EXIT_PREEMPTED  # over at once: step 1
     err = capsys.readouterr().err
     assert "preempted by the time limit (run.time_limit_s = 1e-06 s of wall time) after step 1" in err
-    assert checkpoint.verify(tmp_path / "checkpoints" / "step_000001") is None  # step 1 is not a periodic save
+    assert rundirs.verify_checkpoint(tmp_path / "checkpoints" / "step_000001") is None  # step 1 is not a periodic save
     assert train_here(tmp_path, "--run.time_limit_s=0") == 0  # a safe change on resume
     assert_same_as(reference, tmp_path)
 
@@ -215,7 +220,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, referenc
     assert "preempted by SIGTERM after step 3" in log  # rank 1
     assert "preempted by a signal to another rank after step 3" in log  # rank 0, same step
     assert "exitcode  : 75" in log  # torchrun's report: both workers said "preempted, resumable"
-    assert checkpoint.complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
+    assert complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
     rngs = torch.load(run_dir / "checkpoints" / "step_000003" / "rng.pt", weights_only=True)["ranks"]
     assert len(rngs) == 2  # every rank's RNG state was saved
     assert train_here(run_dir) == 0  # resumed on one process
@@ -229,7 +234,7 @@ def test_diverged_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == errors.EXIT_DIVERGED == 3, err
     assert "NaN/inf" in err and "train.lr" in err and "Traceback" not in err
-    kept = checkpoint.complete_checkpoints(tmp_path / "checkpoints")
+    kept = complete_checkpoints(tmp_path / "checkpoints")
     for ckpt in kept:  # every checkpoint on disk holds finite weights
         assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values()), ckpt
     assert (f"{kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
@@ -246,28 +251,12 @@ def test_a_diverged_run_closes_the_profiler_and_the_mirror_like_a_finished_one(t
     assert rc == errors.EXIT_DIVERGED, err
     assert not profiling._active  # not left recording in this process
     assert list((run_dir / "tb" / "plugins" / "profile").rglob("*.pt.trace.json")), "no trace written"
-    kept = [p.name for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")]
+    kept = [p.name for p in complete_checkpoints(run_dir / "checkpoints")]
     assert kept == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
 
 
 # Written by nanopt before the re-layering (commit 08d2620): step 3 of the run below, two-group optimizer
 # state, the speedrun result as a top-level `target`. That run, uninterrupted, ended at this val loss.
-LEGACY_CKPT = REPO / "tests" / "data" / "legacy_step_000003"
-LEGACY_ARGS = small_overrides(**{"eval.every": 3, "train.precision": "fp32", "log.tensorboard": "false",
-                                 "checkpoint.every": 3, "train.target_val_loss": 10})
-LEGACY_FINAL_VAL_LOSS = 4.466378688812256
-
-
-def test_a_checkpoint_written_before_the_relayering_still_resumes(tmp_path, capsys):
-    shutil.copytree(LEGACY_CKPT, tmp_path / "checkpoints" / "step_000003")
-    assert run([*LEGACY_ARGS, f"--run.dir={tmp_path}"]) == 0, capsys.readouterr().err
-    assert "resuming from" in capsys.readouterr().out
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["step_to_target"] == 0  # the clock came through the resume
-    # Same trajectory as the old code's uninterrupted run (moments and step counts were carried over).
-    assert summary["final_val_loss"] == pytest.approx(LEGACY_FINAL_VAL_LOSS, abs=1e-5)
-
-
 def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     """The COMPLETE manifest is summed by worker threads while the next file is written: it must still
     describe exactly the bytes on disk, and no temp directory or thread may outlive the save."""
@@ -283,30 +272,39 @@ def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     for name, entry in files.items():
         raw = (final / name).read_bytes()
         assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
-    assert checkpoint.verify(final) is None and not list(tmp_path.glob(".tmp_*"))
+    assert rundirs.verify_checkpoint(final) is None and not list(tmp_path.glob(".tmp_*"))
     assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
 
 
 def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, capsys):
-    assert train_here(tmp_path) == 0
-    newest = tmp_path / "checkpoints" / "step_000008" / "model.safetensors"
+    proc = train_process(tmp_path, "kill-after-save:6")  # checkpoints 2, 4, 6, then SIGKILL (its lock left behind)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    newest = tmp_path / "checkpoints" / "step_000006" / "model.safetensors"
     data = bytearray(newest.read_bytes())
     data[-100] ^= 0xFF  # one flipped byte in the weights
     newest.write_bytes(bytes(data))
     capsys.readouterr()
     assert train_here(tmp_path) == 0
     out = capsys.readouterr().out  # nanopt logs to stdout
-    assert "skipping checkpoint" in out and "crc32" in out and "resuming from" in out
-    assert (tmp_path / "checkpoints" / "corrupt_step_000008").is_dir()
-    assert_same_as(reference, tmp_path)  # resumed from step 6 and redid steps 7-8
+    assert "skipping checkpoint step_000006" in out and "crc32" in out and "resuming from" in out
+    assert_same_as(reference, tmp_path)  # resumed from step 4 and redid steps 5-8
 
 
-def test_no_usable_checkpoint_is_refused(tmp_path, capsys):
+def test_no_usable_checkpoint_is_refused_every_time_until_start_over(tmp_path, capsys):
     assert train_here(tmp_path, "--train.max_steps=2") == 0
     (tmp_path / "checkpoints" / "step_000002" / "optimizer.pt").write_bytes(b"garbage")
-    assert train_here(tmp_path, "--train.max_steps=2") == 2
-    err = capsys.readouterr().err
-    assert "no usable checkpoint" in err and "optimizer.pt" in err and "Traceback" not in err
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    for _ in range(2):  # the same paragraph every time: nothing is set aside, nothing restarts
+        assert train_here(tmp_path, "--train.max_steps=3") == 2
+        err = capsys.readouterr().err
+        assert "no usable checkpoint" in err and "optimizer.pt" in err and "start_over" in err
+        assert "Traceback" not in err
+        assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+        assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+    assert train_here(tmp_path, "--train.max_steps=3", "--checkpoint.start_over=true") == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0] in (0, 1) and steps[-1] == 3 and steps == sorted(steps)  # one run from step 0, not appended
 
 
 def test_changed_config_is_refused_unless_safe_or_allowed(tmp_path, capsys):
@@ -321,7 +319,7 @@ def test_changed_config_is_refused_unless_safe_or_allowed(tmp_path, capsys):
     # Known-safe keys (length, cadence, logging) resume without complaint.
     assert train_here(tmp_path, "--train.max_steps=3", "--checkpoint.every=3", "--log.every=2",
                       "--eval.every=3") == 0
-    assert checkpoint.complete_checkpoints(tmp_path / "checkpoints")[-1].name == "step_000003"
+    assert complete_checkpoints(tmp_path / "checkpoints")[-1].name == "step_000003"
     # An explicitly allowed change is accepted.
     assert train_here(tmp_path, "--train.max_steps=4", "--train.lr=0.001", "--checkpoint.allow_changes=train.lr") == 0
 
@@ -409,7 +407,7 @@ def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp
     """finish() waits for the mirror before the summary and the run's cleanup closes again: one warning."""
     ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only close()'s collaborators are needed
     ckpt.rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
-    ckpt.mirror = Mirror(str(tmp_path / "mirror"), 1, checkpoint.STEP_DIR)
+    ckpt.mirror = Mirror(str(tmp_path / "mirror"), 1, rundirs.STEP_DIR)
     ckpt.mirror.failures.append("step_000001: no space left on device")
     with caplog.at_level(logging.WARNING, logger="nanopt"):
         ckpt.close()
