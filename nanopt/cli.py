@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from nanopt.errors import EXIT_BAD_INPUT, ConfigError, debug_enabled
+from nanopt.errors import EXIT_BAD_INPUT, ConfigError, ShardError, debug_enabled
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def run(argv: list[str]) -> int:
         os.environ["NANOPT_DEBUG"] = "1"  # seen by commands that catch their own errors (train)
     try:
         return int(importlib.import_module(f"nanopt.commands.{command.module}").main(rest) or 0)
-    except ConfigError as e:
+    except (ConfigError, ShardError) as e:  # bad input, for every command alike: one paragraph, exit 2
         if debug:
             raise
         print(f"nanopt {name}: error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from nanopt.io import clean
-from nanopt.rundirs import METRICS_FILE
+from nanopt.rundirs import METRICS_FILE, TB_DIR
 
 log = logging.getLogger("nanopt")
 
@@ -63,7 +63,7 @@ class MetricsLogger:
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+            self.writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR))
         if self.wandb_cfg is not None:
             self.wandb = _wandb_run(self.run_dir, self.wandb_cfg)
 

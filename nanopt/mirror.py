@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from nanopt.errors import ConfigError
+from nanopt.rundirs import COMPLETE_FILE
 
 log = logging.getLogger("nanopt")
 
@@ -78,7 +79,7 @@ class Mirror:
         if self.fs.exists(remote):
             self.fs.rm(remote, recursive=True)
         self.fs.makedirs(remote, exist_ok=True)
-        names = sorted(f.name for f in staging.iterdir() if f.name != "COMPLETE") + ["COMPLETE"]
+        names = sorted(f.name for f in staging.iterdir() if f.name != COMPLETE_FILE) + [COMPLETE_FILE]
         for name in names:
             self.fs.put_file(str(staging / name), f"{remote}/{name}")
         self.fs.pipe_file(f"{self.root}/latest", (staging.name + "\n").encode())

@@ -29,13 +29,14 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from nanopt import plots
+from nanopt.rundirs import PROFILE_FILE, TB_DIR
 from nanopt.config import Config, ConfigError, ProfileConfig, parse_ranks
 from nanopt.metrics import MetricsLogger
 from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
 
-SUMMARY_FILE = "profile_summary.json"
+SUMMARY_FILE = PROFILE_FILE
 DATA = "nanopt/data"
 FORWARD = "nanopt/forward"
 BACKWARD = "nanopt/backward"
@@ -92,7 +93,7 @@ def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, 
 
 def trace_dir(run_dir: Path, first_active_step: int) -> Path:
     """Where the traces go: a run of TensorBoard's pytorch_profiler plugin under <run>/tb/."""
-    return Path(run_dir) / "tb" / "plugins" / "profile" / f"step_{first_active_step:06d}"
+    return Path(run_dir) / TB_DIR / "plugins" / "profile" / f"step_{first_active_step:06d}"
 
 
 def worker_name(rank: int) -> str:
