@@ -24,8 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common as C
+import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
 import yaml
+
+from nanopt import rundirs  # noqa: E402
 
 ADAMW_LRS = ("1e-3", "2e-3", "4e-3")
 
@@ -75,7 +77,9 @@ def run_once(config: str, overrides: list[str], target: float, seed: int, run_di
     proc = subprocess.run(cmd, cwd=C.REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    s = json.loads((run_dir / "summary.json").read_text())
+    s = rundirs.read_summary(run_dir)
+    if s is None:
+        sys.exit(f"{' '.join(cmd)} exited 0 but wrote no {rundirs.SUMMARY_FILE} in {run_dir}")
     return {"reached": s["target_reached"], "steps": s["step_to_target"], "seconds": s["train_seconds_to_target"],
             "final_val_bpb": s.get("final_val_bpb"), "max_steps": s.get("step")}
 

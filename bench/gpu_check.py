@@ -40,9 +40,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, data, hardware  # noqa: E402
+from nanopt import attention, data, hardware, rundirs  # noqa: E402
 from nanopt.config import ModelConfig, load_config  # noqa: E402
-from nanopt.io import read_jsonl  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
 
@@ -244,7 +243,7 @@ def nanopt_run(args: list[str], run_dir: Path, timeout: float, env: Optional[dic
         rc, log = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, log = None, f"timed out after {timeout:.0f} s\n" + (e.stdout or b"").decode(errors="replace")[-3000:]
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = rundirs.read_metrics(run_dir)
     lines = log.strip().splitlines()
     notable = [ln for ln in lines if any(w in ln for w in ("profile", "WARNING", "Error", "attention", "model:"))]
     return {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": records,
@@ -289,8 +288,7 @@ def check_train(name: str, args: list[str], variants: list[str], work: Path, ste
         flags = VARIANTS[variant]
         res = nanopt_run([*args, *QUIET, *profile, *flags, f"--data.source={shards}",
                           f"--train.max_steps={steps}"], run_dir, timeout)
-        summary_path = run_dir / "profile_summary.json"
-        prof = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        prof = rundirs.read_profile(run_dir) or {}
         out[variant] = {"flags": flags, "rc": res["rc"], "wall_s": res["wall_s"], **speed_of(res["records"], skip),
                         "profile": {k: prof.get(k) for k in ("mode", "host_overhead_share", "data_loader_share",
                                                              "compute_share", "step_ms_mean")},
@@ -314,7 +312,7 @@ VARIANTS: dict[str, list[str]] = {
 
 def check_resume(args: list[str], work: Path, shards: Path, timeout: float) -> dict[str, Any]:
     """10 steps straight vs killed in step 7 (SIGKILL) and resumed from the step-4 checkpoint (RNG and fused
-    AdamW state included): loss differences and whether the weights (summary.json's digest) are equal, next to
+    AdamW state included): loss differences and whether the weights (the summaries' digests) are equal, next to
     the same for a second straight run, the device's own run-to-run noise (bitwise on CPU, not on cuDNN)."""
     common = [*args, *QUIET, f"--data.source={shards}", "--train.max_steps=10", "--checkpoint.every=4",
               "--checkpoint.keep=1"]
@@ -331,8 +329,7 @@ def check_resume(args: list[str], work: Path, shards: Path, timeout: float) -> d
         return max(diffs) if diffs else None
 
     dirs = ("resume-straight", "resume-again", "resume-killed")
-    digests = [json.loads((work / d / "summary.json").read_text())["weights_sha256_per_rank"]
-               if (work / d / "summary.json").exists() else None for d in dirs]
+    digests = [(rundirs.read_summary(work / d) or {}).get("weights_sha256_per_rank") for d in dirs]
     out = {"rc": [straight["rc"], again["rc"], killed["rc"], resumed["rc"]], "steps_compared": common_steps,
            "max_abs_loss_diff": max_diff("resumed"), "weights_equal": digests[0] == digests[2] != None,
            "rerun_max_abs_loss_diff": max_diff("again"), "rerun_weights_equal": digests[0] == digests[1] != None}

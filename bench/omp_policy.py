@@ -13,7 +13,6 @@ after warm-up) and each policy's ratio to the fastest in the same row.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -22,7 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common as C
+import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
+
+from nanopt import rundirs  # noqa: E402
 
 POLICIES = ("unset", "ACTIVE", "PASSIVE", "spin:10000", "spin:100000")
 SHAPES = {"tiny": [], "nanogpt": C.NANOGPT_SHAPE}  # configs/tiny.yaml as shipped; nanoGPT's CPU shape
@@ -66,7 +67,7 @@ def step_ms(a: argparse.Namespace, work: Path, shape: str, policy: str, ranks: i
     proc = subprocess.run(cmd, cwd=C.REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = rundirs.read_metrics(run_dir)
     return statistics.median(r["step_ms"] for r in rows if "step_ms" in r and r["step"] > min(5, a.steps // 3))
 
 

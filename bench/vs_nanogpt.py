@@ -39,6 +39,7 @@ from typing import Optional
 import _common as C
 import numpy as np
 
+from nanopt import rundirs
 from nanopt.data import corpus_documents, fetch_sdist
 from nanopt.io import cache_dir
 
@@ -146,8 +147,8 @@ def nanopt_cmd(config: str, data_dir: Path, run_dir: Path, *extra: str) -> list[
 
 
 def nanopt_step_ms(run_dir: Path, skip: int) -> list[float]:
-    """Per-step wall times from metrics.jsonl (log.every=1: one record per step), first `skip` steps left out."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Per-step wall times from the run's metrics (log.every=1: one record per step), first `skip` steps left out."""
+    rows = rundirs.read_metrics(run_dir)
     return [r["step_ms"] for r in rows if "step_ms" in r and r["step"] > skip]
 
 
@@ -202,7 +203,9 @@ def race_nanopt(a: argparse.Namespace, work: Path, documents: Path, counts: dict
     if max_steps:
         extra.append(f"--train.max_steps={max_steps}")
     seconds, _ = run(nanopt_cmd(a.config, data_dir, run_dir, *extra), C.REPO)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = rundirs.read_summary(run_dir)
+    if summary is None:
+        sys.exit(f"nanopt wrote no {rundirs.SUMMARY_FILE} in {run_dir}")
     return {"seconds": prep + seconds, "prepare_s": prep, "reached": summary.get("target_reached"),
             "steps": summary.get("step_to_target"), "final_val_bpb": summary.get("final_val_bpb")}
 

@@ -17,14 +17,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from nanopt import rundirs
 from nanopt.errors import ConfigError
-from nanopt.io import read_jsonl, write_bytes, write_text
+from nanopt.io import write_bytes, write_text
+from nanopt.rundirs import CURVES_FILE, METRICS_FILE, PROFILE_FILE
 
 log = logging.getLogger("nanopt")
 
-CURVES_FILE = "curves.png"
 PROFILE_PAGE = "profile.html"
-METRICS_FILE = "metrics.jsonl"
 X_AXES = ("steps", "tokens", "seconds")
 X_LABELS = {"steps": "optimizer step", "tokens": "tokens seen",
             "seconds": "training seconds (sum of logged step times)"}
@@ -35,23 +35,32 @@ Record = dict[str, Any]
 # ---------------------------------------------------------------- reading runs
 
 
+def _number(value: Any) -> Optional[float]:
+    """A finite number as a float, else None: a record's figure may be null, or damaged."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
 def read_metrics(run_dir: Path) -> list[Record]:
-    """The run's metrics.jsonl records; a line that does not parse (the one being written) is left out."""
-    return [r for r in read_jsonl(Path(run_dir) / METRICS_FILE) if isinstance(r.get("step"), int)]
+    """The run's metrics records that carry an integer step (rundirs.read_metrics: ConfigError naming the
+    file and line when one is damaged; the last line, maybe being written, may be cut)."""
+    return [r for r in rundirs.read_metrics(run_dir)
+            if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
 
 
-def find_runs(paths: list[str | Path]) -> list[Path]:
-    """Run directories (those with a metrics.jsonl) at or below each path, in order, each once.
-    Raises ConfigError naming a path that is not one and holds none."""
+def runs_to_plot(paths: list[str | Path]) -> list[Path]:
+    """Run directories at or below each path (rundirs.walk_runs), in order, each once. Raises ConfigError
+    naming a path that is not a directory or holds no run."""
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():
             raise ConfigError(f"{p} is not a directory; give run directories (runs/<name>, holding {METRICS_FILE}) "
                               f"or a sweep directory that holds them.")
-        runs = sorted(m.parent for m in p.rglob(METRICS_FILE))
+        runs = rundirs.walk_runs(p)
         if not runs:
-            raise ConfigError(f"{p} holds no run: no {METRICS_FILE} in it or below it. Give a run directory "
-                              f"(runs/<name>) or a sweep directory of runs; a run writes {METRICS_FILE} once it starts.")
+            raise ConfigError(f"{p} holds no run: no run directory (one with {rundirs.CONFIG_FILE} or "
+                              f"{METRICS_FILE}) in it or below it. Give a run directory (runs/<name>) or a sweep "
+                              f"directory of runs.")
         found += [r for r in runs if r not in found]
     return found
 
@@ -62,18 +71,20 @@ def run_labels(runs: list[Path]) -> list[str]:
     if len(resolved) == 1:
         return [resolved[0].name]
     common = Path(os.path.commonpath(resolved))
-    return [str(r.relative_to(common)) or r.name for r in resolved]
+    # A run that holds the others is the common path itself: it is called by its own name, not ".".
+    return [r.name if r == common else str(r.relative_to(common)) for r in resolved]
 
 
 def _seconds_axis(records: list[Record]) -> tuple[list[float], list[float]]:
     """(steps, training seconds at them): each logged step time times the steps since the previous log line.
-    metrics.jsonl has no clock of training time; wall time would bill evaluations, checkpoints and the gap
+    The metrics have no clock of training time; wall time would bill evaluations, checkpoints and the gap
     before a resume, and step_ms already leaves those out (train.py SpeedWindow)."""
     steps, seconds, last_step, total = [0.0], [0.0], 0, 0.0
     for r in records:
-        if r.get("step_ms") is None or r["step"] <= last_step:
+        step_ms = _number(r.get("step_ms"))
+        if step_ms is None or r["step"] <= last_step:
             continue
-        total += (r["step"] - last_step) * r["step_ms"] / 1000
+        total += (r["step"] - last_step) * step_ms / 1000
         last_step = r["step"]
         steps.append(float(last_step))
         seconds.append(total)
@@ -84,22 +95,23 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
     """(x values, metric values) of the records that carry the metric; x is steps, tokens or seconds."""
     if x not in X_AXES:
         raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}.")
-    tokens_per_step = next((r["tokens_seen"] / r["step"] for r in records
-                            if r.get("tokens_seen") and r["step"] > 0), 0.0)
+    tokens_per_step = next((tokens / r["step"] for r in records
+                            if (tokens := _number(r.get("tokens_seen"))) and r["step"] > 0), 0.0)
     at_steps, at_seconds = _seconds_axis(records)
     xs, ys = [], []
     for r in records:
-        value = r.get(metric)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        value = _number(r.get(metric))
+        if value is None:
             continue
         step = r["step"]
         if x == "steps":
             xs.append(float(step))
         elif x == "tokens":
-            xs.append(float(r.get("tokens_seen", step * tokens_per_step)))  # test lines carry no tokens_seen
+            tokens = _number(r.get("tokens_seen"))  # test lines carry no tokens_seen
+            xs.append(tokens if tokens is not None else step * tokens_per_step)
         else:
             xs.append(_interp(step, at_steps, at_seconds))
-        ys.append(float(value))
+        ys.append(value)
     return xs, ys
 
 
@@ -183,7 +195,8 @@ def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
         ax.grid(alpha=0.3)
         if not xs:  # e.g. MFU on a device with no known peak: say so rather than leave a blank box
             ax.text(0.5, 0.5, f"no {name} values logged", ha="center", va="center", transform=ax.transAxes)
-    finals = [r for r in records if r.get("val_loss") is not None]
+    # Any number, NaN included: a run whose loss diverged says so in its title.
+    finals = [r for r in records if isinstance(r.get("val_loss"), (int, float)) and not isinstance(r["val_loss"], bool)]
     title = str(run_dir.resolve().name)
     if finals:
         title += f"  |  final val loss {finals[-1]['val_loss']:.4f} at step {finals[-1]['step']}"
@@ -279,7 +292,7 @@ img {{ max-width: 100%; }}
 <th>self CPU ms</th></tr>{op_rows}</table>
 <h2>Host time inside each range (ms)</h2>
 <table>{label_rows}</table>
-<p>From profile_summary.json. This page needs no network: TensorBoard's PyTorch Profiler tab loads Google
+<p>From {PROFILE_FILE}. This page needs no network: TensorBoard's PyTorch Profiler tab loads Google
 Charts from gstatic and shows nothing on an offline machine. The full trace (above) also opens offline in
 Chrome's chrome://tracing.</p>
 </body></html>
@@ -311,5 +324,5 @@ def curves_quietly(run_dir: Path) -> Optional[Path]:
 
 
 def profile_page_quietly(summary: dict, run_dir: Path) -> Optional[Path]:
-    """profile.html beside profile_summary.json, or a warning."""
+    """profile.html beside the profile summary, or a warning."""
     return _quietly(PROFILE_PAGE, False, lambda: profile_page(summary, Path(run_dir) / PROFILE_PAGE))

@@ -501,6 +501,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), "not an object")
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file a run appends to (metrics.jsonl, evals.jsonl); [] when there is
     none. Only the last line may be cut (a writer is appending it, or was killed while it did): it is left
@@ -527,8 +535,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"{path}: line {number} {what}; the file is damaged. Remove or mend that line "
                               f"and run the command again.") from None
         if not isinstance(record, dict):
-            raise ConfigError(f"{path}: line {number} is a JSON {type(record).__name__}, not an object (one record "
-                              f"per line); the file is damaged. Remove or mend that line and run the command again.")
+            raise ConfigError(f"{path}: line {number} is {_json_kind(record)}, not an object (one record per line); "
+                              f"the file is damaged. Remove or mend that line and run the command again.")
         out.append(record)
     return out
 

@@ -115,8 +115,8 @@ def test_a_picture_that_cannot_be_drawn_is_a_warning_not_an_error(tmp_path, capl
 
 
 def test_plot_overlays_a_sweeps_runs(sweep, tmp_path, monkeypatch, capsys):
-    assert plots.find_runs([sweep]) == [sweep / "lr_high", sweep / "lr_low"]
-    assert plots.run_labels(plots.find_runs([sweep])) == ["lr_high", "lr_low"]
+    assert plots.runs_to_plot([sweep]) == [sweep / "lr_high", sweep / "lr_low"]
+    assert plots.run_labels(plots.runs_to_plot([sweep])) == ["lr_high", "lr_low"]
     out = tmp_path / "overlay.png"
     assert cli(["plot", str(sweep), "-o", str(out), "--x", "tokens", "--metric", "val_loss"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
@@ -237,7 +237,7 @@ def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path):
 def test_watch_skips_a_checkpoint_pruned_while_it_is_read(sweep, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(sweep / "lr_low", run_dir)
-    listed = eval_command.complete_checkpoints
+    listed = eval_command.checkpoint_dirs
 
     def listed_then_pruned(root: Path) -> list[Path]:
         found = listed(root)
@@ -245,7 +245,7 @@ def test_watch_skips_a_checkpoint_pruned_while_it_is_read(sweep, tmp_path, monke
             shutil.rmtree(found[0])  # what checkpoint.keep does to the oldest, right after the watcher looked
         return found
 
-    monkeypatch.setattr(eval_command, "complete_checkpoints", listed_then_pruned)
+    monkeypatch.setattr(eval_command, "checkpoint_dirs", listed_then_pruned)
     assert cli(["eval", str(run_dir), "--watch", "--interval", "0.1"]) == 0
     out = capsys.readouterr().out
     assert "step_000002: it was removed while being read (pruned by checkpoint.keep)" in out

@@ -9,9 +9,10 @@ import math
 import statistics
 from typing import Any, Optional
 
-from nanopt.rundirs import SEED_KEY, Run, format_value, load_run
+from nanopt.errors import ConfigError
+from nanopt.rundirs import CONFIG_FILE, SEED_KEY, FinishedRun, format_value, load_run
 
-# (key, label, format): speed figures come from metrics.jsonl, the rest from summary.json.
+# (key, label, format): speed figures come from the metrics records, the rest from the summary.
 SPEED = ("tokens_per_s", "step_ms", "mfu")
 FIGURES: list[tuple[str, str, str]] = [
     ("tokens_per_s", "tokens/s (median step)", ",.0f"),
@@ -31,12 +32,25 @@ def _number(value: Any) -> Optional[float]:
     return float(value) if ok else None
 
 
-def speed(run: Run) -> dict[str, Optional[float]]:
+def _warmup_steps(run: FinishedRun) -> int:
+    warmup = run.config.get("mfu.warmup_steps", 1)
+    if not isinstance(warmup, int) or isinstance(warmup, bool):
+        raise ConfigError(f"{run.dir / CONFIG_FILE}: `mfu.warmup_steps` is {warmup!r}, not an integer; the file is "
+                          f"damaged.")
+    return warmup
+
+
+def _step(record: dict[str, Any]) -> int:
+    step = record.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else 0
+
+
+def speed(run: FinishedRun) -> dict[str, Optional[float]]:
     """Median tokens/s, step time and MFU over the logged training steps after the MFU warm-up steps (the
     first steps pay for start-up). The median keeps a few slow steps (a profiled window, a checkpoint
     write) from moving the figure."""
-    warmup = run.config.get("mfu.warmup_steps", 1)
-    steps = [r for r in run.records if "loss" in r and r.get("step", 0) > warmup]
+    warmup = _warmup_steps(run)
+    steps = [r for r in run.records if "loss" in r and _step(r) > warmup]
     out: dict[str, Optional[float]] = {}
     for key in SPEED:
         values = [v for r in steps if (v := _number(r.get(key))) is not None]
@@ -44,7 +58,7 @@ def speed(run: Run) -> dict[str, Optional[float]]:
     return out
 
 
-def figures(run: Run) -> dict[str, Optional[float]]:
+def figures(run: FinishedRun) -> dict[str, Optional[float]]:
     return {**speed(run), **{key: _number(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED}}
 
 
@@ -55,7 +69,7 @@ def _delta(a: Optional[float], b: Optional[float]) -> tuple[Optional[float], Opt
     return b - a, (b / a if a else None)
 
 
-def config_changes(a: Run, b: Run) -> list[dict[str, str]]:
+def config_changes(a: FinishedRun, b: FinishedRun) -> list[dict[str, str]]:
     """Keys whose value differs, from the settings (seed, names and paths left out) and the seed itself."""
     sa, sb = dict(a.setting()), dict(b.setting())
     keys = list(dict.fromkeys([*sa, *sb]))
@@ -109,7 +123,7 @@ def top_ops(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
                                                                   else max(r["a_ms"] or 0, r["b_ms"] or 0))))
 
 
-def comparison(a: Run, b: Run) -> dict[str, Any]:
+def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
     fa, fb = figures(a), figures(b)
     rows = []
     for key, label, _ in FIGURES:

@@ -1,6 +1,7 @@
 """`nanopt runs [DIR]`: finished runs below DIR, grouped into settings that differ only in their seed (mean,
 standard deviation and a 95% Student-t interval per figure); `--compare A B` tests whether A beats B (Welch);
-`--runs` (or runs that do not group) gives the leaderboard, fastest to target first."""
+`--runs` (or runs that do not group) gives the leaderboard, fastest to target first. A run that repeats the
+setting and seed of another (a copied sweep) is counted once, with a warning."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +14,9 @@ import numpy as np
 from scipy import stats
 
 from nanopt.errors import ConfigError
-from nanopt.rundirs import Group, Run, find_runs, group_runs
+from nanopt.rundirs import SUMMARY_FILE, FinishedRun, Group, Repeat, find_runs, group_runs, split_repeats
 
-# The figures a group is summarised by (those present in its runs' summary.json), each lower-is-better.
+# The figures a group is summarised by (those present in its runs' summaries), each lower-is-better.
 FIGURES: dict[str, tuple[str, str]] = {
     "train_seconds_to_target": ("time to target (s)", ".2f"),
     "step_to_target": ("steps to target", ".1f"),
@@ -52,7 +53,7 @@ def describe(values: list[float]) -> dict[str, Any]:
     return out
 
 
-def values_of(runs: list[Run], metric: str) -> list[float]:
+def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
     """The metric from each run that has it (a run that never reached its target has no time to target)."""
     return [float(r.summary[metric]) for r in runs if isinstance(r.summary.get(metric), (int, float))
             and not isinstance(r.summary.get(metric), bool)]
@@ -107,7 +108,7 @@ def resolve(spec: str, groups: list[Group], root: Path) -> Group:
             listing = "; ".join(f"{g.name} ({len(g.runs)} runs)" for g in found) or "no finished runs"
             raise ConfigError(f"--compare {spec}: the directory holds {len(found)} settings, not one ({listing}). "
                               f"Give a group name or a directory whose runs differ only in their seed.")
-        return Group(spec, found[0].runs, found[0].values)
+        return Group(spec, found[0].runs, found[0].values, found[0].repeats)
     matches = [g for g in groups if spec in g.name]
     if len(matches) == 1:
         return matches[0]
@@ -171,7 +172,7 @@ def _target(r: dict[str, Any]) -> str:
     return "-" if r.get("target_val_loss") is None else f"{r['target_val_loss']:.3f} nats"
 
 
-def leaderboard(runs: list[Run]) -> list[dict[str, Any]]:
+def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
     """One row per run, fastest to target first, then the rest by final validation loss."""
     rows = [{**r.summary, "run": r.name} for r in runs]  # the directory (below DIR) names the run
     reached = sorted((r for r in rows if r.get("train_seconds_to_target") is not None),
@@ -207,19 +208,25 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def repeat_warnings(repeats: list[Repeat]) -> list[str]:
+    """One line per run left out as a repeat, each once (a --compare directory may repeat the listing's)."""
+    return list(dict.fromkeys(r.describe() for r in repeats))
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nanopt runs", description=(
         "Finished runs below DIR (recursively: a sweep's runs are in DIR/<sweep>/<point>/). Runs whose configs "
         "differ only in run.seed (and in names, paths, checkpointing, sampling) form a group: each group gets "
         "n, mean, standard deviation and a 95%% Student-t interval for time/steps/tokens to target and final "
         "val loss/bpb, and is named by the config keys that differ between groups. When no two runs group, "
-        "or with --runs, one leaderboard row per run (time-to-target in training seconds)."))
+        "or with --runs, one leaderboard row per run (time-to-target in training seconds). A run that repeats the "
+        "setting and seed of another (a sweep copied twice) is one sample: it is counted once, with a warning."))
     p.add_argument("dir", nargs="?", default="runs")
     p.add_argument("--runs", action="store_true", help="the per-run leaderboard even when runs group")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="does A beat B? group names, unique parts of them, or directories of seeds")
     p.add_argument("--metric", default="final_val_loss",
-                   help="summary.json figure for --compare, lower is better (default final_val_loss; "
+                   help=f"{SUMMARY_FILE} figure for --compare, lower is better (default final_val_loss; "
                         "train_seconds_to_target, step_to_target, tokens_to_target, final_val_bpb, ...)")
     p.add_argument("--alpha", type=float, default=0.05, help="significance level for --compare (default 0.05; "
                                                               "speedrun records ask for 0.01)")
@@ -228,27 +235,30 @@ def main(argv: list[str]) -> int:
     root = Path(args.dir)
     if not 0 < args.alpha < 1:
         raise ConfigError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
-    runs, skipped = find_runs(root)
+    found, skipped = find_runs(root)
+    runs, repeats = split_repeats(found)  # statistics and the leaderboard count each (setting, seed) once
     groups = group_runs(runs)
     summaries = [group_stats(g) for g in groups]
     comparison: Optional[dict[str, Any]] = None
     if args.compare:
         a, b = (resolve(spec, groups, root) for spec in args.compare)
+        repeats += [r for g in (a, b) for r in g.repeats]  # a directory given to --compare may hold its own
         va, vb = values_of(a.runs, args.metric), values_of(b.runs, args.metric)
         if not va and not vb:
             present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items()
                               if isinstance(v, (int, float)) and not isinstance(v, bool)})
-            raise ConfigError(f"--metric {args.metric}: neither {a.name} nor {b.name} has it in summary.json. "
+            raise ConfigError(f"--metric {args.metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
                               f"Their numeric figures: {', '.join(present)}.")
         comparison = welch(va, vb, args.metric, args.alpha, (a.name, b.name))
     grouped = any(len(g.runs) > 1 for g in groups) and not args.runs
+    warnings = repeat_warnings(repeats)
 
     if args.json:
         print(json.dumps(_json_safe({"dir": str(root), "groups": summaries, "runs": leaderboard(runs),
-                                     "comparison": comparison, "skipped": skipped}), indent=2))
+                                     "comparison": comparison, "skipped": skipped, "warnings": warnings}), indent=2))
         return 0
     if not runs:
-        print(f"no finished runs in {root} (a run writes summary.json when it ends)")
+        print(f"no finished runs in {root} (a run writes {SUMMARY_FILE} when it ends)")
     elif grouped:
         print(f"{len(runs)} runs in {len(groups)} group(s) of seeds; named by the config keys that differ "
               f"between groups; n: runs with the figure; 95% CI of the mean (Student t)")
@@ -258,6 +268,8 @@ def main(argv: list[str]) -> int:
     if comparison is not None:
         print()
         print(format_comparison(comparison))
+    for line in warnings:
+        print(f"warning: {line}")
     for line in skipped:
         print(f"skipped {line}")
     return 0
