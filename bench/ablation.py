@@ -81,7 +81,7 @@ def run_once(config: str, overrides: list[str], target: float, seed: int, run_di
     if s is None:
         sys.exit(f"{' '.join(cmd)} exited 0 but wrote no {rundirs.SUMMARY_FILE} in {run_dir}")
     return {"reached": s["target_reached"], "steps": s["step_to_target"], "seconds": s["train_seconds_to_target"],
-            "final_val_bpb": s.get("final_val_bpb"), "max_steps": s.get("step")}
+            "final_val_bpb": s.get("final_val_bpb"), "max_steps": s.get("steps")}
 
 
 def cell(rows: list[dict], key: str, fmt: str) -> str:

@@ -24,10 +24,6 @@ log = logging.getLogger("nanopt")
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
-# Out-of-band results (`nanopt eval`) get their own file: the training process owns metrics.jsonl (a resume
-# trims it past the checkpoint's step, and on a Modal Volume the trainer's commit of it would drop lines
-# written by another container), so evaluations written there could be lost.
-EVALS = "evals.jsonl"
 
 
 def token_bytes_table(tokenizer: Tokenizer, vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -42,6 +42,9 @@ log = logging.getLogger("nanopt")
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
+# Out-of-band results (`nanopt eval`) get their own file: the trainer owns metrics.jsonl (a resume trims it
+# past the checkpoint's step, and on a Modal Volume the trainer's commit of it would drop lines written by
+# another container), so evaluations appended there could be lost.
 EVALS_FILE = "evals.jsonl"
 PROFILE_FILE = "profile_summary.json"  # nanopt.profiling.SUMMARY_FILE (that module imports torch; a test ties them)
 CURVES_FILE = "curves.png"
