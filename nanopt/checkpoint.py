@@ -242,7 +242,7 @@ class Checkpointer:
 
     def _choose(self) -> Optional[Path]:
         """Newest verified local checkpoint, else the newest verified one on the mirror, else None (fresh) when
-        the directory shows no training; ConfigError when it does (or `checkpoint.start_over`: fresh)."""
+        the run never saved one; ConfigError when it did (or `checkpoint.start_over`: fresh)."""
         for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             shutil.rmtree(tmp, ignore_errors=True)
@@ -268,7 +268,7 @@ class Checkpointer:
                         "starting metrics over", self.root, "; ".join(evidence))
             return None
         raise ConfigError(
-            f"the run directory {self.run_dir} shows earlier training but holds no usable checkpoint "
+            f"the run directory {self.run_dir} shows saved training but holds no usable checkpoint "
             f"({'; '.join(evidence)}). Nothing was loaded or changed. If the checkpoints are still arriving "
             f"(a volume not yet synced, a copy in progress), wait and run the same command again. To train this "
             f"run from step 0 instead, add `--checkpoint.start_over=true` (its metrics start over; damaged "
@@ -276,16 +276,14 @@ class Checkpointer:
         )
 
     def _earlier_training(self) -> list[str]:
-        """What shows that a session trained here before, though no checkpoint remains: a `latest` pointer,
-        a summary, or metrics past step 0."""
+        """What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a
+        summary. (Metrics alone do not: a session killed before its first save is restarted by re-running it,
+        the retry Modal and sweeps rely on; its records are dropped and logged again.)"""
         found = []
         if (self.root / rundirs.LATEST_FILE).is_file():
             found.append(f"{rundirs.CHECKPOINTS_DIR}/{rundirs.LATEST_FILE} names a checkpoint that is not there")
         if rundirs.read_summary(self.run_dir) is not None:
             found.append(f"{rundirs.SUMMARY_FILE} is there")
-        step = rundirs.latest_figures(self.run_dir).get("step")
-        if isinstance(step, int) and step > 0:
-            found.append(f"{rundirs.METRICS_FILE} logs training up to step {step}")
         return found
 
     def _fetch(self, name: str) -> Path | str:

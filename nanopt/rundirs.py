@@ -121,7 +121,10 @@ def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     try:
         data = yaml.safe_load(_read_text(path))
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path} cannot be read as YAML: {e}.") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path} is not valid YAML{at} ({getattr(e, 'problem', None) or 'unreadable'}); the file "
+                          f"is damaged: restore it, or remove the run directory.") from None
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ConfigError(f"{path} is not a run config (a YAML mapping of sections); the file is damaged.")
     return data
@@ -341,7 +344,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:  # a killed process its parent has not reaped yet (a zombie) still answers kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): trust kill()
+        return True
 
 
 class DirLock:

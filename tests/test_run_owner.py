@@ -174,7 +174,7 @@ def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(tmp_
     for _ in range(2):
         assert train_here(tmp_path, "--train.max_steps=3") == 2
         err = capsys.readouterr().err
-        assert "shows earlier training but holds no usable checkpoint" in err and "start_over" in err
+        assert "shows saved training but holds no usable checkpoint" in err and "start_over" in err
         assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 
 
