@@ -285,12 +285,19 @@ def time_limit_args(user_limit_s: float, timeout_s: float, elapsed_s: float) -> 
     return [f"--run.time_limit_s={budget:.0f}"]
 
 
-def newest_checkpoint_step(run_dir: Path) -> int:
-    """The step of the newest complete checkpoint in a run directory, -1 if there is none."""
-    from nanopt.checkpoint import STEP_DIR, complete_checkpoints  # imports torch: only inside a function
+def newest_checkpoint_step(run_dir: Path, newer_than: int = -1) -> int:
+    """The step of the newest complete (verified) checkpoint in a run directory newer than `newer_than`, -1
+    if there is none. Newest first, stopping at the first whole one: each verification reads every byte of
+    a checkpoint (15 GB for configs/1b.yaml), so the older ones are left alone."""
+    from nanopt import rundirs  # torch-free, but modal_app imports nanopt only inside functions
 
-    found = complete_checkpoints(run_dir / "checkpoints")
-    return int(STEP_DIR.match(found[-1].name).group(1)) if found else -1
+    for ckpt in reversed(rundirs.checkpoint_dirs(rundirs.checkpoints_dir(run_dir))):
+        step = rundirs.step_of(ckpt)
+        if step is None or step <= newer_than:
+            break
+        if rundirs.verify_checkpoint(ckpt) is None:
+            return step
+    return -1
 
 
 def worker_exit_codes(path: Path) -> list[int]:
@@ -367,7 +374,7 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
             code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
     # Other nodes never see node 0's new checkpoints in their view of the Volume: they cannot judge progress,
     # so they leave the call to node 0 (counting as progressed keeps them from ending the run on their own).
-    progressed = node_rank != 0 or newest_checkpoint_step(run_dir) > before
+    progressed = node_rank != 0 or newest_checkpoint_step(run_dir, newer_than=before) > before
     return finish("training", run_name, code, forwarded, tuple(worker_exit_codes(status)), gpus, progressed)
 
 
@@ -550,17 +557,17 @@ def sweep_config_path(config: str) -> str:
     return str(path)
 
 
-def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> tuple[str, list[tuple[str, str, int]]]:
-    """(sweep name, [(run name on the Volume "NAME/POINT", config YAML, max_steps)]) for `nanopt sweep`'s grid
-    of `config` x `sets` ("KEY=V1,V2;KEY2=..." ) x `seeds`, each point checked for `gpus` GPUs before any
-    GPU is paid for. Raises nanopt's ConfigError."""
+def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> tuple[str, list[tuple[str, str, Any]]]:
+    """(sweep name, [(run name on the Volume "NAME/POINT", config YAML, the point's resolved Config)]) for `nanopt
+    sweep`'s grid of `config` x `sets` ("KEY=V1,V2;KEY2=..." ) x `seeds`, each point checked for `gpus` GPUs
+    before any GPU is paid for. Raises nanopt's ConfigError."""
     from nanopt.config import ConfigError, load_config, parse_overrides, to_yaml
     from nanopt.sweep import plan
 
     set_args = [s.strip() for s in sets.split(";") if s.strip()]
     if not set_args and seeds == 1:
         raise ConfigError("nothing to sweep: give --sets 'KEY=V1,V2[;KEY2=...]' and/or --seeds N with N > 1.")
-    points, _ = plan(config, set_args, seeds, [], gpus)
+    points, resolved = plan(config, set_args, seeds, [], gpus)
     sweep = name or f"{Path(config).stem}-sweep"
     if "/" in sweep or sweep in (".", ".."):
         raise ConfigError(f"--name {sweep!r}: a sweep name is one directory name.")
@@ -568,18 +575,19 @@ def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> t
     for point in points:
         cfg = load_config(config, parse_overrides(point.overrides()))
         cfg.run.name, cfg.run.dir = point.name, run_dir_for(f"{sweep}/{point.name}")
-        out.append((f"{sweep}/{point.name}", to_yaml(cfg), cfg.train.max_steps))
+        out.append((f"{sweep}/{point.name}", to_yaml(cfg), resolved[point.name]))
     return sweep, out
 
 
-def finished_steps(run_name: str) -> Optional[int]:
-    """Steps in the run's summary.json on the Volume, or None when it has none (not finished, or never started)."""
-    import json
+def sweep_states(sweep_name: str, runs: list[tuple[str, str, Any]]) -> dict[str, str]:
+    """done / resume / new for each run name, from its directory on the Volume, by nanopt sweep's own rules
+    (rundirs.finished: max_steps, or stopped at the target). Raises nanopt's ConfigError when a point's
+    directory ran another config or holds a damaged file."""
+    from nanopt.sweep import point_states
 
-    try:
-        return json.loads((Path(VOLUME_PATH) / run_dir_for(run_name) / "summary.json").read_text())["steps"]
-    except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: not finished
-        return None
+    volume_root = Path(VOLUME_PATH)
+    return point_states([(run_name, volume_root / run_dir_for(run_name), cfg) for run_name, _, cfg in runs],
+                        volume_root / run_dir_for(sweep_name))
 
 
 def collect(calls: dict[str, Any], codes: dict[str, int]) -> None:
@@ -600,8 +608,10 @@ def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int
           gpu_type: str = TRAIN_GPU) -> dict[str, int]:
     """`modal run modal_app.py::sweep --config configs/C.yaml --sets 'optim.name=adamw,muon' --seeds 3`: every
     grid point trains in its own container (`gpus` GPUs each) at the same time, under runs/NAME/POINT/ on the
-    Volume. A finished point is skipped; an interrupted one resumes; a failed one is reported and the rest go
-    on. Returns {run name: exit code}; raises SweepError (modal run exits 1) on a bad grid or a failed run."""
+    Volume. A finished point (max_steps, or stopped at its target) is skipped; an interrupted one resumes; a
+    failed one is reported and the rest go on. A point whose directory ran another config is refused, as by
+    `nanopt sweep`, before any GPU starts. Returns {run name: exit code}; raises SweepError (modal run exits
+    1) on a bad grid, a refused point or a failed run."""
     from nanopt.config import ConfigError
 
     try:
@@ -612,9 +622,13 @@ def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int
     print(f"sweep {sweep_name}: {len(runs)} runs on {gpu_spec} each; results on Volume '{VOLUME_NAME}', "
           f"{run_dir_for(sweep_name)}/ (then `nanopt runs {run_dir_for(sweep_name)}`)", flush=True)
     volume.reload()  # see runs that other containers finished since this one started
+    try:
+        states = sweep_states(sweep_name, runs)
+    except ConfigError as e:
+        raise SweepError(f"the sweep was refused before any GPU started: {e}") from None
     calls, codes = {}, {}
-    for run_name, config_yaml, max_steps in runs:
-        if finished_steps(run_name) == max_steps:
+    for run_name, config_yaml, _ in runs:
+        if states[run_name] == "done":
             print(f"  {run_name}: finished before, skipped", flush=True)
             codes[run_name] = 0
             continue

@@ -1,9 +1,15 @@
 """`nanopt sweep`: a grid of ordinary runs (every --set value × seeds), each its own process, placed one per
-device slot, at most K at a time; skips finished runs and resumes interrupted ones when run again.
+device slot, at most K at a time; skips finished runs and resumes interrupted ones when run again, and
+refuses up front to skip or resume a point whose directory holds another config than the one it would run.
 
 Torch-free: the parent only reads configs, starts processes and watches their run directories, so it
 costs the runs no memory and no start-up time. The pieces are plain functions so other launchers (Modal)
-reuse them: plan() -> the grid's points, place() -> device slots, point_state() -> done/resume/new.
+reuse them: plan() -> the grid's points, place() -> device slots, point_states() -> done/resume/new (or one
+refusal naming every point whose directory ran another config).
+
+One writer per sweep directory: run_sweep holds DIR/lock.json (rundirs.DirLock) for its whole life. Each run
+starts in its own session, so a terminal's Ctrl-C reaches only the sweep, which passes exactly one SIGTERM to
+each running run (a run counts a second signal as "exit now, without a checkpoint").
 
 DIR/sweep.json (rewritten atomically on every state change) describes the sweep for `nanopt runs`:
   {"name", "config", "command": [...], "set": {key: [values]}, "seeds": [...], "overrides": [...],
@@ -15,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import os
 import re
 import shutil
@@ -27,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
-from nanopt.config import Config, load_config, parse_overrides, resolve
+from nanopt import rundirs
+from nanopt.config import Config, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
 from nanopt.io import clean, write_json
 
@@ -55,9 +61,23 @@ class Point:
         return [f"--{k}={v}" for k, v in self.values.items()] + [f"--run.seed={self.seed}"]
 
 
+def normal_key(key: str) -> str:
+    """` run.seed ` -> `run.seed`. A quoted flag keeps the spaces around its key; every check below (reserved
+    keys, clashes) must compare the key the config will apply, or `--set "run.seed =1,2"` slips past them."""
+    return ".".join(part.strip() for part in key.split("."))
+
+
+def normal_overrides(overrides: list[str]) -> list[str]:
+    """The common overrides, each as `--section.key=value` with its key normalised: the checks in plan() and
+    every run's command line then see one spelling (`--run.seed 5` and `--run.seed =5` both become
+    `--run.seed=5`). Values are passed on as written (integers never go through float())."""
+    return [f"--{normal_key(key)}={value}" for key, value in parse_overrides(overrides)]
+
+
 def parse_set(text: str) -> tuple[str, list[str]]:
     """`KEY=V1,V2,...` -> (KEY, [V1, V2, ...]); ConfigError naming the flag when it does not read."""
-    key, sep, values = text.partition("=")
+    raw_key, sep, values = text.partition("=")
+    key = normal_key(raw_key)
     items = [v.strip() for v in values.split(",")]
     if not sep or key.count(".") != 1 or not all(items):
         raise ConfigError(
@@ -69,7 +89,7 @@ def parse_set(text: str) -> tuple[str, list[str]]:
             f"from the config's run.seed, or from --run.seed=S), and --name / --dir for where the runs go.")
     if len(set(items)) != len(items):
         raise ConfigError(f"--set {text!r}: a value is repeated; list each value of `{key}` once.")
-    return key.strip(), items
+    return key, items
 
 
 def _safe(value: str) -> str:
@@ -111,7 +131,7 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
         raise ConfigError(f"--seeds {seeds}: give the number of seeds per setting, 1 or more.")
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes (GPUs) per run; give 1 or more.")
-    base = parse_overrides(overrides)
+    base = [(normal_key(k), v) for k, v in parse_overrides(overrides)]
     for key, _ in base:
         if key in ("run.dir", "run.name"):
             raise ConfigError(f"--{key}: the sweep names and places every run itself; use --name NAME or --dir DIR.")
@@ -119,7 +139,7 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
     clash = {k for k, _ in base} & {k for k, _ in sets}
     if clash:
         raise ConfigError(f"{', '.join(sorted(clash))} is both an override and a --set key; keep it in --set only.")
-    base_seed = load_config(config, base).run.seed
+    base_seed = load_config(config, base).run.seed  # range-checked there; each point's seed below, per point
     points = grid(sets, [base_seed + i for i in range(seeds)])
     configs = {}
     for p in points:
@@ -217,46 +237,69 @@ def visible_ids(count: int, visible: Optional[str]) -> list[str]:
 
 
 def point_state(run_dir: Path, cfg: Config) -> str:
-    """done: summary.json says it trained to max_steps (or stopped at its target); resume: a checkpoint
-    exists, and nanopt resumes from it on the same run.dir; new: nothing to go on."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        steps = int(summary.get("steps") or 0)
-        if steps >= cfg.train.max_steps or (cfg.train.stop_at_target and summary.get("step_to_target") is not None):
-            return "done"
-    except (OSError, ValueError, TypeError):
-        pass
-    return "resume" if (run_dir / "checkpoints" / "latest").exists() else "new"
+    """done: finished by rundirs' one rule (trained to max_steps, or stopped at its target with stop_at_target
+    on); resume: a checkpoint exists, and nanopt resumes from it on the same run.dir; new: nothing to go on.
+    ConfigError naming the file when summary.json is damaged. Says nothing about whose config it ran: see
+    config_changes."""
+    if rundirs.finished(run_dir, cfg.train.max_steps, cfg.train.stop_at_target) is not None:
+        return "done"
+    # The pointer, not a verified checkpoint: verifying reads every byte (GBs for big models), and the run
+    # itself verifies and falls back when it resumes. Here it only labels the point.
+    return "resume" if (Path(run_dir) / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).exists() else "new"
 
 
-def latest_metrics(run_dir: Path) -> dict[str, Any]:
-    """The newest train step and loss, and val loss, from the tail of metrics.jsonl ({} before the first log)."""
-    try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return {}
-    out: dict[str, Any] = {}
-    for line in reversed(lines):
+def config_changes(run_dir: Path, cfg: Config) -> list[str]:
+    """How the config the run directory ran (its config.yaml) differs from `cfg`, each as "key: old -> new", in
+    the keys a resume may not change (config.resume_changes decides: train.max_steps, runtime.* and the like
+    may); [] when they agree or there is no config.yaml. ConfigError naming the file when it is damaged."""
+    saved = rundirs.read_config(run_dir)
+    if saved is None:
+        return []
+    # resume_changes is the rule (which keys count, checkpoint.allow_changes included); its lines start "key:".
+    keys = [line.split(":", 1)[0] for line in resume_changes(saved, cfg)]
+    before, now = rundirs.flatten(saved), rundirs.flatten(cfg.to_dict())
+    return [f"{k}: {rundirs.format_value(before[k])} -> {rundirs.format_value(now[k])}" for k in keys]
+
+
+def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[str, str]:
+    """Each point's state by name, from (name, run directory, the config this sweep would run there). Refuses
+    (ConfigError, one paragraph) when any directory ran another config: skipping it would report another
+    config's result under this sweep's name, and resuming it would continue another config's run."""
+    states: dict[str, str] = {}
+    changed: dict[str, list[str]] = {}
+    for name, run_dir, cfg in points:
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the first, cut line of the tail, or one being written
-        if "loss" in record and "loss" not in out:
-            out.update(step=record.get("step"), loss=record["loss"])
-        if "val_loss" in record and "val_loss" not in out:
-            out["val_loss"] = record["val_loss"]
-        if "loss" in out and "val_loss" in out:
-            break
-    return out
+            diff = config_changes(run_dir, cfg)
+            if not diff:
+                states[name] = point_state(run_dir, cfg)
+        except ConfigError as e:
+            why = " ".join(str(e).split())  # one paragraph: a YAML error's own text spans lines
+            raise ConfigError(f"grid point {name}: {why} The sweep cannot tell what this point ran or whether it is "
+                              f"done: restore the file, or remove {run_dir} to run the point afresh.") from None
+        if diff:
+            changed[name] = diff
+    if changed:
+        raise ConfigError(refusal(changed, where))
+    return states
 
 
-def read_summary(run_dir: Path) -> dict[str, Any]:
+def refusal(changed: dict[str, list[str]], where: Path) -> str:
+    """The paragraph for points whose directories ran another config: which, how (old -> new), and the fix."""
+    listed = "; ".join(f"{name} ({', '.join(diff)})" for name, diff in changed.items())
+    earlier = Path(where) / SWEEP_FILE
+    hint = f" (the earlier command is in {earlier})" if earlier.is_file() else ""
+    return (f"{len(changed)} point(s) of this sweep already have a run directory under {where} that ran another "
+            f"config, so skipping or resuming them would record another config's runs as this sweep's: {listed}. "
+            f"Run the sweep with the same config file and overrides as before{hint}, or give this one a new "
+            f"--name or --dir to run these points afresh.")
+
+
+def summary_or_empty(run_dir: Path) -> dict[str, Any]:
+    """summary.json for display: {} when there is none or it is damaged (point_states reported damage before
+    anything started; a table at the end must not die on a file a run wrote since)."""
     try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        return rundirs.read_summary(run_dir) or {}
+    except ConfigError:
         return {}
 
 
@@ -287,9 +330,10 @@ class Job:
     wall: Optional[float] = None
     resumed: bool = False  # it had a checkpoint when this session started it
     log: Optional[IO[bytes]] = None
+    signalled: bool = False  # sent its one SIGTERM: a second signal would make it exit without a checkpoint
 
     def record(self) -> dict[str, Any]:
-        summary = read_summary(self.dir) if self.status in ("done", "skipped") else {}
+        summary = summary_or_empty(self.dir) if self.status in ("done", "skipped") else {}
         return {"name": self.point.name, "dir": str(self.dir), "values": self.point.values, "seed": self.point.seed,
                 "status": self.status, "exit_code": self.exit_code, "steps": summary.get("steps"),
                 "final_val_loss": clean(summary.get("final_val_loss")), "wall_seconds": self.wall,
@@ -327,7 +371,7 @@ class Progress:
     def line(self, job: Job, slots: list[Slot]) -> str:
         text = f"{job.point.name:<{self.width}}  {job.status:<11}"
         if job.status == "running":
-            m = latest_metrics(job.dir)
+            m = rundirs.latest_figures(job.dir)
             if m.get("step") is not None:
                 text += f"  step {m['step']}/{job.cfg.train.max_steps}  loss {m['loss']:.4f}"
             if m.get("val_loss") is not None:
@@ -335,7 +379,7 @@ class Progress:
             text += f"  {time.monotonic() - job.started:.0f}s  [{slots[job.slot].label}]" if job.slot is not None else ""
             text += "  resumed" if job.resumed else ""
         elif job.status in ("done", "skipped"):
-            val = read_summary(job.dir).get("final_val_loss")
+            val = summary_or_empty(job.dir).get("final_val_loss")
             text += f"  val {val:.4f}" if isinstance(val, (int, float)) else ""
         elif job.status in ("failed", "interrupted"):
             text += f"  exit {job.exit_code}, log {job.dir / LOG_FILE}"
@@ -344,6 +388,12 @@ class Progress:
     def changed(self, job: Job, slots: list[Slot]) -> None:
         if not self.tty:
             print(self.line(job, slots), file=self.out, flush=True)
+
+    def note(self, text: str) -> None:
+        """A message between redraws: printed below the block, which is then drawn afresh below it (moving up
+        over the message would draw the block over it)."""
+        print(text, file=self.out, flush=True)
+        self.drawn = 0
 
     def redraw(self, slots: list[Slot]) -> None:
         if not self.tty:
@@ -369,7 +419,7 @@ def final_table(jobs: list[Job]) -> str:
     header = ("point", "status", "steps", "final val loss", "train (s)", "wall (s)")
     rows = [header]
     for j in jobs:
-        s = read_summary(j.dir)
+        s = summary_or_empty(j.dir)
         status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
         val, train_s = s.get("final_val_loss"), s.get("train_seconds")
         rows.append((j.point.name, status, "-" if s.get("steps") is None else str(s["steps"]),
@@ -386,25 +436,42 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
               overrides: list[str], nproc: int = 1, parallel: Optional[int] = None,
               meta: Optional[dict[str, Any]] = None, out: IO[str] = sys.stdout, poll_s: float = 0.5) -> int:
     """Run every point not yet done, at most one per slot at a time; returns 0 when all are done, 1 when
-    any failed, 75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run the sweep again to go on)."""
+    any failed, 75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run the sweep again to go on).
+    Holds DIR/lock.json for its whole life: ConfigError naming the holder when another sweep has it, and
+    ConfigError before anything starts when a point's directory ran another config or is damaged."""
+    with rundirs.DirLock(root, what="sweep"):
+        return _run_locked(config, root, points, configs, overrides, nproc, parallel, meta or {}, out, poll_s)
+
+
+def _jobs(root: Path, points: list[Point], configs: dict[str, Config]) -> list[Job]:
+    """A job per point, finished ones marked skipped, after point_states' checks (which may refuse)."""
     jobs = [Job(p, root / p.name, configs[p.name]) for p in points]
+    states = point_states([(j.point.name, j.dir, j.cfg) for j in jobs], root)
     for j in jobs:
-        state = point_state(j.dir, j.cfg)
-        j.status = "skipped" if state == "done" else "queued"
+        j.status = "skipped" if states[j.point.name] == "done" else "queued"
+        j.resumed = states[j.point.name] == "resume"
+    return jobs
+
+
+def _run_locked(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
+                overrides: list[str], nproc: int, parallel: Optional[int], meta: dict[str, Any], out: IO[str],
+                poll_s: float) -> int:
+    jobs = _jobs(root, points, configs)
     pending = [j for j in jobs if j.status == "queued"]
     slots: list[Slot] = []
     if pending:  # discovery starts torch in a child (seconds): not worth it when everything is done
         kind, devices = discover(pending[0].cfg.runtime.device)
-        user_threads = next((int(v) for k, v in parse_overrides(overrides) if k == "runtime.threads"), 0)
+        # The user's runtime.threads, as the config parsed it (an override, so the config file's stays the sweep's).
+        user_threads = pending[0].cfg.runtime.threads if any(
+            k == "runtime.threads" for k, _ in parse_overrides(overrides)) else 0
         slots = place(kind, devices, usable_cores(), nproc, parallel, len(pending), user_threads)
-    root.mkdir(parents=True, exist_ok=True)
-    meta = {**(meta or {}), "nproc": nproc, "parallel": len(slots) or parallel}
+    meta = {**meta, "nproc": nproc, "parallel": len(slots) or parallel}
 
     def save() -> None:
         write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
 
     stop: list[int] = []  # signals received; the loop below acts on them (a handler could miss a run being started)
-    forwarded = 0
+    acted = 0  # how many of them the loop has acted on
 
     def on_signal(signum: int, frame: object) -> None:
         stop.append(signum)
@@ -418,13 +485,9 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
     free = list(range(len(slots)))
     try:
         while True:
-            if len(stop) > forwarded:
-                # Stop launching; pass the signal on so every running run checkpoints and exits 75 (a second
-                # one: exits at once). From a terminal the runs got Ctrl-C already: a repeat within 1 s counts once.
-                forwarded = len(stop)
-                for j in jobs:
-                    if j.proc is not None and j.proc.poll() is None:
-                        j.proc.send_signal(signal.SIGTERM)
+            if len(stop) > acted:
+                acted = len(stop)
+                _stop_runs(jobs, progress, repeated=acted > 1)
             while free and pending and not stop:
                 job, job.slot = pending.pop(0), free.pop(0)
                 _start(job, config, overrides, nproc, slots[job.slot])
@@ -461,9 +524,26 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
     return EXIT_PREEMPTED if stop or any(j.status in ("interrupted", "not started") for j in jobs) else 0
 
 
+def _stop_runs(jobs: list[Job], progress: Progress, repeated: bool) -> None:
+    """On SIGINT/SIGTERM: launch nothing more and send each running run exactly one SIGTERM, its cue to
+    checkpoint and exit 75. Never a second one, also not on a repeated Ctrl-C: a run takes a second signal as
+    "exit now", without the checkpoint it may be saving. (The runs are in their own sessions, so the
+    terminal's Ctrl-C reached only this process.)"""
+    running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
+    for j in running:
+        if not j.signalled:
+            j.proc.send_signal(signal.SIGTERM)
+            j.signalled = True
+    if repeated:
+        progress.note(f"nanopt sweep: already stopping; waiting for {len(running)} run(s) to save a checkpoint "
+                      f"and exit (each was sent one SIGTERM; `kill -9 {os.getpid()}` abandons them).")
+    else:
+        progress.note(f"nanopt sweep: stopping: no new runs; {len(running)} running run(s) sent SIGTERM to save a "
+                      f"checkpoint and exit. Run the same command again to go on.")
+
+
 def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, slot: Slot) -> None:
     job.dir.mkdir(parents=True, exist_ok=True)
-    job.resumed = point_state(job.dir, job.cfg) == "resume"
     job.command = launch_command(config, job, overrides, nproc, slot)
     env = {**os.environ, **slot.env}
     if "OMP_WAIT_POLICY" in os.environ:  # the user's explicit choice wins over the sweep's default
@@ -474,8 +554,10 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
     job.started = time.monotonic()
     job.status = "running"
     try:
+        # Its own session: the terminal's Ctrl-C goes to the sweep's process group only, and the sweep sends
+        # the run its one SIGTERM (_stop_runs). In the same group the run would get both: two signals.
         job.proc = subprocess.Popen(job.command, stdout=job.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, preexec_fn=_die_with_parent)
+                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as e:  # the launcher itself is missing: this run fails, the others may still go
         job.log.write(f"nanopt sweep: cannot start the run: {e}\n".encode())
         job.log.close()
@@ -487,10 +569,22 @@ def _finished(job: Job) -> None:
     assert job.proc is not None and job.log is not None
     job.exit_code = job.proc.returncode
     job.wall = time.monotonic() - job.started
+    done = job.exit_code == 0 and _finished_run(job)
     job.log.close()
-    if job.exit_code == 0 and point_state(job.dir, job.cfg) == "done":
+    if done:
         job.status = "done"
     elif job.exit_code in (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGINT):
         job.status = "interrupted"
     else:
         job.status = "failed"
+
+
+def _finished_run(job: Job) -> bool:
+    """Whether the run finished by rundirs' rule; a summary.json it left damaged is a failed run, with the
+    reason at the end of its log (where the final report looks), not a traceback that abandons the others."""
+    assert job.log is not None
+    try:
+        return rundirs.finished(job.dir, job.cfg.train.max_steps, job.cfg.train.stop_at_target) is not None
+    except ConfigError as e:
+        job.log.write(f"nanopt sweep: the run exited 0 but {e}\n".encode())
+        return False

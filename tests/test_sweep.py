@@ -195,6 +195,26 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -
         time.sleep(0.05)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc: Linux)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, f"processes {pids} were not reaped"
+        time.sleep(0.05)
+
+
 def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
     root = tmp_path / "sw"
     args = ["--set", "train.max_steps=2,5", "--parallel", "2"]
@@ -206,8 +226,14 @@ def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
     try:
         _wait_for([short / "summary.json", long / ".test_paused.rank0"], proc)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and every run it started, no chance to clean up
+        # The sweep and every run it started, no chance to clean up. Each run has its own session (a terminal's
+        # Ctrl-C reaches only the sweep), so the sweep's process group is the sweep alone: the runs go first.
+        runs = _children(proc.pid)
+        for pid in runs:
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+        _wait_gone(runs)  # reaped, so the runs' lock files name dead processes (a zombie's pid still answers)
     assert not (long / "summary.json").exists() and (long / "checkpoints" / "latest").exists()
     short_mtime = (short / "summary.json").stat().st_mtime_ns
 

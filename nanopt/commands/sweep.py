@@ -16,10 +16,16 @@ DIR/<key=value,...,seed=S>/ started as its own process (python -m nanopt.main, o
 Seeds count up from the config's run.seed (or --run.seed=S): S, S+1, ... Placement: on CUDA one run per
 GPU (--nproc P: P GPUs per run), at most --parallel at a time (default: as many as fit); on CPU --parallel
 runs share the cores, each with cores / parallel threads (default: one run per core). Running the same
-sweep again skips finished runs and resumes interrupted ones from their checkpoints (set
---checkpoint.every for long runs). Each run's output is in its stdout.log; DIR/sweep.json describes the
-sweep. Exit status: 0 all done, 1 a run failed, 2 bad input, 75 stopped by a signal (run it again).
-Other flags of the form --section.key=value apply to every run."""
+sweep again skips finished runs (trained to max_steps, or stopped at their target) and resumes
+interrupted ones from their checkpoints (set --checkpoint.every for long runs); a raised
+--train.max_steps resumes finished ones. A point whose directory ran another config (a changed override
+or config file) is refused before anything starts, naming the keys that differ: use the same config and
+overrides, or a new --name / --dir. One sweep at a time per DIR: DIR/lock.json names the sweep holding it
+(a killed sweep's lock is taken over). Ctrl-C (or SIGTERM) starts nothing new and sends each running run
+one SIGTERM: it saves a checkpoint and exits; a second Ctrl-C sends nothing more. Each run's output is in
+its stdout.log; DIR/sweep.json describes the sweep. Exit status: 0 all done, 1 a run failed, 2 bad input
+(or DIR in use), 75 stopped by a signal (run it again). Other flags of the form --section.key=value apply
+to every run."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,7 +46,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--parallel", type=int, help="runs at a time (default: GPUs // nproc on CUDA, one per core on CPU)")
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, launched with torchrun (default 1)")
     config, rest = split_args(argv)
-    args, overrides = p.parse_known_args(rest)
+    args, raw_overrides = p.parse_known_args(rest)
+    overrides = sweep.normal_overrides(raw_overrides)  # one spelling for plan's checks, the runs and sweep.json
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: the number of runs at a time; give 1 or more.")
     if not args.set and args.seeds == 1:

@@ -1,0 +1,361 @@
+"""`nanopt sweep` owns its directory and says what its points are: one sweep at a time per directory (a lease
+lock, a killed sweep's taken over), "finished" by rundirs' one rule (locally and on Modal), a point skipped or
+resumed only when its directory ran the config this sweep would run, keys normalised before the reserved
+check, and Ctrl-C reaching each run as exactly one SIGTERM. Runs here are fake: a tiny child script stands in
+for `python -m nanopt.main`, so every test takes seconds."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+from unittest import mock
+
+import pytest
+
+from conftest import REPO
+from nanopt import cli, rundirs, sweep
+from nanopt.config import ConfigError, load_config, to_yaml
+
+CONFIG = str(REPO / "configs" / "tiny.yaml")
+GRID = ["--set", "train.lr=1e-3,2e-3"]
+POINTS = ["train.lr=1e-3,seed=1337", "train.lr=2e-3,seed=1337"]
+
+# A stand-in for a training run: `finish` writes the summary of a run trained to STEPS (after copying the
+# sweep's lock file, to show who held it meanwhile); `signals` records each signal it gets and, on the first,
+# takes 1.5 s to "save its checkpoint" before exiting 75, as a preempted run does.
+FAKE_RUN = r'''
+import os, shutil, signal, sys, time
+from pathlib import Path
+run_dir, mode = Path(sys.argv[1]), sys.argv[2]
+run_dir.mkdir(parents=True, exist_ok=True)
+if mode == "finish":
+    lock = run_dir.parent / "lock.json"
+    if lock.exists():
+        shutil.copy(lock, run_dir / "held_lock.json")
+    (run_dir / "summary.json").write_text('{"steps": %s}' % sys.argv[3])
+    sys.exit(0)
+got = []
+def on_signal(signum, frame):
+    got.append(signum)
+    with open(run_dir / "signals", "a") as f:
+        f.write(signal.Signals(signum).name + "\n")
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
+(run_dir / "ready").write_text(str(os.getpid()))
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+time.sleep(1.5)  # a slow checkpoint save: a second signal would arrive during it
+sys.exit(75)
+'''
+
+
+@pytest.fixture
+def fake_runs(tmp_path, monkeypatch) -> list[list[str]]:
+    """Every run the sweep starts is FAKE_RUN finishing its max_steps; returns the real commands it would
+    have started (for assertions on their overrides)."""
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    commands: list[list[str]] = []
+    real = sweep.launch_command
+
+    def launch(config: Optional[str], job: sweep.Job, overrides: list[str], nproc: int, slot: sweep.Slot) -> list[str]:
+        commands.append(real(config, job, overrides, nproc, slot))
+        return [sys.executable, str(script), str(job.dir), "finish", str(job.cfg.train.max_steps)]
+
+    monkeypatch.setattr(sweep, "launch_command", launch)
+    return commands
+
+
+def _cli(root: Path, *args: str) -> int:
+    return cli.run(["sweep", CONFIG, "--dir", str(root), *GRID, "--runtime.device=cpu", *args])
+
+
+def _finished_point(root: Path, name: str, cfg: Any, steps: int, summary: Optional[dict] = None) -> Path:
+    """A point's directory as a finished run leaves it: the config it ran and its summary."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    (run_dir / rundirs.CONFIG_FILE).write_text(to_yaml(cfg))
+    (run_dir / rundirs.SUMMARY_FILE).write_text(json.dumps(summary or {"steps": steps}))
+    return run_dir
+
+
+def _planned(*overrides: str) -> dict[str, Any]:
+    return sweep.plan(CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--runtime.device=cpu", *overrides])[1]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+# ---------------------------------------------------------------- one writer per sweep directory
+
+
+def test_a_second_sweep_on_the_same_directory_exits_2_naming_the_holder(tmp_path, fake_runs, capsys):
+    root = tmp_path / "sw"
+    with rundirs.DirLock(root, what="sweep"):  # a sweep running in this process, as far as the lock says
+        assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt sweep: error: the sweep directory") and err.strip().count("\n") == 0
+    assert f"process {os.getpid()} on host {socket.gethostname()}" in err and str(root / rundirs.LOCK_FILE) in err
+    assert fake_runs == [] and not any(p.is_dir() for p in root.iterdir())  # nothing started
+    assert not (root / sweep.SWEEP_FILE).exists()
+
+
+def test_a_killed_sweeps_lock_is_taken_over_held_for_the_sweeps_life_and_released(tmp_path, fake_runs):
+    root = tmp_path / "sw"
+    root.mkdir()
+    stale = {"host": socket.gethostname(), "pid": _dead_pid(), "started": time.time() - 60,
+             "heartbeat": time.time() - 60, "token": "killed-sweep"}
+    (root / rundirs.LOCK_FILE).write_text(json.dumps(stale))
+    assert _cli(root) == 0
+    for name in POINTS:  # each run saw the lock held by this sweep (this process), not the killed one
+        held = json.loads((root / name / "held_lock.json").read_text())
+        assert held["pid"] == os.getpid() and held["token"] != "killed-sweep"
+    assert not (root / rundirs.LOCK_FILE).exists()  # released at the end
+
+
+# ---------------------------------------------------------------- finished: one rule
+
+
+@pytest.mark.parametrize("summary", [
+    {"steps": 5},
+    {"steps": 7},
+    {"steps": 3},
+    {"steps": 3, "step_to_target": 3, "stopped_at_target": True},
+    {"steps": 3, "step_to_target": 2, "stopped_at_target": False},  # saw the target, went on, then was stopped
+])
+def test_point_state_is_rundirs_finished(tmp_path, summary):
+    cfg = load_config(CONFIG, [("train.max_steps", "5"), ("train.target_val_loss", "4.0"),
+                               ("train.stop_at_target", "true")])
+    (tmp_path / rundirs.SUMMARY_FILE).write_text(json.dumps(summary))
+    done = rundirs.finished(tmp_path, cfg.train.max_steps, cfg.train.stop_at_target) is not None
+    assert (sweep.point_state(tmp_path, cfg) == "done") == done
+
+
+@pytest.mark.parametrize("file, text", [
+    (rundirs.SUMMARY_FILE, '{"steps": 150'),  # cut short
+    (rundirs.SUMMARY_FILE, "[150]"),
+    (rundirs.SUMMARY_FILE, '{"steps": "150"}'),
+    (rundirs.CONFIG_FILE, "train: {lr: [\n"),
+    (rundirs.CONFIG_FILE, "- just\n- a list\n"),
+])
+def test_a_damaged_file_in_a_point_is_one_paragraph_and_exit_2(tmp_path, fake_runs, capsys, file, text):
+    root = tmp_path / "sw"
+    cfg = _planned()[POINTS[0]]
+    run_dir = _finished_point(root, POINTS[0], cfg, cfg.train.max_steps)
+    (run_dir / file).write_text(text)
+    assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nanopt sweep: error: grid point {POINTS[0]}: ") and err.strip().count("\n") == 0
+    assert str(run_dir / file) in err and "restore the file, or remove" in err and "Traceback" not in err
+    assert fake_runs == [] and not (root / rundirs.LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- a point is what it says
+
+
+def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_path, fake_runs, capsys):
+    root = tmp_path / "sw"
+    before = _planned()
+    for name in POINTS:
+        _finished_point(root, name, before[name], before[name].train.max_steps)
+    (root / sweep.SWEEP_FILE).write_text('{"overrides": ["--runtime.device=cpu"]}')
+    assert _cli(root, "--train.weight_decay=0.0", "--optim.name=muon") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "2 point(s)" in err
+    for name in POINTS:
+        assert f"{name} (optim.name: adamw -> muon, train.weight_decay: 0.1 -> 0.0)" in err
+    assert "same config file and overrides" in err and "--name or --dir" in err and str(root / sweep.SWEEP_FILE) in err
+    assert fake_runs == []
+    assert (root / sweep.SWEEP_FILE).read_text() == '{"overrides": ["--runtime.device=cpu"]}'  # not rewritten
+    assert not (root / rundirs.LOCK_FILE).exists()  # released on the refusal too
+
+    # An edited config file is the same refusal (only the point whose directory differs is named).
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(Path(CONFIG).read_text().replace("warmup_steps: 15", "warmup_steps: 20"))
+    assert cli.run(["sweep", str(edited), "--dir", str(root), "--set", "train.lr=1e-3", "--seeds", "2",
+                    "--runtime.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "1 point(s)" in err and "train.lr=1e-3,seed=1337 (train.warmup_steps: 15 -> 20)" in err
+
+
+def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, capsys):
+    root = tmp_path / "sw"
+    before = _planned()
+    for name in POINTS:
+        _finished_point(root, name, before[name], before[name].train.max_steps)
+    # runtime.* changes nothing a run computes: both points stay done.
+    states = sweep.point_states([(n, root / n, cfg) for n, cfg in _planned("--runtime.threads=3").items()], root)
+    assert states == {n: "done" for n in POINTS}
+    # A longer max_steps: a done point trains on from its checkpoint.
+    (root / POINTS[0] / rundirs.CHECKPOINTS_DIR).mkdir()
+    (root / POINTS[0] / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).write_text("step_000150\n")
+    longer = _planned("--train.max_steps=300")
+    assert sweep.point_states([(n, root / n, cfg) for n, cfg in longer.items()], root) == {
+        POINTS[0]: "resume", POINTS[1]: "new"}
+    assert _cli(root, "--train.max_steps=300") == 0
+    meta = json.loads((root / sweep.SWEEP_FILE).read_text())
+    assert meta["overrides"] == ["--runtime.device=cpu", "--train.max_steps=300"]  # what the runs now ran
+    assert [p["steps"] for p in meta["points"]] == [300, 300]
+    assert all("--train.max_steps=300" in c for c in fake_runs) and len(fake_runs) == 2
+
+
+# ---------------------------------------------------------------- keys normalised, integers exact
+
+
+@pytest.mark.parametrize("text", ["run.seed =1,2", " run.seed=1,2", "run. seed=1,2", " run.dir=a,b", "run.name =a,b"])
+def test_a_reserved_key_with_spaces_is_still_reserved(text):
+    with pytest.raises(ConfigError, match="the sweep sets"):
+        sweep.parse_set(text)
+
+
+def test_spaced_seed_set_is_refused_on_the_command_line(tmp_path, fake_runs, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.run(["sweep", CONFIG, "--set", "run.seed =1,2", "--runtime.device=cpu"]) == 2
+    assert "--seeds N" in capsys.readouterr().err and fake_runs == [] and not (tmp_path / "runs").exists()
+
+
+def test_common_overrides_are_normalised_before_the_checks_and_for_the_runs(tmp_path, fake_runs):
+    assert sweep.normal_overrides(["--run.seed", "5", "--train.lr =1e-3", "-- eval.every= 3"]) == [
+        "--run.seed=5", "--train.lr=1e-3", "--eval.every= 3"]
+    with pytest.raises(ConfigError, match="--run.dir"):
+        sweep.plan(CONFIG, ["train.lr=1,2"], 1, ["--run.dir =x"])
+    with pytest.raises(ConfigError, match="both an override and a --set key"):
+        sweep.plan(CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--train.lr =1e-2"])
+    root = tmp_path / "sw"
+    assert _cli(root, "--train.max_steps =3") == 0  # the spaced key reaches every run spelled as the config's
+    assert all("--train.max_steps=3" in c for c in fake_runs) and len(fake_runs) == 2
+    assert json.loads((root / sweep.SWEEP_FILE).read_text())["overrides"][-1] == "--train.max_steps=3"
+
+
+def test_seeds_are_exact_integers_and_range_checked_before_anything_starts():
+    points, configs = sweep.plan(CONFIG, [], 2, ["--run.seed=4294967294"])
+    assert [p.seed for p in points] == [4294967294, 4294967295]
+    assert [configs[p.name].run.seed for p in points] == [4294967294, 4294967295]
+    with pytest.raises(ConfigError, match=r"run\.seed"):
+        sweep.plan(CONFIG, [], 2, ["--run.seed=4294967295"])  # the second seed is 2^32
+    with pytest.raises(ConfigError, match=r"run\.seed"):
+        sweep.plan(CONFIG, [], 2, [f"--run.seed={2**40}"])
+
+
+# ---------------------------------------------------------------- Ctrl-C: one signal per run
+
+DRIVER = r'''
+import sys
+from pathlib import Path
+from nanopt import sweep
+from nanopt.config import load_config, parse_overrides, resolve
+root, script, config = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+sweep.launch_command = lambda config, job, overrides, nproc, slot: [sys.executable, script, str(job.dir), "signals"]
+points = sweep.grid([("train.lr", ["1e-3", "2e-3"])], [0])
+configs = {p.name: resolve(load_config(config, [("runtime.device", "cpu")] + parse_overrides(p.overrides())), 1)
+           for p in points}
+sys.exit(sweep.run_sweep(config, root, points, configs, [], parallel=2, poll_s=0.05))
+'''
+
+
+@pytest.mark.parametrize("target", ["terminal", "sweep"])
+def test_ctrl_c_twice_reaches_each_run_as_exactly_one_sigterm(tmp_path, target):
+    """terminal: SIGINT to the sweep's whole process group, as a terminal's Ctrl-C is sent (a run in that group
+    would get it too, besides the sweep's SIGTERM); sweep: SIGINT to the sweep alone. Twice, 0.3 s apart: the
+    repeat must not reach a run that is still saving its checkpoint."""
+    root, script, driver = tmp_path / "sw", tmp_path / "fake_run.py", tmp_path / "driver.py"
+    script.write_text(FAKE_RUN)
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(root), str(script), CONFIG], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    runs = [root / f"train.lr={lr},seed=0" for lr in ("1e-3", "2e-3")]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((r / "ready").exists() for r in runs):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the fake runs did not start"
+            time.sleep(0.05)
+        for _ in range(2):
+            if target == "terminal":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, out + err
+    for r in runs:
+        assert (r / "signals").read_text().split() == ["SIGTERM"], r
+    assert "already stopping" in out and out.count("interrupted (exit 75)") == 2
+
+
+# ---------------------------------------------------------------- the Modal driver, offline
+
+
+def _modal_sweep(monkeypatch, tmp_path: Path, train: mock.MagicMock, **kwargs: Any) -> None:
+    """modal_app.sweep.local(**kwargs) with `train` (a mock) as the training function and tmp_path/vol as the
+    Volume (test_modal_app.run_sweep_driver, without importing that module's Modal-only setup)."""
+    pytest.importorskip("modal")
+    import modal_app
+
+    train.with_options.return_value.spawn.return_value.get.return_value = {"exit_code": 0}
+    monkeypatch.setattr(modal_app, "train", train)
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
+    monkeypatch.setattr(modal_app.volume, "reload", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        modal_app.sweep.local(config="configs/tiny.yaml", name="s", **kwargs)
+
+
+TARGET_SETS = "train.target_val_loss=4.0;train.stop_at_target=true;optim.name=adamw,muon"
+
+
+def _modal_points() -> dict[str, Any]:
+    """The configs the Modal driver would run, by point name (resolved for 1 GPU, as it checks them)."""
+    return sweep.plan(CONFIG, TARGET_SETS.split(";"), 1, [], 1)[1]
+
+
+def test_modal_sweep_skips_a_point_that_stopped_at_its_target(monkeypatch, tmp_path, capsys):
+    """Before, the driver skipped only a summary with steps == max_steps: a run stopped at its target was paid
+    for again."""
+    configs = _modal_points()
+    stopped = next(n for n in configs if "muon" in n)
+    _finished_point(tmp_path / "vol" / "runs" / "s", stopped, configs[stopped], 0,
+                    {"steps": 60, "step_to_target": 60, "stopped_at_target": True})
+    train = mock.MagicMock(name="train")
+    _modal_sweep(monkeypatch, tmp_path, train, sets=TARGET_SETS)
+    assert [c.args[1] for c in train.with_options.return_value.spawn.call_args_list] == [f"s/{n}" for n in configs if n != stopped]
+    assert f"s/{stopped}: finished before, skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["another config", "damaged summary"])
+def test_modal_sweep_refuses_another_config_or_a_damaged_file_before_any_gpu(monkeypatch, tmp_path, damage):
+    pytest.importorskip("modal")
+    import modal_app
+
+    configs = _modal_points()
+    name = next(iter(configs))
+    ran = copy.deepcopy(configs[name])
+    if damage == "another config":
+        ran.train.lr = 0.01
+        words = rf"refused before any GPU started: 1 point\(s\) .*s/{name} \(train\.lr: 0\.01 -> "
+    else:
+        words = rf"refused before any GPU started: grid point s/{name}: .*{rundirs.SUMMARY_FILE}"
+    run_dir = _finished_point(tmp_path / "vol" / "runs" / "s", name, ran, ran.train.max_steps)
+    if damage == "damaged summary":
+        (run_dir / rundirs.SUMMARY_FILE).write_text("{")
+    train = mock.MagicMock(name="train")
+    with pytest.raises(modal_app.SweepError, match=words) as refused:
+        _modal_sweep(monkeypatch, tmp_path, train, sets=TARGET_SETS)
+    assert not train.mock_calls and "Traceback" not in str(refused.value)
