@@ -207,6 +207,19 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)}
 
 
+def lock_env() -> dict[str, str]:
+    """The run directory's lock on a Volume: other containers see its heartbeat only at each commit, so it
+    expires only after two commit intervals; Modal's retries of one call share the call id, so a retry takes
+    over the lease its killed attempt left, while another `modal run` on the same run name is refused."""
+    from nanopt.rundirs import LOCK_EXPIRES_ENV, LOCK_OWNER_ENV
+
+    try:
+        call_id = modal.current_function_call_id() or ""
+    except Exception:  # outside a Modal container (tests, .local())
+        call_id = ""
+    return {LOCK_EXPIRES_ENV: str(2 * COMMIT_EVERY_S + 60), LOCK_OWNER_ENV: call_id}
+
+
 def run_forwarding_signals(cmd: list[str], cwd: str, env: Optional[dict[str, str]] = None) -> tuple[int, Optional[int]]:
     """Run cmd to completion, passing SIGINT/SIGTERM on to it; return (exit code, forwarded signal or None).
 
@@ -365,7 +378,7 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
     cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr) + limit
     print("modal_app: " + " ".join(cmd), flush=True)
     status = Path(tempfile.mkdtemp(prefix="nanopt-exit-")) / "codes"  # in the container, not on the Volume
-    env = {**launch_env(), EXIT_STATUS_ENV: str(status)}
+    env = {**launch_env(), EXIT_STATUS_ENV: str(status), **lock_env()}
     if node_rank != 0:  # only node 0 writes results (nanopt's rank 0), so only it commits
         code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
     else:

@@ -50,6 +50,8 @@ PROFILE_FILE = "profile_summary.json"  # nanopt.profiling.SUMMARY_FILE (that mod
 CURVES_FILE = "curves.png"
 TB_DIR = "tb"
 LOCK_FILE = "lock.json"
+LOCK_OWNER_ENV = "NANOPT_LOCK_OWNER"
+LOCK_EXPIRES_ENV = "NANOPT_LOCK_EXPIRES_S"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"  # checkpoints/latest: the newest checkpoint's name, written after its rename
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -328,6 +330,7 @@ class Holder:
     heartbeat: float
     token: str
     command: str = ""
+    owner: str = ""  # LOCK_OWNER_ENV of the holder: a job id that its scheduler's retries share
 
     def describe(self) -> str:
         if not self.token:
@@ -358,12 +361,19 @@ class DirLock:
     Modal Volume, NFS). A lease is taken over only when its holder is gone: on this host when its pid is
     dead (a `kill -9` is recovered at once), on another host when its heartbeat is older than `expires_s`.
     Taking over renames the stale file aside first, so of two processes racing for it exactly one wins.
+
+    Where heartbeats reach other machines late (a Modal Volume shows them at each commit) the launcher sets
+    LOCK_EXPIRES_ENV above that delay, and LOCK_OWNER_ENV to a job id its retries share, so a retried
+    attempt takes over the lease its dead predecessor left at once while another job still waits.
     """
 
-    def __init__(self, directory: Path, what: str = "run", expires_s: float = 120.0, heartbeat_s: float = 15.0):
+    def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
+                 heartbeat_s: float = 15.0):
         self.dir, self.what = Path(directory), what
         self.path = self.dir / LOCK_FILE
-        self.expires_s, self.heartbeat_s = expires_s, heartbeat_s
+        self.expires_s = expires_s if expires_s is not None else float(os.environ.get(LOCK_EXPIRES_ENV) or 120.0)
+        self.heartbeat_s = heartbeat_s
+        self.owner = os.environ.get(LOCK_OWNER_ENV, "")
         self.token = uuid.uuid4().hex
         self.started = time.time()
         self._stop = threading.Event()
@@ -377,7 +387,7 @@ class DirLock:
         try:
             data = json.loads(self.path.read_bytes())
             return Holder(**{k: data[k] for k in ("host", "pid", "started", "heartbeat", "token")},
-                          command=str(data.get("command", "")))
+                          command=str(data.get("command", "")), owner=str(data.get("owner", "")))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError, KeyError):
@@ -389,6 +399,8 @@ class DirLock:
             return Holder("?", -1, mtime, mtime, "")
 
     def _expired(self, h: Holder) -> bool:
+        if self.owner and h.owner == self.owner:  # an earlier attempt of this same job: its scheduler ended it
+            return True
         if h.host == socket.gethostname() and h.pid > 0:
             return not _pid_alive(h.pid)
         return time.time() - h.heartbeat > self.expires_s
@@ -397,7 +409,7 @@ class DirLock:
 
     def _record(self) -> bytes:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self.started,
-                           "heartbeat": time.time(), "token": self.token,
+                           "heartbeat": time.time(), "token": self.token, "owner": self.owner,
                            "command": " ".join(sys.argv)[:300]}).encode()
 
     def _create(self) -> bool:

@@ -228,3 +228,19 @@ def test_integers_are_parsed_exactly():
     assert (cfg.run.seed, cfg.train.max_steps, cfg.log.every) == (4294967295, 1000, 100)
     big = load_config(None, parse_overrides(["--train.max_steps=9007199254740993"]))  # 2^53 + 1
     assert big.train.max_steps == 9007199254740993
+
+
+def test_a_retried_attempt_of_the_same_job_takes_over_its_lease_at_once(tmp_path, monkeypatch):
+    """On a Modal Volume heartbeats travel only with commits: a lease expires late, but a retry of the same
+    call (same LOCK_OWNER_ENV) takes over what its killed attempt left, and another job still waits."""
+    lease = {"host": "dead-container", "pid": 7, "started": time.time(), "heartbeat": time.time(), "token": "t",
+             "owner": "call-1"}
+    write_json(tmp_path / rundirs.LOCK_FILE, lease)
+    monkeypatch.setenv(rundirs.LOCK_EXPIRES_ENV, "1260")
+    monkeypatch.setenv(rundirs.LOCK_OWNER_ENV, "call-2")
+    with pytest.raises(ConfigError, match="dead-container"):
+        rundirs.DirLock(tmp_path).acquire()
+    monkeypatch.setenv(rundirs.LOCK_OWNER_ENV, "call-1")
+    lock = rundirs.DirLock(tmp_path).acquire()
+    assert lock.expires_s == 1260 and lock.holder().owner == "call-1"
+    lock.release()
