@@ -290,7 +290,7 @@ class Checkpointer:
         """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
         tmp = self.root / f".tmp_{name}"
         try:
-            problem = rundirs.verify_checkpoint(self.mirror.fetch(name, tmp))
+            problem = rundirs.verify_checkpoint(self.mirror.fetch(name, tmp), rundirs.step_of(Path(name)))
         except OSError as e:
             problem = str(e)
         if problem:
@@ -308,6 +308,9 @@ class Checkpointer:
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
         where = str(ckpt / rundirs.STATE_FILE)
         config_from_dict(saved.get("config"), where)  # checked like a YAML config before it is compared
+        if not (ckpt / rundirs.OPTIMIZER_FILE).is_file():
+            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {rundirs.OPTIMIZER_FILE}), so training cannot "
+                              f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")
         missing = [name for name in states if not isinstance(saved.get(name), dict)]
         if missing:
             raise ConfigError(f"{where} has no state for {', '.join(missing)}; it was written by another nanopt "

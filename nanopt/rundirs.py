@@ -59,6 +59,8 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = (
     "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "COMPLETE")
 CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
+# What every checkpoint's manifest must list; optimizer.pt is absent from a weights-only one (resume refuses it).
+REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
 SEED_KEY = "run.seed"
 # Keys that name or place a run, or act after its figures are taken, so runs differing only in them (and
 # the seed) are repeats of one setting. Narrower than config.SAFE_KEYS (what a resume may change):
@@ -256,7 +258,7 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         return "its COMPLETE manifest is not a JSON object with a `files` map", {}
-    missing = [name for name in CHECKPOINT_FILES if name not in files]
+    missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
     for name, entry in files.items():
@@ -267,11 +269,13 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     return None, files
 
 
-def verify_checkpoint(ckpt: Path) -> Optional[str]:
+def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
     """None when the checkpoint is whole, else why not: any damage (the marker itself included) makes it
-    incomplete; this never raises."""
+    incomplete; this never raises. `step`: the step it must hold (default: the one its name says; a download
+    being verified has a temporary name)."""
     ckpt = Path(ckpt)
-    if step_of(ckpt) is None or not ckpt.is_dir():
+    step = step_of(ckpt) if step is None else step
+    if step is None or not ckpt.is_dir():
         return "it is not a step_NNNNNN directory"
     problem, files = _manifest_problem(ckpt)
     if problem:
@@ -290,8 +294,8 @@ def verify_checkpoint(ckpt: Path) -> Optional[str]:
         return f"it cannot be read ({e})"
     except ConfigError:
         return "its state.json is not a JSON object with an integer step"
-    if state["step"] != step_of(ckpt):
-        return f"its state.json says step {state['step']}, its name step {step_of(ckpt)}"
+    if state["step"] != step:
+        return f"its state.json says step {state['step']}, its name step {step}"
     return None
 
 
@@ -444,11 +448,15 @@ class DirLock:
 
     def acquire(self) -> "DirLock":
         """Take the lease or raise ConfigError naming who holds it."""
+        flag = "`run.dir`" if self.what == "run" else "--dir"
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError(f"the {self.what} directory {self.dir} is a file; set {flag} to a directory (or remove "
+                              f"the file).")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file in the way, no permission, a read-only mount
             raise ConfigError(f"cannot create the {self.what} directory {self.dir} ({e.strerror or e}); give a writable "
-                              f"directory (`run.dir` for a run, --dir for a sweep).") from None
+                              f"directory ({flag}).") from None
         for _ in range(5):
             try:
                 created = self._create()

@@ -459,7 +459,8 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     """
     lock = own_run_dir(cfg, rt)
     try:
-        done = finished_summary(cfg) if rt.is_main else None
+        # checkpoint.resume=false asks for a fresh run: the checkpointer refuses a directory that is not empty.
+        done = finished_summary(cfg) if rt.is_main and cfg.checkpoint.resume else None
         done = rt.gather_objects(done)[0]
         if done is not None:
             if rt.is_main:

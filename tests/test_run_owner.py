@@ -135,7 +135,7 @@ def damaged_copy(tmp_path: Path, source: Path, marker: bytes | None) -> Path:
     (b"[1, 2]", "not a JSON object"),
     (b'{"files": {}}', "does not list model.safetensors"),
     (b"ok", "cannot be read"),  # the pre-manifest marker no longer passes
-    (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "does not list optimizer.pt"),
+    (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "does not list rng.pt"),
 ])
 def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, two_checkpoints, marker, why):
     root = damaged_copy(tmp_path, two_checkpoints, marker)
