@@ -68,22 +68,6 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file that another process may be appending to: a line that does not
-    parse (the one being written) is left out; no file is no records."""
-    path = Path(path)
-    out = []
-    # errors="replace": a damaged byte spoils its own line (left out), not the whole file.
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
 def read_json(path: Path) -> Any:
     """A JSON file a user pointed at (a config.json, a manifest); ConfigError naming it when unreadable
     (missing, not UTF-8, not JSON: UnicodeDecodeError is a ValueError but no JSONDecodeError)."""

@@ -188,19 +188,24 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
 
 def trim_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics.jsonl records past `step`: a resumed run logs them again. Only a resume from a checkpoint
-    of `step` calls this (the lock held), so nothing a user did not ask to redo is dropped."""
+    of `step` calls this (the lock held), so nothing a user did not ask to redo is dropped. A line that does
+    not parse is kept (it is the user's to look at), except a cut last line, which the next append would join."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
     kept = []
-    for line in path.read_text(errors="replace").splitlines():
+    for number, line in enumerate(lines, 1):
         try:
-            record_step = json.loads(line).get("step", 0)
-        except (ValueError, AttributeError):
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:
+            if number < len(lines):
+                kept.append(line)
             continue
-        if isinstance(record_step, int) and record_step <= step:
+        record_step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(record_step, int) or record_step <= step:
             kept.append(line)
-    write_bytes(path, "".join(line + "\n" for line in kept).encode())
+    write_bytes(path, b"".join(line + b"\n" for line in kept))
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -244,3 +244,10 @@ def test_a_retried_attempt_of_the_same_job_takes_over_its_lease_at_once(tmp_path
     lock = rundirs.DirLock(tmp_path).acquire()
     assert lock.expires_s == 1260 and lock.holder().owner == "call-1"
     lock.release()
+
+
+def test_a_resume_trims_only_records_past_its_step_and_keeps_lines_it_cannot_read(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff damaged\n{"step": 3}\n{"step": 2}\n{"step": 5, "lo')
+    rundirs.trim_metrics(tmp_path, 2)
+    # The damaged middle line is the user's to look at; the cut last line would be joined by the next append.
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n\xff damaged\n{"step": 2}\n'
