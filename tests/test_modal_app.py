@@ -179,8 +179,8 @@ def test_flash_attn_comes_from_the_wheel_built_for_the_images_torch_and_python()
     assert f"'{wheel}'" in modal_app.FLASH_ATTN_INSTALL and "attention uses sdpa" in modal_app.FLASH_ATTN_INSTALL
 
 
-def test_torchrun_command_is_what_the_readme_says():
-    readme = (REPO / "README.md").read_text()
+def test_torchrun_command_is_what_the_modal_page_says():
+    readme = (REPO / "docs" / "modal.md").read_text()
     config = f"{modal_app.VOLUME_PATH}/runs/<name>/{modal_app.RUN_CONFIG_NAME}"
     single = modal_app.torchrun_command(config, "<n>")
     assert single == ["torchrun", "--standalone", "--nproc-per-node=<n>", "-m", "nanopt.main", "--config", config]
