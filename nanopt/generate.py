@@ -14,17 +14,12 @@ def generate(
     model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
     generator: Optional[torch.Generator] = None, use_cache: bool = True,
 ) -> torch.Tensor:
-    """prompt: B T ids -> B (T + max_new_tokens) ids. temperature 0 = greedy.
-
-    use_cache=False recomputes the whole context every token (the reference the cache must match).
-    """
+    """prompt: B T ids -> B (T + max_new_tokens) ids. temperature 0 = greedy. use_cache=False recomputes the
+    whole context every token (the reference the cache must match)."""
     if use_cache and static_shapes(prompt.device):  # XLA: a KV cache growing by one is a new graph per token
         return generate_padded(model, prompt, max_new_tokens, temperature, top_k, generator)
     B, T = prompt.shape
-    total = T + max_new_tokens
-    limit = model.rope_cos.shape[0]
-    if total > limit:
-        raise ValueError(f"prompt + new tokens = {total} exceeds the model's max_seq_len {limit}")
+    total = _fits(model, T + max_new_tokens)
     device = prompt.device
     out = torch.empty(B, total, dtype=torch.long, device=device)
     out[:, :T] = prompt
@@ -46,20 +41,14 @@ def generate_padded(
     model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
     generator: Optional[torch.Generator] = None, min_bucket: int = 16,
 ) -> torch.Tensor:
-    """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input.
-
-    The context is a host buffer of L tokens, L = prompt + new tokens rounded up to a power of two
-    (a bucket, capped at max_seq_len), zero-padded on the right; causal attention keeps the padding
-    invisible to the real positions. Each token re-runs the padded context (no KV cache: O(L²) per
-    token) and reads the last real position through a device index tensor, so one compiled graph
-    serves every token and every prompt length in the bucket. Sampling itself runs on the host RNG.
+    """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input, a host buffer of
+    prompt + new tokens rounded up to a power of two (capped at max_seq_len), zero-padded on the right (causal
+    attention hides the padding). Each token re-runs it (no KV cache: O(L²) per token) and reads the last real
+    position through a device index tensor: one compiled graph serves every token and prompt length in the bucket.
     """
     B, T = prompt.shape
-    total = T + max_new_tokens
-    limit = model.rope_cos.shape[0]
-    if total > limit:
-        raise ValueError(f"prompt + new tokens = {total} exceeds the model's max_seq_len {limit}")
-    length = min(limit, max(min_bucket, 1 << (total - 1).bit_length()))
+    total = _fits(model, T + max_new_tokens)
+    length = min(model.rope_cos.shape[0], max(min_bucket, 1 << (total - 1).bit_length()))
     device = model.embed.weight.device
     buf = torch.zeros(B, length, dtype=torch.long)  # B L, on the host
     buf[:, :T] = prompt.cpu()
@@ -69,6 +58,12 @@ def generate_padded(
         logits = model.logits(h)[:, 0].cpu()  # B 1 C @ C V -> B V (soft-capped when the model caps)
         buf[:, pos] = _pick(logits, temperature, top_k, generator)
     return buf[:, :total].to(prompt.device)
+
+
+def _fits(model: Llama, total: int) -> int:
+    if total > (limit := model.rope_cos.shape[0]):
+        raise ValueError(f"prompt + new tokens = {total} exceeds the model's max_seq_len {limit}")
+    return total
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -85,11 +80,8 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, generator: Optio
 
 def sample_text(model: Llama, tokenizer, prompt: str, n: int, max_new_tokens: int, temperature: float,
                 top_k: int, seed: int, device: torch.device) -> list[str]:
-    """n continuations of `prompt` as text (the prompt included), each max_new_tokens long.
-
-    Past the model's context (max_seq_len) the window slides: the cache is rebuilt from the last half
-    of the context and decoding goes on, so a short-context model still gives the tokens asked for.
-    """
+    """n continuations of `prompt` as text (the prompt included), each max_new_tokens long. Past the model's
+    context (max_seq_len) the window slides: the cache is rebuilt from the last half of the context."""
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
     limit = model.rope_cos.shape[0]
     out = torch.tensor([ids] * n, dtype=torch.long, device=device)  # n T

@@ -1,9 +1,8 @@
 """To and from Hugging Face transformers' LlamaForCausalLM: config.json + safetensors (+ tokenizer files).
 
-nanopt's Llama already uses Hugging Face's rotate-half RoPE layout, so conversion is renaming only: no
-q/k permutation. `nanopt export RUN_OR_CHECKPOINT --out DIR` (commands/export.py) writes a directory that
-`AutoModelForCausalLM.from_pretrained(DIR)` loads; `train.init_from=hf:DIR` and `load_model(DIR)` read
-one back, whether nanopt or transformers wrote it.
+nanopt's Llama already uses Hugging Face's rotate-half RoPE layout, so conversion is renaming only (no q/k
+permutation). `nanopt export` writes a directory `AutoModelForCausalLM.from_pretrained` loads;
+`train.init_from=hf:DIR` and `load_model(DIR)` read one back, whether nanopt or transformers wrote it.
 """
 from __future__ import annotations
 
@@ -18,26 +17,24 @@ from safetensors.torch import load_file, save_file
 
 from nanopt.config import Config, ModelConfig, config_from_dict
 from nanopt.errors import ConfigError
-from nanopt.io import read_json
+from nanopt.io import read_json, write_json
 from nanopt.model import Llama, build_model
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
-# nanopt name -> Hugging Face name; {i} is the layer index.
+# nanopt name -> Hugging Face name, within layer i (layers.{i}. -> model.layers.{i}.) and at the top level.
 _LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "mlp.w1.weight": "mlp.gate_proj.weight",
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight", "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
 }
 _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "lm_head.weight": "lm_head.weight"}
+_FROM_HF_LAYER = {theirs: ours for ours, theirs in _LAYER_NAMES.items()}
+_FROM_HF_TOP = {theirs: ours for ours, theirs in _TOP_NAMES.items()}
 _NANOPT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some transformers versions saved; they follow from the config.
@@ -51,61 +48,55 @@ _OPTIONS_OFF: dict[str, Any] = {"qk_norm": False, "mlp": "swiglu", "logit_softca
                                 "residual_scalars": False}
 
 
-def options_on(m: ModelConfig) -> list[str]:
-    """Names of the model options that are on (empty for a plain Llama)."""
-    return [k for k, off in _OPTIONS_OFF.items() if getattr(m, k) != off]
+def _value(v: Any) -> str:
+    """A value as a --section.key=value override writes it: true, relu2, 30.0."""
+    return json.dumps(v).strip('"')
 
 
-def _options_text(m: ModelConfig, on: list[str]) -> tuple[str, str]:
-    """What is set and the overrides that turn it off, for error messages:
+def _options_on(m: ModelConfig) -> Optional[tuple[str, str]]:
+    """None for a plain Llama, else for error messages what is set and the overrides that turn it off:
     ("model.qk_norm=true, model.mlp=relu2", "--model.qk_norm=false --model.mlp=swiglu")."""
-    def value(v: Any) -> str:  # as a --section.key=value override writes it: true, relu2, 30.0
-        return json.dumps(v).strip('"')
-    return (", ".join(f"model.{k}={value(getattr(m, k))}" for k in on),
-            " ".join(f"--model.{k}={value(_OPTIONS_OFF[k])}" for k in on))
+    on = [k for k, off in _OPTIONS_OFF.items() if getattr(m, k) != off]
+    if not on:
+        return None
+    return (", ".join(f"model.{k}={_value(getattr(m, k))}" for k in on),
+            " ".join(f"--model.{k}={_value(_OPTIONS_OFF[k])}" for k in on))
 
 
 def check_exportable(m: ModelConfig) -> None:
     """Raise ConfigError when the model uses an option LlamaForCausalLM cannot represent: its export would
     load in transformers and compute something else (qk_norm, softcap) or fail (extra weights)."""
-    on = options_on(m)
-    if on:
-        text, offs = _options_text(m, on)
+    if options := _options_on(m):
+        text, offs = options
         raise ConfigError(f"this model cannot be exported to Hugging Face: it sets {text}, which transformers' "
                           f"LlamaForCausalLM cannot represent. To export, train with them off ({offs}); otherwise "
                           f"use the nanopt checkpoint directly (`nanopt sample`, `nanopt eval`, `nanopt.load_model`).")
 
 
 def hf_name(name: str) -> str:
+    m = _NANOPT_LAYER.match(name)
+    if m and m[2] in _LAYER_NAMES:
+        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
-    m = _NANOPT_LAYER.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}")
 
 
 def nanopt_name(name: str) -> str:
-    for ours, theirs in _TOP_NAMES.items():
-        if name == theirs:
-            return ours
     m = _HF_LAYER.match(name)
-    if m:
-        for ours, theirs in _LAYER_NAMES.items():
-            if m.group(2) == theirs:
-                return f"layers.{m.group(1)}.{ours}"
+    if m and m[2] in _FROM_HF_LAYER:
+        return f"layers.{m[1]}.{_FROM_HF_LAYER[m[2]]}"
+    if name in _FROM_HF_TOP:
+        return _FROM_HF_TOP[name]
     raise KeyError(f"no nanopt name for Hugging Face weight {name!r}")
 
 
 def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
     check_exportable(model.cfg)
-    out = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and model.cfg.tie_embeddings:
-            continue
-        out[hf_name(name)] = t.detach().to("cpu", dtype).contiguous()
-    return out
+    tied = model.cfg.tie_embeddings
+    return {hf_name(name): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
+            if not (tied and name == "lm_head.weight")}
 
 
 def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
@@ -121,32 +112,15 @@ def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtyp
     `rope_scaling` (transformers 4.x) and `rope_parameters` (transformers 5.x)."""
     rope = _rope_parameters(m)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.dim,
-        "intermediate_size": m.ffn_dim,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.max_seq_len or 2048,
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": rope if m.rope_scaling == "llama3" else None,
-        "rope_parameters": {**rope, "rope_theta": m.rope_theta},
-        "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": m.init_std,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "torch_dtype": dtype,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": m.max_seq_len or 2048, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_scaling": rope if m.rope_scaling == "llama3" else None,
+        "rope_parameters": {**rope, "rope_theta": m.rope_theta}, "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": m.init_std,
+        "pretraining_tp": 1, "use_cache": True, "bos_token_id": bos_id, "eos_token_id": eos_id,
+        "pad_token_id": None, "torch_dtype": dtype,
     }
 
 
@@ -179,9 +153,8 @@ def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
-    if rope_type == "llama3":
-        m.rope_scaling = "llama3"
-        m.rope_factor = float(rope["factor"])
+    if rope_type == "llama3":  # the inverse of _rope_parameters
+        m.rope_scaling, m.rope_factor = "llama3", float(rope["factor"])
         m.rope_low_freq_factor = float(rope["low_freq_factor"])
         m.rope_high_freq_factor = float(rope["high_freq_factor"])
         m.rope_original_max_seq_len = int(rope["original_max_position_embeddings"])
@@ -190,15 +163,12 @@ def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin."""
-    single = directory / "model.safetensors"
+    if (directory / "model.safetensors").is_file():
+        return load_file(str(directory / "model.safetensors"))
     index = directory / "model.safetensors.index.json"
-    if single.is_file():
-        return load_file(str(single))
     if index.is_file():
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state.update(load_file(str(directory / shard)))
-        return state
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {name: t for shard in shards for name, t in load_file(str(directory / shard)).items()}
     if (directory / "pytorch_model.bin").is_file():
         return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ConfigError(f"{directory} has a config.json but no weights (model.safetensors, "
@@ -227,12 +197,6 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
                           f"{missing[:5]}, unexpected {unexpected[:5]}.")
 
 
-def _tokenizer_for(directory: Path, nanopt_cfg: Optional[Config]) -> str:
-    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
-        return str(directory)
-    return nanopt_cfg.data.tokenizer if nanopt_cfg is not None else ""
-
-
 def _saved_config(path: Path) -> Any:
     """The `config` entry of an exported nanopt.json (ConfigError naming the file when it has none)."""
     saved = read_json(path)
@@ -250,7 +214,10 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[
     extra = directory / "nanopt.json"
     cfg = config_from_dict(_saved_config(extra), str(extra)) if extra.is_file() else Config()
     cfg.model = mcfg
-    cfg.data.tokenizer = _tokenizer_for(directory, cfg if extra.is_file() else None)
+    if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        cfg.data.tokenizer = str(directory)
+    elif not extra.is_file():
+        cfg.data.tokenizer = ""
     model = build_model(mcfg, device)
     load_hf_weights(model, directory)
     model.eval()
@@ -266,9 +233,8 @@ def init_from(model: Llama, spec: str) -> None:
                           f"directory written by `nanopt export` or transformers' save_pretrained.")
     theirs = model_config_from_hf(read_json(directory / "config.json"), directory)
     ours = model.cfg
-    on = options_on(ours)
-    if on:  # a plain Llama has no weights for them, or its weights mean something else with them on
-        text, offs = _options_text(ours, on)
+    if options := _options_on(ours):  # a plain Llama has no weights for them, or they mean something else
+        text, offs = options
         raise ConfigError(f"`train.init_from` {directory} holds a plain Llama (transformers' LlamaForCausalLM), but "
                           f"the run's model config sets {text}, which that architecture does not have; "
                           f"start from it with them off ({offs}) or train from scratch (train.init_from=\"\").")
@@ -276,7 +242,7 @@ def init_from(model: Llama, spec: str) -> None:
     keys = _ARCH_KEYS + (_LLAMA3_KEYS if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
     differ = [k for k in keys if getattr(ours, k) != getattr(theirs, k)]
     if differ:
-        fixes = " ".join(f"--model.{k}={json.dumps(getattr(theirs, k)).strip(chr(34))}" for k in differ)
+        fixes = " ".join(f"--model.{k}={_value(getattr(theirs, k))}" for k in differ)
         raise ConfigError(f"`train.init_from` {directory} has a different architecture from the run's model config "
                           f"({', '.join(f'model.{k}: {getattr(ours, k)} vs {getattr(theirs, k)}' for k in differ)}); "
                           f"set them to match: {fixes}")
@@ -286,9 +252,8 @@ def init_from(model: Llama, spec: str) -> None:
 
 def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_cfg: Optional[Config] = None,
                  dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None) -> Path:
-    """Write `model` as a Hugging Face LlamaForCausalLM directory; tokenizer files too for an HF tokenizer.
-
-    Raises ConfigError, before writing anything, for a model with an option Llama lacks (check_exportable)."""
+    """Write `model` as a Hugging Face LlamaForCausalLM directory (tokenizer files too for an HF tokenizer), or
+    raise ConfigError before writing anything for a model with an option Llama lacks (check_exportable)."""
     check_exportable(model.cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -297,9 +262,8 @@ def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_
         tok.hf.save_pretrained(str(out))
     bos, eos = (tok.bos_id, tok.eos_id) if tok is not None else (None, None)
     save_file(to_hf_state(model, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
-    dtype_name = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, bos, eos, dtype_name), indent=2) + "\n")
+    write_json(out / "config.json", hf_config(model.cfg, bos, eos, str(dtype).removeprefix("torch.")))
     if nanopt_cfg is not None:
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
-        (out / "nanopt.json").write_text(json.dumps({"config": nanopt_cfg.to_dict(), **(meta or {})}, indent=2) + "\n")
+        write_json(out / "nanopt.json", {"config": nanopt_cfg.to_dict(), **(meta or {})})
     return out

@@ -58,8 +58,7 @@ def write_json(path: Path, data: Any, indent: int = 2) -> Path:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line with a single write() in O_APPEND mode, so concurrent writers (several
-    `nanopt eval` runs) never interleave their lines."""
+    """Append one JSON line with one O_APPEND write(): concurrent writers (`nanopt eval`s) never interleave."""
     line = (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -1,5 +1,4 @@
-"""`python -m nanopt.main [CONFIG] [--section.key=value ...]` (and `torchrun ... -m nanopt.main`): the same as
-`nanopt train`, which lives in nanopt/commands/train.py."""
+"""`[torchrun ...] python -m nanopt.main [CONFIG] [--section.key=value ...]`: `nanopt train` (commands/train.py)."""
 from __future__ import annotations
 
 import sys

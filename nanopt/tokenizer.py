@@ -22,9 +22,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def token_bytes(self) -> list[int]:
-        """UTF-8 byte length of each token id (0 for special tokens), for bits-per-byte."""
-        ...
+    def token_bytes(self) -> list[int]: ...  # UTF-8 bytes of each token id (0 for special ones), for bits-per-byte
 
 
 class ByteTokenizer:
@@ -54,9 +52,7 @@ class ByteTokenizer:
 
 def get_tokenizer(name: str) -> Tokenizer:
     """`byte` -> ByteTokenizer; anything else is a Hugging Face tokenizer name or directory."""
-    if name == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(name)
+    return ByteTokenizer() if name == "byte" else HFTokenizer(name)
 
 
 class HFTokenizer:
@@ -66,21 +62,16 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer  # optional dependency: the `data` extra
         except ImportError:
-            raise ConfigError(
-                f"`data.tokenizer` is {name!r}, which needs the transformers package: "
-                f"pip install -e '.[data]' (or use `data.tokenizer: byte`)."
-            ) from None
+            raise ConfigError(f"`data.tokenizer` is {name!r}, which needs the transformers package: "
+                              f"pip install -e '.[data]' (or use `data.tokenizer: byte`).") from None
         try:
             self.hf = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. "
-                f"Give a local directory with tokenizer files or a hub name you have access to."
-            ) from None
+            raise ConfigError(f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. Give "
+                              f"a local directory with tokenizer files or a hub name you have access to.") from None
         self.name = name
         self.vocab_size = len(self.hf)
-        self.bos_id = self.hf.bos_token_id
-        self.eos_id = self.hf.eos_token_id
+        self.bos_id, self.eos_id = self.hf.bos_token_id, self.hf.eos_token_id
         self._tiktoken = None  # None: not built yet; False: not usable for this tokenizer (see encode_batch)
         self._tiktoken_checked = False
 
@@ -92,13 +83,9 @@ class HFTokenizer:
         return [a.tolist() for a in self.encode_batch_arrays(texts)]
 
     def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        """encode_batch as one uint32 array per document, the form nanopt prepare writes.
-
-        Byte-level BPE tokenizers (GPT-2, Llama-3 style) run on tiktoken when it is installed (see
-        fastbpe.py), which hands back a buffer without building a Python int per token; the first batch
-        is encoded by both engines and any difference keeps the Hugging Face one for good. Otherwise the
-        Rust engine is called directly, skipping the transformers wrapper.
-        """
+        """encode_batch as one uint32 array per document, the form nanopt prepare writes. Byte-level BPE runs
+        on tiktoken where it can (fastbpe.py: no Python int per token); the first batch is encoded by both
+        engines and any difference keeps the Hugging Face one for good."""
         if self.fast_engine() is None:
             return [np.array(ids, dtype=np.uint32) for ids in self._encode_batch_hf(texts)]
         arrays = [self._tiktoken.encode_to_numpy(t, allowed_special="all") for t in texts]
@@ -106,9 +93,8 @@ class HFTokenizer:
             self._tiktoken_checked = True
             reference = self._encode_batch_hf(texts)
             if [a.tolist() for a in arrays] != reference:
-                log.warning(
-                    "tokenizer %s: the tiktoken engine disagrees with Hugging Face on the first batch; "
-                    "using the Hugging Face engine", self.name)
+                log.warning("tokenizer %s: the tiktoken engine disagrees with Hugging Face on the first batch; "
+                            "using the Hugging Face engine", self.name)
                 self._tiktoken = False
                 return [np.array(ids, dtype=np.uint32) for ids in reference]
         return arrays
@@ -117,11 +103,11 @@ class HFTokenizer:
         """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its
         workers so they share it), or None when it is not installed or not equivalent."""
         if self._tiktoken is None:
-            self._tiktoken = (tiktoken_encoding(self.hf.backend_tokenizer.to_str()) if self.hf.is_fast else None) or False
+            engine = tiktoken_encoding(self.hf.backend_tokenizer.to_str()) if self.hf.is_fast else None
+            self._tiktoken = engine or False
             if self._tiktoken is False:  # say so: the Hugging Face engine is several times slower per core
-                log.info(
-                    "tokenizer %s: not plain byte-level BPE or tiktoken not installed; using the Hugging Face engine",
-                    self.name)
+                log.info("tokenizer %s: not plain byte-level BPE or tiktoken not installed; using the Hugging Face "
+                         "engine", self.name)
         return self._tiktoken or None
 
     def _encode_batch_hf(self, texts: list[str]) -> list[list[int]]:
@@ -143,7 +129,4 @@ class HFTokenizer:
 
     def token_bytes(self) -> list[int]:
         special = set(self.hf.all_special_ids)
-        out = []
-        for i in range(self.vocab_size):
-            out.append(0 if i in special else len(self.hf.decode([i]).encode("utf-8")))
-        return out
+        return [0 if i in special else len(self.hf.decode([i]).encode("utf-8")) for i in range(self.vocab_size)]
