@@ -129,7 +129,7 @@ def spec_peak(device: torch.device, precision: str) -> Optional[float]:
     from nanopt.runtime import Runtime
 
     rt = Runtime("cuda", device, 0, 0, 1, 1, precision)
-    key = detect_hardware(rt.hardware_name(), rt.power_limit_watts())
+    key = detect_hardware(rt.hardware_name(), rt.backend.power_limit_watts())
     return None if key is None else table_peak(key, precision)
 
 

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, data, hardware, rundirs  # noqa: E402
+from nanopt import attention, data, experiments, hardware, rundirs  # noqa: E402
 from nanopt.config import ModelConfig, load_config  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
@@ -104,7 +104,7 @@ def check_env(device: torch.device, smoke: bool) -> dict[str, Any]:
     out.update(device=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                memory_gib=round(props.total_memory / 2**30, 1))
     rt = Runtime("cuda", device, 0, 0, 1, 1, "bf16")
-    out["power_limit_w"] = rt.power_limit_watts()
+    out["power_limit_w"] = rt.backend.power_limit_watts()
     out["nanopt_hardware"] = hardware.detect_hardware(props.name, out["power_limit_w"])
     out["spec_peak_bf16_tflops"] = (spec_peak(device, "bf16") or 0) / 1e12 or None
     out["measured_bf16_matmul_tflops"] = round(hardware.measure_matmul_flops(  # 8192^3: big enough to fill an H100
@@ -288,7 +288,7 @@ def check_train(name: str, args: list[str], variants: list[str], work: Path, ste
         flags = VARIANTS[variant]
         res = nanopt_run([*args, *QUIET, *profile, *flags, f"--data.source={shards}",
                           f"--train.max_steps={steps}"], run_dir, timeout)
-        prof = rundirs.read_profile(run_dir) or {}
+        prof = experiments.read_profile(run_dir) or {}
         out[variant] = {"flags": flags, "rc": res["rc"], "wall_s": res["wall_s"], **speed_of(res["records"], skip),
                         "profile": {k: prof.get(k) for k in ("mode", "host_overhead_share", "data_loader_share",
                                                              "compute_share", "step_ms_mean")},

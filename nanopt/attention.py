@@ -1,19 +1,15 @@
-"""Causal self-attention kernels behind one signature, and the choice between them.
-
-Whether a kernel can run on this device is answered by runtime.py (the device module); the TPU kernel
-itself lives in xla.py with the rest of torch_xla.
-"""
+"""Causal self-attention kernels behind one signature, whether each can run on this device, and the choice.
+The TPU kernel itself lives in xla.py with the rest of torch_xla."""
 from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from nanopt import xla
-from nanopt.runtime import flash_unavailable_reason, sdpa_gqa_unfused_reason, xla_flash_unavailable_reason
 
 log = logging.getLogger("nanopt")
 
@@ -48,10 +44,8 @@ def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """PyTorch's fused kernel (flash / memory-efficient on GPU, a fused C++ kernel on CPU).
-
-    enable_gqa lets the kernel index KV heads directly instead of materialising repeated K/V.
-    """
+    """PyTorch's fused kernel (flash / memory-efficient on GPU, a fused C++ kernel on CPU); enable_gqa lets
+    it index KV heads directly instead of materialising repeated K/V."""
     gqa = q.shape[1] != k.shape[1]
     if causal_offset == 0 and q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -63,16 +57,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int =
 
 def sdpa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
     """sdpa with the K/V heads repeated to the query heads instead of enable_gqa: a fused kernel where
-    enable_gqa would get the math one (runtime.sdpa_gqa_unfused_reason). Costs the repeated K/V, B Hq T D each."""
+    enable_gqa would get the math one (sdpa_gqa_unfused_reason). Costs the repeated K/V, B Hq T D each."""
     return sdpa(q, *repeat_kv(q, k, v), causal_offset)
 
 
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """flash-attn 2 (CUDA only). It wants B T H D and handles GQA natively.
-
-    With Tq < Tk (decoding) its causal mask is aligned bottom-right, i.e. the queries are the last
-    Tq positions, which is exactly the KV-cache case, so causal_offset needs no extra handling.
-    """
+    """flash-attn 2 (CUDA only): B T H D, GQA natively. With Tq < Tk (decoding) its causal mask is aligned
+    bottom-right, i.e. the queries are the last Tq positions: the KV-cache case, so causal_offset is implied."""
     from flash_attn import flash_attn_func  # imported lazily: the package exists only on CUDA hosts
 
     dtype = q.dtype
@@ -94,6 +85,38 @@ def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: 
 BACKENDS: dict[str, AttentionFn] = {"eager": eager, "sdpa": sdpa, "flash": flash, "xla_flash": xla_flash}
 
 
+def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optional[str]:
+    """Why flash-attn (CUDA only, fp16/bf16 only) cannot be used for this run, or None when it can."""
+    if device_type != "cuda":
+        return f"flash-attn needs a CUDA device (this run is on {device_type})"
+    if precision == "fp32":  # its kernels reject fp32 q/k/v, and an fp32 run has no autocast to cast them
+        return "flash-attn computes in fp16/bf16 only and train.precision is fp32"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as e:
+        return f"flash-attn is not importable ({e}); install the `gpu` extra"
+    return None
+
+
+def sdpa_gqa_unfused_reason(device_type: str, precision: str) -> Optional[str]:
+    """Why SDPA with enable_gqa would fall to its math kernel here (T x T scores in memory), or None: on CUDA
+    the flash kernel refuses fp32 and the memory-efficient one enable_gqa (8 GiB of scores per layer at 1B
+    shapes, bench/gpu_check.py)."""
+    if device_type == "cuda" and precision == "fp32":
+        return "SDPA's fused CUDA kernels take either fp32 or enable_gqa, not both"
+    return None
+
+
+def xla_flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optional[str]:
+    """Why `model.attention: xla_flash` (Pallas, TPU only) cannot run on this device, or None when it can."""
+    if device_type != "xla":
+        return f"xla_flash needs `runtime.device: xla` on a TPU (this run is on {device_type})"
+    return xla.flash_unavailable_reason()
+
+
+UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla_flash_unavailable_reason}
+
+
 def _sdpa_for(device_type: str, precision: str) -> tuple[str, AttentionFn]:
     """sdpa, or sdpa_repeat_kv where enable_gqa would fall to the unfused math kernel (logged once)."""
     reason = sdpa_gqa_unfused_reason(device_type, precision)
@@ -105,20 +128,15 @@ def _sdpa_for(device_type: str, precision: str) -> tuple[str, AttentionFn]:
 
 def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, AttentionFn]:
     """Resolve the configured backend for this device and precision, logging any fallback and its reason once."""
-    if name == "xla_flash":
-        reason = xla_flash_unavailable_reason(device_type)
+    if name in ("auto", *UNAVAILABLE_REASON):
+        kernel = "flash" if name == "auto" else name
+        reason = UNAVAILABLE_REASON[kernel](device_type, precision)
         if reason is None:
-            return "xla_flash", xla_flash
-        log.warning("attention: xla_flash requested but %s; falling back to sdpa", reason)
-        return _sdpa_for(device_type, precision)
-    if name in ("flash", "auto"):
-        reason = flash_unavailable_reason(device_type, precision)
-        if reason is None:
-            return "flash", flash
-        if name == "flash":
-            log.warning("attention: flash requested but %s; falling back to sdpa", reason)
-        else:
+            return kernel, BACKENDS[kernel]
+        if name == "auto":
             log.info("attention: auto chose sdpa because %s", reason)
+        else:
+            log.warning("attention: %s requested but %s; falling back to sdpa", name, reason)
         return _sdpa_for(device_type, precision)
     if name == "sdpa":
         return _sdpa_for(device_type, precision)

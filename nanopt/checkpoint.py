@@ -2,16 +2,14 @@
 
 A checkpoint directory `checkpoints/step_NNNNNN/` holds
   model.safetensors  weights (a tied LM head is stored once, as embed.weight)
-  optimizer.pt       optimizer state (torch.save; loaded with weights_only=True)
-  state.json         step, each resumable component's state_dict() (run state, loader position, speedrun
-                     clock), the data fingerprint, the resolved config, versions
-  rng.pt             python / numpy / torch (/ CUDA) RNG states of every rank (weights_only=True)
+  optimizer.pt       optimizer state (loaded with weights_only=True, like rng.pt)
+  state.json         step, each resumable component's state_dict(), the data fingerprint, the config, versions
+  rng.pt             every rank's host and device RNG states
   COMPLETE           written last: a JSON manifest of every file's size and crc32
-It is written to `.tmp_step_NNNNNN/`, fsynced, renamed into place; `checkpoints/latest` is updated last.
-The names and the verification are rundirs.py's (every reader asks it). On resume the newest checkpoint that
-verifies is used; a damaged one stays where it is, named in a warning, and the previous one is tried. When
-the run has trained but none is usable, every re-run refuses (exit 2) until the user decides
-(`checkpoint.start_over`): a transient failure never becomes a silent restart.
+It is written to `.tmp_step_NNNNNN/`, fsynced, renamed into place; `checkpoints/latest` is updated last. The
+names and the verification are rundirs.py's. On resume the newest checkpoint that verifies is used (a damaged
+one is left in place, named in a warning); when the run has trained but none is usable, every re-run refuses
+(exit 2) until the user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart.
 """
 from __future__ import annotations
 
@@ -33,9 +31,10 @@ from nanopt.errors import ConfigError
 from nanopt.faults import fault_hook
 from nanopt.io import fsync_dir, write_json, write_text
 from nanopt.mirror import Mirror
-from nanopt.runtime import Runtime, rng_state, set_rng_state
+from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
+
 
 class Stateful(Protocol):
     """What the checkpointer saves besides weights and optimizer: anything with a JSON-able state_dict()."""
@@ -46,17 +45,10 @@ class Stateful(Protocol):
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights to save: contiguous CPU tensors, the tied head left out (it is embed.weight)."""
-    state = {}
-    seen: dict[int, str] = {}
-    # A tied parameter is listed once by named_parameters(); XLA tensors have no data_ptr (all 0) to compare.
+    """Weights to save: contiguous CPU tensors, a tied parameter once, under its first name (embed.weight)."""
+    # named_parameters() lists a tied parameter once; XLA tensors have no data_ptr to compare instead.
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    for name, t in model.state_dict().items():
-        if name in tied or (t.data_ptr() and t.data_ptr() in seen):  # tied: already stored under its first name
-            continue
-        seen[t.data_ptr()] = name
-        state[name] = t.detach().to("cpu").contiguous()
-    return state
+    return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items() if name not in tied}
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
@@ -66,9 +58,7 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(
-            f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+        raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def check_shapes(model: torch.nn.Module, path: Path) -> None:
@@ -93,11 +83,10 @@ def _fsync(path: Path) -> None:
 class _Sealer:
     """fsyncs each finished file and sums its crc32 in worker threads while the next file is serialised.
 
-    Measured (bench/checkpoint_save.py): the native writers (safetensors' save_file, torch.save to a path)
-    followed by a re-read from the page cache beat summing the crc32 while writing through a Python file
-    object, which makes both libraries copy every record through Python; overlapping the fsync (waiting on
-    the disk) and the re-read (CPU, zlib releases the GIL) with the next file's serialisation is what shortens
-    a save that must fit a preemption's grace period.
+    Measured (bench/checkpoint_save.py): the native writers followed by a re-read from the page cache beat
+    summing the crc32 through a Python file object (both libraries would copy every record through Python);
+    overlapping the fsync and the re-read (zlib releases the GIL) with the next file shortens a save that
+    must fit a preemption's grace period.
     """
 
     def __init__(self):
@@ -123,10 +112,8 @@ def save(
     ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
     state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None,
 ) -> Path:
-    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only.
-
-    `rng` is every rank's rng_state() in rank order (default: this process's only).
-    """
+    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `rng` is every
+    rank's Runtime.rng_state() in rank order (default: this process's host states)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_{final.name}"
@@ -141,7 +128,7 @@ def save(
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / rundirs.OPTIMIZER_FILE)
         sealer.add(tmp / rundirs.OPTIMIZER_FILE)
-    torch.save({"ranks": rng if rng is not None else [rng_state()]}, tmp / rundirs.RNG_FILE)
+    torch.save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / rundirs.RNG_FILE)
     sealer.add(tmp / rundirs.RNG_FILE)
     versions = {"torch": torch.__version__, "numpy": np.__version__}
     write_json(tmp / rundirs.STATE_FILE, {**state, "step": step, "versions": versions})
@@ -164,34 +151,30 @@ def save(
 
 
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
-    if before == now:
-        return None
     if len(before) != len(now):
         return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
     for a, b in zip(before, now):
         if a != b:
             diff = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
             return f"shard {a.get('name')} differs ({diff})"
-    return "the shards differ"
+    return None
 
 
 # ---------------------------------------------------------------- the run's checkpointer
 
 
 class Checkpointer:
-    """Everything the training loop asks of checkpoints: restore at start, save (all ranks call it), and on
-    close wait for the mirror's copies.
-
-    Besides weights, optimizer and RNGs it saves `states`, a dict of named Stateful components (run state,
-    loader, speedrun clock): adding resumable state is adding an entry.
+    """Everything the training loop asks of checkpoints: restore at start, when to save and saving (all ranks),
+    and on close waiting for the mirror's copies. Besides weights, optimizer and RNGs it saves `states`, named
+    Stateful components (run state, loader, speedrun clock): adding resumable state is adding an entry.
     """
 
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
-        self.cfg, self.rt = cfg, rt
-        self.run_dir = cfg.run_dir  # made, and locked, by the trainer (rundirs.DirLock) before this
+        self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (rundirs.DirLock) before this
         self.root = rundirs.checkpoints_dir(self.run_dir)
         self.data = data.fingerprint(data_paths)
-        self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep, rundirs.STEP_DIR) if cfg.checkpoint.mirror else None
+        mirror = cfg.checkpoint.mirror
+        self.mirror = Mirror(mirror, cfg.checkpoint.keep, rundirs.STEP_DIR) if mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run
         self.last_saved_step = -1
         if rt.is_main and self.mirror is not None:  # fail now, in one paragraph, rather than at the first checkpoint
@@ -205,8 +188,7 @@ class Checkpointer:
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 states: dict[str, Stateful]) -> Optional[dict[str, Any]]:
-        """Load the newest usable checkpoint into model, optimizer, states and RNGs; its state.json, or None
-        to start fresh."""
+        """Load the newest usable checkpoint into model, optimizer, states and RNGs: its state.json, or None."""
         rt = self.rt
         if not self.cfg.checkpoint.resume:
             if rt.is_main and any(p.name != rundirs.LOCK_FILE for p in self.run_dir.iterdir()):
@@ -241,8 +223,8 @@ class Checkpointer:
         return saved
 
     def _choose(self) -> Optional[Path]:
-        """Newest verified local checkpoint, else the newest verified one on the mirror, else None (fresh) when
-        the run never saved one; ConfigError when it did (or `checkpoint.start_over`: fresh)."""
+        """Newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved one;
+        ConfigError when it did (`checkpoint.start_over`: fresh)."""
         for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             shutil.rmtree(tmp, ignore_errors=True)
@@ -277,8 +259,7 @@ class Checkpointer:
 
     def _earlier_training(self) -> list[str]:
         """What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a
-        summary. (Metrics alone do not: a session killed before its first save is restarted by re-running it,
-        the retry Modal and sweeps rely on; its records are dropped and logged again.)"""
+        summary. Metrics alone do not: a session killed before its first save is retried by re-running it."""
         found = []
         if (self.root / rundirs.LATEST_FILE).is_file():
             found.append(f"{rundirs.CHECKPOINTS_DIR}/{rundirs.LATEST_FILE} names a checkpoint that is not there")
@@ -333,21 +314,27 @@ class Checkpointer:
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
         opt_state = torch.load(ckpt / rundirs.OPTIMIZER_FILE, weights_only=True, map_location=self.rt.init_device)
         try:
-            optim.load_state_dict(optimizer, model, opt_state)
+            optim.load_state_dict(optimizer, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
             component.load_state_dict(saved[name])
         rngs = torch.load(ckpt / rundirs.RNG_FILE, weights_only=True)
-        ranks = rngs["ranks"] if "ranks" in rngs else [rngs]
+        ranks = rngs["ranks"]
         if len(ranks) != self.rt.world_size and self.rt.is_main:
             log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank 0's",
                         len(ranks), self.rt.world_size)
-        set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
+        self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
         self.last_saved_step = saved["step"]
         return saved
 
     # -- save
+
+    def should_save(self, step: int) -> bool:
+        """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it
+        after the final evaluation)."""
+        every = self.cfg.checkpoint.every
+        return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful]) -> Path:
@@ -355,7 +342,7 @@ class Checkpointer:
         final = rundirs.checkpoint_path(self.run_dir, step)
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
-        rngs = self.rt.gather_objects(rng_state())
+        rngs = self.rt.gather_objects(self.rt.rng_state())
         if self.rt.is_main:
             state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
                      "config": self.cfg.to_dict()}
@@ -367,8 +354,7 @@ class Checkpointer:
         return final
 
     def close(self) -> None:
-        """Wait for queued mirror copies; warn once about any that failed. Safe to call again (the loop's
-        finish waits before writing the summary, and the run's cleanup closes whatever way it ended)."""
+        """Wait for queued mirror copies; warn once about any that failed. Safe to call again."""
         if self.mirror is not None and self.rt.is_main:
             self.mirror.wait()
             if self.mirror.failures:

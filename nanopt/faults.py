@@ -1,10 +1,8 @@
 """Faults a run must survive: preemption signals, a diverging loss, and the env hooks tests use to inject
-crashes. The error types and exit statuses they lead to are in errors.py.
-"""
+crashes. The error types and exit statuses they lead to are in errors.py."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -18,8 +16,6 @@ import torch.distributed as dist
 
 from nanopt.errors import TrainingError
 from nanopt.runtime import Runtime
-
-log = logging.getLogger("nanopt")
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # signals this process got while preemption_handlers() was active
@@ -45,19 +41,15 @@ def _handle(signum: int, frame: object) -> None:
         os._exit(128 + signum)
     _received.append(signum)
     _first_at = time.monotonic()
-    sys.stderr.write(
-        f"nanopt: received {name}: finishing the current step, then saving a checkpoint and exiting "
-        f"(send it again to exit at once).\n"
-    )
+    sys.stderr.write(f"nanopt: received {name}: finishing the current step, then saving a checkpoint and exiting "
+                     f"(send it again to exit at once).\n")
     sys.stderr.flush()
 
 
 @contextlib.contextmanager
 def preemption_handlers() -> Iterator[None]:
     """SIGTERM / SIGINT set a flag that the training loop turns into checkpoint-and-exit; restored afterwards.
-
-    The train command (commands/train.py) owns the process's signals, so train() called as a library keeps the defaults.
-    """
+    The train command owns the process's signals, so train() called as a library keeps the defaults."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only the main thread may install handlers
         previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS}
@@ -72,17 +64,13 @@ def preemption_handlers() -> Iterator[None]:
 
 class StopSignal:
     """All ranks agree, after every step, whether any of them was signalled or ran past `run.time_limit_s`,
-    so they stop (checkpoint, exit 75) after the same step.
-
-    torchrun forwards SIGTERM to each worker separately: one rank can see it a step before another, and
-    each rank reads its own clock. The sum runs on a CPU (gloo) group, so it never waits for the
-    accelerator's queue. The time limit counts from the start of set-up (this object is made first), so
-    checkpoint loading and compilation are inside it, as they are inside a scheduler's timeout.
+    so they stop (checkpoint, exit 75) after the same step: torchrun signals each worker separately, and each
+    rank reads its own clock. The sum runs on a CPU (gloo) group, so it never waits for the accelerator's
+    queue. The limit counts from set-up (this object is made first), like a scheduler's timeout.
     """
 
     def __init__(self, rt: Runtime, time_limit_s: float = 0.0):
-        self.rt = rt
-        self.time_limit_s = time_limit_s
+        self.rt, self.time_limit_s = rt, time_limit_s
         self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
         self.timed_out = False  # on any rank, as of the last should_stop()
         self._group = None
@@ -112,16 +100,14 @@ class StopSignal:
 class FiniteGuard:
     """Notices a non-finite loss on any rank without a host sync per step.
 
-    update() folds each step's loss into a device-side flag (no sync); check() reads it, summed over
-    ranks, on logging steps and before every checkpoint save. Before a save it also checks the weights:
-    step k's loss is computed before step k's update, so an update that overflowed shows only there.
-    A checkpoint thus never holds a diverged model, and the error names the window where it happened.
+    update() folds each step's loss into a device-side flag; check() reads it, summed over ranks, on logging
+    steps and before every save, when it also checks the weights (step k's loss precedes step k's update, so
+    an update that overflowed shows only there): a checkpoint never holds a diverged model.
     """
 
     def __init__(self, rt: Runtime, start_step: int):
-        self.rt = rt
+        self.rt, self.checked_step = rt, start_step
         self.bad = torch.zeros((), device=rt.device)
-        self.checked_step = start_step
 
     def update(self, loss: torch.Tensor) -> None:
         self.bad += (~torch.isfinite(loss.detach().float())).float()
@@ -135,8 +121,8 @@ class FiniteGuard:
         if self.bad.item() > 0:
             first = min(self.checked_step + 1, step)  # == step when only the weights of this step are bad
             where = f"at step {step}" if first == step else f"between steps {first} and {step}"
-            kept = (f"The newest good checkpoint, {last_good}, is untouched; re-running the same command resumes from it"
-                    if last_good else "No checkpoint was written before it")
+            kept = (f"The newest good checkpoint, {last_good}, is untouched; re-running the same command resumes "
+                    f"from it" if last_good else "No checkpoint was written before it")
             raise TrainingError(
                 f"the loss or the weights became NaN/inf {where}: training diverged, so nothing was saved. {kept}. "
                 f"Lower the learning rate (e.g. --train.lr=<smaller> --checkpoint.allow_changes=train.lr to keep "

@@ -1,7 +1,5 @@
 """Where numbers go: the console (logging set-up, one line per logged step), metrics.jsonl, TensorBoard,
-optional W&B.
-
-Only rank 0's MetricsLogger writes; other ranks get a silent one.
+optional W&B. Only rank 0's MetricsLogger writes; other ranks get a silent one.
 """
 from __future__ import annotations
 
@@ -51,9 +49,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[dict] = None):
         self.run_dir, self.enabled, self.tensorboard, self.wandb_cfg = run_dir, enabled, tensorboard, wandb_cfg
-        self.writer = None
-        self.wandb = None
-        self.file = None
+        self.writer = self.wandb = self.file = None
 
     def open(self) -> None:
         if not self.enabled:
@@ -108,17 +104,12 @@ def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:
 def step_line(step: int, max_steps: int, v: dict[str, Any]) -> str:
     """The human-scannable per-step line."""
     mfu = v.get("mfu")
-    parts = [
-        f"step {step:>6}/{max_steps}",
-        f"loss {v['loss']:.4f}",
-        f"lr {v['lr']:.2e}",
-        f"{v['step_ms']:7.1f} ms/step",
-        f"{v['tokens_per_s']:>9,.0f} tok/s",
-        f"mfu {'  n/a' if mfu is None else f'{100 * mfu:4.1f}%'}",
-        f"eta {format_duration(v.get('eta_s', 0.0))}",
-    ]
+    parts = [f"step {step:>6}/{max_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
+             f"{v['step_ms']:7.1f} ms/step", f"{v['tokens_per_s']:>9,.0f} tok/s",
+             f"mfu {'  n/a' if mfu is None else f'{100 * mfu:4.1f}%'}", f"eta {format_duration(v.get('eta_s', 0.0))}"]
     if v.get("peak_memory_gib") is not None:  # mfu.peak_memory_gib: None where the device cannot tell
         # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
         reserved = v.get("peak_reserved_gib")
-        parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB" + ("" if reserved is None else f" ({reserved:.2f} reserved)"))
+        memory = f"mem {v['peak_memory_gib']:.2f} GiB" + ("" if reserved is None else f" ({reserved:.2f} reserved)")
+        parts.insert(-1, memory)
     return " | ".join(parts)

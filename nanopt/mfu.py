@@ -1,8 +1,6 @@
 """Model FLOPs utilisation in the loop: the run's peak (spec sheet or measured), and the meter that turns a
-logging window's seconds into MFU, HFU and TFLOP/s.
-
-MFU = achieved model FLOP/s / (per-device dense peak × world size); the FLOPs per token come from flops.py,
-the peaks from hardware.py.
+logging window's seconds into MFU, HFU and TFLOP/s. MFU = achieved model FLOP/s / (per-device dense peak ×
+devices); the FLOPs per token come from flops.py, the peaks from hardware.py.
 """
 from __future__ import annotations
 
@@ -30,21 +28,18 @@ def warn_once(key: str, message: str) -> None:
 class MFUMeter:
     """Turns (steps, seconds) of a logging window into MFU, skipping warm-up steps.
 
-    Work is counted per optimizer step over the whole world (tokens_per_step = train.global_batch_tokens,
-    every rank and every micro-step), and the peak is per device × world size, so MFU equals one device's
-    achieved FLOP/s over its own peak whatever the world size or accumulation.
+    Work is counted per optimizer step over the whole world (every rank and micro-step) and the peak per
+    device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size.
     """
 
     def __init__(self, flops_per_token: float, flops_per_token_6n: float, tokens_per_step: int,
                  peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
                  peak_label: str = "", flops_per_token_hw: Optional[float] = None):
-        self.flops_per_token = flops_per_token
-        self.flops_per_token_6n = flops_per_token_6n
+        self.flops_per_token, self.flops_per_token_6n = flops_per_token, flops_per_token_6n
         # What the hardware computes: the model's FLOPs plus recomputation (for HFU).
         self.flops_per_token_hw = flops_per_token if flops_per_token_hw is None else flops_per_token_hw
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_step, self.world_size = tokens_per_step, world_size
         self.peak_flops = peak_flops  # per device
-        self.world_size = world_size
         self.first_counted_step = start_step + warmup_steps + 1
         self.peak_label = peak_label  # where the peak came from (spec sheet, measured, override)
 
@@ -55,10 +50,8 @@ class MFUMeter:
                 "flops_per_token_hardware": self.flops_per_token_hw}
 
     def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
-        """Metrics for the `window_steps` optimizer steps ending at `step`, which took `step_seconds` each.
-
-        A window that includes a warm-up step (compilation, allocation, autotuning) gives nulls.
-        """
+        """Metrics for the `window_steps` optimizer steps ending at `step`, which took `step_seconds` each; nulls
+        for a window that includes a warm-up step (compilation, allocation, autotuning)."""
         window_steps = max(window_steps, 1)
         if step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
             return {"mfu": None, "mfu_6n": None, "hfu": None, "tflops_per_device": None}
@@ -73,36 +66,13 @@ class MFUMeter:
         return out
 
 
-def peak_memory_gib(rt: Runtime) -> Optional[float]:
-    """This rank's peak device memory (CUDA: allocated; CPU: resident set; XLA: the busiest chip's, see
-    xla.PeakMemory) in GiB, or None."""
-    peak = rt.peak_memory_bytes()
-    return None if peak is None else peak / 2**30
-
-
-def peak_reserved_gib(rt: Runtime) -> Optional[float]:
-    """This rank's peak reserved device memory in GiB (CUDA's caching allocator), or None elsewhere."""
-    peak = rt.peak_reserved_bytes()
-    return None if peak is None else peak / 2**30
-
-
 def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
-    """(per-device peak FLOP/s or None, a description for the log) for this run's device and precision.
-
-    Order: the `mfu.hardware` override; on CPU a measured peak (every rank measures at once, under the
-    same contention as training, and the mean is used); otherwise the detected accelerator's table entry.
-    Unknown accelerators give None and one warning: MFU is then null, never a guess.
-    """
-    precision = cfg.train.precision
-    override = cfg.mfu.hardware
+    """(per-device peak FLOP/s or None, a description for the log): the `mfu.hardware` override, else on CPU a
+    peak measured by every rank at once (the mean), else the detected accelerator's table entry. An unknown
+    accelerator gives None and one warning: MFU is then null, never a guess."""
+    precision, override = cfg.train.precision, cfg.mfu.hardware
     warn = warn_once if rt.is_main else (lambda key, message: None)  # one warning per run, not per rank
-    if override != "auto":
-        peak = table_peak(override, precision)
-        if peak is None:
-            warn(f"noprec:{override}", f"mfu: {PEAKS[override].name} has no published dense "
-                      f"{matmul_precision(precision)} peak; MFU will be null (train in bf16 for an MFU figure)")
-        return peak, f"{override} ({PEAKS[override].name}, from mfu.hardware), {matmul_precision(precision)} dense spec sheet"
-    if rt.measures_peak:
+    if override == "auto" and rt.backend.measures_peak:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         rt.barrier()  # all ranks measure at once, sharing the cores as they will in training
         measured = torch.tensor([measure_matmul_flops(dtype, rt.device, sync=rt.sync)], dtype=torch.float64)
@@ -110,16 +80,17 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
         return peak, (f"MEASURED on {rt.hardware_name()}: a {str(dtype).replace('torch.', '')} matmul benchmark "
                       f"at start-up, {torch.get_num_threads()} thread(s) per rank (not a spec-sheet figure)")
     name = rt.hardware_name()
-    key = detect_hardware(name, rt.power_limit_watts())
+    key = override if override != "auto" else detect_hardware(name, rt.backend.power_limit_watts())
     if key is None:
         warn(f"unknown:{name}", f"mfu: unknown accelerator {name!r}: no dense peak in nanopt.mfu.PEAKS, so "
                   f"MFU is null. Set --mfu.hardware=KEY if it is one of: {', '.join(PEAKS)}")
         return None, f"unknown accelerator {name!r}"
     peak = table_peak(key, precision)
     if peak is None:
-        warn(f"noprec:{key}", f"mfu: {PEAKS[key].name} has no published dense "
-                  f"{matmul_precision(precision)} peak; MFU will be null")
-    return peak, f"{key} ({name}), {matmul_precision(precision)} dense spec sheet"
+        warn(f"noprec:{key}", f"mfu: {PEAKS[key].name} has no published dense {matmul_precision(precision)} "
+                              f"peak; MFU will be null (train in bf16 for an MFU figure)")
+    source = f"{PEAKS[key].name}, from mfu.hardware" if override != "auto" else name
+    return peak, f"{key} ({source}), {matmul_precision(precision)} dense spec sheet"
 
 
 def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:

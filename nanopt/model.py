@@ -50,11 +50,8 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _RMSNormalize(torch.autograd.Function):
-    """RMS normalisation with a hand-written backward: 3 full-size kernels instead of autograd's 7.
-
-    At small CPU shapes a step is hundreds of small elementwise kernels; this halves the norms' share
-    (9 norms per step in a 4-layer model). With y = x * r, r = rsqrt(mean(x^2) + eps):
-    dx = r * (g - y * mean(g * y)).
+    """RMS normalisation with a hand-written backward: 3 full-size kernels instead of autograd's 7, which halves
+    the norms' share of a small CPU step. With y = x * r, r = rsqrt(mean(x^2) + eps): dx = r * (g - y * mean(g * y)).
     """
 
     @staticmethod
@@ -73,35 +70,25 @@ class _RMSNormalize(torch.autograd.Function):
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama-3's long-context scaling when configured.
-
-    Llama 3.1+ keeps high frequencies (short wavelengths) as they are, divides low frequencies by
-    `rope_factor`, and interpolates smoothly in between.
-    """
+    """Inverse frequencies (head_dim/2,), with Llama-3's long-context scaling when configured: high frequencies
+    kept, low ones divided by `rope_factor`, a smooth interpolation in between."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if cfg.rope_scaling == "llama3":
         old_len = cfg.rope_original_max_seq_len
-        low_freq_wavelen = old_len / cfg.rope_low_freq_factor
-        high_freq_wavelen = old_len / cfg.rope_high_freq_factor
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
         wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (
-            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
-        )
+        smooth = (old_len / wavelen - low) / (high - low)
         interpolated = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
-        inv_freq = torch.where(
-            wavelen > low_freq_wavelen,
-            inv_freq / cfg.rope_factor,
-            torch.where(wavelen < high_freq_wavelen, inv_freq, interpolated),
-        )
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / cfg.rope_factor,
+                               torch.where(wavelen < old_len / high, inv_freq, interpolated))
     return inv_freq.float()
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin tables (seq_len, head_dim) in the rotate-half layout Hugging Face Llama uses.
-
-    The sin table carries rotate-half's sign, [-sin, sin], so apply_rope needs a roll, not a negate and a cat.
-    """
+def rope_tables(cfg: ModelConfig, seq_len: int,
+                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin tables (seq_len, head_dim) in Hugging Face Llama's rotate-half layout; the sin table
+    carries rotate-half's sign, [-sin, sin], so apply_rope needs a roll, not a negate and a cat."""
     inv_freq = rope_frequencies(cfg).to(device)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # T D/2
@@ -146,15 +133,12 @@ class Attention(nn.Module):
         self.qk_norm_eps: Optional[float] = cfg.norm_eps if cfg.qk_norm else None
         # value_embeddings: this layer's own token -> value table, added to v. Registered only when on, so
         # a default model's state_dict (which hf.py exports) has no such key.
-        self.value_embed: Optional[nn.Embedding] = (
-            nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim) if cfg.value_embeddings else None
-        )
+        table = nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim) if cfg.value_embeddings else None
+        self.value_embed: Optional[nn.Embedding] = table
         self.kernel = kernel
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        cache: Optional[KVCache] = None, start_pos: int = 0, idx: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None,
+                start_pos: int = 0, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: B T C; idx: the B T token ids of x's positions (needed only with value embeddings)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # B Hq T D
@@ -171,10 +155,8 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def values(self, x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
-        """wv(x), plus this layer's value embedding of the tokens when on: B T C -> B T Hkv*D.
-
-        Computed before the KV cache write, so a cached position keeps the embedding of its own token.
-        """
+        """wv(x), plus this layer's value embedding of the tokens when on: B T C -> B T Hkv*D. Computed before the
+        KV cache write, so a cached position keeps the embedding of its own token."""
         v = self.wv(x)  # B T C @ C Hkv*D -> B T Hkv*D
         if self.value_embed is None:
             return v
@@ -203,11 +185,9 @@ class MLP(nn.Module):
 
 
 class ResidualScalars(nn.Module):
-    """`residual_scalars`: a block's input becomes a * x + b * x0, x0 the embedding output, a and b learned.
-
-    a = 1, b = 0 at init (init_weights), i.e. the plain residual stream; b lets every layer re-read the
-    token embedding directly. Shape (1,) each so the optimizer files them under the scalar kind.
-    """
+    """`residual_scalars`: a block's input becomes a * x + b * x0, x0 the embedding output, a and b learned
+    (1 and 0 at init: the plain residual stream); b lets every layer re-read the token embedding directly.
+    Shape (1,) each so the optimizer files them under the scalar kind."""
 
     def __init__(self):
         super().__init__()
@@ -229,10 +209,9 @@ class Block(nn.Module):
         # Registered only when on, like the value embedding, so a default state_dict is unchanged.
         self.residual_scalars: Optional[ResidualScalars] = ResidualScalars() if cfg.residual_scalars else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None,
-        start_pos: int = 0, *, x0: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None,
+                start_pos: int = 0, *, x0: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
+                ) -> torch.Tensor:
         """x, x0 (the embedding output, for residual scalars): B T C; idx: B T token ids (value embeddings)."""
         if self.residual_scalars is not None:
             if x0 is None:
@@ -257,9 +236,8 @@ class Llama(nn.Module):
         # Computed once, not saved: they follow from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss); 0 =
-        # never chunk. Training passes `train.loss_chunk_tokens`; a plain attribute so tests and benches
-        # can change it on a built model.
+        # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss); 0 = never
+        # chunk. A plain attribute, so tests and benches can change it on a built model.
         self.loss_chunk_tokens = loss_chunk_tokens
 
     def tie_head(self) -> None:
@@ -275,24 +253,15 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter by its module's type (call after materialising from the meta device):
-
-        - nn.Embedding and nn.Linear: normal(0, init_std)
-        - a Linear marked RESIDUAL_OUT (attention wo, MLP w2: they write into the residual stream):
-          normal(0, init_std / sqrt(2 * n_layers)), so the residual variance does not grow with depth
-        - RMSNorm gains: ones
-        - residual scalars (ResidualScalars): a = 1, b = 0, the plain residual stream
-        - value embeddings are nn.Embedding: normal(0, init_std), like the token embedding
-        - RoPE tables: recomputed (buffers on meta hold no data)
-        With tied embeddings the LM head is the embedding matrix and is initialised once. A parameter no
-        rule covers raises, naming its module and type: after to_empty it would be uninitialised memory.
+        """Initialise every parameter by its module's type (_init_by_type), in module order: normal(0, init_std),
+        depth-scaled for Linears marked RESIDUAL_OUT; RMSNorm gains and residual scalars as the identity. A tied
+        head is initialised once, as the embedding; the RoPE tables are recomputed (meta buffers hold no data).
+        A parameter no rule covers raises, naming its module: after to_empty it would be uninitialised memory.
         """
         done: set[int] = set()  # ids of initialised parameters; a tied head shares the embedding's
-        for module in self._init_order():
-            own = list(module.parameters(recurse=False))
-            if all(id(p) in done for p in own):  # no parameters of its own, or a tied head
-                continue
-            done.update(id(p) for p in _init_by_type(module, self.cfg))
+        for module in self.modules():
+            if any(id(p) not in done for p in module.parameters(recurse=False)):
+                done.update(id(p) for p in _init_by_type(module, self.cfg))
         missing = [f"{name}.{pname} ({type(m).__name__})" for name, m in self.named_modules()
                    for pname, p in m.named_parameters(recurse=False) if id(p) not in done]
         if missing:
@@ -300,17 +269,6 @@ class Llama(nn.Module):
         cos, sin = rope_tables(self.cfg, self.rope_cos.shape[0], device=self.rope_cos.device)
         self.rope_cos.copy_(cos)  # T D
         self.rope_sin.copy_(sin)  # T D
-
-    def _init_order(self) -> list[nn.Module]:
-        """Modules in the order that keeps a seed's weights as they were before init went by type: the
-        top-level modules (embed, then an untied lm_head), then layer by layer wq, wk, wv, w1, w3 before
-        the depth-scaled wo, w2. Registration order alone would interleave them (and moving parameters to
-        match would reorder state_dict and optimizer state). Option modules (a value embedding after wv, the
-        residual scalars last) draw in that order too; a default model has none, so its weights stay as they were."""
-        top = [m for name, m in self.named_modules() if name.split(".")[0] != "layers"]
-        # sorted is stable: within a layer, registration order, residual outputs last.
-        per_layer = [m for layer in self.layers for m in sorted(layer.modules(), key=_is_residual_out)]
-        return top + per_layer
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (a tied head is counted once); exclude_embedding leaves out every lookup table
@@ -334,25 +292,17 @@ class Llama(nn.Module):
         """Logits of hidden states: B T C @ C V -> B T V, soft-capped (in fp32) when logit_softcap is set."""
         return soft_cap(self.lm_head(h), self.cfg.logit_softcap)
 
-    def forward(
-        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
-        caches: Optional[list[KVCache]] = None, start_pos: int = 0,
-    ) -> torch.Tensor:
-        """idx: B T token ids. Returns logits B T V, or the mean cross-entropy when targets are given.
-
-        targets use -100 for positions to ignore.
-        """
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
+        """idx: B T token ids. Returns logits B T V, or the mean cross-entropy against targets (-100: ignored)."""
         h = self.hidden(idx, caches, start_pos)
         if targets is None:
             return self.logits(h)  # B T V
         return self._chunked_loss(h, targets)
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy without holding all B×T×V logits at once.
-
-        Each chunk's logits are recomputed in backward (activation checkpointing), so peak memory is
-        one chunk of logits instead of the whole batch: at vocab 128256 and 16k tokens the full fp32
-        logits alone would be 8.4 GB. A single chunk takes the plain path.
+        """Mean cross-entropy without holding all B×T×V logits at once: each chunk's logits are recomputed in
+        backward, so peak memory is one chunk's (at vocab 128256 and 16k tokens the full fp32 logits are 8.4 GB).
         """
         B, T, _ = h.shape
         count = (targets != -100).sum().clamp(min=1)
@@ -369,17 +319,14 @@ class Llama(nn.Module):
         step = max(1, chunk // B)
         total = h.new_zeros((), dtype=torch.float32)
         for start in range(0, T, step):
-            total = total + recompute(
-                loss_sum, h[:, start : start + step], targets[:, start : start + step], self.lm_head.weight
-            )
+            total = total + recompute(loss_sum, h[:, start : start + step], targets[:, start : start + step],
+                                      self.lm_head.weight)
         return total / count
 
     def new_caches(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> list[KVCache]:
         shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
-        return [
-            KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-            for _ in self.layers
-        ]
+        new = functools.partial(torch.zeros, shape, device=device, dtype=dtype)
+        return [KVCache(new(), new()) for _ in self.layers]
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
@@ -396,17 +343,13 @@ def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, soft
     return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
 
 
-def _is_residual_out(module: nn.Module) -> bool:
-    return getattr(module, RESIDUAL_OUT, False)
-
-
 def _init_by_type(module: nn.Module, cfg: ModelConfig) -> list[nn.Parameter]:
     """Initialise one module's own parameters by its type; returns those it set (none: no rule)."""
     if isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, 0.0, cfg.init_std)
         return [module.weight]
     if isinstance(module, nn.Linear):  # weight only: a bias would need a rule (init_weights reports it)
-        depth_scale = 1 / math.sqrt(2 * cfg.n_layers) if _is_residual_out(module) else 1.0
+        depth_scale = 1 / math.sqrt(2 * cfg.n_layers) if getattr(module, RESIDUAL_OUT, False) else 1.0
         nn.init.normal_(module.weight, 0.0, cfg.init_std * depth_scale)
         return [module.weight]
     if isinstance(module, RMSNorm):
@@ -424,9 +367,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
                 init_device: torch.device | str | None = None) -> Llama:
     """A ready model: built on the meta device (no memory, no wasted init), materialised, initialised once.
 
-    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves to
-    `device`. A `dtype` other than fp32 (bf16-pure) casts the parameters at the end; the RoPE tables stay fp32.
-    Raises RuntimeError when flops.param_counts disagrees with the model: MFU would be wrong.
+    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves to `device`.
+    A `dtype` other than fp32 (bf16-pure) casts the parameters at the end; the RoPE tables stay fp32.
     """
     with torch.device("meta"):
         model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)
@@ -439,8 +381,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     if dtype != torch.float32:  # bf16-pure: the parameters; the RoPE tables stay fp32
         model.to(dtype)
         model.tie_head()  # a cast keeps parameters in place today; re-tie in case torch re-creates them
-        # In bf16 every cos/sin entry would be rounded by up to 2^-9, an error added to every q and k rotation;
-        # apply_rope rotates in fp32 and casts back.
+        # bf16 would round every cos/sin entry by up to 2^-9; apply_rope rotates in fp32 and casts back.
         model.rope_cos, model.rope_sin = rope_tables(cfg, model.rope_cos.shape[0], device=model.rope_cos.device)
     _check_param_count(cfg, model)
     return model

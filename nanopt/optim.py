@@ -1,6 +1,5 @@
-"""Optimizer parameter groups by kind, the optimizers by name (adamw, muon), the learning-rate schedule as a
-multiplier (a pure function of step), and optimizer-state loading that resumes checkpoints written with the
-older two-group layout."""
+"""Optimizer parameter groups by kind, the optimizers by name (adamw, muon) and the AdamW flags each device
+wants, the learning-rate schedule as a multiplier (a pure function of step), and loading optimizer state."""
 from __future__ import annotations
 
 import logging
@@ -10,8 +9,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from nanopt import xla
 from nanopt.config import OptimConfig, TrainConfig
-from nanopt.runtime import adamw_options
 
 log = logging.getLogger("nanopt")
 
@@ -19,7 +18,6 @@ log = logging.getLogger("nanopt")
 # so a stable order keeps checkpoints loadable.
 KINDS = ("matrix", "embedding", "head", "scalar")
 # Every group names the torch optimizer that steps it, so a checkpoint says which update rule its state is for.
-# Checkpoints from before optim.name have no such key: they are AdamW's.
 ADAMW, MUON = "adamw", "muon"
 # Group keys that belong to this run's config and device rather than to the training trajectory: a resume
 # takes them from the freshly built optimizer, never from the checkpoint.
@@ -27,13 +25,18 @@ RUN_KEYS = ("kind", "optimizer", "base_lr", "weight_decay")
 IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = None) -> tuple[float, float]:
-    """(base lr, weight decay) of one kind: optim.<kind>_lr and optim.<kind>_weight_decay, where null means
-    train.lr and train.weight_decay.
+def adamw_options(device_type: str) -> dict[str, bool]:
+    """AdamW's implementation flags for this device: fused on CUDA and CPU (one kernel per step, a vectorised
+    loop on CPU), the XLA backend's choice there (torch would otherwise pick its per-parameter loop)."""
+    if device_type == "xla":
+        return dict(xla.ADAMW_OPTIONS)
+    return {"fused": device_type in ("cuda", "cpu")}
 
-    Scalars (RMSNorm gains, residual scalars) never decay: pulling a gain toward zero shrinks the whole
-    layer's output, which is not what weight decay is for.
-    """
+
+def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = None) -> tuple[float, float]:
+    """(base lr, weight decay) of one kind: optim.<kind>_lr and optim.<kind>_weight_decay, null meaning
+    train.lr and train.weight_decay. Scalars (gains, residual scalars) never decay: pulling a gain toward zero
+    shrinks the whole layer's output, which is not what weight decay is for."""
     if kind not in KINDS:
         raise ValueError(f"unknown parameter kind {kind!r}; expected one of {KINDS}")
     optim = optim or OptimConfig()
@@ -54,10 +57,8 @@ def param_kind(p: torch.Tensor, embedding_ids: set[int], head_ids: set[int]) -> 
 
 
 def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConfig] = None) -> list[dict]:
-    """One group per non-empty kind, in KINDS order; each carries kind, base_lr, weight_decay and params.
-
-    Every trainable parameter appears exactly once (model.parameters() yields a tied weight once).
-    """
+    """One group per non-empty kind, in KINDS order, with kind, base_lr, weight_decay and params; every
+    trainable parameter appears exactly once (model.parameters() yields a tied weight once)."""
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head = getattr(model, "lm_head", None)  # the model's output projection, when it has one
     head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
@@ -94,7 +95,6 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str,
 
 
 def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.optim.AdamW:
-    # fused AdamW is one kernel per step on CUDA (and a vectorised loop on CPU); foreach on XLA.
     return torch.optim.AdamW([dict(g, optimizer=ADAMW) for g in groups], lr=train.lr,
                              betas=(train.beta1, train.beta2), eps=train.eps, **adamw_options(device_kind))
 
@@ -109,18 +109,15 @@ def _muon(groups: list[dict], optim: OptimConfig) -> torch.optim.Muon:
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on the matrix group and AdamW on the others, stepped, scheduled and checkpointed as one optimizer.
 
-    The two torch optimizers keep their own update rules. This one holds the very group dicts and the state
-    they step (shared objects, not copies), so param_groups is in KINDS order, state_dict() is a single
-    optimizer's (each group says which optimizer owns it, by its "optimizer" key) and torch's
-    load_state_dict works unchanged; since that replaces the groups and the state, the two are re-pointed
-    at the new ones afterwards.
+    This one holds the very group dicts and state the two step (shared, not copies), so param_groups is in
+    KINDS order, state_dict() is a single optimizer's (each group's "optimizer" key names its owner) and
+    torch's load_state_dict works unchanged; the two are re-pointed at the loaded groups and state after it.
     """
 
     def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
         self.optimizers = {MUON: muon, ADAMW: adamw}
-        # Muon holds only the matrix group, which comes first in KINDS: concatenating keeps KINDS order.
-        # "capturable" is the flag the XLA step sets through `defaults` (xla.compile_step) so AdamW keeps its
-        # step count on the device; Muon, which has no step count, ignores it.
+        # Muon holds only the matrix group, first in KINDS: concatenating keeps KINDS order. "capturable" is
+        # the flag xla.compile_step sets through `defaults` for AdamW's on-device step count; Muon ignores it.
         super().__init__([*muon.param_groups, *adamw.param_groups], defaults={"capturable": False})
         self._share()
 
@@ -148,13 +145,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
-    """Share of each group's base lr at optimizer step `step` (0-based): 1.0 at the peak, min_lr_ratio at the floor.
-
-    Linear warmup to the peak over warmup_steps, then:
-      cosine   - half a cosine from the peak down to min_lr_ratio at max_steps
-      wsd      - flat (warmup-stable), then linear decay over the last decay_fraction of the steps
-      constant - flat
-    """
+    """Share of each group's base lr at optimizer step `step` (0-based): 1.0 at the peak, min_lr_ratio at the
+    floor. Linear warmup over warmup_steps, then cosine (half a cosine down to the floor at max_steps), wsd
+    (flat, then linear decay over the last decay_fraction of the steps) or constant."""
     floor = cfg.min_lr_ratio
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -172,11 +165,6 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (1.0 - floor) * (1 + math.cos(math.pi * frac))
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The learning rate of a group whose base lr is cfg.lr (what the schedule looks like in absolute terms)."""
-    return cfg.lr * lr_multiplier(step, cfg)
-
-
 def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
     """Scale each group's own base lr: one shared lr written into every group would erase per-group lrs."""
     for group in optimizer.param_groups:
@@ -186,15 +174,12 @@ def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
 # ---------------------------------------------------------------- loading optimizer state
 
 
-def load_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module, state: dict) -> None:
-    """Load a saved optimizer state_dict into `optimizer` (built by build_optimizer for `model`).
+def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a saved optimizer state_dict into `optimizer` (built by build_optimizer for the same model).
 
-    Accepts the current kind layout and the older two-group layout ([every >=2-D param, every <2-D param],
-    no "kind"), whose per-parameter state is moved onto the kind groups by parameter identity. The
-    trajectory (moments, momentum buffers, step counts, lr, betas, eps, Muon's momentum and Newton-Schulz
-    settings) comes from the checkpoint; kind, optimizer, base_lr, weight_decay and the implementation flags
-    come from this run, since torch's load would otherwise replace them with the saved groups' (or drop
-    them, as old groups lack kind and base_lr). State written by another optimizer (adamw vs muon) is refused.
+    The trajectory (moments, momentum buffers, step counts, lr, betas, eps, Muon's settings) comes from the
+    checkpoint; RUN_KEYS and the implementation flags come from this run, since torch's load would otherwise
+    replace them with the saved groups'. State of another optimizer or other groups is refused (ValueError).
     """
     current = [{k: g[k] for k in RUN_KEYS + IMPL_KEYS if k in g} for g in optimizer.param_groups]
     saved_name, name = optimizer_name(state["param_groups"]), optimizer_name(optimizer.param_groups)
@@ -202,10 +187,12 @@ def load_state_dict(optimizer: torch.optim.Optimizer, model: nn.Module, state: d
         raise ValueError(f"the saved optimizer state is {saved_name}'s and this run's optimizer is {name} "
                          f"(optim.name): one's moments mean nothing to the other. Resume with "
                          f"`--optim.name={saved_name}`, or start a new run to train with {name}")
-    if _is_legacy(state):
-        state = _from_legacy(state, optimizer, model)
     saved_kinds = [g.get("kind") for g in state["param_groups"]]
     kinds = [g.get("kind") for g in current]
+    if None in saved_kinds:
+        raise ValueError("its parameter groups have no kind (the two-group layout nanopt wrote before parameter "
+                         "kinds), which this version does not resume. Resume with the nanopt that wrote it, or start "
+                         "a new run (a new `run.dir`)")
     if saved_kinds != kinds:  # torch would only compare group sizes, and could load moments into wrong params
         raise ValueError(f"the saved optimizer has parameter groups {saved_kinds}, this model has {kinds}")
     optimizer.load_state_dict(state)
@@ -219,54 +206,9 @@ def optimizer_name(groups: list[dict]) -> str:
     return MUON if any(g.get("optimizer") == MUON for g in groups) else ADAMW
 
 
-def _is_legacy(state: dict) -> bool:
-    groups = state["param_groups"]
-    return len(groups) == 2 and not any("kind" in g for g in groups)
-
-
-def _legacy_order(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The two groups the old param_groups built: trainable >=2-D params, then the rest, in parameters() order."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [[p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]]
-
-
-def _from_legacy(state: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """The old two-group state_dict rewritten in `optimizer`'s kind layout (the input is left as it was).
-
-    A state_dict keys per-parameter state by the parameter's flat index across groups, so the old index
-    of each parameter is found through the model and re-keyed to its index in the new groups. Each new
-    group takes its hyperparameters from the old group its parameters came from.
-    """
-    old_groups = _legacy_order(model)
-    saved_lens = [len(g["params"]) for g in state["param_groups"]]
-    if saved_lens != [len(g) for g in old_groups]:
-        raise ValueError(f"the saved optimizer's groups hold {saved_lens} parameters, this model's old layout "
-                         f"{[len(g) for g in old_groups]}: the checkpoint is not of this model")
-    old_index: dict[int, tuple[int, int]] = {}  # id(param) -> (old group, old flat index)
-    for gi, (params, saved) in enumerate(zip(old_groups, state["param_groups"])):
-        old_index.update((id(p), (gi, idx)) for p, idx in zip(params, saved["params"]))
-    new_state: dict[int, Any] = {}
-    new_groups: list[dict] = []
-    flat = 0
-    for group in optimizer.param_groups:
-        sources = {old_index[id(p)][0] for p in group["params"]}
-        if len(sources) != 1:  # cannot happen while scalar == "<2-D": the old split is kept inside kinds
-            raise ValueError(f"group {group.get('kind')!r} mixes parameters of both old groups")
-        hyper = {k: v for k, v in state["param_groups"][sources.pop()].items() if k != "params"}
-        indices = list(range(flat, flat + len(group["params"])))
-        for p, idx in zip(group["params"], indices):
-            old = old_index[id(p)][1]
-            if old in state["state"]:  # a parameter that never stepped has no state
-                new_state[idx] = state["state"][old]
-        new_groups.append(dict(hyper, kind=group.get("kind"), params=indices))
-        flat += len(indices)
-    return {"state": new_state, "param_groups": new_groups}
-
-
 def _place_steps(optimizer: torch.optim.Optimizer, group: dict) -> None:
-    """Put each step count where this run's flags want it, as a fresh step would: fused and capturable AdamW
-    read a float32 tensor beside the param, the others a host tensor (a device one would sync every step).
-    torch's load places it by the saved group's flags, i.e. by the device the checkpoint came from."""
+    """Put each step count where this run's flags want it (torch's load follows the saved flags): fused and
+    capturable AdamW read a float32 tensor beside the param, the others a host one (no sync every step)."""
     on_device = bool(group.get("fused") or group.get("capturable"))
     for p in group["params"]:
         step = optimizer.state.get(p, {}).get("step")

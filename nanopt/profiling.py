@@ -1,19 +1,11 @@
 """The profiler around the training loop: nothing when off; when on, a torch.profiler schedule, per-rank
 traces where TensorBoard's PyTorch Profiler plugin finds them, and a summary of where the time went.
 
-Usage in the loop (train.py):
-
-    with profiling.profiler(cfg, rt, start_step, metrics) as profiler:   # a no-op nullcontext when off
-        while ...:
-            with profiling.label(profiling.DATA):
-                batches = loader.micro_batches()
-            train_step(...)                                         # labels forward / backward / optimizer
-            profiler.step()                                         # once per optimizer step
-
-The number to make go down is `host_overhead_share`: the part of each profiled step in which the work
-that trains the model is not running. On CPU that work is the model's forward, backward and optimizer
-(the `nanopt/...` labels below); on GPU it is device activity (kernels, copies), so the overhead is host
-time the device spends waiting. Data loading is counted on its own, so the three shares add up to 1.
+The loop enters `profiler(...)`, labels its data loading (`label(DATA)`; train_step labels forward, backward
+and optimizer) and calls `.step()` once per optimizer step. The number to make go down is
+`host_overhead_share`: the part of each profiled step in which the work that trains the model is not running
+(CPU: outside the forward/backward/optimizer labels; GPU: no device activity). Data loading is counted on its
+own, so the three shares add up to 1.
 """
 from __future__ import annotations
 
@@ -51,9 +43,7 @@ _OFF_LABEL = contextlib.nullcontext()
 
 def label(name: str) -> contextlib.AbstractContextManager:
     """A named range in the trace (record_function) while profiling; a shared no-op otherwise."""
-    if not _active:
-        return _OFF_LABEL
-    return torch.profiler.record_function(name)
+    return torch.profiler.record_function(name) if _active else _OFF_LABEL
 
 
 class Off(contextlib.nullcontext):
@@ -65,24 +55,17 @@ class Off(contextlib.nullcontext):
     def step(self) -> None:
         pass
 
-    def stop(self) -> None:
-        pass
-
 
 def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, int, int]:
-    """Shrink (wait, warmup, active) to fit a run of `steps` optimizer steps.
-
-    Unchanged when it fits. Otherwise the parts keep their proportions, rounded down, with the two
-    things that keep the numbers honest kept when there is room: one skipped first step (allocation,
-    compilation) and one warmup step (the profiler's own start-up cost); `active` takes the rest.
-    """
+    """Shrink (wait, warmup, active) to fit a run of `steps` optimizer steps, keeping the proportions (rounded
+    down) and, when there is room, one skipped first step (allocation, compilation) and one warmup step (the
+    profiler's own start-up); `active` takes the rest."""
     if steps <= 0:
         return 0, 0, 0
     if wait + warmup + active <= steps:
         return wait, warmup, active
     scale = steps / (wait + warmup + active)
-    new_wait = int(wait * scale)
-    new_warmup = int(warmup * scale)
+    new_wait, new_warmup = int(wait * scale), int(warmup * scale)
     if wait > 0 and steps >= 3:
         new_wait = max(new_wait, 1)
     if warmup > 0 and steps >= 2:
@@ -109,20 +92,16 @@ def profiler(cfg: Config, rt: Runtime, start_step: int = 0,
         return Off()
     ranks = parse_ranks(p.ranks)
     if ranks is not None and ranks[-1] >= rt.world_size:
-        raise ConfigError(
-            f"`profile.ranks` is {p.ranks!r} but the run has {rt.world_size} rank(s) (0..{rt.world_size - 1}); "
-            f"list ranks that exist, or use all."
-        )
+        raise ConfigError(f"`profile.ranks` is {p.ranks!r} but the run has {rt.world_size} rank(s) "
+                          f"(0..{rt.world_size - 1}); list ranks that exist, or use all.")
     if ranks is not None and rt.rank not in ranks:
         return Off()
-    activities = rt.profiler_activities()
+    activities = rt.backend.profiler_activities()
     if activities is None:
         if rt.is_main:
-            log.warning(
-                "profile.enabled is on, but this profiler path does not support %s devices; no trace is written. "
-                "On TPU use torch_xla.debug.profiler (start_server, then capture with TensorBoard's profile plugin).",
-                rt.kind,
-            )
+            log.warning("profile.enabled is on, but this profiler path does not support %s devices; no trace is "
+                        "written. On TPU use torch_xla.debug.profiler (start_server, then capture with TensorBoard's "
+                        "profile plugin).", rt.kind)
         return Off()
     wait, warmup, active = fit_schedule(p.wait, p.warmup, p.active, cfg.train.max_steps - start_step)
     if active == 0:
@@ -138,17 +117,11 @@ class Profile:
 
     def __init__(self, p: ProfileConfig, rt: Runtime, run_dir: Path, start_step: int,
                  schedule: tuple[int, int, int], activities: list, metrics: Optional[MetricsLogger] = None) -> None:
-        self.p = p
-        self.rt = rt
-        self.run_dir = Path(run_dir)
+        self.p, self.rt, self.run_dir, self.activities, self.metrics = p, rt, Path(run_dir), activities, metrics
         self.wait, self.warmup, self.active = schedule
         self.first_step = start_step + self.wait + self.warmup + 1  # optimizer steps are counted from 1
-        self.activities = activities
-        self.metrics = metrics
         self.dir = trace_dir(self.run_dir, self.first_step)
         self.steps_done = 0
-        self.summary: Optional[dict] = None
-        self.trace_file: Optional[Path] = None
         self._prof = None
         self._snapshot = False
 
@@ -156,17 +129,13 @@ class Profile:
         global _active
         self._device_mode = any(a != ProfilerActivity.CPU for a in self.activities)
         self._prof = torch.profiler.profile(
-            activities=self.activities,
+            activities=self.activities, on_trace_ready=self._on_trace_ready,
             schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
-            on_trace_ready=self._on_trace_ready,
-            record_shapes=self.p.record_shapes,
-            profile_memory=self.p.memory,
-            with_stack=self.p.with_stack,
-        )
+            record_shapes=self.p.record_shapes, profile_memory=self.p.memory, with_stack=self.p.with_stack)
         self._prof.__enter__()
         _active = True
         if self.p.memory_snapshot:
-            self._snapshot = self.rt.start_memory_history()
+            self._snapshot = self.rt.backend.start_memory_history()
             if not self._snapshot and self.rt.is_main:
                 log.info("profile.memory_snapshot is on but needs a CUDA device (this run is on %s); skipped",
                          self.rt.kind)
@@ -196,7 +165,7 @@ class Profile:
             self._snapshot = False
             self.dir.mkdir(parents=True, exist_ok=True)
             path = self.dir / f"{worker_name(self.rt.rank)}.memory_snapshot.pickle"
-            self.rt.dump_memory_snapshot(str(path))
+            self.rt.backend.dump_memory_snapshot(str(path))
             log.info("profile: CUDA memory snapshot in %s (open it at pytorch.org/memory_viz)", path)
 
     # ------------------------------------------------------------ when the trace is ready
@@ -205,10 +174,9 @@ class Profile:
         before = set(self.dir.glob("*.pt.trace.json"))
         torch.profiler.tensorboard_trace_handler(str(self.dir), worker_name=worker_name(self.rt.rank))(prof)
         written = sorted(set(self.dir.glob("*.pt.trace.json")) - before)
-        self.trace_file = written[-1] if written else None
         try:
             recorded = min(self.active, self.steps_done - self.wait - self.warmup)
-            summary = summarize(prof, device_mode=self._device_mode, steps_recorded=recorded if recorded > 0 else None)
+            summary = summarize(prof, self._device_mode, recorded if recorded > 0 else None)
         except Exception as e:  # a summary bug must not end a training run; the trace is already saved
             log.warning("profile: trace written to %s, but the summary failed: %r", self.dir, e)
             return
@@ -216,10 +184,9 @@ class Profile:
         summary.update({
             "rank": self.rt.rank, "first_step": self.first_step, "last_step": last,
             "schedule": {"wait": self.wait, "warmup": self.warmup, "active": self.active},
-            "peak_memory_bytes": self.rt.peak_memory_bytes(),
-            "trace_file": str(self.trace_file) if self.trace_file else None,
+            "peak_memory_bytes": self.rt.backend.peak_memory_bytes(),
+            "trace_file": str(written[-1]) if written else None,
         })
-        self.summary = summary
         self._publish(summary, last)
 
     def _publish(self, summary: dict, step: int) -> None:
@@ -280,14 +247,12 @@ def _length(intervals: list[Interval]) -> float:
 
 
 def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None) -> dict[str, Any]:
-    """Where the profiled steps' time went, from the profiler's events (times in ms).
+    """Where the profiled steps' time went, from the profiler's events (times in ms). Each step (ProfilerStep#)
+    splits into compute (CPU: inside the forward/backward/optimizer labels; GPU: the device is running work),
+    data loader (inside the data label, not overlapping compute) and host overhead (the rest).
 
-    `steps_recorded` keeps only the first that many steps: when the profiler is stopped mid-window, the
-    last ProfilerStep range holds whatever ran after the final .step() (evaluation, saving), not a step.
-
-    Each profiled step (ProfilerStep#) is split into three parts that add up to its length:
-    compute (CPU: inside the forward/backward/optimizer labels; GPU: the device is running work),
-    data loader (inside the nanopt/data label and not overlapping compute), host overhead (the rest).
+    `steps_recorded` keeps only the first that many steps: when the profiler is stopped mid-window, the last
+    ProfilerStep range holds whatever ran after the final .step() (evaluation, saving), not a step.
     """
     events = prof.events()
     by_label: dict[str, list[Interval]] = {}
@@ -337,14 +302,10 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
         "data_loader_share": data_us / total_us,
         "compute_share": busy_us / total_us,
         # Host time inside each label, for orientation (on GPU these are launch times, not device time).
-        "label_ms": {key: _length(in_steps.get(name, [])) / 1e3
-                     for key, name in (("data_loader", DATA), ("forward", FORWARD), ("backward", BACKWARD),
-                                       ("optimizer", OPTIMIZER))},
-        "top_ops": [
-            {"name": name, "calls": calls, "self_ms": self_us / 1e3, "self_share": self_us / total_us,
-             "self_cpu_ms": cpu_us / 1e3}
-            for name, self_us, calls, cpu_us in top[:TOP_OPS]
-        ],
+        "label_ms": {key: _length(in_steps.get(name, [])) / 1e3 for key, name in (
+            ("data_loader", DATA), ("forward", FORWARD), ("backward", BACKWARD), ("optimizer", OPTIMIZER))},
+        "top_ops": [{"name": name, "calls": calls, "self_ms": self_us / 1e3, "self_share": self_us / total_us,
+                     "self_cpu_ms": cpu_us / 1e3} for name, self_us, calls, cpu_us in top[:TOP_OPS]],
     }
 
 
@@ -355,7 +316,8 @@ def _mib(n: Optional[int]) -> str:
 def format_summary(s: dict) -> str:
     """The console block printed on rank 0."""
     lines = [
-        f"profile: steps {s['first_step']}-{s['last_step']} ({s['profiled_steps']} steps, {s['step_ms_mean']:.1f} ms/step) "
+        f"profile: steps {s['first_step']}-{s['last_step']} ({s['profiled_steps']} steps, "
+        f"{s['step_ms_mean']:.1f} ms/step) "
         f"| host overhead {100 * s['host_overhead_share']:.1f}% | data loader {100 * s['data_loader_share']:.1f}% "
         f"| compute {100 * s['compute_share']:.1f}% ({s['mode']}) | peak memory {_mib(s['peak_memory_bytes'])}",
         "profile: top ops by self time: " + ", ".join(

@@ -1,5 +1,5 @@
-"""Training: setup -> loop -> finish. The step is train_step; the loop body is a list of components, each of
-which decides for itself whether it acts at this step (logger, evaluator, checkpointer, stop signal)."""
+"""Training: setup -> loop -> finish. The step is train_step; in the loop each component (logger, evaluator,
+checkpointer, profiler, stop signal) decides for itself whether it acts at this step."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import data, faults, hf, mfu, plots, profiling, rundirs, runtime
+from nanopt import data, faults, hf, mfu, plots, profiling, rundirs
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, resume_changes, to_yaml
@@ -35,19 +35,15 @@ log = logging.getLogger("nanopt")
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches, rt: Runtime,
                grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's micro-batches. Returns (mean loss, grad norm), on device.
-
-    Each micro-batch loss is divided by the number of micro-steps so the summed gradient is the mean;
-    DDP all-reduces only on the last micro-step (no_sync elsewhere). Nothing here waits for the device.
-    """
+    """One optimizer step over this rank's micro-batches: (mean loss, grad norm), on device. Each loss is divided
+    by the micro-steps so the summed gradient is the mean; DDP all-reduces only on the last micro-step (no_sync
+    elsewhere). Nothing here waits for the device."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=rt.device)
     for i, (x, y) in enumerate(micro_batches):
-        x = x.to(rt.device, non_blocking=True)  # B T
-        y = y.to(rt.device, non_blocking=True)  # B T
+        x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)  # B T each
         last = i == accum - 1
-        sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
-        with sync:
+        with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
             with rt.autocast(), profiling.label(profiling.FORWARD):
                 loss = model(x, y) / accum
             with profiling.label(profiling.BACKWARD):
@@ -82,7 +78,7 @@ class RunState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for f in dataclasses.fields(self):  # other keys (`extra` in older checkpoints) are not counters
+        for f in dataclasses.fields(self):
             setattr(self, f.name, state.get(f.name, f.default))
 
 
@@ -116,8 +112,7 @@ class StepLogger:
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, meter: mfu.MFUMeter,
                  guard: faults.FiniteGuard, start_step: int):
         self.cfg, self.rt, self.metrics, self.meter, self.guard = cfg, rt, metrics, meter, guard
-        self.start_step = start_step
-        self.window = SpeedWindow(start_step)
+        self.start_step, self.window = start_step, SpeedWindow(start_step)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.log.every == 0 or step == self.cfg.train.max_steps or step == self.start_step + 1
@@ -135,8 +130,9 @@ class StepLogger:
         values = {
             "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": t.global_batch_tokens / step_s, "step_ms": 1000 * step_s,
-            **self.meter.update(state.step, steps, step_s), "peak_memory_gib": mfu.peak_memory_gib(self.rt),
-            "peak_reserved_gib": mfu.peak_reserved_gib(self.rt),
+            **self.meter.update(state.step, steps, step_s),
+            "peak_memory_gib": _gib(self.rt.backend.peak_memory_bytes()),
+            "peak_reserved_gib": _gib(self.rt.backend.peak_reserved_bytes()),
             "tokens_seen": state.tokens_seen, "eta_s": step_s * (t.max_steps - state.step),
         }
         self.metrics.log(state.step, values)
@@ -144,9 +140,12 @@ class StepLogger:
             log.info(step_line(state.step, t.max_steps, values))
 
 
+def _gib(n: Optional[int]) -> Optional[float]:
+    return None if n is None else n / 2**30
+
+
 class Validator:
-    """Validation every `eval.every` steps (and at step 0 and the end): val loss and bpb, best loss, the
-    speedrun clock."""
+    """Validation every `eval.every` steps (and at step 0 and the end): loss, bpb, best loss, speedrun clock."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, batches: Batches,
                  token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock):
@@ -160,14 +159,11 @@ class Validator:
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def run(self, state: RunState) -> dict[str, float]:
-        val_loss, val_bpb = evaluate(self.model, self.batches, self.token_bytes, self.rt)
+        val_loss, val_bpb = self._measure("val", self.batches, state.step, tokens_seen=state.tokens_seen)
         if state.best_val_loss is None or val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
-        self.metrics.log(state.step, {**self.last, "tokens_seen": state.tokens_seen})
-        if self.rt.is_main:
-            log.info("step %6d | val loss %.4f | val bpb %.4f", state.step, val_loss, val_bpb)
         return self.last
 
     def test(self, directory: Path, step: int) -> dict[str, float]:
@@ -177,18 +173,15 @@ class Validator:
         batches = split_batches(self.cfg, self.rt, directory, "test", self.cfg.eval.batches)
         if batches is None:
             return {}
-        loss, bpb = evaluate(self.model, batches, self.token_bytes, self.rt)
-        self.metrics.log(step, {"test_loss": loss, "test_bpb": bpb})
-        if self.rt.is_main:
-            log.info("step %6d | test loss %.4f | test bpb %.4f", step, loss, bpb)
+        loss, bpb = self._measure("test", batches, step)
         return {"test_loss": loss, "test_bpb": bpb}
 
-
-def pause_follows(cfg: Config, step: int) -> bool:
-    """True when an evaluation or checkpoint comes right after this step; the step's device work must
-    then be waited for inside the training clock (train_seconds), or it would be billed to the pause."""
-    every = (cfg.eval.every, cfg.checkpoint.every)
-    return step >= cfg.train.max_steps or any(n and step % n == 0 for n in every)
+    def _measure(self, split: str, batches: Batches, step: int, **extra: Any) -> tuple[float, float]:
+        loss, bpb = evaluate(self.model, batches, self.token_bytes, self.rt)
+        self.metrics.log(step, {f"{split}_loss": loss, f"{split}_bpb": bpb, **extra})
+        if self.rt.is_main:
+            log.info("step %6d | %s loss %.4f | %s bpb %.4f", step, split, loss, split, bpb)
+        return loss, bpb
 
 
 def seed_everything(seed: int) -> None:
@@ -232,6 +225,11 @@ class Session:
     stop: faults.StopSignal
     started: float  # time.perf_counter() at the start of this session's loop
 
+    def pause_follows(self, step: int) -> bool:
+        """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
+        the step's device work must then be waited for inside the training clock, or the pause is billed it."""
+        return step >= self.cfg.train.max_steps or self.evaluator.due(step) or self.ckpt.should_save(step)
+
     def save(self) -> Path:
         """Checkpoint now (every rank), never a diverged model over the last good one."""
         self.guard.check(self.state.step, self.ckpt.latest, self.model)
@@ -246,20 +244,13 @@ class Session:
             self.metrics.close()
 
 
-def _model(cfg: Config, rt: Runtime) -> tuple[torch.nn.Module, str]:
-    attention_name, kernel = choose(cfg.model.attention, rt.kind, cfg.train.precision)
-    model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                        dtype=rt.param_dtype, init_device=rt.init_device)  # XLA: initialised with the host RNG
-    return model, attention_name
-
-
 def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
     """train_step bound to the model as the device wants it: compiled, under DDP, or one XLA graph."""
     train_model: torch.nn.Module = torch.compile(model) if cfg.train.compile else model
     if rt.distributed:
         # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
         # before each forward (DDP's default would send them from rank 0 every micro-step).
-        train_model = DDP(train_model, device_ids=runtime.ddp_device_ids(rt),
+        train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids(),
                           gradient_as_bucket_view=True, broadcast_buffers=False)
     step_fn = rt.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
@@ -271,16 +262,18 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
     seed_everything(cfg.run.seed)
     directory = data.data_dir(cfg, rt)
-    # One checksum pass per node (its ranks read the same files), and only over shards new since the last one.
+    # One checksum pass per node (its ranks read the same files), and only over shards new since the last one;
+    # the node's other ranks wait for its verdict.
     verify = rt.local_rank == 0
-    train_windows = data.open_split(directory, "train", cfg, verify)
-    val_windows = data.open_split(directory, "val", cfg, verify)
-    rt.barrier()  # the node's other ranks wait for its verdict
+    train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
+    rt.barrier()
     loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, cfg.run.seed)
     val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
                                     cfg.eval.seed)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    model, attention_name = _model(cfg, rt)
+    attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision)
+    model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
+                        dtype=rt.param_dtype, init_device=rt.init_device)  # XLA: initialised with the host RNG
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume: model, optimizer, loader position, every rank's RNGs, the run state and the speedrun
@@ -297,10 +290,10 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
                  rt.world_size, rt.hardware_name(), t.global_batch_tokens, t.micro_batch_size, t.seq_len,
                  rt.world_size, t.grad_accum_steps)
     if rt.is_main and t.precision == "bf16-pure":
-        log.warning("train.precision is bf16-pure: the weights and AdamW's state are bf16, so an update smaller than "
-                    "~2^-9 of a weight rounds away (decoupled weight decay of lr x wd = %.1e per step does nothing, and "
-                    "late small updates are lost). Use bf16 (autocast, fp32 weights) unless memory forces this.",
-                    t.lr * t.weight_decay)
+        log.warning("train.precision is bf16-pure: the weights and AdamW's state are bf16, so an update smaller "
+                    "than ~2^-9 of a weight rounds away (decoupled weight decay of lr x wd = %.1e per step does "
+                    "nothing, and late small updates are lost). Use bf16 (autocast, fp32 weights) unless memory "
+                    "forces this.", t.lr * t.weight_decay)
     meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
     guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
@@ -327,7 +320,7 @@ def one_step(run: Session) -> None:
     logging_step = run.logger.due(state.step)
     if logging_step:
         loss_value = run.logger.read_loss(state.step, loss, run.ckpt.latest)
-    elif pause_follows(cfg, state.step):
+    elif run.pause_follows(state.step):
         rt.sync()  # charge this step's queued device work to training, not to the eval/checkpoint after it
     seconds = time.perf_counter() - t0
     state.train_seconds += seconds
@@ -340,22 +333,19 @@ def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
     """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal or the time limit
     (checkpoint, Preempted)."""
     cfg, state = run.cfg, run.state
-    if state.step == 0 and cfg.eval.every:
+    if state.step == 0 and run.evaluator.due(0):
         run.evaluator.run(state)
     while state.step < cfg.train.max_steps:
         one_step(run)
         profiler.step()
-        paused = False
         if run.evaluator.due(state.step):
             run.evaluator.run(state)
-            paused = True
             if cfg.train.stop_at_target and run.clock.reached:
                 break
-        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0 and state.step != cfg.train.max_steps:
+        if run.ckpt.should_save(state.step):
             run.save()
-            paused = True
-        if paused:
-            run.logger.window.reopen(state.step)
+        if run.pause_follows(state.step):
+            run.logger.window.reopen(state.step)  # the pause is not billed to the next window's steps
         faults.fault_hook("pause", state.step, run.rt.rank, cfg.run_dir)
         if run.stop.should_stop() and state.step < cfg.train.max_steps:
             raise Preempted(run.stop.signame, state.step, run.save())
@@ -399,9 +389,7 @@ def _print_samples(run: Session) -> None:
     samples = sample_text(run.model, run.tokenizer, s.prompt, s.num_samples, s.max_new_tokens, s.temperature,
                           s.top_k, run.cfg.run.seed, run.rt.device)
     print(f"\n--- {len(samples)} samples from step {run.state.step}, prompt {s.prompt!r} ---")
-    for text in samples:
-        print(text.strip())
-        print("---")
+    print("".join(f"{text.strip()}\n---\n" for text in samples), end="")
     run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)
 
 
@@ -451,11 +439,9 @@ def summary_line(summary: dict[str, Any]) -> str:
 
 
 def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Run (or resume) training as configured; returns the summary written to summary.json. A finished run
-    (rundirs.finished) is not trained further: its summary is returned and nothing is written.
-
-    Whatever ends the run (the last step, a stop signal, a diverged loss, an error) closes the profiler,
-    the checkpointer (waiting for mirror copies), the logs and the run directory's lock the same way.
+    """Run (or resume) training as configured; returns the summary written to summary.json. A finished run is
+    not trained further: its summary is returned and nothing is written. Whatever ends the run closes the
+    profiler, the checkpointer (waiting for mirror copies), the logs and the run directory's lock the same way.
     """
     lock = own_run_dir(cfg, rt)
     try:

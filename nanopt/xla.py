@@ -1,8 +1,6 @@
 """The XLA (TPU) device path behind runtime.py: PJRT selection, the SPMD data mesh, one compiled graph per
-train step with a recompile guard, and Pallas flash attention.
-
-runtime.py and attention.py import this module, but torch_xla itself is imported only inside it, when
-`runtime.device` is xla (or the xla_flash kernel runs), so CUDA and CPU runs never load torch_xla.
+train step with a recompile guard, and Pallas flash attention. torch_xla is imported only inside functions,
+when `runtime.device` is xla (or the xla_flash kernel runs), so CUDA and CPU runs never load it.
 """
 from __future__ import annotations
 
@@ -26,10 +24,9 @@ log = logging.getLogger("nanopt")
 WARMUP_STEP_COMPILES = 2
 # Recompiles after warm-up that a run tolerates before it is stopped (each one stalls every chip).
 MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
-# AdamW on XLA: torch picks foreach only on CUDA-like devices, and its per-parameter loop traces a dozen ops
-# per parameter in Python every step. foreach cannot be capturable here (torch's multi-tensor Adam refuses
-# XLA for it) nor take a tensor lr, so its step counts stay on the host (bias corrections need no device
-# sync) and lr stays a Python float, a graph input under XLA_NO_SPECIAL_SCALARS: no recompiles either way.
+# AdamW on XLA: torch picks foreach only on CUDA-like devices; its per-parameter loop traces a dozen ops per
+# parameter every step. foreach cannot be capturable here nor take a tensor lr, so its step counts stay on the
+# host and lr a Python float, a graph input under XLA_NO_SPECIAL_SCALARS: no recompiles either way.
 ADAMW_OPTIONS = {"foreach": True}
 
 
@@ -59,6 +56,10 @@ def _select_pjrt_device() -> str:
 class XlaBackend:
     """One process drives every local chip through SPMD: parameters replicated, batches sharded on 'data'."""
 
+    # Weights are initialised on the host: RNG on the XLA device differs from (and with torch.Generator
+    # crashes on) the CPU's.
+    init_device = torch.device("cpu")
+
     def __init__(self, precision: str = "bf16") -> None:
         # Python scalars (lr, loss scale, ...) become graph inputs instead of constants: no recompiles.
         os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
@@ -81,7 +82,8 @@ class XlaBackend:
         if xr.process_count() > 1:
             raise ConfigError(
                 f"`runtime.device` is xla on a multi-host TPU slice ({xr.process_count()} hosts). nanopt drives the "
-                f"chips of one host through SPMD; pod slices are not supported. Use a single-host slice (e.g. v6e-4 or v6e-8)."
+                f"chips of one host through SPMD; pod slices are not supported. Use a single-host slice "
+                f"(e.g. v6e-4 or v6e-8)."
             )
         if precision == "fp32":
             # On TPU an fp32 matmul is one bf16 pass by default; an fp32 run should compute in fp32.
@@ -98,8 +100,7 @@ class XlaBackend:
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
         self._peak_memory = PeakMemory([("PJRT memory info", self._pjrt_peak_bytes), ("tpu-info", tpu_info_hbm_bytes)])
-        self.step_calls = 0
-        self.step_compiles = 0  # compilations charged to train-step calls
+        self.step_calls = self.step_compiles = 0  # train-step calls, and the compilations charged to them
         self.recompiles = 0  # of those, the ones after warm-up
 
     # ---- counters and names
@@ -136,7 +137,7 @@ class XlaBackend:
 
     # ---- data and graph boundaries
 
-    def shard_batch(self, t: torch.Tensor) -> torch.Tensor:
+    def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device, split along dim 0 over the 'data' axis of the mesh."""
         if t.shape[0] % self.num_devices:
             raise ConfigError(
@@ -152,7 +153,7 @@ class XlaBackend:
         """Cut the lazy graph here and run it (between eval batches, after init)."""
         self._torch_xla.sync()
 
-    def wait(self) -> None:
+    def sync(self) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
@@ -162,18 +163,13 @@ class XlaBackend:
     def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
         """Wrap train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph.
 
-        - micro-batches are moved and sharded outside the compiled region, so the graph only sees device data;
-        - every group reads its lr from a device tensor for the call, so a schedule changing it does not
-          alter the graph (the groups hold plain floats again afterwards);
-        - an optimizer that has a `capturable` option (Adam, AdamW, ...) keeps its step count on the device,
-          so bias corrections need no host sync; one without it (SGD) is left as it is;
-        - foreach groups (ADAMW_OPTIONS) are left as built: torch refuses both of the above for them on XLA;
-        - compilations are counted per call; a run that keeps recompiling is stopped with the reason.
+        Micro-batches are sharded outside the compiled region; each group reads its lr from a device tensor
+        for the call, so a changing schedule does not alter the graph; an optimizer with a `capturable` option
+        keeps its step count on the device (bias corrections need no host sync). foreach groups (ADAMW_OPTIONS)
+        are left as built: torch refuses both for them on XLA. A run that keeps recompiling is stopped.
         """
-        if "capturable" in optimizer.defaults and not optimizer.defaults.get("foreach"):
-            optimizer.defaults["capturable"] = True  # groups added later inherit it
-        for group in optimizer.param_groups:
-            if "capturable" in group and not group.get("foreach"):  # only optimizers that define the flag understand it
+        for group in (optimizer.defaults, *optimizer.param_groups):  # defaults: for groups added later
+            if "capturable" in group and not group.get("foreach"):  # only optimizers that define the flag
                 group["capturable"] = True  # bias corrections from the on-device step, no .item()
         compiled = self._torch_xla.compile(step_fn, name="train_step")
 
@@ -182,7 +178,7 @@ class XlaBackend:
             if hasattr(model, "_orig_mod"):  # a torch.compile wrapper
                 raise ConfigError("`train.compile` is torch.compile (CUDA/CPU); on XLA the step is already one "
                                   "compiled graph. Use `--train.compile=false`.")
-            batches = [(self.shard_batch(x), self.shard_batch(y)) for x, y in micro_batches]
+            batches = [(self.batch_to_device(x), self.batch_to_device(y)) for x, y in micro_batches]
             lrs = [group["lr"] for group in opt.param_groups]
             for group, lr in zip(opt.param_groups, lrs):
                 if not group.get("foreach"):
@@ -225,10 +221,9 @@ class XlaBackend:
 class PeakMemory:
     """Peak device bytes from the first source that answers, each a callable that returns bytes or raises.
 
-    PJRT's memory info has a true peak, but refuses SPMD's virtual device (how nanopt always runs); tpu-info
-    (installed with torch_xla[tpu]) reads the HBM in use from libtpu's metrics server, so its peak is the
-    highest use seen at the calls so far (the logging steps). A source that fails is not asked again; with
-    none left the answer is None, and one warning says why.
+    PJRT's memory info has a true peak but refuses SPMD's virtual device (how nanopt always runs); tpu-info
+    (with torch_xla[tpu]) reads the HBM in use from libtpu's metrics server, so its peak is the highest use
+    seen at the calls so far. A source that fails is not asked again; with none left: None and one warning.
     """
 
     def __init__(self, sources: list[tuple[str, Callable[[], int]]]) -> None:
@@ -243,7 +238,7 @@ class PeakMemory:
                 used = int(read())
             except Exception as e:  # not installed, no chip, server down, refused: the next source, for good
                 self.failures.append(f"{name}: {e}")
-                self.sources.pop(0)
+                del self.sources[0]
                 if not self.sources:
                     log.warning("peak memory unavailable on this device (%s); peak_memory_gib stays null",
                                 "; ".join(self.failures))
@@ -254,8 +249,8 @@ class PeakMemory:
 
 
 def tpu_info_hbm_bytes() -> int:
-    """HBM in use now on the busiest local TPU chip, from libtpu's metrics server through tpu-info; raises
-    when it cannot tell (tpu-info missing, no chip, no server)."""
+    """HBM in use now on the busiest local TPU chip, from libtpu's metrics server through tpu-info; raises when
+    it cannot tell."""
     from tpu_info import device, metrics  # tpu-info, a dependency of torch_xla[tpu]
 
     chip, count = device.get_local_chips()
@@ -281,12 +276,8 @@ def gce_metadata(key: str, timeout_s: float = 1.0) -> Optional[str]:
 
 
 def preemption_warning(mirror: str, fetch: Callable[[str], Optional[str]] = gce_metadata) -> Optional[str]:
-    """A warning when this VM is spot or preemptible and checkpoint.mirror is unset, else None.
-
-    A preempted spot VM is recreated with a new boot disk: checkpoints written only to local disk are gone,
-    and the run starts over. The metadata server says which kind of VM this is (spot: provisioning-model
-    SPOT; the older preemptible VMs: preemptible TRUE).
-    """
+    """A warning when this VM is spot or preemptible (as its metadata server says) and checkpoint.mirror is
+    unset, else None: a preempted VM is recreated with a new boot disk, and local checkpoints are gone."""
     if mirror:
         return None
     if (fetch("provisioning-model") or "").upper() == "SPOT":
@@ -326,13 +317,11 @@ def flash_unavailable_reason() -> Optional[str]:
     return None
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> Optional[torch.Tensor]:
-    """q: B Hq T D, k/v: B Hkv T D -> B Hq T D with the Pallas kernel, sharded like the batch; None where
-    the kernel does not apply, and the caller (attention.xla_flash) takes sdpa, which XLA lowers natively.
-
-    The kernel wants as many KV heads as query heads, so GQA repeats them. Decoding with a cache
-    (Tq != Tk) is not its case.
-    """
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    causal_offset: int = 0) -> Optional[torch.Tensor]:
+    """q: B Hq T D, k/v: B Hkv T D -> B Hq T D with the Pallas kernel (as many KV heads as query heads, so GQA
+    repeats them), sharded like the batch; None where it does not apply (decoding with a cache: Tq != Tk), and
+    the caller (attention.xla_flash) takes sdpa, which XLA lowers natively."""
     if causal_offset or q.shape[2] != k.shape[2]:
         return None
     import torch_xla.distributed.spmd as xs

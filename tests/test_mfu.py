@@ -12,7 +12,7 @@ from nanopt import cli, flops, hardware, mfu
 from nanopt.attention import eager
 from nanopt.config import ConfigError, ModelConfig, load_config
 from nanopt.model import build_model
-from nanopt.runtime import Runtime
+from nanopt.runtime import Backend, Runtime
 
 # ---------------------------------------------------------------- FLOPs per token, by hand
 
@@ -137,12 +137,12 @@ def test_detect_hardware(name, watts, key):
     assert hardware.detect_hardware(name, watts) == key
 
 
-class NamedDevice(Runtime):
-    """A Runtime that reports a given accelerator name and power limit (the detection inputs); its
-    tensors live on the CPU. Only run_peak's table path is exercised with it."""
+class NamedBackend(Backend):
+    """A device that reports a given accelerator name and power limit (the detection inputs); its tensors
+    live on the CPU. Only run_peak's table path is exercised with it."""
 
-    def __init__(self, name: str, watts=None, world_size: int = 1):
-        super().__init__("cuda", torch.device("cpu"), 0, 0, world_size, world_size, "bf16")
+    def __init__(self, name: str, watts=None):
+        super().__init__(torch.device("cpu"))
         self._name, self._watts = name, watts
 
     def hardware_name(self) -> str:
@@ -152,9 +152,13 @@ class NamedDevice(Runtime):
         return self._watts
 
 
+def named_device(name: str, watts=None, world_size: int = 1) -> Runtime:
+    return Runtime("cuda", torch.device("cpu"), 0, 0, world_size, world_size, "bf16", NamedBackend(name, watts))
+
+
 def test_unknown_accelerator_gives_null_mfu_and_one_warning(caplog):
     cfg = load_config(None, [])
-    rt = NamedDevice("NVIDIA Z100 Hypothetical")
+    rt = named_device("NVIDIA Z100 Hypothetical")
     with caplog.at_level(logging.WARNING, logger="nanopt"):
         meters = [mfu.meter_for_run(cfg, rt) for _ in range(2)]
     warnings = [r for r in caplog.records if "unknown accelerator" in r.getMessage()]
@@ -166,10 +170,10 @@ def test_unknown_accelerator_gives_null_mfu_and_one_warning(caplog):
 
 def test_power_limit_and_override_choose_the_peak():
     cfg = load_config(None, [("train.precision", "bf16")])
-    assert mfu.run_peak(cfg, NamedDevice("NVIDIA H100", 700.0))[0] == pytest.approx(989.4e12)
-    assert mfu.run_peak(cfg, NamedDevice("NVIDIA H100", 350.0))[0] == pytest.approx(756.5e12)
+    assert mfu.run_peak(cfg, named_device("NVIDIA H100", 700.0))[0] == pytest.approx(989.4e12)
+    assert mfu.run_peak(cfg, named_device("NVIDIA H100", 350.0))[0] == pytest.approx(756.5e12)
     forced = load_config(None, [("mfu.hardware", "a100"), ("train.precision", "fp32")])
-    peak, where = mfu.run_peak(forced, NamedDevice("NVIDIA Z100 Hypothetical"))
+    peak, where = mfu.run_peak(forced, named_device("NVIDIA Z100 Hypothetical"))
     assert peak == pytest.approx(156e12) and "mfu.hardware" in where
 
 

@@ -130,7 +130,7 @@ def test_a_muon_state_dict_round_trips_and_another_optimizers_is_refused():
 
     resumed_model = copy.deepcopy(model)
     resumed = build_optimizer(resumed_model, train, "cpu", muon)
-    load_state_dict(resumed, resumed_model, state)
+    load_state_dict(resumed, state)
     assert resumed.optimizers["muon"].param_groups[0] is resumed.param_groups[0]  # re-shared after the load
     for m, o in ((model, opt), (resumed_model, resumed)):
         step_with_random_grads(m, o)
@@ -140,10 +140,10 @@ def test_a_muon_state_dict_round_trips_and_another_optimizers_is_refused():
     adamw_model = copy.deepcopy(model)
     adamw = build_optimizer(adamw_model, train, "cpu")
     with pytest.raises(ValueError, match="muon's and this run's optimizer is adamw.*--optim.name=muon"):
-        load_state_dict(adamw, adamw_model, state)
+        load_state_dict(adamw, state)
     step_with_random_grads(adamw_model, adamw)
     with pytest.raises(ValueError, match="adamw's and this run's optimizer is muon.*--optim.name=adamw"):
-        load_state_dict(build_optimizer(model, train, "cpu", muon), model, saved(adamw))
+        load_state_dict(build_optimizer(model, train, "cpu", muon), saved(adamw))
 
 
 # ---------------------------------------------------------------- whole runs

@@ -10,8 +10,13 @@ import torch
 from nanopt.config import ModelConfig, TrainConfig
 from nanopt.model import build_model
 from nanopt.optim import (
-    apply_schedule, build_optimizer, load_state_dict, lr_at, lr_multiplier, param_groups,
+    apply_schedule, build_optimizer, load_state_dict, lr_multiplier, param_groups,
 )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of a group whose base lr is cfg.lr: the schedule in absolute terms."""
+    return cfg.lr * lr_multiplier(step, cfg)
 
 
 def tiny(tie: bool = True) -> torch.nn.Module:
@@ -101,14 +106,6 @@ def test_the_multiplier_is_the_schedule_relative_to_the_peak():
 # ---------------------------------------------------------------- resume
 
 
-def legacy_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """What build_optimizer made before kinds: [every >=2-D param, every 1-D param], fused on CPU."""
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
-
-
 def step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 50, (2, 9), generator=g)
@@ -130,33 +127,6 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(p, q), name
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_an_old_two_group_checkpoint_resumes_bit_identically(tie):
-    cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
-    old_model = tiny(tie)
-    old = legacy_optimizer(old_model, cfg)
-    for s in range(3):
-        for g in old.param_groups:
-            g["lr"] = lr_at(s, cfg)  # what the old set_lr did
-        step(old_model, old, s)
-    state = saved(old)
-
-    new_model = copy.deepcopy(old_model)  # deepcopy keeps the tie
-    new = build_optimizer(new_model, cfg, "cpu")
-    load_state_dict(new, new_model, state)
-    for g in new.param_groups:  # the run's own keys come back; the saved lr is kept
-        assert g["base_lr"] == cfg.lr and g["lr"] == lr_at(2, cfg) and g["fused"] is True
-        assert g["weight_decay"] == (0.0 if g["kind"] == "scalar" else 0.1)
-
-    m = lr_multiplier(3, cfg)
-    for g in old.param_groups:
-        g["lr"] = cfg.lr * m
-    apply_schedule(new, m)
-    step(old_model, old, 3)
-    step(new_model, new, 3)
-    assert_same_params(old_model, new_model)
-
-
 def test_a_kind_layout_checkpoint_round_trips_bit_identically():
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
     model = tiny(tie=False)
@@ -168,7 +138,7 @@ def test_a_kind_layout_checkpoint_round_trips_bit_identically():
 
     resumed_model = copy.deepcopy(model)
     resumed = build_optimizer(resumed_model, cfg, "cpu")
-    load_state_dict(resumed, resumed_model, state)
+    load_state_dict(resumed, state)
     assert [g["kind"] for g in resumed.param_groups] == ["matrix", "embedding", "head", "scalar"]
     for opt_, model_ in ((opt, model), (resumed, resumed_model)):
         apply_schedule(opt_, lr_multiplier(3, cfg))
@@ -182,7 +152,7 @@ def test_a_resume_takes_decay_base_lr_and_implementation_from_this_run():
     step(model, opt, 0)
     state = saved(opt)
     resumed = build_optimizer(model, TrainConfig(lr=5e-3, weight_decay=0.05), "xla")  # not fused
-    load_state_dict(resumed, model, state)
+    load_state_dict(resumed, state)
     for g in resumed.param_groups:
         assert g["base_lr"] == 5e-3 and g["lr"] == 1e-2  # the saved lr stays until apply_schedule
         assert g["weight_decay"] == (0.0 if g["kind"] == "scalar" else 0.05)
@@ -195,10 +165,22 @@ def test_a_checkpoint_of_other_groups_is_refused():
     opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu")
     tied = tiny(tie=True)
     with pytest.raises(ValueError, match="groups"):
-        load_state_dict(build_optimizer(tied, TrainConfig(), "cpu"), tied, saved(opt))
+        load_state_dict(build_optimizer(tied, TrainConfig(), "cpu"), saved(opt))
 
 
-def test_adamw_on_xla_is_foreach_and_the_flags_come_from_the_runtime():
+def test_a_checkpoint_of_the_old_two_group_layout_is_refused_in_one_sentence():
+    model = tiny()
+    params = list(model.parameters())  # what build_optimizer made before kinds: [>=2-D params, 1-D params]
+    old = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
+    step(model, old, 0)
+    new = build_optimizer(model, TrainConfig(), "cpu")
+    with pytest.raises(ValueError, match="have no kind.*start a new run"):
+        load_state_dict(new, saved(old))
+    assert not new.state  # nothing was loaded
+
+
+def test_adamw_on_xla_is_foreach_and_fused_elsewhere():
     # torch picks foreach only on CUDA-like devices: left alone, AdamW on XLA traces its per-parameter loop.
     groups = build_optimizer(tiny(), TrainConfig(), "xla").param_groups
     assert all(g["foreach"] is True and not g["fused"] and not g["capturable"] for g in groups)
@@ -220,7 +202,7 @@ def test_state_of_other_implementation_flags_loads_steps_and_keeps_this_runs_fla
     for target in ("cpu", "xla"):  # fused here; the XLA backend's foreach (built on CPU params here)
         resumed_model = copy.deepcopy(model)
         resumed = build_optimizer(resumed_model, cfg, target)
-        load_state_dict(resumed, resumed_model, copy.deepcopy(state))  # a step shares the loaded tensor
+        load_state_dict(resumed, copy.deepcopy(state))  # a step shares the loaded tensor
         built = build_optimizer(tiny(), cfg, target).param_groups[0]
         for g in resumed.param_groups:
             assert all(g[k] == built[k] for k in ("fused", "capturable", "foreach", "differentiable")), g

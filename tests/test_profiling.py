@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, free_port, small_overrides, torchrun
 from nanopt import profiling
 from nanopt.config import ConfigError, load_config, parse_overrides, resolve
-from nanopt.runtime import Runtime
+from nanopt.runtime import Backend, Runtime
 
 
 def _train(tmp: Path, **changes: object) -> int:
@@ -36,7 +36,9 @@ def _cfg(*overrides: str):
 
 
 def _rt(kind: str = "cpu", rank: int = 0, world: int = 2) -> Runtime:
-    return Runtime(kind, torch.device("cpu"), rank, rank, world, world, "fp32")
+    # "xla": a stand-in whose backend, like XLA's, has no torch.profiler activities (the base Backend's answer)
+    backend = Backend(torch.device("cpu")) if kind == "xla" else None
+    return Runtime(kind, torch.device("cpu"), rank, rank, world, world, "fp32", backend)
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -93,10 +95,15 @@ def test_a_window_cut_short_is_still_written_and_counts_only_whole_steps(tmp_pat
             with profiling.label(profiling.BACKWARD):
                 loss.backward()
             prof.step()
-        time.sleep(0.2)  # after the last step: not a step, must not be counted as one
+        with torch.profiler.record_function("after_the_last_step"):  # not a step: must not be counted as one
+            time.sleep(0.05)
     s = json.loads((tmp_path / "profile_summary.json").read_text())
     assert (s["first_step"], s["last_step"], s["profiled_steps"]) == (4, 5, 2)
-    assert s["step_ms_total"] < 200
+    events = json.loads(_trace_files(tmp_path)[0].read_text())["traceEvents"]
+    steps = sorted((e["ts"], e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    [tail] = [e for e in events if e.get("name") == "after_the_last_step"]
+    assert len(steps) == 3 and steps[-1][0] <= tail["ts"]  # the range cut at stop() holds the tail
+    assert s["step_ms_total"] == pytest.approx(sum(dur for _, dur in steps[:2]) / 1e3, rel=1e-3)
     assert sum((s["host_overhead_share"], s["data_loader_share"], s["compute_share"])) == pytest.approx(1.0)
     assert len(_trace_files(tmp_path)) == 1
     assert not profiling._active

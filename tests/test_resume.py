@@ -99,7 +99,7 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(tmp_path, reference, 
     assert_same_as(reference, tmp_path)
 
 
-def test_sigterm_checkpoints_within_seconds_and_says_resumable(tmp_path, reference):
+def test_sigterm_checkpoints_the_current_step_exits_75_and_says_resumable(tmp_path, reference):
     env = {**os.environ, "NANOPT_TEST_HOOK": "pause:3", "OMP_NUM_THREADS": "1"}
     err = open(tmp_path / "stderr.txt", "w+")
     run_dir = tmp_path / "run"
@@ -110,16 +110,15 @@ def test_sigterm_checkpoints_within_seconds_and_says_resumable(tmp_path, referen
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the run never reached step 3"
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    returncode = proc.wait(timeout=60)
-    elapsed = time.monotonic() - sent
+    returncode = proc.wait(timeout=60)  # only stops a hung run; speed is not asserted
     err.seek(0)
     stderr = err.read()
     assert returncode == errors.EXIT_PREEMPTED == 75, stderr
-    assert elapsed < 10, f"took {elapsed:.1f} s to checkpoint and exit"
     assert "received SIGTERM" in stderr and "resumable" in stderr and "step 3" in stderr
+    # At once: step 3 (not a periodic save) is checkpointed and no further step is trained.
     assert complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
+    assert max(step for step, _ in losses(run_dir)) <= 3
     assert train_here(run_dir) == 0
     assert_same_as(reference, run_dir)
 
@@ -255,8 +254,6 @@ def test_a_diverged_run_closes_the_profiler_and_the_mirror_like_a_finished_one(t
     assert kept == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
 
 
-# Written by nanopt before the re-layering (commit 08d2620): step 3 of the run below, two-group optimizer
-# state, the speedrun result as a top-level `target`. That run, uninterrupted, ended at this val loss.
 def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     """The COMPLETE manifest is summed by worker threads while the next file is written: it must still
     describe exactly the bytes on disk, and no temp directory or thread may outlive the save."""
@@ -346,8 +343,6 @@ def test_resume_false_never_overwrites(tmp_path, capsys):
 
 @pytest.mark.parametrize("scheme", ["memory", "local"])
 def test_mirror_copy_is_used_when_the_local_directory_is_gone(tmp_path, reference, scheme, capsys):
-    import shutil
-
     import fsspec
 
     url = f"memory://nanopt-test-{tmp_path.name}" if scheme == "memory" else f"file://{tmp_path / 'mirror'}"
@@ -377,30 +372,27 @@ def test_every_rng_round_trips_through_a_weights_only_checkpoint(tmp_path):
 
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
-    torch.save({"ranks": [runtime.rng_state()]}, tmp_path / "rng.pt")
+    torch.save({"ranks": [runtime.host_rng_state()]}, tmp_path / "rng.pt")
     expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
     random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    runtime.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
+    runtime.set_host_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
 
 
-def test_a_gpu_rank_restores_its_own_generator_whatever_the_visible_gpu_count(monkeypatch):
-    """CPU twin of the CUDA RNG restore: torch.cuda's state calls are replaced by recorders, so what is
-    checked is which saved state goes to which device (the real generators need a GPU)."""
-    from nanopt import runtime
-
+def test_a_gpu_rank_saves_and_restores_only_its_own_generator(monkeypatch):
+    """CPU twin of the CUDA RNG round trip: torch.cuda's state calls are replaced by recorders, so what is
+    checked is which generator is read and written (the real ones need a GPU); a CPU checkpoint has none."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((state, device)))
-    own = torch.tensor([7], dtype=torch.uint8)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    runtime.set_device_rng_state({"cuda": own})  # today's format: this rank's state only
-    runtime.set_device_rng_state({"cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(8)]})  # older: all 8
-    assert [(int(s), d) for s, d in calls] == [(7, 3), (3, 3)]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
-    runtime.set_device_rng_state({"cuda": [own] * 4})  # saved on a 4-GPU node, restored as GPU 5: nothing to take
-    runtime.set_device_rng_state({})  # a CPU checkpoint
-    assert len(calls) == 2
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.tensor([device.index], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((int(state), device)))
+    rank3 = runtime.CudaBackend(torch.device("cuda", 3))
+    state = rank3.rng_state()
+    assert list(state) == ["cuda"]  # one state, this rank's: not every GPU the node shows
+    rank3.set_rng_state(state)
+    rank3.set_rng_state({})  # a CPU checkpoint
+    assert calls == [(3, torch.device("cuda", 3))]
+    runtime.CpuBackend(torch.device("cpu")).set_rng_state(state)  # a GPU checkpoint resumed on CPU: ignored
+    assert len(calls) == 1
 
 
 def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):

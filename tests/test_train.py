@@ -60,3 +60,23 @@ def test_bf16_autocast_and_pure_bf16_both_train(tmp_path, corpus_dir, capsys):
         assert losses[-1] < losses[0] - 1.0, (precision, losses)
         weights = load_file(str(run_dir / "checkpoints" / "step_000012" / "model.safetensors"))
         assert weights["embed.weight"].dtype == weight_dtype, precision
+
+
+def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
+    """One cadence rule per component: evaluation every eval.every steps, a periodic save every checkpoint.every
+    (the last step's of both come from finish()), and the step before any of them is timed to the end."""
+    from types import SimpleNamespace
+
+    from nanopt.checkpoint import Checkpointer
+    from nanopt.config import parse_overrides
+    from nanopt.train import Session, Validator
+
+    cfg = load_config(None, parse_overrides(small_overrides(
+        **{"train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3})))
+    ckpt, evaluator = Checkpointer.__new__(Checkpointer), Validator.__new__(Validator)  # only their cadence
+    ckpt.cfg = evaluator.cfg = cfg
+    steps = range(1, 13)
+    assert [s for s in steps if ckpt.should_save(s)] == [3, 6, 9]
+    assert [s for s in steps if evaluator.due(s)] == [4, 8]
+    run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt)
+    assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 6, 8, 9, 12]
