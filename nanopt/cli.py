@@ -80,7 +80,15 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
-    sys.exit(run(sys.argv[1:]))
+    try:
+        code = run(sys.argv[1:])
+        sys.stdout.flush()  # here, so a closed pipe raises inside the try
+    except BrokenPipeError:
+        # `nanopt runs | head`: the reader left. Python's documented way (signal module, "Note on SIGPIPE"):
+        # point stdout at devnull, so the interpreter's own flush at exit does not raise again, and exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    sys.exit(code)
 
 
 if __name__ == "__main__":

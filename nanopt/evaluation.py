@@ -1,10 +1,9 @@
 """Evaluation: the fixed validation/test sets, loss and bits per byte over them, and the speedrun clock.
 
-The evaluation set of a split is data.eval_batches: eval.batches × train.micro_batch_size windows of
-train.seq_len + 1 tokens, chosen by a permutation seeded with eval.seed alone and dealt round-robin to
-ranks, so it is the same tokens at every evaluation, in every run with the same (seq_len, micro_batch,
-batches), on any world size. Loss is nats per token; bpb = total nats / ln 2 / total UTF-8 bytes of the
-target tokens (special tokens count 0 bytes), so it compares across tokenizers.
+A split's evaluation set (data.eval_batches) is eval.batches × micro_batch_size windows chosen by eval.seed
+alone and dealt round-robin to ranks: the same tokens at every evaluation, in every run of the same shape, on
+any world size. bpb = total nats / ln 2 / UTF-8 bytes of the targets (special tokens 0), so it compares across
+tokenizers.
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from nanopt.tokenizer import Tokenizer
 log = logging.getLogger("nanopt")
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
 
 
 def token_bytes_table(tokenizer: Tokenizer, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -60,12 +58,9 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
 
 
 class SpeedrunClock:
-    """The first evaluation at or below the run's target: its step, tokens and training seconds.
-
-    The target is `train.target_val_loss` (nats per token) or `train.target_val_bpb` (bits per byte, which
-    recipes with different tokenizers can race to). Resumable (state_dict); a resume with another target
-    starts the clock over.
-    """
+    """The first evaluation at or below the run's target (train.target_val_loss, or target_val_bpb, which
+    recipes with different tokenizers can race to): its step, tokens and training seconds. Resumable; a
+    resume with another target starts the clock over."""
 
     def __init__(self, target: Optional[float], metric: str = "val_loss"):
         if metric not in ("val_loss", "val_bpb"):

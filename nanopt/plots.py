@@ -1,10 +1,10 @@
 """Pictures of runs, from their files: curves.png at the end of every run, `nanopt plot`'s overlays, and the
 profiled run's offline profile.html.
 
-matplotlib is optional (the XLA test environment does not install it): it is imported inside the drawing
-functions, and through its object API with the Agg canvas only, so nothing here touches pyplot's global
-state or an interactive backend. Callers inside a training run use the *_quietly helpers: a picture that
-cannot be drawn is a log line, never a failed run.
+matplotlib is imported inside the drawing functions (the XLA test environment does not install it), through
+its object API with the Agg canvas only: nothing here touches pyplot's global state or an interactive backend.
+Callers inside a training run use the *_quietly helpers: a picture that cannot be drawn is a log line, never a
+failed run.
 """
 from __future__ import annotations
 
@@ -17,12 +17,16 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from nanopt import rundirs
 from nanopt.errors import ConfigError
 from nanopt.io import write_bytes, write_text
 from nanopt.rundirs import CURVES_FILE, METRICS_FILE, PROFILE_FILE
 
 log = logging.getLogger("nanopt")
+# matplotlib logs "generated new fontManager" at INFO the first time it builds its font cache: noise in a run's log.
+logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 PROFILE_PAGE = "profile.html"
 X_AXES = ("steps", "tokens", "seconds")
@@ -33,8 +37,6 @@ Record = dict[str, Any]
 
 
 # ---------------------------------------------------------------- reading runs
-
-
 def _number(value: Any) -> Optional[float]:
     """A finite number as a float, else None: a record's figure may be null, or damaged."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -42,15 +44,13 @@ def _number(value: Any) -> Optional[float]:
 
 
 def read_metrics(run_dir: Path) -> list[Record]:
-    """The run's metrics records that carry an integer step (rundirs.read_metrics: ConfigError naming the
-    file and line when one is damaged; the last line, maybe being written, may be cut)."""
+    """The run's metrics records that carry an integer step (rundirs.read_metrics)."""
     return [r for r in rundirs.read_metrics(run_dir)
             if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
 
 
 def runs_to_plot(paths: list[str | Path]) -> list[Path]:
-    """Run directories at or below each path (rundirs.walk_runs), in order, each once. Raises ConfigError
-    naming a path that is not a directory or holds no run."""
+    """Run directories at or below each path (rundirs.walk_runs), in order, each once."""
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():
@@ -77,8 +77,7 @@ def run_labels(runs: list[Path]) -> list[str]:
 
 def _seconds_axis(records: list[Record]) -> tuple[list[float], list[float]]:
     """(steps, training seconds at them): each logged step time times the steps since the previous log line.
-    The metrics have no clock of training time; wall time would bill evaluations, checkpoints and the gap
-    before a resume, and step_ms already leaves those out (train.py SpeedWindow)."""
+    Not wall time, which would bill evaluations, checkpoints and the gap before a resume."""
     steps, seconds, last_step, total = [0.0], [0.0], 0, 0.0
     for r in records:
         step_ms = _number(r.get("step_ms"))
@@ -110,30 +109,18 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
             tokens = _number(r.get("tokens_seen"))  # test lines carry no tokens_seen
             xs.append(tokens if tokens is not None else step * tokens_per_step)
         else:
-            xs.append(_interp(step, at_steps, at_seconds))
+            xs.append(float(np.interp(step, at_steps, at_seconds)))  # held flat past the last point
         ys.append(value)
     return xs, ys
 
 
-def _interp(step: float, at: list[float], values: list[float]) -> float:
-    """Piecewise-linear value at `step` (held flat past the last point)."""
-    for i in range(1, len(at)):
-        if step <= at[i]:
-            span = at[i] - at[i - 1]
-            return values[i - 1] + (values[i] - values[i - 1]) * ((step - at[i - 1]) / span if span else 1.0)
-    return values[-1]
-
-
 def metric_names(records: list[Record]) -> list[str]:
     """Numeric keys the records carry (what --metric accepts)."""
-    names = {k for r in records for k, v in r.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
-    return sorted(names)
+    return sorted({k for r in records for k, v in r.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")})
 
 
 # ---------------------------------------------------------------- matplotlib, lazily
-
-
 def have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -144,8 +131,7 @@ def have_matplotlib() -> bool:
 
 def _figure(width: float, height: float) -> Any:
     """A Figure on the Agg canvas, not registered with pyplot (no global state, no GUI, freed when dropped).
-    Margins are set by hand (subplots_adjust): constrained layout doubled the drawing time at the end of
-    every run."""
+    Margins are set by hand: constrained layout doubled the drawing time at the end of every run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -167,8 +153,6 @@ def _plot(ax: Any, xs: list[float], ys: list[float], label: str, eval_line: bool
 
 
 # ---------------------------------------------------------------- curves.png
-
-
 def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
     """The run's curves (train and val loss against steps, tokens and training seconds; MFU, tokens/s and
     lr against steps) as one PNG, default <run_dir>/curves.png."""
@@ -196,17 +180,15 @@ def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
         if not xs:  # e.g. MFU on a device with no known peak: say so rather than leave a blank box
             ax.text(0.5, 0.5, f"no {name} values logged", ha="center", va="center", transform=ax.transAxes)
     # Any number, NaN included: a run whose loss diverged says so in its title.
-    finals = [r for r in records if isinstance(r.get("val_loss"), (int, float)) and not isinstance(r["val_loss"], bool)]
-    title = str(run_dir.resolve().name)
-    if finals:
-        title += f"  |  final val loss {finals[-1]['val_loss']:.4f} at step {finals[-1]['step']}"
-    fig.suptitle(title)
+    # Any number, NaN included: a run whose loss diverged says so in its title.
+    final = next((r for r in reversed(records) if isinstance(r.get("val_loss"), (int, float))
+                  and not isinstance(r["val_loss"], bool)), None)
+    fig.suptitle(run_dir.resolve().name + (f"  |  final val loss {final['val_loss']:.4f} at step {final['step']}"
+                                           if final else ""))
     return write_bytes(out or run_dir / CURVES_FILE, _png(fig))
 
 
 # ---------------------------------------------------------------- nanopt plot: runs overlaid
-
-
 def overlay_png(runs: list[Path], out: Path, metric: str = "val_loss", x: str = "steps",
                 labels: Optional[list[str]] = None) -> Path:
     """One metric of several runs against steps, tokens or training seconds, one line per run."""
@@ -225,6 +207,24 @@ def overlay_png(runs: list[Path], out: Path, metric: str = "val_loss", x: str = 
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return write_bytes(Path(out), _png(fig))
+
+
+def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: str = "steps") -> Path:
+    """`nanopt plot`: the runs at or below `paths` overlaid in the PNG `out` (checked before any run is read)."""
+    out = Path(out)
+    if not have_matplotlib():
+        raise ConfigError("nanopt plot draws with matplotlib, which is not installed; pip install matplotlib.")
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"-o {out} must name a .png file.")
+    if out.is_dir():
+        raise ConfigError(f"-o {out} is a directory; give a file name, e.g. -o {out / 'plot.png'}.")
+    if not out.parent.is_dir():
+        raise ConfigError(f"-o {out}: the directory {out.parent} does not exist; create it or write elsewhere.")
+    runs = runs_to_plot(paths)
+    try:
+        return overlay_png(runs, out, metric, x)
+    except OSError as e:  # not writable, the disk full, or the directory removed meanwhile
+        raise ConfigError(f"-o {out} cannot be written ({e.strerror or e}); write elsewhere.") from None
 
 
 # ---------------------------------------------------------------- the offline profile page
@@ -305,8 +305,6 @@ def profile_page(summary: dict, out: Path) -> Path:
 
 
 # ---------------------------------------------------------------- inside a training run: never fatal
-
-
 def _quietly(what: str, needs_matplotlib: bool, draw: Callable[[], Path]) -> Optional[Path]:
     if needs_matplotlib and not have_matplotlib():
         log.info("%s skipped: matplotlib is not installed", what)

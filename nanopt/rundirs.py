@@ -1,10 +1,7 @@
-"""THE run directory: every file name in it, and the questions every command asks of one (is this a run, is
-it finished, what are its latest figures, which checkpoints are complete), the writer's lock, and runs found
-below a directory and grouped into settings whose members differ only in their seed.
-
-Torch-free (layer 2), so `nanopt runs`, `compare`, `plot`, sweep and Modal's driver start in a fraction of a
-second. Everything here reads files another process may be writing or that may be damaged: a reader gets a
-value, None, or ConfigError naming the file, never a traceback. The layout (README "A run directory"):
+"""THE run directory: every file name in it, what every command asks of one (is it a run, finished, its
+latest figures and records, its complete checkpoints), the runs below a directory, and the writer's lock.
+Torch-free. Its files may be being written or damaged: a reader gets a value, None, or ConfigError naming the
+file, never a traceback. Many finished runs, grouped and compared, are nanopt/experiments.py's. The layout:
 
   config.yaml            the resolved config of the newest session
   metrics.jsonl          one JSON object per logged step (trimmed back to the checkpoint on resume)
@@ -17,6 +14,7 @@ value, None, or ConfigError naming the file, never a traceback. The layout (READ
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,8 +25,7 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,9 +39,8 @@ log = logging.getLogger("nanopt")
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 METRICS_FILE = "metrics.jsonl"
-# Out-of-band results (`nanopt eval`) get their own file: the trainer owns metrics.jsonl (a resume trims it
-# past the checkpoint's step, and on a Modal Volume the trainer's commit of it would drop lines written by
-# another container), so evaluations appended there could be lost.
+# `nanopt eval`'s own file: the trainer owns metrics.jsonl (a resume trims it, and on a Modal Volume the
+# trainer's commit of it would drop lines another container wrote), so evaluations there could be lost.
 EVALS_FILE = "evals.jsonl"
 PROFILE_FILE = "profile_summary.json"  # nanopt.profiling.SUMMARY_FILE (that module imports torch; a test ties them)
 CURVES_FILE = "curves.png"
@@ -61,21 +57,6 @@ MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = (
 CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
 # What every checkpoint's manifest must list; optimizer.pt is absent from a weights-only one (resume refuses it).
 REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
-SEED_KEY = "run.seed"
-# Keys that name or place a run, or act after its figures are taken, so runs differing only in them (and
-# the seed) are repeats of one setting. Narrower than config.SAFE_KEYS (what a resume may change):
-# train.max_steps, the targets, model.attention, train.compile, runtime.*, log.every and profile.* change
-# the steps, the time or the loss that `nanopt runs` compares, so they split groups.
-NEUTRAL_KEYS = {
-    "run.name", "run.dir", "run.time_limit_s",  # a preempted run resumes to the same result
-    "data.verify_checksum", "eval.test_at_end", "log.wandb_project",
-}
-# checkpoint.*: saving is outside the training clock; sample.*: after summary.json; prepare.*: `nanopt
-# prepare` only; mfu.*: how MFU is reported, not how fast the run is.
-NEUTRAL_SECTIONS = {"checkpoint", "sample", "prepare", "mfu"}
-# Summary fields that split groups too: the same config on another machine or world size is another race.
-HARDWARE_KEYS = ("hardware", "world_size")
-MISSING = "<missing>"  # a key one run's config lacks (written by another nanopt version)
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -96,8 +77,6 @@ def format_value(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- reading one run directory
-
-
 def _read_text(path: Path) -> str:
     try:
         return path.read_text()
@@ -134,16 +113,77 @@ def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     return data
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), "not an object")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file a run appends to (metrics.jsonl, evals.jsonl); [] when there is
+    none. A cut last line (being appended, or its writer killed) is left out; any other line that is not a JSON
+    object is damage: ConfigError naming the file and line, never a record quietly dropped from a figure."""
+    path = Path(path)
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e}).") from None
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))  # bytes to json.loads would also take UTF-16 and -32
+        except ValueError as e:  # UnicodeDecodeError or JSONDecodeError
+            if number == last:
+                continue
+            what = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "is not JSON"
+            raise ConfigError(f"{path}: line {number} {what}; the file is damaged. Remove or mend that line "
+                              f"and run the command again.") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}: line {number} is {_json_kind(record)}, not an object (one record per line); "
+                              f"the file is damaged. Remove or mend that line and run the command again.")
+        out.append(record)
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records (read_records)."""
+    return read_records(Path(run_dir) / METRICS_FILE)
+
+
 def is_run(path: Path) -> bool:
     """A directory a training run has written into (or is writing into)."""
     path = Path(path)
     return any((path / name).exists() for name in (CONFIG_FILE, SUMMARY_FILE, METRICS_FILE, CHECKPOINTS_DIR))
 
 
+# A run's own subdirectories: what is below them belongs to the run, never another run.
+RUN_INTERNAL_DIRS = (CHECKPOINTS_DIR, TB_DIR)
+
+
+def walk_runs(root: Path) -> list[Path]:
+    """Every run directory at or below `root`, in path order, for `nanopt runs` and `plot` alike. A run below a
+    run is found (a run may also hold a sweep); a run's checkpoints/ and tb/, and hidden directories, are not."""
+    found = []
+    for here, subdirs, _ in os.walk(root):
+        path = Path(here)
+        run = is_run(path)
+        # Sorted in place: os.walk then visits in path order, and never enters what is removed here.
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not (run and d in RUN_INTERNAL_DIRS))
+        if run:
+            found.append(path)
+    return found
+
+
 def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[dict[str, Any]]:
-    """The run's summary when it is finished for a config with these values, else None. Finished: its last
-    session trained to `max_steps`, or stopped at its speedrun target with `stop_at_target` on. The one rule
-    for train (a re-run does not train on), sweep and Modal (skip the point) and `eval --watch` (stop)."""
+    """The run's summary when its last session trained to `max_steps`, or stopped at its target with
+    `stop_at_target` on; else None. The one rule for train (no training on), sweep, Modal and `eval --watch`."""
     summary = read_summary(run_dir)
     if summary is None:
         return None
@@ -160,17 +200,20 @@ def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[di
     return None
 
 
+def tail_lines(path: Path, nbytes: int) -> list[str]:
+    """The lines of a file's last `nbytes` (the first may be cut); [] when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+            return f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
 def latest_figures(run_dir: Path) -> dict[str, Any]:
     """The newest train step and loss, and val loss, from the tail of metrics.jsonl ({} before the first log)."""
-    try:
-        with open(Path(run_dir) / METRICS_FILE, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return {}
     out: dict[str, Any] = {}
-    for line in reversed(lines):
+    for line in reversed(tail_lines(Path(run_dir) / METRICS_FILE, 8192)):
         try:
             record = json.loads(line)
         except ValueError:
@@ -187,9 +230,8 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop metrics.jsonl records past `step`: a resumed run logs them again. Only a resume from a checkpoint
-    of `step` calls this (the lock held), so nothing a user did not ask to redo is dropped. A line that does
-    not parse is kept (it is the user's to look at), except a cut last line, which the next append would join."""
+    """Drop metrics.jsonl records past `step`, which a run resumed from that checkpoint logs again (the lock
+    held). A line that does not parse is kept for the user, except a cut last line the next append would join."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return
@@ -209,8 +251,6 @@ def trim_metrics(run_dir: Path, step: int) -> None:
 
 
 # ---------------------------------------------------------------- checkpoints
-
-
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR
 
@@ -305,8 +345,8 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
 
 
 def usable_checkpoints(root: Path) -> tuple[list[Path], list[str]]:
-    """Verified checkpoints under a checkpoints/ directory, newest first, and a line for each one skipped
-    (its name and why). Read-only: a damaged checkpoint stays where it is for the user to look at."""
+    """Verified checkpoints under a checkpoints/ directory, newest first, and a line (name: why) for each one
+    skipped. Read-only: a damaged checkpoint stays for the user to look at."""
     good, skipped = [], []
     for ckpt in reversed(checkpoint_dirs(root)):
         problem = verify_checkpoint(ckpt)
@@ -318,8 +358,7 @@ def usable_checkpoints(root: Path) -> tuple[list[Path], list[str]]:
 
 
 def newest_checkpoint(path: Path) -> tuple[Optional[Path], list[str]]:
-    """The newest complete checkpoint of a run directory (or of a checkpoints/ directory), and what was
-    skipped on the way (newest first)."""
+    """The newest complete checkpoint of a run (or checkpoints/) directory, and what was skipped."""
     path = Path(path)
     root = checkpoints_dir(path) if (path / CHECKPOINTS_DIR).is_dir() else path
     good, skipped = usable_checkpoints(root)
@@ -327,8 +366,6 @@ def newest_checkpoint(path: Path) -> tuple[Optional[Path], list[str]]:
 
 
 # ---------------------------------------------------------------- one writer at a time
-
-
 @dataclass
 class Holder:
     """Who holds a lock: host, pid, when it started and its last heartbeat (time.time())."""
@@ -344,9 +381,9 @@ class Holder:
     def describe(self) -> str:
         if not self.token:
             return "a process whose lock file cannot be read (being written, or damaged)"
-        age = time.time() - self.heartbeat
-        return (f"process {self.pid} on host {self.host} (started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}, "
-                f"last heartbeat {age:.0f} s ago{', running ' + self.command if self.command else ''})")
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return (f"process {self.pid} on host {self.host} (started {started}, last heartbeat "
+                f"{time.time() - self.heartbeat:.0f} s ago{', running ' + self.command if self.command else ''})")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -363,17 +400,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirLock:
-    """One writer at a time for a run (or sweep) directory: a lease file, lock.json, holding the owner's host,
-    pid and a heartbeat that a thread renews every `heartbeat_s` seconds.
-
-    A lease rather than flock because the directory may live where flock means nothing across machines (a
-    Modal Volume, NFS). A lease is taken over only when its holder is gone: on this host when its pid is
-    dead (a `kill -9` is recovered at once), on another host when its heartbeat is older than `expires_s`.
-    Taking over renames the stale file aside first, so of two processes racing for it exactly one wins.
-
-    Where heartbeats reach other machines late (a Modal Volume shows them at each commit) the launcher sets
-    LOCK_EXPIRES_ENV above that delay, and LOCK_OWNER_ENV to a job id its retries share, so a retried
-    attempt takes over the lease its dead predecessor left at once while another job still waits.
+    """One writer at a time for a run (or sweep) directory: a lease file, lock.json, with the owner's host, pid
+    and a heartbeat a thread renews every `heartbeat_s` seconds. A lease, not flock, which means nothing across
+    machines (a Modal Volume, NFS). It is taken over only when its holder is gone: on this host when its pid is
+    dead (a `kill -9` is recovered at once), elsewhere when its heartbeat is older than `expires_s`. Taking
+    over renames the stale file aside first, so of two racing processes exactly one wins. Where heartbeats
+    arrive late (a Modal Volume shows them at each commit) the launcher sets LOCK_EXPIRES_ENV above that delay,
+    and LOCK_OWNER_ENV to a job id its retries share, so a retry takes over its dead predecessor's lease at once.
     """
 
     def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
@@ -388,8 +421,6 @@ class DirLock:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.lost: Optional[str] = None  # set by the heartbeat when another process took the lease
-
-    # -- reading a lease
 
     def holder(self) -> Optional[Holder]:
         """The lease's holder; None when there is no lease; a Holder with token "" when it is unreadable."""
@@ -413,8 +444,6 @@ class DirLock:
         if h.host == socket.gethostname() and h.pid > 0:
             return not _pid_alive(h.pid)
         return time.time() - h.heartbeat > self.expires_s
-
-    # -- taking and keeping it
 
     def _record(self) -> bytes:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self.started,
@@ -445,10 +474,8 @@ class DirLock:
         moved.path = aside
         now = moved.holder()
         if now is not None and now.token != stale.token:
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.link(aside, self.path)  # not os.rename: never over a lease created since
-            except FileExistsError:
-                pass
         aside.unlink(missing_ok=True)
 
     def acquire(self) -> "DirLock":
@@ -460,8 +487,8 @@ class DirLock:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # a file in the way, no permission, a read-only mount
-            raise ConfigError(f"cannot create the {self.what} directory {self.dir} ({e.strerror or e}); give a writable "
-                              f"directory ({flag}).") from None
+            raise ConfigError(f"cannot create the {self.what} directory {self.dir} ({e.strerror or e}); give a "
+                              f"writable directory ({flag}).") from None
         for _ in range(5):
             try:
                 created = self._create()
@@ -494,10 +521,8 @@ class DirLock:
                 self.lost = f"{self.path} was taken over by {held.describe() if held else 'nobody (it was deleted)'}"
                 log.error("lost the lock of %s: %s; another process may now write it too", self.dir, self.lost)
                 return
-            try:
+            with contextlib.suppress(OSError):  # a missed heartbeat is not fatal; the lease outlives several
                 write_bytes(self.path, self._record())
-            except OSError:
-                pass  # a missed heartbeat is not fatal; the lease expires only after several
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours."""
@@ -515,281 +540,3 @@ class DirLock:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
-
-# ---------------------------------------------------------------- finished runs, found and grouped
-
-# A run's own subdirectories: what is below them belongs to the run, never another run.
-RUN_INTERNAL_DIRS = (CHECKPOINTS_DIR, TB_DIR)
-# summary.json figures that reports format or do arithmetic on, by the type the trainer writes (null allowed:
-# an unreached target's figures are null). Anything else in a summary is shown as it is, or filtered by type.
-SUMMARY_INTEGERS = ("steps", "tokens_seen", "params", "world_size", "step_to_target", "tokens_to_target")
-SUMMARY_NUMBERS = ("train_seconds", "train_seconds_to_target", "final_val_loss", "final_val_bpb", "best_val_loss",
-                   "test_loss", "test_bpb", "target_val_loss", "target_val_bpb")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _json_kind(value: Any) -> str:
-    """What a JSON value is, in JSON's words."""
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
-    return kinds.get(type(value), "not an object")
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file a run appends to (metrics.jsonl, evals.jsonl); [] when there is
-    none. Only the last line may be cut (a writer is appending it, or was killed while it did): it is left
-    out. Any other line that is not a JSON object in UTF-8 is damage: ConfigError naming the file and line,
-    never a record quietly dropped from a figure."""
-    path = Path(path)
-    try:
-        lines = path.read_bytes().splitlines()
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise ConfigError(f"{path} cannot be read ({e.strerror or e}).") from None
-    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))  # bytes to json.loads would also take UTF-16 and -32
-        except ValueError as e:  # UnicodeDecodeError or JSONDecodeError
-            if number == last:
-                continue
-            what = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "is not JSON"
-            raise ConfigError(f"{path}: line {number} {what}; the file is damaged. Remove or mend that line "
-                              f"and run the command again.") from None
-        if not isinstance(record, dict):
-            raise ConfigError(f"{path}: line {number} is {_json_kind(record)}, not an object (one record per line); "
-                              f"the file is damaged. Remove or mend that line and run the command again.")
-        out.append(record)
-    return out
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's records (read_records)."""
-    return read_records(Path(run_dir) / METRICS_FILE)
-
-
-def _profile_problem(profile: Any) -> Optional[str]:
-    """Why a profile summary is not what the profiler writes (the entries `compare` computes with), or None."""
-    if not isinstance(profile, dict):
-        return "it is not a JSON object"
-    if not _is_number(profile.get("step_ms_mean")):
-        return f"`step_ms_mean` is {profile.get('step_ms_mean')!r}, not a number"
-    if not _is_int(profile.get("profiled_steps")):
-        return f"`profiled_steps` is {profile.get('profiled_steps')!r}, not an integer"
-    for key in ("first_step", "last_step"):
-        if profile.get(key) is not None and not _is_int(profile[key]):
-            return f"`{key}` is {profile[key]!r}, not an integer"
-    labels = profile.get("label_ms", {})
-    if not isinstance(labels, dict) or not all(_is_number(v) for v in labels.values()):
-        return "`label_ms` is not an object of numbers"
-    ops = profile.get("top_ops", [])
-    if not isinstance(ops, list):
-        return "`top_ops` is not a list"
-    for i, op in enumerate(ops):
-        if not (isinstance(op, dict) and isinstance(op.get("name"), str)
-                and all(_is_number(op.get(k)) for k in ("calls", "self_ms"))):
-            return f"`top_ops[{i}]` is not an object with a string `name` and numbers `calls` and `self_ms`"
-    return None
-
-
-def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
-    """profile_summary.json, None when the run was not profiled; ConfigError naming it when it is damaged."""
-    path = Path(run_dir) / PROFILE_FILE
-    if not path.is_file():
-        return None
-    profile = read_json(path)
-    problem = _profile_problem(profile)
-    if problem:
-        raise ConfigError(f"{path} is not a profile summary as the profiler writes it: {problem}. The file is "
-                          f"damaged; remove it (the run's other figures stay usable) or profile the run again.")
-    return profile
-
-
-def _summary_problem(summary: dict[str, Any]) -> Optional[str]:
-    for key in SUMMARY_INTEGERS:
-        if summary.get(key) is not None and not _is_int(summary[key]):
-            return f"`{key}` is {summary[key]!r}, not an integer"
-    for key in SUMMARY_NUMBERS:
-        if summary.get(key) is not None and not _is_number(summary[key]):
-            return f"`{key}` is {summary[key]!r}, not a number"
-    return None
-
-
-def _plain(value: Any) -> bool:
-    """A value a nanopt config holds: a string, number, boolean, null, or a list of them (YAML can also give
-    dates and binary, which no config key takes)."""
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (str, int, float, bool))
-
-
-@dataclass
-class FinishedRun:
-    """One finished run directory (it has its summary.json). `records` (metrics.jsonl) and `profile`
-    (profile_summary.json) are read on first use, so listing many runs reads neither, and a damaged one
-    stops only a command that needs it."""
-
-    dir: Path
-    config: dict[str, Any]  # flattened: {"optim.name": "muon", ...}; {} when config.yaml is missing
-    summary: dict[str, Any]
-    name: str = ""  # how reports call it: the path below the directory searched
-
-    @cached_property
-    def records(self) -> list[dict[str, Any]]:
-        return read_metrics(self.dir)
-
-    @cached_property
-    def profile(self) -> Optional[dict[str, Any]]:
-        return read_profile(self.dir)
-
-    @property
-    def seed(self) -> Any:
-        return self.config.get(SEED_KEY)
-
-    def setting(self) -> tuple[tuple[str, str], ...]:
-        """What the run computes, as sorted (key, value) pairs: the config without the seed and the neutral
-        keys, plus the hardware. Runs with the same setting are seeds of one experiment."""
-        if not self.config:  # no config.yaml: nothing to match on, so the run stands alone
-            return (("run.dir", str(self.dir)),)
-        items = {k: v for k, v in self.config.items()
-                 if k != SEED_KEY and k not in NEUTRAL_KEYS and k.split(".")[0] not in NEUTRAL_SECTIONS}
-        items.update({k: self.summary.get(k) for k in HARDWARE_KEYS})
-        return tuple(sorted((k, format_value(v)) for k, v in items.items()))
-
-
-def load_run(path: Path, name: str = "") -> FinishedRun:
-    """The finished run in `path`; ConfigError saying what is missing or damaged and what to give instead."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"{path} is not a directory. Give a run directory (runs/<name>, the one holding "
-                          f"{CONFIG_FILE} and {SUMMARY_FILE}).")
-    if not is_run(path):
-        raise ConfigError(f"{path} is not a run directory: it holds none of {CONFIG_FILE}, {SUMMARY_FILE}, "
-                          f"{METRICS_FILE}, {CHECKPOINTS_DIR}/. Give a run directory (runs/<name>); "
-                          f"`nanopt runs {path}` lists the runs below it.")
-    summary = read_summary(path)
-    if summary is None:
-        raise ConfigError(f"{path} has no {SUMMARY_FILE}: the run has not finished (a run writes it when it "
-                          f"ends). Wait for it, resume it with the same command, or give a finished run.")
-    problem = _summary_problem(summary)
-    if problem:
-        raise ConfigError(f"{path / SUMMARY_FILE}: {problem}; the file is damaged. Remove it and run the run's "
-                          f"command again to finish it anew.")
-    config = flatten(read_config(path) or {})
-    odd = next((k for k, v in config.items() if not _plain(v)), None)
-    if odd is not None:
-        raise ConfigError(f"{path / CONFIG_FILE}: `{odd}` is {config[odd]!r}, which no config key takes (a string, "
-                          f"number, true/false, null or a list of them); the file is damaged.")
-    return FinishedRun(path, config, summary, name or path.name)
-
-
-def walk_runs(root: Path) -> list[Path]:
-    """Every run directory at or below `root`, in path order. A run below a run is found too (a directory
-    that is a run may also hold a sweep); a run's own checkpoints/ and tb/, and hidden directories, are not
-    searched. The one walker: `nanopt runs` and `nanopt plot` both find runs with it."""
-    found = []
-    for here, subdirs, _ in os.walk(root):
-        path = Path(here)
-        run = is_run(path)
-        # Sorted in place: os.walk then visits in path order, and never enters what is removed here.
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not (run and d in RUN_INTERNAL_DIRS))
-        if run:
-            found.append(path)
-    return found
-
-
-def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
-    """Every finished run at or below `root` (a sweep's are in root/<sweep>/<point>/), sorted by path, and a
-    line for each run directory that was left out (unfinished, or a file of it damaged: the line names it)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ConfigError(f"{root} is not a directory; give the directory that holds the runs (default runs/) "
-                          f"or a sweep's directory (runs/<sweep>).")
-    runs, skipped = [], []
-    for path in walk_runs(root):
-        name = path.relative_to(root).as_posix() if path != root else path.name
-        if not (path / SUMMARY_FILE).is_file():
-            skipped.append(f"{path}: not finished (no {SUMMARY_FILE})")
-            continue
-        try:
-            runs.append(load_run(path, name))
-        except ConfigError as e:
-            skipped.append(str(e))
-    return runs, skipped
-
-
-@dataclass
-class Repeat:
-    """A run with the setting and seed of an earlier one (a sweep copied, or run twice): it measures
-    nothing new, so statistics count the pair once."""
-
-    run: FinishedRun  # left out
-    first: FinishedRun  # counted
-
-    def describe(self) -> str:
-        return (f"{self.run.dir} repeats {self.first.dir} (the same setting and {SEED_KEY}="
-                f"{format_value(self.run.seed)}): counted once, as {self.first.name}")
-
-
-def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
-    """The runs with each (setting, seed) once, the first in the given (path) order kept, and the repeats.
-    Two copies of one run are one sample, not two independent seeds: counted twice they would halve the
-    standard error and make any difference look significant."""
-    first: dict[tuple, FinishedRun] = {}
-    kept, repeats = [], []
-    for run in runs:
-        key = (run.setting(), format_value(run.seed))
-        if key in first:
-            repeats.append(Repeat(run, first[key]))
-        else:
-            first[key] = run
-            kept.append(run)
-    return kept, repeats
-
-
-@dataclass
-class Group:
-    """Runs with one setting, each seed once; `name` is the keys that vary between the groups found together."""
-
-    name: str
-    runs: list[FinishedRun] = field(default_factory=list)
-    values: dict[str, str] = field(default_factory=dict)  # the varying keys' values, as in the name
-    repeats: list[Repeat] = field(default_factory=list)  # runs left out as repeats of one in `runs`
-
-    @property
-    def seeds(self) -> list[Any]:
-        return [r.seed for r in self.runs]
-
-
-def group_runs(runs: list[FinishedRun]) -> list[Group]:
-    """Runs grouped by setting, in order of first appearance, repeats of a (setting, seed) counted once (each
-    group lists its own). Each group is named by the keys whose value differs between groups
-    (`optim.name=muon`), or `all` when every run has the same setting."""
-    kept, repeats = split_repeats(runs)
-    by_setting: dict[tuple, list[FinishedRun]] = {}
-    for run in kept:
-        by_setting.setdefault(run.setting(), []).append(run)
-    settings = [dict(s) for s in by_setting]
-    keys = [k for k in dict.fromkeys(k for s in settings for k in s)
-            if len({s.get(k, MISSING) for s in settings}) > 1]
-    # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
-    order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
-    keys.sort(key=lambda k: order.get(k, len(order)))
-    groups = []
-    for setting, members in zip(by_setting, by_setting.values()):
-        values = {k: dict(setting).get(k, MISSING) for k in keys}
-        own = [r for r in repeats if r.first.setting() == setting]
-        groups.append(Group(",".join(f"{k}={v}" for k, v in values.items()) or "all", members, values, own))
-    return groups

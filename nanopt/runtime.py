@@ -226,11 +226,6 @@ class Runtime:
             self.backend = BACKENDS[self.kind](self.device)
 
     @property
-    def xla(self) -> Optional[xla.XlaBackend]:
-        """The XLA backend (its compile counters), or None on other devices."""
-        return self.backend if isinstance(self.backend, xla.XlaBackend) else None
-
-    @property
     def num_devices(self) -> int:
         """Accelerators doing the work: one per rank, or every chip this process drives under SPMD."""
         return self.backend.num_devices * self.world_size

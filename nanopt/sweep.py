@@ -1,29 +1,22 @@
-"""`nanopt sweep`: a grid of ordinary runs (every --set value × seeds), each its own process, placed one per
-device slot, at most K at a time; skips finished runs and resumes interrupted ones when run again, and
-refuses up front to skip or resume a point whose directory holds another config than the one it would run.
+"""`nanopt sweep`: a grid of ordinary runs (every --set value × seeds), each its own process, at most one per
+device slot. Run again, it skips finished runs and resumes interrupted ones, and refuses up front a point whose
+directory ran another config. Torch-free, so the driver costs the runs nothing; plan(), place() and
+point_states() are plain functions that Modal's launcher reuses.
 
-Torch-free: the parent only reads configs, starts processes and watches their run directories, so it
-costs the runs no memory and no start-up time. The pieces are plain functions so other launchers (Modal)
-reuse them: plan() -> the grid's points, place() -> device slots, point_states() -> done/resume/new (or one
-refusal naming every point whose directory ran another config).
-
-One writer per sweep directory: run_sweep holds DIR/lock.json (rundirs.DirLock) for its whole life. Each run
-starts in its own session, so a terminal's Ctrl-C reaches only the sweep, which passes exactly one SIGTERM to
-each running run (a run counts a second signal as "exit now, without a checkpoint").
-
-DIR/sweep.json (rewritten atomically on every state change) describes the sweep for `nanopt runs`:
-  {"name", "config", "command": [...], "set": {key: [values]}, "seeds": [...], "overrides": [...],
-   "nproc", "parallel", "points": [{"name", "dir", "values": {key: value}, "seed", "status",
-   "exit_code", "steps", "final_val_loss", "wall_seconds", "command": [...]}]}
-status: queued | running | done | skipped (done before this session) | failed | interrupted | not started.
+One writer per sweep directory: run_sweep holds DIR/lock.json for its life. Each run starts in its own session,
+so a terminal's Ctrl-C reaches only the sweep, which passes one SIGTERM to each run (a run takes a second signal
+as "exit now, without a checkpoint"). DIR/sweep.json, rewritten on every change, describes the sweep for
+`nanopt runs`: the command's meta (name, config, command, set, seeds, overrides, nproc, parallel) and per point
+its name, dir, values, seed, status (queued | running | done | skipped (done before this session) | failed |
+interrupted | not started), exit_code, steps, final_val_loss, wall_seconds and command.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
+from tqdm import tqdm
+
 from nanopt import rundirs
 from nanopt.config import Config, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
+from nanopt.experiments import cell, table
 from nanopt.io import clean, write_json
 
 SWEEP_FILE = "sweep.json"
@@ -47,8 +43,6 @@ THREADS_PER_CPU_RUN = 1
 
 
 # ---------------------------------------------------------------- the grid
-
-
 @dataclass(frozen=True)
 class Point:
     """One run of the grid: its directory name, its --set values (as written) and its seed."""
@@ -68,9 +62,8 @@ def normal_key(key: str) -> str:
 
 
 def normal_overrides(overrides: list[str]) -> list[str]:
-    """The common overrides, each as `--section.key=value` with its key normalised: the checks in plan() and
-    every run's command line then see one spelling (`--run.seed 5` and `--run.seed =5` both become
-    `--run.seed=5`). Values are passed on as written (integers never go through float())."""
+    """The common overrides as `--section.key=value`, keys normalised, so plan()'s checks and every run see one
+    spelling (`--run.seed 5`, `--run.seed =5` -> `--run.seed=5`). Values stay as written (never via float())."""
     return [f"--{normal_key(key)}={value}" for key, value in parse_overrides(overrides)]
 
 
@@ -80,13 +73,13 @@ def parse_set(text: str) -> tuple[str, list[str]]:
     key = normal_key(raw_key)
     items = [v.strip() for v in values.split(",")]
     if not sep or key.count(".") != 1 or not all(items):
-        raise ConfigError(
-            f"--set {text!r}: write `--set section.key=V1,V2,...`, e.g. `--set optim.name=adamw,muon` or "
-            f"`--set train.lr=1e-3,3e-3`: one config key, then its values separated by commas (no empty value).")
+        raise ConfigError(f"--set {text!r}: write `--set section.key=V1,V2,...`, e.g. `--set optim.name=adamw,muon` "
+                          f"or `--set train.lr=1e-3,3e-3`: one config key, then its values separated by commas (no "
+                          f"empty value).")
     if key in RESERVED:
-        raise ConfigError(
-            f"--set {text!r}: the sweep sets `{key}` itself for every run. Use --seeds N for seeds (they count up "
-            f"from the config's run.seed, or from --run.seed=S), and --name / --dir for where the runs go.")
+        raise ConfigError(f"--set {text!r}: the sweep sets `{key}` itself for every run. Use --seeds N for seeds (they "
+                          f"count up from the config's run.seed, or from --run.seed=S), and --name / --dir for where "
+                          f"the runs go.")
     if len(set(items)) != len(items):
         raise ConfigError(f"--set {text!r}: a value is repeated; list each value of `{key}` once.")
     return key, items
@@ -116,17 +109,16 @@ def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
         raise ConfigError(f"grid point {too_long[:60]}... makes a directory name over 255 bytes; sweep fewer keys "
                           f"at once or use shorter values.")
     if len(set(names)) != len(names):
-        raise ConfigError(
-            f"two grid points get the same directory name once their values are made filesystem-safe "
-            f"({', '.join(sorted({n for n in names if names.count(n) > 1}))}); use values that differ in letters, "
-            f"digits or '._+-'.")
+        raise ConfigError(f"two grid points get the same directory name once their values are made filesystem-safe "
+                          f"({', '.join(sorted({n for n in names if names.count(n) > 1}))}); use values that differ "
+                          f"in letters, digits or '._+-'.")
     return points
 
 
 def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list[str],
          nproc: int = 1) -> tuple[list[Point], dict[str, Config]]:
-    """Parse the --set flags and check every point's config before anything starts (a typo found after
-    ten runs is ten runs late). Returns the points and each point's loaded config, by point name."""
+    """The points and each one's config by name, every config checked before anything starts (a typo found
+    after ten runs is ten runs late)."""
     if seeds < 1:
         raise ConfigError(f"--seeds {seeds}: give the number of seeds per setting, 1 or more.")
     if nproc < 1:
@@ -149,17 +141,14 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
         except ConfigError as e:
             raise ConfigError(f"grid point {p.name}: {e}") from None
         if not configs[p.name].checkpoint.resume:
-            raise ConfigError(
-                f"grid point {p.name}: checkpoint.resume is false (in {config or 'the defaults'} or an override), but a "
-                f"sweep resumes the runs it interrupted, and it writes each run's {LOG_FILE} into the run directory "
-                f"before the run starts, which a run that may not resume refuses. Drop it: every point has its own "
-                f"directory under runs/NAME, so a sweep under a new --name starts fresh.")
+            raise ConfigError(f"grid point {p.name}: checkpoint.resume is false (in {config or 'the defaults'} or an "
+                              f"override), but a sweep resumes the runs it interrupted, and it writes each run's "
+                              f"{LOG_FILE} into the run directory before the run starts, which a run that may not "
+                              f"resume refuses. Drop it: a sweep under a new --name starts fresh.")
     return points, configs
 
 
 # ---------------------------------------------------------------- placement
-
-
 @dataclass(frozen=True)
 class Slot:
     """Where one run goes: environment for its process and overrides for its config."""
@@ -179,11 +168,10 @@ def usable_cores() -> int:
 
 def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: Optional[int] = None,
           runs: Optional[int] = None, threads: int = 0) -> list[Slot]:
-    """Device slots for concurrent runs. CUDA: `nproc` GPUs per slot (CUDA_VISIBLE_DEVICES), one slot per
-    group, `parallel` at most the number of groups. CPU: `parallel` runs (default: one per
-    THREADS_PER_CPU_RUN cores) share the cores, each with cores // (parallel × nproc) threads per rank
-    (at least 1), or `threads` when the user set runtime.threads. XLA: one process drives every chip, so one
-    run at a time. Never more slots than `runs` (a thread left idle helps nobody)."""
+    """Device slots for concurrent runs, never more than `runs`. CUDA: `nproc` GPUs per slot, at most `parallel`.
+    CPU: `parallel` runs (default: one per THREADS_PER_CPU_RUN cores) share the cores, each with cores //
+    (parallel × nproc) threads per rank (at least 1), or the user's runtime.threads (`threads`). XLA: one
+    process drives every chip, so one run at a time."""
     if nproc < 1 or (parallel is not None and parallel < 1):
         raise ConfigError(f"--nproc {nproc} / --parallel {parallel}: both count processes; give 1 or more.")
     if kind == "cuda":
@@ -201,9 +189,8 @@ def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: O
     k = parallel or max(1, cores // THREADS_PER_CPU_RUN)
     k = min(k, runs) if runs else k
     n = threads or max(1, cores // (k * nproc))
-    # Spinning idle OpenMP threads (ACTIVE, nanopt train's default) steal the cores of the runs beside
-    # them: 1.4-10x slower steps when another job shares the cores (README "Performance"). With one thread
-    # per run nothing spins and PASSIVE costs nothing. A lone run keeps train's ACTIVE.
+    # Spinning idle OpenMP threads (train's default ACTIVE) steal the cores of the runs beside them: 1.4-10x
+    # slower steps (README "Performance"). One thread per run never spins, so PASSIVE costs it nothing.
     env = {"OMP_NUM_THREADS": str(n), **({"OMP_WAIT_POLICY": "PASSIVE"} if k > 1 else {})}
     label = f"cpu: {n} thread{'s' if n > 1 else ''}" + (f" x {nproc} ranks" if nproc > 1 else "")
     return [Slot(label, env, (f"--runtime.threads={n}",))] * k
@@ -234,24 +221,18 @@ def visible_ids(count: int, visible: Optional[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------- run directories
-
-
 def point_state(run_dir: Path, cfg: Config) -> str:
-    """done: finished by rundirs' one rule (trained to max_steps, or stopped at its target with stop_at_target
-    on); resume: a checkpoint exists, and nanopt resumes from it on the same run.dir; new: nothing to go on.
-    ConfigError naming the file when summary.json is damaged. Says nothing about whose config it ran: see
-    config_changes."""
+    """done (rundirs.finished), resume (a checkpoint to resume from) or new; ConfigError naming a damaged
+    summary.json. Says nothing about whose config it ran: see config_changes."""
     if rundirs.finished(run_dir, cfg.train.max_steps, cfg.train.stop_at_target) is not None:
         return "done"
-    # The pointer, not a verified checkpoint: verifying reads every byte (GBs for big models), and the run
-    # itself verifies and falls back when it resumes. Here it only labels the point.
+    # The pointer, not a verified checkpoint: verifying reads every byte (GBs), and the run verifies it anyway.
     return "resume" if (Path(run_dir) / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).exists() else "new"
 
 
 def config_changes(run_dir: Path, cfg: Config) -> list[str]:
-    """How the config the run directory ran (its config.yaml) differs from `cfg`, each as "key: old -> new", in
-    the keys a resume may not change (config.resume_changes decides: train.max_steps, runtime.* and the like
-    may); [] when they agree or there is no config.yaml. ConfigError naming the file when it is damaged."""
+    """How the run directory's config.yaml differs from `cfg` in the keys a resume may not change
+    (config.resume_changes), each as "key: old -> new"; [] when they agree or there is none."""
     saved = rundirs.read_config(run_dir)
     if saved is None:
         return []
@@ -263,8 +244,8 @@ def config_changes(run_dir: Path, cfg: Config) -> list[str]:
 
 def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[str, str]:
     """Each point's state by name, from (name, run directory, the config this sweep would run there). Refuses
-    (ConfigError, one paragraph) when any directory ran another config: skipping it would report another
-    config's result under this sweep's name, and resuming it would continue another config's run."""
+    (one paragraph) when any directory ran another config: skipping it would report another config's result
+    under this sweep's name, resuming it would continue another config's run."""
     states: dict[str, str] = {}
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
@@ -295,27 +276,14 @@ def refusal(changed: dict[str, list[str]], where: Path) -> str:
 
 
 def summary_or_empty(run_dir: Path) -> dict[str, Any]:
-    """summary.json for display: {} when there is none or it is damaged (point_states reported damage before
-    anything started; a table at the end must not die on a file a run wrote since)."""
+    """summary.json for display, {} when there is none or it is damaged (a table must not die on it)."""
     try:
         return rundirs.read_summary(run_dir) or {}
     except ConfigError:
         return {}
 
 
-def tail(path: Path, lines: int = 10) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            return f.read().decode(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
-
-
 # ---------------------------------------------------------------- running
-
-
 @dataclass
 class Job:
     point: Point
@@ -341,42 +309,37 @@ class Job:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the sweep dies, so a run is never left orphaned to clash with
-    the same run started by the next sweep; it checkpoints and exits 75 like any preempted run."""
+    """In the child: SIGTERM when the sweep dies, so no orphaned run clashes with the next sweep's; it
+    checkpoints and exits 75 like any preempted run."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def launch_command(config: Optional[str], job: Job, overrides: list[str], nproc: int, slot: Slot) -> list[str]:
-    """`python -m nanopt.main CONFIG ...` or, for DDP runs, `torchrun --standalone --nproc-per-node=P -m
-    nanopt.main ...` (--standalone: each run its own rendezvous on a free port, so runs never meet)."""
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    else:
-        launcher = [sys.executable]
+    """`python -m nanopt.main CONFIG ...`, or torchrun for DDP (--standalone: each run its own rendezvous)."""
+    launcher = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                                  if nproc > 1 else [])]
     return [*launcher, "-m", "nanopt.main", *([config] if config else []), *overrides, *job.point.overrides(),
             f"--run.dir={job.dir}", f"--run.name={job.point.name}", *slot.overrides]
 
 
 class Progress:
-    """One line per run. On a terminal the block is redrawn in place; otherwise (a log file, CI) a line is
-    printed when a run changes state, so a log stays readable."""
+    """A line per change of a run's state and, on a terminal, tqdm bars below: the runs finished (how many run
+    and failed in its description), then one per slot, its run's steps with loss and val loss. Into a log file
+    only the lines go (no control characters)."""
 
-    def __init__(self, jobs: list[Job], out: IO[str]):
+    def __init__(self, jobs: list[Job], out: IO[str], slots: int):
         self.jobs, self.out = jobs, out
-        self.tty = out.isatty()
         self.width = max(len(j.point.name) for j in jobs)
-        self.drawn = 0
+        bar = functools.partial(tqdm, file=out, dynamic_ncols=True, disable=not out.isatty())
+        self.bar = bar(total=sum(j.status == "queued" for j in jobs), unit="run")
+        self.rows = [bar(total=0, position=i + 1, leave=False, bar_format="{desc}: {bar} {n_fmt}/{total_fmt}{postfix}")
+                     for i in range(slots)]
 
     def line(self, job: Job, slots: list[Slot]) -> str:
         text = f"{job.point.name:<{self.width}}  {job.status:<11}"
         if job.status == "running":
-            m = rundirs.latest_figures(job.dir)
-            if m.get("step") is not None:
-                text += f"  step {m['step']}/{job.cfg.train.max_steps}  loss {m['loss']:.4f}"
-            if m.get("val_loss") is not None:
-                text += f"  val {m['val_loss']:.4f}"
-            text += f"  {time.monotonic() - job.started:.0f}s  [{slots[job.slot].label}]" if job.slot is not None else ""
+            text += f"  [{slots[job.slot].label}]" if job.slot is not None else ""
             text += "  resumed" if job.resumed else ""
         elif job.status in ("done", "skipped"):
             val = summary_or_empty(job.dir).get("final_val_loss")
@@ -385,60 +348,50 @@ class Progress:
             text += f"  exit {job.exit_code}, log {job.dir / LOG_FILE}"
         return text
 
-    def changed(self, job: Job, slots: list[Slot]) -> None:
-        if not self.tty:
-            print(self.line(job, slots), file=self.out, flush=True)
-
     def note(self, text: str) -> None:
-        """A message between redraws: printed below the block, which is then drawn afresh below it (moving up
-        over the message would draw the block over it)."""
-        print(text, file=self.out, flush=True)
-        self.drawn = 0
-
-    def redraw(self, slots: list[Slot]) -> None:
-        if not self.tty:
-            return
-        size = shutil.get_terminal_size()
-        jobs = self.jobs
-        if len(jobs) > size.lines - 3:  # a block taller than the screen cannot be redrawn in place
-            counts = {s: sum(j.status == s for j in jobs) for s in ("queued", "done", "skipped", "failed")}
-            jobs = [j for j in jobs if j.status == "running"]
-            extra = [", ".join(f"{n} {s}" for s, n in counts.items() if n)]
-        else:
-            extra = []
-        lines = [self.line(j, slots) for j in jobs] + extra
-        up = f"\x1b[{self.drawn}F" if self.drawn else ""  # back to the block's first line, then clear below
-        self.out.write(up + "\x1b[J" + "".join(line[:size.columns - 1] + "\n" for line in lines))
+        tqdm.write(text, file=self.out)  # above the bars, which are drawn again below it
         self.out.flush()
-        self.drawn = len(lines)
+
+    def redraw(self) -> None:
+        if self.bar.disable:
+            return
+        self.bar.n = sum(j.status in ("done", "failed", "interrupted") for j in self.jobs)
+        running = {j.slot: j for j in self.jobs if j.status == "running"}
+        failed = sum(j.status == "failed" for j in self.jobs)
+        self.bar.set_description_str(f"{len(running)} running, {failed} failed")
+        for slot, row in enumerate(self.rows):
+            job, m = running.get(slot), {}
+            if job is not None:
+                m = rundirs.latest_figures(job.dir)
+            row.total, row.n = (job.cfg.train.max_steps if job else 0), m.get("step") or 0
+            row.set_description_str(job.point.name if job else "idle", refresh=False)
+            row.set_postfix_str("  ".join(f"{k.replace('_', ' ')} {m[k]:.4f}" for k in ("loss", "val_loss") if k in m))
+
+    def close(self) -> None:
+        for bar in (*self.rows, self.bar):
+            bar.close()
 
 
 def final_table(jobs: list[Job]) -> str:
     """point, status, steps, final val loss, training seconds (the run's own, from summary.json) and the wall
     seconds this session spent on it (start-up, evaluation and checkpoints included; - when skipped)."""
-    header = ("point", "status", "steps", "final val loss", "train (s)", "wall (s)")
-    rows = [header]
+    rows = []
     for j in jobs:
         s = summary_or_empty(j.dir)
         status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
         val, train_s = s.get("final_val_loss"), s.get("train_seconds")
         rows.append((j.point.name, status, "-" if s.get("steps") is None else str(s["steps"]),
                      f"{val:.4f}" if isinstance(val, (int, float)) else "-",
-                     f"{train_s:.1f}" if isinstance(train_s, (int, float)) else "-",
-                     "-" if j.wall is None else f"{j.wall:.1f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+                     f"{train_s:.1f}" if isinstance(train_s, (int, float)) else "-", cell(j.wall, ".1f")))
+    return table(("point", "status", "steps", "final val loss", "train (s)", "wall (s)"), rows)
 
 
 def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
               overrides: list[str], nproc: int = 1, parallel: Optional[int] = None,
               meta: Optional[dict[str, Any]] = None, out: IO[str] = sys.stdout, poll_s: float = 0.5) -> int:
-    """Run every point not yet done, at most one per slot at a time; returns 0 when all are done, 1 when
-    any failed, 75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run the sweep again to go on).
-    Holds DIR/lock.json for its whole life: ConfigError naming the holder when another sweep has it, and
-    ConfigError before anything starts when a point's directory ran another config or is damaged."""
+    """Run every point not yet done, at most one per slot at a time: 0 when all are done, 1 when any failed,
+    75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run it again to go on). ConfigError before
+    anything starts when another sweep holds DIR/lock.json, or a point's directory ran another config."""
     with rundirs.DirLock(root, what="sweep"):
         return _run_locked(config, root, points, configs, overrides, nproc, parallel, meta or {}, out, poll_s)
 
@@ -470,17 +423,14 @@ def _run_locked(config: Optional[str], root: Path, points: list[Point], configs:
     def save() -> None:
         write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
 
-    stop: list[int] = []  # signals received; the loop below acts on them (a handler could miss a run being started)
-    acted = 0  # how many of them the loop has acted on
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    progress = Progress(jobs, out)
+    # Signals received; the loop acts on them (a handler could miss a run being started). `acted`: how many.
+    stop: list[int] = []
+    acted = 0
+    previous = {s: signal.signal(s, lambda signum, frame: stop.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     skipped = sum(j.status == "skipped" for j in jobs)
     print(f"sweep {root}: {len(jobs)} runs, {skipped} already done, {len(pending)} to run"
           + (f", {len(slots)} at a time ({slots[0].label})" if slots else ""), file=out, flush=True)
+    progress = Progress(jobs, out, len(slots))
     save()
     free = list(range(len(slots)))
     try:
@@ -493,7 +443,7 @@ def _run_locked(config: Optional[str], root: Path, points: list[Point], configs:
                 _start(job, config, overrides, nproc, slots[job.slot])
                 if job.status != "running":
                     free.append(job.slot)
-                progress.changed(job, slots)
+                progress.note(progress.line(job, slots))
                 save()
             running = [j for j in jobs if j.status == "running"]
             if not running and (not pending or stop):
@@ -502,33 +452,36 @@ def _run_locked(config: Optional[str], root: Path, points: list[Point], configs:
                 if j.proc is not None and j.proc.poll() is not None:
                     _finished(j)
                     free.append(j.slot)
-                    progress.changed(j, slots)
+                    progress.note(progress.line(j, slots))
                     save()
-            progress.redraw(slots)
+            progress.redraw()
             time.sleep(poll_s)
     finally:
+        progress.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
     for j in pending:
         j.status = "not started"
     save()
-    progress.redraw(slots)
+    return _report(jobs, root, out, stopped=bool(stop))
+
+
+def _report(jobs: list[Job], root: Path, out: IO[str], stopped: bool) -> int:
+    """The final table and each failed run's log tail; the sweep's exit status."""
     print("\n" + final_table(jobs), file=out)
     for j in jobs:
         if j.status == "failed":
             print(f"\n{j.point.name} failed with exit {j.exit_code}; last lines of {j.dir / LOG_FILE}:", file=out)
-            print("\n".join("  " + line for line in tail(j.dir / LOG_FILE)), file=out)
+            print("\n".join("  " + line for line in rundirs.tail_lines(j.dir / LOG_FILE, 16384)[-10:]), file=out)
     print(f"\n{root / SWEEP_FILE} describes the sweep; `nanopt runs {root}` compares the runs.", file=out, flush=True)
     if any(j.status == "failed" for j in jobs):
         return 1
-    return EXIT_PREEMPTED if stop or any(j.status in ("interrupted", "not started") for j in jobs) else 0
+    return EXIT_PREEMPTED if stopped or any(j.status in ("interrupted", "not started") for j in jobs) else 0
 
 
 def _stop_runs(jobs: list[Job], progress: Progress, repeated: bool) -> None:
-    """On SIGINT/SIGTERM: launch nothing more and send each running run exactly one SIGTERM, its cue to
-    checkpoint and exit 75. Never a second one, also not on a repeated Ctrl-C: a run takes a second signal as
-    "exit now", without the checkpoint it may be saving. (The runs are in their own sessions, so the
-    terminal's Ctrl-C reached only this process.)"""
+    """On SIGINT/SIGTERM: launch nothing more and send each running run one SIGTERM, its cue to checkpoint and
+    exit 75. Never a second, also not on a repeated Ctrl-C: a run takes that as "exit now", without a checkpoint."""
     running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
     for j in running:
         if not j.signalled:
@@ -580,8 +533,8 @@ def _finished(job: Job) -> None:
 
 
 def _finished_run(job: Job) -> bool:
-    """Whether the run finished by rundirs' rule; a summary.json it left damaged is a failed run, with the
-    reason at the end of its log (where the final report looks), not a traceback that abandons the others."""
+    """Whether the run finished (rundirs.finished). A damaged summary.json fails the run, with the reason at the
+    end of its log (where the final report looks), not a traceback that abandons the others."""
     assert job.log is not None
     try:
         return rundirs.finished(job.dir, job.cfg.train.max_steps, job.cfg.train.stop_at_target) is not None

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from unittest import mock
 
 from nanopt.cli import COMMANDS, run
 
-from conftest import run_module
+from conftest import REPO, run_module
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -36,3 +38,15 @@ def test_the_console_script_answers_help_in_a_real_process():
     proc = run_module(["nanopt.cli", "train", "--help"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower()
+
+
+def test_a_reader_that_left_ends_the_command_quietly():
+    """`nanopt runs | head`: the pipe's reader is gone before the output is written. No traceback, exit 1."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nanopt.cli", "--help"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1 and proc.stderr == ""

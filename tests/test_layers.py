@@ -17,14 +17,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),                                          # exit codes and error types
     ("io", "hardware", "fastbpe"),                        # atomic files, peak table, BPE engine
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
-    ("flops", "xla", "plots"),                            # FLOPs per token; the XLA backend; matplotlib pictures
+    ("flops", "xla", "plots", "experiments"),  # FLOPs/token; the XLA backend; pictures; finished runs, stats, tables
     ("runtime",),                                         # THE device module
-    ("attention",),                                       # kernels and the choice between them
-    ("model", "optim", "data", "faults", "metrics"),
+    ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
+    ("model", "data", "faults", "metrics"),
     ("mfu", "profiling", "mirror", "evaluation", "generate", "hf"),
     ("checkpoint",),
     ("loading",),
-    ("train", "prepare", "sweep"),
+    ("train", "prepare", "sweep", "comparison", "watch"),  # the logic that commands call
     ("commands",),                                        # nanopt/commands/*: one module per subcommand
     ("cli",),
     ("main",),

@@ -1,6 +1,7 @@
-"""rundirs is the one reader of run directories for `nanopt runs`, `compare`, `plot` and `eval --watch`: one rule for
-is-a-run, finished and complete checkpoints, one walker, and damaged or odd files met with one paragraph naming
-the file (exit 2) or a skipped line, never a traceback. Statistics count each (setting, seed) once.
+"""rundirs is the one reader of run directories (experiments reads many finished runs through it) for `nanopt
+runs`, `compare`, `plot` and `eval --watch`: one rule for is-a-run, finished and complete checkpoints, one
+walker, and damaged or odd files met with one paragraph naming the file (exit 2) or a skipped line, never a
+traceback. Statistics count each (setting, seed) once.
 
 Every run here is a fake: a few small files written by hand, so each test takes milliseconds (the real runs
 are in tests/test_runs_compare.py and tests/test_plots_watch.py)."""
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from nanopt import plots, rundirs
+from nanopt import experiments, plots, rundirs
 from nanopt.cli import run as cli
 from nanopt.errors import ConfigError
 
@@ -77,7 +78,8 @@ def no_traceback(err: str) -> None:
 
 # The files whose run-directory file names come from rundirs; a literal name here would be a second owner.
 READERS = ["nanopt/plots.py", "nanopt/commands/plot.py", "nanopt/commands/eval.py", "nanopt/commands/runs.py",
-           "nanopt/commands/compare.py", "bench/ablation.py", "bench/gpu_check.py", "bench/vs_nanogpt.py",
+           "nanopt/commands/compare.py", "nanopt/experiments.py", "nanopt/comparison.py", "nanopt/watch.py",
+           "nanopt/sweep.py", "bench/ablation.py", "bench/gpu_check.py", "bench/vs_nanogpt.py",
            "bench/omp_policy.py"]
 NAMES = (rundirs.CONFIG_FILE, rundirs.SUMMARY_FILE, rundirs.METRICS_FILE, rundirs.EVALS_FILE, rundirs.PROFILE_FILE)
 
@@ -108,7 +110,7 @@ def test_plot_and_runs_find_runs_with_one_walker(tmp_path):
     assert rundirs.walk_runs(tmp_path) == [outer, inner]
     assert plots.runs_to_plot([tmp_path]) == [outer, inner]
     assert plots.run_labels([outer, inner]) == ["outer", "sweep/point"]  # the holder by its name, not "."
-    assert [r.dir for r in rundirs.find_runs(tmp_path)[0]] == [outer, inner]
+    assert [r.dir for r in experiments.find_runs(tmp_path)[0]] == [outer, inner]
 
 
 def _checkpoint(run_dir: Path, step: int, state: bytes, complete: bytes | None = None) -> Path:
@@ -170,7 +172,7 @@ def test_a_copied_sweep_counts_each_seed_once_and_says_so(sweep, capsys):
 
 def test_group_runs_keeps_the_first_of_a_repeat_by_path_order(sweep):
     shutil.copytree(sweep / "sw" / "muon-0", sweep / "aa-copy")  # sorts before sw/: it is the one kept
-    groups = rundirs.group_runs(rundirs.find_runs(sweep)[0])
+    groups = experiments.group_runs(experiments.find_runs(sweep)[0])
     muon = next(g for g in groups if g.values == {"optim.name": "muon"})
     assert [r.name for r in muon.runs] == ["aa-copy", "sw/muon-1", "sw/muon-2"]
     assert [(r.run.name, r.first.name) for r in muon.repeats] == [("sw/muon-0", "aa-copy")]
@@ -255,13 +257,13 @@ def test_compare_names_an_odd_file(sweep, capsys, name, data, words):
 def test_records_read_objects_only_and_forgive_only_a_cut_last_line(tmp_path):
     run_dir = write_run(tmp_path / "r")
     (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.')
-    assert rundirs.load_run(run_dir).records == [{"step": 1, "loss": 5.0}]  # the line being written is left out
+    assert experiments.load_run(run_dir).records == [{"step": 1, "loss": 5.0}]  # the line being written is left out
     (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ConfigError, match=r"metrics.jsonl: line 2 is not JSON"):
-        rundirs.load_run(run_dir).records
+        experiments.load_run(run_dir).records
     (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1}\n"text"\n')
     with pytest.raises(ConfigError, match=r"line 2 is a string, not an object"):
-        rundirs.load_run(run_dir).records
+        experiments.load_run(run_dir).records
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-from nanopt import profiling, rundirs
+from nanopt import experiments, profiling, rundirs
 from nanopt.cli import run
-from nanopt.commands.runs import describe, welch
 from nanopt.config import Config, to_yaml
+from nanopt.experiments import describe, welch
 
 from conftest import run_module, small_overrides
 
@@ -114,9 +114,9 @@ def sweep(tmp_path: Path) -> Path:
 
 
 def test_runs_group_by_setting_and_split_on_a_result_changing_key(sweep):
-    runs, skipped = rundirs.find_runs(sweep)
+    runs, skipped = experiments.find_runs(sweep)
     assert len(runs) == 7 and len(skipped) == 1 and "not finished" in skipped[0]
-    groups = {g.name: g for g in rundirs.group_runs(runs)}
+    groups = {g.name: g for g in experiments.group_runs(runs)}
     # Keys that vary between groups, in config order (train before optim); seeds, names, checkpoint.every
     # and sample.num_samples do not split a group; train.max_steps does.
     assert set(groups) == {"train.max_steps=200,optim.name=adamw", "train.max_steps=200,optim.name=muon",
@@ -125,7 +125,7 @@ def test_runs_group_by_setting_and_split_on_a_result_changing_key(sweep):
     assert groups["train.max_steps=100,optim.name=adamw"].values == {"train.max_steps": "100", "optim.name": "adamw"}
     assert [r.name for r in groups["train.max_steps=200,optim.name=adamw"].runs] == [
         f"sw/optim.name=adamw,seed={i}" for i in range(3)]
-    only_sweep = rundirs.group_runs(rundirs.find_runs(sweep / "sw")[0])
+    only_sweep = experiments.group_runs(experiments.find_runs(sweep / "sw")[0])
     assert [g.name for g in only_sweep] == ["optim.name=adamw", "optim.name=muon"]
 
 

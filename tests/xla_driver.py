@@ -29,8 +29,8 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
     rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
     resolve(cfg, rt.world_size)
     train(cfg, rt)
-    out = {"step_calls": rt.xla.step_calls, "step_compiles": rt.xla.step_compiles,
-           "recompiles": rt.xla.recompiles, "num_devices": rt.num_devices, "hardware": rt.hardware_name(),
+    out = {"step_calls": rt.backend.step_calls, "step_compiles": rt.backend.step_compiles,
+           "recompiles": rt.backend.recompiles, "num_devices": rt.num_devices, "hardware": rt.hardware_name(),
            "precision": cfg.train.precision}
     if not sample:  # sampling compiles its own graphs: one run checks it, the others skip that cost
         return out
@@ -44,9 +44,9 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
     matches, compiles = [], []
     for prompt_len in (5, 9):  # both fall in the same length bucket
         prompt = torch.arange(3, 3 + 2 * prompt_len).view(2, prompt_len) % cfg.model.vocab_size
-        before = rt.xla.compile_count()
+        before = rt.backend.compile_count()
         on_xla = generate(xla_model, prompt.to(rt.device), 12, temperature=0).cpu()
-        compiles.append(rt.xla.compile_count() - before)
+        compiles.append(rt.backend.compile_count() - before)
         on_host = generate(host_model, prompt, 12, temperature=0)
         matches.append(bool(torch.equal(on_xla, on_host)))
     out.update(sample_tokens=12, sample_compiles=compiles, sample_matches_cpu=matches)

@@ -18,12 +18,11 @@ def _hours_text(hours: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`nanopt estimate`: how long and how much to train a config, before renting anything."""
     parser = argparse.ArgumentParser(
-        prog="nanopt estimate", allow_abbrev=False, usage="nanopt estimate [CONFIG | --config CONFIG] [options] [--section.key=value ...]",
+        prog="nanopt estimate", allow_abbrev=False,
+        usage="nanopt estimate [CONFIG | --config CONFIG] [options] [--section.key=value ...]",
         description="Time, GPU-hours and cost to train a config at an assumed MFU (6N + causal attention "
-                    "FLOPs, dense peaks). Extra --section.key=value overrides apply to the config.",
-    )
+                    "FLOPs, dense peaks). Extra --section.key=value overrides apply to the config.")
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
     parser.add_argument("--gpus", type=int, default=8, help="number of devices (default 8)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")

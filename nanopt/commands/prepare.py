@@ -2,9 +2,10 @@
 tokenizer -> token shards (nanopt/prepare.py), resumable."""
 from __future__ import annotations
 
+import argparse
 import sys
 from concurrent.futures.process import BrokenProcessPool
-from typing import Optional
+from typing import NoReturn
 
 from nanopt.config import load_config, parse_overrides, split_args
 from nanopt.errors import ConfigError, debug_enabled
@@ -26,33 +27,9 @@ Overrides use dotted keys, e.g. --prepare.train_tokens=1e9 --prepare.workers=8.
 """
 
 
-def _take_flags(argv: list[str]) -> tuple[Optional[int], bool, bool, list[str]]:
-    """(--sample-documents N, progress bar?, --verify?, the remaining arguments for config.split_args)."""
-    sample_n, progress, verify, rest = None, True, False, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--no-progress":
-            progress = False
-        elif arg == "--verify":
-            verify = True
-        elif arg == "--sample-documents" or arg.startswith("--sample-documents="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                value, i = argv[i + 1], i + 1
-            else:
-                value = ""
-            try:
-                sample_n = int(value)
-            except ValueError:
-                sample_n = 0
-            if sample_n <= 0:
-                raise ConfigError(f"command line: `--sample-documents` takes a positive number of documents, got {value!r}.")
-        else:
-            rest.append(arg)
-        i += 1
-    return sample_n, progress, verify, rest
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one paragraph and exit 2, like every other bad input
+        raise ConfigError(f"command line: {message}.")
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +38,14 @@ def main(argv: list[str]) -> int:
         print(USAGE)
         return 0
     setup_logging(is_main=True)
-    sample_n, progress, verify, rest = _take_flags(argv)
+    p = _Parser(add_help=False, allow_abbrev=False)
+    p.add_argument("--sample-documents", type=int)
+    p.add_argument("--verify", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    args, rest = p.parse_known_args(argv)
+    sample_n = args.sample_documents
+    if sample_n is not None and sample_n <= 0:
+        raise ConfigError(f"command line: `--sample-documents` takes a positive number of documents, got {sample_n}.")
     path, overrides = split_args(rest)
     cfg = load_config(path, parse_overrides(overrides))
     if sample_n is not None:
@@ -76,7 +60,7 @@ def main(argv: list[str]) -> int:
             print("prepare.train_tokens is 0 (every document): no budget to size")
         return 0
     try:
-        stats = prepare_with_retries(cfg, progress, verify)
+        stats = prepare_with_retries(cfg, not args.no_progress, args.verify)
     except (BrokenProcessPool, *transient_errors()) as e:
         if debug_enabled():
             raise
@@ -91,8 +75,9 @@ def main(argv: list[str]) -> int:
         return 1
     for name, s in stats["splits"].items():
         print(f"{name:>5}: {s['tokens']:,} tokens in {s['shards']} shards, {s['documents']:,} documents, "
-              f"{s['mean_tokens_per_document']:.1f} mean / {s['median_tokens_per_document']:.0f} median tokens/document")
-    run_ = stats["this_run"]
-    print(f"this run: {run_['tokens']:,} tokens in {run_['seconds']:.1f} s ({run_['tokens_per_s'] or 0:,.0f} tokens/s); "
+              f"{s['mean_tokens_per_document']:.1f} mean / {s['median_tokens_per_document']:.0f} median "
+              f"tokens/document")
+    r = stats["this_run"]
+    print(f"this run: {r['tokens']:,} tokens in {r['seconds']:.1f} s ({r['tokens_per_s'] or 0:,.0f} tokens/s); "
           f"wrote {output_dir(cfg) / STATS}")
     return 0

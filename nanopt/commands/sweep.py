@@ -11,21 +11,17 @@ from nanopt.config import DEFAULT_CONFIG, split_args
 from nanopt.errors import ConfigError
 
 DESCRIPTION = """\
-Run every combination of the --set values, once per seed, each as an ordinary run directory
-DIR/<key=value,...,seed=S>/ started as its own process (python -m nanopt.main, or torchrun with --nproc).
-Seeds count up from the config's run.seed (or --run.seed=S): S, S+1, ... Placement: on CUDA one run per
-GPU (--nproc P: P GPUs per run), at most --parallel at a time (default: as many as fit); on CPU --parallel
-runs share the cores, each with cores / parallel threads (default: one run per core). Running the same
-sweep again skips finished runs (trained to max_steps, or stopped at their target) and resumes
-interrupted ones from their checkpoints (set --checkpoint.every for long runs); a raised
---train.max_steps resumes finished ones. A point whose directory ran another config (a changed override
-or config file) is refused before anything starts, naming the keys that differ: use the same config and
-overrides, or a new --name / --dir. One sweep at a time per DIR: DIR/lock.json names the sweep holding it
-(a killed sweep's lock is taken over). Ctrl-C (or SIGTERM) starts nothing new and sends each running run
-one SIGTERM: it saves a checkpoint and exits; a second Ctrl-C sends nothing more. Each run's output is in
-its stdout.log; DIR/sweep.json describes the sweep. Exit status: 0 all done, 1 a run failed, 2 bad input
-(or DIR in use), 75 stopped by a signal (run it again). Other flags of the form --section.key=value apply
-to every run."""
+Run every combination of the --set values, once per seed (S, S+1, ... from the config's run.seed or
+--run.seed=S), each as a run directory DIR/<key=value,...,seed=S>/ in its own process (python -m nanopt.main,
+or torchrun with --nproc). CUDA: one run per GPU (--nproc P: P GPUs per run), at most --parallel at a time
+(default: as many as fit); CPU: --parallel runs share the cores (default: one run per core). Running it again
+skips finished runs and resumes interrupted ones from their checkpoints (set --checkpoint.every for long
+runs); a raised --train.max_steps resumes finished ones. A point whose directory ran another config is refused
+before anything starts, naming the keys that differ: use the same config and overrides, or a new --name /
+--dir. One sweep at a time per DIR (DIR/lock.json). Ctrl-C (or SIGTERM) starts nothing new and sends each
+running run one SIGTERM: it saves a checkpoint and exits. Each run's output is in its stdout.log; DIR/sweep.json
+describes the sweep. Exit status: 0 all done, 1 a run failed, 2 bad input (or DIR in use), 75 stopped by a
+signal (run it again). Other --section.key=value flags apply to every run."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,7 +35,8 @@ def main(argv: list[str]) -> int:
                 usage="nanopt sweep [CONFIG] --set KEY=V1,V2 [--set ...] [--seeds N] [--name NAME | --dir DIR] "
                       "[--parallel K] [--nproc P] [--section.key=value ...]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a config key and its values, comma-separated; repeat for more keys (the grid is their product)")
+                   help="a config key and its values, comma-separated; repeat for more keys (the grid is their "
+                        "product)")
     p.add_argument("--seeds", type=int, default=1, help="runs per setting, seeds run.seed, run.seed+1, ... (default 1)")
     p.add_argument("--name", help="sweep name: the runs go under runs/NAME (default: CONFIG's name + '-sweep')")
     p.add_argument("--dir", help="where the runs go (default runs/NAME)")

@@ -1,0 +1,465 @@
+"""Many finished runs: found below a directory, grouped into settings that differ only in their seed, described
+(mean, sd, Student-t interval), tested against each other (Welch), ranked, and two runs compared (config,
+speed, figures, profile). The logic of `nanopt runs` and `nanopt compare`, and the one table renderer that
+they and the sweep print with.
+
+Torch-free. scipy.stats (0.7 s to import) is imported by the two functions that need it, so the sweep driver,
+which prints its table with this module, starts at once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional
+
+from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
+from nanopt.errors import ConfigError
+from nanopt.io import clean, read_json
+from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE, flatten,
+                            format_value, is_run, read_config, read_metrics, read_summary, walk_runs)
+
+SEED_KEY = "run.seed"
+# Summary fields that split groups too: the same config on another machine or world size is another race.
+HARDWARE_KEYS = ("hardware", "world_size")
+MISSING = "<missing>"  # a key one run's config lacks (written by another nanopt version)
+# summary.json figures that reports do arithmetic on, by the type the trainer writes (null allowed: an
+# unreached target's figures are null). Anything else in a summary is shown as it is.
+SUMMARY_INTEGERS = ("steps", "tokens_seen", "params", "world_size", "step_to_target", "tokens_to_target")
+SUMMARY_NUMBERS = ("train_seconds", "train_seconds_to_target", "final_val_loss", "final_val_bpb", "best_val_loss",
+                   "test_loss", "test_bpb", "target_val_loss", "target_val_bpb")
+# The figures a group of seeds is summarised by (those its runs have), each lower-is-better: label, format.
+GROUP_FIGURES: dict[str, tuple[str, str]] = {
+    "train_seconds_to_target": ("time to target (s)", ".2f"),
+    "step_to_target": ("steps to target", ".1f"),
+    "tokens_to_target": ("tokens to target", ",.0f"),
+    "final_val_loss": ("final val loss", ".4f"),
+    "final_val_bpb": ("final val bpb", ".4f"),
+}
+CONFIDENCE = 0.95
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite(value: Any) -> Optional[float]:
+    """A finite number as a float, else None."""
+    return float(value) if is_number(value) and math.isfinite(value) else None
+
+
+# ---------------------------------------------------------------- reading finished runs
+def _type_problem(data: dict[str, Any], ints: tuple = (), numbers: tuple = (), required: tuple = ()) -> Optional[str]:
+    """The first of `ints` and `numbers` whose value is of another type (None is one unless `required`)."""
+    for key in (*ints, *numbers):
+        value, kind = data.get(key), "an integer" if key in ints else "a number"
+        if (value is not None or key in required) and not (is_int(value) if key in ints else is_number(value)):
+            return f"`{key}` is {value!r}, not {kind}"
+    return None
+
+
+def _profile_problem(profile: Any) -> Optional[str]:
+    """Why a profile summary is not what the profiler writes (the entries `compare` computes with), or None."""
+    if not isinstance(profile, dict):
+        return "it is not a JSON object"
+    problem = _type_problem(profile, ("profiled_steps", "first_step", "last_step"), ("step_ms_mean",),
+                            required=("profiled_steps", "step_ms_mean"))
+    if problem:
+        return problem
+    labels = profile.get("label_ms", {})
+    if not isinstance(labels, dict) or not all(is_number(v) for v in labels.values()):
+        return "`label_ms` is not an object of numbers"
+    ops = profile.get("top_ops", [])
+    if not isinstance(ops, list):
+        return "`top_ops` is not a list"
+    for i, op in enumerate(ops):
+        if not (isinstance(op, dict) and isinstance(op.get("name"), str)
+                and all(is_number(op.get(k)) for k in ("calls", "self_ms"))):
+            return f"`top_ops[{i}]` is not an object with a string `name` and numbers `calls` and `self_ms`"
+    return None
+
+
+def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
+    """profile_summary.json, None when the run was not profiled; ConfigError naming it when it is damaged."""
+    path = Path(run_dir) / PROFILE_FILE
+    if not path.is_file():
+        return None
+    profile = read_json(path)
+    problem = _profile_problem(profile)
+    if problem:
+        raise ConfigError(f"{path} is not a profile summary as the profiler writes it: {problem}. The file is "
+                          f"damaged; remove it (the run's other figures stay usable) or profile the run again.")
+    return profile
+
+
+def _plain(value: Any) -> bool:
+    """A value a nanopt config holds: a string, number, boolean, null, or a list of them (YAML can also give
+    dates and binary, which no config key takes)."""
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+@dataclass
+class FinishedRun:
+    """One finished run directory (it has its summary.json). `records` (metrics.jsonl) and `profile` are read
+    on first use, so listing many runs reads neither, and a damaged one stops only a command that needs it."""
+
+    dir: Path
+    config: dict[str, Any]  # flattened: {"optim.name": "muon", ...}; {} when config.yaml is missing
+    summary: dict[str, Any]
+    name: str = ""  # how reports call it: the path below the directory searched
+
+    @cached_property
+    def records(self) -> list[dict[str, Any]]:
+        return read_metrics(self.dir)
+
+    @cached_property
+    def profile(self) -> Optional[dict[str, Any]]:
+        return read_profile(self.dir)
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get(SEED_KEY)
+
+    def setting(self) -> tuple[tuple[str, str], ...]:
+        """What the run computes, as sorted (key, value) pairs: the config without the seed and the neutral
+        keys, plus the hardware. Runs with the same setting are seeds of one experiment."""
+        if not self.config:  # no config.yaml: nothing to match on, so the run stands alone
+            return (("run.dir", str(self.dir)),)
+        items = {k: v for k, v in self.config.items() if k != SEED_KEY and k not in NEUTRAL_KEYS}
+        items.update({k: self.summary.get(k) for k in HARDWARE_KEYS})
+        return tuple(sorted((k, format_value(v)) for k, v in items.items()))
+
+
+def load_run(path: Path, name: str = "") -> FinishedRun:
+    """The finished run in `path`; ConfigError saying what is missing or damaged and what to give instead."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory. Give a run directory (runs/<name>, the one holding "
+                          f"{CONFIG_FILE} and {SUMMARY_FILE}).")
+    if not is_run(path):
+        raise ConfigError(f"{path} is not a run directory: it holds none of {CONFIG_FILE}, {SUMMARY_FILE}, "
+                          f"{METRICS_FILE}, {CHECKPOINTS_DIR}/. Give a run directory (runs/<name>); "
+                          f"`nanopt runs {path}` lists the runs below it.")
+    summary = read_summary(path)
+    if summary is None:
+        raise ConfigError(f"{path} has no {SUMMARY_FILE}: the run has not finished (a run writes it when it "
+                          f"ends). Wait for it, resume it with the same command, or give a finished run.")
+    problem = _type_problem(summary, SUMMARY_INTEGERS, SUMMARY_NUMBERS)
+    if problem:
+        raise ConfigError(f"{path / SUMMARY_FILE}: {problem}; the file is damaged. Remove it and run the run's "
+                          f"command again to finish it anew.")
+    config = flatten(read_config(path) or {})
+    odd = next((k for k, v in config.items() if not _plain(v)), None)
+    if odd is not None:
+        raise ConfigError(f"{path / CONFIG_FILE}: `{odd}` is {config[odd]!r}, which no config key takes (a string, "
+                          f"number, true/false, null or a list of them); the file is damaged.")
+    return FinishedRun(path, config, summary, name or path.name)
+
+
+def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
+    """Every finished run at or below `root` (rundirs.walk_runs), sorted by path, and a line for each run
+    directory left out (unfinished, or a file of it damaged: the line names it)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory; give the directory that holds the runs (default runs/) "
+                          f"or a sweep's directory (runs/<sweep>).")
+    runs, skipped = [], []
+    for path in walk_runs(root):
+        name = path.relative_to(root).as_posix() if path != root else path.name
+        if not (path / SUMMARY_FILE).is_file():
+            skipped.append(f"{path}: not finished (no {SUMMARY_FILE})")
+            continue
+        try:
+            runs.append(load_run(path, name))
+        except ConfigError as e:
+            skipped.append(str(e))
+    return runs, skipped
+
+
+@dataclass
+class Repeat:
+    """A run with the setting and seed of an earlier one (a sweep copied, or run twice): it measures nothing
+    new, so statistics count the pair once."""
+
+    run: FinishedRun  # left out
+    first: FinishedRun  # counted
+
+    def describe(self) -> str:
+        return (f"{self.run.dir} repeats {self.first.dir} (the same setting and {SEED_KEY}="
+                f"{format_value(self.run.seed)}): counted once, as {self.first.name}")
+
+
+def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
+    """The runs with each (setting, seed) once, the first in path order kept, and the repeats. Two copies of
+    one run counted as two seeds would halve the standard error and make any difference look significant."""
+    first: dict[tuple, FinishedRun] = {}
+    kept, repeats = [], []
+    for run in runs:
+        key = (run.setting(), format_value(run.seed))
+        if key in first:
+            repeats.append(Repeat(run, first[key]))
+        else:
+            first[key] = run
+            kept.append(run)
+    return kept, repeats
+
+
+@dataclass
+class Group:
+    """Runs with one setting, each seed once; `name` is the keys that vary between the groups found together."""
+
+    name: str
+    runs: list[FinishedRun] = field(default_factory=list)
+    values: dict[str, str] = field(default_factory=dict)  # the varying keys' values, as in the name
+    repeats: list[Repeat] = field(default_factory=list)  # runs left out as repeats of one in `runs`
+
+    @property
+    def seeds(self) -> list[Any]:
+        return [r.seed for r in self.runs]
+
+
+def group_runs(runs: list[FinishedRun]) -> list[Group]:
+    """Runs grouped by setting, in order of first appearance, repeats counted once (each group lists its own).
+    A group is named by the keys whose value differs between groups (`optim.name=muon`), or `all`."""
+    kept, repeats = split_repeats(runs)
+    by_setting: dict[tuple, list[FinishedRun]] = {}
+    for run in kept:
+        by_setting.setdefault(run.setting(), []).append(run)
+    settings = [dict(s) for s in by_setting]
+    keys = [k for k in dict.fromkeys(k for s in settings for k in s)
+            if len({s.get(k, MISSING) for s in settings}) > 1]
+    # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
+    order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
+    keys.sort(key=lambda k: order.get(k, len(order)))
+    groups = []
+    for setting, members in by_setting.items():
+        values = {k: dict(setting).get(k, MISSING) for k in keys}
+        own = [r for r in repeats if r.first.setting() == setting]
+        groups.append(Group(",".join(f"{k}={v}" for k, v in values.items()) or "all", members, values, own))
+    return groups
+
+
+# ---------------------------------------------------------------- statistics over seeds
+def describe(values: list[float]) -> dict[str, Any]:
+    """n, mean, sample standard deviation and the 95% Student-t confidence interval of the mean (sd and
+    interval are None below 2 values; identical values give a zero-width interval)."""
+    from scipy import stats  # heavy: see the module docstring
+
+    n = len(values)
+    out: dict[str, Any] = {"n": n, "mean": statistics.fmean(values) if n else None, "sd": None, "ci95": None}
+    if n >= 2:
+        out["sd"] = statistics.stdev(values)
+        if out["sd"] == 0:
+            out["ci95"] = [out["mean"], out["mean"]]  # scipy returns nan for a zero scale
+        else:
+            low, high = stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))
+            out["ci95"] = [float(low), float(high)]
+    return out
+
+
+def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
+    """The metric from each run that has it (a run that never reached its target has no time to target)."""
+    return [float(r.summary[metric]) for r in runs if is_number(r.summary.get(metric))]
+
+
+def group_stats(group: Group) -> dict[str, Any]:
+    figures = {m: describe(v) for m in GROUP_FIGURES if (v := values_of(group.runs, m))}
+    return {"name": group.name, "values": group.values, "n": len(group.runs), "seeds": group.seeds,
+            "runs": [r.name for r in group.runs], "stats": figures}
+
+
+def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tuple[str, str] = ("A", "B")
+          ) -> dict[str, Any]:
+    """Does A have a lower mean than B? Welch's t-test (unequal variances), one-sided, and the two-sided 95%
+    interval of mean(A) - mean(B). `testable` is False, with the reason, where the test cannot be done."""
+    from scipy import stats  # heavy: see the module docstring
+
+    out: dict[str, Any] = {
+        "metric": metric, "lower_is_better": True, "alpha": alpha, "test": "Welch's t-test, one-sided",
+        "alternative": "mean(A) < mean(B)",
+        "a": {"name": names[0], **describe(a)}, "b": {"name": names[1], **describe(b)},
+        "difference": statistics.fmean(a) - statistics.fmean(b) if a and b else None,
+        "difference_ci95": None, "t": None, "df": None, "p": None, "testable": False, "a_beats_b": None,
+    }
+    if len(a) < 2 or len(b) < 2:
+        out["reason"] = (f"n is too small to test: A has {len(a)} and B has {len(b)} run(s) with {metric}; "
+                         f"Welch's t-test needs at least 2 per group (more seeds: nanopt sweep ... --seeds N)")
+        return out
+    if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
+        out["reason"] = "no spread within either group (every run gave the same value): the t-test is undefined"
+        return out
+    one_sided = stats.ttest_ind(a, b, equal_var=False, alternative="less")
+    low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(CONFIDENCE)
+    out.update(t=float(one_sided.statistic), df=float(one_sided.df), p=float(one_sided.pvalue),
+               difference_ci95=[float(low), float(high)], testable=True, a_beats_b=bool(one_sided.pvalue < alpha))
+    return out
+
+
+def resolve(spec: str, groups: list[Group], root: Path) -> Group:
+    """A --compare side: a group by exact name, a directory (its runs must be seeds of one setting), or a
+    unique substring of a group name."""
+    names = [g.name for g in groups]
+    if spec in names:
+        return groups[names.index(spec)]
+    if Path(spec).is_dir():
+        found = group_runs(find_runs(Path(spec))[0])
+        if len(found) != 1:
+            listing = "; ".join(f"{g.name} ({len(g.runs)} runs)" for g in found) or "no finished runs"
+            raise ConfigError(f"--compare {spec}: the directory holds {len(found)} settings, not one ({listing}). "
+                              f"Give a group name or a directory whose runs differ only in their seed.")
+        return Group(spec, found[0].runs, found[0].values, found[0].repeats)
+    matches = [g for g in groups if spec in g.name]
+    if len(matches) == 1:
+        return matches[0]
+    listing = "\n  ".join(names)
+    if matches:
+        raise ConfigError(f"--compare {spec}: matches {len(matches)} groups ({', '.join(g.name for g in matches)}); "
+                          f"give more of the name. The groups in {root}:\n  {listing}")
+    raise ConfigError(f"--compare {spec}: no group name contains {spec!r} and it is not a directory. Give a group "
+                      f"name (or part of one) or a run directory. The groups in {root}:\n  {listing}")
+
+
+def compare_groups(a: Group, b: Group, metric: str, alpha: float) -> dict[str, Any]:
+    """welch() of the two groups' `metric`; ConfigError listing their numeric figures when neither has it."""
+    va, vb = values_of(a.runs, metric), values_of(b.runs, metric)
+    if not va and not vb:
+        present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items() if is_number(v)})
+        raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
+                          f"Their numeric figures: {', '.join(present)}.")
+    return welch(va, vb, metric, alpha, (a.name, b.name))
+
+
+def _target(r: dict[str, Any]) -> str:
+    """The run's target with its unit (runs may race to a loss or to bits per byte)."""
+    if r.get("target_val_bpb") is not None:
+        return f"{r['target_val_bpb']:.3f} bpb"
+    return "-" if r.get("target_val_loss") is None else f"{r['target_val_loss']:.3f} nats"
+
+
+def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
+    """One row per run (named by its directory below DIR), fastest to target first, then by final val loss."""
+    rows = [{**r.summary, "run": r.name} for r in runs]
+    reached = sorted((r for r in rows if r.get("train_seconds_to_target") is not None),
+                     key=lambda r: (_target(r), r["train_seconds_to_target"]))
+    rest = sorted((r for r in rows if r.get("train_seconds_to_target") is None),
+                  key=lambda r: (r.get("final_val_loss") is None, r.get("final_val_loss") or 0))
+    return reached + rest
+
+
+def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
+                alpha: float = 0.05) -> dict[str, Any]:
+    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
+    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
+    if not 0 < alpha < 1:
+        raise ConfigError(f"--alpha {alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
+    found, skipped = find_runs(root)
+    runs, repeats = split_repeats(found)
+    groups = group_runs(runs)
+    comparison = None
+    if compare:
+        a, b = (resolve(spec, groups, root) for spec in compare)
+        repeats += [r for g in (a, b) for r in g.repeats]  # a directory given to --compare may hold its own
+        comparison = compare_groups(a, b, metric, alpha)
+    return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
+            "comparison": comparison, "skipped": skipped,
+            "warnings": list(dict.fromkeys(r.describe() for r in repeats))}  # each once
+
+
+# ---------------------------------------------------------------- text
+def table(header: tuple[str, ...] | list[str], rows: list, markdown: bool = False) -> str:
+    """Rows under a header: columns padded to their widest cell with a dashed rule (a terminal), or a
+    Markdown table (cells as they are)."""
+    if markdown:
+        return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cell(value: Any, spec: str, sign: bool = False) -> str:
+    """A figure formatted, "-" when there is none."""
+    return "-" if value is None else format(value, ("+" if sign else "") + spec)
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """A report as JSON; NaN/inf as null (JSON has neither)."""
+    def safe(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: safe(v) for k, v in value.items()}
+        return [safe(v) for v in value] if isinstance(value, list) else clean(value)
+    return json.dumps(safe(report), indent=2)
+
+
+def _spec(metric: str) -> str:
+    return GROUP_FIGURES[metric][1] if metric in GROUP_FIGURES else ".4g"
+
+
+def _groups_text(summaries: list[dict[str, Any]]) -> str:
+    rows = []
+    for g in summaries:
+        for i, (metric, s) in enumerate(g["stats"].items()):
+            spec = _spec(metric)
+            ci = "-" if s["ci95"] is None else f"[{format(s['ci95'][0], spec)}, {format(s['ci95'][1], spec)}]"
+            rows.append((g["name"] if i == 0 else "", str(g["n"]) if i == 0 else "", GROUP_FIGURES[metric][0],
+                         str(s["n"]), format(s["mean"], spec), cell(s["sd"], spec), ci))
+        if not g["stats"]:  # a group whose runs have none of the figures
+            rows.append((g["name"], str(g["n"]), "-", "0", "-", "-", "-"))
+    return table(("group", "runs", "figure", "n", "mean", "sd", "95% CI"), rows)
+
+
+def _comparison_text(c: dict[str, Any]) -> str:
+    spec = _spec(c["metric"])
+    label = GROUP_FIGURES.get(c["metric"], (c["metric"],))[0]
+    lines = [f"A = {c['a']['name']}", f"B = {c['b']['name']}", f"{label} ({c['metric']}), lower is better:"]
+    for side, s in (("A", c["a"]), ("B", c["b"])):
+        lines.append(f"  {side}: n={s['n']}, mean {cell(s['mean'], spec)}, sd {cell(s['sd'], spec)}")
+    if c["difference"] is not None:
+        ci = "" if c["difference_ci95"] is None else \
+            f", 95% CI [{format(c['difference_ci95'][0], spec)}, {format(c['difference_ci95'][1], spec)}] (Welch)"
+        lines.append(f"  mean(A) - mean(B) = {format(c['difference'], spec)}{ci}")
+    if not c["testable"]:
+        lines.append(f"  no test: {c['reason']}.")
+        return "\n".join(lines)
+    lines.append(f"  {c['test']} (H1: mean(A) < mean(B)): t = {c['t']:.3f}, df = {c['df']:.1f}, p = {c['p']:.3g}")
+    verdict = "A beats B" if c["a_beats_b"] else "A does not beat B"
+    lines.append(f"  {verdict} at alpha = {c['alpha']:g} (p {'<' if c['a_beats_b'] else '>='} {c['alpha']:g}).")
+    return "\n".join(lines)
+
+
+def _leaderboard_text(rows: list[dict[str, Any]]) -> str:
+    header = ("run", "target", "to target (s)", "steps", "tokens", "final val", "val bpb", "test bpb",
+              "train (s)", "tokens seen", "params", "hardware")
+    return table(header, [(
+        r["run"], _target(r), cell(r.get("train_seconds_to_target"), ".1f"),
+        cell(r.get("step_to_target"), "d"), cell(r.get("tokens_to_target"), ","),
+        cell(r.get("final_val_loss"), ".4f"), cell(r.get("final_val_bpb"), ".4f"), cell(r.get("test_bpb"), ".4f"),
+        cell(r.get("train_seconds"), ".1f"), cell(r.get("tokens_seen"), ","), cell(r.get("params"), ","),
+        f"{r.get('world_size', '?')}x {r.get('hardware') or r.get('device') or '?'}",
+    ) for r in rows])
+
+
+def runs_text(report: dict[str, Any], per_run: bool = False) -> str:
+    """runs_report() for a terminal: the groups' statistics when some group has several seeds (unless
+    `per_run`), else the leaderboard; then the comparison, warnings and skipped runs."""
+    groups, runs = report["groups"], report["runs"]
+    if not runs:
+        lines = [f"no finished runs in {report['dir']} (a run writes {SUMMARY_FILE} when it ends)"]
+    elif any(g["n"] > 1 for g in groups) and not per_run:
+        lines = [f"{len(runs)} runs in {len(groups)} group(s) of seeds; named by the config keys that differ "
+                 f"between groups; n: runs with the figure; 95% CI of the mean (Student t)", _groups_text(groups)]
+    else:
+        lines = [_leaderboard_text(runs)]
+    if report["comparison"] is not None:
+        lines += ["", _comparison_text(report["comparison"])]
+    return "\n".join(lines + [f"warning: {w}" for w in report["warnings"]]
+                     + [f"skipped {s}" for s in report["skipped"]])
