@@ -42,7 +42,7 @@ TRAIN_GPUS = 8
 EVAL_GPU = "L40S"  # 48 GB: enough to evaluate the 1B model in bf16, at a fraction of an H100's price
 BENCH_GPU = "H100!"
 # The benches that mean something on a GPU (ddp.py and prepare.py measure CPU cores).
-GPU_BENCHES = ("vs_hf", "ladder", "gpu_check")  # gpu_check: the CUDA path verified (README "On one H100")
+GPU_BENCHES = ("vs_hf", "ladder", "gpu_check")  # gpu_check: the CUDA path verified (docs/results.md "GPU: one H100")
 PREPARE_CPUS = 32.0
 DAY_S = 24 * 60 * 60  # Modal's longest function timeout
 TRAIN_TIMEOUT_S = DAY_S
@@ -422,8 +422,8 @@ def evaluate(run_name: str, split: str = "val") -> int:
 def bench(name: str = "vs_hf", args: str = "") -> int:
     """A bench on one GPU: `modal run modal_app.py::bench --name vs_hf --args "--repeats 7"`.
 
-    Where the 1.5x-over-Hugging-Face goal and the GPU rungs of the ladder get measured (README:
-    Performance); the output is the bench's own table, printed to this terminal.
+    Where the 1.5x-over-Hugging-Face goal and the GPU rungs of the ladder get measured
+    (docs/results.md); the output is the bench's own table, printed to this terminal.
     """
     return subprocess.run(bench_command(name, args)).returncode
 

@@ -4,7 +4,7 @@
     python bench/gpu_check.py --sections env,attention,ddp      # some of them
     python bench/gpu_check.py --cpu-smoke                       # the same code at toy size on CPU (a test runs it)
 
-Sections (README "Performance"; issue 16's findings in brackets):
+Sections (docs/results.md "GPU: one H100"; issue 16's findings in brackets):
   env        versions, the device, how nanopt names it (SXM/PCIe) and its peak; a measured bf16 matmul
   attention  the SDPA kernel torch picks per dtype at 1B shapes, with and without nanopt's GQA handling
              [5]; nanopt's sdpa and flash-attn (when installed) against a float64 reference

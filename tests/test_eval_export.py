@@ -170,7 +170,7 @@ def test_bits_per_byte_target_stops_the_run(tmp_path, capsys):
 
 
 def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, corpus_dir):
-    """configs/speedrun-cpu.yaml as the README runs it (Muon, QK-norm, softcap, untied) on a prepared
+    """configs/speedrun-cpu.yaml as docs/speedrun.md runs it (Muon, QK-norm, softcap, untied) on a prepared
     directory: the val bpb falls below an easy target well before max_steps, and the run stops there."""
     from nanopt.main import run
 

@@ -1,5 +1,5 @@
 """bench/gpu_check.py --cpu-smoke: the GPU check's own code, run at toy size on CPU so that it cannot rot
-between the sessions that have a GPU (README "Performance" has its figures from an H100)."""
+between the sessions that have a GPU (docs/results.md "GPU: one H100" has its figures)."""
 from __future__ import annotations
 
 import importlib.util

@@ -90,7 +90,7 @@ def test_place_cpu_splits_the_cores():
     assert two[0].overrides == ("--runtime.threads=1",)
     one = sweep.place("cpu", [], cores=2, parallel=1)
     assert one[0].env == {"OMP_NUM_THREADS": "2"} and one[0].overrides == ("--runtime.threads=2",)  # alone: ACTIVE
-    assert len(sweep.place("cpu", [], cores=2)) == 2  # default: one run per core (README "Sweeps")
+    assert len(sweep.place("cpu", [], cores=2)) == 2  # default: one run per core (docs/experiments.md "Sweeps")
     assert sweep.place("cpu", [], cores=2, runs=1)[0].overrides == ("--runtime.threads=2",)
     assert sweep.place("cpu", [], cores=16, nproc=2, parallel=4)[0].overrides == ("--runtime.threads=2",)
     assert sweep.place("cpu", [], cores=2, parallel=4)[0].overrides == ("--runtime.threads=1",)  # at least 1
