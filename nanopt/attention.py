@@ -57,7 +57,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int =
 
 def sdpa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
     """sdpa with the K/V heads repeated to the query heads instead of enable_gqa: a fused kernel where
-    enable_gqa would get the math one (sdpa_gqa_unfused_reason). Costs the repeated K/V, B Hq T D each."""
+    enable_gqa would get the math one (see choose). Costs the repeated K/V, B Hq T D each."""
     return sdpa(q, *repeat_kv(q, k, v), causal_offset)
 
 
@@ -77,8 +77,8 @@ def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
 
 def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
     """torch_xla's Pallas flash attention (TPU only), or sdpa where the kernel does not apply (decoding with
-    a KV cache, a batch the device mesh does not divide)."""
-    out = xla.flash_attention(q, k, v, causal_offset)
+    a KV cache, a batch the device mesh does not divide). Lazy XLA drops the repeated K/V when unused."""
+    out = xla.flash_attention(q, *repeat_kv(q, k, v), causal_offset)
     return sdpa(q, k, v, causal_offset) if out is None else out
 
 
@@ -98,38 +98,13 @@ def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optio
     return None
 
 
-def sdpa_gqa_unfused_reason(device_type: str, precision: str) -> Optional[str]:
-    """Why SDPA with enable_gqa would fall to its math kernel here (T x T scores in memory), or None: on CUDA
-    the flash kernel refuses fp32 and the memory-efficient one enable_gqa (8 GiB of scores per layer at 1B
-    shapes, bench/gpu_check.py)."""
-    if device_type == "cuda" and precision == "fp32":
-        return "SDPA's fused CUDA kernels take either fp32 or enable_gqa, not both"
-    return None
-
-
-def xla_flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optional[str]:
-    """Why `model.attention: xla_flash` (Pallas, TPU only) cannot run on this device, or None when it can."""
-    if device_type != "xla":
-        return f"xla_flash needs `runtime.device: xla` on a TPU (this run is on {device_type})"
-    return xla.flash_unavailable_reason()
-
-
-UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla_flash_unavailable_reason}
-
-
-def _sdpa_for(device_type: str, precision: str) -> tuple[str, AttentionFn]:
-    """sdpa, or sdpa_repeat_kv where enable_gqa would fall to the unfused math kernel (logged once)."""
-    reason = sdpa_gqa_unfused_reason(device_type, precision)
-    if reason is None:
-        return "sdpa", sdpa
-    log.info("attention: sdpa repeats K/V heads for grouped-query attention because %s", reason)
-    return "sdpa (K/V repeated)", sdpa_repeat_kv
+UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla.flash_unavailable_reason}
 
 
 def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, AttentionFn]:
     """Resolve the configured backend for this device and precision, logging any fallback and its reason once."""
-    if name in ("auto", *UNAVAILABLE_REASON):
-        kernel = "flash" if name == "auto" else name
+    kernel = "flash" if name == "auto" else name
+    if kernel in UNAVAILABLE_REASON:
         reason = UNAVAILABLE_REASON[kernel](device_type, precision)
         if reason is None:
             return kernel, BACKENDS[kernel]
@@ -137,7 +112,11 @@ def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, A
             log.info("attention: auto chose sdpa because %s", reason)
         else:
             log.warning("attention: %s requested but %s; falling back to sdpa", name, reason)
-        return _sdpa_for(device_type, precision)
-    if name == "sdpa":
-        return _sdpa_for(device_type, precision)
-    return name, BACKENDS[name]
+        kernel = "sdpa"
+    if kernel == "sdpa" and device_type == "cuda" and precision == "fp32":
+        # With enable_gqa SDPA would fall to its math kernel (T x T scores in memory: 8 GiB per layer at 1B
+        # shapes, bench/gpu_check.py): the flash kernel refuses fp32 and the memory-efficient one enable_gqa.
+        log.info("attention: sdpa repeats K/V heads for grouped-query attention because SDPA's fused CUDA kernels "
+                 "take either fp32 or enable_gqa, not both")
+        return "sdpa (K/V repeated)", sdpa_repeat_kv
+    return kernel, BACKENDS[kernel]

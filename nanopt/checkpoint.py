@@ -9,8 +9,7 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
 It is written to `.tmp_step_NNNNNN/`, fsynced, renamed into place; `checkpoints/latest` is updated last. The
 names and the verification are rundirs.py's. On resume the newest checkpoint that verifies is used (a damaged
 one is left in place, named in a warning); when the run has trained but none is usable, every re-run refuses
-(exit 2) until the user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart.
-"""
+(exit 2) until the user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart."""
 from __future__ import annotations
 
 import logging
@@ -52,27 +51,19 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    check_shapes(model, path)
-    state = load_file(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-def check_shapes(model: torch.nn.Module, path: Path) -> None:
-    """Raise ValueError naming the first tensors whose saved shape differs from the model's."""
+    """Load saved weights; ValueError naming the first tensors of another shape, or missing or unexpected."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="pt") as f:  # shapes from the header, before reading any tensor
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
              for k in saved if k in own and saved[k] != own[k]]
     if wrong:
         raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
-
-
-# ---------------------------------------------------------------- save and verify
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def _fsync(path: Path) -> None:
@@ -82,12 +73,9 @@ def _fsync(path: Path) -> None:
 
 class _Sealer:
     """fsyncs each finished file and sums its crc32 in worker threads while the next file is serialised.
-
-    Measured (bench/checkpoint_save.py): the native writers followed by a re-read from the page cache beat
-    summing the crc32 through a Python file object (both libraries would copy every record through Python);
-    overlapping the fsync and the re-read (zlib releases the GIL) with the next file shortens a save that
-    must fit a preemption's grace period.
-    """
+    Measured (bench/checkpoint_save.py): the native writers then a re-read from the page cache beat summing the
+    crc32 through a Python file object; overlapping the fsync and re-read (zlib releases the GIL) with the next
+    file shortens a save that must fit a preemption's grace period."""
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nanopt-ckpt")
@@ -108,10 +96,8 @@ class _Sealer:
             self.pool.shutdown(wait=True)
 
 
-def save(
-    ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-    state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None,
-) -> Path:
+def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+         state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None) -> Path:
     """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `rng` is every
     rank's Runtime.rng_state() in rank order (default: this process's host states)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -160,14 +146,10 @@ def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------- the run's checkpointer
-
-
 class Checkpointer:
     """Everything the training loop asks of checkpoints: restore at start, when to save and saving (all ranks),
     and on close waiting for the mirror's copies. Besides weights, optimizer and RNGs it saves `states`, named
-    Stateful components (run state, loader, speedrun clock): adding resumable state is adding an entry.
-    """
+    Stateful components (run state, loader, speedrun clock): adding resumable state is adding an entry."""
 
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (rundirs.DirLock) before this
@@ -183,8 +165,6 @@ class Checkpointer:
             except Exception as e:  # any fsspec backend error: permissions, credentials, network
                 raise ConfigError(f"`checkpoint.mirror` {cfg.checkpoint.mirror!r} cannot be written ({e}); "
                                   f"check the URL and credentials, or unset it.") from None
-
-    # -- restore
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 states: dict[str, Stateful]) -> Optional[dict[str, Any]]:
@@ -298,37 +278,33 @@ class Checkpointer:
                               f"version. Resume with that version, or start a new run (a new `run.dir`).")
         changes = resume_changes(saved["config"], self.cfg)
         if changes:
-            raise ConfigError(
-                f"the config differs from the one checkpoint {ckpt} was trained with: {'; '.join(changes)}. {fix}"
-            )
+            raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
+                              f"{'; '.join(changes)}. {fix}")
         data_change = _describe_data_change(saved["data"], self.data) if "data" in saved else None
         if data_change:
-            raise ConfigError(
-                f"the training shards do not match checkpoint {ckpt}: {data_change}. Point `data.source` at the "
-                f"shards the run was trained on, or start a new run (a new `run.dir`)."
-            )
+            raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
+                              f"`data.source` at the shards the run was trained on, or start a new run (a new "
+                              f"`run.dir`).")
         try:
             load_model_weights(model, ckpt / rundirs.MODEL_FILE)
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        opt_state = torch.load(ckpt / rundirs.OPTIMIZER_FILE, weights_only=True, map_location=self.rt.init_device)
+        init_device = self.rt.backend.init_device
+        opt_state = torch.load(ckpt / rundirs.OPTIMIZER_FILE, weights_only=True, map_location=init_device)
         try:
             optim.load_state_dict(optimizer, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
             component.load_state_dict(saved[name])
-        rngs = torch.load(ckpt / rundirs.RNG_FILE, weights_only=True)
-        ranks = rngs["ranks"]
+        ranks = torch.load(ckpt / rundirs.RNG_FILE, weights_only=True)["ranks"]
         if len(ranks) != self.rt.world_size and self.rt.is_main:
             log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank 0's",
                         len(ranks), self.rt.world_size)
         self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
         self.last_saved_step = saved["step"]
         return saved
-
-    # -- save
 
     def should_save(self, step: int) -> bool:
         """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it

@@ -63,11 +63,10 @@ def preemption_handlers() -> Iterator[None]:
 
 
 class StopSignal:
-    """All ranks agree, after every step, whether any of them was signalled or ran past `run.time_limit_s`,
-    so they stop (checkpoint, exit 75) after the same step: torchrun signals each worker separately, and each
-    rank reads its own clock. The sum runs on a CPU (gloo) group, so it never waits for the accelerator's
-    queue. The limit counts from set-up (this object is made first), like a scheduler's timeout.
-    """
+    """All ranks agree after every step whether any was signalled or ran past `run.time_limit_s`, so they stop
+    (checkpoint, exit 75) after the same step: torchrun signals each worker separately, and each rank reads its
+    own clock. The sum runs on a CPU (gloo) group, never waiting for the accelerator's queue. The limit counts
+    from set-up (this object is made first), like a scheduler's timeout."""
 
     def __init__(self, rt: Runtime, time_limit_s: float = 0.0):
         self.rt, self.time_limit_s = rt, time_limit_s
@@ -98,12 +97,9 @@ class StopSignal:
 
 
 class FiniteGuard:
-    """Notices a non-finite loss on any rank without a host sync per step.
-
-    update() folds each step's loss into a device-side flag; check() reads it, summed over ranks, on logging
-    steps and before every save, when it also checks the weights (step k's loss precedes step k's update, so
-    an update that overflowed shows only there): a checkpoint never holds a diverged model.
-    """
+    """Notices a non-finite loss on any rank without a host sync per step: update() folds each loss into a
+    device-side flag; check() reads it, summed over ranks, on logging steps and before every save, when it also
+    checks the weights (an update that overflowed shows only there): a checkpoint never holds a diverged model."""
 
     def __init__(self, rt: Runtime, start_step: int):
         self.rt, self.checked_step = rt, start_step

@@ -1,6 +1,5 @@
 """Where numbers go: the console (logging set-up, one line per logged step), metrics.jsonl, TensorBoard,
-optional W&B. Only rank 0's MetricsLogger writes; other ranks get a silent one.
-"""
+optional W&B. Only rank 0's MetricsLogger writes; other ranks get a silent one."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,9 @@
 """Model FLOPs utilisation in the loop: the run's peak (spec sheet or measured), and the meter that turns a
 logging window's seconds into MFU, HFU and TFLOP/s. MFU = achieved model FLOP/s / (per-device dense peak ×
-devices); the FLOPs per token come from flops.py, the peaks from hardware.py.
-"""
+devices); the FLOPs per token come from flops.py, the peaks from hardware.py."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -16,21 +16,17 @@ from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
 
-_warned: set[str] = set()
 
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
+@functools.cache  # once per process and message
+def warn_once(message: str) -> None:
+    log.warning(message)
 
 
 class MFUMeter:
     """Turns (steps, seconds) of a logging window into MFU, skipping warm-up steps.
 
     Work is counted per optimizer step over the whole world (every rank and micro-step) and the peak per
-    device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size.
-    """
+    device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size."""
 
     def __init__(self, flops_per_token: float, flops_per_token_6n: float, tokens_per_step: int,
                  peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
@@ -71,7 +67,7 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
     peak measured by every rank at once (the mean), else the detected accelerator's table entry. An unknown
     accelerator gives None and one warning: MFU is then null, never a guess."""
     precision, override = cfg.train.precision, cfg.mfu.hardware
-    warn = warn_once if rt.is_main else (lambda key, message: None)  # one warning per run, not per rank
+    warn = warn_once if rt.is_main else (lambda message: None)  # one warning per run, not per rank
     if override == "auto" and rt.backend.measures_peak:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         rt.barrier()  # all ranks measure at once, sharing the cores as they will in training
@@ -82,13 +78,13 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
     name = rt.hardware_name()
     key = override if override != "auto" else detect_hardware(name, rt.backend.power_limit_watts())
     if key is None:
-        warn(f"unknown:{name}", f"mfu: unknown accelerator {name!r}: no dense peak in nanopt.mfu.PEAKS, so "
-                  f"MFU is null. Set --mfu.hardware=KEY if it is one of: {', '.join(PEAKS)}")
+        warn(f"mfu: unknown accelerator {name!r}: no dense peak in nanopt.mfu.PEAKS, so MFU is null. Set "
+             f"--mfu.hardware=KEY if it is one of: {', '.join(PEAKS)}")
         return None, f"unknown accelerator {name!r}"
     peak = table_peak(key, precision)
     if peak is None:
-        warn(f"noprec:{key}", f"mfu: {PEAKS[key].name} has no published dense {matmul_precision(precision)} "
-                              f"peak; MFU will be null (train in bf16 for an MFU figure)")
+        warn(f"mfu: {PEAKS[key].name} has no published dense {matmul_precision(precision)} peak; MFU will be "
+             f"null (train in bf16 for an MFU figure)")
     source = f"{PEAKS[key].name}, from mfu.hardware" if override != "auto" else name
     return peak, f"{key} ({source}), {matmul_precision(precision)} dense spec sheet"
 

@@ -2,8 +2,7 @@
 
 Opt-in speedrun options (ModelConfig: qk_norm, mlp=relu2, logit_softcap, value_embeddings,
 residual_scalars) change the architecture; each is off by default, and with all off the modules, the
-state_dict keys, a seed's weights and the forward pass are those of the plain Llama that hf.py exports.
-"""
+state_dict keys, a seed's weights and the forward pass are those of the plain Llama that hf.py exports."""
 from __future__ import annotations
 
 import functools
@@ -51,8 +50,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _RMSNormalize(torch.autograd.Function):
     """RMS normalisation with a hand-written backward: 3 full-size kernels instead of autograd's 7, which halves
-    the norms' share of a small CPU step. With y = x * r, r = rsqrt(mean(x^2) + eps): dx = r * (g - y * mean(g * y)).
-    """
+    the norms' share of a small CPU step. With y = x * r, r = rsqrt(mean(x^2) + eps): dx = r * (g - y * mean(g * y))."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,11 +114,6 @@ def residual_linear(in_features: int, out_features: int) -> nn.Linear:
     return lin
 
 
-def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise each head's vector (last dim), no gain, in fp32 like RMSNorm: B H T D -> B H T D."""
-    return rms_normalize(x.float(), eps).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, kernel: AttentionFn = sdpa):
         super().__init__()
@@ -145,7 +138,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
         v = self.values(x, idx).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
         if self.qk_norm_eps is not None:  # before RoPE: the rotation keeps the norm, the scores stay bounded
-            q, k = head_rms_norm(q, self.qk_norm_eps), head_rms_norm(k, self.qk_norm_eps)
+            # Each head's vector, no gain, in fp32 like RMSNorm.
+            q, k = (rms_normalize(t.float(), self.qk_norm_eps).to(t.dtype) for t in (q, k))  # B H T D each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.k[:B, :, start_pos : start_pos + T] = k
@@ -241,8 +235,7 @@ class Llama(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
 
     def tie_head(self) -> None:
-        """Make the LM head the embedding matrix again, when tied: to_empty and moves across device types
-        re-create parameters, which unties them."""
+        """Make the LM head the embedding matrix again, when tied (to_empty and device moves untie them)."""
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
@@ -253,11 +246,9 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter by its module's type (_init_by_type), in module order: normal(0, init_std),
-        depth-scaled for Linears marked RESIDUAL_OUT; RMSNorm gains and residual scalars as the identity. A tied
-        head is initialised once, as the embedding; the RoPE tables are recomputed (meta buffers hold no data).
-        A parameter no rule covers raises, naming its module: after to_empty it would be uninitialised memory.
-        """
+        """Initialise every parameter by its module's type (_init_by_type), in module order, a tied head once (as
+        the embedding), and recompute the RoPE tables (meta buffers hold no data). A parameter no rule covers
+        raises, naming its module: after to_empty it would be uninitialised memory."""
         done: set[int] = set()  # ids of initialised parameters; a tied head shares the embedding's
         for module in self.modules():
             if any(id(p) not in done for p in module.parameters(recurse=False)):
@@ -302,12 +293,10 @@ class Llama(nn.Module):
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy without holding all B×T×V logits at once: each chunk's logits are recomputed in
-        backward, so peak memory is one chunk's (at vocab 128256 and 16k tokens the full fp32 logits are 8.4 GB).
-        """
+        backward, so peak memory is one chunk's (at vocab 128256, 16k tokens' fp32 logits are 8.4 GB)."""
         B, T, _ = h.shape
         count = (targets != -100).sum().clamp(min=1)
-        # The cap is bound here so recompute (typed for tensors; torch_xla's reentrant checkpoint on XLA) gets
-        # tensor arguments only.
+        # Bound here: recompute (torch_xla's reentrant checkpoint on XLA) takes tensor arguments only.
         loss_sum = functools.partial(_chunk_loss_sum, softcap=self.cfg.logit_softcap)
         # Without autograd (evaluation) chunks cost nothing, so the logits stay bounded even where training runs
         # unchunked (the compiled GPU configs: 25 GB of logits per 170m micro-batch otherwise).
@@ -366,21 +355,16 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
                 loss_chunk_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                 init_device: torch.device | str | None = None) -> Llama:
     """A ready model: built on the meta device (no memory, no wasted init), materialised, initialised once.
-
-    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG) and then moves to `device`.
-    A `dtype` other than fp32 (bf16-pure) casts the parameters at the end; the RoPE tables stay fp32.
-    """
+    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG), then moves to `device`;
+    a `dtype` other than fp32 (bf16-pure) casts the parameters, not the RoPE tables."""
     with torch.device("meta"):
         model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)
     model.to_empty(device=init_device or device)
     model.tie_head()
     model.init_weights()
-    if init_device is not None and torch.device(init_device) != torch.device(device):
-        model.to(device)
-        model.tie_head()
-    if dtype != torch.float32:  # bf16-pure: the parameters; the RoPE tables stay fp32
-        model.to(dtype)
-        model.tie_head()  # a cast keeps parameters in place today; re-tie in case torch re-creates them
+    model.to(device=device, dtype=dtype)  # a no-op unless moving (XLA) or casting (bf16-pure)
+    model.tie_head()  # a move across device types re-creates the parameters, which unties them
+    if dtype != torch.float32:
         # bf16 would round every cos/sin entry by up to 2^-9; apply_rope rotates in fp32 and casts back.
         model.rope_cos, model.rope_sin = rope_tables(cfg, model.rope_cos.shape[0], device=model.rope_cos.device)
     _check_param_count(cfg, model)

@@ -37,8 +37,6 @@ def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = N
     """(base lr, weight decay) of one kind: optim.<kind>_lr and optim.<kind>_weight_decay, null meaning
     train.lr and train.weight_decay. Scalars (gains, residual scalars) never decay: pulling a gain toward zero
     shrinks the whole layer's output, which is not what weight decay is for."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown parameter kind {kind!r}; expected one of {KINDS}")
     optim = optim or OptimConfig()
     lr = getattr(optim, f"{kind}_lr")
     decay = 0.0 if kind == "scalar" else getattr(optim, f"{kind}_weight_decay")
@@ -76,9 +74,8 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
 
 def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str,
                     optim: Optional[OptimConfig] = None) -> torch.optim.Optimizer:
-    """The optimizer optim.name asks for over the kind groups, each starting at its base lr (apply_schedule
-    scales it every step). adamw: AdamW on every kind. muon: Muon on the matrix kind (the hidden 2-D weights
-    it is made for), AdamW on embeddings, head and scalars, as one MuonWithAdamW."""
+    """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon
+    on the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
@@ -111,13 +108,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     This one holds the very group dicts and state the two step (shared, not copies), so param_groups is in
     KINDS order, state_dict() is a single optimizer's (each group's "optimizer" key names its owner) and
-    torch's load_state_dict works unchanged; the two are re-pointed at the loaded groups and state after it.
-    """
+    torch's load_state_dict works unchanged; the two are re-pointed at the loaded groups and state after it."""
 
     def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
         self.optimizers = {MUON: muon, ADAMW: adamw}
         # Muon holds only the matrix group, first in KINDS: concatenating keeps KINDS order. "capturable" is
-        # the flag xla.compile_step sets through `defaults` for AdamW's on-device step count; Muon ignores it.
+        # the flag XlaBackend.compile_step sets through `defaults` for AdamW's on-device step count; Muon ignores it.
         super().__init__([*muon.param_groups, *adamw.param_groups], defaults={"capturable": False})
         self._share()
 
@@ -171,16 +167,10 @@ def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
         group["lr"] = group["base_lr"] * multiplier
 
 
-# ---------------------------------------------------------------- loading optimizer state
-
-
 def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a saved optimizer state_dict into `optimizer` (built by build_optimizer for the same model).
-
-    The trajectory (moments, momentum buffers, step counts, lr, betas, eps, Muon's settings) comes from the
-    checkpoint; RUN_KEYS and the implementation flags come from this run, since torch's load would otherwise
-    replace them with the saved groups'. State of another optimizer or other groups is refused (ValueError).
-    """
+    """Load a saved state_dict into `optimizer` (build_optimizer's, same model). The trajectory (moments, step
+    counts, lr, betas, ...) comes from the checkpoint; RUN_KEYS and the implementation flags from this run, which
+    torch's load would replace with the saved groups'. Another optimizer's or other groups' state: ValueError."""
     current = [{k: g[k] for k in RUN_KEYS + IMPL_KEYS if k in g} for g in optimizer.param_groups]
     saved_name, name = optimizer_name(state["param_groups"]), optimizer_name(optimizer.param_groups)
     if saved_name != name:  # torch would load AdamW moments as Muon momentum (or fail halfway) without a word

@@ -1,12 +1,7 @@
 """The profiler around the training loop: nothing when off; when on, a torch.profiler schedule, per-rank
-traces where TensorBoard's PyTorch Profiler plugin finds them, and a summary of where the time went.
-
-The loop enters `profiler(...)`, labels its data loading (`label(DATA)`; train_step labels forward, backward
-and optimizer) and calls `.step()` once per optimizer step. The number to make go down is
-`host_overhead_share`: the part of each profiled step in which the work that trains the model is not running
-(CPU: outside the forward/backward/optimizer labels; GPU: no device activity). Data loading is counted on its
-own, so the three shares add up to 1.
-"""
+traces where TensorBoard's PyTorch Profiler plugin finds them, and a summary of where the time went (see
+summarize). The loop enters `profiler(...)`, labels its steps' parts (`label(DATA)`, ...) and calls `.step()`
+once per optimizer step. The number to make go down is `host_overhead_share`."""
 from __future__ import annotations
 
 import contextlib
@@ -74,11 +69,6 @@ def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, 
     return new_wait, new_warmup, new_active
 
 
-def trace_dir(run_dir: Path, first_active_step: int) -> Path:
-    """Where the traces go: a run of TensorBoard's pytorch_profiler plugin under <run>/tb/."""
-    return Path(run_dir) / TB_DIR / "plugins" / "profile" / f"step_{first_active_step:06d}"
-
-
 def worker_name(rank: int) -> str:
     """Trace files are <host>_<rank>.<timestamp>.pt.trace.json: the plugin reads node and process from this."""
     return f"{socket.gethostname()}_{rank}"
@@ -96,7 +86,7 @@ def profiler(cfg: Config, rt: Runtime, start_step: int = 0,
                           f"(0..{rt.world_size - 1}); list ranks that exist, or use all.")
     if ranks is not None and rt.rank not in ranks:
         return Off()
-    activities = rt.backend.profiler_activities()
+    activities = rt.backend.profiler_activities
     if activities is None:
         if rt.is_main:
             log.warning("profile.enabled is on, but this profiler path does not support %s devices; no trace is "
@@ -120,7 +110,8 @@ class Profile:
         self.p, self.rt, self.run_dir, self.activities, self.metrics = p, rt, Path(run_dir), activities, metrics
         self.wait, self.warmup, self.active = schedule
         self.first_step = start_step + self.wait + self.warmup + 1  # optimizer steps are counted from 1
-        self.dir = trace_dir(self.run_dir, self.first_step)
+        # A run of TensorBoard's pytorch_profiler plugin under <run>/tb/.
+        self.dir = self.run_dir / TB_DIR / "plugins" / "profile" / f"step_{self.first_step:06d}"
         self.steps_done = 0
         self._prof = None
         self._snapshot = False
@@ -148,13 +139,10 @@ class Profile:
         self.steps_done += 1  # before .step(): the trace (and its summary) may be written inside it
         self._prof.step()
         if self.steps_done >= self.wait + self.warmup + self.active:
-            self.stop()
-
-    def stop(self) -> None:
-        """Close the profiler; a window cut short (the run ended early) is still written and summarised."""
-        self.__exit__(None, None, None)
+            self.__exit__(None, None, None)
 
     def __exit__(self, *exc: Any) -> None:
+        """Close the profiler; a window cut short (the run ended early) is still written and summarised."""
         global _active
         if self._prof is None:
             return
@@ -167,8 +155,6 @@ class Profile:
             path = self.dir / f"{worker_name(self.rt.rank)}.memory_snapshot.pickle"
             self.rt.backend.dump_memory_snapshot(str(path))
             log.info("profile: CUDA memory snapshot in %s (open it at pytorch.org/memory_viz)", path)
-
-    # ------------------------------------------------------------ when the trace is ready
 
     def _on_trace_ready(self, prof: Any) -> None:
         before = set(self.dir.glob("*.pt.trace.json"))
@@ -210,9 +196,6 @@ class Profile:
             writer.flush()
 
 
-# ------------------------------------------------------------------ the summary
-
-
 Interval = tuple[float, float]
 
 
@@ -252,8 +235,7 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
     data loader (inside the data label, not overlapping compute) and host overhead (the rest).
 
     `steps_recorded` keeps only the first that many steps: when the profiler is stopped mid-window, the last
-    ProfilerStep range holds whatever ran after the final .step() (evaluation, saving), not a step.
-    """
+    ProfilerStep range holds whatever ran after the final .step() (evaluation, saving), not a step."""
     events = prof.events()
     by_label: dict[str, list[Interval]] = {}
     device_busy: list[Interval] = []

@@ -2,8 +2,7 @@
 
 What differs between device types sits behind one small backend per type (CpuBackend, CudaBackend, xla.py's
 XlaBackend), chosen once by init(): Runtime delegates instead of branching, so adding a device is adding a
-backend. Which kernels and optimizer flags a device supports is answered beside them (attention.py, optim.py).
-"""
+backend. Which kernels and optimizer flags a device supports is answered beside them (attention.py, optim.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -35,12 +34,12 @@ class Backend:
     num_devices = 1  # devices this process drives
     # True where MFU is measured against a matmul benchmark at start-up rather than a spec sheet.
     measures_peak = False
+    profiler_activities: Optional[list] = None  # None where torch.profiler does not drive the device
+    process_group_options: dict[str, Any] = {"backend": "gloo"}
+    ddp_device_ids: Optional[list[int]] = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = self.init_device = device  # init_device: where weights are initialised, then moved
-
-    def process_group_options(self) -> dict[str, Any]:
-        return {"backend": "gloo"}
 
     def sync(self) -> None:
         """Wait for queued device work, so host timers measure it."""
@@ -67,10 +66,6 @@ class Backend:
         """Peak memory a caching allocator reserved (what runs out: allocated plus cached, fragmented blocks)."""
         return None
 
-    def profiler_activities(self) -> Optional[list]:
-        """torch.profiler activities, or None where torch.profiler does not drive the device."""
-        return None
-
     def start_memory_history(self) -> bool:
         """Start recording the allocator's history; False where there is none."""
         return False
@@ -85,9 +80,6 @@ class Backend:
         """The board's default power limit (tells an H100 SXM from a PCIe card when the name is bare), or None."""
         return None
 
-    def ddp_device_ids(self) -> Optional[list[int]]:
-        return None
-
     def rng_state(self) -> dict[str, Any]:
         """Device generators to checkpoint beside the host's."""
         return {}
@@ -100,6 +92,7 @@ class CpuBackend(Backend):
     """The host. MFU is measured: no spec sheet describes a shared, throttled, differently vectorised host."""
 
     measures_peak = True
+    profiler_activities = [ProfilerActivity.CPU]
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CpuBackend:
@@ -110,15 +103,14 @@ class CpuBackend(Backend):
     def peak_memory_bytes(self) -> Optional[int]:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak RSS; Linux says KiB
 
-    def profiler_activities(self) -> Optional[list]:
-        return [ProfilerActivity.CPU]
-
     def hardware_name(self) -> str:
         return cpu_model_name()
 
 
 class CudaBackend(Backend):
     """One GPU per rank, through its torch device module (torch.cuda)."""
+
+    profiler_activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CudaBackend:
@@ -131,9 +123,8 @@ class CudaBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.module = torch.get_device_module(device)
-
-    def process_group_options(self) -> dict[str, Any]:
-        return {"backend": "nccl", "device_id": self.device}
+        self.process_group_options = {"backend": "nccl", "device_id": device}
+        self.ddp_device_ids = [device.index]
 
     def sync(self) -> None:
         self.module.synchronize(self.device)
@@ -143,9 +134,6 @@ class CudaBackend(Backend):
 
     def peak_reserved_bytes(self) -> Optional[int]:
         return int(self.module.max_memory_reserved(self.device))
-
-    def profiler_activities(self) -> Optional[list]:
-        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
 
     def start_memory_history(self) -> bool:
         self.module.memory._record_memory_history(max_entries=100_000)
@@ -159,10 +147,25 @@ class CudaBackend(Backend):
         return self.module.get_device_name(self.device)
 
     def power_limit_watts(self) -> Optional[float]:
-        return _cuda_default_power_limit(self.device)
+        # Address the board by UUID: CUDA_VISIBLE_DEVICES renumbers devices, NVML and nvidia-smi do not.
+        uuid = str(getattr(self.module.get_device_properties(self.device), "uuid", "") or "")
+        nvml_id = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        try:
+            import pynvml  # nvidia-ml-py, optional
 
-    def ddp_device_ids(self) -> Optional[list[int]]:
-        return [self.device.index]
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByUUID(nvml_id)
+            return pynvml.nvmlDeviceGetPowerManagementDefaultLimit(handle) / 1000.0  # milliwatts
+        except Exception:  # not installed, or NVML unavailable: ask nvidia-smi
+            pass
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=power.default_limit", "--format=csv,noheader,nounits", "-i", nvml_id],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout
+            return float(out.strip().splitlines()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
 
     def rng_state(self) -> dict[str, Any]:
         # This rank's GPU only, not get_rng_state_all(): every rank sees all GPUs of its node, and a resume with
@@ -188,28 +191,6 @@ class SpmdXlaBackend(xla.XlaBackend, Backend):
 BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "cuda": CudaBackend, "xla": SpmdXlaBackend}
 
 
-def _cuda_default_power_limit(device: torch.device) -> Optional[float]:
-    # Address the board by UUID: CUDA_VISIBLE_DEVICES renumbers devices, NVML and nvidia-smi do not.
-    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
-    nvml_id = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-    try:
-        import pynvml  # nvidia-ml-py, optional
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(nvml_id)
-        return pynvml.nvmlDeviceGetPowerManagementDefaultLimit(handle) / 1000.0  # milliwatts
-    except Exception:  # not installed, or NVML unavailable: ask nvidia-smi
-        pass
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=power.default_limit", "--format=csv,noheader,nounits", "-i", nvml_id],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout
-        return float(out.strip().splitlines()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
 @dataclass
 class Runtime:
     kind: str  # cuda | cpu | xla
@@ -231,10 +212,6 @@ class Runtime:
         return self.backend.num_devices * self.world_size
 
     @property
-    def init_device(self) -> torch.device:
-        return self.backend.init_device
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -252,10 +229,6 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.kind, dtype=torch.bfloat16)
 
-    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
-        """The train step as the loop should call it: on XLA one compiled graph, reused every step."""
-        return self.backend.compile_step(step_fn, optimizer)
-
     def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
         return self.backend.batch_to_device(t)
 
@@ -266,8 +239,7 @@ class Runtime:
         self.backend.sync()
 
     def warn_if_checkpoints_perishable(self, mirror: str) -> None:
-        """At start-up: warn when checkpoints live only on a disk the machine takes with it (a spot TPU VM
-        without checkpoint.mirror)."""
+        """Warn when checkpoints live only on a disk the machine takes with it (a spot TPU VM, no mirror)."""
         message = self.backend.preemption_warning(mirror)
         if message:
             log.warning("%s", message)
@@ -338,7 +310,7 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
     backend = BACKENDS[kind].start(local_rank, local_world, threads, precision)
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(minutes=30)
-        dist.init_process_group(timeout=timeout, **backend.process_group_options(), **_restart_store(timeout))
+        dist.init_process_group(timeout=timeout, **backend.process_group_options, **_restart_store(timeout))
     return Runtime(kind, backend.device, rank, local_rank, world, local_world, precision, backend)
 
 
@@ -375,19 +347,16 @@ def _tuples(x: Any) -> Any:
 
 def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     """Activation checkpointing: run `fn` now without keeping its activations, and again in backward. On XLA
-    torch's own fails (it looks up `torch.xla`), and XLA would fold the recompute away: torch_xla's has a barrier.
-    """
+    torch's own fails (it looks up `torch.xla`), and XLA would fold the recompute away: torch_xla's has a barrier."""
     if args[0].device.type == "xla":
         return xla.recompute(fn, *args)
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
 def teardown(rt: Optional[Runtime] = None, wait_for_peers: bool = False) -> None:
-    """Leave the process group (a no-op when there is none or it is already gone). wait_for_peers, on a
-    successful exit: a rank that destroys its gloo connections while a peer still finishes (rank 0 writing
-    files) can abort that peer ("terminate called without an active exception", seen here). On an error path
-    do not wait: the peers may never arrive, and torchrun stops them when this rank exits non-zero.
-    """
+    """Leave the process group, if any. wait_for_peers (a successful exit): a rank that drops its gloo links while
+    a peer still writes files can abort it ("terminate called without an active exception"). On an error path
+    do not wait: the peers may never arrive, and torchrun stops them when this rank exits non-zero."""
     if dist.is_available() and dist.is_initialized():
         if wait_for_peers:
             dist.barrier()

@@ -62,9 +62,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     return loss_sum, grad_norm
 
 
-# ---------------------------------------------------------------- resumable state and loop components
-
-
 @dataclass
 class RunState:
     """The run's counters; saved in every checkpoint."""
@@ -168,9 +165,8 @@ class Validator:
 
     def test(self, directory: Path, step: int) -> dict[str, float]:
         """The test split's loss and bpb after the final step ({} when off or when there are no test shards)."""
-        if not self.cfg.eval.test_at_end:
-            return {}
-        batches = split_batches(self.cfg, self.rt, directory, "test", self.cfg.eval.batches)
+        test_at_end = self.cfg.eval.test_at_end
+        batches = split_batches(self.cfg, self.rt, directory, "test", self.cfg.eval.batches) if test_at_end else None
         if batches is None:
             return {}
         loss, bpb = self._measure("test", batches, step)
@@ -197,9 +193,6 @@ def weights_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-# ---------------------------------------------------------------- setup -> loop -> finish
 
 
 @dataclass
@@ -250,9 +243,9 @@ def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.opt
     if rt.distributed:
         # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
         # before each forward (DDP's default would send them from rank 0 every micro-step).
-        train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids(),
+        train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids,
                           gradient_as_bucket_view=True, broadcast_buffers=False)
-    step_fn = rt.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
+    step_fn = rt.backend.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
 
 
@@ -273,11 +266,10 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision)
     model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
-                        dtype=rt.param_dtype, init_device=rt.init_device)  # XLA: initialised with the host RNG
+                        dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
-    # Exact resume: model, optimizer, loader position, every rank's RNGs, the run state and the speedrun
-    # clock (README: "Resume, preemption and faults"); refuses a changed config or data, skips corrupt ones.
+    # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
     ckpt = Checkpointer(cfg, rt, data.split_paths(directory, "train"))
     saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock})
     if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
@@ -299,9 +291,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
     return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
                clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
-               StepLogger(cfg, rt, metrics, meter, guard, state.step), guard,
-               stop,  # SIGTERM/SIGINT or the time limit on any rank -> all ranks checkpoint after the same step
-               time.perf_counter())
+               StepLogger(cfg, rt, metrics, meter, guard, state.step), guard, stop, time.perf_counter())
 
 
 def one_step(run: Session) -> None:
@@ -439,10 +429,9 @@ def summary_line(summary: dict[str, Any]) -> str:
 
 
 def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Run (or resume) training as configured; returns the summary written to summary.json. A finished run is
-    not trained further: its summary is returned and nothing is written. Whatever ends the run closes the
-    profiler, the checkpointer (waiting for mirror copies), the logs and the run directory's lock the same way.
-    """
+    """Run (or resume) training; returns summary.json's contents. A finished run is not trained further: its
+    summary is returned and nothing written. However the run ends, profiler, checkpointer (mirror copies),
+    logs and the run directory's lock are closed the same way."""
     lock = own_run_dir(cfg, rt)
     try:
         # checkpoint.resume=false asks for a fresh run: the checkpointer refuses a directory that is not empty.

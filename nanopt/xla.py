@@ -1,7 +1,6 @@
 """The XLA (TPU) device path behind runtime.py: PJRT selection, the SPMD data mesh, one compiled graph per
 train step with a recompile guard, and Pallas flash attention. torch_xla is imported only inside functions,
-when `runtime.device` is xla (or the xla_flash kernel runs), so CUDA and CPU runs never load it.
-"""
+when `runtime.device` is xla (or the xla_flash kernel runs), so CUDA and CPU runs never load it."""
 from __future__ import annotations
 
 import logging
@@ -73,10 +72,11 @@ class XlaBackend:
                 f"torch: `pip install -e \".[tpu]\"` (torch 2.9 + torch_xla 2.9)."
             ) from None
         import numpy as np
+        import torch_xla.core.xla_model as xm
         import torch_xla.debug.metrics as met
         import torch_xla.distributed.spmd as xs
 
-        self._torch_xla, self._xr, self._xs, self._met = torch_xla, xr, xs, met
+        self._torch_xla, self._xm, self._xs, self._met = torch_xla, xm, xs, met
         # SPMD must be switched on before anything touches the runtime (device queries included).
         xr.use_spmd()
         if xr.process_count() > 1:
@@ -103,8 +103,6 @@ class XlaBackend:
         self.step_calls = self.step_compiles = 0  # train-step calls, and the compilations charged to them
         self.recompiles = 0  # of those, the ones after warm-up
 
-    # ---- counters and names
-
     def compile_count(self) -> int:
         """Graphs compiled so far in this process (train steps, eval, sampling), from torch_xla's metrics."""
         data = self._met.metric_data("CompileTime")
@@ -123,8 +121,7 @@ class XlaBackend:
         return f"XLA {self.pjrt_device}"
 
     def peak_memory_bytes(self) -> Optional[int]:
-        """Peak bytes on the busiest chip (PeakMemory says from where), or None."""
-        return self._peak_memory()
+        return self._peak_memory()  # the busiest chip's, from the first source that answers
 
     def _pjrt_peak_bytes(self) -> int:
         real = self._torch_xla.real_devices()[0]
@@ -132,10 +129,7 @@ class XlaBackend:
         return int(info.get("peak_bytes_used", info["bytes_used"]))
 
     def preemption_warning(self, mirror: str) -> Optional[str]:
-        """Why this run's checkpoints may not survive the VM (a spot/preemptible TPU VM, no mirror), or None."""
         return preemption_warning(mirror) if self.pjrt_device == "TPU" else None
-
-    # ---- data and graph boundaries
 
     def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device, split along dim 0 over the 'data' axis of the mesh."""
@@ -154,23 +148,15 @@ class XlaBackend:
         self._torch_xla.sync()
 
     def sync(self) -> None:
-        import torch_xla.core.xla_model as xm
-
-        xm.wait_device_ops()
-
-    # ---- the compiled train step
+        self._xm.wait_device_ops()
 
     def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
-        """Wrap train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph.
-
-        Micro-batches are sharded outside the compiled region; each group reads its lr from a device tensor
-        for the call, so a changing schedule does not alter the graph; an optimizer with a `capturable` option
-        keeps its step count on the device (bias corrections need no host sync). foreach groups (ADAMW_OPTIONS)
-        are left as built: torch refuses both for them on XLA. A run that keeps recompiling is stopped.
-        """
+        """train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph. Micro-batches are
+        sharded outside it; each group's lr is a device tensor for the call, so a changing schedule keeps the
+        graph. foreach groups (ADAMW_OPTIONS) keep host lr and step: torch refuses both for them on XLA."""
         for group in (optimizer.defaults, *optimizer.param_groups):  # defaults: for groups added later
             if "capturable" in group and not group.get("foreach"):  # only optimizers that define the flag
-                group["capturable"] = True  # bias corrections from the on-device step, no .item()
+                group["capturable"] = True  # step count on the device: bias corrections need no .item()
         compiled = self._torch_xla.compile(step_fn, name="train_step")
 
         def run(model: torch.nn.Module, opt: torch.optim.Optimizer, micro_batches: list, rt: Any,
@@ -215,16 +201,12 @@ class XlaBackend:
             )
 
 
-# ---------------------------------------------------------------- peak memory
-
-
 class PeakMemory:
     """Peak device bytes from the first source that answers, each a callable that returns bytes or raises.
 
     PJRT's memory info has a true peak but refuses SPMD's virtual device (how nanopt always runs); tpu-info
     (with torch_xla[tpu]) reads the HBM in use from libtpu's metrics server, so its peak is the highest use
-    seen at the calls so far. A source that fails is not asked again; with none left: None and one warning.
-    """
+    seen at the calls so far. A source that fails is not asked again; with none left: None and one warning."""
 
     def __init__(self, sources: list[tuple[str, Callable[[], int]]]) -> None:
         self.sources = list(sources)
@@ -259,8 +241,6 @@ def tpu_info_hbm_bytes() -> int:
     return max(usage.memory_usage for usage in metrics.get_chip_usage(chip))
 
 
-# ---------------------------------------------------------------- spot / preemptible TPU VMs
-
 METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/scheduling/"
 
 
@@ -291,9 +271,6 @@ def preemption_warning(mirror: str, fetch: Callable[[str], Optional[str]] = gce_
             f"`--checkpoint.mirror=gs://BUCKET/PATH` (gcsfs comes with the `tpu` extra) to resume from a copy.")
 
 
-# ---------------------------------------------------------------- activation checkpointing
-
-
 def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     """torch_xla's activation checkpointing (reentrant only), with the barrier that keeps the recompute."""
     from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
@@ -301,11 +278,10 @@ def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     return xla_checkpoint(fn, *args)
 
 
-# ---------------------------------------------------------------- Pallas flash attention (TPU)
-
-
-def flash_unavailable_reason() -> Optional[str]:
-    """Why torch_xla's Pallas flash attention cannot run in this (XLA) process, or None when it can."""
+def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optional[str]:
+    """Why `model.attention: xla_flash` (torch_xla's Pallas flash attention) cannot run here, or None when it can."""
+    if device_type != "xla":
+        return f"xla_flash needs `runtime.device: xla` on a TPU (this run is on {device_type})"
     pjrt = os.environ.get("PJRT_DEVICE", "").upper()  # set (or checked) by XlaBackend
     if pjrt != "TPU":
         return f"Pallas kernels run only on TPU (PJRT_DEVICE={pjrt or 'unset'})"
@@ -319,18 +295,14 @@ def flash_unavailable_reason() -> Optional[str]:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     causal_offset: int = 0) -> Optional[torch.Tensor]:
-    """q: B Hq T D, k/v: B Hkv T D -> B Hq T D with the Pallas kernel (as many KV heads as query heads, so GQA
-    repeats them), sharded like the batch; None where it does not apply (decoding with a cache: Tq != Tk), and
-    the caller (attention.xla_flash) takes sdpa, which XLA lowers natively."""
+    """q, k, v: B H T D (the kernel wants as many KV heads as query heads) -> B H T D with the Pallas kernel,
+    sharded like the batch; None where it does not apply (decoding with a cache: Tq != Tk), and the caller
+    (attention.xla_flash) takes sdpa, which XLA lowers natively."""
     if causal_offset or q.shape[2] != k.shape[2]:
         return None
     import torch_xla.distributed.spmd as xs
     from torch_xla.experimental.custom_kernel import flash_attention as pallas_flash
 
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)  # B Hkv T D -> B Hq T D
-        v = v.repeat_interleave(groups, dim=1)
     mesh = xs.get_global_mesh()
     if mesh is not None and q.shape[0] % mesh.size():
         # The kernel is sharded over the batch: a batch the mesh does not divide (sampling a couple of

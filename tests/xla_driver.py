@@ -39,7 +39,7 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
     torch.manual_seed(cfg.run.seed)
     host_model = build_model(cfg.model, "cpu").eval()
     torch.manual_seed(cfg.run.seed)
-    xla_model = build_model(cfg.model, rt.device, init_device=rt.init_device).eval()
+    xla_model = build_model(cfg.model, rt.device, init_device=rt.backend.init_device).eval()
     rt.mark_step()
     matches, compiles = [], []
     for prompt_len in (5, 9):  # both fall in the same length bucket
@@ -69,7 +69,7 @@ def recompile_guard() -> dict:
         x, _ = micro_batches[0]
         return (x.float().sum() * weight).sum(), torch.zeros((), device=rt.device)
 
-    step_fn = rt.compile_step(step, optimizer)
+    step_fn = rt.backend.compile_step(step, optimizer)
     calls = 0
     try:
         for n in range(1, WARMUP_STEP_COMPILES + MAX_RECOMPILES + 5):
