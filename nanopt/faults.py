@@ -133,7 +133,7 @@ class FiniteGuard:
 #   kill-in-step:K    SIGKILL itself in step K, after its optimizer update, before its bookkeeping and logs
 #   kill-in-save:K    SIGKILL while writing checkpoint K (weights written, COMPLETE not yet)
 #   kill-after-save:K SIGKILL after checkpoint K is renamed into place but before `latest` is updated
-#   pause:K           after step K, wait (up to 60 s) for a signal; writes RUN_DIR/.test_paused.rankR
+#   pause:K           after step K, wait (up to 300 s) for a signal; writes RUN_DIR/.test_paused.rankR
 # Under torchrun --max-restarts the hook fires only in the first attempt (TORCHELASTIC_RESTART_COUNT=0).
 
 
@@ -159,7 +159,7 @@ def fault_hook(point: str, step: int, rank: int = 0, run_dir: Optional[Path] = N
         tmp = marker.with_name(marker.name + ".tmp")
         tmp.write_text(str(os.getpid()))
         os.replace(tmp, marker)  # atomic: the test never reads a half-written pid
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300
         while signalled() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         marker.unlink(missing_ok=True)
