@@ -1,49 +1,37 @@
-"""The `nanopt` console script: one line per subcommand, each a module in nanopt/commands/ with main(argv).
-
-Commands are imported by name when they run, so `nanopt estimate` never loads torch and `nanopt train`
-can set the OpenMP environment before torch loads.
-"""
+"""The `nanopt` console script: one line per subcommand, each a module nanopt/commands/<name>.py with
+main(argv: list[str]) -> int. Commands are imported by name when they run, so `nanopt estimate` never loads
+torch and `nanopt train` can set the OpenMP environment before torch loads."""
 from __future__ import annotations
 
 import importlib
 import os
 import sys
-from dataclasses import dataclass, field
 
 from nanopt.errors import EXIT_BAD_INPUT, ConfigError, ShardError, debug_enabled
 
-
-@dataclass(frozen=True)
-class Command:
-    module: str  # under nanopt.commands; its main(argv: list[str]) -> int is the command
-    help: str
-    env: dict[str, str] = field(default_factory=dict)  # defaults set before the module is imported
-
-
-# Idle OpenMP threads spin instead of sleeping: on a quiet machine PASSIVE costs a wake-up per small op
-# (2x slower steps at nanoGPT's shape) and libgomp's default (spin, then sleep) is 3-10x slower when
-# another job shares the cores; ACTIVE is never far from the best (bench/omp_policy.py, README
-# "Performance"). On a shared machine set OMP_WAIT_POLICY=PASSIVE. libgomp reads it when torch loads.
-_TRAIN_ENV = {"OMP_WAIT_POLICY": "ACTIVE"}
-
-COMMANDS: dict[str, Command] = {
-    "train": Command("train", "train a model (same as python -m nanopt.main)", _TRAIN_ENV),
-    "prepare": Command("prepare", "tokenise a dataset into token shards (--sample-documents N to size it)"),
-    "estimate": Command("estimate", "time, GPU-hours and cost to train a config at an assumed MFU"),
-    "eval": Command("eval", "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl"),
-    # No OpenMP env: the sweep itself never loads torch; it sets each run's (PASSIVE when runs share cores).
-    "sweep": Command("sweep", "a grid of runs (--set KEY=V1,V2, --seeds N), one per GPU or CPU share; re-run resumes"),
-    "runs": Command("runs", "runs below DIR grouped by seed: mean, sd, 95% CI; --compare A B (Welch p-value)"),
-    "compare": Command("compare", "two runs side by side: speed, time to target, loss, profile shares and top ops"),
-    "plot": Command("plot", "overlay runs (or a sweep's runs) in one PNG: --metric val_loss, --x steps|tokens|seconds"),
-    "sample": Command("sample", "sample continuations of a prompt from a run, checkpoint or HF dir"),
-    "export": Command("export", "write a checkpoint as a Hugging Face LlamaForCausalLM directory"),
+COMMANDS: dict[str, str] = {
+    "train": "train a model (same as python -m nanopt.main)",
+    "prepare": "tokenise a dataset into token shards (--sample-documents N to size it)",
+    "estimate": "time, GPU-hours and cost to train a config at an assumed MFU",
+    "eval": "evaluate a run or checkpoint on its val/test set; appends to evals.jsonl",
+    "sweep": "a grid of runs (--set KEY=V1,V2, --seeds N), one per GPU or CPU share; re-run resumes",
+    "runs": "runs below DIR grouped by seed: mean, sd, 95% CI; --compare A B (Welch p-value)",
+    "compare": "two runs side by side: speed, time to target, loss, profile shares and top ops",
+    "plot": "overlay runs (or a sweep's runs) in one PNG: --metric val_loss, --x steps|tokens|seconds",
+    "sample": "sample continuations of a prompt from a run, checkpoint or HF dir",
+    "export": "write a checkpoint as a Hugging Face LlamaForCausalLM directory",
 }
+# Defaults set before a command's module is imported. Idle OpenMP threads spin instead of sleeping: on a quiet
+# machine PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape) and libgomp's default (spin,
+# then sleep) is 3-10x slower when another job shares the cores; ACTIVE is never far from the best
+# (bench/omp_policy.py, README "Performance"). On a shared machine set OMP_WAIT_POLICY=PASSIVE. libgomp reads it
+# when torch loads. The sweep never loads torch; it sets each run's (PASSIVE when runs share cores).
+COMMAND_ENV: dict[str, dict[str, str]] = {"train": {"OMP_WAIT_POLICY": "ACTIVE"}}
 
 
 def usage() -> str:
     lines = ["usage: nanopt COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {c.help}" for name, c in COMMANDS.items()]
+    lines += [f"  {name:<10} {text}" for name, text in COMMANDS.items()]
     lines += ["", "`nanopt COMMAND --help` for a command's options; `--debug` (or NANOPT_DEBUG=1) shows tracebacks."]
     return "\n".join(lines)
 
@@ -59,14 +47,13 @@ def run(argv: list[str]) -> int:
     if name not in COMMANDS:
         print(f"nanopt: error: unknown command {name!r}.\n\n{usage()}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    command = COMMANDS[name]
-    for key, value in command.env.items():
+    for key, value in COMMAND_ENV.get(name, {}).items():
         os.environ.setdefault(key, value)
     previous = os.environ.get("NANOPT_DEBUG")
     if debug:
         os.environ["NANOPT_DEBUG"] = "1"  # seen by commands that catch their own errors (train)
     try:
-        return int(importlib.import_module(f"nanopt.commands.{command.module}").main(rest) or 0)
+        return int(importlib.import_module(f"nanopt.commands.{name}").main(rest) or 0)
     except (ConfigError, ShardError) as e:  # bad input, for every command alike: one paragraph, exit 2
         if debug:
             raise

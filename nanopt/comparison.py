@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import functools
 import statistics
-from pathlib import Path
 from typing import Any, Optional
 
 from nanopt.errors import ConfigError
-from nanopt.experiments import HARDWARE_KEYS, SEED_KEY, FinishedRun, cell, finite, is_int, load_run, table
-from nanopt.rundirs import CONFIG_FILE, format_value
+from nanopt.experiments import HARDWARE_KEYS, SEED_KEY, FinishedRun, cell, table
+from nanopt.rundirs import CONFIG_FILE, finite, format_value, is_int
 
 # `nanopt compare`'s figures (key, label, format): speed from the metrics records, the rest from the summary.
 SPEED = ("tokens_per_s", "step_ms", "mfu")
@@ -27,29 +26,19 @@ FIGURES: list[tuple[str, str, str]] = [
 ]
 
 
-def _warmup_steps(run: FinishedRun) -> int:
+def figures(run: FinishedRun) -> dict[str, Optional[float]]:
+    """FIGURES of one run; speed as the median over the logged steps after the MFU warm-up (start-up), which a few
+    slow steps (a profiled window, a checkpoint write) do not move."""
     warmup = run.config.get("mfu.warmup_steps", 1)
     if not is_int(warmup):
         raise ConfigError(f"{run.dir / CONFIG_FILE}: `mfu.warmup_steps` is {warmup!r}, not an integer; the file is "
                           f"damaged.")
-    return warmup
-
-
-def speed(run: FinishedRun) -> dict[str, Optional[float]]:
-    """Median tokens/s, step time and MFU over the logged training steps after the MFU warm-up steps (the
-    first steps pay for start-up). The median keeps a few slow steps (a profiled window, a checkpoint
-    write) from moving the figure."""
-    warmup = _warmup_steps(run)
     steps = [r for r in run.records if "loss" in r and is_int(r.get("step")) and r["step"] > warmup]
-    out: dict[str, Optional[float]] = {}
+    out = {key: finite(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED}
     for key in SPEED:
         values = [v for r in steps if (v := finite(r.get(key))) is not None]
         out[key] = statistics.median(values) if values else None
     return out
-
-
-def figures(run: FinishedRun) -> dict[str, Optional[float]]:
-    return {**speed(run), **{key: finite(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED}}
 
 
 def _delta(a: Optional[float], b: Optional[float]) -> tuple[Optional[float], Optional[float]]:
@@ -96,9 +85,8 @@ def profile_parts(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]
 
 
 def top_ops(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each run's top ops by self time, matched by name, in ms and calls per profiled step; largest |B - A|
-    first. An op in one run's top list only has no figure for the other (it fell below that run's top list,
-    which is not zero), so it comes after the matched ones."""
+    """Each run's top ops by self time, matched by name, in ms and calls per profiled step; largest |B - A| first.
+    An op in one run's top list only (below the other's, which is not zero) comes after the matched ones."""
     ops_a = {op["name"]: op for op in pa.get("top_ops") or []}
     ops_b = {op["name"]: op for op in pb.get("top_ops") or []}
     rows = []
@@ -139,10 +127,6 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
         out["notes"].append(f"{which} profiled: run both with --profile.enabled=true to compare where the step "
                             f"time goes (step-time shares, top ops)")
     return out
-
-
-def compare_runs(run_a: Path, run_b: Path) -> dict[str, Any]:
-    return comparison(load_run(run_a), load_run(run_b))
 
 
 def markdown(c: dict[str, Any]) -> str:

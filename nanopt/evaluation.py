@@ -58,9 +58,8 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
 
 
 class SpeedrunClock:
-    """The first evaluation at or below the run's target (train.target_val_loss, or target_val_bpb, which
-    recipes with different tokenizers can race to): its step, tokens and training seconds. Resumable; a
-    resume with another target starts the clock over."""
+    """The first evaluation at or below the run's target (train.target_val_loss, or target_val_bpb, which recipes
+    with different tokenizers can race to): its step, tokens and training seconds. Another target restarts it."""
 
     def __init__(self, target: Optional[float], metric: str = "val_loss"):
         if metric not in ("val_loss", "val_bpb"):
@@ -80,8 +79,7 @@ class SpeedrunClock:
         return self.hit is not None
 
     @property
-    def key(self) -> str:
-        """The summary key that names the target: target_val_loss or target_val_bpb."""
+    def key(self) -> str:  # the summary key that names the target
         return f"target_{self.metric}"
 
     def observe(self, val_loss: float, val_bpb: float, step: int, tokens: int, train_seconds: float,

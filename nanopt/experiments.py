@@ -1,15 +1,10 @@
 """Many finished runs: found below a directory, grouped into settings that differ only in their seed, described
-(mean, sd, Student-t interval), tested against each other (Welch), ranked, and two runs compared (config,
-speed, figures, profile). The logic of `nanopt runs` and `nanopt compare`, and the one table renderer that
-they and the sweep print with.
-
-Torch-free. scipy.stats (0.7 s to import) is imported by the two functions that need it, so the sweep driver,
-which prints its table with this module, starts at once.
-"""
+(mean, sd, Student-t interval), tested against each other (Welch) and ranked: `nanopt runs`' logic, and the one
+table renderer. Torch-free; scipy.stats (0.7 s to import) is imported by the two functions that need it, so the
+sweep driver, which prints its table with this module, starts at once."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,9 +13,10 @@ from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import clean, read_json
+from nanopt.io import read_json
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE, flatten,
-                            format_value, is_run, read_config, read_metrics, read_summary, walk_runs)
+                            format_value, is_int, is_number, is_run, read_config, read_metrics, read_summary,
+                            walk_runs)
 
 SEED_KEY = "run.seed"
 # Summary fields that split groups too: the same config on another machine or world size is another race.
@@ -40,19 +36,6 @@ GROUP_FIGURES: dict[str, tuple[str, str]] = {
     "final_val_bpb": ("final val bpb", ".4f"),
 }
 CONFIDENCE = 0.95
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def finite(value: Any) -> Optional[float]:
-    """A finite number as a float, else None."""
-    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 # ---------------------------------------------------------------- reading finished runs
@@ -100,8 +83,7 @@ def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
 
 
 def _plain(value: Any) -> bool:
-    """A value a nanopt config holds: a string, number, boolean, null, or a list of them (YAML can also give
-    dates and binary, which no config key takes)."""
+    """A string, number, boolean, null, or a list of them: what a config key takes (YAML can also give dates)."""
     if isinstance(value, list):
         return all(_plain(v) for v in value)
     return value is None or isinstance(value, (str, int, float, bool))
@@ -204,12 +186,11 @@ def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repe
     first: dict[tuple, FinishedRun] = {}
     kept, repeats = [], []
     for run in runs:
-        key = (run.setting(), format_value(run.seed))
-        if key in first:
-            repeats.append(Repeat(run, first[key]))
-        else:
-            first[key] = run
+        seen = first.setdefault((run.setting(), format_value(run.seed)), run)
+        if seen is run:
             kept.append(run)
+        else:
+            repeats.append(Repeat(run, seen))
     return kept, repeats
 
 
@@ -305,8 +286,7 @@ def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tupl
 
 
 def resolve(spec: str, groups: list[Group], root: Path) -> Group:
-    """A --compare side: a group by exact name, a directory (its runs must be seeds of one setting), or a
-    unique substring of a group name."""
+    """A --compare side: a group by exact name, a directory of one setting's seeds, or a unique part of a name."""
     names = [g.name for g in groups]
     if spec in names:
         return groups[names.index(spec)]
@@ -326,16 +306,6 @@ def resolve(spec: str, groups: list[Group], root: Path) -> Group:
                           f"give more of the name. The groups in {root}:\n  {listing}")
     raise ConfigError(f"--compare {spec}: no group name contains {spec!r} and it is not a directory. Give a group "
                       f"name (or part of one) or a run directory. The groups in {root}:\n  {listing}")
-
-
-def compare_groups(a: Group, b: Group, metric: str, alpha: float) -> dict[str, Any]:
-    """welch() of the two groups' `metric`; ConfigError listing their numeric figures when neither has it."""
-    va, vb = values_of(a.runs, metric), values_of(b.runs, metric)
-    if not va and not vb:
-        present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items() if is_number(v)})
-        raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
-                          f"Their numeric figures: {', '.join(present)}.")
-    return welch(va, vb, metric, alpha, (a.name, b.name))
 
 
 def _target(r: dict[str, Any]) -> str:
@@ -368,7 +338,12 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
     if compare:
         a, b = (resolve(spec, groups, root) for spec in compare)
         repeats += [r for g in (a, b) for r in g.repeats]  # a directory given to --compare may hold its own
-        comparison = compare_groups(a, b, metric, alpha)
+        va, vb = values_of(a.runs, metric), values_of(b.runs, metric)
+        if not va and not vb:
+            present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items() if is_number(v)})
+            raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
+                              f"Their numeric figures: {', '.join(present)}.")
+        comparison = welch(va, vb, metric, alpha, (a.name, b.name))
     return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
             "comparison": comparison, "skipped": skipped,
             "warnings": list(dict.fromkeys(r.describe() for r in repeats))}  # each once
@@ -376,8 +351,7 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
 
 # ---------------------------------------------------------------- text
 def table(header: tuple[str, ...] | list[str], rows: list, markdown: bool = False) -> str:
-    """Rows under a header: columns padded to their widest cell with a dashed rule (a terminal), or a
-    Markdown table (cells as they are)."""
+    """Rows under a header: columns padded to their widest cell with a dashed rule (a terminal), or Markdown."""
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -392,12 +366,8 @@ def cell(value: Any, spec: str, sign: bool = False) -> str:
 
 
 def to_json(report: dict[str, Any]) -> str:
-    """A report as JSON; NaN/inf as null (JSON has neither)."""
-    def safe(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: safe(v) for k, v in value.items()}
-        return [safe(v) for v in value] if isinstance(value, list) else clean(value)
-    return json.dumps(safe(report), indent=2)
+    """A report as JSON; NaN/inf as null (JSON has neither): json writes them as NaN/Infinity, read back as None."""
+    return json.dumps(json.loads(json.dumps(report), parse_constant=lambda _: None), indent=2)
 
 
 def _spec(metric: str) -> str:

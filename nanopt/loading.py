@@ -26,14 +26,9 @@ class Loaded:
     run_dir: Optional[Path]  # the run directory; None for a bare Hugging Face directory
 
 
-def is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and not (path / rundirs.STATE_FILE).is_file()
-
-
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a run directory (its newest complete checkpoint), a checkpoints/
-    directory, or a checkpoint itself. Damaged checkpoints are skipped with a warning naming each and why;
-    ConfigError when none is usable."""
+    """A checkpoint directory from a run directory (its newest complete checkpoint, damaged ones skipped with a
+    warning naming each and why), a checkpoints/ directory, or a checkpoint itself; ConfigError when none is."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
@@ -56,11 +51,6 @@ def find_checkpoint(path: str | Path) -> Path:
     return ckpt
 
 
-def run_dir_of(ckpt: Path) -> Path:
-    """runs/<name>/checkpoints/step_N -> runs/<name>."""
-    return ckpt.parent.parent if ckpt.parent.name == rundirs.CHECKPOINTS_DIR else ckpt.parent
-
-
 def checkpoint_config(ckpt: Path) -> Config:
     """The run config a checkpoint was trained with, checked like a YAML config before anything is built."""
     state = rundirs.read_state(ckpt)
@@ -74,7 +64,7 @@ def checkpoint_config(ckpt: Path) -> Config:
 def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     """Weights and config from a run directory, a checkpoint or a Hugging Face directory, in eval mode."""
     path = Path(path)
-    if path.is_dir() and is_hf_dir(path):
+    if (path / "config.json").is_file() and not (path / rundirs.STATE_FILE).is_file():  # a Hugging Face directory
         model, cfg = load_hf(path, device)
         return Loaded(model, cfg, path, None, None)
     ckpt = find_checkpoint(path)
@@ -85,8 +75,8 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"the weights in {ckpt} do not fit the model its state.json describes: {e}") from None
     model.eval()
-    step = rundirs.read_state(ckpt)["step"]
-    return Loaded(model, cfg, ckpt, step, run_dir_of(ckpt))
+    run_dir = ckpt.parent.parent if ckpt.parent.name == rundirs.CHECKPOINTS_DIR else ckpt.parent
+    return Loaded(model, cfg, ckpt, rundirs.read_state(ckpt)["step"], run_dir)
 
 
 def load_model(path: str | Path) -> Llama:

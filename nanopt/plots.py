@@ -12,7 +12,6 @@ import base64
 import html
 import io
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,7 +21,7 @@ import numpy as np
 from nanopt import rundirs
 from nanopt.errors import ConfigError
 from nanopt.io import write_bytes, write_text
-from nanopt.rundirs import CURVES_FILE, METRICS_FILE, PROFILE_FILE
+from nanopt.rundirs import CURVES_FILE, METRICS_FILE, PROFILE_FILE, finite, is_int, is_number
 
 log = logging.getLogger("nanopt")
 # matplotlib logs "generated new fontManager" at INFO the first time it builds its font cache: noise in a run's log.
@@ -37,16 +36,9 @@ Record = dict[str, Any]
 
 
 # ---------------------------------------------------------------- reading runs
-def _number(value: Any) -> Optional[float]:
-    """A finite number as a float, else None: a record's figure may be null, or damaged."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
-
-
 def read_metrics(run_dir: Path) -> list[Record]:
     """The run's metrics records that carry an integer step (rundirs.read_metrics)."""
-    return [r for r in rundirs.read_metrics(run_dir)
-            if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
+    return [r for r in rundirs.read_metrics(run_dir) if is_int(r.get("step"))]
 
 
 def runs_to_plot(paths: list[str | Path]) -> list[Path]:
@@ -80,7 +72,7 @@ def _seconds_axis(records: list[Record]) -> tuple[list[float], list[float]]:
     Not wall time, which would bill evaluations, checkpoints and the gap before a resume."""
     steps, seconds, last_step, total = [0.0], [0.0], 0, 0.0
     for r in records:
-        step_ms = _number(r.get("step_ms"))
+        step_ms = finite(r.get("step_ms"))
         if step_ms is None or r["step"] <= last_step:
             continue
         total += (r["step"] - last_step) * step_ms / 1000
@@ -95,29 +87,23 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
     if x not in X_AXES:
         raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}.")
     tokens_per_step = next((tokens / r["step"] for r in records
-                            if (tokens := _number(r.get("tokens_seen"))) and r["step"] > 0), 0.0)
+                            if (tokens := finite(r.get("tokens_seen"))) and r["step"] > 0), 0.0)
     at_steps, at_seconds = _seconds_axis(records)
     xs, ys = [], []
     for r in records:
-        value = _number(r.get(metric))
+        value = finite(r.get(metric))
         if value is None:
             continue
         step = r["step"]
         if x == "steps":
             xs.append(float(step))
         elif x == "tokens":
-            tokens = _number(r.get("tokens_seen"))  # test lines carry no tokens_seen
+            tokens = finite(r.get("tokens_seen"))  # test lines carry no tokens_seen
             xs.append(tokens if tokens is not None else step * tokens_per_step)
         else:
             xs.append(float(np.interp(step, at_steps, at_seconds)))  # held flat past the last point
         ys.append(value)
     return xs, ys
-
-
-def metric_names(records: list[Record]) -> list[str]:
-    """Numeric keys the records carry (what --metric accepts)."""
-    return sorted({k for r in records for k, v in r.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")})
 
 
 # ---------------------------------------------------------------- matplotlib, lazily
@@ -154,8 +140,7 @@ def _plot(ax: Any, xs: list[float], ys: list[float], label: str, eval_line: bool
 
 # ---------------------------------------------------------------- curves.png
 def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
-    """The run's curves (train and val loss against steps, tokens and training seconds; MFU, tokens/s and
-    lr against steps) as one PNG, default <run_dir>/curves.png."""
+    """One PNG: train and val loss against steps, tokens and training seconds; MFU, tokens/s and lr by step."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     if not records:
@@ -180,37 +165,15 @@ def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
         if not xs:  # e.g. MFU on a device with no known peak: say so rather than leave a blank box
             ax.text(0.5, 0.5, f"no {name} values logged", ha="center", va="center", transform=ax.transAxes)
     # Any number, NaN included: a run whose loss diverged says so in its title.
-    # Any number, NaN included: a run whose loss diverged says so in its title.
-    final = next((r for r in reversed(records) if isinstance(r.get("val_loss"), (int, float))
-                  and not isinstance(r["val_loss"], bool)), None)
+    final = next((r for r in reversed(records) if is_number(r.get("val_loss"))), None)
     fig.suptitle(run_dir.resolve().name + (f"  |  final val loss {final['val_loss']:.4f} at step {final['step']}"
                                            if final else ""))
     return write_bytes(out or run_dir / CURVES_FILE, _png(fig))
 
 
 # ---------------------------------------------------------------- nanopt plot: runs overlaid
-def overlay_png(runs: list[Path], out: Path, metric: str = "val_loss", x: str = "steps",
-                labels: Optional[list[str]] = None) -> Path:
-    """One metric of several runs against steps, tokens or training seconds, one line per run."""
-    labels = labels or run_labels(runs)
-    per_run = [read_metrics(r) for r in runs]
-    if not any(series(records, metric, x)[0] for records in per_run):
-        available = sorted({name for records in per_run for name in metric_names(records)})
-        raise ConfigError(f"no run logged {metric!r}; pick --metric from: {', '.join(available) or '(none)'}.")
-    fig = _figure(10, 6)
-    ax = fig.subplots()
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.94)
-    for records, label in zip(per_run, labels):
-        xs, ys = series(records, metric, x)
-        _plot(ax, xs, ys, label, eval_line=len(xs) < 30)
-    ax.set(xlabel=X_LABELS[x], ylabel=metric, title=f"{metric} against {x}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    return write_bytes(Path(out), _png(fig))
-
-
 def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: str = "steps") -> Path:
-    """`nanopt plot`: the runs at or below `paths` overlaid in the PNG `out` (checked before any run is read)."""
+    """`nanopt plot`: a line per run at or below `paths`, in the PNG `out` (checked before any run is read)."""
     out = Path(out)
     if not have_matplotlib():
         raise ConfigError("nanopt plot draws with matplotlib, which is not installed; pip install matplotlib.")
@@ -221,14 +184,27 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
     if not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the directory {out.parent} does not exist; create it or write elsewhere.")
     runs = runs_to_plot(paths)
+    per_run = [read_metrics(r) for r in runs]
+    if not any(series(records, metric, x)[0] for records in per_run):
+        available = sorted({k for records in per_run for r in records for k, v in r.items()
+                            if is_number(v) and k not in ("step", "time")})
+        raise ConfigError(f"no run logged {metric!r}; pick --metric from: {', '.join(available) or '(none)'}.")
+    fig = _figure(10, 6)
+    ax = fig.subplots()
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.94)
+    for records, label in zip(per_run, run_labels(runs)):
+        xs, ys = series(records, metric, x)
+        _plot(ax, xs, ys, label, eval_line=len(xs) < 30)
+    ax.set(xlabel=X_LABELS[x], ylabel=metric, title=f"{metric} against {x}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     try:
-        return overlay_png(runs, out, metric, x)
+        return write_bytes(out, _png(fig))
     except OSError as e:  # not writable, the disk full, or the directory removed meanwhile
         raise ConfigError(f"-o {out} cannot be written ({e.strerror or e}); write elsewhere.") from None
 
 
 # ---------------------------------------------------------------- the offline profile page
-
 _SHARES = (("compute_share", "compute", "#4c72b0"), ("data_loader_share", "data loader", "#dd8452"),
            ("host_overhead_share", "host overhead", "#c44e52"))
 

@@ -1,7 +1,7 @@
 """THE run directory: every file name in it, what every command asks of one (is it a run, finished, its
 latest figures and records, its complete checkpoints), the runs below a directory, and the writer's lock.
 Torch-free. Its files may be being written or damaged: a reader gets a value, None, or ConfigError naming the
-file, never a traceback. Many finished runs, grouped and compared, are nanopt/experiments.py's. The layout:
+file, never a traceback. The layout:
 
   config.yaml            the resolved config of the newest session
   metrics.jsonl          one JSON object per logged step (trimmed back to the checkpoint on resume)
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -76,14 +77,21 @@ def format_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+# What a value read from a run's JSON files is (JSON's true and false are Python ints too).
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite(value: Any) -> Optional[float]:
+    """A finite number as a float, else None (a figure may be null, or damaged)."""
+    return float(value) if is_number(value) and math.isfinite(value) else None
+
+
 # ---------------------------------------------------------------- reading one run directory
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, ValueError) as e:  # ValueError: UnicodeDecodeError, a damaged byte
-        raise ConfigError(f"{path} cannot be read: {e}. The file is damaged; restore it or remove it.") from None
-
-
 def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
     """summary.json as a dict, None when there is none yet; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / SUMMARY_FILE
@@ -102,7 +110,9 @@ def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(_read_text(path))
+        data = yaml.safe_load(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: UnicodeDecodeError, a damaged byte
+        raise ConfigError(f"{path} cannot be read: {e}. The file is damaged; restore it or remove it.") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -111,14 +121,6 @@ def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
         raise ConfigError(f"{path} is not a run config (a YAML mapping of sections); the file is damaged.")
     return data
-
-
-def _json_kind(value: Any) -> str:
-    """What a JSON value is, in JSON's words."""
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    kinds = {list: "an array", str: "a string", int: "a number", float: "a number"}
-    return kinds.get(type(value), "not an object")
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -146,8 +148,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             raise ConfigError(f"{path}: line {number} {what}; the file is damaged. Remove or mend that line "
                               f"and run the command again.") from None
         if not isinstance(record, dict):
-            raise ConfigError(f"{path}: line {number} is {_json_kind(record)}, not an object (one record per line); "
-                              f"the file is damaged. Remove or mend that line and run the command again.")
+            kind = {list: "an array", str: "a string", int: "a number", float: "a number"}.get(type(record))
+            raise ConfigError(f"{path}: line {number} is {kind or json.dumps(record)}, not an object (one record per "
+                              f"line); the file is damaged. Remove or mend that line and run the command again.")
         out.append(record)
     return out
 
@@ -163,19 +166,16 @@ def is_run(path: Path) -> bool:
     return any((path / name).exists() for name in (CONFIG_FILE, SUMMARY_FILE, METRICS_FILE, CHECKPOINTS_DIR))
 
 
-# A run's own subdirectories: what is below them belongs to the run, never another run.
-RUN_INTERNAL_DIRS = (CHECKPOINTS_DIR, TB_DIR)
-
-
 def walk_runs(root: Path) -> list[Path]:
-    """Every run directory at or below `root`, in path order, for `nanopt runs` and `plot` alike. A run below a
-    run is found (a run may also hold a sweep); a run's checkpoints/ and tb/, and hidden directories, are not."""
+    """Every run directory at or below `root` (a run may hold a sweep), in path order; hidden ones left out."""
     found = []
     for here, subdirs, _ in os.walk(root):
         path = Path(here)
         run = is_run(path)
-        # Sorted in place: os.walk then visits in path order, and never enters what is removed here.
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not (run and d in RUN_INTERNAL_DIRS))
+        # Sorted in place: os.walk then visits in path order, and never enters what is removed here. Below a
+        # run's own checkpoints/ and tb/ is the run's, never another run.
+        own = (CHECKPOINTS_DIR, TB_DIR) if run else ()
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in own)
         if run:
             found.append(path)
     return found
@@ -188,7 +188,7 @@ def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[di
     if summary is None:
         return None
     steps = summary.get("steps")
-    if not isinstance(steps, int) or isinstance(steps, bool):
+    if not is_int(steps):
         raise ConfigError(f"{Path(run_dir) / SUMMARY_FILE} has no integer `steps`; the file is damaged. Remove it "
                           f"and run the run's command again to finish it anew.")
     if steps >= max_steps:
@@ -268,10 +268,8 @@ def step_of(ckpt: Path) -> Optional[int]:
 def checkpoint_dirs(root: Path) -> list[Path]:
     """The step_NNNNNN directories under a checkpoints/ directory, oldest first, whole or not."""
     root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
-    return sorted(found, key=lambda p: step_of(p))
+    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=step_of)
 
 
 def crc32_of(path: Path) -> int:
@@ -315,9 +313,8 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
 
 
 def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
-    """None when the checkpoint is whole, else why not: any damage (the marker itself included) makes it
-    incomplete; this never raises. `step`: the step it must hold (default: the one its name says; a download
-    being verified has a temporary name)."""
+    """None when the checkpoint is whole, else why not (never raises). `step`: the step it must hold (default:
+    the one its name says; a download being verified has a temporary name)."""
     ckpt = Path(ckpt)
     step = step_of(ckpt) if step is None else step
     if step is None or not ckpt.is_dir():
@@ -345,8 +342,7 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
 
 
 def usable_checkpoints(root: Path) -> tuple[list[Path], list[str]]:
-    """Verified checkpoints under a checkpoints/ directory, newest first, and a line (name: why) for each one
-    skipped. Read-only: a damaged checkpoint stays for the user to look at."""
+    """Verified checkpoints under a checkpoints/ directory, newest first, and "name: why" for each one skipped."""
     good, skipped = [], []
     for ckpt in reversed(checkpoint_dirs(root)):
         problem = verify_checkpoint(ckpt)
@@ -400,14 +396,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirLock:
-    """One writer at a time for a run (or sweep) directory: a lease file, lock.json, with the owner's host, pid
-    and a heartbeat a thread renews every `heartbeat_s` seconds. A lease, not flock, which means nothing across
-    machines (a Modal Volume, NFS). It is taken over only when its holder is gone: on this host when its pid is
-    dead (a `kill -9` is recovered at once), elsewhere when its heartbeat is older than `expires_s`. Taking
-    over renames the stale file aside first, so of two racing processes exactly one wins. Where heartbeats
-    arrive late (a Modal Volume shows them at each commit) the launcher sets LOCK_EXPIRES_ENV above that delay,
-    and LOCK_OWNER_ENV to a job id its retries share, so a retry takes over its dead predecessor's lease at once.
-    """
+    """One writer at a time for a run (or sweep) directory: a lease file with the owner's host, pid and a
+    heartbeat a thread renews every `heartbeat_s` seconds (flock means nothing across machines: a Modal Volume,
+    NFS). It is taken over only when its holder is gone: on this host when its pid is dead (a `kill -9` is
+    recovered at once), elsewhere when its heartbeat is older than `expires_s`. Taking over renames the stale
+    file aside first, so of two racing processes exactly one wins. Where heartbeats arrive late (a Modal Volume
+    shows them at each commit) the launcher sets LOCK_EXPIRES_ENV above that delay, and LOCK_OWNER_ENV to a job
+    id its retries share, so a retry takes over its dead predecessor's lease at once."""
 
     def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
                  heartbeat_s: float = 15.0):
@@ -422,10 +417,11 @@ class DirLock:
         self._thread: Optional[threading.Thread] = None
         self.lost: Optional[str] = None  # set by the heartbeat when another process took the lease
 
-    def holder(self) -> Optional[Holder]:
-        """The lease's holder; None when there is no lease; a Holder with token "" when it is unreadable."""
+    def holder(self, path: Optional[Path] = None) -> Optional[Holder]:
+        """The holder of the lease (or of the one at `path`); None when there is none; token "" when unreadable."""
+        path = path or self.path
         try:
-            data = json.loads(self.path.read_bytes())
+            data = json.loads(path.read_bytes())
             return Holder(**{k: data[k] for k in ("host", "pid", "started", "heartbeat", "token")},
                           command=str(data.get("command", "")), owner=str(data.get("owner", "")))
         except FileNotFoundError:
@@ -433,7 +429,7 @@ class DirLock:
         except (OSError, ValueError, TypeError, KeyError):
             # Half written (a crash between create and write) or damaged: as old as the file itself.
             try:
-                mtime = self.path.stat().st_mtime
+                mtime = path.stat().st_mtime
             except FileNotFoundError:
                 return None
             return Holder("?", -1, mtime, mtime, "")
@@ -463,16 +459,13 @@ class DirLock:
         return True
 
     def _take_over(self, stale: Holder) -> None:
-        """Move a stale lease aside, if it is still the one we judged stale (another process may have taken it
-        over and written its own meanwhile: that one is put back)."""
+        """Move a stale lease aside; one another process wrote since we judged it stale is put back."""
         aside = self.dir / f".{LOCK_FILE}.stale.{self.token}"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
-        moved = DirLock(self.dir)
-        moved.path = aside
-        now = moved.holder()
+        now = self.holder(aside)
         if now is not None and now.token != stale.token:
             with contextlib.suppress(FileExistsError):
                 os.link(aside, self.path)  # not os.rename: never over a lease created since
@@ -503,16 +496,14 @@ class DirLock:
             if held is None:
                 continue
             if not self._expired(held):
-                raise ConfigError(self._busy(held))
+                raise ConfigError(f"the {self.what} directory {self.dir} is in use by {held.describe()}; {self.path} "
+                                  f"says so, and one writer at a time keeps its files whole. Wait for that process to "
+                                  f"end, stop it, or use another directory. If that process is gone for good (its "
+                                  f"machine is lost), the lock expires {self.expires_s:.0f} s after its last "
+                                  f"heartbeat, or delete {self.path} yourself.")
             self._take_over(held)
         raise ConfigError(f"could not take the lock {self.path}: other processes keep taking it. Make sure one "
                           f"process at a time writes {self.dir}.")
-
-    def _busy(self, h: Holder) -> str:
-        return (f"the {self.what} directory {self.dir} is in use by {h.describe()}; {self.path} says so, and one "
-                f"writer at a time keeps its files whole. Wait for that process to end, stop it, or use another "
-                f"directory. If that process is gone for good (its machine is lost), the lock expires "
-                f"{self.expires_s:.0f} s after its last heartbeat, or delete {self.path} yourself.")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

@@ -1,14 +1,13 @@
 """`nanopt sweep`: a grid of ordinary runs (every --set value × seeds), each its own process, at most one per
 device slot. Run again, it skips finished runs and resumes interrupted ones, and refuses up front a point whose
-directory ran another config. Torch-free, so the driver costs the runs nothing; plan(), place() and
-point_states() are plain functions that Modal's launcher reuses.
+directory ran another config. Torch-free, so the driver costs the runs nothing; Modal's launcher reuses plan()
+and point_states().
 
 One writer per sweep directory: run_sweep holds DIR/lock.json for its life. Each run starts in its own session,
 so a terminal's Ctrl-C reaches only the sweep, which passes one SIGTERM to each run (a run takes a second signal
-as "exit now, without a checkpoint"). DIR/sweep.json, rewritten on every change, describes the sweep for
-`nanopt runs`: the command's meta (name, config, command, set, seeds, overrides, nproc, parallel) and per point
-its name, dir, values, seed, status (queued | running | done | skipped (done before this session) | failed |
-interrupted | not started), exit_code, steps, final_val_loss, wall_seconds and command.
+as "exit now, without a checkpoint"). DIR/sweep.json, rewritten on every change, holds the command's meta and
+each point's Job.record(), its status one of queued | running | done | skipped (done before this session) |
+failed | interrupted | not started.
 """
 from __future__ import annotations
 
@@ -85,14 +84,11 @@ def parse_set(text: str) -> tuple[str, list[str]]:
     return key, items
 
 
-def _safe(value: str) -> str:
-    """A value as a path component: the characters a shell and a file system both take as they are."""
-    return re.sub(r"[^A-Za-z0-9._+-]", "_", value) or "_"
-
-
 def point_name(values: dict[str, str], seed: int) -> str:
-    """`train.lr=1e-3,optim.name=muon,seed=1337`: readable, one directory level, filesystem-safe."""
-    return ",".join([f"{k}={_safe(v)}" for k, v in values.items()] + [f"seed={seed}"])
+    """`train.lr=1e-3,optim.name=muon,seed=1337`: one directory level; each value keeps only the characters a
+    shell and a file system both take as they are."""
+    safe = {k: re.sub(r"[^A-Za-z0-9._+-]", "_", v) or "_" for k, v in values.items()}
+    return ",".join([f"{k}={v}" for k, v in safe.items()] + [f"seed={seed}"])
 
 
 def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
@@ -158,22 +154,12 @@ class Slot:
     overrides: tuple[str, ...] = ()
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (taskset/cgroup affinity), not the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: Optional[int] = None,
           runs: Optional[int] = None, threads: int = 0) -> list[Slot]:
     """Device slots for concurrent runs, never more than `runs`. CUDA: `nproc` GPUs per slot, at most `parallel`.
     CPU: `parallel` runs (default: one per THREADS_PER_CPU_RUN cores) share the cores, each with cores //
     (parallel × nproc) threads per rank (at least 1), or the user's runtime.threads (`threads`). XLA: one
-    process drives every chip, so one run at a time."""
-    if nproc < 1 or (parallel is not None and parallel < 1):
-        raise ConfigError(f"--nproc {nproc} / --parallel {parallel}: both count processes; give 1 or more.")
+    process drives every chip, so one run at a time. plan() and the command check nproc, parallel >= 1."""
     if kind == "cuda":
         groups = [devices[i:i + nproc] for i in range(0, len(devices) - nproc + 1, nproc)]
         if not groups:
@@ -309,8 +295,7 @@ class Job:
 
 
 def _die_with_parent() -> None:
-    """In the child: SIGTERM when the sweep dies, so no orphaned run clashes with the next sweep's; it
-    checkpoints and exits 75 like any preempted run."""
+    """In the child: SIGTERM (checkpoint, exit 75) when the sweep dies: no orphan clashes with the next sweep."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
@@ -324,9 +309,8 @@ def launch_command(config: Optional[str], job: Job, overrides: list[str], nproc:
 
 
 class Progress:
-    """A line per change of a run's state and, on a terminal, tqdm bars below: the runs finished (how many run
-    and failed in its description), then one per slot, its run's steps with loss and val loss. Into a log file
-    only the lines go (no control characters)."""
+    """A line per change of a run's state and, on a terminal only, tqdm bars below: the runs finished (how many
+    run and failed in its description), then one per slot, its run's steps with loss and val loss."""
 
     def __init__(self, jobs: list[Job], out: IO[str], slots: int):
         self.jobs, self.out = jobs, out
@@ -360,9 +344,8 @@ class Progress:
         failed = sum(j.status == "failed" for j in self.jobs)
         self.bar.set_description_str(f"{len(running)} running, {failed} failed")
         for slot, row in enumerate(self.rows):
-            job, m = running.get(slot), {}
-            if job is not None:
-                m = rundirs.latest_figures(job.dir)
+            job = running.get(slot)
+            m = rundirs.latest_figures(job.dir) if job is not None else {}
             row.total, row.n = (job.cfg.train.max_steps if job else 0), m.get("step") or 0
             row.set_description_str(job.point.name if job else "idle", refresh=False)
             row.set_postfix_str("  ".join(f"{k.replace('_', ' ')} {m[k]:.4f}" for k in ("loss", "val_loss") if k in m))
@@ -372,20 +355,6 @@ class Progress:
             bar.close()
 
 
-def final_table(jobs: list[Job]) -> str:
-    """point, status, steps, final val loss, training seconds (the run's own, from summary.json) and the wall
-    seconds this session spent on it (start-up, evaluation and checkpoints included; - when skipped)."""
-    rows = []
-    for j in jobs:
-        s = summary_or_empty(j.dir)
-        status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
-        val, train_s = s.get("final_val_loss"), s.get("train_seconds")
-        rows.append((j.point.name, status, "-" if s.get("steps") is None else str(s["steps"]),
-                     f"{val:.4f}" if isinstance(val, (int, float)) else "-",
-                     f"{train_s:.1f}" if isinstance(train_s, (int, float)) else "-", cell(j.wall, ".1f")))
-    return table(("point", "status", "steps", "final val loss", "train (s)", "wall (s)"), rows)
-
-
 def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
               overrides: list[str], nproc: int = 1, parallel: Optional[int] = None,
               meta: Optional[dict[str, Any]] = None, out: IO[str] = sys.stdout, poll_s: float = 0.5) -> int:
@@ -393,82 +362,89 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
     75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run it again to go on). ConfigError before
     anything starts when another sweep holds DIR/lock.json, or a point's directory ran another config."""
     with rundirs.DirLock(root, what="sweep"):
-        return _run_locked(config, root, points, configs, overrides, nproc, parallel, meta or {}, out, poll_s)
+        jobs, slots = _jobs(root, points, configs, overrides, nproc, parallel)
+        pending = [j for j in jobs if j.status == "queued"]
+        meta = {**(meta or {}), "nproc": nproc, "parallel": len(slots) or parallel}
+
+        def save() -> None:
+            write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
+
+        # Signals received; the loop acts on them (a handler could miss a run being started). `acted`: how many.
+        stop: list[int] = []
+        acted = 0
+        previous = {s: signal.signal(s, lambda signum, frame: stop.append(signum))
+                    for s in (signal.SIGTERM, signal.SIGINT)}
+        skipped = sum(j.status == "skipped" for j in jobs)
+        print(f"sweep {root}: {len(jobs)} runs, {skipped} already done, {len(pending)} to run"
+              + (f", {len(slots)} at a time ({slots[0].label})" if slots else ""), file=out, flush=True)
+        progress = Progress(jobs, out, len(slots))
+        save()
+        free = list(range(len(slots)))
+        try:
+            while True:
+                if len(stop) > acted:
+                    acted = len(stop)
+                    _stop_runs(jobs, progress, repeated=acted > 1)
+                while free and pending and not stop:
+                    job, job.slot = pending.pop(0), free.pop(0)
+                    _start(job, config, overrides, nproc, slots[job.slot])
+                    if job.status != "running":
+                        free.append(job.slot)
+                    progress.note(progress.line(job, slots))
+                    save()
+                running = [j for j in jobs if j.status == "running"]
+                if not running and (not pending or stop):
+                    break
+                for j in running:
+                    if j.proc is not None and j.proc.poll() is not None:
+                        _finished(j)
+                        free.append(j.slot)
+                        progress.note(progress.line(j, slots))
+                        save()
+                progress.redraw()
+                time.sleep(poll_s)
+        finally:
+            progress.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        for j in pending:
+            j.status = "not started"
+        save()
+        return _report(jobs, root, out, stopped=bool(stop))
 
 
-def _jobs(root: Path, points: list[Point], configs: dict[str, Config]) -> list[Job]:
-    """A job per point, finished ones marked skipped, after point_states' checks (which may refuse)."""
+def _jobs(root: Path, points: list[Point], configs: dict[str, Config], overrides: list[str], nproc: int,
+          parallel: Optional[int]) -> tuple[list[Job], list[Slot]]:
+    """A job per point (finished ones skipped; point_states may refuse) and the slots for the others."""
     jobs = [Job(p, root / p.name, configs[p.name]) for p in points]
     states = point_states([(j.point.name, j.dir, j.cfg) for j in jobs], root)
     for j in jobs:
         j.status = "skipped" if states[j.point.name] == "done" else "queued"
         j.resumed = states[j.point.name] == "resume"
-    return jobs
-
-
-def _run_locked(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
-                overrides: list[str], nproc: int, parallel: Optional[int], meta: dict[str, Any], out: IO[str],
-                poll_s: float) -> int:
-    jobs = _jobs(root, points, configs)
     pending = [j for j in jobs if j.status == "queued"]
-    slots: list[Slot] = []
-    if pending:  # discovery starts torch in a child (seconds): not worth it when everything is done
-        kind, devices = discover(pending[0].cfg.runtime.device)
-        # The user's runtime.threads, as the config parsed it (an override, so the config file's stays the sweep's).
-        user_threads = pending[0].cfg.runtime.threads if any(
-            k == "runtime.threads" for k, _ in parse_overrides(overrides)) else 0
-        slots = place(kind, devices, usable_cores(), nproc, parallel, len(pending), user_threads)
-    meta = {**meta, "nproc": nproc, "parallel": len(slots) or parallel}
-
-    def save() -> None:
-        write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
-
-    # Signals received; the loop acts on them (a handler could miss a run being started). `acted`: how many.
-    stop: list[int] = []
-    acted = 0
-    previous = {s: signal.signal(s, lambda signum, frame: stop.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
-    skipped = sum(j.status == "skipped" for j in jobs)
-    print(f"sweep {root}: {len(jobs)} runs, {skipped} already done, {len(pending)} to run"
-          + (f", {len(slots)} at a time ({slots[0].label})" if slots else ""), file=out, flush=True)
-    progress = Progress(jobs, out, len(slots))
-    save()
-    free = list(range(len(slots)))
-    try:
-        while True:
-            if len(stop) > acted:
-                acted = len(stop)
-                _stop_runs(jobs, progress, repeated=acted > 1)
-            while free and pending and not stop:
-                job, job.slot = pending.pop(0), free.pop(0)
-                _start(job, config, overrides, nproc, slots[job.slot])
-                if job.status != "running":
-                    free.append(job.slot)
-                progress.note(progress.line(job, slots))
-                save()
-            running = [j for j in jobs if j.status == "running"]
-            if not running and (not pending or stop):
-                break
-            for j in running:
-                if j.proc is not None and j.proc.poll() is not None:
-                    _finished(j)
-                    free.append(j.slot)
-                    progress.note(progress.line(j, slots))
-                    save()
-            progress.redraw()
-            time.sleep(poll_s)
-    finally:
-        progress.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    for j in pending:
-        j.status = "not started"
-    save()
-    return _report(jobs, root, out, stopped=bool(stop))
+    if not pending:  # discovery starts torch in a child (seconds): not worth it when everything is done
+        return jobs, []
+    kind, devices = discover(pending[0].cfg.runtime.device)
+    # The user's runtime.threads, as the config parsed it (an override, so the config file's stays the sweep's).
+    user_threads = pending[0].cfg.runtime.threads if any(
+        k == "runtime.threads" for k, _ in parse_overrides(overrides)) else 0
+    # The cores this process may run on (taskset/cgroup affinity; not on macOS), not the machine's count.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return jobs, place(kind, devices, cores, nproc, parallel, len(pending), user_threads)
 
 
 def _report(jobs: list[Job], root: Path, out: IO[str], stopped: bool) -> int:
-    """The final table and each failed run's log tail; the sweep's exit status."""
-    print("\n" + final_table(jobs), file=out)
+    """The final table and each failed run's log tail; the sweep's exit status. Per point: training seconds (the
+    run's own, from summary.json) and the wall seconds this session spent on it (start-up, evaluation and
+    checkpoints included; - when skipped)."""
+    rows = []
+    for j in jobs:
+        s = summary_or_empty(j.dir)
+        number = {k: v for k, v in s.items() if isinstance(v, (int, float))}
+        status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
+        rows.append((j.point.name, status, cell(s.get("steps"), ""), cell(number.get("final_val_loss"), ".4f"),
+                     cell(number.get("train_seconds"), ".1f"), cell(j.wall, ".1f")))
+    print("\n" + table(("point", "status", "steps", "final val loss", "train (s)", "wall (s)"), rows), file=out)
     for j in jobs:
         if j.status == "failed":
             print(f"\n{j.point.name} failed with exit {j.exit_code}; last lines of {j.dir / LOG_FILE}:", file=out)
@@ -519,10 +495,17 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
 
 
 def _finished(job: Job) -> None:
+    """Its process ended: done (exit 0 and rundirs.finished), interrupted or failed. A damaged summary.json fails
+    the run, the reason at the end of its log (where the report looks), not a traceback abandoning the others."""
     assert job.proc is not None and job.log is not None
     job.exit_code = job.proc.returncode
     job.wall = time.monotonic() - job.started
-    done = job.exit_code == 0 and _finished_run(job)
+    try:
+        done = job.exit_code == 0 and rundirs.finished(job.dir, job.cfg.train.max_steps,
+                                                        job.cfg.train.stop_at_target) is not None
+    except ConfigError as e:
+        job.log.write(f"nanopt sweep: the run exited 0 but {e}\n".encode())
+        done = False
     job.log.close()
     if done:
         job.status = "done"
@@ -530,14 +513,3 @@ def _finished(job: Job) -> None:
         job.status = "interrupted"
     else:
         job.status = "failed"
-
-
-def _finished_run(job: Job) -> bool:
-    """Whether the run finished (rundirs.finished). A damaged summary.json fails the run, with the reason at the
-    end of its log (where the final report looks), not a traceback that abandons the others."""
-    assert job.log is not None
-    try:
-        return rundirs.finished(job.dir, job.cfg.train.max_steps, job.cfg.train.stop_at_target) is not None
-    except ConfigError as e:
-        job.log.write(f"nanopt sweep: the run exited 0 but {e}\n".encode())
-        return False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,19 +20,23 @@ from nanopt.io import append_jsonl
 from nanopt.loading import checkpoint_config, find_checkpoint, load
 from nanopt.metrics import setup_logging
 from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs, checkpoints_dir, finished,
-                            is_run, read_config, read_records, step_of, verify_checkpoint)
+                            is_int, is_run, read_config, read_records, step_of, verify_checkpoint)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
 
 @dataclass
-class EvalSpec:
-    """`nanopt eval`'s options: what to evaluate on, and how."""
+class Evaluator:
+    """`nanopt eval`'s options, and the evaluator of one run's checkpoints on one split. The runtime starts with
+    the first checkpoint (its config's precision and threads); the evaluation set is built once per batch count."""
 
     split: str = "val"
     batches: int = 0  # micro-batches in the evaluation set; 0: the run's eval.batches
     device: str = "auto"
     precision: str = "run"  # autocast as the run trained, or fp32 / bf16
+    rt: Optional[Runtime] = None
+    sets: dict[int, Any] = field(default_factory=dict)  # batch count -> this rank's evaluation batches
+    token_bytes: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.batches < 0:
@@ -41,43 +45,37 @@ class EvalSpec:
     def precision_for(self, cfg: Config) -> str:
         return cfg.train.precision if self.precision == "run" else self.precision
 
-    def runtime_for(self, cfg: Config) -> Runtime:
-        return runtime.init(self.device, "bf16" if self.precision_for(cfg) == "bf16" else "fp32", cfg.runtime.threads)
-
-
-class Evaluator:
-    """Evaluates checkpoints of one run on one split; the evaluation batches are built once per batch count."""
-
-    def __init__(self, spec: EvalSpec, rt: Runtime):
-        self.spec, self.rt = spec, rt
-        self.batches: dict[int, Any] = {}
-        self.token_bytes: Optional[torch.Tensor] = None
+    def start(self, cfg: Config) -> Runtime:
+        if self.rt is None:
+            self.rt = runtime.init(self.device, "bf16" if self.precision_for(cfg) == "bf16" else "fp32",
+                                   cfg.runtime.threads)
+        return self.rt
 
     def batch_count(self, cfg: Config) -> int:
-        return self.spec.batches or cfg.eval.batches
+        return self.batches or cfg.eval.batches
 
     def run(self, ckpt: Path) -> dict[str, Any]:
         """Evaluate one checkpoint, append its record to the run's evaluations (main rank) and print one line."""
-        split, rt = self.spec.split, self.rt
         loaded = load(ckpt)
-        cfg = loaded.cfg
+        cfg, split = loaded.cfg, self.split
+        rt = self.start(cfg)
         model = loaded.model.to(rt.device)
         batches_n = self.batch_count(cfg)
-        if batches_n not in self.batches:
+        if batches_n not in self.sets:
             batches = split_batches(cfg, rt, data.data_dir(cfg, rt), split, batches_n)
             if batches is None:
                 raise ConfigError(f"the run's data ({cfg.data.source}) has no `{split}_*.bin` shards; "
                                   f"use --split val or prepare a {split} split.")
-            self.batches[batches_n] = batches
+            self.sets[batches_n] = batches
         if self.token_bytes is None:
             self.token_bytes = token_bytes_table(get_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size, rt.device)
         t0 = time.perf_counter()
-        loss, bpb = evaluate(model, self.batches[batches_n], self.token_bytes, rt)
+        loss, bpb = evaluate(model, self.sets[batches_n], self.token_bytes, rt)
         seconds = time.perf_counter() - t0
         record = {"step": loaded.step, "time": time.time(), f"{split}_loss": loss, f"{split}_bpb": bpb,
                   "source": "nanopt eval", "checkpoint": str(ckpt), "eval_batches": batches_n,
                   "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
-                  "world_size": rt.world_size, "precision": self.spec.precision_for(cfg)}
+                  "world_size": rt.world_size, "precision": self.precision_for(cfg)}
         if rt.is_main:
             append_jsonl(loaded.run_dir / EVALS_FILE, record)
             print(f"{ckpt} (step {loaded.step}) | {split} loss {loss:.4f} | {split} bpb {bpb:.4f} | "
@@ -86,20 +84,18 @@ class Evaluator:
         return record
 
 
-def evaluate_checkpoint(path: str | Path, spec: EvalSpec) -> dict[str, Any]:
+def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any]:
     """The newest complete checkpoint of a run directory, or a checkpoint, evaluated once."""
     ckpt = find_checkpoint(path)
     run_cfg = checkpoint_config(ckpt)
     setup_logging(int(os.environ.get("RANK", "0") or 0) == 0)
-    rt = None
     try:
-        rt = spec.runtime_for(run_cfg)
+        rt = evaluator.start(run_cfg)
         # Rank 0's pick for everyone: a checkpoint the run writes meanwhile must not split the ranks.
-        ckpt = Path(rt.gather_objects(str(ckpt))[0])
-        record = Evaluator(spec, rt).run(ckpt)
+        record = evaluator.run(Path(rt.gather_objects(str(ckpt))[0]))
         runtime.teardown(rt, wait_for_peers=True)
     finally:
-        runtime.teardown(rt)
+        runtime.teardown(evaluator.rt)
     return record
 
 
@@ -119,17 +115,12 @@ def finished_at(run_dir: Path) -> Optional[int]:
         return None  # not started yet
     train = config.get("train", {})
     max_steps, stop_at_target = train.get("max_steps"), train.get("stop_at_target", False)
-    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or not isinstance(stop_at_target, bool):
+    if not is_int(max_steps) or not isinstance(stop_at_target, bool):
         raise ConfigError(f"{run_dir / CONFIG_FILE}: train.max_steps ({max_steps!r}) must be an integer and "
                           f"train.stop_at_target ({stop_at_target!r}) true or false; the file is damaged. The run "
                           f"writes it when it starts: restart the run, or mend the file.")
     summary = finished(run_dir, max_steps, stop_at_target)
     return None if summary is None else summary["steps"]
-
-
-def _vanished(ckpt: Path) -> bool:
-    """True when the checkpoint (or a file of it) is gone: `checkpoint.keep` pruned it while it was read."""
-    return not ckpt.is_dir() or not (ckpt / STATE_FILE).exists() or not (ckpt / MODEL_FILE).exists()
 
 
 def _check_watch(run_dir: Path, interval: float, timeout: float) -> None:
@@ -148,20 +139,17 @@ def _check_watch(run_dir: Path, interval: float, timeout: float) -> None:
         raise ConfigError("--watch runs in one process; start it without torchrun.")
 
 
-def watch_run(run_dir: Path, spec: EvalSpec, interval: float = 30.0, timeout: float = 0.0) -> int:
+def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeout: float = 0.0) -> int:
     """Evaluate every new complete checkpoint of a run directory as it appears, until the run finishes and its
-    last checkpoint is looked at, `timeout` seconds pass (0: never), or Ctrl-C; a last line says which.
-    Read-only: checkpoints are renamed into place whole, and load() verifies each (manifest, crc32); one that
-    is damaged, or pruned while read, is skipped with a line saying why. What the run's evaluations already
-    hold is not done again, so a restarted watcher picks up where the last one stopped."""
+    last checkpoint is looked at, `timeout` seconds pass (0: never), or Ctrl-C; a last line says which. Read-only;
+    load() verifies each checkpoint, and one damaged, or pruned while read, is skipped with a line saying why.
+    What the run's evaluations already hold is not done again: a restarted watcher goes on where one stopped."""
     run_dir = Path(run_dir)
     _check_watch(run_dir, interval, timeout)
     setup_logging(True)
     deadline = time.monotonic() + timeout if timeout else None
-    done = evaluated(run_dir, spec.split)
+    done = evaluated(run_dir, evaluator.split)
     handled: set[Path] = set()  # looked at in this session: evaluated, found done, or skipped
-    steps_handled: set[int] = set()
-    evaluator: Optional[Evaluator] = None
     count = 0
     print(f"watching {run_dir} for complete checkpoints every {interval:g} s "
           f"({len(done)} evaluation(s) already in {EVALS_FILE}; Ctrl-C to stop)", flush=True)
@@ -171,21 +159,21 @@ def watch_run(run_dir: Path, spec: EvalSpec, interval: float = 30.0, timeout: fl
                 step = step_of(ckpt)
                 try:
                     cfg = checkpoint_config(ckpt)
-                    evaluator = evaluator or Evaluator(spec, spec.runtime_for(cfg))
+                    evaluator.start(cfg)
                     if (step, evaluator.batch_count(cfg)) not in done:
                         evaluator.run(ckpt)  # load() verifies the manifest and crc32s before reading weights
                         done.add((step, evaluator.batch_count(cfg)))
                         count += 1
                 except Exception:
-                    problem = "it was removed while being read (pruned by checkpoint.keep)" if _vanished(ckpt) \
+                    vanished = not (ckpt / STATE_FILE).exists() or not (ckpt / MODEL_FILE).exists()
+                    problem = "it was removed while being read (pruned by checkpoint.keep)" if vanished \
                         else verify_checkpoint(ckpt)
                     if problem is None:
                         raise  # not the checkpoint's fault: bad input or a bug, say so
                     print(f"skipped {ckpt}: {problem}", flush=True)  # the next checkpoint may be fine
                 handled.add(ckpt)
-                steps_handled.add(step)
             last = finished_at(run_dir)
-            if last is not None and last in steps_handled:
+            if last is not None and last in {step_of(c) for c in handled}:
                 print(f"the run finished at step {last}; {count} checkpoint(s) evaluated by this watcher", flush=True)
                 return 0
             if deadline is not None and time.monotonic() >= deadline:
@@ -197,4 +185,4 @@ def watch_run(run_dir: Path, spec: EvalSpec, interval: float = 30.0, timeout: fl
         print(f"stopped (Ctrl-C); {count} checkpoint(s) evaluated by this watcher", flush=True)
         return 0
     finally:
-        runtime.teardown(evaluator.rt if evaluator else None)
+        runtime.teardown(evaluator.rt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from nanopt import comparison
-from nanopt.experiments import to_json
+from nanopt.experiments import load_run, to_json
 
 
 def main(argv: list[str]) -> int:
@@ -16,6 +16,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("run_b", help="run directory B (deltas are B - A)")
     p.add_argument("--json", action="store_true", help="one JSON object for tools")
     args = p.parse_args(argv)
-    c = comparison.compare_runs(args.run_a, args.run_b)
+    c = comparison.comparison(load_run(args.run_a), load_run(args.run_b))
     print(to_json(c) if args.json else comparison.markdown(c))
     return 0

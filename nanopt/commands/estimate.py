@@ -52,13 +52,12 @@ def main(argv: list[str]) -> int:
     else:
         tokens = parse_tokens(args.tokens, params)
         source = f"--tokens {args.tokens}"
-    result = estimate(cfg.model, t.seq_len, tokens, args.hardware, args.gpus, args.mfu, t.precision,
-                      args.price_per_gpu_hour, cfg.mfu.causal_halving)
-    result["tokens_source"] = source
+    r = estimate(cfg.model, t.seq_len, tokens, args.hardware, args.gpus, args.mfu, t.precision,
+                 args.price_per_gpu_hour, cfg.mfu.causal_halving)
+    r["tokens_source"] = source
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(r))
         return 0
-    r = result
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
     print("\n".join([

@@ -6,7 +6,7 @@ import argparse
 
 from nanopt.config import DEVICES
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE
-from nanopt.watch import EvalSpec, evaluate_checkpoint, watch_run
+from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
 
 def main(argv: list[str]) -> int:
@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--interval", type=float, default=30.0, help="with --watch: seconds between looks (default 30)")
     p.add_argument("--timeout", type=float, default=0.0, help="with --watch: stop after this many seconds (0 = never)")
     args = p.parse_args(argv)
-    spec = EvalSpec(args.split, args.batches, args.device, args.precision)
+    evaluator = Evaluator(args.split, args.batches, args.device, args.precision)
     if args.watch:
-        return watch_run(args.path, spec, args.interval, args.timeout)
-    evaluate_checkpoint(args.path, spec)  # prints its line
+        return watch_run(args.path, evaluator, args.interval, args.timeout)
+    evaluate_checkpoint(args.path, evaluator)  # prints its line
     return 0

@@ -10,7 +10,6 @@ from nanopt.loading import load
 
 
 def main(argv: list[str]) -> int:
-    """`nanopt export RUN_OR_CHECKPOINT --out DIR [--dtype float32|bfloat16]`."""
     p = argparse.ArgumentParser(prog="nanopt export", description=(
         "Write a checkpoint as a Hugging Face LlamaForCausalLM directory (config.json, model.safetensors, "
         "tokenizer files when the run used a Hugging Face tokenizer)."))

@@ -12,7 +12,6 @@ from nanopt.errors import ConfigError, debug_enabled
 from nanopt.metrics import setup_logging
 from nanopt.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
 
-
 USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--sample-documents N] [--verify] [--no-progress]
                       [--section.key=value ...]
 
@@ -33,7 +32,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str]) -> int:
-    """`nanopt prepare [--config] CONFIG [--sample-documents N] [--no-progress] [--section.key=value ...]`."""
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
