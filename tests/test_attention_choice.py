@@ -67,6 +67,7 @@ def test_fp32_on_cuda_repeats_kv_heads_so_sdpa_keeps_a_fused_kernel(monkeypatch,
         assert choose("sdpa", device, precision) == ("sdpa", sdpa)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_sdpa_with_repeated_kv_heads_equals_sdpa_with_enable_gqa(kv_heads):
     g = torch.Generator().manual_seed(kv_heads)

@@ -109,7 +109,6 @@ CASES = [
 @pytest.mark.parametrize("case, argv, words", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_with_a_paragraph_naming_it(case, argv, words, files, tmp_path, capsys):
     if case == "no_cuda":
-        pytest.importorskip("torch")
         import torch
 
         if torch.cuda.is_available():
@@ -150,6 +149,7 @@ def test_debug_flag_reraises_in_process(monkeypatch):
         run(["--model.dim=wide"])
 
 
+@pytest.mark.slow
 def test_real_processes_print_one_paragraph_and_no_traceback(files, tmp_path):
     bad_override = run_module(["nanopt.main", "--train.max_steps=-1"])
     assert bad_override.returncode == 2

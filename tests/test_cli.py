@@ -6,6 +6,8 @@ import subprocess
 import sys
 from unittest import mock
 
+import pytest
+
 from nanopt.cli import COMMANDS, run
 
 from conftest import REPO, run_module
@@ -34,6 +36,7 @@ def test_every_subcommand_answers_help(capsys):
         assert "usage" in capsys.readouterr().out.lower(), name
 
 
+@pytest.mark.slow
 def test_the_console_script_answers_help_in_a_real_process():
     proc = run_module(["nanopt.cli", "train", "--help"])
     assert proc.returncode == 0, proc.stderr[-2000:]

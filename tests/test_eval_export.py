@@ -92,6 +92,7 @@ def test_eval_batches_are_a_seeded_sample_of_the_whole_split(corpus_dir):
     assert starts != first
 
 
+@pytest.mark.slow
 def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_run):
     before = (trained_run / "metrics.jsonl").read_bytes()
     nanopt_cli("eval", trained_run)
@@ -109,6 +110,7 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
     assert test_record["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(trained_run):
     nanopt_cli("eval", trained_run, "--batches", "4")
     one = evals(trained_run)[-1]
@@ -169,6 +171,7 @@ def test_bits_per_byte_target_stops_the_run(tmp_path, capsys):
     assert "6.500 bpb" in row
 
 
+@pytest.mark.slow
 def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, corpus_dir):
     """configs/speedrun-cpu.yaml as docs/speedrun.md runs it (Muon, QK-norm, softcap, untied) on a prepared
     directory: the val bpb falls below an easy target well before max_steps, and the run stops there."""
@@ -201,12 +204,13 @@ PARITY = {
 def hf_logits(directory: Path, idx: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(directory)).float().eval()  # any transformers: dtype= is new
     assert type(hf).__name__ == "LlamaForCausalLM"
     with torch.no_grad():
         return hf(idx).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARITY))
 def test_export_loads_in_transformers_with_matching_logits(name, tmp_path):
     torch.manual_seed(len(name))

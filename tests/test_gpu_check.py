@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -19,6 +21,7 @@ def load_gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
     # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
     # real runs would add ~80 s (tests/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.

@@ -274,6 +274,7 @@ def test_estimate_tokens_flag_and_bad_input(capsys):
 # ---------------------------------------------------------------- in the training loop
 
 
+@pytest.mark.slow
 def test_training_run_logs_numeric_mfu_on_cpu(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_module(["nanopt.main", *small_overrides(**{"run.dir": run_dir})], env={"OMP_NUM_THREADS": "1"})

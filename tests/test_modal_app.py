@@ -18,12 +18,9 @@ from unittest import mock
 
 import pytest
 
+import modal_app  # modal is in the dev extra: a missing one fails these tests, it does not skip them
 from conftest import REPO, SMALL
-
-pytest.importorskip("modal")
-
-import modal_app  # noqa: E402
-from nanopt.config import load_config, parse_overrides, to_yaml  # noqa: E402
+from nanopt.config import load_config, parse_overrides, to_yaml
 
 
 def offline_env(tmp_path: Path) -> dict[str, str]:
@@ -75,6 +72,7 @@ def test_import_needs_no_token_or_network_and_warns_nothing_deprecated(tmp_path)
     assert "imported nanopt" in out.stdout
 
 
+@pytest.mark.slow
 def test_modal_run_help_works_offline_and_shows_config(tmp_path):
     out = subprocess.run([sys.executable, "-m", "modal", "run", "modal_app.py", "--help"], capture_output=True,
                          text=True, cwd=REPO, env=offline_env(tmp_path), timeout=120)
@@ -116,6 +114,7 @@ def test_other_functions_spec():
     assert modal_app.tensorboard_app.info().web_info is not None
 
 
+@pytest.mark.slow
 def test_bench_function_runs_a_real_bench(capfd):
     assert modal_app.bench.info().gpus == [("H100!", 1)]  # "!": its timings are H100 timings, never an H200's
     with pytest.raises(ValueError, match="vs_hf, ladder"):
@@ -280,6 +279,7 @@ def trained(tmp_path_factory):
     return tmp / "vol", result, fake
 
 
+@pytest.mark.slow
 def test_bad_data_under_torchrun_is_reported_not_retried(tmp_path, capfd):
     """Real torchrun (2 CPU ranks) on a config whose shards do not exist: torchrun exits 1, the workers
     record 2, and the function returns the error instead of raising (which would make Modal retry)."""
@@ -297,6 +297,7 @@ def test_bad_data_under_torchrun_is_reported_not_retried(tmp_path, capfd):
     assert "train_*.bin" in capfd.readouterr().err  # nanopt's own one-paragraph error reached the log
 
 
+@pytest.mark.slow
 def test_training_function_launches_torchrun_and_writes_the_run_directory(trained):
     volume_dir, result, fake = trained
     run_dir = volume_dir / "runs" / "modal-smoke"
@@ -313,6 +314,7 @@ def test_training_function_launches_torchrun_and_writes_the_run_directory(traine
     assert fake.commits >= 2  # after writing the config, and after torchrun exited
 
 
+@pytest.mark.slow
 def test_tensorboard_serves_the_runs_with_the_profiler_plugin(trained, tmp_path):
     volume_dir, _, _ = trained
     code = (
@@ -354,6 +356,7 @@ def run_losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(line["step"], line["loss"]) for line in lines if "loss" in line]
 
 
+@pytest.mark.slow
 def test_sigint_to_torchrun_is_a_retried_preemption_and_the_retry_finishes_the_same_run(trained, tmp_path,
                                                                                       monkeypatch):
     """Real torchrun (2 CPU ranks) under the training function, SIGINT to its process group while the ranks
@@ -396,6 +399,7 @@ def test_sigint_to_torchrun_is_a_retried_preemption_and_the_retry_finishes_the_s
     assert run_losses(run_dir) == run_losses(reference)
 
 
+@pytest.mark.slow
 def test_a_crash_without_progress_is_reported_and_one_after_progress_is_retried(tmp_path, monkeypatch):
     """Every rank SIGKILLs itself in step 5 (NANOPT_TEST_HOOK), like a CUDA OOM or an NCCL abort: torchrun
     exits 1 and no worker records a code. With no checkpoint saved in the attempt, retrying would repeat the
@@ -569,6 +573,7 @@ def test_sweep_rejects_a_bad_grid_before_any_container_starts(monkeypatch, tmp_p
         assert not train.mock_calls
 
 
+@pytest.mark.slow
 def test_modal_run_sweep_help_works_offline_next_to_the_default_entrypoint(tmp_path):
     """`::sweep` must not be a second local entrypoint: `modal run modal_app.py --config ...` would then be
     ambiguous and refused (test_modal_run_help_works_offline_and_shows_config checks that the default still resolves)."""

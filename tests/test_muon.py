@@ -156,6 +156,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_a_muon_run_lowers_the_loss(reference):
     values = [loss for _, loss in losses(reference)]
     assert values[-1] < values[0] - 0.5, values
@@ -163,6 +164,7 @@ def test_a_muon_run_lowers_the_loss(reference):
     assert "name: muon" in config
 
 
+@pytest.mark.slow
 def test_a_killed_muon_run_resumes_bitwise_identically(tmp_path, reference, capsys):
     proc = train_process(tmp_path, "kill-in-step:5", MUON)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -181,6 +183,7 @@ def test_switching_optimizer_on_resume_is_refused_even_when_allowed(tmp_path, ca
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_with_muon(tmp_path):
     args = [*DDP_ARGS, MUON]
     one, two = tmp_path / "one", tmp_path / "two"

@@ -26,6 +26,7 @@ ALL_OPTIONS = dataclasses.replace(SMALL_MODEL, qk_norm=True, mlp="relu2", logit_
                                   residual_scalars=True, tie_embeddings=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", [SMALL_MODEL, ALL_OPTIONS], ids=["llama", "speedrun-options"])
 def test_compiled_model_matches_eager_loss_and_grads(cfg):
     torch.set_num_threads(1)
@@ -68,9 +69,11 @@ def _policy_after_run(env_policy: str | None) -> str:
     return out.stdout.rsplit("POLICY=", 1)[1].strip()
 
 
+@pytest.mark.slow
 def test_run_makes_idle_openmp_threads_spin_before_torch_loads():
     assert _policy_after_run(None) == "ACTIVE"
 
 
+@pytest.mark.slow
 def test_run_keeps_a_user_chosen_openmp_wait_policy():
     assert _policy_after_run("PASSIVE") == "PASSIVE"

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib import image
 
 from conftest import REPO, small_overrides
 from nanopt import plots, watch
 from nanopt.cli import run as cli
 
-image = pytest.importorskip("matplotlib.image")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -74,6 +74,7 @@ def sweep(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- curves.png
 
 
+@pytest.mark.slow
 def test_every_run_writes_its_curves(sweep):
     for run_dir in (sweep / "lr_low", sweep / "lr_high"):
         assert_drawn(decode(run_dir / plots.CURVES_FILE), 1500, 800, (BLUE, ORANGE, GREEN))
@@ -147,6 +148,7 @@ def profiled(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_a_profiled_run_writes_a_page_that_needs_no_network(profiled):
     page = (profiled / plots.PROFILE_PAGE).read_text()
     summary = json.loads((profiled / "profile_summary.json").read_text())
@@ -209,6 +211,7 @@ def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
     assert _steps(run_dir) == [2, 4, 6, 8]  # one line per checkpoint, in order, none twice
 
 
+@pytest.mark.slow
 def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # an empty directory: the watcher may start before the run does
@@ -251,6 +254,7 @@ def test_watch_skips_a_checkpoint_pruned_while_it_is_read(sweep, tmp_path, monke
     assert _steps(run_dir) == [4, 6]
 
 
+@pytest.mark.slow
 def test_watch_stops_at_the_timeout_when_the_run_does_not_finish(sweep, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(sweep / "lr_high", run_dir)
@@ -260,6 +264,7 @@ def test_watch_stops_at_the_timeout_when_the_run_does_not_finish(sweep, tmp_path
     assert _steps(run_dir) == [2, 4, 6]
 
 
+@pytest.mark.slow
 def test_watch_ends_on_ctrl_c_with_one_line(sweep, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(sweep / "lr_high", run_dir)

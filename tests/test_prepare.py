@@ -103,6 +103,7 @@ def framed(tok, docs: list[str], bos=True, eos=False) -> list[list[int]]:
 # ---------------------------------------------------------------- round trip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "text"])
 def test_shards_decode_back_to_the_source_documents(tmp_path, tokenizer_dir, tok, fmt):
     dataset, files, docs = write_source(tmp_path / "src", fmt, DOCS)
@@ -621,6 +622,7 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
         assert needle in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_training_runs_on_prepared_shards(tmp_path, tokenizer_dir):
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
     cfg = config(tmp_path, tokenizer_dir, dataset, files, val_tokens=300, train_tokens=2400, shard_tokens=1200)

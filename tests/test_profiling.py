@@ -148,6 +148,7 @@ def _trace_files(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "tb" / "plugins" / "profile").glob("*/*.pt.trace.json"))
 
 
+@pytest.mark.slow
 def test_trace_is_chrome_json_in_the_plugin_layout(profiled_run):
     traces = _trace_files(profiled_run)
     assert len(traces) == 1
@@ -216,6 +217,7 @@ def _get_json(url: str) -> object:
         return json.loads(r.read())
 
 
+@pytest.mark.slow
 def test_tensorboard_profiler_plugin_serves_the_run(profiled_run):
     port = free_port()
     base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
@@ -264,6 +266,7 @@ def test_tensorboard_profiler_plugin_serves_the_run(profiled_run):
 # ------------------------------------------------------------------ two ranks
 
 
+@pytest.mark.slow
 def test_every_listed_rank_writes_its_own_trace(tmp_path):
     proc = torchrun(2, small_overrides(**{
         "run.dir": str(tmp_path), "profile.enabled": "true", "profile.ranks": "all",

@@ -268,7 +268,6 @@ def test_records_read_objects_only_and_forgive_only_a_cut_last_line(tmp_path):
 
 @pytest.fixture
 def plotted(tmp_path: Path) -> Path:
-    pytest.importorskip("matplotlib")
     return write_run(tmp_path / "run", metrics=METRICS)
 
 

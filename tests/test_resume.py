@@ -87,6 +87,7 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
     ("kill-in-save:4", 2),      # mid-write: the half-written step 4 is discarded, step 2 is used
     ("kill-after-save:6", 6),   # after the rename, before `latest` moved: the directory scan still finds 6
 ])
+@pytest.mark.slow
 def test_sigkill_anywhere_then_resume_is_bitwise_identical(tmp_path, reference, hook, resumes_from, capsys):
     proc = train_process(tmp_path, hook)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -99,6 +100,7 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(tmp_path, reference, 
     assert_same_as(reference, tmp_path)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_exits_75_and_says_resumable(tmp_path, reference):
     env = {**os.environ, "NANOPT_TEST_HOOK": "pause:3", "OMP_NUM_THREADS": "1"}
     err = open(tmp_path / "stderr.txt", "w+")
@@ -123,6 +125,7 @@ def test_sigterm_checkpoints_the_current_step_exits_75_and_says_resumable(tmp_pa
     assert_same_as(reference, run_dir)
 
 
+@pytest.mark.slow
 def test_time_limit_checkpoints_exits_75_and_resumes(tmp_path, reference, capsys):
     """run.time_limit_s: past it, the run checkpoints after the current step and exits 75 like a preemption
     (a scheduler's hard timeout would otherwise kill it and lose the steps since the last checkpoint)."""
@@ -148,6 +151,7 @@ def test_time_limit_is_read_on_every_step(monkeypatch):
     assert not unlimited.should_stop()
 
 
+@pytest.mark.slow
 def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypatch, capsys):
     """Modal preempts with SIGINT: same behaviour, here through nanopt.main.run in this very process."""
     monkeypatch.setenv("NANOPT_TEST_HOOK", "pause:5")
@@ -182,6 +186,7 @@ def test_second_signal_exits_at_once(monkeypatch):
     assert faults.signalled() is None
 
 
+@pytest.mark.slow
 def test_two_process_torchrun_restart_resumes_identically(tmp_path, reference):
     """Rank 1 is SIGKILLed in step 5; torchrun --max-restarts restarts both ranks, which resume from step 4.
 
@@ -198,6 +203,7 @@ def test_two_process_torchrun_restart_resumes_identically(tmp_path, reference):
     assert losses(tmp_path) == losses(reference), f"{losses(tmp_path)} != {losses(reference)}\n{log}"
 
 
+@pytest.mark.slow
 def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, reference):
     """torchrun workers hear a signal at different moments: here only rank 1 gets SIGTERM, while paused
     after step 3. The all-reduced flag makes rank 0 stop after the same step; both save one checkpoint."""
@@ -239,6 +245,7 @@ def test_diverged_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys
     assert (f"{kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
 
 
+@pytest.mark.slow
 def test_a_diverged_run_closes_the_profiler_and_the_mirror_like_a_finished_one(tmp_path, capsys):
     """TrainingError leaves through the same with/finally as a finished run: the profiler is stopped and its
     trace written, and the mirror's queued copies are waited for."""
@@ -273,6 +280,7 @@ def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, capsys):
     proc = train_process(tmp_path, "kill-after-save:6")  # checkpoints 2, 4, 6, then SIGKILL (its lock left behind)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
@@ -287,6 +295,7 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference,
     assert_same_as(reference, tmp_path)  # resumed from step 4 and redid steps 5-8
 
 
+@pytest.mark.slow
 def test_no_usable_checkpoint_is_refused_every_time_until_start_over(tmp_path, capsys):
     assert train_here(tmp_path, "--train.max_steps=2") == 0
     (tmp_path / "checkpoints" / "step_000002" / "optimizer.pt").write_bytes(b"garbage")
@@ -304,6 +313,7 @@ def test_no_usable_checkpoint_is_refused_every_time_until_start_over(tmp_path, c
     assert steps[0] in (0, 1) and steps[-1] == 3 and steps == sorted(steps)  # one run from step 0, not appended
 
 
+@pytest.mark.slow
 def test_changed_config_is_refused_unless_safe_or_allowed(tmp_path, capsys):
     assert train_here(tmp_path, "--train.max_steps=2") == 0
     assert train_here(tmp_path, "--train.max_steps=2", "--model.dim=32", "--train.lr=0.001") == 2
@@ -341,6 +351,7 @@ def test_resume_false_never_overwrites(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["memory", "local"])
 def test_mirror_copy_is_used_when_the_local_directory_is_gone(tmp_path, reference, scheme, capsys):
     import fsspec

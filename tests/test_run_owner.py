@@ -47,6 +47,7 @@ def hold_lock(directory: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_a_second_trainer_is_refused_naming_the_holder_and_a_killed_one_is_recovered(tmp_path, capsys):
     holder = hold_lock(tmp_path)
     try:
@@ -74,6 +75,7 @@ def test_a_lease_from_another_host_is_taken_over_only_once_its_heartbeat_expired
     assert not (tmp_path / rundirs.LOCK_FILE).exists()
 
 
+@pytest.mark.slow
 def test_the_heartbeat_renews_the_lease_and_notices_a_takeover(tmp_path):
     lock = rundirs.DirLock(tmp_path, heartbeat_s=0.05).acquire()
     first = lock.holder().heartbeat
@@ -181,6 +183,7 @@ def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(tmp_
 # ---------------------------------------------------------------- a finished run is finished
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(tmp_path, capsys):
     assert train_here(tmp_path) == 0
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

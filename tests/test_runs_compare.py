@@ -227,6 +227,7 @@ def _median_speed(run_dir: Path, key: str) -> float:
     return statistics.median(r[key] for r in records if "loss" in r and r["step"] > 1)  # mfu.warmup_steps = 1
 
 
+@pytest.mark.slow
 def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
     a, b = two_runs
     assert run(["compare", str(a), str(b), "--json"]) == 0

@@ -157,6 +157,7 @@ def _sessions(run_dir: Path) -> int:
     return log.read_text().count("=== nanopt sweep") if log.exists() else 0
 
 
+@pytest.mark.slow
 def test_a_2x2_sweep_finishes_and_a_rerun_skips_it(tmp_path):
     root = tmp_path / "sw"
     # runtime.device=auto: the device is discovered as the runs will see it (CPU here)
@@ -218,6 +219,7 @@ def _wait_gone(pids: list[int], timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
     root = tmp_path / "sw"
     args = ["--set", "train.max_steps=2,5", "--parallel", "2"]
@@ -250,6 +252,7 @@ def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # step 3 again from the step-2 checkpoint
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
     root = tmp_path / "sw"
     cmd = _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5})
@@ -266,6 +269,7 @@ def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
     assert "interrupted (exit 75)" in out
 
 
+@pytest.mark.slow
 def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(tmp_path):
     """SIGKILL to the sweep alone: its runs get SIGTERM (PR_SET_PDEATHSIG), checkpoint and exit, so none is left
     running to clash with the same run started by the next sweep."""
@@ -283,6 +287,7 @@ def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(tmp_path):
     assert (first / "checkpoints" / "step_000003").is_dir() and not (root / "seed=1338").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
     root = tmp_path / "sw"
     result = _run(_sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), tmp_path)

@@ -112,6 +112,7 @@ def test_a_second_sweep_on_the_same_directory_exits_2_naming_the_holder(tmp_path
     assert not (root / sweep.SWEEP_FILE).exists()
 
 
+@pytest.mark.slow
 def test_a_killed_sweeps_lock_is_taken_over_held_for_the_sweeps_life_and_released(tmp_path, fake_runs):
     root = tmp_path / "sw"
     root.mkdir()
@@ -190,6 +191,7 @@ def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_p
     assert "1 point(s)" in err and "train.lr=1e-3,seed=1337 (train.warmup_steps: 15 -> 20)" in err
 
 
+@pytest.mark.slow
 def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, capsys):
     root = tmp_path / "sw"
     before = _planned()
@@ -226,6 +228,7 @@ def test_spaced_seed_set_is_refused_on_the_command_line(tmp_path, fake_runs, cap
     assert "--seeds N" in capsys.readouterr().err and fake_runs == [] and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_common_overrides_are_normalised_before_the_checks_and_for_the_runs(tmp_path, fake_runs):
     assert sweep.normal_overrides(["--run.seed", "5", "--train.lr =1e-3", "-- eval.every= 3"]) == [
         "--run.seed=5", "--train.lr=1e-3", "--eval.every= 3"]
@@ -265,6 +268,7 @@ sys.exit(sweep.run_sweep(config, root, points, configs, [], parallel=2, poll_s=0
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["terminal", "sweep"])
 def test_ctrl_c_twice_reaches_each_run_as_exactly_one_sigterm(tmp_path, target):
     """terminal: SIGINT to the sweep's whole process group, as a terminal's Ctrl-C is sent (a run in that group
@@ -306,7 +310,6 @@ def test_ctrl_c_twice_reaches_each_run_as_exactly_one_sigterm(tmp_path, target):
 def _modal_sweep(monkeypatch, tmp_path: Path, train: mock.MagicMock, **kwargs: Any) -> None:
     """modal_app.sweep.local(**kwargs) with `train` (a mock) as the training function and tmp_path/vol as the
     Volume (test_modal_app.run_sweep_driver, without importing that module's Modal-only setup)."""
-    pytest.importorskip("modal")
     import modal_app
 
     train.with_options.return_value.spawn.return_value.get.return_value = {"exit_code": 0}
@@ -341,7 +344,6 @@ def test_modal_sweep_skips_a_point_that_stopped_at_its_target(monkeypatch, tmp_p
 
 @pytest.mark.parametrize("damage", ["another config", "damaged summary"])
 def test_modal_sweep_refuses_another_config_or_a_damaged_file_before_any_gpu(monkeypatch, tmp_path, damage):
-    pytest.importorskip("modal")
     import modal_app
 
     configs = _modal_points()

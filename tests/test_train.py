@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,6 +13,7 @@ from nanopt.main import run
 from conftest import small_overrides
 
 
+@pytest.mark.slow
 def test_tiny_run_learns_and_writes_a_complete_run_directory(tmp_path, corpus_dir, capsys):
     args = small_overrides(**{
         "train.max_steps": 30, "train.lr": 1e-2, "train.warmup_steps": 3, "log.every": 5,
@@ -48,6 +50,7 @@ def test_tiny_run_learns_and_writes_a_complete_run_directory(tmp_path, corpus_di
     assert "samples from step 30" in out and "Elementary, my dear" in out
 
 
+@pytest.mark.slow
 def test_bf16_autocast_and_pure_bf16_both_train(tmp_path, corpus_dir, capsys):
     for precision, weight_dtype in (("bf16", torch.float32), ("bf16-pure", torch.bfloat16)):
         run_dir = tmp_path / precision

@@ -42,6 +42,7 @@ def runs() -> dict:
         pytest.fail(str(e))
 
 
+@pytest.mark.slow
 def test_xla_training_matches_cpu_losses(runs):
     cpu, xla = _losses(runs["root"] / "cpu"), _losses(runs["root"] / "xla1")
     assert len(cpu) == len(xla) == 12
@@ -49,6 +50,7 @@ def test_xla_training_matches_cpu_losses(runs):
     assert xla[-1] < xla[0] - 0.5  # and it actually trained
 
 
+@pytest.mark.slow
 def test_xla_training_with_muon_matches_cpu_losses(runs):
     # torch.optim.Muon orthogonalises in bf16 (_zeropower_via_newtonschulz casts the update), and XLA's bf16
     # matmuls round differently from oneDNN's, so the two drift apart by ~1e-3 per step, not fp32's 1e-6.
@@ -58,12 +60,14 @@ def test_xla_training_with_muon_matches_cpu_losses(runs):
     assert xla[-1] < xla[0] - 0.3 and cpu[0] != _losses(runs["root"] / "cpu")[0]  # it trained, with Muon, one layer
 
 
+@pytest.mark.slow
 def test_adamw_on_xla_is_foreach(runs):
     # torch picks foreach only on CUDA-like devices; the XLA backend asks for it (one traced op per tensor
     # list, not a Python loop over parameters), and the run still matches the CPU one (above).
     assert runs["xla1"]["adamw_foreach"] is True
 
 
+@pytest.mark.slow
 def test_xla_in_bf16_matches_cpu_losses(runs):
     # bf16 autocast on both: XLA's and oneDNN's bf16 matmuls round differently (measured: within 2e-3). Steps 5-12
     # of cpu-xla-bf16 ran on XLA (resumed from a CPU checkpoint), so they are the XLA path in bf16.
@@ -75,6 +79,7 @@ def test_xla_in_bf16_matches_cpu_losses(runs):
     assert runs["cpu-xla-bf16"]["step_compiles"] == 2 and runs["cpu-xla-bf16"]["recompiles"] == 0
 
 
+@pytest.mark.slow
 def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):
     assert _losses(runs["root"] / "xla-xla") == _losses(runs["root"] / "xla1")
     r = runs["xla-xla"]
@@ -84,6 +89,7 @@ def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):
 
 @pytest.mark.parametrize("name, reference, tolerance", [
     ("cpu-xla", "cpu", 5e-5), ("xla-cpu", "cpu", 5e-5), ("cpu-xla-bf16", "cpu-bf16", 1e-2)])
+@pytest.mark.slow
 def test_a_run_resumes_on_the_other_device_type(runs, name, reference, tolerance):
     # runtime.* may change on resume: the optimizer's implementation (fused on CPU, foreach on XLA) comes
     # from the new run, its moments and step counts from the checkpoint.
@@ -95,6 +101,7 @@ def test_a_run_resumes_on_the_other_device_type(runs, name, reference, tolerance
         assert runs[name]["step_compiles"] == 2 and runs[name]["recompiles"] == 0
 
 
+@pytest.mark.slow
 def test_train_step_compiles_twice_then_reuses_while_lr_changes(runs):
     lrs = _lrs(runs["root"] / "xla1")
     assert len(set(lrs)) >= 10, lrs  # a new learning rate nearly every step...
@@ -105,6 +112,7 @@ def test_train_step_compiles_twice_then_reuses_while_lr_changes(runs):
     assert r["hardware"] == "XLA CPU"
 
 
+@pytest.mark.slow
 def test_spmd_over_four_devices_matches_cpu(runs):
     r = runs["xla4"]
     assert r["num_devices"] == 4
@@ -113,12 +121,14 @@ def test_spmd_over_four_devices_matches_cpu(runs):
     assert r["step_compiles"] == 2 and r["recompiles"] == 0
 
 
+@pytest.mark.slow
 def test_xla_flash_falls_back_to_sdpa_off_tpu_with_the_reason(runs):
     log = runs["xla4"]["log"]
     assert "xla_flash requested but Pallas kernels run only on TPU (PJRT_DEVICE=CPU)" in log
     assert "attention sdpa" in log
 
 
+@pytest.mark.slow
 def test_sampling_on_xla_does_not_recompile_per_token(runs):
     r = runs["xla1"]
     first, second = r["sample_compiles"]
@@ -127,6 +137,7 @@ def test_sampling_on_xla_does_not_recompile_per_token(runs):
     assert r["sample_matches_cpu"] == [True, True]  # greedy tokens equal the CPU KV-cache sampler's
 
 
+@pytest.mark.slow
 def test_recompile_guard_stops_a_run_that_keeps_recompiling(runs):
     r = runs["guard"]
     assert r["stopped"], r
@@ -137,6 +148,7 @@ def test_recompile_guard_stops_a_run_that_keeps_recompiling(runs):
 # ---- without the venv: the errors a user sees before torch_xla is ever imported
 
 
+@pytest.mark.slow
 def test_xla_without_pjrt_device_is_a_clean_error():
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
     proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"], env=env)
@@ -146,6 +158,7 @@ def test_xla_without_pjrt_device_is_a_clean_error():
     assert "PJRT_DEVICE" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_xla_without_torch_xla_is_a_clean_error(tmp_path):
     # A stand-in package that fails to import, first on the path: the test runs whether or not this
     # interpreter has the real torch_xla.
