@@ -48,7 +48,8 @@ A run is configured by one YAML file of sections (`run:`, `model:`, `train:`, ..
 - **Errors.** An unknown section or key, a value of the wrong type or outside its key's rules, and impossible
   combinations (`model.dim` not divisible by `model.n_heads`, a `train.global_batch_tokens` that is not a
   multiple of micro_batch_size × seq_len × world size) stop the command before anything runs, with one
-  paragraph naming the key and what would be valid (exit code 2).
+  paragraph naming the key and what would be valid (exit code 2). A key with bounds takes finite numbers
+  only: `nan` and `inf` are refused.
 - **Derived values.** At start-up `train.grad_accum_steps` = global_batch_tokens / (micro_batch_size × seq_len
   × world size), and a `model.max_seq_len` of 0 becomes `train.seq_len`.
 - **`config.yaml` in a run directory** is the resolved config of the newest session: the file, the overrides
