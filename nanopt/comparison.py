@@ -8,7 +8,7 @@ import statistics
 from typing import Any, Optional
 
 from nanopt.errors import ConfigError
-from nanopt.experiments import HARDWARE_KEYS, SEED_KEY, FinishedRun, cell, table
+from nanopt.experiments import HARDWARE_KEYS, SEED_KEY, TASK_PREFIX, FinishedRun, cell, table
 from nanopt.rundirs import CONFIG_FILE, finite, format_value, is_int
 
 # `nanopt compare`'s figures (key, label, format): speed from the metrics records, the rest from the summary.
@@ -38,7 +38,7 @@ def figures(run: FinishedRun) -> dict[str, Optional[float]]:
     for key in SPEED:
         values = [v for r in steps if (v := finite(r.get(key))) is not None]
         out[key] = statistics.median(values) if values else None
-    return out
+    return {**out, **{key: value for key, (value, _) in run.tasks.items()}}
 
 
 def _delta(a: Optional[float], b: Optional[float]) -> tuple[Optional[float], Optional[float]]:
@@ -105,10 +105,12 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
     """`nanopt compare`: config changes, figures with B - A and B / A, profile parts and top ops, notes."""
     fa, fb = figures(a), figures(b)
     rows = []
-    for key, label, _ in FIGURES:
-        if fa[key] is not None or fb[key] is not None:
-            delta, ratio = _delta(fa[key], fb[key])
-            rows.append({"key": key, "label": label, "a": fa[key], "b": fb[key], "delta": delta, "ratio": ratio})
+    tasks = [(k, k.removeprefix(TASK_PREFIX), ".4f") for k in sorted({*a.tasks, *b.tasks})]
+    for key, label, _ in FIGURES + tasks:
+        if fa.get(key) is not None or fb.get(key) is not None:
+            delta, ratio = _delta(fa.get(key), fb.get(key))
+            rows.append({"key": key, "label": label, "a": fa.get(key), "b": fb.get(key), "delta": delta,
+                         "ratio": ratio})
     out: dict[str, Any] = {"a": str(a.dir), "b": str(b.dir), "config_changes": config_changes(a, b),
                            "figures": rows, "profile": None, "notes": []}
     for key in HARDWARE_KEYS:
@@ -131,7 +133,7 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
 
 def markdown(c: dict[str, Any]) -> str:
     """comparison() as a Markdown report."""
-    spec = {key: s for key, _, s in FIGURES}
+    spec = {**{r["key"]: ".4f" for r in c["figures"]}, **{key: s for key, _, s in FIGURES}}
     md = functools.partial(table, markdown=True)
     lines = ["# nanopt compare", "", f"- A: `{c['a']}`", f"- B: `{c['b']}`", "", "## Config (B vs A)", ""]
     if c["config_changes"]:

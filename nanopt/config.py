@@ -212,6 +212,23 @@ class EvalConfig:
                     "measured on the same tokens.")
     test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
                             neutral=True)
+    tasks: str = key("", "Comma list of lm-eval tasks scored on the live model during training (pip install -e "
+                     "'.[eval]'); \"\" = none. Outside the training clock; docs/evaluation.md.", safe=True, neutral=True)
+    core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True)
+    tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
+                           ge=0, safe=True, neutral=True)
+    tasks_limit: int = key(100, "Documents per task (items per CORE task) scored during training; 0 = all.", ge=0,
+                           safe=True, neutral=True)
+    tasks_path: str = key("", "A directory of local lm-eval task YAMLs for eval.tasks (the harness's include_path).",
+                          safe=True, neutral=True)
+
+    def check(self, cfg: Config) -> None:
+        """Task directories are checked before training, not found missing after the last step."""
+        for name in ("core", "tasks_path"):
+            value = getattr(self, name)
+            if value and not Path(value).is_dir():
+                raise ConfigError(f"`eval.{name}` is {value!r}, which is not a directory. Give the directory (a CORE "
+                                  f"bundle, or task YAMLs); `nanopt eval --make-tasks DIR` writes demo ones.")
 
 
 @section(safe=True, neutral=True)  # saving is outside the training clock

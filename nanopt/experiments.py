@@ -14,9 +14,9 @@ from typing import Any, Optional
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
 from nanopt.io import read_json
-from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE, flatten,
-                            format_value, is_int, is_number, is_run, read_config, read_metrics, read_summary,
-                            walk_runs)
+from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
+                            flatten, format_value, is_int, is_number, is_run, read_config, read_metrics, read_records,
+                            read_summary, walk_runs)
 
 SEED_KEY = "run.seed"
 # Summary fields that split groups too: the same config on another machine or world size is another race.
@@ -36,6 +36,7 @@ GROUP_FIGURES: dict[str, tuple[str, str]] = {
     "final_val_bpb": ("final val bpb", ".4f"),
 }
 CONFIDENCE = 0.95
+TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (evals.jsonl, harness.py)
 
 
 # ---------------------------------------------------------------- reading finished runs
@@ -106,6 +107,26 @@ class FinishedRun:
     @cached_property
     def profile(self) -> Optional[dict[str, Any]]:
         return read_profile(self.dir)
+
+    @cached_property
+    def tasks(self) -> dict[str, tuple[float, bool]]:
+        """Downstream scores at the run's last step, from evals.jsonl (training's and `nanopt eval`'s; the newest
+        per task and metric): {"task:<task>/<metric>": (value, higher is better)}."""
+        out = {}
+        for r in read_records(self.dir / EVALS_FILE):
+            scores, better = r.get("scores"), r.get("higher_is_better")
+            if r.get("step") != self.summary.get("steps") or not isinstance(r.get("task"), str) \
+                    or not isinstance(scores, dict):
+                continue
+            for metric, value in scores.items():
+                if is_number(value):
+                    higher = isinstance(better, dict) and better.get(metric) is True
+                    out[f"{TASK_PREFIX}{r['task']}/{metric}"] = (float(value), higher)
+        return out
+
+    def figure(self, key: str) -> Any:
+        """A summary figure, or a task score (TASK_PREFIX)."""
+        return self.tasks.get(key, (None,))[0] if key.startswith(TASK_PREFIX) else self.summary.get(key)
 
     @property
     def seed(self) -> Any:
@@ -249,24 +270,30 @@ def describe(values: list[float]) -> dict[str, Any]:
 
 def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
     """The metric from each run that has it (a run that never reached its target has no time to target)."""
-    return [float(r.summary[metric]) for r in runs if is_number(r.summary.get(metric))]
+    return [float(r.figure(metric)) for r in runs if is_number(r.figure(metric))]
+
+
+def higher_is_better(runs: list[FinishedRun], metric: str) -> bool:
+    return any(r.tasks.get(metric, (None, False))[1] for r in runs)
 
 
 def group_stats(group: Group) -> dict[str, Any]:
-    figures = {m: describe(v) for m in GROUP_FIGURES if (v := values_of(group.runs, m))}
+    tasks = sorted({k for r in group.runs for k in r.tasks})
+    figures = {m: describe(v) for m in [*GROUP_FIGURES, *tasks] if (v := values_of(group.runs, m))}
     return {"name": group.name, "values": group.values, "n": len(group.runs), "seeds": group.seeds,
             "runs": [r.name for r in group.runs], "stats": figures}
 
 
-def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tuple[str, str] = ("A", "B")
-          ) -> dict[str, Any]:
-    """Does A have a lower mean than B? Welch's t-test (unequal variances), one-sided, and the two-sided 95%
-    interval of mean(A) - mean(B). `testable` is False, with the reason, where the test cannot be done."""
+def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tuple[str, str] = ("A", "B"),
+          lower_is_better: bool = True) -> dict[str, Any]:
+    """Is A better than B (a lower mean, or a higher one for a task score)? Welch's t-test (unequal variances),
+    one-sided, and the two-sided 95% interval of mean(A) - mean(B). `testable` is False, with the reason, where
+    the test cannot be done."""
     from scipy import stats  # heavy: see the module docstring
 
     out: dict[str, Any] = {
-        "metric": metric, "lower_is_better": True, "alpha": alpha, "test": "Welch's t-test, one-sided",
-        "alternative": "mean(A) < mean(B)",
+        "metric": metric, "lower_is_better": lower_is_better, "alpha": alpha, "test": "Welch's t-test, one-sided",
+        "alternative": "mean(A) < mean(B)" if lower_is_better else "mean(A) > mean(B)",
         "a": {"name": names[0], **describe(a)}, "b": {"name": names[1], **describe(b)},
         "difference": statistics.fmean(a) - statistics.fmean(b) if a and b else None,
         "difference_ci95": None, "t": None, "df": None, "p": None, "testable": False, "a_beats_b": None,
@@ -278,7 +305,7 @@ def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tupl
     if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
         out["reason"] = "no spread within either group (every run gave the same value): the t-test is undefined"
         return out
-    one_sided = stats.ttest_ind(a, b, equal_var=False, alternative="less")
+    one_sided = stats.ttest_ind(a, b, equal_var=False, alternative="less" if lower_is_better else "greater")
     low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(CONFIDENCE)
     out.update(t=float(one_sided.statistic), df=float(one_sided.df), p=float(one_sided.pvalue),
                difference_ci95=[float(low), float(high)], testable=True, a_beats_b=bool(one_sided.pvalue < alpha))
@@ -317,7 +344,7 @@ def _target(r: dict[str, Any]) -> str:
 
 def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
     """One row per run (named by its directory below DIR), fastest to target first, then by final val loss."""
-    rows = [{**r.summary, "run": r.name} for r in runs]
+    rows = [{**r.summary, **{k: v for k, (v, _) in r.tasks.items()}, "run": r.name} for r in runs]
     reached = sorted((r for r in rows if r.get("train_seconds_to_target") is not None),
                      key=lambda r: (_target(r), r["train_seconds_to_target"]))
     rest = sorted((r for r in rows if r.get("train_seconds_to_target") is None),
@@ -340,10 +367,11 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
         repeats += [r for g in (a, b) for r in g.repeats]  # a directory given to --compare may hold its own
         va, vb = values_of(a.runs, metric), values_of(b.runs, metric)
         if not va and not vb:
-            present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items() if is_number(v)})
+            present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items() if is_number(v)}
+                             | {k for r in a.runs + b.runs for k in r.tasks})
             raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
                               f"Their numeric figures: {', '.join(present)}.")
-        comparison = welch(va, vb, metric, alpha, (a.name, b.name))
+        comparison = welch(va, vb, metric, alpha, (a.name, b.name), not higher_is_better(a.runs + b.runs, metric))
     return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
             "comparison": comparison, "skipped": skipped,
             "warnings": list(dict.fromkeys(r.describe() for r in repeats))}  # each once
@@ -380,7 +408,8 @@ def _groups_text(summaries: list[dict[str, Any]]) -> str:
         for i, (metric, s) in enumerate(g["stats"].items()):
             spec = _spec(metric)
             ci = "-" if s["ci95"] is None else f"[{format(s['ci95'][0], spec)}, {format(s['ci95'][1], spec)}]"
-            rows.append((g["name"] if i == 0 else "", str(g["n"]) if i == 0 else "", GROUP_FIGURES[metric][0],
+            label = GROUP_FIGURES.get(metric, (metric.removeprefix(TASK_PREFIX),))[0]
+            rows.append((g["name"] if i == 0 else "", str(g["n"]) if i == 0 else "", label,
                          str(s["n"]), format(s["mean"], spec), cell(s["sd"], spec), ci))
         if not g["stats"]:  # a group whose runs have none of the figures
             rows.append((g["name"], str(g["n"]), "-", "0", "-", "-", "-"))
@@ -390,7 +419,8 @@ def _groups_text(summaries: list[dict[str, Any]]) -> str:
 def _comparison_text(c: dict[str, Any]) -> str:
     spec = _spec(c["metric"])
     label = GROUP_FIGURES.get(c["metric"], (c["metric"],))[0]
-    lines = [f"A = {c['a']['name']}", f"B = {c['b']['name']}", f"{label} ({c['metric']}), lower is better:"]
+    better = "lower" if c["lower_is_better"] else "higher"
+    lines = [f"A = {c['a']['name']}", f"B = {c['b']['name']}", f"{label} ({c['metric']}), {better} is better:"]
     for side, s in (("A", c["a"]), ("B", c["b"])):
         lines.append(f"  {side}: n={s['n']}, mean {cell(s['mean'], spec)}, sd {cell(s['sd'], spec)}")
     if c["difference"] is not None:
@@ -400,21 +430,23 @@ def _comparison_text(c: dict[str, Any]) -> str:
     if not c["testable"]:
         lines.append(f"  no test: {c['reason']}.")
         return "\n".join(lines)
-    lines.append(f"  {c['test']} (H1: mean(A) < mean(B)): t = {c['t']:.3f}, df = {c['df']:.1f}, p = {c['p']:.3g}")
+    lines.append(f"  {c['test']} (H1: {c['alternative']}): t = {c['t']:.3f}, df = {c['df']:.1f}, p = {c['p']:.3g}")
     verdict = "A beats B" if c["a_beats_b"] else "A does not beat B"
     lines.append(f"  {verdict} at alpha = {c['alpha']:g} (p {'<' if c['a_beats_b'] else '>='} {c['alpha']:g}).")
     return "\n".join(lines)
 
 
 def _leaderboard_text(rows: list[dict[str, Any]]) -> str:
+    tasks = sorted({k for r in rows for k in r if k.startswith(TASK_PREFIX)})
     header = ("run", "target", "to target (s)", "steps", "tokens", "final val", "val bpb", "test bpb",
-              "train (s)", "tokens seen", "params", "hardware")
+              "train (s)", "tokens seen", "params", "hardware", *(k.removeprefix(TASK_PREFIX) for k in tasks))
     return table(header, [(
         r["run"], _target(r), cell(r.get("train_seconds_to_target"), ".1f"),
         cell(r.get("step_to_target"), "d"), cell(r.get("tokens_to_target"), ","),
         cell(r.get("final_val_loss"), ".4f"), cell(r.get("final_val_bpb"), ".4f"), cell(r.get("test_bpb"), ".4f"),
         cell(r.get("train_seconds"), ".1f"), cell(r.get("tokens_seen"), ","), cell(r.get("params"), ","),
         f"{r.get('world_size', '?')}x {r.get('hardware') or r.get('device') or '?'}",
+        *(cell(r.get(k), ".4f") for k in tasks),
     ) for r in rows])
 
 

@@ -23,6 +23,7 @@ from nanopt.config import Config, resume_changes, to_yaml
 from nanopt.errors import ConfigError, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
+from nanopt.harness import TaskSpec, check_tasks, record_tasks, score_model, task_lines
 from nanopt.io import write_json, write_text
 from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
@@ -180,6 +181,43 @@ class Validator:
         return loss, bpb
 
 
+class TaskScorer:
+    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one. The main
+    rank scores (the harness runs in one process) while the others wait; the time is reported and, like
+    validation, outside the training clock."""
+
+    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, tokenizer: Tokenizer):
+        e = cfg.eval
+        self.spec = TaskSpec([t.strip() for t in e.tasks.split(",") if t.strip()], e.tasks_path or None,
+                             e.tasks_limit or None, None, e.core or None)
+        self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
+        self.seconds, self.last_step = 0.0, None
+        problem = None
+        if self.spec and rt.is_main:  # an unknown task is refused before the first step, not after the last
+            try:
+                check_tasks(self.spec)
+            except ConfigError as e:
+                problem = str(e)
+        problem = rt.gather_objects(problem)[0]
+        if problem:
+            raise ConfigError(problem)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.tasks_every
+        return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
+
+    def run(self, step: int) -> None:
+        t0 = time.perf_counter()
+        if self.rt.is_main:
+            records = score_model(self.model, self.tokenizer, self.rt, self.spec, step, "train")
+            record_tasks(self.cfg.run_dir, records)
+            for line in task_lines(records):
+                log.info("step %6d | %s", step, line)
+        self.rt.barrier()
+        self.seconds += time.perf_counter() - t0
+        self.last_step = step
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -213,6 +251,7 @@ class Session:
     metrics: MetricsLogger
     meter: mfu.MFUMeter
     evaluator: Validator
+    tasks: TaskScorer
     logger: StepLogger
     guard: faults.FiniteGuard
     stop: faults.StopSignal
@@ -221,7 +260,8 @@ class Session:
     def pause_follows(self, step: int) -> bool:
         """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
         the step's device work must then be waited for inside the training clock, or the pause is billed it."""
-        return step >= self.cfg.train.max_steps or self.evaluator.due(step) or self.ckpt.should_save(step)
+        return (step >= self.cfg.train.max_steps or self.evaluator.due(step) or self.tasks.due(step)
+                or self.ckpt.should_save(step))
 
     def save(self) -> Path:
         """Checkpoint now (every rank), never a diverged model over the last good one."""
@@ -291,7 +331,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
     return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
                clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
-               StepLogger(cfg, rt, metrics, meter, guard, state.step), guard, stop, time.perf_counter())
+               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step), guard, stop, time.perf_counter())
 
 
 def one_step(run: Session) -> None:
@@ -332,6 +372,8 @@ def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
             run.evaluator.run(state)
             if cfg.train.stop_at_target and run.clock.reached:
                 break
+        if run.tasks.due(state.step):
+            run.tasks.run(state.step)
         if run.ckpt.should_save(state.step):
             run.save()
         if run.pause_follows(state.step):
@@ -347,6 +389,8 @@ def finish(run: Session) -> dict[str, Any]:
     if run.evaluator.last_step != state.step:
         run.evaluator.run(state)
     test_eval = run.evaluator.test(run.directory, state.step)
+    if run.tasks.spec and run.tasks.last_step != state.step:
+        run.tasks.run(state.step)
     run.save()
     run.ckpt.close()  # wait for the copy to checkpoint.mirror
     last = run.evaluator.last
@@ -358,7 +402,7 @@ def finish(run: Session) -> dict[str, Any]:
         "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),
-        **test_eval, **run.clock.summary(),
+        **test_eval, **run.clock.summary(), "tasks_seconds": run.tasks.seconds if run.tasks.spec else None,
         # What makes the run finished (rundirs.finished) when it ends before max_steps.
         "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and run.clock.reached,
     }

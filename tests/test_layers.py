@@ -21,9 +21,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "faults", "metrics"),
-    ("mfu", "profiling", "mirror", "evaluation", "generate", "hf"),
-    ("checkpoint",),
+    ("mfu", "profiling", "mirror", "evaluation", "generate", "hf", "core", "taskgen"),
+    ("checkpoint", "scoring"),
     ("loading",),
+    ("harness",),                                         # nanopt models inside lm-evaluation-harness
     ("train", "prepare", "sweep", "comparison", "watch"),  # the logic that commands call
     ("commands",),                                        # nanopt/commands/*: one module per subcommand
     ("cli",),

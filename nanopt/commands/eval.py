@@ -1,11 +1,19 @@
 """`nanopt eval RUN_OR_CHECKPOINT [--split val|test] [--batches N] [--watch]`: out-of-band evaluation, also
-under torchrun, appended to the run's evaluations file (nanopt/watch.py)."""
+under torchrun, appended to the run's evaluations file (nanopt/watch.py); with `--tasks`/`--core`, downstream
+task scores through lm-evaluation-harness and the CORE bundle (nanopt/harness.py); `--make-tasks DIR` writes
+the generated demo tasks (nanopt/taskgen.py, nanopt/core.py)."""
 from __future__ import annotations
 
 import argparse
+import json
 
+from nanopt import core
 from nanopt.config import DEVICES
+from nanopt.data import corpus_documents, fetch_sdist
+from nanopt.errors import ConfigError
+from nanopt.harness import TaskSpec, score_checkpoint, task_lines
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE
+from nanopt.taskgen import make_tasks
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
 
@@ -13,7 +21,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nanopt eval", description=(
         f"Evaluate a checkpoint on the run's fixed val (or test) set and append the result to the run's {EVALS_FILE}; "
         "safe while the run trains; under torchrun the ranks share the batches."))
-    p.add_argument("path", help="a run directory (its newest complete checkpoint) or a checkpoint directory")
+    p.add_argument("path", nargs="?", help="a run directory (its newest complete checkpoint) or a checkpoint "
+                   "directory; with --tasks/--core also a Hugging Face directory")
     p.add_argument("--split", choices=("val", "test"), default="val")
     p.add_argument("--batches", type=int, default=0, help="micro-batches in the evaluation set (default: eval.batches)")
     p.add_argument("--device", choices=DEVICES, default="auto")
@@ -24,9 +33,49 @@ def main(argv: list[str]) -> int:
                         f"{SUMMARY_FILE} says so for its {CONFIG_FILE}) and its last checkpoint is evaluated")
     p.add_argument("--interval", type=float, default=30.0, help="with --watch: seconds between looks (default 30)")
     p.add_argument("--timeout", type=float, default=0.0, help="with --watch: stop after this many seconds (0 = never)")
+    tasks = p.add_argument_group("downstream tasks (pip install -e '.[eval]')")
+    tasks.add_argument("--tasks", default="", help="comma list of lm-eval task or group names (or of YAMLs' names "
+                       "in --include-path); scores go to the run's evals.jsonl and TensorBoard")
+    tasks.add_argument("--include-path", default=None, help="a directory of local lm-eval task YAMLs")
+    tasks.add_argument("--core", default=None, metavar="DIR", help="a CORE bundle (core.yaml, eval_data/, "
+                       "eval_meta_data.csv): each task's accuracy and the centered mean")
+    tasks.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task")
+    tasks.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    tasks.add_argument("--batch-size", type=int, default=32, help="requests per forward pass (default 32)")
+    tasks.add_argument("--json", action="store_true", help="print the records as JSON")
+    tasks.add_argument("--make-tasks", default=None, metavar="DIR", help="write the generated demo tasks (an lm-eval "
+                       "multiple-choice and a perplexity task, and a CORE bundle in DIR/core) from held-out text "
+                       "of the embedded corpus; PATH is not read")
     args = p.parse_args(argv)
+    if args.make_tasks:
+        return _make(args.make_tasks)
+    if not args.path:
+        p.error("give PATH: a run directory, a checkpoint directory or (with --tasks/--core) a Hugging Face one")
+    if args.tasks or args.core:
+        return _tasks(args)
     evaluator = Evaluator(args.split, args.batches, args.device, args.precision)
     if args.watch:
         return watch_run(args.path, evaluator, args.interval, args.timeout)
     evaluate_checkpoint(args.path, evaluator)  # prints its line
+    return 0
+
+
+def _make(out: str) -> int:
+    texts = [text for _, text in corpus_documents(fetch_sdist())["test"]]
+    written = make_tasks(out, texts)
+    bundle = core.write_bundle(f"{out}/core", texts)
+    print("\n".join([*map(str, written), str(bundle)]))
+    print(f"use: nanopt eval RUN --tasks nanopt_mc,nanopt_rolling --include-path {out} --core {bundle}")
+    return 0
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    if args.watch:
+        raise ConfigError("--watch evaluates val/test loss only; run --tasks/--core on a checkpoint or run directory.")
+    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
+        raise ConfigError(f"--limit ({args.limit}) and --batch-size ({args.batch_size}) must be at least 1.")
+    spec = TaskSpec([t.strip() for t in args.tasks.split(",") if t.strip()], args.include_path, args.limit,
+                    args.num_fewshot, args.core, args.batch_size)
+    records = score_checkpoint(args.path, spec, args.device, args.precision)
+    print(json.dumps(records, indent=2) if args.json else "\n".join(task_lines(records)))
     return 0

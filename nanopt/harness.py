@@ -1,0 +1,313 @@
+"""nanopt models inside EleutherAI's lm-evaluation-harness: `lm_class()` is the harness model `nanopt` (any run
+directory, checkpoint or Hugging Face directory nanopt loads, every model option, on the runtime's device), and
+`evaluate_tasks` runs harness tasks on one and turns the results into run-directory records. The harness owns
+tasks, prompts, few-shot and metrics; nanopt answers its three requests (scoring.py). lm-eval is the optional
+`eval` extra and takes about a second to import, so it is imported on first use, never by `nanopt train` alone."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+from nanopt import core, runtime
+from nanopt.errors import ConfigError
+from nanopt.io import append_jsonl
+from nanopt.loading import Loaded, load
+from nanopt.model import Llama
+from nanopt.rundirs import EVALS_FILE, TB_DIR
+from nanopt.runtime import Runtime
+from nanopt.scoring import continuation_scores, greedy_until
+from nanopt.tokenizer import Tokenizer, get_tokenizer
+
+log = logging.getLogger("nanopt")
+_LM: Optional[type] = None
+_MANAGERS: dict[Optional[str], Any] = {}
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval  # optional dependency: the `eval` extra
+        import lm_eval.api.model
+        import lm_eval.api.registry
+        import lm_eval.utils
+    except ImportError:
+        raise ConfigError("downstream tasks need lm-evaluation-harness: pip install -e '.[eval]' "
+                          "(it brings lm-eval; nanopt train needs none of it).") from None
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines would bury nanopt's
+    return lm_eval
+
+
+def lm_class() -> type:
+    """NanoptLM, registered with the harness as `nanopt` on first call: `simple_evaluate(model="nanopt",
+    model_args="path=runs/x")`, or an object: `simple_evaluate(model=lm_class()(path="runs/x"), ...)`."""
+    global _LM
+    if _LM is None:
+        _LM = _define(_lm_eval())
+    return _LM
+
+
+def _define(lm_eval: Any) -> type:
+    @lm_eval.api.registry.register_model("nanopt")
+    class NanoptLM(lm_eval.api.model.TemplateLM):
+        """path: a run directory, checkpoint or Hugging Face directory; or model + tokenizer (+ rt) in memory,
+        as training passes them. add_bos_token: start every context with BOS, as nanopt's shards start each
+        document (off where the tokenizer has none)."""
+
+        def __init__(self, path: Optional[str] = None, model: Optional[Llama] = None,
+                     tokenizer: Optional[Tokenizer | str] = None, device: str = "auto", precision: str = "run",
+                     batch_size: int | str = 32, add_bos_token: bool | str = True, max_gen_toks: int | str = 256,
+                     rt: Optional[Runtime] = None, **ignored: Any) -> None:
+            super().__init__()
+            _setup(self, path, model, tokenizer, device, precision, rt)
+            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> 32
+            self.add_bos = str(add_bos_token).lower() in ("true", "1") and self.tok.bos_id is not None
+            self.max_gen_toks = int(max_gen_toks)
+
+        eot_token_id = property(lambda self: self.tok.eos_id if self.tok.eos_id is not None else self.tok.bos_id)
+        prefix_token_id = property(lambda self: self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id)
+        device = property(lambda self: self.rt.device)
+
+        def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kw: Any) -> list[int]:
+            ids = self.tok.encode(string)
+            return [self.tok.bos_id] + ids if self.add_bos and add_special_tokens is not False else ids
+
+        def tok_decode(self, ids: list[int], **kw: Any) -> str:
+            return self.tok.decode(ids)
+
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kw: Any) -> list:
+            scores = continuation_scores(self.model, [(c, x) for _, c, x in requests], self.rt, self.batch_size)
+            for (key, _, _), score in zip(requests, scores):
+                self.cache_hook.add_partial("loglikelihood", key, score)
+            return scores
+
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+            return _rolling(self, lm_eval.utils, [r.args[0] for r in requests])
+
+        def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+            return [_generate(self, *r.args) for r in requests]
+
+    return NanoptLM
+
+
+def _setup(lm: Any, path: Optional[str], model: Optional[Llama], tokenizer: Optional[Tokenizer | str],
+           device: str, precision: str, rt: Optional[Runtime]) -> None:
+    """The model, tokenizer and runtime of a NanoptLM: loaded from `path`, or given (training's live model)."""
+    loaded: Optional[Loaded] = None
+    if model is None:
+        if not path:
+            raise ConfigError("the nanopt harness model needs path=<run directory, checkpoint or Hugging Face "
+                              "directory>, e.g. --model_args path=runs/speedrun.")
+        loaded = load(path)
+        model = loaded.model
+    name = tokenizer if tokenizer is not None else (loaded.cfg.data.tokenizer if loaded else "byte")
+    if not name:
+        raise ConfigError(f"{path} has no tokenizer files and no nanopt config naming one; give tokenizer=NAME "
+                          f"(a Hugging Face tokenizer directory or `byte`) in --model_args.")
+    lm.tok = get_tokenizer(name) if isinstance(name, str) else name
+    if rt is None:
+        run_precision = loaded.cfg.train.precision if loaded else "fp32"
+        chosen = run_precision if precision == "run" else precision
+        rt = runtime.init(device, "bf16" if chosen == "bf16" else "fp32", loaded.cfg.runtime.threads if loaded else 0)
+    lm.rt, lm.loaded = rt, loaded
+    lm.model = model.to(rt.device).eval()
+
+
+def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
+    """Whole-text log-likelihoods (perplexity tasks): the harness's disjoint windows of the model's context,
+    each window scored as one continuation; the windows of all texts are batched together."""
+    max_len = lm.model.rope_cos.shape[0]
+    spans, windows = [], []
+    for text in texts:
+        pieces = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
+            token_list=lm.tok.encode(text), prefix_token=lm.prefix_token_id, max_seq_len=max_len, context_len=1)]
+        spans.append(len(pieces))
+        windows += pieces
+    scores = continuation_scores(lm.model, windows, lm.rt, lm.batch_size)
+    out, start = [], 0
+    for n in spans:
+        out.append(sum(s for s, _ in scores[start : start + n]))
+        start += n
+    return out
+
+
+def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
+    """Greedy text after `context` until one of the `until` strings (cut before it) or max_gen_toks."""
+    until = gen_kwargs.get("until") or []
+    until = [until] if isinstance(until, str) else list(until)
+    if lm.tok.eos_id is not None:
+        until.append(lm.tok.decode([lm.tok.eos_id]) or "\0")
+    eos = lm.tok.eos_id
+    stop = (lambda ids: ids[-1] == eos or any(s and s in lm.tok.decode(ids) for s in until))
+    ids = greedy_until(lm.model, lm.tok_encode(context), int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)),
+                       stop, lm.rt)
+    text = lm.tok.decode([i for i in ids if i != eos])
+    for s in until:
+        if s:
+            text = text.split(s)[0]
+    return text
+
+
+def _task_manager(lm_eval: Any, tasks: list[str], include_path: Optional[str]) -> Any:
+    """lm-eval's TaskManager with the user's task YAMLs; ConfigError naming any task it does not know."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path and not Path(include_path).is_dir():
+        raise ConfigError(f"--include-path {include_path} is not a directory; give the directory that holds your "
+                          f"task YAMLs (e.g. the one `nanopt eval --make-tasks DIR` wrote).")
+    if include_path not in _MANAGERS:  # indexing lm-eval's ~15,000 task YAMLs takes seconds: once per process
+        _MANAGERS[include_path] = TaskManager(include_path=include_path)
+    manager = _MANAGERS[include_path]
+    unknown = [t for t in tasks if not manager.match_tasks([t])]
+    if unknown:
+        raise ConfigError(f"unknown lm-eval task(s): {', '.join(unknown)}. Give task or group names the harness "
+                          f"knows (`lm-eval ls tasks` lists them) or YAMLs in --include-path; a YAML that does "
+                          f"not parse is not listed (check it with `lm-eval validate --tasks NAME "
+                          f"--include_path DIR`).")
+    return manager
+
+
+def check_tasks(spec: TaskSpec) -> None:
+    """ConfigError now when lm-eval is missing, a task is unknown, or the CORE bundle does not read."""
+    if spec.tasks:
+        _task_manager(_lm_eval(), spec.tasks, spec.include_path)
+    if spec.core_dir:
+        core.read_bundle(spec.core_dir, spec.limit or 0)
+
+
+def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None, limit: Optional[float] = None,
+                   num_fewshot: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """lm-eval's simple_evaluate on an lm_class() object: its results dict on the main rank, None elsewhere."""
+    lm_eval = _lm_eval()
+    manager = _task_manager(lm_eval, tasks, include_path)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
+                                       num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=1000)
+    except (ValueError, KeyError, FileNotFoundError) as e:  # a task YAML or its data the harness cannot use
+        raise ConfigError(f"lm-eval could not run tasks {', '.join(tasks)}: {type(e).__name__}: {e}. Check the "
+                          f"task YAML and its data_files (local paths must exist; hub datasets need the "
+                          f"network).") from None
+
+
+def task_records(results: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
+    """One evals.jsonl record per task (groups too) from simple_evaluate's results: every metric's value and the
+    harness's stderr, which direction is better, and how many documents were scored."""
+    out = []
+    for task, row in results["results"].items():
+        scores, stderr = {}, {}
+        for key, value in row.items():
+            metric = key.split(",")[0]
+            if key in ("alias", "sample_len") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if metric.endswith("_stderr"):
+                stderr[metric[: -len("_stderr")]] = value
+            else:
+                scores[metric] = value
+        better = results.get("higher_is_better", {}).get(task, {})
+        samples = results.get("n-samples", {}).get(task, {}).get("effective")
+        out.append({"step": step, "time": time.time(), "source": source, "task": task, "scores": scores,
+                    "stderr": stderr, "higher_is_better": {m: better.get(m) for m in scores}, "samples": samples,
+                    "num_fewshot": results.get("n-shot", {}).get(task), **extra})
+    return out
+
+
+def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> None:
+    """Append the records to the run's evals.jsonl and its TensorBoard (tasks/<task>/<metric>)."""
+    if run_dir is None:
+        return
+    for record in records:
+        append_jsonl(run_dir / EVALS_FILE, record)
+    from torch.utils.tensorboard import SummaryWriter  # its own events file beside the trainer's
+
+    with SummaryWriter(log_dir=str(run_dir / TB_DIR), filename_suffix=".tasks") as writer:
+        for r in records:
+            for metric, value in r["scores"].items():
+                if r["step"] is not None:
+                    writer.add_scalar(f"tasks/{r['task']}/{metric}", value, r["step"])
+
+
+def task_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per task: each metric with its stderr."""
+    lines = []
+    for r in records:
+        parts = [f"{m} {v:.4f}" + (f" ± {r['stderr'][m]:.4f}" if isinstance(r["stderr"].get(m), float) else "")
+                 for m, v in r["scores"].items()]
+        lines.append(f"{r['task']} (step {r['step']}, {r['samples']} docs): " + ", ".join(parts))
+    return lines
+
+
+@dataclass
+class TaskSpec:
+    """What to score: lm-eval tasks (names, groups, or YAMLs in include_path) and/or a CORE bundle."""
+
+    tasks: list[str] = field(default_factory=list)
+    include_path: Optional[str] = None
+    limit: Optional[int] = None  # documents per task (and items per CORE task); None: all
+    num_fewshot: Optional[int] = None  # None: each task's own
+    core_dir: Optional[str] = None
+    batch_size: int = 32
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks or self.core_dir)
+
+
+def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec, step: Optional[int], source: str,
+                **extra: Any) -> list[dict[str, Any]]:
+    """Every task of `spec` on one model (eval mode while scored): evals.jsonl records, the CORE ones as
+    `core/<task>` (accuracy, centered) and `core` (the centered mean)."""
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        records = []
+        if spec.tasks:
+            lm = lm_class()(model=model, tokenizer=tokenizer, rt=rt, batch_size=spec.batch_size)
+            results = evaluate_tasks(lm, spec.tasks, spec.include_path, spec.limit, spec.num_fewshot)
+            records += task_records(results, step, source, **extra)
+        if spec.core_dir:
+            result = core.evaluate_core(model, tokenizer, core.read_bundle(spec.core_dir, spec.limit or 0), rt,
+                                        batch_size=spec.batch_size)
+            records += core_records(result, step, source, **extra)
+    finally:
+        model.train(was_training)
+    for r in records:
+        r["seconds"] = time.perf_counter() - t0  # the whole scoring pass, outside any training clock
+    return records
+
+
+def core_records(result: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
+    base = {"step": step, "time": time.time(), "source": source, **extra}
+    out = [{**base, "task": f"core/{label}", "scores": {"acc": t["accuracy"], "centered": t["centered"]},
+            "stderr": {}, "higher_is_better": {"acc": True, "centered": True}, "samples": t["n"],
+            "random_baseline": t["random_baseline"]} for label, t in result["tasks"].items()]
+    out.append({**base, "task": "core", "scores": {"core": result["core"]}, "stderr": {},
+                "higher_is_better": {"core": True}, "samples": sum(t["n"] for t in result["tasks"].values())})
+    return out
+
+
+def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto",
+                     precision: str = "run") -> list[dict[str, Any]]:
+    """`nanopt eval PATH --tasks/--core`: load a run directory (its newest complete checkpoint), a checkpoint
+    or a Hugging Face directory, score it, and record the results in its run directory (if it has one)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ConfigError("--tasks and --core run in one process; start `nanopt eval` without torchrun.")
+    lm = lm_class()(path=str(path), device=device, precision=precision, batch_size=spec.batch_size)
+    loaded: Loaded = lm.loaded
+    try:
+        records = score_model(lm.model, lm.tok, lm.rt, spec, loaded.step, "nanopt eval",
+                              checkpoint=str(loaded.source), limit=spec.limit)
+        record_tasks(loaded.run_dir, records)
+    finally:
+        runtime.teardown(lm.rt)
+    return records
+
+
+if __name__ == "__main__":  # lm-eval's own CLI with `nanopt` registered: python -m nanopt.harness run --model nanopt
+    lm_class()
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

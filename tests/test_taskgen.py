@@ -1,0 +1,146 @@
+"""nanopt.taskgen: generated lm-evaluation-harness tasks from local files, loaded and run by the harness offline."""
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+
+from nanopt.errors import ConfigError
+from nanopt.taskgen import MAX_ITEM_BYTES, make_tasks
+
+NOUNS = ["king", "raven", "castle", "river", "lantern", "soldier", "garden", "letter", "storm", "bell"]
+VERBS = ["watches", "remembers", "follows", "forgets", "answers", "carries", "praises", "fears"]
+PLACES = ["the northern hill", "a quiet harbour", "the old mill", "the market square", "a narrow bridge"]
+
+
+def english(doc: int, lines: int = 60) -> str:
+    """A few KB of plain English, a speaker's name now and then and blank lines between speeches."""
+    out = []
+    for k in range(lines):
+        if k % 6 == 0:
+            out += ["", f"SPEAKER {doc}."]
+        noun, verb, place = NOUNS[(k * 3 + doc) % 10], VERBS[(k + doc * 5) % 8], PLACES[(k * 7 + doc) % 5]
+        out.append(f"The {noun} {verb} what happened near {place}, line {k} of part {doc}.")
+    return "\n".join(out) + "\n"
+
+
+TEXTS = [english(d) for d in range(3)]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_writes_the_tasks_the_group_and_their_data(tmp_path):
+    paths = make_tasks(tmp_path / "t", TEXTS, n=12)
+    assert [p.name for p in paths] == ["nanopt_mc.yaml", "nanopt_rolling.yaml", "nanopt_tasks.yaml"]
+    mc = (tmp_path / "t" / "nanopt_mc.yaml").read_text()
+    assert f"test: {(tmp_path / 't' / 'nanopt_mc.jsonl').resolve()}" in mc  # absolute: any cwd works
+    assert 'target_delimiter: "\\n"' in mc
+    assert len(rows(tmp_path / "t" / "nanopt_mc.jsonl")) == len(rows(tmp_path / "t" / "nanopt_rolling.jsonl")) == 12
+
+
+def test_the_same_seed_gives_the_same_bytes(tmp_path):
+    a, b, c = (tmp_path / name for name in "abc")
+    make_tasks(a, TEXTS, n=10, seed=3)
+    make_tasks(b, TEXTS, n=10, seed=3)
+    make_tasks(c, TEXTS, n=10, seed=4)
+    for name in ("nanopt_mc.jsonl", "nanopt_rolling.jsonl", "nanopt_tasks.json", "nanopt_tasks.yaml"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "nanopt_mc.yaml").read_text().replace(str(a), str(b)) == (b / "nanopt_mc.yaml").read_text()
+    assert (a / "nanopt_mc.jsonl").read_bytes() != (c / "nanopt_mc.jsonl").read_bytes()
+    before = (a / "nanopt_mc.jsonl").read_bytes()
+    make_tasks(a, TEXTS, n=10, seed=3)  # a directory holding only our own output is rewritten, identically
+    assert (a / "nanopt_mc.jsonl").read_bytes() == before
+
+
+def test_items_are_true_next_lines_among_four_with_the_gold_spread(tmp_path):
+    make_tasks(tmp_path, TEXTS, n=40)
+    items = rows(tmp_path / "nanopt_mc.jsonl")
+    for item in items:
+        choices, gold = item["choices"], item["choices"][item["gold"]]
+        assert len(choices) == len(set(choices)) == 4
+        assert any(f"{item['context']}\n{gold}\n" in text for text in TEXTS), item  # the true next line
+        assert all(f"{item['context']}\n{c}\n" not in "".join(TEXTS) for c in choices if c != gold)
+        assert max(len(f"{item['context']}\n{c}".encode()) for c in choices) <= MAX_ITEM_BYTES
+    spread = collections.Counter(item["gold"] for item in items)
+    assert sorted(spread) == [0, 1, 2, 3] and min(spread.values()) >= 40 // 10, spread
+    assert sum(1 / len(item["choices"]) for item in items) / len(items) == 0.25  # chance
+
+
+def test_rolling_passages_are_a_few_hundred_bytes_of_the_text(tmp_path):
+    make_tasks(tmp_path, TEXTS, n=8)
+    passages = [row["text"] for row in rows(tmp_path / "nanopt_rolling.jsonl")]
+    assert len(passages) == len(set(passages)) == 8
+    assert all(256 <= len(p.encode()) <= 512 and any(p in text for text in TEXTS) for p in passages)
+
+
+def test_lm_eval_loads_the_tasks_offline(tmp_path, monkeypatch):
+    offline(monkeypatch)
+    import lm_eval.tasks as lm_eval_tasks
+
+    make_tasks(tmp_path, TEXTS, n=12)
+    manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path), include_defaults=False)
+    loaded = manager.load(["nanopt_tasks"])
+    assert loaded["group_map"] == {"nanopt_tasks": ["nanopt_mc", "nanopt_rolling"]}
+    mc, rolling = loaded["tasks"]["nanopt_mc"], loaded["tasks"]["nanopt_rolling"]
+    docs, items = list(mc.test_docs()), rows(tmp_path / "nanopt_mc.jsonl")
+    assert len(docs) == 12
+    for doc, item in zip(docs, items):
+        assert mc.doc_to_choice(doc) == item["choices"] and mc.doc_to_target(doc) == item["gold"]
+    mc.build_all_requests(limit=2)
+    assert mc.instances[0].arguments == (items[0]["context"], "\n" + items[0]["choices"][0])
+    rolling.build_all_requests(limit=3)
+    first = rows(tmp_path / "nanopt_rolling.jsonl")[0]["text"]
+    assert [i.request_type for i in rolling.instances] == ["loglikelihood_rolling"] * 3
+    assert rolling.instances[0].arguments == (first,)
+
+
+@pytest.mark.slow
+def test_the_harness_dummy_model_runs_both_tasks_offline(tmp_path, monkeypatch):
+    """The harness's own `dummy` model (random scores), with the built-in tasks indexed too (~6 s): no name clash."""
+    offline(monkeypatch)
+    import lm_eval
+    make_tasks(tmp_path, TEXTS, n=12)
+    manager = lm_eval.tasks.TaskManager(include_path=str(tmp_path))
+    out = lm_eval.simple_evaluate(model="dummy", tasks=["nanopt_mc", "nanopt_rolling"], task_manager=manager,
+                                  limit=10)
+    assert 0 <= out["results"]["nanopt_mc"]["acc,none"] <= 1
+    assert out["results"]["nanopt_rolling"]["bits_per_byte,none"] > 0
+    assert out["n-samples"]["nanopt_mc"]["effective"] == 10
+
+
+def test_the_default_texts_are_the_held_out_test_plays(tmp_path):
+    """n=200 items of the embedded corpus's test plays (cached after the first download), none over the bound."""
+    make_tasks(tmp_path, n=200)
+    assert json.loads((tmp_path / "nanopt_tasks.json").read_text())["source"] == "the embedded corpus's test plays"
+    items = rows(tmp_path / "nanopt_mc.jsonl")
+    assert len(items) == len(rows(tmp_path / "nanopt_rolling.jsonl")) == 200
+    assert max(len(f"{i['context']}\n{c}".encode()) for i in items for c in i["choices"]) <= MAX_ITEM_BYTES
+    assert len(collections.Counter(i["gold"] for i in items)) == 4
+
+
+@pytest.mark.parametrize("case, match", [
+    ("file", "is a file"), ("foreign", "did not write"), ("small_n", "n >= 4"), ("short", "fewer than n=50")])
+def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
+    out, texts, n = tmp_path / "tasks", TEXTS, 10
+    if case == "file":
+        out.write_text("not a directory")
+    elif case == "foreign":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "small_n":
+        n = 3
+    else:
+        texts, n = [english(0, lines=20)], 50
+    with pytest.raises(ConfigError, match=match):
+        make_tasks(out, texts, n=n)
+    if case == "foreign":
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # nothing written beside it

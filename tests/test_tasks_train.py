@@ -1,0 +1,113 @@
+"""Downstream tasks during training and after: eval.tasks at its own cadence outside the training clock, `nanopt
+eval --tasks/--core` into the run directory, task scores in `nanopt runs` and `nanopt compare` like any figure, and
+bad input as one paragraph with exit 2."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import small_overrides
+from nanopt import core, train
+from nanopt.cli import run as cli
+from nanopt.experiments import runs_report, welch
+from nanopt.main import run as main_run
+from nanopt.taskgen import make_tasks
+
+LINES = [f"{who}: {what} the {thing} of the {place}, said the {adj} {who2}." for who, what, thing, place, adj, who2 in
+         zip(["Anne", "Ben", "Cass", "Dion", "Ede", "Finn"] * 8, ["Where is", "I saw", "Bring me", "Mind"] * 12,
+             ["book", "lamp", "key", "ring", "coat", "map", "cup", "hat"] * 6, ["hall", "garden", "tower"] * 16,
+             ["old", "young", "tired", "bold", "quiet", "wise", "sad", "glad"] * 6, ["man", "maid", "king"] * 16)]
+TEXTS = ["\n".join(LINES[i:] + LINES[:i]) for i in range(0, 48, 12)]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tasks")
+    make_tasks(out, TEXTS, n=12)
+    core.write_bundle(out / "core", TEXTS, n=12)
+    return out
+
+
+def evals(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tasks_are_scored_at_their_cadence_outside_the_training_clock(tmp_path, task_dir, monkeypatch):
+    real = train.score_model
+
+    def slow_scoring(*args, **kwargs):  # scoring that takes 3 s: none of it may reach the training clock
+        time.sleep(3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "score_model", slow_scoring)
+    run_dir = tmp_path / "run"
+    assert main_run(small_overrides(**{"run.dir": run_dir, "train.max_steps": 8, "eval.tasks": "nanopt_mc",
+                                       "eval.tasks_path": task_dir, "eval.core": task_dir / "core",
+                                       "eval.tasks_every": 4, "eval.tasks_limit": 5})) == 0
+    records = evals(run_dir)
+    assert sorted({(r["step"], r["task"]) for r in records if r["task"] in ("nanopt_mc", "core")}) == [
+        (4, "core"), (4, "nanopt_mc"), (8, "core"), (8, "nanopt_mc")]
+    mc = [r for r in records if r["task"] == "nanopt_mc"]
+    assert all(r["source"] == "train" and r["samples"] == 5 and 0 <= r["scores"]["acc"] <= 1 for r in mc)
+    assert {r["task"] for r in records} >= {"core", *(f"core/{t.label}" for t in core.read_bundle(task_dir / "core"))}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tasks_seconds"] >= 6  # two scoring passes of at least 3 s each, reported ...
+    assert summary["train_seconds"] < 3  # ... and not billed to training
+
+
+def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
+    run_dir = tmp_path / "run"
+    assert main_run(small_overrides(**{"run.dir": run_dir, "eval.tasks": "nanopt_mc,no_such_task",
+                                       "eval.tasks_path": task_dir})) == 2
+    assert "no_such_task" in capsys.readouterr().err
+    assert not (run_dir / "checkpoints").exists()
+    assert main_run(small_overrides(**{"run.dir": tmp_path / "r2", "eval.core": tmp_path / "missing"})) == 2
+    assert "`eval.core`" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_eval_tasks_on_runs_then_runs_and_compare_show_them_over_seeds(tmp_path, task_dir, capsys):
+    for seed in (1, 2):
+        assert main_run(small_overrides(**{"run.dir": tmp_path / "sweep" / f"s{seed}", "run.seed": seed})) == 0
+        capsys.readouterr()  # the training log
+        assert cli(["eval", str(tmp_path / "sweep" / f"s{seed}"), "--tasks", "nanopt_mc", "--include-path",
+                    str(task_dir), "--core", str(task_dir / "core"), "--limit", "6", "--json"]) == 0
+        out = capsys.readouterr().out  # log lines first when an earlier run in this process set up logging
+        printed = json.loads(out[out.index("[\n"):])
+        assert {r["task"] for r in printed} >= {"nanopt_mc", "core"} and printed[0]["step"] == 6
+        assert [r["task"] for r in evals(tmp_path / "sweep" / f"s{seed}")] == [r["task"] for r in printed]
+    report = runs_report(tmp_path / "sweep")
+    (group,) = report["groups"]
+    assert group["stats"]["task:nanopt_mc/acc"]["n"] == 2 and "task:core/core" in group["stats"]
+    assert cli(["runs", str(tmp_path / "sweep")]) == 0
+    assert "nanopt_mc/acc" in capsys.readouterr().out
+    assert cli(["compare", str(tmp_path / "sweep" / "s1"), str(tmp_path / "sweep" / "s2")]) == 0
+    assert "nanopt_mc/acc" in capsys.readouterr().out
+
+
+def test_welch_on_a_task_score_asks_whether_a_is_higher():
+    higher = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "task:mc/acc", 0.05, lower_is_better=False)
+    lower = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "final_val_loss", 0.05)
+    assert higher["a_beats_b"] and higher["alternative"] == "mean(A) > mean(B)"
+    assert not lower["a_beats_b"] and higher["p"] < 0.01 < lower["p"]
+
+
+def test_eval_tasks_bad_input_is_exit_2(tmp_path, task_dir, capsys):
+    assert cli(["eval", str(tmp_path / "nothing"), "--tasks", "nanopt_mc", "--include-path", str(task_dir)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "core.yaml").write_text("icl_tasks: [")
+    assert cli(["eval", str(tmp_path), "--core", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip()
