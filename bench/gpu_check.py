@@ -10,6 +10,8 @@ Sections (docs/results.md "GPU: one H100"; issue 16's findings in brackets):
              [5]; nanopt's sdpa and flash-attn (when installed) against a float64 reference
   ddp        DDP (world size 1) gradient memory under no_sync micro-steps, zeroing set to None vs in place [1]
   resume     a short run killed in a step and resumed on this device, against an uninterrupted one
+  tasks      downstream scoring speed: a HellaSwag-sized synthetic set (10,042 items x 4 endings, ~100 tokens
+             each) scored by nanopt.scoring (lm-eval's `nanopt` model) on the 1B config in bf16; goal < 60 s
   170m, 1b   real `python -m nanopt.main` runs of configs/170m-1gpu.yaml and configs/1b.yaml (1B as one
              rank of eight: global batch 131072 = 4 x 4096 x 8 micro-steps), in each --variants: tokens/s,
              MFU, peak allocated and reserved memory, the profiler's shares and top ops [2, 3, 7]
@@ -44,8 +46,9 @@ from nanopt import attention, data, experiments, hardware, rundirs  # noqa: E402
 from nanopt.config import ModelConfig, load_config  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
+from nanopt.scoring import continuation_scores  # noqa: E402
 
-SECTIONS = ("env", "attention", "ddp", "resume", "170m", "1b")
+SECTIONS = ("env", "attention", "ddp", "resume", "tasks", "170m", "1b")
 
 
 # ---------------------------------------------------------------- sizes: the real ones and the CPU smoke's
@@ -64,6 +67,7 @@ def sizes(smoke: bool) -> dict[str, Any]:
             "resume": ["--config", "configs/170m-1gpu.yaml", "--model.n_layers=2", "--train.seq_len=1024",
                        "--train.micro_batch_size=4", "--train.global_batch_tokens=8192"],
             "steps": 12, "shard_tokens": 4_000_000,
+            "tasks": dict(config="configs/1b.yaml", items=10042, context=70, ending=30, batch=64),
         }
     toy = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
            "--model.ffn_dim=128", "--model.vocab_size=512", "--train.seq_len=64", "--train.micro_batch_size=2",
@@ -75,6 +79,7 @@ def sizes(smoke: bool) -> dict[str, Any]:
                   "1b": ["--config", "configs/1b.yaml", *toy]},
         "resume": ["--config", "configs/170m-1gpu.yaml", *toy],
         "steps": 10, "shard_tokens": 40_000,
+        "tasks": dict(config=None, items=40, context=20, ending=8, batch=16),
     }
 
 
@@ -218,6 +223,39 @@ def check_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- training runs (python -m nanopt.main)
+
+
+def check_tasks(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """Scoring speed as the harness drives it: items x 4 (context, ending) loglikelihood requests of random ids,
+    contexts and endings of varied length around the given means, bf16 autocast; a few requests are re-scored
+    one by one, unbatched, to check the batching changed nothing."""
+    cfg = model_config(spec["config"])
+    model = build_model(cfg, device).eval()
+    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
+    g = torch.Generator().manual_seed(0)
+    requests = []
+    for _ in range(spec["items"]):
+        context = torch.randint(0, cfg.vocab_size, (spec["context"] + int(torch.randint(-10, 11, (1,), generator=g)),),
+                                generator=g).tolist()
+        for _ in range(4):
+            n = max(1, spec["ending"] + int(torch.randint(-10, 11, (1,), generator=g)))
+            requests.append((context, torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()))
+    continuation_scores(model, requests[: spec["batch"] * 2], rt, spec["batch"])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    scores = continuation_scores(model, requests, rt, spec["batch"])
+    sync(device)
+    seconds = time.perf_counter() - t0
+    alone = [continuation_scores(model, [r], rt, 1)[0][0] for r in requests[:8]]
+    return {"items": spec["items"], "requests": len(requests), "batch": spec["batch"], "seconds": seconds,
+            "requests_per_s": len(requests) / seconds, "goal_s": 60,
+            "tokens": sum(len(c) + len(e) for c, e in requests),
+            "batched_vs_alone_max_abs": max(abs(a - s[0]) for a, s in zip(alone, scores))}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def write_shards(directory: Path, vocab: int, tokens: int) -> Path:
@@ -373,6 +411,12 @@ def markdown(results: dict[str, Any]) -> str:
                   f"{res['steps_compared']}", "", "| against the straight run | max loss difference | final weights equal |",
                   "|---|---|---|", f"| killed at step 7, resumed from 4 | {res['max_abs_loss_diff']} | {res['weights_equal']} |",
                   f"| the same run again (noise floor) | {res['rerun_max_abs_loss_diff']} | {res['rerun_weights_equal']} |", ""]
+    tasks = results.get("tasks")
+    if tasks and "error" not in tasks:
+        lines += ["## Downstream scoring (HellaSwag-sized, nanopt.scoring)", "",
+                  f"{tasks['items']:,} items x 4 = {tasks['requests']:,} requests ({tasks['tokens']:,} tokens), batch "
+                  f"{tasks['batch']}: **{tasks['seconds']:.1f} s** ({tasks['requests_per_s']:,.0f} requests/s; goal "
+                  f"< {tasks['goal_s']} s); batched vs one-by-one max |Δ| {tasks['batched_vs_alone_max_abs']:.1e}", ""]
     for name in ("170m", "1b"):
         runs = results.get(name)
         if not runs or "error" in runs:
@@ -442,6 +486,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "attention": lambda: check_attention(device, size["attention"]),
         "ddp": lambda: check_ddp(device, size["ddp_model"]),
         "resume": lambda: check_resume(size["resume"], work, shards_for(vocab), a.timeout),
+        "tasks": lambda: check_tasks(device, size["tasks"]),
         "170m": lambda: check_train("170m", size["train"]["170m"], a.variants.split(","), work, steps,
                                     shards_for(vocab), a.timeout),
         "1b": lambda: check_train("1b", size["train"]["1b"], a.variants.split(","), work, steps,

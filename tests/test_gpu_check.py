@@ -26,11 +26,13 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
     # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
     # real runs would add ~80 s (tests/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
-                           "--sections", "env,attention,ddp,1b"], cwd=REPO, capture_output=True, text=True,
+                           "--sections", "env,attention,ddp,tasks,1b"], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert not any("error" in result[s] for s in ("env", "attention", "ddp", "1b")), result
+    assert not any("error" in result[s] for s in ("env", "attention", "ddp", "tasks", "1b")), result
+    tasks = result["tasks"]
+    assert tasks["requests"] == 4 * 40 and tasks["seconds"] > 0 and tasks["batched_vs_alone_max_abs"] < 0.05
     assert result["env"]["torch"] == __import__("torch").__version__
     for dtype in ("bfloat16", "float32"):
         row = result["attention"][dtype]
@@ -42,7 +44,7 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
     assert run["rc"] == 0 and run["tokens_per_s"] > 0 and run["steps_timed"] == [3, 4, 5, 10]
     assert run["profile"]["compute_share"] > 0.5 and run["top_ops"], run
     report = (tmp_path / "gpu_check.md").read_text()
-    assert "## DDP gradients" in report and "## Training 1b" in report and "FAILED" not in report
+    assert "## DDP gradients" in report and "## Training 1b" in report and "## Downstream scoring" in report and "FAILED" not in report
 
 
 def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rerun(tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ def test_writes_the_tasks_the_group_and_their_data(tmp_path):
     assert [p.name for p in paths] == ["nanopt_mc.yaml", "nanopt_rolling.yaml", "nanopt_tasks.yaml"]
     mc = (tmp_path / "t" / "nanopt_mc.yaml").read_text()
     assert f"test: {(tmp_path / 't' / 'nanopt_mc.jsonl').resolve()}" in mc  # absolute: any cwd works
-    assert 'target_delimiter: "\\n"' in mc
+    assert "target_delimiter: ''" in mc
     assert len(rows(tmp_path / "t" / "nanopt_mc.jsonl")) == len(rows(tmp_path / "t" / "nanopt_rolling.jsonl")) == 12
 
 
@@ -61,15 +61,14 @@ def test_the_same_seed_gives_the_same_bytes(tmp_path):
     assert (a / "nanopt_mc.jsonl").read_bytes() == before
 
 
-def test_items_are_true_next_lines_among_four_with_the_gold_spread(tmp_path):
+def test_items_are_true_continuations_among_four_of_one_length_with_the_gold_spread(tmp_path):
     make_tasks(tmp_path, TEXTS, n=40)
     items = rows(tmp_path / "nanopt_mc.jsonl")
     for item in items:
         choices, gold = item["choices"], item["choices"][item["gold"]]
-        assert len(choices) == len(set(choices)) == 4
-        assert any(f"{item['context']}\n{gold}\n" in text for text in TEXTS), item  # the true next line
-        assert all(f"{item['context']}\n{c}\n" not in "".join(TEXTS) for c in choices if c != gold)
-        assert max(len(f"{item['context']}\n{c}".encode()) for c in choices) <= MAX_ITEM_BYTES
+        assert len(choices) == len(set(choices)) == 4 and len({len(c) for c in choices}) == 1
+        assert any(item["context"] + gold in text for text in TEXTS), item  # the true continuation
+        assert max(len((item["context"] + c).encode()) for c in choices) <= MAX_ITEM_BYTES
     spread = collections.Counter(item["gold"] for item in items)
     assert sorted(spread) == [0, 1, 2, 3] and min(spread.values()) >= 40 // 10, spread
     assert sum(1 / len(item["choices"]) for item in items) / len(items) == 0.25  # chance
@@ -96,7 +95,9 @@ def test_lm_eval_loads_the_tasks_offline(tmp_path, monkeypatch):
     for doc, item in zip(docs, items):
         assert mc.doc_to_choice(doc) == item["choices"] and mc.doc_to_target(doc) == item["gold"]
     mc.build_all_requests(limit=2)
-    assert mc.instances[0].arguments == (items[0]["context"], "\n" + items[0]["choices"][0])
+    context, first = items[0]["context"], items[0]["choices"][0]
+    spaces = len(context) - len(context.rstrip(" "))  # the harness moves a context's trailing spaces on
+    assert mc.instances[0].arguments in ((context, first), (context[:len(context) - spaces], context[-spaces:] + first))
     rolling.build_all_requests(limit=3)
     first = rows(tmp_path / "nanopt_rolling.jsonl")[0]["text"]
     assert [i.request_type for i in rolling.instances] == ["loglikelihood_rolling"] * 3
@@ -123,7 +124,7 @@ def test_the_default_texts_are_the_held_out_test_plays(tmp_path):
     assert json.loads((tmp_path / "nanopt_tasks.json").read_text())["source"] == "the embedded corpus's test plays"
     items = rows(tmp_path / "nanopt_mc.jsonl")
     assert len(items) == len(rows(tmp_path / "nanopt_rolling.jsonl")) == 200
-    assert max(len(f"{i['context']}\n{c}".encode()) for i in items for c in i["choices"]) <= MAX_ITEM_BYTES
+    assert max(len((i["context"] + c).encode()) for i in items for c in i["choices"]) <= MAX_ITEM_BYTES
     assert len(collections.Counter(i["gold"] for i in items)) == 4
 
 
@@ -139,7 +140,7 @@ def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
     elif case == "small_n":
         n = 3
     else:
-        texts, n = [english(0, lines=20)], 50
+        texts, n = [english(0, lines=20)], 50  # 20 distinct lines make 20 items
     with pytest.raises(ConfigError, match=match):
         make_tasks(out, texts, n=n)
     if case == "foreign":
