@@ -7,8 +7,8 @@ is a random Llama at the shape flags with a byte-level BPE tokenizer trained her
 `nanopt export`'s writer, so both sides read the same weights and tokenize identically; the scores are checked
 equal before any timing.
 
-    python bench/lmeval_speed.py                      # dim 256, 4 layers, vocab 8192, context 256
-    python bench/lmeval_speed.py --vocab 32000 --repeats 7 --items 100
+    python bench/lmeval_speed.py                      # dim 256, 4 layers, vocab 32768, context 256
+    python bench/lmeval_speed.py --vocab 8192 --batch-size 1 --repeats 7 --items 100
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    C.add_shape_args(p, dim=256, ffn=768, vocab=8192)
+    C.add_shape_args(p, dim=256, ffn=768, vocab=32768)  # a Llama-2-sized vocabulary (Llama 3: 128256)
     p.add_argument("--items", type=int, default=60, help="multiple-choice items (4 requests each)")
     p.add_argument("--batch-size", type=int, default=16, help="both models' batch size")
     p.add_argument("--repeats", type=int, default=5)
@@ -56,7 +56,7 @@ def build(a: argparse.Namespace, root: Path, corpus: list[str]) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
                             clean_up_tokenization_spaces=False).save_pretrained(root / "tok")
     torch.manual_seed(0)
-    model = build_model(C.model_config(a, vocab_size=a.vocab))
+    model = build_model(C.model_config(a))
     export_model(model, root / "hf", tokenizer=str(root / "tok"))
     return root / "hf"
 

@@ -46,7 +46,8 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
 def continuation_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size: int = 32,
                         max_tokens: int = 16384) -> list[tuple[float, bool]]:
     """(sum of log-probabilities of the continuation given its context, whether greedy decoding would have
-    produced it) per request, in request order. Continuation ids must be non-empty."""
+    produced it) per request, in request order. An empty continuation (BPE can merge a short continuation into
+    the context's last token) scores (0.0, True), as in the harness's own models."""
     max_len = model.rope_cos.shape[0]
     windows = _windows(requests, max_len)
     lengths = [len(w) - 1 for w, _ in windows]
@@ -70,7 +71,7 @@ def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime
     for b, (whole, n) in enumerate(windows):
         x[b, : len(whole) - 1] = torch.tensor(whole[:-1])
         picks += range(b * T + len(whole) - 1 - n, b * T + len(whole) - 1)
-        targets += whole[-n:]  # position t predicts token t + 1
+        targets += whole[len(whole) - n:]  # position t predicts token t + 1; n may be 0 (see below)
         counts.append(n)
     pick = torch.tensor(picks)
     if static:  # a fixed number of picked rows per bucket: one compiled graph per (B, T) bucket

@@ -116,7 +116,9 @@ def test_two_rank_eval_equals_one_rank_eval(trained_run):
     one = evals(trained_run)[-1]
     proc = run_module(["torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli", "eval",
                        str(trained_run), "--batches", "4"], env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception",
+    # not reproduced in 157 runs here), and the last 3,000 characters held only torchrun's summary.
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
     two = evals(trained_run)[-1]
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-9)

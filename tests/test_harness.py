@@ -107,6 +107,8 @@ def test_batching_does_not_change_scores():
     lp = torch.log_softmax(model(ids[:, :-1])[0].float(), -1)
     expected = sum(lp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
     assert one[3][0] == pytest.approx(expected, abs=1e-5)
+    # BPE can fold a short continuation into the context's last token: nothing to score, as the harness's hf says.
+    assert continuation_scores(model, [([1, 2, 3], []), ([4, 5], [6])], CPU)[0] == (0.0, True)
 
 
 def test_generate_until_is_greedy_sampling_cut_at_the_stop_string(tmp_path):

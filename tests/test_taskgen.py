@@ -68,6 +68,7 @@ def test_items_are_true_continuations_among_four_of_one_length_with_the_gold_spr
         choices, gold = item["choices"], item["choices"][item["gold"]]
         assert len(choices) == len(set(choices)) == 4 and len({len(c) for c in choices}) == 1
         assert any(item["context"] + gold in text for text in TEXTS), item  # the true continuation
+        assert item["context"][-1].isalpha() and all(c[0].isalpha() and c.count(" ") >= 2 for c in choices)
         assert max(len((item["context"] + c).encode()) for c in choices) <= MAX_ITEM_BYTES
     spread = collections.Counter(item["gold"] for item in items)
     assert sorted(spread) == [0, 1, 2, 3] and min(spread.values()) >= 40 // 10, spread
