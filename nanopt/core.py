@@ -1,0 +1,261 @@
+"""nanochat's CORE score on DCLM's eval bundle (core.yaml, eval_data/*.jsonl, eval_meta_data.csv), example by
+example as nanochat's core_eval.py and base_eval.py score it (bench/core_parity.py checks): items shuffled with
+seed 1337, then cut to `limit`; few-shot examples drawn from the kept items; BOS first; prompts cropped on the
+left to the model's context; multiple_choice and schema pick the option of lowest mean loss where the options
+differ; language_modeling needs every continuation token to be the greedy prediction."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from nanopt.errors import ConfigError
+from nanopt.io import write_text
+from nanopt.runtime import Runtime
+from nanopt.tokenizer import Tokenizer
+
+# The fields each task type's items need, and the list an item's `gold` indexes.
+FIELDS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+          "language_modeling": ("context", "continuation")}
+OPTIONS = {"multiple_choice": "choices", "schema": "context_options"}
+SHUFFLE_SEED = 1337  # nanochat's base_eval.py shuffles each task's items with it before cutting them
+FEWSHOT_SEED = 1234  # nanochat's core_eval.py draws item i's few-shot examples with Random(1234 + i)
+HINT = ("--core takes DCLM's eval bundle as nanochat downloads it (eval_bundle.zip: core.yaml, eval_data/, "
+        "eval_meta_data.csv); nanopt.core.write_bundle writes a small one")
+
+
+@dataclass
+class CoreTask:
+    label: str
+    type: str  # multiple_choice | schema | language_modeling
+    num_fewshot: int
+    continuation_delimiter: str
+    random_baseline: float  # percent: 25 for four choices
+    items: list[dict[str, Any]]  # in scoring order: shuffled as nanochat shuffles them, then cut to `limit`
+
+
+def read_bundle(directory: str | Path, limit: int = 0) -> list[CoreTask]:
+    """Every task core.yaml lists, with its items and random baseline; `limit` > 0 keeps that many per task."""
+    root = Path(directory)
+    specs = _read(root / "core.yaml", yaml.safe_load)
+    specs = specs.get("icl_tasks") if isinstance(specs, dict) else None
+    if not isinstance(specs, list) or not specs:
+        raise ConfigError(f"{root / 'core.yaml'} has no `icl_tasks` list. {HINT}.")
+    rows = _read(root / "eval_meta_data.csv", lambda text: list(csv.DictReader(io.StringIO(text))))
+    try:
+        baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{root / 'eval_meta_data.csv'} needs the columns `Eval Task` and `Random baseline` (a "
+                          f"number, in percent) on every row ({e}). {HINT}.") from None
+    return [_read_task(root, spec, baselines, limit) for spec in specs]
+
+
+def _read(path: Path, parse: Callable[[str], Any]) -> Any:
+    try:
+        return parse(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError, csv.Error) as e:  # a decode error is a ValueError
+        raise ConfigError(f"{path} cannot be read: {e}. {HINT}.") from None
+
+
+def _read_task(root: Path, spec: Any, baselines: dict[str, float], limit: int) -> CoreTask:
+    try:
+        label, kind, uri, shots = (spec[k] for k in ("label", "icl_task_type", "dataset_uri", "num_fewshot"))
+    except (KeyError, TypeError):
+        raise ConfigError(f"{root / 'core.yaml'}: task {spec!r} needs label, icl_task_type, dataset_uri and "
+                          f"num_fewshot (a list such as [0]), as DCLM's core.yaml gives them.") from None
+    shots = shots[0] if isinstance(shots, list) and shots else shots
+    if kind not in FIELDS:
+        raise ConfigError(f"{root / 'core.yaml'}: task {label}'s icl_task_type {kind!r} is none of {list(FIELDS)}.")
+    if label not in baselines:
+        raise ConfigError(f"{root / 'eval_meta_data.csv'} has no row for task {label}: add its `Eval Task` and "
+                          f"`Random baseline`.")
+    items = _read_items(root / "eval_data" / str(uri), kind)
+    random.Random(SHUFFLE_SEED).shuffle(items)
+    items = items[:limit] if limit > 0 else items
+    if not isinstance(shots, int) or not 0 <= shots < len(items):
+        raise ConfigError(f"{root / 'core.yaml'}: task {label} has {len(items)} item(s) (limit {limit}), too few "
+                          f"to draw num_fewshot {shots!r} examples from the others for each.")
+    return CoreTask(str(label), kind, shots, str(spec.get("continuation_delimiter", " ")), baselines[label], items)
+
+
+def _read_items(path: Path, kind: str) -> list[dict]:
+    items = []
+    for number, line in enumerate(_read(path, str).split("\n"), 1):  # not splitlines(): JSON may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{path}:{number} is not JSON ({e}); a task file holds one JSON object a line.") from None
+        if not _complete(item, kind):
+            gold = f" (gold: an index into {OPTIONS[kind]})" if kind in OPTIONS else ""
+            has = list(item) if isinstance(item, dict) else f"a JSON {type(item).__name__}"
+            raise ConfigError(f"{path}:{number}: a {kind} item needs {', '.join(FIELDS[kind])}{gold}; this line has "
+                              f"{has}.")
+        items.append(item)
+    return items
+
+
+def _complete(item: Any, kind: str) -> bool:
+    if not isinstance(item, dict) or any(k not in item for k in FIELDS[kind]):
+        return False
+    options, gold = item.get(OPTIONS.get(kind, "")), item.get("gold")
+    return kind not in OPTIONS or (isinstance(options, list) and type(gold) is int and 0 <= gold < len(options))
+
+
+def render_prompts(kind: str, item: dict, delimiter: str, shots: list[dict]) -> list[str]:
+    """The prompts nanochat's templates render for one item: one per choice (multiple_choice), one per context
+    option (schema), or the prompt without and with its continuation (language_modeling)."""
+    d = delimiter
+    if kind == "multiple_choice":
+        head = "".join(f"{s['query']}{d}{s['choices'][s['gold']]}\n\n" for s in shots)
+        return [f"{head}{item['query']}{d}{choice}" for choice in item["choices"]]
+    if kind == "schema":
+        head = "".join(f"{s['context_options'][s['gold']]}{d}{s['continuation']}\n\n" for s in shots)
+        return [f"{head}{context}{d}{item['continuation']}" for context in item["context_options"]]
+    head = "".join(f"{str(s['context']).strip()}{d}{s['continuation']}\n\n" for s in shots)
+    prompt = f"{head}{str(item['context']).strip()}{d}"
+    return [prompt.strip(), f"{prompt}{item['continuation']}"]
+
+
+def fewshot(task: CoreTask, idx: int) -> list[dict]:
+    """Item idx's examples: Random(1234 + idx).sample over the other items, as nanochat draws them (sampling a
+    range of the same length picks the same positions, without building the list of the others)."""
+    picks = random.Random(FEWSHOT_SEED + idx).sample(range(len(task.items) - 1), task.num_fewshot)
+    return [task.items[i + (i >= idx)] for i in picks]
+
+
+def sequences(task: CoreTask, idx: int, tokenizer: Tokenizer, max_len: int) -> list[tuple[list[int], int]]:
+    """(tokens, start) per prompt: BOS + prompt cut to its last max_len tokens; start is the first scored token."""
+    prompts = render_prompts(task.type, task.items[idx], task.continuation_delimiter, fewshot(task, idx))
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    tokens = [bos + tokenizer.encode(p) for p in prompts]
+    if task.type == "schema":  # the options differ before a shared continuation: score that
+        shared = len(os.path.commonprefix([t[::-1] for t in tokens]))
+        starts = [len(t) - shared for t in tokens]
+    else:  # the choices (or the continuation) follow a shared context
+        starts = [len(os.path.commonprefix(tokens))] * len(tokens)
+    if task.type == "language_modeling":
+        tokens, starts = tokens[1:], starts[1:]
+    # Token 0 has no prediction: a prompt without BOS, or one whose answer reaches past the crop, scores from 1.
+    return [(t[-max_len:], max(1, s - max(0, len(t) - max_len))) for t, s in zip(tokens, starts)]
+
+
+@torch.no_grad()
+def evaluate_core(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[CoreTask], rt: Runtime,
+                  batch_size: int = 8) -> dict[str, Any]:
+    """{"core", "tasks": {label: {accuracy, centered, random_baseline, n}}, "examples": {label: [bool]}}, the
+    same on every rank. Rank r scores items r, r + world, ...; batch_size bounds the prompts per forward."""
+    parts = rt.gather_objects([_score_task(model, tokenizer, t, rt, batch_size) for t in tasks])
+    out: dict[str, Any] = {"tasks": {}, "examples": {}}
+    for k, t in enumerate(tasks):
+        merged = {i: ok for part in parts for i, ok in part[k].items()}
+        correct = [merged[i] for i in range(len(t.items))]
+        accuracy = sum(correct) / len(correct)
+        chance = 0.01 * t.random_baseline
+        out["tasks"][t.label] = {"accuracy": accuracy, "centered": (accuracy - chance) / (1 - chance),
+                                 "random_baseline": t.random_baseline, "n": len(correct)}
+        out["examples"][t.label] = correct
+    centered = [r["centered"] for r in out["tasks"].values()]
+    out["core"] = sum(centered) / len(centered) if centered else math.nan
+    return out
+
+
+def _score_task(model: torch.nn.Module, tokenizer: Tokenizer, task: CoreTask, rt: Runtime,
+                batch_size: int) -> dict[int, bool]:
+    max_len = getattr(model, "max_seq_len", None) or model.rope_cos.shape[0]  # Llama: its RoPE table's length
+    got: dict[int, bool] = {}
+    batch: list[tuple[int, list]] = []  # scored as it fills: a task's prompts may be gigabytes of token lists
+    for idx in range(rt.rank, len(task.items), rt.world_size):
+        seqs = sequences(task, idx, tokenizer, max_len)
+        if batch and sum(len(s) for _, s in batch) + len(seqs) > batch_size:
+            got.update(_score_batch(model, tokenizer, task, batch, rt))
+            batch = []
+        batch.append((idx, seqs))
+    got.update(_score_batch(model, tokenizer, task, batch, rt) if batch else [])
+    return got
+
+
+def _score_batch(model: torch.nn.Module, tokenizer: Tokenizer, task: CoreTask, batch: list[tuple[int, list]],
+                 rt: Runtime) -> list[tuple[int, bool]]:
+    # Right padding with BOS, as nanochat pads: causal attention hides it from the scored positions.
+    rows = [torch.tensor(tokens, dtype=torch.long) for _, seqs in batch for tokens, _ in seqs]
+    x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.bos_id or 0)
+    x_dev = rt.batch_to_device(x)
+    with rt.autocast():
+        logits = model(x_dev).float()  # B T V
+    targets = torch.roll(x_dev, -1, dims=1)  # position t predicts token t + 1
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(x.shape).cpu()
+    predictions = logits.argmax(-1).cpu()
+    rt.mark_step()
+    got, row = [], 0
+    for idx, seqs in batch:
+        if task.type == "language_modeling":  # right when every continuation token is the greedy prediction
+            tokens, s = seqs[0]
+            got.append((idx, s < len(tokens) and torch.equal(predictions[row, s - 1 : len(tokens) - 1],
+                                                              torch.tensor(tokens[s:]))))
+        else:  # .item() and list.index as nanochat's: the first of equal means wins, a NaN mean as it does there
+            means = [losses[row + r, s - 1 : len(t) - 1].mean().item() for r, (t, s) in enumerate(seqs)]
+            got.append((idx, means.index(min(means)) == task.items[idx]["gold"]))
+        row += len(seqs)
+    return got
+
+
+WORD = re.compile(r"[A-Za-z]{5,}")  # a word long enough to cut in two
+GENERATED = [("nanopt_line_end", "multiple_choice", 0, 25.0), ("nanopt_line_start", "schema", 2, 50.0),
+             ("nanopt_word_end", "language_modeling", 2, 0.0)]
+
+
+def write_bundle(out_dir: str | Path, texts: list[str], seed: int = 0, n: int = 60) -> Path:
+    """A small bundle in DCLM's layout from held-out texts: n items per GENERATED task (see _generated_item)."""
+    rng = random.Random(seed)
+    docs = [[s.strip() for s in t.split("\n") if len(s.strip()) >= 20] for t in texts]
+    spots = [(d, i) for d in docs for i in range(3, len(d)) if WORD.search(d[i])]
+    if len({d[i] for d, i in spots}) < 8:
+        raise ConfigError("write_bundle needs 8+ different lines of 20+ characters with a 5-letter word in texts.")
+
+    def cut(keep: float) -> tuple[str, str, int]:  # a passage cut inside a word; the line's rest; the word's rest
+        d, i = rng.choice(spots)
+        word = rng.choice(list(WORD.finditer(d[i])))
+        at = word.start() + int(len(word.group()) * keep)
+        return "\n".join(d[i - 3 : i] + [d[i][:at]]), d[i][at:], word.end() - at
+
+    root = Path(out_dir)
+    (root / "eval_data").mkdir(parents=True, exist_ok=True)
+    specs, table = [], ["Eval Task,Task Type,#shots,Random baseline\n"]
+    for label, kind, shots, baseline in GENERATED:
+        items = [_generated_item(kind, cut, rng) for _ in range(n)]
+        write_text(root / "eval_data" / f"{label}.jsonl", "".join(json.dumps(item) + "\n" for item in items))
+        specs.append({"label": label, "dataset_uri": f"{label}.jsonl", "num_fewshot": [shots],
+                      "icl_task_type": kind, "continuation_delimiter": ""})  # the cut is inside a word
+        table.append(f"{label},{kind},{shots},{baseline}\n")
+    write_text(root / "core.yaml", yaml.safe_dump({"icl_tasks": specs}, sort_keys=False, default_flow_style=None))
+    write_text(root / "eval_meta_data.csv", "".join(table))
+    return root
+
+
+def _generated_item(kind: str, cut: Callable[[float], tuple[str, str, int]], rng: random.Random) -> dict:
+    """Four lines, the last cut inside a word, then: the line's rest among three other lines' (multiple_choice);
+    which of two such passages the rest follows (schema); the word's rest (language_modeling). Cutting inside a
+    word makes the context count even for small models (next whole lines score at chance for them)."""
+    context, rest, word_rest = cut(0.7 if kind == "language_modeling" else 0.5)
+    if kind == "language_modeling":
+        return {"context": context, "continuation": rest[:word_rest]}
+    pick = 0 if kind == "schema" else 1  # schema: other passages; multiple_choice: other lines' rests
+    options = [cut(0.5)[pick] for _ in range(3 if kind == "multiple_choice" else 1)]
+    gold = rng.randrange(len(options) + 1)
+    options.insert(gold, (context, rest)[pick])
+    if kind == "schema":
+        return {"context_options": options, "continuation": rest, "gold": gold}
+    return {"query": context, "choices": options, "gold": gold}
