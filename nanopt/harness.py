@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +63,7 @@ def _define(lm_eval: Any) -> type:
                      batch_size: int | str = 32, add_bos_token: bool | str = True, max_gen_toks: int | str = 256,
                      rt: Optional[Runtime] = None, **ignored: Any) -> None:
             super().__init__()
-            _setup(self, path, model, tokenizer, device, precision, rt)
+            _setup(self, path, model, tokenizer, str(device or "auto").split(":")[0], precision, rt)  # cuda:0 -> cuda
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> 32
             self.add_bos = str(add_bos_token).lower() in ("true", "1") and self.tok.bos_id is not None
             self.max_gen_toks = int(max_gen_toks)
@@ -308,6 +309,8 @@ def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto",
 
 if __name__ == "__main__":  # lm-eval's own CLI with `nanopt` registered: python -m nanopt.harness run --model nanopt
     lm_class()
+    if sys.argv[1:2] == ["run"] and not any(a.startswith("--device") for a in sys.argv):
+        sys.argv += ["--device", "auto"]  # the harness's default is cuda:0; nanopt picks what this machine has
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

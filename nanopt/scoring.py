@@ -42,7 +42,7 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def continuation_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size: int = 32,
                         max_tokens: int = 16384) -> list[tuple[float, bool]]:
     """(sum of log-probabilities of the continuation given its context, whether greedy decoding would have
@@ -79,10 +79,11 @@ def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime
     with rt.autocast():
         h = model.hidden(x.to(device)).flatten(0, 1)  # B*T C
         logits = model.logits(h.index_select(0, pick.to(device)))  # N C @ C V -> N V
-    logprobs = F.log_softmax(logits.float(), dim=-1)[: len(picks)].cpu()  # N V
-    target = torch.tensor(targets)
-    token_lp = logprobs.gather(1, target[:, None])[:, 0]  # N
-    greedy = logprobs.argmax(-1) == target  # N
+    logits = logits.float()[: len(picks)]  # N V
+    target = torch.tensor(targets, device=logits.device)
+    # cross_entropy fuses log-softmax and the pick: no second N x V tensor written and read back
+    token_lp = -F.cross_entropy(logits, target, reduction="none").cpu()  # N
+    greedy = (logits.argmax(-1) == target).cpu()  # N
     out, start = [], 0
     for n in counts:
         out.append((token_lp[start : start + n].sum().item(), bool(greedy[start : start + n].all())))

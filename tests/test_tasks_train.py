@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import small_overrides
+from conftest import run_module, small_overrides
 from nanopt import core, train
 from nanopt.cli import run as cli
 from nanopt.experiments import runs_report, welch
@@ -133,3 +133,15 @@ def test_the_cpu_speedrun_learns_the_generated_task(tmp_path, capsys):
     (early, _), (final, stderr) = scores[50], scores[300]
     assert final - 1.96 * stderr > 0.25, scores
     assert final > early, scores
+
+
+@pytest.mark.slow
+def test_the_harness_own_cli_runs_model_nanopt(tmp_path, task_dir):
+    """`--model nanopt` in lm-eval's own command line (python -m nanopt.harness registers it first)."""
+    run_dir = tmp_path / "run"
+    assert main_run(small_overrides(**{"run.dir": run_dir})) == 0
+    proc = run_module(["nanopt.harness", "run", "--model", "nanopt", "--model_args", f"path={run_dir},precision=fp32",
+                       "--tasks", "nanopt_mc", "--include_path", str(task_dir), "--limit", "6", "--batch_size", "4"],
+                      env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nanopt_mc" in proc.stdout and "acc" in proc.stdout
