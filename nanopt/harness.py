@@ -259,8 +259,9 @@ class TaskSpec:
 def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec, step: Optional[int], source: str,
                 **extra: Any) -> list[dict[str, Any]]:
     """Every task of `spec` on one model (eval mode while scored): evals.jsonl records, the CORE ones as
-    `core/<task>` (accuracy, centered) and `core` (the centered mean)."""
-    was_training = model.training
+    `core/<task>` (accuracy, centered) and `core` (the centered mean). The RNG states are put back afterwards
+    (the harness seeds Python's, numpy's and torch's): scoring during training leaves the run's results alone."""
+    was_training, rng = model.training, rt.rng_state()
     model.eval()
     t0 = time.perf_counter()
     try:
@@ -275,6 +276,7 @@ def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec,
             records += core_records(result, step, source, **extra)
     finally:
         model.train(was_training)
+        rt.set_rng_state(rng)
     for r in records:
         r["seconds"] = time.perf_counter() - t0  # the whole scoring pass, outside any training clock
     return records

@@ -63,6 +63,11 @@ def test_tasks_are_scored_at_their_cadence_outside_the_training_clock(tmp_path, 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["tasks_seconds"] >= 6  # two scoring passes of at least 3 s each, reported ...
     assert summary["train_seconds"] < 3  # ... and not billed to training
+    # Neutral: the same run without tasks ends with the same weights (the harness's reseeding is undone).
+    plain = tmp_path / "plain"
+    assert main_run(small_overrides(**{"run.dir": plain, "train.max_steps": 8})) == 0
+    assert json.loads((plain / "summary.json").read_text())["weights_sha256_per_rank"] == \
+        summary["weights_sha256_per_rank"]
 
 
 def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
