@@ -72,14 +72,19 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
 
     from nanopt.checkpoint import Checkpointer
     from nanopt.config import parse_overrides
-    from nanopt.train import Session, Validator
+    from nanopt.harness import TaskSpec
+    from nanopt.train import Session, TaskScorer, Validator
 
     cfg = load_config(None, parse_overrides(small_overrides(
-        **{"train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3})))
+        **{"train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3, "eval.tasks": "t",
+           "eval.tasks_every": 5})))
     ckpt, evaluator = Checkpointer.__new__(Checkpointer), Validator.__new__(Validator)  # only their cadence
-    ckpt.cfg = evaluator.cfg = cfg
+    tasks = TaskScorer.__new__(TaskScorer)
+    ckpt.cfg = evaluator.cfg = tasks.cfg = cfg
+    tasks.spec = TaskSpec(["t"])
     steps = range(1, 13)
     assert [s for s in steps if ckpt.should_save(s)] == [3, 6, 9]
     assert [s for s in steps if evaluator.due(s)] == [4, 8]
-    run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt)
-    assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 6, 8, 9, 12]
+    assert [s for s in steps if tasks.due(s)] == [5, 10]  # and the last step's, from finish()
+    run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt, tasks=tasks)
+    assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]

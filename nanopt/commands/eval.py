@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=0.0, help="with --watch: stop after this many seconds (0 = never)")
     tasks = p.add_argument_group("downstream tasks (pip install -e '.[eval]')")
     tasks.add_argument("--tasks", default="", help="comma list of lm-eval task or group names (or of YAMLs' names "
-                       "in --include-path); scores go to the run's evals.jsonl and TensorBoard")
+                       f"in --include-path); scores go to the run's {EVALS_FILE} and TensorBoard")
     tasks.add_argument("--include-path", default=None, help="a directory of local lm-eval task YAMLs")
     tasks.add_argument("--core", default=None, metavar="DIR", help="a CORE bundle (core.yaml, eval_data/, "
                        "eval_meta_data.csv): each task's accuracy and the centered mean")
