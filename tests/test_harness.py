@@ -19,18 +19,13 @@ from nanopt.runtime import Runtime
 from nanopt.scoring import continuation_scores
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
         "want of a wife. However little known the feelings or views of such a man may be on his first entering "
         "a neighbourhood, this truth is so well fixed in the minds of the surrounding families. ") * 3
 PAIRS = [("It is a truth", " universally acknowledged"), ("a single man", " in possession"),
          ("", "However little known"), ("must be in want of a", " wife."), ("x", " y z w v u t s r q")]
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")

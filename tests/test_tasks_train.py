@@ -16,17 +16,12 @@ from nanopt.experiments import runs_report, welch
 from nanopt.main import run as main_run
 from nanopt.taskgen import make_tasks
 
+pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 LINES = [f"{who}: {what} the {thing} of the {place}, said the {adj} {who2}." for who, what, thing, place, adj, who2 in
          zip(["Anne", "Ben", "Cass", "Dion", "Ede", "Finn"] * 8, ["Where is", "I saw", "Bring me", "Mind"] * 12,
              ["book", "lamp", "key", "ring", "coat", "map", "cup", "hat"] * 6, ["hall", "garden", "tower"] * 16,
              ["old", "young", "tired", "bold", "quiet", "wise", "sad", "glad"] * 6, ["man", "maid", "king"] * 16)]
 TEXTS = ["\n".join(LINES[i:] + LINES[:i]) for i in range(0, 48, 12)]
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
