@@ -213,7 +213,8 @@ class EvalConfig:
     test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
                             neutral=True)
     tasks: str = key("", "Comma list of lm-eval tasks scored on the live model during training (pip install -e "
-                     "'.[eval]'); \"\" = none. Outside the training clock; docs/evaluation.md.", safe=True, neutral=True)
+                     "'.[eval]'); \"\" = none. Outside the training clock; docs/evaluation.md.", safe=True,
+                     neutral=True)
     core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True)
     tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
                            ge=0, safe=True, neutral=True)

@@ -331,7 +331,8 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
     return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
                clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
-               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step), guard, stop, time.perf_counter())
+               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step), guard,
+               stop, time.perf_counter())
 
 
 def one_step(run: Session) -> None:
