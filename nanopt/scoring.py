@@ -42,7 +42,7 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
     return out
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: XLA tensors refuse it
 def continuation_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size: int = 32,
                         max_tokens: int = 16384) -> list[tuple[float, bool]]:
     """(sum of log-probabilities of the continuation given its context, whether greedy decoding would have

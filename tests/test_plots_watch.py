@@ -177,10 +177,13 @@ def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir / "evals.jsonl")]
 
 
-def _wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+def _wait_for(condition, what: str, *procs: subprocess.Popen, timeout: float = 180) -> None:
+    """Until condition(); fails (with the process's stderr) when one of procs exits first, or at the timeout."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert proc.poll() is None, f"the process exited ({proc.returncode}) before {what}"
+        for proc in procs:
+            if proc.poll() is not None:
+                pytest.fail(f"{proc.args[2:5]} exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
 
@@ -195,7 +198,7 @@ def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
     trainer = subprocess.Popen(train_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                                env={**ENV, "NANOPT_TEST_HOOK": "pause:4"})
     try:
-        _wait_for(lambda: _steps(run_dir) == [2, 4], "checkpoints 2 and 4 evaluated", trainer)
+        _wait_for(lambda: _steps(run_dir) == [2, 4], "checkpoints 2 and 4 evaluated", trainer, watcher)
         assert not (run_dir / "summary.json").exists()
         trainer.send_signal(signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
         assert trainer.wait(timeout=120) == 75, trainer.stderr.read()[-3000:]

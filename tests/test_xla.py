@@ -145,6 +145,15 @@ def test_recompile_guard_stops_a_run_that_keeps_recompiling(runs):
     assert "recompiled" in r["message"] and "PT_XLA_DEBUG_LEVEL" in r["message"]
 
 
+@pytest.mark.slow
+def test_downstream_scoring_on_xla_equals_the_host(runs):
+    """lm-eval's `nanopt` model on XLA: the same log-likelihoods and greedy flags as on the host, in a few
+    compiled shapes (lengths padded to power-of-two buckets), and the same greedy generation."""
+    r = runs["score"]
+    assert r["max_abs"] < 1e-4 and r["greedy_equal"] and r["generate_equal"], r
+    assert r["compiles"] < r["requests"] // 2, r  # buckets, not one graph per request
+
+
 # ---- without the venv: the errors a user sees before torch_xla is ever imported
 
 

@@ -4,6 +4,8 @@
 (load_config -> runtime.init -> train) on the XLA device, then samples greedily from a freshly initialised
 model on XLA and on the host, and prints one JSON line with what the tests check: the train step's
 compilation counts, sampling's compilations and whether its tokens equal the CPU reference's.
+`python tests/xla_driver.py score` scores continuations and generates greedily (nanopt.scoring: what lm-eval's
+`nanopt` model asks) on XLA and on the host with the same weights.
 `python tests/xla_driver.py guard` feeds the compiled-step wrapper a new shape on every call and reports
 whether the recompile guard stopped it.
 """
@@ -81,9 +83,37 @@ def recompile_guard() -> dict:
     return {"stopped": False, "calls_before_stop": calls, "limit": MAX_RECOMPILES}
 
 
+def score() -> dict:
+    import torch_xla.debug.metrics as met
+
+    from nanopt import runtime
+    from nanopt.config import ModelConfig
+    from nanopt.model import build_model
+    from nanopt.scoring import continuation_scores, greedy_until
+
+    rt = runtime.init("xla", "fp32", 1)
+    cpu = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
+    torch.manual_seed(0)
+    host = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
+                                   max_seq_len=32)).eval()
+    dev = build_model(host.cfg).eval()
+    dev.load_state_dict(host.state_dict())
+    dev = dev.to(rt.device)
+    requests = [(list(range(1, n)), [5, 6, 7][: 1 + n % 3]) for n in range(2, 40)]  # past the context too
+    a, b = continuation_scores(host, requests, cpu, 8), continuation_scores(dev, requests, rt, 8)
+    stop = (lambda ids: len(ids) >= 6)
+    compiles = met.metric_data("CompileTime")
+    generated = [greedy_until(m, [1, 2, 3], 10, stop, r) for m, r in ((host, cpu), (dev, rt))]
+    return {"max_abs": max(abs(x[0] - y[0]) for x, y in zip(a, b)),
+            "greedy_equal": [x[1] for x in a] == [y[1] for y in b], "generate_equal": generated[0] == generated[1],
+            "requests": len(requests), "compiles": compiles[0] if compiles else 0}
+
+
 if __name__ == "__main__":
     if sys.argv[1] in ("train", "train-only"):
         result = train_and_sample(sys.argv[2], sys.argv[3:], sample=sys.argv[1] == "train")
+    elif sys.argv[1] == "score":
+        result = score()
     else:
         result = recompile_guard()
     print("XLA_RESULT " + json.dumps(result), flush=True)

@@ -94,6 +94,7 @@ def jobs(root: Path, python: str) -> dict[str, list[Step]]:
         "xla-cpu": resumed("xla-cpu", "xla", "cpu"),
         "cpu-xla-bf16": resumed("cpu-xla-bf16", "cpu", "xla", *BF16),
         "guard": [([python, DRIVER, "guard"], xla_env(1), 0)],
+        "score": [([python, DRIVER, "score"], xla_env(1), 0)],
         "cpu": [phase("cpu", root / "cpu", OVERRIDES, python)],
         "cpu-muon": [phase("cpu", root / "cpu-muon", [*OVERRIDES, *MUON], python)],
         "cpu-bf16": [phase("cpu", root / "cpu-bf16", [*OVERRIDES, *BF16], python)],
