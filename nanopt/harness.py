@@ -61,7 +61,9 @@ def _define(lm_eval: Any) -> type:
         def __init__(self, path: Optional[str] = None, model: Optional[Llama] = None,
                      tokenizer: Optional[Tokenizer | str] = None, device: str = "auto", precision: str = "run",
                      batch_size: int | str = 32, add_bos_token: bool | str = True, max_gen_toks: int | str = 256,
-                     rt: Optional[Runtime] = None, **ignored: Any) -> None:
+                     rt: Optional[Runtime] = None, max_batch_size: Any = None) -> None:
+            # max_batch_size: the harness passes it for its batch-size search, which nanopt does not need.
+            # Any other model_args key is a TypeError naming it (a typo must not be ignored).
             super().__init__()
             _setup(self, path, model, tokenizer, str(device or "auto").split(":")[0], precision, rt)  # cuda:0 -> cuda
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> 32
