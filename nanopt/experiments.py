@@ -5,6 +5,7 @@ sweep driver, which prints its table with this module, starts at once."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,6 +37,8 @@ GROUP_FIGURES: dict[str, tuple[str, str]] = {
     "final_val_bpb": ("final val bpb", ".4f"),
 }
 CONFIDENCE = 0.95
+RECORD_ALPHA, POWER = 0.01, 0.8  # how many seeds: to show a difference at p < 0.01 four times in five
+MAX_SEEDS = 10_000
 TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (evals.jsonl, harness.py)
 
 
@@ -312,6 +315,36 @@ def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tupl
     return out
 
 
+def seeds_needed(sd_a: float, sd_b: float, difference: float, alpha: float = RECORD_ALPHA,
+                 power: float = POWER) -> Optional[int]:
+    """Seeds per group for Welch's one-sided test at `alpha` to detect a true difference of means `difference`
+    with probability `power`, the per-seed standard deviations being sd_a and sd_b: the least n (both groups n)
+    whose power, from the noncentral t with Welch-Satterthwaite degrees of freedom, reaches `power`. None when
+    the difference is 0 or more than MAX_SEEDS would be needed."""
+    from scipy import stats  # heavy: see the module docstring
+
+    if difference == 0 or not (sd_a > 0 or sd_b > 0):
+        return None if difference == 0 else 2  # no spread: any difference shows (the t-test needs 2 a side)
+    for n in range(2, MAX_SEEDS + 1):
+        va, vb = sd_a ** 2 / n, sd_b ** 2 / n
+        df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (n - 1))
+        if stats.nct.sf(stats.t.ppf(1 - alpha, df), df, abs(difference) / math.sqrt(va + vb)) >= power:
+            return n
+    return None
+
+
+def _power(a: list[float], b: list[float], effect: Optional[float]) -> dict[str, Any]:
+    """How many seeds per group a claim needs at p < 0.01 with 80% power, from the measured sds: for the observed
+    difference, and for `effect` (a difference the user names) when given."""
+    sd_a, sd_b = statistics.stdev(a), statistics.stdev(b)
+    observed = statistics.fmean(a) - statistics.fmean(b)
+    out = {"alpha": RECORD_ALPHA, "power": POWER, "sd_a": sd_a, "sd_b": sd_b, "observed_difference": observed,
+           "seeds_for_observed": seeds_needed(sd_a, sd_b, observed)}
+    if effect is not None:
+        out.update(difference=effect, seeds_for_difference=seeds_needed(sd_a, sd_b, effect))
+    return out
+
+
 def resolve(spec: str, groups: list[Group], root: Path) -> Group:
     """A --compare side: a group by exact name, a directory of one setting's seeds, or a unique part of a name."""
     names = [g.name for g in groups]
@@ -353,7 +386,7 @@ def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
 
 
 def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
-                alpha: float = 0.05) -> dict[str, Any]:
+                alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
     """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
     leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
     if not 0 < alpha < 1:
@@ -372,6 +405,8 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
             raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
                               f"Their numeric figures: {', '.join(present)}.")
         comparison = welch(va, vb, metric, alpha, (a.name, b.name), not higher_is_better(a.runs + b.runs, metric))
+        if len(va) >= 2 and len(vb) >= 2:
+            comparison["seeds"] = _power(va, vb, effect)
     return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
             "comparison": comparison, "skipped": skipped,
             "warnings": list(dict.fromkeys(r.describe() for r in repeats))}  # each once
@@ -433,7 +468,22 @@ def _comparison_text(c: dict[str, Any]) -> str:
     lines.append(f"  {c['test']} (H1: {c['alternative']}): t = {c['t']:.3f}, df = {c['df']:.1f}, p = {c['p']:.3g}")
     verdict = "A beats B" if c["a_beats_b"] else "A does not beat B"
     lines.append(f"  {verdict} at alpha = {c['alpha']:g} (p {'<' if c['a_beats_b'] else '>='} {c['alpha']:g}).")
-    return "\n".join(lines)
+    return "\n".join(lines + _seeds_lines(c.get("seeds"), spec))
+
+
+def _needed(n: Optional[int]) -> str:
+    return f"{n} seeds per group" if n else f"more than {MAX_SEEDS:,} seeds per group (or no difference)"
+
+
+def _seeds_lines(s: Optional[dict[str, Any]], spec: str) -> list[str]:
+    if not s:
+        return []
+    lines = [f"  seeds to show a difference at p < {s['alpha']:g} with {s['power']:.0%} power (Welch, the measured "
+             f"sds {format(s['sd_a'], spec)} and {format(s['sd_b'], spec)}):",
+             f"    the observed {format(s['observed_difference'], spec)}: {_needed(s['seeds_for_observed'])}"]
+    if "difference" in s:
+        lines.append(f"    a difference of {format(s['difference'], spec)}: {_needed(s['seeds_for_difference'])}")
+    return lines
 
 
 def _leaderboard_text(rows: list[dict[str, Any]]) -> str:

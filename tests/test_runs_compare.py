@@ -17,7 +17,7 @@ from scipy import stats
 from nanopt import experiments, profiling, rundirs
 from nanopt.cli import run
 from nanopt.config import Config, to_yaml
-from nanopt.experiments import describe, welch
+from nanopt.experiments import describe, seeds_needed, welch
 
 from conftest import run_module, small_overrides
 
@@ -64,6 +64,25 @@ def test_welch_clear_win_and_clear_loss():
     assert win["p"] < 0.01 and win["p"] == pytest.approx(_welch_by_hand(better, worse)[2]) and win["a_beats_b"]
     loss = welch(worse, better, "final_val_loss", 0.05)
     assert loss["p"] > 0.5 and loss["p"] == pytest.approx(1 - win["p"]) and loss["a_beats_b"] is False
+
+
+def _power_by_hand(sd_a: float, sd_b: float, d: float, n: int, alpha: float) -> float:
+    """Power of Welch's one-sided test with n seeds a side: P(T > t_crit) for T noncentral t with the
+    Welch-Satterthwaite df and noncentrality d / se, written out from the formulas."""
+    se2 = sd_a ** 2 / n + sd_b ** 2 / n
+    df = se2 ** 2 / ((sd_a ** 2 / n) ** 2 / (n - 1) + (sd_b ** 2 / n) ** 2 / (n - 1))
+    return 1 - stats.nct.cdf(stats.t.ppf(1 - alpha, df), df, d / math.sqrt(se2))
+
+
+@pytest.mark.parametrize("sd_a, sd_b, d", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (0.0013, 0.0021, 0.003), (2.0, 0.5, -1.5)])
+def test_seeds_needed_is_the_least_n_whose_power_reaches_80_percent(sd_a, sd_b, d):
+    n = seeds_needed(sd_a, sd_b, d, alpha=0.01)
+    assert _power_by_hand(sd_a, sd_b, abs(d), n, 0.01) >= 0.8 > _power_by_hand(sd_a, sd_b, abs(d), n - 1, 0.01)
+    # The normal approximation n = (z_0.99 + z_0.8)^2 (sd_a^2 + sd_b^2) / d^2 is a little below (t's fatter tails).
+    approx = (stats.norm.ppf(0.99) + stats.norm.ppf(0.8)) ** 2 * (sd_a ** 2 + sd_b ** 2) / d ** 2
+    assert approx <= n <= approx + 4
+    assert seeds_needed(1.0, 1.0, 1.0) == 22  # the textbook figure for d = 1 at one-sided 0.01, power 0.8
+    assert seeds_needed(1.0, 1.0, 0.0) is None and seeds_needed(0.0, 0.0, 0.1) == 2
 
 
 def test_welch_says_when_n_is_too_small_or_there_is_no_spread():
@@ -158,6 +177,12 @@ def test_runs_compare_says_whether_a_beats_b(sweep, capsys):
     assert p < 0.01
     assert "A = train.max_steps=200,optim.name=muon" in out and "Welch's t-test, one-sided" in out
     assert f"p = {p:.3g}" in out and "A beats B at alpha = 0.05" in out
+    n = seeds_needed(statistics.stdev(MUON), statistics.stdev(ADAMW), statistics.fmean(MUON) - statistics.fmean(ADAMW))
+    assert f"the observed {statistics.fmean(MUON) - statistics.fmean(ADAMW):.4f}: {n} seeds per group" in out
+    assert run(["runs", str(sweep), "--compare", "muon", "200,optim.name=adamw", "--effect", "0.001", "--json"]) == 0
+    seeds = json.loads(capsys.readouterr().out)["comparison"]["seeds"]
+    assert seeds["seeds_for_observed"] == n and seeds["alpha"] == 0.01 and seeds["power"] == 0.8
+    assert seeds["seeds_for_difference"] == seeds_needed(seeds["sd_a"], seeds["sd_b"], 0.001) > n
 
     assert run(["runs", str(sweep), "--compare", "200,optim.name=adamw", "muon",
                 "--metric", "train_seconds_to_target", "--json"]) == 0

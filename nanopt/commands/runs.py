@@ -25,8 +25,10 @@ def main(argv: list[str]) -> int:
                         "train_seconds_to_target, step_to_target, tokens_to_target, final_val_bpb, ...)")
     p.add_argument("--alpha", type=float, default=0.05, help="significance level for --compare (default 0.05; "
                                                               "speedrun records ask for 0.01)")
+    p.add_argument("--effect", type=float, default=None, help="with --compare: also the seeds per group needed to "
+                   "show a difference of this size (in the metric's unit) at p < 0.01 with 80%% power")
     p.add_argument("--json", action="store_true", help="one JSON object (groups, runs, comparison) for tools")
     args = p.parse_args(argv)
-    report = experiments.runs_report(Path(args.dir), args.compare, args.metric, args.alpha)
+    report = experiments.runs_report(Path(args.dir), args.compare, args.metric, args.alpha, args.effect)
     print(experiments.to_json(report) if args.json else experiments.runs_text(report, per_run=args.runs))
     return 0
