@@ -141,9 +141,7 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
     """Greedy text after `context` until one of the `until` strings (cut before it) or max_gen_toks."""
     until = gen_kwargs.get("until") or []
     until = [until] if isinstance(until, str) else list(until)
-    if lm.tok.eos_id is not None:
-        until.append(lm.tok.decode([lm.tok.eos_id]) or "\0")
-    eos = lm.tok.eos_id
+    eos = lm.tok.eos_id  # ends generation as a token (its text may decode to nothing)
     stop = (lambda ids: ids[-1] == eos or any(s and s in lm.tok.decode(ids) for s in until))
     ids = greedy_until(lm.model, lm.tok_encode(context), int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)),
                        stop, lm.rt)

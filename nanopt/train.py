@@ -192,8 +192,10 @@ class TaskScorer:
                              e.tasks_limit or None, None, e.core or None)
         self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
         self.seconds, self.last_step = 0.0, None
+        if not self.spec:  # every rank reads the same config: no collective for a run without tasks
+            return
         problem = None
-        if self.spec and rt.is_main:  # an unknown task is refused before the first step, not after the last
+        if rt.is_main:  # an unknown task is refused before the first step, not after the last
             try:
                 check_tasks(self.spec)
             except ConfigError as e:
