@@ -19,8 +19,9 @@ from nanopt.evaluation import evaluate, split_batches, token_bytes_table
 from nanopt.io import append_jsonl
 from nanopt.loading import checkpoint_config, find_checkpoint, load
 from nanopt.metrics import setup_logging
-from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs, checkpoints_dir, finished,
-                            is_int, is_run, read_config, read_records, step_of, verify_checkpoint)
+from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, LOCK_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs,
+                            checkpoints_dir, finished, is_int, is_run, read_config, read_records, step_of,
+                            verify_checkpoint)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
@@ -124,14 +125,16 @@ def finished_at(run_dir: Path) -> Optional[int]:
 
 
 def _check_watch(run_dir: Path, interval: float, timeout: float) -> None:
-    """A run's directory, or an empty one a run is about to start in (the watcher may start first); finite
+    """A run's directory, or one a run is about to start in: empty, or holding only the lock a starting trainer
+    takes before it writes anything else (the watcher may start first; CI caught it in that moment); finite
     times (time.sleep(nan) and sleep(inf) raise, a nan deadline is never reached), the interval above 0."""
     if not (math.isfinite(interval) and interval > 0) or not (math.isfinite(timeout) and timeout >= 0):
         raise ConfigError(f"--interval must be a number of seconds above 0 and --timeout one at least 0 (0 = never), "
                           f"got {interval} and {timeout}; e.g. --interval 30 --timeout 3600.")
     if (run_dir / STATE_FILE).is_file():
         raise ConfigError(f"{run_dir} is a checkpoint; --watch takes its run directory ({run_dir.parent.parent}).")
-    if not (run_dir.is_dir() and (is_run(run_dir) or not any(run_dir.iterdir()))):
+    starting = run_dir.is_dir() and all(p.name == LOCK_FILE for p in run_dir.iterdir())
+    if not (run_dir.is_dir() and (is_run(run_dir) or starting)):
         raise ConfigError(f"{run_dir} is not a run directory (no {CONFIG_FILE}, metrics or checkpoints in it); "
                           f"--watch takes the directory a training run writes (runs/<name>), or an empty one a run "
                           f"is about to start in.")

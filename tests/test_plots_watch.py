@@ -295,3 +295,9 @@ def test_watch_refuses_what_is_not_a_run_directory(sweep, tmp_path, capsys):
     assert cli(["eval", str(sweep / "lr_low" / "checkpoints" / "step_000006"), "--watch"]) == 2
     assert "is a checkpoint" in capsys.readouterr().err
     assert cli(["eval", str(sweep / "lr_low"), "--watch", "--interval", "0"]) == 2
+    # A trainer's first file is its lock: a watcher started in that moment waits for the run (CI caught this).
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / "lock.json").write_text("{}")
+    assert cli(["eval", str(starting), "--watch", "--interval", "0.05", "--timeout", "0.2"]) == 0
+    assert "--timeout 0.2 s passed before the run finished" in capsys.readouterr().out
