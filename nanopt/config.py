@@ -58,6 +58,11 @@ class RunConfig:
     dir: str = key("", "Output directory (a path); \"\" = `runs/<name>`.")
     seed: int = key(1337, "Seeds init, data order and dropout; numpy and the data order take 32-bit seeds.",
                     ge=0, lt=SEED_LIMIT, safe=False, neutral=False)
+    init_seed: Optional[int] = key(None, "Seeds the initial weights alone (vary it with data_seed fixed to see how "
+                                   "much of a result's spread is init).", ge=0, lt=SEED_LIMIT, null="run.seed",
+                                   safe=False, neutral=False)
+    data_seed: Optional[int] = key(None, "Seeds the training data order alone.", ge=0, lt=SEED_LIMIT,
+                                   null="run.seed", safe=False, neutral=False)
     time_limit_s: float = key(0.0, "Seconds this session may train, then it checkpoints and exits 75 like a "
                               "preemption, so a scheduler's hard timeout never kills it mid-run; 0 = no limit.", ge=0)
 
@@ -65,6 +70,12 @@ class RunConfig:
         if self.name.strip() in ("", ".", "..") or "/" in self.name or "\\" in self.name:
             raise ConfigError(f"`run.name` must be one directory name (not empty, '.' or '..', no '/'), got "
                               f"{self.name!r}: the run goes to runs/<name>; use `run.dir` for a path.")
+
+    @property
+    def seeds(self) -> tuple[int, int]:
+        """(init seed, data seed): each its own key, else run.seed."""
+        pick = (lambda s: self.seed if s is None else s)
+        return pick(self.init_seed), pick(self.data_seed)
 
 
 @section()
@@ -124,6 +135,11 @@ class DataConfig:
     dir: str = key("", "Shard directory for prepared data; \"\" = the embedded cache.", safe=True)
     tokenizer: str = key("byte", "byte, or a Hugging Face tokenizer name or local path.")
     verify_checksum: bool = key(True, "Read each shard whole once to check its crc32.", safe=True, neutral=True)
+    packing: str = key("windows", "How training rows are cut: windows (contiguous windows of the token stream, "
+                       "rows start mid-document) or bos_bestfit (every row starts at a document's BOS, filled "
+                       "best-fit from a buffer of documents, only the last one cropped); docs/data.md.",
+                       choices=("windows", "bos_bestfit"))
+    pack_buffer: int = key(1000, "bos_bestfit: documents held to choose each best fit from.", gt=0)
 
 
 @section()
@@ -158,6 +174,18 @@ class TrainConfig:
                                           "can race to; set one of the two.", gt=0, null="no target", safe=True)
     stop_at_target: bool = key(False, "End the run (final eval, checkpoint, summary) at the target.", safe=True)
     init_from: str = key("", "hf:DIR: start from a Hugging Face Llama directory's weights; \"\" = scratch.", safe=True)
+    batch_schedule: str = key("", "Global batch by stage: comma list of START:TOKENS, e.g. `0:8192,300:16384`, "
+                              "START in train.schedule_unit from 0; \"\" = train.global_batch_tokens throughout.")
+    seq_len_schedule: str = key("", "Sequence length by stage: START:SEQ_LEN, e.g. `0:128,300:256`, each at most "
+                                "train.seq_len (the model's context and the validation windows); \"\" = "
+                                "train.seq_len throughout.")
+    schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens seen.",
+                             choices=("steps", "tokens"))
+    batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
+                             "sqrt (p = 1/2), linear (p = 1) or none.", choices=("sqrt", "linear", "none"))
+    fp8: str = key("none", "FP8 matmuls in the transformer blocks' Linears through torchao's float8 training (an "
+                   "H100 or newer GPU): tensorwise or rowwise scaling; none = bf16 (docs/mfu.md).",
+                   choices=("none", "tensorwise", "rowwise"))
     grad_accum_steps: int = key(0, "Micro-steps per optimizer step, computed by resolve() for the world size (which "
                                 "may change on resume).", derived=True, safe=True)
 
@@ -176,6 +204,20 @@ class TrainConfig:
         if self.init_from and (not self.init_from.startswith("hf:") or not self.init_from[3:].strip()):
             raise ConfigError(f"`train.init_from` is {self.init_from!r}; it takes `hf:DIR`, a directory written by "
                               f"`nanopt export` or by transformers' save_pretrained (or \"\" to start from scratch).")
+        for stage_start, length in parse_stages(self.seq_len_schedule, "train.seq_len_schedule"):
+            if length > self.seq_len:
+                raise ConfigError(f"`train.seq_len_schedule` has {length} tokens from {stage_start}, longer than "
+                                  f"`train.seq_len` ({self.seq_len}), the model's context; raise train.seq_len.")
+        parse_stages(self.batch_schedule, "train.batch_schedule")
+
+    def stages(self) -> list[tuple[int, int, int]]:
+        """(start, global batch tokens, seq_len) for each stretch where neither schedule changes, starts in
+        train.schedule_unit, rising from 0; one stage when no schedule is set."""
+        batch = parse_stages(self.batch_schedule, "train.batch_schedule") or [(0, self.global_batch_tokens)]
+        seq = parse_stages(self.seq_len_schedule, "train.seq_len_schedule") or [(0, self.seq_len)]
+        starts = sorted({s for s, _ in batch} | {s for s, _ in seq})
+        at = (lambda stages, x: [v for s, v in stages if s <= x][-1])
+        return [(s, at(batch, s), at(seq, s)) for s in starts]
 
 
 @section()
@@ -544,6 +586,21 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     return cfg
 
 
+def parse_stages(text: str, key: str) -> list[tuple[int, int]]:
+    """A schedule `START:VALUE,START:VALUE` -> [(start, value)]: integers (1e6, 16_384), starts rising from 0,
+    values positive; "" -> []. Raises ConfigError naming `key`."""
+    if not text.strip():
+        return []
+    pairs = [part.split(":") for part in text.split(",")]
+    stages = [(_to_int(p[0]), _to_int(p[1])) if len(p) == 2 else (None, None) for p in pairs]
+    starts = [s for s, _ in stages]
+    if (any(s is None or v is None or s < 0 or v <= 0 for s, v in stages) or starts[0] != 0
+            or starts != sorted(set(starts))):
+        raise ConfigError(f"`{key}` is {text!r}; write comma-separated START:VALUE stages, starts rising from 0 "
+                          f"(in train.schedule_unit) and positive integer values, e.g. `0:8192,300:16384`.")
+    return stages  # type: ignore[return-value]
+
+
 def parse_ranks(text: str) -> Optional[list[int]]:
     """`profile.ranks` -> sorted rank ids, or None for "all". Raises ConfigError when unreadable."""
     if text.strip().lower() == "all":
@@ -613,15 +670,26 @@ def validate(cfg: Config) -> None:
 def resolve(cfg: Config, world_size: int) -> Config:
     """Compute derived fields for this world size; the one place they are checked."""
     t = cfg.train
-    tokens_per_micro_step = t.micro_batch_size * t.seq_len * world_size
-    if t.global_batch_tokens % tokens_per_micro_step:
+    stages = t.stages()
+    scheduled = bool(t.batch_schedule.strip() or t.seq_len_schedule.strip())
+    for start, batch, seq_len in stages:
+        tokens_per_micro_step = t.micro_batch_size * seq_len * world_size
+        if batch % tokens_per_micro_step == 0:
+            continue
+        if scheduled:
+            raise ConfigError(
+                f"the stage from {start} {t.schedule_unit} trains on {batch} tokens per step at seq_len {seq_len}: "
+                f"not a multiple of micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {seq_len} × "
+                f"{world_size} = {tokens_per_micro_step}. Change `train.batch_schedule` or `train.seq_len_schedule` "
+                f"so each stage's tokens divide into whole micro-batches, or `train.micro_batch_size`.")
         valid = [tokens_per_micro_step * k for k in (1, 2, 4, 8)]
         raise ConfigError(
             f"`train.global_batch_tokens` ({t.global_batch_tokens}) must be a multiple of "
             f"micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {t.seq_len} × {world_size} "
             f"= {tokens_per_micro_step}. Valid values include {', '.join(map(str, valid))}; "
             f"or change `train.micro_batch_size`.")
-    t.grad_accum_steps = t.global_batch_tokens // tokens_per_micro_step
+    _, batch, seq_len = stages[0]
+    t.grad_accum_steps = batch // (t.micro_batch_size * seq_len * world_size)  # the first stage's
     if not cfg.model.max_seq_len:
         cfg.model.max_seq_len = t.seq_len
     return cfg

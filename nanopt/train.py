@@ -295,14 +295,15 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is one."""
     t = cfg.train
     stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
-    seed_everything(cfg.run.seed)
+    init_seed, data_seed = cfg.run.seeds
+    seed_everything(init_seed)
     directory = data.data_dir(cfg, rt)
     # One checksum pass per node (its ranks read the same files), and only over shards new since the last one;
     # the node's other ranks wait for its verdict.
     verify = rt.local_rank == 0
     train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
     rt.barrier()
-    loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, cfg.run.seed)
+    loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, data_seed)
     val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
                                     cfg.eval.seed)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
