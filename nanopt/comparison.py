@@ -1,14 +1,18 @@
 """`nanopt compare`'s logic: where the difference between two finished runs comes from. Their config
 differences, speed (tokens/s, step time, MFU), time/steps/tokens to target and final loss, each with B - A;
-when both were profiled, the step-time shares and the top ops in ms/step, matched by name."""
+val loss at equal steps, tokens, FLOPs and seconds; when both were profiled, the step-time shares and the top
+ops in ms/step, matched by name."""
 from __future__ import annotations
 
 import functools
 import statistics
 from typing import Any, Optional
 
+import numpy as np
+
 from nanopt.errors import ConfigError
-from nanopt.experiments import HARDWARE_KEYS, SEED_KEY, TASK_PREFIX, FinishedRun, cell, table
+from nanopt.experiments import HARDWARE_KEYS, SEED_KEYS, TASK_PREFIX, FinishedRun, cell, table
+from nanopt.plots import series
 from nanopt.rundirs import CONFIG_FILE, finite, format_value, is_int
 
 # `nanopt compare`'s figures (key, label, format): speed from the metrics records, the rest from the summary.
@@ -24,6 +28,9 @@ FIGURES: list[tuple[str, str, str]] = [
     ("final_val_loss", "final val loss", ".4f"),
     ("final_val_bpb", "final val bpb", ".4f"),
 ]
+# The budgets val loss is compared at (unit, label, format): the largest of each that both runs reached.
+BUDGETS = [("steps", "steps", ",.0f"), ("tokens", "tokens seen", ",.0f"), ("flops", "training FLOPs", ".4g"),
+           ("seconds", "training seconds", ".2f")]
 
 
 def figures(run: FinishedRun) -> dict[str, Optional[float]]:
@@ -41,6 +48,30 @@ def figures(run: FinishedRun) -> dict[str, Optional[float]]:
     return {**out, **{key: value for key, (value, _) in run.tasks.items()}}
 
 
+def val_curve(run: FinishedRun, unit: str) -> tuple[list[float], list[float]]:
+    """(budget spent, val loss) at each of the run's evaluations. FLOPs: tokens × the run's flops_per_token
+    (summary.json). Seconds as `nanopt plot --x seconds` sums them: evaluation records carry no clock."""
+    records = [r for r in run.records if is_int(r.get("step"))]
+    if unit != "flops":
+        return series(records, "val_loss", unit)
+    tokens, losses = series(records, "val_loss", "tokens")
+    per_token = finite(run.summary.get("flops_per_token"))
+    return ([t * per_token for t in tokens], losses) if per_token else ([], [])
+
+
+def equal_budgets(a: FinishedRun, b: FinishedRun) -> list[dict[str, Any]]:
+    """Per unit (BUDGETS): the largest budget both runs reached and each run's val loss there, linear between the
+    two evaluations around it; None where a run has no such evaluations."""
+    rows = []
+    for unit, label, _ in BUDGETS:
+        curves = val_curve(a, unit), val_curve(b, unit)
+        budget = min(max(xs) for xs, _ in curves) if all(xs for xs, _ in curves) else None
+        la, lb = (float(np.interp(budget, xs, ys)) if budget is not None and xs[0] <= budget else None
+                  for xs, ys in curves)
+        rows.append({"unit": unit, "label": label, "budget": budget, "a": la, "b": lb, "delta": _delta(la, lb)[0]})
+    return rows
+
+
 def _delta(a: Optional[float], b: Optional[float]) -> tuple[Optional[float], Optional[float]]:
     """B - A and B / A (None where a side is missing, or A is 0 for the ratio)."""
     if a is None or b is None:
@@ -49,12 +80,13 @@ def _delta(a: Optional[float], b: Optional[float]) -> tuple[Optional[float], Opt
 
 
 def config_changes(a: FinishedRun, b: FinishedRun) -> list[dict[str, str]]:
-    """Keys whose value differs, from the settings (seed, names and paths left out) and the seed itself."""
+    """Keys whose value differs, from the settings (seeds, names and paths left out) and the seeds themselves."""
     sa, sb = dict(a.setting()), dict(b.setting())
     keys = list(dict.fromkeys([*sa, *sb]))
-    if a.seed != b.seed:
-        sa[SEED_KEY], sb[SEED_KEY] = format_value(a.seed), format_value(b.seed)
-        keys.append(SEED_KEY)
+    for key in SEED_KEYS:
+        if a.config.get(key) != b.config.get(key):
+            sa[key], sb[key] = format_value(a.config.get(key)), format_value(b.config.get(key))
+            keys.append(key)
     return [{"key": k, "a": sa.get(k, "-"), "b": sb.get(k, "-")} for k in keys if sa.get(k) != sb.get(k)]
 
 
@@ -112,7 +144,7 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
             rows.append({"key": key, "label": label, "a": fa.get(key), "b": fb.get(key), "delta": delta,
                          "ratio": ratio})
     out: dict[str, Any] = {"a": str(a.dir), "b": str(b.dir), "config_changes": config_changes(a, b),
-                           "figures": rows, "profile": None, "notes": []}
+                           "figures": rows, "equal_budgets": equal_budgets(a, b), "profile": None, "notes": []}
     for key in HARDWARE_KEYS:
         if a.summary.get(key) != b.summary.get(key):
             out["notes"].append(f"{key} differs ({a.summary.get(key)} vs {b.summary.get(key)}): seconds, tokens/s "
@@ -145,6 +177,12 @@ def markdown(c: dict[str, Any]) -> str:
         [r["label"], cell(r["a"], spec[r["key"]]), cell(r["b"], spec[r["key"]]),
          cell(r["delta"], spec[r["key"]], sign=True), cell(r["ratio"], ".3f") + ("x" if r["ratio"] is not None else "")]
         for r in c["figures"]]))
+    lines += ["", "## Val loss at equal budgets (the most both runs reached)", ""]
+    budget_spec = {unit: fmt for unit, _, fmt in BUDGETS}
+    lines.append(md(["budget", "both reached", "A val loss", "B val loss", "Δ (B − A)"], [
+        [r["label"], cell(r["budget"], budget_spec[r["unit"]]), cell(r["a"], ".4f"), cell(r["b"], ".4f"),
+         cell(r["delta"], ".4f", sign=True)] for r in c["equal_budgets"]]))
+    lines += ["", "Linear between evaluations; FLOPs: tokens × FLOPs per token; seconds: logged step times summed."]
     p = c["profile"]
     if p:
         lines += ["", "## Profile: where a step's time goes (ms per profiled step)", ""]

@@ -20,6 +20,8 @@ from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FI
                             read_summary, walk_runs)
 
 SEED_KEY = "run.seed"
+# Runs differing only in these are seeds of one setting; init and data seeds are each null = run.seed.
+SEED_KEYS = (SEED_KEY, "run.init_seed", "run.data_seed")
 # Summary fields that split groups too: the same config on another machine or world size is another race.
 HARDWARE_KEYS = ("hardware", "world_size")
 MISSING = "<missing>"  # a key one run's config lacks (written by another nanopt version)
@@ -36,6 +38,10 @@ GROUP_FIGURES: dict[str, tuple[str, str]] = {
     "final_val_loss": ("final val loss", ".4f"),
     "final_val_bpb": ("final val bpb", ".4f"),
 }
+# Where a group's spread comes from (spread()), as `nanopt runs` says it.
+SOURCES = {"init": "init only", "data": "data order only", "both": "both init and data order",
+           "init_only": "init alone", "data_only": "data order alone"}
+FIXED = {"init_only": "data_seed", "data_only": "init_seed"}  # the seed each part of a "both" group holds fixed
 CONFIDENCE = 0.95
 RECORD_ALPHA, POWER = 0.01, 0.8  # how many seeds: to show a difference at p < 0.01 four times in five
 MAX_SEEDS = 10_000
@@ -135,12 +141,17 @@ class FinishedRun:
     def seed(self) -> Any:
         return self.config.get(SEED_KEY)
 
+    @property
+    def seeds(self) -> tuple[Any, Any]:
+        """(init seed, data seed) the run trained with: what makes it another sample of its setting."""
+        return tuple(self.seed if self.config.get(k) is None else self.config[k] for k in SEED_KEYS[1:])
+
     def setting(self) -> tuple[tuple[str, str], ...]:
-        """What the run computes, as sorted (key, value) pairs: the config without the seed and the neutral
+        """What the run computes, as sorted (key, value) pairs: the config without the seeds and the neutral
         keys, plus the hardware. Runs with the same setting are seeds of one experiment."""
         if not self.config:  # no config.yaml: nothing to match on, so the run stands alone
             return (("run.dir", str(self.dir)),)
-        items = {k: v for k, v in self.config.items() if k != SEED_KEY and k not in NEUTRAL_KEYS}
+        items = {k: v for k, v in self.config.items() if k not in SEED_KEYS and k not in NEUTRAL_KEYS}
         items.update({k: self.summary.get(k) for k in HARDWARE_KEYS})
         return tuple(sorted((k, format_value(v)) for k, v in items.items()))
 
@@ -193,24 +204,25 @@ def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
 
 @dataclass
 class Repeat:
-    """A run with the setting and seed of an earlier one (a sweep copied, or run twice): it measures nothing
+    """A run with the setting and seeds of an earlier one (a sweep copied, or run twice): it measures nothing
     new, so statistics count the pair once."""
 
     run: FinishedRun  # left out
     first: FinishedRun  # counted
 
     def describe(self) -> str:
-        return (f"{self.run.dir} repeats {self.first.dir} (the same setting and {SEED_KEY}="
-                f"{format_value(self.run.seed)}): counted once, as {self.first.name}")
+        init, data = self.run.seeds
+        return (f"{self.run.dir} repeats {self.first.dir} (the same setting, init seed {format_value(init)} and "
+                f"data seed {format_value(data)}): counted once, as {self.first.name}")
 
 
 def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
-    """The runs with each (setting, seed) once, the first in path order kept, and the repeats. Two copies of
-    one run counted as two seeds would halve the standard error and make any difference look significant."""
+    """The runs with each (setting, init and data seed) once, the first in path order kept, and the repeats. Two
+    copies of one run counted as two seeds would halve the standard error and make any difference look significant."""
     first: dict[tuple, FinishedRun] = {}
     kept, repeats = [], []
     for run in runs:
-        seen = first.setdefault((run.setting(), format_value(run.seed)), run)
+        seen = first.setdefault((run.setting(), *map(format_value, run.seeds)), run)
         if seen is run:
             kept.append(run)
         else:
@@ -280,11 +292,37 @@ def higher_is_better(runs: list[FinishedRun], metric: str) -> bool:
     return any(r.tasks.get(metric, (None, False))[1] for r in runs)
 
 
+def figure_stats(runs: list[FinishedRun]) -> dict[str, dict[str, Any]]:
+    """describe() of each group figure and task score that the runs have."""
+    tasks = sorted({k for r in runs for k in r.tasks})
+    return {m: describe(v) for m in [*GROUP_FIGURES, *tasks] if (v := values_of(runs, m))}
+
+
+def spread(runs: list[FinishedRun]) -> dict[str, Any]:
+    """Where a group's spread comes from: "init" (one data seed, `data_seed`), "data" (one `init_seed`), "both",
+    or None (one run). For "both": the most runs sharing a data seed (`init_only`) and the most sharing an init
+    seed (`data_only`), 2 or more, with their figures: a sweep of each, read together, says which source dominates."""
+    if len(runs) < 2:
+        return {"from": None}
+    if len({format_value(r.seeds[1]) for r in runs}) == 1:
+        return {"from": "init", "data_seed": runs[0].seeds[1]}
+    if len({format_value(r.seeds[0]) for r in runs}) == 1:
+        return {"from": "data", "init_seed": runs[0].seeds[0]}
+    out: dict[str, Any] = {"from": "both"}
+    for varied, fixed, i in (("init_only", "data_seed", 1), ("data_only", "init_seed", 0)):
+        by_fixed: dict[str, list[FinishedRun]] = {}
+        for r in runs:
+            by_fixed.setdefault(format_value(r.seeds[i]), []).append(r)
+        subset = max(by_fixed.values(), key=len)
+        if len(subset) >= 2:
+            out[varied] = {fixed: subset[0].seeds[i], "runs": [r.name for r in subset], "stats": figure_stats(subset)}
+    return out
+
+
 def group_stats(group: Group) -> dict[str, Any]:
-    tasks = sorted({k for r in group.runs for k in r.tasks})
-    figures = {m: describe(v) for m in [*GROUP_FIGURES, *tasks] if (v := values_of(group.runs, m))}
     return {"name": group.name, "values": group.values, "n": len(group.runs), "seeds": group.seeds,
-            "runs": [r.name for r in group.runs], "stats": figures}
+            "seed_pairs": [list(r.seeds) for r in group.runs], "runs": [r.name for r in group.runs],
+            "stats": figure_stats(group.runs), "spread": spread(group.runs)}
 
 
 def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tuple[str, str] = ("A", "B"),
@@ -451,6 +489,29 @@ def _groups_text(summaries: list[dict[str, Any]]) -> str:
     return table(("group", "runs", "figure", "n", "mean", "sd", "95% CI"), rows)
 
 
+def _spread_text(s: dict[str, Any]) -> list[str]:
+    """One group's spread(): its source, then for "both" each source's sd alone, per figure."""
+    fixed = {"init": f" (data seed {s.get('data_seed')} fixed)", "data": f" (init seed {s.get('init_seed')} fixed)"}
+    lines = [f"spread from {SOURCES[s['from']]}{fixed.get(s['from'], '')}"]
+    parts = {k: s[k] for k in FIXED if k in s}
+    for metric in dict.fromkeys(m for part in parts.values() for m in part["stats"]):
+        sds = [f"{SOURCES[k]} {cell(p['stats'][metric]['sd'], _spec(metric))} ({len(p['runs'])} runs, "
+               f"{FIXED[k].replace('_', ' ')} {p[FIXED[k]]})" for k, p in parts.items() if metric in p["stats"]]
+        lines.append(f"  {GROUP_FIGURES.get(metric, (metric,))[0]} sd: {'; '.join(sds)}")
+    return lines
+
+
+def _spread_lines(summaries: list[dict[str, Any]]) -> list[str]:
+    """Each group's spread (groups of several runs); one "every group" when all read the same (a run.seed sweep)."""
+    said = {g["name"]: _spread_text(g["spread"]) for g in summaries if g["spread"]["from"]}
+    if len(said) > 1 and len({tuple(lines) for lines in said.values()}) == 1:
+        said = {"every group of several runs": next(iter(said.values()))}
+    out = []
+    for name, (first, *rest) in said.items():
+        out += [f"{name}: {first}", *rest]
+    return out
+
+
 def _comparison_text(c: dict[str, Any]) -> str:
     spec = _spec(c["metric"])
     label = GROUP_FIGURES.get(c["metric"], (c["metric"],))[0]
@@ -508,7 +569,8 @@ def runs_text(report: dict[str, Any], per_run: bool = False) -> str:
         lines = [f"no finished runs in {report['dir']} (a run writes {SUMMARY_FILE} when it ends)"]
     elif any(g["n"] > 1 for g in groups) and not per_run:
         lines = [f"{len(runs)} runs in {len(groups)} group(s) of seeds; named by the config keys that differ "
-                 f"between groups; n: runs with the figure; 95% CI of the mean (Student t)", _groups_text(groups)]
+                 f"between groups; n: runs with the figure; 95% CI of the mean (Student t)", _groups_text(groups),
+                 *_spread_lines(groups)]
     else:
         lines = [_leaderboard_text(runs)]
     if report["comparison"] is not None:

@@ -1,12 +1,22 @@
 """What a device can do: the dense spec-sheet peak table, device-name -> peak detection, the measured CPU matmul
-peak. Torch-free at import (measure_matmul_flops imports it), so `nanopt estimate` and config checks stay fast."""
+peak and its per-machine cache. Torch-free at import (the measuring functions import it), so `nanopt estimate`
+and config checks stay fast."""
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import platform
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
+
+from nanopt.io import cache_dir, write_json
+
+log = logging.getLogger("nanopt")
 
 
 @dataclass(frozen=True)
@@ -103,12 +113,84 @@ def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = 0.3,
                 return best
 
 
-def cpu_model_name() -> str:
-    """The CPU's marketing name from /proc/cpuinfo ("Intel(R) Xeon(R) Processor", "AMD EPYC 7B13", ...)."""
+def _cpuinfo(*fields: str) -> Optional[str]:
+    """The first /proc/cpuinfo line naming one of `fields`, its value; None where there is none (not Linux)."""
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
+            if line.split(":", 1)[0].strip() in fields:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "cpu"
+    return None
+
+
+def cpu_model_name() -> str:
+    """The CPU's marketing name from /proc/cpuinfo ("Intel(R) Xeon(R) Processor", "AMD EPYC 7B13", ...)."""
+    return _cpuinfo("model name") or platform.processor() or "cpu"
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): the same name may hide another ISA."""
+    return _cpuinfo("flags", "Features") or ""
+
+
+# ---------------------------------------------------------------- the CPU peak, measured once per machine
+PEAK_CACHE = "cpu_peak.json"  # under io.cache_dir(): {peak_key(): {"peak", "measured_at", "uses"}}
+# A peak measured under load is too low: an entry keeps the highest measurement and is measured again after this
+# many uses or seconds, whichever comes first, so a low one does not stick. NANOPT_MEASURE_PEAK=1 measures now.
+PEAK_USES, PEAK_AGE_S = 10, 7 * 24 * 3600
+
+
+def peak_key(dtype: Any, threads: Optional[int], ranks: int) -> str:
+    """What a measured peak depends on: the CPU (name, flags), threads per rank (None: torch's), ranks measuring at
+    once, the dtype and torch's version (its kernels). Any change is another entry, measured anew."""
+    import torch
+
+    threads = torch.get_num_threads() if threads is None else threads
+    flags = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
+    return f"{cpu_model_name()} | flags {flags} | {threads} threads x {ranks} ranks | {dtype} | {torch.__version__}"
+
+
+def _read_peaks(path: Path, warn: Callable[[str], None]) -> dict[str, Any]:
+    """The cache's entries; {} with one warning when the file is damaged (the caller's write replaces it)."""
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = None
+    fields = ("peak", "measured_at", "uses")
+    if isinstance(data, dict) and all(isinstance(e, dict) and all(type(e.get(k)) in (int, float) for k in fields)
+                                      and e["peak"] > 0 for e in data.values()):
+        return data
+    warn(f"mfu: {path} is damaged; ignoring it and measuring the CPU peak (the file is rewritten)")
+    return {}
+
+
+def cpu_peak(dtype: Any, device: Any = "cpu", threads: Optional[int] = None, ranks: int = 1,
+             sync: Callable[[], None] = lambda: None, measure: Optional[Callable[[], float]] = None,
+             agree: Callable[[bool], bool] = lambda must: must, main: bool = True) -> tuple[float, str]:
+    """(CPU matmul peak FLOP/s, how it was had: "cached (measured DATE, N uses)" or "measured now"), measured
+    once per machine and key (peak_key) and then read from PEAK_CACHE. Several ranks: each calls this; `agree`
+    (a collective: True when any rank's argument is) runs after every rank read the cache, so all measure or none;
+    `measure` is their joint measurement (all at once, the mean); only `main` warns and writes."""
+    path = cache_dir() / PEAK_CACHE
+    key = peak_key(dtype, threads, ranks)
+    peaks = _read_peaks(path, log.warning if main else lambda message: None)
+    entry, now = peaks.get(key), time.time()
+    stale = entry is None or entry["uses"] >= PEAK_USES or now - entry["measured_at"] >= PEAK_AGE_S
+    if agree(stale or os.environ.get("NANOPT_MEASURE_PEAK") == "1"):
+        value = measure() if measure else measure_matmul_flops(dtype, device, sync=sync)
+        old = entry["peak"] if entry else 0.0
+        how = "measured now" + ("" if value >= old else f" ({value / TERA:.3f} TFLOP/s; the higher {old / TERA:.3f} "
+                                                          f"measured before is kept)")
+        entry = {"peak": max(value, old), "measured_at": now, "uses": 0}
+    else:
+        entry["uses"] += 1
+        when = time.strftime("%Y-%m-%d", time.localtime(entry["measured_at"]))
+        how = f"cached (measured {when}, {entry['uses']} uses)"
+    if main:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, {**peaks, key: entry})
+        except OSError as e:  # a read-only home: measured every start, as before the cache
+            log.warning("mfu: cannot write %s (%s); the CPU peak is measured again next start", path, e)
+    return entry["peak"], how

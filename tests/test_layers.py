@@ -15,12 +15,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanopt"
 # Lowest first. A module may import any module of a lower layer, none of its own or a higher one.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),                                          # exit codes and error types
-    ("io", "hardware", "fastbpe"),                        # atomic files, peak table, BPE engine
+    ("io", "fastbpe"),                                    # atomic files, the cache directory; BPE engine
+    ("hardware",),                                        # peak table, detection, the measured CPU peak (cached)
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
     ("flops", "xla", "plots", "experiments"),  # FLOPs/token; the XLA backend; pictures; finished runs, stats, tables
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
-    ("model", "data", "faults", "metrics"),
+    ("model", "data", "packing", "faults", "metrics"),
+    ("fp8",),                                             # torchao's float8 on the block Linears (train.fp8)
     ("mfu", "profiling", "mirror", "evaluation", "generate", "hf", "core", "taskgen"),
     ("checkpoint", "scoring"),
     ("loading",),

@@ -225,6 +225,87 @@ def test_bad_input_exits_2_naming_it(sweep, capsys, args, words):
         assert word in err
 
 
+# ---------------------------------------------------------------- where a group's spread comes from
+
+
+def test_init_and_data_seeds_are_seeds_of_one_setting_and_say_where_the_spread_comes_from(tmp_path, capsys):
+    """A sweep over run.init_seed (data seed fixed) and one over run.data_seed (init seed fixed), as
+    `nanopt sweep --set run.init_seed=1,2,3` and `--set run.data_seed=1,2,3` make them."""
+    root = tmp_path / "runs"
+    by_init, by_data = [3.50, 3.52, 3.47], [3.490, 3.500, 3.495]
+    for k in range(3):
+        write_run(root / "init" / f"i{k}", 1337, {"final_val_loss": by_init[k]}, **{"run.init_seed": k + 1})
+        write_run(root / "data" / f"d{k}", 1337, {"final_val_loss": by_data[k]}, **{"run.data_seed": k + 1})
+    # Another run.seed, but the init and data seeds of init/i0: the same run again, counted once.
+    write_run(root / "zz", 5, {"final_val_loss": 3.0}, **{"run.init_seed": 1, "run.data_seed": 1337})
+    assert run(["runs", str(root / "init")]) == 0
+    assert "all: spread from init only (data seed 1337 fixed)" in capsys.readouterr().out
+    assert run(["runs", str(root / "data")]) == 0
+    assert "all: spread from data order only (init seed 1337 fixed)" in capsys.readouterr().out
+
+    assert run(["runs", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("6 runs in 1 group(s)") and "all: spread from both init and data order" in out
+    assert (f"  final val loss sd: init alone {statistics.stdev(by_init):.4f} (3 runs, data seed 1337); "
+            f"data order alone {statistics.stdev(by_data):.4f} (3 runs, init seed 1337)") in out
+    assert f"warning: {root / 'zz'} repeats {root / 'init' / 'i0'} (the same setting, init seed 1 and data seed " \
+           f"1337): counted once" in out
+    assert run(["runs", str(root), "--json"]) == 0
+    group = json.loads(capsys.readouterr().out)["groups"][0]
+    assert group["n"] == 6 and [1, 1337] in group["seed_pairs"] and [1337, 3] in group["seed_pairs"]
+    spread = group["spread"]
+    assert spread["from"] == "both" and spread["init_only"]["data_seed"] == 1337
+    assert spread["init_only"]["runs"] == ["init/i0", "init/i1", "init/i2"]
+    assert spread["data_only"]["stats"]["final_val_loss"]["sd"] == pytest.approx(statistics.stdev(by_data))
+
+
+def test_a_run_seed_sweep_varies_both_in_every_group(sweep, capsys):
+    assert run(["runs", str(sweep)]) == 0
+    assert "every group of several runs: spread from both init and data order" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- compare at equal budgets
+
+
+def write_curve(path: Path, step_ms: float, tokens_per_step: int, evals: dict[int, float]) -> None:
+    """metrics.jsonl: a step record every 10 steps (each step `step_ms`) and evaluations {step: val loss}."""
+    last = max(evals)
+    steps = [{"step": s, "loss": 4.0, "step_ms": step_ms, "tokens_per_s": 1.0, "tokens_seen": s * tokens_per_step}
+             for s in range(10, last + 1, 10)]
+    vals = [{"step": s, "val_loss": v, "val_bpb": v, "tokens_seen": s * tokens_per_step} for s, v in evals.items()]
+    lines = sorted(steps + vals, key=lambda r: (r["step"], "val_loss" in r))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_compare_val_loss_at_equal_steps_tokens_flops_and_seconds(tmp_path, capsys):
+    a = write_run(tmp_path / "a", 1, {"flops_per_token": 1000, "final_val_loss": 3.0})
+    b = write_run(tmp_path / "b", 1, {"flops_per_token": 2000, "final_val_loss": 3.3}, **{"run.init_seed": 7})
+    write_curve(a, 100.0, 256, {0: 5.0, 20: 4.0, 40: 3.0})  # 4 s of training, 10,240 tokens
+    write_curve(b, 50.0, 512, {0: 5.0, 15: 3.6, 30: 3.3})  # 1.5 s, 15,360 tokens, twice the FLOPs per token
+    assert run(["compare", str(a), str(b), "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert {"key": "run.init_seed", "a": "null", "b": "7"} in c["config_changes"]
+    rows = {r["unit"]: r for r in c["equal_budgets"]}
+    # Seconds, by hand: B trained 30 steps × 0.05 s = 1.5 s, A 40 × 0.1 s: both reached 1.5 s, which is A's
+    # step 15, between its evaluations at steps 0 (5.0) and 20 (4.0); B's last evaluation.
+    assert rows["seconds"]["budget"] == pytest.approx(1.5)
+    assert rows["seconds"]["a"] == pytest.approx(5.0 + (15 - 0) / (20 - 0) * (4.0 - 5.0))
+    assert rows["seconds"]["b"] == pytest.approx(3.3) and rows["seconds"]["delta"] == pytest.approx(3.3 - 4.25)
+    # FLOPs: A's 10,240 tokens × 1000 are B's 5,120 tokens × 2000, B's step 10, between its steps 0 and 15.
+    assert rows["flops"]["budget"] == 10240 * 1000 and rows["flops"]["a"] == pytest.approx(3.0)
+    assert rows["flops"]["b"] == pytest.approx(5.0 + 10 / 15 * (3.6 - 5.0))
+    assert (rows["steps"]["budget"], rows["steps"]["a"], rows["steps"]["b"]) == (30, pytest.approx(3.5), 3.3)
+    assert (rows["tokens"]["budget"], rows["tokens"]["a"], rows["tokens"]["b"]) == (10240, 3.0, pytest.approx(3.5))
+
+    assert run(["compare", str(a), str(b)]) == 0
+    md = capsys.readouterr().out
+    assert "## Val loss at equal budgets" in md and "| training seconds | 1.50 | 4.2500 | 3.3000 | -0.9500 |" in md
+    assert "| training FLOPs | 1.024e+07 | 3.0000 | 4.0667 | +1.0667 |" in md
+    (b / "metrics.jsonl").write_text("")  # no evaluations: no budget, every cell "-"
+    assert run(["compare", str(a), str(b)]) == 0
+    assert "| steps | - | - | - | - |" in capsys.readouterr().out
+
+
 def test_profile_file_name_is_the_profilers():
     assert rundirs.PROFILE_FILE == profiling.SUMMARY_FILE
 

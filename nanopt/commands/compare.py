@@ -10,8 +10,9 @@ from nanopt.experiments import load_run, to_json
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nanopt compare", description=(
         "Where the difference between two finished runs comes from: config differences, tokens/s, step time "
-        "and MFU (median logged step), time/steps/tokens to target and final val loss/bpb with B - A; when "
-        "both were profiled, step-time shares and top ops in ms per step. Markdown, or --json."))
+        "and MFU (median logged step), time/steps/tokens to target and final val loss/bpb with B - A; val loss "
+        "at the most steps, tokens, FLOPs and training seconds both reached; when both were profiled, step-time "
+        "shares and top ops in ms per step. Markdown, or --json."))
     p.add_argument("run_a", help="run directory A (the baseline)")
     p.add_argument("run_b", help="run directory B (deltas are B - A)")
     p.add_argument("--json", action="store_true", help="one JSON object for tools")
