@@ -57,11 +57,16 @@ MASTER_PORT = 29500
 # containers, each with the requested GPUs. The cluster size is fixed when the function is decorated.
 NODES = int(os.environ.get("NANOPT_MODAL_NODES", "1") or 1)
 
-PYTHON_VERSION = "3.11"
-TORCH_VERSION = "2.8.0"  # the default PyPI wheel for Linux is the CUDA 12.8 build
-FLASH_ATTN_VERSION = "2.8.3"  # has prebuilt wheels for torch 2.8 / CUDA 12 / Python 3.11
+# The stack bench/gpu_check.py measured on an H100 SXM (bench/results/gpu_check_h100_shipped.json: Python 3.12.3,
+# torch 2.11.0+cu130, cuDNN 9.19, NCCL 2.28.9): configs/1b.yaml at 51.3% MFU with SDPA's cuDNN attention.
+PYTHON_VERSION = "3.12"
+TORCH_VERSION = "2.11.0"
+TORCH_CUDA = "cu130"  # PyTorch's own index: its CUDA 13.0 build, with the cuDNN and NCCL wheels it was built with
+TORCH_INDEX_URL = f"https://download.pytorch.org/whl/{TORCH_CUDA}"
+TORCH_PACKAGE = f"torch=={TORCH_VERSION}"
+TORCHAO_VERSION = "0.18.0"  # train.fp8 (torchao's float8 training); made for torch >= 2.11
 PIP_PACKAGES = [
-    f"torch=={TORCH_VERSION}",
+    f"torchao=={TORCHAO_VERSION}",
     "numpy>=1.24",
     "pyyaml>=6",
     "safetensors>=0.4",
@@ -76,44 +81,39 @@ PIP_PACKAGES = [
     "tiktoken>=0.7",
     "wandb",
     "packaging",
-    "ninja",
-    "wheel",
 ]
-# flash-attn from its release's prebuilt wheel for this torch, CUDA 12, the C++11 ABI (PyPI's torch 2.8 wheels)
-# and Python 3.11, by URL: `pip install flash-attn==X` fetches the source package, whose setup.py needs
-# nvcc (absent from debian_slim) before it ever looks for a wheel. If the wheel cannot be installed, the
-# image keeps going without it and `model.attention: auto` falls back to sdpa.
-FLASH_ATTN_WHEEL = (
-    f"https://github.com/Dao-AILab/flash-attention/releases/download/v{FLASH_ATTN_VERSION}/"
-    f"flash_attn-{FLASH_ATTN_VERSION}%2Bcu12torch{'.'.join(TORCH_VERSION.split('.')[:2])}cxx11abiTRUE-"
-    f"cp{PYTHON_VERSION.replace('.', '')}-cp{PYTHON_VERSION.replace('.', '')}-linux_x86_64.whl"
-)
-FLASH_ATTN_INSTALL = (
-    f"pip install '{FLASH_ATTN_WHEEL}' && python -c 'import flash_attn' "
-    "|| (pip uninstall -y flash-attn; echo 'flash-attn is not available in this image; attention uses sdpa')"
-)
+# flash-attn is left out: it publishes no wheel for torch 2.11, and gpu_check never measured it, so `attention:
+# auto` picks SDPA anyway (nanopt.attention.FLASH_MEASURED_FASTER). To measure it, build the image with a wheel
+# made for this torch, CUDA and Python: NANOPT_MODAL_FLASH_ATTN_WHEEL=URL modal run modal_app.py::bench ...
+FLASH_ATTN_WHEEL = os.environ.get("NANOPT_MODAL_FLASH_ATTN_WHEEL", "")
 
 # NCCL's InfiniBand/RoCE transport dlopens libibverbs and needs the verbs provider for the NIC (mlx5 is in
 # ibverbs-providers); without them a multi-node run silently falls back to TCP sockets. A single node uses
-# NVLink and never needs them; they are a few MB, so one image serves both.
-APT_PACKAGES = ["libibverbs1", "ibverbs-providers"]
+# NVLink and never needs them; they are a few MB, so one image serves both. gcc: Triton builds its kernel
+# launchers with the host's C compiler (torch.compile, on in the GPU configs).
+APT_PACKAGES = ["libibverbs1", "ibverbs-providers", "gcc"]
 
-image = (
-    modal.Image.debian_slim(python_version=PYTHON_VERSION)
-    .apt_install(*APT_PACKAGES)
-    .pip_install(*PIP_PACKAGES)
-    .run_commands(FLASH_ATTN_INSTALL)
-    .env({
+
+def build_image() -> modal.Image:
+    """The measured stack, nanopt's dependencies, and nanopt's source, configs and benches."""
+    built = (modal.Image.debian_slim(python_version=PYTHON_VERSION)
+             .apt_install(*APT_PACKAGES)
+             .pip_install(TORCH_PACKAGE, index_url=TORCH_INDEX_URL)
+             .pip_install(*PIP_PACKAGES))
+    if FLASH_ATTN_WHEEL:
+        built = built.pip_install(FLASH_ATTN_WHEEL)
+    env = {
         "HF_HOME": f"{VOLUME_PATH}/hf",  # downloaded tokenizers and datasets persist across runs
         "NANOPT_CACHE": f"{VOLUME_PATH}/cache/nanopt",  # the embedded corpus shards
         "PYTHONUNBUFFERED": "1",
-    })
+    }
     # Last: local sources are mounted at container start, so editing nanopt never rebuilds the image.
-    .add_local_python_source("nanopt")
-    .add_local_dir(REPO / "configs", "/root/configs")
-    .add_local_dir(REPO / "bench", "/root/bench")
-)
+    return (built.env(env).add_local_python_source("nanopt")
+            .add_local_dir(REPO / "configs", "/root/configs")
+            .add_local_dir(REPO / "bench", "/root/bench"))
 
+
+image = build_image()
 app = modal.App(APP_NAME, image=image)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 hf_secret = modal.Secret.from_name("huggingface", required_keys=["HF_TOKEN"])
@@ -122,8 +122,22 @@ wandb_secret = modal.Secret.from_name("wandb", required_keys=["WANDB_API_KEY"]) 
 # preempted or saved a newer checkpoint, and nanopt resumes from the newest complete one on the Volume.
 retries = modal.Retries(max_retries=10, initial_delay=0.0, backoff_coefficient=1.0)
 
+# Host resources reserved per GPU (one rank each): the rank's Python loop, its data loader and, at start-up,
+# inductor's compile workers; memory for each process (CUDA context, pinned batches) plus, once, rank 0's host copy of
+# a checkpoint (15 GB for configs/1b.yaml). Without a reservation Modal guarantees a fraction of one core.
+CPU_PER_GPU = 4.0
+MEMORY_PER_GPU_MIB = 12 * 1024
+MEMORY_BASE_MIB = 16 * 1024
+
+
+def train_resources(gpus: int) -> dict[str, Any]:
+    """cpu= and memory= (MiB) for a training container with `gpus` GPUs."""
+    return {"cpu": CPU_PER_GPU * gpus, "memory": MEMORY_BASE_MIB + MEMORY_PER_GPU_MIB * gpus}
+
+
 TRAIN_OPTIONS: dict[str, Any] = dict(
     gpu=f"{TRAIN_GPU}:{TRAIN_GPUS}",
+    **train_resources(TRAIN_GPUS),
     volumes={VOLUME_PATH: volume},
     secrets=[hf_secret],
     timeout=TRAIN_TIMEOUT_S,
@@ -440,10 +454,12 @@ def prepare_data(config_yaml: str, run_name: str) -> int:
         return subprocess.run(prepare_command(config_path, workers), cwd=VOLUME_PATH, env=launch_env()).returncode
 
 
-def trainer_for(nodes: int, gpu_spec: str, wandb: bool) -> Any:
-    """The training function for this many nodes, on these GPUs, with the secrets the config needs."""
+def trainer_for(nodes: int, gpu_spec: str, gpus: int, wandb: bool) -> Any:
+    """The training function for this many nodes, on these GPUs (`gpus` of them per node), with the secrets the
+    config needs and host resources for as many ranks."""
     secrets = [hf_secret, wandb_secret] if wandb else [hf_secret]
-    return (train_multinode if nodes > 1 else train).with_options(gpu=gpu_spec, secrets=secrets)
+    options = dict(gpu=gpu_spec, secrets=secrets, **train_resources(gpus))
+    return (train_multinode if nodes > 1 else train).with_options(**options)
 
 
 @app.function(timeout=DAY_S)  # no GPU, a fraction of a core: it only waits for prepare, then starts training
@@ -458,7 +474,7 @@ def prepare_then_train(config_yaml: str, run_name: str, gpus: int, gpu_spec: str
         return {"run_dir": f"{VOLUME_PATH}/{run_dir_for(run_name)}", "exit_code": code,
                 "error": f"nanopt prepare exited with code {code}; see the log above. Training was not started."}
     # spawn, not remote: training outlives this function's 24 h timeout when it takes several attempts.
-    return {"call_id": trainer_for(nodes, gpu_spec, wandb).spawn(config_yaml, run_name, gpus).object_id}
+    return {"call_id": trainer_for(nodes, gpu_spec, gpus, wandb).spawn(config_yaml, run_name, gpus).object_id}
 
 
 def tensorboard_wsgi(logdir: str, reload_every_s: float = 30.0) -> Any:
@@ -539,7 +555,7 @@ def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_nam
             launched = prepare_then_train.remote(config_yaml, name, gpus, gpu_spec, cfg.log.wandb, NODES)
             result = wait_for_call(launched["call_id"]) if "call_id" in launched else launched
         else:
-            result = trainer_for(NODES, gpu_spec, cfg.log.wandb).remote(config_yaml, name, gpus)
+            result = trainer_for(NODES, gpu_spec, gpus, cfg.log.wandb).remote(config_yaml, name, gpus)
     except Exception as e:  # the last attempt Modal allowed failed, or Modal itself did
         print(f"modal_app: error: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(getattr(e, "exit_code", 1)) from None
@@ -645,7 +661,7 @@ def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int
             print(f"  {run_name}: finished before, skipped", flush=True)
             codes[run_name] = 0
             continue
-        calls[run_name] = train.with_options(gpu=gpu_spec).spawn(config_yaml, run_name, gpus)
+        calls[run_name] = train.with_options(gpu=gpu_spec, **train_resources(gpus)).spawn(config_yaml, run_name, gpus)
     collect(calls, codes)
     failed = [n for n, c in codes.items() if c != 0]
     print(f"sweep {sweep_name}: {len(codes) - len(failed)} of {len(codes)} runs finished", flush=True)

@@ -1,22 +1,33 @@
 """Verify nanopt's CUDA path on one GPU and measure it: one command, a Markdown report and a JSON file.
 
-    python bench/gpu_check.py                                   # every section, about 11 minutes on one H100
-    python bench/gpu_check.py --sections env,attention,ddp      # some of them
+    python bench/gpu_check.py                                   # every section, roughly 25 minutes on one H100
+    python bench/gpu_check.py --sections env,attention,ddp      # some of them (each under 10 minutes)
     python bench/gpu_check.py --cpu-smoke                       # the same code at toy size on CPU (a test runs it)
 
 Sections (docs/results.md "GPU: one H100"; issue 16's findings in brackets):
-  env        versions, the device, how nanopt names it (SXM/PCIe) and its peak; a measured bf16 matmul
+  env        versions (torchao included), the device, how nanopt names it (SXM/PCIe), its peak and FP8 support;
+             a measured bf16 matmul
   attention  the SDPA kernel torch picks per dtype at 1B shapes, with and without nanopt's GQA handling
              [5]; nanopt's sdpa and flash-attn (when installed) against a float64 reference
-  ddp        DDP (world size 1) gradient memory under no_sync micro-steps, zeroing set to None vs in place [1]
+  ddp        nanopt's own DDP path (train._wrap: compiled, then DDP; train_step's no_sync) at world size 1 in a
+             real NCCL process group against the unwrapped model: tokens/s, graphs and graph breaks, loss; and
+             DDP gradient memory under no_sync micro-steps, zeroing set to None vs in place [1]
+  ranks2     two ranks of `python -m nanopt.main` on one GPU (gloo: NCCL refuses two ranks on one device) against
+             one rank with twice the accumulation: the loss at every step, and the replicas' weights
+  sample     KV-cache sampling: tokens/s with and without the cache, and the cache's logits against one full forward
   resume     a short run killed in a step and resumed on this device, against an uninterrupted one
   tasks      downstream scoring speed: a HellaSwag-sized synthetic set (10,042 items x 4 endings, ~100 tokens
              each) scored by nanopt.scoring (lm-eval's `nanopt` model) on the 1B config in bf16; goal < 60 s
+  fp8        train.fp8 (torchao, tensorwise): 1b and 170m tokens/s against bf16 compiled, and the loss gap after
+             200 steps of the 170m model on real text (--text: shards of the embedded corpus by default; the GPU
+             machine has no network, so carry them)
   170m, 1b   real `python -m nanopt.main` runs of configs/170m-1gpu.yaml and configs/1b.yaml (1B as one
              rank of eight: global batch 131072 = 4 x 4096 x 8 micro-steps), in each --variants: tokens/s,
              MFU, peak allocated and reserved memory, the profiler's shares and top ops [2, 3, 7]
-Training data are synthetic shards written here (random tokens; nothing is downloaded). Each section runs
-on its own: one that fails is reported as failed and the rest go on.
+Training data are synthetic shards written here (random tokens; nothing is downloaded), except fp8's loss gap.
+Each section runs on its own: one that fails is reported as failed and the rest go on. The fp8, ranks2 and sample
+sections, ddp's nanopt-path half and the top ops without "Command Buffer Full" rows have so far run only as
+--cpu-smoke: their GPU times above are estimates.
 """
 from __future__ import annotations
 
@@ -42,16 +53,23 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, data, experiments, hardware, rundirs  # noqa: E402
-from nanopt.config import ModelConfig, load_config  # noqa: E402
+from nanopt import attention, data, experiments, hardware, rundirs, train  # noqa: E402
+from nanopt.config import ModelConfig, load_config, parse_overrides  # noqa: E402
+from nanopt.generate import generate  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
+from nanopt.optim import build_optimizer  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
 from nanopt.scoring import continuation_scores  # noqa: E402
 
-SECTIONS = ("env", "attention", "ddp", "resume", "tasks", "170m", "1b")
+SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "170m", "1b")
 
 
 # ---------------------------------------------------------------- sizes: the real ones and the CPU smoke's
+
+
+# The 170m recipe at 2 layers and 8,192 tokens a step: a real run that is over in seconds.
+SMALL_170M = ["--config", "configs/170m-1gpu.yaml", "--model.n_layers=2", "--train.seq_len=1024",
+              "--train.micro_batch_size=4", "--train.global_batch_tokens=8192"]
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
@@ -59,13 +77,17 @@ def sizes(smoke: bool) -> dict[str, Any]:
     if not smoke:
         return {
             "attention": dict(B=1, T=4096, Hq=32, Hkv=8, D=64),  # configs/1b.yaml, one sequence
-            "ddp_model": dict(config="configs/1b.yaml", micro=(1, 2048), accum=4),
+            "ddp_model": dict(config="configs/1b.yaml", micro=(1, 2048), accum=4, steps=5, overrides=[]),
+            "fp8": dict(variants=["compiled", "fp8"], loss_steps=200, loss=[
+                "--config", "configs/170m-1gpu.yaml", "--model.vocab_size=257", "--train.global_batch_tokens=32768",
+                "--train.warmup_steps=20"]),
+            "sample": dict(config="configs/1b.yaml", batch=4, prompt=128, new=256),
             "train": {
                 "170m": ["--config", "configs/170m-1gpu.yaml"],
                 "1b": ["--config", "configs/1b.yaml", "--train.global_batch_tokens=131072"],
             },
-            "resume": ["--config", "configs/170m-1gpu.yaml", "--model.n_layers=2", "--train.seq_len=1024",
-                       "--train.micro_batch_size=4", "--train.global_batch_tokens=8192"],
+            "resume": SMALL_170M,
+            "ranks2": SMALL_170M,
             "steps": 12, "shard_tokens": 4_000_000,
             "tasks": dict(config="configs/1b.yaml", items=10042, context=70, ending=30, batch=64),
         }
@@ -74,10 +96,14 @@ def sizes(smoke: bool) -> dict[str, Any]:
            "--train.global_batch_tokens=256", "--runtime.threads=1"]
     return {
         "attention": dict(B=1, T=128, Hq=4, Hkv=2, D=16),
-        "ddp_model": dict(config=None, micro=(2, 32), accum=4),
+        "ddp_model": dict(config=None, micro=(2, 32), accum=4, steps=3, overrides=[*toy, "--train.compile=false"]),
+        "fp8": dict(variants=["eager", "fp8_eager"], loss_steps=20,
+                    loss=["--config", "configs/170m-1gpu.yaml", *toy, "--model.vocab_size=257"]),
+        "sample": dict(config=None, batch=2, prompt=8, new=16),
         "train": {"170m": ["--config", "configs/170m-1gpu.yaml", *toy],
                   "1b": ["--config", "configs/1b.yaml", *toy]},
         "resume": ["--config", "configs/170m-1gpu.yaml", *toy],
+        "ranks2": ["--config", "configs/170m-1gpu.yaml", *toy],
         "steps": 10, "shard_tokens": 40_000,
         "tasks": dict(config=None, items=40, context=20, ending=8, batch=16),
     }
@@ -96,19 +122,21 @@ def model_config(path: Optional[str]) -> ModelConfig:
 def check_env(device: torch.device, smoke: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda": torch.version.cuda,
                            "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None}
-    for name in ("triton", "flash_attn"):
+    for name in ("triton", "flash_attn", "torchao"):
         try:
             out[name] = __import__(name).__version__
         except Exception as e:  # noqa: BLE001 - report why, whatever it is
             out[name] = f"not importable ({type(e).__name__})"
     if device.type != "cuda":
         out["device"] = hardware.cpu_model_name()
+        out["nanopt_fp8"] = Runtime("cpu", device, 0, 0, 1, 1, "bf16").backend.fp8
         return out
     props = torch.cuda.get_device_properties(device)
     out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     out.update(device=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
                memory_gib=round(props.total_memory / 2**30, 1))
     rt = Runtime("cuda", device, 0, 0, 1, 1, "bf16")
+    out["nanopt_fp8"] = rt.backend.fp8  # how train.fp8 runs here: native, emulated or not at all
     out["power_limit_w"] = rt.backend.power_limit_watts()
     out["nanopt_hardware"] = hardware.detect_hardware(props.name, out["power_limit_w"])
     out["spec_peak_bf16_tflops"] = (spec_peak(device, "bf16") or 0) / 1e12 or None
@@ -144,7 +172,8 @@ def check_attention(device: torch.device, shape: dict[str, int]) -> dict[str, An
         row: dict[str, Any] = {"sdpa_kernel_enable_gqa": sdpa_choice(qd, kd, vd, True)}
         kx, vx = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (kd, vd))
         row["sdpa_kernel_heads_repeated"] = sdpa_choice(qd, kx, vx, False)
-        row["nanopt_kernel"], kernel = attention.choose("sdpa", device.type, "fp32" if dtype == torch.float32 else "bf16")
+        precision = "fp32" if dtype == torch.float32 else "bf16"
+        row["nanopt_kernel"], kernel = attention.choose("sdpa", device.type, precision)
         row["nanopt_sdpa_rel_err"] = rel_err(kernel(qd, kd, vd).detach(), ref)
         row["nanopt_sdpa_peak_gib"] = peak_gib(device, lambda: kernel(qd, kd, vd).sum().backward())
         if device.type == "cuda" and attention.flash_unavailable_reason("cuda") is None:
@@ -169,13 +198,16 @@ def peak_gib(device: torch.device, fn: Callable[[], Any]) -> Optional[float]:
 # ---------------------------------------------------------------- ddp gradient memory
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def process_group(device: torch.device):
     """A world of one (NCCL on CUDA, gloo on CPU) for DDP, torn down afterwards."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
     try:
         yield
@@ -184,42 +216,143 @@ def process_group(device: torch.device):
 
 
 def check_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """nanopt's DDP path against the unwrapped model, then the gradient memory under no_sync, in one process group."""
+    with process_group(device):
+        out = {"nanopt_path": check_ddp_path(device, spec)}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        out.update(check_ddp_memory(device, spec))
+    return out
+
+
+class WorldOfOne(Runtime):
+    """A rank alone in a real process group. nanopt wraps its model in DDP only when distributed (world > 1):
+    claiming to be runs nanopt's own DDP path (train._wrap, train_step's no_sync) at world size 1 on one device."""
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+
+def check_ddp_path(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """The train step as train._wrap builds it (compiled per the config, then DDP) against the same step unwrapped:
+    tokens/s, torch.compile's graphs and graph breaks, and the loss after the same steps from the same weights."""
+    cfg = load_config(REPO / (spec["config"] or "configs/170m-1gpu.yaml"), parse_overrides(spec["overrides"]))
+    (b, t), accum = spec["micro"], spec["accum"]
+    g = torch.Generator().manual_seed(0)
+    batches = [(x[:, :-1], x[:, 1:]) for x in (torch.randint(0, cfg.model.vocab_size, (b, t + 1), generator=g)
+                                               for _ in range(accum))]
+    out: dict[str, Any] = {"compile": cfg.train.compile, "micro_batch": [b, t], "accum": accum}
+    for name, runtime in (("unwrapped", Runtime), ("ddp", WorldOfOne)):
+        rt = runtime(device.type, device, 0, 0, 1, 1, cfg.train.precision)
+        out[name] = time_train_step(cfg, rt, batches, spec["steps"])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out["ddp_over_unwrapped"] = out["ddp"]["tokens_per_s"] / out["unwrapped"]["tokens_per_s"]
+    out["loss_diff"] = abs(out["ddp"]["loss"] - out["unwrapped"]["loss"])
+    return out
+
+
+def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[str, Any]:
+    """tokens/s over `steps` optimizer steps after two warm-up steps (compilation), the graphs and graph breaks
+    torch.compile made, and the last step's loss."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim)
+    step = train._wrap(cfg, rt, model, optimizer)
+    for _ in range(2):
+        step(batches)
+    sync(rt.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss, _ = step(batches)
+    sync(rt.device)
+    seconds = time.perf_counter() - t0
+    tokens = steps * sum(x.numel() for x, _ in batches)
+    return {"tokens_per_s": tokens / seconds, "loss": float(loss), "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     """Two optimizer-free steps of `accum` micro-steps (no_sync but the last), zeroing the gradients after
     each as torch's default (set_to_none) or in place: the second step's peak memory, and the storages
     holding the gradients after its first micro-step."""
     cfg = model_config(spec["config"])
     (b, t), accum = spec["micro"], spec["accum"]
     out: dict[str, Any] = {"model": spec["config"] or "toy", "params": None, "micro_batch": [b, t], "accum": accum}
-    with process_group(device):
-        for set_to_none in (True, False):
-            torch.manual_seed(0)
-            model = build_model(cfg, device)
-            out["params"] = model.num_params()
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      gradient_as_bucket_view=True, broadcast_buffers=False)
-            x = torch.randint(0, cfg.vocab_size, (b, t + 1), device=device)
+    for set_to_none in (True, False):
+        torch.manual_seed(0)
+        model = build_model(cfg, device)
+        out["params"] = model.num_params()
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True, broadcast_buffers=False)
+        x = torch.randint(0, cfg.vocab_size, (b, t + 1), device=device)
 
-            storages: set[int] = set()
+        storages: set[int] = set()
 
-            def step() -> None:
-                storages.clear()
-                for i in range(accum):
-                    with contextlib.nullcontext() if i == accum - 1 else ddp.no_sync():
-                        with torch.autocast(device.type, torch.bfloat16):
-                            loss = ddp(x[:, :-1], x[:, 1:])
-                        loss.backward()
-                    if i == 0:  # where the no_sync gradients live: DDP's bucket, or storages of their own
-                        storages.update(p.grad.untyped_storage().data_ptr() for p in model.parameters())
-                ddp.zero_grad(set_to_none=set_to_none)
+        def step() -> None:
+            storages.clear()
+            for i in range(accum):
+                with contextlib.nullcontext() if i == accum - 1 else ddp.no_sync():
+                    with torch.autocast(device.type, torch.bfloat16):
+                        loss = ddp(x[:, :-1], x[:, 1:])
+                    loss.backward()
+                if i == 0:  # where the no_sync gradients live: DDP's bucket, or storages of their own
+                    storages.update(p.grad.untyped_storage().data_ptr() for p in model.parameters())
+            ddp.zero_grad(set_to_none=set_to_none)
 
-            step()
-            peak = peak_gib(device, step)
-            out["set_to_none" if set_to_none else "in_place"] = {"step_peak_gib": peak, "grad_storages": len(storages)}
-            del ddp, model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        step()
+        peak = peak_gib(device, step)
+        out["set_to_none" if set_to_none else "in_place"] = {"step_peak_gib": peak, "grad_storages": len(storages)}
+        del ddp, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     out["grad_gib"] = round(out["params"] * 4 / 2**30, 2)
     return out
+
+
+# ---------------------------------------------------------------- sampling with the KV cache
+
+
+def check_sample(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """Greedy sampling as at the end of a run (fp32 weights, no autocast), with the KV cache and without: tokens/s,
+    whether both pick the same tokens, and the logits the cache gave each new token against one full forward."""
+    cfg = model_config(spec["config"])
+    torch.manual_seed(0)
+    model = build_model(cfg, device).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["prompt"]), generator=g).to(device)
+    out: dict[str, Any] = {"model": spec["config"] or "toy", "batch": spec["batch"], "prompt": spec["prompt"],
+                           "new_tokens": spec["new"]}
+    ids = {}
+    for use_cache in (True, False):
+        generate(model, prompt[:, :8], 4, temperature=0, use_cache=use_cache)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        ids[use_cache] = generate(model, prompt, spec["new"], temperature=0, use_cache=use_cache)
+        sync(device)
+        out["cached_tokens_per_s" if use_cache else "uncached_tokens_per_s"] = \
+            spec["batch"] * spec["new"] / (time.perf_counter() - t0)
+    out["greedy_tokens_equal"] = bool(torch.equal(ids[True], ids[False]))
+    out["max_abs_logit_diff"], out["max_abs_logit"] = cache_logit_diff(model, ids[True], spec["prompt"])
+    return out
+
+
+@torch.no_grad()
+def cache_logit_diff(model: Any, ids: torch.Tensor, prompt_len: int) -> tuple[float, float]:
+    """The largest |logit| difference between the cached decode of `ids` (prefill, then one token per forward) and
+    one forward over all of them, at the positions that predicted new tokens; and the largest |logit| for scale."""
+    caches = model.new_caches(ids.shape[0], ids.shape[1], ids.device, model.embed.weight.dtype)
+    steps = [model(ids[:, :prompt_len], caches=caches, start_pos=0)[:, -1]]
+    for pos in range(prompt_len, ids.shape[1] - 1):
+        steps.append(model(ids[:, pos : pos + 1], caches=caches, start_pos=pos)[:, -1])
+    cached = torch.stack(steps, dim=1).float()  # B new V
+    full = model(ids)[:, prompt_len - 1 : -1].float()  # B new V
+    return float((cached - full).abs().max()), float(full.abs().max())
 
 
 # ---------------------------------------------------------------- training runs (python -m nanopt.main)
@@ -331,6 +464,8 @@ def check_train(name: str, args: list[str], variants: list[str], work: Path, ste
                         "profile": {k: prof.get(k) for k in ("mode", "host_overhead_share", "data_loader_share",
                                                              "compute_share", "step_ms_mean")},
                         "top_ops": [(o["name"], round(o["self_share"], 3)) for o in prof.get("top_ops", [])[:8]],
+                        # At most 1 since "Command Buffer Full" rows are left out (it was 1.28 at 1B, counted twice).
+                        "top_ops_share_sum": round(sum(o["self_share"] for o in prof.get("top_ops", [])), 3),
                         "log_tail": res["log_tail"] if res["rc"] != 0 else "", "log_notable": res["log_notable"],
                         "log_times": res["log_times"]}
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 15 GB at 1B: not wanted past the run
@@ -345,7 +480,105 @@ VARIANTS: dict[str, list[str]] = {
     "eager": ["--train.compile=false", "--train.loss_chunk_tokens=8192"],
     "chunked": ["--train.compile=true", "--train.loss_chunk_tokens=8192"],  # compiled, with the eager loss
     "nochunk": ["--train.compile=true", "--train.loss_chunk_tokens=0"],
+    "fp8": ["--train.compile=true", "--train.fp8=tensorwise"],  # torchao's float8 on the block Linears
+    "fp8_rowwise": ["--train.compile=true", "--train.fp8=rowwise"],
+    "fp8_eager": ["--train.compile=false", "--train.loss_chunk_tokens=8192", "--train.fp8=tensorwise"],
 }
+
+
+# ---------------------------------------------------------------- fp8
+
+
+def check_fp8(spec: dict[str, Any], train_args: dict[str, list[str]], work: Path, steps: int, shards: Path,
+              text: Path, timeout: float) -> dict[str, Any]:
+    """train.fp8 against bf16: each model's speed (check_train's runs of both variants) and the loss gap on text."""
+    base, fp8 = spec["variants"]
+    out: dict[str, Any] = {"variants": spec["variants"]}
+    for name in ("1b", "170m"):
+        runs = check_train(f"fp8-{name}", train_args[name], spec["variants"], work, steps, shards, timeout)
+        speeds = [runs[v].get("tokens_per_s") for v in (base, fp8)]
+        out[name] = {**runs, "fp8_speedup": speeds[1] / speeds[0] if all(speeds) else None}
+    out["loss"] = fp8_loss_gap(spec, work, text, timeout)
+    return out
+
+
+def fp8_loss_gap(spec: dict[str, Any], work: Path, text: Path, timeout: float) -> dict[str, Any]:
+    """The same run in bf16 and in FP8 for `loss_steps` steps on real text (byte-level, so any carried shards of the
+    embedded corpus serve): the mean train loss of the last logged steps and the final validation loss of each."""
+    out: dict[str, Any] = {"text": str(text), "steps": spec["loss_steps"]}
+    for variant in spec["variants"]:
+        run_dir = work / f"fp8-loss-{variant}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        res = nanopt_run([*spec["loss"], *QUIET, *VARIANTS[variant], f"--data.source={text}", "--eval.batches=8",
+                          f"--train.max_steps={spec['loss_steps']}", "--log.every=5"], run_dir, timeout)
+        losses = [r["loss"] for r in res["records"] if "loss" in r]
+        val = [r["val_loss"] for r in res["records"] if "val_loss" in r]
+        out[variant] = {"rc": res["rc"], "wall_s": res["wall_s"], "val_loss": val[-1] if val else None,
+                        "train_loss_last": statistics.mean(losses[-4:]) if losses else None,
+                        "log_tail": res["log_tail"] if res["rc"] != 0 else ""}
+        shutil.rmtree(run_dir, ignore_errors=True)
+    vals = [out[v]["val_loss"] for v in spec["variants"]]
+    out["val_loss_gap"] = vals[1] - vals[0] if None not in vals else None  # FP8 minus bf16
+    return out
+
+
+# ---------------------------------------------------------------- two ranks on one device
+
+# NCCL refuses two ranks on one GPU, so these ranks' process group is gloo (it carries CUDA tensors through the
+# host); the rest is nanopt's own `python -m nanopt.main`.
+GLOO_DRIVER = """import sys
+from nanopt import runtime
+start = runtime.CudaBackend.__init__
+def gloo(self, device):
+    start(self, device)
+    self.process_group_options = {"backend": "gloo"}
+runtime.CudaBackend.__init__ = gloo
+from nanopt.main import run
+sys.exit(run(sys.argv[1:]))
+"""
+
+
+def two_ranks(args: list[str], run_dir: Path, timeout: float) -> dict[str, Any]:
+    """Ranks 0 and 1 of a world of two, both on device 0 (each its node's only local rank): exit codes, records."""
+    port, procs = free_port(), []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        log = open(run_dir.parent / f"{run_dir.name}.rank{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, "-c", GLOO_DRIVER, *args, f"--run.dir={run_dir}"], cwd=REPO,
+                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline, codes = time.monotonic() + timeout, []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(None)
+        log.close()
+    tail = Path(procs[0][1].name).read_text().strip().splitlines()[-15:]
+    rc = next((c for c in codes if c != 0), 0)  # the first failure (None: timed out), else 0
+    return {"rc": rc, "rc_per_rank": codes, "records": rundirs.read_metrics(run_dir), "log_tail": "\n".join(tail)}
+
+
+def check_ranks2(args: list[str], work: Path, shards: Path, timeout: float) -> dict[str, Any]:
+    """The same 10 steps as one rank (2 accumulation micro-steps) and as two ranks on one device (1 each): the loss
+    at every step should agree to rounding (the gradient sums are added in another order); the replicas' weights
+    must be equal."""
+    common = [*args, *QUIET, f"--data.source={shards}", "--train.max_steps=10"]
+    one = nanopt_run(common, work / "ranks-one", timeout)
+    two = two_ranks(common, work / "ranks-two", timeout)
+    losses = [{r["step"]: r["loss"] for r in res["records"] if "loss" in r} for res in (one, two)]
+    steps = sorted(set(losses[0]) & set(losses[1]))
+    digests = (rundirs.read_summary(work / "ranks-two") or {}).get("weights_sha256_per_rank") or []
+    out = {"one_rank": {"rc": one["rc"], "wall_s": one["wall_s"]},
+           "two_ranks": {"rc": two["rc"], "rc_per_rank": two["rc_per_rank"]}, "steps_compared": steps,
+           "max_abs_loss_diff": max((abs(losses[0][s] - losses[1][s]) for s in steps), default=None),
+           "replicas_equal": len(digests) == 2 and digests[0] == digests[1]}
+    if one["rc"] != 0 or two["rc"] != 0:
+        out["log_tail"] = one["log_tail"] if one["rc"] != 0 else two["log_tail"]
+    for d in ("ranks-one", "ranks-two"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    return out
 
 
 def check_resume(args: list[str], work: Path, shards: Path, timeout: float) -> dict[str, Any]:
@@ -382,60 +615,121 @@ def check_resume(args: list[str], work: Path, shards: Path, timeout: float) -> d
 
 
 def markdown(results: dict[str, Any]) -> str:
+    """The report: one part per section that ran, then each failed section's traceback."""
     lines = [f"# nanopt GPU check, {results['date']}", "", f"command: `{results['command']}`", ""]
-    env = results.get("env", {})
-    if env:
-        lines += ["## Environment", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()] + [""]
-    att = results.get("attention")
-    if att and "error" not in att:
-        lines += [f"## Attention at {att['shape']}", "",
-                  "| dtype | SDPA kernel, enable_gqa | SDPA kernel, heads repeated | nanopt's kernel | rel. err | "
-                  "fwd+bwd peak GiB | flash-attn rel. err |", "|---|---|---|---|---|---|---|"]
-        for dtype in ("bfloat16", "float32"):
-            r = att[dtype]
-            lines.append(f"| {dtype} | {r['sdpa_kernel_enable_gqa']} | {r['sdpa_kernel_heads_repeated']} | "
-                         f"{r['nanopt_kernel']} | {r['nanopt_sdpa_rel_err']:.1e} | {r['nanopt_sdpa_peak_gib']} | "
-                         f"{_fmt(r.get('flash_attn_rel_err'), '.1e')} |")
-        lines.append("")
-    ddp = results.get("ddp")
-    if ddp and "error" not in ddp:
-        lines += [f"## DDP gradients under no_sync ({ddp['model']}, {ddp['params']:,} parameters, "
-                  f"fp32 gradients {ddp['grad_gib']} GiB, {ddp['accum']} micro-steps)", "",
-                  "| zero_grad | step peak GiB | gradient storages |", "|---|---|---|"]
-        for mode in ("set_to_none", "in_place"):
-            lines.append(f"| {mode} | {ddp[mode]['step_peak_gib']} | {ddp[mode]['grad_storages']} |")
-        lines.append("")
-    res = results.get("resume")
-    if res and "error" not in res:
-        lines += ["## Kill and resume", "", f"exit codes straight/again/killed/resumed {res['rc']}; steps compared "
-                  f"{res['steps_compared']}", "", "| against the straight run | max loss difference | final weights equal |",
-                  "|---|---|---|", f"| killed at step 7, resumed from 4 | {res['max_abs_loss_diff']} | {res['weights_equal']} |",
-                  f"| the same run again (noise floor) | {res['rerun_max_abs_loss_diff']} | {res['rerun_weights_equal']} |", ""]
-    tasks = results.get("tasks")
-    if tasks and "error" not in tasks:
-        lines += ["## Downstream scoring (HellaSwag-sized, nanopt.scoring)", "",
-                  f"{tasks['items']:,} items x 4 = {tasks['requests']:,} requests ({tasks['tokens']:,} tokens), batch "
-                  f"{tasks['batch']}: **{tasks['seconds']:.1f} s** ({tasks['requests_per_s']:,.0f} requests/s; goal "
-                  f"< {tasks['goal_s']} s); batched vs one-by-one max |Δ| {tasks['batched_vs_alone_max_abs']:.1e}", ""]
+    for name, part in MARKDOWN.items():
+        r = results.get(name)
+        if isinstance(r, dict) and r and "error" not in r:
+            lines += part(r) + [""]
     for name in ("170m", "1b"):
         runs = results.get(name)
-        if not runs or "error" in runs:
-            continue
-        lines += [f"## Training {name}", "", "| variant | rc | tokens/s | MFU | step ms | peak alloc GiB | "
-                  "peak reserved GiB | compute / host / data | top ops (self share) |", "|---|---|---|---|---|---|---|---|---|"]
-        for variant, r in runs.items():
-            p = r["profile"]
-            shares = "/".join(_fmt(p.get(k), ".0%") for k in ("compute_share", "host_overhead_share", "data_loader_share"))
-            ops = ", ".join(f"{n} {s:.0%}" for n, s in r["top_ops"][:5])
-            lines.append(f"| {variant} | {r['rc']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('mfu'), '.1%')} "
-                         f"| {_fmt(r.get('step_ms'), '.0f')} | {_fmt(r.get('peak_allocated_gib'), '.1f')} | "
-                         f"{_fmt(r.get('peak_reserved_gib'), '.1f')} | {shares} | {ops} |")
-        lines.append("")
-        lines += [f"{name} {v} failed:\n```\n{r['log_tail']}\n```\n" for v, r in runs.items() if r["rc"] != 0]
+        if isinstance(runs, dict) and runs and "error" not in runs:
+            lines += [f"## Training {name}", ""] + train_table(name, runs) + [""]
     for name, r in results.items():
         if isinstance(r, dict) and "error" in r:
             lines += [f"## {name}: FAILED", "", "```", r["error"], "```", ""]
     return "\n".join(lines)
+
+
+def md_env(env: dict[str, Any]) -> list[str]:
+    return ["## Environment", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()]
+
+
+def md_attention(att: dict[str, Any]) -> list[str]:
+    lines = [f"## Attention at {att['shape']}", "",
+             "| dtype | SDPA kernel, enable_gqa | SDPA kernel, heads repeated | nanopt's kernel | rel. err | "
+             "fwd+bwd peak GiB | flash-attn rel. err |", "|---|---|---|---|---|---|---|"]
+    for dtype in ("bfloat16", "float32"):
+        r = att[dtype]
+        lines.append(f"| {dtype} | {r['sdpa_kernel_enable_gqa']} | {r['sdpa_kernel_heads_repeated']} | "
+                     f"{r['nanopt_kernel']} | {r['nanopt_sdpa_rel_err']:.1e} | {r['nanopt_sdpa_peak_gib']} | "
+                     f"{_fmt(r.get('flash_attn_rel_err'), '.1e')} |")
+    return lines
+
+
+def md_ddp(ddp: dict[str, Any]) -> list[str]:
+    path = ddp["nanopt_path"]
+    lines = [f"## nanopt's DDP path at world size 1 (compile {path['compile']}, micro-batch {path['micro_batch']} x "
+             f"{path['accum']})", "", "| model as trained | tokens/s | graphs | graph breaks | loss |",
+             "|---|---|---|---|---|"]
+    for name in ("unwrapped", "ddp"):
+        r = path[name]
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['graphs']} | {r['graph_breaks']} | {r['loss']:.5f} |")
+    lines += ["", f"DDP / unwrapped tokens/s **{path['ddp_over_unwrapped']:.3f}**; loss difference "
+              f"{path['loss_diff']:.1e}",
+              "", f"## DDP gradients under no_sync ({ddp['model']}, {ddp['params']:,} parameters, fp32 gradients "
+              f"{ddp['grad_gib']} GiB, {ddp['accum']} micro-steps)", "",
+              "| zero_grad | step peak GiB | gradient storages |", "|---|---|---|"]
+    for mode in ("set_to_none", "in_place"):
+        lines.append(f"| {mode} | {ddp[mode]['step_peak_gib']} | {ddp[mode]['grad_storages']} |")
+    return lines
+
+
+def md_ranks2(r: dict[str, Any]) -> list[str]:
+    return ["## Two ranks on one GPU (gloo) against one rank", "",
+            f"exit codes one rank {r['one_rank']['rc']}, two ranks {r['two_ranks']['rc_per_rank']}; steps compared "
+            f"{r['steps_compared']}: max loss difference **{_fmt(r['max_abs_loss_diff'], '.1e')}**; the two replicas' "
+            f"weights equal: {r['replicas_equal']}"]
+
+
+def md_sample(r: dict[str, Any]) -> list[str]:
+    return [f"## Sampling with the KV cache ({r['model']}, fp32, batch {r['batch']}, prompt {r['prompt']}, "
+            f"{r['new_tokens']} new tokens, greedy)", "",
+            f"**{r['cached_tokens_per_s']:,.0f} tokens/s** with the cache, {r['uncached_tokens_per_s']:,.0f} without; "
+            f"same tokens: {r['greedy_tokens_equal']}; cached vs full-forward logits max |Δ| "
+            f"{r['max_abs_logit_diff']:.1e} (max |logit| {r['max_abs_logit']:.1f})"]
+
+
+def md_resume(res: dict[str, Any]) -> list[str]:
+    return ["## Kill and resume", "", f"exit codes straight/again/killed/resumed {res['rc']}; steps compared "
+            f"{res['steps_compared']}", "", "| against the straight run | max loss difference | final weights equal |",
+            "|---|---|---|",
+            f"| killed at step 7, resumed from 4 | {res['max_abs_loss_diff']} | {res['weights_equal']} |",
+            f"| the same run again (noise floor) | {res['rerun_max_abs_loss_diff']} | {res['rerun_weights_equal']} |"]
+
+
+def md_tasks(tasks: dict[str, Any]) -> list[str]:
+    return ["## Downstream scoring (HellaSwag-sized, nanopt.scoring)", "",
+            f"{tasks['items']:,} items x 4 = {tasks['requests']:,} requests ({tasks['tokens']:,} tokens), batch "
+            f"{tasks['batch']}: **{tasks['seconds']:.1f} s** ({tasks['requests_per_s']:,.0f} requests/s; goal "
+            f"< {tasks['goal_s']} s); batched vs one-by-one max |Δ| {tasks['batched_vs_alone_max_abs']:.1e}"]
+
+
+def md_fp8(r: dict[str, Any]) -> list[str]:
+    base, fp8 = r["variants"]
+    lines = [f"## FP8 (train.fp8) against bf16: {fp8} vs {base}", "",
+             "The FP8 rows' MFU is bf16-equivalent: their FP8 matmuls are counted against the dense bf16 peak.", ""]
+    for name in ("1b", "170m"):
+        runs = {v: r[name][v] for v in r["variants"]}
+        lines += [f"{name}: FP8 / bf16 tokens/s **{_fmt(r[name]['fp8_speedup'], '.3f')}**", ""]
+        lines += train_table(name, runs) + [""]
+    loss = r["loss"]
+    lines.append(f"Loss after {loss['steps']} steps of the 170m model on {loss['text']}: val loss {base} "
+                 f"{_fmt(loss[base]['val_loss'], '.4f')}, {fp8} {_fmt(loss[fp8]['val_loss'], '.4f')}; gap "
+                 f"**{_fmt(loss['val_loss_gap'], '+.4f')}** (train loss {_fmt(loss[base]['train_loss_last'], '.4f')} "
+                 f"vs {_fmt(loss[fp8]['train_loss_last'], '.4f')})")
+    return lines
+
+
+def train_table(name: str, runs: dict[str, Any]) -> list[str]:
+    """One row per variant: speed, MFU, memory, the profile's shares and its top ops."""
+    lines = ["| variant | rc | tokens/s | MFU | step ms | peak alloc GiB | peak reserved GiB | compute / host / data "
+             "| top ops (self share) |", "|---|---|---|---|---|---|---|---|---|"]
+    for variant, r in runs.items():
+        p = r["profile"]
+        shares = "/".join(_fmt(p.get(k), ".0%") for k in ("compute_share", "host_overhead_share", "data_loader_share"))
+        ops = ", ".join(f"{n} {s:.0%}" for n, s in r["top_ops"][:5])
+        lines.append(f"| {variant} | {r['rc']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('mfu'), '.1%')} "
+                     f"| {_fmt(r.get('step_ms'), '.0f')} | {_fmt(r.get('peak_allocated_gib'), '.1f')} | "
+                     f"{_fmt(r.get('peak_reserved_gib'), '.1f')} | {shares} | {ops} |")
+    lines += [f"{name} {v} failed:\n```\n{r['log_tail']}\n```\n" for v, r in runs.items() if r["rc"] != 0]
+    return lines
+
+
+MARKDOWN: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "env": md_env, "attention": md_attention, "ddp": md_ddp, "ranks2": md_ranks2, "sample": md_sample,
+    "resume": md_resume, "tasks": md_tasks, "fp8": md_fp8,
+}
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -452,6 +746,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", default="runs/gpu_check", help="directory for gpu_check.json and gpu_check.md")
     p.add_argument("--work", default="", help="scratch directory for shards and runs (default: /dev/shm or tmp)")
     p.add_argument("--timeout", type=float, default=420, help="seconds allowed per training run")
+    p.add_argument("--text", default="", help="fp8's loss gap: a directory of token shards of real text (default: "
+                   "the embedded corpus, byte-level, fetched once into NANOPT_CACHE; a GPU machine without network "
+                   "needs a carried copy)")
     a = p.parse_args(argv)
     sections = [s for s in a.sections.split(",") if s]
     a.variants = a.variants or ("eager" if a.cpu_smoke else "compiled,eager")
@@ -467,11 +764,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     size = sizes(a.cpu_smoke)
     steps = a.steps or size["steps"]
     shm = Path("/dev/shm")
-    work = Path(a.work or tempfile.mkdtemp(prefix="nanopt-gpu-check-", dir=shm if shm.is_dir() and not a.cpu_smoke else None))
+    scratch = shm if shm.is_dir() and not a.cpu_smoke else None
+    work = Path(a.work or tempfile.mkdtemp(prefix="nanopt-gpu-check-", dir=scratch))
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               "command": " ".join(["python", "bench/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+                               "command": " ".join(["python", "bench/gpu_check.py",
+                                                    *(argv if argv is not None else sys.argv[1:])]),
                                "smoke": a.cpu_smoke}
     shards: dict[int, Path] = {}
 
@@ -485,8 +784,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "env": lambda: check_env(device, a.cpu_smoke),
         "attention": lambda: check_attention(device, size["attention"]),
         "ddp": lambda: check_ddp(device, size["ddp_model"]),
+        "ranks2": lambda: check_ranks2(size["ranks2"], work, shards_for(vocab), a.timeout),
+        "sample": lambda: check_sample(device, size["sample"]),
         "resume": lambda: check_resume(size["resume"], work, shards_for(vocab), a.timeout),
         "tasks": lambda: check_tasks(device, size["tasks"]),
+        "fp8": lambda: check_fp8(size["fp8"], size["train"], work, steps, shards_for(vocab),
+                                 Path(a.text) if a.text else data.embedded_shards("byte"), a.timeout),
         "170m": lambda: check_train("170m", size["train"]["170m"], a.variants.split(","), work, steps,
                                     shards_for(vocab), a.timeout),
         "1b": lambda: check_train("1b", size["train"]["1b"], a.variants.split(","), work, steps,
@@ -508,9 +811,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = markdown(results)
     (out_dir / "gpu_check.md").write_text(report + "\n")
     print(report)
-    failed = [n for n in sections if "error" in results[n]
-              or any(isinstance(v, dict) and v.get("rc") not in (0, None) for v in results[n].values())]
-    return 1 if failed else 0
+    return 1 if any(section_failed(results[n]) for n in sections) else 0
+
+
+def section_failed(result: Any) -> bool:
+    """Whether a section raised, or a run in it exited non-zero or timed out (rc None). A list of exit codes is
+    the section's own to judge (resume's holds a kill on purpose)."""
+    if not isinstance(result, dict):
+        return False
+    if "error" in result or ("rc" in result and not isinstance(result["rc"], list) and result["rc"] != 0):
+        return True
+    return any(section_failed(v) for v in result.values())
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nanopt import xla
+from nanopt.hardware import detect_hardware
 
 log = logging.getLogger("nanopt")
 
@@ -100,12 +101,29 @@ def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optio
 
 UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla.flash_unavailable_reason}
 
+# The GPUs (hardware.PEAKS keys) on which bench/gpu_check.py measured flash-attn training faster than SDPA, each with
+# the results file that shows it: `attention: auto` picks flash-attn there only. Empty: it has never been measured
+# (no flash-attn wheel exists for the torch gpu_check ran); on an H100 SDPA runs cuDNN's kernel, at the 51.3% MFU of
+# bench/results/gpu_check_h100_shipped.json.
+FLASH_MEASURED_FASTER: dict[str, str] = {}
 
-def choose(name: str, device_type: str, precision: str = "bf16") -> tuple[str, AttentionFn]:
-    """Resolve the configured backend for this device and precision, logging any fallback and its reason once."""
+
+def flash_not_measured_reason(gpu: str) -> Optional[str]:
+    """Why `auto` does not pick flash-attn on this GPU (its device name), or None where it was measured faster."""
+    if detect_hardware(gpu, None) in FLASH_MEASURED_FASTER:
+        return None
+    return (f"bench/gpu_check.py has not measured flash-attn faster than SDPA on {gpu or 'this GPU'} "
+            f"(nanopt.attention.FLASH_MEASURED_FASTER)")
+
+
+def choose(name: str, device_type: str, precision: str = "bf16", gpu: str = "") -> tuple[str, AttentionFn]:
+    """Resolve the configured backend for this device, precision and GPU (its name), logging any fallback and its
+    reason once."""
     kernel = "flash" if name == "auto" else name
     if kernel in UNAVAILABLE_REASON:
         reason = UNAVAILABLE_REASON[kernel](device_type, precision)
+        if reason is None and name == "auto":
+            reason = flash_not_measured_reason(gpu)
         if reason is None:
             return kernel, BACKENDS[kernel]
         if name == "auto":

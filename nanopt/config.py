@@ -184,7 +184,8 @@ class TrainConfig:
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
                              "sqrt (p = 1/2), linear (p = 1) or none.", choices=("sqrt", "linear", "none"))
     fp8: str = key("none", "FP8 matmuls in the transformer blocks' Linears through torchao's float8 training (an "
-                   "H100 or newer GPU): tensorwise or rowwise scaling; none = bf16 (docs/mfu.md).",
+                   "H100 or newer GPU; emulated on CPU, for tests): tensorwise or rowwise scaling; none = bf16 "
+                   "(docs/mfu.md).",
                    choices=("none", "tensorwise", "rowwise"))
     grad_accum_steps: int = key(0, "Micro-steps per optimizer step, computed by resolve() for the world size (which "
                                 "may change on resume).", derived=True, safe=True)

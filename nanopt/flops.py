@@ -35,14 +35,21 @@ class ParamCounts:
         return self.block_matmuls + self.norms + self.scalars + self.lm_head
 
 
+def block_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each Linear of one block, by its name in model.py."""
+    q_dim, kv_dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    shapes = {"attention.wq": (m.dim, q_dim), "attention.wk": (m.dim, kv_dim), "attention.wv": (m.dim, kv_dim),
+              "attention.wo": (q_dim, m.dim), "mlp.w1": (m.dim, m.ffn_dim), "mlp.w3": (m.dim, m.ffn_dim),
+              "mlp.w2": (m.ffn_dim, m.dim)}
+    if m.mlp == "relu2":  # w1, w2 only; SwiGLU adds w3 (up) beside w1 (gate)
+        del shapes["mlp.w3"]
+    return shapes
+
+
 def param_counts(m: ModelConfig) -> ParamCounts:
     """Count parameters from the config alone (no model is built)."""
-    q_dim = m.n_heads * m.head_dim
     kv_dim = m.n_kv_heads * m.head_dim
-    attention = m.dim * q_dim + 2 * m.dim * kv_dim + q_dim * m.dim  # wq, wk + wv, wo
-    mlp_matrices = 2 if m.mlp == "relu2" else 3  # w1, w2 (relu2) or w1 (gate), w3 (up), w2 (down)
-    mlp = mlp_matrices * m.dim * m.ffn_dim
-    block_matmuls = m.n_layers * (attention + mlp)
+    block_matmuls = m.n_layers * sum(i * o for i, o in block_linears(m).values())
     norms = m.dim * (2 * m.n_layers + 1)
     scalars = 2 * m.n_layers if m.residual_scalars else 0
     lm_head = m.vocab_size * m.dim
@@ -81,12 +88,34 @@ def recompute_flops_per_token(m: ModelConfig, micro_batch_tokens: int, loss_chun
     return 2 * param_counts(m).lm_head if chunked else 0
 
 
+@dataclass(frozen=True)
+class TokenFlops:
+    """Training FLOPs per token at one sequence length, in each convention MFU is quoted in."""
+    model: int  # 6N + attention as mfu.causal_halving counts it: nanopt's `mfu`
+    six_n: int  # 6N alone: the blog's convention
+    full_attention: int  # 6N + the whole T×T square: nanochat's, torchtitan's, PaLM's
+    hardware: int  # model + what nanopt recomputes: `hfu`
+
+    def summary(self) -> dict[str, int]:
+        return {"flops_per_token": self.model, "flops_per_token_6n": self.six_n,
+                "flops_per_token_full_attention": self.full_attention, "flops_per_token_hardware": self.hardware}
+
+
+def token_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
+                loss_chunk_tokens: int = 0) -> TokenFlops:
+    """Every FLOPs-per-token figure of a run at this sequence length (micro-batches of micro_batch_size rows)."""
+    model = flops_per_token(m, seq_len, causal_halving)
+    return TokenFlops(model=model, six_n=flops_per_token_6n(m), full_attention=flops_per_token(m, seq_len, False),
+                      hardware=model + recompute_flops_per_token(m, micro_batch_size * seq_len, loss_chunk_tokens))
+
+
 def estimate(m: ModelConfig, seq_len: int, tokens: int, hardware: str, gpus: int, mfu: float,
              precision: str = "bf16", price_per_gpu_hour: Optional[float] = None,
              causal_halving: bool = True) -> dict[str, Any]:
     """Wall time, GPU-hours and cost to train `tokens` tokens at a given MFU (6N + attention FLOPs)."""
     counts = param_counts(m)
-    fpt = flops_per_token(m, seq_len, causal_halving)
+    f = token_flops(m, seq_len, causal_halving)
+    fpt = f.model
     peak = table_peak(hardware, precision)
     if peak is None:
         raise ValueError(f"{hardware} has no dense {matmul_precision(precision)} peak")
@@ -94,10 +123,13 @@ def estimate(m: ModelConfig, seq_len: int, tokens: int, hardware: str, gpus: int
     hours = total_flops / (gpus * peak * mfu) / 3600
     return {
         "params": counts.total, "n_6n": counts.n_6n,
-        "flops_per_token": fpt, "flops_per_token_6n": 6 * counts.n_6n, "causal_halving": causal_halving,
-        "seq_len": seq_len, "tokens": tokens, "tokens_per_param": tokens / counts.total,
+        "flops_per_token": fpt, "flops_per_token_6n": f.six_n, "flops_per_token_full_attention": f.full_attention,
+        "causal_halving": causal_halving, "seq_len": seq_len, "tokens": tokens,
+        "tokens_per_param": tokens / counts.total,
         "total_flops": total_flops, "hardware": hardware, "precision": matmul_precision(precision),
-        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
+        # The same speed as MFU in the other conventions (the blog's 6N, nanochat's and torchtitan's full square).
+        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu, "mfu_6n": mfu * f.six_n / fpt,
+        "mfu_full_attention": mfu * f.full_attention / fpt,
         "hours": hours, "gpu_hours": hours * gpus, "price_per_gpu_hour": price_per_gpu_hour,
         "cost_usd": None if price_per_gpu_hour is None else hours * gpus * price_per_gpu_hour,
     }

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from nanopt.config import Config
-from nanopt.flops import flops_per_token, flops_per_token_6n, recompute_flops_per_token
-from nanopt.hardware import PEAKS, detect_hardware, matmul_precision, measure_matmul_flops, table_peak
+from nanopt.flops import TokenFlops, token_flops
+from nanopt.hardware import PEAKS, cpu_peak, detect_hardware, matmul_precision, measure_matmul_flops, table_peak
 from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
@@ -26,40 +26,63 @@ class MFUMeter:
     """Turns (steps, seconds) of a logging window into MFU, skipping warm-up steps.
 
     Work is counted per optimizer step over the whole world (every rank and micro-step) and the peak per
-    device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size."""
+    device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size. `mfu` is in
+    the run's convention (mfu.causal_halving); `mfu_6n` and `mfu_full_attention` are the same speed in the others."""
 
-    def __init__(self, flops_per_token: float, flops_per_token_6n: float, tokens_per_step: int,
+    CONVENTIONS = (("mfu", "model"), ("mfu_6n", "six_n"), ("mfu_full_attention", "full_attention"),
+                   ("hfu", "hardware"))
+
+    def __init__(self, per_token: Callable[[int], TokenFlops], seq_len: int, tokens_per_step: int,
                  peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
-                 peak_label: str = "", flops_per_token_hw: Optional[float] = None):
-        self.flops_per_token, self.flops_per_token_6n = flops_per_token, flops_per_token_6n
-        # What the hardware computes: the model's FLOPs plus recomputation (for HFU).
-        self.flops_per_token_hw = flops_per_token if flops_per_token_hw is None else flops_per_token_hw
-        self.tokens_per_step, self.world_size = tokens_per_step, world_size
+                 peak_label: str = "", basis: str = ""):
+        self.per_token = per_token  # FLOPs per token for a sequence length
+        self.world_size = world_size
         self.peak_flops = peak_flops  # per device
         self.first_counted_step = start_step + warmup_steps + 1
         self.peak_label = peak_label  # where the peak came from (spec sheet, measured, override)
+        self.basis = basis  # "bf16-equivalent" when FP8 matmuls are counted against the bf16 peak, else ""
+        self.flops_done = {key: 0.0 for key, _ in self.CONVENTIONS}  # per device, over the counted windows
+        self.seconds_done = 0.0
+        self.set_stage(tokens_per_step, seq_len)
+
+    def set_stage(self, tokens_per_step: int, seq_len: int) -> None:
+        """From now on a step holds `tokens_per_step` tokens (the world's) in sequences of `seq_len`."""
+        self.tokens_per_step = tokens_per_step
+        self.flops = self.per_token(seq_len)
 
     def summary(self) -> dict[str, Any]:
-        """What every MFU figure of the run is relative to, for summary.json."""
-        return {"mfu_peak_flops_per_device": self.peak_flops, "mfu_peak_source": self.peak_label,
-                "flops_per_token": self.flops_per_token, "flops_per_token_6n": self.flops_per_token_6n,
-                "flops_per_token_hardware": self.flops_per_token_hw}
+        """What every MFU figure of the run is relative to, and this session's MFU over its timed steps."""
+        seconds, peak = self.seconds_done, self.peak_flops
+        mean = {key: done / seconds / peak if seconds and peak else None for key, done in self.flops_done.items()}
+        return {"mfu_peak_flops_per_device": peak, "mfu_peak_source": self.peak_label,
+                "mfu_basis": self.basis or None, **self.flops.summary(), **mean}
 
     def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
         """Metrics for the `window_steps` optimizer steps ending at `step`, which took `step_seconds` each; nulls
         for a window that includes a warm-up step (compilation, allocation, autotuning)."""
         window_steps = max(window_steps, 1)
+        out: dict[str, Optional[float]] = {key: None for key, _ in self.CONVENTIONS}
         if step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
-            return {"mfu": None, "mfu_6n": None, "hfu": None, "tflops_per_device": None}
+            return {**out, "tflops_per_device": None}
         tokens_per_s_per_device = self.tokens_per_step / step_seconds / self.world_size
-        achieved = tokens_per_s_per_device * self.flops_per_token
-        out: dict[str, Optional[float]] = {"mfu": None, "mfu_6n": None, "hfu": None,
-                                           "tflops_per_device": achieved / 1e12}
-        if self.peak_flops:
-            out["mfu"] = achieved / self.peak_flops
-            out["mfu_6n"] = tokens_per_s_per_device * self.flops_per_token_6n / self.peak_flops
-            out["hfu"] = tokens_per_s_per_device * self.flops_per_token_hw / self.peak_flops
-        return out
+        self.seconds_done += window_steps * step_seconds
+        for key, field in self.CONVENTIONS:
+            achieved = tokens_per_s_per_device * getattr(self.flops, field)
+            self.flops_done[key] += achieved * window_steps * step_seconds
+            out[key] = achieved / self.peak_flops if self.peak_flops else None
+        return {**out, "tflops_per_device": tokens_per_s_per_device * self.flops.model / 1e12}
+
+
+def _measure_together(rt: Runtime, dtype: torch.dtype) -> float:
+    """Every rank measures at once, sharing the cores as they will in training; the mean."""
+    rt.barrier()
+    measured = torch.tensor([measure_matmul_flops(dtype, rt.device, sync=rt.sync)], dtype=torch.float64)
+    return rt.all_reduce_sum(measured).item() / rt.world_size
+
+
+def _any_rank(rt: Runtime, flag: bool) -> bool:
+    """True on every rank when it is on any: all ranks measure the peak, or none (one alone would read high)."""
+    return rt.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() > 0
 
 
 def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
@@ -70,11 +93,10 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
     warn = warn_once if rt.is_main else (lambda message: None)  # one warning per run, not per rank
     if override == "auto" and rt.backend.measures_peak:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-        rt.barrier()  # all ranks measure at once, sharing the cores as they will in training
-        measured = torch.tensor([measure_matmul_flops(dtype, rt.device, sync=rt.sync)], dtype=torch.float64)
-        peak = rt.all_reduce_sum(measured).item() / rt.world_size
-        return peak, (f"MEASURED on {rt.hardware_name()}: a {str(dtype).replace('torch.', '')} matmul benchmark "
-                      f"at start-up, {torch.get_num_threads()} thread(s) per rank (not a spec-sheet figure)")
+        peak, how = cpu_peak(dtype, rt.device, torch.get_num_threads(), rt.world_size, rt.sync,
+                             lambda: _measure_together(rt, dtype), lambda must: _any_rank(rt, must), rt.is_main)
+        return peak, (f"MEASURED on {rt.hardware_name()}: a {str(dtype).replace('torch.', '')} matmul benchmark, "
+                      f"{how}, {torch.get_num_threads()} thread(s) per rank (not a spec-sheet figure)")
     name = rt.hardware_name()
     key = override if override != "auto" else detect_hardware(name, rt.backend.power_limit_watts())
     if key is None:
@@ -91,17 +113,25 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
 
 def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
     """Build the run's meter (measuring the CPU peak if needed) and log what MFU is relative to."""
-    seq = cfg.train.seq_len
-    fpt = flops_per_token(cfg.model, seq, cfg.mfu.causal_halving)
-    fpt_6n = flops_per_token_6n(cfg.model)
-    micro_tokens = cfg.train.micro_batch_size * seq  # what one loss call sees (per process, XLA included)
-    fpt_hw = fpt + recompute_flops_per_token(cfg.model, micro_tokens, cfg.train.loss_chunk_tokens)
+    t = cfg.train
+    per_token = functools.partial(token_flops, cfg.model, causal_halving=cfg.mfu.causal_halving,
+                                  micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens)
     peak, where = run_peak(cfg, rt)
+    # FP8 matmuls are counted against the dense peak of the run's precision, not an FP8 peak: MFU stays comparable
+    # with a bf16 run's, and FP8's gain shows as a higher figure.
+    dense = matmul_precision(t.precision)
+    if dense == "tf32" and rt.backend.measures_peak and cfg.mfu.hardware == "auto":
+        dense = "fp32"  # the CPU's measured fp32 matmul, not a TF32 spec sheet
+    basis = f"{dense}-equivalent" if t.fp8 != "none" else ""
+    f = per_token(t.seq_len)
     if rt.is_main:
         peak_text = "n/a" if peak is None else f"{peak / 1e12:.3f} TFLOP/s per device × {rt.num_devices}"
-        log.info("mfu: peak %s (%s); FLOPs/token %s (6N+attention, causal %s) | 6N %s | hardware %s",
-                 peak_text, where, f"{fpt:.4g}", "halved" if cfg.mfu.causal_halving else "full",
-                 f"{fpt_6n:.4g}", f"{fpt_hw:.4g}")
+        log.info("mfu: peak %s (%s); FLOPs/token %s (6N+attention, causal %s) | 6N %s | full attention %s | "
+                 "hardware %s", peak_text, where, f"{f.model:.4g}", "halved" if cfg.mfu.causal_halving else "full",
+                 f"{f.six_n:.4g}", f"{f.full_attention:.4g}", f"{f.hardware:.4g}")
+        if basis:
+            log.info("mfu: %s: train.fp8 runs the block matmuls in FP8, counted against the dense %s peak",
+                     basis, dense)
     # num_devices: ranks on CUDA/CPU, every chip one SPMD process drives on XLA.
-    return MFUMeter(fpt, fpt_6n, cfg.train.global_batch_tokens, peak, rt.num_devices, start_step,
-                    cfg.mfu.warmup_steps, where, fpt_hw)
+    return MFUMeter(per_token, t.seq_len, t.global_batch_tokens, peak, rt.num_devices, start_step,
+                    cfg.mfu.warmup_steps, where, basis)

@@ -263,18 +263,6 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
     data_us = _length(data) - _length(_intersect(data, busy))
     overhead_us = max(0.0, total_us - busy_us - data_us)
 
-    # Top ops: torch operators only (not our labels, not Python frames from with_stack), by self time
-    # on the device (GPU) or on the host (CPU).
-    ops: dict[str, list] = {}  # name -> [self us, calls, self CPU us]
-    for e in events:
-        # is_python_function is newer than some supported torch (2.11 lacks it): absent means not one.
-        if e.device_type != DeviceType.CPU or e.is_user_annotation or getattr(e, "is_python_function", False):
-            continue
-        row = ops.setdefault(e.key, [0.0, 0, 0.0])
-        row[0] += e.self_device_time_total if device_mode else e.self_cpu_time_total
-        row[1] += 1
-        row[2] += e.self_cpu_time_total
-    top = sorted(((name, *row) for name, row in ops.items() if row[0] > 0), key=lambda r: r[1], reverse=True)
     return {
         "mode": "device-busy" if device_mode else "cpu-labels",
         "profiled_steps": len(step_spans),
@@ -286,9 +274,32 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
         # Host time inside each label, for orientation (on GPU these are launch times, not device time).
         "label_ms": {key: _length(in_steps.get(name, [])) / 1e3 for key, name in (
             ("data_loader", DATA), ("forward", FORWARD), ("backward", BACKWARD), ("optimizer", OPTIMIZER))},
-        "top_ops": [{"name": name, "calls": calls, "self_ms": self_us / 1e3, "self_share": self_us / total_us,
-                     "self_cpu_ms": cpu_us / 1e3} for name, self_us, calls, cpu_us in top[:TOP_OPS]],
+        "top_ops": top_ops(events, device_mode, total_us),
     }
+
+
+# CUDA runtime rows, not operators: CUPTI's "Command Buffer Full" (the host waited for room in the launch queue) is
+# credited with the device time of the kernels launched meanwhile, which their operators already count, so keeping
+# it counts that time twice (a 1B profile's top ops added up to 128%).
+NOT_OPERATORS = ("Command Buffer Full",)
+
+
+def top_ops(events: Any, device_mode: bool, total_us: float) -> list[dict[str, Any]]:
+    """The TOP_OPS torch operators (not our labels, runtime rows or with_stack's Python frames) with the most self
+    time on the device (GPU) or on the host (CPU)."""
+    ops: dict[str, list] = {}  # name -> [self us, calls, self CPU us]
+    for e in events:
+        # is_python_function is newer than some supported torch (2.11 lacks it): absent means not one.
+        if e.device_type != DeviceType.CPU or e.is_user_annotation or getattr(e, "is_python_function", False) \
+                or e.key in NOT_OPERATORS:
+            continue
+        row = ops.setdefault(e.key, [0.0, 0, 0.0])
+        row[0] += e.self_device_time_total if device_mode else e.self_cpu_time_total
+        row[1] += 1
+        row[2] += e.self_cpu_time_total
+    top = sorted(((name, *row) for name, row in ops.items() if row[0] > 0), key=lambda r: r[1], reverse=True)
+    return [{"name": name, "calls": calls, "self_ms": self_us / 1e3, "self_share": self_us / total_us,
+             "self_cpu_ms": cpu_us / 1e3} for name, self_us, calls, cpu_us in top[:TOP_OPS]]
 
 
 def _mib(n: Optional[int]) -> str:

@@ -37,6 +37,9 @@ class Backend:
     profiler_activities: Optional[list] = None  # None where torch.profiler does not drive the device
     process_group_options: dict[str, Any] = {"backend": "gloo"}
     ddp_device_ids: Optional[list[int]] = None
+    # How FP8 matmuls run (train.fp8): "native" on FP8 tensor cores, "emulated" (torchao's emulate: the numerics,
+    # no speed), None where neither is offered.
+    fp8: Optional[str] = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = self.init_device = device  # init_device: where weights are initialised, then moved
@@ -93,6 +96,7 @@ class CpuBackend(Backend):
 
     measures_peak = True
     profiler_activities = [ProfilerActivity.CPU]
+    fp8 = "emulated"  # to test FP8 runs' numerics without a GPU
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CpuBackend:
@@ -125,6 +129,11 @@ class CudaBackend(Backend):
         self.module = torch.get_device_module(device)
         self.process_group_options = {"backend": "nccl", "device_id": device}
         self.ddp_device_ids = [device.index]
+
+    @property
+    def fp8(self) -> Optional[str]:
+        # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later.
+        return "native" if self.module.get_device_capability(self.device) >= (8, 9) else None
 
     def sync(self) -> None:
         self.module.synchronize(self.device)

@@ -1,4 +1,5 @@
-"""attention.choose(): flash-attn when it can run, otherwise SDPA with the reason logged; flash numerics on CUDA."""
+"""attention.choose(): flash-attn when asked for (or, with `auto`, where gpu_check measured it faster) and it can run,
+otherwise SDPA with the reason logged; flash numerics on CUDA."""
 from __future__ import annotations
 
 import importlib.util
@@ -35,13 +36,21 @@ def test_on_cuda_without_the_package_the_reason_names_the_install(monkeypatch, c
     assert "flash-attn is not importable" in caplog.text
 
 
-def test_on_cuda_with_the_package_auto_and_flash_pick_flash(monkeypatch):
+def test_with_the_package_auto_picks_flash_only_on_a_gpu_where_gpu_check_measured_it_faster(monkeypatch, caplog):
     fake = type(sys)("flash_attn")  # only its importability is consulted by choose(); nothing is called
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     assert flash_unavailable_reason("cuda") is None
-    assert choose("auto", "cuda") == ("flash", attention.flash)
-    assert choose("flash", "cuda") == ("flash", attention.flash)
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert attention.FLASH_MEASURED_FASTER == {}  # never measured: auto keeps SDPA (cuDNN on an H100)
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        assert choose("auto", "cuda", "bf16", h100) == ("sdpa", sdpa)
+    assert f"has not measured flash-attn faster than SDPA on {h100}" in caplog.text
+    assert choose("flash", "cuda", "bf16", h100) == ("flash", attention.flash)  # asked for: granted
     assert choose("sdpa", "cuda") == ("sdpa", sdpa)  # an explicit choice is never overridden
+    monkeypatch.setitem(attention.FLASH_MEASURED_FASTER, "h100-sxm", "bench/results/a_future_run.json")
+    assert choose("auto", "cuda", "bf16", h100) == ("flash", attention.flash)
+    assert choose("auto", "cuda", "bf16-pure", h100) == ("flash", attention.flash)
+    assert choose("auto", "cuda", "bf16", "NVIDIA A100-SXM4-80GB") == ("sdpa", sdpa)  # another GPU: not measured
 
 
 def test_an_fp32_run_on_cuda_keeps_sdpa_because_flash_rejects_fp32(monkeypatch, caplog):
@@ -52,7 +61,6 @@ def test_an_fp32_run_on_cuda_keeps_sdpa_because_flash_rejects_fp32(monkeypatch, 
         assert choose("auto", "cuda", "fp32") == kept
         assert choose("flash", "cuda", "fp32") == kept
     assert "train.precision is fp32" in caplog.text
-    assert choose("auto", "cuda", "bf16-pure") == ("flash", attention.flash)
 
 
 def test_fp32_on_cuda_repeats_kv_heads_so_sdpa_keeps_a_fused_kernel(monkeypatch, caplog):

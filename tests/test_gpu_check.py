@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +22,22 @@ def load_gpu_check():
     return module
 
 
+def smoke(tmp_path: Path, sections: str) -> dict:
+    """`bench/gpu_check.py --cpu-smoke --sections SECTIONS`: its exit code must be 0; its JSON report."""
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
+                           "--sections", sections], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not any("error" in result[s] for s in sections.split(",")), result
+    return result
+
+
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
     # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
     # real runs would add ~80 s (tests/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
-                           "--sections", "env,attention,ddp,tasks,1b"], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert not any("error" in result[s] for s in ("env", "attention", "ddp", "tasks", "1b")), result
+    result = smoke(tmp_path, "env,attention,ddp,sample,tasks,1b")
     tasks = result["tasks"]
     assert tasks["requests"] == 4 * 40 and tasks["seconds"] > 0 and tasks["batched_vs_alone_max_abs"] < 0.05
     assert result["env"]["torch"] == __import__("torch").__version__
@@ -40,11 +47,45 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
         assert row["sdpa_kernel_enable_gqa"] and row["nanopt_kernel"] == "sdpa"
     # Finding 1's evidence: without the in-place zeroing the no_sync gradients live outside DDP's bucket.
     assert result["ddp"]["set_to_none"]["grad_storages"] > 1 == result["ddp"]["in_place"]["grad_storages"]
+    # nanopt's own DDP path (train._wrap at world size 1) trains exactly like the unwrapped model.
+    path = result["ddp"]["nanopt_path"]
+    assert path["ddp"]["tokens_per_s"] > 0 and path["unwrapped"]["tokens_per_s"] > 0 and path["loss_diff"] == 0
+    sample = result["sample"]
+    assert sample["greedy_tokens_equal"] and sample["max_abs_logit_diff"] < 1e-4 and sample["cached_tokens_per_s"] > 0
+    assert not result["env"]["torchao"].startswith("not importable") and result["env"]["nanopt_fp8"] == "emulated"
     run = result["1b"]["eager"]
     assert run["rc"] == 0 and run["tokens_per_s"] > 0 and run["steps_timed"] == [3, 4, 5, 10]
     assert run["profile"]["compute_share"] > 0.5 and run["top_ops"], run
+    assert run["top_ops_share_sum"] <= 1.0
     report = (tmp_path / "gpu_check.md").read_text()
-    assert "## DDP gradients" in report and "## Training 1b" in report and "## Downstream scoring" in report and "FAILED" not in report
+    for title in ("## DDP gradients", "## nanopt's DDP path", "## Sampling with the KV cache", "## Training 1b",
+                  "## Downstream scoring"):
+        assert title in report
+    assert "FAILED" not in report
+
+
+@pytest.mark.slow
+def test_cpu_smoke_of_fp8_and_two_ranks_on_one_device(tmp_path):
+    result = smoke(tmp_path, "ranks2,fp8")
+    ranks = result["ranks2"]
+    assert ranks["two_ranks"]["rc_per_rank"] == [0, 0] and ranks["replicas_equal"]
+    assert ranks["steps_compared"] == list(range(1, 11)) and ranks["max_abs_loss_diff"] < 1e-3
+    fp8 = result["fp8"]
+    for name in ("1b", "170m"):
+        assert fp8[name]["fp8_eager"]["rc"] == 0 and fp8[name]["fp8_speedup"] > 0
+    loss = fp8["loss"]
+    assert loss["eager"]["val_loss"] < 5.5 and abs(loss["val_loss_gap"]) < 0.05  # it learns; FP8 barely differs
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "## Two ranks on one GPU" in report and "## FP8 (train.fp8) against bf16" in report
+
+
+def test_a_section_failed_when_a_run_in_it_failed_at_any_depth():
+    gc = load_gpu_check()
+    assert not gc.section_failed({"rc": 0, "1b": {"compiled": {"rc": 0}}, "loss": {"eager": {"rc": 0}}})
+    assert gc.section_failed({"1b": {"fp8": {"rc": 1}}})
+    assert gc.section_failed({"two_ranks": {"rc": None}})  # timed out
+    assert gc.section_failed({"error": "Traceback ..."})
+    assert not gc.section_failed({"rc": [0, 0, -9, 0]})  # resume's list: its kill is on purpose
 
 
 def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rerun(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """MFU: FLOPs per token by hand and by FlopCounterMode, peaks and detection, the meter, the estimator."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -204,9 +205,8 @@ class FakeClock:
 def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
     micro_batch, seq = 4, 256
     m = load_config(REPO / "configs" / "tiny.yaml").model
-    meter = mfu.MFUMeter(flops.flops_per_token(m, seq), flops.flops_per_token_6n(m),
-                         tokens_per_step=micro_batch * seq * world * accum, peak_flops=1e12, world_size=world,
-                         warmup_steps=2)
+    meter = mfu.MFUMeter(functools.partial(flops.token_flops, m), seq, tokens_per_step=micro_batch * seq * world * accum,
+                         peak_flops=1e12, world_size=world, warmup_steps=2)
     clock, out = FakeClock(micro_s), []
     window_start, window_step = clock.now, 0
     for step in range(1, steps + 1):
@@ -226,16 +226,55 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
     for world, accum in [(1, 4), (8, 1), (8, 4), (64, 2)]:
         got = simulated_mfu(world, accum)
         for a, b in zip(reference, got):
-            for key in ("mfu", "mfu_6n", "hfu", "tflops_per_device"):
+            for key in ("mfu", "mfu_6n", "mfu_full_attention", "hfu", "tflops_per_device"):
                 assert a[key] == b[key] if a[key] is None else a[key] == pytest.approx(b[key])
     # ... and a device twice as fast reports twice the MFU (the comparison above can fail).
     assert simulated_mfu(8, 4, micro_s=0.01)[1]["mfu"] == pytest.approx(2 * reference[1]["mfu"])
 
 
-def test_mfu_6n_leaves_out_attention():
+def test_mfu_6n_leaves_out_attention_and_full_attention_counts_the_whole_square():
     values = simulated_mfu(world=2, accum=2)[-1]
     m = load_config(REPO / "configs" / "tiny.yaml").model
     assert values["mfu_6n"] / values["mfu"] == pytest.approx(flops.flops_per_token_6n(m) / flops.flops_per_token(m, 256))
+    assert values["mfu_full_attention"] / values["mfu"] == \
+        pytest.approx(flops.flops_per_token(m, 256, causal_halving=False) / flops.flops_per_token(m, 256))
+
+
+def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention():
+    """The measured H100 run (bench/results/gpu_check_h100_shipped.json) in the three conventions."""
+    cfg = load_config(REPO / "configs" / "1b.yaml", [("train.global_batch_tokens", 131072)])
+    meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"), start_step=0)
+    meter.update(step=4, window_steps=2, step_seconds=131072 / 61694.726858213675)
+    summary = meter.summary()
+    assert round(100 * summary["mfu"], 1) == 51.3
+    assert round(100 * summary["mfu_6n"], 1) == 46.2
+    assert round(100 * summary["mfu_full_attention"], 1) == 56.3
+    assert summary["mfu_basis"] is None and summary["flops_per_token_full_attention"] == 9_025_499_136
+
+
+def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
+    cfg = load_config(REPO / "configs" / "1b.yaml", [("train.loss_chunk_tokens", 8192)])
+    meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
+    long_step = meter.update(step=10, window_steps=1, step_seconds=1.0)
+    meter.set_stage(tokens_per_step=2**19, seq_len=1024)  # half the batch in sequences a quarter as long
+    m = cfg.model
+    assert meter.tokens_per_step == 2**19
+    assert meter.flops == flops.token_flops(m, 1024, True, cfg.train.micro_batch_size, 8192)
+    assert meter.summary()["flops_per_token"] == flops.flops_per_token(m, 1024)
+    short_step = meter.update(step=11, window_steps=1, step_seconds=1.0)
+    # 4 x 1024 positions per micro-batch fit one loss chunk: nothing recomputed at this stage (at 4096 there was).
+    assert long_step["hfu"] > long_step["mfu"] and short_step["hfu"] == short_step["mfu"]
+    assert short_step["mfu"] == pytest.approx(long_step["mfu"] / 2 * flops.flops_per_token(m, 1024)
+                                              / flops.flops_per_token(m, 4096))
+    # The summary's MFU is over both stages' time: total FLOPs over total seconds.
+    assert meter.summary()["mfu"] == pytest.approx((long_step["mfu"] + short_step["mfu"]) / 2)
+
+
+def test_an_fp8_run_is_labelled_bf16_equivalent_against_the_dense_peak():
+    cfg = load_config(REPO / "configs" / "1b.yaml", [("train.fp8", "tensorwise")])
+    meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
+    assert meter.basis == "bf16-equivalent" and meter.peak_flops == pytest.approx(989.4e12)  # not an FP8 peak
+    assert meter.summary()["mfu_basis"] == "bf16-equivalent"
 
 
 # ---------------------------------------------------------------- the estimator
@@ -256,6 +295,15 @@ def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
     assert got["hours"] == pytest.approx(hours) and got["hours"] == pytest.approx(17.8245, abs=1e-3)
     assert got["gpu_hours"] == pytest.approx(8 * hours)
     assert got["cost_usd"] == pytest.approx(8 * hours * 3.0) and got["cost_usd"] == pytest.approx(427.79, abs=0.01)
+    # The same speed in the blog's 6N and in nanochat's / torchtitan's full-attention convention.
+    assert got["mfu_6n"] == pytest.approx(0.4 * 7_414_886_400 / flops_per_token)
+    assert got["mfu_full_attention"] == pytest.approx(0.4 * 9_025_499_136 / flops_per_token)
+
+
+def test_estimate_prints_the_three_conventions(capsys):
+    assert cli.run(["estimate", str(REPO / "configs" / "1b.yaml"), "--mfu", "0.5126"]) == 0
+    out = capsys.readouterr().out
+    assert "51.3% MFU here = 46.2% in 6N alone (the blog) = 56.3% with full attention (nanochat, torchtitan)" in out
 
 
 def test_estimate_tokens_flag_and_bad_input(capsys):
@@ -299,8 +347,8 @@ def test_hfu_counts_recomputation_on_top_of_mfu():
     hw = fpt + flops.recompute_flops_per_token(m, 4 * 4096, 8192)
     assert hw - fpt == 2 * 128_256 * 2048
     assert flops.recompute_flops_per_token(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
-    meter = mfu.MFUMeter(fpt, flops.flops_per_token_6n(m), tokens_per_step=2**20, peak_flops=989.4e12,
-                         world_size=8, warmup_steps=0, flops_per_token_hw=hw)
+    per_token = functools.partial(flops.token_flops, m, micro_batch_size=4, loss_chunk_tokens=8192)
+    meter = mfu.MFUMeter(per_token, 4096, tokens_per_step=2**20, peak_flops=989.4e12, world_size=8, warmup_steps=0)
     out = meter.update(step=5, window_steps=1, step_seconds=2.5)
     assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]
     assert meter.summary()["flops_per_token_hardware"] == hw

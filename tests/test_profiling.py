@@ -56,6 +56,26 @@ def test_schedule_is_kept_when_it_fits_and_shrunk_to_the_run_otherwise():
     assert profiling.fit_schedule(0, 0, 3, 2) == (0, 0, 2)
 
 
+def test_top_ops_leave_out_command_buffer_full_which_counts_its_kernels_twice():
+    """An H100 profile's rows (bench/results/gpu_check_h100_shipped.json): "Command Buffer Full" was credited with
+    the device time of kernels that aten::mm already counts, and the shares added up to 128%."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def op(name: str, device_us: float, device=DeviceType.CPU, annotation=False):
+        return SimpleNamespace(key=name, device_type=device, is_user_annotation=annotation,
+                               self_device_time_total=device_us, self_cpu_time_total=5.0)
+
+    events = [op("aten::mm", 630), op("Command Buffer Full", 390), op("aten::_cudnn_attention_backward", 140),
+              op(profiling.FORWARD, 900, annotation=True), op("sm90_gemm_kernel", 630, device=DeviceType.CUDA),
+              op("aten::mm", 0)]
+    top = profiling.top_ops(events, device_mode=True, total_us=1000)
+    assert [(o["name"], o["calls"], o["self_share"]) for o in top] == [("aten::mm", 2, 0.63),
+                                                                      ("aten::_cudnn_attention_backward", 1, 0.14)]
+    assert sum(o["self_share"] for o in top) <= 1
+
+
 def test_bad_profile_keys_are_config_errors():
     with pytest.raises(ConfigError, match="profile.ranks"):
         _cfg("--profile.ranks=first")

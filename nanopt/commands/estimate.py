@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
         prog="nanopt estimate", allow_abbrev=False,
         usage="nanopt estimate [CONFIG | --config CONFIG] [options] [--section.key=value ...]",
         description="Time, GPU-hours and cost to train a config at an assumed MFU (6N + causal attention "
-                    "FLOPs, dense peaks). Extra --section.key=value overrides apply to the config.")
+                    "FLOPs, dense peaks; also given in the 6N and full-attention conventions). Extra "
+                    "--section.key=value overrides apply to the config.")
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
     parser.add_argument("--gpus", type=int, default=8, help="number of devices (default 8)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
@@ -58,14 +59,17 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
+    attention = "causal" if r["causal_halving"] else "full"
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
     print("\n".join([
         f"{cfg.run.name}: {r['gpus']} × {PEAKS[r['hardware']].name} "
         f"({r['peak_flops_per_gpu'] / 1e12:.1f} TFLOP/s dense {r['precision']} each) at {100 * r['mfu']:.0f}% MFU",
         f"  parameters     {r['params']:,} (N for 6N: {r['n_6n']:,})",
-        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + causal attention at seq {r['seq_len']}); 6N alone "
-        f"{r['flops_per_token_6n']:.4g}",
+        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + {attention} attention at seq {r['seq_len']}); 6N alone "
+        f"{r['flops_per_token_6n']:.4g}; full attention {r['flops_per_token_full_attention']:.4g}",
+        f"  same speed     {100 * r['mfu']:.1f}% MFU here = {100 * r['mfu_6n']:.1f}% in 6N alone (the blog) = "
+        f"{100 * r['mfu_full_attention']:.1f}% with full attention (nanochat, torchtitan)",
         f"  tokens         {r['tokens']:,} ({source}; {r['tokens_per_param']:.1f} tokens/parameter)",
         f"  total FLOPs    {r['total_flops']:.3g}",
         f"  wall time      {_hours_text(r['hours'])}",

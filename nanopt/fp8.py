@@ -1,0 +1,100 @@
+"""FP8 training (train.fp8) through torchao's float8: the transformer blocks' Linears compute their matmuls in FP8
+with tensorwise or rowwise dynamic scaling; the embeddings, the LM head, norms and attention stay as they were.
+
+A converted Linear (torchao's Float8Linear) keeps its fp32 weight and its state_dict keys, so checkpoints of FP8 and
+bf16 runs load into each other and `nanopt export` writes ordinary weights. Dynamic scaling keeps no state, so a
+resume is as exact as without FP8. Whether a device runs FP8 natively, emulated (CPU: the numerics, no speed) or
+not at all is its backend's answer (runtime.py)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from types import ModuleType
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from nanopt.config import Config, ModelConfig
+from nanopt.errors import ConfigError
+from nanopt.flops import block_linears, flops_per_token
+from nanopt.runtime import Runtime
+
+log = logging.getLogger("nanopt")
+
+# torchao's FP8 matmul (torch._scaled_mm) takes dimensions that are multiples of 16.
+DIM_MULTIPLE = 16
+
+
+def accepted(in_features: int, out_features: int) -> bool:
+    """Whether torchao's FP8 matmul takes a Linear of this shape."""
+    return in_features % DIM_MULTIPLE == 0 and out_features % DIM_MULTIPLE == 0
+
+
+def in_fp8(module: nn.Module, fqn: str) -> bool:
+    """The module filter: a Linear inside a transformer block (model.layers) of a shape torchao accepts."""
+    return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
+            and accepted(module.in_features, module.out_features))
+
+
+def flops_share(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> float:
+    """The share of the model's FLOPs per token (the `mfu` convention, flops.py) that run in FP8: 6 FLOPs per
+    weight of every converted block Linear."""
+    fp8_weights = m.n_layers * sum(i * o for i, o in block_linears(m).values() if accepted(i, o))
+    return 6 * fp8_weights / flops_per_token(m, seq_len, causal_halving)
+
+
+def check(recipe: str, support: Optional[str], device: str) -> None:
+    """Refuse train.fp8 on a device without FP8 (ConfigError: exit 2)."""
+    if recipe != "none" and support is None:
+        raise ConfigError(f"`train.fp8` is {recipe!r} but this {device} device has no FP8 matmuls (torchao's float8 "
+                          f"needs an NVIDIA GPU of compute capability 8.9 or later, e.g. an H100 or L4, or the CPU, "
+                          f"where it is emulated for testing); set `--train.fp8=none` to train in bf16 here.")
+
+
+def _torchao_float8() -> ModuleType:
+    """torchao.float8 (the `fp8` extra), imported on first use. Its import logs a warning for each torchao C++
+    extension that does not load on this machine and one of torch's deprecations; float8 training uses none."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        raise ConfigError(f"`train.fp8` needs torchao, which is not importable ({e}); install it with "
+                          f"`pip install -e '.[fp8]'` or set `--train.fp8=none`.") from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return float8
+
+
+def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
+    """Swap the block Linears for torchao's Float8Linear in place, per train.fp8; returns how many were swapped.
+    Call before the optimizer is built and before torch.compile and DDP wrap the model."""
+    recipe = cfg.train.fp8
+    if recipe == "none":
+        return 0
+    support = rt.backend.fp8
+    check(recipe, support, rt.kind)
+    float8 = _torchao_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    if support == "emulated":
+        config = dataclasses.replace(config, emulate=True)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=in_fp8)
+    converted = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
+    if rt.is_main:
+        share = flops_share(cfg.model, cfg.train.seq_len, cfg.mfu.causal_halving)
+        log.info("fp8: %d block Linears in FP8 (%s scaling, %s), %.1f%% of the model's FLOPs; embeddings and LM "
+                 "head stay in %s", converted, recipe, support, 100 * share, cfg.train.precision)
+        if support == "emulated":
+            log.warning("fp8: emulated on %s: torchao computes FP8's numerics in higher precision, so this run "
+                        "tests FP8's effect on the loss but is not faster; FP8 speed needs an H100-class GPU",
+                        rt.kind)
+    return converted
+
+
+def summary(cfg: Config) -> dict[str, Any]:
+    """summary.json's FP8 keys: the recipe and the share of the model's FLOPs that ran in FP8 (0 without FP8)."""
+    share = flops_share(cfg.model, cfg.train.seq_len, cfg.mfu.causal_halving) if cfg.train.fp8 != "none" else 0.0
+    return {"fp8": cfg.train.fp8, "fp8_matmul_flops_share": share}

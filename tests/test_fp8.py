@@ -1,0 +1,177 @@
+"""train.fp8: torchao's float8 on the block Linears only, the same state_dict as bf16, the FLOPs share, the device's
+say (native / emulated / none), and on CPU (emulated) a run that learns, resumes bit-exactly and exports plain
+weights. FP8 speed needs an H100: bench/gpu_check.py --sections fp8 (not run in these tests)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from conftest import REPO, small_overrides, torchrun
+from nanopt import cli, flops, fp8
+from nanopt.config import ConfigError, ModelConfig, load_config, parse_overrides
+from nanopt.main import run
+from nanopt.model import build_model
+from nanopt.runtime import Backend, Runtime
+
+pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+TOY = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+
+
+def cpu(precision: str = "fp32", backend: Backend | None = None) -> Runtime:
+    return Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, precision, backend)
+
+
+def fp8_config(recipe: str = "tensorwise", *extra: str):
+    return load_config(None, parse_overrides(small_overrides() + [f"--train.fp8={recipe}", *extra]))
+
+
+def converted(model_cfg: ModelConfig = TOY, recipe: str = "tensorwise") -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model(model_cfg)
+    cfg = fp8_config(recipe)
+    cfg.model = model_cfg
+    fp8.convert(model, cfg, cpu())
+    return model
+
+
+# ---------------------------------------------------------------- which Linears, and what stays the same
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_block_linears_go_fp8_embeddings_and_head_stay_and_the_state_dict_is_unchanged(recipe):
+    torch.manual_seed(0)
+    plain = build_model(TOY)
+    model = converted(TOY, recipe)
+    swapped = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert swapped == {f"layers.{i}.{name}" for i in range(2) for name in flops.block_linears(TOY)}
+    assert type(model.lm_head) is nn.Linear and type(model.embed) is nn.Embedding
+    assert model.lm_head.weight is model.embed.weight  # still tied
+    # Same keys, same values: checkpoints of FP8 and bf16 runs load into each other, strictly.
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    plain.load_state_dict(model.state_dict())
+    model.load_state_dict(plain.state_dict())
+
+
+def test_a_linear_whose_dims_torchao_refuses_stays_and_the_share_says_so():
+    odd = ModelConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, max_seq_len=32)
+    model = converted(odd)
+    assert not any(isinstance(m, Float8Linear) for m in model.layers[0].mlp.modules())  # 40 is no multiple of 16
+    assert all(isinstance(getattr(model.layers[0].attention, n), Float8Linear) for n in ("wq", "wk", "wv", "wo"))
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear))
+    assert fp8.flops_share(odd, 32) == pytest.approx(6 * weights / flops.flops_per_token(odd, 32))
+
+
+def test_fp8_share_of_the_1b_model_by_hand():
+    m = load_config(REPO / "configs" / "1b.yaml").model
+    # Every block Linear of Llama-3.2-1B (dims 2048, 512, 8192) runs in FP8: 6 x 973,078,528 of 8.22 GFLOP/token.
+    assert flops.param_counts(m).block_matmuls == 973_078_528
+    assert fp8.flops_share(m, 4096) == pytest.approx(6 * 973_078_528 / 8_220_192_768)  # 71.0%
+    assert fp8.summary(load_config(REPO / "configs" / "1b.yaml")) == {"fp8": "none", "fp8_matmul_flops_share": 0.0}
+
+
+def test_emulated_fp8_is_close_to_the_plain_model_forward_and_backward():
+    torch.manual_seed(0)
+    plain, model = build_model(TOY), converted(TOY)
+    idx = torch.randint(0, TOY.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    ref, got = plain(idx, idx), model(idx, idx)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-2) and got.item() != ref.item()  # FP8 rounding, not bf16
+    ref.backward()
+    got.backward()
+    for a, b in zip(plain.parameters(), model.parameters()):  # e5m2 gradients carry 2 mantissa bits: ~10% apart
+        assert (a.grad - b.grad).norm() <= 0.2 * a.grad.norm()
+        assert torch.nn.functional.cosine_similarity(a.grad.flatten(), b.grad.flatten(), dim=0) > 0.99
+
+
+# ---------------------------------------------------------------- the device decides
+
+
+def test_a_device_without_fp8_is_a_config_error_naming_the_key_and_the_fix():
+    with pytest.raises(ConfigError, match=r"`train.fp8` is 'rowwise'.*--train.fp8=none"):
+        fp8.convert(build_model(TOY), fp8_config("rowwise"), cpu(backend=Backend(torch.device("cpu"))))
+    assert cpu().backend.fp8 == "emulated" and Backend.fp8 is None
+    fp8.convert(build_model(TOY), fp8_config("none"), cpu(backend=Backend(torch.device("cpu"))))  # none: nothing asked
+
+
+def test_without_torchao_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import raise ImportError
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[fp8\]'"):
+        fp8.convert(build_model(TOY), fp8_config(), cpu())
+
+
+def test_emulation_warns_once_and_mfu_is_labelled_bf16_equivalent(tmp_path, capsys):
+    assert run(small_overrides(**{"run.dir": tmp_path, "train.fp8": "tensorwise", "train.precision": "bf16",
+                                  "train.max_steps": 3})) == 0
+    out = capsys.readouterr().out
+    assert out.count("fp8: emulated on cpu") == 1 and "mfu: bf16-equivalent" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["fp8"] == "tensorwise" and summary["mfu_basis"] == "bf16-equivalent"
+    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(fp8_config().model, 32))
+
+
+# ---------------------------------------------------------------- a run: learns, resumes, exports, DDP, compile
+
+STEPS = 8
+ARGS = small_overrides(**{"train.fp8": "tensorwise", "train.max_steps": STEPS, "checkpoint.every": 2,
+                          "log.tensorboard": "false"})
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def weights(run_dir: Path) -> bytes:
+    return (run_dir / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_an_fp8_run_learns_resumes_bit_exactly_and_exports_plain_weights(tmp_path):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert run([*ARGS, f"--run.dir={reference}"]) == 0
+    curve = [loss for _, loss in losses(reference)]
+    assert curve[-1] < curve[0] - 0.5  # it learns
+    env = {**os.environ, "NANOPT_TEST_HOOK": "kill-in-step:5", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "nanopt.main", *ARGS, f"--run.dir={resumed}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert run([*ARGS, f"--run.dir={resumed}"]) == 0
+    assert weights(resumed) == weights(reference) and losses(resumed) == losses(reference)
+
+    # The checkpoint is a plain model's: export writes ordinary weights, and a bf16 run resumes from it.
+    assert cli.run(["export", str(reference), "--out", str(tmp_path / "hf")]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(t.dtype == torch.float32 and "scale" not in k for k, t in exported.items())
+    plain = small_overrides(**{"run.dir": reference, "train.max_steps": STEPS + 2, "train.fp8": "none",
+                               "checkpoint.allow_changes": "train.fp8,train.max_steps"})
+    assert run(plain) == 0
+    assert json.loads((reference / "summary.json").read_text())["fp8"] == "none"
+
+
+@pytest.mark.slow
+def test_fp8_under_ddp_keeps_the_replicas_identical(tmp_path):
+    proc = torchrun(2, [*ARGS, f"--run.dir={tmp_path}", "--train.max_steps=4"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = json.loads((tmp_path / "summary.json").read_text())["weights_sha256_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_fp8_compiles_and_matches_eager(tmp_path):
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert run([*ARGS, f"--run.dir={eager}", "--train.max_steps=3"]) == 0
+    assert run([*ARGS, f"--run.dir={compiled}", "--train.max_steps=3", "--train.compile=true"]) == 0
+    for (_, a), (_, b) in zip(losses(eager), losses(compiled)):
+        assert b == pytest.approx(a, rel=2e-3)
