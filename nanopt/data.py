@@ -1,6 +1,7 @@
 """Token shards on disk and the batches read from them: format, memmap loader, a run's splits, the embedded corpus."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -111,14 +112,24 @@ class TokenWindows:
     def __init__(self, paths: list[Path], seq_len: int, verify: bool = True):
         if not paths:
             raise ShardError("no token shards given")
-        self.seq_len = seq_len
+        self.paths = paths
         self.shards = [open_shard(p, verify) for p in paths]
         self.vocab_size = max(read_header(p).vocab_size for p in paths)
+        self._cut(seq_len)
+
+    def _cut(self, seq_len: int) -> None:
+        self.seq_len = seq_len
         per_shard = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.offsets = np.cumsum([0] + per_shard)
         if self.offsets[-1] == 0:
-            raise ShardError(f"shards {', '.join(map(str, paths))} hold fewer than seq_len+1 = {seq_len + 1} tokens; "
-                             f"lower `train.seq_len` or prepare more data")
+            raise ShardError(f"shards {', '.join(map(str, self.paths))} hold fewer than seq_len+1 = {seq_len + 1} "
+                             f"tokens; lower `train.seq_len` or prepare more data")
+
+    def regrid(self, seq_len: int) -> TokenWindows:
+        """The same shards (no reopening) cut into windows of another length."""
+        other = copy.copy(self)
+        other._cut(seq_len)
+        return other
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -136,40 +147,63 @@ class TokenWindows:
 
 class Loader:
     """Deterministic, rank-disjoint micro-batches. Sample s of the run is window perm_e[s mod N], e = s div N (a
-    seeded permutation per epoch). Step t owns samples [t·G, (t+1)·G), G = accum × world × micro_batch; rank r's
-    micro-step m reads micro_batch samples from t·G + (m·world + r)·micro_batch. So every step sees the same
-    sequences whatever the world size, and ranks never overlap."""
+    seeded permutation per epoch). A step of G = accum × world × micro_batch samples owns [cursor, cursor + G) and
+    rank r's micro-step m reads micro_batch samples from cursor + (m·world + r)·micro_batch; the cursor then moves
+    by G (step t starts at t·G while G is fixed). So every step sees the same sequences whatever the world size, and
+    ranks never overlap."""
 
     def __init__(self, windows: TokenWindows, micro_batch: int, rank: int, world: int, accum: int, seed: int):
         self.windows, self.micro_batch = windows, micro_batch
         self.rank, self.world, self.accum, self.seed = rank, world, accum, seed
         self.step = 0  # next optimizer step to serve
-        self._perm_epoch, self._perm = -1, None
+        self.sample, self.seq_len = 0, windows.seq_len  # the cursor, on the grid of windows of seq_len
+        self._grids = {windows.seq_len: windows}
+        self._perm_key, self._perm = (-1, -1), None
 
-    def _window(self, sample: int) -> int:
-        n = len(self.windows)
+    def _window(self, grid: TokenWindows, sample: int) -> int:
+        n = len(grid)
         epoch = sample // n
-        if epoch != self._perm_epoch:
+        if (grid.seq_len, epoch) != self._perm_key:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(n, generator=g).numpy(), epoch
+            self._perm, self._perm_key = torch.randperm(n, generator=g).numpy(), (grid.seq_len, epoch)
         return int(self._perm[sample % n])
 
-    def micro_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's `accum` micro-batches (x, y) for the next optimizer step, each B T int64."""
-        per_step = self.accum * self.world * self.micro_batch
+    def _grid(self, seq_len: int) -> TokenWindows:
+        if seq_len not in self._grids:  # built on first use, then kept
+            self._grids[seq_len] = self.windows.regrid(seq_len)
+        return self._grids[seq_len]
+
+    def micro_batches(self, accum: Optional[int] = None,
+                      seq_len: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches (x, y) for the next optimizer step, each B T int64; accum and seq_len are the
+        step's stage's (default: the constructor's accum, the current grid)."""
+        accum = accum or self.accum
+        if seq_len and seq_len != self.seq_len:
+            # A seq_len schedule's new grid continues past the tokens consumed, at sample ceil(tokens / seq_len) of
+            # its own permutation. That order is drawn afresh (a permutation of another N, not a continuation of
+            # the old grid's), so text seen in the old grid's unfinished epoch can come again.
+            self.sample, self.seq_len = -(-self.sample * self.seq_len // seq_len), seq_len
+        grid = self._grid(self.seq_len)
         out = []
-        for m in range(self.accum):
-            first = self.step * per_step + (m * self.world + self.rank) * self.micro_batch
-            out.append(self.windows.batch(self._window(first + b) for b in range(self.micro_batch)))
+        for m in range(accum):
+            first = self.sample + (m * self.world + self.rank) * self.micro_batch
+            out.append(grid.batch(self._window(grid, first + b) for b in range(self.micro_batch)))
+        self.sample += accum * self.world * self.micro_batch
         self.step += 1
         return out
 
+    def metrics(self) -> dict[str, float]:
+        return {}  # windows crop nothing
+
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "world": self.world, "accum": self.accum,
-                "micro_batch": self.micro_batch}
+        return {"step": self.step, "sample": self.sample, "seq_len": self.seq_len, "seed": self.seed,
+                "world": self.world, "accum": self.accum, "micro_batch": self.micro_batch}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.seed = int(state["step"]), int(state["seed"])
+        # A checkpoint from before the cursor: step t began at t·G.
+        old_cursor = self.step * int(state["accum"]) * int(state["world"]) * int(state["micro_batch"])
+        self.sample, self.seq_len = int(state.get("sample", old_cursor)), int(state.get("seq_len", self.seq_len))
 
 
 def eval_batches(

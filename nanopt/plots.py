@@ -100,8 +100,9 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
         elif x == "tokens":
             tokens = finite(r.get("tokens_seen"))  # test lines carry no tokens_seen
             xs.append(tokens if tokens is not None else step * tokens_per_step)
-        else:
-            xs.append(float(np.interp(step, at_steps, at_seconds)))  # held flat past the last point
+        else:  # eval records carry the training clock; step records give it summed from their step times
+            seconds = finite(r.get("train_seconds"))
+            xs.append(seconds if seconds is not None else float(np.interp(step, at_steps, at_seconds)))
         ys.append(value)
     return xs, ys
 

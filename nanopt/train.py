@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import data, faults, hf, mfu, plots, profiling, rundirs
+from nanopt import data, faults, fp8, hf, mfu, packing, plots, profiling, rundirs
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, resume_changes, to_yaml
@@ -27,7 +27,7 @@ from nanopt.harness import TaskSpec, check_tasks, record_tasks, score_model, tas
 from nanopt.io import write_json, write_text
 from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
-from nanopt.optim import apply_schedule, build_optimizer, lr_multiplier
+from nanopt.optim import Schedule, Stage, apply_schedule, build_optimizer, lr_multiplier
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import Tokenizer, get_tokenizer
 
@@ -108,9 +108,18 @@ class StepLogger:
     logging window (loss averaged over ranks, NaN check), then one console line and one metrics record."""
 
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, meter: mfu.MFUMeter,
-                 guard: faults.FiniteGuard, start_step: int):
+                 guard: faults.FiniteGuard, start_step: int, schedule: Schedule):
         self.cfg, self.rt, self.metrics, self.meter, self.guard = cfg, rt, metrics, meter, guard
-        self.start_step, self.window = start_step, SpeedWindow(start_step)
+        self.start_step, self.window, self.schedule = start_step, SpeedWindow(start_step), schedule
+
+    def enter(self, stage: Stage, step: int) -> None:
+        """A new stage (or a session's first): the meter counts its tokens and FLOPs; a fresh window, so none
+        spans two stages and a recompile for a new seq_len is left out like the first step's compilation."""
+        self.schedule.current, self.window = stage, SpeedWindow(step)
+        self.meter.set_stage(stage.batch_tokens, stage.seq_len)  # FLOPs/token at this seq_len too
+        if self.rt.is_main and len(self.schedule.stages) > 1:
+            log.info("stage %d from step %d: %s tokens/step, seq %d, accum %d, lr x%.2f", stage.number, step,
+                     f"{stage.batch_tokens:,}", stage.seq_len, stage.accum, stage.lr_factor)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.log.every == 0 or step == self.cfg.train.max_steps or step == self.start_step + 1
@@ -122,20 +131,22 @@ class StepLogger:
         self.rt.sync()
         return value
 
-    def log(self, state: RunState, loss: float, lr: float, grad_norm: torch.Tensor, step_seconds: float) -> None:
-        t = self.cfg.train
+    def log(self, state: RunState, loss: float, lr: float, grad_norm: torch.Tensor, step_seconds: float,
+            extra: dict[str, float]) -> None:
+        t, tokens = self.cfg.train, self.schedule.current.batch_tokens
         steps, step_s = self.window.close(state.step, step_seconds)
         values = {
             "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-            "tokens_per_s": t.global_batch_tokens / step_s, "step_ms": 1000 * step_s,
+            "tokens_per_s": tokens / step_s, "step_ms": 1000 * step_s,
             **self.meter.update(state.step, steps, step_s),
             "peak_memory_gib": _gib(self.rt.backend.peak_memory_bytes()),
             "peak_reserved_gib": _gib(self.rt.backend.peak_reserved_bytes()),
-            "tokens_seen": state.tokens_seen, "eta_s": step_s * (t.max_steps - state.step),
+            "tokens_seen": state.tokens_seen,
+            "eta_s": step_s * self.schedule.tokens_left(state.step, state.tokens_seen) / tokens, **extra,
         }
         self.metrics.log(state.step, values)
         if self.rt.is_main:
-            log.info(step_line(state.step, t.max_steps, values))
+            log.info(step_line(state.step, t.max_steps, values, self.meter.basis))
 
 
 def _gib(n: Optional[int]) -> Optional[float]:
@@ -157,7 +168,8 @@ class Validator:
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def run(self, state: RunState) -> dict[str, float]:
-        val_loss, val_bpb = self._measure("val", self.batches, state.step, tokens_seen=state.tokens_seen)
+        val_loss, val_bpb = self._measure("val", self.batches, state.step, tokens_seen=state.tokens_seen,
+                                          train_seconds=state.train_seconds)
         if state.best_val_loss is None or val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
@@ -246,7 +258,7 @@ class Session:
     model: torch.nn.Module  # unwrapped: what is saved, evaluated and sampled
     optimizer: torch.optim.Optimizer
     step_fn: Callable  # train_step, wrapped for the device and DDP (see _wrap)
-    loader: data.Loader
+    loader: data.Loader | packing.PackedLoader
     state: RunState
     clock: SpeedrunClock
     ckpt: Checkpointer
@@ -258,6 +270,7 @@ class Session:
     guard: faults.FiniteGuard
     stop: faults.StopSignal
     started: float  # time.perf_counter() at the start of this session's loop
+    schedule: Schedule
 
     def pause_follows(self, step: int) -> bool:
         """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
@@ -303,13 +316,16 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     verify = rt.local_rank == 0
     train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
     rt.barrier()
-    loader = data.Loader(train_windows, t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, data_seed)
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    loader = build_loader(cfg, rt, train_windows, tokenizer.bos_id, data_seed)
     val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
                                     cfg.eval.seed)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision)
+    schedule = Schedule(t, rt.world_size)
+    first = schedule.stages[0]
+    attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
     model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
                         dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
+    fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
@@ -322,8 +338,8 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
         write_text(cfg.run_dir / rundirs.CONFIG_FILE, to_yaml(cfg))
         log.info("model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d "
                  "seq x %d ranks x %d accum", f"{model.num_params():,}", attention_name, t.precision, rt.kind,
-                 rt.world_size, rt.hardware_name(), t.global_batch_tokens, t.micro_batch_size, t.seq_len,
-                 rt.world_size, t.grad_accum_steps)
+                 rt.world_size, rt.hardware_name(), first.batch_tokens, t.micro_batch_size, first.seq_len,
+                 rt.world_size, first.accum)
     if rt.is_main and t.precision == "bf16-pure":
         log.warning("train.precision is bf16-pure: the weights and AdamW's state are bf16, so an update smaller "
                     "than ~2^-9 of a weight rounds away (decoupled weight decay of lr x wd = %.1e per step does "
@@ -334,23 +350,36 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
     return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
                clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
-               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step), guard,
-               stop, time.perf_counter())
+               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step, schedule),
+               guard, stop, time.perf_counter(), schedule)
+
+
+def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
+                 seed: int) -> data.Loader | packing.PackedLoader:
+    """The training rows as data.packing cuts them (validation always reads windows, so val loss compares)."""
+    t = cfg.train
+    args = (t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, seed)
+    if cfg.data.packing == "windows":
+        return data.Loader(windows, *args)
+    return packing.PackedLoader(packing.Documents(windows.shards, bos), *args, t.seq_len, cfg.data.pack_buffer)
 
 
 def one_step(run: Session) -> None:
-    """Schedule, data, the step, then the bookkeeping that needs the step's result: counters, the logger's
+    """Stage, lr, data, the step, then the bookkeeping that needs the step's result: counters, the logger's
     host sync on logging steps, and training time (device work included) up to here."""
     cfg, rt, state = run.cfg, run.rt, run.state
-    apply_schedule(run.optimizer, lr_multiplier(state.step, cfg.train))
+    stage = run.schedule.at(state.step, state.tokens_seen)
+    if stage != run.schedule.current:
+        run.logger.enter(stage, state.step)
+    apply_schedule(run.optimizer, lr_multiplier(state.step, cfg.train) * stage.lr_factor)
     t0 = time.perf_counter()
     with profiling.label(profiling.DATA):
-        micro_batches = run.loader.micro_batches()
+        micro_batches = run.loader.micro_batches(stage.accum, stage.seq_len)
     loss, grad_norm = run.step_fn(micro_batches)
     run.guard.update(loss)
     faults.fault_hook("kill-in-step", state.step + 1, rt.rank)
     state.step += 1
-    state.tokens_seen += cfg.train.global_batch_tokens
+    state.tokens_seen += stage.batch_tokens
     logging_step = run.logger.due(state.step)
     if logging_step:
         loss_value = run.logger.read_loss(state.step, loss, run.ckpt.latest)
@@ -360,7 +389,8 @@ def one_step(run: Session) -> None:
     state.train_seconds += seconds
     run.logger.window.stepped(state.step)
     if logging_step:
-        run.logger.log(state, loss_value, run.optimizer.param_groups[0]["lr"], grad_norm, seconds)
+        run.logger.log(state, loss_value, run.optimizer.param_groups[0]["lr"], grad_norm, seconds,
+                       run.loader.metrics())
 
 
 def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
@@ -403,7 +433,8 @@ def finish(run: Session) -> dict[str, Any]:
         "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - run.started,
         "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
         "best_val_loss": state.best_val_loss, "world_size": rt.world_size, "device": rt.kind,
-        "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
+        "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(), **fp8.summary(cfg),
+        "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),
         **test_eval, **run.clock.summary(), "tasks_seconds": run.tasks.seconds if run.tasks.spec else None,

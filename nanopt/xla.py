@@ -19,7 +19,9 @@ from nanopt.io import cache_dir
 log = logging.getLogger("nanopt")
 
 # Compilations one train step may cost before it counts as a recompile: step 0 traces the optimizer's
-# state initialisation, step 1 the steady-state graph that every later step reuses.
+# state initialisation, step 1 the steady-state graph that every later step reuses. A stage of
+# train.batch_schedule / seq_len_schedule is a new step shape (micro-steps x micro-batch shape): its first calls
+# compile like warm-up, once per shape.
 WARMUP_STEP_COMPILES = 2
 # Recompiles after warm-up that a run tolerates before it is stopped (each one stalls every chip).
 MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
@@ -101,6 +103,7 @@ class XlaBackend:
         self.device = torch_xla.device()
         self._peak_memory = PeakMemory([("PJRT memory info", self._pjrt_peak_bytes), ("tpu-info", tpu_info_hbm_bytes)])
         self.step_calls = self.step_compiles = 0  # train-step calls, and the compilations charged to them
+        self.shape_calls: dict[tuple, int] = {}  # train-step calls per step shape (a schedule's stages)
         self.recompiles = 0  # of those, the ones after warm-up
 
     def compile_count(self) -> int:
@@ -176,18 +179,21 @@ class XlaBackend:
             finally:
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr  # the loop, the logger and checkpoints see plain floats
-            self._count(self.compile_count() - before)
+            shape = (len(batches), tuple(batches[0][0].shape))
+            self.shape_calls[shape] = self.shape_calls.get(shape, 0) + 1
+            self._count(self.compile_count() - before, self.shape_calls[shape])
             return loss, grad_norm
 
         return run
 
-    def _count(self, new_compiles: int) -> None:
+    def _count(self, new_compiles: int, shape_calls: int) -> None:
+        """Charge a call's compilations: warm-up for the first calls of each step shape, else recompiles."""
         self.step_calls += 1
         self.step_compiles += new_compiles
         if not new_compiles:
             return
-        if self.step_calls <= WARMUP_STEP_COMPILES:
-            log.info("xla: train step call %d compiled %d graph(s) (%d so far, expected %d then none)",
+        if shape_calls <= WARMUP_STEP_COMPILES:
+            log.info("xla: train step call %d compiled %d graph(s) (%d so far, expected %d per step shape then none)",
                      self.step_calls, new_compiles, self.step_compiles, WARMUP_STEP_COMPILES)
             return
         self.recompiles += new_compiles

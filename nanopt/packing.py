@@ -1,0 +1,162 @@
+"""BOS-aligned best-fit packing (data.packing: bos_bestfit; docs/data.md). The train shards are one token stream
+cut into documents at each BOS. Every row of seq_len+1 tokens starts at a document's BOS: the largest buffered
+document that fits the room left goes in, again and again; when none fits, the shortest is cropped to fill the row
+exactly and its rest discarded (the declared crop, counted). The plan is global and uses document lengths only, so
+every rank plans the same rows and reads tokens for its own: the rows do not depend on the world size."""
+from __future__ import annotations
+
+import logging
+import math
+from bisect import bisect_right, insort
+from typing import Optional
+
+import numpy as np
+import torch
+
+from nanopt.errors import ConfigError
+
+log = logging.getLogger("nanopt")
+
+CROP_WARNING_SHARE = 0.5
+Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each B T int64
+
+
+class Documents:
+    """The shards as one stream; document i is stream[starts[i] : starts[i] + lengths[i]], from a BOS up to the
+    next BOS or the stream's end (a document may continue into the next shard, as `nanopt prepare` cuts them)."""
+
+    def __init__(self, shards: list[np.ndarray], bos: Optional[int]):
+        self.shards = shards
+        self.offsets = np.cumsum([0] + [len(s) for s in shards])  # shard k is stream[offsets[k] : offsets[k + 1]]
+        found = [np.flatnonzero(s == bos) + off for s, off in zip(shards, self.offsets)] if bos is not None else []
+        starts = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        if not len(starts):
+            raise ConfigError(
+                f"`data.packing` is bos_bestfit, which starts every row at a document's BOS token, but the training "
+                f"shards hold no BOS ({'the tokenizer has none' if bos is None else f'token id {bos}'}), so there "
+                f"are no documents to pack. Prepare the data with the tokenizer's BOS before every document "
+                f"(`prepare.add_bos: true`, the default), or train with `--data.packing=windows`.")
+        self.starts = starts.astype(np.int64)
+        self.lengths = np.diff(np.append(self.starts, self.offsets[-1]))
+        self.orphans = int(self.starts[0])  # tokens before the first BOS: in no document
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def fill(self, out: np.ndarray, pieces: list[tuple[int, int]]) -> None:
+        """Write the pieces (document, tokens from its start) into `out` back to back."""
+        pos = 0
+        for doc, take in pieces:
+            start = int(self.starts[doc])
+            while take:  # one slice per shard the piece touches: one, unless it crosses a shard's end
+                k = int(np.searchsorted(self.offsets, start, side="right")) - 1
+                n = min(take, int(self.offsets[k + 1]) - start)
+                local = start - int(self.offsets[k])
+                out[pos : pos + n] = self.shards[k][local : local + n]
+                pos, start, take = pos + n, start + n, take - n
+
+
+class Packer:
+    """The plan: which documents fill each row, from their lengths alone. Documents enter the buffer in a seeded
+    order per epoch; the buffer is a sorted list of (length, pull number, document), so the best fit is one
+    bisection. Pull numbers (epoch × documents + position) keep entries unique across an epoch boundary."""
+
+    def __init__(self, lengths: np.ndarray, buffer: int, seed: int, orphans: int = 0):
+        self.lengths, self.seed, self.orphans = lengths, seed, orphans
+        self.capacity = min(buffer, len(lengths))  # more would hold a document twice
+        self.epoch, self.cursor = 0, 0
+        self.buffer: list[tuple[int, int, int]] = []
+        self.rows, self.placed, self.cropped = 0, 0, orphans
+        self._order_epoch, self._order = -1, np.zeros(0, dtype=np.int64)
+
+    def _next_document(self) -> tuple[int, int, int]:
+        n = len(self.lengths)
+        if self.cursor == n:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.cropped += self.orphans  # each epoch passes over them once
+        if self._order_epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._order, self._order_epoch = torch.randperm(n, generator=g).numpy(), self.epoch
+        doc = int(self._order[self.cursor])
+        self.cursor += 1
+        return int(self.lengths[doc]), self.epoch * n + self.cursor - 1, doc
+
+    def row(self, size: int) -> list[tuple[int, int]]:
+        """One row of `size` tokens as (document, tokens from its start) pieces."""
+        pieces, room = [], size
+        while room:
+            while len(self.buffer) < self.capacity:
+                insort(self.buffer, self._next_document())
+            i = bisect_right(self.buffer, (room, math.inf)) - 1  # the largest length <= room
+            length, _, doc = self.buffer.pop(max(i, 0))  # none fits: the shortest, cropped
+            take = min(length, room)
+            self.cropped += length - take
+            pieces.append((doc, take))
+            room -= take
+        self.rows += 1
+        self.placed += size
+        return pieces
+
+    @property
+    def cropped_share(self) -> float:
+        """Cropped tokens over the tokens taken from the stream (placed in rows or cropped)."""
+        return self.cropped / max(1, self.placed + self.cropped)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "rows": self.rows, "placed": self.placed,
+                "cropped": self.cropped, "buffer": [[pull, doc] for _, pull, doc in self.buffer]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.rows, self.placed, self.cropped = int(state["rows"]), int(state["placed"]), int(state["cropped"])
+        self.buffer = sorted((int(self.lengths[doc]), int(pull), int(doc)) for pull, doc in state["buffer"])
+
+
+class PackedLoader:
+    """data.Loader's interface over packed rows. Every rank plans the step's G = accum × world × micro_batch rows;
+    rank r's micro-step m reads rows (m·world + r)·micro_batch onwards, as data.Loader reads samples."""
+
+    def __init__(self, documents: Documents, micro_batch: int, rank: int, world: int, accum: int, seed: int,
+                 seq_len: int, buffer: int):
+        self.documents, self.micro_batch, self.rank, self.world = documents, micro_batch, rank, world
+        self.accum, self.seq_len, self.seed = accum, seq_len, seed
+        self.packer = Packer(documents.lengths, buffer, seed, documents.orphans)
+        self.step = 0
+        self.warned = False
+
+    def micro_batches(self, accum: Optional[int] = None, seq_len: Optional[int] = None) -> list[Batch]:
+        """This rank's micro-batches (x, y) for the next step (default: the constructor's accum and seq_len)."""
+        accum, seq_len = accum or self.accum, seq_len or self.seq_len
+        rows = [self.packer.row(seq_len + 1) for _ in range(accum * self.world * self.micro_batch)]
+        out = []
+        for m in range(accum):
+            first = (m * self.world + self.rank) * self.micro_batch
+            block = np.empty((self.micro_batch, seq_len + 1), dtype=np.int64)
+            for b in range(self.micro_batch):
+                self.documents.fill(block[b], rows[first + b])
+            t = torch.from_numpy(block)
+            out.append((t[:, :-1], t[:, 1:]))
+        self.step += 1
+        self._warn_if_cropping(seq_len)
+        return out
+
+    def _warn_if_cropping(self, seq_len: int) -> None:
+        if self.warned or self.rank != 0 or self.packer.cropped_share <= CROP_WARNING_SHARE:
+            return
+        self.warned = True
+        log.warning("data: bos_bestfit has cropped %.0f%% of the tokens so far: the documents are long against "
+                    "seq_len %d, so most of each is discarded. Prepare shorter documents (e.g. "
+                    "`prepare.sample_by=paragraph`), raise train.seq_len, or keep `data.packing=windows`.",
+                    100 * self.packer.cropped_share, seq_len)
+
+    def metrics(self) -> dict[str, float]:
+        return {"cropped_share": self.packer.cropped_share}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "world": self.world, "micro_batch": self.micro_batch,
+                "plan": self.packer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.seed = int(state["step"]), int(state["seed"])
+        self.packer.seed = self.seed
+        self.packer.load_state_dict(state["plan"])
