@@ -61,7 +61,7 @@ from nanopt.optim import build_optimizer  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
 from nanopt.scoring import continuation_scores  # noqa: E402
 
-SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "170m", "1b")
+SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "speedrun", "170m", "1b")
 
 
 # ---------------------------------------------------------------- sizes: the real ones and the CPU smoke's
@@ -82,6 +82,10 @@ def sizes(smoke: bool) -> dict[str, Any]:
                 "--config", "configs/170m-1gpu.yaml", "--model.vocab_size=257", "--train.global_batch_tokens=32768",
                 "--train.warmup_steps=20"]),
             "sample": dict(config="configs/1b.yaml", batch=4, prompt=128, new=256),
+            # Byte-level text has whole plays for documents (packing would crop nearly all): windows, vocab 257.
+            "speedrun": dict(speed=["--config", "configs/speedrun-gpu.yaml", "--data.packing=windows"],
+                             curve=["--config", "configs/speedrun-gpu.yaml", "--data.packing=windows",
+                                    "--model.vocab_size=257", "--train.target_val_loss=null"], curve_steps=300),
             "train": {
                 "170m": ["--config", "configs/170m-1gpu.yaml"],
                 "1b": ["--config", "configs/1b.yaml", "--train.global_batch_tokens=131072"],
@@ -100,6 +104,11 @@ def sizes(smoke: bool) -> dict[str, Any]:
         "fp8": dict(variants=["eager", "fp8_eager"], loss_steps=20,
                     loss=["--config", "configs/170m-1gpu.yaml", *toy, "--model.vocab_size=257"]),
         "sample": dict(config=None, batch=2, prompt=8, new=16),
+        "speedrun": dict(speed=["--config", "configs/speedrun-gpu.yaml", "--data.packing=windows", *toy,
+                                "--train.batch_schedule=", "--train.compile=false"],
+                         curve=["--config", "configs/speedrun-gpu.yaml", "--data.packing=windows", *toy,
+                                "--model.vocab_size=257", "--train.batch_schedule=", "--train.compile=false",
+                                "--train.target_val_loss=null"], curve_steps=20),
         "train": {"170m": ["--config", "configs/170m-1gpu.yaml", *toy],
                   "1b": ["--config", "configs/1b.yaml", *toy]},
         "resume": ["--config", "configs/170m-1gpu.yaml", *toy],
@@ -522,6 +531,27 @@ def fp8_loss_gap(spec: dict[str, Any], work: Path, text: Path, timeout: float) -
     return out
 
 
+# ---------------------------------------------------------------- configs/speedrun-gpu.yaml
+
+
+def check_speedrun(spec: dict[str, Any], work: Path, steps: int, shards: Path, text: Path,
+                   timeout: float) -> dict[str, Any]:
+    """The GPU recipe as shipped: tokens/s and MFU on synthetic shards (its first batch stage), then its
+    validation curve over `curve_steps` steps on real byte-level text (the model at vocab 257)."""
+    out: dict[str, Any] = {"speed": check_train("speedrun", spec["speed"], ["default"], work, steps, shards,
+                                                timeout)["default"]}
+    run_dir = work / "speedrun-curve"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    every = max(1, spec["curve_steps"] // 6)
+    res = nanopt_run([*spec["curve"], *QUIET, f"--data.source={text}", f"--train.max_steps={spec['curve_steps']}",
+                      f"--eval.every={every}", "--eval.batches=8", "--log.every=10"], run_dir, timeout)
+    out["curve"] = {"rc": res["rc"], "wall_s": res["wall_s"], "text": str(text),
+                    "val_loss": [(r["step"], round(r["val_loss"], 4)) for r in res["records"] if "val_loss" in r],
+                    "log_tail": res["log_tail"] if res["rc"] != 0 else ""}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
 # ---------------------------------------------------------------- two ranks on one device
 
 # NCCL refuses two ranks on one GPU, so these ranks' process group is gloo (it carries CUDA tensors through the
@@ -711,6 +741,13 @@ def md_fp8(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def md_speedrun(r: dict[str, Any]) -> list[str]:
+    curve = r["curve"]
+    points = ", ".join(f"{step}: {loss:.4f}" for step, loss in curve["val_loss"])
+    return ["## configs/speedrun-gpu.yaml", ""] + train_table("speedrun", {"default": r["speed"]}) + [
+        "", f"Validation loss by step on {curve['text']} (byte-level, vocab 257; rc {curve['rc']}): {points or '-'}"]
+
+
 def train_table(name: str, runs: dict[str, Any]) -> list[str]:
     """One row per variant: speed, MFU, memory, the profile's shares and its top ops."""
     lines = ["| variant | rc | tokens/s | MFU | step ms | peak alloc GiB | peak reserved GiB | compute / host / data "
@@ -728,7 +765,7 @@ def train_table(name: str, runs: dict[str, Any]) -> list[str]:
 
 MARKDOWN: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "env": md_env, "attention": md_attention, "ddp": md_ddp, "ranks2": md_ranks2, "sample": md_sample,
-    "resume": md_resume, "tasks": md_tasks, "fp8": md_fp8,
+    "resume": md_resume, "tasks": md_tasks, "fp8": md_fp8, "speedrun": md_speedrun,
 }
 
 
@@ -780,6 +817,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return shards[vocab]
 
     vocab = 512 if a.cpu_smoke else 128256
+
+    def carried_text() -> Path:
+        return Path(a.text) if a.text else data.embedded_shards("byte")
+
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
         "env": lambda: check_env(device, a.cpu_smoke),
         "attention": lambda: check_attention(device, size["attention"]),
@@ -789,7 +830,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "resume": lambda: check_resume(size["resume"], work, shards_for(vocab), a.timeout),
         "tasks": lambda: check_tasks(device, size["tasks"]),
         "fp8": lambda: check_fp8(size["fp8"], size["train"], work, steps, shards_for(vocab),
-                                 Path(a.text) if a.text else data.embedded_shards("byte"), a.timeout),
+                                 carried_text(), a.timeout),
+        "speedrun": lambda: check_speedrun(size["speedrun"], work, steps, shards_for(50304 if not a.cpu_smoke
+                                                                                   else vocab), carried_text(), a.timeout),
         "170m": lambda: check_train("170m", size["train"]["170m"], a.variants.split(","), work, steps,
                                     shards_for(vocab), a.timeout),
         "1b": lambda: check_train("1b", size["train"]["1b"], a.variants.split(","), work, steps,

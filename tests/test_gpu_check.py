@@ -114,3 +114,13 @@ def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rer
     assert out["max_abs_loss_diff"] == 0.25 * 10 and out["weights_equal"] is False
     assert out["rerun_max_abs_loss_diff"] == 0.0 and out["rerun_weights_equal"] is True
     assert not any((tmp_path / d).exists() for d in ("resume-straight", "resume-again", "resume-killed"))
+
+
+@pytest.mark.slow
+def test_cpu_smoke_of_the_gpu_speedrun_config(tmp_path):
+    """configs/speedrun-gpu.yaml at toy width: its speed row and a validation curve on real text that falls."""
+    run = smoke(tmp_path, "speedrun")["speedrun"]
+    assert run["speed"]["rc"] == 0 and run["speed"]["tokens_per_s"] > 0
+    curve = [loss for _, loss in run["curve"]["val_loss"]]
+    assert run["curve"]["rc"] == 0 and len(curve) >= 3 and curve[-1] < curve[0] - 0.5
+    assert "## configs/speedrun-gpu.yaml" in (tmp_path / "gpu_check.md").read_text()
