@@ -105,7 +105,8 @@ def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "") -> 
     mfu = v.get("mfu")
     mfu_text = "  n/a" if mfu is None else f"{100 * mfu:4.1f}%" + (f" {basis}" if basis else "")
     parts = [f"step {step:>6}/{max_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
-             f"{v['step_ms']:7.1f} ms/step", f"{v['tokens_per_s']:>9,.0f} tok/s", f"mfu {mfu_text}", f"eta {format_duration(v.get('eta_s', 0.0))}"]
+             f"{v['step_ms']:7.1f} ms/step", f"{v['tokens_per_s']:>9,.0f} tok/s", f"mfu {mfu_text}",
+             f"eta {format_duration(v.get('eta_s', 0.0))}"]
     if v.get("peak_memory_gib") is not None:  # mfu.peak_memory_gib: None where the device cannot tell
         # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
         reserved = v.get("peak_reserved_gib")
