@@ -50,8 +50,8 @@ class Backend:
     def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
-    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
-        """The train step as the loop should call it."""
+    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer, shapes: int = 1) -> Callable:
+        """The train step as the loop should call it; `shapes`: how many step shapes the run has (its stages)."""
         return step_fn
 
     def mark_step(self) -> None:

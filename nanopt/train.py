@@ -300,7 +300,8 @@ def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.opt
         # before each forward (DDP's default would send them from rank 0 every micro-step).
         train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids,
                           gradient_as_bucket_view=True, broadcast_buffers=False)
-    step_fn = rt.backend.compile_step(train_step, optimizer)  # XLA: the whole step as one graph, compiled once
+    # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one)
+    step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(cfg.train.stages()))
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
 
 

@@ -20,8 +20,8 @@ log = logging.getLogger("nanopt")
 
 # Compilations one train step may cost before it counts as a recompile: step 0 traces the optimizer's
 # state initialisation, step 1 the steady-state graph that every later step reuses. A stage of
-# train.batch_schedule / seq_len_schedule is a new step shape (micro-steps x micro-batch shape): its first calls
-# compile like warm-up, once per shape.
+# train.batch_schedule / seq_len_schedule may bring a new step shape (micro-steps x micro-batch shape): the first
+# calls of up to that many shapes compile like warm-up; a shape beyond them is a recompile.
 WARMUP_STEP_COMPILES = 2
 # Recompiles after warm-up that a run tolerates before it is stopped (each one stalls every chip).
 MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
@@ -104,6 +104,7 @@ class XlaBackend:
         self._peak_memory = PeakMemory([("PJRT memory info", self._pjrt_peak_bytes), ("tpu-info", tpu_info_hbm_bytes)])
         self.step_calls = self.step_compiles = 0  # train-step calls, and the compilations charged to them
         self.shape_calls: dict[tuple, int] = {}  # train-step calls per step shape (a schedule's stages)
+        self.expected_shapes = 1  # step shapes the run's schedule brings (compile_step's `shapes`)
         self.recompiles = 0  # of those, the ones after warm-up
 
     def compile_count(self) -> int:
@@ -153,7 +154,7 @@ class XlaBackend:
     def sync(self) -> None:
         self._xm.wait_device_ops()
 
-    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer) -> Callable:
+    def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer, shapes: int = 1) -> Callable:
         """train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph. Micro-batches are
         sharded outside it; each group's lr is a device tensor for the call, so a changing schedule keeps the
         graph. foreach groups (ADAMW_OPTIONS) keep host lr and step: torch refuses both for them on XLA."""
@@ -161,6 +162,7 @@ class XlaBackend:
             if "capturable" in group and not group.get("foreach"):  # only optimizers that define the flag
                 group["capturable"] = True  # step count on the device: bias corrections need no .item()
         compiled = self._torch_xla.compile(step_fn, name="train_step")
+        self.expected_shapes = shapes
 
         def run(model: torch.nn.Module, opt: torch.optim.Optimizer, micro_batches: list, rt: Any,
                 grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,12 +189,13 @@ class XlaBackend:
         return run
 
     def _count(self, new_compiles: int, shape_calls: int) -> None:
-        """Charge a call's compilations: warm-up for the first calls of each step shape, else recompiles."""
+        """Charge a call's compilations: warm-up for the first calls of each expected step shape, else recompiles."""
         self.step_calls += 1
         self.step_compiles += new_compiles
         if not new_compiles:
             return
-        if shape_calls <= WARMUP_STEP_COMPILES:
+        stage_warmup = shape_calls <= WARMUP_STEP_COMPILES and len(self.shape_calls) <= self.expected_shapes
+        if self.step_calls <= WARMUP_STEP_COMPILES or stage_warmup:
             log.info("xla: train step call %d compiled %d graph(s) (%d so far, expected %d per step shape then none)",
                      self.step_calls, new_compiles, self.step_compiles, WARMUP_STEP_COMPILES)
             return
