@@ -15,7 +15,7 @@ from conftest import torchrun
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.main import run
 from nanopt.model import build_model
-from nanopt.optim import MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams, load_state_dict
+from nanopt.optim import BatchedMuon, MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams, load_state_dict
 from test_ddp import ARGS as DDP_ARGS, _assert_same_run
 from test_resume import assert_same_as, losses, train_here, train_process
 
@@ -71,6 +71,33 @@ def test_muon_orthogonalises_each_matrix_update_where_adamw_does_not():
         assert 0.6 < low and high < 1.25 and high / low < 2.0, spreads["muon"]
     # AdamW's first step is lr * sign(grad), whose singular values spread widely: the bound tells the two apart.
     assert all(high / low > 3.0 for low, high in spreads["adamw"]), spreads["adamw"]
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(True, "match_rms_adamw"), (False, "original"), (True, None)])
+def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adjust):
+    """BatchedMuon (one Newton-Schulz per shape, batched) against torch.optim.Muon (one per matrix): square, wide
+    and tall matrices, 4 steps with weight decay. The iteration is bf16 in both; batched matmuls may round otherwise
+    on another CPU, so the bound is one bf16 ulp of the largest update, far below the updates themselves."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (8, 16)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    ref, mine = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
+    torch_muon, batched = torch.optim.Muon(ref, **kw), BatchedMuon(mine, **kw)
+    for _ in range(4):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for params, opt in ((ref, torch_muon), (mine, batched)):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            opt.step()
+    ulp = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7  # the largest per-shape lr times bf16's relative step near 1
+    for a, b, s in zip(ref, mine, start):
+        assert (a - s).abs().max() > 100 * ulp  # the parameters did move
+        torch.testing.assert_close(b, a, rtol=0, atol=ulp)
+        torch.testing.assert_close(batched.state[b]["momentum_buffer"], torch_muon.state[a]["momentum_buffer"])
+    # The state_dicts are interchangeable: torch's Muon resumes from the batched one's.
+    torch_muon.load_state_dict(batched.state_dict())
+    assert torch.equal(torch_muon.state[ref[0]]["momentum_buffer"], batched.state[mine[0]]["momentum_buffer"])
 
 
 def test_embedding_head_and_scalars_go_to_adamw_with_their_own_lr_and_decay():
