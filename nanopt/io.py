@@ -31,12 +31,16 @@ def write_bytes(path: Path, *chunks: bytes) -> Path:
     # A name of this writer's own: two processes replacing one file (a lease's heartbeat and its takeover, a
     # sweep's state) must never write into, or rename, each other's half-written temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk or an interrupt: leave no half-written temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

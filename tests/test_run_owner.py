@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, small_overrides
-from nanopt import checkpoint, loading, rundirs
+from nanopt import checkpoint, io, loading, rundirs
 from nanopt.config import load_config, parse_overrides
 from nanopt.errors import ConfigError
 from nanopt.io import write_json
@@ -254,3 +254,16 @@ def test_a_resume_trims_only_records_past_its_step_and_keeps_lines_it_cannot_rea
     rundirs.trim_metrics(tmp_path, 2)
     # The damaged middle line is the user's to look at; the cut last line would be joined by the next append.
     assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n\xff damaged\n{"step": 2}\n'
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    """io.write_bytes on a full disk: the old content stays whole and its temp file is removed."""
+    path = io.write_bytes(tmp_path / "state.json", b"old")
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space"):
+        io.write_bytes(path, b"new")
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
