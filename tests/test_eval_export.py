@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import yaml
 
 from conftest import run_module, small_overrides
-from nanopt import data
+from nanopt import data, shards
 from nanopt.config import ModelConfig, configs_dir
 from nanopt.hf import export_model
 from nanopt.model import build_model
@@ -80,7 +80,7 @@ def test_bpb_matches_hand_computation():
 
 
 def test_eval_batches_are_a_seeded_sample_of_the_whole_split(corpus_dir):
-    windows = data.TokenWindows(data.split_paths(corpus_dir, "val"), 32)
+    windows = data.TokenWindows(shards.split_paths(corpus_dir, "val"), 32)
     a = data.eval_batches(windows, 4, 3, 0, 1, seed=0)
     b = data.eval_batches(windows, 4, 3, 0, 1, seed=0)
     other = data.eval_batches(windows, 4, 3, 0, 1, seed=1)
@@ -279,7 +279,7 @@ def test_init_from_hf_trains_from_those_weights(tmp_path, corpus_dir, capsys):
     assert train(run_dir, **{"train.init_from": f"hf:{directory}", "train.max_steps": 1, "eval.every": 100,
                              "train.precision": "fp32"}) == 0
     step0 = next(r for r in records(run_dir) if r["step"] == 0 and "val_loss" in r)
-    windows = data.TokenWindows(data.split_paths(corpus_dir, "val"), 32)
+    windows = data.TokenWindows(shards.split_paths(corpus_dir, "val"), 32)
     batches = data.eval_batches(windows, 4, 2, 0, 1, seed=0)
     token_bytes = torch.tensor([1] * 256 + [0])
     expected, _ = evaluate(load_model(directory), batches, token_bytes, CPU)

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("io", "fastbpe"),                                    # atomic files, the cache directory; BPE engine
     ("hardware",),                                        # peak table, detection, the measured CPU peak (cached)
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
-    ("flops", "xla", "plots", "experiments"),  # FLOPs/token; the XLA backend; pictures; finished runs, stats, tables
+    ("flops", "xla", "plots", "experiments", "shards"),  # FLOPs/token; XLA; pictures; runs, stats, tables; shards
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),

@@ -2,35 +2,54 @@
 cropped, the rows do not depend on the world size, and the plan resumes bit-exactly, in a loader and in a run."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import REPO, small_overrides
-from nanopt import data, packing
+from nanopt import packing, shards
 from nanopt.errors import ConfigError
 from nanopt.main import run
 
 BOS = 256
 
 
-def _corpus(tmp_path: Path, docs: int = 300, mean: float = 40, shards: int = 2, seed: int = 0) -> list[np.ndarray]:
+def _corpus(tmp_path: Path, docs: int = 300, mean: float = 40, n_shards: int = 2, seed: int = 0) -> list[np.ndarray]:
     """Shards of byte documents, each a BOS then lognormal-many bytes, cut into shards mid-document."""
     rng = np.random.default_rng(seed)
     pieces = [np.concatenate([[BOS], rng.integers(0, 256, max(1, int(n)))])
               for n in rng.lognormal(np.log(mean), 0.8, docs)]
     stream = np.concatenate(pieces)
-    cuts = np.array_split(stream, shards)
-    paths = [data.write_shard(tmp_path / f"train_{i:06d}.bin", c, 257) for i, c in enumerate(cuts)]
-    return [data.open_shard(p) for p in paths]
+    cuts = np.array_split(stream, n_shards)
+    paths = [shards.write_shard(tmp_path / f"train_{i:06d}.bin", c, 257) for i, c in enumerate(cuts)]
+    return [shards.open_shard(p) for p in paths]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    """The BOS index cache of every test here, runs included: never the user's (conftest keeps NANOPT_CACHE at
+    ~/.cache/nanopt for the embedded corpus, which the session-scoped corpus_dir has built before this runs)."""
+    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "bos-index"
+
+
+@pytest.fixture
+def scans(monkeypatch) -> list[int]:
+    """The lengths of the shards packing scans for BOS (a cache hit scans none)."""
+    seen, scan = [], packing._scan
+    monkeypatch.setattr(packing, "_scan", lambda shard, bos: seen.append(len(shard)) or scan(shard, bos))
+    return seen
 
 
 def _rows(loader: packing.PackedLoader, steps: int, seq_len: int | None = None) -> list[tuple[int, ...]]:
@@ -74,8 +93,8 @@ def test_no_token_is_lost_silently_across_epochs(tmp_path):
 
 
 def test_a_document_longer_than_a_row_is_cropped_to_the_row(tmp_path):
-    path = data.write_shard(tmp_path / "train_000000.bin", [BOS, *range(100)], 257)
-    docs = packing.Documents([data.open_shard(path)], BOS)
+    path = shards.write_shard(tmp_path / "train_000000.bin", [BOS, *range(100)], 257)
+    docs = packing.Documents([shards.open_shard(path)], BOS)
     loader = packing.PackedLoader(docs, micro_batch=1, rank=0, world=1, accum=1, seed=0, seq_len=15, buffer=10)
     x, y = loader.micro_batches()[0]
     assert x[0].tolist() == [BOS, *range(14)] and y[0, -1] == 14
@@ -119,16 +138,16 @@ def test_a_new_seq_len_continues_the_plan_with_longer_rows(tmp_path):
 
 
 def test_no_bos_in_the_data_is_a_config_error_naming_the_key_and_the_fix(tmp_path):
-    path = data.write_shard(tmp_path / "train_000000.bin", np.arange(200) % 256, 257)
+    path = shards.write_shard(tmp_path / "train_000000.bin", np.arange(200) % 256, 257)
     with pytest.raises(ConfigError, match="data.packing.*no BOS.*token id 256.*--data.packing=windows"):
-        packing.Documents([data.open_shard(path)], BOS)
+        packing.Documents([shards.open_shard(path)], BOS)
     with pytest.raises(ConfigError, match="the tokenizer has none"):
-        packing.Documents([data.open_shard(path)], None)
+        packing.Documents([shards.open_shard(path)], None)
 
 
 def test_a_crop_share_over_half_is_warned_once(tmp_path, caplog):
-    path = data.write_shard(tmp_path / "train_000000.bin", np.tile([BOS, *range(99)], 20), 257)
-    loader = packing.PackedLoader(packing.Documents([data.open_shard(path)], BOS), 2, 0, 1, 1, 0, 15, 5)
+    path = shards.write_shard(tmp_path / "train_000000.bin", np.tile([BOS, *range(99)], 20), 257)
+    loader = packing.PackedLoader(packing.Documents([shards.open_shard(path)], BOS), 2, 0, 1, 1, 0, 15, 5)
     with caplog.at_level(logging.WARNING, logger="nanopt"):
         _rows(loader, 3)
     warnings = [r.getMessage() for r in caplog.records if "cropped" in r.getMessage()]
@@ -143,10 +162,10 @@ STEPS = 8
 def line_corpus(tmp_path_factory, corpus_dir) -> Path:
     """The embedded corpus with every line a document (a BOS before each): short documents that pack well."""
     out = tmp_path_factory.mktemp("lines")
-    text = np.asarray(data.open_shard(corpus_dir / "train_000000.bin"), dtype=np.int64)
+    text = np.asarray(shards.open_shard(corpus_dir / "train_000000.bin"), dtype=np.int64)
     text = text[text != BOS]
     starts = np.flatnonzero(text == ord("\n")) + 1
-    data.write_shard(out / "train_000000.bin", np.insert(text, np.append(0, starts[:-1]), BOS), 257)
+    shards.write_shard(out / "train_000000.bin", np.insert(text, np.append(0, starts[:-1]), BOS), 257)
     (out / "val_000000.bin").write_bytes((corpus_dir / "val_000000.bin").read_bytes())
     return out
 
@@ -176,3 +195,104 @@ def test_a_packed_run_killed_mid_run_resumes_to_the_same_weights(tmp_path, line_
     after = json.loads((killed / "summary.json").read_text())
     assert after["weights_sha256_per_rank"] == summary["weights_sha256_per_rank"]
     assert after["packing_cropped_share"] == summary["packing_cropped_share"]
+
+
+@pytest.mark.slow
+def test_a_packed_run_started_twice_sees_the_same_batches_the_second_from_the_cache(tmp_path, line_corpus, scans,
+                                                                                     capsys):
+    seen = []
+    for name in ("first", "second"):
+        assert run(_args(line_corpus, tmp_path / name)) == 0
+        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        seen.append(([r["loss"] for r in records if "loss" in r], summary["weights_sha256_per_rank"]))
+    assert seen[0] == seen[1] and len(seen[0][0]) == STEPS
+    assert len(scans) == 1  # the first run's; the second read the index from the cache
+    out = capsys.readouterr().out
+    assert "BOS index: 0 shards from cache, 1 scanned" in out and "BOS index: 1 shards from cache, 0 scanned" in out
+
+
+# ---------------------------------------------------------------- the cached BOS index
+def _ids(arrays: list[np.ndarray]) -> list[shards.ShardInfo]:
+    return [shards.read_header(a.filename) for a in arrays]
+
+
+def _said(caplog, level: int, start: str) -> list[str]:
+    return [r.getMessage().split(" (")[0] for r in caplog.records
+            if r.levelno >= level and r.getMessage().startswith(start)]
+
+
+def _expect_same(got: packing.Documents, want: packing.Documents) -> None:
+    assert np.array_equal(got.starts, want.starts) and np.array_equal(got.lengths, want.lengths)
+    assert got.starts.dtype == want.starts.dtype == np.int64 and got.orphans == want.orphans
+
+
+def test_a_second_documents_reads_the_bos_index_from_the_cache(tmp_path, cache, scans, caplog):
+    arrays = _corpus(tmp_path, n_shards=3)
+    plain = packing.Documents(arrays, BOS)  # no ids: scanned, nothing cached
+    assert len(scans) == 3 and not cache.exists()
+    ids = _ids(arrays)
+    _expect_same(packing.Documents(arrays, BOS, ids), plain)
+    assert len(scans) == 6
+    entry = cache / f"{ids[1].crc32:08x}-{ids[1].count}-2-{BOS}.bin"  # header crc32, token count, itemsize, BOS id
+    assert entry.stat().st_size == 16 + 4 * int((arrays[1] == BOS).sum())  # uint32 positions after the header
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        second = packing.Documents(arrays, BOS, ids)
+    _expect_same(second, plain)
+    assert len(scans) == 6 and len(list(cache.iterdir())) == 3
+    assert _said(caplog, logging.INFO, "BOS index") == ["BOS index: 3 shards from cache, 0 scanned"]
+
+
+def test_a_changed_shard_under_the_same_name_does_not_use_the_old_entry(tmp_path, cache, scans):
+    old = _corpus(tmp_path, n_shards=1)
+    packing.Documents(old, BOS, _ids(old))
+    new = _corpus(tmp_path, n_shards=1, seed=1)  # rewrites train_000000.bin
+    _expect_same(packing.Documents(new, BOS, _ids(new)), packing.Documents(new, BOS))
+    assert len(scans) == 3 and len(list(cache.iterdir())) == 2  # another crc32, another entry
+
+
+def _with_checksum(positions: np.ndarray) -> bytes:
+    body = positions.astype("<u4").tobytes()
+    return packing.INDEX_HEADER.pack(packing.INDEX_MAGIC, 4, zlib.crc32(body)) + body
+
+
+DAMAGE = {
+    "truncated": lambda raw, pos: raw[:-3],
+    "shorter than its header": lambda raw, pos: raw[:10],
+    "8-byte positions": lambda raw, pos: raw[:8] + b"\x08" + raw[9:],
+    "a lost position, caught by the checksum": lambda raw, pos: raw[:16] + np.delete(pos, 1).tobytes(),
+    "a position that is no BOS": lambda raw, pos: _with_checksum(pos + np.isin(np.arange(len(pos)), [1])),
+    "a position past the end": lambda raw, pos: _with_checksum(np.append(pos, 10**6)),
+    "positions out of order": lambda raw, pos: _with_checksum(pos[::-1]),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_cache_entry_is_warned_once_rescanned_and_rewritten(tmp_path, cache, scans, caplog, damage):
+    arrays = _corpus(tmp_path, n_shards=1)
+    want = packing.Documents(arrays, BOS, _ids(arrays))
+    (entry,) = cache.iterdir()
+    good = entry.read_bytes()
+    entry.write_bytes(DAMAGE[damage](good, np.frombuffer(good[16:], dtype="<u4")))
+    with caplog.at_level(logging.WARNING, logger="nanopt"):
+        _expect_same(packing.Documents(arrays, BOS, _ids(arrays)), want)
+    assert _said(caplog, logging.WARNING, "") == [f"data: ignoring the damaged BOS index {entry}"]
+    assert len(scans) == 2 and entry.read_bytes() == good  # repaired
+    packing.Documents(arrays, BOS, _ids(arrays))
+    assert len(scans) == 2
+
+
+@pytest.mark.parametrize("why", ["a file where the directory goes", "a full disk"])
+def test_a_cache_that_cannot_be_written_costs_one_warning(tmp_path, monkeypatch, scans, caplog, why):
+    if why == "a full disk":
+        monkeypatch.setattr(packing, "write_bytes", mock.Mock(side_effect=OSError(errno.ENOSPC, "No space left")))
+    else:
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "file"))
+    arrays = _corpus(tmp_path, n_shards=3)
+    with caplog.at_level(logging.WARNING, logger="nanopt"):
+        _expect_same(packing.Documents(arrays, BOS, _ids(arrays)), packing.Documents(arrays, BOS))
+    where = packing.index_path(_ids(arrays)[0], BOS).parent
+    assert _said(caplog, logging.WARNING, "") == [f"data: cannot cache the BOS index in {where}"]
+    assert len(scans) == 6

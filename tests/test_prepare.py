@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_module, small_overrides
-from nanopt import data, prepare
+from nanopt import data, prepare, shards
 from nanopt.commands import prepare as prepare_command
 from nanopt.config import ConfigError, load_config, to_yaml
 from nanopt.tokenizer import get_tokenizer
@@ -91,8 +91,8 @@ def config(tmp_path, tokenizer_dir, dataset: str, data_files: str, out_name: str
 
 
 def read_split(directory, split: str) -> np.ndarray:
-    paths = data.split_paths(directory, split)
-    return np.concatenate([np.asarray(data.open_shard(p)) for p in paths]) if paths else np.zeros(0, np.int64)
+    paths = shards.split_paths(directory, split)
+    return np.concatenate([np.asarray(shards.open_shard(p)) for p in paths]) if paths else np.zeros(0, np.int64)
 
 
 def framed(tok, docs: list[str], bos=True, eos=False) -> list[list[int]]:
@@ -113,9 +113,9 @@ def test_shards_decode_back_to_the_source_documents(tmp_path, tokenizer_dir, tok
 
     out = tmp_path / "shards"
     tokens = read_split(out, "train")
-    assert data.read_header(out / "train_000000.bin").dtype == np.uint16
-    assert len(data.split_paths(out, "train")) == math.ceil(len(tokens) / 300) > 1  # documents straddle shards
-    assert data.split_paths(out, "val") == [] and data.split_paths(out, "test") == []
+    assert shards.read_header(out / "train_000000.bin").dtype == np.uint16
+    assert len(shards.split_paths(out, "train")) == math.ceil(len(tokens) / 300) > 1  # documents straddle shards
+    assert shards.split_paths(out, "val") == [] and shards.split_paths(out, "test") == []
     starts = np.flatnonzero(tokens == tok.bos_id)
     pieces = np.split(tokens, starts[1:])
     assert len(pieces) == len(docs)
@@ -263,7 +263,7 @@ def test_splits_honour_the_token_budgets_and_stats_are_right(tmp_path, tokenizer
         assert s["tokens"] == budgets[split] and s["documents"] == len(taken)
         assert s["mean_tokens_per_document"] == pytest.approx(np.mean(lengths))
         assert s["median_tokens_per_document"] == pytest.approx(np.median(lengths))
-        sizes = [data.read_header(p).count for p in data.split_paths(tmp_path / "shards", split)]
+        sizes = [shards.read_header(p).count for p in shards.split_paths(tmp_path / "shards", split)]
         assert sizes[:-1] == [300] * (len(sizes) - 1) and 0 < sizes[-1] <= 300
     assert i < len(docs)  # the budget stopped the run before the source ran out
     assert stats["documents_read"] == i
@@ -303,7 +303,7 @@ def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenize
     whole = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
     assert sum(s["shards"] for s in whole["splits"].values()) >= 8
 
-    real_write = data.write_shard
+    real_write = shards.write_shard
 
     def crash_on(call: int, after_write: bool):
         calls = {"n": 0}
@@ -320,19 +320,19 @@ def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenize
 
     resumed = tmp_path / "resumed"
     # First run: the worker pool is running when Ctrl-C arrives, mid-stream, before shard 3 is written.
-    monkeypatch.setattr(data, "write_shard", crash_on(3, after_write=False))
+    monkeypatch.setattr(shards, "write_shard", crash_on(3, after_write=False))
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", workers=2, **keys), progress=False)
     manifest = json.loads((resumed / "manifest.json").read_text())
     assert len(manifest["shards"]) == 2 and not manifest["state"]["complete"]
     # Second run: dies right after writing a shard, before committing it.
-    monkeypatch.setattr(data, "write_shard", crash_on(2, after_write=True))
+    monkeypatch.setattr(shards, "write_shard", crash_on(2, after_write=True))
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
     assert len(json.loads((resumed / "manifest.json").read_text())["shards"]) == 3
     assert len(list(resumed.glob("*.bin"))) == 4  # one uncommitted shard on disk
     # Third run finishes.
-    monkeypatch.setattr(data, "write_shard", real_write)
+    monkeypatch.setattr(shards, "write_shard", real_write)
     final = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
     assert _shard_bytes(resumed) == _shard_bytes(tmp_path / "whole")
     assert final["splits"] == whole["splits"]  # no document counted twice or lost in the statistics
@@ -434,7 +434,7 @@ def prepared(tmp_path, tokenizer_dir):
     cfg = config(tmp_path, tokenizer_dir, dataset, files, "shards", **KEYS)
     stats = prepare.prepare(cfg, progress=False)
     out = tmp_path / "shards"
-    assert len(data.split_paths(out, "train")) == 6
+    assert len(shards.split_paths(out, "train")) == 6
     return cfg, out, _shard_bytes(out), stats
 
 
@@ -459,21 +459,21 @@ def test_training_refuses_shards_that_do_not_match_the_manifest_naming_them(prep
 
 @pytest.mark.parametrize("fault", ["resized", "replaced", "extra", "val lost"])
 def test_every_kind_of_mismatch_is_named(prepared, tokenizer_dir, fault):
-    cfg, out, shards, _ = prepared
+    cfg, out, made, _ = prepared
     if fault == "resized":  # a shard cut short and its header rewritten to match: self-consistent, but not what was made
-        data.write_shard(out / "train_000002.bin", data.open_shard(out / "train_000002.bin")[:100], 600)
+        shards.write_shard(out / "train_000002.bin", shards.open_shard(out / "train_000002.bin")[:100], 600)
         expected = "train_000002.bin holds 100 tokens, the manifest says 300"
     elif fault == "replaced":  # another shard of the same size copied over it
-        (out / "train_000003.bin").write_bytes(shards["train_000004.bin"])
+        (out / "train_000003.bin").write_bytes(made["train_000004.bin"])
         expected = "train_000003.bin is another shard than the one committed"
     elif fault == "extra":
-        (out / "train_000099.bin").write_bytes(shards["train_000000.bin"])
+        (out / "train_000099.bin").write_bytes(made["train_000000.bin"])
         expected = "train_000099.bin is not in the manifest"
     else:
         (out / "val_000001.bin").unlink()
         expected = "val_000001.bin is missing"
     with pytest.raises(ConfigError, match="do not match its manifest.json") as e:
-        data.check_manifest(out)
+        shards.check_manifest(out)
     assert expected in str(e.value)
 
 
@@ -487,7 +487,7 @@ def test_prepare_rebuilds_lost_and_resized_shards_to_identical_bytes(prepared):
     assert _shard_bytes(out) == whole
     assert again["splits"] == stats["splits"] and again["this_run"]["tokens"] > 0
     assert json.loads((out / "stats.json").read_text())["splits"]["train"]["shards"] == 6
-    data.check_manifest(out)  # training accepts the directory again
+    shards.check_manifest(out)  # training accepts the directory again
     assert "rebuild" not in json.loads((out / "manifest.json").read_text())
     assert prepare.prepare(cfg, progress=False)["this_run"]["tokens"] == 0  # whole again: nothing to do
 
@@ -495,10 +495,10 @@ def test_prepare_rebuilds_lost_and_resized_shards_to_identical_bytes(prepared):
 def test_verify_rebuilds_a_corrupt_shard_that_only_its_checksum_shows(prepared):
     cfg, out, whole, _ = prepared
     raw = bytearray(whole["train_000004.bin"])
-    raw[data.HEADER_BYTES + 11] ^= 0x40  # one flipped bit in the tokens: header and size still agree
+    raw[shards.HEADER_BYTES + 11] ^= 0x40  # one flipped bit in the tokens: header and size still agree
     (out / "train_000004.bin").write_bytes(bytes(raw))
     with pytest.raises(data.ShardError, match="prepare --verify"):
-        data.open_shard(out / "train_000004.bin")
+        shards.open_shard(out / "train_000004.bin")
     assert prepare.prepare(cfg, progress=False)["this_run"]["tokens"] == 0  # headers only: not seen
     prepare.prepare(cfg, progress=False, verify=True)
     assert _shard_bytes(out) == whole
@@ -513,7 +513,7 @@ def test_a_rebuild_that_would_give_other_bytes_is_refused_and_keeps_the_files(pr
     left = _shard_bytes(out)
     assert left == {k: v for k, v in whole.items() if k != "train_000001.bin"}  # nothing else was lost
     with pytest.raises(ConfigError, match="waiting to be rebuilt"):
-        data.check_manifest(out)
+        shards.check_manifest(out)
 
 
 def test_a_manifest_without_restart_points_refuses_to_rebuild(prepared):
@@ -598,8 +598,8 @@ def test_vocabularies_over_65536_ids_are_written_as_uint32(tmp_path):
     cfg = config(tmp_path, tok_dir, dataset, files, shard_tokens=1000)
     prepare.prepare(cfg, progress=False)
     shard = tmp_path / "shards" / "train_000000.bin"
-    assert data.read_header(shard).dtype == np.uint32 and data.read_header(shard).vocab_size == 70_002
-    assert np.asarray(data.open_shard(shard)).tolist() == [0, 70_001, 2, 65_538, 0, 1, 14]
+    assert shards.read_header(shard).dtype == np.uint32 and shards.read_header(shard).vocab_size == 70_002
+    assert np.asarray(shards.open_shard(shard)).tolist() == [0, 70_001, 2, 65_538, 0, 1, 14]
 
 
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):

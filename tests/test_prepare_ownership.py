@@ -18,7 +18,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np
 import pytest
 
-from nanopt import cli, data, io, prepare
+from nanopt import cli, data, io, prepare, shards
 from nanopt.config import Config, ConfigError, load_config, to_yaml
 
 DOCS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(40)]
@@ -45,7 +45,7 @@ def prepared(tmp_path):
     cfg = _config(tmp_path)
     prepare.prepare(cfg, progress=False)
     out = tmp_path / "shards"
-    assert len(data.split_paths(out, "train")) == 5
+    assert len(shards.split_paths(out, "train")) == 5
     return cfg, out, _shard_bytes(out)
 
 
@@ -66,7 +66,7 @@ def _cli_prepare(cfg, tmp_path, capsys) -> tuple[int, str]:
     ("train_000001.bin/..", False), ("other_000001.bin", False), ("train_٠٠٠٠٠١.bin", False), (7, False), (None, False),
 ])
 def test_shard_names_are_exactly_those_prepare_writes(name, ours):
-    assert data.is_shard_name(name) is ours
+    assert shards.is_shard_name(name) is ours
 
 
 def test_resume_deletes_only_shard_and_temp_files_prepare_writes(prepared, caplog):
@@ -124,14 +124,14 @@ def test_a_manifest_entry_naming_another_file_is_refused_and_nothing_is_deleted(
     bad = str(victim) if bad == "absolute" else bad
     if bad.endswith(".bak"):
         (out / bad).write_text("a user's backup")
-    path = out / data.MANIFEST
+    path = out / shards.MANIFEST
     manifest = json.loads(path.read_text())
     if key == "shards":
         manifest["shards"][1]["file"] = bad
     else:
         manifest["rebuild"] = [dict(manifest["shards"][2], file=bad)]
     path.write_text(json.dumps(manifest))
-    for check in (lambda: prepare.prepare(cfg, progress=False), lambda: data.check_manifest(out)):
+    for check in (lambda: prepare.prepare(cfg, progress=False), lambda: shards.check_manifest(out)):
         with pytest.raises(ConfigError) as e:
             check()
         message = str(e.value)
@@ -153,10 +153,10 @@ def test_a_manifest_entry_naming_another_file_is_refused_and_nothing_is_deleted(
 def test_a_wrong_typed_manifest_is_one_paragraph_not_a_traceback(tmp_path, capsys, content):
     out = tmp_path / "shards"
     out.mkdir()
-    (out / data.MANIFEST).write_bytes(content)
+    (out / shards.MANIFEST).write_bytes(content)
     with pytest.raises(ConfigError) as e:
-        data.check_manifest(out)  # what training calls before it reads a shard
-    assert str(out / data.MANIFEST) in str(e.value) and "cannot be used" in str(e.value) and "Restore" in str(e.value)
+        shards.check_manifest(out)  # what training calls before it reads a shard
+    assert str(out / shards.MANIFEST) in str(e.value) and "cannot be used" in str(e.value) and "Restore" in str(e.value)
     code, err = _cli_prepare(_config(tmp_path), tmp_path, capsys)
     assert code == 2 and "Traceback" not in err and "cannot be used" in err
 
@@ -166,7 +166,7 @@ def test_a_wrong_typed_manifest_is_one_paragraph_not_a_traceback(tmp_path, capsy
 
 def _shards(directory, n: int = 2) -> list:
     """n small train shards written 10 s ago (old enough to be recorded: see the racy rule in verify_shards)."""
-    paths = [data.write_shard(directory / f"train_{i:06d}.bin", (np.arange(100) + i) % 257, 257) for i in range(n)]
+    paths = [shards.write_shard(directory / f"train_{i:06d}.bin", (np.arange(100) + i) % 257, 257) for i in range(n)]
     for path in paths:
         os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
     return paths
@@ -181,7 +181,7 @@ def _cfg() -> Config:
 def _damage_keeping_size_and_mtime(path) -> None:
     st = path.stat()
     raw = bytearray(path.read_bytes())
-    raw[data.HEADER_BYTES + 5] ^= 0xFF
+    raw[shards.HEADER_BYTES + 5] ^= 0xFF
     path.write_bytes(bytes(raw))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
@@ -190,8 +190,8 @@ def _damage_keeping_size_and_mtime(path) -> None:
 def passes(monkeypatch) -> list[str]:
     """The names of the shards read whole for their checksum, in order."""
     seen: list[str] = []
-    real_open = data.open_shard
-    monkeypatch.setattr(data, "open_shard", lambda p, verify=True: (verify and seen.append(p.name),
+    real_open = shards.open_shard
+    monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and seen.append(p.name),
                                                                      real_open(p, verify))[1])
     return seen
 
@@ -215,12 +215,12 @@ def test_a_copied_shard_is_verified_again_though_it_keeps_size_and_mtime(tmp_pat
                                      b'{"train_000000.bin": "abc"}', b'{"train_000000.bin": [1, "x", 3]}'])
 def test_a_damaged_verification_record_is_ignored_with_a_warning(tmp_path, passes, caplog, content):
     _shards(tmp_path)
-    (tmp_path / data.VERIFIED).write_bytes(content)
+    (tmp_path / shards.VERIFIED).write_bytes(content)
     with caplog.at_level("WARNING", logger="nanopt"):
         data.open_split(tmp_path, "train", _cfg())
     assert passes == ["train_000000.bin", "train_000001.bin"]
-    assert data.VERIFIED in caplog.text and "verified again" in caplog.text
-    assert sorted(json.loads((tmp_path / data.VERIFIED).read_text())) == passes  # written afresh
+    assert shards.VERIFIED in caplog.text and "verified again" in caplog.text
+    assert sorted(json.loads((tmp_path / shards.VERIFIED).read_text())) == passes  # written afresh
 
 
 def test_stamps_are_recorded_shard_by_shard(tmp_path):
@@ -229,7 +229,7 @@ def test_stamps_are_recorded_shard_by_shard(tmp_path):
     _damage_keeping_size_and_mtime(tmp_path / "train_000002.bin")
     with pytest.raises(ConfigError, match="train_000002.bin fails its checksum"):
         data.open_split(tmp_path, "train", _cfg())
-    stamps = json.loads((tmp_path / data.VERIFIED).read_text())
+    stamps = json.loads((tmp_path / shards.VERIFIED).read_text())
     assert sorted(stamps) == ["train_000000.bin", "train_000001.bin"]
     st = (tmp_path / "train_000000.bin").stat()
     assert stamps["train_000000.bin"][:4] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]

@@ -332,7 +332,7 @@ def test_changed_config_is_refused_unless_safe_or_allowed(tmp_path, capsys):
 
 
 def test_shards_that_differ_from_the_checkpoint_are_refused(tmp_path, corpus_dir, capsys):
-    from nanopt.data import open_shard, write_shard
+    from nanopt.shards import open_shard, write_shard
 
     shards = tmp_path / "shards"
     for name in ("train_000000.bin", "val_000000.bin"):

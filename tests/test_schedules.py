@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, small_overrides
-from nanopt import data
+from nanopt import data, shards
 from nanopt.config import load_config, parse_overrides, resolve
 from nanopt.main import run
 from nanopt.optim import lr_multiplier
@@ -55,7 +55,7 @@ def test_tokens_left_counts_each_stage_at_its_own_batch():
 
 # ---------------------------------------------------------------- the windows loader
 def _windows(tmp_path, seq_len: int = 16) -> data.TokenWindows:
-    paths = [data.write_shard(tmp_path / f"train_{s:06d}.bin", np.arange(s * 2500, (s + 1) * 2500), 65536)
+    paths = [shards.write_shard(tmp_path / f"train_{s:06d}.bin", np.arange(s * 2500, (s + 1) * 2500), 65536)
              for s in range(2)]  # distinct ids: a window's content names the window
     return data.TokenWindows(paths, seq_len)
 

@@ -9,7 +9,7 @@ import json
 
 from nanopt import core
 from nanopt.config import DEVICES
-from nanopt.data import corpus_documents, fetch_sdist
+from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.harness import TaskSpec, score_checkpoint, task_lines
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE
