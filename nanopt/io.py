@@ -38,7 +38,7 @@ def write_bytes(path: Path, *chunks: bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk or an interrupt: leave no half-written temp file behind
+    except Exception:  # a full disk: leave no half-written temp file (a kill or Ctrl-C leaves one, as a crash does)
         tmp.unlink(missing_ok=True)
         raise
     return path
