@@ -224,7 +224,9 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, referenc
     log = out.read()
     assert "preempted by SIGTERM after step 3" in log  # rank 1
     assert "preempted by a signal to another rank after step 3" in log  # rank 0, same step
-    assert "exitcode  : 75" in log  # torchrun's report: both workers said "preempted, resumable"
+    # torchrun's report: both workers said "preempted, resumable". Seen once (1 in ~10): a worker aborted (SIGABRT)
+    # after both had logged the preemption; the tail shows where, next time.
+    assert "exitcode  : 75" in log, log[-4000:]
     assert complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
     rngs = torch.load(run_dir / "checkpoints" / "step_000003" / "rng.pt", weights_only=True)["ranks"]
     assert len(rngs) == 2  # every rank's RNG state was saved
