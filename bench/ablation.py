@@ -10,6 +10,8 @@ training seconds (`train_seconds_to_target`: steps only, no start-up or evaluati
     python bench/ablation.py --target-bpb 2.70
     python bench/ablation.py --target-bpb 2.70 --seeds 5 --only recipe,adamw-lr3e-3
     python bench/ablation.py --target-bpb 2.70 --variant "wide=--model.dim=256 --model.n_heads=8"
+    python bench/ablation.py --target-bpb 2.8654 --data DIR --eval-every 10 --only recipe,+residual_scalars
+        # on text prepared elsewhere (e.g. the Vim docs as bench/vs_nanogpt.py --work W prepares them), finer clock
 
 The target: nanoGPT's final val loss on the embedded corpus, which `bench/vs_nanogpt.py` prints in bits
 per byte.
@@ -39,6 +41,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--only", default="", help="comma list of variant names to run (default: all)")
     p.add_argument("--variant", action="append", default=[], help='extra "name=--key=value --key=value"')
+    p.add_argument("--data", default="", help="train on these prepared shards (data.source) instead of the config's")
+    p.add_argument("--eval-every", type=int, default=0, help="eval.every for every run (0: the config's); the "
+                   "steps to the target are multiples of it")
     p.add_argument("--json", type=Path, default=None, help="also write every run's result here")
     return p.parse_args()
 
@@ -71,6 +76,7 @@ def variants(config: str, extra: list[str]) -> dict[str, list[str]]:
 
 
 def run_once(config: str, overrides: list[str], target: float, seed: int, run_dir: Path) -> dict:
+    """One whole run to the target; `overrides` last, so a variant's own keys win over the bench's."""
     cmd = [sys.executable, "-m", "nanopt.main", "--config", config, f"--run.dir={run_dir}", f"--run.seed={seed}",
            f"--train.target_val_bpb={target}", "--train.stop_at_target=true", "--checkpoint.resume=false",
            "--log.tensorboard=false", "--sample.num_samples=0", *overrides]
@@ -97,13 +103,16 @@ def main() -> None:
     table = variants(a.config, a.variant)
     if a.only:
         table = {k: v for k, v in table.items() if k in a.only.split(",")}
-    C.banner("Speedrun ablation: steps and seconds to a target", {"config": a.config, "target": f"{a.target_bpb} bpb"})
+    C.banner("Speedrun ablation: steps and seconds to a target", {"config": a.config, "target": f"{a.target_bpb} bpb",
+                                                                  "data": a.data or "the config's"})
     work = Path(tempfile.mkdtemp(prefix="nanopt-ablation-"))
+    common = ([f"--data.source={a.data}"] if a.data else []) + ([f"--eval.every={a.eval_every}"] if a.eval_every else [])
     results: dict[str, list[dict]] = {name: [] for name in table}
     for seed in range(a.seeds):
         names = list(table)[seed % len(table):] + list(table)[: seed % len(table)]  # rotate: drift hits all alike
         for name in names:
-            r = run_once(a.config, table[name], a.target_bpb, seed, work / f"{len(results[name])}-{seed}-{abs(hash(name))}")
+            r = run_once(a.config, common + table[name], a.target_bpb, seed,
+                         work / f"{len(results[name])}-{seed}-{abs(hash(name))}")
             results[name].append(r)
             where = f"step {r['steps']}, {r['seconds']:.1f} s" if r["reached"] else "not reached"
             print(f"seed {seed} | {name}: {where}", file=sys.stderr, flush=True)

@@ -107,9 +107,14 @@ def _muon(muon_type: type[torch.optim.Muon], groups: list[dict], optim: OptimCon
                             adjust_lr_fn=optim.muon_adjust_lr)
 
 
+# Matrices up to this many elements are orthogonalised together, one batch per shape (the CPU speedrun's are 16-44k).
+# Batches of 6 on 2 EPYC cores: 2.6x faster at 128x128, 1.2x at 256x688, even at 384x384, 0.97x at 512x512.
+BATCH_MAX_NUMEL = 3 * 2**16
+
+
 class BatchedMuon(torch.optim.Muon):
-    """torch's Muon with one Newton-Schulz iteration per group of same-shaped matrices (batched matmuls) instead of
-    one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr); its groups and
+    """torch's Muon with one Newton-Schulz iteration per group of same-shaped small matrices (batched matmuls)
+    instead of one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr); its groups and
     state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the 21 matrices' 315
     small matmuls were mostly call overhead, 11 ms of a 75 ms step; batched they take 3.7 ms (docs/results.md)."""
 
@@ -128,33 +133,38 @@ class BatchedMuon(torch.optim.Muon):
             for i, p in enumerate(params):
                 by_shape[p.shape].append(i)
             for index in by_shape.values():
-                _muon_update([params[i] for i in index], [grads[i] for i in index], [bufs[i] for i in index], group)
+                # Large matrices one at a time: their matmuls are no longer overhead-bound, and on CPU a batched
+                # bf16 matmul of them ran slower than single ones (bench/muon_step.py at 170m: 0.69x).
+                for part in [index] if params[index[0]].numel() <= BATCH_MAX_NUMEL else [[i] for i in index]:
+                    _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group)
         return loss
 
 
 def _muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor],
                  group: dict[str, Any]) -> None:
-    """torch's per-matrix Muon step (torch.optim._muon._single_tensor_muon) for N matrices of one shape at once."""
+    """torch's per-matrix Muon step (torch.optim._muon._single_tensor_muon) for 1 or N matrices of one shape."""
     momentum = group["momentum"]
     torch._foreach_lerp_(bufs, grads, 1 - momentum)
     updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-    ortho = orthogonalize(torch.stack(updates), group["ns_coefficients"], group["ns_steps"], group["eps"])  # N A B
+    stacked = torch.stack(updates) if len(updates) > 1 else updates[0]  # N A B, or one A B
+    ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"]).to(params[0].dtype)
     lr = muon_lr(group["lr"], group["adjust_lr_fn"], params[0].shape)
     torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-    torch._foreach_add_(params, list(ortho.to(params[0].dtype).unbind(0)), alpha=-lr)
+    torch._foreach_add_(params, list(ortho.unbind(0)) if ortho.dim() == 3 else [ortho], alpha=-lr)
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Newton-Schulz's quintic, as torch.optim.Muon runs it (in bf16, on the wide orientation), batched:
-    N A B -> N A B bf16, each matrix's singular values pushed into a band around 1."""
+    """Newton-Schulz's quintic, as torch.optim.Muon runs it (in bf16, on the wide orientation), on one matrix or a
+    batch: (N) A B -> (N) A B bf16, each matrix's singular values pushed into a band around 1."""
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
     x = g.bfloat16()
-    x = x.mT if tall else x  # N R C with R <= C: the Gram matrices are the small side
+    x = x.mT if tall else x  # (N) R C with R <= C: the Gram matrices are the small side
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    mul_add = torch.baddbmm if x.dim() == 3 else torch.addmm
     for _ in range(steps):
-        gram = x @ x.mT  # N R R
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # N R C
+        gram = x @ x.mT  # (N) R R
+        x = mul_add(x, mul_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # (N) R C
     return x.mT if tall else x
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import torchrun
+from nanopt import optim
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.main import run
 from nanopt.model import build_model
@@ -73,11 +74,14 @@ def test_muon_orthogonalises_each_matrix_update_where_adamw_does_not():
     assert all(high / low > 3.0 for low, high in spreads["adamw"]), spreads["adamw"]
 
 
-@pytest.mark.parametrize("nesterov,adjust", [(True, "match_rms_adamw"), (False, "original"), (True, None)])
-def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adjust):
-    """BatchedMuon (one Newton-Schulz per shape, batched) against torch.optim.Muon (one per matrix): square, wide
-    and tall matrices, 4 steps with weight decay. The iteration is bf16 in both; batched matmuls may round otherwise
-    on another CPU, so the bound is one bf16 ulp of the largest update, far below the updates themselves."""
+@pytest.mark.parametrize("nesterov,adjust,batch_max", [(True, "match_rms_adamw", 2**18), (False, "original", 2**18),
+                                                       (True, None, 600)])
+def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adjust, batch_max, monkeypatch):
+    """BatchedMuon (one Newton-Schulz per shape, batched; matrices above optim.BATCH_MAX_NUMEL one at a time, here
+    600 elements in the last case) against torch.optim.Muon (one per matrix): square, wide and tall matrices, 4
+    steps with weight decay. The iteration is bf16 in both; batched matmuls may round otherwise on another CPU, so
+    the bound is one bf16 ulp of the largest update, far below the updates themselves."""
+    monkeypatch.setattr(optim, "BATCH_MAX_NUMEL", batch_max)
     g = torch.Generator().manual_seed(0)
     shapes = [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (8, 16)]
     start = [torch.randn(s, generator=g) for s in shapes]

@@ -1,0 +1,64 @@
+"""Muon's optimizer step: torch.optim.Muon (one Newton-Schulz iteration per matrix) against nanopt's BatchedMuon
+(one per matrix shape, batched), on the hidden matrices of a config's model, side by side in one process.
+
+Both step the same parameters from the same random gradients, alternating round-robin after a warm-up; the table
+gives the median seconds per step, the spread, and the ratio; the two updates are compared once (max abs
+difference). A benchmark, not a test.
+
+    python bench/muon_step.py                                   # configs/speedrun-cpu.yaml's 21 matrices
+    python bench/muon_step.py --config configs/170m-1gpu.yaml --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+
+import _common as C
+import torch
+
+from nanopt.config import load_config
+from nanopt.model import build_model
+from nanopt.optim import BatchedMuon, param_groups
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(C.REPO / "configs" / "speedrun-cpu.yaml"))
+    p.add_argument("--repeats", type=int, default=30, help="alternating rounds")
+    return p.parse_args()
+
+
+def matrices(config: str) -> list[torch.Tensor]:
+    """The matrix kind's parameters (what Muon steps) of the config's model, detached copies."""
+    cfg = load_config(config)
+    model = build_model(cfg.model)
+    group = next(g for g in param_groups(model, cfg.train, cfg.optim) if g["kind"] == "matrix")
+    return [p.detach().clone() for p in group["params"]]
+
+
+def main() -> None:
+    a = parse()
+    C.banner("Muon step: torch.optim.Muon vs BatchedMuon", {"config": a.config})
+    start = matrices(a.config)
+    shapes = sorted({tuple(p.shape) for p in start})
+    print(f"matrices: {len(start)} in {len(shapes)} shapes {shapes}\n")
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g) for p in start]
+    kw = dict(lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    params = {name: [p.clone().requires_grad_() for p in start] for name in ("torch", "batched")}
+    opts = {"torch": torch.optim.Muon(params["torch"], **kw), "batched": BatchedMuon(params["batched"], **kw)}
+    for name in opts:
+        for p, grad in zip(params[name], grads):
+            p.grad = grad
+    opts["torch"].step()
+    opts["batched"].step()
+    diff = max((x - y).abs().max().item() for x, y in zip(params["torch"], params["batched"]))
+    times = C.alternate({name: opt.step for name, opt in opts.items()}, a.repeats)
+    print("| optimizer | median ms/step | spread |\n|---|---:|---|")
+    for name, label in (("torch", "torch.optim.Muon"), ("batched", "nanopt BatchedMuon")):
+        print(f"| {label} | {1e3 * C.median(times[name]):.2f} | {C.spread(times[name])} |")
+    ratio = C.median(times["torch"]) / C.median(times["batched"])
+    print(f"\nBatchedMuon is **{ratio:.2f}x** torch's speed; the first steps' updates differ by at most {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
