@@ -114,9 +114,10 @@ BATCH_MAX_NUMEL = 3 * 2**16
 
 class BatchedMuon(torch.optim.Muon):
     """torch's Muon with one Newton-Schulz iteration per group of same-shaped small matrices (batched matmuls)
-    instead of one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr); its groups and
-    state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the 21 matrices' 315
-    small matmuls were mostly call overhead, 11 ms of a 75 ms step; batched they take 3.7 ms (docs/results.md)."""
+    instead of one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr);
+    its groups and state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the
+    21 matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast
+    (bench/muon_step.py, docs/results.md)."""
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
