@@ -23,7 +23,8 @@ class TokenWindows:
             raise ShardError("no token shards given")
         self.paths = paths
         self.shards = [open_shard(p, verify) for p in paths]
-        self.vocab_size = max(read_header(p).vocab_size for p in paths)
+        self.infos = [read_header(p) for p in paths]  # what names each shard's content (the BOS index cache's key)
+        self.vocab_size = max(info.vocab_size for info in self.infos)
         self._cut(seq_len)
 
     def _cut(self, seq_len: int) -> None:

@@ -117,7 +117,7 @@ class CpuBackend(Backend):
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed blocks up to 32 MiB for reuse instead of returning them to the kernel. By
     default a block above its mmap threshold is a fresh mapping, so every step's activations (2.8 MB for one
-    2048 x 344 SwiGLU tensor) are new pages the kernel must fault in and zero: 6% of the CPU speedrun's training
+    2048 x 344 SwiGLU tensor) are new pages the kernel must fault in and zero: ~5% of the CPU speedrun's training
     time (docs/results.md). The peak memory is the same; it is held until exit. False where there is no glibc."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt

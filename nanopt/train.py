@@ -362,8 +362,7 @@ def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Opti
     args = (t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, seed)
     if cfg.data.packing == "windows":
         return data.Loader(windows, *args)
-    ids = [shards.read_header(p) for p in windows.paths]  # the BOS index is cached by the shards' contents
-    documents = packing.Documents(windows.shards, bos, ids)
+    documents = packing.Documents(windows.shards, bos, windows.infos)  # the BOS index is cached by the shards' contents
     return packing.PackedLoader(documents, *args, t.seq_len, cfg.data.pack_buffer)
 
 
