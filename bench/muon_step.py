@@ -18,6 +18,7 @@ import torch
 from nanopt.config import load_config
 from nanopt.model import build_model
 from nanopt.optim import BatchedMuon, param_groups
+from nanopt.runtime import CpuBackend
 
 
 def parse() -> argparse.Namespace:
@@ -45,7 +46,9 @@ def main() -> None:
     grads = [torch.randn(p.shape, generator=g) for p in start]
     kw = dict(lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
     params = {name: [p.clone().requires_grad_() for p in start] for name in ("torch", "batched")}
-    opts = {"torch": torch.optim.Muon(params["torch"], **kw), "batched": BatchedMuon(params["batched"], **kw)}
+    cut_off = CpuBackend.muon_batch_max_numel  # as nanopt trains on CPU
+    opts = {"torch": torch.optim.Muon(params["torch"], **kw),
+            "batched": BatchedMuon(params["batched"], **kw, batch_max_numel=cut_off)}
     for name in opts:
         for p, grad in zip(params[name], grads):
             p.grad = grad

@@ -74,10 +74,11 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
     return groups
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str,
-                    optim: Optional[OptimConfig] = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, optim: Optional[OptimConfig] = None,
+                    muon_batch_max_numel: Optional[int] = None) -> torch.optim.Optimizer:
     """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon
-    on the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW."""
+    on the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW;
+    `muon_batch_max_numel` is BatchedMuon's cut-off (the device backend's)."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
@@ -90,8 +91,11 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str,
         matrix = [g for g in groups if g["kind"] == "matrix"]
         rest = [g for g in groups if g["kind"] != "matrix"]
         # XLA keeps torch's per-matrix Muon: its graphs were measured that way (tests/xla_jobs.py).
-        muon_type = torch.optim.Muon if device_kind == "xla" else BatchedMuon
-        return MuonWithAdamW(_muon(muon_type, matrix, optim), _adamw(rest, train, device_kind))
+        if device_kind == "xla":
+            muon: torch.optim.Muon = _muon(torch.optim.Muon, matrix, optim)
+        else:
+            muon = _muon(BatchedMuon, matrix, optim, batch_max_numel=muon_batch_max_numel)
+        return MuonWithAdamW(muon, _adamw(rest, train, device_kind))
     raise ValueError(f"unknown optimizer {optim.name!r}; expected {ADAMW!r} or {MUON!r}")
 
 
@@ -100,24 +104,40 @@ def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.op
                              betas=(train.beta1, train.beta2), eps=train.eps, **adamw_options(device_kind))
 
 
-def _muon(muon_type: type[torch.optim.Muon], groups: list[dict], optim: OptimConfig) -> torch.optim.Muon:
+def _muon(muon_type: type[torch.optim.Muon], groups: list[dict], optim: OptimConfig,
+          **extra: Any) -> torch.optim.Muon:
     # Each group brings its own lr and weight decay; Muon scales the lr per matrix shape (adjust_lr_fn).
     return muon_type([dict(g, optimizer=MUON) for g in groups], momentum=optim.muon_momentum,
-                            nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
-                            adjust_lr_fn=optim.muon_adjust_lr)
-
-
-# Matrices up to this many elements are orthogonalised together, one batch per shape (the CPU speedrun's are 16-44k).
-# Batches of 6 on 2 EPYC cores: 2.6x faster at 128x128, 1.2x at 256x688, even at 384x384, 0.97x at 512x512.
-BATCH_MAX_NUMEL = 3 * 2**16
+                     nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps, adjust_lr_fn=optim.muon_adjust_lr,
+                     **extra)
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch's Muon with one Newton-Schulz iteration per group of same-shaped small matrices (batched matmuls)
-    instead of one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr);
-    its groups and state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the
-    21 matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast
-    (bench/muon_step.py, docs/results.md)."""
+    """torch's Muon with one Newton-Schulz iteration per group of same-shaped matrices (batched matmuls) instead
+    of one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr); its groups
+    and state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the 21
+    matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast (bench/muon_step.py,
+    docs/results.md).
+
+    `batch_max_numel`: matrices above this many elements go one at a time (None: every shape batches). Where
+    batching stops paying is the device's (its backend's muon_batch_max_numel, runtime.py): on 2 CPU cores a
+    batched bf16 matmul of 170m's matrices ran 0.69x single ones."""
+
+    def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.batch_max_numel = batch_max_numel
+
+    def batches(self, params: list[torch.Tensor]) -> list[list[int]]:
+        """Indices into params, one list per Newton-Schulz call: same shapes together, large ones alone."""
+        by_shape: dict[torch.Size, list[int]] = defaultdict(list)
+        for i, p in enumerate(params):
+            by_shape[p.shape].append(i)
+        limit = self.batch_max_numel
+        out: list[list[int]] = []
+        for index in by_shape.values():
+            alone = limit is not None and params[index[0]].numel() > limit
+            out += [[i] for i in index] if alone else [index]
+        return out
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -130,14 +150,8 @@ class BatchedMuon(torch.optim.Muon):
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
-            by_shape: dict[torch.Size, list[int]] = defaultdict(list)
-            for i, p in enumerate(params):
-                by_shape[p.shape].append(i)
-            for index in by_shape.values():
-                # Large matrices one at a time: their matmuls are no longer overhead-bound, and on CPU a batched
-                # bf16 matmul of them ran slower than single ones (bench/muon_step.py at 170m: 0.69x).
-                for part in [index] if params[index[0]].numel() <= BATCH_MAX_NUMEL else [[i] for i in index]:
-                    _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group)
+            for part in self.batches(params):
+                _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group)
         return loss
 
 

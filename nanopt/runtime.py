@@ -42,6 +42,9 @@ class Backend:
     # How FP8 matmuls run (train.fp8): "native" on FP8 tensor cores, "emulated" (torchao's emulate: the numerics,
     # no speed), None where neither is offered.
     fp8: Optional[str] = None
+    # optim.BatchedMuon's cut-off: matrices above this many elements are orthogonalised one at a time, the rest one
+    # batched Newton-Schulz per shape; None batches every shape. Where batching stops paying is the device's.
+    muon_batch_max_numel: Optional[int] = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = self.init_device = device  # init_device: where weights are initialised, then moved
@@ -99,6 +102,9 @@ class CpuBackend(Backend):
     measures_peak = True
     profiler_activities = [ProfilerActivity.CPU]
     fp8 = "emulated"  # to test FP8 runs' numerics without a GPU
+    # Batches of 6 on 2 EPYC cores: 2.6x faster at 128x128, 1.2x at 256x688, even at 384x384, 0.97x at 512x512, and
+    # 0.69x at 170m's shapes (bench/muon_step.py); the CPU speedrun's matrices are 16-44k elements.
+    muon_batch_max_numel = 3 * 2**16
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CpuBackend:
@@ -131,6 +137,10 @@ class CudaBackend(Backend):
     """One GPU per rank, through its torch device module (torch.cuda)."""
 
     profiler_activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    # Every shape batches: at the speedrun's 768-wide matrices one Newton-Schulz per matrix is a few hundred small
+    # kernel launches. Not yet measured: bench/gpu_check.py --quick's `muon` section times both ways per shape and
+    # says which cut-off to set here.
+    muon_batch_max_numel = None
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CudaBackend:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import torchrun
-from nanopt import optim
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.main import run
 from nanopt.model import build_model
 from nanopt.optim import BatchedMuon, MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams, load_state_dict
+from nanopt.runtime import CpuBackend, CudaBackend
 from test_ddp import ARGS as DDP_ARGS, _assert_same_run
 from test_resume import assert_same_as, losses, train_here, train_process
 
@@ -76,18 +76,17 @@ def test_muon_orthogonalises_each_matrix_update_where_adamw_does_not():
 
 @pytest.mark.parametrize("nesterov,adjust,batch_max", [(True, "match_rms_adamw", 2**18), (False, "original", 2**18),
                                                        (True, None, 600)])
-def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adjust, batch_max, monkeypatch):
-    """BatchedMuon (one Newton-Schulz per shape, batched; matrices above optim.BATCH_MAX_NUMEL one at a time, here
+def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adjust, batch_max):
+    """BatchedMuon (one Newton-Schulz per shape, batched; matrices above batch_max_numel one at a time, here
     600 elements in the last case) against torch.optim.Muon (one per matrix): square, wide and tall matrices, 4
     steps with weight decay. The iteration is bf16 in both; batched matmuls may round otherwise on another CPU, so
     the bound is one bf16 ulp of the largest update, far below the updates themselves."""
-    monkeypatch.setattr(optim, "BATCH_MAX_NUMEL", batch_max)
     g = torch.Generator().manual_seed(0)
     shapes = [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (8, 16)]
     start = [torch.randn(s, generator=g) for s in shapes]
     ref, mine = ([p.clone().requires_grad_() for p in start] for _ in range(2))
     kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
-    torch_muon, batched = torch.optim.Muon(ref, **kw), BatchedMuon(mine, **kw)
+    torch_muon, batched = torch.optim.Muon(ref, **kw), BatchedMuon(mine, **kw, batch_max_numel=batch_max)
     for _ in range(4):
         grads = [torch.randn(s, generator=g) for s in shapes]
         for params, opt in ((ref, torch_muon), (mine, batched)):
@@ -102,6 +101,18 @@ def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adju
     # The state_dicts are interchangeable: torch's Muon resumes from the batched one's.
     torch_muon.load_state_dict(batched.state_dict())
     assert torch.equal(torch_muon.state[ref[0]]["momentum_buffer"], batched.state[mine[0]]["momentum_buffer"])
+
+
+def test_the_batch_cut_off_is_the_devices_and_reaches_the_optimizer():
+    """Which matrices share a Newton-Schulz call: every same-shaped one without a cut-off (CUDA's default), the
+    large ones alone above it (the CPU backend's, measured on 2 cores); train.py passes the backend's."""
+    shapes = [(32, 32), (64, 32), (32, 32), (8, 16), (64, 32)]
+    params = [torch.zeros(s, requires_grad=True) for s in shapes]
+    assert BatchedMuon(params).batches(params) == [[0, 2], [1, 4], [3]]
+    assert BatchedMuon(params, batch_max_numel=1024).batches(params) == [[0, 2], [1], [4], [3]]
+    assert CpuBackend.muon_batch_max_numel == 3 * 2**16 and CudaBackend.muon_batch_max_numel is None
+    opt = build_optimizer(tiny(), TrainConfig(), "cpu", OptimConfig(name="muon"), muon_batch_max_numel=77)
+    assert opt.optimizers["muon"].batch_max_numel == 77
 
 
 def test_embedding_head_and_scalars_go_to_adamw_with_their_own_lr_and_decay():
