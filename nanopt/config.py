@@ -187,6 +187,12 @@ class TrainConfig:
                    "H100 or newer GPU; emulated on CPU, for tests): tensorwise or rowwise scaling; none = bf16 "
                    "(docs/mfu.md).",
                    choices=("none", "tensorwise", "rowwise"))
+    fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain from FP8 "
+                          "by torchao's H100 measurements (small in/out features stay in bf16), all = every one "
+                          "whose dims are multiples of 16 (docs/mfu.md).", choices=("auto", "all"))
+    compile_ddp_split: bool = key(True, "Compiled under DDP: split the graph at DDP's gradient buckets so their "
+                                  "all-reduces overlap the backward (torch._dynamo's optimize_ddp); false = one graph, "
+                                  "no overlap: the fallback if FP8 + compile + DDP fails to compile.", safe=True)
     grad_accum_steps: int = key(0, "Micro-steps per optimizer step, computed by resolve() for the world size (which "
                                 "may change on resume).", derived=True, safe=True)
 
@@ -210,6 +216,22 @@ class TrainConfig:
                 raise ConfigError(f"`train.seq_len_schedule` has {length} tokens from {stage_start}, longer than "
                                   f"`train.seq_len` ({self.seq_len}), the model's context; raise train.seq_len.")
         parse_stages(self.batch_schedule, "train.batch_schedule")
+        self._check_fp8_shapes()
+
+    def _check_fp8_shapes(self) -> None:
+        """FP8's weight-gradient matmul contracts over a micro-batch's tokens, which torch._scaled_mm takes only in
+        multiples of 16: refused here, on every device, so a config that runs on CPU does not crash on the GPU."""
+        if self.fp8 == "none":
+            return
+        for start, _, seq_len in self.stages():
+            if self.micro_batch_size * seq_len % 16:
+                where = f"from {start} {self.schedule_unit} " if len(self.stages()) > 1 else ""
+                tokens = self.micro_batch_size * seq_len
+                raise ConfigError(f"`train.fp8` is {self.fp8!r} but the stage {where}has micro_batch_size × seq_len "
+                                  f"= {self.micro_batch_size} × {seq_len} = {tokens} tokens per micro-batch, not a "
+                                  f"multiple of 16, which FP8's weight-gradient matmul needs. Change "
+                                  f"`train.micro_batch_size`, `train.seq_len` or `train.seq_len_schedule`, or set "
+                                  f"`--train.fp8=none`.")
 
     def stages(self) -> list[tuple[int, int, int]]:
         """(start, global batch tokens, seq_len) for each stretch where neither schedule changes, starts in

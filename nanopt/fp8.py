@@ -1,5 +1,6 @@
 """FP8 training (train.fp8) through torchao's float8: the transformer blocks' Linears compute their matmuls in FP8
-with tensorwise or rowwise dynamic scaling; the embeddings, the LM head, norms and attention stay as they were.
+with tensorwise or rowwise dynamic scaling (those of shapes that gain from it, train.fp8_filter); the embeddings, the
+LM head, norms and attention stay as they were.
 
 A converted Linear (torchao's Float8Linear) keeps its fp32 weight and its state_dict keys, so checkpoints of FP8 and
 bf16 runs load into each other and `nanopt export` writes ordinary weights. Dynamic scaling keeps no state, so a
@@ -10,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
-from nanopt.config import Config, ModelConfig
+from nanopt.config import Config, ModelConfig, TrainConfig
 from nanopt.errors import ConfigError
 from nanopt.flops import block_linears, flops_per_token
 from nanopt.runtime import Runtime
@@ -30,16 +31,38 @@ def accepted(in_features: int, out_features: int) -> bool:
     return in_features % DIM_MULTIPLE == 0 and out_features % DIM_MULTIPLE == 0
 
 
-def in_fp8(module: nn.Module, fqn: str) -> bool:
-    """The module filter: a Linear inside a transformer block (model.layers) of a shape torchao accepts."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
-            and accepted(module.in_features, module.out_features))
+def gains(recipe: str, in_features: int, out_features: int) -> bool:
+    """Whether FP8 pays for a Linear of this shape, by the thresholds torchao chose from its H100 measurements
+    (torchao.float8's per-recipe auto filter and its README's tables): below them the casts and scales cost more
+    than the faster matmul saves. At speedrun-gpu's 768 wide blocks that is 67% of the block FLOPs; at 1B, 3%."""
+    k, n = in_features, out_features
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)  # rowwise
 
 
-def flops_share(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> float:
-    """The share of the model's FLOPs per token (the `mfu` convention, flops.py) that run in FP8: 6 FLOPs per
-    weight of every converted block Linear."""
-    fp8_weights = m.n_layers * sum(i * o for i, o in block_linears(m).values() if accepted(i, o))
+def converts(recipe: str, which: str, in_features: int, out_features: int) -> bool:
+    """train.fp8_filter's rule for one block Linear: `all` takes every shape torchao accepts, `auto` those that
+    gain."""
+    return accepted(in_features, out_features) and (which == "all" or gains(recipe, in_features, out_features))
+
+
+def module_filter(recipe: str, which: str) -> Callable[[nn.Module, str], bool]:
+    """torchao's module_filter_fn: a Linear inside a transformer block (model.layers) that train.fp8_filter
+    converts."""
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
+                and converts(recipe, which, module.in_features, module.out_features))
+    return keep
+
+
+def flops_share(m: ModelConfig, t: TrainConfig, seq_len: int, causal_halving: bool = True) -> float:
+    """The share of the model's FLOPs per token at `seq_len` (a stage's; the `mfu` convention, flops.py) that run in
+    FP8: 6 FLOPs per weight of every converted block Linear; 0 without FP8."""
+    if t.fp8 == "none":
+        return 0.0
+    fp8_weights = m.n_layers * sum(i * o for i, o in block_linears(m).values()
+                                   if converts(t.fp8, t.fp8_filter, i, o))
     return 6 * fp8_weights / flops_per_token(m, seq_len, causal_halving)
 
 
@@ -70,8 +93,8 @@ def _torchao_float8() -> ModuleType:
 
 
 def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
-    """Swap the block Linears for torchao's Float8Linear in place, per train.fp8; returns how many were swapped.
-    Call before the optimizer is built and before torch.compile and DDP wrap the model."""
+    """Swap the block Linears for torchao's Float8Linear in place, per train.fp8 and train.fp8_filter; returns how
+    many were swapped. Call before the optimizer is built and before torch.compile and DDP wrap the model."""
     recipe = cfg.train.fp8
     if recipe == "none":
         return 0
@@ -81,20 +104,37 @@ def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     if support == "emulated":
         config = dataclasses.replace(config, emulate=True)
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=in_fp8)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=module_filter(recipe,
+                                                                                           cfg.train.fp8_filter))
     converted = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
     if rt.is_main:
-        share = flops_share(cfg.model, cfg.train.seq_len, cfg.mfu.causal_halving)
-        log.info("fp8: %d block Linears in FP8 (%s scaling, %s), %.1f%% of the model's FLOPs; embeddings and LM "
-                 "head stay in %s", converted, recipe, support, 100 * share, cfg.train.precision)
-        if support == "emulated":
-            log.warning("fp8: emulated on %s: torchao computes FP8's numerics in higher precision, so this run "
-                        "tests FP8's effect on the loss but is not faster; FP8 speed needs an H100-class GPU",
-                        rt.kind)
+        _explain(cfg, support, converted, rt.kind)
     return converted
 
 
-def summary(cfg: Config) -> dict[str, Any]:
-    """summary.json's FP8 keys: the recipe and the share of the model's FLOPs that ran in FP8 (0 without FP8)."""
-    share = flops_share(cfg.model, cfg.train.seq_len, cfg.mfu.causal_halving) if cfg.train.fp8 != "none" else 0.0
-    return {"fp8": cfg.train.fp8, "fp8_matmul_flops_share": share}
+def _explain(cfg: Config, support: str, converted: int, device: str) -> None:
+    """The log lines of a conversion: how much runs in FP8, and what would make this run slower than bf16."""
+    t = cfg.train
+    seq_len = t.stages()[0][2]
+    share = flops_share(cfg.model, t, seq_len, cfg.mfu.causal_halving)
+    log.info("fp8: %d block Linears in FP8 (%s scaling, %s, filter %s), %.1f%% of the model's FLOPs at seq_len %d; "
+             "embeddings and LM head stay in %s", converted, t.fp8, support, t.fp8_filter, 100 * share, seq_len,
+             t.precision)
+    if converted == 0:
+        log.warning("fp8: no block Linear of this model is large enough to gain from FP8 (train.fp8_filter=auto, "
+                    "torchao's H100 thresholds), so the run trains in %s; --train.fp8_filter=all converts every one "
+                    "whose dims are multiples of 16", t.precision)
+    if support == "emulated":
+        log.warning("fp8: emulated on %s: torchao computes FP8's numerics in higher precision, so this run "
+                    "tests FP8's effect on the loss but is not faster; FP8 speed needs an H100-class GPU", device)
+    elif not t.compile:
+        log.warning("fp8: train.compile is false: eager FP8 runs each cast and scale as its own kernel and is "
+                    "slower than bf16; set --train.compile=true for FP8's speed")
+
+
+def summary(cfg: Config, seq_len: int) -> dict[str, Any]:
+    """summary.json's FP8 keys: the recipe, its filter and the share of the model's FLOPs in FP8 at the seq_len
+    of the run's last stage (0 without FP8)."""
+    share = flops_share(cfg.model, cfg.train, seq_len, cfg.mfu.causal_halving)
+    return {"fp8": cfg.train.fp8, "fp8_filter": cfg.train.fp8_filter if cfg.train.fp8 != "none" else None,
+            "fp8_matmul_flops_share": share}

@@ -59,10 +59,11 @@ class MFUMeter:
 
     def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
         """Metrics for the `window_steps` optimizer steps ending at `step`, which took `step_seconds` each; nulls
-        for a window that includes a warm-up step (compilation, allocation, autotuning)."""
-        window_steps = max(window_steps, 1)
+        for a window that includes a warm-up step (compilation, allocation, autotuning). A window of 0 steps is the
+        step that opened it (a session's or a stage's first: its compilation, or a new seq_len's recompile), timed
+        alone: a warm-up step too, in neither the figure nor the summary."""
         out: dict[str, Optional[float]] = {key: None for key, _ in self.CONVENTIONS}
-        if step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
+        if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
             return {**out, "tflops_per_device": None}
         tokens_per_s_per_device = self.tokens_per_step / step_seconds / self.world_size
         self.seconds_done += window_steps * step_seconds

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nanopt import data, faults, fp8, hf, mfu, packing, plots, profiling, rundirs, shards
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
-from nanopt.config import Config, resume_changes, to_yaml
+from nanopt.config import Config, TrainConfig, resume_changes, to_yaml
 from nanopt.errors import ConfigError, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
@@ -292,9 +292,24 @@ class Session:
             self.metrics.close()
 
 
+def compiled(model: torch.nn.Module, t: TrainConfig) -> torch.nn.Module:
+    """torch.compile(model) for train.compile. Shapes are static when a seq_len schedule is set: under dynamo's
+    default a second sequence length recompiles the graph with T dynamic, and every later stage then runs that
+    slower dynamic-shape graph; static, each length gets its own graph, once. Under DDP, train.compile_ddp_split
+    chooses whether the graph is split at DDP's buckets (the all-reduces overlap the backward)."""
+    torch._dynamo.config.optimize_ddp = t.compile_ddp_split
+    lengths = {seq_len for _, _, seq_len in t.stages()}
+    if len(lengths) == 1:
+        return torch.compile(model)
+    # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager.
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 2 * len(lengths))
+    return torch.compile(model, dynamic=False)
+
+
 def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
     """train_step bound to the model as the device wants it: compiled, under DDP, or one XLA graph."""
-    train_model: torch.nn.Module = torch.compile(model) if cfg.train.compile else model
+    train_model: torch.nn.Module = compiled(model, cfg.train) if cfg.train.compile else model
     if rt.distributed:
         # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
         # before each forward (DDP's default would send them from rank 0 every micro-step).
@@ -327,7 +342,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
                         dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
     fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
-    optimizer = build_optimizer(model, t, rt.kind, cfg.optim)
+    optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
     ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))
@@ -435,7 +450,8 @@ def finish(run: Session) -> dict[str, Any]:
         "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - run.started,
         "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
         "best_val_loss": state.best_val_loss, "world_size": rt.world_size, "device": rt.kind,
-        "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(), **fp8.summary(cfg),
+        "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
+        **fp8.summary(cfg, (run.schedule.current or run.schedule.at(state.step, state.tokens_seen)).seq_len),
         "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),

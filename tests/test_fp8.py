@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, small_overrides, torchrun
 from nanopt import cli, flops, fp8
-from nanopt.config import ConfigError, ModelConfig, load_config, parse_overrides
+from nanopt.config import ConfigError, ModelConfig, TrainConfig, load_config, parse_overrides
 from nanopt.main import run
 from nanopt.model import build_model
 from nanopt.runtime import Backend, Runtime
@@ -33,7 +33,8 @@ def cpu(precision: str = "fp32", backend: Backend | None = None) -> Runtime:
 
 
 def fp8_config(recipe: str = "tensorwise", *extra: str):
-    return load_config(None, parse_overrides(small_overrides() + [f"--train.fp8={recipe}", *extra]))
+    return load_config(None, parse_overrides(small_overrides() + [f"--train.fp8={recipe}", "--train.fp8_filter=all",
+                                                                  *extra]))
 
 
 def converted(model_cfg: ModelConfig = TOY, recipe: str = "tensorwise") -> nn.Module:
@@ -71,15 +72,73 @@ def test_a_linear_whose_dims_torchao_refuses_stays_and_the_share_says_so():
     assert not any(isinstance(m, Float8Linear) for m in model.layers[0].mlp.modules())  # 40 is no multiple of 16
     assert all(isinstance(getattr(model.layers[0].attention, n), Float8Linear) for n in ("wq", "wk", "wv", "wo"))
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear))
-    assert fp8.flops_share(odd, 32) == pytest.approx(6 * weights / flops.flops_per_token(odd, 32))
+    assert fp8.flops_share(odd, fp8_config().train, 32) == pytest.approx(6 * weights / flops.flops_per_token(odd, 32))
 
 
 def test_fp8_share_of_the_1b_model_by_hand():
     m = load_config(REPO / "configs" / "1b.yaml").model
     # Every block Linear of Llama-3.2-1B (dims 2048, 512, 8192) runs in FP8: 6 x 973,078,528 of 8.22 GFLOP/token.
     assert flops.param_counts(m).block_matmuls == 973_078_528
-    assert fp8.flops_share(m, 4096) == pytest.approx(6 * 973_078_528 / 8_220_192_768)  # 71.0%
-    assert fp8.summary(load_config(REPO / "configs" / "1b.yaml")) == {"fp8": "none", "fp8_matmul_flops_share": 0.0}
+    every = TrainConfig(fp8="tensorwise", fp8_filter="all")
+    assert fp8.flops_share(m, every, 4096) == pytest.approx(6 * 973_078_528 / 8_220_192_768)  # 71.0%
+    # auto: torchao's H100 thresholds keep wk and wv (2048 -> 512) in bf16, 3.4% of the block matmuls
+    kv = 16 * 2 * 2048 * 512
+    auto = TrainConfig(fp8="tensorwise")
+    assert fp8.flops_share(m, auto, 4096) == pytest.approx(6 * (973_078_528 - kv) / 8_220_192_768)
+    assert fp8.summary(load_config(REPO / "configs" / "1b.yaml"), 4096) == {
+        "fp8": "none", "fp8_filter": None, "fp8_matmul_flops_share": 0.0}
+
+
+def test_auto_keeps_the_shapes_torchao_measured_slower_and_agrees_with_torchaos_own_filter():
+    """speedrun-gpu's 768-wide blocks: only the up-projection (768 -> 3072) gains under tensorwise, a third of the
+    block FLOPs; rowwise converts none of them. The thresholds are torchao's (its per-recipe auto filter, chosen from
+    H100 measurements): checked against it on a grid of shapes, so a torchao that moves them fails here."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
+    shapes = flops.block_linears(m)
+    chosen = {name for name, (i, o) in shapes.items() if fp8.converts("tensorwise", "auto", i, o)}
+    assert chosen == {"mlp.w1"}
+    assert not any(fp8.converts("rowwise", "auto", i, o) for i, o in shapes.values())
+    dims = [64, 512, 768, 1000, 1024, 1040, 2048, 3072, 4096, 4112, 8192, 14336]
+    for recipe in ("tensorwise", "rowwise"):
+        theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
+        for k in dims:
+            for n in dims:
+                linear = nn.Linear(k, n, bias=False, device="meta")
+                assert fp8.converts(recipe, "auto", k, n) == theirs(linear, "layers.0.x"), (recipe, k, n)
+
+
+def test_a_model_too_small_to_gain_converts_nothing_and_says_how_to_force_it(caplog):
+    cfg = fp8_config()
+    cfg.train.fp8_filter = "auto"
+    with caplog.at_level("WARNING", logger="nanopt"):
+        assert fp8.convert(build_model(TOY), cfg, cpu()) == 0
+    assert "no block Linear of this model is large enough" in caplog.text and "fp8_filter=all" in caplog.text
+
+
+def test_eager_fp8_on_a_native_device_warns_that_it_is_slower(caplog):
+    class Native(Backend):
+        fp8 = "native"
+
+    with caplog.at_level("WARNING", logger="nanopt"):
+        assert fp8.convert(build_model(TOY), fp8_config(), cpu(backend=Native(torch.device("cpu")))) > 0
+    assert "train.compile is false: eager FP8" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nanopt"):
+        fp8.convert(build_model(TOY), fp8_config("tensorwise", "--train.compile=true"),
+                    cpu(backend=Native(torch.device("cpu"))))
+    assert "eager FP8" not in caplog.text
+
+
+@pytest.mark.parametrize("keys", [{"train.micro_batch_size": 3, "train.seq_len": 30},
+                                  {"train.seq_len_schedule": "0:16,2:30", "train.micro_batch_size": 1}])
+def test_a_micro_batch_that_fp8s_weight_gradient_cannot_take_is_refused_on_every_device(keys):
+    """torch._scaled_mm contracts the weight gradient over the micro-batch's tokens, in multiples of 16 only: the
+    config check refuses it before anything runs, on CPU too."""
+    with pytest.raises(ConfigError, match=r"`train.fp8` is 'tensorwise'.*not a multiple of 16.*train.micro_batch_size"):
+        load_config(None, parse_overrides(small_overrides(**keys) + ["--train.fp8=tensorwise"]))
+    load_config(None, parse_overrides(small_overrides(**keys)))  # fine without FP8
 
 
 def test_emulated_fp8_is_close_to_the_plain_model_forward_and_backward():
@@ -113,19 +172,20 @@ def test_without_torchao_the_error_names_the_extra(monkeypatch):
 
 def test_emulation_warns_once_and_mfu_is_labelled_bf16_equivalent(tmp_path, capsys):
     assert run(small_overrides(**{"run.dir": tmp_path, "train.fp8": "tensorwise", "train.precision": "bf16",
-                                  "train.max_steps": 3})) == 0
+                                  "train.max_steps": 3, "train.fp8_filter": "all"})) == 0
     out = capsys.readouterr().out
     assert out.count("fp8: emulated on cpu") == 1 and "mfu: bf16-equivalent" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["fp8"] == "tensorwise" and summary["mfu_basis"] == "bf16-equivalent"
-    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(fp8_config().model, 32))
+    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(fp8_config().model, fp8_config().train,
+                                                                              32))
 
 
 # ---------------------------------------------------------------- a run: learns, resumes, exports, DDP, compile
 
 STEPS = 8
-ARGS = small_overrides(**{"train.fp8": "tensorwise", "train.max_steps": STEPS, "checkpoint.every": 2,
-                          "log.tensorboard": "false"})
+ARGS = small_overrides(**{"train.fp8": "tensorwise", "train.fp8_filter": "all", "train.max_steps": STEPS,
+                          "checkpoint.every": 2, "log.tensorboard": "false"})
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

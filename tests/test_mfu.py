@@ -270,6 +270,18 @@ def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
     assert meter.summary()["mfu"] == pytest.approx((long_step["mfu"] + short_step["mfu"]) / 2)
 
 
+def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor_summary():
+    """The step that opens a window (a stage's first: its recompile) is logged with a window of 0 steps: MFU null,
+    and the summary's mean stays the counted windows' (a 25 s recompile once read "mfu 1.0%" and pulled the mean)."""
+    cfg = load_config(REPO / "configs" / "1b.yaml")
+    meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
+    counted = meter.update(step=10, window_steps=5, step_seconds=2.0)
+    before = meter.summary()["mfu"]
+    recompile = meter.update(step=11, window_steps=0, step_seconds=25.0)
+    assert counted["mfu"] > 0 and recompile["mfu"] is None and recompile["tflops_per_device"] is None
+    assert meter.summary()["mfu"] == before == pytest.approx(counted["mfu"])
+
+
 def test_an_fp8_run_is_labelled_bf16_equivalent_against_the_dense_peak():
     cfg = load_config(REPO / "configs" / "1b.yaml", [("train.fp8", "tensorwise")])
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
