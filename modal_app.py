@@ -61,8 +61,10 @@ NODES = int(os.environ.get("NANOPT_MODAL_NODES", "1") or 1)
 # torch 2.11.0+cu130, cuDNN 9.19, NCCL 2.28.9): configs/1b.yaml at 51.3% MFU with SDPA's cuDNN attention.
 PYTHON_VERSION = "3.12"
 TORCH_VERSION = "2.11.0"
-TORCH_CUDA = "cu130"  # PyTorch's own index: its CUDA 13.0 build, with the cuDNN and NCCL wheels it was built with
-TORCH_INDEX_URL = f"https://download.pytorch.org/whl/{TORCH_CUDA}"
+# torch comes from PyPI, whose 2.11.0 Linux wheel is that CUDA 13.0 build (it requires cuda-toolkit 13.0.2, cuDNN
+# 9.19.0.56 and NCCL 2.28.9). Not from PyTorch's cu130 index: an index_url replaces PyPI for the whole install, and
+# that index lacks cuda-bindings>=13.0.3, which torch 2.11.0 requires (pytorch/pytorch#172926), so the image would
+# not build.
 TORCH_PACKAGE = f"torch=={TORCH_VERSION}"
 TORCHAO_VERSION = "0.18.0"  # train.fp8 (torchao's float8 training); made for torch >= 2.11
 PIP_PACKAGES = [
@@ -94,14 +96,18 @@ FLASH_ATTN_WHEEL = os.environ.get("NANOPT_MODAL_FLASH_ATTN_WHEEL", "")
 APT_PACKAGES = ["libibverbs1", "ibverbs-providers", "gcc"]
 
 
+def pip_layers(flash_attn_wheel: str = "") -> list[list[str]]:
+    """The image's pip installs in order, one layer each, every one a plain `pip install PACKAGES` from PyPI (no
+    index_url: see TORCH_PACKAGE). torch is a layer of its own, so its gigabytes stay cached when the rest changes."""
+    layers = [[TORCH_PACKAGE], list(PIP_PACKAGES)]
+    return layers + [[flash_attn_wheel]] if flash_attn_wheel else layers
+
+
 def build_image() -> modal.Image:
     """The measured stack, nanopt's dependencies, and nanopt's source, configs and benches."""
-    built = (modal.Image.debian_slim(python_version=PYTHON_VERSION)
-             .apt_install(*APT_PACKAGES)
-             .pip_install(TORCH_PACKAGE, index_url=TORCH_INDEX_URL)
-             .pip_install(*PIP_PACKAGES))
-    if FLASH_ATTN_WHEEL:
-        built = built.pip_install(FLASH_ATTN_WHEEL)
+    built = modal.Image.debian_slim(python_version=PYTHON_VERSION).apt_install(*APT_PACKAGES)
+    for packages in pip_layers(FLASH_ATTN_WHEEL):
+        built = built.pip_install(*packages)
     env = {
         "HF_HOME": f"{VOLUME_PATH}/hf",  # downloaded tokenizers and datasets persist across runs
         "NANOPT_CACHE": f"{VOLUME_PATH}/cache/nanopt",  # the embedded corpus shards
@@ -143,6 +149,19 @@ TRAIN_OPTIONS: dict[str, Any] = dict(
     timeout=TRAIN_TIMEOUT_S,
     retries=retries,
 )
+# One GPU, one process, but more host than a training rank: its many short runs each compile (inductor's workers
+# share these cores, and the quick check has minutes), and its 1B runs hold a 15 GB host copy of their checkpoint
+# while writing it to scratch. The Volume keeps what the bench writes (gpu_check.json).
+BENCH_CPUS = 16.0
+BENCH_OPTIONS: dict[str, Any] = dict(
+    gpu=BENCH_GPU,
+    cpu=BENCH_CPUS,
+    memory=64 * 1024,
+    volumes={VOLUME_PATH: volume},
+    timeout=2 * 60 * 60,
+)
+BENCH_RESULTS_DIR = "bench"  # on the Volume: bench/<name>-<UTC time>/
+BENCHES_WITH_OUT = ("gpu_check",)  # the benches that take `--out DIR` and write their results there
 
 
 # ---------------------------------------------------------------- pure helpers (tested offline)
@@ -171,11 +190,19 @@ def prepare_command(config_path: str, workers: int = 0) -> list[str]:
     return cmd + [f"--prepare.workers={workers}"] if workers else cmd
 
 
-def bench_command(name: str, args: str = "") -> list[str]:
-    """`python bench/NAME.py ARGS` (REPO is /root in the container, where bench/ is mounted)."""
+def bench_command(name: str, args: str = "", out_dir: str = "") -> list[str]:
+    """`python bench/NAME.py ARGS [--out OUT_DIR]` (REPO is /root in the container, where bench/ is mounted)."""
     if name not in GPU_BENCHES:
         raise ValueError(f"no GPU bench {name!r}; choose one of: {', '.join(GPU_BENCHES)}")
-    return [sys.executable, str(REPO / "bench" / f"{name}.py"), *shlex.split(args)]
+    out = ["--out", out_dir] if out_dir else []
+    return [sys.executable, str(REPO / "bench" / f"{name}.py"), *shlex.split(args), *out]
+
+
+def bench_out_dir(name: str, args: str, stamp: str) -> str:
+    """Where on the Volume (relative to its root) bench NAME writes its results: `bench/NAME-STAMP` for a bench that
+    takes --out, "" for one that does not or when ARGS give their own --out (theirs wins)."""
+    given = any(a == "--out" or a.startswith("--out=") for a in shlex.split(args))
+    return f"{BENCH_RESULTS_DIR}/{name}-{stamp}" if name in BENCHES_WITH_OUT and not given else ""
 
 
 def run_dir_for(run_name: str) -> str:
@@ -213,12 +240,29 @@ def write_run_config(config_yaml: str, run_name: str) -> str:
     return str(path)
 
 
-def launch_env() -> dict[str, str]:
-    """The environment for launched commands: they run from the Volume root and must still import nanopt."""
+def rank_thread_env(cpus_per_rank: int) -> dict[str, str]:
+    """Thread settings for each rank's process, sized to the cores the container reserves per rank (CPU_PER_GPU), so
+    that the ranks do not oversubscribe the cores their Python loops and data loaders need (8 ranks share 32).
+
+    OMP_WAIT_POLICY=PASSIVE: nanopt's train command makes idle OpenMP threads spin (ACTIVE, right for a CPU run on a
+    quiet machine); a GPU rank's host threads mostly wait for the GPU, and spinning would steal those cores.
+    TORCHINDUCTOR_COMPILE_THREADS: inductor otherwise starts min(32, cores it sees) compile workers in every rank,
+    and os.cpu_count() in a container can report the host's cores. OMP_NUM_THREADS: torchrun sets 1 only for
+    several ranks; a single process (one GPU, a bench) would size its pool by the cores it sees.
+    """
+    cores = str(max(1, cpus_per_rank))
+    return {"OMP_NUM_THREADS": cores, "OMP_WAIT_POLICY": "PASSIVE", "TORCHINDUCTOR_COMPILE_THREADS": cores}
+
+
+def launch_env(cpus_per_rank: int = 0) -> dict[str, str]:
+    """The environment for launched commands: they run from the Volume root and must still import nanopt. With
+    `cpus_per_rank`, also rank_thread_env's settings, each unless this environment already sets it (yours win)."""
     import nanopt
 
     source_root = str(Path(nanopt.__file__).resolve().parent.parent)  # /root in the container
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)}
+    threads = rank_thread_env(cpus_per_rank) if cpus_per_rank else {}
+    return {**threads, **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in (source_root, os.environ.get("PYTHONPATH")) if p)}
 
 
 def lock_env() -> dict[str, str]:
@@ -392,7 +436,7 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
     cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr) + limit
     print("modal_app: " + " ".join(cmd), flush=True)
     status = Path(tempfile.mkdtemp(prefix="nanopt-exit-")) / "codes"  # in the container, not on the Volume
-    env = {**launch_env(), EXIT_STATUS_ENV: str(status), **lock_env()}
+    env = {**launch_env(int(CPU_PER_GPU)), EXIT_STATUS_ENV: str(status), **lock_env()}
     if node_rank != 0:  # only node 0 writes results (nanopt's rank 0), so only it commits
         code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
     else:
@@ -432,14 +476,25 @@ def evaluate(run_name: str, split: str = "val") -> int:
     return code
 
 
-@app.function(gpu=BENCH_GPU, timeout=2 * 60 * 60)
-def bench(name: str = "vs_hf", args: str = "") -> int:
-    """A bench on one GPU: `modal run modal_app.py::bench --name vs_hf --args "--repeats 7"`.
+@app.function(**BENCH_OPTIONS)
+def bench(name: str = "gpu_check", args: str = "") -> int:
+    """A bench on one H100: `modal run modal_app.py::bench --args "--quick"` (bench/gpu_check.py's quick check, the
+    cheapest proof that the image builds and runs), or `--name vs_hf --args "--repeats 7"`.
 
-    Where the 1.5x-over-Hugging-Face goal and the GPU rungs of the ladder get measured
-    (docs/results.md); the output is the bench's own table, printed to this terminal.
+    Where the 1.5x-over-Hugging-Face goal and the GPU rungs of the ladder get measured (docs/results.md). The
+    bench's table is printed to this terminal; gpu_check's files go to the Volume, committed even if it fails.
     """
-    return subprocess.run(bench_command(name, args)).returncode
+    out_dir = bench_out_dir(name, args, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    cmd = bench_command(name, args, f"{VOLUME_PATH}/{out_dir}" if out_dir else "")
+    print("modal_app: " + shlex.join(cmd), flush=True)
+    try:  # from the Volume root, as training does: a relative --out of your own lands on the Volume too
+        code, _ = run_forwarding_signals(cmd, VOLUME_PATH, launch_env(int(BENCH_CPUS)))
+    finally:
+        volume.commit()
+        if out_dir:
+            print(f"modal_app: results: Volume '{VOLUME_NAME}', {out_dir}/  "
+                  f"(modal volume get {VOLUME_NAME} {out_dir})", flush=True)
+    return code
 
 
 @app.function(cpu=PREPARE_CPUS, memory=64 * 1024, volumes={VOLUME_PATH: volume}, secrets=[hf_secret],

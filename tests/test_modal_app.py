@@ -116,15 +116,28 @@ def test_other_functions_spec():
     assert modal_app.tensorboard_app.info().web_info is not None
 
 
+def test_bench_function_spec():
+    info = modal_app.bench.info()
+    assert info.gpus == [("H100!", 1)]  # "!": its timings are H100 timings, never an H200's
+    # Reserved host: cores for its runs' compile workers, memory for a 1B checkpoint's host copy; the Volume for
+    # gpu_check's files.
+    assert (info.cpu, info.memory_mib) == (modal_app.BENCH_CPUS, 64 * 1024) and modal_app.BENCH_CPUS >= 8
+    assert 64 * 1024 > modal_app.train_resources(1)["memory"]
+    assert info.volumes[modal_app.VOLUME_PATH].name == "nanopt"
+
+
 @pytest.mark.slow
-def test_bench_function_runs_a_real_bench(capfd):
-    assert modal_app.bench.info().gpus == [("H100!", 1)]  # "!": its timings are H100 timings, never an H200's
+def test_bench_function_runs_a_real_bench(capfd, tmp_path):
     with pytest.raises(ValueError, match="vs_hf, ladder"):
         modal_app.bench_command("ddp")  # a CPU-only bench is refused, naming the ones that make sense
     # .local() runs the real bench script (here on CPU, at a toy shape) and passes its exit code on.
     args = ("--dim 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --vocab 64 --seq 16 --batch 2 --repeats 1 "
             "--profile-rounds 1 --precisions fp32 --no-compile")
-    assert modal_app.bench.local("vs_hf", args) == 0
+    (tmp_path / "vol").mkdir()
+    with mock.patch.object(modal_app, "volume", FakeVolume()), \
+            mock.patch.object(modal_app, "VOLUME_PATH", str(tmp_path / "vol")), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        assert modal_app.bench.local("vs_hf", args) == 0
     out = capfd.readouterr().out
     assert "RATIO fp32: nanopt/HF" in out and "CEILING fp32" in out
 
@@ -153,6 +166,32 @@ def test_image_installs_every_runtime_dependency_of_the_package():
         assert name in names, f"{name} (pyproject) is not installed in the Modal image"
 
 
+def pip_install_calls(tmp_path: Path, **env: str) -> list[tuple[tuple[str, ...], dict]]:
+    """(packages, keyword arguments) of every Image.pip_install call that importing modal_app makes, in order."""
+    code = ("import modal\n"
+            "calls = []\n"
+            "real = modal.Image.pip_install\n"
+            "def spy(self, *packages, **kw):\n"
+            "    calls.append((packages, kw))\n"
+            "    return real(self, *packages, **kw)\n"
+            "modal.Image.pip_install = spy\n"
+            "import modal_app\n"
+            "print(repr(calls))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**offline_env(tmp_path), **env}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout)  # noqa: S307 - our own repr of strings, tuples and dicts
+
+
+def test_image_installs_torch_from_pypi_without_an_index_that_replaces_it(tmp_path):
+    """An index_url replaces PyPI for the whole install: PyTorch's cu130 index lacks cuda-bindings>=13.0.3, which
+    torch 2.11.0 requires, so the image could not build. PyPI's torch 2.11.0 is the CUDA 13.0 build."""
+    calls = pip_install_calls(tmp_path)
+    assert [list(packages) for packages, _ in calls] == modal_app.pip_layers()
+    assert calls[0][0] == ("torch==2.11.0",)  # its own layer, pinned
+    assert all(kw == {} for _, kw in calls), calls  # no index_url, extra_index_url, find_links or pip options
+
+
 def test_image_has_the_verbs_libraries_nccl_needs_for_rdma(tmp_path):
     """Without libibverbs and the mlx5 provider, NCCL across nodes falls back to TCP sockets."""
     code = ("import modal\n"
@@ -177,9 +216,8 @@ def test_the_image_is_the_stack_gpu_check_measured():
     """Python, torch and its CUDA build as bench/gpu_check.py recorded them for the 51.3% MFU run; torchao for
     train.fp8; no flash-attn unless a wheel is given (gpu_check never measured it: `auto` picks SDPA)."""
     env = json.loads((REPO / "bench" / "results" / "gpu_check_h100_shipped.json").read_text())["env"]
-    assert env["torch"] == f"{modal_app.TORCH_VERSION}+{modal_app.TORCH_CUDA}"
+    assert env["torch"] == f"{modal_app.TORCH_VERSION}+cu130"  # PyPI's torch 2.11.0 wheel is this CUDA 13.0 build
     assert env["python"].startswith(modal_app.PYTHON_VERSION + ".")
-    assert modal_app.TORCH_INDEX_URL.endswith(f"/whl/{modal_app.TORCH_CUDA}")
     assert modal_app.TORCH_PACKAGE == f"torch=={modal_app.TORCH_VERSION}"
     assert f"torchao=={modal_app.TORCHAO_VERSION}" in modal_app.PIP_PACKAGES
     assert "gcc" in modal_app.APT_PACKAGES  # Triton's launchers, under torch.compile
@@ -187,23 +225,10 @@ def test_the_image_is_the_stack_gpu_check_measured():
 
 
 def test_a_flash_attn_wheel_can_be_added_to_the_image(tmp_path):
-    code = ("import modal\n"
-            "calls = []\n"
-            "real = modal.Image.pip_install\n"
-            "def spy(self, *packages, **kw):\n"
-            "    calls.append((packages, kw.get('index_url')))\n"
-            "    return real(self, *packages, **kw)\n"
-            "modal.Image.pip_install = spy\n"
-            "import modal_app\n"
-            "print(repr(calls))\n")
     wheel = "https://example.invalid/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl"
-    env = {**offline_env(tmp_path), "NANOPT_MODAL_FLASH_ATTN_WHEEL": wheel}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    calls = eval(out.stdout)  # noqa: S307 - our own repr of strings and tuples
-    assert calls[0] == (("torch==2.11.0",), "https://download.pytorch.org/whl/cu130")
-    assert calls[-1] == ((wheel,), None)
+    calls = pip_install_calls(tmp_path, NANOPT_MODAL_FLASH_ATTN_WHEEL=wheel)
+    assert [list(packages) for packages, _ in calls] == modal_app.pip_layers(wheel)
+    assert calls[0] == (("torch==2.11.0",), {}) and calls[-1] == ((wheel,), {})
 
 
 def test_torchrun_command_is_what_the_modal_page_says():
@@ -216,6 +241,97 @@ def test_torchrun_command_is_what_the_modal_page_says():
     assert " ".join(multi) in readme
     assert modal_app.torchrun_command("c.yaml", 8) == \
         ["torchrun", "--standalone", "--nproc-per-node=8", "-m", "nanopt.main", "--config", "c.yaml"]
+
+
+def test_bench_command_writes_gpu_check_results_under_bench_on_the_volume():
+    script = str(REPO / "bench" / "gpu_check.py")
+    assert modal_app.bench_command("gpu_check", "--quick", "/vol/bench/gpu_check-T")[1:] == \
+        [script, "--quick", "--out", "/vol/bench/gpu_check-T"]
+    assert modal_app.bench_command("vs_hf", "--repeats 7")[1:] == [str(REPO / "bench" / "vs_hf.py"), "--repeats", "7"]
+    assert modal_app.bench_out_dir("gpu_check", "--quick", "20250101T000000Z") == "bench/gpu_check-20250101T000000Z"
+    # Your own --out wins (either spelling); a bench without --out gets none.
+    assert modal_app.bench_out_dir("gpu_check", "--quick --out runs/mine", "T") == ""
+    assert modal_app.bench_out_dir("gpu_check", "--out=/vol/mine", "T") == ""
+    assert modal_app.bench_out_dir("vs_hf", "--repeats 7", "T") == ""
+
+
+def test_rank_thread_env_gives_each_rank_its_share_of_cores_unless_the_environment_says_otherwise(monkeypatch):
+    assert modal_app.rank_thread_env(4) == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE",
+                                            "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHINDUCTOR_COMPILE_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in modal_app.launch_env()  # eval and prepare: left alone
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # e.g. set in the image or a Secret: it wins
+    env = modal_app.launch_env(4)
+    assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"], env["TORCHINDUCTOR_COMPILE_THREADS"]) == \
+        ("4", "ACTIVE", "4")
+    assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_training_launches_its_ranks_with_their_share_of_threads(tmp_path, monkeypatch):
+    """The training function's torchrun gets CPU_PER_GPU threads per rank (run_forwarding_signals is replaced)."""
+    for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHINDUCTOR_COMPILE_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    launched = mock.MagicMock(return_value=(0, None))
+    monkeypatch.setattr(modal_app, "run_forwarding_signals", launched)
+    monkeypatch.setattr(modal_app, "volume", FakeVolume())
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
+    config_yaml, cfg = modal_app.check_config(str(REPO / "configs" / "tiny.yaml"), 2, "threads")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        assert modal_app.train.local(config_yaml, cfg.run.name, 2)["exit_code"] == 0
+    cmd, cwd, env = launched.call_args.args
+    assert cmd[:3] == ["torchrun", "--standalone", "--nproc-per-node=2"] and cwd == str(tmp_path / "vol")
+    cores = str(int(modal_app.CPU_PER_GPU))
+    assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"], env["TORCHINDUCTOR_COMPILE_THREADS"]) == \
+        (cores, "PASSIVE", cores)
+
+
+def run_bench_local(monkeypatch, tmp_path, launched, **kwargs: str) -> FakeVolume:
+    """bench.local(**kwargs) with `launched` as run_forwarding_signals and tmp_path/vol as the Volume."""
+    fake = FakeVolume()
+    monkeypatch.setattr(modal_app, "run_forwarding_signals", launched)
+    monkeypatch.setattr(modal_app, "volume", fake)
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        launched.return_value = (0, None)
+        assert modal_app.bench.local(**kwargs) == 0
+    return fake
+
+
+def test_bench_runs_the_quick_gpu_check_into_the_volume_and_commits_it(monkeypatch, tmp_path, capsys):
+    """`modal run modal_app.py::bench --args "--quick"`: gpu_check, its files under bench/ on the Volume, committed,
+    and the command that fetches them printed; run from the Volume root with one rank's threads."""
+    launched = mock.MagicMock(name="run_forwarding_signals")
+    fake = run_bench_local(monkeypatch, tmp_path, launched, args="--quick")  # gpu_check is the default
+    assert fake.commits == 1
+    cmd, cwd, env = launched.call_args.args
+    assert cmd[1:3] == [str(REPO / "bench" / "gpu_check.py"), "--quick"] and cwd == str(tmp_path / "vol")
+    assert cmd[3] == "--out" and Path(cmd[4]).parent == tmp_path / "vol" / "bench"
+    assert Path(cmd[4]).name.startswith("gpu_check-") and Path(cmd[4]).name.endswith("Z")  # a UTC time stamp
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(int(modal_app.BENCH_CPUS))
+    assert f"modal volume get nanopt bench/{Path(cmd[4]).name}" in capsys.readouterr().out
+    # Your own --out is kept and nothing is added.
+    run_bench_local(monkeypatch, tmp_path, launched, name="gpu_check", args="--quick --out runs/mine")
+    assert launched.call_args.args[0][2:] == ["--quick", "--out", "runs/mine"]
+
+
+def test_bench_commits_the_volume_even_when_the_bench_fails(monkeypatch, tmp_path):
+    """A failed check's partial files are the ones worth reading: committed whether it exits 1 or the launch raises."""
+    fake = FakeVolume()
+    launched = mock.MagicMock(return_value=(1, None))
+    monkeypatch.setattr(modal_app, "run_forwarding_signals", launched)
+    monkeypatch.setattr(modal_app, "volume", fake)
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        assert modal_app.bench.local("gpu_check", "--quick") == 1  # the bench's exit code is passed on
+        assert fake.commits == 1
+        launched.side_effect = RuntimeError("lost the GPU")
+        with pytest.raises(RuntimeError, match="lost the GPU"):
+            modal_app.bench.local("gpu_check", "--quick")
+    assert fake.commits == 2
 
 
 def test_eval_and_prepare_commands_call_the_nanopt_cli():
