@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanopt.config import load_config
+from nanopt import train
+from nanopt.config import TrainConfig, load_config
 from nanopt.main import run
 
 from conftest import small_overrides
@@ -88,3 +89,15 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     assert [s for s in steps if tasks.due(s)] == [5, 10]  # and the last step's, from finish()
     run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt, tasks=tasks)
     assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]
+
+
+def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(monkeypatch):
+    """train.compile_ddp_split is dynamo's optimize_ddp (the fallback for FP8 + compile + DDP); with several
+    sequence lengths the model is compiled with static shapes and room for a graph per length."""
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    model = torch.nn.Linear(4, 4)
+    train.compiled(model, TrainConfig(compile_ddp_split=False))
+    assert torch._dynamo.config.optimize_ddp is False and torch._dynamo.config.recompile_limit == 8
+    train.compiled(model, TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8))))
+    assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
