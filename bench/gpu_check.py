@@ -1,6 +1,8 @@
 """Verify nanopt's CUDA path on one GPU and measure it: one command, a Markdown report and a JSON file.
 
-    python bench/gpu_check.py                                   # every section, roughly 25 minutes on one H100
+    python bench/gpu_check.py --quick --out DIR                 # every never-run path, ~7 minutes (gpu_quick.py)
+    python bench/gpu_check.py --quick --cpu-smoke               # the same at toy size on CPU (the suite runs it)
+    python bench/gpu_check.py                                   # every full section, roughly 25 minutes on one H100
     python bench/gpu_check.py --sections env,attention,ddp      # some of them (each under 10 minutes)
     python bench/gpu_check.py --cpu-smoke                       # the same code at toy size on CPU (a test runs it)
 
@@ -33,33 +35,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _common import REPO, spec_peak  # importing _common puts REPO on sys.path: nanopt from this checkout
+import gpu_quick
+from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_sample, check_tasks, free_port, md_env,
+                  md_sample, md_tasks, model_config, nanopt_run, peak_gib, process_group, run_sections, section_failed,
+                  speed_of, time_train_step, write_shards)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, experiments, hardware, rundirs, shards, train  # noqa: E402
-from nanopt.config import ModelConfig, load_config, parse_overrides  # noqa: E402
-from nanopt.generate import generate  # noqa: E402
+from nanopt import attention, experiments, rundirs, shards  # noqa: E402
+from nanopt.config import load_config, parse_overrides  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
-from nanopt.optim import build_optimizer  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
-from nanopt.scoring import continuation_scores  # noqa: E402
 
 SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "speedrun", "170m", "1b")
 
@@ -118,40 +115,11 @@ def sizes(smoke: bool) -> dict[str, Any]:
     }
 
 
-def model_config(path: Optional[str]) -> ModelConfig:
-    """The model section of a config file, or a toy Llama (CPU smoke)."""
-    if path is None:
-        return ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    return load_config(REPO / path, []).model
 
 
 # ---------------------------------------------------------------- env
 
 
-def check_env(device: torch.device, smoke: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "cuda": torch.version.cuda,
-                           "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None}
-    for name in ("triton", "flash_attn", "torchao"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as e:  # noqa: BLE001 - report why, whatever it is
-            out[name] = f"not importable ({type(e).__name__})"
-    if device.type != "cuda":
-        out["device"] = hardware.cpu_model_name()
-        out["nanopt_fp8"] = Runtime("cpu", device, 0, 0, 1, 1, "bf16").backend.fp8
-        return out
-    props = torch.cuda.get_device_properties(device)
-    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    out.update(device=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
-               memory_gib=round(props.total_memory / 2**30, 1))
-    rt = Runtime("cuda", device, 0, 0, 1, 1, "bf16")
-    out["nanopt_fp8"] = rt.backend.fp8  # how train.fp8 runs here: native, emulated or not at all
-    out["power_limit_w"] = rt.backend.power_limit_watts()
-    out["nanopt_hardware"] = hardware.detect_hardware(props.name, out["power_limit_w"])
-    out["spec_peak_bf16_tflops"] = (spec_peak(device, "bf16") or 0) / 1e12 or None
-    out["measured_bf16_matmul_tflops"] = round(hardware.measure_matmul_flops(  # 8192^3: big enough to fill an H100
-        torch.bfloat16, device, budget_s=2.0, sync=torch.cuda.synchronize, n=8192) / 1e12, 1)
-    return out
 
 
 # ---------------------------------------------------------------- attention
@@ -191,37 +159,13 @@ def check_attention(device: torch.device, shape: dict[str, int]) -> dict[str, An
     return out
 
 
-def peak_gib(device: torch.device, fn: Callable[[], Any]) -> Optional[float]:
-    """Peak allocated GiB while fn runs (CUDA), or None (CPU: the run is still checked to complete)."""
-    if device.type != "cuda":
-        fn()
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
 
 
 # ---------------------------------------------------------------- ddp gradient memory
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def process_group(device: torch.device):
-    """A world of one (NCCL on CUDA, gloo on CPU) for DDP, torn down afterwards."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def check_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
@@ -234,13 +178,6 @@ def check_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class WorldOfOne(Runtime):
-    """A rank alone in a real process group. nanopt wraps its model in DDP only when distributed (world > 1):
-    claiming to be runs nanopt's own DDP path (train._wrap, train_step's no_sync) at world size 1 on one device."""
-
-    @property
-    def distributed(self) -> bool:
-        return True
 
 
 def check_ddp_path(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
@@ -262,28 +199,6 @@ def check_ddp_path(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[str, Any]:
-    """tokens/s over `steps` optimizer steps after two warm-up steps (compilation), the graphs and graph breaks
-    torch.compile made, and the last step's loss."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
-    optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim)
-    step = train._wrap(cfg, rt, model, optimizer)
-    for _ in range(2):
-        step(batches)
-    sync(rt.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss, _ = step(batches)
-    sync(rt.device)
-    seconds = time.perf_counter() - t0
-    tokens = steps * sum(x.numel() for x, _ in batches)
-    return {"tokens_per_s": tokens / seconds, "loss": float(loss), "graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
@@ -327,132 +242,25 @@ def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, An
 # ---------------------------------------------------------------- sampling with the KV cache
 
 
-def check_sample(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
-    """Greedy sampling as at the end of a run (fp32 weights, no autocast), with the KV cache and without: tokens/s,
-    whether both pick the same tokens, and the logits the cache gave each new token against one full forward."""
-    cfg = model_config(spec["config"])
-    torch.manual_seed(0)
-    model = build_model(cfg, device).eval()
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["prompt"]), generator=g).to(device)
-    out: dict[str, Any] = {"model": spec["config"] or "toy", "batch": spec["batch"], "prompt": spec["prompt"],
-                           "new_tokens": spec["new"]}
-    ids = {}
-    for use_cache in (True, False):
-        generate(model, prompt[:, :8], 4, temperature=0, use_cache=use_cache)  # warm-up
-        sync(device)
-        t0 = time.perf_counter()
-        ids[use_cache] = generate(model, prompt, spec["new"], temperature=0, use_cache=use_cache)
-        sync(device)
-        out["cached_tokens_per_s" if use_cache else "uncached_tokens_per_s"] = \
-            spec["batch"] * spec["new"] / (time.perf_counter() - t0)
-    out["greedy_tokens_equal"] = bool(torch.equal(ids[True], ids[False]))
-    out["max_abs_logit_diff"], out["max_abs_logit"] = cache_logit_diff(model, ids[True], spec["prompt"])
-    return out
 
 
-@torch.no_grad()
-def cache_logit_diff(model: Any, ids: torch.Tensor, prompt_len: int) -> tuple[float, float]:
-    """The largest |logit| difference between the cached decode of `ids` (prefill, then one token per forward) and
-    one forward over all of them, at the positions that predicted new tokens; and the largest |logit| for scale."""
-    caches = model.new_caches(ids.shape[0], ids.shape[1], ids.device, model.embed.weight.dtype)
-    steps = [model(ids[:, :prompt_len], caches=caches, start_pos=0)[:, -1]]
-    for pos in range(prompt_len, ids.shape[1] - 1):
-        steps.append(model(ids[:, pos : pos + 1], caches=caches, start_pos=pos)[:, -1])
-    cached = torch.stack(steps, dim=1).float()  # B new V
-    full = model(ids)[:, prompt_len - 1 : -1].float()  # B new V
-    return float((cached - full).abs().max()), float(full.abs().max())
 
 
 # ---------------------------------------------------------------- training runs (python -m nanopt.main)
 
 
-def check_tasks(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
-    """Scoring speed as the harness drives it: items x 4 (context, ending) loglikelihood requests of random ids,
-    contexts and endings of varied length around the given means, bf16 autocast; a few requests are re-scored
-    one by one, unbatched, to check the batching changed nothing."""
-    cfg = model_config(spec["config"])
-    model = build_model(cfg, device).eval()
-    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
-    g = torch.Generator().manual_seed(0)
-    requests = []
-    for _ in range(spec["items"]):
-        context = torch.randint(0, cfg.vocab_size, (spec["context"] + int(torch.randint(-10, 11, (1,), generator=g)),),
-                                generator=g).tolist()
-        for _ in range(4):
-            n = max(1, spec["ending"] + int(torch.randint(-10, 11, (1,), generator=g)))
-            requests.append((context, torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()))
-    continuation_scores(model, requests[: spec["batch"] * 2], rt, spec["batch"])  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    scores = continuation_scores(model, requests, rt, spec["batch"])
-    sync(device)
-    seconds = time.perf_counter() - t0
-    alone = [continuation_scores(model, [r], rt, 1)[0][0] for r in requests[:8]]
-    return {"items": spec["items"], "requests": len(requests), "batch": spec["batch"], "seconds": seconds,
-            "requests_per_s": len(requests) / seconds, "goal_s": 60,
-            "tokens": sum(len(c) + len(e) for c, e in requests),
-            "batched_vs_alone_max_abs": max(abs(a - s[0]) for a, s in zip(alone, scores))}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
-def write_shards(directory: Path, vocab: int, tokens: int) -> Path:
-    """train and val shards of random ids (no tokenizer, no hub): speed and resume do not need language."""
-    rng = np.random.default_rng(0)
-    for split, n in (("train", tokens), ("val", max(tokens // 20, 20_000))):
-        shards.write_shard(directory / f"{split}_000000.bin", rng.integers(0, vocab, n), vocab)
-    return directory
 
 
-# Every run: synthetic data, no evaluation, samples or curves; a step per log line for per-step speed.
-QUIET = ["--data.tokenizer=byte", "--eval.every=0", "--eval.test_at_end=false", "--eval.batches=2",
-         "--sample.num_samples=0", "--log.curves=false", "--log.every=1", "--train.warmup_steps=2"]
 
 
-def nanopt_run(args: list[str], run_dir: Path, timeout: float, env: Optional[dict] = None) -> dict[str, Any]:
-    """python -m nanopt.main ARGS; its exit code, wall time, log tail, and the metrics records it wrote."""
-    cmd = [sys.executable, "-m", "nanopt.main", *args, f"--run.dir={run_dir}"]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-        rc, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, log = None, f"timed out after {timeout:.0f} s\n" + (e.stdout or b"").decode(errors="replace")[-3000:]
-    records = rundirs.read_metrics(run_dir)
-    lines = log.strip().splitlines()
-    notable = [ln for ln in lines if any(w in ln for w in ("profile", "WARNING", "Error", "attention", "model:"))]
-    return {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": records,
-            "log_tail": "\n".join(lines[-15:]), "log_notable": notable[-12:], "log_times": _stamps(lines)}
 
 
-def _stamps(lines: list[str]) -> list[str]:
-    """The first and last log lines, and the first step's: where a run's wall time went."""
-    steps = [ln for ln in lines if " step " in ln]
-    return [ln[:120] for ln in (lines[:1] + steps[:1] + steps[-1:] + lines[-1:])]
 
 
-def speed_of(records: list[dict[str, Any]], skip: set[int]) -> dict[str, Any]:
-    """Medians over the logged steps outside `skip` (warm-up, the profiler's, the trace export's)."""
-    steps = [r for r in records if "tokens_per_s" in r and r["step"] not in skip and r.get("mfu") is not None]
-    if not steps:
-        return {}
-
-    def med(key: str) -> Optional[float]:
-        xs = [r[key] for r in steps if r.get(key) is not None]
-        return statistics.median(xs) if xs else None
-
-    last = steps[-1]
-    return {"steps_timed": [r["step"] for r in steps], "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"),
-            # every logged step's time, the skipped ones too: compilation, the profiler's cost, recompiles
-            "step_ms_each": {r["step"]: round(r["step_ms"]) for r in records if "step_ms" in r},
-            "step_ms": med("step_ms"), "loss_last": last["loss"],
-            "peak_allocated_gib": max((r.get("peak_memory_gib") or 0) for r in records if "loss" in r) or None,
-            "peak_reserved_gib": max((r.get("peak_reserved_gib") or 0) for r in records if "loss" in r) or None}
 
 
 def check_train(name: str, args: list[str], variants: list[str], work: Path, steps: int, shards: Path,
@@ -481,18 +289,6 @@ def check_train(name: str, args: list[str], variants: list[str], work: Path, ste
     return out
 
 
-# Each variant is a set of overrides on the config as shipped (the GPU configs: compiled, loss unchunked).
-VARIANTS: dict[str, list[str]] = {
-    "default": [],
-    "compiled": ["--train.compile=true"],
-    # The documented escape hatch: eager needs the loss in chunks, or it holds whole-batch fp32 logits.
-    "eager": ["--train.compile=false", "--train.loss_chunk_tokens=8192"],
-    "chunked": ["--train.compile=true", "--train.loss_chunk_tokens=8192"],  # compiled, with the eager loss
-    "nochunk": ["--train.compile=true", "--train.loss_chunk_tokens=0"],
-    "fp8": ["--train.compile=true", "--train.fp8=tensorwise"],  # torchao's float8 on the block Linears
-    "fp8_rowwise": ["--train.compile=true", "--train.fp8=rowwise"],
-    "fp8_eager": ["--train.compile=false", "--train.loss_chunk_tokens=8192", "--train.fp8=tensorwise"],
-}
 
 
 # ---------------------------------------------------------------- fp8
@@ -661,8 +457,6 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def md_env(env: dict[str, Any]) -> list[str]:
-    return ["## Environment", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in env.items()]
 
 
 def md_attention(att: dict[str, Any]) -> list[str]:
@@ -702,12 +496,6 @@ def md_ranks2(r: dict[str, Any]) -> list[str]:
             f"weights equal: {r['replicas_equal']}"]
 
 
-def md_sample(r: dict[str, Any]) -> list[str]:
-    return [f"## Sampling with the KV cache ({r['model']}, fp32, batch {r['batch']}, prompt {r['prompt']}, "
-            f"{r['new_tokens']} new tokens, greedy)", "",
-            f"**{r['cached_tokens_per_s']:,.0f} tokens/s** with the cache, {r['uncached_tokens_per_s']:,.0f} without; "
-            f"same tokens: {r['greedy_tokens_equal']}; cached vs full-forward logits max |Δ| "
-            f"{r['max_abs_logit_diff']:.1e} (max |logit| {r['max_abs_logit']:.1f})"]
 
 
 def md_resume(res: dict[str, Any]) -> list[str]:
@@ -718,11 +506,6 @@ def md_resume(res: dict[str, Any]) -> list[str]:
             f"| the same run again (noise floor) | {res['rerun_max_abs_loss_diff']} | {res['rerun_weights_equal']} |"]
 
 
-def md_tasks(tasks: dict[str, Any]) -> list[str]:
-    return ["## Downstream scoring (HellaSwag-sized, nanopt.scoring)", "",
-            f"{tasks['items']:,} items x 4 = {tasks['requests']:,} requests ({tasks['tokens']:,} tokens), batch "
-            f"{tasks['batch']}: **{tasks['seconds']:.1f} s** ({tasks['requests_per_s']:,.0f} requests/s; goal "
-            f"< {tasks['goal_s']} s); batched vs one-by-one max |Δ| {tasks['batched_vs_alone_max_abs']:.1e}"]
 
 
 def md_fp8(r: dict[str, Any]) -> list[str]:
@@ -769,13 +552,14 @@ MARKDOWN: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 }
 
 
-def _fmt(x: Any, spec: str) -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--quick", action="store_true", help="the quick check: every never-run GPU path at the smallest "
+                   f"size that exercises it ({', '.join(gpu_quick.QUICK_SECTIONS)}; bench/gpu_quick.py)")
+    p.add_argument("--sections", default="", help=f"comma list of {', '.join(SECTIONS)} (with --quick: of the quick "
+                   "sections); default all")
     p.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default: compiled,eager; "
                    "smoke: eager)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps per training run (0: 12; smoke 10)")
@@ -787,28 +571,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "the embedded corpus, byte-level, fetched once into NANOPT_CACHE; a GPU machine without network "
                    "needs a carried copy)")
     a = p.parse_args(argv)
-    sections = [s for s in a.sections.split(",") if s]
+    known = gpu_quick.QUICK_SECTIONS if a.quick else SECTIONS
+    a.sections = [s for s in a.sections.split(",") if s] or list(known)
     a.variants = a.variants or ("eager" if a.cpu_smoke else "compiled,eager")
-    unknown = set(sections) - set(SECTIONS) | set(a.variants.split(",")) - set(VARIANTS)
+    unknown = set(a.sections) - set(known) | set(a.variants.split(",")) - set(VARIANTS)
     if unknown:
         p.error(f"unknown section or variant {sorted(unknown)}")
     if not a.cpu_smoke and not torch.cuda.is_available():
         p.error("no CUDA device here: this check is for a GPU (use --cpu-smoke to check the script on CPU)")
-    device = torch.device("cpu") if a.cpu_smoke else torch.device("cuda", 0)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # as nanopt's runtime sets it for training
+    return a
+
+
+def full_jobs(a: argparse.Namespace, device: torch.device, work: Path) -> dict[str, Callable[[], dict[str, Any]]]:
+    """The full check's chosen sections as callables, in the order asked."""
     size = sizes(a.cpu_smoke)
     steps = a.steps or size["steps"]
-    shm = Path("/dev/shm")
-    scratch = shm if shm.is_dir() and not a.cpu_smoke else None
-    work = Path(a.work or tempfile.mkdtemp(prefix="nanopt-gpu-check-", dir=scratch))
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               "command": " ".join(["python", "bench/gpu_check.py",
-                                                    *(argv if argv is not None else sys.argv[1:])]),
-                               "smoke": a.cpu_smoke}
     written: dict[int, Path] = {}
 
     def shards_for(vocab: int) -> Path:
@@ -831,40 +608,45 @@ def main(argv: Optional[list[str]] = None) -> int:
         "tasks": lambda: check_tasks(device, size["tasks"]),
         "fp8": lambda: check_fp8(size["fp8"], size["train"], work, steps, shards_for(vocab),
                                  carried_text(), a.timeout),
-        "speedrun": lambda: check_speedrun(size["speedrun"], work, steps, shards_for(50304 if not a.cpu_smoke
-                                                                                   else vocab), carried_text(), a.timeout),
+        "speedrun": lambda: check_speedrun(size["speedrun"], work, steps,
+                                           shards_for(vocab if a.cpu_smoke else 50304), carried_text(), a.timeout),
         "170m": lambda: check_train("170m", size["train"]["170m"], a.variants.split(","), work, steps,
                                     shards_for(vocab), a.timeout),
         "1b": lambda: check_train("1b", size["train"]["1b"], a.variants.split(","), work, steps,
                                   shards_for(vocab), a.timeout),
     }
+    return {name: jobs[name] for name in a.sections}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parse(argv)
+    device = torch.device("cpu") if a.cpu_smoke else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # as nanopt's runtime sets it for training
+    # /dev/shm when it can hold a 1B run's checkpoint (15 GB): a container's is often 64 MB
+    shm = Path("/dev/shm")
+    roomy = shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30
+    scratch = shm if roomy and not a.cpu_smoke else None
+    work = Path(a.work or tempfile.mkdtemp(prefix="nanopt-gpu-check-", dir=scratch))
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "command": " ".join(["python", "bench/gpu_check.py",
+                                                    *(argv if argv is not None else sys.argv[1:])]),
+                               "smoke": a.cpu_smoke, "quick": a.quick}
+    jobs = gpu_quick.jobs(device, a.cpu_smoke, work, a.sections) if a.quick else full_jobs(a, device, work)
+    t0 = time.perf_counter()
     try:
-        for name in sections:
-            t0 = time.perf_counter()
-            print(f"gpu_check: {name} ...", flush=True)
-            try:
-                results[name] = jobs[name]()
-            except Exception:  # noqa: BLE001 - one failed section must not hide the others' results
-                results[name] = {"error": traceback.format_exc()[-3000:]}
-            print(f"gpu_check: {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
-            (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        run_sections(jobs, results, out_dir / "gpu_check.json")
     finally:
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
-    report = markdown(results)
+    report = (gpu_quick.markdown if a.quick else markdown)(results)
     (out_dir / "gpu_check.md").write_text(report + "\n")
     print(report)
-    return 1 if any(section_failed(results[n]) for n in sections) else 0
-
-
-def section_failed(result: Any) -> bool:
-    """Whether a section raised, or a run in it exited non-zero or timed out (rc None). A list of exit codes is
-    the section's own to judge (resume's holds a kill on purpose)."""
-    if not isinstance(result, dict):
-        return False
-    if "error" in result or ("rc" in result and not isinstance(result["rc"], list) and result["rc"] != 0):
-        return True
-    return any(section_failed(v) for v in result.values())
+    print(f"\ngpu_check: {time.perf_counter() - t0:.0f} s; {out_dir / 'gpu_check.json'}")
+    return 1 if any(section_failed(results[n]) for n in jobs) else 0
 
 
 if __name__ == "__main__":

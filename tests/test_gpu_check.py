@@ -124,3 +124,94 @@ def test_cpu_smoke_of_the_gpu_speedrun_config(tmp_path):
     curve = [loss for _, loss in run["curve"]["val_loss"]]
     assert run["curve"]["rc"] == 0 and len(curve) >= 3 and curve[-1] < curve[0] - 0.5
     assert "## configs/speedrun-gpu.yaml" in (tmp_path / "gpu_check.md").read_text()
+
+
+# ---------------------------------------------------------------- --quick: the first device call's check
+
+
+def quick(tmp_path: Path, sections: str = "") -> dict:
+    """`bench/gpu_check.py --quick --cpu-smoke [--sections ...]`: exit code 0, its JSON report."""
+    args = ["--sections", sections] if sections else []
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--quick", "--cpu-smoke", "--out", str(tmp_path),
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "## Goals" in proc.stdout  # the report ends the output: a device call's reply shows its tail
+    return json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+@pytest.mark.slow
+def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(tmp_path):
+    gc = load_gpu_check()
+    result = quick(tmp_path)
+    assert result["quick"] and [s for s in gc.gpu_quick.QUICK_SECTIONS if s not in result] == []
+    assert not [s for s in gc.gpu_quick.QUICK_SECTIONS if "error" in result[s] or "skipped" in result[s]], result
+    assert result["env"]["torchao"] == __import__("torchao").__version__ and "lm_eval" in result["env"]
+    muon = result["muon"]
+    assert muon["toy"]["matrices"] == 2 * 6 and muon["toy"]["torch_ms"] > 0 and muon["per_shape"]
+    assert "muon_batch_max_numel" in muon["cut_off"] and muon["goal"]["what"].startswith("BatchedMuon")
+    for recipe in ("tensorwise", "rowwise"):  # FP8 decoding: every block Linear (relu2: 6) converted, the cache right
+        row = result["decode_fp8"][recipe]
+        assert row["fp8_linears"] == 2 * 6 and row["logits_agree"] and row["fp8_vs_plain_max_abs"] > 0
+    assert result["sample"]["logits_agree"] and result["harness"]["harness_vs_scoring_max_abs"] < 0.05
+    assert result["tasks"]["goal"]["met"]
+    ddp = result["fp8_ddp"]  # eager here: DDP at world size 1 trains exactly like the model unwrapped
+    assert ddp["works_with"] == "train.compile_ddp_split=true" and ddp["loss_diff"] == 0
+    assert ddp["ddp_split"]["fp8_linears"] == 2 * 6
+    speedrun = result["speedrun"]  # compiled: only the stage that brings a new seq_len recompiles
+    assert speedrun["rc"] == 0 and speedrun["packing_cropped_share"] is not None
+    assert [(s["batch_tokens"], s["seq_len"], s["recompiles"]) for s in speedrun["stages"]] == [
+        (256, 64, 0), (384, 64, 0), (384, 32, 1), (512, 64, 0)]
+    assert all(s["tokens_per_s"] > 0 and s["steps_timed"] >= 2 for s in speedrun["stages"])
+    assert speedrun["goals"][1]["met"] is True
+    fp8_1b = result["fp8_1b"]
+    assert fp8_1b["fp8"]["rc"] == 0 == fp8_1b["bf16"]["rc"] and fp8_1b["baseline"]["step_ms"] > 0
+    assert fp8_1b["goals"][1]["met"]  # emulated FP8 ends within 0.01 nats of bf16
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert "FAILED" not in report and "toy sizes" in report
+
+
+def test_quick_sections_skip_with_a_reason_where_a_package_is_absent(monkeypatch, capsys):
+    gc = load_gpu_check()
+    real = gc.gpu_quick.importlib.util.find_spec
+    monkeypatch.setattr(gc.gpu_quick.importlib.util, "find_spec", lambda name: None if name in ("torchao", "lm_eval")
+                        else real(name))
+    device = __import__("torch").device("cpu")
+    size = gc.gpu_quick.sizes(True)
+    for out in (gc.gpu_quick.check_decode_fp8(device, size["decode"]),
+                gc.gpu_quick.check_fp8_ddp(device, size["fp8_ddp"]),
+                gc.gpu_quick.check_fp8_1b(size["fp8_1b"], Path("/nonexistent"), 1)):
+        assert out == {"skipped": "torchao is not importable: carry its wheel (docs/development.md, 'When a GPU is "
+                                  "available')"}
+    assert "lm-eval" in gc.gpu_quick.check_harness(device, size["harness"])["skipped"]
+    assert capsys.readouterr().out.count("gpu_check: skipped:") == 4
+    assert not gc.section_failed({"skipped": "torchao is not importable"})
+
+
+def test_stage_table_counts_recompiles_where_they_were_logged_and_times_after_each_stages_first_step():
+    gc = load_gpu_check()
+    stages = [(0, 256, 64), (4, 384, 64), (7, 384, 32), (10, 512, 64)]
+    log = ["stage 1 from step 0: ...", "step 1 | ...", "stage 2 from step 4: ...", "stage 3 from step 7: ...",
+           "V1126 Recompiling function forward in model.py:300", "    triggered by the following guard failure(s):",
+           "stage 4 from step 10: ...", "step 13 | done"]
+    records = [{"step": s, "tokens_per_s": 1000.0 * s, "step_ms": 10.0 * s} for s in range(1, 14)]
+    table = gc.gpu_quick.stage_table(log, records, stages)
+    assert [t["recompiles"] for t in table] == [0, 0, 1, 0]
+    assert [t["new_shape"] for t in table] == [True, False, True, False]
+    assert [t["first_step_ms"] for t in table] == [10.0, 50.0, 80.0, 110.0]  # each stage's first step, untimed
+    assert [t["tokens_per_s"] for t in table] == [3000.0, 6500.0, 9500.0, 12500.0] and table[0]["steps_timed"] == 3
+
+
+def test_the_muon_cut_off_is_the_largest_size_up_to_which_batching_never_lost():
+    gc = load_gpu_check()
+    rows = [{"numel": n, "batched_over_alone": r} for n, r in ((1000, 0.3), (5000, 0.9), (9000, 1.2), (20000, 0.8))]
+    assert gc.gpu_quick.cut_off(rows)["muon_batch_max_numel"] == 5000
+    assert gc.gpu_quick.cut_off(rows[:2])["muon_batch_max_numel"] is None
+    assert gc.gpu_quick.cut_off([{"numel": 10, "batched_over_alone": 1.5}])["muon_batch_max_numel"] == 0
+
+
+def test_fp8_1b_is_held_against_the_shipped_bf16_row():
+    gc = load_gpu_check()
+    row = gc.gpu_quick.shipped_row()  # the one GPU measurement: configs/1b.yaml on one H100, 2026-11-23
+    assert round(row["step_ms"], 1) == 2124.5 and row["rc"] == 0 and 11 < row["loss_last"] < 13
+    assert row["steps_timed"][-1] == 10  # the quick run's loss is read at the same step

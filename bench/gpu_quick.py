@@ -1,0 +1,481 @@
+"""`python bench/gpu_check.py --quick`: every GPU path nanopt has that never ran on a GPU, each at the smallest size
+that still exercises it, in one command of at most ~7 minutes on one H100 (a device rental is 15 minutes, at most 10
+of them for one command). Offline: synthetic shards, torchao from a carried wheel; a section that cannot run says
+why and the rest go on. `--quick --cpu-smoke` runs the same sections at toy size on CPU (the test suite does).
+
+Sections, in the order they run (cheap first, so a command stopped at its limit keeps the most):
+  env         versions (torch, CUDA, cuDNN, NCCL, torchao, lm-eval), the device, its peak and FP8 support
+  muon        BatchedMuon against torch.optim.Muon on speedrun-gpu's and 1B's matrices: the whole step, and per
+              shape batched against one at a time, which gives this device's cut-off (goal: <= 0.5x torch's time
+              on speedrun-gpu's matrices)
+  decode_fp8  KV-cache greedy decoding of an FP8-converted model (tensorwise and rowwise): tokens/s, cached logits
+              against one full forward
+  sample      the same for the 1B model in fp32 (TF32 on), judged by the logits, not by greedy tokens
+  harness     lm-eval's `nanopt` model on this device against nanopt.scoring (skipped where lm-eval is absent)
+  tasks       HellaSwag-sized scoring at 1B in bf16: 10,042 items x 4 endings (goal < 60 s)
+  fp8_ddp     rowwise FP8 + compile + nanopt's own DDP wrapper at world size 1 against the same model unwrapped:
+              graphs, graph breaks, loss difference; on failure again with --train.compile_ddp_split=false
+  speedrun    configs/speedrun-gpu.yaml with bos_bestfit packing, a batch ramp and a seq_len change and return
+              (2048 -> 1024 -> 2048): recompiles and tokens/s per stage (goals: the last stage within 5% of the
+              first's tokens/s; no recompile at a batch stage or at the return to a length already compiled)
+  fp8_1b      configs/1b.yaml, tensorwise FP8, compiled, 10 steps at the shipped bf16 row's batch (131,072 tokens):
+              step time and loss against that row (bench/results/gpu_check_h100_shipped.json; goals: >= 1.15x,
+              loss within 0.01 nats)
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from _gpu import (LOGIT_TOLERANCE, QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_sample, check_tasks,
+                  md_env, nanopt_run, process_group, sample_check, speed_of, sync, time_train_step, write_shards)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from nanopt import fp8, shards  # noqa: E402
+from nanopt.config import Config, load_config, parse_overrides  # noqa: E402
+from nanopt.flops import block_linears  # noqa: E402
+from nanopt.harness import lm_class  # noqa: E402
+from nanopt.model import build_model  # noqa: E402
+from nanopt.optim import BatchedMuon  # noqa: E402
+from nanopt.runtime import Runtime  # noqa: E402
+from nanopt.scoring import continuation_scores  # noqa: E402
+from nanopt.tokenizer import get_tokenizer  # noqa: E402
+
+QUICK_SECTIONS = ("env", "muon", "decode_fp8", "sample", "harness", "tasks", "fp8_ddp", "speedrun", "fp8_1b")
+SHIPPED = REPO / "bench" / "results" / "gpu_check_h100_shipped.json"  # the bf16 row fp8_1b is held against
+TOY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+       "--model.vocab_size=512", "--train.seq_len=64", "--train.micro_batch_size=2", "--train.global_batch_tokens=256",
+       "--runtime.threads=1"]
+TWO_LAYERS = ["--config", "configs/speedrun-gpu.yaml", "--model.n_layers=2"]
+# The speedrun's stages (steps): its batch ramp compressed, a seq_len change at step 7 and a return at step 10.
+SPEEDRUN_STEPS = 13
+
+
+def sizes(smoke: bool) -> dict[str, Any]:
+    """Each section's shapes: the smallest that exercise the GPU path, or toys for --cpu-smoke."""
+    if not smoke:
+        return {
+            "muon": dict(configs={"speedrun-gpu": ["--config", "configs/speedrun-gpu.yaml"],
+                                  "1b": ["--config", "configs/1b.yaml"]}, repeats=10),
+            "decode": dict(args=TWO_LAYERS, batch=4, prompt=64, new=32),
+            "sample": dict(config="configs/1b.yaml", batch=4, prompt=128, new=64),
+            "harness": dict(args=TWO_LAYERS, requests=64),
+            "tasks": dict(config="configs/1b.yaml", items=10042, context=70, ending=30, batch=64),
+            "fp8_ddp": dict(args=[*TWO_LAYERS, "--train.seq_len=1024", "--train.micro_batch_size=4",
+                                  "--train.global_batch_tokens=8192", "--train.compile=true"], micro=(4, 1024),
+                            accum=2, steps=3),
+            "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", "--data.packing=bos_bestfit",
+                                   "--train.batch_schedule=0:262144,4:393216,10:524288",
+                                   "--train.seq_len_schedule=0:2048,7:1024,10:2048"], vocab=50304, tokens=12_000_000,
+                             doc_tokens=(200, 4000)),
+            # The shipped bf16 row's run (bench/results/gpu_check_h100_shipped.json) with FP8 on: same shards, steps.
+            "fp8_1b": dict(args=["--config", "configs/1b.yaml", "--train.global_batch_tokens=131072"], vocab=128256,
+                           tokens=4_000_000, steps=10, runs={"fp8": VARIANTS["fp8"]}),
+            "timeout": 300,
+        }
+    toy_two = ["--config", "configs/speedrun-gpu.yaml", *TOY]
+    return {
+        "muon": dict(configs={"toy": toy_two}, repeats=3),
+        "decode": dict(args=toy_two, batch=2, prompt=8, new=8),
+        "sample": dict(config=None, batch=2, prompt=8, new=8),
+        "harness": dict(args=[*toy_two, "--model.vocab_size=257"], requests=8),
+        "tasks": dict(config=None, items=20, context=20, ending=8, batch=16),
+        "fp8_ddp": dict(args=[*toy_two, "--train.compile=false"], micro=(2, 32), accum=2, steps=2),
+        "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", *TOY, "--data.packing=bos_bestfit",
+                               "--train.batch_schedule=0:256,4:384,10:512",
+                               "--train.seq_len_schedule=0:64,7:32,10:64"], vocab=512, tokens=60_000,
+                         doc_tokens=(10, 100)),
+        # No shipped row for a toy: the bf16 run it is held against runs here too.
+        "fp8_1b": dict(args=["--config", "configs/1b.yaml", *TOY, "--train.compile=false"], vocab=512, tokens=40_000,
+                       steps=6, runs={"fp8": ["--train.fp8=tensorwise", "--train.fp8_filter=all"], "bf16": []}),
+        "timeout": 240,
+    }
+
+
+def jobs(device: torch.device, smoke: bool, work: Path, sections: list[str]) -> dict[str, Callable[[], dict]]:
+    """The chosen quick sections, in QUICK_SECTIONS order, as callables for _gpu.run_sections."""
+    size = sizes(smoke)
+    timeout = size["timeout"]
+    every: dict[str, Callable[[], dict[str, Any]]] = {
+        "env": lambda: check_env(device, smoke),
+        "muon": lambda: check_muon(device, size["muon"]),
+        "decode_fp8": lambda: check_decode_fp8(device, size["decode"]),
+        "sample": lambda: {**check_sample(device, size["sample"]), "precision": "fp32 (TF32 matmuls on a GPU)"},
+        "harness": lambda: check_harness(device, size["harness"]),
+        "tasks": lambda: tasks_section(device, size["tasks"]),
+        "fp8_ddp": lambda: check_fp8_ddp(device, size["fp8_ddp"]),
+        "speedrun": lambda: check_speedrun_stages(size["speedrun"], work, timeout),
+        "fp8_1b": lambda: check_fp8_1b(size["fp8_1b"], work, timeout),
+    }
+    return {name: every[name] for name in QUICK_SECTIONS if name in sections}
+
+
+def config(args: list[str]) -> Config:
+    """A config from command-line style arguments (`--config FILE` first)."""
+    return load_config(REPO / args[1], parse_overrides(args[2:]))
+
+
+def skip_reason(module: str, what: str) -> Optional[str]:
+    """Why a section cannot run here (a package it needs is absent), printed, or None."""
+    if importlib.util.find_spec(module) is not None:
+        return None
+    reason = f"{module} is not importable: {what}"
+    print(f"gpu_check: skipped: {reason}", flush=True)
+    return reason
+
+
+TORCHAO = "carry its wheel (docs/development.md, 'When a GPU is available')"
+
+
+# ---------------------------------------------------------------- muon
+
+
+def check_muon(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """BatchedMuon (every shape batched) against torch's Muon on each config's hidden matrices, then per shape
+    batched against one at a time, and the cut-off this device wants (runtime's muon_batch_max_numel)."""
+    out: dict[str, Any] = {}
+    per_shape: dict[tuple[int, int], dict[str, float]] = {}
+    for name, args in spec["configs"].items():
+        m = config(args).model
+        shapes = [(o, i) for _ in range(m.n_layers) for i, o in block_linears(m).values()]  # weights are out x in
+        whole = time_muon(shapes, device, spec["repeats"], {"torch": None, "batched": None})
+        out[name] = {"matrices": len(shapes), **whole, "batched_over_torch": whole["batched_ms"] / whole["torch_ms"]}
+        for shape in sorted(set(shapes)):
+            same = [s for s in shapes if s == shape]
+            t = time_muon(same, device, spec["repeats"], {"alone": 0, "batched": None})
+            per_shape[shape] = {"count": len(same), "numel": shape[0] * shape[1], **t,
+                                "batched_over_alone": t["batched_ms"] / t["alone_ms"]}
+    out["per_shape"] = {f"{a}x{b}": r for (a, b), r in sorted(per_shape.items(), key=lambda kv: kv[1]["numel"])}
+    out["cut_off"] = cut_off(list(per_shape.values()))
+    first = next(iter(spec["configs"]))
+    out["goal"] = goal(out[first]["batched_over_torch"], "<=", 0.5, f"BatchedMuon / torch Muon time on {first}")
+    return out
+
+
+def time_muon(shapes: list[tuple[int, int]], device: torch.device, repeats: int,
+              variants: dict[str, Optional[int]]) -> dict[str, float]:
+    """Median ms per optimizer step of each variant (torch's Muon for "torch", else BatchedMuon with that cut-off),
+    stepping the same random gradients, alternating after a warm-up step."""
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g).to(device) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(device) for s in shapes]
+    kw = dict(lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+    steps: dict[str, Callable[[], Any]] = {}
+    for name, limit in variants.items():
+        params = [p.clone().requires_grad_() for p in start]
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        opt = torch.optim.Muon(params, **kw) if name == "torch" else BatchedMuon(params, **kw, batch_max_numel=limit)
+        opt.step()  # warm-up: momentum buffers, kernels
+        steps[name] = opt.step
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+
+
+def cut_off(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """The largest matrix size up to which batching never lost (None: it won at every size measured)."""
+    rows = sorted(rows, key=lambda r: r["numel"])
+    losing = [r["numel"] for r in rows if r["batched_over_alone"] > 1.0]
+    if not losing:
+        return {"muon_batch_max_numel": None, "why": "batched was as fast or faster at every shape measured"}
+    below = [r["numel"] for r in rows if r["numel"] < losing[0]]
+    return {"muon_batch_max_numel": below[-1] if below else 0,
+            "why": f"batched was slower from {losing[0]:,} elements"}
+
+
+def goal(value: Optional[float], op: str, target: float, what: str) -> dict[str, Any]:
+    """One of the issue's goals: the figure, the bound and whether it was met (None: not measured)."""
+    met = None if value is None else (value <= target if op == "<=" else value >= target)
+    return {"what": what, "value": value, "goal": f"{op} {target}", "met": met}
+
+
+# ---------------------------------------------------------------- decoding and the harness model
+
+
+def check_decode_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """An FP8-converted model (every block Linear, fp32 weights as at the end of a run) decoding greedily with the
+    KV cache, per recipe: the cached logits against one full forward, judged against FP8's own rounding (the full
+    forward's logits in FP8 against the same weights unconverted): tensorwise scales by the whole input's largest
+    value, so a one-token step rounds otherwise than the full forward, and only a wrong cache exceeds twice that."""
+    if reason := skip_reason("torchao", TORCHAO):
+        return {"skipped": reason}
+    cfg = config([*spec["args"], "--train.fp8_filter=all"])
+    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
+    out: dict[str, Any] = {}
+    for recipe in ("tensorwise", "rowwise"):
+        cfg.train.fp8 = recipe
+        torch.manual_seed(0)
+        model = build_model(cfg.model, device).eval()
+        plain = copy.deepcopy(model)
+        row = {"fp8_linears": fp8.convert(model, cfg, rt), **sample_check(model, spec)}
+        row["fp8_vs_plain_max_abs"] = fp8_rounding(model, plain, spec)
+        bound = max(LOGIT_TOLERANCE * row["max_abs_logit"], 2 * row["fp8_vs_plain_max_abs"])
+        row["logits_agree"] = row["max_abs_logit_diff"] <= bound
+        out[recipe] = row
+    return out
+
+
+@torch.no_grad()
+def fp8_rounding(model: torch.nn.Module, plain: torch.nn.Module, spec: dict[str, Any]) -> float:
+    """The largest |logit| difference, over one full forward of a random prompt, between the FP8 model and the same
+    weights unconverted: how far FP8's rounding alone moves the logits."""
+    g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.embed.num_embeddings, (spec["batch"], spec["prompt"]), generator=g).to(device)
+    return float((model(ids).float() - plain(ids).float()).abs().max())
+
+
+def check_harness(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's `nanopt` model built from a live model on this device (as training's task scorer builds it): its
+    loglikelihoods against nanopt.scoring one request at a time, and one greedy generate_until."""
+    if reason := skip_reason("lm_eval", "the harness model needs lm-eval (the `eval` extra); nanopt.scoring, "
+                                        "which it calls, is timed by the tasks section"):
+        return {"skipped": reason}
+    from lm_eval.api.instance import Instance
+
+    torch.manual_seed(0)
+    cfg = config([*spec["args"], "--model.vocab_size=257"])
+    model = build_model(cfg.model, device).eval()
+    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
+    lm = lm_class()(model=model, tokenizer="byte", rt=rt, batch_size=16)
+    rng = np.random.default_rng(0)
+    words = ["the", "a", "model", "trains", "fast", "on", "one", "GPU", "and", "loss", "falls"]
+    pairs = [(" ".join(rng.choice(words, 12)), " " + " ".join(rng.choice(words, 3))) for _ in range(spec["requests"])]
+    t0 = time.perf_counter()
+    got = lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i)
+                            for i, p in enumerate(pairs)])
+    seconds = time.perf_counter() - t0
+    tok = get_tokenizer("byte")
+    alone = [continuation_scores(model, [([tok.bos_id] + tok.encode(c), tok.encode(x))], rt, 1)[0][0]
+             for c, x in pairs[:8]]
+    text, = lm.generate_until([Instance(request_type="generate_until", doc={}, idx=0,
+                                        arguments=(pairs[0][0], {"until": [], "max_gen_toks": 8}))])
+    return {"requests": len(pairs), "seconds": seconds, "generated_chars": len(text),
+            "harness_vs_scoring_max_abs": max(abs(a - s) for a, (s, _) in zip(alone, got))}
+
+
+def tasks_section(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """_gpu.check_tasks with its goal (meant for 10,042 x 4 requests at 1B on one H100)."""
+    out = check_tasks(device, spec)
+    out["goal"] = goal(out["seconds"], "<=", out["goal_s"], f"seconds for {out['requests']:,} requests")
+    return out
+
+
+# ---------------------------------------------------------------- FP8 under nanopt's DDP path
+
+
+def check_fp8_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """Rowwise FP8 (every block Linear) compiled, through train._wrap at world size 1 in a real process group
+    (DDP, its buckets splitting the graph) and unwrapped: graphs, graph breaks, the loss after the same steps.
+    If the DDP step raises, the same again with --train.compile_ddp_split=false (one graph: the fallback)."""
+    if reason := skip_reason("torchao", TORCHAO):
+        return {"skipped": reason}
+    (b, t), accum = spec["micro"], spec["accum"]
+    out: dict[str, Any] = {"micro_batch": [b, t], "accum": accum}
+    with process_group(device):
+        for name, split in (("split", "true"), ("one_graph", "false")):
+            cfg = config([*spec["args"], "--train.fp8=rowwise", "--train.fp8_filter=all",
+                          f"--train.compile_ddp_split={split}"])
+            g = torch.Generator().manual_seed(0)
+            batches = [(x[:, :-1], x[:, 1:]) for x in (torch.randint(0, cfg.model.vocab_size, (b, t + 1), generator=g)
+                                                       for _ in range(accum))]
+            try:
+                out[f"ddp_{name}"] = time_train_step(cfg, WorldOfOne(device.type, device, 0, 0, 1, 1, "bf16"),
+                                                     batches, spec["steps"])
+            except Exception as e:  # noqa: BLE001 - the failure is the finding; the fallback is tried next
+                out[f"ddp_{name}"] = {"error": f"{type(e).__name__}: {str(e)[:1500]}"}
+                continue
+            out["unwrapped"] = time_train_step(cfg, Runtime(device.type, device, 0, 0, 1, 1, "bf16"), batches,
+                                               spec["steps"])
+            out["loss_diff"] = abs(out[f"ddp_{name}"]["loss"] - out["unwrapped"]["loss"])
+            out["works_with"] = f"train.compile_ddp_split={split}"
+            break
+        else:
+            out["works_with"] = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------- the speedrun recipe's stages
+
+
+def write_documents(directory: Path, vocab: int, tokens: int, bos: int, lengths: tuple[int, int]) -> Path:
+    """train and val shards of random ids cut into documents (each starts with BOS, `lengths` tokens long), so
+    that bos_bestfit packing has documents to fit: speed and shapes do not need language."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", tokens), ("val", max(tokens // 20, 40_000))):
+        ids = rng.integers(0, vocab - 1, n)
+        ids[ids >= bos] += 1  # no BOS inside a document
+        starts = np.cumsum(rng.integers(*lengths, n // lengths[0]))
+        ids[np.concatenate([[0], starts[starts < n]])] = bos
+        shards.write_shard(directory / f"{split}_000000.bin", ids, vocab)
+    return directory
+
+
+def check_speedrun_stages(spec: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
+    """A real run of the recipe through its stages, dynamo's recompiles logged (TORCH_LOGS=recompiles) in order
+    with the step lines: per stage, its shape, recompiles, first step's time and median tokens/s after it."""
+    data = write_documents(work / "documents", spec["vocab"], spec["tokens"], get_tokenizer("byte").bos_id,
+                           spec["doc_tokens"])
+    run_dir = work / "speedrun-stages"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [*spec["args"], *QUIET, f"--data.source={data}", f"--train.max_steps={SPEEDRUN_STEPS}",
+            "--checkpoint.every=0"]
+    res = nanopt_run(args, run_dir, timeout, env={"TORCH_LOGS": "recompiles"}, full_log=True)
+    stages = stage_table(res["log"], res["records"], config(spec["args"]).train.stages())
+    out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "stages": stages,
+                           "log_tail": res["log_tail"] if res["rc"] != 0 else "",
+                           "packing_cropped_share": next((r.get("cropped_share") for r in reversed(res["records"])
+                                                          if "cropped_share" in r), None)}
+    first, last = stages[0]["tokens_per_s"], stages[-1]["tokens_per_s"]
+    out["goals"] = [goal(last / first if first and last else None, ">=", 0.95,
+                         "last stage's tokens/s over the first's (same seq_len, 2x the batch)"),
+                    goal(sum(s["recompiles"] for s in stages if not s["new_shape"]), "<=", 0,
+                         "recompiles at stages that bring no new seq_len")]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def stage_table(log: list[str], records: list[dict[str, Any]], stages: list[tuple[int, int, int]]) -> list[dict]:
+    """Per stage (start step, batch tokens, seq_len): recompiles logged while it ran (a recompile is logged before
+    the step that pays it, after the stage's own log line), its first step's ms, the median tokens/s after it."""
+    recompiles = [0] * len(stages)
+    current = 0
+    for line in log:
+        if m := re.search(r"stage (\d+) from step", line):
+            current = int(m.group(1)) - 1
+        elif "Recompiling function" in line:
+            recompiles[current] += 1
+    seen: set[int] = set()
+    table = []
+    for i, (start, batch, seq_len) in enumerate(stages):
+        end = stages[i + 1][0] if i + 1 < len(stages) else SPEEDRUN_STEPS
+        mine = [r for r in records if "tokens_per_s" in r and start < r["step"] <= end]
+        timed = [r["tokens_per_s"] for r in mine if r["step"] > max(start + 1, 1)]
+        table.append({"start": start, "batch_tokens": batch, "seq_len": seq_len, "new_shape": seq_len not in seen,
+                      "recompiles": recompiles[i], "first_step_ms": mine[0]["step_ms"] if mine else None,
+                      "tokens_per_s": statistics.median(timed) if timed else None, "steps_timed": len(timed)})
+        seen.add(seq_len)
+    return table
+
+
+# ---------------------------------------------------------------- 1B in FP8 against the shipped bf16 row
+
+
+def shipped_row() -> dict[str, Any]:
+    """The bf16 row the FP8 run is held against: configs/1b.yaml compiled, 10 steps at 131,072 tokens per step."""
+    return json.loads(SHIPPED.read_text())["1b"]["default"]
+
+
+def check_fp8_1b(spec: dict[str, Any], work: Path, timeout: float) -> dict[str, Any]:
+    """The 1B model in tensorwise FP8 (the auto filter), compiled, on the synthetic shards the shipped row used:
+    median step ms after two warm-up steps, and the loss at the last step, against the shipped bf16 row (on CPU,
+    a bf16 run of the same toy here)."""
+    if reason := skip_reason("torchao", TORCHAO):
+        return {"skipped": reason}
+    data = write_shards(work / f"shards-{spec['vocab']}", spec["vocab"], spec["tokens"])
+    common = [*spec["args"], *QUIET, f"--data.source={data}", f"--train.max_steps={spec['steps']}"]
+    out: dict[str, Any] = {}
+    for name, flags in spec["runs"].items():
+        run_dir = work / f"fp8-1b-{name}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        res = nanopt_run([*common, *flags], run_dir, timeout)
+        out[name] = {"rc": res["rc"], "wall_s": res["wall_s"], **speed_of(res["records"], {1, 2}),
+                     "log_tail": res["log_tail"] if res["rc"] != 0 else "", "log_notable": res["log_notable"]}
+        shutil.rmtree(run_dir, ignore_errors=True)
+    base = out.get("bf16") or {**shipped_row(), "source": str(SHIPPED.relative_to(REPO))}
+    out["baseline"] = {k: base.get(k) for k in ("step_ms", "loss_last", "tokens_per_s", "source")}
+    fp8_ms, base_ms = out["fp8"].get("step_ms"), base.get("step_ms")
+    speedup = base_ms / fp8_ms if fp8_ms and base_ms else None
+    gap = abs(out["fp8"]["loss_last"] - base["loss_last"]) if out["fp8"].get("loss_last") is not None else None
+    out["goals"] = [goal(speedup, ">=", 1.15, "bf16 step ms / FP8 step ms at 1B"),
+                    goal(gap, "<=", 0.01, "|FP8 - bf16| loss at the last step (nats)")]
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """One line per section, the goals' verdicts last (the device call's reply shows the end of the output)."""
+    lines = [f"# nanopt quick GPU check, {results['date']}", "", f"command: `{results['command']}`", ""]
+    if results.get("smoke"):
+        lines += ["CPU smoke: toy sizes that check the code paths; its figures and goals mean nothing.", ""]
+    if isinstance(results.get("env"), dict) and "error" not in results["env"]:
+        lines += md_env(results["env"]) + [""]
+    lines += ["## Sections", "", "| section | seconds | result |", "|---|---|---|"]
+    for name in QUICK_SECTIONS:
+        if name in results and name != "env":
+            r = results[name]
+            seconds = results.get("section_seconds", {}).get(name)
+            lines.append(f"| {name} | {_fmt(seconds, '.0f')} | {summary_line(name, r)} |")
+    lines += ["", "## Goals", ""]
+    for r in results.values():
+        for g in (r.get("goals") or ([r["goal"]] if "goal" in r else [])) if isinstance(r, dict) else []:
+            verdict = {True: "met", False: "NOT MET", None: "not measured"}[g["met"]]
+            lines.append(f"- {g['what']}: {_fmt(g['value'], '.3f')} (goal {g['goal']}): **{verdict}**")
+    return "\n".join(lines)
+
+
+def summary_line(name: str, r: dict[str, Any]) -> str:
+    """A section's result in one table cell."""
+    if "error" in r:
+        return "FAILED: " + r["error"].strip().splitlines()[-1][:200]
+    if "skipped" in r:
+        return "skipped: " + r["skipped"]
+    return SUMMARY.get(name, lambda r: "ok")(r)
+
+
+def _speedrun_line(r: dict[str, Any]) -> str:
+    stages = "; ".join(f"{s['batch_tokens']:,}@{s['seq_len']}: {_fmt(s['tokens_per_s'], ',.0f')} tok/s, "
+                       f"{s['recompiles']} recompiles" for s in r["stages"])
+    return f"rc {r['rc']}; {stages}"
+
+
+def _fp8_1b_line(r: dict[str, Any]) -> str:
+    f, b = r["fp8"], r["baseline"]
+    return (f"rc {f['rc']}; FP8 {_fmt(f.get('step_ms'), '.0f')} ms/step, loss {_fmt(f.get('loss_last'), '.4f')}; "
+            f"bf16 {_fmt(b.get('step_ms'), '.0f')} ms/step, loss {_fmt(b.get('loss_last'), '.4f')}")
+
+
+def _muon_line(r: dict[str, Any]) -> str:
+    ratios = ", ".join(f"{k} {v['batched_over_torch']:.2f}" for k, v in r.items()
+                       if isinstance(v, dict) and "batched_over_torch" in v)
+    return f"batched / torch time: {ratios}; cut-off {r['cut_off']['muon_batch_max_numel']} ({r['cut_off']['why']})"
+
+
+SUMMARY: dict[str, Callable[[dict[str, Any]], str]] = {
+    "muon": _muon_line,
+    "decode_fp8": lambda r: "; ".join(f"{k}: {v['fp8_linears']} FP8 Linears, logits agree {v['logits_agree']} "
+                                      f"(max diff {v['max_abs_logit_diff']:.1e}), {v['cached_tokens_per_s']:,.0f} tok/s"
+                                      for k, v in r.items() if isinstance(v, dict) and "logits_agree" in v),
+    "sample": lambda r: (f"logits agree {r['logits_agree']} (max diff {r['max_abs_logit_diff']:.1e} of "
+                         f"{r['max_abs_logit']:.1f}); same greedy tokens {r['greedy_tokens_equal']}; "
+                         f"{r['cached_tokens_per_s']:,.0f} tok/s cached"),
+    "harness": lambda r: f"{r['requests']} requests in {r['seconds']:.1f} s; vs scoring max diff "
+                         f"{r['harness_vs_scoring_max_abs']:.1e}",
+    "tasks": lambda r: f"{r['requests']:,} requests in {r['seconds']:.1f} s (goal < {r['goal_s']} s)",
+    "fp8_ddp": lambda r: (f"works with {r.get('works_with')}; loss diff {_fmt(r.get('loss_diff'), '.1e')}; "
+                          + "; ".join(f"{k}: {v.get('graphs')} graphs, {v.get('graph_breaks')} breaks"
+                                      if "error" not in v else f"{k}: {v['error'][:150]}"
+                                      for k, v in r.items() if k.startswith("ddp_"))),
+    "speedrun": _speedrun_line,
+    "fp8_1b": _fp8_1b_line,
+}
