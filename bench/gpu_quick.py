@@ -11,7 +11,7 @@ Sections, in the order they run (cheap first, so a command stopped at its limit 
   decode_fp8  KV-cache greedy decoding of an FP8-converted model (tensorwise and rowwise): tokens/s, cached logits
               against one full forward
   sample      the same for the 1B model in fp32 (TF32 on), judged by the logits, not by greedy tokens
-  harness     lm-eval's `nanopt` model on this device against nanopt.scoring (skipped where lm-eval is absent)
+  harness     lm-eval's `nanopt` model on this device against nanopt.scoring (lm-eval from a carried wheel)
   tasks       HellaSwag-sized scoring at 1B in bf16: 10,042 items x 4 endings (goal < 60 s)
   fp8_ddp     rowwise FP8 + compile + nanopt's own DDP wrapper at world size 1 against the same model unwrapped:
               graphs, graph breaks, loss difference; on failure again with --train.compile_ddp_split=false
@@ -133,7 +133,7 @@ def skip_reason(module: str, what: str) -> Optional[str]:
     return reason
 
 
-TORCHAO = "carry its wheel (docs/development.md, 'When a GPU is available')"
+CARRY = "carry its wheel (docs/development.md, 'When a GPU is available')"
 
 
 # ---------------------------------------------------------------- muon
@@ -213,7 +213,7 @@ def check_decode_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, An
     KV cache, per recipe: the cached logits against one full forward, judged against FP8's own rounding (the full
     forward's logits in FP8 against the same weights unconverted): tensorwise scales by the whole input's largest
     value, so a one-token step rounds otherwise than the full forward, and only a wrong cache exceeds twice that."""
-    if reason := skip_reason("torchao", TORCHAO):
+    if reason := skip_reason("torchao", CARRY):
         return {"skipped": reason}
     cfg = config([*spec["args"], "--train.fp8_filter=all"])
     rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
@@ -244,8 +244,7 @@ def fp8_rounding(model: torch.nn.Module, plain: torch.nn.Module, spec: dict[str,
 def check_harness(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's `nanopt` model built from a live model on this device (as training's task scorer builds it): its
     loglikelihoods against nanopt.scoring one request at a time, and one greedy generate_until."""
-    if reason := skip_reason("lm_eval", "the harness model needs lm-eval (the `eval` extra); nanopt.scoring, "
-                                        "which it calls, is timed by the tasks section"):
+    if reason := skip_reason("lm_eval", f"the harness model needs lm-eval: {CARRY}"):
         return {"skipped": reason}
     from lm_eval.api.instance import Instance
 
@@ -284,7 +283,7 @@ def check_fp8_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     """Rowwise FP8 (every block Linear) compiled, through train._wrap at world size 1 in a real process group
     (DDP, its buckets splitting the graph) and unwrapped: graphs, graph breaks, the loss after the same steps.
     If the DDP step raises, the same again with --train.compile_ddp_split=false (one graph: the fallback)."""
-    if reason := skip_reason("torchao", TORCHAO):
+    if reason := skip_reason("torchao", CARRY):
         return {"skipped": reason}
     (b, t), accum = spec["micro"], spec["accum"]
     out: dict[str, Any] = {"micro_batch": [b, t], "accum": accum}
@@ -388,7 +387,7 @@ def check_fp8_1b(spec: dict[str, Any], work: Path, timeout: float) -> dict[str, 
     """The 1B model in tensorwise FP8 (the auto filter), compiled, on the synthetic shards the shipped row used:
     median step ms after two warm-up steps, and the loss at the last step, against the shipped bf16 row (on CPU,
     a bf16 run of the same toy here)."""
-    if reason := skip_reason("torchao", TORCHAO):
+    if reason := skip_reason("torchao", CARRY):
         return {"skipped": reason}
     data = write_shards(work / f"shards-{spec['vocab']}", spec["vocab"], spec["tokens"])
     common = [*spec["args"], *QUIET, f"--data.source={data}", f"--train.max_steps={spec['steps']}"]
