@@ -215,7 +215,7 @@ def test_an_fp8_run_learns_resumes_bit_exactly_and_exports_plain_weights(tmp_pat
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert all(t.dtype == torch.float32 and "scale" not in k for k, t in exported.items())
     plain = small_overrides(**{"run.dir": reference, "train.max_steps": STEPS + 2, "train.fp8": "none",
-                               "checkpoint.allow_changes": "train.fp8,train.max_steps"})
+                               "train.fp8_filter": "all", "checkpoint.allow_changes": "train.fp8,train.max_steps"})
     assert run(plain) == 0
     assert json.loads((reference / "summary.json").read_text())["fp8"] == "none"
 
