@@ -47,6 +47,7 @@ PROFILE_FILE = "profile_summary.json"  # nanopt.profiling.SUMMARY_FILE (that mod
 CURVES_FILE = "curves.png"
 TB_DIR = "tb"
 LOCK_FILE = "lock.json"
+WATCH_LOCK_FILE = "watch.lock.json"  # `nanopt eval --watch`'s lease, beside the trainer's: one watcher per run
 LOCK_OWNER_ENV = "NANOPT_LOCK_OWNER"
 LOCK_EXPIRES_ENV = "NANOPT_LOCK_EXPIRES_S"
 CHECKPOINTS_DIR = "checkpoints"
@@ -405,9 +406,9 @@ class DirLock:
     id its retries share, so a retry takes over its dead predecessor's lease at once."""
 
     def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
-                 heartbeat_s: float = 15.0):
-        self.dir, self.what = Path(directory), what
-        self.path = self.dir / LOCK_FILE
+                 heartbeat_s: float = 15.0, filename: str = LOCK_FILE):
+        self.dir, self.what, self.filename = Path(directory), what, filename
+        self.path = self.dir / filename
         self.expires_s = expires_s if expires_s is not None else float(os.environ.get(LOCK_EXPIRES_ENV) or 120.0)
         self.heartbeat_s = heartbeat_s
         self.owner = os.environ.get(LOCK_OWNER_ENV, "")
@@ -460,7 +461,7 @@ class DirLock:
 
     def _take_over(self, stale: Holder) -> None:
         """Move a stale lease aside; one another process wrote since we judged it stale is put back."""
-        aside = self.dir / f".{LOCK_FILE}.stale.{self.token}"
+        aside = self.dir / f".{self.filename}.stale.{self.token}"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
