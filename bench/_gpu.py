@@ -242,7 +242,8 @@ def nanopt_run(args: list[str], run_dir: Path, timeout: float, env: Optional[dic
         rc, log = None, f"timed out after {timeout:.0f} s\n" + (e.stdout or b"").decode(errors="replace")[-3000:]
     records = rundirs.read_metrics(run_dir)
     lines = log.strip().splitlines()
-    notable = [ln for ln in lines if any(w in ln for w in ("profile", "WARNING", "Error", "attention", "model:"))]
+    words = ("profile", "WARNING", "Error", "attention", "model:", "fp8:")
+    notable = [ln for ln in lines if any(w in ln for w in words)]
     out = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "records": records,
            "log_tail": "\n".join(lines[-15:]), "log_notable": notable[-12:], "log_times": _stamps(lines)}
     return {**out, "log": lines} if full_log else out
