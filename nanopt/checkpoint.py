@@ -6,8 +6,9 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
   state.json         step, each resumable component's state_dict(), the data fingerprint, the config, versions
   rng.pt             every rank's host and device RNG states
   COMPLETE           written last: a JSON manifest of every file's size and crc32
-It is written to `.tmp_step_NNNNNN/`, fsynced, renamed into place; `checkpoints/latest` is updated last. The
-names and the verification are rundirs.py's. On resume the newest checkpoint that verifies is used (a damaged
+It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
+`checkpoints/latest` is updated last. A full disk removes the temp directory and is DiskFull (exit 1), every earlier
+checkpoint untouched. The names and the verification are rundirs.py's. On resume the newest checkpoint that verifies is used (a damaged
 one is left in place, named in a warning); when the run has trained but none is usable, every re-run refuses
 (exit 2) until the user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart."""
 from __future__ import annotations
@@ -26,9 +27,9 @@ from safetensors.torch import load_file, save_file
 
 from nanopt import optim, rundirs, shards
 from nanopt.config import Config, config_from_dict, resume_changes
-from nanopt.errors import ConfigError
+from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
-from nanopt.io import fsync_dir, write_json, write_text
+from nanopt.io import fsync_dir, write_json, write_text, writing
 from nanopt.mirror import Mirror
 from nanopt.runtime import Runtime, host_rng_state
 
@@ -96,36 +97,72 @@ class _Sealer:
             self.pool.shutdown(wait=True)
 
 
-def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-         state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None) -> Path:
-    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `rng` is every
-    rank's Runtime.rng_state() in rank order (default: this process's host states)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+def _remove(path: Path) -> None:
+    """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    # Through a file object: a full disk then surfaces as the OSError (torch's own writer raises a bare
+    # RuntimeError, "unexpected pos"), and the file is new in a new directory.
+    with open(path, "xb") as f:
+        torch.save(obj, f)
+
+
+def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                 state: dict[str, Any], rng: Optional[list[dict[str, Any]]]) -> None:
+    """Every file of the checkpoint into the new directory `tmp`, COMPLETE last; DiskFull naming the one that did
+    not fit."""
     sealer = _Sealer()
-    # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-    save_file(model_state(model), str(tmp / rundirs.MODEL_FILE), metadata={"format": "pt"})
-    sealer.add(tmp / rundirs.MODEL_FILE)
-    fault_hook("kill-in-save", step)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / rundirs.OPTIMIZER_FILE)
-        sealer.add(tmp / rundirs.OPTIMIZER_FILE)
-    torch.save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / rundirs.RNG_FILE)
-    sealer.add(tmp / rundirs.RNG_FILE)
-    versions = {"torch": torch.__version__, "numpy": np.__version__}
-    write_json(tmp / rundirs.STATE_FILE, {**state, "step": step, "versions": versions})
-    sealer.add(tmp / rundirs.STATE_FILE)
-    files = sealer.manifest()
+    try:
+        # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
+        with writing(tmp / rundirs.MODEL_FILE):
+            save_file(model_state(model), str(tmp / rundirs.MODEL_FILE), metadata={"format": "pt"})
+        sealer.add(tmp / rundirs.MODEL_FILE)
+        fault_hook("kill-in-save", step)
+        if optimizer is not None:
+            with writing(tmp / rundirs.OPTIMIZER_FILE):
+                _torch_save(optimizer.state_dict(), tmp / rundirs.OPTIMIZER_FILE)
+            sealer.add(tmp / rundirs.OPTIMIZER_FILE)
+        with writing(tmp / rundirs.RNG_FILE):
+            _torch_save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / rundirs.RNG_FILE)
+        sealer.add(tmp / rundirs.RNG_FILE)
+        versions = {"torch": torch.__version__, "numpy": np.__version__}
+        write_json(tmp / rundirs.STATE_FILE, {**state, "step": step, "versions": versions})
+        sealer.add(tmp / rundirs.STATE_FILE)
+    except BaseException:
+        sealer.pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    with writing(tmp):  # an fsync can be the first to hear of a full disk
+        files = sealer.manifest()
     for name, entry in files.items():
         entry["bytes"] = (tmp / name).stat().st_size
     write_json(tmp / rundirs.COMPLETE_FILE, {"step": step, "files": files}, indent=1)
-    fsync_dir(tmp)
-    if final.exists():  # same step saved again (e.g. final save right after a periodic one)
-        shutil.rmtree(final)
+    with writing(tmp):
+        fsync_dir(tmp)
+
+
+def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+         state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None) -> Path:
+    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `rng` is every
+    rank's Runtime.rng_state() in rank order (default: this process's host states). A full disk is DiskFull, with
+    the temp directory removed (its space back) and every earlier checkpoint as it was."""
+    with writing(ckpt_root):
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".tmp_{final.name}"
+    _remove(tmp)
+    with writing(tmp):
+        tmp.mkdir()
+    try:
+        _write_files(tmp, step, model, optimizer, state, rng)
+    except DiskFull:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _remove(final)  # same step saved again (e.g. final save right after a periodic one)
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
     fault_hook("kill-after-save", step)
@@ -171,7 +208,7 @@ class Checkpointer:
         """Load the newest usable checkpoint into model, optimizer, states and RNGs: its state.json, or None."""
         rt = self.rt
         if not self.cfg.checkpoint.resume:
-            if rt.is_main and any(p.name != rundirs.LOCK_FILE for p in self.run_dir.iterdir()):
+            if rt.is_main and any(not rundirs.is_lease(p.name) for p in self.run_dir.iterdir()):
                 raise ConfigError(
                     f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is not empty, "
                     f"and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), delete the directory, "
@@ -183,6 +220,7 @@ class Checkpointer:
         chosen, error = None, None
         if rt.is_main:
             try:
+                rundirs.refuse_links(self.run_dir)  # before anything is read or written; every rank learns it
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:

@@ -2,6 +2,8 @@
 
 Exit statuses (python -m nanopt.main / nanopt train; modal_app.py reads them):
   0   finished
+  1   failed: a crash, or a full disk (DiskFull: one paragraph naming the file and the free space; what was written
+      before it is kept, so freeing space and re-running resumes)
   2   bad input (config, override, flag, path, shard, checkpoint): one paragraph says what and how to fix
   3   training stopped (loss became NaN/inf); the last good checkpoint is kept
   75  preempted (SIGTERM/SIGINT, or run.time_limit_s reached): a checkpoint was saved; re-run the same command to resume
@@ -9,11 +11,13 @@ Exit statuses (python -m nanopt.main / nanopt train; modal_app.py reads them):
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Optional
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 75
@@ -34,6 +38,25 @@ class ShardError(ValueError):
 
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. the loss became NaN); the message says why and what was kept (exit 3)."""
+
+
+class DiskFull(OSError):
+    """No space left writing `path` (ENOSPC or a quota): a failure, not bad input (exit 1). Raised once the write
+    is undone (nanopt.io.disk_full builds it), so everything written before it is intact and a re-run resumes."""
+
+    def __init__(self, path: Path, free_bytes: Optional[int], device: str):
+        super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        self.path, self.free_bytes, self.device = Path(path), free_bytes, device
+
+    def __reduce__(self):  # pickled (a queue, a gather) as what it was built from, not OSError's args
+        return DiskFull, (self.path, self.free_bytes, self.device)
+
+    def __str__(self) -> str:
+        free = "free space unknown" if self.free_bytes is None else f"{self.free_bytes / 2**30:.2f} GiB free"
+        return (f"no space left on {self.device} writing {self.path} ({free}); nothing written before it is lost: "
+                f"that file keeps its earlier content, and what was saved before it (checkpoints, metrics, shards) "
+                f"stays usable. Free space on that device (or point the output elsewhere) and run the same command "
+                f"again to resume.")
 
 
 class Preempted(Exception):

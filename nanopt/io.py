@@ -1,14 +1,23 @@
-"""Files that are never torn: atomic writes (temp file + fsync + rename), JSON lines appends, the cache dir."""
+"""Files that are never torn and never written through a link: atomic writes (temp file + fsync + rename), JSON
+lines appends, the cache dir, and the disk-full error that names the file and the free space."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
-from nanopt.errors import ConfigError
+from nanopt.errors import ConfigError, DiskFull
+
+# Where O_NOFOLLOW exists (Linux, macOS), opening a symbolic link fails with ELOOP instead of opening its target.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded")
 
 
 def cache_dir() -> Path:
@@ -25,19 +34,147 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# ---------------------------------------------------------------- a full disk
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC (or a quota) however a writer surfaced it: an OSError, or a library's own error around one
+    (safetensors says "os error 28"; torch.save into a file object raises RuntimeError with the OSError as context)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in FULL_ERRNOS:
+            return True
+        if any(text in str(current) for text in FULL_TEXTS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _mount_of(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _device_of(mount: Path) -> str:
+    """The device mounted at `mount` as /proc/mounts names it ("" where there is none to read)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == str(mount):
+                return fields[0]
+    return ""
+
+
+def disk_full(path: Path) -> DiskFull:
+    """The DiskFull paragraph for a write to `path` that found no space: its device and the free space now."""
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    try:
+        free: Optional[int] = shutil.disk_usage(existing).free
+    except OSError:
+        free = None
+    mount = _mount_of(existing)
+    device = _device_of(mount)
+    return DiskFull(path, free, f"{device} (mounted at {mount})" if device else str(mount))
+
+
+def as_disk_full(error: BaseException, where: Path) -> Optional[DiskFull]:
+    """`error` as DiskFull when it is a full disk (naming the file it names, else `where`); None when it is not."""
+    if isinstance(error, DiskFull) or not is_disk_full(error):
+        return error if isinstance(error, DiskFull) else None
+    current: Optional[BaseException] = error
+    while current is not None and not (isinstance(current, OSError) and current.filename):
+        current = current.__cause__ or current.__context__
+    return disk_full(Path(current.filename) if isinstance(current, OSError) else where)
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn a full disk met while writing `path` into DiskFull naming it (other errors pass unchanged)."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as e:
+        if is_disk_full(e):
+            raise disk_full(path) from e
+        raise
+
+
+# ---------------------------------------------------------------- never through a link
+def link_refused(path: Path) -> ConfigError:
+    """A symbolic link where nanopt writes a file of its own: one paragraph naming it and the fix."""
+    path = Path(path)
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return ConfigError(f"{path} is a symbolic link{target}, where nanopt writes a file of its own; it never writes "
+                       f"through a link, which would change or create a file outside the directory. Remove the link "
+                       f"(or, if the file it points to is this directory's own, replace the link with a copy of that "
+                       f"file) and run the command again.")
+
+
+def refuse_link(path: Path) -> None:
+    """ConfigError when `path` is a symbolic link (dangling or not); an lstat, for a check before the work starts."""
+    if Path(path).is_symlink():
+        raise link_refused(path)
+
+
+def open_own(path: Path, flags: int, mode: int = 0o644) -> int:
+    """os.open of a file nanopt writes (metrics.jsonl, evals.jsonl, a lease, a log) that never follows a symbolic
+    link out: a link there is ConfigError, a dangling one included (O_CREAT would create its target)."""
+    try:
+        return os.open(path, flags | NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as e:
+        # ELOOP (Linux, macOS) or EMLINK (FreeBSD): the name is a link; EEXIST: O_EXCL met one.
+        if e.errno in (errno.ELOOP, errno.EMLINK) or (e.errno == errno.EEXIST and Path(path).is_symlink()):
+            raise link_refused(path) from None
+        raise
+
+
+def open_append(path: Path) -> int:
+    """A file descriptor appending to `path` (created when missing), never through a link."""
+    return open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def append_bytes(fd: int, data: bytes, path: Path) -> None:
+    """Append `data` with one write() (O_APPEND: concurrent writers never interleave). A full disk is DiskFull, and
+    the part it wrote is cut off again when no other writer appended since: the file keeps every whole line."""
+    before = os.fstat(fd).st_size
+    written = 0
+    try:
+        while written < len(data):  # a short write happens only at the disk's end; the next one raises
+            written += os.write(fd, data[written:])
+    except OSError as e:
+        if written and os.fstat(fd).st_size == before + written:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)
+        if is_disk_full(e):
+            raise disk_full(path) from e
+        raise
+
+
+# ---------------------------------------------------------------- atomic writes
 def write_bytes(path: Path, *chunks: bytes) -> Path:
-    """Write `path` so that it holds either its old content or all of `chunks`, even across a crash."""
+    """Write `path` so that it holds either its old content or all of `chunks`, even across a crash. Never
+    through a link: the temp file is created anew (O_EXCL), and the rename replaces a link at `path` with the file
+    instead of writing its target. A full disk is DiskFull naming `path`; the old content stays."""
     path = Path(path)
     # A name of this writer's own: two processes replacing one file (a lease's heartbeat and its takeover, a
     # sweep's state) must never write into, or rename, each other's half-written temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with writing(path):
+            tmp.unlink(missing_ok=True)  # ours by its name: a crash of an earlier process with this pid left it
+            with os.fdopen(open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except Exception:  # a full disk: leave no half-written temp file (a kill or Ctrl-C leaves one, as a crash does)
         tmp.unlink(missing_ok=True)
         raise
@@ -61,12 +198,17 @@ def write_json(path: Path, data: Any, indent: int = 2) -> Path:
     return write_text(path, json.dumps(data, indent=indent) + "\n")
 
 
+def json_line(record: dict[str, Any]) -> bytes:
+    """One JSON-lines record (NaN and inf as null)."""
+    return (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
+
+
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line with one O_APPEND write(): concurrent writers (`nanopt eval`s) never interleave."""
-    line = (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """Append one JSON line with one O_APPEND write(): concurrent writers (`nanopt eval`s) never interleave; never
+    through a link (ConfigError naming it); a full disk is DiskFull and leaves the earlier lines whole."""
+    fd = open_append(path)
     try:
-        os.write(fd, line)
+        append_bytes(fd, json_line(record), path)
     finally:
         os.close(fd)
 

@@ -2,15 +2,15 @@
 optional W&B. Only rank 0's MetricsLogger writes; other ranks get a silent one."""
 from __future__ import annotations
 
-import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from nanopt.io import clean
+from nanopt.io import append_bytes, json_line, open_append
 from nanopt.rundirs import METRICS_FILE, TB_DIR
 
 log = logging.getLogger("nanopt")
@@ -44,17 +44,22 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes nothing until open(): a resume first trims metrics.jsonl past its checkpoint's step (rundirs)."""
+    """Writes nothing until open(): a resume first trims metrics.jsonl past its checkpoint's step (rundirs).
+    metrics.jsonl is appended a whole record per write() on a descriptor that never follows a link (a link there is
+    ConfigError naming it), and a full disk is DiskFull that leaves every earlier line whole. tb/ is TensorBoard's
+    own: its event files are new names in it each session."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[dict] = None):
         self.run_dir, self.enabled, self.tensorboard, self.wandb_cfg = run_dir, enabled, tensorboard, wandb_cfg
-        self.writer = self.wandb = self.file = None
+        self.writer = self.wandb = None
+        self.fd: Optional[int] = None
+        self.path = Path(run_dir) / METRICS_FILE
 
     def open(self) -> None:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.run_dir / METRICS_FILE, "a", buffering=1)
+        self.fd = open_append(self.path)
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -64,10 +69,9 @@ class MetricsLogger:
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Append one record {step, time, **values} to every sink."""
-        if self.file is None:
+        if self.fd is None:
             return
-        record = {"step": step, "time": time.time(), **{k: clean(v) for k, v in values.items()}}
-        self.file.write(json.dumps(record) + "\n")
+        append_bytes(self.fd, json_line({"step": step, "time": time.time(), **values}), self.path)
         if self.writer is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None and math.isfinite(v):
@@ -80,13 +84,13 @@ class MetricsLogger:
             self.writer.add_text(tag, text, step)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        if self.fd is not None:
+            os.close(self.fd)
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-        self.file = self.writer = self.wandb = None
+        self.fd = self.writer = self.wandb = None
 
 
 def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:

@@ -10,6 +10,11 @@ Output directory (= data.dir or data.source, exactly where training reads):
   manifest.json          the configuration fingerprint, committed shards, resume position
   .doclens-{split}.u32   tokens per document, for the statistics (committed prefix named in the manifest)
   stats.json             documents, tokens, mean and median tokens per document, per split
+  lock.json              the lease of the `nanopt prepare` writing it now (rundirs.DirLock, as a trainer's run)
+
+One prepare at a time writes a directory (a second is refused, naming the holder). A full disk is DiskFull (exit 1)
+with every committed shard kept; an output that cannot be written is ConfigError; neither is retried as a source
+failure is.
 """
 from __future__ import annotations
 
@@ -35,11 +40,11 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm import tqdm
 
-from nanopt import shards
+from nanopt import rundirs, shards
 from nanopt.config import Config, PrepareConfig
 from nanopt.shards import encode_documents
 from nanopt.errors import ConfigError
-from nanopt.io import write_json
+from nanopt.io import append_bytes, as_disk_full, open_append, refuse_link, write_json
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
@@ -62,6 +67,13 @@ def output_dir(cfg: Config) -> Path:
         raise ConfigError("`data.source` is `embedded`, so training would not read prepared shards. Set `data.source` "
                           "to the directory to write them to, e.g. `--data.source=data/fineweb-edu-llama3`.")
     return Path(cfg.data.dir or cfg.data.source)
+
+
+def own_output_dir(cfg: Config) -> rundirs.DirLock:
+    """The output directory's lease, the trainer's kind (rundirs.DirLock): ConfigError naming the holder when
+    another `nanopt prepare` writes it, or when the directory is a file."""
+    setting = "`data.dir`" if cfg.data.dir else "`data.source`"
+    return rundirs.DirLock(output_dir(cfg), what="data", setting=setting)
 
 
 def _embedded_dataset():
@@ -270,6 +282,7 @@ class ShardWriter:
         for name, _ in self.budgets:  # this config's split names: a key in the manifest never becomes a path
             count = self.state["doclens"].get(name)
             f = self.out / f".doclens-{name}.u32"
+            refuse_link(f)  # truncated and appended to: never a file elsewhere
             if count is not None and f.exists():
                 os.truncate(f, count * 4)
 
@@ -344,8 +357,12 @@ class ShardWriter:
 
     def _save_doclens(self) -> None:
         name = self.budgets[min(self.state["split_index"], len(self.budgets) - 1)][0]
-        with open(self.out / f".doclens-{name}.u32", "ab") as f:
-            f.write(np.asarray(self.doclens, dtype=np.uint32).tobytes())
+        path = self.out / f".doclens-{name}.u32"
+        fd = open_append(path)
+        try:  # one write, cut back on a full disk: the file keeps the committed prefix the manifest names
+            append_bytes(fd, np.asarray(self.doclens, dtype=np.uint32).tobytes(), path)
+        finally:
+            os.close(fd)
         self.state["doclens"][name] += len(self.doclens)
         self.doclens = []
 
@@ -421,7 +438,12 @@ def _special_ids(cfg: Config, tokenizer) -> tuple[Optional[int], Optional[int]]:
 def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
     committed and rebuilding committed shards that were lost (with verify: also corrupt ones, which reads
-    every byte); returns the statistics also written to stats.json."""
+    every byte); returns the statistics also written to stats.json. Holds the directory's lease throughout."""
+    with own_output_dir(cfg):
+        return _prepare(cfg, progress, verify)
+
+
+def _prepare(cfg: Config, progress: bool, verify: bool) -> dict[str, Any]:
     p = cfg.prepare
     out = output_dir(cfg)
     tokenizer = get_tokenizer(cfg.data.tokenizer)
@@ -430,7 +452,6 @@ def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[st
         # A warning, not an error: the shards do not depend on the model and may serve another config.
         log.warning("tokenizer %s has %d ids but model.vocab_size is %d: training will refuse these shards",
                     cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out, split_budgets(p), p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
     writer.resume(verify)
     started = time.perf_counter()
@@ -513,13 +534,34 @@ def transient_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def output_failure(error: BaseException, cfg: Config) -> Optional[Exception]:
+    """What an error of prepare's own output is, which no wait mends: DiskFull for a full disk, ConfigError for a
+    file in the output directory that cannot be written; None for anything else (a source failure, say)."""
+    out = output_dir(cfg)
+    full = as_disk_full(error, out)
+    if full is not None:
+        return full
+    name = getattr(error, "filename", None) if isinstance(error, OSError) else None
+    if name and Path(os.path.abspath(out)) in Path(os.path.abspath(name)).parents:
+        return ConfigError(f"cannot write {name} ({error.strerror or error}); `nanopt prepare` needs a writable output "
+                           f"directory. Every shard committed so far in {out} is kept: fix the permissions (or point "
+                           f"`data.source` elsewhere) and run the same command again to resume.")
+    return None
+
+
 def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """prepare(), started again from the last committed shard after a transient source error (resume is
-    exact, so the output is the same bytes), up to `prepare.retries` times."""
+    exact, so the output is the same bytes), up to `prepare.retries` times. A failure of the output itself (a full
+    disk, an unwritable file) is raised at once, as DiskFull or ConfigError."""
     for attempt in range(cfg.prepare.retries + 1):
         try:
             return prepare(cfg, progress, verify)
         except transient_errors() as e:
+            final = output_failure(e, cfg)
+            if final is e:
+                raise
+            if final is not None:
+                raise final from e
             if attempt == cfg.prepare.retries:
                 raise
             wait = RETRY_WAIT_S * (attempt + 1)

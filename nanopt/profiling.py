@@ -16,6 +16,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
 from nanopt import plots
+from nanopt.io import write_text
 from nanopt.rundirs import PROFILE_FILE, TB_DIR
 from nanopt.config import Config, ConfigError, ProfileConfig, parse_ranks
 from nanopt.metrics import MetricsLogger
@@ -178,7 +179,7 @@ class Profile:
     def _publish(self, summary: dict, step: int) -> None:
         name = SUMMARY_FILE if self.rt.is_main else f"profile_summary_rank{self.rt.rank}.json"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
+        write_text(self.run_dir / name, json.dumps(summary, indent=2) + "\n")  # replaces a link, never follows it
         if not self.rt.is_main:
             return
         plots.profile_page_quietly(summary, self.run_dir)  # profile.html: the summary, viewable offline

@@ -11,6 +11,10 @@ file, never a traceback. The layout:
   tb/                    TensorBoard events and profiler traces
   checkpoints/step_NNNNNN/  {model.safetensors, optimizer.pt, rng.pt, state.json, COMPLETE}; checkpoints/latest
   lock.json              the lease of the trainer writing it now (absent when none is)
+
+Its files are the run's own: the appended ones (APPENDED_FILES, the lease) are opened so that a symbolic link is never
+followed (a link there is ConfigError naming it), and the replaced ones are written to a new temp file and renamed
+over the name, which replaces a link rather than writing its target (nanopt.io).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from typing import Any, Optional
 import yaml
 
 from nanopt.errors import ConfigError
-from nanopt.io import read_json, write_bytes
+from nanopt.io import disk_full, is_disk_full, open_own, read_json, refuse_link, write_bytes
 
 log = logging.getLogger("nanopt")
 
@@ -48,6 +52,12 @@ CURVES_FILE = "curves.png"
 TB_DIR = "tb"
 LOCK_FILE = "lock.json"
 WATCH_LOCK_FILE = "watch.lock.json"  # `nanopt eval --watch`'s lease, beside the trainer's: one watcher per run
+
+
+def is_lease(name: str) -> bool:
+    """Whether a file name is a lease (the trainer's, a watcher's) or one a takeover moved aside: not run data."""
+    return name in (LOCK_FILE, WATCH_LOCK_FILE) or name.startswith((f".{LOCK_FILE}.stale.",
+                                                                     f".{WATCH_LOCK_FILE}.stale."))
 LOCK_OWNER_ENV = "NANOPT_LOCK_OWNER"
 LOCK_EXPIRES_ENV = "NANOPT_LOCK_EXPIRES_S"
 CHECKPOINTS_DIR = "checkpoints"
@@ -59,6 +69,8 @@ MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = (
 CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
 # What every checkpoint's manifest must list; optimizer.pt is absent from a weights-only one (resume refuses it).
 REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
+# The files a run appends to: a link at one of them is refused before the run writes anything.
+APPENDED_FILES = (METRICS_FILE, EVALS_FILE)
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -230,10 +242,17 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
     return out
 
 
+def refuse_links(run_dir: Path, names: tuple[str, ...] = APPENDED_FILES) -> None:
+    """ConfigError naming the first of the run's files `names` that is a symbolic link (checked before any write)."""
+    for name in names:
+        refuse_link(Path(run_dir) / name)
+
+
 def trim_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics.jsonl records past `step`, which a run resumed from that checkpoint logs again (the lock
     held). A line that does not parse is kept for the user, except a cut last line the next append would join."""
     path = Path(run_dir) / METRICS_FILE
+    refuse_link(path)  # else a user's file it points to would be read, and its lines copied into the run
     if not path.is_file():
         return
     lines = [line for line in path.read_bytes().splitlines() if line.strip()]
@@ -377,10 +396,21 @@ class Holder:
 
     def describe(self) -> str:
         if not self.token:
-            return "a process whose lock file cannot be read (being written, or damaged)"
+            who = f"process {self.pid} on host {self.host}" if self.pid > 0 else "a process"
+            return (f"{who} whose lock file cannot be read (empty or cut short: being written, or left by a crash or "
+                    f"a full disk; last written {time.time() - self.heartbeat:.0f} s ago)")
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return (f"process {self.pid} on host {self.host} (started {started}, last heartbeat "
                 f"{time.time() - self.heartbeat:.0f} s ago{', running ' + self.command if self.command else ''})")
+
+
+def _cut_holder(data: bytes, mtime: float) -> Holder:
+    """What an unreadable lease still tells (a write cut short keeps its first fields, host and pid): its holder,
+    token "", as old as the file itself."""
+    host = re.search(rb'"host": "([^"\\]*)"', data)
+    pid = re.search(rb'"pid": (\d{1,10})[,}]', data)
+    return Holder(host.group(1).decode(errors="replace") if host else "?", int(pid.group(1)) if pid else -1,
+                  mtime, mtime, "")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -406,8 +436,9 @@ class DirLock:
     id its retries share, so a retry takes over its dead predecessor's lease at once."""
 
     def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
-                 heartbeat_s: float = 15.0, filename: str = LOCK_FILE):
+                 heartbeat_s: float = 15.0, filename: str = LOCK_FILE, setting: str = ""):
         self.dir, self.what, self.filename = Path(directory), what, filename
+        self.setting = setting or ("`run.dir`" if what == "run" else "--dir")  # where the user names the directory
         self.path = self.dir / filename
         self.expires_s = expires_s if expires_s is not None else float(os.environ.get(LOCK_EXPIRES_ENV) or 120.0)
         self.heartbeat_s = heartbeat_s
@@ -419,27 +450,41 @@ class DirLock:
         self.lost: Optional[str] = None  # set by the heartbeat when another process took the lease
 
     def holder(self, path: Optional[Path] = None) -> Optional[Holder]:
-        """The holder of the lease (or of the one at `path`); None when there is none; token "" when unreadable."""
+        """The holder of the lease (or of the one at `path`); None when there is none; token "" when unreadable;
+        ConfigError when it is a symbolic link (never read, or replaced, through one)."""
         path = path or self.path
+        data = b""
         try:
-            data = json.loads(path.read_bytes())
-            return Holder(**{k: data[k] for k in ("host", "pid", "started", "heartbeat", "token")},
-                          command=str(data.get("command", "")), owner=str(data.get("owner", "")))
+            fd = open_own(path, os.O_RDONLY)
+            try:
+                data = os.read(fd, 1 << 16)
+            finally:
+                os.close(fd)
+            record = json.loads(data)
+            return Holder(**{k: record[k] for k in ("host", "pid", "started", "heartbeat", "token")},
+                          command=str(record.get("command", "")), owner=str(record.get("owner", "")))
         except FileNotFoundError:
             return None
+        except ConfigError:  # a link (ConfigError is a ValueError too): never taken for a damaged lease
+            raise
         except (OSError, ValueError, TypeError, KeyError):
-            # Half written (a crash between create and write) or damaged: as old as the file itself.
+            # Cut short (a crash or a full disk between create and write), or damaged: as old as the file itself.
             try:
                 mtime = path.stat().st_mtime
             except FileNotFoundError:
                 return None
-            return Holder("?", -1, mtime, mtime, "")
+            return _cut_holder(data, mtime)
 
     def _expired(self, h: Holder) -> bool:
+        """Stale: an earlier attempt of this job; on this host, a dead pid; a live pid's readable lease never; else
+        (another host, or an unreadable lease whose pid is unknown or alive) a heartbeat older than expires_s."""
         if self.owner and h.owner == self.owner:  # an earlier attempt of this same job: its scheduler ended it
             return True
         if h.host == socket.gethostname() and h.pid > 0:
-            return not _pid_alive(h.pid)
+            if not _pid_alive(h.pid):
+                return True
+            if h.token:
+                return False
         return time.time() - h.heartbeat > self.expires_s
 
     def _record(self) -> bytes:
@@ -448,15 +493,23 @@ class DirLock:
                            "command": " ".join(sys.argv)[:300]}).encode()
 
     def _create(self) -> bool:
+        """Create the lease (O_EXCL: of racing processes one does); False when one exists. A failed write (a full
+        disk) removes the file it created, so no empty lease is left for every later start to trip over."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = open_own(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
             return False
         try:
-            os.write(fd, self._record())
+            record = self._record()
+            written = 0
+            while written < len(record):
+                written += os.write(fd, record[written:])
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            self.path.unlink(missing_ok=True)  # ours: created above with O_EXCL
+            raise
+        os.close(fd)
         return True
 
     def _take_over(self, stale: Holder) -> None:
@@ -473,20 +526,24 @@ class DirLock:
         aside.unlink(missing_ok=True)
 
     def acquire(self) -> "DirLock":
-        """Take the lease or raise ConfigError naming who holds it."""
-        flag = "`run.dir`" if self.what == "run" else "--dir"
+        """Take the lease or raise ConfigError naming who holds it (DiskFull when there is no space to write it)."""
+        flag = self.setting
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"the {self.what} directory {self.dir} is a file; set {flag} to a directory (or remove "
                               f"the file).")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a file in the way, no permission, a read-only mount
+        except OSError as e:  # a file in the way, no permission, a read-only mount, a full disk
+            if is_disk_full(e):
+                raise disk_full(self.dir) from None
             raise ConfigError(f"cannot create the {self.what} directory {self.dir} ({e.strerror or e}); give a "
                               f"writable directory ({flag}).") from None
         for _ in range(5):
             try:
                 created = self._create()
             except OSError as e:
+                if is_disk_full(e):
+                    raise disk_full(self.path) from None
                 raise ConfigError(f"cannot write the lock {self.path} ({e.strerror or e}); the {self.what} directory "
                                   f"must be writable.") from None
             if created:
@@ -508,7 +565,12 @@ class DirLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            held = self.holder()
+            try:
+                held = self.holder()
+            except ConfigError as e:  # replaced by a symbolic link
+                self.lost = str(e)
+                log.error("lost the lock of %s: %s", self.dir, e)
+                return
             if held is None or held.token != self.token:
                 self.lost = f"{self.path} was taken over by {held.describe() if held else 'nobody (it was deleted)'}"
                 log.error("lost the lock of %s: %s; another process may now write it too", self.dir, self.lost)
@@ -522,9 +584,10 @@ class DirLock:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            held = self.holder()
-            if held is not None and held.token == self.token:
-                self.path.unlink(missing_ok=True)
+            with contextlib.suppress(ConfigError):  # a link in its place is not ours to remove
+                held = self.holder()
+                if held is not None and held.token == self.token:
+                    self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "DirLock":
         return self.acquire()

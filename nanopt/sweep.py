@@ -30,7 +30,7 @@ from nanopt import rundirs
 from nanopt.config import Config, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
 from nanopt.experiments import cell, table
-from nanopt.io import clean, write_json
+from nanopt.io import clean, open_append, refuse_link, write_json
 
 SWEEP_FILE = "sweep.json"
 LOG_FILE = "stdout.log"  # each run's stdout and stderr, appended across sessions
@@ -422,6 +422,8 @@ def _jobs(root: Path, points: list[Point], configs: dict[str, Config], overrides
         j.status = "skipped" if states[j.point.name] == "done" else "queued"
         j.resumed = states[j.point.name] == "resume"
     pending = [j for j in jobs if j.status == "queued"]
+    for j in pending:  # each run's log is appended to: never a file elsewhere through a link (refused up front)
+        refuse_link(j.dir / LOG_FILE)
     if not pending:  # discovery starts torch in a child (seconds): not worth it when everything is done
         return jobs, []
     kind, devices = discover(pending[0].cfg.runtime.device)
@@ -477,7 +479,7 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
     env = {**os.environ, **slot.env}
     if "OMP_WAIT_POLICY" in os.environ:  # the user's explicit choice wins over the sweep's default
         env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
-    job.log = open(job.dir / LOG_FILE, "ab")
+    job.log = open(open_append(job.dir / LOG_FILE), "ab")
     job.log.write(f"\n=== nanopt sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(job.command)}\n".encode())
     job.log.flush()
     job.started = time.monotonic()

@@ -17,7 +17,7 @@ import torch
 from conftest import REPO, small_overrides
 from nanopt import checkpoint, io, loading, rundirs
 from nanopt.config import load_config, parse_overrides
-from nanopt.errors import ConfigError
+from nanopt.errors import ConfigError, DiskFull
 from nanopt.io import write_json
 from nanopt.main import run
 from nanopt.model import build_model
@@ -264,6 +264,7 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_pat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(DiskFull, match="no space left") as e:  # an OSError still, naming the file and the free space
         io.write_bytes(path, b"new")
+    assert isinstance(e.value, OSError) and str(path) in str(e.value) and "GiB free" in str(e.value)
     assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]

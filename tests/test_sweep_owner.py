@@ -163,6 +163,21 @@ def test_a_damaged_file_in_a_point_is_one_paragraph_and_exit_2(tmp_path, fake_ru
     assert fake_runs == [] and not (root / rundirs.LOCK_FILE).exists()
 
 
+def test_a_runs_log_that_is_a_link_is_refused_before_anything_starts(tmp_path, fake_runs, capsys):
+    """Before: the sweep appended its header and the run's output to the file the link pointed to."""
+    root = tmp_path / "sw"
+    mine = tmp_path / "mine.log"
+    mine.write_text("the user's log\n")
+    (root / POINTS[0]).mkdir(parents=True)
+    (root / POINTS[0] / sweep.LOG_FILE).symlink_to(mine)
+    assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert str(root / POINTS[0] / sweep.LOG_FILE) in err and "symbolic link" in err and "Remove the link" in err
+    assert fake_runs == [] and mine.read_text() == "the user's log\n"
+    assert not (root / rundirs.LOCK_FILE).exists()
+
+
 # ---------------------------------------------------------------- a point is what it says
 
 

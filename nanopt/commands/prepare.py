@@ -8,7 +8,8 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import NoReturn
 
 from nanopt.config import load_config, parse_overrides, split_args
-from nanopt.errors import ConfigError, debug_enabled
+from nanopt.errors import EXIT_FAILED, ConfigError, DiskFull, debug_enabled
+from nanopt.io import as_disk_full
 from nanopt.metrics import setup_logging
 from nanopt.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
 
@@ -23,6 +24,9 @@ committed shards that were lost (missing, resized or replaced), to identical byt
                         budget needs (+25%); write nothing
   --no-progress       no progress bar
 Overrides use dotted keys, e.g. --prepare.train_tokens=1e9 --prepare.workers=8.
+One prepare at a time writes a directory (its lock.json; a second exits 2 naming the holder).
+Exit status: 0 done, 1 failed (a full disk, a source that kept failing, a worker that died: every committed shard
+is kept, so run it again to resume), 2 bad input.
 """
 
 
@@ -62,6 +66,9 @@ def main(argv: list[str]) -> int:
     except (BrokenProcessPool, *transient_errors()) as e:
         if debug_enabled():
             raise
+        if isinstance(e, DiskFull):  # the output's disk: one paragraph naming the file and the free space
+            print(f"nanopt prepare: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
         if isinstance(e, BrokenProcessPool):
             what = "a tokenizer worker process died (killed for memory?)"
             hint = "with a lower `prepare.workers` or `prepare.batch_documents` if memory is short"
@@ -70,7 +77,13 @@ def main(argv: list[str]) -> int:
             hint = "or raise `prepare.retries` for a flaky source"
         print(f"nanopt prepare: error: {what}. Every shard committed so far in {output_dir(cfg)} is kept; run the "
               f"same command again to resume from there, {hint}.", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    except Exception as e:  # a full disk that a library raised as its own error (a tokenizer's or datasets' cache)
+        full = as_disk_full(e, output_dir(cfg))
+        if full is None or debug_enabled():
+            raise
+        print(f"nanopt prepare: error: {full}", file=sys.stderr)
+        return EXIT_FAILED
     for name, s in stats["splits"].items():
         print(f"{name:>5}: {s['tokens']:,} tokens in {s['shards']} shards, {s['documents']:,} documents, "
               f"{s['mean_tokens_per_document']:.1f} mean / {s['median_tokens_per_document']:.0f} median "

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from nanopt import faults, runtime
 from nanopt.config import load_config, parse_overrides, resolve, split_args
-from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK, EXIT_PREEMPTED, EXIT_STATUS_ENV, ConfigError,
-                           Preempted, ShardError, TrainingError, debug_enabled)
+from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STATUS_ENV,
+                           ConfigError, Preempted, ShardError, TrainingError, debug_enabled)
+from nanopt.io import as_disk_full
 from nanopt.metrics import setup_logging
 from nanopt.train import train
 
@@ -20,8 +22,9 @@ Launch several processes with torchrun, e.g. torchrun --standalone --nproc-per-n
 Re-running the same command on the same run directory resumes from its newest checkpoint.
 --debug (or NANOPT_DEBUG=1) shows Python tracebacks instead of one-paragraph errors.
 
-Exit status: 0 finished, 2 bad input, 3 loss became NaN/inf, 75 preempted by SIGTERM/SIGINT or past
-run.time_limit_s (a checkpoint was saved; resumable).
+Exit status: 0 finished, 1 failed (a full disk: one paragraph naming the file and the free space; what was
+saved before it is kept, so free space and re-run to resume), 2 bad input, 3 loss became NaN/inf, 75 preempted by
+SIGTERM/SIGINT or past run.time_limit_s (a checkpoint was saved; resumable).
 """
 
 
@@ -40,9 +43,11 @@ def _run(argv: list[str]) -> int:
         return EXIT_OK
     setup_logging(int(os.environ.get("RANK", "0") or 0) == 0)
     rt = None
+    run_dir = Path.cwd()  # where a full disk is reported when the error names no file
     try:
         path, rest = split_args(argv)
         cfg = load_config(path, parse_overrides(rest))
+        run_dir = cfg.run_dir
         rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
         rt.warn_if_checkpoints_perishable(cfg.checkpoint.mirror)
         resolve(cfg, rt.world_size)
@@ -63,5 +68,11 @@ def _run(argv: list[str]) -> int:
             raise
         print(f"nanopt: training stopped: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    except Exception as e:  # a full disk, however its writer raised it, is a failure in one paragraph (exit 1)
+        full = as_disk_full(e, run_dir)
+        if full is None or debug_enabled():
+            raise
+        print(f"nanopt: error: {full}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         runtime.teardown(rt)
