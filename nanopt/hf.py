@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanopt import rundirs
 from nanopt.config import Config, ModelConfig, config_from_dict
 from nanopt.errors import ConfigError
-from nanopt.io import read_json, write_json
+from nanopt.io import as_disk_full, disk_full, fsync_dir, read_json, refuse_link, write_json, writing
 from nanopt.model import Llama, build_model
 from nanopt.tokenizer import get_tokenizer
 
@@ -46,6 +50,16 @@ _LLAMA3_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", 
 # nanopt's opt-in architecture options and the value that means off: LlamaForCausalLM has none of them.
 _OPTIONS_OFF: dict[str, Any] = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeddings": False,
                                 "residual_scalars": False}
+# A model's files in a Hugging Face directory: what export_model writes (config.json, model.safetensors, nanopt.json
+# and the tokenizer's files, whose names vary with the tokenizer's kind and transformers' version), and what
+# transformers' save_pretrained writes instead or beside them. Left beside another model's, any of them makes a
+# directory that loads as a model it is not, so an export replaces all of them or refuses.
+MODEL_FILES = frozenset({
+    "config.json", "model.safetensors", "nanopt.json", "generation_config.json", "model.safetensors.index.json",
+    "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
+    "spiece.model", "vocab.json", "vocab.txt", "merges.txt"})
+_WEIGHT_SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
 
 
 def _value(v: Any) -> str:
@@ -250,20 +264,120 @@ def init_from(model: Llama, spec: str) -> None:
     log.info("initialised the model from %s", directory)
 
 
+def is_model_file(name: str) -> bool:
+    return name in MODEL_FILES or bool(_WEIGHT_SHARD.match(name))
+
+
+def model_files(directory: Path) -> list[str]:
+    """The names in `directory` that are a model's files (links included: they are refused, never followed)."""
+    try:
+        return sorted(entry.name for entry in os.scandir(directory) if is_model_file(entry.name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _not_a_directory(out: Path) -> Optional[ConfigError]:
+    """The refusal of an --out that cannot be a directory: it, or a folder above it, is a file or a dangling link."""
+    blocker = next(p for p in (out, *out.parents) if os.path.lexists(p))
+    if blocker.is_dir():
+        return None
+    what = "a symbolic link to nothing" if blocker.is_symlink() and not blocker.exists() else "a file"
+    below = "" if blocker == out else f", so --out {out} below it cannot be a directory"
+    return ConfigError(f"{blocker} is {what}{below}; `nanopt export --out` names a directory to write the model's "
+                       f"files into (config.json, model.safetensors, ...). Choose an --out that is a directory or "
+                       f"does not exist yet; nothing was written.")
+
+
+def check_export_target(out: str | Path, force: bool = False) -> None:
+    """ConfigError (exit 2) before anything is loaded or written, when `out` cannot take an export: it or a folder
+    above it is a file; it is a nanopt checkpoint; a model file there is a symbolic link (never written through or
+    removed blind); or, without `force`, it holds another model's files, which an export would mix with its own."""
+    out = Path(out)
+    if refused := _not_a_directory(out):
+        raise refused
+    if any((out / name).exists() for name in (rundirs.COMPLETE_FILE, rundirs.STATE_FILE)):
+        raise ConfigError(f"{out} is a nanopt checkpoint directory; an export there would replace its "
+                          f"{rundirs.MODEL_FILE}. Export to a directory of its own: --out {out.parent / 'hf'}.")
+    present = model_files(out)
+    for name in present:
+        refuse_link(out / name)
+    if present and not force:
+        raise ConfigError(f"{out} already holds another model's files ({', '.join(present)}); exporting there would "
+                          f"leave them beside the new weights, a directory that loads as a model it is not. Export "
+                          f"to a new directory, or add --force to replace that model: those files are removed or "
+                          f"replaced by the new export's, and the directory's other files are kept.")
+
+
 def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_cfg: Optional[Config] = None,
-                 dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None) -> Path:
+                 dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None,
+                 force: bool = False) -> Path:
     """Write `model` as a Hugging Face LlamaForCausalLM directory (tokenizer files too for an HF tokenizer), or
-    raise ConfigError before writing anything for a model with an option Llama lacks (check_exportable)."""
+    raise ConfigError before writing anything (check_exportable, check_export_target). The files are written into
+    a hidden folder inside `out` and moved in at the end, so `out` holds the whole new model or, after a failure
+    (a full disk: DiskFull naming the file), what it held before."""
     check_exportable(model.cfg)
     out = Path(out)
+    check_export_target(out, force)
     out.mkdir(parents=True, exist_ok=True)
     tok = get_tokenizer(tokenizer) if tokenizer else None
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))  # a new folder: no link of anyone's inside
+    try:
+        _write_files(staging, model, tok, nanopt_cfg, dtype, meta)
+        _install(staging, out, force)
+    except Exception as e:
+        full = as_disk_full(e, out)
+        if full is None:
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # first, so the free space named is what a second try has
+        raise disk_full(_final_name(full.path, staging, out)) from e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _final_name(path: Path, staging: Path, out: Path) -> Path:
+    """A staged file's path as `out` will hold it: the name a user looks for in an error."""
+    return out / path.relative_to(staging) if path.is_relative_to(staging) else path
+
+
+def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Config], dtype: torch.dtype,
+                 meta: Optional[dict[str, Any]]) -> None:
+    """Every file of the export, into `staging`, each on disk (fsync) before any is moved into place."""
     if tok is not None and hasattr(tok, "hf"):
-        tok.hf.save_pretrained(str(out))
+        with writing(staging):
+            tok.hf.save_pretrained(str(staging))
     bos, eos = (tok.bos_id, tok.eos_id) if tok is not None else (None, None)
-    save_file(to_hf_state(model, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_json(out / "config.json", hf_config(model.cfg, bos, eos, str(dtype).removeprefix("torch.")))
+    with writing(staging / "model.safetensors"):
+        save_file(to_hf_state(model, dtype), str(staging / "model.safetensors"), metadata={"format": "pt"})
+    write_json(staging / "config.json", hf_config(model.cfg, bos, eos, str(dtype).removeprefix("torch.")))
     if nanopt_cfg is not None:
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
-        write_json(out / "nanopt.json", {"config": nanopt_cfg.to_dict(), **(meta or {})})
-    return out
+        write_json(staging / "nanopt.json", {"config": nanopt_cfg.to_dict(), **(meta or {})})
+    for entry in os.scandir(staging):
+        fd = os.open(entry.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _install(staging: Path, out: Path, force: bool) -> None:
+    """Move the staged files into `out`, which never holds two models' files at once: the old config.json goes
+    first (a directory without one is no model to any loader), then the old model's other files, then the new
+    files, the new config.json last. Renames and removals only: no space needed, nothing written through a link."""
+    new = sorted(os.listdir(staging), key=lambda name: name == "config.json")
+    # A file the tokenizer wrote that is not on MODEL_FILES but has a user's file's name: that is the user's.
+    taken = [name for name in new if not is_model_file(name) and os.path.lexists(out / name)]
+    for name in taken:
+        refuse_link(out / name)
+    if taken and not force:
+        raise ConfigError(f"{out} holds {', '.join(taken)}, which the export writes too (the tokenizer's files); "
+                          f"export to a new directory, or add --force to replace them with the new export's.")
+    old = model_files(out)
+    (out / "config.json").unlink(missing_ok=True)
+    for name in old:
+        if name not in new:
+            (out / name).unlink(missing_ok=True)
+    for name in new:
+        os.replace(staging / name, out / name)
+    fsync_dir(out)

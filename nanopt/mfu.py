@@ -11,7 +11,8 @@ import torch
 
 from nanopt.config import Config
 from nanopt.flops import TokenFlops, token_flops
-from nanopt.hardware import PEAKS, cpu_peak, detect_hardware, matmul_precision, measure_matmul_flops, table_peak
+from nanopt.hardware import (PEAKS, cpu_peak, detect_hardware, matmul_precision, measure_matmul_flops, peak_key,
+                             table_peak)
 from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
@@ -74,10 +75,10 @@ class MFUMeter:
         return {**out, "tflops_per_device": tokens_per_s_per_device * self.flops.model / 1e12}
 
 
-def _measure_together(rt: Runtime, dtype: torch.dtype) -> float:
+def _measure_together(rt: Runtime, dtype: torch.dtype, budget_s: float) -> float:
     """Every rank measures at once, sharing the cores as they will in training; the mean."""
     rt.barrier()
-    measured = torch.tensor([measure_matmul_flops(dtype, rt.device, sync=rt.sync)], dtype=torch.float64)
+    measured = torch.tensor([measure_matmul_flops(dtype, rt.device, budget_s, rt.sync)], dtype=torch.float64)
     return rt.all_reduce_sum(measured).item() / rt.world_size
 
 
@@ -94,8 +95,9 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
     warn = warn_once if rt.is_main else (lambda message: None)  # one warning per run, not per rank
     if override == "auto" and rt.backend.measures_peak:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-        peak, how = cpu_peak(dtype, rt.device, torch.get_num_threads(), rt.world_size, rt.sync,
-                             lambda: _measure_together(rt, dtype), lambda must: _any_rank(rt, must), rt.is_main)
+        peak, how = cpu_peak(peak_key(dtype, torch.get_num_threads(), rt.world_size),
+                             functools.partial(_measure_together, rt, dtype), functools.partial(_any_rank, rt),
+                             rt.is_main)
         return peak, (f"MEASURED on {rt.hardware_name()}: a {str(dtype).replace('torch.', '')} matmul benchmark, "
                       f"{how}, {torch.get_num_threads()} thread(s) per rank (not a spec-sheet figure)")
     name = rt.hardware_name()

@@ -26,9 +26,18 @@ log = logging.getLogger("nanopt")
 
 CROP_WARNING_SHARE = 0.5
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each B T int64
-# A cached BOS index: magic | bytes per position u32 | crc32 of the positions u32 | the positions, little-endian.
-INDEX_MAGIC = b"NANOPTBI"
-INDEX_HEADER = struct.Struct("<8sII")
+# A cached BOS index: a header naming the shard it indexes and how many BOS tokens the scan found there, then the
+# positions, little-endian. The header: magic | bytes per position u32 | the shard's crc32 u32 | its token count u64 |
+# the BOS id u32 | the BOS count u64 | crc32 of the header's other fields and the positions u32. The count makes an
+# entry complete by construction: a list shorter or longer than the count the scan wrote is refused. (Proving it
+# against the shard would take a pass over every token, which is what the cache is there to save.)
+INDEX_MAGIC = b"NANOPTB2"
+OLD_MAGICS = (b"NANOPTBI",)  # entries an older nanopt wrote, without the count: rescanned without a warning
+INDEX_HEADER = struct.Struct("<8sIIQIQI")
+
+
+class _OldEntry(ValueError):
+    """A cache entry in a format this version no longer reads: replaced, not damaged."""
 
 
 def index_path(shard: ShardInfo, bos: int) -> Path:
@@ -43,29 +52,45 @@ def _scan(shard: np.ndarray, bos: int) -> np.ndarray:
     return np.flatnonzero(shard == bos).astype(_position_dtype(len(shard)))
 
 
-def _parse(raw: bytes, shard: np.ndarray, bos: int) -> np.ndarray:
+def _entry(positions: np.ndarray, info: ShardInfo, bos: int) -> tuple[bytes, bytes]:
+    """(header, body) of the cache entry holding a scan's `positions` of the shard `info` describes."""
+    body = positions.tobytes()
+    fields = (INDEX_MAGIC, positions.itemsize, info.crc32, info.count, bos, len(positions))
+    unsigned = INDEX_HEADER.pack(*fields, 0)[:-4]
+    return INDEX_HEADER.pack(*fields, zlib.crc32(body, zlib.crc32(unsigned))), body
+
+
+def _parse(raw: bytes, shard: np.ndarray, bos: int, info: ShardInfo) -> np.ndarray:
     """The positions a cache file holds, checked against the shard; ValueError (struct.error) says why not."""
     dtype = _position_dtype(len(shard))
-    magic, itemsize, crc = INDEX_HEADER.unpack_from(raw)  # struct.error when shorter than the header
+    if raw[:8] in OLD_MAGICS:
+        raise _OldEntry("written by an older nanopt, without the BOS count")
+    magic, itemsize, crc, count, entry_bos, bos_count, checksum = INDEX_HEADER.unpack_from(raw)  # struct.error: short
     body = memoryview(raw)[INDEX_HEADER.size:]
     if magic != INDEX_MAGIC or itemsize != dtype.itemsize or len(body) % itemsize:
         raise ValueError(f"not a BOS index of {dtype.itemsize}-byte positions, or truncated")
-    if zlib.crc32(body) != crc:
+    if zlib.crc32(body, zlib.crc32(raw[:INDEX_HEADER.size - 4])) != checksum:
         raise ValueError("its checksum fails")
+    if (crc, count, entry_bos) != (info.crc32, info.count, bos):
+        raise ValueError("it indexes another shard or BOS id")
     pos = np.frombuffer(body, dtype=dtype)
+    if len(pos) != bos_count:
+        raise ValueError(f"it lists {len(pos)} positions of the {bos_count} BOS tokens its scan found")
     # In range and increasing first: the fancy index then reads only the pages that hold the positions.
     if len(pos) and (pos[-1] >= len(shard) or np.any(pos[1:] <= pos[:-1]) or not np.all(shard[pos] == bos)):
         raise ValueError("its positions are not the shard's BOS tokens in order")
     return pos
 
 
-def _cached(path: Path, shard: np.ndarray, bos: int) -> Optional[np.ndarray]:
+def _cached(path: Path, shard: np.ndarray, bos: int, info: ShardInfo) -> Optional[np.ndarray]:
     try:
-        return _parse(path.read_bytes(), shard, bos)
+        return _parse(path.read_bytes(), shard, bos, info)
+    except _OldEntry as e:
+        log.info("data: the BOS index %s was %s: scanning the shard and rewriting it", path, e)
     except (OSError, ValueError, struct.error) as e:
         if not isinstance(e, (FileNotFoundError, NotADirectoryError)):  # absent is no damage
             log.warning("data: ignoring the damaged BOS index %s (%s): scanning the shard and rewriting it", path, e)
-        return None
+    return None
 
 
 def bos_index(shards: Sequence[np.ndarray], bos: int, ids: Optional[Sequence[ShardInfo]] = None) -> list[np.ndarray]:
@@ -75,15 +100,14 @@ def bos_index(shards: Sequence[np.ndarray], bos: int, ids: Optional[Sequence[Sha
     t0, found, cached, unwritten = time.perf_counter(), [], 0, None
     for k, shard in enumerate(shards):
         path = index_path(ids[k], bos) if ids is not None else None
-        positions = _cached(path, shard, bos) if path is not None else None
+        positions = _cached(path, shard, bos, ids[k]) if path is not None else None
         cached += positions is not None
         if positions is None:
             positions = _scan(shard, bos)
             if path is not None and unwritten is None:
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    body = positions.tobytes()
-                    write_bytes(path, INDEX_HEADER.pack(INDEX_MAGIC, positions.itemsize, zlib.crc32(body)), body)
+                    write_bytes(path, *_entry(positions, ids[k], bos))
                 except OSError as e:
                     unwritten = e
         found.append(positions)

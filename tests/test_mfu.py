@@ -188,6 +188,19 @@ def test_cpu_peak_is_measured():
     assert peak > 1e8  # any CPU that runs torch does a 256² fp32 matmul faster than 0.1 GFLOP/s
 
 
+def test_run_peak_on_cpu_measures_then_reads_the_cache_after_a_quick_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path))
+    monkeypatch.delenv("NANOPT_MEASURE_PEAK", raising=False)
+    budgets = []
+    monkeypatch.setattr(mfu, "measure_matmul_flops", lambda dtype, device, budget_s, sync: budgets.append(budget_s)
+                        or 5e10)
+    rt = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
+    cfg = load_config(None, [("train.precision", "fp32")])
+    assert mfu.run_peak(cfg, rt)[0] == 5e10 and budgets == [hardware.PEAK_BUDGET_S]
+    peak, where = mfu.run_peak(cfg, rt)
+    assert peak == 5e10 and "cached (measured " in where and budgets[1:] == [hardware.CHECK_BUDGET_S]
+
+
 # ---------------------------------------------------------------- the meter
 
 

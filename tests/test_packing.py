@@ -235,7 +235,7 @@ def test_a_second_documents_reads_the_bos_index_from_the_cache(tmp_path, cache, 
     _expect_same(packing.Documents(arrays, BOS, ids), plain)
     assert len(scans) == 6
     entry = cache / f"{ids[1].crc32:08x}-{ids[1].count}-2-{BOS}.bin"  # header crc32, token count, itemsize, BOS id
-    assert entry.stat().st_size == 16 + 4 * int((arrays[1] == BOS).sum())  # uint32 positions after the header
+    assert entry.stat().st_size == HEADER + 4 * int((arrays[1] == BOS).sum())  # uint32 positions after the header
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="nanopt"):
         second = packing.Documents(arrays, BOS, ids)
@@ -252,19 +252,34 @@ def test_a_changed_shard_under_the_same_name_does_not_use_the_old_entry(tmp_path
     assert len(scans) == 3 and len(list(cache.iterdir())) == 2  # another crc32, another entry
 
 
-def _with_checksum(positions: np.ndarray) -> bytes:
+HEADER = packing.INDEX_HEADER.size
+
+
+def _with_checksum(positions: np.ndarray, raw: bytes, count: int | None = None) -> bytes:
+    """A forged entry: `positions` under `raw`'s header fields (its BOS count unless `count`), checksum recomputed."""
+    fields = list(packing.INDEX_HEADER.unpack_from(raw))[:-1]
+    fields[-1] = fields[-1] if count is None else count
     body = positions.astype("<u4").tobytes()
-    return packing.INDEX_HEADER.pack(packing.INDEX_MAGIC, 4, zlib.crc32(body)) + body
+    unsigned = packing.INDEX_HEADER.pack(*fields, 0)[:-4]
+    return packing.INDEX_HEADER.pack(*fields, zlib.crc32(body, zlib.crc32(unsigned))) + body
+
+
+def _old_format(positions: np.ndarray) -> bytes:
+    """An entry as nanopt wrote it before the BOS count: magic | 4 | crc32 of the positions | the positions."""
+    body = positions.astype("<u4").tobytes()
+    return b"NANOPTBI" + (4).to_bytes(4, "little") + zlib.crc32(body).to_bytes(4, "little") + body
 
 
 DAMAGE = {
     "truncated": lambda raw, pos: raw[:-3],
     "shorter than its header": lambda raw, pos: raw[:10],
     "8-byte positions": lambda raw, pos: raw[:8] + b"\x08" + raw[9:],
-    "a lost position, caught by the checksum": lambda raw, pos: raw[:16] + np.delete(pos, 1).tobytes(),
-    "a position that is no BOS": lambda raw, pos: _with_checksum(pos + np.isin(np.arange(len(pos)), [1])),
-    "a position past the end": lambda raw, pos: _with_checksum(np.append(pos, 10**6)),
-    "positions out of order": lambda raw, pos: _with_checksum(pos[::-1]),
+    "a lost position, caught by the checksum": lambda raw, pos: raw[:HEADER] + np.delete(pos, 1).tobytes(),
+    "a subset with a recomputed checksum, caught by the count": lambda raw, pos: _with_checksum(pos[::2], raw),
+    "another shard's entry": lambda raw, pos: _with_checksum(pos, raw[:12] + b"\0\0\0\0" + raw[16:]),
+    "a position that is no BOS": lambda raw, pos: _with_checksum(pos + np.isin(np.arange(len(pos)), [1]), raw),
+    "a position past the end": lambda raw, pos: _with_checksum(np.append(pos, 10**6), raw, len(pos) + 1),
+    "positions out of order": lambda raw, pos: _with_checksum(pos[::-1], raw),
 }
 
 
@@ -274,13 +289,34 @@ def test_a_damaged_cache_entry_is_warned_once_rescanned_and_rewritten(tmp_path, 
     want = packing.Documents(arrays, BOS, _ids(arrays))
     (entry,) = cache.iterdir()
     good = entry.read_bytes()
-    entry.write_bytes(DAMAGE[damage](good, np.frombuffer(good[16:], dtype="<u4")))
+    entry.write_bytes(DAMAGE[damage](good, np.frombuffer(good[HEADER:], dtype="<u4")))
     with caplog.at_level(logging.WARNING, logger="nanopt"):
         _expect_same(packing.Documents(arrays, BOS, _ids(arrays)), want)
     assert _said(caplog, logging.WARNING, "") == [f"data: ignoring the damaged BOS index {entry}"]
     assert len(scans) == 2 and entry.read_bytes() == good  # repaired
     packing.Documents(arrays, BOS, _ids(arrays))
     assert len(scans) == 2
+
+
+def test_a_forged_subset_in_the_old_format_is_rescanned_and_the_rows_are_a_clean_caches(tmp_path, cache, scans,
+                                                                                        caplog):
+    # The review's forgery: every other BOS position, checksum recomputed, in the format without the BOS count
+    # (which nanopt accepted before the count): rows from whole documents glued together.
+    arrays = _corpus(tmp_path, n_shards=2)
+    clean = packing.Documents(arrays, BOS, _ids(arrays))
+    (first, second) = sorted(cache.iterdir())
+    good = first.read_bytes()
+    first.write_bytes(_old_format(np.frombuffer(good[HEADER:], dtype="<u4")[::2]))
+    with caplog.at_level(logging.INFO, logger="nanopt"):
+        read = packing.Documents(arrays, BOS, _ids(arrays))
+    _expect_same(read, clean)
+    assert len(scans) == 3 and first.read_bytes() == good  # rescanned and rewritten in the current format
+    assert _said(caplog, logging.INFO, "data: the BOS index") == [f"data: the BOS index {first} was written by an "
+                                                                  f"older nanopt, without the BOS count: scanning "
+                                                                  f"the shard and rewriting it"]
+    assert not _said(caplog, logging.WARNING, "")  # an older version's entry is no damage
+    loaders = [packing.PackedLoader(d, 2, 0, 1, 1, 0, 15, 5) for d in (read, clean)]
+    assert _rows(loaders[0], 4) == _rows(loaders[1], 4)
 
 
 @pytest.mark.parametrize("why", ["a file where the directory goes", "a full disk"])
