@@ -46,18 +46,16 @@ class CoreTask:
 
 
 def read_bundle(directory: str | Path, limit: int = 0) -> list[CoreTask]:
-    """Every task core.yaml lists, with its items and random baseline; `limit` > 0 keeps that many per task."""
+    """Every task core.yaml lists, with its items and random baseline; `limit` > 0 keeps that many per task. All of
+    it is checked here, before any scoring: each dataset_uri names a file inside the bundle, each baseline is a
+    percentage in [0, 100), each item has its type's fields with gold inside its options; ConfigError naming the
+    file (and line) otherwise."""
     root = Path(directory)
     specs = _read(root / "core.yaml", yaml.safe_load)
     specs = specs.get("icl_tasks") if isinstance(specs, dict) else None
     if not isinstance(specs, list) or not specs:
         raise ConfigError(f"{root / 'core.yaml'} has no `icl_tasks` list. {HINT}.")
-    rows = _read(root / "eval_meta_data.csv", lambda text: list(csv.DictReader(io.StringIO(text))))
-    try:
-        baselines = {row["Eval Task"]: float(row["Random baseline"]) for row in rows}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{root / 'eval_meta_data.csv'} needs the columns `Eval Task` and `Random baseline` (a "
-                          f"number, in percent) on every row ({e}). {HINT}.") from None
+    baselines = _read_baselines(root / "eval_meta_data.csv")
     return [_read_task(root, spec, baselines, limit) for spec in specs]
 
 
@@ -68,7 +66,44 @@ def _read(path: Path, parse: Callable[[str], Any]) -> Any:
         raise ConfigError(f"{path} cannot be read: {e}. {HINT}.") from None
 
 
-def _read_task(root: Path, spec: Any, baselines: dict[str, float], limit: int) -> CoreTask:
+def _read_baselines(path: Path) -> dict[str, tuple[str, int]]:
+    """eval_meta_data.csv's `Random baseline` per `Eval Task`, as written, with its line (checked where a task
+    uses it: DCLM's file lists more tasks than a core.yaml may)."""
+    reader = csv.DictReader(io.StringIO(_read(path, str)))
+    try:
+        if not {"Eval Task", "Random baseline"} <= set(reader.fieldnames or []):
+            raise ConfigError(f"{path} needs the columns `Eval Task` and `Random baseline` (a number, in percent); "
+                              f"its header is {reader.fieldnames}. {HINT}.")
+        return {row["Eval Task"]: (row["Random baseline"], reader.line_num) for row in reader}
+    except csv.Error as e:
+        raise ConfigError(f"{path}:{reader.line_num} cannot be read as CSV: {e}. {HINT}.") from None
+
+
+def _baseline(path: Path, label: str, written: Any, line: int) -> float:
+    """A task's random baseline in percent: finite and in [0, 100), since centering divides by 100 minus it."""
+    try:
+        value = float(written)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value < 100):
+        raise ConfigError(f"{path}:{line}: task {label}'s `Random baseline` is {written!r}; it must be a number of "
+                          f"percent from 0 up to, not including, 100 (the accuracy of guessing: 25 for four "
+                          f"choices, 0 for language modeling). Mend that line. {HINT}.")
+    return value
+
+
+def _data_file(root: Path, label: str, uri: Any) -> Path:
+    """eval_data/<dataset_uri>, which must stay inside the bundle: a bundle names its own files, so an absolute
+    path or a `..` is refused rather than read from elsewhere."""
+    name = Path(str(uri))
+    if not str(uri) or name.is_absolute() or ".." in name.parts:
+        raise ConfigError(f"{root / 'core.yaml'}: task {label}'s dataset_uri {uri!r} leaves the bundle; give the "
+                          f"path of its JSONL file inside {root / 'eval_data'} (e.g. {label}.jsonl), and copy the "
+                          f"file there if it lives elsewhere.")
+    return root / "eval_data" / name
+
+
+def _read_task(root: Path, spec: Any, baselines: dict[str, tuple[str, int]], limit: int) -> CoreTask:
     try:
         label, kind, uri, shots = (spec[k] for k in ("label", "icl_task_type", "dataset_uri", "num_fewshot"))
     except (KeyError, TypeError):
@@ -80,13 +115,14 @@ def _read_task(root: Path, spec: Any, baselines: dict[str, float], limit: int) -
     if label not in baselines:
         raise ConfigError(f"{root / 'eval_meta_data.csv'} has no row for task {label}: add its `Eval Task` and "
                           f"`Random baseline`.")
-    items = _read_items(root / "eval_data" / str(uri), kind)
+    baseline = _baseline(root / "eval_meta_data.csv", label, *baselines[label])
+    items = _read_items(_data_file(root, label, uri), kind)
     random.Random(SHUFFLE_SEED).shuffle(items)
     items = items[:limit] if limit > 0 else items
     if not isinstance(shots, int) or not 0 <= shots < len(items):
         raise ConfigError(f"{root / 'core.yaml'}: task {label} has {len(items)} item(s) (limit {limit}), too few "
                           f"to draw num_fewshot {shots!r} examples from the others for each.")
-    return CoreTask(str(label), kind, shots, str(spec.get("continuation_delimiter", " ")), baselines[label], items)
+    return CoreTask(str(label), kind, shots, str(spec.get("continuation_delimiter", " ")), baseline, items)
 
 
 def _read_items(path: Path, kind: str) -> list[dict]:
@@ -104,6 +140,8 @@ def _read_items(path: Path, kind: str) -> list[dict]:
             raise ConfigError(f"{path}:{number}: a {kind} item needs {', '.join(FIELDS[kind])}{gold}; this line has "
                               f"{has}.")
         items.append(item)
+    if not items:
+        raise ConfigError(f"{path} holds no items (the file is empty); a task file holds one JSON object a line.")
     return items
 
 

@@ -429,6 +429,9 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
     leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
     if not 0 < alpha < 1:
         raise ConfigError(f"--alpha {alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
+    if effect is not None and not (math.isfinite(effect) and effect > 0):
+        raise ConfigError(f"--effect {effect}: give the difference to detect as a finite number above 0, in the "
+                          f"metric's unit (e.g. --effect 0.01 for final_val_loss).")
     found, skipped = find_runs(root)
     runs, repeats = split_repeats(found)
     groups = group_runs(runs)

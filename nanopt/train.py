@@ -20,10 +20,10 @@ from nanopt import data, faults, fp8, hf, mfu, packing, plots, profiling, rundir
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, TrainConfig, resume_changes, to_yaml
-from nanopt.errors import ConfigError, Preempted
+from nanopt.errors import ConfigError, DiskFull, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
-from nanopt.harness import TaskSpec, check_tasks, record_tasks, score_model, task_lines
+from nanopt.harness import TaskSpec, check_tasks, failure_records, record_tasks, score_model, task_lines
 from nanopt.io import write_json, write_text
 from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
@@ -194,8 +194,12 @@ class Validator:
 
 
 class TaskScorer:
-    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one. The main
-    rank scores (the harness runs in one process) while the others wait; the time is reported and, like
+    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, each time
+    after that step's checkpoint is saved (loop, finish): scoring is an evaluation and never costs trained steps.
+    The main rank scores (the harness runs in one process) on a one-process view of the runtime, so nothing in the
+    scoring waits for the other ranks, while they wait at a barrier. A scoring failure there (task data removed
+    during the run, a harness error) is one warning and a record in evals.jsonl naming the task and the cause, and
+    training goes on; what can be checked before step 1 is (check_tasks). The time is reported and, like
     validation, outside the training clock."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, tokenizer: Tokenizer):
@@ -203,11 +207,12 @@ class TaskScorer:
         self.spec = TaskSpec([t.strip() for t in e.tasks.split(",") if t.strip()], e.tasks_path or None,
                              e.tasks_limit or None, None, e.core or None)
         self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
+        self.solo = dataclasses.replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
         self.seconds, self.last_step = 0.0, None
         if not self.spec:  # every rank reads the same config: no collective for a run without tasks
             return
         problem = None
-        if rt.is_main:  # an unknown task is refused before the first step, not after the last
+        if rt.is_main:  # an unknown task, unusable task data or a broken bundle is refused before the first step
             try:
                 check_tasks(self.spec)
             except ConfigError as e:
@@ -223,13 +228,29 @@ class TaskScorer:
     def run(self, step: int) -> None:
         t0 = time.perf_counter()
         if self.rt.is_main:
-            records = score_model(self.model, self.tokenizer, self.rt, self.spec, step, "train")
-            record_tasks(self.cfg.run_dir, records)
-            for line in task_lines(records):
-                log.info("step %6d | %s", step, line)
+            self._score(step)
         self.rt.barrier()
         self.seconds += time.perf_counter() - t0
         self.last_step = step
+
+    def _score(self, step: int) -> None:
+        """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
+        failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
+        records = []
+        for part in self.spec.parts():
+            try:
+                records += score_model(self.model, self.tokenizer, self.solo, part, step, "train")
+            except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
+                failed = failure_records(part, step, "train", e)
+                log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()),
+                            failed[0]["error"])
+                records += failed
+        try:
+            record_tasks(self.cfg.run_dir, records)
+        except Exception as e:  # e.g. evals.jsonl replaced by a link, or damaged, during the run
+            log.warning("step %6d | task scores not recorded in %s: %s", step, rundirs.EVALS_FILE, e)
+        for line in task_lines(records):
+            log.info("step %6d | %s", step, line)
 
 
 def seed_everything(seed: int) -> None:
@@ -423,10 +444,11 @@ def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
             run.evaluator.run(state)
             if cfg.train.stop_at_target and run.clock.reached:
                 break
-        if run.tasks.due(state.step):
+        scoring = run.tasks.due(state.step)
+        if scoring or run.ckpt.should_save(state.step):
+            run.save()  # before scoring: a scoring failure or a kill during it costs no trained step
+        if scoring:
             run.tasks.run(state.step)
-        if run.ckpt.should_save(state.step):
-            run.save()
         if run.pause_follows(state.step):
             run.logger.window.reopen(state.step)  # the pause is not billed to the next window's steps
         faults.fault_hook("pause", state.step, run.rt.rank, cfg.run_dir)
@@ -440,9 +462,9 @@ def finish(run: Session) -> dict[str, Any]:
     if run.evaluator.last_step != state.step:
         run.evaluator.run(state)
     test_eval = run.evaluator.test(run.directory, state.step)
+    run.save()  # before scoring, which may fail (recorded) or be killed: the last step is kept either way
     if run.tasks.spec and run.tasks.last_step != state.step:
         run.tasks.run(state.step)
-    run.save()
     run.ckpt.close()  # wait for the copy to checkpoint.mirror
     last = run.evaluator.last
     summary = {
@@ -487,11 +509,11 @@ def own_run_dir(cfg: Config, rt: Runtime) -> Optional[rundirs.DirLock]:
     if rt.is_main:
         try:
             lock = rundirs.DirLock(cfg.run_dir).acquire()
-        except ConfigError as e:
-            problem = str(e)
-    problem = rt.gather_objects(problem)[0]  # every rank learns rank 0's verdict
+        except (ConfigError, DiskFull) as e:
+            problem = e
+    problem = rt.gather_objects(problem)[0]  # every rank learns rank 0's verdict (a full disk too: exit 1)
     if problem is not None:
-        raise ConfigError(problem)
+        raise problem
     return lock
 
 

@@ -16,12 +16,13 @@ from nanopt import data, runtime
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import evaluate, split_batches, token_bytes_table
+from nanopt.harness import evaluation_key, recorded, weights_crc32
 from nanopt.io import append_jsonl
 from nanopt.loading import checkpoint_config, find_checkpoint, load
 from nanopt.metrics import setup_logging
-from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, LOCK_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs,
-                            checkpoints_dir, finished, is_int, is_run, read_config, read_records, step_of,
-                            verify_checkpoint)
+from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, LOCK_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, DirLock,
+                            checkpoint_dirs, checkpoints_dir, finished, is_int, is_run, read_config, read_records,
+                            step_of, verify_checkpoint)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
@@ -74,14 +75,20 @@ class Evaluator:
         loss, bpb = evaluate(model, self.sets[batches_n], self.token_bytes, rt)
         seconds = time.perf_counter() - t0
         record = {"step": loaded.step, "time": time.time(), f"{split}_loss": loss, f"{split}_bpb": bpb,
-                  "source": "nanopt eval", "checkpoint": str(ckpt), "eval_batches": batches_n,
-                  "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
+                  "source": "nanopt eval", "checkpoint": str(ckpt), "weights_crc32": weights_crc32(ckpt),
+                  "eval_batches": batches_n, "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
                   "world_size": rt.world_size, "precision": self.precision_for(cfg)}
         if rt.is_main:
-            append_jsonl(loaded.run_dir / EVALS_FILE, record)
+            evals = loaded.run_dir / EVALS_FILE
+            # One record per evaluation (harness.evaluation_key): the same weights, split, batches and precision
+            # evaluated again add nothing.
+            fresh = evaluation_key(record) not in recorded(loaded.run_dir)
+            if fresh:
+                append_jsonl(evals, record)
             print(f"{ckpt} (step {loaded.step}) | {split} loss {loss:.4f} | {split} bpb {bpb:.4f} | "
                   f"{record['eval_tokens']:,} tokens in {seconds:.1f} s on {rt.world_size} rank(s) | "
-                  f"appended to {loaded.run_dir / EVALS_FILE}", flush=True)
+                  f"{f'appended to {evals}' if fresh else f'already in {evals} from the same weights, not appended'}",
+                  flush=True)
         return record
 
 
@@ -126,14 +133,15 @@ def finished_at(run_dir: Path) -> Optional[int]:
 
 def _check_watch(run_dir: Path, interval: float, timeout: float) -> None:
     """A run's directory, or one a run is about to start in: empty, or holding only the lock a starting trainer
-    takes before it writes anything else (the watcher may start first; CI caught it in that moment); finite
-    times (time.sleep(nan) and sleep(inf) raise, a nan deadline is never reached), the interval above 0."""
+    takes before it writes anything else (the watcher may start first; CI caught it in that moment), and maybe a
+    watcher's lease (_watch_lease names that watcher); finite times (time.sleep(nan) and sleep(inf) raise, a nan
+    deadline is never reached), the interval above 0."""
     if not (math.isfinite(interval) and interval > 0) or not (math.isfinite(timeout) and timeout >= 0):
         raise ConfigError(f"--interval must be a number of seconds above 0 and --timeout one at least 0 (0 = never), "
                           f"got {interval} and {timeout}; e.g. --interval 30 --timeout 3600.")
     if (run_dir / STATE_FILE).is_file():
         raise ConfigError(f"{run_dir} is a checkpoint; --watch takes its run directory ({run_dir.parent.parent}).")
-    starting = run_dir.is_dir() and all(p.name == LOCK_FILE for p in run_dir.iterdir())
+    starting = run_dir.is_dir() and all(p.name in (LOCK_FILE, WATCH_LOCK_FILE) for p in run_dir.iterdir())
     if not (run_dir.is_dir() and (is_run(run_dir) or starting)):
         raise ConfigError(f"{run_dir} is not a run directory (no {CONFIG_FILE}, metrics or checkpoints in it); "
                           f"--watch takes the directory a training run writes (runs/<name>), or an empty one a run "
@@ -149,6 +157,34 @@ def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeo
     What the run's evaluations already hold is not done again: a restarted watcher goes on where one stopped."""
     run_dir = Path(run_dir)
     _check_watch(run_dir, interval, timeout)
+    lease = _watch_lease(run_dir)
+    try:
+        return _watch(run_dir, evaluator, interval, timeout)
+    finally:
+        lease.release()
+
+
+def _watch_lease(run_dir: Path) -> DirLock:
+    """The watcher's lease beside the trainer's (rundirs.WATCH_LOCK_FILE): a second watcher of the run would
+    evaluate every checkpoint again, so it is refused, naming the first. The lease's rules are the trainer's: a
+    dead watcher's (dead pid, or a heartbeat past its expiry) is taken over."""
+    lease = DirLock(run_dir, what="watched run", filename=WATCH_LOCK_FILE)
+    try:
+        return lease.acquire()
+    except ConfigError as e:
+        try:
+            held = lease.holder()
+        except ConfigError:
+            held = None
+        if held is None:
+            raise e from None  # not another watcher: the lease could not be written
+        raise ConfigError(f"{run_dir} is already watched by {held.describe()} ({lease.path} is its lease); one "
+                          f"watcher per run evaluates each checkpoint once. Let that watcher go on, or stop it and "
+                          f"start this one; if it is gone for good, its lease expires {lease.expires_s:.0f} s after "
+                          f"its last heartbeat (or delete {lease.path}).") from None
+
+
+def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float) -> int:
     setup_logging(True)
     deadline = time.monotonic() + timeout if timeout else None
     done = evaluated(run_dir, evaluator.split)

@@ -214,6 +214,16 @@ BAD = {  # what is broken -> (how, the file the message names)
     "gold out of range": (lambda b: _edit(b / "eval_data" / "nanopt_line_start.jsonl", '"gold": ', '"gold": 9'),
                           "nanopt_line_start.jsonl:1"),
     "too few items for the shots": (lambda b: _edit(b / "core.yaml", "[2]", "[12]"), "core.yaml"),
+    "empty data file": (lambda b: (b / "eval_data" / "nanopt_word_end.jsonl").write_text("\n"),
+                        "nanopt_word_end.jsonl holds no items"),
+    # A random baseline of 100 divided by zero; NaN, 150 and -10 gave a meaningless CORE.
+    **{f"baseline {v or 'empty'}": (lambda b, v=v: _edit(b / "eval_meta_data.csv", "50.0", v), "eval_meta_data.csv:3")
+       for v in ("100", "100.0", "nan", "150", "-10", "inf", "")},
+    # A bundle names files inside itself: no way out of it, by `..` or an absolute path.
+    "dataset_uri out of the bundle": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "../../x.jsonl"),
+                                      "core.yaml: task nanopt_line_end's dataset_uri '../../x.jsonl' leaves"),
+    "absolute dataset_uri": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "/etc/hostname"),
+                             "core.yaml: task nanopt_line_end's dataset_uri '/etc/hostname' leaves"),
 }
 
 

@@ -12,12 +12,16 @@ import torch.nn.functional as F
 import yaml
 
 from conftest import run_module, small_overrides
-from nanopt import data, shards
+from nanopt import data, hf, shards
+from nanopt.commands import export as export_command
 from nanopt.config import ModelConfig, configs_dir
-from nanopt.hf import export_model
+from nanopt.errors import ConfigError
+from nanopt.hf import check_export_target, export_model
+from nanopt.rundirs import newest_checkpoint
 from nanopt.model import build_model
 from nanopt.runtime import Runtime
 from nanopt.evaluation import evaluate
+from nanopt.watch import Evaluator, evaluate_checkpoint
 
 torch.set_num_threads(1)
 CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
@@ -96,12 +100,12 @@ def test_eval_batches_are_a_seeded_sample_of_the_whole_split(corpus_dir):
 def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_run):
     before = (trained_run / "metrics.jsonl").read_bytes()
     nanopt_cli("eval", trained_run)
-    nanopt_cli("eval", trained_run / "checkpoints")
+    # The same checkpoint again, named another way: evaluated and printed, but its record is already there.
+    again = evaluate_checkpoint(trained_run / "checkpoints", Evaluator())
     assert (trained_run / "metrics.jsonl").read_bytes() == before  # the trainer's log is left alone
-    out_of_band = [r for r in evals(trained_run) if r.get("source") == "nanopt eval"][-2:]
-    assert len(out_of_band) == 2 and out_of_band[0]["step"] == 8
-    assert out_of_band[0]["val_loss"] == out_of_band[1]["val_loss"]
-    assert out_of_band[0]["val_bpb"] == out_of_band[1]["val_bpb"]
+    out_of_band = [r for r in evals(trained_run) if r.get("source") == "nanopt eval"]
+    assert len(out_of_band) == 1 and out_of_band[0]["step"] == 8
+    assert out_of_band[0]["val_loss"] == again["val_loss"] and out_of_band[0]["val_bpb"] == again["val_bpb"]
     # Same checkpoint, same fixed batches, same precision: the number the run logged at its last step.
     summary = json.loads((trained_run / "summary.json").read_text())
     assert out_of_band[0]["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
@@ -112,15 +116,14 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
 
 @pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(trained_run):
-    nanopt_cli("eval", trained_run, "--batches", "4")
-    one = evals(trained_run)[-1]
     proc = run_module(["torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli", "eval",
                        str(trained_run), "--batches", "4"], env=ENV)
     # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception",
     # not reproduced in 157 runs here), and the last 3,000 characters held only torchrun's summary.
     assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
     two = evals(trained_run)[-1]
-    assert (one["world_size"], two["world_size"]) == (1, 2)
+    one = evaluate_checkpoint(trained_run, Evaluator(batches=4))  # the same evaluation: not appended again
+    assert (one["world_size"], two["world_size"]) == (1, 2) and evals(trained_run)[-1] == two
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-9)
     assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-9)
     assert sum(r.get("world_size") == 2 for r in evals(trained_run)) == 1  # rank 0 alone appends
@@ -307,17 +310,24 @@ def test_export_cli_round_trip_of_a_trained_run(trained_run, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 256
 
 
-def test_export_includes_hugging_face_tokenizer_files(tmp_path):
+def _hf_tokenizer(directory: Path) -> Path:
+    """A small byte-level BPE saved as a Hugging Face tokenizer directory."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.BPE(unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.train_from_iterator(["Elementary, my dear Watson."] * 20, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
     PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(str(tmp_path / "tok"))
-    original = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+                            unk_token="<unk>").save_pretrained(str(directory))
+    return directory
+
+
+def test_export_includes_hugging_face_tokenizer_files(tmp_path):
+    from transformers import AutoTokenizer
+
+    original = AutoTokenizer.from_pretrained(str(_hf_tokenizer(tmp_path / "tok")))
     model = build_model(ModelConfig(vocab_size=len(original), dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
                                     ffn_dim=64, max_seq_len=16))
     export_model(model, tmp_path / "hf", tokenizer=str(tmp_path / "tok"))
@@ -325,6 +335,112 @@ def test_export_includes_hugging_face_tokenizer_files(tmp_path):
     assert copied.encode("Elementary, my dear") == original.encode("Elementary, my dear")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (original.bos_token_id, original.eos_token_id)
+
+
+# ---------------------------------------------------------------- export: a complete model or a refusal
+def cli_code(capsys, *args: object) -> tuple[int, str]:
+    """`nanopt ARGS...` in this process: (exit status, stderr)."""
+    from nanopt.cli import run
+
+    capsys.readouterr()
+    code = run(list(map(str, args)))
+    return code, capsys.readouterr().err
+
+
+def _other_model(directory: Path, tmp_path: Path) -> dict[str, bytes]:
+    """Another model exported with a Hugging Face tokenizer, plus a user's own file: every file's bytes."""
+    model = build_model(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                    max_seq_len=16))
+    export_model(model, directory, tokenizer=str(_hf_tokenizer(tmp_path / "tok")))
+    (directory / "NOTES.md").write_text("my notes on this model\n")
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def _one_paragraph(err: str) -> None:
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+
+
+def test_export_over_another_model_names_its_files_and_force_replaces_the_whole_set(trained_run, tmp_path, capsys):
+    from nanopt import load_model
+
+    out = tmp_path / "hf"
+    before = _other_model(out, tmp_path)
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors", "config.json"} <= set(before)
+    code, err = cli_code(capsys, "export", trained_run, "--out", out)
+    assert code == 2 and err.startswith(f"nanopt export: error: {out} already holds another model's files (")
+    _one_paragraph(err)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert name in err
+    assert "NOTES.md" not in err and "--force" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused: nothing changed
+
+    code, err = cli_code(capsys, "export", trained_run, "--out", out, "--force")
+    assert code == 0, err
+    # The byte-level run's export: its three files, nothing of the old model's tokenizer; the user's file kept.
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.md", "config.json", "model.safetensors", "nanopt.json"]
+    assert (out / "NOTES.md").read_bytes() == before["NOTES.md"]
+    idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(load_model(out)(idx), load_model(trained_run)(idx), atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["a file", "below a file", "a dangling link"])
+def test_export_out_that_cannot_be_a_directory_is_exit_2_before_loading(trained_run, tmp_path, capsys, monkeypatch,
+                                                                        where):
+    (tmp_path / "FILE").write_text("a user's file\n")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    out, blocker = {"a file": (tmp_path / "FILE", tmp_path / "FILE"),
+                    "below a file": (tmp_path / "FILE" / "sub", tmp_path / "FILE"),
+                    "a dangling link": (tmp_path / "gone", tmp_path / "gone")}[where]
+    monkeypatch.setattr(export_command, "load", lambda path: pytest.fail("the checkpoint was loaded before --out was checked"))
+    code, err = cli_code(capsys, "export", trained_run, "--out", out)
+    assert code == 2 and err.startswith(f"nanopt export: error: {blocker}") and "--out" in err
+    _one_paragraph(err)
+    assert (tmp_path / "FILE").read_text() == "a user's file\n" and not (tmp_path / "nowhere").exists()
+
+
+def test_export_never_writes_through_a_link_even_with_force(trained_run, tmp_path, capsys):
+    out, victim = tmp_path / "hf", tmp_path / "victim.bin"
+    victim.write_bytes(b"the user's own weights")
+    out.mkdir()
+    (out / "model.safetensors").symlink_to(victim)
+    (out / "config.json").symlink_to(tmp_path / "dangling.json")
+    for force in ([], ["--force"]):
+        code, err = cli_code(capsys, "export", trained_run, "--out", out, *force)
+        assert code == 2 and "is a symbolic link" in err and str(out) in err
+        _one_paragraph(err)
+    assert victim.read_bytes() == b"the user's own weights" and not (tmp_path / "dangling.json").exists()
+
+
+def _fill_the_disk(monkeypatch) -> None:
+    """safetensors meets a full disk halfway through the weights, as its Rust writer reports it."""
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 4096)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+    monkeypatch.setattr(hf, "save_file", save_file)
+
+
+@pytest.mark.parametrize("over", ["a new directory", "another model, --force"])
+def test_a_full_disk_during_export_is_one_paragraph_exit_1_and_leaves_no_half_model(trained_run, tmp_path, capsys,
+                                                                                    monkeypatch, over):
+    out = tmp_path / "hf"
+    before = _other_model(out, tmp_path) if over.startswith("another") else {}
+    _fill_the_disk(monkeypatch)
+    code, err = cli_code(capsys, "export", trained_run, "--out", out, *(["--force"] if before else []))
+    assert code == 1 and err.startswith("nanopt export: error: no space left on ")
+    assert f"writing {out / 'model.safetensors'} (" in err and "GiB free; the weights need about " in err
+    _one_paragraph(err)
+    # Exactly what was there: the old model whole, or nothing (no hidden folder, no partial weights).
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_export_refuses_a_checkpoint_directory_even_with_force(trained_run, tmp_path):
+    ckpt, _ = newest_checkpoint(trained_run)
+    with pytest.raises(ConfigError, match="is a nanopt checkpoint directory"):
+        check_export_target(ckpt, force=True)
 
 
 def test_import_nanopt_is_light_and_load_model_is_lazy():

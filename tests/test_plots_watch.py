@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from matplotlib import image
 from conftest import REPO, small_overrides
 from nanopt import plots, watch
 from nanopt.cli import run as cli
+from nanopt.rundirs import WATCH_LOCK_FILE, DirLock
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -301,3 +303,40 @@ def test_watch_refuses_what_is_not_a_run_directory(sweep, tmp_path, capsys):
     (starting / "lock.json").write_text("{}")
     assert cli(["eval", str(starting), "--watch", "--interval", "0.05", "--timeout", "0.2"]) == 0
     assert "--timeout 0.2 s passed before the run finished" in capsys.readouterr().out
+    assert [p.name for p in starting.iterdir()] == ["lock.json"]  # the watcher's own lease is gone with it
+
+
+def test_a_second_watcher_is_refused_naming_the_first(sweep, tmp_path, capsys):
+    """Two watchers of one run evaluated every checkpoint twice (12 lines for 6 steps): the watcher's lease
+    beside the trainer's lets one watch; the second exits 2 naming it. A dead watcher's lease is taken over."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep / "lr_low", run_dir)
+    first = DirLock(run_dir, what="watched run", filename=WATCH_LOCK_FILE).acquire()  # a live watcher: this process
+    try:
+        assert cli(["eval", str(run_dir), "--watch", "--interval", "0.1"]) == 2
+        err = capsys.readouterr().err
+        assert f"{run_dir} is already watched by process {os.getpid()}" in err and "Traceback" not in err
+        assert not (run_dir / "evals.jsonl").exists()
+    finally:
+        first.release()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    now = time.time()
+    (run_dir / WATCH_LOCK_FILE).write_text(json.dumps({
+        "host": socket.gethostname(), "pid": int(dead.stdout), "started": now, "heartbeat": now, "token": "gone",
+        "owner": "", "command": "nanopt eval --watch"}))  # a watcher killed with kill -9
+    assert cli(["eval", str(run_dir), "--watch", "--interval", "0.1"]) == 0
+    assert _steps(run_dir) == [2, 4, 6] and not (run_dir / WATCH_LOCK_FILE).exists()
+
+
+def test_eval_appends_each_checkpoint_split_once(sweep, tmp_path, capsys):
+    """`nanopt eval` of weights already evaluated the same way (split, batches, precision) adds no second line;
+    another batch count is another evaluation."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(sweep / "lr_low", run_dir)
+    assert cli(["eval", str(run_dir)]) == 0
+    assert cli(["eval", str(run_dir / "checkpoints" / "step_000006")]) == 0  # the same weights, named another way
+    assert "already in" in capsys.readouterr().out.splitlines()[-1]
+    assert cli(["eval", str(run_dir), "--batches", "1"]) == 0
+    lines = records(run_dir / "evals.jsonl")
+    assert [(r["step"], r["eval_batches"]) for r in lines] == [(6, 2), (6, 1)]
+    assert lines[0]["weights_crc32"] == lines[1]["weights_crc32"] and isinstance(lines[0]["weights_crc32"], int)

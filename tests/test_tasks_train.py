@@ -4,12 +4,14 @@ bad input as one paragraph with exit 2."""
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_module, small_overrides
+from conftest import run_module, small_overrides, torchrun
 from nanopt import core, train
 from nanopt.cli import run as cli
 from nanopt.experiments import runs_report, welch
@@ -73,6 +75,99 @@ def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, ca
     assert not (run_dir / "checkpoints").exists()
     assert main_run(small_overrides(**{"run.dir": tmp_path / "r2", "eval.core": tmp_path / "missing"})) == 2
     assert "`eval.core`" in capsys.readouterr().err
+
+
+def test_task_data_or_a_bundle_that_cannot_be_scored_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
+    """What scoring would trip over at the end is found at the start: an empty task file, a baseline of 100."""
+    tasks = tmp_path / "tasks"
+    make_tasks(tasks, TEXTS, n=12)
+    (tasks / "nanopt_mc.jsonl").write_text("")
+    assert main_run(small_overrides(**{"run.dir": tmp_path / "r1", "eval.tasks": "nanopt_mc",
+                                       "eval.tasks_path": tasks})) == 2
+    assert "nanopt_mc.jsonl has no rows" in capsys.readouterr().err
+    bundle = tmp_path / "bundle"
+    shutil.copytree(task_dir / "core", bundle)
+    (bundle / "eval_meta_data.csv").write_text((bundle / "eval_meta_data.csv").read_text().replace("25.0", "100"))
+    assert main_run(small_overrides(**{"run.dir": tmp_path / "r2", "eval.core": bundle})) == 2
+    assert "eval_meta_data.csv:2" in capsys.readouterr().err
+    assert not (tmp_path / "r1" / "checkpoints").exists() and not (tmp_path / "r2" / "checkpoints").exists()
+
+
+def test_each_scoring_step_is_saved_before_it_scores_and_a_failure_is_recorded(tmp_path, task_dir, monkeypatch,
+                                                                               capsys):
+    """Scoring is an evaluation: the step it scores is on disk before it starts (checkpoint.every aside), and a
+    failure in it is a warning and a record, after which training goes on and scores again."""
+    run_dir, real, seen = tmp_path / "run", train.score_model, []
+
+    def scoring(model, tokenizer, rt, spec, step, source, **kwargs):
+        seen.append((step, (run_dir / "checkpoints" / f"step_{step:06d}" / "COMPLETE").is_file(), rt.world_size))
+        if step == 2:
+            raise RuntimeError("the harness fell over")
+        return real(model, tokenizer, rt, spec, step, source, **kwargs)
+
+    monkeypatch.setattr(train, "score_model", scoring)
+    assert main_run(small_overrides(**{"run.dir": run_dir, "eval.core": task_dir / "core", "eval.tasks_every": 2,
+                                       "eval.tasks_limit": 4, "checkpoint.every": 1000})) == 0
+    assert seen == [(2, True, 1), (4, True, 1), (6, True, 1)]
+    failed, *scored = [r for r in evals(run_dir) if r["task"] == "core"]
+    assert (failed["step"], failed["error"], failed["scores"]) == (2, "RuntimeError: the harness fell over", {})
+    assert [(r["step"], "error" in r) for r in scored] == [(4, False), (6, False)]
+    out = capsys.readouterr()
+    assert "step      2 | core not scored, training goes on: RuntimeError: the harness fell over" in out.out + out.err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+
+
+def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, capsys):
+    """The issue's case: eval.tasks data removed after the start, scoring after the last step fails. The last
+    step's checkpoint is saved first, the failure is recorded naming the task and the file, and the run ends 0."""
+    tasks, run_dir, real = tmp_path / "tasks", tmp_path / "run", train.score_model
+    make_tasks(tasks, TEXTS, n=12)
+
+    def data_removed_meanwhile(*args, **kwargs):
+        (tasks / "nanopt_mc.jsonl").unlink(missing_ok=True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "score_model", data_removed_meanwhile)
+    assert main_run(small_overrides(**{"run.dir": run_dir, "checkpoint.every": 4, "eval.tasks": "nanopt_mc",
+                                       "eval.tasks_path": tasks, "eval.tasks_limit": 4})) == 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000004", "step_000006"]
+    (record,) = evals(run_dir)
+    assert (record["task"], record["step"], record["source"], record["scores"]) == ("nanopt_mc", 6, "train", {})
+    assert "nanopt_mc.jsonl does not exist" in record["error"]
+    out = capsys.readouterr()
+    assert "nanopt_mc not scored, training goes on" in out.out + out.err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+
+
+@pytest.mark.slow
+def test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure(tmp_path, task_dir):
+    """Under torchrun the main rank scores alone while the others wait: CORE (which gathers over ranks when all
+    of them score) must not wait for ranks that are not scoring, and a failing task must not leave them waiting."""
+    tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
+    make_tasks(tasks, TEXTS, n=12)
+
+    def remove_after_the_first_step() -> None:  # the task data goes away while the run trains
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and '"loss"' not in _text(run_dir / "metrics.jsonl"):
+            time.sleep(0.05)
+        (tasks / "nanopt_mc.jsonl").unlink()
+
+    remover = threading.Thread(target=remove_after_the_first_step, daemon=True)
+    remover.start()
+    proc = torchrun(2, small_overrides(**{
+        "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
+        "eval.tasks": "nanopt_mc", "eval.tasks_path": tasks, "eval.core": task_dir / "core", "eval.tasks_limit": 4,
+        "log.every": 1}), timeout=240)
+    remover.join(timeout=10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = evals(run_dir)
+    assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
+    assert sorted(r["step"] for r in records if r["task"] == "core" and "error" not in r) == [20, 40]
+    assert {p.name for p in (run_dir / "checkpoints").glob("step_*")} == {"step_000020", "step_000040"}
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 
 @pytest.mark.slow

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from nanopt import core
 from nanopt.config import DEVICES
 from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.harness import TaskSpec, score_checkpoint, task_lines
-from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE
+from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run, refuse_links
 from nanopt.taskgen import make_tasks
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
@@ -51,6 +53,7 @@ def main(argv: list[str]) -> int:
         return _make(args.make_tasks)
     if not args.path:
         p.error("give PATH: a run directory, a checkpoint directory or (with --tasks/--core) a Hugging Face one")
+    _refuse_linked_evals(Path(args.path))
     if args.tasks or args.core:
         return _tasks(args)
     evaluator = Evaluator(args.split, args.batches, args.device, args.precision)
@@ -58,6 +61,13 @@ def main(argv: list[str]) -> int:
         return watch_run(args.path, evaluator, args.interval, args.timeout)
     evaluate_checkpoint(args.path, evaluator)  # prints its line
     return 0
+
+
+def _refuse_linked_evals(path: Path) -> None:
+    """A link at the run's evals file is refused before any evaluation runs, not at its append, after the work."""
+    for run_dir in (path, path.parent.parent):  # a run directory, or a checkpoint in its checkpoints/
+        if is_run(run_dir):
+            refuse_links(run_dir, (EVALS_FILE,))
 
 
 def _make(out: str) -> int:
@@ -74,8 +84,17 @@ def _tasks(args: argparse.Namespace) -> int:
         raise ConfigError("--watch evaluates val/test loss only; run --tasks/--core on a checkpoint or run directory.")
     if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
         raise ConfigError(f"--limit ({args.limit}) and --batch-size ({args.batch_size}) must be at least 1.")
-    spec = TaskSpec([t.strip() for t in args.tasks.split(",") if t.strip()], args.include_path, args.limit,
-                    args.num_fewshot, args.core, args.batch_size)
-    records = score_checkpoint(args.path, spec, args.device, args.precision)
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot {args.num_fewshot}: give the few-shot examples per question, 0 or more "
+                          f"(or leave it out for each task's own).")
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.tasks and not names:
+        raise ConfigError(f"--tasks {args.tasks!r} names no task; give a comma list of lm-eval task or group names, "
+                          f"e.g. --tasks hellaswag,arc_easy (or leave --tasks out and score only --core).")
+    spec = TaskSpec(names, args.include_path, args.limit, args.num_fewshot, args.core, args.batch_size)
+    records, held = score_checkpoint(args.path, spec, args.device, args.precision)
     print(json.dumps(records, indent=2) if args.json else "\n".join(task_lines(records)))
+    if held:
+        print(f"{len(held)} of these ({', '.join(r['task'] for r in held)}) were already in {EVALS_FILE} from the "
+              f"same weights; not appended again", file=sys.stderr if args.json else sys.stdout)
     return 0
