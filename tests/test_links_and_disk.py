@@ -29,6 +29,7 @@ from nanopt.errors import ConfigError, DiskFull
 from nanopt.main import run
 from nanopt.metrics import MetricsLogger
 from nanopt.model import build_model
+from test_prepare_ownership import _config as _prepare_config  # the byte tokenizer over local JSON lines
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 2,
                           "log.tensorboard": "false"})
@@ -46,6 +47,17 @@ def users_file(tmp_path: Path) -> Path:
     path = outside / "mine.jsonl"
     path.write_bytes(USERS)
     return path
+
+
+def linked_run(tmp_path: Path, name: str, dangling: bool) -> tuple[Path, Path]:
+    """A run directory whose file `name` is a link to a user's file outside it (deleted first when dangling)."""
+    mine = users_file(tmp_path)
+    if dangling:
+        mine.unlink()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / name).symlink_to(mine)
+    return run_dir, mine
 
 
 def one_paragraph(err: str) -> str:
@@ -114,12 +126,7 @@ def test_a_dangling_link_in_a_run_creates_nothing_outside(tmp_path, capsys, name
 @pytest.mark.parametrize("dangling", [False, True])
 def test_evals_jsonl_as_a_link_is_never_appended_through(tmp_path, dangling):
     """Before: `nanopt eval`, `--core` and `--watch` appended to the user's file, or created one outside."""
-    mine = users_file(tmp_path)
-    if dangling:
-        mine.unlink()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / rundirs.EVALS_FILE).symlink_to(mine)
+    run_dir, mine = linked_run(tmp_path, rundirs.EVALS_FILE, dangling)
     with pytest.raises(ConfigError, match="symbolic link") as e:
         io.append_jsonl(run_dir / rundirs.EVALS_FILE, {"step": 2, "val_loss": 1.0})
     assert str(run_dir / rundirs.EVALS_FILE) in str(e.value) and "Remove the link" in str(e.value)
@@ -154,12 +161,7 @@ def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):
 @pytest.mark.parametrize("dangling", [False, True])
 def test_a_lock_file_that_is_a_link_is_named_and_left_alone(tmp_path, dangling):
     """Before: the lease was read through the link ("cannot be read") or, dangling, "other processes keep taking it"."""
-    mine = users_file(tmp_path)
-    if dangling:
-        mine.unlink()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / rundirs.LOCK_FILE).symlink_to(mine)
+    run_dir, mine = linked_run(tmp_path, rundirs.LOCK_FILE, dangling)
     lock = rundirs.DirLock(run_dir)
     for ask in (lock.acquire, lock.holder):
         with pytest.raises(ConfigError, match="symbolic link") as e:
@@ -352,18 +354,6 @@ def test_a_full_disk_while_logging_metrics_is_exit_1_and_keeps_every_whole_line(
 
 # ---------------------------------------------------------------- nanopt prepare
 
-DOCS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(40)]
-
-
-def _prepare_config(tmp_path: Path, out_name: str = "shards"):
-    """The byte tokenizer over a local JSON-lines file: 5 train shards of 200 tokens, in about a second."""
-    src = tmp_path / "docs.jsonl"
-    if not src.exists():
-        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    keys = {"dataset": "json", "data_files": str(src), "shuffle_buffer": 0, "workers": 1, "batch_documents": 8,
-            "shard_tokens": 200, "train_tokens": 1000}
-    overrides = [("data.source", str(tmp_path / out_name))] + [(f"prepare.{k}", str(v)) for k, v in keys.items()]
-    return load_config(None, overrides)
 
 
 def _cli_prepare(cfg, tmp_path: Path, capsys) -> tuple[int, str]:
