@@ -77,6 +77,7 @@ def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, ca
     assert "`eval.core`" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_task_data_or_a_bundle_that_cannot_be_scored_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
     """What scoring would trip over at the end is found at the start: an empty task file, a baseline of 100."""
     tasks = tmp_path / "tasks"
@@ -93,6 +94,7 @@ def test_task_data_or_a_bundle_that_cannot_be_scored_is_refused_before_the_first
     assert not (tmp_path / "r1" / "checkpoints").exists() and not (tmp_path / "r2" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_each_scoring_step_is_saved_before_it_scores_and_a_failure_is_recorded(tmp_path, task_dir, monkeypatch,
                                                                                capsys):
     """Scoring is an evaluation: the step it scores is on disk before it starts (checkpoint.every aside), and a
@@ -117,6 +119,7 @@ def test_each_scoring_step_is_saved_before_it_scores_and_a_failure_is_recorded(t
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
+@pytest.mark.slow
 def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, capsys):
     """The issue's case: eval.tasks data removed after the start, scoring after the last step fails. The last
     step's checkpoint is saved first, the failure is recorded naming the task and the file, and the run ends 0."""
