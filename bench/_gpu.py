@@ -105,6 +105,13 @@ class WorldOfOne(Runtime):
         return True
 
 
+def random_batches(vocab: int, micro: tuple[int, int], accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`accum` micro-batches of (B T inputs, B T targets) of random ids, the same every call (seed 0)."""
+    (b, t), g = micro, torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, vocab, (b, t + 1), generator=g) for _ in range(accum)]  # B T+1 each
+    return [(x[:, :-1], x[:, 1:]) for x in rows]
+
+
 def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[str, Any]:
     """tokens/s over `steps` optimizer steps after two warm-up steps (compilation), the graphs and graph breaks
     torch.compile made, and the last step's loss."""

@@ -47,8 +47,8 @@ from typing import Any, Callable, Optional
 
 import gpu_quick
 from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_sample, check_tasks, free_port, md_env,
-                  md_sample, md_tasks, model_config, nanopt_run, peak_gib, process_group, run_sections, section_failed,
-                  speed_of, time_train_step, write_shards)
+                  md_sample, md_tasks, model_config, nanopt_run, peak_gib, process_group, random_batches, run_sections,
+                  section_failed, speed_of, time_train_step, write_shards)
 
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -186,9 +186,7 @@ def check_ddp_path(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]
     tokens/s, torch.compile's graphs and graph breaks, and the loss after the same steps from the same weights."""
     cfg = load_config(REPO / (spec["config"] or "configs/170m-1gpu.yaml"), parse_overrides(spec["overrides"]))
     (b, t), accum = spec["micro"], spec["accum"]
-    g = torch.Generator().manual_seed(0)
-    batches = [(x[:, :-1], x[:, 1:]) for x in (torch.randint(0, cfg.model.vocab_size, (b, t + 1), generator=g)
-                                               for _ in range(accum))]
+    batches = random_batches(cfg.model.vocab_size, (b, t), accum)
     out: dict[str, Any] = {"compile": cfg.train.compile, "micro_batch": [b, t], "accum": accum}
     for name, runtime in (("unwrapped", Runtime), ("ddp", WorldOfOne)):
         rt = runtime(device.type, device, 0, 0, 1, 1, cfg.train.precision)

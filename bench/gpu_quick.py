@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from _gpu import (LOGIT_TOLERANCE, QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_sample, check_tasks,
-                  md_env, nanopt_run, process_group, sample_check, speed_of, sync, time_train_step, write_shards)
+                  md_env, nanopt_run, process_group, random_batches, sample_check, speed_of, sync, time_train_step,
+                  write_shards)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -291,9 +292,7 @@ def check_fp8_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
         for name, split in (("split", "true"), ("one_graph", "false")):
             cfg = config([*spec["args"], "--train.fp8=rowwise", "--train.fp8_filter=all",
                           f"--train.compile_ddp_split={split}"])
-            g = torch.Generator().manual_seed(0)
-            batches = [(x[:, :-1], x[:, 1:]) for x in (torch.randint(0, cfg.model.vocab_size, (b, t + 1), generator=g)
-                                                       for _ in range(accum))]
+            batches = random_batches(cfg.model.vocab_size, (b, t), accum)
             try:
                 out[f"ddp_{name}"] = time_train_step(cfg, WorldOfOne(device.type, device, 0, 0, 1, 1, "bf16"),
                                                      batches, spec["steps"])

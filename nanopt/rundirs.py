@@ -332,6 +332,29 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     return None, files
 
 
+def weights_crc32(ckpt: Optional[Path]) -> Optional[int]:
+    """Which weights a checkpoint holds: its model file's crc32 as its COMPLETE manifest lists it (loading has
+    checked the file against it); None for a Hugging Face directory, a live model or an unusable manifest."""
+    if ckpt is None:
+        return None
+    problem, files = _manifest_problem(Path(ckpt))
+    return None if problem else files[MODEL_FILE]["crc32"]
+
+
+def evaluation_key(record: dict[str, Any]) -> tuple:
+    """What makes two evals.jsonl records one evaluation: who made it, of which weights (step, and the checkpoint's
+    weights_crc32 where known), and what was measured: a task with its limit and shots, or a split with its
+    batches and precision. A record without a field has None there."""
+    measured = record.get("task") or next((k for k in ("val_loss", "test_loss") if k in record), None)
+    return tuple(record.get(k) for k in ("source", "step", "weights_crc32", "limit", "num_fewshot", "eval_batches",
+                                         "precision")) + (measured,)
+
+
+def recorded(run_dir: Path) -> set[tuple]:
+    """The evaluations evals.jsonl holds (evaluation_key); a failure's record is none (the task may be retried)."""
+    return {evaluation_key(r) for r in read_records(Path(run_dir) / EVALS_FILE) if "error" not in r}
+
+
 def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
     """None when the checkpoint is whole, else why not (never raises). `step`: the step it must hold (default:
     the one its name says; a download being verified has a temporary name)."""

@@ -16,13 +16,12 @@ from nanopt import data, runtime
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import evaluate, split_batches, token_bytes_table
-from nanopt.harness import evaluation_key, recorded, weights_crc32
 from nanopt.io import append_jsonl
 from nanopt.loading import checkpoint_config, find_checkpoint, load
 from nanopt.metrics import setup_logging
 from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, LOCK_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, DirLock,
                             checkpoint_dirs, checkpoints_dir, finished, is_int, is_run, read_config, read_records,
-                            step_of, verify_checkpoint)
+                            evaluation_key, recorded, step_of, verify_checkpoint, weights_crc32)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
     ("fp8",),                                             # torchao's float8 on the block Linears (train.fp8)
-    ("mfu", "profiling", "mirror", "evaluation", "generate", "hf", "core", "taskgen"),
+    ("mfu", "profiling", "mirror", "evaluation", "generate", "hf", "core", "taskgen", "taskinput"),
     ("checkpoint", "scoring"),
     ("loading",),
     ("harness",),                                         # nanopt models inside lm-evaluation-harness
