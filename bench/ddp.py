@@ -115,7 +115,7 @@ def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namesp
             losses.append((row["single"], row["ddp"]))
     if rank == 0:
         out.put({"times": times, "losses": losses, "warmup_s": compile_s})
-    runtime.teardown(rt)
+    runtime.teardown()
 
 
 def free_port() -> int:

@@ -24,8 +24,9 @@ COMMANDS: dict[str, str] = {
 # Defaults set before a command's module is imported. Idle OpenMP threads spin instead of sleeping: on a quiet
 # machine PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape) and libgomp's default (spin,
 # then sleep) is 3-10x slower when another job shares the cores; ACTIVE is never far from the best
-# (bench/omp_policy.py, README "Performance"). On a shared machine set OMP_WAIT_POLICY=PASSIVE. libgomp reads it
-# when torch loads. The sweep never loads torch; it sets each run's (PASSIVE when runs share cores).
+# (bench/omp_policy.py, docs/mfu.md "Speed and memory settings"). On a shared machine set
+# OMP_WAIT_POLICY=PASSIVE. libgomp reads it when torch loads. The sweep never loads torch; it sets each run's
+# (PASSIVE when runs share cores).
 COMMAND_ENV: dict[str, dict[str, str]] = {"train": {"OMP_WAIT_POLICY": "ACTIVE"}}
 
 

@@ -311,7 +311,7 @@ class CheckpointConfig:
 
     def check(self, cfg: Config) -> None:
         """allow_changes names real keys: a typo would otherwise silently allow nothing."""
-        for name in filter(None, (k.strip() for k in self.allow_changes.split(","))):
+        for name in comma_list(self.allow_changes):
             section_name, _, rest = name.partition(".")
             if section_name not in SECTIONS or rest not in {f.name for f in fields(SECTIONS[section_name])}:
                 raise ConfigError(
@@ -624,12 +624,17 @@ def parse_stages(text: str, key: str) -> list[tuple[int, int]]:
     return stages  # type: ignore[return-value]
 
 
+def comma_list(text: Optional[str]) -> list[str]:
+    """The items of a comma-separated value (a config key, a flag): `a, b,,c` -> ["a", "b", "c"]."""
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
 def parse_ranks(text: str) -> Optional[list[int]]:
     """`profile.ranks` -> sorted rank ids, or None for "all". Raises ConfigError when unreadable."""
     if text.strip().lower() == "all":
         return None
     try:
-        ranks = sorted({int(part) for part in text.split(",") if part.strip()})
+        ranks = sorted({int(part) for part in comma_list(text)})
     except ValueError:
         ranks = []
     if not ranks or ranks[0] < 0:
@@ -751,7 +756,7 @@ def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
         return {f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
 
     before, now = flat(saved), flat(cfg.to_dict())
-    allowed = {k.strip() for k in cfg.checkpoint.allow_changes.split(",") if k.strip()}
+    allowed = set(comma_list(cfg.checkpoint.allow_changes))
     # A key only one side knows is from another nanopt version.
     changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in SAFE_KEYS | allowed)
     return [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now" for k in changed]

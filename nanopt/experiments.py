@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import read_json
+from nanopt.io import clean, read_json
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
                             flatten, format_value, is_int, is_number, is_run, read_config, read_metrics, read_records,
                             read_summary, walk_runs)
@@ -470,8 +470,8 @@ def cell(value: Any, spec: str, sign: bool = False) -> str:
 
 
 def to_json(report: dict[str, Any]) -> str:
-    """A report as JSON; NaN/inf as null (JSON has neither): json writes them as NaN/Infinity, read back as None."""
-    return json.dumps(json.loads(json.dumps(report), parse_constant=lambda _: None), indent=2)
+    """A report as JSON, NaN/inf as null (io.clean)."""
+    return json.dumps(clean(report), indent=2)
 
 
 def _spec(metric: str) -> str:

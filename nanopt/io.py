@@ -186,21 +186,21 @@ def write_text(path: Path, text: str) -> Path:
 
 
 def clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as null rather than emit an unparseable file."""
+    """JSON has no NaN/inf (json.dumps writes NaN, which strict readers refuse): null, at any depth."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    return value
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    return [clean(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def write_json(path: Path, data: Any, indent: int = 2) -> Path:
-    if isinstance(data, dict):
-        data = {k: clean(v) for k, v in data.items()}
-    return write_text(path, json.dumps(data, indent=indent) + "\n")
+    return write_text(path, json.dumps(clean(data), indent=indent) + "\n")
 
 
 def json_line(record: dict[str, Any]) -> bytes:
     """One JSON-lines record (NaN and inf as null)."""
-    return (json.dumps({k: clean(v) for k, v in record.items()}) + "\n").encode()
+    return (json.dumps(clean(record)) + "\n").encode()
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanopt import rundirs, shards
-from nanopt.config import Config, PrepareConfig
+from nanopt.config import Config, PrepareConfig, comma_list
 from nanopt.shards import encode_documents
 from nanopt.errors import ConfigError
 from nanopt.io import append_bytes, as_disk_full, open_append, refuse_link, write_json
@@ -97,7 +97,8 @@ def load_documents(p: PrepareConfig):
         if p.streaming:
             ds = ds.to_iterable_dataset()
     else:
-        optional = {"name": p.subset, "revision": p.revision, "data_files": _data_files(p), "sample_by": p.sample_by}
+        optional = {"name": p.subset, "revision": p.revision, "data_files": comma_list(p.data_files),
+                    "sample_by": p.sample_by}
         kwargs = {"split": p.split, "streaming": p.streaming, **{k: v for k, v in optional.items() if v}}
         _refuse_empty_files(p, only_if_all=True)
         try:
@@ -117,14 +118,10 @@ def load_documents(p: PrepareConfig):
     return ds
 
 
-def _data_files(p: PrepareConfig) -> list[str]:
-    return [f.strip() for f in (p.data_files or "").split(",") if f.strip()]
-
-
 def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:
     """datasets fails on an empty local file unhelpfully (StopIteration for json, a generation error for text) or
     reads blank lines as documents: name the empty files instead (only_if_all: the check before loading)."""
-    matched = [Path(m) for f in _data_files(p) for m in sorted(glob.glob(os.path.expanduser(f)))]
+    matched = [Path(m) for f in comma_list(p.data_files) for m in sorted(glob.glob(os.path.expanduser(f)))]
     empty = [m for m in matched if m.is_file() and not _has_content(m)]
     if empty and (not only_if_all or len(empty) == len(matched)):
         names = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")

@@ -388,7 +388,7 @@ def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
 
-def teardown(rt: Optional[Runtime] = None, wait_for_peers: bool = False) -> None:
+def teardown(wait_for_peers: bool = False) -> None:
     """Leave the process group, if any. wait_for_peers (a successful exit): a rank that drops its gloo links while
     a peer still writes files can abort it ("terminate called without an active exception"). On an error path
     do not wait: the peers may never arrive, and torchrun stops them when this rank exits non-zero."""

@@ -27,7 +27,7 @@ from typing import IO, Any, Optional
 from tqdm import tqdm
 
 from nanopt import rundirs
-from nanopt.config import Config, load_config, parse_overrides, resolve, resume_changes
+from nanopt.config import Config, comma_list, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
 from nanopt.experiments import cell, table
 from nanopt.io import clean, open_append, refuse_link, write_json
@@ -36,7 +36,7 @@ SWEEP_FILE = "sweep.json"
 LOG_FILE = "stdout.log"  # each run's stdout and stderr, appended across sessions
 # Keys the sweep sets itself for every point: where the run lives, what it is called, its seed.
 RESERVED = ("run.dir", "run.name", "run.seed")
-# 2 concurrent 1-thread runs did more tiny runs per hour on 2 cores than 1 run with 2 threads (README
+# 2 concurrent 1-thread runs did more tiny runs per hour on 2 cores than 1 run with 2 threads (docs/results.md
 # "Sweeps"): small models' ops parallelise badly within a process, independent runs perfectly.
 THREADS_PER_CPU_RUN = 1
 
@@ -176,7 +176,8 @@ def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: O
     k = min(k, runs) if runs else k
     n = threads or max(1, cores // (k * nproc))
     # Spinning idle OpenMP threads (train's default ACTIVE) steal the cores of the runs beside them: 1.4-10x
-    # slower steps (README "Performance"). One thread per run never spins, so PASSIVE costs it nothing.
+    # slower steps (docs/mfu.md "Speed and memory settings"). One thread per run never spins, so PASSIVE costs
+    # it nothing.
     env = {"OMP_NUM_THREADS": str(n), **({"OMP_WAIT_POLICY": "PASSIVE"} if k > 1 else {})}
     label = f"cpu: {n} thread{'s' if n > 1 else ''}" + (f" x {nproc} ranks" if nproc > 1 else "")
     return [Slot(label, env, (f"--runtime.threads={n}",))] * k
@@ -202,7 +203,7 @@ def discover(device: str) -> tuple[str, list[str]]:
 def visible_ids(count: int, visible: Optional[str]) -> list[str]:
     """What to put in each run's CUDA_VISIBLE_DEVICES for torch's devices 0..count-1. Under
     CUDA_VISIBLE_DEVICES=3,5 torch's devices 0, 1 are GPUs 3, 5: a run must be given "3", not "0"."""
-    ids = [v.strip() for v in visible.split(",")] if visible and visible.strip() else [str(i) for i in range(count)]
+    ids = comma_list(visible) or [str(i) for i in range(count)]
     return ids[:count]
 
 

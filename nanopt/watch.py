@@ -100,9 +100,9 @@ def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any
         rt = evaluator.start(run_cfg)
         # Rank 0's pick for everyone: a checkpoint the run writes meanwhile must not split the ranks.
         record = evaluator.run(Path(rt.gather_objects(str(ckpt))[0]))
-        runtime.teardown(rt, wait_for_peers=True)
+        runtime.teardown(wait_for_peers=True)
     finally:
-        runtime.teardown(evaluator.rt)
+        runtime.teardown()
     return record
 
 
@@ -223,4 +223,4 @@ def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float)
         print(f"stopped (Ctrl-C); {count} checkpoint(s) evaluated by this watcher", flush=True)
         return 0
     finally:
-        runtime.teardown(evaluator.rt)
+        runtime.teardown()

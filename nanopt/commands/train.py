@@ -42,7 +42,6 @@ def _run(argv: list[str]) -> int:
         print(USAGE)
         return EXIT_OK
     setup_logging(int(os.environ.get("RANK", "0") or 0) == 0)
-    rt = None
     run_dir = Path.cwd()  # where a full disk is reported when the error names no file
     try:
         path, rest = split_args(argv)
@@ -53,7 +52,7 @@ def _run(argv: list[str]) -> int:
         resolve(cfg, rt.world_size)
         with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then Preempted
             train(cfg, rt)
-        runtime.teardown(rt, wait_for_peers=True)
+        runtime.teardown(wait_for_peers=True)
         return EXIT_OK
     except Preempted as e:
         print(f"nanopt: {e}", file=sys.stderr)
@@ -75,4 +74,4 @@ def _run(argv: list[str]) -> int:
         print(f"nanopt: error: {full}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        runtime.teardown(rt)
+        runtime.teardown()
