@@ -338,7 +338,7 @@ def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto",
                               limit=spec.limit, precision=lm.rt.precision)
         held = record_tasks(loaded.run_dir, records)
     finally:
-        runtime.teardown(lm.rt)
+        runtime.teardown()
     return records, held
 
 
