@@ -32,12 +32,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each B T int64
 # entry complete by construction: a list shorter or longer than the count the scan wrote is refused. (Proving it
 # against the shard would take a pass over every token, which is what the cache is there to save.)
 INDEX_MAGIC = b"NANOPTB2"
-OLD_MAGICS = (b"NANOPTBI",)  # entries an older nanopt wrote, without the count: rescanned without a warning
 INDEX_HEADER = struct.Struct("<8sIIQIQI")
-
-
-class _OldEntry(ValueError):
-    """A cache entry in a format this version no longer reads: replaced, not damaged."""
 
 
 def index_path(shard: ShardInfo, bos: int) -> Path:
@@ -63,8 +58,6 @@ def _entry(positions: np.ndarray, info: ShardInfo, bos: int) -> tuple[bytes, byt
 def _parse(raw: bytes, shard: np.ndarray, bos: int, info: ShardInfo) -> np.ndarray:
     """The positions a cache file holds, checked against the shard; ValueError (struct.error) says why not."""
     dtype = _position_dtype(len(shard))
-    if raw[:8] in OLD_MAGICS:
-        raise _OldEntry("written by an older nanopt, without the BOS count")
     magic, itemsize, crc, count, entry_bos, bos_count, checksum = INDEX_HEADER.unpack_from(raw)  # struct.error: short
     body = memoryview(raw)[INDEX_HEADER.size:]
     if magic != INDEX_MAGIC or itemsize != dtype.itemsize or len(body) % itemsize:
@@ -85,8 +78,6 @@ def _parse(raw: bytes, shard: np.ndarray, bos: int, info: ShardInfo) -> np.ndarr
 def _cached(path: Path, shard: np.ndarray, bos: int, info: ShardInfo) -> Optional[np.ndarray]:
     try:
         return _parse(path.read_bytes(), shard, bos, info)
-    except _OldEntry as e:
-        log.info("data: the BOS index %s was %s: scanning the shard and rewriting it", path, e)
     except (OSError, ValueError, struct.error) as e:
         if not isinstance(e, (FileNotFoundError, NotADirectoryError)):  # absent is no damage
             log.warning("data: ignoring the damaged BOS index %s (%s): scanning the shard and rewriting it", path, e)

@@ -206,9 +206,8 @@ def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[di
                           f"and run the run's command again to finish it anew.")
     if steps >= max_steps:
         return summary
-    # `stopped_at_target`: the run ended early because the clock saw its target (summaries written before
-    # that field: a target step recorded means the same).
-    if stop_at_target and summary.get("stopped_at_target", summary.get("step_to_target") is not None):
+    # `stopped_at_target`: the run ended early because the clock saw its target.
+    if stop_at_target and summary.get("stopped_at_target"):
         return summary
     return None
 
