@@ -36,7 +36,7 @@ Record = dict[str, Any]
 
 
 # ---------------------------------------------------------------- reading runs
-def read_metrics(run_dir: Path) -> list[Record]:
+def stepped_records(run_dir: Path) -> list[Record]:
     """The run's metrics records that carry an integer step (rundirs.read_metrics)."""
     return [r for r in rundirs.read_metrics(run_dir) if is_int(r.get("step"))]
 
@@ -143,7 +143,7 @@ def _plot(ax: Any, xs: list[float], ys: list[float], label: str, eval_line: bool
 def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
     """One PNG: train and val loss against steps, tokens and training seconds; MFU, tokens/s and lr by step."""
     run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    records = stepped_records(run_dir)
     if not records:
         raise ConfigError(f"{run_dir / METRICS_FILE} has no records to plot; train the run first.")
     fig = _figure(15, 8)
@@ -185,7 +185,7 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
     if not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the directory {out.parent} does not exist; create it or write elsewhere.")
     runs = runs_to_plot(paths)
-    per_run = [read_metrics(r) for r in runs]
+    per_run = [stepped_records(r) for r in runs]
     if not any(series(records, metric, x)[0] for records in per_run):
         available = sorted({k for records in per_run for r in records for k, v in r.items()
                             if is_number(v) and k not in ("step", "time")})

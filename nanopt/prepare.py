@@ -49,7 +49,6 @@ from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
-MANIFEST = shards.MANIFEST
 STATS = "stats.json"
 # Prepare keys that do not decide the bytes of the output (every other key is in the manifest's fingerprint:
 # resuming with one of those changed would mix two datasets).
@@ -254,7 +253,7 @@ class ShardWriter:
         """Adopt the manifest in `out` (same fingerprint only), delete the shard and temp files prepare wrote but
         did not commit (nothing else), and roll back to before the first committed shard that is lost (missing,
         resized, replaced, or with verify corrupt): the stream is replayed from there, later shards checked."""
-        path = self.out / MANIFEST
+        path = self.out / shards.MANIFEST
         if path.exists():
             saved = shards.read_manifest(self.out)
             if saved.get("fingerprint") != self.manifest["fingerprint"]:
@@ -267,9 +266,9 @@ class ShardWriter:
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
         if present and not path.exists():
-            raise ConfigError(f"{self.out} already holds token shards ({present[0].name}, ...) but no {MANIFEST}, so "
-                              f"they were not written by `nanopt prepare` and cannot be resumed; point `data.source` "
-                              f"at an empty directory.")
+            raise ConfigError(f"{self.out} already holds token shards ({present[0].name}, ...) but no "
+                              f"{shards.MANIFEST}, so they were not written by `nanopt prepare` and cannot be "
+                              f"resumed; point `data.source` at an empty directory.")
         hidden = [f for name, _ in self.budgets for f in sorted(self.out.glob(f".{name}_*.bin.*.tmp"))]
         for stray in present + hidden:  # shards (or temp files) written after the last commit
             if stray.name not in committed:
@@ -302,7 +301,7 @@ class ShardWriter:
         self.manifest["shards"] = entries[:first]
         self.state = json.loads(json.dumps(entries[first - 1]["after"])) if first else self._initial_state()
         self.manifest["state"] = self.state
-        write_json(self.out / MANIFEST, self.manifest)
+        write_json(self.out / shards.MANIFEST, self.manifest)
 
     def _initial_state(self) -> dict[str, Any]:
         return {"split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0,
@@ -350,7 +349,7 @@ class ShardWriter:
             self._commit(self.state["next_doc"], 0)
         self._save_doclens()  # documents of zero tokens after the last shard, if any
         self.state["complete"] = True
-        write_json(self.out / MANIFEST, self.manifest)
+        write_json(self.out / shards.MANIFEST, self.manifest)
 
     def _save_doclens(self) -> None:
         name = self.budgets[min(self.state["split_index"], len(self.budgets) - 1)][0]
@@ -383,7 +382,7 @@ class ShardWriter:
                 st["complete"] = True
         entry["after"] = json.loads(json.dumps(st))  # where to restart if a later shard is lost
         self.manifest["shards"].append(entry)
-        write_json(self.out / MANIFEST, self.manifest)  # last: the commit point
+        write_json(self.out / shards.MANIFEST, self.manifest)  # last: the commit point
 
     def _write_or_check(self, file: str, tokens: np.ndarray) -> None:
         """Write the shard; a shard being rebuilt must come out as the bytes it had (else the source changed,

@@ -210,14 +210,14 @@ def visible_ids(count: int, visible: Optional[str]) -> list[str]:
 # ---------------------------------------------------------------- run directories
 def point_state(run_dir: Path, cfg: Config) -> str:
     """done (rundirs.finished), resume (a checkpoint to resume from) or new; ConfigError naming a damaged
-    summary.json. Says nothing about whose config it ran: see config_changes."""
+    summary.json. Says nothing about whose config it ran: see resume_diff."""
     if rundirs.finished(run_dir, cfg.train.max_steps, cfg.train.stop_at_target) is not None:
         return "done"
     # The pointer, not a verified checkpoint: verifying reads every byte (GBs), and the run verifies it anyway.
     return "resume" if (Path(run_dir) / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).exists() else "new"
 
 
-def config_changes(run_dir: Path, cfg: Config) -> list[str]:
+def resume_diff(run_dir: Path, cfg: Config) -> list[str]:
     """How the run directory's config.yaml differs from `cfg` in the keys a resume may not change
     (config.resume_changes), each as "key: old -> new"; [] when they agree or there is none."""
     saved = rundirs.read_config(run_dir)
@@ -237,7 +237,7 @@ def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[st
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
         try:
-            diff = config_changes(run_dir, cfg)
+            diff = resume_diff(run_dir, cfg)
             if not diff:
                 states[name] = point_state(run_dir, cfg)
         except ConfigError as e:
@@ -398,7 +398,7 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
                     break
                 for j in running:
                     if j.proc is not None and j.proc.poll() is not None:
-                        _finished(j)
+                        _ended(j)
                         free.append(j.slot)
                         progress.note(progress.line(j, slots))
                         save()
@@ -497,7 +497,7 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
         job.status, job.exit_code, job.wall = "failed", 127, 0.0
 
 
-def _finished(job: Job) -> None:
+def _ended(job: Job) -> None:
     """Its process ended: done (exit 0 and rundirs.finished), interrupted or failed. A damaged summary.json fails
     the run, the reason at the end of its log (where the report looks), not a traceback abandoning the others."""
     assert job.proc is not None and job.log is not None

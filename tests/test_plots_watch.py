@@ -84,7 +84,7 @@ def test_every_run_writes_its_curves(sweep):
 
 def test_the_axes_are_the_runs_own_numbers(sweep):
     run_dir = sweep / "lr_low"
-    recs = plots.read_metrics(run_dir)
+    recs = plots.stepped_records(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     xs, ys = plots.series(recs, "val_loss", "tokens")
     assert xs == [0, 512, 1024, 1536]  # eval at steps 0, 2, 4, 6 of 256 tokens

@@ -289,7 +289,7 @@ def test_plot_leaves_out_a_value_of_the_wrong_type(plotted, tmp_path, capsys):
         out = tmp_path / f"{x}.png"
         assert cli(["plot", str(plotted), "--metric", "loss", "--x", x, "-o", str(out)]) == 0, read_out(capsys)[1]
         assert out.read_bytes()[:4] == b"\x89PNG"
-    xs, _ = plots.series(plots.read_metrics(plotted), "loss", "tokens")
+    xs, _ = plots.series(plots.stepped_records(plotted), "loss", "tokens")
     assert xs == [256, 512, 768, 1024, 1280, 1536]  # step 3 from the tokens per step of the others
 
 
