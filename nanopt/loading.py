@@ -33,13 +33,13 @@ def find_checkpoint(path: str | Path) -> Path:
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
                           f"(runs/<name>/checkpoints/step_NNNNNN).")
-    if rundirs.step_of(path) is not None and path.is_dir():
-        problem = rundirs.verify_checkpoint(path)
+    if checkpoint.step_of(path) is not None and path.is_dir():
+        problem = checkpoint.verify_checkpoint(path)
         if problem:
             raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
                               f"or give the run directory to take its newest complete checkpoint.")
         return path
-    ckpt, skipped = rundirs.newest_checkpoint(path)
+    ckpt, skipped = checkpoint.newest_checkpoint(path)
     for line in skipped:
         log.warning("skipping checkpoint %s", line)
     if ckpt is None:
@@ -53,7 +53,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def checkpoint_config(ckpt: Path) -> Config:
     """The run config a checkpoint was trained with, checked like a YAML config before anything is built."""
-    state = rundirs.read_state(ckpt)
+    state = checkpoint.read_state(ckpt)
     where = str(ckpt / rundirs.STATE_FILE)
     if "config" not in state:
         raise ConfigError(f"{where} has no `config` entry, so the model shape is unknown; it was not written by "
@@ -76,7 +76,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
         raise ConfigError(f"the weights in {ckpt} do not fit the model its state.json describes: {e}") from None
     model.eval()
     run_dir = ckpt.parent.parent if ckpt.parent.name == rundirs.CHECKPOINTS_DIR else ckpt.parent
-    return Loaded(model, cfg, ckpt, rundirs.read_state(ckpt)["step"], run_dir)
+    return Loaded(model, cfg, ckpt, checkpoint.read_state(ckpt)["step"], run_dir)
 
 
 def load_model(path: str | Path) -> Llama:
