@@ -24,6 +24,7 @@ from nanopt.main import run
 from nanopt.metrics import MetricsLogger
 from nanopt.model import build_model
 
+real_crc32 = checkpoint.crc32_of
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 2,
                           "log.tensorboard": "false"})
 
@@ -146,6 +147,26 @@ def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, 
     assert why in checkpoint.verify_checkpoint(root / "step_000004")
     assert checkpoint.verify_checkpoint(root / "step_000002") is None
     assert loading.find_checkpoint(tmp_path) == root / "step_000002"  # eval, sample and export read this
+
+
+def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_one(tmp_path, two_checkpoints,
+                                                                                     monkeypatch):
+    """newest_checkpoint (resume, eval, sample, export, Modal): the first that verifies, newest first, naming each
+    newer one skipped; an older one is never read (verifying reads every byte), so its damage goes unseen."""
+    root = damaged_copy(tmp_path, two_checkpoints, b"[1, 2]")  # step 4's manifest damaged, step 2 whole
+    read = []
+    monkeypatch.setattr(checkpoint, "crc32_of", lambda path: read.append(path) or real_crc32(path))
+    found, skipped = checkpoint.newest_checkpoint(tmp_path)
+    assert found == root / "step_000002" and skipped == ["step_000004: its COMPLETE manifest is not a JSON object "
+                                                         "with a `files` map"]
+    assert checkpoint.newest_checkpoint(tmp_path, newer_than=2) == (None, skipped)  # Modal: progress since step 2?
+    complete = rundirs.COMPLETE_FILE
+    (root / "step_000004" / complete).write_bytes((two_checkpoints / "step_000004" / complete).read_bytes())
+    (root / "step_000002" / rundirs.MODEL_FILE).write_bytes(b"damaged")  # older: never read
+    read.clear()
+    assert checkpoint.newest_checkpoint(root) == (root / "step_000004", [])
+    assert read and all(p.parent.name == "step_000004" for p in read)
+    assert checkpoint.newest_checkpoint(root, newer_than=4) == (None, [])
 
 
 def test_a_manifest_that_lists_every_file_but_a_wrong_state_step_is_incomplete(tmp_path, two_checkpoints):
