@@ -41,8 +41,8 @@ from nanopt.rundirs import (CHECKPOINTS_DIR, COMPLETE_FILE, LATEST_FILE, MODEL_F
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
+# What a COMPLETE manifest may list, and must (optimizer.pt is absent from a weights-only one: resume refuses it).
 CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
-# What every checkpoint's manifest must list; optimizer.pt is absent from a weights-only one (resume refuses it).
 REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
 
 
@@ -182,6 +182,41 @@ def newest_checkpoint(path: Path, newer_than: int = -1) -> tuple[Optional[Path],
     return None, skipped
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a run directory (its newest complete checkpoint, damaged ones skipped with a
+    warning naming each and why), a checkpoints/ directory, or a checkpoint itself; ConfigError when none is."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
+                          f"(runs/<name>/checkpoints/step_NNNNNN).")
+    if step_of(path) is not None and path.is_dir():
+        problem = verify_checkpoint(path)
+        if problem:
+            raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
+                              f"or give the run directory to take its newest complete checkpoint.")
+        return path
+    ckpt, skipped = newest_checkpoint(path)
+    for line in skipped:
+        log.warning("skipping checkpoint %s", line)
+    if ckpt is None:
+        why = f" ({len(skipped)} damaged: {'; '.join(skipped)})" if skipped else ""
+        raise ConfigError(f"{path} holds no complete checkpoint{why}; looked for checkpoints/step_NNNNNN/ with a "
+                          f"COMPLETE manifest that verifies. Train the run first, or point at a checkpoint directory.")
+    if skipped:
+        log.warning("using %s, the newest complete checkpoint", ckpt)
+    return ckpt
+
+
+def checkpoint_config(ckpt: Path) -> Config:
+    """The run config a checkpoint was trained with, checked like a YAML config before anything is built."""
+    state = read_state(ckpt)
+    where = str(ckpt / STATE_FILE)
+    if "config" not in state:
+        raise ConfigError(f"{where} has no `config` entry, so the model shape is unknown; it was not written by "
+                          f"this version of nanopt.")
+    return config_from_dict(state["config"], where)
+
+
 # ---------------------------------------------------------------- writing
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
@@ -287,16 +322,6 @@ def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional
     return final
 
 
-def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
-    if len(before) != len(now):
-        return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
-    for a, b in zip(before, now):
-        if a != b:
-            diff = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
-            return f"shard {a.get('name')} differs ({diff})"
-    return None
-
-
 # ---------------------------------------------------------------- copies to a mirror
 class Mirror:
     """The remote layout matches the local one: URL/step_NNNNNN/<files> with COMPLETE uploaded last (object stores
@@ -386,6 +411,17 @@ class Mirror:
             fname = str(entry).rstrip("/").rsplit("/", 1)[-1]
             self.fs.get_file(f"{self.root}/{name}/{fname}", str(dest / fname))
         return dest
+
+
+# ---------------------------------------------------------------- exact resume and the training loop's checkpointer
+def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
+    if len(before) != len(now):
+        return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
+    for a, b in zip(before, now):
+        if a != b:
+            diff = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
+            return f"shard {a.get('name')} differs ({diff})"
+    return None
 
 
 class Checkpointer:

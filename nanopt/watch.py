@@ -13,12 +13,13 @@ from typing import Any, Optional
 import torch
 
 from nanopt import data, runtime
-from nanopt.checkpoint import checkpoint_dirs, step_of, verify_checkpoint, weights_crc32
+from nanopt.checkpoint import (checkpoint_config, checkpoint_dirs, find_checkpoint, step_of, verify_checkpoint,
+                               weights_crc32)
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import evaluate, split_batches, token_bytes_table
 from nanopt.io import append_jsonl
-from nanopt.loading import checkpoint_config, find_checkpoint, load
+from nanopt.loading import load
 from nanopt.lock import DirLock
 from nanopt.metrics import setup_logging
 from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, evaluation_key, finished,

@@ -146,7 +146,7 @@ def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, 
     root = damaged_copy(tmp_path, two_checkpoints, marker)
     assert why in checkpoint.verify_checkpoint(root / "step_000004")
     assert checkpoint.verify_checkpoint(root / "step_000002") is None
-    assert loading.find_checkpoint(tmp_path) == root / "step_000002"  # eval, sample and export read this
+    assert checkpoint.find_checkpoint(tmp_path) == root / "step_000002"  # eval, sample and export read this
 
 
 def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_one(tmp_path, two_checkpoints,
@@ -173,7 +173,7 @@ def test_a_manifest_that_lists_every_file_but_a_wrong_state_step_is_incomplete(t
     root = damaged_copy(tmp_path, two_checkpoints, (two_checkpoints / "step_000004" / "COMPLETE").read_bytes())
     (root / "step_000002").rename(root / "step_000006")  # a checkpoint under another step's name
     assert "says step 2" in checkpoint.verify_checkpoint(root / "step_000006")
-    assert loading.find_checkpoint(tmp_path) == root / "step_000004"
+    assert checkpoint.find_checkpoint(tmp_path) == root / "step_000004"
 
 
 def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, two_checkpoints):
