@@ -269,7 +269,7 @@ def lock_env() -> dict[str, str]:
     """The run directory's lock on a Volume: other containers see its heartbeat only at each commit, so it
     expires only after two commit intervals; Modal's retries of one call share the call id, so a retry takes
     over the lease its killed attempt left, while another `modal run` on the same run name is refused."""
-    from nanopt.rundirs import LOCK_EXPIRES_ENV, LOCK_OWNER_ENV
+    from nanopt.lock import LOCK_EXPIRES_ENV, LOCK_OWNER_ENV
 
     try:
         call_id = modal.current_function_call_id() or ""
@@ -356,21 +356,6 @@ def time_limit_args(user_limit_s: float, timeout_s: float, elapsed_s: float) -> 
     return [f"--run.time_limit_s={budget:.0f}"]
 
 
-def newest_checkpoint_step(run_dir: Path, newer_than: int = -1) -> int:
-    """The step of the newest complete (verified) checkpoint in a run directory newer than `newer_than`, -1
-    if there is none. Newest first, stopping at the first whole one: each verification reads every byte of
-    a checkpoint (15 GB for configs/1b.yaml), so the older ones are left alone."""
-    from nanopt import rundirs  # torch-free, but modal_app imports nanopt only inside functions
-
-    for ckpt in reversed(rundirs.checkpoint_dirs(rundirs.checkpoints_dir(run_dir))):
-        step = rundirs.step_of(ckpt)
-        if step is None or step <= newer_than:
-            break
-        if rundirs.verify_checkpoint(ckpt) is None:
-            return step
-    return -1
-
-
 def worker_exit_codes(path: Path) -> list[int]:
     """The codes nanopt's workers recorded in NANOPT_EXIT_STATUS_FILE ("RANK CODE" lines), if any."""
     try:
@@ -426,12 +411,14 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
            master_addr: str = "", timeout_s: float = TRAIN_TIMEOUT_S) -> dict[str, Any]:
     import tempfile
 
+    from nanopt.checkpoint import newest_checkpoint, step_of
     from nanopt.config import load_config
 
     started = time.monotonic()  # Modal's timeout runs from here (near enough: the margin covers the rest)
     config_path = write_run_config(config_yaml, run_name)
     run_dir = Path(VOLUME_PATH) / run_dir_for(run_name)
-    before = newest_checkpoint_step(run_dir)
+    newest, _ = newest_checkpoint(run_dir)  # verified newest first: older checkpoints are not read
+    before = step_of(newest) if newest else -1
     limit = time_limit_args(load_config(config_path).run.time_limit_s, timeout_s, time.monotonic() - started)
     cmd = torchrun_command(config_path, gpus, nnodes, node_rank, master_addr) + limit
     print("modal_app: " + " ".join(cmd), flush=True)
@@ -445,7 +432,7 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
             code, forwarded = run_forwarding_signals(cmd, VOLUME_PATH, env)
     # Other nodes never see node 0's new checkpoints in their view of the Volume: they cannot judge progress,
     # so they leave the call to node 0 (counting as progressed keeps them from ending the run on their own).
-    progressed = node_rank != 0 or newest_checkpoint_step(run_dir, newer_than=before) > before
+    progressed = node_rank != 0 or newest_checkpoint(run_dir, newer_than=before)[0] is not None
     return finish("training", run_name, code, forwarded, tuple(worker_exit_codes(status)), gpus, progressed)
 
 

@@ -52,7 +52,7 @@ def previous_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer
     for f in sorted(tmp.iterdir()):
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-        files[f.name] = {"bytes": f.stat().st_size, "crc32": checkpoint._crc32(f) if checksum else 0}
+        files[f.name] = {"bytes": f.stat().st_size, "crc32": checkpoint.crc32_of(f) if checksum else 0}
     write_json(tmp / "COMPLETE", {"files": files})
     fsync_dir(tmp)
     shutil.rmtree(tmp)

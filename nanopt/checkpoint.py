@@ -1,4 +1,5 @@
-"""Checkpoints: atomic save with a checksummed manifest, exact resume, and copies to a mirror (mirror.py).
+"""THE checkpoint format: atomic save with a checksummed manifest, verification, the newest complete checkpoint,
+exact resume, and copies to a mirror (any fsspec URL). The file names are rundirs.py's.
 
 A checkpoint directory `checkpoints/step_NNNNNN/` holds
   model.safetensors  weights (a tied LM head is stored once, as embed.weight)
@@ -8,14 +9,18 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
   COMPLETE           written last: a JSON manifest of every file's size and crc32
 It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
 `checkpoints/latest` is updated last. A full disk removes the temp directory and is DiskFull (exit 1), every earlier
-checkpoint untouched. The names and the verification are rundirs.py's. On resume the newest checkpoint that verifies is used (a damaged
-one is left in place, named in a warning); when the run has trained but none is usable, every re-run refuses
-(exit 2) until the user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart."""
+checkpoint untouched. A reader takes the newest checkpoint that verifies (newest_checkpoint; a damaged one is left in
+place, named in a warning); when the run has trained but none is usable, every re-run refuses (exit 2) until the
+user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart."""
 from __future__ import annotations
 
+import json
 import logging
 import os
+import queue
 import shutil
+import threading
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -25,15 +30,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanopt import optim, rundirs, shards
+from nanopt import optim, shards
 from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
-from nanopt.io import fsync_dir, write_json, write_text, writing
-from nanopt.mirror import Mirror
+from nanopt.io import fsync_dir, read_json, write_json, write_text, writing
+from nanopt.rundirs import (CHECKPOINTS_DIR, COMPLETE_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE,
+                            STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, checkpoints_dir, is_lease,
+                            read_summary, refuse_links)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
+# What a COMPLETE manifest may list, and must (optimizer.pt is absent from a weights-only one: resume refuses it).
+CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
+REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
 
 
 class Stateful(Protocol):
@@ -67,6 +77,147 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
+# ---------------------------------------------------------------- the format: verified, the newest complete one
+def step_of(ckpt: Path | str) -> Optional[int]:
+    """step_000042 -> 42; None for any other name."""
+    match = STEP_DIR.match(Path(ckpt).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_dirs(path: Path) -> list[Path]:
+    """The step_NNNNNN directories of a run (or checkpoints/) directory, oldest first, whole or not."""
+    root = checkpoints_dir(path) if (Path(path) / CHECKPOINTS_DIR).is_dir() else Path(path)
+    found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=step_of)
+
+
+def crc32_of(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's state.json; ConfigError naming it when it is not a JSON object with an integer step."""
+    state = read_json(Path(ckpt) / STATE_FILE)
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ConfigError(f"{Path(ckpt) / STATE_FILE} is not a checkpoint state (a JSON object with an integer "
+                          f"`step`); the checkpoint is damaged: use an earlier one.")
+    return state
+
+
+def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
+    """(why COMPLETE is not a usable manifest, its file entries)."""
+    marker = ckpt / COMPLETE_FILE
+    if not marker.is_file():
+        return "it has no COMPLETE marker (its write was interrupted)", {}
+    try:
+        manifest = json.loads(marker.read_bytes())
+    except (OSError, ValueError) as e:
+        return f"its COMPLETE manifest cannot be read ({e.__class__.__name__})", {}
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "its COMPLETE manifest is not a JSON object with a `files` map", {}
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
+    for name, entry in files.items():
+        if name not in CHECKPOINT_FILES:
+            return f"its COMPLETE manifest lists {name!r}, which is no checkpoint file", {}
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("bytes", "crc32")):
+            return f"its COMPLETE manifest's entry for {name} has no integer bytes and crc32", {}
+    return None, files
+
+
+def weights_crc32(ckpt: Path) -> Optional[int]:
+    """Which weights a checkpoint holds: its model file's crc32 as its COMPLETE manifest lists it (loading has
+    checked the file against it); None for a Hugging Face directory or an unusable manifest."""
+    problem, files = _manifest_problem(Path(ckpt))
+    return None if problem else files[MODEL_FILE]["crc32"]
+
+
+def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
+    """None when the checkpoint is whole, else why not (never raises). `step`: the step it must hold (default:
+    the one its name says; a download being verified has a temporary name)."""
+    ckpt = Path(ckpt)
+    step = step_of(ckpt) if step is None else step
+    if step is None or not ckpt.is_dir():
+        return "it is not a step_NNNNNN directory"
+    problem, files = _manifest_problem(ckpt)
+    if problem:
+        return problem
+    try:
+        for name, expected in files.items():
+            path = ckpt / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != expected["bytes"]:
+                return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
+            if crc32_of(path) != expected["crc32"]:
+                return f"{name} fails its crc32 checksum (the file is corrupt)"
+        state = read_state(ckpt)
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    except ConfigError:
+        return "its state.json is not a JSON object with an integer step"
+    if state["step"] != step:
+        return f"its state.json says step {state['step']}, its name step {step}"
+    return None
+
+
+def newest_checkpoint(path: Path, newer_than: int = -1) -> tuple[Optional[Path], list[str]]:
+    """The newest complete checkpoint of a run (or checkpoints/) directory above step `newer_than`, and "name:
+    why" for each newer one skipped. Newest first, stopping at the first that verifies: verifying reads every byte
+    (15 GB for configs/1b.yaml), so older ones are left alone. The one answer for resume, eval, sample, Modal."""
+    skipped: list[str] = []
+    for ckpt in reversed(checkpoint_dirs(path)):
+        if step_of(ckpt) <= newer_than:
+            break
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt, skipped
+        skipped.append(f"{ckpt.name}: {problem}")
+    return None, skipped
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a run directory (its newest complete checkpoint, damaged ones skipped with a
+    warning naming each and why), a checkpoints/ directory, or a checkpoint itself; ConfigError when none is."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
+                          f"(runs/<name>/checkpoints/step_NNNNNN).")
+    if step_of(path) is not None and path.is_dir():
+        problem = verify_checkpoint(path)
+        if problem:
+            raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
+                              f"or give the run directory to take its newest complete checkpoint.")
+        return path
+    ckpt, skipped = newest_checkpoint(path)
+    for line in skipped:
+        log.warning("skipping checkpoint %s", line)
+    if ckpt is None:
+        why = f" ({len(skipped)} damaged: {'; '.join(skipped)})" if skipped else ""
+        raise ConfigError(f"{path} holds no complete checkpoint{why}; looked for checkpoints/step_NNNNNN/ with a "
+                          f"COMPLETE manifest that verifies. Train the run first, or point at a checkpoint directory.")
+    if skipped:
+        log.warning("using %s, the newest complete checkpoint", ckpt)
+    return ckpt
+
+
+def checkpoint_config(ckpt: Path) -> Config:
+    """The run config a checkpoint was trained with, checked like a YAML config before anything is built."""
+    state = read_state(ckpt)
+    where = str(ckpt / STATE_FILE)
+    if "config" not in state:
+        raise ConfigError(f"{where} has no `config` entry, so the model shape is unknown; it was not written by "
+                          f"this version of nanopt.")
+    return config_from_dict(state["config"], where)
+
+
+# ---------------------------------------------------------------- writing
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -80,18 +231,18 @@ class _Sealer:
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nanopt-ckpt")
-        self.pending: dict[str, tuple[Future, Future]] = {}
+        self.pending: dict[Path, tuple[Future, Future]] = {}
 
     def add(self, path: Path) -> None:
-        self.pending[path.name] = (self.pool.submit(_fsync, path), self.pool.submit(rundirs.crc32_of, path))
+        self.pending[path] = (self.pool.submit(_fsync, path), self.pool.submit(crc32_of, path))
 
     def manifest(self) -> dict[str, dict[str, int]]:
         """Every file's size and crc32, once all are durable."""
         try:
             out = {}
-            for name, (synced, crc) in sorted(self.pending.items()):
+            for path, (synced, crc) in sorted(self.pending.items()):
                 synced.result()
-                out[name] = {"bytes": 0, "crc32": crc.result()}
+                out[path.name] = {"bytes": path.stat().st_size, "crc32": crc.result()}
             return out
         finally:
             self.pool.shutdown(wait=True)
@@ -119,28 +270,26 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Option
     sealer = _Sealer()
     try:
         # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-        with writing(tmp / rundirs.MODEL_FILE):
-            save_file(model_state(model), str(tmp / rundirs.MODEL_FILE), metadata={"format": "pt"})
-        sealer.add(tmp / rundirs.MODEL_FILE)
+        with writing(tmp / MODEL_FILE):
+            save_file(model_state(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        sealer.add(tmp / MODEL_FILE)
         fault_hook("kill-in-save", step)
         if optimizer is not None:
-            with writing(tmp / rundirs.OPTIMIZER_FILE):
-                _torch_save(optimizer.state_dict(), tmp / rundirs.OPTIMIZER_FILE)
-            sealer.add(tmp / rundirs.OPTIMIZER_FILE)
-        with writing(tmp / rundirs.RNG_FILE):
-            _torch_save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / rundirs.RNG_FILE)
-        sealer.add(tmp / rundirs.RNG_FILE)
+            with writing(tmp / OPTIMIZER_FILE):
+                _torch_save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            sealer.add(tmp / OPTIMIZER_FILE)
+        with writing(tmp / RNG_FILE):
+            _torch_save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / RNG_FILE)
+        sealer.add(tmp / RNG_FILE)
         versions = {"torch": torch.__version__, "numpy": np.__version__}
-        write_json(tmp / rundirs.STATE_FILE, {**state, "step": step, "versions": versions})
-        sealer.add(tmp / rundirs.STATE_FILE)
+        write_json(tmp / STATE_FILE, {**state, "step": step, "versions": versions})
+        sealer.add(tmp / STATE_FILE)
     except BaseException:
         sealer.pool.shutdown(wait=True, cancel_futures=True)
         raise
     with writing(tmp):  # an fsync can be the first to hear of a full disk
         files = sealer.manifest()
-    for name, entry in files.items():
-        entry["bytes"] = (tmp / name).stat().st_size
-    write_json(tmp / rundirs.COMPLETE_FILE, {"step": step, "files": files}, indent=1)
+    write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
     with writing(tmp):
         fsync_dir(tmp)
 
@@ -166,13 +315,105 @@ def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
     fault_hook("kill-after-save", step)
-    write_text(ckpt_root / rundirs.LATEST_FILE, final.name + "\n")
+    write_text(ckpt_root / LATEST_FILE, final.name + "\n")
     # Only step_NNNNNN directories are ours to prune; the one just written (verified as it was sealed) is kept.
-    for old in rundirs.checkpoint_dirs(ckpt_root)[:-keep]:
+    for old in checkpoint_dirs(ckpt_root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+# ---------------------------------------------------------------- copies to a mirror
+class Mirror:
+    """The remote layout matches the local one: URL/step_NNNNNN/<files> with COMPLETE uploaded last (object stores
+    have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the local
+    directory never races an upload."""
+
+    def __init__(self, url: str, keep: int):
+        try:
+            import fsspec
+
+            self.fs, self.root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(
+                f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or file://, "
+                f"or install the filesystem's package (gcsfs for gs://, s3fs for s3://)."
+            ) from None
+        self.url, self.keep = url, keep
+        self.root = self.root.rstrip("/")
+        self.failures: list[str] = []
+        self._queue: "queue.Queue[Path]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def upload(self, ckpt: Path) -> None:
+        """Queue a copy of `ckpt`; returns at once."""
+        staging = ckpt.parent / ".mirror-staging" / ckpt.name
+        shutil.rmtree(staging, ignore_errors=True)  # a snapshot left by a crash
+        staging.mkdir(parents=True)
+        for f in ckpt.iterdir():
+            try:
+                os.link(f, staging / f.name)
+            except OSError:  # a filesystem without hard links
+                shutil.copy2(f, staging / f.name)
+        self._queue.put(staging)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="nanopt-mirror", daemon=True)
+            self._thread.start()
+
+    def wait(self) -> None:
+        """Block until every queued copy is done (or failed with a warning)."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def _work(self) -> None:
+        while True:
+            staging = self._queue.get()
+            try:
+                self._put(staging)
+            except Exception as e:  # a remote hiccup must not kill training; the local checkpoint is intact
+                self.failures.append(f"{staging.name}: {e}")
+                log.warning("checkpoint mirror: copying %s to %s failed: %s", staging.name, self.url, e)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+                self._queue.task_done()
+
+    def _put(self, staging: Path) -> None:
+        remote = f"{self.root}/{staging.name}"
+        if self.fs.exists(remote):
+            self.fs.rm(remote, recursive=True)
+        self.fs.makedirs(remote, exist_ok=True)
+        names = sorted(f.name for f in staging.iterdir() if f.name != COMPLETE_FILE) + [COMPLETE_FILE]
+        for name in names:
+            self.fs.put_file(str(staging / name), f"{remote}/{name}")
+        self.fs.pipe_file(f"{self.root}/{LATEST_FILE}", (staging.name + "\n").encode())
+        for name in self.names()[:-self.keep]:
+            self.fs.rm(f"{self.root}/{name}", recursive=True)
+        log.info("checkpoint mirror: %s copied to %s", staging.name, self.url)
+
+    def names(self) -> list[str]:
+        """Names of the complete remote checkpoints (step_NNNNNN directories with a COMPLETE marker), oldest
+        first."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            m = STEP_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if m and self.fs.exists(f"{self.root}/{m.group(0)}/{COMPLETE_FILE}"):
+                found.append(m)
+        return [m.group(0) for m in sorted(found, key=lambda m: int(m.group(1)))]
+
+    def fetch(self, name: str, dest: Path) -> Path:
+        """Download URL/<name>/* into the fresh directory `dest` (the caller verifies it and moves it into place)."""
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        for entry in self.fs.ls(f"{self.root}/{name}", detail=False):
+            fname = str(entry).rstrip("/").rsplit("/", 1)[-1]
+            self.fs.get_file(f"{self.root}/{name}/{fname}", str(dest / fname))
+        return dest
+
+
+# ---------------------------------------------------------------- exact resume and the training loop's checkpointer
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
     if len(before) != len(now):
         return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
@@ -189,11 +430,10 @@ class Checkpointer:
     Stateful components (run state, loader, speedrun clock): adding resumable state is adding an entry."""
 
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
-        self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (rundirs.DirLock) before this
-        self.root = rundirs.checkpoints_dir(self.run_dir)
+        self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (lock.DirLock) before this
+        self.root = checkpoints_dir(self.run_dir)
         self.data = shards.fingerprint(data_paths)
-        mirror = cfg.checkpoint.mirror
-        self.mirror = Mirror(mirror, cfg.checkpoint.keep, rundirs.STEP_DIR) if mirror else None
+        self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep) if cfg.checkpoint.mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run
         self.last_saved_step = -1
         if rt.is_main and self.mirror is not None:  # fail now, in one paragraph, rather than at the first checkpoint
@@ -208,7 +448,7 @@ class Checkpointer:
         """Load the newest usable checkpoint into model, optimizer, states and RNGs: its state.json, or None."""
         rt = self.rt
         if not self.cfg.checkpoint.resume:
-            if rt.is_main and any(not rundirs.is_lease(p.name) for p in self.run_dir.iterdir()):
+            if rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
                 raise ConfigError(
                     f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is not empty, "
                     f"and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), delete the directory, "
@@ -220,7 +460,7 @@ class Checkpointer:
         chosen, error = None, None
         if rt.is_main:
             try:
-                rundirs.refuse_links(self.run_dir)  # before anything is read or written; every rank learns it
+                refuse_links(self.run_dir)  # before anything is read or written; every rank learns it
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:
@@ -228,15 +468,12 @@ class Checkpointer:
         chosen, error = rt.gather_objects((chosen, error))[0]
         if error is not None:
             raise ConfigError(error if rt.is_main else f"rank 0 could not resume from {self.root}: {error}")
-        if chosen is None:
-            if rt.is_main:  # nothing was checkpointed and no earlier training shows (_choose refuses otherwise)
-                rundirs.trim_metrics(self.run_dir, 0)
+        if chosen is None:  # nothing was checkpointed and no earlier training shows (_choose refuses otherwise)
             return None
         ckpt = self.root / chosen
         saved = self._load(ckpt, model, optimizer, states)
         self.latest = ckpt
         if rt.is_main:
-            rundirs.trim_metrics(self.run_dir, saved["step"])
             log.info("resuming from %s (step %d)", ckpt, saved["step"])
         return saved
 
@@ -246,14 +483,14 @@ class Checkpointer:
         for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             shutil.rmtree(tmp, ignore_errors=True)
-        good, problems = rundirs.usable_checkpoints(self.root)
+        found, problems = newest_checkpoint(self.root)
         for line in problems:
             log.warning("skipping checkpoint %s", line)
-        if good:
+        if found:
             if problems:
                 log.warning("resuming from %s, the newest complete checkpoint; the damaged ones were left in place",
-                            good[0].name)
-            return good[0]
+                            found.name)
+            return found
         if self.mirror is not None:
             for name in reversed(self.mirror.names()):
                 found = self._fetch(name)
@@ -279,17 +516,17 @@ class Checkpointer:
         """What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a
         summary. Metrics alone do not: a session killed before its first save is retried by re-running it."""
         found = []
-        if (self.root / rundirs.LATEST_FILE).is_file():
-            found.append(f"{rundirs.CHECKPOINTS_DIR}/{rundirs.LATEST_FILE} names a checkpoint that is not there")
-        if rundirs.read_summary(self.run_dir) is not None:
-            found.append(f"{rundirs.SUMMARY_FILE} is there")
+        if (self.root / LATEST_FILE).is_file():
+            found.append(f"{CHECKPOINTS_DIR}/{LATEST_FILE} names a checkpoint that is not there")
+        if read_summary(self.run_dir) is not None:
+            found.append(f"{SUMMARY_FILE} is there")
         return found
 
     def _fetch(self, name: str) -> Path | str:
         """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
         tmp = self.root / f".tmp_{name}"
         try:
-            problem = rundirs.verify_checkpoint(self.mirror.fetch(name, tmp), rundirs.step_of(Path(name)))
+            problem = verify_checkpoint(self.mirror.fetch(name, tmp), step_of(name))
         except OSError as e:
             problem = str(e)
         if problem:
@@ -302,13 +539,13 @@ class Checkpointer:
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               states: dict[str, Stateful]) -> dict[str, Any]:
-        saved = rundirs.read_state(ckpt)
+        saved = read_state(ckpt)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        where = str(ckpt / rundirs.STATE_FILE)
+        where = str(ckpt / STATE_FILE)
         config_from_dict(saved.get("config"), where)  # checked like a YAML config before it is compared
-        if not (ckpt / rundirs.OPTIMIZER_FILE).is_file():
-            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {rundirs.OPTIMIZER_FILE}), so training cannot "
+        if not (ckpt / OPTIMIZER_FILE).is_file():
+            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {OPTIMIZER_FILE}), so training cannot "
                               f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")
         missing = [name for name in states if not isinstance(saved.get(name), dict)]
         if missing:
@@ -324,19 +561,19 @@ class Checkpointer:
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")
         try:
-            load_model_weights(model, ckpt / rundirs.MODEL_FILE)
+            load_model_weights(model, ckpt / MODEL_FILE)
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
         init_device = self.rt.backend.init_device
-        opt_state = torch.load(ckpt / rundirs.OPTIMIZER_FILE, weights_only=True, map_location=init_device)
+        opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=init_device)
         try:
             optim.load_state_dict(optimizer, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
             component.load_state_dict(saved[name])
-        ranks = torch.load(ckpt / rundirs.RNG_FILE, weights_only=True)["ranks"]
+        ranks = torch.load(ckpt / RNG_FILE, weights_only=True)["ranks"]
         if len(ranks) != self.rt.world_size and self.rt.is_main:
             log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank 0's",
                         len(ranks), self.rt.world_size)
@@ -353,7 +590,7 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful]) -> Path:
         """Every rank calls this (RNG states are gathered); rank 0 writes. Returns the checkpoint path."""
-        final = rundirs.checkpoint_path(self.run_dir, step)
+        final = checkpoint_path(self.run_dir, step)
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
         rngs = self.rt.gather_objects(self.rt.rng_state())

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from nanopt import core, runtime
+from nanopt.checkpoint import weights_crc32
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
 from nanopt.errors import ConfigError
 from nanopt.io import append_jsonl
 from nanopt.loading import Loaded, load
 from nanopt.model import Llama
-from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded, weights_crc32
+from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded
 from nanopt.runtime import Runtime
 from nanopt.scoring import continuation_scores, greedy_until
 from nanopt.tokenizer import Tokenizer, get_tokenizer

@@ -2,6 +2,7 @@
 optional W&B. Only rank 0's MetricsLogger writes; other ranks get a silent one."""
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from nanopt.io import append_bytes, json_line, open_append
+from nanopt.io import append_bytes, json_line, open_append, refuse_link, write_bytes
 from nanopt.rundirs import METRICS_FILE, TB_DIR
 
 log = logging.getLogger("nanopt")
@@ -44,7 +45,7 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes nothing until open(): a resume first trims metrics.jsonl past its checkpoint's step (rundirs).
+    """Writes nothing until open(), which first trims metrics.jsonl past the step the run resumed from (trim).
     metrics.jsonl is appended a whole record per write() on a descriptor that never follows a link (a link there is
     ConfigError naming it), and a full disk is DiskFull that leaves every earlier line whole. tb/ is TensorBoard's
     own: its event files are new names in it each session."""
@@ -55,9 +56,10 @@ class MetricsLogger:
         self.fd: Optional[int] = None
         self.path = Path(run_dir) / METRICS_FILE
 
-    def open(self) -> None:
+    def open(self, resumed_step: int = 0) -> None:
         if not self.enabled:
             return
+        self.trim(resumed_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.fd = open_append(self.path)
         if self.tensorboard:
@@ -66,6 +68,26 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(self.run_dir / TB_DIR))
         if self.wandb_cfg is not None:
             self.wandb = _wandb_run(self.run_dir, self.wandb_cfg)
+
+    def trim(self, step: int) -> None:
+        """Drop the records past `step`, which a run resumed from that checkpoint logs again (the lock held). A
+        line that does not parse is kept for the user, except a cut last line the next append would join."""
+        refuse_link(self.path)  # else a user's file it points to would be read, and its lines copied into the run
+        if not self.path.is_file():
+            return
+        lines = [line for line in self.path.read_bytes().splitlines() if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except ValueError:
+                if number < len(lines):
+                    kept.append(line)
+                continue
+            record_step = record.get("step") if isinstance(record, dict) else None
+            if not isinstance(record_step, int) or record_step <= step:
+                kept.append(line)
+        write_bytes(self.path, b"".join(line + b"\n" for line in kept))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Append one record {step, time, **values} to every sink."""

@@ -10,7 +10,7 @@ Output directory (= data.dir or data.source, exactly where training reads):
   manifest.json          the configuration fingerprint, committed shards, resume position
   .doclens-{split}.u32   tokens per document, for the statistics (committed prefix named in the manifest)
   stats.json             documents, tokens, mean and median tokens per document, per split
-  lock.json              the lease of the `nanopt prepare` writing it now (rundirs.DirLock, as a trainer's run)
+  lock.json              the lease of the `nanopt prepare` writing it now (lock.DirLock, as a trainer's run)
 
 One prepare at a time writes a directory (a second is refused, naming the holder). A full disk is DiskFull (exit 1)
 with every committed shard kept; an output that cannot be written is ConfigError; neither is retried as a source
@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm import tqdm
 
-from nanopt import rundirs, shards
+from nanopt import lock, shards
 from nanopt.config import Config, PrepareConfig, comma_list
 from nanopt.shards import encode_documents
 from nanopt.errors import ConfigError
@@ -68,11 +68,11 @@ def output_dir(cfg: Config) -> Path:
     return Path(cfg.data.dir or cfg.data.source)
 
 
-def own_output_dir(cfg: Config) -> rundirs.DirLock:
-    """The output directory's lease, the trainer's kind (rundirs.DirLock): ConfigError naming the holder when
+def own_output_dir(cfg: Config) -> lock.DirLock:
+    """The output directory's lease, the trainer's kind (lock.DirLock): ConfigError naming the holder when
     another `nanopt prepare` writes it, or when the directory is a file."""
     setting = "`data.dir`" if cfg.data.dir else "`data.source`"
-    return rundirs.DirLock(output_dir(cfg), what="data", setting=setting)
+    return lock.DirLock(output_dir(cfg), what="data", setting=setting)
 
 
 def _embedded_dataset():

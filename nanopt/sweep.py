@@ -26,7 +26,7 @@ from typing import IO, Any, Optional
 
 from tqdm import tqdm
 
-from nanopt import rundirs
+from nanopt import lock, rundirs
 from nanopt.config import Config, comma_list, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
 from nanopt.experiments import cell, table
@@ -362,7 +362,7 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
     """Run every point not yet done, at most one per slot at a time: 0 when all are done, 1 when any failed,
     75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run it again to go on). ConfigError before
     anything starts when another sweep holds DIR/lock.json, or a point's directory ran another config."""
-    with rundirs.DirLock(root, what="sweep"):
+    with lock.DirLock(root, what="sweep"):
         jobs, slots = _jobs(root, points, configs, overrides, nproc, parallel)
         pending = [j for j in jobs if j.status == "queued"]
         meta = {**(meta or {}), "nproc": nproc, "parallel": len(slots) or parallel}

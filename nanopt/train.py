@@ -25,6 +25,7 @@ from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, t
 from nanopt.generate import sample_text
 from nanopt.harness import TaskSpec, check_tasks, failure_records, record_tasks, score_model, task_lines
 from nanopt.io import write_json, write_text
+from nanopt.lock import DirLock
 from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
 from nanopt.optim import Schedule, Stage, apply_schedule, build_optimizer, lr_multiplier
@@ -370,7 +371,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock})
     if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
         hf.init_from(model, t.init_from)
-    metrics.open()
+    metrics.open(saved["step"] if saved else 0)  # a resume drops the records past its step
     if rt.is_main:
         write_text(cfg.run_dir / rundirs.CONFIG_FILE, to_yaml(cfg))
         log.info("model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d "
@@ -502,13 +503,13 @@ def _print_samples(run: Session) -> None:
     run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)
 
 
-def own_run_dir(cfg: Config, rt: Runtime) -> Optional[rundirs.DirLock]:
+def own_run_dir(cfg: Config, rt: Runtime) -> Optional[DirLock]:
     """The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
     raises ConfigError naming the holder when another process writes the directory."""
     lock, problem = None, None
     if rt.is_main:
         try:
-            lock = rundirs.DirLock(cfg.run_dir).acquire()
+            lock = DirLock(cfg.run_dir).acquire()
         except (ConfigError, DiskFull) as e:
             problem = e
     problem = rt.gather_objects(problem)[0]  # every rank learns rank 0's verdict (a full disk too: exit 1)

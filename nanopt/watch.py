@@ -13,15 +13,17 @@ from typing import Any, Optional
 import torch
 
 from nanopt import data, runtime
+from nanopt.checkpoint import (checkpoint_config, checkpoint_dirs, find_checkpoint, step_of, verify_checkpoint,
+                               weights_crc32)
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import evaluate, split_batches, token_bytes_table
 from nanopt.io import append_jsonl
-from nanopt.loading import checkpoint_config, find_checkpoint, load
+from nanopt.loading import load
+from nanopt.lock import DirLock
 from nanopt.metrics import setup_logging
-from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, LOCK_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, DirLock,
-                            checkpoint_dirs, checkpoints_dir, finished, is_int, is_run, read_config, read_records,
-                            evaluation_key, recorded, step_of, verify_checkpoint, weights_crc32)
+from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, evaluation_key, finished,
+                            is_int, is_lease, is_run, read_config, read_records, recorded)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
@@ -140,7 +142,7 @@ def _check_watch(run_dir: Path, interval: float, timeout: float) -> None:
                           f"got {interval} and {timeout}; e.g. --interval 30 --timeout 3600.")
     if (run_dir / STATE_FILE).is_file():
         raise ConfigError(f"{run_dir} is a checkpoint; --watch takes its run directory ({run_dir.parent.parent}).")
-    starting = run_dir.is_dir() and all(p.name in (LOCK_FILE, WATCH_LOCK_FILE) for p in run_dir.iterdir())
+    starting = run_dir.is_dir() and all(is_lease(p.name) for p in run_dir.iterdir())
     if not (run_dir.is_dir() and (is_run(run_dir) or starting)):
         raise ConfigError(f"{run_dir} is not a run directory (no {CONFIG_FILE}, metrics or checkpoints in it); "
                           f"--watch takes the directory a training run writes (runs/<name>), or an empty one a run "
@@ -193,7 +195,7 @@ def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float)
           f"({len(done)} evaluation(s) already in {EVALS_FILE}; Ctrl-C to stop)", flush=True)
     try:
         while True:
-            for ckpt in [c for c in checkpoint_dirs(checkpoints_dir(run_dir)) if c not in handled]:
+            for ckpt in [c for c in checkpoint_dirs(run_dir) if c not in handled]:
                 step = step_of(ckpt)
                 try:
                     cfg = checkpoint_config(ckpt)

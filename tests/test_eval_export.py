@@ -17,7 +17,7 @@ from nanopt.commands import export as export_command
 from nanopt.config import ModelConfig, configs_dir
 from nanopt.errors import ConfigError
 from nanopt.hf import check_export_target, export_model
-from nanopt.rundirs import newest_checkpoint
+from nanopt.checkpoint import newest_checkpoint
 from nanopt.model import build_model
 from nanopt.runtime import Runtime
 from nanopt.evaluation import evaluate

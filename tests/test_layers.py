@@ -18,12 +18,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("io", "fastbpe"),                                    # atomic files, the cache directory; BPE engine
     ("hardware",),                                        # peak table, detection, the measured CPU peak (cached)
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
-    ("flops", "xla", "plots", "experiments", "shards"),  # FLOPs/token; XLA; pictures; runs, stats, tables; shards
+    ("flops", "xla", "plots", "experiments", "shards", "lock"),  # FLOPs; XLA; pictures; runs; shards; the lease
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
     ("fp8",),                                             # torchao's float8 on the block Linears (train.fp8)
-    ("mfu", "profiling", "mirror", "evaluation", "generate", "hf", "core", "taskgen", "taskinput"),
+    ("mfu", "profiling", "evaluation", "generate", "hf", "core", "taskgen", "taskinput"),
     ("checkpoint", "scoring"),
     ("loading",),
     ("harness",),                                         # nanopt models inside lm-evaluation-harness

@@ -26,6 +26,7 @@ from conftest import small_overrides
 from nanopt import checkpoint, cli, io, prepare, rundirs, shards
 from nanopt.config import load_config, parse_overrides, to_yaml
 from nanopt.errors import ConfigError, DiskFull
+from nanopt.lock import DirLock
 from nanopt.main import run
 from nanopt.metrics import MetricsLogger
 from nanopt.model import build_model
@@ -152,7 +153,7 @@ def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):
     mine = users_file(tmp_path)
     (tmp_path / rundirs.METRICS_FILE).symlink_to(mine)
     with pytest.raises(ConfigError, match="symbolic link"):
-        rundirs.trim_metrics(tmp_path, 0)
+        MetricsLogger(tmp_path, enabled=True).trim(0)
     with pytest.raises(ConfigError, match="symbolic link"):
         MetricsLogger(tmp_path, enabled=True, tensorboard=False).open()
     assert mine.read_bytes() == USERS
@@ -162,7 +163,7 @@ def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):
 def test_a_lock_file_that_is_a_link_is_named_and_left_alone(tmp_path, dangling):
     """Before: the lease was read through the link ("cannot be read") or, dangling, "other processes keep taking it"."""
     run_dir, mine = linked_run(tmp_path, rundirs.LOCK_FILE, dangling)
-    lock = rundirs.DirLock(run_dir)
+    lock = DirLock(run_dir)
     for ask in (lock.acquire, lock.holder):
         with pytest.raises(ConfigError, match="symbolic link") as e:
             ask()
@@ -199,7 +200,7 @@ def test_a_checkpoint_save_removes_links_in_its_way_never_what_they_point_to(tmp
     cfg = load_config(None, parse_overrides(ARGS))
     model = build_model(cfg.model, "cpu")
     final = checkpoint.save(root, 2, model, torch.optim.AdamW(model.parameters()), {}, keep=3)
-    assert not final.is_symlink() and rundirs.verify_checkpoint(final) is None
+    assert not final.is_symlink() and checkpoint.verify_checkpoint(final) is None
     assert [p.name for p in mine.iterdir()] == ["precious"] and (mine / "precious").read_text() == "the user's"
 
 
@@ -216,13 +217,13 @@ def test_a_full_disk_at_the_start_leaves_no_lock_and_the_next_start_takes_it(tmp
     """Before: a 0-byte lock.json stayed, and every re-run refused with "a process whose lock file cannot be read"."""
     full_disk_for(monkeypatch, rundirs.LOCK_FILE)
     with pytest.raises(DiskFull) as e:
-        rundirs.DirLock(tmp_path).acquire()
+        DirLock(tmp_path).acquire()
     message = str(e.value)
     assert str(tmp_path / rundirs.LOCK_FILE) in message and "no space left" in message and "GiB free" in message
     assert isinstance(e.value, OSError) and e.value.errno == errno.ENOSPC
     assert not (tmp_path / rundirs.LOCK_FILE).exists()
     monkeypatch.undo()  # space freed
-    lock = rundirs.DirLock(tmp_path).acquire()
+    lock = DirLock(tmp_path).acquire()
     assert lock.holder().token == lock.token
     lock.release()
 
@@ -241,7 +242,7 @@ def test_a_lock_cut_short_naming_a_dead_pid_on_this_host_is_taken_over_at_once(t
     """Before: any unreadable lock was "held" until 120 s after it was written."""
     cut = f'{{"host": "{socket.gethostname()}", "pid": {_dead_pid()}, "started": 17'
     (tmp_path / rundirs.LOCK_FILE).write_text(cut)
-    lock = rundirs.DirLock(tmp_path).acquire()
+    lock = DirLock(tmp_path).acquire()
     assert lock.holder().token == lock.token
     lock.release()
 
@@ -254,10 +255,10 @@ def test_an_unreadable_lock_is_held_while_young_and_stale_after_the_expiry(tmp_p
     path = tmp_path / rundirs.LOCK_FILE
     path.write_text(content)
     with pytest.raises(ConfigError, match="lock file cannot be read") as e:
-        rundirs.DirLock(tmp_path, expires_s=60).acquire()
+        DirLock(tmp_path, expires_s=60).acquire()
     assert "empty or cut short" in str(e.value) and str(path) in str(e.value)
     os.utime(path, (time.time() - 61, time.time() - 61))
-    lock = rundirs.DirLock(tmp_path, expires_s=60).acquire()
+    lock = DirLock(tmp_path, expires_s=60).acquire()
     assert lock.holder().token == lock.token
     lock.release()
 
@@ -297,8 +298,9 @@ def test_a_full_disk_during_a_checkpoint_save_is_exit_1_and_the_previous_checkpo
     err = one_paragraph(capsys.readouterr().err)
     model_file = rundirs.checkpoints_dir(tmp_path) / ".tmp_step_000004" / rundirs.MODEL_FILE
     assert f"writing {model_file}" in err and "GiB free" in err and "run the same command again" in err
-    good, skipped = rundirs.usable_checkpoints(rundirs.checkpoints_dir(tmp_path))
-    assert [p.name for p in good] == ["step_000002"] and skipped == []
+    newest, skipped = checkpoint.newest_checkpoint(tmp_path)
+    assert [p.name for p in checkpoint.checkpoint_dirs(rundirs.checkpoints_dir(tmp_path))] == ["step_000002"]
+    assert newest.name == "step_000002" and skipped == []
     assert not (rundirs.checkpoints_dir(tmp_path) / ".tmp_step_000004").exists()
     assert not (tmp_path / rundirs.LOCK_FILE).exists()
     monkeypatch.undo()  # space freed
@@ -331,7 +333,7 @@ def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkey
     monkeypatch.setattr(checkpoint.torch, "save", real)
     assert f"writing {root / '.tmp_step_000004' / rundirs.OPTIMIZER_FILE}" in str(e.value)
     assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]
-    assert rundirs.verify_checkpoint(root / "step_000002") is None
+    assert checkpoint.verify_checkpoint(root / "step_000002") is None
 
 
 @pytest.mark.slow
@@ -385,7 +387,7 @@ def test_prepare_into_a_file_is_exit_2_at_once(tmp_path, capsys, no_waits):
 def test_a_second_prepare_into_one_directory_is_exit_2_naming_the_holder(tmp_path, capsys, no_waits):
     """Before: both exited 0, leaving doubled .doclens files and document counts."""
     cfg = _prepare_config(tmp_path)
-    with rundirs.DirLock(tmp_path / "shards", what="data"):  # a prepare running in this process, as the lease says
+    with DirLock(tmp_path / "shards", what="data"):  # a prepare running in this process, as the lease says
         code, err = _cli_prepare(cfg, tmp_path, capsys)
         assert code == 2
         err = one_paragraph(err)

@@ -24,7 +24,8 @@ from matplotlib import image
 from conftest import REPO, small_overrides
 from nanopt import plots, watch
 from nanopt.cli import run as cli
-from nanopt.rundirs import WATCH_LOCK_FILE, DirLock
+from nanopt.lock import DirLock
+from nanopt.rundirs import WATCH_LOCK_FILE
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -24,9 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, small_overrides, torchrun
-from nanopt import checkpoint, errors, faults, profiling, rundirs, runtime
+from nanopt import checkpoint, errors, faults, profiling, runtime
 from nanopt.main import run
-from nanopt.mirror import Mirror
 
 STEPS = 8
 ARGS = small_overrides(**{
@@ -36,7 +35,7 @@ ARGS = small_overrides(**{
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """The checkpoints that verify, oldest first."""
-    return sorted(rundirs.usable_checkpoints(root)[0], key=rundirs.step_of)
+    return [c for c in checkpoint.checkpoint_dirs(root) if checkpoint.verify_checkpoint(c) is None]
 
 
 def final_weights(run_dir: Path, step: int = STEPS) -> bytes:
@@ -132,7 +131,7 @@ def test_time_limit_checkpoints_exits_75_and_resumes(tmp_path, reference, capsys
     assert train_here(tmp_path, "--run.time_limit_s=1e-6") == errors.EXIT_PREEMPTED  # over at once: step 1
     err = capsys.readouterr().err
     assert "preempted by the time limit (run.time_limit_s = 1e-06 s of wall time) after step 1" in err
-    assert rundirs.verify_checkpoint(tmp_path / "checkpoints" / "step_000001") is None  # step 1 is not a periodic save
+    assert checkpoint.verify_checkpoint(tmp_path / "checkpoints" / "step_000001") is None  # not a periodic save
     assert train_here(tmp_path, "--run.time_limit_s=0") == 0  # a safe change on resume
     assert_same_as(reference, tmp_path)
 
@@ -278,7 +277,7 @@ def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     for name, entry in files.items():
         raw = (final / name).read_bytes()
         assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
-    assert rundirs.verify_checkpoint(final) is None and not list(tmp_path.glob(".tmp_*"))
+    assert checkpoint.verify_checkpoint(final) is None and not list(tmp_path.glob(".tmp_*"))
     assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
 
 
@@ -412,7 +411,7 @@ def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp
     """finish() waits for the mirror before the summary and the run's cleanup closes again: one warning."""
     ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only close()'s collaborators are needed
     ckpt.rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
-    ckpt.mirror = Mirror(str(tmp_path / "mirror"), 1, rundirs.STEP_DIR)
+    ckpt.mirror = checkpoint.Mirror(str(tmp_path / "mirror"), 1)
     ckpt.mirror.failures.append("step_000001: no space left on device")
     with caplog.at_level(logging.WARNING, logger="nanopt"):
         ckpt.close()

@@ -19,9 +19,12 @@ from nanopt import checkpoint, io, loading, rundirs
 from nanopt.config import load_config, parse_overrides
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.io import write_json
+from nanopt.lock import LOCK_EXPIRES_ENV, LOCK_OWNER_ENV, DirLock
 from nanopt.main import run
+from nanopt.metrics import MetricsLogger
 from nanopt.model import build_model
 
+real_crc32 = checkpoint.crc32_of
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 2,
                           "log.tensorboard": "false"})
 
@@ -34,7 +37,7 @@ def train_here(run_dir: Path, *extra: str) -> int:
 
 HOLD = """
 import sys, time
-from nanopt.rundirs import DirLock
+from nanopt.lock import DirLock
 DirLock(sys.argv[1], heartbeat_s=0.2).acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -67,9 +70,9 @@ def test_a_lease_from_another_host_is_taken_over_only_once_its_heartbeat_expired
     lease = {"host": "elsewhere", "pid": 1, "started": time.time(), "heartbeat": time.time(), "token": "t"}
     write_json(tmp_path / rundirs.LOCK_FILE, lease)
     with pytest.raises(ConfigError, match="host elsewhere"):
-        rundirs.DirLock(tmp_path, expires_s=60).acquire()
+        DirLock(tmp_path, expires_s=60).acquire()
     write_json(tmp_path / rundirs.LOCK_FILE, {**lease, "heartbeat": time.time() - 61})
-    lock = rundirs.DirLock(tmp_path, expires_s=60).acquire()
+    lock = DirLock(tmp_path, expires_s=60).acquire()
     assert lock.holder().token == lock.token
     lock.release()
     assert not (tmp_path / rundirs.LOCK_FILE).exists()
@@ -77,7 +80,7 @@ def test_a_lease_from_another_host_is_taken_over_only_once_its_heartbeat_expired
 
 @pytest.mark.slow
 def test_the_heartbeat_renews_the_lease_and_notices_a_takeover(tmp_path):
-    lock = rundirs.DirLock(tmp_path, heartbeat_s=0.05).acquire()
+    lock = DirLock(tmp_path, heartbeat_s=0.05).acquire()
     first = lock.holder().heartbeat
     time.sleep(0.3)
     assert lock.holder().heartbeat > first
@@ -141,16 +144,36 @@ def damaged_copy(tmp_path: Path, source: Path, marker: bytes | None) -> Path:
 ])
 def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, two_checkpoints, marker, why):
     root = damaged_copy(tmp_path, two_checkpoints, marker)
-    assert why in rundirs.verify_checkpoint(root / "step_000004")
-    assert rundirs.verify_checkpoint(root / "step_000002") is None
-    assert loading.find_checkpoint(tmp_path) == root / "step_000002"  # eval, sample and export read this
+    assert why in checkpoint.verify_checkpoint(root / "step_000004")
+    assert checkpoint.verify_checkpoint(root / "step_000002") is None
+    assert checkpoint.find_checkpoint(tmp_path) == root / "step_000002"  # eval, sample and export read this
+
+
+def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_one(tmp_path, two_checkpoints,
+                                                                                     monkeypatch):
+    """newest_checkpoint (resume, eval, sample, export, Modal): the first that verifies, newest first, naming each
+    newer one skipped; an older one is never read (verifying reads every byte), so its damage goes unseen."""
+    root = damaged_copy(tmp_path, two_checkpoints, b"[1, 2]")  # step 4's manifest damaged, step 2 whole
+    read = []
+    monkeypatch.setattr(checkpoint, "crc32_of", lambda path: read.append(path) or real_crc32(path))
+    found, skipped = checkpoint.newest_checkpoint(tmp_path)
+    assert found == root / "step_000002" and skipped == ["step_000004: its COMPLETE manifest is not a JSON object "
+                                                         "with a `files` map"]
+    assert checkpoint.newest_checkpoint(tmp_path, newer_than=2) == (None, skipped)  # Modal: progress since step 2?
+    complete = rundirs.COMPLETE_FILE
+    (root / "step_000004" / complete).write_bytes((two_checkpoints / "step_000004" / complete).read_bytes())
+    (root / "step_000002" / rundirs.MODEL_FILE).write_bytes(b"damaged")  # older: never read
+    read.clear()
+    assert checkpoint.newest_checkpoint(root) == (root / "step_000004", [])
+    assert read and all(p.parent.name == "step_000004" for p in read)
+    assert checkpoint.newest_checkpoint(root, newer_than=4) == (None, [])
 
 
 def test_a_manifest_that_lists_every_file_but_a_wrong_state_step_is_incomplete(tmp_path, two_checkpoints):
     root = damaged_copy(tmp_path, two_checkpoints, (two_checkpoints / "step_000004" / "COMPLETE").read_bytes())
     (root / "step_000002").rename(root / "step_000006")  # a checkpoint under another step's name
-    assert "says step 2" in rundirs.verify_checkpoint(root / "step_000006")
-    assert loading.find_checkpoint(tmp_path) == root / "step_000004"
+    assert "says step 2" in checkpoint.verify_checkpoint(root / "step_000006")
+    assert checkpoint.find_checkpoint(tmp_path) == root / "step_000004"
 
 
 def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, two_checkpoints):
@@ -239,19 +262,19 @@ def test_a_retried_attempt_of_the_same_job_takes_over_its_lease_at_once(tmp_path
     lease = {"host": "dead-container", "pid": 7, "started": time.time(), "heartbeat": time.time(), "token": "t",
              "owner": "call-1"}
     write_json(tmp_path / rundirs.LOCK_FILE, lease)
-    monkeypatch.setenv(rundirs.LOCK_EXPIRES_ENV, "1260")
-    monkeypatch.setenv(rundirs.LOCK_OWNER_ENV, "call-2")
+    monkeypatch.setenv(LOCK_EXPIRES_ENV, "1260")
+    monkeypatch.setenv(LOCK_OWNER_ENV, "call-2")
     with pytest.raises(ConfigError, match="dead-container"):
-        rundirs.DirLock(tmp_path).acquire()
-    monkeypatch.setenv(rundirs.LOCK_OWNER_ENV, "call-1")
-    lock = rundirs.DirLock(tmp_path).acquire()
+        DirLock(tmp_path).acquire()
+    monkeypatch.setenv(LOCK_OWNER_ENV, "call-1")
+    lock = DirLock(tmp_path).acquire()
     assert lock.expires_s == 1260 and lock.holder().owner == "call-1"
     lock.release()
 
 
 def test_a_resume_trims_only_records_past_its_step_and_keeps_lines_it_cannot_read(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff damaged\n{"step": 3}\n{"step": 2}\n{"step": 5, "lo')
-    rundirs.trim_metrics(tmp_path, 2)
+    MetricsLogger(tmp_path, enabled=True).trim(2)
     # The damaged middle line is the user's to look at; the cut last line would be joined by the next append.
     assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n\xff damaged\n{"step": 2}\n'
 

@@ -23,6 +23,7 @@ import pytest
 from conftest import REPO
 from nanopt import cli, rundirs, sweep
 from nanopt.config import ConfigError, load_config, to_yaml
+from nanopt.lock import DirLock
 
 CONFIG = str(REPO / "configs" / "tiny.yaml")
 GRID = ["--set", "train.lr=1e-3,2e-3"]
@@ -103,7 +104,7 @@ def _dead_pid() -> int:
 
 def test_a_second_sweep_on_the_same_directory_exits_2_naming_the_holder(tmp_path, fake_runs, capsys):
     root = tmp_path / "sw"
-    with rundirs.DirLock(root, what="sweep"):  # a sweep running in this process, as far as the lock says
+    with DirLock(root, what="sweep"):  # a sweep running in this process, as far as the lock says
         assert _cli(root) == 2
     err = capsys.readouterr().err
     assert err.startswith("nanopt sweep: error: the sweep directory") and err.strip().count("\n") == 0
