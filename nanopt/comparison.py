@@ -12,8 +12,9 @@ import numpy as np
 
 from nanopt.errors import ConfigError
 from nanopt.experiments import HARDWARE_KEYS, SEED_KEYS, TASK_PREFIX, FinishedRun, cell, table
+from nanopt.io import finite, is_int
 from nanopt.plots import series
-from nanopt.rundirs import CONFIG_FILE, finite, format_value, is_int
+from nanopt.rundirs import CONFIG_FILE, format_value
 
 # `nanopt compare`'s figures (key, label, format): speed from the metrics records, the rest from the summary.
 SPEED = ("tokens_per_s", "step_ms", "mfu")

@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import clean, read_json
+from nanopt.io import clean, is_int, is_number, read_json
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
-                            flatten, format_value, is_int, is_number, is_run, read_config, read_metrics, read_records,
+                            flatten, format_value, is_run, read_config, read_metrics, read_records,
                             read_summary, walk_runs)
 
 SEED_KEY = "run.seed"

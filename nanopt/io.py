@@ -185,6 +185,20 @@ def write_text(path: Path, text: str) -> Path:
     return write_bytes(path, text.encode())
 
 
+# What a value read from a JSON file is (JSON's true and false are Python ints too).
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite(value: Any) -> Optional[float]:
+    """A finite number as a float, else None (a figure may be null, or damaged)."""
+    return float(value) if is_number(value) and math.isfinite(value) else None
+
+
 def clean(value: Any) -> Any:
     """JSON has no NaN/inf (json.dumps writes NaN, which strict readers refuse): null, at any depth."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -20,8 +20,8 @@ import numpy as np
 
 from nanopt import rundirs
 from nanopt.errors import ConfigError
-from nanopt.io import write_bytes, write_text
-from nanopt.rundirs import CURVES_FILE, METRICS_FILE, PROFILE_FILE, finite, is_int, is_number
+from nanopt.io import finite, is_int, is_number, write_bytes, write_text
+from nanopt.rundirs import CURVES_FILE, METRICS_FILE, PROFILE_FILE
 
 log = logging.getLogger("nanopt")
 # matplotlib logs "generated new fontManager" at INFO the first time it builds its font cache: noise in a run's log.

@@ -19,7 +19,6 @@ over the name, which replaces a link rather than writing its target (nanopt.io).
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, Optional
 import yaml
 
 from nanopt.errors import ConfigError
-from nanopt.io import read_json, refuse_link
+from nanopt.io import is_int, read_json, refuse_link
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -74,20 +73,6 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def format_value(value: Any) -> str:
     """A config value as an override would write it: muon, 0.003, true, null."""
     return value if isinstance(value, str) else json.dumps(value)
-
-
-# What a value read from a run's JSON files is (JSON's true and false are Python ints too).
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def finite(value: Any) -> Optional[float]:
-    """A finite number as a float, else None (a figure may be null, or damaged)."""
-    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 # ---------------------------------------------------------------- reading one run directory

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from nanopt.errors import ConfigError, ShardError
-from nanopt.io import cache_dir, write_bytes, write_json
+from nanopt.io import cache_dir, is_int, write_bytes, write_json
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
@@ -217,10 +217,6 @@ def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
     return zlib.crc32(np.ascontiguousarray(np.asarray(tokens).astype(token_dtype(vocab_size))))
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true/false load as bool, a subclass of int
-
-
 def _shown(value: object) -> str:
     text = json.dumps(value)  # a bad entry as it stands in the file, cut short only when very long
     return text if len(text) <= 300 else text[:297] + "..."
@@ -241,9 +237,9 @@ def _entry_shape_problem(entry: object) -> Optional[str]:
     if not is_shard_name(entry.get("file")):
         return (f"names the file {_shown(entry.get('file'))}, which is not a shard name `nanopt prepare` writes "
                 f"({_NAME_FIX} inside the manifest's directory)")
-    if not isinstance(entry.get("split"), str) or not _is_int(entry.get("tokens")):
+    if not isinstance(entry.get("split"), str) or not is_int(entry.get("tokens")):
         return f"for {entry['file']} lacks a `split` string or a `tokens` count"
-    if "crc32" in entry and not _is_int(entry["crc32"]):
+    if "crc32" in entry and not is_int(entry["crc32"]):
         return f"for {entry['file']} has a `crc32` that is not a number"
     if "after" in entry and not isinstance(entry["after"], dict):
         return f"for {entry['file']} has an `after` that is not a JSON object"
@@ -345,7 +341,7 @@ def _read_stamps(path: Path) -> dict[str, list[int]]:
     except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, and bad UTF-8 (UnicodeDecodeError)
         why = str(e)
     else:
-        if isinstance(stamps, dict) and all(isinstance(v, list) and all(map(_is_int, v)) for v in stamps.values()):
+        if isinstance(stamps, dict) and all(isinstance(v, list) and all(map(is_int, v)) for v in stamps.values()):
             return stamps
         why = f"{_shown(stamps)} is not an object of shard name -> list of numbers"
     log.warning("data: ignoring the damaged verification record %s (%s): every shard is verified again", path, why)

@@ -18,12 +18,12 @@ from nanopt.checkpoint import (checkpoint_config, checkpoint_dirs, find_checkpoi
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import evaluate, split_batches, token_bytes_table
-from nanopt.io import append_jsonl
+from nanopt.io import append_jsonl, is_int
 from nanopt.loading import load
 from nanopt.lock import DirLock
 from nanopt.metrics import setup_logging
 from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, evaluation_key, finished,
-                            is_int, is_lease, is_run, read_config, read_records, recorded)
+                            is_lease, is_run, read_config, read_records, recorded)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
