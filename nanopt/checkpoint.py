@@ -4,7 +4,7 @@ exact resume, and copies to a mirror (any fsspec URL). The file names are rundir
 A checkpoint directory `checkpoints/step_NNNNNN/` holds
   model.safetensors  weights (a tied LM head is stored once, as embed.weight)
   optimizer.pt       optimizer state (loaded with weights_only=True, like rng.pt)
-  state.json         step, each resumable component's state_dict(), the data fingerprint, the config, versions
+  state.json         step, each resumable component's state_dict(), the shards' identity, the config, versions
   rng.pt             every rank's host and device RNG states
   COMPLETE           written last: a JSON manifest of every file's size and crc32
 It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
@@ -432,7 +432,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (lock.DirLock) before this
         self.root = checkpoints_dir(self.run_dir)
-        self.data = shards.fingerprint(data_paths)
+        self.data = shards.identity(data_paths)
         self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep) if cfg.checkpoint.mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run
         self.last_saved_step = -1

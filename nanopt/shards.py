@@ -375,8 +375,8 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
                  stamps_path, unwritten)
 
 
-def fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
+def identity(paths: list[Path]) -> list[dict[str, Any]]:
     """Name, token count, vocabulary and stored crc32 of each shard (headers only: cheap). A checkpoint
-    records its training shards' fingerprint; a resume refuses data that differs."""
+    records its training shards' identity; a resume refuses data that differs."""
     infos = [read_header(p) for p in paths]
     return [{"name": i.path.name, "tokens": i.count, "vocab": i.vocab_size, "crc32": i.crc32} for i in infos]
