@@ -231,8 +231,8 @@ class TrainConfig:
                                   f"`--train.fp8=none`.")
 
     def stages(self) -> list[tuple[int, int, int]]:
-        """(start, global batch tokens, seq_len) for each stretch where neither schedule changes, starts in
-        train.schedule_unit, rising from 0; one stage when no schedule is set."""
+        """(start, global batch tokens, seq_len) per stretch where neither schedule changes, starts in schedule_unit
+        from 0 (one without schedules): for the checks here and plan.build_plan; everything else reads the plan."""
         batch = parse_stages(self.batch_schedule, "train.batch_schedule") or [(0, self.global_batch_tokens)]
         seq = parse_stages(self.seq_len_schedule, "train.seq_len_schedule") or [(0, self.seq_len)]
         starts = sorted({s for s, _ in batch} | {s for s, _ in seq})

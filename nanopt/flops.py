@@ -113,27 +113,25 @@ def estimate(m: ModelConfig, stages: Sequence[tuple[int, int]], hardware: str, g
              precision: str = "bf16", price_per_gpu_hour: Optional[float] = None,
              causal_halving: bool = True) -> dict[str, Any]:
     """Wall time, GPU-hours and cost to train `stages`, (tokens, seq_len) pairs, at a given MFU (6N + attention
-    FLOPs): attention's FLOPs per token grow with seq_len, so each stage's tokens count at its own. The FLOPs per
-    token reported are the mean over all the tokens."""
+    FLOPs, which grow with seq_len: each stage's tokens at its own; the FLOPs per token reported are the mean)."""
     counts = param_counts(m)
     per_stage = [(n, token_flops(m, seq_len, causal_halving)) for n, seq_len in stages]
     tokens = sum(n for n, _ in per_stage)
     total_flops, full = (sum(n * getattr(f, key) for n, f in per_stage) for key in ("model", "full_attention"))
-    six_n = per_stage[0][1].six_n
     peak = table_peak(hardware, precision)
     if peak is None:
         raise ValueError(f"{hardware} has no dense {matmul_precision(precision)} peak")
     hours = total_flops / (gpus * peak * mfu) / 3600
     return {
         "params": counts.total, "n_6n": counts.n_6n,
-        "flops_per_token": round(total_flops / tokens), "flops_per_token_6n": six_n,
+        "flops_per_token": round(total_flops / tokens), "flops_per_token_6n": flops_per_token_6n(m),
         "flops_per_token_full_attention": round(full / tokens),
         "causal_halving": causal_halving, "seq_len": max(seq_len for n, seq_len in stages if n), "tokens": tokens,
         "tokens_per_param": tokens / counts.total,
         "total_flops": total_flops, "hardware": hardware, "precision": matmul_precision(precision),
         # The same speed as MFU in the other conventions (the blog's 6N, nanochat's and torchtitan's full square).
-        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu, "mfu_6n": mfu * six_n * tokens / total_flops,
-        "mfu_full_attention": mfu * full / total_flops,
+        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
+        "mfu_6n": mfu * flops_per_token_6n(m) * tokens / total_flops, "mfu_full_attention": mfu * full / total_flops,
         "hours": hours, "gpu_hours": hours * gpus, "price_per_gpu_hour": price_per_gpu_hour,
         "cost_usd": None if price_per_gpu_hour is None else hours * gpus * price_per_gpu_hour,
     }

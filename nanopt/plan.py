@@ -23,10 +23,7 @@ class Stage:
     seq_len: int
     accum: int  # micro_batch_size is fixed: a batch change changes only this, never a shape
     lr_factor: float  # (batch / the first stage's batch) ** p, p from train.batch_lr_rule
-
-    @property
-    def tokens(self) -> int:
-        return self.steps * self.batch_tokens
+    tokens: int  # steps × batch_tokens
 
 
 @dataclass(frozen=True)
@@ -35,10 +32,6 @@ class Plan:
 
     stages: tuple[Stage, ...]
     unit: str  # train.schedule_unit
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.stages)
 
     def at(self, step: int, tokens_seen: int) -> Stage:
         """Step `step`'s stage: the last whose start is <= the step (steps) or <= the tokens seen before it
@@ -52,10 +45,9 @@ class Plan:
 
 
 def build_plan(t: TrainConfig, world_size: int) -> Plan:
-    """The plan of config `t` on `world_size` ranks. A stage ends where the next one starts; in tokens, a stage
-    runs until the tokens seen reach the next start (whole steps, so it may overshoot, and a later start it jumps
-    past is skipped with 0 steps); the last runs to max_steps. resolve() has checked each stage's batch divides
-    into micro-batches on this world size."""
+    """The plan of config `t` on `world_size` ranks (resolve() checks each batch divides over them). A stage ends
+    where the next starts; in tokens, when the tokens seen reach it (whole steps: a start jumped past is skipped
+    with 0 steps); the last at max_steps."""
     schedule = t.stages()
     first, power = schedule[0][1], LR_POWER[t.batch_lr_rule]
     stages, step, where = [], 0, 0  # `where`: steps or tokens done, in train.schedule_unit
@@ -65,6 +57,7 @@ def build_plan(t: TrainConfig, world_size: int) -> Plan:
         if i + 1 < len(schedule):
             steps = min(steps, max(0, math.ceil((schedule[i + 1][0] - where) / per_step)))
         stages.append(Stage(i + 1, start, step, steps, batch, seq_len,
-                            batch // (t.micro_batch_size * seq_len * world_size), (batch / first) ** power))
+                            batch // (t.micro_batch_size * seq_len * world_size), (batch / first) ** power,
+                            steps * batch))
         step, where = step + steps, where + steps * per_step
     return Plan(tuple(stages), t.schedule_unit)

@@ -358,7 +358,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     plan = build_plan(t, rt.world_size)
     first = plan.stages[0]
-    loader = build_loader(cfg, rt, train_windows, tokenizer.bos_id, data_seed, first.accum)
+    loader = build_loader(cfg, rt, train_windows, tokenizer.bos_id, data_seed, first.accum)  # each step asks its own
     val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
                                     cfg.eval.seed)
     attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
@@ -395,8 +395,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
 
 def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
                  seed: int, accum: int) -> data.Loader | packing.PackedLoader:
-    """The training rows as data.packing cuts them (validation always reads windows, so val loss compares);
-    `accum`: the first stage's micro-steps (each step asks for its own stage's)."""
+    """The training rows as data.packing cuts them (validation always reads windows, so val loss compares)."""
     t = cfg.train
     args = (t.micro_batch_size, rt.rank, rt.world_size, accum, seed)
     if cfg.data.packing == "windows":

@@ -337,7 +337,7 @@ def test_estimate_trains_the_schedule_stage_by_stage(capsys):
     path = str(REPO / "configs" / "speedrun-gpu.yaml")
     assert cli.run(["estimate", path]) == 0
     out = capsys.readouterr().out
-    assert "tokens         1,441,792,000 (config budget: 3,500 steps in the 3 stages below" in out
+    assert "tokens         1,441,792,000 (the config's plan: 3,500 steps;" in out
     for line in ("stage 1        from step 0: 1,000 steps × 262,144 tokens at seq 2048 = 262,144,000 tokens",
                  "stage 2        from step 1,000: 1,000 steps × 393,216 tokens at seq 2048 = 393,216,000 tokens",
                  "stage 3        from step 2,000: 1,500 steps × 524,288 tokens at seq 2048 = 786,432,000 tokens"):
@@ -356,10 +356,11 @@ def test_estimate_trains_the_schedule_stage_by_stage(capsys):
     assert mixed["total_flops"] == (262_144_000 * flops.flops_per_token(m, 512)
                                     + (393_216_000 + 786_432_000) * flops.flops_per_token(m, 2048))
     assert mixed["total_flops"] < got["total_flops"] and mixed["seq_len"] == 2048
-    # --tokens: one stage at train.seq_len, and the report says the schedule is not applied.
+    # --tokens: one stage at train.seq_len, and the report says so.
     assert cli.run(["estimate", path, "--tokens", "1B", "--json"]) == 0
     flat = json.loads(capsys.readouterr().out)
-    assert flat["tokens"] == 10**9 and flat["stages"] is None and "not applied" in flat["tokens_source"]
+    assert flat["tokens"] == 10**9 and flat["stages"] is None
+    assert flat["tokens_source"] == "--tokens 1B, all at seq 2048"
 
 
 def test_estimate_tokens_flag_and_bad_input(capsys):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional
+from dataclasses import asdict
 
-from nanopt.config import Config, load_config, parse_overrides, split_args
+from nanopt.config import load_config, parse_overrides, split_args
 from nanopt.errors import ConfigError
 from nanopt.flops import estimate, param_counts, parse_tokens
 from nanopt.hardware import PEAKS, matmul_precision, table_peak
-from nanopt.plan import Plan, Stage, build_plan
+from nanopt.plan import build_plan
 
 
 def _hours_text(hours: float) -> str:
@@ -29,9 +29,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
     parser.add_argument("--gpus", type=int, default=8, help="number of devices (default 8)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
-    parser.add_argument("--tokens", help="tokens to train, all at train.seq_len (25B, 2.5e10, 20x = per "
-                                         "parameter); default: the config's stage plan, each stage's steps × its "
-                                         "batch at its seq_len")
+    parser.add_argument("--tokens", help="tokens to train at train.seq_len (25B, 2.5e10, 20x = per parameter); "
+                                         "default: the config's stage plan, each stage at its own batch and seq_len")
     parser.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; without it cost is null")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = parser.parse_known_args(argv)
@@ -49,16 +48,20 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "
                           f"peak; estimate a bf16 run (--train.precision=bf16).")
     t, plan = cfg.train, build_plan(cfg.train, args.gpus)
-    source, stages = _tokens(args.tokens, plan, cfg)
+    stages, source = [(s.tokens, s.seq_len) for s in plan.stages], f"the config's plan: {t.max_steps:,} steps"
+    if args.tokens is not None:
+        stages = [(parse_tokens(args.tokens, param_counts(cfg.model).total), t.seq_len)]
+        source = f"--tokens {args.tokens}, all at seq {t.seq_len}"
     r = estimate(cfg.model, stages, args.hardware, args.gpus, args.mfu, t.precision, args.price_per_gpu_hour,
                  cfg.mfu.causal_halving)
     r["tokens_source"] = source
-    r["stages"] = None if args.tokens else [_stage_row(s) for s in plan.stages]
+    # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
+    r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
     if args.json:
         print(json.dumps(r))
         return 0
     attention = "causal" if r["causal_halving"] else "full"
-    at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "mean over the stages' seq_len"
+    at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "averaged over the stages' seq_len"
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
     print("\n".join([
@@ -78,21 +81,3 @@ def main(argv: list[str]) -> int:
         f"  cost           {cost}",
     ]))
     return 0
-
-
-def _tokens(text: Optional[str], plan: Plan, cfg: Config) -> tuple[str, list[tuple[int, int]]]:
-    """(where the tokens come from, the (tokens, seq_len) of each stage): the plan's, or `--tokens` at
-    train.seq_len."""
-    t = cfg.train
-    if text is not None:
-        left_out = f", all at seq {t.seq_len}: the schedule's stages are not applied" if len(plan.stages) > 1 else ""
-        return f"--tokens {text}{left_out}", [(parse_tokens(text, param_counts(cfg.model).total), t.seq_len)]
-    stages = [(s.tokens, s.seq_len) for s in plan.stages]
-    if len(plan.stages) == 1:
-        return f"config budget: {t.max_steps:,} steps × {plan.stages[0].batch_tokens:,} tokens/step", stages
-    return f"config budget: {t.max_steps:,} steps in the {len(plan.stages)} stages below", stages
-
-
-def _stage_row(s: Stage) -> dict[str, int]:
-    return {"number": s.number, "start": s.start, "first_step": s.first_step, "steps": s.steps,
-            "batch_tokens": s.batch_tokens, "seq_len": s.seq_len, "tokens": s.tokens}
