@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from nanopt.config import ConfigError, configs_dir, load_config, parse_overrides, resolve, to_yaml
+from nanopt.config import (ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
+                           to_yaml)
 from nanopt.main import run
 from nanopt.plan import build_plan
 
@@ -41,6 +42,12 @@ def test_the_plan_derives_accumulation_from_world_size():
     cfg = load_config(None, parse_overrides(["--train.micro_batch_size=4", "--train.seq_len=64",
                                              "--train.global_batch_tokens=1024"]))
     assert build_plan(resolve(cfg, 2).train, 2).stages[0].accum == 2
+
+
+def test_a_checkpoint_config_from_before_the_plan_still_reads():
+    saved = load_config(None).to_dict()
+    saved["train"]["grad_accum_steps"] = 2  # older versions derived it into the config their checkpoints hold
+    assert config_from_dict(saved, "state.json") == load_config(None)
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
