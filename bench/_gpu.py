@@ -27,6 +27,7 @@ from nanopt.config import ModelConfig, load_config  # noqa: E402
 from nanopt.generate import generate  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.optim import build_optimizer  # noqa: E402
+from nanopt.plan import build_plan  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
 from nanopt.scoring import continuation_scores  # noqa: E402
 
@@ -123,7 +124,7 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.setup converts: before optimizer, compile, DDP
     optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
-    step = train._wrap(cfg, rt, model, optimizer)
+    step = train._wrap(cfg, rt, model, optimizer, build_plan(cfg.train, rt.world_size))
     for _ in range(2):
         step(batches)
     sync(rt.device)

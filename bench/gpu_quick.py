@@ -47,6 +47,7 @@ from nanopt.flops import block_linears  # noqa: E402
 from nanopt.harness import lm_class  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.optim import BatchedMuon  # noqa: E402
+from nanopt.plan import build_plan  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
 from nanopt.scoring import continuation_scores  # noqa: E402
 from nanopt.tokenizer import get_tokenizer  # noqa: E402
@@ -337,7 +338,8 @@ def check_speedrun_stages(spec: dict[str, Any], work: Path, timeout: float) -> d
     args = [*spec["args"], *QUIET, f"--data.source={data}", f"--train.max_steps={SPEEDRUN_STEPS}",
             "--checkpoint.every=0"]
     res = nanopt_run(args, run_dir, timeout, env={"TORCH_LOGS": "recompiles"}, full_log=True)
-    stages = stage_table(res["log"], res["records"], config(spec["args"]).train.stages())
+    plan = build_plan(config([*spec["args"], f"--train.max_steps={SPEEDRUN_STEPS}"]).train, 1)
+    stages = stage_table(res["log"], res["records"], [(s.first_step, s.batch_tokens, s.seq_len) for s in plan.stages])
     out: dict[str, Any] = {"rc": res["rc"], "wall_s": res["wall_s"], "stages": stages,
                            "log_tail": res["log_tail"] if res["rc"] != 0 else "",
                            "packing_cropped_share": next((r.get("cropped_share") for r in reversed(res["records"])

@@ -28,14 +28,13 @@ BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operato
 
 def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[float] = None,
         ge: Optional[float] = None, lt: Optional[float] = None, le: Optional[float] = None, null: str = "",
-        safe: Optional[bool] = None, neutral: Optional[bool] = None, derived: bool = False) -> Any:
+        safe: Optional[bool] = None, neutral: Optional[bool] = None) -> Any:
     """A config field and its rules. validate() enforces `choices` and the bounds (gt/ge/lt/le); `null` says
     what null means for an Optional key. `safe`: a resume may change it (it changes how long the run goes, what
     it logs or where things live, not the state the next step computes from). `neutral`: it does not change
     results, so `nanopt runs` groups runs differing only in neutral keys and the seed as repeats of one setting.
-    Both left None take the section's default (`section`). `derived`: computed by resolve(), not settable."""
-    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, safe=safe, neutral=neutral,
-                derived=derived)
+    Both left None take the section's default (`section`)."""
+    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, safe=safe, neutral=neutral)
     return field(default=default, metadata=meta)
 
 
@@ -193,8 +192,6 @@ class TrainConfig:
     compile_ddp_split: bool = key(True, "Compiled under DDP: split the graph at DDP's gradient buckets so their "
                                   "all-reduces overlap the backward (torch._dynamo's optimize_ddp); false = one graph, "
                                   "no overlap: the fallback if FP8 + compile + DDP fails to compile.", safe=True)
-    grad_accum_steps: int = key(0, "Micro-steps per optimizer step, computed by resolve() for the world size (which "
-                                "may change on resume).", derived=True, safe=True)
 
     def check(self, cfg: Config) -> None:
         if self.target_val_loss is not None and self.target_val_bpb is not None:
@@ -234,8 +231,8 @@ class TrainConfig:
                                   f"`--train.fp8=none`.")
 
     def stages(self) -> list[tuple[int, int, int]]:
-        """(start, global batch tokens, seq_len) for each stretch where neither schedule changes, starts in
-        train.schedule_unit, rising from 0; one stage when no schedule is set."""
+        """(start, global batch tokens, seq_len) per stretch where neither schedule changes, starts in schedule_unit
+        from 0 (one without schedules): for the checks here and plan.build_plan; everything else reads the plan."""
         batch = parse_stages(self.batch_schedule, "train.batch_schedule") or [(0, self.global_batch_tokens)]
         seq = parse_stages(self.seq_len_schedule, "train.seq_len_schedule") or [(0, self.seq_len)]
         starts = sorted({s for s, _ in batch} | {s for s, _ in seq})
@@ -454,7 +451,7 @@ def _keys(flag: str) -> frozenset[str]:
 
 SAFE_KEYS = _keys("safe")  # what resume_changes lets differ from the checkpoint's config
 NEUTRAL_KEYS = _keys("neutral")  # what does not split a group of repeats in `nanopt runs`
-DERIVED_KEYS = _keys("derived")  # computed by resolve(): not settable, not in config.yaml, not read back
+RETIRED_KEYS = {"train.grad_accum_steps"}  # in older checkpoints' configs: skipped when read (plan.py derives it)
 
 
 def configs_dir() -> Path:
@@ -515,7 +512,7 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     if section_name not in SECTIONS:
         raise ConfigError(f"{where}: unknown section `{section_name}` (in `{key}`). "
                           f"Valid sections: {', '.join(SECTIONS)}.")
-    valid = [f.name for f in fields(SECTIONS[section_name]) if not f.metadata["derived"]]
+    valid = [f.name for f in fields(SECTIONS[section_name])]
     if name not in valid:
         raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {', '.join(valid)}.")
     typ = typing.get_type_hints(SECTIONS[section_name])[name]
@@ -696,11 +693,11 @@ def validate(cfg: Config) -> None:
 
 
 def resolve(cfg: Config, world_size: int) -> Config:
-    """Compute derived fields for this world size; the one place they are checked."""
+    """Check the config against this world size (every stage's batch in whole micro-batches) and fill in
+    model.max_seq_len."""
     t = cfg.train
-    stages = t.stages()
     scheduled = bool(t.batch_schedule.strip() or t.seq_len_schedule.strip())
-    for start, batch, seq_len in stages:
+    for start, batch, seq_len in t.stages():
         tokens_per_micro_step = t.micro_batch_size * seq_len * world_size
         if batch % tokens_per_micro_step == 0:
             continue
@@ -716,25 +713,19 @@ def resolve(cfg: Config, world_size: int) -> Config:
             f"micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {t.seq_len} × {world_size} "
             f"= {tokens_per_micro_step}. Valid values include {', '.join(map(str, valid))}; "
             f"or change `train.micro_batch_size`.")
-    _, batch, seq_len = stages[0]
-    t.grad_accum_steps = batch // (t.micro_batch_size * seq_len * world_size)  # the first stage's
     if not cfg.model.max_seq_len:
         cfg.model.max_seq_len = t.seq_len
     return cfg
 
 
 def to_yaml(cfg: Config) -> str:
-    data = cfg.to_dict()
-    for key in DERIVED_KEYS:
-        section_name, name = key.split(".")
-        del data[section_name][name]
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def config_from_dict(data: Any, where: str) -> Config:
     """Rebuild a Config from to_dict() output (a checkpoint's state.json, a saved config.yaml) with the same
     conversions and checks as a YAML config, so a damaged file is one paragraph naming `where`, never a
-    model sized by an unchecked number. Derived keys are recomputed by resolve(), not read."""
+    model sized by an unchecked number."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config is not a mapping of sections; the file is damaged.")
     cfg = Config()
@@ -743,7 +734,7 @@ def config_from_dict(data: Any, where: str) -> Config:
             raise ConfigError(f"{where}: `{section_name}` is not a config section holding keys; the file is damaged "
                               f"or was written by another nanopt version.")
         for name, value in values.items():
-            if f"{section_name}.{name}" not in DERIVED_KEYS:
+            if f"{section_name}.{name}" not in RETIRED_KEYS:
                 _apply(cfg, f"{section_name}.{name}", value, where)
     validate(cfg)  # its messages name the key; the caller's context names the file
     return cfg

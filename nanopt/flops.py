@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
@@ -109,27 +109,29 @@ def token_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True, micro
                       hardware=model + recompute_flops_per_token(m, micro_batch_size * seq_len, loss_chunk_tokens))
 
 
-def estimate(m: ModelConfig, seq_len: int, tokens: int, hardware: str, gpus: int, mfu: float,
+def estimate(m: ModelConfig, stages: Sequence[tuple[int, int]], hardware: str, gpus: int, mfu: float,
              precision: str = "bf16", price_per_gpu_hour: Optional[float] = None,
              causal_halving: bool = True) -> dict[str, Any]:
-    """Wall time, GPU-hours and cost to train `tokens` tokens at a given MFU (6N + attention FLOPs)."""
+    """Wall time, GPU-hours and cost to train `stages`, (tokens, seq_len) pairs, at a given MFU (6N + attention
+    FLOPs, which grow with seq_len: each stage's tokens at its own; the FLOPs per token reported are the mean)."""
     counts = param_counts(m)
-    f = token_flops(m, seq_len, causal_halving)
-    fpt = f.model
+    per_stage = [(n, token_flops(m, seq_len, causal_halving)) for n, seq_len in stages]
+    tokens = sum(n for n, _ in per_stage)
+    total_flops, full = (sum(n * getattr(f, key) for n, f in per_stage) for key in ("model", "full_attention"))
     peak = table_peak(hardware, precision)
     if peak is None:
         raise ValueError(f"{hardware} has no dense {matmul_precision(precision)} peak")
-    total_flops = tokens * fpt
     hours = total_flops / (gpus * peak * mfu) / 3600
     return {
         "params": counts.total, "n_6n": counts.n_6n,
-        "flops_per_token": fpt, "flops_per_token_6n": f.six_n, "flops_per_token_full_attention": f.full_attention,
-        "causal_halving": causal_halving, "seq_len": seq_len, "tokens": tokens,
+        "flops_per_token": round(total_flops / tokens), "flops_per_token_6n": flops_per_token_6n(m),
+        "flops_per_token_full_attention": round(full / tokens),
+        "causal_halving": causal_halving, "seq_len": max(seq_len for n, seq_len in stages if n), "tokens": tokens,
         "tokens_per_param": tokens / counts.total,
         "total_flops": total_flops, "hardware": hardware, "precision": matmul_precision(precision),
         # The same speed as MFU in the other conventions (the blog's 6N, nanochat's and torchtitan's full square).
-        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu, "mfu_6n": mfu * f.six_n / fpt,
-        "mfu_full_attention": mfu * f.full_attention / fpt,
+        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
+        "mfu_6n": mfu * flops_per_token_6n(m) * tokens / total_flops, "mfu_full_attention": mfu * full / total_flops,
         "hours": hours, "gpu_hours": hours * gpus, "price_per_gpu_hour": price_per_gpu_hour,
         "cost_usd": None if price_per_gpu_hour is None else hours * gpus * price_per_gpu_hour,
     }

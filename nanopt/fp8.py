@@ -18,6 +18,7 @@ import torch.nn as nn
 from nanopt.config import Config, ModelConfig, TrainConfig
 from nanopt.errors import ConfigError
 from nanopt.flops import block_linears, flops_per_token
+from nanopt.plan import build_plan
 from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
@@ -115,7 +116,7 @@ def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
 def _explain(cfg: Config, support: str, converted: int, device: str) -> None:
     """The log lines of a conversion: how much runs in FP8, and what would make this run slower than bf16."""
     t = cfg.train
-    seq_len = t.stages()[0][2]
+    seq_len = build_plan(t, 1).stages[0].seq_len  # the first stage's, which no world size changes
     share = flops_share(cfg.model, t, seq_len, cfg.mfu.causal_halving)
     log.info("fp8: %d block Linears in FP8 (%s scaling, %s, filter %s), %.1f%% of the model's FLOPs at seq_len %d; "
              "embeddings and LM head stay in %s", converted, t.fp8, support, t.fp8_filter, 100 * share, seq_len,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -256,51 +255,6 @@ def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
     """Scale each group's own base lr: one shared lr written into every group would erase per-group lrs."""
     for group in optimizer.param_groups:
         group["lr"] = group["base_lr"] * multiplier
-
-
-LR_POWER = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}  # train.batch_lr_rule
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A stretch of train.batch_schedule / seq_len_schedule as this world size runs it."""
-
-    number: int  # from 1
-    start: int  # in train.schedule_unit
-    batch_tokens: int
-    seq_len: int
-    accum: int  # micro_batch_size is fixed: a batch change changes only this, never a shape
-    lr_factor: float  # (batch / the first stage's batch) ** p, p from train.batch_lr_rule
-
-
-class Schedule:
-    """Step t's stage: the last whose start is <= t (schedule_unit steps) or <= the tokens seen before step t
-    (tokens). Without schedules, one stage of train.global_batch_tokens at train.seq_len, lr factor 1."""
-
-    def __init__(self, t: TrainConfig, world_size: int):
-        first, power = t.stages()[0][1], LR_POWER[t.batch_lr_rule]
-        self.stages = [Stage(i + 1, start, batch, seq, batch // (t.micro_batch_size * seq * world_size),
-                             (batch / first) ** power) for i, (start, batch, seq) in enumerate(t.stages())]
-        self.unit, self.max_steps = t.schedule_unit, t.max_steps
-        self.current: Optional[Stage] = None  # the stage the loop is in, None before a session's first step
-
-    def at(self, step: int, tokens_seen: int) -> Stage:
-        where = step if self.unit == "steps" else tokens_seen
-        return [s for s in self.stages if s.start <= where][-1]
-
-    def tokens_left(self, step: int, tokens_seen: int) -> int:
-        """The tokens of the steps after `step` up to max_steps, stage by stage (for the ETA)."""
-        left = 0
-        while step < self.max_steps:
-            stage = self.at(step, tokens_seen)
-            nxt = self.stages[stage.number].start if stage.number < len(self.stages) else None
-            steps = self.max_steps - step
-            if nxt is not None:
-                until = nxt - step if self.unit == "steps" else math.ceil((nxt - tokens_seen) / stage.batch_tokens)
-                steps = min(steps, until)
-            left += steps * stage.batch_tokens
-            step, tokens_seen = step + steps, tokens_seen + steps * stage.batch_tokens
-        return left
 
 
 def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -28,7 +28,8 @@ from nanopt.io import write_json, write_text
 from nanopt.lock import DirLock
 from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
-from nanopt.optim import Schedule, Stage, apply_schedule, build_optimizer, lr_multiplier
+from nanopt.optim import apply_schedule, build_optimizer, lr_multiplier
+from nanopt.plan import Plan, Stage, build_plan
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import Tokenizer, get_tokenizer
 
@@ -109,16 +110,17 @@ class StepLogger:
     logging window (loss averaged over ranks, NaN check), then one console line and one metrics record."""
 
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, meter: mfu.MFUMeter,
-                 guard: faults.FiniteGuard, start_step: int, schedule: Schedule):
+                 guard: faults.FiniteGuard, start_step: int, plan: Plan):
         self.cfg, self.rt, self.metrics, self.meter, self.guard = cfg, rt, metrics, meter, guard
-        self.start_step, self.window, self.schedule = start_step, SpeedWindow(start_step), schedule
+        self.start_step, self.window, self.plan = start_step, SpeedWindow(start_step), plan
+        self.stage: Optional[Stage] = None  # the stage the loop is in, None before a session's first step
 
     def enter(self, stage: Stage, step: int) -> None:
         """A new stage (or a session's first): the meter counts its tokens and FLOPs; a fresh window, so none
         spans two stages and a recompile for a new seq_len is left out like the first step's compilation."""
-        self.schedule.current, self.window = stage, SpeedWindow(step)
+        self.stage, self.window = stage, SpeedWindow(step)
         self.meter.set_stage(stage.batch_tokens, stage.seq_len)  # FLOPs/token at this seq_len too
-        if self.rt.is_main and len(self.schedule.stages) > 1:
+        if self.rt.is_main and len(self.plan.stages) > 1:
             log.info("stage %d from step %d: %s tokens/step, seq %d, accum %d, lr x%.2f", stage.number, step,
                      f"{stage.batch_tokens:,}", stage.seq_len, stage.accum, stage.lr_factor)
 
@@ -134,7 +136,7 @@ class StepLogger:
 
     def log(self, state: RunState, loss: float, lr: float, grad_norm: torch.Tensor, step_seconds: float,
             extra: dict[str, float]) -> None:
-        t, tokens = self.cfg.train, self.schedule.current.batch_tokens
+        t, tokens = self.cfg.train, self.stage.batch_tokens
         steps, step_s = self.window.close(state.step, step_seconds)
         values = {
             "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
@@ -143,7 +145,7 @@ class StepLogger:
             "peak_memory_gib": _gib(self.rt.backend.peak_memory_bytes()),
             "peak_reserved_gib": _gib(self.rt.backend.peak_reserved_bytes()),
             "tokens_seen": state.tokens_seen,
-            "eta_s": step_s * self.schedule.tokens_left(state.step, state.tokens_seen) / tokens, **extra,
+            "eta_s": step_s * self.plan.tokens_left(state.step) / tokens, **extra,
         }
         self.metrics.log(state.step, values)
         if self.rt.is_main:
@@ -292,7 +294,7 @@ class Session:
     guard: faults.FiniteGuard
     stop: faults.StopSignal
     started: float  # time.perf_counter() at the start of this session's loop
-    schedule: Schedule
+    plan: Plan
 
     def pause_follows(self, step: int) -> bool:
         """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
@@ -314,13 +316,13 @@ class Session:
             self.metrics.close()
 
 
-def compiled(model: torch.nn.Module, t: TrainConfig) -> torch.nn.Module:
+def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan) -> torch.nn.Module:
     """torch.compile(model) for train.compile. Shapes are static when a seq_len schedule is set: under dynamo's
     default a second sequence length recompiles the graph with T dynamic, and every later stage then runs that
     slower dynamic-shape graph; static, each length gets its own graph, once. Under DDP, train.compile_ddp_split
     chooses whether the graph is split at DDP's buckets (the all-reduces overlap the backward)."""
     torch._dynamo.config.optimize_ddp = t.compile_ddp_split
-    lengths = {seq_len for _, _, seq_len in t.stages()}
+    lengths = {s.seq_len for s in plan.stages}
     if len(lengths) == 1:
         return torch.compile(model)
     # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager.
@@ -329,16 +331,16 @@ def compiled(model: torch.nn.Module, t: TrainConfig) -> torch.nn.Module:
     return torch.compile(model, dynamic=False)
 
 
-def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable:
+def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> Callable:
     """train_step bound to the model as the device wants it: compiled, under DDP, or one XLA graph."""
-    train_model: torch.nn.Module = compiled(model, cfg.train) if cfg.train.compile else model
+    train_model: torch.nn.Module = compiled(model, cfg.train, plan) if cfg.train.compile else model
     if rt.distributed:
         # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
         # before each forward (DDP's default would send them from rank 0 every micro-step).
         train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids,
                           gradient_as_bucket_view=True, broadcast_buffers=False)
     # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one)
-    step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(cfg.train.stages()))
+    step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(plan.stages))
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
 
 
@@ -355,11 +357,11 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
     rt.barrier()
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    loader = build_loader(cfg, rt, train_windows, tokenizer.bos_id, data_seed)
+    plan = build_plan(t, rt.world_size)
+    first = plan.stages[0]
+    loader = build_loader(cfg, rt, train_windows, tokenizer.bos_id, data_seed, first.accum)  # each step asks its own
     val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
                                     cfg.eval.seed)
-    schedule = Schedule(t, rt.world_size)
-    first = schedule.stages[0]
     attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
     model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
                         dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
@@ -386,17 +388,17 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
     guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
-    return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer), loader, state,
-               clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
-               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step, schedule),
-               guard, stop, time.perf_counter(), schedule)
+    return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer, plan), loader,
+               state, clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
+               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step, plan),
+               guard, stop, time.perf_counter(), plan)
 
 
 def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
-                 seed: int) -> data.Loader | packing.PackedLoader:
+                 seed: int, accum: int) -> data.Loader | packing.PackedLoader:
     """The training rows as data.packing cuts them (validation always reads windows, so val loss compares)."""
     t = cfg.train
-    args = (t.micro_batch_size, rt.rank, rt.world_size, t.grad_accum_steps, seed)
+    args = (t.micro_batch_size, rt.rank, rt.world_size, accum, seed)
     if cfg.data.packing == "windows":
         return data.Loader(windows, *args)
     documents = packing.Documents(windows.shards, bos, windows.infos)  # the BOS index is cached by the shards' contents
@@ -407,8 +409,8 @@ def one_step(run: Session) -> None:
     """Stage, lr, data, the step, then the bookkeeping that needs the step's result: counters, the logger's
     host sync on logging steps, and training time (device work included) up to here."""
     cfg, rt, state = run.cfg, run.rt, run.state
-    stage = run.schedule.at(state.step, state.tokens_seen)
-    if stage != run.schedule.current:
+    stage = run.plan.at(state.step, state.tokens_seen)
+    if stage != run.logger.stage:
         run.logger.enter(stage, state.step)
     apply_schedule(run.optimizer, lr_multiplier(state.step, cfg.train) * stage.lr_factor)
     t0 = time.perf_counter()
@@ -474,7 +476,7 @@ def finish(run: Session) -> dict[str, Any]:
         "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
         "best_val_loss": state.best_val_loss, "world_size": rt.world_size, "device": rt.kind,
         "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
-        **fp8.summary(cfg, (run.schedule.current or run.schedule.at(state.step, state.tokens_seen)).seq_len),
+        **fp8.summary(cfg, (run.logger.stage or run.plan.at(state.step, state.tokens_seen)).seq_len),
         "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),

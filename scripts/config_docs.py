@@ -50,11 +50,13 @@ A run is configured by one YAML file of sections (`run:`, `model:`, `train:`, ..
   multiple of micro_batch_size × seq_len × world size) stop the command before anything runs, with one
   paragraph naming the key and what would be valid (exit code 2). A key with bounds takes finite numbers
   only: `nan` and `inf` are refused.
-- **Derived values.** At start-up `train.grad_accum_steps` = global_batch_tokens / (micro_batch_size × seq_len
-  × world size), and a `model.max_seq_len` of 0 becomes `train.seq_len`.
+- **Derived values.** At start-up a `model.max_seq_len` of 0 becomes `train.seq_len`. The stage plan
+  (nanopt/plan.py) derives each stage's steps, tokens and micro-steps per optimizer step (batch tokens /
+  (micro_batch_size × seq_len × world size)) from the config and the world size; a run logs each stage as it
+  enters it, and [`nanopt estimate`](mfu.md#time-to-train-nanopt-estimate) prints them all.
 - **`config.yaml` in a run directory** is the resolved config of the newest session: the file, the overrides
-  and the derived `model.max_seq_len` (not `train.grad_accum_steps`, which follows the world size). Each
-  checkpoint's `state.json` holds the same config; loading a run and resuming it read that one.
+  and the derived `model.max_seq_len`. Each checkpoint's `state.json` holds the same config; loading a run and
+  resuming it read that one.
 - **Resume.** Re-running a command on its run directory resumes from the newest usable checkpoint. A key
   marked *no* under "resume may change" must keep the checkpoint's value, or the run is refused naming it;
   `--checkpoint.allow_changes=train.lr,...` accepts the listed changes anyway.
@@ -75,8 +77,6 @@ def _value(value: Any) -> str:
 
 def _rules(f: Field) -> str:
     meta = f.metadata
-    if meta["derived"]:
-        return "derived, not settable"
     if meta["choices"]:
         return "one of " + choices_text(tuple(f"`{c}`" if c else "" for c in meta["choices"]))
     text = bounds_text(meta)

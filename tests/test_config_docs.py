@@ -73,7 +73,7 @@ SAFE = {
     "run.name", "run.dir", "run.time_limit_s", "train.max_steps", "train.compile", "train.target_val_loss",
     "train.target_val_bpb", "train.stop_at_target", "train.init_from", "train.loss_chunk_tokens",
     "train.compile_ddp_split",
-    "train.grad_accum_steps", "model.attention", "data.source", "data.dir", "data.verify_checksum",
+    "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
     "checkpoint.start_over", "eval.every", "eval.test_at_end",
     # Downstream tasks score the model outside the step and put the RNG states back (harness.score_model).

@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("io", "fastbpe"),                                    # atomic files, the cache directory; BPE engine
     ("hardware",),                                        # peak table, detection, the measured CPU peak (cached)
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
+    ("plan",),                                            # the stage plan: steps, batch, seq_len, tokens per stage
     ("flops", "xla", "plots", "experiments", "shards", "lock"),  # FLOPs; XLA; pictures; runs; shards; the lease
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
@@ -107,8 +108,8 @@ def test_the_check_finds_an_upward_and_a_hidden_import(tmp_path, monkeypatch):
     assert any("nanopt/model.py:2" in v and "function-local" in v for v in found), found
 
 
-@pytest.mark.parametrize("module", ["nanopt", "nanopt.config", "nanopt.flops", "nanopt.hardware", "nanopt.cli",
-                                   "nanopt.main", "nanopt.commands.estimate"])
+@pytest.mark.parametrize("module", ["nanopt", "nanopt.config", "nanopt.plan", "nanopt.flops", "nanopt.hardware",
+                                   "nanopt.cli", "nanopt.main", "nanopt.commands.estimate"])
 def test_light_modules_do_not_load_torch(module):
     """Layers 0-2, the estimator and the dispatcher stay torch-free (fast `nanopt estimate`, Modal's config check)."""
     code = f"import sys, {module}; print('torch' in sys.modules)"

@@ -331,6 +331,38 @@ def test_estimate_prints_the_three_conventions(capsys):
     assert "51.3% MFU here = 46.2% in 6N alone (the blog) = 56.3% with full attention (nanochat, torchtitan)" in out
 
 
+def test_estimate_trains_the_schedule_stage_by_stage(capsys):
+    """configs/speedrun-gpu.yaml ramps its batch: 1,000 × 262,144 + 1,000 × 393,216 + 1,500 × 524,288 tokens,
+    not 3,500 steps of the first batch (917,504,000)."""
+    path = str(REPO / "configs" / "speedrun-gpu.yaml")
+    assert cli.run(["estimate", path]) == 0
+    out = capsys.readouterr().out
+    assert "tokens         1,441,792,000 (the config's plan: 3,500 steps;" in out
+    for line in ("stage 1        from step 0: 1,000 steps × 262,144 tokens at seq 2048 = 262,144,000 tokens",
+                 "stage 2        from step 1,000: 1,000 steps × 393,216 tokens at seq 2048 = 393,216,000 tokens",
+                 "stage 3        from step 2,000: 1,500 steps × 524,288 tokens at seq 2048 = 786,432,000 tokens"):
+        assert line in out
+    assert cli.run(["estimate", path, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tokens"] == 1_441_792_000
+    assert [(s["first_step"], s["steps"], s["batch_tokens"], s["seq_len"], s["tokens"]) for s in got["stages"]] == [
+        (0, 1000, 262_144, 2048, 262_144_000), (1000, 1000, 393_216, 2048, 393_216_000),
+        (2000, 1500, 524_288, 2048, 786_432_000)]
+    # Attention's FLOPs per token follow each stage's seq_len: a shorter first stage costs less per token.
+    short = ["--train.seq_len_schedule=0:512,1000:2048", "--json"]
+    assert cli.run(["estimate", path, *short]) == 0
+    mixed = json.loads(capsys.readouterr().out)
+    m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
+    assert mixed["total_flops"] == (262_144_000 * flops.flops_per_token(m, 512)
+                                    + (393_216_000 + 786_432_000) * flops.flops_per_token(m, 2048))
+    assert mixed["total_flops"] < got["total_flops"] and mixed["seq_len"] == 2048
+    # --tokens: one stage at train.seq_len, and the report says so.
+    assert cli.run(["estimate", path, "--tokens", "1B", "--json"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert flat["tokens"] == 10**9 and flat["stages"] is None
+    assert flat["tokens_source"] == "--tokens 1B, all at seq 2048"
+
+
 def test_estimate_tokens_flag_and_bad_input(capsys):
     args = ["estimate", str(REPO / "configs" / "tiny.yaml"), "--gpus", "1", "--json"]
     assert cli.run(args + ["--tokens", "20x"]) == 0

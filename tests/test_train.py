@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from nanopt import train
 from nanopt.config import TrainConfig, load_config
 from nanopt.main import run
+from nanopt.plan import build_plan
 
 from conftest import small_overrides
 
@@ -97,7 +98,9 @@ def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_st
     monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     model = torch.nn.Linear(4, 4)
-    train.compiled(model, TrainConfig(compile_ddp_split=False))
+    t = TrainConfig(compile_ddp_split=False)
+    train.compiled(model, t, build_plan(t, 1))
     assert torch._dynamo.config.optimize_ddp is False and torch._dynamo.config.recompile_limit == 8
-    train.compiled(model, TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8))))
+    t = TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8)))
+    train.compiled(model, t, build_plan(t, 1))
     assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16

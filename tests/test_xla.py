@@ -22,6 +22,7 @@ import xla_jobs
 from conftest import run_module, small_overrides
 from nanopt import xla
 from nanopt.config import configs_dir, load_config, resolve
+from nanopt.plan import build_plan
 
 def _losses(run_dir: Path) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -192,7 +193,7 @@ def test_xla_flash_off_xla_falls_back_to_sdpa_with_the_reason(caplog):
 def test_tpu_config_keeps_the_step_graph_to_a_few_micro_steps():
     # Every micro-step is unrolled into the one compiled step graph: big micro-batches, few of them.
     cfg = resolve(load_config(configs_dir() / "tpu-v6e.yaml"), 1)
-    assert cfg.train.grad_accum_steps <= 4, cfg.train
+    assert build_plan(cfg.train, 1).stages[0].accum <= 4, cfg.train
     assert cfg.train.global_batch_tokens == 131072  # the batch it was tuned for, unchanged
     assert "checkpoint.mirror" in (configs_dir() / "tpu-v6e.yaml").read_text()  # how a spot VM keeps its checkpoints
 

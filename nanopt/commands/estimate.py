@@ -1,14 +1,16 @@
 """`nanopt estimate CONFIG [--hardware KEY] [--gpus N] [--mfu F] [--tokens T]`: time, GPU-hours and cost to
-train a config at an assumed MFU, before renting anything. Torch-free."""
+train a config's stage plan at an assumed MFU, before renting anything. Torch-free."""
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 from nanopt.config import load_config, parse_overrides, split_args
 from nanopt.errors import ConfigError
 from nanopt.flops import estimate, param_counts, parse_tokens
 from nanopt.hardware import PEAKS, matmul_precision, table_peak
+from nanopt.plan import build_plan
 
 
 def _hours_text(hours: float) -> str:
@@ -27,8 +29,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
     parser.add_argument("--gpus", type=int, default=8, help="number of devices (default 8)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
-    parser.add_argument("--tokens", help="tokens to train (25B, 2.5e10, 20x = per parameter); "
-                                         "default: the config's budget, train.max_steps × train.global_batch_tokens")
+    parser.add_argument("--tokens", help="tokens to train at train.seq_len (25B, 2.5e10, 20x = per parameter); "
+                                         "default: the config's stage plan, each stage at its own batch and seq_len")
     parser.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; without it cost is null")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = parser.parse_known_args(argv)
@@ -45,32 +47,34 @@ def main(argv: list[str]) -> int:
     if table_peak(args.hardware, cfg.train.precision) is None:
         raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "
                           f"peak; estimate a bf16 run (--train.precision=bf16).")
-    t = cfg.train
-    params = param_counts(cfg.model).total
-    if args.tokens is None:
-        tokens = t.max_steps * t.global_batch_tokens
-        source = f"config budget: {t.max_steps:,} steps × {t.global_batch_tokens:,} tokens/step"
-    else:
-        tokens = parse_tokens(args.tokens, params)
-        source = f"--tokens {args.tokens}"
-    r = estimate(cfg.model, t.seq_len, tokens, args.hardware, args.gpus, args.mfu, t.precision,
-                 args.price_per_gpu_hour, cfg.mfu.causal_halving)
+    t, plan = cfg.train, build_plan(cfg.train, args.gpus)
+    stages, source = [(s.tokens, s.seq_len) for s in plan.stages], f"the config's plan: {t.max_steps:,} steps"
+    if args.tokens is not None:
+        stages = [(parse_tokens(args.tokens, param_counts(cfg.model).total), t.seq_len)]
+        source = f"--tokens {args.tokens}, all at seq {t.seq_len}"
+    r = estimate(cfg.model, stages, args.hardware, args.gpus, args.mfu, t.precision, args.price_per_gpu_hour,
+                 cfg.mfu.causal_halving)
     r["tokens_source"] = source
+    # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
+    r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
     if args.json:
         print(json.dumps(r))
         return 0
     attention = "causal" if r["causal_halving"] else "full"
+    at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "averaged over the stages' seq_len"
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
     print("\n".join([
         f"{cfg.run.name}: {r['gpus']} × {PEAKS[r['hardware']].name} "
         f"({r['peak_flops_per_gpu'] / 1e12:.1f} TFLOP/s dense {r['precision']} each) at {100 * r['mfu']:.0f}% MFU",
         f"  parameters     {r['params']:,} (N for 6N: {r['n_6n']:,})",
-        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + {attention} attention at seq {r['seq_len']}); 6N alone "
+        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + {attention} attention {at}); 6N alone "
         f"{r['flops_per_token_6n']:.4g}; full attention {r['flops_per_token_full_attention']:.4g}",
         f"  same speed     {100 * r['mfu']:.1f}% MFU here = {100 * r['mfu_6n']:.1f}% in 6N alone (the blog) = "
         f"{100 * r['mfu_full_attention']:.1f}% with full attention (nanochat, torchtitan)",
         f"  tokens         {r['tokens']:,} ({source}; {r['tokens_per_param']:.1f} tokens/parameter)",
+        *(f"  stage {s['number']:<8} from step {s['first_step']:,}: {s['steps']:,} steps × {s['batch_tokens']:,} "
+          f"tokens at seq {s['seq_len']} = {s['tokens']:,} tokens" for s in r["stages"] or []),
         f"  total FLOPs    {r['total_flops']:.3g}",
         f"  wall time      {_hours_text(r['hours'])}",
         f"  GPU-hours      {r['gpu_hours']:,.{1 if r['gpu_hours'] >= 10 else 3}f}",
