@@ -210,7 +210,7 @@ def evaluate_core(model: Llama, tokenizer: Tokenizer, tasks: list[CoreTask], rt:
 
 def _score_task(model: Llama, tokenizer: Tokenizer, task: CoreTask, rt: Runtime, batch_size: int) -> dict[int, bool]:
     max_len = model.rope_cos.shape[0]
-    mine, got = range(rt.rank, len(task.items), rt.world_size), {}
+    mine, got = range(rt.rank, len(task.items), rt.world_size), {}  # this rank's items
     for start in range(0, len(mine), batch_size):  # a chunk at a time: a task's prompts may be gigabytes of tokens
         chunk = [(idx, sequences(task, idx, tokenizer, max_len)) for idx in mine[start : start + batch_size]]
         scores = iter(token_scores(model, [(t[:s], t[s:]) for _, seqs in chunk for t, s in seqs], rt, batch_size))
