@@ -3,7 +3,7 @@
     git -C <nanochat checkout> show HEAD:nanochat/core_eval.py > /tmp/core_eval.py
     python bench/core_parity.py --nanochat-core-eval /tmp/core_eval.py [--steps 60] [--n 60] [--json]
 
-The bundle is nanopt.core.write_bundle over the embedded corpus's test texts; the model a small byte-level nanopt
+The bundle is nanopt.taskgen.write_bundle over the embedded corpus's test texts; the model a small byte-level nanopt
 Llama trained --steps AdamW steps on the train texts (so it scores above chance), fp32 on CPU (CUDA when present),
 with a context short enough that few-shot prompts are cropped. nanochat's file is imported from its path, never
 copied. Each task is scored as the bundle says and again with every task 1-shot (the bundle's multiple-choice
@@ -22,7 +22,7 @@ from _common import banner
 
 import torch  # noqa: E402  (after _common puts the repo on sys.path)
 
-from nanopt import core, shards  # noqa: E402
+from nanopt import core, shards, taskgen  # noqa: E402
 from nanopt.config import ModelConfig  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
@@ -122,7 +122,7 @@ def main() -> int:
     cfg = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=a.max_seq_len)
     model = build_model(cfg, device)
     loss = train(model, [t for _, t in docs["train"]], a.steps, 128, device)
-    tasks = core.read_bundle(core.write_bundle(a.bundle, [t for _, t in docs["test"]], seed=0, n=a.n))
+    tasks = core.read_bundle(taskgen.write_bundle(a.bundle, [t for _, t in docs["test"]], seed=0, n=a.n))
     tasks += [dataclasses.replace(t, label=f"{t.label}_1shot", num_fewshot=1) for t in tasks]
     rt = Runtime(device.type, device, 0, 0, 1, 1, "fp32")
     rows = [compare(nc, model, ByteTokenizer(), t, rt, a.batch_size, a.max_seq_len) for t in tasks]

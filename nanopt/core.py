@@ -2,7 +2,8 @@
 example as nanochat's core_eval.py and base_eval.py score it (bench/core_parity.py checks): items shuffled with
 seed 1337, then cut to `limit`; few-shot examples drawn from the kept items; BOS first; prompts cropped on the
 left to the model's context; multiple_choice and schema pick the option of lowest mean loss where the options
-differ; language_modeling needs every continuation token to be the greedy prediction."""
+differ; language_modeling needs every continuation token to be the greedy prediction. The tokens are scored by
+the one continuation scorer (scoring.py), as lm-eval's are."""
 from __future__ import annotations
 
 import csv
@@ -11,18 +12,16 @@ import json
 import math
 import os
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.nn.functional as F
 import yaml
 
 from nanopt.errors import ConfigError
-from nanopt.io import write_text
+from nanopt.model import Llama
 from nanopt.runtime import Runtime
+from nanopt.scoring import TokenScores, token_scores
 from nanopt.tokenizer import Tokenizer
 
 # The fields each task type's items need, and the list an item's `gold` indexes.
@@ -32,7 +31,7 @@ OPTIONS = {"multiple_choice": "choices", "schema": "context_options"}
 SHUFFLE_SEED = 1337  # nanochat's base_eval.py shuffles each task's items with it before cutting them
 FEWSHOT_SEED = 1234  # nanochat's core_eval.py draws item i's few-shot examples with Random(1234 + i)
 HINT = ("--core takes DCLM's eval bundle as nanochat downloads it (eval_bundle.zip: core.yaml, eval_data/, "
-        "eval_meta_data.csv); nanopt.core.write_bundle writes a small one")
+        "eval_meta_data.csv); nanopt.taskgen.write_bundle writes a small one")
 
 
 @dataclass
@@ -190,8 +189,7 @@ def sequences(task: CoreTask, idx: int, tokenizer: Tokenizer, max_len: int) -> l
     return [(t[-max_len:], max(1, s - max(0, len(t) - max_len))) for t, s in zip(tokens, starts)]
 
 
-@torch.no_grad()
-def evaluate_core(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[CoreTask], rt: Runtime,
+def evaluate_core(model: Llama, tokenizer: Tokenizer, tasks: list[CoreTask], rt: Runtime,
                   batch_size: int = 8) -> dict[str, Any]:
     """{"core", "tasks": {label: {accuracy, centered, random_baseline, n}}, "examples": {label: [bool]}}, the
     same on every rank. Rank r scores items r, r + world, ...; batch_size bounds the prompts per forward."""
@@ -210,90 +208,21 @@ def evaluate_core(model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[Core
     return out
 
 
-def _score_task(model: torch.nn.Module, tokenizer: Tokenizer, task: CoreTask, rt: Runtime,
-                batch_size: int) -> dict[int, bool]:
-    max_len = getattr(model, "max_seq_len", None) or model.rope_cos.shape[0]  # Llama: its RoPE table's length
-    got: dict[int, bool] = {}
-    batch: list[tuple[int, list]] = []  # scored as it fills: a task's prompts may be gigabytes of token lists
-    for idx in range(rt.rank, len(task.items), rt.world_size):
-        seqs = sequences(task, idx, tokenizer, max_len)
-        if batch and sum(len(s) for _, s in batch) + len(seqs) > batch_size:
-            got.update(_score_batch(model, tokenizer, task, batch, rt))
-            batch = []
-        batch.append((idx, seqs))
-    got.update(_score_batch(model, tokenizer, task, batch, rt) if batch else [])
+def _score_task(model: Llama, tokenizer: Tokenizer, task: CoreTask, rt: Runtime, batch_size: int) -> dict[int, bool]:
+    max_len = model.rope_cos.shape[0]
+    mine, got = range(rt.rank, len(task.items), rt.world_size), {}  # this rank's items
+    for start in range(0, len(mine), batch_size):  # a chunk at a time: a task's prompts may be gigabytes of tokens
+        chunk = [(idx, sequences(task, idx, tokenizer, max_len)) for idx in mine[start : start + batch_size]]
+        scores = iter(token_scores(model, [(t[:s], t[s:]) for _, seqs in chunk for t, s in seqs], rt, batch_size))
+        got.update((idx, _right(task, idx, [next(scores) for _ in seqs])) for idx, seqs in chunk)
     return got
 
 
-def _score_batch(model: torch.nn.Module, tokenizer: Tokenizer, task: CoreTask, batch: list[tuple[int, list]],
-                 rt: Runtime) -> list[tuple[int, bool]]:
-    # Right padding with BOS, as nanochat pads: causal attention hides it from the scored positions.
-    rows = [torch.tensor(tokens, dtype=torch.long) for _, seqs in batch for tokens, _ in seqs]
-    x = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=tokenizer.bos_id or 0)
-    x_dev = rt.batch_to_device(x)
-    with rt.autocast():
-        logits = model(x_dev).float()  # B T V
-    targets = torch.roll(x_dev, -1, dims=1)  # position t predicts token t + 1
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(x.shape).cpu()
-    predictions = logits.argmax(-1).cpu()
-    rt.mark_step()
-    got, row = [], 0
-    for idx, seqs in batch:
-        if task.type == "language_modeling":  # right when every continuation token is the greedy prediction
-            tokens, s = seqs[0]
-            got.append((idx, s < len(tokens) and torch.equal(predictions[row, s - 1 : len(tokens) - 1],
-                                                              torch.tensor(tokens[s:]))))
-        else:  # .item() and list.index as nanochat's: the first of equal means wins, a NaN mean as it does there
-            means = [losses[row + r, s - 1 : len(t) - 1].mean().item() for r, (t, s) in enumerate(seqs)]
-            got.append((idx, means.index(min(means)) == task.items[idx]["gold"]))
-        row += len(seqs)
-    return got
-
-
-WORD = re.compile(r"[A-Za-z]{5,}")  # a word long enough to cut in two
-GENERATED = [("nanopt_line_end", "multiple_choice", 0, 25.0), ("nanopt_line_start", "schema", 2, 50.0),
-             ("nanopt_word_end", "language_modeling", 2, 0.0)]
-
-
-def write_bundle(out_dir: str | Path, texts: list[str], seed: int = 0, n: int = 60) -> Path:
-    """A small bundle in DCLM's layout from held-out texts: n items per GENERATED task (see _generated_item)."""
-    rng = random.Random(seed)
-    docs = [[s.strip() for s in t.split("\n") if len(s.strip()) >= 20] for t in texts]
-    spots = [(d, i) for d in docs for i in range(3, len(d)) if WORD.search(d[i])]
-    if len({d[i] for d, i in spots}) < 8:
-        raise ConfigError("write_bundle needs 8+ different lines of 20+ characters with a 5-letter word in texts.")
-
-    def cut(keep: float) -> tuple[str, str, int]:  # a passage cut inside a word; the line's rest; the word's rest
-        d, i = rng.choice(spots)
-        word = rng.choice(list(WORD.finditer(d[i])))
-        at = word.start() + int(len(word.group()) * keep)
-        return "\n".join(d[i - 3 : i] + [d[i][:at]]), d[i][at:], word.end() - at
-
-    root = Path(out_dir)
-    (root / "eval_data").mkdir(parents=True, exist_ok=True)
-    specs, table = [], ["Eval Task,Task Type,#shots,Random baseline\n"]
-    for label, kind, shots, baseline in GENERATED:
-        items = [_generated_item(kind, cut, rng) for _ in range(n)]
-        write_text(root / "eval_data" / f"{label}.jsonl", "".join(json.dumps(item) + "\n" for item in items))
-        specs.append({"label": label, "dataset_uri": f"{label}.jsonl", "num_fewshot": [shots],
-                      "icl_task_type": kind, "continuation_delimiter": ""})  # the cut is inside a word
-        table.append(f"{label},{kind},{shots},{baseline}\n")
-    write_text(root / "core.yaml", yaml.safe_dump({"icl_tasks": specs}, sort_keys=False, default_flow_style=None))
-    write_text(root / "eval_meta_data.csv", "".join(table))
-    return root
-
-
-def _generated_item(kind: str, cut: Callable[[float], tuple[str, str, int]], rng: random.Random) -> dict:
-    """Four lines, the last cut inside a word, then: the line's rest among three other lines' (multiple_choice);
-    which of two such passages the rest follows (schema); the word's rest (language_modeling). Cutting inside a
-    word makes the context count even for small models (next whole lines score at chance for them)."""
-    context, rest, word_rest = cut(0.7 if kind == "language_modeling" else 0.5)
-    if kind == "language_modeling":
-        return {"context": context, "continuation": rest[:word_rest]}
-    pick = 0 if kind == "schema" else 1  # schema: other passages; multiple_choice: other lines' rests
-    options = [cut(0.5)[pick] for _ in range(3 if kind == "multiple_choice" else 1)]
-    gold = rng.randrange(len(options) + 1)
-    options.insert(gold, (context, rest)[pick])
-    if kind == "schema":
-        return {"context_options": options, "continuation": rest, "gold": gold}
-    return {"query": context, "choices": options, "gold": gold}
+def _right(task: CoreTask, idx: int, scores: list[TokenScores]) -> bool:
+    """Whether item idx is answered right, from its prompts' scored tokens."""
+    if task.type == "language_modeling":  # right when every continuation token is the greedy prediction
+        lp, greedy = scores[0]
+        return len(lp) > 0 and bool(greedy.all())
+    # .item() and list.index as nanochat's: the first of equal mean losses wins, a NaN mean as it does there
+    means = [(-lp).mean().item() for lp, _ in scores]
+    return means.index(min(means)) == task.items[idx]["gold"]

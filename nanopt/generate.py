@@ -1,23 +1,26 @@
-"""Sampling with a KV cache: prefill the prompt once, then one token per step."""
+"""THE decode loop: prefill the prompt once, then one token per step on the KV cache (one padded shape on XLA),
+until max_new_tokens or a stop condition (lm-eval's greedy generate_until stops at its strings)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from nanopt.model import Llama
 from nanopt.runtime import static_shapes
 
+Stop = Optional[Callable[[list[int]], bool]]  # stop(row 0's new ids) true: the last of them ends the decoding
+
 
 @torch.no_grad()
 def generate(
     model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-    generator: Optional[torch.Generator] = None, use_cache: bool = True,
+    generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None,
 ) -> torch.Tensor:
-    """prompt: B T ids -> B (T + max_new_tokens) ids. temperature 0 = greedy. use_cache=False recomputes the
-    whole context every token (the reference the cache must match)."""
+    """prompt: B T ids -> B (T + max_new_tokens) ids, fewer where stop turns true first. temperature 0 = greedy.
+    use_cache=False recomputes the whole context every token (the reference the cache must match)."""
     if use_cache and static_shapes(prompt.device):  # XLA: a KV cache growing by one is a new graph per token
-        return generate_padded(model, prompt, max_new_tokens, temperature, top_k, generator)
+        return generate_padded(model, prompt, max_new_tokens, temperature, top_k, generator, stop)
     B, T = prompt.shape
     total = _fits(model, T + max_new_tokens)
     device = prompt.device
@@ -27,8 +30,8 @@ def generate(
     logits = model(prompt, caches=caches, start_pos=0)[:, -1]  # B V
     for pos in range(T, total):
         out[:, pos] = _pick(logits, temperature, top_k, generator)
-        if pos + 1 == total:
-            break
+        if pos + 1 == total or stop is not None and stop(out[0, T : pos + 1].tolist()):
+            return out[:, : pos + 1]
         if use_cache:
             logits = model(out[:, pos : pos + 1], caches=caches, start_pos=pos)[:, -1]
         else:
@@ -39,7 +42,7 @@ def generate(
 @torch.no_grad()
 def generate_padded(
     model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-    generator: Optional[torch.Generator] = None, min_bucket: int = 16,
+    generator: Optional[torch.Generator] = None, stop: Stop = None,
 ) -> torch.Tensor:
     """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input, a host buffer of
     prompt + new tokens rounded up to a power of two (capped at max_seq_len), zero-padded on the right (causal
@@ -48,7 +51,7 @@ def generate_padded(
     """
     B, T = prompt.shape
     total = _fits(model, T + max_new_tokens)
-    length = min(model.rope_cos.shape[0], max(min_bucket, 1 << (total - 1).bit_length()))
+    length = min(model.rope_cos.shape[0], max(16, 1 << (total - 1).bit_length()))
     device = model.embed.weight.device
     buf = torch.zeros(B, length, dtype=torch.long)  # B L, on the host
     buf[:, :T] = prompt.cpu()
@@ -57,6 +60,8 @@ def generate_padded(
         h = model.hidden(buf.to(device)).index_select(1, last.to(device))  # B L C -> B 1 C
         logits = model.logits(h)[:, 0].cpu()  # B 1 C @ C V -> B V (soft-capped when the model caps)
         buf[:, pos] = _pick(logits, temperature, top_k, generator)
+        if stop is not None and stop(buf[0, T : pos + 1].tolist()):
+            return buf[:, : pos + 1].to(prompt.device)
     return buf[:, :total].to(prompt.device)
 
 

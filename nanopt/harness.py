@@ -1,8 +1,11 @@
-"""nanopt models inside EleutherAI's lm-evaluation-harness: `lm_class()` is the harness model `nanopt` (any run
-directory, checkpoint or Hugging Face directory nanopt loads, every model option, on the runtime's device), and
-`evaluate_tasks` runs harness tasks on one and turns the results into run-directory records. The harness owns
-tasks, prompts, few-shot and metrics; nanopt answers its three requests (scoring.py). lm-eval is the optional
-`eval` extra and takes about a second to import, so it is imported on first use, never by `nanopt train` alone."""
+"""The tasks wing's top: a model scored on downstream tasks, lm-eval's and CORE's (core.py), after training (`nanopt
+eval --tasks/--core`: score_checkpoint) and during it (TaskScorer), each score recorded in the run directory; and
+nanopt models inside EleutherAI's lm-evaluation-harness: `lm_class()` is the harness model `nanopt` (any run
+directory, checkpoint or Hugging Face directory nanopt loads, every model option, on the runtime's device). The
+harness owns tasks, prompts, few-shot and metrics; nanopt answers its three requests with the continuation scorer
+(scoring.py) and the decode loop (generate.py). lm-eval is the optional `eval` extra and takes about a second to
+import, so it is imported on first use and for lm-eval tasks only: a model loads (task_model) and CORE scores
+without it."""
 from __future__ import annotations
 
 import logging
@@ -13,16 +16,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from nanopt import core, runtime
 from nanopt.checkpoint import weights_crc32
+from nanopt.config import Config
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
 from nanopt.errors import ConfigError
+from nanopt.generate import generate
 from nanopt.io import append_jsonl
 from nanopt.loading import Loaded, load
 from nanopt.model import Llama
 from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded
 from nanopt.runtime import Runtime
-from nanopt.scoring import continuation_scores, greedy_until
+from nanopt.scoring import continuation_scores
 from nanopt.tokenizer import Tokenizer, get_tokenizer
 
 log = logging.getLogger("nanopt")
@@ -66,7 +73,8 @@ def _define(lm_eval: Any) -> type:
             # max_batch_size: the harness passes it for its batch-size search, which nanopt does not need.
             # Any other model_args key is a TypeError naming it (a typo must not be ignored).
             super().__init__()
-            _setup(self, path, model, tokenizer, str(device or "auto").split(":")[0], precision, rt)  # cuda:0 -> cuda
+            found = task_model(path, model, tokenizer, str(device or "auto").split(":")[0], precision, rt)  # cuda:0
+            self.model, self.tok, self.rt = found.model, found.tok, found.rt
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> 32
             self.add_bos = str(add_bos_token).lower() in ("true", "1") and self.tok.bos_id is not None
             self.max_gen_toks = int(max_gen_toks)
@@ -97,9 +105,21 @@ def _define(lm_eval: Any) -> type:
     return NanoptLM
 
 
-def _setup(lm: Any, path: Optional[str], model: Optional[Llama], tokenizer: Optional[Tokenizer | str],
-           device: str, precision: str, rt: Optional[Runtime]) -> None:
-    """The model, tokenizer and runtime of a NanoptLM: loaded from `path`, or given (training's live model)."""
+@dataclass
+class TaskModel:
+    """A model as the task scorers take it: on its runtime's device in eval mode, with its tokenizer, and the
+    Loaded it came from (None for a model given in memory)."""
+
+    model: Llama
+    tok: Tokenizer
+    rt: Runtime
+    loaded: Optional[Loaded]
+
+
+def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Optional[Tokenizer | str] = None,
+               device: str = "auto", precision: str = "run", rt: Optional[Runtime] = None) -> TaskModel:
+    """The model, tokenizer and runtime to score: loaded from `path` (no lm-eval needed), or given (training's
+    live model, a NanoptLM's model and tokenizer)."""
     loaded: Optional[Loaded] = None
     if model is None:
         if not path:
@@ -111,13 +131,12 @@ def _setup(lm: Any, path: Optional[str], model: Optional[Llama], tokenizer: Opti
     if not name:
         raise ConfigError(f"{path} has no tokenizer files and no nanopt config naming one; give tokenizer=NAME "
                           f"(a Hugging Face tokenizer directory or `byte`) in --model_args.")
-    lm.tok = get_tokenizer(name) if isinstance(name, str) else name
+    tok = get_tokenizer(name) if isinstance(name, str) else name
     if rt is None:
         run_precision = loaded.cfg.train.precision if loaded else "fp32"
         chosen = run_precision if precision == "run" else precision
         rt = runtime.init(device, "bf16" if chosen == "bf16" else "fp32", loaded.cfg.runtime.threads if loaded else 0)
-    lm.rt, lm.loaded = rt, loaded
-    lm.model = model.to(rt.device).eval()
+    return TaskModel(model.to(rt.device).eval(), tok, rt, loaded)
 
 
 def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
@@ -144,9 +163,12 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
     until = [until] if isinstance(until, str) else list(until)
     eos = lm.tok.eos_id  # ends generation as a token (its text may decode to nothing)
     stop = (lambda ids: ids[-1] == eos or any(s and s in lm.tok.decode(ids) for s in until))
-    ids = greedy_until(lm.model, lm.tok_encode(context), int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)),
-                       stop, lm.rt)
-    text = lm.tok.decode([i for i in ids if i != eos])
+    max_len = lm.model.rope_cos.shape[0]
+    max_new = max(1, min(int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)), max_len - 1))
+    prompt = lm.tok_encode(context)[-(max_len - max_new):]  # cropped on the left to leave room for the answer
+    with lm.rt.autocast():
+        ids = generate(lm.model, torch.tensor([prompt], device=lm.rt.device), max_new, 0, stop=stop)[0, len(prompt):]
+    text = lm.tok.decode([i for i in ids.tolist() if i != eos])
     for s in until:
         if s:
             text = text.split(s)[0]
@@ -324,6 +346,66 @@ def core_records(result: dict[str, Any], step: Optional[int], source: str, **ext
     return out
 
 
+class TaskScorer:
+    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, each time
+    after that step's checkpoint is saved (loop, finish): scoring is an evaluation and never costs trained steps.
+    The main rank scores (the harness runs in one process) on a one-process view of the runtime, so nothing in the
+    scoring waits for the other ranks, while they wait at a barrier. A scoring failure there (task data removed
+    during the run, a harness error) is one warning and a record in evals.jsonl naming the task and the cause, and
+    training goes on; what can be checked before step 1 is (check_tasks). The time is reported and, like
+    validation, outside the training clock."""
+
+    def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
+        e = cfg.eval
+        self.spec = TaskSpec([t.strip() for t in e.tasks.split(",") if t.strip()], e.tasks_path or None,
+                             e.tasks_limit or None, None, e.core or None)
+        self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
+        self.solo = replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
+        self.seconds, self.last_step = 0.0, None
+        if not self.spec:  # every rank reads the same config: no collective for a run without tasks
+            return
+        problem = None
+        if rt.is_main:  # an unknown task, unusable task data or a broken bundle is refused before the first step
+            try:
+                check_tasks(self.spec)
+            except ConfigError as e:
+                problem = str(e)
+        problem = rt.gather_objects(problem)[0]
+        if problem:
+            raise ConfigError(problem)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.tasks_every
+        return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
+
+    def run(self, step: int) -> None:
+        t0 = time.perf_counter()
+        if self.rt.is_main:
+            self._score(step)
+        self.rt.barrier()
+        self.seconds += time.perf_counter() - t0
+        self.last_step = step
+
+    def _score(self, step: int) -> None:
+        """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
+        failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
+        records = []
+        for part in self.spec.parts():
+            try:
+                records += score_model(self.model, self.tokenizer, self.solo, part, step, "train")
+            except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
+                failed = failure_records(part, step, "train", e)
+                log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()),
+                            failed[0]["error"])
+                records += failed
+        try:
+            record_tasks(self.cfg.run_dir, records)
+        except Exception as e:  # e.g. evals.jsonl replaced by a link, or damaged, during the run
+            log.warning("step %6d | task scores not recorded in %s: %s", step, EVALS_FILE, e)
+        for line in task_lines(records):
+            log.info("step %6d | %s", step, line)
+
+
 def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto",
                      precision: str = "run") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`nanopt eval PATH --tasks/--core`: load a run directory (its newest complete checkpoint), a checkpoint
@@ -331,12 +413,12 @@ def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto",
     the records, and those of them the run's evals.jsonl already held from the same weights (not appended)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--tasks and --core run in one process; start `nanopt eval` without torchrun.")
-    lm = lm_class()(path=str(path), device=device, precision=precision, batch_size=spec.batch_size)
-    loaded: Loaded = lm.loaded
+    found = task_model(str(path), device=device, precision=precision)  # lm-eval only if spec has its tasks
+    loaded: Loaded = found.loaded  # type: ignore[assignment]
     try:
-        records = score_model(lm.model, lm.tok, lm.rt, spec, loaded.step, "nanopt eval",
+        records = score_model(found.model, found.tok, found.rt, spec, loaded.step, "nanopt eval",
                               checkpoint=str(loaded.source), weights_crc32=weights_crc32(loaded.source),
-                              limit=spec.limit, precision=lm.rt.precision)
+                              limit=spec.limit, precision=found.rt.precision)
         held = record_tasks(loaded.run_dir, records)
     finally:
         runtime.teardown()

@@ -1,18 +1,19 @@
-"""What downstream tasks ask of a model, in token ids: the log-likelihood of continuations (batched by length,
-logits computed only where a continuation's tokens are scored) and greedy generation with the KV cache until a
-stop condition. lm-evaluation-harness's model (harness.py) turns text requests into these calls."""
+"""THE continuation scorer: each continuation token's log-probability given its context, and whether it is the
+greedy prediction (batched by length, logits computed only where a continuation's tokens are scored), as
+nanochat's core_eval.py forward_model serves every task type. lm-eval's requests (harness.py) sum them, CORE
+(core.py) takes their mean; generation is generate.py's decode loop."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from nanopt.generate import generate_padded
 from nanopt.model import Llama
 from nanopt.runtime import Runtime, static_shapes
 
 Request = tuple[list[int], list[int]]  # (context ids, continuation ids)
+TokenScores = tuple[torch.Tensor, torch.Tensor]  # a continuation's tokens: log-probabilities, is-greedy flags
 
 
 def _bucket(n: int, limit: int) -> int:
@@ -42,17 +43,24 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
     return out
 
 
-@torch.no_grad()  # not inference_mode: XLA tensors refuse it
 def continuation_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size: int = 32,
                         max_tokens: int = 16384) -> list[tuple[float, bool]]:
     """(sum of log-probabilities of the continuation given its context, whether greedy decoding would have
     produced it) per request, in request order. An empty continuation (BPE can merge a short continuation into
     the context's last token) scores (0.0, True), as in the harness's own models."""
+    return [(lp.sum().item(), bool(greedy.all())) for lp, greedy in token_scores(model, requests, rt, batch_size,
+                                                                                   max_tokens)]
+
+
+@torch.no_grad()  # not inference_mode: XLA tensors refuse it
+def token_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size: int = 32,
+                 max_tokens: int = 16384) -> list[TokenScores]:
+    """Each request's TokenScores, in request order, on the host."""
     max_len = model.rope_cos.shape[0]
     windows = _windows(requests, max_len)
     lengths = [len(w) - 1 for w, _ in windows]
     order = sorted(range(len(windows)), key=lambda i: -lengths[i])
-    results: list[Optional[tuple[float, bool]]] = [None] * len(windows)
+    results: list[Optional[TokenScores]] = [None] * len(windows)
     for batch in _batches(order, lengths, batch_size, max_tokens):
         for i, scored in zip(batch, _score_batch(model, [windows[i] for i in batch], rt, max_len)):
             results[i] = scored
@@ -60,7 +68,7 @@ def continuation_scores(model: Llama, requests: list[Request], rt: Runtime, batc
 
 
 def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime,
-                 max_len: int) -> list[tuple[float, bool]]:
+                 max_len: int) -> list[TokenScores]:
     device, static = rt.device, static_shapes(rt.device)
     T = max(len(w) - 1 for w, _ in windows)
     B = len(windows)
@@ -71,7 +79,7 @@ def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime
     for b, (whole, n) in enumerate(windows):
         x[b, : len(whole) - 1] = torch.tensor(whole[:-1])
         picks += range(b * T + len(whole) - 1 - n, b * T + len(whole) - 1)
-        targets += whole[len(whole) - n:]  # position t predicts token t + 1; n may be 0 (see below)
+        targets += whole[len(whole) - n:]  # position t predicts token t + 1; n may be 0
         counts.append(n)
     pick = torch.tensor(picks)
     if static:  # a fixed number of picked rows per bucket: one compiled graph per (B, T) bucket
@@ -84,32 +92,4 @@ def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime
     # cross_entropy fuses log-softmax and the pick: no second N x V tensor written and read back
     token_lp = -F.cross_entropy(logits, target, reduction="none").cpu()  # N
     greedy = (logits.argmax(-1) == target).cpu()  # N
-    out, start = [], 0
-    for n in counts:
-        out.append((token_lp[start : start + n].sum().item(), bool(greedy[start : start + n].all())))
-        start += n
-    return out
-
-
-@torch.no_grad()
-def greedy_until(model: Llama, prompt: list[int], max_new_tokens: int, stop: Callable[[list[int]], bool],
-                 rt: Runtime) -> list[int]:
-    """The greedy continuation of `prompt` (new ids only), one token at a time on the KV cache, until
-    stop(new ids) is true or max_new_tokens. The prompt is cropped on the left to leave room in the context."""
-    max_len = model.rope_cos.shape[0]
-    max_new = max(1, min(max_new_tokens, max_len - 1))
-    prompt = prompt[-(max_len - max_new):]
-    device = rt.device
-    if static_shapes(device):  # XLA: no growing cache (a graph per token); one padded shape for every step
-        ids = generate_padded(model, torch.tensor([prompt]), max_new, temperature=0)[0, len(prompt):].tolist()
-        return next((ids[:k] for k in range(1, len(ids) + 1) if stop(ids[:k])), ids)
-    caches = model.new_caches(1, len(prompt) + max_new, device, model.embed.weight.dtype)
-    new: list[int] = []
-    with rt.autocast():
-        logits = model(torch.tensor([prompt], device=device), caches=caches, start_pos=0)[:, -1]  # 1 V
-        for pos in range(len(prompt), len(prompt) + max_new):
-            new.append(int(logits.float().argmax(-1)))
-            if stop(new) or len(new) == max_new:
-                break
-            logits = model(torch.tensor([new[-1:]], device=device), caches=caches, start_pos=pos)[:, -1]
-    return new
+    return list(zip(token_lp.split(counts), greedy.split(counts)))

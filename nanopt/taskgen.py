@@ -1,12 +1,14 @@
-"""Small lm-evaluation-harness tasks generated from held-out text, with their data as local JSONL files, so
-`nanopt eval` can be tried and tested offline: `nanopt_mc` (pick the true continuation of a passage among four)
-and `nanopt_rolling` (perplexity of short passages), and the group `nanopt_tasks` holding both."""
+"""THE demo-task writer: small tasks generated from held-out text, with their data as local JSONL files, so
+`nanopt eval --tasks/--core` can be tried and tested offline. make_tasks writes lm-evaluation-harness tasks:
+`nanopt_mc` (pick the true continuation of a passage among four) and `nanopt_rolling` (perplexity of short
+passages), and the group `nanopt_tasks` holding both; write_bundle a CORE bundle in DCLM's layout."""
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
@@ -142,3 +144,52 @@ def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 
     write_json(out_dir / MANIFEST, {"made_by": "nanopt.taskgen.make_tasks", "source": source, "n": n,
                                     "seed": seed, "tasks": [MC, ROLLING], "group": GROUP})
     return paths
+
+
+WORD = re.compile(r"[A-Za-z]{5,}")  # a word long enough to cut in two
+GENERATED = [("nanopt_line_end", "multiple_choice", 0, 25.0), ("nanopt_line_start", "schema", 2, 50.0),
+             ("nanopt_word_end", "language_modeling", 2, 0.0)]
+
+
+def write_bundle(out_dir: str | Path, texts: list[str], seed: int = 0, n: int = 60) -> Path:
+    """A small bundle in DCLM's layout from held-out texts: n items per GENERATED task (see _generated_item)."""
+    rng = random.Random(seed)
+    docs = [[s.strip() for s in t.split("\n") if len(s.strip()) >= 20] for t in texts]
+    spots = [(d, i) for d in docs for i in range(3, len(d)) if WORD.search(d[i])]
+    if len({d[i] for d, i in spots}) < 8:
+        raise ConfigError("write_bundle needs 8+ different lines of 20+ characters with a 5-letter word in texts.")
+
+    def cut(keep: float) -> tuple[str, str, int]:  # a passage cut inside a word; the line's rest; the word's rest
+        d, i = rng.choice(spots)
+        word = rng.choice(list(WORD.finditer(d[i])))
+        at = word.start() + int(len(word.group()) * keep)
+        return "\n".join(d[i - 3 : i] + [d[i][:at]]), d[i][at:], word.end() - at
+
+    root = Path(out_dir)
+    (root / "eval_data").mkdir(parents=True, exist_ok=True)
+    specs, table = [], ["Eval Task,Task Type,#shots,Random baseline\n"]
+    for label, kind, shots, baseline in GENERATED:
+        items = [_generated_item(kind, cut, rng) for _ in range(n)]
+        write_text(root / "eval_data" / f"{label}.jsonl", "".join(json.dumps(item) + "\n" for item in items))
+        specs.append({"label": label, "dataset_uri": f"{label}.jsonl", "num_fewshot": [shots],
+                      "icl_task_type": kind, "continuation_delimiter": ""})  # the cut is inside a word
+        table.append(f"{label},{kind},{shots},{baseline}\n")
+    write_text(root / "core.yaml", yaml.safe_dump({"icl_tasks": specs}, sort_keys=False, default_flow_style=None))
+    write_text(root / "eval_meta_data.csv", "".join(table))
+    return root
+
+
+def _generated_item(kind: str, cut: Callable[[float], tuple[str, str, int]], rng: random.Random) -> dict:
+    """Four lines, the last cut inside a word, then: the line's rest among three other lines' (multiple_choice);
+    which of two such passages the rest follows (schema); the word's rest (language_modeling). Cutting inside a
+    word makes the context count even for small models (next whole lines score at chance for them)."""
+    context, rest, word_rest = cut(0.7 if kind == "language_modeling" else 0.5)
+    if kind == "language_modeling":
+        return {"context": context, "continuation": rest[:word_rest]}
+    pick = 0 if kind == "schema" else 1  # schema: other passages; multiple_choice: other lines' rests
+    options = [cut(0.5)[pick] for _ in range(3 if kind == "multiple_choice" else 1)]
+    gold = rng.randrange(len(options) + 1)
+    options.insert(gold, (context, rest)[pick])
+    if kind == "schema":
+        return {"context_options": options, "continuation": rest, "gold": gold}
+    return {"query": context, "choices": options, "gold": gold}

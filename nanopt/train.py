@@ -23,7 +23,7 @@ from nanopt.config import Config, TrainConfig, resume_changes, to_yaml
 from nanopt.errors import ConfigError, DiskFull, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
-from nanopt.harness import TaskSpec, check_tasks, failure_records, record_tasks, score_model, task_lines
+from nanopt.harness import TaskScorer
 from nanopt.io import write_json, write_text
 from nanopt.lock import DirLock
 from nanopt.metrics import MetricsLogger, format_duration, step_line
@@ -194,66 +194,6 @@ class Validator:
         if self.rt.is_main:
             log.info("step %6d | %s loss %.4f | %s bpb %.4f", step, split, loss, split, bpb)
         return loss, bpb
-
-
-class TaskScorer:
-    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, each time
-    after that step's checkpoint is saved (loop, finish): scoring is an evaluation and never costs trained steps.
-    The main rank scores (the harness runs in one process) on a one-process view of the runtime, so nothing in the
-    scoring waits for the other ranks, while they wait at a barrier. A scoring failure there (task data removed
-    during the run, a harness error) is one warning and a record in evals.jsonl naming the task and the cause, and
-    training goes on; what can be checked before step 1 is (check_tasks). The time is reported and, like
-    validation, outside the training clock."""
-
-    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, tokenizer: Tokenizer):
-        e = cfg.eval
-        self.spec = TaskSpec([t.strip() for t in e.tasks.split(",") if t.strip()], e.tasks_path or None,
-                             e.tasks_limit or None, None, e.core or None)
-        self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
-        self.solo = dataclasses.replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
-        self.seconds, self.last_step = 0.0, None
-        if not self.spec:  # every rank reads the same config: no collective for a run without tasks
-            return
-        problem = None
-        if rt.is_main:  # an unknown task, unusable task data or a broken bundle is refused before the first step
-            try:
-                check_tasks(self.spec)
-            except ConfigError as e:
-                problem = str(e)
-        problem = rt.gather_objects(problem)[0]
-        if problem:
-            raise ConfigError(problem)
-
-    def due(self, step: int) -> bool:
-        every = self.cfg.eval.tasks_every
-        return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
-
-    def run(self, step: int) -> None:
-        t0 = time.perf_counter()
-        if self.rt.is_main:
-            self._score(step)
-        self.rt.barrier()
-        self.seconds += time.perf_counter() - t0
-        self.last_step = step
-
-    def _score(self, step: int) -> None:
-        """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
-        failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
-        records = []
-        for part in self.spec.parts():
-            try:
-                records += score_model(self.model, self.tokenizer, self.solo, part, step, "train")
-            except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
-                failed = failure_records(part, step, "train", e)
-                log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()),
-                            failed[0]["error"])
-                records += failed
-        try:
-            record_tasks(self.cfg.run_dir, records)
-        except Exception as e:  # e.g. evals.jsonl replaced by a link, or damaged, during the run
-            log.warning("step %6d | task scores not recorded in %s: %s", step, rundirs.EVALS_FILE, e)
-        for line in task_lines(records):
-            log.info("step %6d | %s", step, line)
 
 
 def seed_everything(seed: int) -> None:

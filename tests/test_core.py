@@ -1,5 +1,6 @@
 """nanopt.core: DCLM's eval bundle read, prompts rendered and scored as nanochat's core_eval.py does, the CORE
-arithmetic, and the generated bundle. Per-example parity with nanochat itself: bench/core_parity.py."""
+arithmetic, and the generated bundle (nanopt.taskgen.write_bundle). Per-example parity with nanochat itself:
+bench/core_parity.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanopt import core
+from nanopt import core, taskgen
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
 from nanopt.model import build_model
@@ -27,19 +28,23 @@ def rt(rank: int = 0, world: int = 1) -> Runtime:
 
 
 class Bigram(torch.nn.Module):
-    """Logits that depend on the current token only: row t of a V×V table. max_seq_len is what the scorer crops to."""
+    """Logits that depend on the current token only: row t of a V×V table. The length of rope_cos, as a Llama's,
+    is what the scorer crops to."""
 
     def __init__(self, max_seq_len: int = 64):
         super().__init__()
         self.table = torch.zeros(257, 257)
-        self.max_seq_len = max_seq_len
+        self.rope_cos = torch.zeros(max_seq_len, 1)
 
     def set(self, after: str, token: str, logit: float) -> None:
         self.table[ord(after) if len(after) == 1 else BOS, ord(token)] = logit
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        assert idx.shape[1] <= self.max_seq_len
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:  # the scorer's forward: hidden states, then logits
+        assert idx.shape[1] <= self.rope_cos.shape[0]
         return self.table[idx]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
 
 def task(kind: str, items: list[dict], delimiter: str = " ", shots: int = 0, baseline: float = 0.0) -> core.CoreTask:
@@ -141,7 +146,7 @@ def test_left_crop_to_the_model_context_shifts_the_scored_span():
 
 @pytest.fixture
 def bundle(tmp_path: Path) -> Path:
-    return core.write_bundle(tmp_path / "bundle", TEXTS, seed=3, n=12)
+    return taskgen.write_bundle(tmp_path / "bundle", TEXTS, seed=3, n=12)
 
 
 def test_write_then_read_round_trip(bundle: Path):
@@ -154,7 +159,7 @@ def test_write_then_read_round_trip(bundle: Path):
         in_file = [json.loads(line) for line in lines]
         random.Random(1337).shuffle(in_file)  # nanochat's base_eval shuffles every task so
         assert t.items == in_file and t.continuation_delimiter == ""
-    again = core.write_bundle(bundle.parent / "again", TEXTS, seed=3, n=12)  # the same texts and seed: the same files
+    again = taskgen.write_bundle(bundle.parent / "again", TEXTS, seed=3, n=12)  # the same texts and seed: same files
     for name in ("core.yaml", "eval_meta_data.csv", "eval_data/nanopt_word_end.jsonl"):
         assert (again / name).read_text() == (bundle / name).read_text()
 
@@ -238,4 +243,4 @@ def test_bad_bundle_raises_config_error_naming_the_file(bundle: Path, case: str)
 
 def test_write_bundle_refuses_texts_too_small(tmp_path: Path):
     with pytest.raises(ConfigError, match="write_bundle"):
-        core.write_bundle(tmp_path, ["too short\nlines"])
+        taskgen.write_bundle(tmp_path, ["too short\nlines"])

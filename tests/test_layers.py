@@ -24,10 +24,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
     ("fp8",),                                             # torchao's float8 on the block Linears (train.fp8)
-    ("mfu", "profiling", "evaluation", "generate", "hf", "core", "taskgen", "taskinput"),
-    ("checkpoint", "scoring"),
-    ("loading",),
-    ("harness",),                                         # nanopt models inside lm-evaluation-harness
+    ("mfu", "profiling", "evaluation", "generate", "hf", "taskgen", "taskinput"),
+    ("checkpoint", "scoring"),                            # the format; THE continuation scorer
+    ("loading", "core"),                                  # a model from a run; CORE through the scorer
+    ("harness",),                                         # the tasks wing: scoring a model, lm-eval's adapter
     ("train", "prepare", "sweep", "comparison", "watch"),  # the logic that commands call
     ("commands",),                                        # nanopt/commands/*: one module per subcommand
     ("cli",),

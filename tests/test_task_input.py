@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,14 +13,14 @@ import torch
 import yaml
 
 from conftest import small_overrides
-from nanopt import core, harness
+from nanopt import harness
 from nanopt.cli import run as cli
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
 from nanopt.main import run as main_run
 from nanopt.model import build_model
 from nanopt.runtime import Runtime
-from nanopt.taskgen import make_tasks
+from nanopt.taskgen import make_tasks, write_bundle
 from test_tasks_train import TEXTS
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
@@ -69,7 +70,7 @@ def task_dir(tmp_path_factory) -> Path:
         add_task(root, name, breaks(good) if breaks else None)
     (root / "bad_group.yaml").write_text(yaml.safe_dump({"group": "bad_group", "task": ["nanopt_rolling", "bad_json"],
                                                          "metadata": {"version": 1.0}}))
-    core.write_bundle(root / "bundle", TEXTS, n=12)
+    write_bundle(root / "bundle", TEXTS, n=12)
     return root
 
 
@@ -196,3 +197,17 @@ def test_eval_writes_each_checkpoint_task_once(task_dir, run_dir, tmp_path, caps
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
     assert sorted({(r["task"], r["limit"]) for r in records if r["task"] == "core"}) == [("core", 6), ("core", 8)]
     assert len(records) == 2 * 4 and all(isinstance(r["weights_crc32"], int) for r in records)
+
+
+def test_eval_core_needs_no_lm_eval(task_dir, run_dir, tmp_path, monkeypatch, capsys):
+    """CORE never uses lm-eval: `nanopt eval RUN --core DIR` loads and scores the model with lm_eval unimportable;
+    only --tasks asks for it (one paragraph, exit 2)."""
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` (and lm_eval.anything) raises ImportError
+    monkeypatch.setattr(harness, "_LM", None)  # the NanoptLM class an earlier test made is lm-eval's subclass
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert cli(["eval", str(run), "--core", str(task_dir / "bundle"), "--limit", "6"]) == 0
+    records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in records} >= {"core"} and all("error" not in r for r in records)
+    assert cli(["eval", str(run), "--tasks", "nanopt_mc", "--include-path", str(task_dir)]) == 2
+    assert "need lm-evaluation-harness" in error_line(capsys.readouterr().err)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_module, small_overrides, torchrun
-from nanopt import core, train
+from nanopt import core, harness
 from nanopt.cli import run as cli
 from nanopt.experiments import runs_report, welch
 from nanopt.main import run as main_run
-from nanopt.taskgen import make_tasks
+from nanopt.taskgen import make_tasks, write_bundle
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 LINES = [f"{who}: {what} the {thing} of the {place}, said the {adj} {who2}." for who, what, thing, place, adj, who2 in
@@ -30,7 +30,7 @@ TEXTS = ["\n".join(LINES[i:] + LINES[:i]) for i in range(0, 48, 12)]
 def task_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tasks")
     make_tasks(out, TEXTS, n=12)
-    core.write_bundle(out / "core", TEXTS, n=12)
+    write_bundle(out / "core", TEXTS, n=12)
     return out
 
 
@@ -40,13 +40,13 @@ def evals(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_tasks_are_scored_at_their_cadence_outside_the_training_clock(tmp_path, task_dir, monkeypatch):
-    real = train.score_model
+    real = harness.score_model
 
     def slow_scoring(*args, **kwargs):  # scoring that takes 3 s: none of it may reach the training clock
         time.sleep(3)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "score_model", slow_scoring)
+    monkeypatch.setattr(harness, "score_model", slow_scoring)
     run_dir = tmp_path / "run"
     assert main_run(small_overrides(**{"run.dir": run_dir, "train.max_steps": 8, "eval.tasks": "nanopt_mc",
                                        "eval.tasks_path": task_dir, "eval.core": task_dir / "core",
@@ -99,7 +99,7 @@ def test_each_scoring_step_is_saved_before_it_scores_and_a_failure_is_recorded(t
                                                                                capsys):
     """Scoring is an evaluation: the step it scores is on disk before it starts (checkpoint.every aside), and a
     failure in it is a warning and a record, after which training goes on and scores again."""
-    run_dir, real, seen = tmp_path / "run", train.score_model, []
+    run_dir, real, seen = tmp_path / "run", harness.score_model, []
 
     def scoring(model, tokenizer, rt, spec, step, source, **kwargs):
         seen.append((step, (run_dir / "checkpoints" / f"step_{step:06d}" / "COMPLETE").is_file(), rt.world_size))
@@ -107,7 +107,7 @@ def test_each_scoring_step_is_saved_before_it_scores_and_a_failure_is_recorded(t
             raise RuntimeError("the harness fell over")
         return real(model, tokenizer, rt, spec, step, source, **kwargs)
 
-    monkeypatch.setattr(train, "score_model", scoring)
+    monkeypatch.setattr(harness, "score_model", scoring)
     assert main_run(small_overrides(**{"run.dir": run_dir, "eval.core": task_dir / "core", "eval.tasks_every": 2,
                                        "eval.tasks_limit": 4, "checkpoint.every": 1000})) == 0
     assert seen == [(2, True, 1), (4, True, 1), (6, True, 1)]
@@ -123,14 +123,14 @@ def test_each_scoring_step_is_saved_before_it_scores_and_a_failure_is_recorded(t
 def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, capsys):
     """The issue's case: eval.tasks data removed after the start, scoring after the last step fails. The last
     step's checkpoint is saved first, the failure is recorded naming the task and the file, and the run ends 0."""
-    tasks, run_dir, real = tmp_path / "tasks", tmp_path / "run", train.score_model
+    tasks, run_dir, real = tmp_path / "tasks", tmp_path / "run", harness.score_model
     make_tasks(tasks, TEXTS, n=12)
 
     def data_removed_meanwhile(*args, **kwargs):
         (tasks / "nanopt_mc.jsonl").unlink(missing_ok=True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "score_model", data_removed_meanwhile)
+    monkeypatch.setattr(harness, "score_model", data_removed_meanwhile)
     assert main_run(small_overrides(**{"run.dir": run_dir, "checkpoint.every": 4, "eval.tasks": "nanopt_mc",
                                        "eval.tasks_path": tasks, "eval.tasks_limit": 4})) == 0
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000004", "step_000006"]

@@ -4,8 +4,8 @@
 (load_config -> runtime.init -> train) on the XLA device, then samples greedily from a freshly initialised
 model on XLA and on the host, and prints one JSON line with what the tests check: the train step's
 compilation counts, sampling's compilations and whether its tokens equal the CPU reference's.
-`python tests/xla_driver.py score` scores continuations and generates greedily (nanopt.scoring: what lm-eval's
-`nanopt` model asks) on XLA and on the host with the same weights.
+`python tests/xla_driver.py score` scores continuations (nanopt.scoring) and generates greedily until a stop
+(nanopt.generate): what lm-eval's `nanopt` model asks, on XLA and on the host with the same weights.
 `python tests/xla_driver.py guard` feeds the compiled-step wrapper a new shape on every call and reports
 whether the recompile guard stopped it.
 """
@@ -89,7 +89,8 @@ def score() -> dict:
     from nanopt import runtime
     from nanopt.config import ModelConfig
     from nanopt.model import build_model
-    from nanopt.scoring import continuation_scores, greedy_until
+    from nanopt.generate import generate
+    from nanopt.scoring import continuation_scores
 
     rt = runtime.init("xla", "fp32", 1)
     cpu = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
@@ -103,7 +104,8 @@ def score() -> dict:
     a, b = continuation_scores(host, requests, cpu, 8), continuation_scores(dev, requests, rt, 8)
     stop = (lambda ids: len(ids) >= 6)
     compiles = met.metric_data("CompileTime")
-    generated = [greedy_until(m, [1, 2, 3], 10, stop, r) for m, r in ((host, cpu), (dev, rt))]
+    generated = [generate(m, torch.tensor([[1, 2, 3]], device=r.device), 10, 0, stop=stop)[0, 3:].tolist()
+                 for m, r in ((host, cpu), (dev, rt))]
     return {"max_abs": max(abs(x[0] - y[0]) for x, y in zip(a, b)),
             "greedy_equal": [x[1] for x in a] == [y[1] for y in b], "generate_equal": generated[0] == generated[1],
             "requests": len(requests), "compiles": compiles[0] if compiles else 0}

@@ -1,7 +1,7 @@
 """`nanopt eval RUN_OR_CHECKPOINT [--split val|test] [--batches N] [--watch]`: out-of-band evaluation, also
 under torchrun, appended to the run's evaluations file (nanopt/watch.py); with `--tasks`/`--core`, downstream
 task scores through lm-evaluation-harness and the CORE bundle (nanopt/harness.py); `--make-tasks DIR` writes
-the generated demo tasks (nanopt/taskgen.py, nanopt/core.py)."""
+the generated demo tasks (nanopt/taskgen.py)."""
 from __future__ import annotations
 
 import argparse
@@ -9,13 +9,12 @@ import json
 import sys
 from pathlib import Path
 
-from nanopt import core
 from nanopt.config import DEVICES
 from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.harness import TaskSpec, score_checkpoint, task_lines
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run, refuse_links
-from nanopt.taskgen import make_tasks
+from nanopt.taskgen import make_tasks, write_bundle
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
 
@@ -35,7 +34,7 @@ def main(argv: list[str]) -> int:
                         f"{SUMMARY_FILE} says so for its {CONFIG_FILE}) and its last checkpoint is evaluated")
     p.add_argument("--interval", type=float, default=30.0, help="with --watch: seconds between looks (default 30)")
     p.add_argument("--timeout", type=float, default=0.0, help="with --watch: stop after this many seconds (0 = never)")
-    tasks = p.add_argument_group("downstream tasks (pip install -e '.[eval]')")
+    tasks = p.add_argument_group("downstream tasks (--tasks needs pip install -e '.[eval]')")
     tasks.add_argument("--tasks", default="", help="comma list of lm-eval task or group names (or of YAMLs' names "
                        f"in --include-path); scores go to the run's {EVALS_FILE} and TensorBoard")
     tasks.add_argument("--include-path", default=None, help="a directory of local lm-eval task YAMLs")
@@ -73,7 +72,7 @@ def _refuse_linked_evals(path: Path) -> None:
 def _make(out: str) -> int:
     texts = [text for _, text in corpus_documents(fetch_sdist())["test"]]
     written = make_tasks(out, texts)
-    bundle = core.write_bundle(f"{out}/core", texts)
+    bundle = write_bundle(f"{out}/core", texts)
     print("\n".join([*map(str, written), str(bundle)]))
     print(f"use: nanopt eval RUN --tasks nanopt_mc,nanopt_rolling --include-path {out} --core {bundle}")
     return 0
