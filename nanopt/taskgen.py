@@ -17,8 +17,8 @@ from nanopt.errors import ConfigError
 from nanopt.io import write_json, write_text
 
 MC, ROLLING, GROUP = "nanopt_mc", "nanopt_rolling", "nanopt_tasks"
-MANIFEST = "nanopt_tasks.json"
-OURS = {f"{MC}.yaml", f"{MC}.jsonl", f"{ROLLING}.yaml", f"{ROLLING}.jsonl", f"{GROUP}.yaml", MANIFEST}
+TASKS_FILE = "nanopt_tasks.json"
+OURS = {f"{MC}.yaml", f"{MC}.jsonl", f"{ROLLING}.yaml", f"{ROLLING}.jsonl", f"{GROUP}.yaml", TASKS_FILE}
 # An item: up to CONTEXT_BYTES of a held-out line, then its next CHOICE_BYTES against three pieces of that length
 # cut from other lines. Equal lengths: neither acc nor acc_norm can favour a choice for its length. The item fits
 # the CPU speedrun's 64-token byte context with BOS (measured: 48% at step 50 -> 76% at step 300, chance 25%).
@@ -141,7 +141,7 @@ def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 
     paths = [_write_task(out_dir, mc, items), _write_task(out_dir, rolling, passages)]
     group = {"group": GROUP, "task": [MC, ROLLING], "metadata": {"version": 1.0}}
     paths.append(write_text(out_dir / f"{GROUP}.yaml", yaml.dump(group, Dumper=_Dumper, sort_keys=False)))
-    write_json(out_dir / MANIFEST, {"made_by": "nanopt.taskgen.make_tasks", "source": source, "n": n,
+    write_json(out_dir / TASKS_FILE, {"made_by": "nanopt.taskgen.make_tasks", "source": source, "n": n,
                                     "seed": seed, "tasks": [MC, ROLLING], "group": GROUP})
     return paths
 
