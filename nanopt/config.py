@@ -7,6 +7,7 @@ keys are each section's `check()`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import types
@@ -464,20 +465,15 @@ _BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no"
 
 
 def _to_int(value: Any) -> Optional[int]:
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        with contextlib.suppress(ValueError):
+            return int(text)  # exactly: float() would round integers above 2^53 (seeds)
+        with contextlib.suppress(ValueError):
+            value = float(text)  # 1e6, 4096.0
     if isinstance(value, int):
         return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    text = value.strip().replace("_", "") if isinstance(value, str) else ""
-    try:
-        return int(text)  # exactly: float() would round integers above 2^53 (seeds)
-    except ValueError:
-        pass
-    try:
-        number = float(text)  # 1e6, 4096.0
-    except ValueError:
-        return None
-    return int(number) if number.is_integer() else None
+    return int(value) if isinstance(value, float) and value.is_integer() else None
 
 
 def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
@@ -492,10 +488,8 @@ def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
     elif typ is int and not isinstance(value, bool):
         out = _to_int(value)
     elif typ is float and not isinstance(value, bool):
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             out = float(value)
-        except (TypeError, ValueError):
-            pass
     elif typ is str and not isinstance(value, (dict, list)):
         out = "" if value is None else str(value)
     if out is None:
@@ -549,14 +543,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ConfigError(f"command line: cannot read `{arg}`. Overrides look like `--train.max_steps=50`.")
-        body = arg[2:]
-        if "=" in body:
-            key, value = body.split("=", 1)
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            key, value = body, args[i + 1]
-            i += 1
-        else:
-            raise ConfigError(f"command line: `{arg}` has no value. Write `{arg}=VALUE`.")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 == len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"command line: `{arg}` has no value. Write `{arg}=VALUE`.")
+            i, value = i + 1, args[i + 1]
         out.append((key, value))
         i += 1
     return out
@@ -570,13 +561,11 @@ def split_args(argv: list[str]) -> tuple[Optional[str], list[str]]:
     while i < len(argv):
         arg = argv[i]
         if arg == "--config" or arg.startswith("--config="):
-            if "=" in arg:
-                value = arg.split("=", 1)[1]
-            elif i + 1 < len(argv):
-                value = argv[i + 1]
-                i += 1
-            else:
-                raise ConfigError("command line: `--config` needs a file, e.g. `--config configs/tiny.yaml`.")
+            _, eq, value = arg.partition("=")
+            if not eq:
+                if i + 1 == len(argv):
+                    raise ConfigError("command line: `--config` needs a file, e.g. `--config configs/tiny.yaml`.")
+                i, value = i + 1, argv[i + 1]
             if path is not None:
                 raise ConfigError(f"command line: two config files given ({path} and {value}); pass one.")
             path = value
@@ -682,14 +671,13 @@ def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no knowledge of the world size: every key's own rules, then each section's check()."""
-    for name in SECTIONS:
-        values = getattr(cfg, name)
+    sections = [(name, getattr(cfg, name)) for name in SECTIONS]
+    for name, values in sections:
         for f in fields(values):
             _check_key(f"{name}.{f.name}", getattr(values, f.name), f.metadata)
-    for name in SECTIONS:
-        check = getattr(getattr(cfg, name), "check", None)
-        if check is not None:
-            check(cfg)
+    for _, values in sections:
+        if hasattr(values, "check"):
+            values.check(cfg)
 
 
 def resolve(cfg: Config, world_size: int) -> Config:
@@ -743,10 +731,8 @@ def config_from_dict(data: Any, where: str) -> Config:
 def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
     """Keys whose value differs from the checkpoint's config and that are neither resume-safe (SAFE_KEYS) nor
     allowed by `checkpoint.allow_changes`, each as "key: old in the checkpoint, new now"."""
-    def flat(data: dict[str, Any]) -> dict[str, Any]:
-        return {f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
-
-    before, now = flat(saved), flat(cfg.to_dict())
+    before, now = ({f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
+                   for data in (saved, cfg.to_dict()))
     allowed = set(comma_list(cfg.checkpoint.allow_changes))
     # A key only one side knows is from another nanopt version.
     changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in SAFE_KEYS | allowed)
