@@ -38,56 +38,49 @@ def fsync_dir(path: Path) -> None:
 def is_disk_full(error: BaseException) -> bool:
     """ENOSPC (or a quota) however a writer surfaced it: an OSError, or a library's own error around one
     (safetensors says "os error 28"; torch.save into a file object raises RuntimeError with the OSError as context)."""
+    return any((isinstance(e, OSError) and e.errno in FULL_ERRNOS) or any(text in str(e) for text in FULL_TEXTS)
+               for e in _chain(error))
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """The error, then what it was raised from or during, each once (a cycle ends the walk)."""
     seen: set[int] = set()
     current: Optional[BaseException] = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in FULL_ERRNOS:
-            return True
-        if any(text in str(current) for text in FULL_TEXTS):
-            return True
+        yield current
         current = current.__cause__ or current.__context__
-    return False
 
 
-def _mount_of(path: Path) -> Path:
-    path = Path(os.path.abspath(path))
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
-def _device_of(mount: Path) -> str:
-    """The device mounted at `mount` as /proc/mounts names it ("" where there is none to read)."""
+def _device_of(path: Path) -> str:
+    """The mount holding `path`, named with its device as /proc/mounts has it: "DEVICE (mounted at MOUNT)"."""
+    mount = Path(os.path.abspath(path))
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
     with contextlib.suppress(OSError):
         for line in Path("/proc/mounts").read_text().splitlines():
             fields = line.split()
             if len(fields) > 1 and fields[1] == str(mount):
-                return fields[0]
-    return ""
+                return f"{fields[0]} (mounted at {mount})"
+    return str(mount)
 
 
 def disk_full(path: Path) -> DiskFull:
     """The DiskFull paragraph for a write to `path` that found no space: its device and the free space now."""
     path = Path(path)
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-    try:
-        free: Optional[int] = shutil.disk_usage(existing).free
-    except OSError:
-        free = None
-    mount = _mount_of(existing)
-    device = _device_of(mount)
-    return DiskFull(path, free, f"{device} (mounted at {mount})" if device else str(mount))
+    free: Optional[int] = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(existing).free
+    return DiskFull(path, free, _device_of(existing))
 
 
 def as_disk_full(error: BaseException, where: Path) -> Optional[DiskFull]:
     """`error` as DiskFull when it is a full disk (naming the file it names, else `where`); None when it is not."""
     if isinstance(error, DiskFull) or not is_disk_full(error):
         return error if isinstance(error, DiskFull) else None
-    current: Optional[BaseException] = error
-    while current is not None and not (isinstance(current, OSError) and current.filename):
-        current = current.__cause__ or current.__context__
-    return disk_full(Path(current.filename) if isinstance(current, OSError) else where)
+    named = next((e for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
+    return disk_full(Path(named.filename) if isinstance(named, OSError) else where)
 
 
 @contextlib.contextmanager
@@ -95,10 +88,8 @@ def writing(path: Path) -> Iterator[None]:
     """Turn a full disk met while writing `path` into DiskFull naming it (other errors pass unchanged)."""
     try:
         yield
-    except DiskFull:
-        raise
     except Exception as e:
-        if is_disk_full(e):
+        if is_disk_full(e) and not isinstance(e, DiskFull):
             raise disk_full(path) from e
         raise
 
@@ -107,10 +98,9 @@ def writing(path: Path) -> Iterator[None]:
 def link_refused(path: Path) -> ConfigError:
     """A symbolic link where nanopt writes a file of its own: one paragraph naming it and the fix."""
     path = Path(path)
-    try:
+    target = ""
+    with contextlib.suppress(OSError):
         target = f" (to {os.readlink(path)})"
-    except OSError:
-        target = ""
     return ConfigError(f"{path} is a symbolic link{target}, where nanopt writes a file of its own; it never writes "
                        f"through a link, which would change or create a file outside the directory. Remove the link "
                        f"(or, if the file it points to is this directory's own, replace the link with a copy of that "
