@@ -18,6 +18,7 @@ failure is.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib
@@ -436,35 +437,25 @@ def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[st
     committed and rebuilding committed shards that were lost (with verify: also corrupt ones, which reads
     every byte); returns the statistics also written to stats.json. Holds the directory's lease throughout."""
     with own_output_dir(cfg):
-        return _prepare(cfg, progress, verify)
-
-
-def _prepare(cfg: Config, progress: bool, verify: bool) -> dict[str, Any]:
-    p = cfg.prepare
-    out = output_dir(cfg)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    special = _special_ids(cfg, tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        # A warning, not an error: the shards do not depend on the model and may serve another config.
-        log.warning("tokenizer %s has %d ids but model.vocab_size is %d: training will refuse these shards",
-                    cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
-    writer = ShardWriter(out, split_budgets(p), p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
-    writer.resume(verify)
-    started = time.perf_counter()
-    new_tokens, documents = (0, 0) if writer.done else _tokenise(cfg, tokenizer, special, writer, progress)
-    elapsed = time.perf_counter() - started
-    stats = {
-        "splits": writer.stats(),
-        "tokenizer": cfg.data.tokenizer,
-        "vocab_size": tokenizer.vocab_size,
-        "token_bytes": shards.token_dtype(tokenizer.vocab_size).itemsize,
-        "source": {k: getattr(p, k) for k in ("dataset", "subset", "split", "data_files", "streaming",
-                                              "shuffle_buffer", "shuffle_seed")},
-        "documents_read": writer.state["next_doc"],
-        "this_run": {"documents": documents, "tokens": new_tokens, "seconds": round(elapsed, 3),
-                     "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed > 0 else None},
-    }
-    write_json(out / STATS, stats)
+        p, out, tokenizer = cfg.prepare, output_dir(cfg), get_tokenizer(cfg.data.tokenizer)
+        special = _special_ids(cfg, tokenizer)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            # A warning, not an error: the shards do not depend on the model and may serve another config.
+            log.warning("tokenizer %s has %d ids but model.vocab_size is %d: training will refuse these shards",
+                        cfg.data.tokenizer, tokenizer.vocab_size, cfg.model.vocab_size)
+        writer = ShardWriter(out, split_budgets(p), p.shard_tokens, tokenizer.vocab_size, fingerprint(cfg, tokenizer))
+        writer.resume(verify)
+        started = time.perf_counter()
+        new_tokens, documents = (0, 0) if writer.done else _tokenise(cfg, tokenizer, special, writer, progress)
+        elapsed = time.perf_counter() - started
+        stats = {"splits": writer.stats(), "tokenizer": cfg.data.tokenizer, "vocab_size": tokenizer.vocab_size,
+                 "token_bytes": shards.token_dtype(tokenizer.vocab_size).itemsize,
+                 "source": {k: getattr(p, k) for k in ("dataset", "subset", "split", "data_files", "streaming",
+                                                       "shuffle_buffer", "shuffle_seed")},
+                 "documents_read": writer.state["next_doc"],
+                 "this_run": {"documents": documents, "tokens": new_tokens, "seconds": round(elapsed, 3),
+                              "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed > 0 else None}}
+        write_json(out / STATS, stats)
     return stats
 
 
@@ -523,10 +514,8 @@ def transient_errors() -> tuple[type[BaseException], ...]:
     """What a flaky source raises mid-stream: OS and connection errors, and the HTTP errors of the hub clients."""
     errors: list[type[BaseException]] = [OSError]
     for module, name in (("huggingface_hub.errors", "HfHubHTTPError"), ("httpx", "HTTPError")):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             errors.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            pass
     return tuple(errors)
 
 
@@ -534,8 +523,7 @@ def output_failure(error: BaseException, cfg: Config) -> Optional[Exception]:
     """What an error of prepare's own output is, which no wait mends: DiskFull for a full disk, ConfigError for a
     file in the output directory that cannot be written; None for anything else (a source failure, say)."""
     out = output_dir(cfg)
-    full = as_disk_full(error, out)
-    if full is not None:
+    if (full := as_disk_full(error, out)) is not None:
         return full
     name = getattr(error, "filename", None) if isinstance(error, OSError) else None
     if name and Path(os.path.abspath(out)) in Path(os.path.abspath(name)).parents:
@@ -554,11 +542,9 @@ def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = Fals
             return prepare(cfg, progress, verify)
         except transient_errors() as e:
             final = output_failure(e, cfg)
-            if final is e:
-                raise
-            if final is not None:
+            if final is not None and final is not e:
                 raise final from e
-            if attempt == cfg.prepare.retries:
+            if final is e or attempt == cfg.prepare.retries:
                 raise
             wait = RETRY_WAIT_S * (attempt + 1)
             log.warning("prepare: the source failed (%s: %s); resuming from the last committed shard in %.0f s "
