@@ -183,10 +183,9 @@ class TrainConfig:
                              choices=("steps", "tokens"))
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
                              "sqrt (p = 1/2), linear (p = 1) or none.", choices=("sqrt", "linear", "none"))
-    fp8: str = key("none", "FP8 matmuls in the transformer blocks' Linears through torchao's float8 training (an "
-                   "H100 or newer GPU; emulated on CPU, for tests): tensorwise or rowwise scaling; none = bf16 "
-                   "(docs/mfu.md).",
-                   choices=("none", "tensorwise", "rowwise"))
+    fp8: str = key("none", "FP8 matmuls in the transformer blocks' Linears through torchao's float8 training (an H100 "
+                   "or newer GPU; emulated on CPU, for tests): tensorwise or rowwise scaling; none = bf16 "
+                   "(docs/mfu.md).", choices=("none", "tensorwise", "rowwise"))
     fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain from FP8 "
                           "by torchao's H100 measurements (small in/out features stay in bf16), all = every one "
                           "whose dims are multiples of 16 (docs/mfu.md).", choices=("auto", "all"))

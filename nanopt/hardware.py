@@ -3,6 +3,7 @@ peak and its per-machine cache. Torch-free at import (the measuring functions im
 and config checks stay fast."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -116,12 +117,11 @@ def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = 0.3,
 
 def _cpuinfo(*fields: str) -> Optional[str]:
     """The first /proc/cpuinfo line naming one of `fields`, its value; None where there is none (not Linux)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.split(":", 1)[0].strip() in fields:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name.strip() in fields:
+                return value.strip()
     return None
 
 
