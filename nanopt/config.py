@@ -74,8 +74,8 @@ class RunConfig:
     @property
     def seeds(self) -> tuple[int, int]:
         """(init seed, data seed): each its own key, else run.seed."""
-        pick = (lambda s: self.seed if s is None else s)
-        return pick(self.init_seed), pick(self.data_seed)
+        return (self.seed if self.init_seed is None else self.init_seed,
+                self.seed if self.data_seed is None else self.data_seed)
 
 
 @section()
@@ -212,23 +212,17 @@ class TrainConfig:
             if length > self.seq_len:
                 raise ConfigError(f"`train.seq_len_schedule` has {length} tokens from {stage_start}, longer than "
                                   f"`train.seq_len` ({self.seq_len}), the model's context; raise train.seq_len.")
-        parse_stages(self.batch_schedule, "train.batch_schedule")
-        self._check_fp8_shapes()
-
-    def _check_fp8_shapes(self) -> None:
-        """FP8's weight-gradient matmul contracts over a micro-batch's tokens, which torch._scaled_mm takes only in
-        multiples of 16: refused here, on every device, so a config that runs on CPU does not crash on the GPU."""
-        if self.fp8 == "none":
-            return
-        for start, _, seq_len in self.stages():
+        stages = self.stages()  # parses train.batch_schedule too
+        # FP8's weight-gradient matmul contracts over a micro-batch's tokens, which torch._scaled_mm takes only in
+        # multiples of 16: refused here, on every device, so a config that runs on CPU does not crash on the GPU.
+        for start, _, seq_len in stages if self.fp8 != "none" else []:
             if self.micro_batch_size * seq_len % 16:
-                where = f"from {start} {self.schedule_unit} " if len(self.stages()) > 1 else ""
-                tokens = self.micro_batch_size * seq_len
+                where = f"from {start} {self.schedule_unit} " if len(stages) > 1 else ""
                 raise ConfigError(f"`train.fp8` is {self.fp8!r} but the stage {where}has micro_batch_size × seq_len "
-                                  f"= {self.micro_batch_size} × {seq_len} = {tokens} tokens per micro-batch, not a "
-                                  f"multiple of 16, which FP8's weight-gradient matmul needs. Change "
-                                  f"`train.micro_batch_size`, `train.seq_len` or `train.seq_len_schedule`, or set "
-                                  f"`--train.fp8=none`.")
+                                  f"= {self.micro_batch_size} × {seq_len} = {self.micro_batch_size * seq_len} tokens "
+                                  f"per micro-batch, not a multiple of 16, which FP8's weight-gradient matmul needs. "
+                                  f"Change `train.micro_batch_size`, `train.seq_len` or `train.seq_len_schedule`, or "
+                                  f"set `--train.fp8=none`.")
 
     def stages(self) -> list[tuple[int, int, int]]:
         """(start, global batch tokens, seq_len) per stretch where neither schedule changes, starts in schedule_unit

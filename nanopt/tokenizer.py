@@ -36,11 +36,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
     def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        """Like encode_batch, one uint32 array per text (no Python int per token: nanopt prepare's path)."""
+        """One uint32 array per text (no Python int per token: nanopt prepare's path)."""
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.uint32) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
