@@ -116,9 +116,8 @@ class Loader:
         self.sample, self.seq_len = int(state.get("sample", old_cursor)), int(state.get("seq_len", self.seq_len))
 
 
-def eval_batches(
-    windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int, seed: int = 0,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int,
+                 seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed evaluation set: the first batches × micro_batch windows of a permutation of the whole split
     drawn from `seed` alone (eval.seed, not run.seed), so every evaluation of every run with the same seq_len,
     micro_batch and batches, on any world size, sees the same tokens. Batch b goes to rank b mod world."""

@@ -99,8 +99,7 @@ def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = 0.3,
 
     start = time.perf_counter()
     with torch.no_grad():
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
         out = a @ b  # warm-up: allocation, kernel selection
         sync()
         best = 0.0
@@ -109,8 +108,7 @@ def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = 0.3,
             for _ in range(3):
                 torch.matmul(a, b, out=out)
             sync()
-            elapsed = time.perf_counter() - t0
-            best = max(best, 2 * n**3 * 3 / elapsed)  # N N @ N N: n³ multiply-adds, 3 products
+            best = max(best, 2 * n**3 * 3 / (time.perf_counter() - t0))  # N N @ N N: n³ multiply-adds, 3 products
             if time.perf_counter() - start > budget_s:
                 return best
 

@@ -210,8 +210,7 @@ class PackedLoader:
         self.documents, self.micro_batch, self.rank, self.world = documents, micro_batch, rank, world
         self.accum, self.seq_len, self.seed = accum, seq_len, seed
         self.packer = Packer(documents.lengths, buffer, seed, documents.orphans)
-        self.step = 0
-        self.warned = False
+        self.step, self.warned = 0, False
 
     def micro_batches(self, accum: Optional[int] = None, seq_len: Optional[int] = None) -> list[Batch]:
         """This rank's micro-batches (x, y) for the next step (default: the constructor's accum and seq_len)."""
@@ -226,17 +225,13 @@ class PackedLoader:
             t = torch.from_numpy(block)
             out.append((t[:, :-1], t[:, 1:]))
         self.step += 1
-        self._warn_if_cropping(seq_len)
+        if not self.warned and self.rank == 0 and self.packer.cropped_share > CROP_WARNING_SHARE:
+            self.warned = True
+            log.warning("data: bos_bestfit has cropped %.0f%% of the tokens so far: the documents are long against "
+                        "seq_len %d, so most of each is discarded. Prepare shorter documents (e.g. "
+                        "`prepare.sample_by=paragraph`), raise train.seq_len, or keep `data.packing=windows`.",
+                        100 * self.packer.cropped_share, seq_len)
         return out
-
-    def _warn_if_cropping(self, seq_len: int) -> None:
-        if self.warned or self.rank != 0 or self.packer.cropped_share <= CROP_WARNING_SHARE:
-            return
-        self.warned = True
-        log.warning("data: bos_bestfit has cropped %.0f%% of the tokens so far: the documents are long against "
-                    "seq_len %d, so most of each is discarded. Prepare shorter documents (e.g. "
-                    "`prepare.sample_by=paragraph`), raise train.seq_len, or keep `data.packing=windows`.",
-                    100 * self.packer.cropped_share, seq_len)
 
     def metrics(self) -> dict[str, float]:
         return {"cropped_share": self.packer.cropped_share}

@@ -168,9 +168,8 @@ def _encode_task(batch: tuple[int, list[str]]) -> Encoded:
     return (first, *encode_documents(_WORKER["tokenizer"], texts, _WORKER["bos"], _WORKER["eos"]))
 
 
-def encode_stream(
-    batches: Iterable[tuple[int, list[str]]], tokenizer, bos: Optional[int], eos: Optional[int], workers: int,
-) -> Iterator[Encoded]:
+def encode_stream(batches: Iterable[tuple[int, list[str]]], tokenizer, bos: Optional[int], eos: Optional[int],
+                  workers: int) -> Iterator[Encoded]:
     """Encoded batches in source order. workers > 1: a process pool with at most 2 batches per worker in
     flight (the source is streamed, so it must not be read ahead without bound)."""
     # Forked workers inherit the loaded tokenizer (and its fast engine) instead of building them again.
@@ -208,8 +207,7 @@ def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
     change under the same name between a run and its resume."""
     keys = {k: v for k, v in asdict(cfg.prepare).items() if k not in _WORKER_ONLY_KEYS}
     out = {"prepare": keys, "tokenizer": cfg.data.tokenizer, "vocab_size": tokenizer.vocab_size}
-    definition = getattr(tokenizer, "definition", None)
-    if definition is not None:
+    if (definition := getattr(tokenizer, "definition", None)) is not None:
         out["tokenizer_sha256"] = hashlib.sha256(definition().encode()).hexdigest()
     return out
 

@@ -378,5 +378,5 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
 def identity(paths: list[Path]) -> list[dict[str, Any]]:
     """Name, token count, vocabulary and stored crc32 of each shard (headers only: cheap). A checkpoint
     records its training shards' identity; a resume refuses data that differs."""
-    infos = [read_header(p) for p in paths]
-    return [{"name": i.path.name, "tokens": i.count, "vocab": i.vocab_size, "crc32": i.crc32} for i in infos]
+    return [{"name": i.path.name, "tokens": i.count, "vocab": i.vocab_size, "crc32": i.crc32}
+            for i in map(read_header, paths)]

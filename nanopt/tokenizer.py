@@ -66,8 +66,7 @@ class HFTokenizer:
         except (OSError, ValueError) as e:
             raise ConfigError(f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. Give "
                               f"a local directory with tokenizer files or a hub name you have access to.") from None
-        self.name = name
-        self.vocab_size = len(self.hf)
+        self.name, self.vocab_size = name, len(self.hf)
         self.bos_id, self.eos_id = self.hf.bos_token_id, self.hf.eos_token_id
         self._tiktoken = None  # None: not built yet; False: not usable for this tokenizer (see encode_batch)
         self._tiktoken_checked = False
@@ -100,7 +99,7 @@ class HFTokenizer:
         """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its
         workers so they share it), or None when it is not installed or not equivalent."""
         if self._tiktoken is None:
-            engine = tiktoken_encoding(self.hf.backend_tokenizer.to_str()) if self.hf.is_fast else None
+            engine = tiktoken_encoding(self.definition()) if self.hf.is_fast else None
             self._tiktoken = engine or False
             if self._tiktoken is False:  # say so: the Hugging Face engine is several times slower per core
                 log.info("tokenizer %s: not plain byte-level BPE or tiktoken not installed; using the Hugging Face "
@@ -117,9 +116,7 @@ class HFTokenizer:
 
     def definition(self) -> str:
         """The tokenizer's full definition (tokenizer.json for fast tokenizers), for fingerprints."""
-        if self.hf.is_fast:
-            return self.hf.backend_tokenizer.to_str()
-        return repr(sorted(self.hf.get_vocab().items()))
+        return self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
