@@ -94,10 +94,8 @@ class Loader:
             # the old grid's), so text seen in the old grid's unfinished epoch can come again.
             self.sample, self.seq_len = -(-self.sample * self.seq_len // seq_len), seq_len
         grid = self._grid(self.seq_len)
-        out = []
-        for m in range(accum):
-            first = self.sample + (m * self.world + self.rank) * self.micro_batch
-            out.append(grid.batch(self._window(grid, first + b) for b in range(self.micro_batch)))
+        firsts = [self.sample + (m * self.world + self.rank) * self.micro_batch for m in range(accum)]
+        out = [grid.batch(self._window(grid, first + b) for b in range(self.micro_batch)) for first in firsts]
         self.sample += accum * self.world * self.micro_batch
         self.step += 1
         return out

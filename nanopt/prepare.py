@@ -69,13 +69,6 @@ def output_dir(cfg: Config) -> Path:
     return Path(cfg.data.dir or cfg.data.source)
 
 
-def own_output_dir(cfg: Config) -> lock.DirLock:
-    """The output directory's lease, the trainer's kind (lock.DirLock): ConfigError naming the holder when
-    another `nanopt prepare` writes it, or when the directory is a file."""
-    setting = "`data.dir`" if cfg.data.dir else "`data.source`"
-    return lock.DirLock(output_dir(cfg), what="data", setting=setting)
-
-
 def load_documents(p: PrepareConfig):
     """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows (streaming
     reads the hub lazily, and its shuffle is a seeded buffer of `shuffle_buffer` documents)."""
@@ -299,10 +292,6 @@ class ShardWriter:
         return {"split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0,
                 "doclens": {name: 0 for name, _ in self.budgets}, "complete": False}
 
-    @property
-    def tokens_written(self) -> int:
-        return sum(s["tokens"] for s in self.manifest["shards"])
-
     # ---- the stream
     @property
     def done(self) -> bool:
@@ -426,9 +415,11 @@ def _special_ids(cfg: Config, tokenizer) -> tuple[Optional[int], Optional[int]]:
 def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
     committed and rebuilding committed shards that were lost (with verify: also corrupt ones, which reads
-    every byte); returns the statistics also written to stats.json. Holds the directory's lease throughout."""
-    with own_output_dir(cfg):
-        p, out, tokenizer = cfg.prepare, output_dir(cfg), get_tokenizer(cfg.data.tokenizer)
+    every byte); returns the statistics also written to stats.json. Holds the directory's lease throughout (a
+    trainer's kind, lock.DirLock: ConfigError naming the holder while another prepare writes, or for a file)."""
+    out, setting = output_dir(cfg), "`data.dir`" if cfg.data.dir else "`data.source`"
+    with lock.DirLock(out, what="data", setting=setting):
+        p, tokenizer = cfg.prepare, get_tokenizer(cfg.data.tokenizer)
         special = _special_ids(cfg, tokenizer)
         if tokenizer.vocab_size > cfg.model.vocab_size:
             # A warning, not an error: the shards do not depend on the model and may serve another config.
@@ -462,8 +453,9 @@ def _tokenise(cfg: Config, tokenizer, special: tuple[Optional[int], Optional[int
     total = sum(b for _, b in budgets) if all(b is not None for _, b in budgets) else None
     batches = batched(iter_texts(load_documents(p), p.text_field, st["next_doc"]), p.batch_documents, st["next_doc"])
     stream = encode_stream(batches, tokenizer, *special, p.workers or os.cpu_count() or 1)
-    bar = tqdm(total=total, initial=writer.tokens_written + writer.buffer_tokens, unit="tok", unit_scale=True,
-               desc=f"prepare {out.name}", disable=not progress, smoothing=0.1, file=sys.stderr)
+    bar = tqdm(total=total, initial=sum(s["tokens"] for s in writer.manifest["shards"]) + writer.buffer_tokens,
+               unit="tok", unit_scale=True, desc=f"prepare {out.name}", disable=not progress, smoothing=0.1,
+               file=sys.stderr)
     try:
         new_tokens, documents = _pour(writer, stream, bar)
         if not writer.done:  # the source is exhausted
