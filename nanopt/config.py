@@ -612,10 +612,9 @@ def parse_ranks(text: str) -> Optional[list[int]]:
     """`profile.ranks` -> sorted rank ids, or None for "all". Raises ConfigError when unreadable."""
     if text.strip().lower() == "all":
         return None
-    try:
+    ranks: list[int] = []
+    with contextlib.suppress(ValueError):
         ranks = sorted({int(part) for part in comma_list(text)})
-    except ValueError:
-        ranks = []
     if not ranks or ranks[0] < 0:
         raise ConfigError(
             f"`profile.ranks` is {text!r}; use a rank such as 0, a comma-separated list such as 0,1,4, or all.")

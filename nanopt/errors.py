@@ -16,11 +16,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_PREEMPTED = 75
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED = 0, 1, 2, 3, 75  # as the table above says
 
 # torchrun exits 1 whenever any worker fails, whatever the worker's own code was. A launcher that must tell
 # bad input (2) or a diverged run (3), which a retry cannot fix, from a crash or a preemption sets this to

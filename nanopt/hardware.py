@@ -217,7 +217,13 @@ def cpu_peak(key: str, measure: Measure, agree: Callable[[bool], bool] = lambda 
                  f"rewritten)")
             must = True
     if must:
-        entry, how = _measured(measure(PEAK_BUDGET_S), entry, now)
+        # The higher of this and the earlier peak (a busy machine measures low), unless that is more than PLAUSIBLE
+        # times off (not this machine's: replaced).
+        value = measure(PEAK_BUDGET_S)
+        old = entry["peak"] if entry and _plausible(entry["peak"], value) else 0.0
+        how = "measured now" + ("" if value >= old else f" ({value / TERA:.3f} TFLOP/s; the higher "
+                                                          f"{old / TERA:.3f} measured before is kept)")
+        entry = {"peak": max(value, old), "measured_at": now, "uses": 0}
     else:
         entry = {**entry, "uses": entry["uses"] + 1}
         when = time.strftime("%Y-%m-%d", time.localtime(entry["measured_at"]))
@@ -229,12 +235,3 @@ def cpu_peak(key: str, measure: Measure, agree: Callable[[bool], bool] = lambda 
         except OSError as e:  # a read-only home: measured every start, as before the cache
             log.warning("mfu: cannot write %s (%s); the CPU peak is measured again next start", path, e)
     return entry["peak"], how
-
-
-def _measured(value: float, entry: Optional[dict[str, Any]], now: float) -> tuple[dict[str, Any], str]:
-    """The entry after a full measurement, and how it was had: the higher of it and the entry's earlier peak (a
-    busy machine measures low) unless that is more than PLAUSIBLE times off (not this machine's: replaced)."""
-    old = entry["peak"] if entry and _plausible(entry["peak"], value) else 0.0
-    how = "measured now" + ("" if value >= old else f" ({value / TERA:.3f} TFLOP/s; the higher {old / TERA:.3f} "
-                                                      f"measured before is kept)")
-    return {"peak": max(value, old), "measured_at": now, "uses": 0}, how

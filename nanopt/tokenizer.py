@@ -19,9 +19,7 @@ class Tokenizer(Protocol):
     eos_id: Optional[int]
 
     def encode(self, text: str) -> list[int]: ...
-
     def decode(self, ids: list[int]) -> str: ...
-
     def token_bytes(self) -> list[int]: ...  # UTF-8 bytes of each token id (0 for special ones), for bits-per-byte
 
 
@@ -99,8 +97,7 @@ class HFTokenizer:
         """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its
         workers so they share it), or None when it is not installed or not equivalent."""
         if self._tiktoken is None:
-            engine = tiktoken_encoding(self.definition()) if self.hf.is_fast else None
-            self._tiktoken = engine or False
+            self._tiktoken = (tiktoken_encoding(self.definition()) if self.hf.is_fast else None) or False
             if self._tiktoken is False:  # say so: the Hugging Face engine is several times slower per core
                 log.info("tokenizer %s: not plain byte-level BPE or tiktoken not installed; using the Hugging Face "
                          "engine", self.name)
