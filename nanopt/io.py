@@ -133,8 +133,7 @@ def open_append(path: Path) -> int:
 def append_bytes(fd: int, data: bytes, path: Path) -> None:
     """Append `data` with one write() (O_APPEND: concurrent writers never interleave). A full disk is DiskFull, and
     the part it wrote is cut off again when no other writer appended since: the file keeps every whole line."""
-    before = os.fstat(fd).st_size
-    written = 0
+    before, written = os.fstat(fd).st_size, 0
     try:
         while written < len(data):  # a short write happens only at the disk's end; the next one raises
             written += os.write(fd, data[written:])

@@ -181,8 +181,7 @@ class Packer:
             self.cropped += length - take
             pieces.append((doc, take))
             room -= take
-        self.rows += 1
-        self.placed += size
+        self.rows, self.placed = self.rows + 1, self.placed + size
         return pieces
 
     @property

@@ -320,7 +320,7 @@ class ShardWriter:
                 self.doclens.append(end)
             if self.buffer_tokens == self.shard_tokens or st["split_tokens"] == budget:
                 self._commit(index + 1 if pos == end else index, 0 if pos == end else pos)
-        if pos == end and st["next_doc"] <= index:  # the document is finished but no commit recorded it yet
+        if st["next_doc"] <= index:  # the document is finished (pos == end) but no commit recorded it yet
             st["next_doc"], st["next_offset"] = index + 1, 0
         return end - start
 
