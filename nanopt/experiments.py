@@ -62,9 +62,8 @@ def _profile_problem(profile: Any) -> Optional[str]:
     """Why a profile summary is not what the profiler writes (the entries `compare` computes with), or None."""
     if not isinstance(profile, dict):
         return "it is not a JSON object"
-    problem = _type_problem(profile, ("profiled_steps", "first_step", "last_step"), ("step_ms_mean",),
-                            required=("profiled_steps", "step_ms_mean"))
-    if problem:
+    if problem := _type_problem(profile, ("profiled_steps", "first_step", "last_step"), ("step_ms_mean",),
+                                required=("profiled_steps", "step_ms_mean")):
         return problem
     labels = profile.get("label_ms", {})
     if not isinstance(labels, dict) or not all(is_number(v) for v in labels.values()):
@@ -85,8 +84,7 @@ def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
     if not path.is_file():
         return None
     profile = read_json(path)
-    problem = _profile_problem(profile)
-    if problem:
+    if problem := _profile_problem(profile):
         raise ConfigError(f"{path} is not a profile summary as the profiler writes it: {problem}. The file is "
                           f"damaged; remove it (the run's other figures stay usable) or profile the run again.")
     return profile
@@ -170,8 +168,7 @@ def load_run(path: Path, name: str = "") -> FinishedRun:
     if summary is None:
         raise ConfigError(f"{path} has no {SUMMARY_FILE}: the run has not finished (a run writes it when it "
                           f"ends). Wait for it, resume it with the same command, or give a finished run.")
-    problem = _type_problem(summary, SUMMARY_INTEGERS, SUMMARY_NUMBERS)
-    if problem:
+    if problem := _type_problem(summary, SUMMARY_INTEGERS, SUMMARY_NUMBERS):
         raise ConfigError(f"{path / SUMMARY_FILE}: {problem}; the file is damaged. Remove it and run the run's "
                           f"command again to finish it anew.")
     config = flatten(read_config(path) or {})
@@ -219,15 +216,11 @@ class Repeat:
 def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
     """The runs with each (setting, init and data seed) once, the first in path order kept, and the repeats. Two
     copies of one run counted as two seeds would halve the standard error and make any difference look significant."""
+    keys = [(run.setting(), *map(format_value, run.seeds)) for run in runs]
     first: dict[tuple, FinishedRun] = {}
-    kept, repeats = [], []
-    for run in runs:
-        seen = first.setdefault((run.setting(), *map(format_value, run.seeds)), run)
-        if seen is run:
-            kept.append(run)
-        else:
-            repeats.append(Repeat(run, seen))
-    return kept, repeats
+    for key, run in zip(keys, runs):
+        first.setdefault(key, run)
+    return list(first.values()), [Repeat(run, first[key]) for key, run in zip(keys, runs) if first[key] is not run]
 
 
 @dataclass
@@ -275,11 +268,8 @@ def describe(values: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {"n": n, "mean": statistics.fmean(values) if n else None, "sd": None, "ci95": None}
     if n >= 2:
         out["sd"] = statistics.stdev(values)
-        if out["sd"] == 0:
-            out["ci95"] = [out["mean"], out["mean"]]  # scipy returns nan for a zero scale
-        else:
-            low, high = stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))
-            out["ci95"] = [float(low), float(high)]
+        out["ci95"] = [out["mean"]] * 2 if out["sd"] == 0 else [  # scipy returns nan for a zero scale
+            float(v) for v in stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))]
     return out
 
 
