@@ -121,14 +121,11 @@ class FinishedRun:
         per task and metric): {"task:<task>/<metric>": (value, higher is better)}."""
         out = {}
         for r in read_records(self.dir / EVALS_FILE):
-            scores, better = r.get("scores"), r.get("higher_is_better")
-            if r.get("step") != self.summary.get("steps") or not isinstance(r.get("task"), str) \
-                    or not isinstance(scores, dict):
-                continue
-            for metric, value in scores.items():
-                if is_number(value):
-                    higher = isinstance(better, dict) and better.get(metric) is True
-                    out[f"{TASK_PREFIX}{r['task']}/{metric}"] = (float(value), higher)
+            scores, task, better = r.get("scores"), r.get("task"), r.get("higher_is_better")
+            better = better if isinstance(better, dict) else {}
+            if r.get("step") == self.summary.get("steps") and isinstance(task, str) and isinstance(scores, dict):
+                out.update({f"{TASK_PREFIX}{task}/{metric}": (float(value), better.get(metric) is True)
+                            for metric, value in scores.items() if is_number(value)})
         return out
 
     def figure(self, key: str) -> Any:
@@ -245,8 +242,7 @@ def group_runs(runs: list[FinishedRun]) -> list[Group]:
     for run in kept:
         by_setting.setdefault(run.setting(), []).append(run)
     settings = [dict(s) for s in by_setting]
-    keys = [k for k in dict.fromkeys(k for s in settings for k in s)
-            if len({s.get(k, MISSING) for s in settings}) > 1]
+    keys = [k for k in dict.fromkeys(k for s in settings for k in s) if len({s.get(k, MISSING) for s in settings}) > 1]
     # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
     order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
     keys.sort(key=lambda k: order.get(k, len(order)))
@@ -499,10 +495,7 @@ def _spread_lines(summaries: list[dict[str, Any]]) -> list[str]:
     said = {g["name"]: _spread_text(g["spread"]) for g in summaries if g["spread"]["from"]}
     if len(said) > 1 and len({tuple(lines) for lines in said.values()}) == 1:
         said = {"every group of several runs": next(iter(said.values()))}
-    out = []
-    for name, (first, *rest) in said.items():
-        out += [f"{name}: {first}", *rest]
-    return out
+    return [line for name, (first, *rest) in said.items() for line in (f"{name}: {first}", *rest)]
 
 
 def _comparison_text(c: dict[str, Any]) -> str:

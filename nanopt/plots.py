@@ -234,15 +234,19 @@ def profile_png(summary: dict) -> bytes:
     return _png(fig)
 
 
+def mib(n: Optional[int]) -> str:
+    """Bytes in MiB, "n/a" where the device could not tell."""
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
 def profile_html(summary: dict, picture: Optional[bytes]) -> str:
     """A page that opens offline: inline CSS, the picture as a base64 data: URI, the top ops as a table."""
     esc = html.escape
     steps = max(1, summary.get("profiled_steps", 1))
-    peak = summary.get("peak_memory_bytes")
     facts = [("profiled steps", f"{summary.get('first_step')}-{summary.get('last_step')} ({steps} steps)"),
              ("step time", f"{summary['step_ms_mean']:.2f} ms/step ({summary['mode']})"),
              *((name, f"{100 * summary[key]:.1f}%") for key, name, _ in _SHARES),
-             ("peak memory", "n/a" if peak is None else f"{peak / 2**20:,.0f} MiB"),
+             ("peak memory", mib(summary.get("peak_memory_bytes"))),
              ("trace", str(summary.get("trace_file")))]
     fact_rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts)
     op_rows = "".join(

@@ -109,9 +109,7 @@ class Profile:
         self.first_step = start_step + self.wait + self.warmup + 1  # optimizer steps are counted from 1
         # A run of TensorBoard's pytorch_profiler plugin under <run>/tb/.
         self.dir = self.run_dir / TB_DIR / "plugins" / "profile" / f"step_{self.first_step:06d}"
-        self.steps_done = 0
-        self._prof = None
-        self._snapshot = False
+        self.steps_done, self._prof, self._snapshot = 0, None, False
 
     def __enter__(self) -> "Profile":
         global _active
@@ -299,17 +297,13 @@ def top_ops(events: Any, device_mode: bool, total_us: float) -> list[dict[str, A
              "self_cpu_ms": cpu_us / 1e3} for name, self_us, calls, cpu_us in top[:TOP_OPS]]
 
 
-def _mib(n: Optional[int]) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
-
-
 def format_summary(s: dict) -> str:
     """The console block printed on rank 0."""
     ops = ", ".join(f"{op['name']} {op['self_ms']:.1f} ms ({100 * op['self_share']:.0f}%)" for op in s["top_ops"][:5])
     return (f"profile: steps {s['first_step']}-{s['last_step']} ({s['profiled_steps']} steps, "
             f"{s['step_ms_mean']:.1f} ms/step) | host overhead {100 * s['host_overhead_share']:.1f}% | data loader "
             f"{100 * s['data_loader_share']:.1f}% | compute {100 * s['compute_share']:.1f}% ({s['mode']}) | peak "
-            f"memory {_mib(s['peak_memory_bytes'])}\nprofile: top ops by self time: {ops}")
+            f"memory {plots.mib(s['peak_memory_bytes'])}\nprofile: top ops by self time: {ops}")
 
 
 def summary_markdown(s: dict) -> str:
@@ -318,5 +312,5 @@ def summary_markdown(s: dict) -> str:
                      for op in s["top_ops"])
     return (f"**Steps {s['first_step']}-{s['last_step']}** ({s['mode']}): {s['step_ms_mean']:.1f} ms/step, host "
             f"overhead **{100 * s['host_overhead_share']:.1f}%**, data loader {100 * s['data_loader_share']:.1f}%, "
-            f"compute {100 * s['compute_share']:.1f}%, peak memory {_mib(s['peak_memory_bytes'])}\n\n"
+            f"compute {100 * s['compute_share']:.1f}%, peak memory {plots.mib(s['peak_memory_bytes'])}\n\n"
             f"| op | calls | self ms | share of step time |\n| --- | --- | --- | --- |\n{rows}\n")
