@@ -290,15 +290,13 @@ def spread(runs: list[FinishedRun]) -> dict[str, Any]:
     seed (`data_only`), 2 or more, with their figures: a sweep of each, read together, says which source dominates."""
     if len(runs) < 2:
         return {"from": None}
-    if len({format_value(r.seeds[1]) for r in runs}) == 1:
-        return {"from": "init", "data_seed": runs[0].seeds[1]}
-    if len({format_value(r.seeds[0]) for r in runs}) == 1:
-        return {"from": "data", "init_seed": runs[0].seeds[0]}
     out: dict[str, Any] = {"from": "both"}
-    for varied, fixed, i in (("init_only", "data_seed", 1), ("data_only", "init_seed", 0)):
+    for source, varied, fixed, i in (("init", "init_only", "data_seed", 1), ("data", "data_only", "init_seed", 0)):
         by_fixed: dict[str, list[FinishedRun]] = {}
         for r in runs:
             by_fixed.setdefault(format_value(r.seeds[i]), []).append(r)
+        if len(by_fixed) == 1:  # every run shares this seed: the spread is the other's alone
+            return {"from": source, fixed: runs[0].seeds[i]}
         subset = max(by_fixed.values(), key=len)
         if len(subset) >= 2:
             out[varied] = {fixed: subset[0].seeds[i], "runs": [r.name for r in subset], "stats": figure_stats(subset)}

@@ -60,10 +60,8 @@ def runs_to_plot(paths: list[str | Path]) -> list[Path]:
 def run_labels(runs: list[Path]) -> list[str]:
     """Each run named by its path relative to what all of them share (runs/a, runs/b -> a, b)."""
     resolved = [r.resolve() for r in runs]
-    if len(resolved) == 1:
-        return [resolved[0].name]
     common = Path(os.path.commonpath(resolved))
-    # A run that holds the others is the common path itself: it is called by its own name, not ".".
+    # A run that holds the others (or the only run) is the common path itself: called by its own name, not ".".
     return [r.name if r == common else str(r.relative_to(common)) for r in resolved]
 
 
@@ -140,7 +138,7 @@ def _plot(ax: Any, xs: list[float], ys: list[float], label: str, eval_line: bool
 
 
 # ---------------------------------------------------------------- curves.png
-def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
+def curves_png(run_dir: Path) -> Path:
     """One PNG: train and val loss against steps, tokens and training seconds; MFU, tokens/s and lr by step."""
     run_dir = Path(run_dir)
     records = stepped_records(run_dir)
@@ -169,7 +167,7 @@ def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
     final = next((r for r in reversed(records) if is_number(r.get("val_loss"))), None)
     fig.suptitle(run_dir.resolve().name + (f"  |  final val loss {final['val_loss']:.4f} at step {final['step']}"
                                            if final else ""))
-    return write_bytes(out or run_dir / CURVES_FILE, _png(fig))
+    return write_bytes(run_dir / CURVES_FILE, _png(fig))
 
 
 # ---------------------------------------------------------------- nanopt plot: runs overlaid
