@@ -91,10 +91,8 @@ def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
 
 
 def _plain(value: Any) -> bool:
-    """A string, number, boolean, null, or a list of them: what a config key takes (YAML can also give dates)."""
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (str, int, float, bool))
+    """A string, number (bool is an int), null, or a list of them: what a config key takes (YAML also gives dates)."""
+    return all(map(_plain, value)) if isinstance(value, list) else isinstance(value, (str, int, float, type(None)))
 
 
 @dataclass

@@ -44,8 +44,7 @@ WATCH_LOCK_FILE = "watch.lock.json"  # `nanopt eval --watch`'s lease, beside the
 
 def is_lease(name: str) -> bool:
     """Whether a file name is a lease (the trainer's, a watcher's) or one a takeover moved aside: not run data."""
-    return name in (LOCK_FILE, WATCH_LOCK_FILE) or name.startswith((f".{LOCK_FILE}.stale.",
-                                                                     f".{WATCH_LOCK_FILE}.stale."))
+    return any(name == lease or name.startswith(f".{lease}.stale.") for lease in (LOCK_FILE, WATCH_LOCK_FILE))
 
 
 CHECKPOINTS_DIR = "checkpoints"

@@ -100,8 +100,7 @@ def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
     points = [Point(point_name(dict(zip(keys, combo)), seed), dict(zip(keys, combo)), seed)
               for seed in seeds for combo in itertools.product(*(vals for _, vals in sets))]
     names = [p.name for p in points]
-    too_long = next((n for n in names if len(n.encode()) > 255), None)
-    if too_long:  # the file system's limit for one path component
+    if too_long := next((n for n in names if len(n.encode()) > 255), None):  # the file system's limit for a name
         raise ConfigError(f"grid point {too_long[:60]}... makes a directory name over 255 bytes; sweep fewer keys "
                           f"at once or use shorter values.")
     if len(set(names)) != len(names):
@@ -123,8 +122,7 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
     if key := next((k for k, _ in base if k in ("run.dir", "run.name")), None):
         raise ConfigError(f"--{key}: the sweep names and places every run itself; use --name NAME or --dir DIR.")
     sets = [parse_set(s) for s in set_args]
-    clash = {k for k, _ in base} & {k for k, _ in sets}
-    if clash:
+    if clash := {k for k, _ in base} & {k for k, _ in sets}:
         raise ConfigError(f"{', '.join(sorted(clash))} is both an override and a --set key; keep it in --set only.")
     base_seed = load_config(config, base).run.seed  # range-checked there; each point's seed below, per point
     points = grid(sets, [base_seed + i for i in range(seeds)])
