@@ -31,10 +31,9 @@ COMMAND_ENV: dict[str, dict[str, str]] = {"train": {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def usage() -> str:
-    lines = ["usage: nanopt COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {text}" for name, text in COMMANDS.items()]
-    lines += ["", "`nanopt COMMAND --help` for a command's options; `--debug` (or NANOPT_DEBUG=1) shows tracebacks."]
-    return "\n".join(lines)
+    return "\n".join(["usage: nanopt COMMAND [ARGS...]", "", "commands:",
+                      *(f"  {name:<10} {text}" for name, text in COMMANDS.items()), "", "`nanopt COMMAND --help` "
+                      "for a command's options; `--debug` (or NANOPT_DEBUG=1) shows tracebacks."])
 
 
 def run(argv: list[str]) -> int:

@@ -124,12 +124,10 @@ def top_ops(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
     ops_b = {op["name"]: op for op in pb.get("top_ops") or []}
     rows = []
     for name in dict.fromkeys([*ops_a, *ops_b]):
-        a, b = ops_a.get(name), ops_b.get(name)
-        row = {"name": name,
-               "a_ms": _per_step(pa, a["self_ms"]) if a else None, "b_ms": _per_step(pb, b["self_ms"]) if b else None,
-               "a_calls": _per_step(pa, a["calls"]) if a else None, "b_calls": _per_step(pb, b["calls"]) if b else None}
-        row["delta_ms"] = _delta(row["a_ms"], row["b_ms"])[0]
-        rows.append(row)
+        a, b = ops_a.get(name, {}), ops_b.get(name, {})  # _per_step(p, None) is None: not in that run's list
+        a_ms, b_ms = _per_step(pa, a.get("self_ms")), _per_step(pb, b.get("self_ms"))
+        rows.append({"name": name, "a_ms": a_ms, "b_ms": b_ms, "a_calls": _per_step(pa, a.get("calls")),
+                     "b_calls": _per_step(pb, b.get("calls")), "delta_ms": _delta(a_ms, b_ms)[0]})
     return sorted(rows, key=lambda r: (r["delta_ms"] is None, -abs(r["delta_ms"] if r["delta_ms"] is not None
                                                                   else max(r["a_ms"] or 0, r["b_ms"] or 0))))
 

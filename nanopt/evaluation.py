@@ -70,9 +70,7 @@ class SpeedrunClock:
     @classmethod
     def for_config(cls, cfg: Config) -> "SpeedrunClock":
         t = cfg.train
-        if t.target_val_bpb is not None:
-            return cls(t.target_val_bpb, "val_bpb")
-        return cls(t.target_val_loss, "val_loss")
+        return cls(t.target_val_loss) if t.target_val_bpb is None else cls(t.target_val_bpb, "val_bpb")
 
     @property
     def reached(self) -> bool:

@@ -62,9 +62,8 @@ def _profile_problem(profile: Any) -> Optional[str]:
     """Why a profile summary is not what the profiler writes (the entries `compare` computes with), or None."""
     if not isinstance(profile, dict):
         return "it is not a JSON object"
-    problem = _type_problem(profile, ("profiled_steps", "first_step", "last_step"), ("step_ms_mean",),
-                            required=("profiled_steps", "step_ms_mean"))
-    if problem:
+    if problem := _type_problem(profile, ("profiled_steps", "first_step", "last_step"), ("step_ms_mean",),
+                                required=("profiled_steps", "step_ms_mean")):
         return problem
     labels = profile.get("label_ms", {})
     if not isinstance(labels, dict) or not all(is_number(v) for v in labels.values()):
@@ -85,18 +84,15 @@ def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
     if not path.is_file():
         return None
     profile = read_json(path)
-    problem = _profile_problem(profile)
-    if problem:
+    if problem := _profile_problem(profile):
         raise ConfigError(f"{path} is not a profile summary as the profiler writes it: {problem}. The file is "
                           f"damaged; remove it (the run's other figures stay usable) or profile the run again.")
     return profile
 
 
 def _plain(value: Any) -> bool:
-    """A string, number, boolean, null, or a list of them: what a config key takes (YAML can also give dates)."""
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (str, int, float, bool))
+    """A string, number (bool is an int), null, or a list of them: what a config key takes (YAML also gives dates)."""
+    return all(map(_plain, value)) if isinstance(value, list) else isinstance(value, (str, int, float, type(None)))
 
 
 @dataclass
@@ -123,14 +119,11 @@ class FinishedRun:
         per task and metric): {"task:<task>/<metric>": (value, higher is better)}."""
         out = {}
         for r in read_records(self.dir / EVALS_FILE):
-            scores, better = r.get("scores"), r.get("higher_is_better")
-            if r.get("step") != self.summary.get("steps") or not isinstance(r.get("task"), str) \
-                    or not isinstance(scores, dict):
-                continue
-            for metric, value in scores.items():
-                if is_number(value):
-                    higher = isinstance(better, dict) and better.get(metric) is True
-                    out[f"{TASK_PREFIX}{r['task']}/{metric}"] = (float(value), higher)
+            scores, task, better = r.get("scores"), r.get("task"), r.get("higher_is_better")
+            better = better if isinstance(better, dict) else {}
+            if r.get("step") == self.summary.get("steps") and isinstance(task, str) and isinstance(scores, dict):
+                out.update({f"{TASK_PREFIX}{task}/{metric}": (float(value), better.get(metric) is True)
+                            for metric, value in scores.items() if is_number(value)})
         return out
 
     def figure(self, key: str) -> Any:
@@ -170,8 +163,7 @@ def load_run(path: Path, name: str = "") -> FinishedRun:
     if summary is None:
         raise ConfigError(f"{path} has no {SUMMARY_FILE}: the run has not finished (a run writes it when it "
                           f"ends). Wait for it, resume it with the same command, or give a finished run.")
-    problem = _type_problem(summary, SUMMARY_INTEGERS, SUMMARY_NUMBERS)
-    if problem:
+    if problem := _type_problem(summary, SUMMARY_INTEGERS, SUMMARY_NUMBERS):
         raise ConfigError(f"{path / SUMMARY_FILE}: {problem}; the file is damaged. Remove it and run the run's "
                           f"command again to finish it anew.")
     config = flatten(read_config(path) or {})
@@ -219,15 +211,11 @@ class Repeat:
 def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
     """The runs with each (setting, init and data seed) once, the first in path order kept, and the repeats. Two
     copies of one run counted as two seeds would halve the standard error and make any difference look significant."""
+    keys = [(run.setting(), *map(format_value, run.seeds)) for run in runs]
     first: dict[tuple, FinishedRun] = {}
-    kept, repeats = [], []
-    for run in runs:
-        seen = first.setdefault((run.setting(), *map(format_value, run.seeds)), run)
-        if seen is run:
-            kept.append(run)
-        else:
-            repeats.append(Repeat(run, seen))
-    return kept, repeats
+    for key, run in zip(keys, runs):
+        first.setdefault(key, run)
+    return list(first.values()), [Repeat(run, first[key]) for key, run in zip(keys, runs) if first[key] is not run]
 
 
 @dataclass
@@ -252,8 +240,7 @@ def group_runs(runs: list[FinishedRun]) -> list[Group]:
     for run in kept:
         by_setting.setdefault(run.setting(), []).append(run)
     settings = [dict(s) for s in by_setting]
-    keys = [k for k in dict.fromkeys(k for s in settings for k in s)
-            if len({s.get(k, MISSING) for s in settings}) > 1]
+    keys = [k for k in dict.fromkeys(k for s in settings for k in s) if len({s.get(k, MISSING) for s in settings}) > 1]
     # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
     order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
     keys.sort(key=lambda k: order.get(k, len(order)))
@@ -275,11 +262,8 @@ def describe(values: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {"n": n, "mean": statistics.fmean(values) if n else None, "sd": None, "ci95": None}
     if n >= 2:
         out["sd"] = statistics.stdev(values)
-        if out["sd"] == 0:
-            out["ci95"] = [out["mean"], out["mean"]]  # scipy returns nan for a zero scale
-        else:
-            low, high = stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))
-            out["ci95"] = [float(low), float(high)]
+        out["ci95"] = [out["mean"]] * 2 if out["sd"] == 0 else [  # scipy returns nan for a zero scale
+            float(v) for v in stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))]
     return out
 
 
@@ -304,15 +288,13 @@ def spread(runs: list[FinishedRun]) -> dict[str, Any]:
     seed (`data_only`), 2 or more, with their figures: a sweep of each, read together, says which source dominates."""
     if len(runs) < 2:
         return {"from": None}
-    if len({format_value(r.seeds[1]) for r in runs}) == 1:
-        return {"from": "init", "data_seed": runs[0].seeds[1]}
-    if len({format_value(r.seeds[0]) for r in runs}) == 1:
-        return {"from": "data", "init_seed": runs[0].seeds[0]}
     out: dict[str, Any] = {"from": "both"}
-    for varied, fixed, i in (("init_only", "data_seed", 1), ("data_only", "init_seed", 0)):
+    for source, varied, fixed, i in (("init", "init_only", "data_seed", 1), ("data", "data_only", "init_seed", 0)):
         by_fixed: dict[str, list[FinishedRun]] = {}
         for r in runs:
             by_fixed.setdefault(format_value(r.seeds[i]), []).append(r)
+        if len(by_fixed) == 1:  # every run shares this seed: the spread is the other's alone
+            return {"from": source, fixed: runs[0].seeds[i]}
         subset = max(by_fixed.values(), key=len)
         if len(subset) >= 2:
             out[varied] = {fixed: subset[0].seeds[i], "runs": [r.name for r in subset], "stats": figure_stats(subset)}
@@ -509,10 +491,7 @@ def _spread_lines(summaries: list[dict[str, Any]]) -> list[str]:
     said = {g["name"]: _spread_text(g["spread"]) for g in summaries if g["spread"]["from"]}
     if len(said) > 1 and len({tuple(lines) for lines in said.values()}) == 1:
         said = {"every group of several runs": next(iter(said.values()))}
-    out = []
-    for name, (first, *rest) in said.items():
-        out += [f"{name}: {first}", *rest]
-    return out
+    return [line for name, (first, *rest) in said.items() for line in (f"{name}: {first}", *rest)]
 
 
 def _comparison_text(c: dict[str, Any]) -> str:

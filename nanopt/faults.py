@@ -36,14 +36,12 @@ def _handle(signum: int, frame: object) -> None:
     if _received and time.monotonic() - _first_at < REPEAT_WINDOW_S:
         return
     if _received:
-        sys.stderr.write(f"nanopt: second signal ({name}): exiting now, without a checkpoint.\n")
-        sys.stderr.flush()
+        print(f"nanopt: second signal ({name}): exiting now, without a checkpoint.", file=sys.stderr, flush=True)
         os._exit(128 + signum)
     _received.append(signum)
     _first_at = time.monotonic()
-    sys.stderr.write(f"nanopt: received {name}: finishing the current step, then saving a checkpoint and exiting "
-                     f"(send it again to exit at once).\n")
-    sys.stderr.flush()
+    print(f"nanopt: received {name}: finishing the current step, then saving a checkpoint and exiting (send it again "
+          f"to exit at once).", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -151,8 +149,7 @@ def fault_hook(point: str, step: int, rank: int = 0, run_dir: Optional[Path] = N
     if not _hook_matches(point, step, rank):
         return
     if point.startswith("kill"):
-        sys.stderr.write(f"nanopt: test hook {point}:{step}: SIGKILL\n")
-        sys.stderr.flush()
+        print(f"nanopt: test hook {point}:{step}: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "pause" and run_dir is not None:
         marker = run_dir / f".test_paused.rank{rank}"

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from nanopt.io import append_bytes, json_line, open_append, refuse_link, write_bytes
+from nanopt.io import append_bytes, finite, json_line, open_append, refuse_link, write_bytes
 from nanopt.rundirs import METRICS_FILE, TB_DIR
 
 log = logging.getLogger("nanopt")
@@ -96,7 +95,7 @@ class MetricsLogger:
         append_bytes(self.fd, json_line({"step": step, "time": time.time(), **values}), self.path)
         if self.writer is not None:
             for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None and math.isfinite(v):
+                if finite(v) is not None:
                     self.writer.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in values.items() if v is not None}, step=step)

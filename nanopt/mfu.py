@@ -30,8 +30,7 @@ class MFUMeter:
     device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size. `mfu` is in
     the run's convention (mfu.causal_halving); `mfu_6n` and `mfu_full_attention` are the same speed in the others."""
 
-    CONVENTIONS = (("mfu", "model"), ("mfu_6n", "six_n"), ("mfu_full_attention", "full_attention"),
-                   ("hfu", "hardware"))
+    CONVENTIONS = (("mfu", "model"), ("mfu_6n", "six_n"), ("mfu_full_attention", "full_attention"), ("hfu", "hardware"))
 
     def __init__(self, per_token: Callable[[int], TokenFlops], seq_len: int, tokens_per_step: int,
                  peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,

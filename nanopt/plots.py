@@ -60,10 +60,8 @@ def runs_to_plot(paths: list[str | Path]) -> list[Path]:
 def run_labels(runs: list[Path]) -> list[str]:
     """Each run named by its path relative to what all of them share (runs/a, runs/b -> a, b)."""
     resolved = [r.resolve() for r in runs]
-    if len(resolved) == 1:
-        return [resolved[0].name]
     common = Path(os.path.commonpath(resolved))
-    # A run that holds the others is the common path itself: it is called by its own name, not ".".
+    # A run that holds the others (or the only run) is the common path itself: called by its own name, not ".".
     return [r.name if r == common else str(r.relative_to(common)) for r in resolved]
 
 
@@ -140,7 +138,7 @@ def _plot(ax: Any, xs: list[float], ys: list[float], label: str, eval_line: bool
 
 
 # ---------------------------------------------------------------- curves.png
-def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
+def curves_png(run_dir: Path) -> Path:
     """One PNG: train and val loss against steps, tokens and training seconds; MFU, tokens/s and lr by step."""
     run_dir = Path(run_dir)
     records = stepped_records(run_dir)
@@ -169,7 +167,7 @@ def curves_png(run_dir: Path, out: Optional[Path] = None) -> Path:
     final = next((r for r in reversed(records) if is_number(r.get("val_loss"))), None)
     fig.suptitle(run_dir.resolve().name + (f"  |  final val loss {final['val_loss']:.4f} at step {final['step']}"
                                            if final else ""))
-    return write_bytes(out or run_dir / CURVES_FILE, _png(fig))
+    return write_bytes(run_dir / CURVES_FILE, _png(fig))
 
 
 # ---------------------------------------------------------------- nanopt plot: runs overlaid
@@ -234,15 +232,19 @@ def profile_png(summary: dict) -> bytes:
     return _png(fig)
 
 
+def mib(n: Optional[int]) -> str:
+    """Bytes in MiB, "n/a" where the device could not tell."""
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
 def profile_html(summary: dict, picture: Optional[bytes]) -> str:
     """A page that opens offline: inline CSS, the picture as a base64 data: URI, the top ops as a table."""
     esc = html.escape
     steps = max(1, summary.get("profiled_steps", 1))
-    peak = summary.get("peak_memory_bytes")
     facts = [("profiled steps", f"{summary.get('first_step')}-{summary.get('last_step')} ({steps} steps)"),
              ("step time", f"{summary['step_ms_mean']:.2f} ms/step ({summary['mode']})"),
              *((name, f"{100 * summary[key]:.1f}%") for key, name, _ in _SHARES),
-             ("peak memory", "n/a" if peak is None else f"{peak / 2**20:,.0f} MiB"),
+             ("peak memory", mib(summary.get("peak_memory_bytes"))),
              ("trace", str(summary.get("trace_file")))]
     fact_rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts)
     op_rows = "".join(

@@ -61,13 +61,9 @@ def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, 
     if wait + warmup + active <= steps:
         return wait, warmup, active
     scale = steps / (wait + warmup + active)
-    new_wait, new_warmup = int(wait * scale), int(warmup * scale)
-    if wait > 0 and steps >= 3:
-        new_wait = max(new_wait, 1)
-    if warmup > 0 and steps >= 2:
-        new_warmup = max(new_warmup, 1)
-    new_active = max(1, steps - new_wait - new_warmup)
-    return new_wait, new_warmup, new_active
+    new_wait = max(int(wait * scale), 1 if wait > 0 and steps >= 3 else 0)
+    new_warmup = max(int(warmup * scale), 1 if warmup > 0 and steps >= 2 else 0)
+    return new_wait, new_warmup, max(1, steps - new_wait - new_warmup)
 
 
 def worker_name(rank: int) -> str:
@@ -113,9 +109,7 @@ class Profile:
         self.first_step = start_step + self.wait + self.warmup + 1  # optimizer steps are counted from 1
         # A run of TensorBoard's pytorch_profiler plugin under <run>/tb/.
         self.dir = self.run_dir / TB_DIR / "plugins" / "profile" / f"step_{self.first_step:06d}"
-        self.steps_done = 0
-        self._prof = None
-        self._snapshot = False
+        self.steps_done, self._prof, self._snapshot = 0, None, False
 
     def __enter__(self) -> "Profile":
         global _active
@@ -303,32 +297,20 @@ def top_ops(events: Any, device_mode: bool, total_us: float) -> list[dict[str, A
              "self_cpu_ms": cpu_us / 1e3} for name, self_us, calls, cpu_us in top[:TOP_OPS]]
 
 
-def _mib(n: Optional[int]) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
-
-
 def format_summary(s: dict) -> str:
     """The console block printed on rank 0."""
-    lines = [
-        f"profile: steps {s['first_step']}-{s['last_step']} ({s['profiled_steps']} steps, "
-        f"{s['step_ms_mean']:.1f} ms/step) "
-        f"| host overhead {100 * s['host_overhead_share']:.1f}% | data loader {100 * s['data_loader_share']:.1f}% "
-        f"| compute {100 * s['compute_share']:.1f}% ({s['mode']}) | peak memory {_mib(s['peak_memory_bytes'])}",
-        "profile: top ops by self time: " + ", ".join(
-            f"{op['name']} {op['self_ms']:.1f} ms ({100 * op['self_share']:.0f}%)" for op in s["top_ops"][:5]
-        ),
-    ]
-    return "\n".join(lines)
+    ops = ", ".join(f"{op['name']} {op['self_ms']:.1f} ms ({100 * op['self_share']:.0f}%)" for op in s["top_ops"][:5])
+    return (f"profile: steps {s['first_step']}-{s['last_step']} ({s['profiled_steps']} steps, "
+            f"{s['step_ms_mean']:.1f} ms/step) | host overhead {100 * s['host_overhead_share']:.1f}% | data loader "
+            f"{100 * s['data_loader_share']:.1f}% | compute {100 * s['compute_share']:.1f}% ({s['mode']}) | peak "
+            f"memory {plots.mib(s['peak_memory_bytes'])}\nprofile: top ops by self time: {ops}")
 
 
 def summary_markdown(s: dict) -> str:
     """The TensorBoard text panel: the shares and the top-ops table."""
-    rows = "\n".join(
-        f"| {op['name']} | {op['calls']} | {op['self_ms']:.2f} | {100 * op['self_share']:.1f}% |" for op in s["top_ops"]
-    )
-    return (
-        f"**Steps {s['first_step']}-{s['last_step']}** ({s['mode']}): {s['step_ms_mean']:.1f} ms/step, "
-        f"host overhead **{100 * s['host_overhead_share']:.1f}%**, data loader {100 * s['data_loader_share']:.1f}%, "
-        f"compute {100 * s['compute_share']:.1f}%, peak memory {_mib(s['peak_memory_bytes'])}\n\n"
-        f"| op | calls | self ms | share of step time |\n| --- | --- | --- | --- |\n{rows}\n"
-    )
+    rows = "\n".join(f"| {op['name']} | {op['calls']} | {op['self_ms']:.2f} | {100 * op['self_share']:.1f}% |"
+                     for op in s["top_ops"])
+    return (f"**Steps {s['first_step']}-{s['last_step']}** ({s['mode']}): {s['step_ms_mean']:.1f} ms/step, host "
+            f"overhead **{100 * s['host_overhead_share']:.1f}%**, data loader {100 * s['data_loader_share']:.1f}%, "
+            f"compute {100 * s['compute_share']:.1f}%, peak memory {plots.mib(s['peak_memory_bytes'])}\n\n"
+            f"| op | calls | self ms | share of step time |\n| --- | --- | --- | --- |\n{rows}\n")

@@ -44,8 +44,7 @@ WATCH_LOCK_FILE = "watch.lock.json"  # `nanopt eval --watch`'s lease, beside the
 
 def is_lease(name: str) -> bool:
     """Whether a file name is a lease (the trainer's, a watcher's) or one a takeover moved aside: not run data."""
-    return name in (LOCK_FILE, WATCH_LOCK_FILE) or name.startswith((f".{LOCK_FILE}.stale.",
-                                                                     f".{WATCH_LOCK_FILE}.stale."))
+    return any(name == lease or name.startswith(f".{lease}.stale.") for lease in (LOCK_FILE, WATCH_LOCK_FILE))
 
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -62,11 +61,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"train": {"lr": 0.003}} -> {"train.lr": 0.003}."""
     out: dict[str, Any] = {}
     for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = value
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
 
@@ -175,12 +170,8 @@ def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[di
     if not is_int(steps):
         raise ConfigError(f"{Path(run_dir) / SUMMARY_FILE} has no integer `steps`; the file is damaged. Remove it "
                           f"and run the run's command again to finish it anew.")
-    if steps >= max_steps:
-        return summary
     # `stopped_at_target`: the run ended early because the clock saw its target.
-    if stop_at_target and summary.get("stopped_at_target"):
-        return summary
-    return None
+    return summary if steps >= max_steps or (stop_at_target and summary.get("stopped_at_target")) else None
 
 
 def tail_lines(path: Path, nbytes: int) -> list[str]:
@@ -201,14 +192,10 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
             record = json.loads(line)
         except ValueError:
             continue  # the first, cut line of the tail, or one being written
-        if not isinstance(record, dict):
-            continue
-        if isinstance(record.get("loss"), (int, float)) and "loss" not in out:
+        if isinstance(record, dict) and isinstance(record.get("loss"), (int, float)) and "loss" not in out:
             out.update(step=record.get("step"), loss=record["loss"])
-        if isinstance(record.get("val_loss"), (int, float)) and "val_loss" not in out:
-            out["val_loss"] = record["val_loss"]
-        if "loss" in out and "val_loss" in out:
-            break
+        if isinstance(record, dict) and isinstance(record.get("val_loss"), (int, float)):
+            out.setdefault("val_loss", record["val_loss"])
     return out
 
 

@@ -100,8 +100,7 @@ def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
     points = [Point(point_name(dict(zip(keys, combo)), seed), dict(zip(keys, combo)), seed)
               for seed in seeds for combo in itertools.product(*(vals for _, vals in sets))]
     names = [p.name for p in points]
-    too_long = next((n for n in names if len(n.encode()) > 255), None)
-    if too_long:  # the file system's limit for one path component
+    if too_long := next((n for n in names if len(n.encode()) > 255), None):  # the file system's limit for a name
         raise ConfigError(f"grid point {too_long[:60]}... makes a directory name over 255 bytes; sweep fewer keys "
                           f"at once or use shorter values.")
     if len(set(names)) != len(names):
@@ -120,12 +119,10 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: the number of processes (GPUs) per run; give 1 or more.")
     base = [(normal_key(k), v) for k, v in parse_overrides(overrides)]
-    for key, _ in base:
-        if key in ("run.dir", "run.name"):
-            raise ConfigError(f"--{key}: the sweep names and places every run itself; use --name NAME or --dir DIR.")
+    if key := next((k for k, _ in base if k in ("run.dir", "run.name")), None):
+        raise ConfigError(f"--{key}: the sweep names and places every run itself; use --name NAME or --dir DIR.")
     sets = [parse_set(s) for s in set_args]
-    clash = {k for k, _ in base} & {k for k, _ in sets}
-    if clash:
+    if clash := {k for k, _ in base} & {k for k, _ in sets}:
         raise ConfigError(f"{', '.join(sorted(clash))} is both an override and a --set key; keep it in --set only.")
     base_seed = load_config(config, base).run.seed  # range-checked there; each point's seed below, per point
     points = grid(sets, [base_seed + i for i in range(seeds)])
@@ -203,8 +200,7 @@ def discover(device: str) -> tuple[str, list[str]]:
 def visible_ids(count: int, visible: Optional[str]) -> list[str]:
     """What to put in each run's CUDA_VISIBLE_DEVICES for torch's devices 0..count-1. Under
     CUDA_VISIBLE_DEVICES=3,5 torch's devices 0, 1 are GPUs 3, 5: a run must be given "3", not "0"."""
-    ids = comma_list(visible) or [str(i) for i in range(count)]
-    return ids[:count]
+    return (comma_list(visible) or [str(i) for i in range(count)])[:count]
 
 
 # ---------------------------------------------------------------- run directories
@@ -237,15 +233,14 @@ def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[st
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
         try:
-            diff = resume_diff(run_dir, cfg)
-            if not diff:
+            if diff := resume_diff(run_dir, cfg):
+                changed[name] = diff
+            else:
                 states[name] = point_state(run_dir, cfg)
         except ConfigError as e:
             why = " ".join(str(e).split())  # one paragraph: a YAML error's own text spans lines
             raise ConfigError(f"grid point {name}: {why} The sweep cannot tell what this point ran or whether it is "
                               f"done: restore the file, or remove {run_dir} to run the point afresh.") from None
-        if diff:
-            changed[name] = diff
     if changed:
         raise ConfigError(refusal(changed, where))
     return states
@@ -466,12 +461,10 @@ def _stop_runs(jobs: list[Job], progress: Progress, repeated: bool) -> None:
         if not j.signalled:
             j.proc.send_signal(signal.SIGTERM)
             j.signalled = True
-    if repeated:
-        progress.note(f"nanopt sweep: already stopping; waiting for {len(running)} run(s) to save a checkpoint "
-                      f"and exit (each was sent one SIGTERM; `kill -9 {os.getpid()}` abandons them).")
-    else:
-        progress.note(f"nanopt sweep: stopping: no new runs; {len(running)} running run(s) sent SIGTERM to save a "
-                      f"checkpoint and exit. Run the same command again to go on.")
+    progress.note(f"nanopt sweep: already stopping; waiting for {len(running)} run(s) to save a checkpoint and exit "
+                  f"(each was sent one SIGTERM; `kill -9 {os.getpid()}` abandons them)." if repeated else
+                  f"nanopt sweep: stopping: no new runs; {len(running)} running run(s) sent SIGTERM to save a "
+                  f"checkpoint and exit. Run the same command again to go on.")
 
 
 def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, slot: Slot) -> None:
@@ -483,8 +476,7 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
     job.log = open(open_append(job.dir / LOG_FILE), "ab")
     job.log.write(f"\n=== nanopt sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(job.command)}\n".encode())
     job.log.flush()
-    job.started = time.monotonic()
-    job.status = "running"
+    job.started, job.status = time.monotonic(), "running"
     try:
         # Its own session: the terminal's Ctrl-C goes to the sweep's process group only, and the sweep sends
         # the run its one SIGTERM (_stop_runs). In the same group the run would get both: two signals.
@@ -510,9 +502,5 @@ def _ended(job: Job) -> None:
         job.log.write(f"nanopt sweep: the run exited 0 but {e}\n".encode())
         done = False
     job.log.close()
-    if done:
-        job.status = "done"
-    elif job.exit_code in (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGINT):
-        job.status = "interrupted"
-    else:
-        job.status = "failed"
+    job.status = "done" if done else (
+        "interrupted" if job.exit_code in (EXIT_PREEMPTED, -signal.SIGTERM, -signal.SIGINT) else "failed")

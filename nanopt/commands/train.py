@@ -57,16 +57,12 @@ def _run(argv: list[str]) -> int:
     except Preempted as e:
         print(f"nanopt: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
-    except (ConfigError, ShardError) as e:
+    except (ConfigError, ShardError, TrainingError) as e:
         if debug_enabled():
             raise
-        print(f"nanopt: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except TrainingError as e:
-        if debug_enabled():
-            raise
-        print(f"nanopt: training stopped: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
+        diverged = isinstance(e, TrainingError)
+        print(f"nanopt: {'training stopped' if diverged else 'error'}: {e}", file=sys.stderr)
+        return EXIT_DIVERGED if diverged else EXIT_BAD_INPUT
     except Exception as e:  # a full disk, however its writer raised it, is a failure in one paragraph (exit 1)
         full = as_disk_full(e, run_dir)
         if full is None or debug_enabled():
