@@ -23,7 +23,7 @@ import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -233,7 +233,10 @@ class _Sealer:
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nanopt-ckpt")
         self.pending: dict[Path, tuple[Future, Future]] = {}
 
-    def add(self, path: Path) -> None:
+    def write(self, path: Path, save: Callable[[Path], Any]) -> None:
+        """save(path), a full disk as DiskFull naming the file; then its fsync and crc32 start in the background."""
+        with writing(path):
+            save(path)
         self.pending[path] = (self.pool.submit(_fsync, path), self.pool.submit(crc32_of, path))
 
     def manifest(self) -> dict[str, dict[str, int]]:
@@ -270,20 +273,14 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Option
     sealer = _Sealer()
     try:
         # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-        with writing(tmp / MODEL_FILE):
-            save_file(model_state(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        sealer.add(tmp / MODEL_FILE)
+        sealer.write(tmp / MODEL_FILE, lambda p: save_file(model_state(model), str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
         if optimizer is not None:
-            with writing(tmp / OPTIMIZER_FILE):
-                _torch_save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-            sealer.add(tmp / OPTIMIZER_FILE)
-        with writing(tmp / RNG_FILE):
-            _torch_save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / RNG_FILE)
-        sealer.add(tmp / RNG_FILE)
+            sealer.write(tmp / OPTIMIZER_FILE, lambda p: _torch_save(optimizer.state_dict(), p))
+        ranks = rng if rng is not None else [host_rng_state()]
+        sealer.write(tmp / RNG_FILE, lambda p: _torch_save({"ranks": ranks}, p))
         versions = {"torch": torch.__version__, "numpy": np.__version__}
-        write_json(tmp / STATE_FILE, {**state, "step": step, "versions": versions})
-        sealer.add(tmp / STATE_FILE)
+        sealer.write(tmp / STATE_FILE, lambda p: write_json(p, {**state, "step": step, "versions": versions}))
     except BaseException:
         sealer.pool.shutdown(wait=True, cancel_futures=True)
         raise
@@ -396,12 +393,9 @@ class Mirror:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return []
-        found = []
-        for entry in entries:
-            m = STEP_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if m and self.fs.exists(f"{self.root}/{m.group(0)}/{COMPLETE_FILE}"):
-                found.append(m)
-        return [m.group(0) for m in sorted(found, key=lambda m: int(m.group(1)))]
+        names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+        complete = [n for n in names if step_of(n) is not None and self.fs.exists(f"{self.root}/{n}/{COMPLETE_FILE}")]
+        return sorted(complete, key=step_of)
 
     def fetch(self, name: str, dest: Path) -> Path:
         """Download URL/<name>/* into the fresh directory `dest` (the caller verifies it and moves it into place)."""
@@ -539,11 +533,10 @@ class Checkpointer:
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               states: dict[str, Stateful]) -> dict[str, Any]:
-        saved = read_state(ckpt)
+        checkpoint_config(ckpt)  # checked like a YAML config before it is compared
+        saved, where = read_state(ckpt), str(ckpt / STATE_FILE)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        where = str(ckpt / STATE_FILE)
-        config_from_dict(saved.get("config"), where)  # checked like a YAML config before it is compared
         if not (ckpt / OPTIMIZER_FILE).is_file():
             raise ConfigError(f"checkpoint {ckpt} holds weights only (no {OPTIMIZER_FILE}), so training cannot "
                               f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")

@@ -51,7 +51,7 @@ def generate_padded(
     """
     B, T = prompt.shape
     total = _fits(model, T + max_new_tokens)
-    length = min(model.rope_cos.shape[0], max(16, 1 << (total - 1).bit_length()))
+    length = padded_length(total, model.rope_cos.shape[0])
     device = model.embed.weight.device
     buf = torch.zeros(B, length, dtype=torch.long)  # B L, on the host
     buf[:, :T] = prompt.cpu()
@@ -63,6 +63,11 @@ def generate_padded(
         if stop is not None and stop(buf[0, T : pos + 1].tolist()):
             return buf[:, : pos + 1].to(prompt.device)
     return buf[:, :total].to(prompt.device)
+
+
+def padded_length(n: int, limit: int) -> int:
+    """n rounded up to a power of two (at least 16, at most limit): compiled devices see few shapes."""
+    return min(limit, max(16, 1 << (n - 1).bit_length()))
 
 
 def _fits(model: Llama, total: int) -> int:

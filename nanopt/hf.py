@@ -87,29 +87,24 @@ def check_exportable(m: ModelConfig) -> None:
                           f"use the nanopt checkpoint directly (`nanopt sample`, `nanopt eval`, `nanopt.load_model`).")
 
 
-def hf_name(name: str) -> str:
-    m = _NANOPT_LAYER.match(name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}")
-
-
-def nanopt_name(name: str) -> str:
-    m = _HF_LAYER.match(name)
-    if m and m[2] in _FROM_HF_LAYER:
-        return f"layers.{m[1]}.{_FROM_HF_LAYER[m[2]]}"
-    if name in _FROM_HF_TOP:
-        return _FROM_HF_TOP[name]
-    raise KeyError(f"no nanopt name for Hugging Face weight {name!r}")
+def _rename(name: str, to_hf: bool) -> str:
+    """A weight's name on the other side (nanopt -> Hugging Face when to_hf); KeyError when it has none."""
+    layer, in_layer, top, prefix = ((_NANOPT_LAYER, _LAYER_NAMES, _TOP_NAMES, "model.layers") if to_hf
+                                    else (_HF_LAYER, _FROM_HF_LAYER, _FROM_HF_TOP, "layers"))
+    m = layer.match(name)
+    if m and m[2] in in_layer:
+        return f"{prefix}.{m[1]}.{in_layer[m[2]]}"
+    if name in top:
+        return top[name]
+    raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}" if to_hf
+                   else f"no nanopt name for Hugging Face weight {name!r}")
 
 
 def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
     check_exportable(model.cfg)
     tied = model.cfg.tie_embeddings
-    return {hf_name(name): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
+    return {_rename(name, True): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
             if not (tied and name == "lm_head.weight")}
 
 
@@ -196,7 +191,7 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
         if _HF_IGNORED.search(name):
             continue
         try:
-            ours[nanopt_name(name)] = t
+            ours[_rename(name, False)] = t
         except KeyError as e:
             raise ConfigError(f"{directory}: {e.args[0]}; only plain Llama weights can be imported.") from None
     if model.cfg.tie_embeddings:
@@ -354,11 +349,8 @@ def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Con
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
         write_json(staging / "nanopt.json", {"config": nanopt_cfg.to_dict(), **(meta or {})})
     for entry in os.scandir(staging):
-        fd = os.open(entry.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(entry.path, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def _install(staging: Path, out: Path, force: bool) -> None:
