@@ -149,20 +149,16 @@ def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
             token_list=lm.tok.encode(text), prefix_token=lm.prefix_token_id, max_seq_len=max_len, context_len=1)]
         spans.append(len(pieces))
         windows += pieces
-    scores = continuation_scores(lm.model, windows, lm.rt, lm.batch_size)
-    out, start = [], 0
-    for n in spans:
-        out.append(sum(s for s, _ in scores[start : start + n]))
-        start += n
-    return out
+    scores = iter(continuation_scores(lm.model, windows, lm.rt, lm.batch_size))
+    return [sum(next(scores)[0] for _ in range(n)) for n in spans]
 
 
 def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
     """Greedy text after `context` until one of the `until` strings (cut before it) or max_gen_toks."""
     until = gen_kwargs.get("until") or []
-    until = [until] if isinstance(until, str) else list(until)
+    until = [s for s in ([until] if isinstance(until, str) else until) if s]
     eos = lm.tok.eos_id  # ends generation as a token (its text may decode to nothing)
-    stop = (lambda ids: ids[-1] == eos or any(s and s in lm.tok.decode(ids) for s in until))
+    stop = (lambda ids: ids[-1] == eos or any(s in lm.tok.decode(ids) for s in until))
     max_len = lm.model.rope_cos.shape[0]
     max_new = max(1, min(int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)), max_len - 1))
     prompt = lm.tok_encode(context)[-(max_len - max_new):]  # cropped on the left to leave room for the answer
@@ -170,8 +166,7 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
         ids = generate(lm.model, torch.tensor([prompt], device=lm.rt.device), max_new, 0, stop=stop)[0, len(prompt):]
     text = lm.tok.decode([i for i in ids.tolist() if i != eos])
     for s in until:
-        if s:
-            text = text.split(s)[0]
+        text = text.split(s)[0]
     return text
 
 
@@ -364,15 +359,8 @@ class TaskScorer:
         self.seconds, self.last_step = 0.0, None
         if not self.spec:  # every rank reads the same config: no collective for a run without tasks
             return
-        problem = None
-        if rt.is_main:  # an unknown task, unusable task data or a broken bundle is refused before the first step
-            try:
-                check_tasks(self.spec)
-            except ConfigError as e:
-                problem = str(e)
-        problem = rt.gather_objects(problem)[0]
-        if problem:
-            raise ConfigError(problem)
+        # An unknown task, unusable task data or a broken bundle is refused before the first step.
+        rt.on_main(lambda: check_tasks(self.spec))
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.tasks_every

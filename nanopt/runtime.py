@@ -307,6 +307,19 @@ class Runtime:
         dist.all_gather_object(out, obj)
         return out
 
+    def on_main(self, fn: Callable[[], Any], errors: tuple[type[Exception], ...] = (ConfigError,)) -> Any:
+        """fn() on rank 0 alone (its result there, None elsewhere); what it raised of `errors` every rank raises."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except errors as e:
+                error = e
+        error = self.gather_objects(error)[0]
+        if error is not None:
+            raise error
+        return result
+
 
 def static_shapes(device: torch.device) -> bool:
     """True where every new tensor shape is a new compiled graph (XLA): sampling pads to fixed lengths."""

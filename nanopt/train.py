@@ -448,16 +448,7 @@ def _print_samples(run: Session) -> None:
 def own_run_dir(cfg: Config, rt: Runtime) -> Optional[DirLock]:
     """The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
     raises ConfigError naming the holder when another process writes the directory."""
-    lock, problem = None, None
-    if rt.is_main:
-        try:
-            lock = DirLock(cfg.run_dir).acquire()
-        except (ConfigError, DiskFull) as e:
-            problem = e
-    problem = rt.gather_objects(problem)[0]  # every rank learns rank 0's verdict (a full disk too: exit 1)
-    if problem is not None:
-        raise problem
-    return lock
+    return rt.on_main(lambda: DirLock(cfg.run_dir).acquire(), (ConfigError, DiskFull))  # a full disk: exit 1
 
 
 def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
