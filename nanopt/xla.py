@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
