@@ -24,7 +24,7 @@ from nanopt.config import Config
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
-from nanopt.io import append_jsonl
+from nanopt.io import append_jsonl, is_number
 from nanopt.loading import Loaded, load
 from nanopt.model import Llama
 from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded
@@ -224,15 +224,9 @@ def task_records(results: dict[str, Any], step: Optional[int], source: str, **ex
     harness's stderr, which direction is better, and how many documents were scored."""
     out = []
     for task, row in results["results"].items():
-        scores, stderr = {}, {}
-        for key, value in row.items():
-            metric = key.split(",")[0]
-            if key in ("alias", "sample_len") or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if metric.endswith("_stderr"):
-                stderr[metric[: -len("_stderr")]] = value
-            else:
-                scores[metric] = value
+        numbers = {k.split(",")[0]: v for k, v in row.items() if k not in ("alias", "sample_len") and is_number(v)}
+        scores = {m: v for m, v in numbers.items() if not m.endswith("_stderr")}
+        stderr = {m.removesuffix("_stderr"): v for m, v in numbers.items() if m.endswith("_stderr")}
         better = results.get("higher_is_better", {}).get(task, {})
         samples = results.get("n-samples", {}).get(task, {}).get("effective")
         out.append({"step": step, "time": time.time(), "source": source, "task": task, "scores": scores,

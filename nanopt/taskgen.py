@@ -93,16 +93,10 @@ def _passages(texts: list[str], n: int, rng: random.Random) -> list[dict]:
 
 
 def _task_yaml(name: str, data: Path, output_type: str, fields: dict, metrics: list[dict]) -> dict:
-    return {
-        "task": name,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},  # absolute: lm-eval runs from any cwd
-        "test_split": "test",
-        "output_type": output_type,
-        **fields,
-        "metric_list": metrics,
-        "metadata": {"version": 1.0},
-    }
+    return {"task": name, "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},  # absolute: lm-eval runs from any cwd
+            "test_split": "test", "output_type": output_type, **fields, "metric_list": metrics,
+            "metadata": {"version": 1.0}}
 
 
 def _write_task(out_dir: Path, spec: dict, rows: list[dict]) -> Path:
