@@ -120,8 +120,7 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         return "its COMPLETE manifest is not a JSON object with a `files` map", {}
-    missing = [name for name in REQUIRED_FILES if name not in files]
-    if missing:
+    if missing := [name for name in REQUIRED_FILES if name not in files]:
         return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
     for name, entry in files.items():
         if name not in CHECKPOINT_FILES:
@@ -175,8 +174,7 @@ def newest_checkpoint(path: Path, newer_than: int = -1) -> tuple[Optional[Path],
     for ckpt in reversed(checkpoint_dirs(path)):
         if step_of(ckpt) <= newer_than:
             break
-        problem = verify_checkpoint(ckpt)
-        if problem is None:
+        if (problem := verify_checkpoint(ckpt)) is None:
             return ckpt, skipped
         skipped.append(f"{ckpt.name}: {problem}")
     return None, skipped
@@ -190,8 +188,7 @@ def find_checkpoint(path: str | Path) -> Path:
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
                           f"(runs/<name>/checkpoints/step_NNNNNN).")
     if step_of(path) is not None and path.is_dir():
-        problem = verify_checkpoint(path)
-        if problem:
+        if problem := verify_checkpoint(path):
             raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
                               f"or give the run directory to take its newest complete checkpoint.")
         return path
@@ -540,16 +537,13 @@ class Checkpointer:
         if not (ckpt / OPTIMIZER_FILE).is_file():
             raise ConfigError(f"checkpoint {ckpt} holds weights only (no {OPTIMIZER_FILE}), so training cannot "
                               f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")
-        missing = [name for name in states if not isinstance(saved.get(name), dict)]
-        if missing:
+        if missing := [name for name in states if not isinstance(saved.get(name), dict)]:
             raise ConfigError(f"{where} has no state for {', '.join(missing)}; it was written by another nanopt "
                               f"version. Resume with that version, or start a new run (a new `run.dir`).")
-        changes = resume_changes(saved["config"], self.cfg)
-        if changes:
+        if changes := resume_changes(saved["config"], self.cfg):
             raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
                               f"{'; '.join(changes)}. {fix}")
-        data_change = _describe_data_change(saved["data"], self.data) if "data" in saved else None
-        if data_change:
+        if data_change := (_describe_data_change(saved["data"], self.data) if "data" in saved else None):
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")

@@ -180,8 +180,7 @@ def _task_manager(lm_eval: Any, tasks: list[str], include_path: Optional[str]) -
     if include_path not in _MANAGERS:  # indexing lm-eval's ~15,000 task YAMLs takes seconds: once per process
         _MANAGERS[include_path] = TaskManager(include_path=include_path)
     manager = _MANAGERS[include_path]
-    unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown:
+    if unknown := [t for t in tasks if not manager.match_tasks([t])]:
         raise ConfigError(f"unknown lm-eval task(s): {', '.join(unknown)}. Give task or group names the harness "
                           f"knows (`lm-eval ls tasks` lists them) or YAMLs in --include-path; a YAML that does "
                           f"not parse is not listed (check it with `lm-eval validate --tasks NAME "

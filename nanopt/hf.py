@@ -249,8 +249,7 @@ def init_from(model: Llama, spec: str) -> None:
                           f"start from it with them off ({offs}) or train from scratch (train.init_from=\"\").")
     # The llama3 factors only matter when both sides use llama3 scaling.
     keys = _ARCH_KEYS + (_LLAMA3_KEYS if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
-    differ = [k for k in keys if getattr(ours, k) != getattr(theirs, k)]
-    if differ:
+    if differ := [k for k in keys if getattr(ours, k) != getattr(theirs, k)]:
         fixes = " ".join(f"--model.{k}={_value(getattr(theirs, k))}" for k in differ)
         raise ConfigError(f"`train.init_from` {directory} has a different architecture from the run's model config "
                           f"({', '.join(f'model.{k}: {getattr(ours, k)} vs {getattr(theirs, k)}' for k in differ)}); "
@@ -320,8 +319,7 @@ def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_
         _write_files(staging, model, tok, nanopt_cfg, dtype, meta)
         _install(staging, out, force)
     except Exception as e:
-        full = as_disk_full(e, out)
-        if full is None:
+        if (full := as_disk_full(e, out)) is None:
             raise
         shutil.rmtree(staging, ignore_errors=True)  # first, so the free space named is what a second try has
         raise disk_full(_final_name(full.path, staging, out)) from e

@@ -275,8 +275,7 @@ class Runtime:
 
     def warn_if_checkpoints_perishable(self, mirror: str) -> None:
         """Warn when checkpoints live only on a disk the machine takes with it (a spot TPU VM, no mirror)."""
-        message = self.backend.preemption_warning(mirror)
-        if message:
+        if message := self.backend.preemption_warning(mirror):
             log.warning("%s", message)
 
     def hardware_name(self) -> str:
@@ -315,8 +314,7 @@ class Runtime:
                 result = fn()
             except errors as e:
                 error = e
-        error = self.gather_objects(error)[0]
-        if error is not None:
+        if (error := self.gather_objects(error)[0]) is not None:
             raise error
         return result
 

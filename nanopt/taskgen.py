@@ -41,8 +41,7 @@ def _check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file, not a directory; make_tasks writes task YAMLs and their JSONL "
                           f"data into a directory. Pass a new or empty directory.")
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in OURS) if out_dir.is_dir() else []
-    if others:
+    if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in OURS) if out_dir.is_dir() else []):
         raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
                           f"will not mix with its tasks. Pass a new or empty directory, or one that holds only "
                           f"earlier generated tasks.")

@@ -111,8 +111,7 @@ def _check_files(manager: Any, name: str) -> None:
     a line that is not a JSON object is named here, file and line, where datasets would log and raise its own."""
     entry = manager.task_index.get(name)
     for path in dict.fromkeys(entry_files(manager, name)):
-        problem = _file_problem(path)
-        if problem:
+        if problem := _file_problem(path):
             where = f" from {entry.yaml_path}" if getattr(entry, "yaml_path", None) else ""
             raise ConfigError(f"lm-eval task {name}{where} cannot be read: {problem}. {TASK_HINT}")
 
@@ -216,8 +215,7 @@ def _check_rows(task: Any) -> None:
     rows, used = (_json_rows(files[0]), _fields_used(task)) if as_read else ([], set())
     for index, doc in enumerate(task.eval_docs):
         line, raw = rows[index] if index < len(rows) else (None, {})
-        problem = _row_problem(task, doc, [f for f in used if line is not None and f not in raw])
-        if problem:
+        if problem := _row_problem(task, doc, [f for f in used if line is not None and f not in raw]):
             where = f"{files[0]}:{line}" if line is not None else f"row {index + 1} of its {split} split" \
                                                                    f"{files_note(files)}"
             raise ConfigError(f"lm-eval task {getattr(task, 'task_name', None) or config.task}: {where}: {problem}. "

@@ -457,8 +457,7 @@ def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
     summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
     if summary is None:
         return None
-    changes = resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg)
-    if changes:
+    if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg):
         raise ConfigError(f"{cfg.run_dir} holds a finished run of another config ({'; '.join(changes)}; \"in the "
                           f"checkpoint\" = its config.yaml). Set `run.dir` (or `run.name`) to a new directory for this "
                           f"one, run the config it used, or accept the change with "

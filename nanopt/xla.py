@@ -38,8 +38,7 @@ def tpu_attached(dev: Path = Path("/dev")) -> bool:
 
 def _select_pjrt_device() -> str:
     """PJRT_DEVICE decides where XLA runs; torch_xla silently falls back to CPU without it, so we don't."""
-    pjrt = os.environ.get("PJRT_DEVICE", "")
-    if pjrt:
+    if pjrt := os.environ.get("PJRT_DEVICE", ""):
         return pjrt.upper()
     if tpu_attached():
         log.warning("xla: PJRT_DEVICE is not set; TPU chips are visible, so using PJRT_DEVICE=TPU "
