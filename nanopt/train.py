@@ -511,7 +511,4 @@ def _train(cfg: Config, rt: Runtime) -> dict[str, Any]:
             loop(run, profiler)
         return finish(run)
     finally:
-        if run is not None:
-            run.close()
-        else:
-            metrics.close()
+        (run if run is not None else metrics).close()  # a run closes its metrics too
