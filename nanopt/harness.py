@@ -170,8 +170,9 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
     return text
 
 
-def _task_manager(lm_eval: Any, tasks: list[str], include_path: Optional[str]) -> Any:
+def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
     """lm-eval's TaskManager with the user's task YAMLs; ConfigError naming any task it does not know."""
+    _lm_eval()  # the one paragraph when lm-eval is missing
     from lm_eval.tasks import TaskManager
 
     if include_path and not Path(include_path).is_dir():
@@ -192,8 +193,7 @@ def check_tasks(spec: TaskSpec) -> None:
     """ConfigError now when lm-eval is missing, a task is unknown or its YAML, data or rows are unusable
     (load_tasks), or the CORE bundle does not read: what training finds before its first step."""
     if spec.tasks:
-        lm_eval = _lm_eval()
-        load_tasks(_task_manager(lm_eval, spec.tasks, spec.include_path), spec.tasks)
+        load_tasks(_task_manager(spec.tasks, spec.include_path), spec.tasks)
     if spec.core_dir:
         core.read_bundle(spec.core_dir, spec.limit or 0)
 
@@ -204,7 +204,7 @@ def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None
     tasks are built and checked first (load_tasks), and what the harness still raises on a task's YAML or data is
     caught here, at the boundary: ConfigError naming the tasks, their files and the cause."""
     lm_eval = _lm_eval()
-    manager = _task_manager(lm_eval, tasks, include_path)
+    manager = _task_manager(tasks, include_path)
     built = load_tasks(manager, tasks)  # handed to the harness as objects: each task's data is read once
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

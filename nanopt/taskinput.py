@@ -131,22 +131,19 @@ def _load_problem(manager: Any, name: str, e: BaseException) -> str:
     files = list(dict.fromkeys(entry_files(manager, name)))
     yaml_path = getattr(entry, "yaml_path", None)
     where = f" from {yaml_path}" if yaml_path else ""
-    first = f" or the first row of its data ({_row_place(files[0], 0)}), which the harness renders while it builds " \
+    first = f" or the first row of its data ({_first_row(files[0])}), which the harness renders while it builds " \
             f"the task" if len(files) == 1 else ""
     return (f"lm-eval could not build task {name}{where}{files_note(files)}: {cause(e)}. The cause is in the "
             f"YAML{first}. {TASK_HINT}")
 
 
-def _row_place(path: Path, row: int) -> str:
-    """FILE:LINE of a JSON-lines file's row `row` (0-based; blank lines hold none), or FILE row N elsewhere."""
-    if path.suffix in JSON_LINES:
-        try:
-            numbers = [n for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1) if line.strip()]
-            if row < len(numbers):
-                return f"{path}:{numbers[row]}"
-        except (OSError, ValueError):
-            pass
-    return f"{path} row {row + 1}"
+def _first_row(path: Path) -> str:
+    """FILE:LINE of a JSON-lines file's first row (blank lines hold none), or FILE row 1 elsewhere."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n") if path.suffix in JSON_LINES else []
+    except (OSError, ValueError):
+        lines = []
+    return next((f"{path}:{n}" for n, line in enumerate(lines, 1) if line.strip()), f"{path} row 1")
 
 
 def _json_rows(path: Path) -> list[tuple[int, dict]]:
