@@ -328,10 +328,9 @@ class Mirror:
 
             self.fs, self.root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
-            raise ConfigError(
-                f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or file://, "
-                f"or install the filesystem's package (gcsfs for gs://, s3fs for s3://)."
-            ) from None
+            raise ConfigError(f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or "
+                              "file://, or install the filesystem's package (gcsfs for gs://, s3fs for "
+                              "s3://).") from None
         self.url, self.keep = url, keep
         self.root = self.root.rstrip("/")
         self.failures: list[str] = []
@@ -440,11 +439,10 @@ class Checkpointer:
         rt = self.rt
         if not self.cfg.checkpoint.resume:
             if rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
-                raise ConfigError(
-                    f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is not empty, "
-                    f"and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), delete the directory, "
-                    f"or drop `--checkpoint.resume=false` to continue the run from its newest checkpoint."
-                )
+                raise ConfigError(f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is "
+                                  "not empty, and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), "
+                                  "delete the directory, or drop `--checkpoint.resume=false` to continue the run from "
+                                  "its newest checkpoint.")
             rt.barrier()  # every rank looks before rank 0 writes into the directory
             return None
         # Rank 0 picks (and, when needed, downloads) the checkpoint; all ranks load that same one.
@@ -495,13 +493,12 @@ class Checkpointer:
             log.warning("checkpoint.start_over: no usable checkpoint in %s (%s); training from step 0 and "
                         "starting metrics over", self.root, "; ".join(evidence))
             return None
-        raise ConfigError(
-            f"the run directory {self.run_dir} shows saved training but holds no usable checkpoint "
-            f"({'; '.join(evidence)}). Nothing was loaded or changed. If the checkpoints are still arriving "
-            f"(a volume not yet synced, a copy in progress), wait and run the same command again. To train this "
-            f"run from step 0 instead, add `--checkpoint.start_over=true` (its metrics start over; damaged "
-            f"checkpoints are left in place and pruned as new ones are saved), or set `run.dir` to a new directory."
-        )
+        raise ConfigError(f"the run directory {self.run_dir} shows saved training but holds no usable checkpoint "
+                          f"({'; '.join(evidence)}). Nothing was loaded or changed. If the checkpoints are still "
+                          "arriving (a volume not yet synced, a copy in progress), wait and run the same command "
+                          "again. To train this run from step 0 instead, add `--checkpoint.start_over=true` (its "
+                          "metrics start over; damaged checkpoints are left in place and pruned as new ones are "
+                          "saved), or set `run.dir` to a new directory.")
 
     def _earlier_training(self) -> list[str]:
         """What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a

@@ -154,14 +154,12 @@ def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}/config.json uses RoPE scaling {rope_type!r}; nanopt implements `default` and "
                           f"`llama3` only.")
-    m = ModelConfig(
-        vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_dim=int(hf["intermediate_size"]),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-    )
+    m = ModelConfig(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+                    n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_dim=int(hf["intermediate_size"]),
+                    norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+                    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+                    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                    init_std=float(hf.get("initializer_range", 0.02)),)
     if rope_type == "llama3":  # the inverse of _rope_parameters
         m.rope_scaling, m.rope_factor = "llama3", float(rope["factor"])
         m.rope_low_freq_factor = float(rope["low_freq_factor"])

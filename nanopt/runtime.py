@@ -336,10 +336,8 @@ def detect_kind(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "`runtime.device` is cuda but torch sees no CUDA device (torch "
-            f"{torch.__version__}); use `--runtime.device=cpu` or install a CUDA build of torch."
-        )
+        raise ConfigError("`runtime.device` is cuda but torch sees no CUDA device (torch "
+                          f"{torch.__version__}); use `--runtime.device=cpu` or install a CUDA build of torch.")
     return requested
 
 
@@ -349,10 +347,9 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     kind = detect_kind(device)
     if kind == "xla" and world > 1:  # multi-process XLA (torchrun, xmp.spawn) is not how nanopt runs it
-        raise ConfigError(
-            f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). On XLA one "
-            f"process drives all of a host's chips through SPMD: run `python -m nanopt.main ...` without torchrun."
-        )
+        raise ConfigError(f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). "
+                          "On XLA one process drives all of a host's chips through SPMD: run `python -m nanopt.main "
+                          "...` without torchrun.")
     backend = BACKENDS[kind].start(local_rank, local_world, threads, precision)
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(minutes=30)
