@@ -13,10 +13,8 @@ Stop = Optional[Callable[[list[int]], bool]]  # stop(row 0's new ids) true: the 
 
 
 @torch.no_grad()
-def generate(
-    model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-    generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None,
-) -> torch.Tensor:
+def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None) -> torch.Tensor:
     """prompt: B T ids -> B (T + max_new_tokens) ids, fewer where stop turns true first. temperature 0 = greedy.
     use_cache=False recomputes the whole context every token (the reference the cache must match)."""
     if use_cache and static_shapes(prompt.device):  # XLA: a KV cache growing by one is a new graph per token
@@ -40,10 +38,8 @@ def generate(
 
 
 @torch.no_grad()
-def generate_padded(
-    model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-    generator: Optional[torch.Generator] = None, stop: Stop = None,
-) -> torch.Tensor:
+def generate_padded(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int = 0, generator: Optional[torch.Generator] = None, stop: Stop = None) -> torch.Tensor:
     """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input, a host buffer of
     prompt + new tokens rounded up to a power of two (capped at max_seq_len), zero-padded on the right (causal
     attention hides the padding). Each token re-runs it (no KV cache: O(L²) per token) and reads the last real
