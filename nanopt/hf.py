@@ -71,10 +71,8 @@ def _options_on(m: ModelConfig) -> Optional[tuple[str, str]]:
     """None for a plain Llama, else for error messages what is set and the overrides that turn it off:
     ("model.qk_norm=true, model.mlp=relu2", "--model.qk_norm=false --model.mlp=swiglu")."""
     on = [k for k, off in _OPTIONS_OFF.items() if getattr(m, k) != off]
-    if not on:
-        return None
     return (", ".join(f"model.{k}={_value(getattr(m, k))}" for k in on),
-            " ".join(f"--model.{k}={_value(_OPTIONS_OFF[k])}" for k in on))
+            " ".join(f"--model.{k}={_value(_OPTIONS_OFF[k])}" for k in on)) if on else None
 
 
 def check_exportable(m: ModelConfig) -> None:
