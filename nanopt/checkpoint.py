@@ -23,7 +23,7 @@ import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
@@ -120,8 +120,7 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         return "its COMPLETE manifest is not a JSON object with a `files` map", {}
-    missing = [name for name in REQUIRED_FILES if name not in files]
-    if missing:
+    if missing := [name for name in REQUIRED_FILES if name not in files]:
         return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
     for name, entry in files.items():
         if name not in CHECKPOINT_FILES:
@@ -175,8 +174,7 @@ def newest_checkpoint(path: Path, newer_than: int = -1) -> tuple[Optional[Path],
     for ckpt in reversed(checkpoint_dirs(path)):
         if step_of(ckpt) <= newer_than:
             break
-        problem = verify_checkpoint(ckpt)
-        if problem is None:
+        if (problem := verify_checkpoint(ckpt)) is None:
             return ckpt, skipped
         skipped.append(f"{ckpt.name}: {problem}")
     return None, skipped
@@ -190,8 +188,7 @@ def find_checkpoint(path: str | Path) -> Path:
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
                           f"(runs/<name>/checkpoints/step_NNNNNN).")
     if step_of(path) is not None and path.is_dir():
-        problem = verify_checkpoint(path)
-        if problem:
+        if problem := verify_checkpoint(path):
             raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
                               f"or give the run directory to take its newest complete checkpoint.")
         return path
@@ -233,7 +230,10 @@ class _Sealer:
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nanopt-ckpt")
         self.pending: dict[Path, tuple[Future, Future]] = {}
 
-    def add(self, path: Path) -> None:
+    def write(self, path: Path, save: Callable[[Path], Any]) -> None:
+        """save(path), a full disk as DiskFull naming the file; then its fsync and crc32 start in the background."""
+        with writing(path):
+            save(path)
         self.pending[path] = (self.pool.submit(_fsync, path), self.pool.submit(crc32_of, path))
 
     def manifest(self) -> dict[str, dict[str, int]]:
@@ -270,20 +270,14 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Option
     sealer = _Sealer()
     try:
         # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-        with writing(tmp / MODEL_FILE):
-            save_file(model_state(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        sealer.add(tmp / MODEL_FILE)
+        sealer.write(tmp / MODEL_FILE, lambda p: save_file(model_state(model), str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
         if optimizer is not None:
-            with writing(tmp / OPTIMIZER_FILE):
-                _torch_save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-            sealer.add(tmp / OPTIMIZER_FILE)
-        with writing(tmp / RNG_FILE):
-            _torch_save({"ranks": rng if rng is not None else [host_rng_state()]}, tmp / RNG_FILE)
-        sealer.add(tmp / RNG_FILE)
+            sealer.write(tmp / OPTIMIZER_FILE, lambda p: _torch_save(optimizer.state_dict(), p))
+        ranks = rng if rng is not None else [host_rng_state()]
+        sealer.write(tmp / RNG_FILE, lambda p: _torch_save({"ranks": ranks}, p))
         versions = {"torch": torch.__version__, "numpy": np.__version__}
-        write_json(tmp / STATE_FILE, {**state, "step": step, "versions": versions})
-        sealer.add(tmp / STATE_FILE)
+        sealer.write(tmp / STATE_FILE, lambda p: write_json(p, {**state, "step": step, "versions": versions}))
     except BaseException:
         sealer.pool.shutdown(wait=True, cancel_futures=True)
         raise
@@ -334,10 +328,9 @@ class Mirror:
 
             self.fs, self.root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
-            raise ConfigError(
-                f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or file://, "
-                f"or install the filesystem's package (gcsfs for gs://, s3fs for s3://)."
-            ) from None
+            raise ConfigError(f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or "
+                              "file://, or install the filesystem's package (gcsfs for gs://, s3fs for "
+                              "s3://).") from None
         self.url, self.keep = url, keep
         self.root = self.root.rstrip("/")
         self.failures: list[str] = []
@@ -396,12 +389,9 @@ class Mirror:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return []
-        found = []
-        for entry in entries:
-            m = STEP_DIR.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if m and self.fs.exists(f"{self.root}/{m.group(0)}/{COMPLETE_FILE}"):
-                found.append(m)
-        return [m.group(0) for m in sorted(found, key=lambda m: int(m.group(1)))]
+        names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+        complete = [n for n in names if step_of(n) is not None and self.fs.exists(f"{self.root}/{n}/{COMPLETE_FILE}")]
+        return sorted(complete, key=step_of)
 
     def fetch(self, name: str, dest: Path) -> Path:
         """Download URL/<name>/* into the fresh directory `dest` (the caller verifies it and moves it into place)."""
@@ -449,11 +439,10 @@ class Checkpointer:
         rt = self.rt
         if not self.cfg.checkpoint.resume:
             if rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
-                raise ConfigError(
-                    f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is not empty, "
-                    f"and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), delete the directory, "
-                    f"or drop `--checkpoint.resume=false` to continue the run from its newest checkpoint."
-                )
+                raise ConfigError(f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is "
+                                  "not empty, and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), "
+                                  "delete the directory, or drop `--checkpoint.resume=false` to continue the run from "
+                                  "its newest checkpoint.")
             rt.barrier()  # every rank looks before rank 0 writes into the directory
             return None
         # Rank 0 picks (and, when needed, downloads) the checkpoint; all ranks load that same one.
@@ -504,13 +493,12 @@ class Checkpointer:
             log.warning("checkpoint.start_over: no usable checkpoint in %s (%s); training from step 0 and "
                         "starting metrics over", self.root, "; ".join(evidence))
             return None
-        raise ConfigError(
-            f"the run directory {self.run_dir} shows saved training but holds no usable checkpoint "
-            f"({'; '.join(evidence)}). Nothing was loaded or changed. If the checkpoints are still arriving "
-            f"(a volume not yet synced, a copy in progress), wait and run the same command again. To train this "
-            f"run from step 0 instead, add `--checkpoint.start_over=true` (its metrics start over; damaged "
-            f"checkpoints are left in place and pruned as new ones are saved), or set `run.dir` to a new directory."
-        )
+        raise ConfigError(f"the run directory {self.run_dir} shows saved training but holds no usable checkpoint "
+                          f"({'; '.join(evidence)}). Nothing was loaded or changed. If the checkpoints are still "
+                          "arriving (a volume not yet synced, a copy in progress), wait and run the same command "
+                          "again. To train this run from step 0 instead, add `--checkpoint.start_over=true` (its "
+                          "metrics start over; damaged checkpoints are left in place and pruned as new ones are "
+                          "saved), or set `run.dir` to a new directory.")
 
     def _earlier_training(self) -> list[str]:
         """What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a
@@ -539,24 +527,20 @@ class Checkpointer:
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               states: dict[str, Stateful]) -> dict[str, Any]:
-        saved = read_state(ckpt)
+        checkpoint_config(ckpt)  # checked like a YAML config before it is compared
+        saved, where = read_state(ckpt), str(ckpt / STATE_FILE)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        where = str(ckpt / STATE_FILE)
-        config_from_dict(saved.get("config"), where)  # checked like a YAML config before it is compared
         if not (ckpt / OPTIMIZER_FILE).is_file():
             raise ConfigError(f"checkpoint {ckpt} holds weights only (no {OPTIMIZER_FILE}), so training cannot "
                               f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")
-        missing = [name for name in states if not isinstance(saved.get(name), dict)]
-        if missing:
+        if missing := [name for name in states if not isinstance(saved.get(name), dict)]:
             raise ConfigError(f"{where} has no state for {', '.join(missing)}; it was written by another nanopt "
                               f"version. Resume with that version, or start a new run (a new `run.dir`).")
-        changes = resume_changes(saved["config"], self.cfg)
-        if changes:
+        if changes := resume_changes(saved["config"], self.cfg):
             raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
                               f"{'; '.join(changes)}. {fix}")
-        data_change = _describe_data_change(saved["data"], self.data) if "data" in saved else None
-        if data_change:
+        if data_change := (_describe_data_change(saved["data"], self.data) if "data" in saved else None):
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")

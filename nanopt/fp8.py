@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -27,11 +27,6 @@ log = logging.getLogger("nanopt")
 DIM_MULTIPLE = 16
 
 
-def accepted(in_features: int, out_features: int) -> bool:
-    """Whether torchao's FP8 matmul takes a Linear of this shape."""
-    return in_features % DIM_MULTIPLE == 0 and out_features % DIM_MULTIPLE == 0
-
-
 def gains(recipe: str, in_features: int, out_features: int) -> bool:
     """Whether FP8 pays for a Linear of this shape, by the thresholds torchao chose from its H100 measurements
     (torchao.float8's per-recipe auto filter and its README's tables): below them the casts and scales cost more
@@ -45,7 +40,8 @@ def gains(recipe: str, in_features: int, out_features: int) -> bool:
 def converts(recipe: str, which: str, in_features: int, out_features: int) -> bool:
     """train.fp8_filter's rule for one block Linear: `all` takes every shape torchao accepts, `auto` those that
     gain."""
-    return accepted(in_features, out_features) and (which == "all" or gains(recipe, in_features, out_features))
+    accepted = in_features % DIM_MULTIPLE == 0 and out_features % DIM_MULTIPLE == 0
+    return accepted and (which == "all" or gains(recipe, in_features, out_features))
 
 
 def module_filter(recipe: str, which: str) -> Callable[[nn.Module, str], bool]:
@@ -65,14 +61,6 @@ def flops_share(m: ModelConfig, t: TrainConfig, seq_len: int, causal_halving: bo
     fp8_weights = m.n_layers * sum(i * o for i, o in block_linears(m).values()
                                    if converts(t.fp8, t.fp8_filter, i, o))
     return 6 * fp8_weights / flops_per_token(m, seq_len, causal_halving)
-
-
-def check(recipe: str, support: Optional[str], device: str) -> None:
-    """Refuse train.fp8 on a device without FP8 (ConfigError: exit 2)."""
-    if recipe != "none" and support is None:
-        raise ConfigError(f"`train.fp8` is {recipe!r} but this {device} device has no FP8 matmuls (torchao's float8 "
-                          f"needs an NVIDIA GPU of compute capability 8.9 or later, e.g. an H100 or L4, or the CPU, "
-                          f"where it is emulated for testing); set `--train.fp8=none` to train in bf16 here.")
 
 
 def _torchao_float8() -> ModuleType:
@@ -100,7 +88,10 @@ def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
     if recipe == "none":
         return 0
     support = rt.backend.fp8
-    check(recipe, support, rt.kind)
+    if support is None:
+        raise ConfigError(f"`train.fp8` is {recipe!r} but this {rt.kind} device has no FP8 matmuls (torchao's float8 "
+                          f"needs an NVIDIA GPU of compute capability 8.9 or later, e.g. an H100 or L4, or the CPU, "
+                          f"where it is emulated for testing); set `--train.fp8=none` to train in bf16 here.")
     float8 = _torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     if support == "emulated":

@@ -13,10 +13,8 @@ Stop = Optional[Callable[[list[int]], bool]]  # stop(row 0's new ids) true: the 
 
 
 @torch.no_grad()
-def generate(
-    model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-    generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None,
-) -> torch.Tensor:
+def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None) -> torch.Tensor:
     """prompt: B T ids -> B (T + max_new_tokens) ids, fewer where stop turns true first. temperature 0 = greedy.
     use_cache=False recomputes the whole context every token (the reference the cache must match)."""
     if use_cache and static_shapes(prompt.device):  # XLA: a KV cache growing by one is a new graph per token
@@ -40,10 +38,8 @@ def generate(
 
 
 @torch.no_grad()
-def generate_padded(
-    model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-    generator: Optional[torch.Generator] = None, stop: Stop = None,
-) -> torch.Tensor:
+def generate_padded(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int = 0, generator: Optional[torch.Generator] = None, stop: Stop = None) -> torch.Tensor:
     """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input, a host buffer of
     prompt + new tokens rounded up to a power of two (capped at max_seq_len), zero-padded on the right (causal
     attention hides the padding). Each token re-runs it (no KV cache: O(L²) per token) and reads the last real
@@ -51,7 +47,7 @@ def generate_padded(
     """
     B, T = prompt.shape
     total = _fits(model, T + max_new_tokens)
-    length = min(model.rope_cos.shape[0], max(16, 1 << (total - 1).bit_length()))
+    length = padded_length(total, model.rope_cos.shape[0])
     device = model.embed.weight.device
     buf = torch.zeros(B, length, dtype=torch.long)  # B L, on the host
     buf[:, :T] = prompt.cpu()
@@ -63,6 +59,11 @@ def generate_padded(
         if stop is not None and stop(buf[0, T : pos + 1].tolist()):
             return buf[:, : pos + 1].to(prompt.device)
     return buf[:, :total].to(prompt.device)
+
+
+def padded_length(n: int, limit: int) -> int:
+    """n rounded up to a power of two (at least 16, at most limit): compiled devices see few shapes."""
+    return min(limit, max(16, 1 << (n - 1).bit_length()))
 
 
 def _fits(model: Llama, total: int) -> int:

@@ -24,7 +24,7 @@ from nanopt.config import Config
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
-from nanopt.io import append_jsonl
+from nanopt.io import append_jsonl, is_number
 from nanopt.loading import Loaded, load
 from nanopt.model import Llama
 from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded
@@ -149,20 +149,16 @@ def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
             token_list=lm.tok.encode(text), prefix_token=lm.prefix_token_id, max_seq_len=max_len, context_len=1)]
         spans.append(len(pieces))
         windows += pieces
-    scores = continuation_scores(lm.model, windows, lm.rt, lm.batch_size)
-    out, start = [], 0
-    for n in spans:
-        out.append(sum(s for s, _ in scores[start : start + n]))
-        start += n
-    return out
+    scores = iter(continuation_scores(lm.model, windows, lm.rt, lm.batch_size))
+    return [sum(next(scores)[0] for _ in range(n)) for n in spans]
 
 
 def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
     """Greedy text after `context` until one of the `until` strings (cut before it) or max_gen_toks."""
     until = gen_kwargs.get("until") or []
-    until = [until] if isinstance(until, str) else list(until)
+    until = [s for s in ([until] if isinstance(until, str) else until) if s]
     eos = lm.tok.eos_id  # ends generation as a token (its text may decode to nothing)
-    stop = (lambda ids: ids[-1] == eos or any(s and s in lm.tok.decode(ids) for s in until))
+    stop = (lambda ids: ids[-1] == eos or any(s in lm.tok.decode(ids) for s in until))
     max_len = lm.model.rope_cos.shape[0]
     max_new = max(1, min(int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)), max_len - 1))
     prompt = lm.tok_encode(context)[-(max_len - max_new):]  # cropped on the left to leave room for the answer
@@ -170,13 +166,13 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
         ids = generate(lm.model, torch.tensor([prompt], device=lm.rt.device), max_new, 0, stop=stop)[0, len(prompt):]
     text = lm.tok.decode([i for i in ids.tolist() if i != eos])
     for s in until:
-        if s:
-            text = text.split(s)[0]
+        text = text.split(s)[0]
     return text
 
 
-def _task_manager(lm_eval: Any, tasks: list[str], include_path: Optional[str]) -> Any:
+def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
     """lm-eval's TaskManager with the user's task YAMLs; ConfigError naming any task it does not know."""
+    _lm_eval()  # the one paragraph when lm-eval is missing
     from lm_eval.tasks import TaskManager
 
     if include_path and not Path(include_path).is_dir():
@@ -185,8 +181,7 @@ def _task_manager(lm_eval: Any, tasks: list[str], include_path: Optional[str]) -
     if include_path not in _MANAGERS:  # indexing lm-eval's ~15,000 task YAMLs takes seconds: once per process
         _MANAGERS[include_path] = TaskManager(include_path=include_path)
     manager = _MANAGERS[include_path]
-    unknown = [t for t in tasks if not manager.match_tasks([t])]
-    if unknown:
+    if unknown := [t for t in tasks if not manager.match_tasks([t])]:
         raise ConfigError(f"unknown lm-eval task(s): {', '.join(unknown)}. Give task or group names the harness "
                           f"knows (`lm-eval ls tasks` lists them) or YAMLs in --include-path; a YAML that does "
                           f"not parse is not listed (check it with `lm-eval validate --tasks NAME "
@@ -198,8 +193,7 @@ def check_tasks(spec: TaskSpec) -> None:
     """ConfigError now when lm-eval is missing, a task is unknown or its YAML, data or rows are unusable
     (load_tasks), or the CORE bundle does not read: what training finds before its first step."""
     if spec.tasks:
-        lm_eval = _lm_eval()
-        load_tasks(_task_manager(lm_eval, spec.tasks, spec.include_path), spec.tasks)
+        load_tasks(_task_manager(spec.tasks, spec.include_path), spec.tasks)
     if spec.core_dir:
         core.read_bundle(spec.core_dir, spec.limit or 0)
 
@@ -210,7 +204,7 @@ def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None
     tasks are built and checked first (load_tasks), and what the harness still raises on a task's YAML or data is
     caught here, at the boundary: ConfigError naming the tasks, their files and the cause."""
     lm_eval = _lm_eval()
-    manager = _task_manager(lm_eval, tasks, include_path)
+    manager = _task_manager(tasks, include_path)
     built = load_tasks(manager, tasks)  # handed to the harness as objects: each task's data is read once
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -229,15 +223,9 @@ def task_records(results: dict[str, Any], step: Optional[int], source: str, **ex
     harness's stderr, which direction is better, and how many documents were scored."""
     out = []
     for task, row in results["results"].items():
-        scores, stderr = {}, {}
-        for key, value in row.items():
-            metric = key.split(",")[0]
-            if key in ("alias", "sample_len") or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if metric.endswith("_stderr"):
-                stderr[metric[: -len("_stderr")]] = value
-            else:
-                scores[metric] = value
+        numbers = {k.split(",")[0]: v for k, v in row.items() if k not in ("alias", "sample_len") and is_number(v)}
+        scores = {m: v for m, v in numbers.items() if not m.endswith("_stderr")}
+        stderr = {m.removesuffix("_stderr"): v for m, v in numbers.items() if m.endswith("_stderr")}
         better = results.get("higher_is_better", {}).get(task, {})
         samples = results.get("n-samples", {}).get(task, {}).get("effective")
         out.append({"step": step, "time": time.time(), "source": source, "task": task, "scores": scores,
@@ -364,15 +352,8 @@ class TaskScorer:
         self.seconds, self.last_step = 0.0, None
         if not self.spec:  # every rank reads the same config: no collective for a run without tasks
             return
-        problem = None
-        if rt.is_main:  # an unknown task, unusable task data or a broken bundle is refused before the first step
-            try:
-                check_tasks(self.spec)
-            except ConfigError as e:
-                problem = str(e)
-        problem = rt.gather_objects(problem)[0]
-        if problem:
-            raise ConfigError(problem)
+        # An unknown task, unusable task data or a broken bundle is refused before the first step.
+        rt.on_main(lambda: check_tasks(self.spec))
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.tasks_every

@@ -71,10 +71,8 @@ def _options_on(m: ModelConfig) -> Optional[tuple[str, str]]:
     """None for a plain Llama, else for error messages what is set and the overrides that turn it off:
     ("model.qk_norm=true, model.mlp=relu2", "--model.qk_norm=false --model.mlp=swiglu")."""
     on = [k for k, off in _OPTIONS_OFF.items() if getattr(m, k) != off]
-    if not on:
-        return None
     return (", ".join(f"model.{k}={_value(getattr(m, k))}" for k in on),
-            " ".join(f"--model.{k}={_value(_OPTIONS_OFF[k])}" for k in on))
+            " ".join(f"--model.{k}={_value(_OPTIONS_OFF[k])}" for k in on)) if on else None
 
 
 def check_exportable(m: ModelConfig) -> None:
@@ -87,29 +85,24 @@ def check_exportable(m: ModelConfig) -> None:
                           f"use the nanopt checkpoint directly (`nanopt sample`, `nanopt eval`, `nanopt.load_model`).")
 
 
-def hf_name(name: str) -> str:
-    m = _NANOPT_LAYER.match(name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}"
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}")
-
-
-def nanopt_name(name: str) -> str:
-    m = _HF_LAYER.match(name)
-    if m and m[2] in _FROM_HF_LAYER:
-        return f"layers.{m[1]}.{_FROM_HF_LAYER[m[2]]}"
-    if name in _FROM_HF_TOP:
-        return _FROM_HF_TOP[name]
-    raise KeyError(f"no nanopt name for Hugging Face weight {name!r}")
+def _rename(name: str, to_hf: bool) -> str:
+    """A weight's name on the other side (nanopt -> Hugging Face when to_hf); KeyError when it has none."""
+    layer, in_layer, top, prefix = ((_NANOPT_LAYER, _LAYER_NAMES, _TOP_NAMES, "model.layers") if to_hf
+                                    else (_HF_LAYER, _FROM_HF_LAYER, _FROM_HF_TOP, "layers"))
+    m = layer.match(name)
+    if m and m[2] in in_layer:
+        return f"{prefix}.{m[1]}.{in_layer[m[2]]}"
+    if name in top:
+        return top[name]
+    raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}" if to_hf
+                   else f"no nanopt name for Hugging Face weight {name!r}")
 
 
 def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
     check_exportable(model.cfg)
     tied = model.cfg.tie_embeddings
-    return {hf_name(name): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
+    return {_rename(name, True): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
             if not (tied and name == "lm_head.weight")}
 
 
@@ -159,14 +152,12 @@ def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}/config.json uses RoPE scaling {rope_type!r}; nanopt implements `default` and "
                           f"`llama3` only.")
-    m = ModelConfig(
-        vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_dim=int(hf["intermediate_size"]),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-    )
+    m = ModelConfig(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+                    n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_dim=int(hf["intermediate_size"]),
+                    norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+                    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+                    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                    init_std=float(hf.get("initializer_range", 0.02)),)
     if rope_type == "llama3":  # the inverse of _rope_parameters
         m.rope_scaling, m.rope_factor = "llama3", float(rope["factor"])
         m.rope_low_freq_factor = float(rope["low_freq_factor"])
@@ -196,7 +187,7 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
         if _HF_IGNORED.search(name):
             continue
         try:
-            ours[nanopt_name(name)] = t
+            ours[_rename(name, False)] = t
         except KeyError as e:
             raise ConfigError(f"{directory}: {e.args[0]}; only plain Llama weights can be imported.") from None
     if model.cfg.tie_embeddings:
@@ -254,8 +245,7 @@ def init_from(model: Llama, spec: str) -> None:
                           f"start from it with them off ({offs}) or train from scratch (train.init_from=\"\").")
     # The llama3 factors only matter when both sides use llama3 scaling.
     keys = _ARCH_KEYS + (_LLAMA3_KEYS if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
-    differ = [k for k in keys if getattr(ours, k) != getattr(theirs, k)]
-    if differ:
+    if differ := [k for k in keys if getattr(ours, k) != getattr(theirs, k)]:
         fixes = " ".join(f"--model.{k}={_value(getattr(theirs, k))}" for k in differ)
         raise ConfigError(f"`train.init_from` {directory} has a different architecture from the run's model config "
                           f"({', '.join(f'model.{k}: {getattr(ours, k)} vs {getattr(theirs, k)}' for k in differ)}); "
@@ -325,8 +315,7 @@ def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_
         _write_files(staging, model, tok, nanopt_cfg, dtype, meta)
         _install(staging, out, force)
     except Exception as e:
-        full = as_disk_full(e, out)
-        if full is None:
+        if (full := as_disk_full(e, out)) is None:
             raise
         shutil.rmtree(staging, ignore_errors=True)  # first, so the free space named is what a second try has
         raise disk_full(_final_name(full.path, staging, out)) from e
@@ -354,11 +343,8 @@ def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Con
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
         write_json(staging / "nanopt.json", {"config": nanopt_cfg.to_dict(), **(meta or {})})
     for entry in os.scandir(staging):
-        fd = os.open(entry.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(entry.path, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def _install(staging: Path, out: Path, force: bool) -> None:

@@ -98,11 +98,8 @@ class DirLock:
         path = path or self.path
         data = b""
         try:
-            fd = open_own(path, os.O_RDONLY)
-            try:
-                data = os.read(fd, 1 << 16)
-            finally:
-                os.close(fd)
+            with os.fdopen(open_own(path, os.O_RDONLY), "rb") as f:
+                data = f.read(1 << 16)
             record = json.loads(data)
             return Holder(**{k: record[k] for k in ("host", "pid", "started", "heartbeat", "token")},
                           command=str(record.get("command", "")), owner=str(record.get("owner", "")))

@@ -223,8 +223,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, kernel) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        self.tie_head()
         max_len = cfg.max_seq_len or 2048
         cos, sin = rope_tables(cfg, max_len, device=self.embed.weight.device)
         # Computed once, not saved: they follow from the config.

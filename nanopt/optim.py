@@ -217,12 +217,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                  f"{[g.get('optimizer') for g in self.param_groups]}")
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for opt in self.optimizers.values():
-            opt.step()
+        loss = self.optimizers[MUON].step(closure)  # Muon evaluates the closure (with grad) before it steps
+        self.optimizers[ADAMW].step()
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

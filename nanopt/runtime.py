@@ -275,8 +275,7 @@ class Runtime:
 
     def warn_if_checkpoints_perishable(self, mirror: str) -> None:
         """Warn when checkpoints live only on a disk the machine takes with it (a spot TPU VM, no mirror)."""
-        message = self.backend.preemption_warning(mirror)
-        if message:
+        if message := self.backend.preemption_warning(mirror):
             log.warning("%s", message)
 
     def hardware_name(self) -> str:
@@ -307,6 +306,18 @@ class Runtime:
         dist.all_gather_object(out, obj)
         return out
 
+    def on_main(self, fn: Callable[[], Any], errors: tuple[type[Exception], ...] = (ConfigError,)) -> Any:
+        """fn() on rank 0 alone (its result there, None elsewhere); what it raised of `errors` every rank raises."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except errors as e:
+                error = e
+        if (error := self.gather_objects(error)[0]) is not None:
+            raise error
+        return result
+
 
 def static_shapes(device: torch.device) -> bool:
     """True where every new tensor shape is a new compiled graph (XLA): sampling pads to fixed lengths."""
@@ -325,10 +336,8 @@ def detect_kind(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "`runtime.device` is cuda but torch sees no CUDA device (torch "
-            f"{torch.__version__}); use `--runtime.device=cpu` or install a CUDA build of torch."
-        )
+        raise ConfigError("`runtime.device` is cuda but torch sees no CUDA device (torch "
+                          f"{torch.__version__}); use `--runtime.device=cpu` or install a CUDA build of torch.")
     return requested
 
 
@@ -338,10 +347,9 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
     kind = detect_kind(device)
     if kind == "xla" and world > 1:  # multi-process XLA (torchrun, xmp.spawn) is not how nanopt runs it
-        raise ConfigError(
-            f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). On XLA one "
-            f"process drives all of a host's chips through SPMD: run `python -m nanopt.main ...` without torchrun."
-        )
+        raise ConfigError(f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). "
+                          "On XLA one process drives all of a host's chips through SPMD: run `python -m nanopt.main "
+                          "...` without torchrun.")
     backend = BACKENDS[kind].start(local_rank, local_world, threads, precision)
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(minutes=30)

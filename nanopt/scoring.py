@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nanopt.generate import padded_length
 from nanopt.model import Llama
 from nanopt.runtime import Runtime, static_shapes
 
@@ -16,19 +17,11 @@ Request = tuple[list[int], list[int]]  # (context ids, continuation ids)
 TokenScores = tuple[torch.Tensor, torch.Tensor]  # a continuation's tokens: log-probabilities, is-greedy flags
 
 
-def _bucket(n: int, limit: int) -> int:
-    """n rounded up to a power of two (at least 16, at most limit): compiled devices see few shapes."""
-    return min(limit, max(16, 1 << (n - 1).bit_length()))
-
-
 def _windows(requests: list[Request], max_len: int) -> list[tuple[list[int], int]]:
     """Each request as (context + continuation cropped on the left to max_len + 1 tokens, the number of its last
     tokens scored): the model reads all but the last token (as the harness crops, the continuation's tail wins)."""
-    out = []
-    for context, continuation in requests:
-        whole = (context + continuation)[-(max_len + 1):]
-        out.append((whole, min(len(continuation), len(whole) - 1)))
-    return out
+    wholes = [((context + continuation)[-(max_len + 1):], len(continuation)) for context, continuation in requests]
+    return [(whole, min(n, len(whole) - 1)) for whole, n in wholes]
 
 
 def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int) -> list[list[int]]:
@@ -70,10 +63,9 @@ def token_scores(model: Llama, requests: list[Request], rt: Runtime, batch_size:
 def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime,
                  max_len: int) -> list[TokenScores]:
     device, static = rt.device, static_shapes(rt.device)
-    T = max(len(w) - 1 for w, _ in windows)
-    B = len(windows)
+    B, T = len(windows), max(len(w) - 1 for w, _ in windows)
     if static:
-        T = _bucket(T, max_len)
+        T = padded_length(T, max_len)
     x = torch.zeros(B, T, dtype=torch.long)  # B T, right-padded: causal attention never looks at the padding
     picks, targets, counts = [], [], []  # flat positions (b * T + t) whose logits score a continuation token
     for b, (whole, n) in enumerate(windows):
@@ -83,7 +75,7 @@ def _score_batch(model: Llama, windows: list[tuple[list[int], int]], rt: Runtime
         counts.append(n)
     pick = torch.tensor(picks)
     if static:  # a fixed number of picked rows per bucket: one compiled graph per (B, T) bucket
-        pick = F.pad(pick, (0, _bucket(len(picks), B * T) - len(picks)))
+        pick = F.pad(pick, (0, padded_length(len(picks), B * T) - len(picks)))
     with rt.autocast():
         h = model.hidden(x.to(device)).flatten(0, 1)  # B*T C
         logits = model.logits(h.index_select(0, pick.to(device)))  # N C @ C V -> N V

@@ -41,8 +41,7 @@ def _check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file, not a directory; make_tasks writes task YAMLs and their JSONL "
                           f"data into a directory. Pass a new or empty directory.")
-    others = sorted(p.name for p in out_dir.iterdir() if p.name not in OURS) if out_dir.is_dir() else []
-    if others:
+    if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in OURS) if out_dir.is_dir() else []):
         raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
                           f"will not mix with its tasks. Pass a new or empty directory, or one that holds only "
                           f"earlier generated tasks.")
@@ -93,16 +92,10 @@ def _passages(texts: list[str], n: int, rng: random.Random) -> list[dict]:
 
 
 def _task_yaml(name: str, data: Path, output_type: str, fields: dict, metrics: list[dict]) -> dict:
-    return {
-        "task": name,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},  # absolute: lm-eval runs from any cwd
-        "test_split": "test",
-        "output_type": output_type,
-        **fields,
-        "metric_list": metrics,
-        "metadata": {"version": 1.0},
-    }
+    return {"task": name, "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},  # absolute: lm-eval runs from any cwd
+            "test_split": "test", "output_type": output_type, **fields, "metric_list": metrics,
+            "metadata": {"version": 1.0}}
 
 
 def _write_task(out_dir: Path, spec: dict, rows: list[dict]) -> Path:

@@ -111,8 +111,7 @@ def _check_files(manager: Any, name: str) -> None:
     a line that is not a JSON object is named here, file and line, where datasets would log and raise its own."""
     entry = manager.task_index.get(name)
     for path in dict.fromkeys(entry_files(manager, name)):
-        problem = _file_problem(path)
-        if problem:
+        if problem := _file_problem(path):
             where = f" from {entry.yaml_path}" if getattr(entry, "yaml_path", None) else ""
             raise ConfigError(f"lm-eval task {name}{where} cannot be read: {problem}. {TASK_HINT}")
 
@@ -132,22 +131,19 @@ def _load_problem(manager: Any, name: str, e: BaseException) -> str:
     files = list(dict.fromkeys(entry_files(manager, name)))
     yaml_path = getattr(entry, "yaml_path", None)
     where = f" from {yaml_path}" if yaml_path else ""
-    first = f" or the first row of its data ({_row_place(files[0], 0)}), which the harness renders while it builds " \
+    first = f" or the first row of its data ({_first_row(files[0])}), which the harness renders while it builds " \
             f"the task" if len(files) == 1 else ""
     return (f"lm-eval could not build task {name}{where}{files_note(files)}: {cause(e)}. The cause is in the "
             f"YAML{first}. {TASK_HINT}")
 
 
-def _row_place(path: Path, row: int) -> str:
-    """FILE:LINE of a JSON-lines file's row `row` (0-based; blank lines hold none), or FILE row N elsewhere."""
-    if path.suffix in JSON_LINES:
-        try:
-            numbers = [n for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1) if line.strip()]
-            if row < len(numbers):
-                return f"{path}:{numbers[row]}"
-        except (OSError, ValueError):
-            pass
-    return f"{path} row {row + 1}"
+def _first_row(path: Path) -> str:
+    """FILE:LINE of a JSON-lines file's first row (blank lines hold none), or FILE row 1 elsewhere."""
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n") if path.suffix in JSON_LINES else []
+    except (OSError, ValueError):
+        lines = []
+    return next((f"{path}:{n}" for n, line in enumerate(lines, 1) if line.strip()), f"{path} row 1")
 
 
 def _json_rows(path: Path) -> list[tuple[int, dict]]:
@@ -216,8 +212,7 @@ def _check_rows(task: Any) -> None:
     rows, used = (_json_rows(files[0]), _fields_used(task)) if as_read else ([], set())
     for index, doc in enumerate(task.eval_docs):
         line, raw = rows[index] if index < len(rows) else (None, {})
-        problem = _row_problem(task, doc, [f for f in used if line is not None and f not in raw])
-        if problem:
+        if problem := _row_problem(task, doc, [f for f in used if line is not None and f not in raw]):
             where = f"{files[0]}:{line}" if line is not None else f"row {index + 1} of its {split} split" \
                                                                    f"{files_note(files)}"
             raise ConfigError(f"lm-eval task {getattr(task, 'task_name', None) or config.task}: {where}: {problem}. "

@@ -448,16 +448,7 @@ def _print_samples(run: Session) -> None:
 def own_run_dir(cfg: Config, rt: Runtime) -> Optional[DirLock]:
     """The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
     raises ConfigError naming the holder when another process writes the directory."""
-    lock, problem = None, None
-    if rt.is_main:
-        try:
-            lock = DirLock(cfg.run_dir).acquire()
-        except (ConfigError, DiskFull) as e:
-            problem = e
-    problem = rt.gather_objects(problem)[0]  # every rank learns rank 0's verdict (a full disk too: exit 1)
-    if problem is not None:
-        raise problem
-    return lock
+    return rt.on_main(lambda: DirLock(cfg.run_dir).acquire(), (ConfigError, DiskFull))  # a full disk: exit 1
 
 
 def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
@@ -466,8 +457,7 @@ def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
     summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
     if summary is None:
         return None
-    changes = resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg)
-    if changes:
+    if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg):
         raise ConfigError(f"{cfg.run_dir} holds a finished run of another config ({'; '.join(changes)}; \"in the "
                           f"checkpoint\" = its config.yaml). Set `run.dir` (or `run.name`) to a new directory for this "
                           f"one, run the config it used, or accept the change with "
@@ -521,7 +511,4 @@ def _train(cfg: Config, rt: Runtime) -> dict[str, Any]:
             loop(run, profiler)
         return finish(run)
     finally:
-        if run is not None:
-            run.close()
-        else:
-            metrics.close()
+        (run if run is not None else metrics).close()  # a run closes its metrics too

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -39,19 +38,17 @@ def tpu_attached(dev: Path = Path("/dev")) -> bool:
 
 def _select_pjrt_device() -> str:
     """PJRT_DEVICE decides where XLA runs; torch_xla silently falls back to CPU without it, so we don't."""
-    pjrt = os.environ.get("PJRT_DEVICE", "")
-    if pjrt:
+    if pjrt := os.environ.get("PJRT_DEVICE", ""):
         return pjrt.upper()
     if tpu_attached():
         log.warning("xla: PJRT_DEVICE is not set; TPU chips are visible, so using PJRT_DEVICE=TPU "
                     "(export PJRT_DEVICE=TPU to silence this)")
         os.environ["PJRT_DEVICE"] = "TPU"
         return "TPU"
-    raise ConfigError(
-        "`runtime.device` is xla but the environment variable PJRT_DEVICE is not set and no TPU is visible; "
-        "torch_xla would silently run on the host CPU. On a TPU VM run `export PJRT_DEVICE=TPU`; to try the "
-        "XLA path on this machine's CPU set PJRT_DEVICE=CPU (CPU_NUM_DEVICES=N gives N devices)."
-    )
+    raise ConfigError("`runtime.device` is xla but the environment variable PJRT_DEVICE is not set and no TPU is "
+                      "visible; torch_xla would silently run on the host CPU. On a TPU VM run `export "
+                      "PJRT_DEVICE=TPU`; to try the XLA path on this machine's CPU set PJRT_DEVICE=CPU "
+                      "(CPU_NUM_DEVICES=N gives N devices).")
 
 
 class XlaBackend:
@@ -69,10 +66,8 @@ class XlaBackend:
             import torch_xla
             import torch_xla.runtime as xr
         except ImportError as e:
-            raise ConfigError(
-                f"`runtime.device` is xla but torch_xla cannot be imported ({e}). Install it beside its matching "
-                f"torch: `pip install -e \".[tpu]\"` (torch 2.9 + torch_xla 2.9)."
-            ) from None
+            raise ConfigError(f"`runtime.device` is xla but torch_xla cannot be imported ({e}). Install it beside its "
+                              "matching torch: `pip install -e \".[tpu]\"` (torch 2.9 + torch_xla 2.9).") from None
         import numpy as np
         import torch_xla.core.xla_model as xm
         import torch_xla.debug.metrics as met
@@ -82,11 +77,9 @@ class XlaBackend:
         # SPMD must be switched on before anything touches the runtime (device queries included).
         xr.use_spmd()
         if xr.process_count() > 1:
-            raise ConfigError(
-                f"`runtime.device` is xla on a multi-host TPU slice ({xr.process_count()} hosts). nanopt drives the "
-                f"chips of one host through SPMD; pod slices are not supported. Use a single-host slice "
-                f"(e.g. v6e-4 or v6e-8)."
-            )
+            raise ConfigError(f"`runtime.device` is xla on a multi-host TPU slice ({xr.process_count()} hosts). nanopt "
+                              "drives the chips of one host through SPMD; pod slices are not supported. Use a "
+                              "single-host slice (e.g. v6e-4 or v6e-8).")
         if precision == "fp32":
             # On TPU an fp32 matmul is one bf16 pass by default; an fp32 run should compute in fp32.
             import torch_xla.backends
@@ -138,11 +131,9 @@ class XlaBackend:
     def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor -> device, split along dim 0 over the 'data' axis of the mesh."""
         if t.shape[0] % self.num_devices:
-            raise ConfigError(
-                f"a batch of {t.shape[0]} sequences cannot be split over {self.num_devices} XLA devices; make "
-                f"`train.micro_batch_size` a multiple of {self.num_devices} (on XLA it is per process, i.e. "
-                f"summed over the chips this process drives)."
-            )
+            raise ConfigError(f"a batch of {t.shape[0]} sequences cannot be split over {self.num_devices} XLA devices; "
+                              f"make `train.micro_batch_size` a multiple of {self.num_devices} (on XLA it is per "
+                              "process, i.e. summed over the chips this process drives).")
         t = t.to(self.device)
         self._xs.mark_sharding(t, self.mesh, ("data",) + (None,) * (t.dim() - 1))
         return t
@@ -203,11 +194,10 @@ class XlaBackend:
         log.warning("xla: train step call %d RECOMPILED (%d recompile(s) after warm-up); each one stalls the run. "
                     "PT_XLA_DEBUG_LEVEL=2 prints why.", self.step_calls, self.recompiles)
         if self.recompiles > MAX_RECOMPILES:
-            raise TrainingError(
-                f"the XLA train step recompiled {self.recompiles} times after warm-up (limit {MAX_RECOMPILES}, "
-                f"NANOPT_XLA_MAX_RECOMPILES changes it): something in the step changes shape or is baked in as "
-                f"a constant each step. Run with PT_XLA_DEBUG_LEVEL=2 to see which op differs."
-            )
+            raise TrainingError(f"the XLA train step recompiled {self.recompiles} times after warm-up (limit "
+                                f"{MAX_RECOMPILES}, NANOPT_XLA_MAX_RECOMPILES changes it): something in the step "
+                                "changes shape or is baked in as a constant each step. Run with PT_XLA_DEBUG_LEVEL=2 "
+                                "to see which op differs.")
 
 
 class PeakMemory:
