@@ -34,10 +34,9 @@ from nanopt import optim, shards
 from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
-from nanopt.io import fsync_dir, read_json, write_json, write_text, writing
-from nanopt.rundirs import (CHECKPOINTS_DIR, COMPLETE_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE,
-                            STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, checkpoints_dir, is_lease,
-                            read_summary, refuse_links)
+from nanopt.io import fsync_dir, read_json, refuse_link, write_json, write_text, writing
+from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
+                            RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, is_lease, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
@@ -86,7 +85,7 @@ def step_of(ckpt: Path | str) -> Optional[int]:
 
 def checkpoint_dirs(path: Path) -> list[Path]:
     """The step_NNNNNN directories of a run (or checkpoints/) directory, oldest first, whole or not."""
-    root = checkpoints_dir(path) if (Path(path) / CHECKPOINTS_DIR).is_dir() else Path(path)
+    root = Path(path) / CHECKPOINTS_DIR if (Path(path) / CHECKPOINTS_DIR).is_dir() else Path(path)
     found = [p for p in root.iterdir() if step_of(p) is not None and p.is_dir()] if root.is_dir() else []
     return sorted(found, key=step_of)
 
@@ -421,7 +420,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (lock.DirLock) before this
-        self.root = checkpoints_dir(self.run_dir)
+        self.root = self.run_dir / CHECKPOINTS_DIR
         self.data = shards.identity(data_paths)
         self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep) if cfg.checkpoint.mirror else None
         self.latest: Optional[Path] = None  # the newest good checkpoint of this run
@@ -449,7 +448,8 @@ class Checkpointer:
         chosen, error = None, None
         if rt.is_main:
             try:
-                refuse_links(self.run_dir)  # before anything is read or written; every rank learns it
+                for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
+                    refuse_link(self.run_dir / name)
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import yaml
 
 from nanopt.errors import ConfigError
-from nanopt.io import is_int, read_json, refuse_link
+from nanopt.io import is_int, read_json
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -197,12 +197,6 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
         if isinstance(record, dict) and isinstance(record.get("val_loss"), (int, float)):
             out.setdefault("val_loss", record["val_loss"])
     return out
-
-
-def refuse_links(run_dir: Path, names: tuple[str, ...] = APPENDED_FILES) -> None:
-    """ConfigError naming the first of the run's files `names` that is a symbolic link (checked before any write)."""
-    for name in names:
-        refuse_link(Path(run_dir) / name)
 
 
 # ---------------------------------------------------------------- checkpoint and evaluation names

@@ -13,7 +13,8 @@ from nanopt.config import DEVICES
 from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.harness import TaskSpec, score_checkpoint, task_lines
-from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run, refuse_links
+from nanopt.io import refuse_link
+from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run
 from nanopt.taskgen import make_tasks, write_bundle
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
@@ -66,7 +67,7 @@ def _refuse_linked_evals(path: Path) -> None:
     """A link at the run's evals file is refused before any evaluation runs, not at its append, after the work."""
     for run_dir in (path, path.parent.parent):  # a run directory, or a checkpoint in its checkpoints/
         if is_run(run_dir):
-            refuse_links(run_dir, (EVALS_FILE,))
+            refuse_link(run_dir / EVALS_FILE)
 
 
 def _make(out: str) -> int:
