@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from _common import REPO, alternate, banner, median, spread
 from nanopt import checkpoint
-from nanopt.io import fsync_dir, write_json
+from nanopt.io import fsync, write_json
 
 
 def build_state(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -54,7 +54,7 @@ def previous_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer
             os.fsync(fh.fileno())
         files[f.name] = {"bytes": f.stat().st_size, "crc32": checkpoint.crc32_of(f) if checksum else 0}
     write_json(tmp / "COMPLETE", {"files": files})
-    fsync_dir(tmp)
+    fsync(tmp)
     shutil.rmtree(tmp)
 
 
@@ -85,7 +85,7 @@ def crc_in_write_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optim
             os.fsync(raw.fileno())
         files[name] = {"crc32": out.crc}
     write_json(tmp / "COMPLETE", {"files": files})
-    fsync_dir(tmp)
+    fsync(tmp)
     shutil.rmtree(tmp)
 
 

@@ -34,7 +34,7 @@ from nanopt import optim, shards
 from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
-from nanopt.io import fsync_dir, read_json, refuse_link, write_json, write_text, writing
+from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
 from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
                             RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, is_lease, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
@@ -214,11 +214,6 @@ def checkpoint_config(ckpt: Path) -> Config:
 
 
 # ---------------------------------------------------------------- writing
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 class _Sealer:
     """fsyncs each finished file and sums its crc32 in worker threads while the next file is serialised.
     Measured (bench/checkpoint_save.py): the native writers then a re-read from the page cache beat summing the
@@ -233,7 +228,7 @@ class _Sealer:
         """save(path), a full disk as DiskFull naming the file; then its fsync and crc32 start in the background."""
         with writing(path):
             save(path)
-        self.pending[path] = (self.pool.submit(_fsync, path), self.pool.submit(crc32_of, path))
+        self.pending[path] = (self.pool.submit(fsync, path), self.pool.submit(crc32_of, path))
 
     def manifest(self) -> dict[str, dict[str, int]]:
         """Every file's size and crc32, once all are durable."""
@@ -284,7 +279,7 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Option
         files = sealer.manifest()
     write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
     with writing(tmp):
-        fsync_dir(tmp)
+        fsync(tmp)
 
 
 def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -306,7 +301,7 @@ def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional
         raise
     _remove(final)  # same step saved again (e.g. final save right after a periodic one)
     os.replace(tmp, final)
-    fsync_dir(ckpt_root)
+    fsync(ckpt_root)
     fault_hook("kill-after-save", step)
     write_text(ckpt_root / LATEST_FILE, final.name + "\n")
     # Only step_NNNNNN directories are ours to prune; the one just written (verified as it was sealed) is kept.

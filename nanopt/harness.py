@@ -20,7 +20,7 @@ import torch
 
 from nanopt import core, runtime
 from nanopt.checkpoint import weights_crc32
-from nanopt.config import Config
+from nanopt.config import Config, comma_list
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
@@ -345,8 +345,7 @@ class TaskScorer:
 
     def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
         e = cfg.eval
-        self.spec = TaskSpec([t.strip() for t in e.tasks.split(",") if t.strip()], e.tasks_path or None,
-                             e.tasks_limit or None, None, e.core or None)
+        self.spec = TaskSpec(comma_list(e.tasks), e.tasks_path or None, e.tasks_limit or None, None, e.core or None)
         self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
         self.solo = replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
         self.seconds, self.last_step = 0.0, None

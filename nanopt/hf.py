@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from nanopt import rundirs
 from nanopt.config import Config, ModelConfig, config_from_dict
 from nanopt.errors import ConfigError
-from nanopt.io import as_disk_full, disk_full, fsync_dir, read_json, refuse_link, write_json, writing
+from nanopt.io import as_disk_full, disk_full, fsync, read_json, refuse_link, write_json, writing
 from nanopt.model import Llama, build_model
 from nanopt.tokenizer import get_tokenizer
 
@@ -318,15 +318,11 @@ def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_
         if (full := as_disk_full(e, out)) is None:
             raise
         shutil.rmtree(staging, ignore_errors=True)  # first, so the free space named is what a second try has
-        raise disk_full(_final_name(full.path, staging, out)) from e
+        # The staged file's path as `out` will hold it: the name a user looks for.
+        raise disk_full(out / full.path.relative_to(staging) if full.path.is_relative_to(staging) else full.path) from e
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def _final_name(path: Path, staging: Path, out: Path) -> Path:
-    """A staged file's path as `out` will hold it: the name a user looks for in an error."""
-    return out / path.relative_to(staging) if path.is_relative_to(staging) else path
 
 
 def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Config], dtype: torch.dtype,
@@ -343,8 +339,7 @@ def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Con
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
         write_json(staging / "nanopt.json", {"config": nanopt_cfg.to_dict(), **(meta or {})})
     for entry in os.scandir(staging):
-        with open(entry.path, "rb") as f:
-            os.fsync(f.fileno())
+        fsync(Path(entry.path))
 
 
 def _install(staging: Path, out: Path, force: bool) -> None:
@@ -366,4 +361,4 @@ def _install(staging: Path, out: Path, force: bool) -> None:
             (out / name).unlink(missing_ok=True)
     for name in new:
         os.replace(staging / name, out / name)
-    fsync_dir(out)
+    fsync(out)

@@ -25,8 +25,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOPT_CACHE", Path.home() / ".cache" / "nanopt"))
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable."""
+def fsync(path: Path) -> None:
+    """Make a file durable, or a rename inside directory `path`."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from nanopt.config import DEVICES
+from nanopt.config import DEVICES, comma_list
 from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.harness import TaskSpec, score_checkpoint, task_lines
@@ -87,7 +87,7 @@ def _tasks(args: argparse.Namespace) -> int:
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot {args.num_fewshot}: give the few-shot examples per question, 0 or more "
                           f"(or leave it out for each task's own).")
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    names = comma_list(args.tasks)
     if args.tasks and not names:
         raise ConfigError(f"--tasks {args.tasks!r} names no task; give a comma list of lm-eval task or group names, "
                           f"e.g. --tasks hellaswag,arc_easy (or leave --tasks out and score only --core).")
