@@ -92,15 +92,16 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]
 
 
-def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(monkeypatch):
+def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes():
     """train.compile_ddp_split is dynamo's optimize_ddp (the fallback for FP8 + compile + DDP); with several
     sequence lengths the model is compiled with static shapes and room for a graph per length."""
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", True)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    model = torch.nn.Linear(4, 4)
-    t = TrainConfig(compile_ddp_split=False)
-    train.compiled(model, t, build_plan(t, 1))
-    assert torch._dynamo.config.optimize_ddp is False and torch._dynamo.config.recompile_limit == 8
-    t = TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8)))
-    train.compiled(model, t, build_plan(t, 1))
-    assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
+    # torch's own patch, not monkeypatch: pytest's undo deletes an attribute it did not find in the module's
+    # __dict__, and a deleted torch._dynamo.config entry is gone for the session (every later DDP() raises).
+    with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=8):
+        model = torch.nn.Linear(4, 4)
+        t = TrainConfig(compile_ddp_split=False)
+        train.compiled(model, t, build_plan(t, 1))
+        assert torch._dynamo.config.optimize_ddp is False and torch._dynamo.config.recompile_limit == 8
+        t = TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8)))
+        train.compiled(model, t, build_plan(t, 1))
+        assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
