@@ -1,4 +1,5 @@
-"""The `nanopt` console script dispatches to subcommands and refuses unknown ones clearly."""
+"""The `nanopt` console script dispatches to subcommands and refuses unknown ones clearly; `nanopt.main.run` makes
+idle OpenMP threads spin before torch loads, unless the user chose a policy."""
 from __future__ import annotations
 
 import os
@@ -8,9 +9,8 @@ from unittest import mock
 
 import pytest
 
-from nanopt.cli import COMMANDS, run
-
 from conftest import REPO, run_module
+from nanopt.cli import COMMANDS, run
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -53,3 +53,33 @@ def test_a_reader_that_left_ends_the_command_quietly():
     finally:
         os.close(write_end)
     assert proc.returncode == 1 and proc.stderr == ""
+
+
+# ---------------------------------------------------------------- OpenMP's wait policy, set before torch loads
+
+
+def _policy_after_run(env_policy: str | None) -> str:
+    """OMP_WAIT_POLICY as torch will see it after `nanopt.main.run`, in a fresh interpreter."""
+    code = (
+        "import os, sys, nanopt.main as m\n"
+        "assert 'torch' not in sys.modules, 'torch imported before run(): too late to set OMP_WAIT_POLICY'\n"
+        "m.run(['--help'])\n"
+        "import torch\n"
+        "print('POLICY=' + os.environ['OMP_WAIT_POLICY'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env_policy is not None:
+        env["OMP_WAIT_POLICY"] = env_policy
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.rsplit("POLICY=", 1)[1].strip()
+
+
+@pytest.mark.slow
+def test_run_makes_idle_openmp_threads_spin_before_torch_loads():
+    assert _policy_after_run(None) == "ACTIVE"
+
+
+@pytest.mark.slow
+def test_run_keeps_a_user_chosen_openmp_wait_policy():
+    assert _policy_after_run("PASSIVE") == "PASSIVE"

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from nanopt.config import (ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
-                           to_yaml)
+from conftest import run_module
+from nanopt.config import ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve, to_yaml
 from nanopt.main import run
 from nanopt.plan import build_plan
-
-from conftest import run_module
 
 
 @pytest.mark.parametrize("path", sorted(configs_dir().glob("*.yaml")), ids=lambda p: p.name)
@@ -134,3 +132,24 @@ def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
     proc = run_module(["nanopt.main", "--train.max_steps=abc", f"--run.dir={tmp_path}"])
     assert proc.returncode == 2
     assert "train.max_steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- config keys that name runs
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--run.name=..", "one directory name"),
+    ("--run.name=.", "one directory name"),
+    ("--run.seed=4294967296", "run.seed"),
+    ("--run.seed=-1", "run.seed"),
+])
+def test_run_names_and_seeds_that_would_escape_or_overflow_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, parse_overrides([override]))
+
+
+def test_integers_are_parsed_exactly():
+    cfg = load_config(None, parse_overrides(["--run.seed=4294967295", "--train.max_steps=1_000", "--log.every=1e2"]))
+    assert (cfg.run.seed, cfg.train.max_steps, cfg.log.every) == (4294967295, 1000, 100)
+    big = load_config(None, parse_overrides(["--train.max_steps=9007199254740993"]))  # 2^53 + 1
+    assert big.train.max_steps == 9007199254740993

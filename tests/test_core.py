@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import BOS
 from nanopt import core, taskgen
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
@@ -18,7 +19,6 @@ from nanopt.model import build_model
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import ByteTokenizer
 
-BOS = 256
 TEXTS = ["\n".join(f"Line {i} of text {t}: the wonderful quietness of evening settles" for i in range(30))
          for t in range(3)]
 

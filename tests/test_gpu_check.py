@@ -36,7 +36,7 @@ def smoke(tmp_path: Path, sections: str) -> dict:
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
     # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
-    # real runs would add ~80 s (tests/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
+    # real runs would add ~80 s (tests/e2e/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
     result = smoke(tmp_path, "env,attention,ddp,sample,tasks,1b")
     tasks = result["tasks"]
     assert tasks["requests"] == 4 * 40 and tasks["seconds"] > 0 and tasks["batched_vs_alone_max_abs"] < 0.05

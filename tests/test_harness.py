@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import CPU
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
-from nanopt.hf import export_model
 from nanopt.harness import evaluate_tasks, lm_class, record_tasks, task_records
+from nanopt.hf import export_model
 from nanopt.model import build_model
-from nanopt.runtime import Runtime
 from nanopt.scoring import continuation_scores
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
-CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
+
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
         "want of a wife. However little known the feelings or views of such a man may be on his first entering "
         "a neighbourhood, this truth is so well fixed in the minds of the surrounding families. ") * 3

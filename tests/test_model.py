@@ -1,17 +1,29 @@
-"""The Llama model: shapes, init, parameter count, causality, attention backends agree."""
+"""The Llama model (nanopt/model.py): shapes, init, parameter count, causality, attention backends agree, the chunked
+loss equals the full logits path, torch.compile gives eager's loss and gradients, and the opt-in options (qk_norm,
+mlp=relu2, logit_softcap, value_embeddings, residual_scalars) each change the forward pass as their config comment
+says; with every option off the model is the plain Llama, key for key and bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nanopt.model
+from conftest import ALL_ON, OPTIONS_VOCAB, options_config, options_model
 from nanopt.attention import eager, sdpa
-from nanopt.config import ModelConfig, configs_dir, load_config
-from nanopt.flops import param_counts
+from nanopt.config import ModelConfig, TrainConfig, configs_dir, load_config
+from nanopt.errors import ConfigError
+from nanopt.flops import flops_per_token, param_counts
+from nanopt.generate import generate, generate_padded
+from nanopt.hf import export_model
 from nanopt.model import Block, Llama, apply_rope, build_model, rms_normalize, rope_frequencies, rope_tables
+from nanopt.optim import param_groups
+
+torch.set_num_threads(1)
 
 
 def small(**kw) -> ModelConfig:
@@ -277,3 +289,312 @@ def test_rope_is_hugging_faces_rotate_half():
     rotate_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     torch.testing.assert_close(apply_rope(x, cos, sin), x * cos + rotate_half * plain_sin)
     torch.testing.assert_close(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))  # a rotation
+
+
+# ---------------------------------------------------------------- the chunked loss
+
+
+def _loss_and_grads(model, idx, targets, chunk: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    model.loss_chunk_tokens = chunk
+    loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_chunked_loss_and_every_gradient_match_the_full_logits_path(tie):
+    torch.manual_seed(0)
+    vocab = 4099  # large next to the model, and chunks that do not divide the token count
+    cfg = ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=65,
+                      tie_embeddings=tie)
+    model = build_model(cfg)
+    idx = torch.randint(0, vocab, (2, 65))
+    targets = torch.randint(0, vocab, (2, 65))
+    targets[0, :20] = -100  # ignored positions (e.g. padding) must not count in the mean
+    targets[1, 50:] = -100
+
+    full_loss, full_grads = _loss_and_grads(model, idx, targets, chunk=10**9)  # 130 tokens in one piece
+    reference = torch.nn.functional.cross_entropy(model(idx).reshape(-1, vocab).float(), targets.reshape(-1))
+    assert torch.allclose(full_loss, reference, atol=1e-6)
+    for chunk in (16, 47, 0):  # 0: `train.loss_chunk_tokens: 0`, never chunk
+        loss, grads = _loss_and_grads(model, idx, targets, chunk)
+        assert torch.allclose(loss, full_loss, atol=1e-6, rtol=1e-6)
+        assert grads.keys() == full_grads.keys()
+        for name, g in grads.items():
+            assert torch.allclose(g, full_grads[name], atol=1e-7, rtol=1e-5), name
+        assert all(g.abs().sum() > 0 for g in full_grads.values())  # every parameter takes part
+
+
+# ---------------------------------------------------------------- the opt-in model options
+
+
+ALL_OFF = dict(qk_norm=False, mlp="swiglu", logit_softcap=0.0, value_embeddings=False, residual_scalars=False)
+
+
+def tokens(b: int = 2, t: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, OPTIONS_VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+class Capture:
+    """An attention kernel that records the q, k, v each layer hands it, then runs sdpa."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
+        self.calls.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
+        return sdpa(q, k, v, causal_offset)
+
+
+# ---------------------------------------------------------------- all off = the plain Llama
+
+
+def test_default_model_keeps_its_state_dict_keys():
+    per_layer = ["attention_norm.weight", "attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                 "attention.wo.weight", "mlp_norm.weight", "mlp.w1.weight", "mlp.w3.weight", "mlp.w2.weight"]
+    expected = ["embed.weight", *(f"layers.{i}.{k}" for i in range(2) for k in per_layer), "norm.weight",
+                "lm_head.weight"]
+    assert list(options_model().state_dict()) == expected
+
+
+def test_all_options_off_is_the_default_model_bit_for_bit():
+    default, off = options_model(), options_model(**ALL_OFF)
+    for (name, a), (_, b) in zip(default.state_dict().items(), off.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    idx = tokens()
+    assert torch.equal(default(idx), off(idx))
+    assert torch.equal(default(idx, idx), off(idx, idx))
+
+
+# ---------------------------------------------------------------- each option does what it says
+
+
+def test_qk_norm_gives_the_kernel_unit_rms_queries_and_keys_per_head():
+    for on in (True, False):
+        model = options_model(qk_norm=on, norm_eps=1e-9)  # eps would pull small heads' RMS a little below 1
+        capture = Capture()
+        model.set_attention(capture)
+        model(tokens())
+        assert len(capture.calls) == 2
+        for q, k, _ in capture.calls:  # RoPE rotates pairs of dims, which keeps each head's RMS
+            rms_q, rms_k = q.pow(2).mean(-1).sqrt(), k.pow(2).mean(-1).sqrt()  # B H T
+            unit = torch.allclose(rms_q, torch.ones_like(rms_q), atol=1e-4) and torch.allclose(
+                rms_k, torch.ones_like(rms_k), atol=1e-4)
+            assert unit == on
+    assert list(options_model(qk_norm=True).state_dict()) == list(options_model().state_dict())  # no learnable gain
+
+
+def test_relu2_mlp_is_w2_of_squared_relu_and_has_no_w3():
+    model = options_model(mlp="relu2")
+    mlp = model.layers[0].mlp
+    assert not hasattr(mlp, "w3") and not any(".w3." in k for k in model.state_dict())
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.allclose(mlp(x), mlp.w2(torch.relu(mlp.w1(x)) ** 2), atol=1e-6)
+        assert not torch.allclose(mlp(x), mlp.w2(F.silu(mlp.w1(x))), atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk", [0, 8], ids=["whole", "chunked"])
+def test_logit_softcap_caps_logits_and_the_loss_uses_the_capped_logits(chunk):
+    cap = 1.0  # raw logits reach ~4.5: capped, but short of where fp32 tanh rounds to exactly ±1
+    capped = options_model(logit_softcap=cap, init_std=0.2)
+    plain = build_model(options_config(init_std=0.2))
+    plain.load_state_dict(capped.state_dict())  # same keys: the cap has no weights
+    idx, targets = tokens(), tokens(seed=2)
+    with torch.no_grad():
+        raw, logits = plain(idx), capped(idx)
+        assert raw.abs().max() > 2 * cap  # the cap is exercised
+        assert logits.abs().max() < cap
+        assert torch.allclose(logits, cap * torch.tanh(raw / cap), atol=1e-6)
+        capped.loss_chunk_tokens = chunk  # 24 positions in chunks of 8: the recomputed path
+        expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        assert torch.allclose(capped(idx, targets), expected, atol=1e-6)
+        assert not torch.allclose(plain(idx, targets), expected, atol=1e-3)
+
+
+def test_value_embeddings_add_each_layers_own_lookup_to_v():
+    model = options_model(value_embeddings=True)
+    tables = [layer.attention.value_embed.weight for layer in model.layers]
+    assert tables[0].shape == (OPTIONS_VOCAB, 2 * 8) and tables[0] is not tables[1]
+    assert tables[0].std().item() == pytest.approx(model.cfg.init_std, rel=0.15)  # init like the embedding
+    inputs: list[torch.Tensor] = []
+    for layer in model.layers:  # the normalised x each attention receives
+        layer.attention.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
+    capture = Capture()
+    model.set_attention(capture)
+    idx = tokens()
+    with torch.no_grad():
+        model(idx)
+        for layer, x, (_, _, v) in zip(model.layers, inputs, capture.calls, strict=True):
+            att = layer.attention
+            plain = att.wv(x).view(2, 12, 2, 8).transpose(1, 2)  # B Hkv T D
+            lookup = att.value_embed(idx).view(2, 12, 2, 8).transpose(1, 2)  # B Hkv T D
+            assert torch.allclose(v - plain, lookup, atol=1e-6)
+            assert lookup.abs().max() > 0.01
+
+
+def test_residual_scalars_start_as_the_plain_residual_and_mix_in_the_embedding():
+    scaled, plain = options_model(residual_scalars=True), options_model()
+    missing, unexpected = scaled.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(missing) == [f"layers.{i}.residual_scalars.{s}" for i in range(2) for s in "ab"] and not unexpected
+    idx = tokens()
+    with torch.no_grad():
+        assert torch.equal(scaled(idx), plain(idx))  # a = 1, b = 0 at init
+        mix = scaled.layers[1].residual_scalars
+        mix.a.fill_(0.7)
+        mix.b.fill_(0.5)
+        seen: dict[str, torch.Tensor] = {}
+        scaled.layers[0].register_forward_hook(lambda m, args, out: seen.update(x=out))
+        scaled.layers[1].attention_norm.register_forward_pre_hook(lambda m, args: seen.update(block_input=args[0]))
+        assert not torch.allclose(scaled(idx), plain(idx), atol=1e-4)
+        assert torch.allclose(seen["block_input"], 0.7 * seen["x"] + 0.5 * scaled.embed(idx), atol=1e-6)
+
+
+# ---------------------------------------------------------------- counts, FLOPs, optimizer kinds
+
+
+COMBOS = list(itertools.product([False, True], ["swiglu", "relu2"], [0.0, 3.0], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("qk, mlp, cap, ve, rs", COMBOS)
+def test_param_counts_equal_the_built_model_for_every_combination(qk, mlp, cap, ve, rs, tied):
+    cfg = options_config(qk_norm=qk, mlp=mlp, logit_softcap=cap, value_embeddings=ve, residual_scalars=rs,
+                         tie_embeddings=tied)
+    model = build_model(cfg)  # build_model checks the total itself; the parts are checked here
+    counts = param_counts(cfg)
+    assert counts.total == model.num_params()
+    assert counts.embedding == sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    assert counts.scalars == (4 if rs else 0)
+    # N of 6N: everything but the lookups, the (tied or untied) head counted once.
+    assert counts.n_6n == model.num_params(exclude_embedding=True) + (counts.lm_head if tied else 0)
+
+
+def test_flops_per_token_follow_the_options():
+    base = options_config(dim=64, ffn_dim=160)
+    fpt = flops_per_token(base, 64)
+
+    def with_(**kw) -> int:
+        return flops_per_token(options_config(dim=64, ffn_dim=160, **kw), 64)
+
+    assert fpt - with_(mlp="relu2") == 6 * 2 * 64 * 160  # one dim × ffn matrix fewer per layer
+    assert with_(value_embeddings=True) == fpt  # a lookup: parameters, no matmul FLOPs
+    assert with_(qk_norm=True) == with_(logit_softcap=30.0) == fpt  # elementwise, parameter-free
+    assert with_(residual_scalars=True) - fpt == 6 * 2 * 2  # two scalars per layer, in N like the norm gains
+    with_ve = param_counts(options_config(value_embeddings=True)).total
+    assert with_ve - param_counts(options_config()).total == 2 * OPTIONS_VOCAB * 16
+
+
+def test_optimizer_kinds_of_the_option_parameters():
+    model = options_model(**ALL_ON, tie_embeddings=False)
+    kind = {id(p): g["kind"] for g in param_groups(model, TrainConfig()) for p in g["params"]}
+    for name, p in model.named_parameters():
+        if "value_embed" in name or name == "embed.weight":
+            want = "embedding"
+        elif "residual_scalars" in name or p.ndim < 2:
+            want = "scalar"
+        elif name == "lm_head.weight":
+            want = "head"
+        else:
+            want = "matrix"
+        assert kind[id(p)] == want, name
+    assert sum(1 for k in kind.values() if k == "embedding") == 1 + 2  # token + one value table per layer
+
+
+# ---------------------------------------------------------------- training and decoding with all options on
+
+
+def test_a_few_adamw_steps_with_every_option_lower_the_loss():
+    model = options_model(**ALL_ON)
+    model.loss_chunk_tokens = 16  # 48 positions: the chunked, recomputed loss path with the cap
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = tokens(2, 24, seed=3), tokens(2, 24, seed=4)
+    losses = []
+    for _ in range(15):
+        loss = model(idx, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.3, losses
+    b = torch.stack([layer.residual_scalars.b for layer in model.layers])
+    assert b.abs().max() > 0  # the embedding mix is learned, not stuck at its init
+
+
+def test_kv_cache_decoding_matches_the_full_forward_with_every_option():
+    model = options_model(**ALL_ON, init_std=0.2).eval()
+    prompt = tokens(3, 7, seed=5)
+    with torch.no_grad():
+        caches = model.new_caches(3, 10, torch.device("cpu"), torch.float32)
+        model(prompt, caches=caches, start_pos=0)
+        step = model(tokens(3, 1, seed=6), caches=caches, start_pos=7)[:, -1]  # B V
+        full = model(torch.cat([prompt, tokens(3, 1, seed=6)], dim=1))[:, -1]
+    assert torch.allclose(step, full, atol=1e-5)
+    cached = generate(model, prompt, 20, temperature=0.0, use_cache=True)
+    assert torch.equal(cached, generate(model, prompt, 20, temperature=0.0, use_cache=False))
+    assert torch.equal(cached, generate_padded(model, prompt, 20, temperature=0.0))
+    assert len(set(cached[:, 7:].flatten().tolist())) > 3  # not a constant stream that would hide a bug
+
+
+# ---------------------------------------------------------------- Hugging Face: refused, with the fix
+
+
+@pytest.mark.parametrize("option", list(ALL_ON))
+def test_export_refuses_each_option_naming_it(option, tmp_path):
+    model = options_model(**{option: ALL_ON[option]})
+    with pytest.raises(ConfigError, match=f"model.{option}=.*LlamaForCausalLM cannot represent.*--model.{option}="):
+        export_model(model, tmp_path / "hf", tokenizer="")
+    assert not (tmp_path / "hf").exists()  # refused before writing anything
+
+
+def test_every_option_runs_under_bf16_autocast_and_in_pure_bf16():
+    # Mixed dtypes are where options break: the value lookup is fp32 while wv's output is bf16, the scalars
+    # are fp32 parameters on a bf16 residual stream (pure bf16), the cap's tanh runs in fp32.
+    model = options_model(**ALL_ON)
+    idx = tokens()
+    fp32 = model(idx, idx).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+        assert model(idx).dtype == torch.float32  # capped logits come back in fp32
+    loss.backward()
+    assert abs(loss.item() - fp32) < 0.05
+    torch.manual_seed(0)
+    pure = build_model(options_config(**ALL_ON), dtype=torch.bfloat16)
+    assert abs(pure(idx, idx).item() - fp32) < 0.1
+
+
+# ---------------------------------------------------------------- torch.compile gives eager's numbers
+
+
+SMALL_MODEL = ModelConfig(vocab_size=257, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=32)
+
+# Every speedrun option on (configs/speedrun-cpu.yaml's and the two it leaves off): their ops and the hand-written
+# RMS-norm backward must trace and compile too.
+ALL_OPTIONS = dataclasses.replace(SMALL_MODEL, qk_norm=True, mlp="relu2", logit_softcap=15.0, value_embeddings=True,
+                                  residual_scalars=True, tie_embeddings=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [SMALL_MODEL, ALL_OPTIONS], ids=["llama", "speedrun-options"])
+def test_compiled_model_matches_eager_loss_and_grads(cfg):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    idx = torch.randint(0, 257, (4, 32))
+    targets = torch.roll(idx, -1, dims=1)
+    targets[:, -1] = -100  # an ignored position must stay ignored when compiled
+
+    eager_loss = model(idx, targets)
+    eager_loss.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(model)  # inductor, the train.compile path
+    compiled_loss = compiled(idx, targets)
+    compiled_loss.backward()
+
+    assert torch.isfinite(compiled_loss)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)

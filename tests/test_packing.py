@@ -1,14 +1,11 @@
 """data.packing: bos_bestfit (nanopt/packing.py): rows start at a BOS, every token is in a row or counted as
-cropped, the rows do not depend on the world size, and the plan resumes bit-exactly, in a loader and in a run."""
+cropped, the rows do not depend on the world size, the plan resumes bit-exactly in a loader, and the BOS index is
+cached. In a run: e2e/test_packed_run.py."""
 from __future__ import annotations
 
 import errno
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 from unittest import mock
@@ -17,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, small_overrides
+from conftest import BOS
 from nanopt import packing, shards
 from nanopt.errors import ConfigError
-from nanopt.main import run
 
-BOS = 256
+pytestmark = pytest.mark.usefixtures("bos_cache")  # conftest: the BOS index cache is never the user's
 
 
 def _corpus(tmp_path: Path, docs: int = 300, mean: float = 40, n_shards: int = 2, seed: int = 0) -> list[np.ndarray]:
@@ -34,22 +30,6 @@ def _corpus(tmp_path: Path, docs: int = 300, mean: float = 40, n_shards: int = 2
     cuts = np.array_split(stream, n_shards)
     paths = [shards.write_shard(tmp_path / f"train_{i:06d}.bin", c, 257) for i, c in enumerate(cuts)]
     return [shards.open_shard(p) for p in paths]
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch) -> Path:
-    """The BOS index cache of every test here, runs included: never the user's (conftest keeps NANOPT_CACHE at
-    ~/.cache/nanopt for the embedded corpus, which the session-scoped corpus_dir has built before this runs)."""
-    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "bos-index"
-
-
-@pytest.fixture
-def scans(monkeypatch) -> list[int]:
-    """The lengths of the shards packing scans for BOS (a cache hit scans none)."""
-    seen, scan = [], packing._scan
-    monkeypatch.setattr(packing, "_scan", lambda shard, bos: seen.append(len(shard)) or scan(shard, bos))
-    return seen
 
 
 def _rows(loader: packing.PackedLoader, steps: int, seq_len: int | None = None) -> list[tuple[int, ...]]:
@@ -154,64 +134,6 @@ def test_a_crop_share_over_half_is_warned_once(tmp_path, caplog):
     assert len(warnings) == 1 and "sample_by=paragraph" in warnings[0]
 
 
-# ---------------------------------------------------------------- a real run
-STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def line_corpus(tmp_path_factory, corpus_dir) -> Path:
-    """The embedded corpus with every line a document (a BOS before each): short documents that pack well."""
-    out = tmp_path_factory.mktemp("lines")
-    text = np.asarray(shards.open_shard(corpus_dir / "train_000000.bin"), dtype=np.int64)
-    text = text[text != BOS]
-    starts = np.flatnonzero(text == ord("\n")) + 1
-    shards.write_shard(out / "train_000000.bin", np.insert(text, np.append(0, starts[:-1]), BOS), 257)
-    (out / "val_000000.bin").write_bytes((corpus_dir / "val_000000.bin").read_bytes())
-    return out
-
-
-def _args(source: Path, run_dir: Path) -> list[str]:
-    return [*small_overrides(**{"train.precision": "fp32", "train.max_steps": STEPS, "checkpoint.every": 2,
-                                "log.tensorboard": "false", "data.packing": "bos_bestfit"}),
-            f"--data.source={source}", f"--run.dir={run_dir}"]
-
-
-@pytest.mark.slow
-def test_a_packed_run_killed_mid_run_resumes_to_the_same_weights(tmp_path, line_corpus, capsys):
-    reference = tmp_path / "reference"
-    assert run(_args(line_corpus, reference)) == 0
-    summary = json.loads((reference / "summary.json").read_text())
-    records = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
-    shares = [r["cropped_share"] for r in records if "loss" in r]
-    assert len(shares) == STEPS and 0 < summary["packing_cropped_share"] == shares[-1] < 0.5
-
-    killed = tmp_path / "killed"
-    env = {**os.environ, "NANOPT_TEST_HOOK": "kill-in-step:5", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nanopt.main", *_args(line_corpus, killed)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert run(_args(line_corpus, killed)) == 0
-    assert "resuming from" in capsys.readouterr().out
-    after = json.loads((killed / "summary.json").read_text())
-    assert after["weights_sha256_per_rank"] == summary["weights_sha256_per_rank"]
-    assert after["packing_cropped_share"] == summary["packing_cropped_share"]
-
-
-@pytest.mark.slow
-def test_a_packed_run_started_twice_sees_the_same_batches_the_second_from_the_cache(tmp_path, line_corpus, scans,
-                                                                                     capsys):
-    seen = []
-    for name in ("first", "second"):
-        assert run(_args(line_corpus, tmp_path / name)) == 0
-        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
-        seen.append(([r["loss"] for r in records if "loss" in r], summary["weights_sha256_per_rank"]))
-    assert seen[0] == seen[1] and len(seen[0][0]) == STEPS
-    assert len(scans) == 1  # the first run's; the second read the index from the cache
-    out = capsys.readouterr().out
-    assert "BOS index: 0 shards from cache, 1 scanned" in out and "BOS index: 1 shards from cache, 0 scanned" in out
-
-
 # ---------------------------------------------------------------- the cached BOS index
 def _ids(arrays: list[np.ndarray]) -> list[shards.ShardInfo]:
     return [shards.read_header(a.filename) for a in arrays]
@@ -227,29 +149,29 @@ def _expect_same(got: packing.Documents, want: packing.Documents) -> None:
     assert got.starts.dtype == want.starts.dtype == np.int64 and got.orphans == want.orphans
 
 
-def test_a_second_documents_reads_the_bos_index_from_the_cache(tmp_path, cache, scans, caplog):
+def test_a_second_documents_reads_the_bos_index_from_the_cache(tmp_path, bos_cache, scans, caplog):
     arrays = _corpus(tmp_path, n_shards=3)
     plain = packing.Documents(arrays, BOS)  # no ids: scanned, nothing cached
-    assert len(scans) == 3 and not cache.exists()
+    assert len(scans) == 3 and not bos_cache.exists()
     ids = _ids(arrays)
     _expect_same(packing.Documents(arrays, BOS, ids), plain)
     assert len(scans) == 6
-    entry = cache / f"{ids[1].crc32:08x}-{ids[1].count}-2-{BOS}.bin"  # header crc32, token count, itemsize, BOS id
+    entry = bos_cache / f"{ids[1].crc32:08x}-{ids[1].count}-2-{BOS}.bin"  # header crc32, token count, itemsize, BOS id
     assert entry.stat().st_size == HEADER + 4 * int((arrays[1] == BOS).sum())  # uint32 positions after the header
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="nanopt"):
         second = packing.Documents(arrays, BOS, ids)
     _expect_same(second, plain)
-    assert len(scans) == 6 and len(list(cache.iterdir())) == 3
+    assert len(scans) == 6 and len(list(bos_cache.iterdir())) == 3
     assert _said(caplog, logging.INFO, "BOS index") == ["BOS index: 3 shards from cache, 0 scanned"]
 
 
-def test_a_changed_shard_under_the_same_name_does_not_use_the_old_entry(tmp_path, cache, scans):
+def test_a_changed_shard_under_the_same_name_does_not_use_the_old_entry(tmp_path, bos_cache, scans):
     old = _corpus(tmp_path, n_shards=1)
     packing.Documents(old, BOS, _ids(old))
     new = _corpus(tmp_path, n_shards=1, seed=1)  # rewrites train_000000.bin
     _expect_same(packing.Documents(new, BOS, _ids(new)), packing.Documents(new, BOS))
-    assert len(scans) == 3 and len(list(cache.iterdir())) == 2  # another crc32, another entry
+    assert len(scans) == 3 and len(list(bos_cache.iterdir())) == 2  # another crc32, another entry
 
 
 HEADER = packing.INDEX_HEADER.size
@@ -284,10 +206,10 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_cache_entry_is_warned_once_rescanned_and_rewritten(tmp_path, cache, scans, caplog, damage):
+def test_a_damaged_cache_entry_is_warned_once_rescanned_and_rewritten(tmp_path, bos_cache, scans, caplog, damage):
     arrays = _corpus(tmp_path, n_shards=1)
     want = packing.Documents(arrays, BOS, _ids(arrays))
-    (entry,) = cache.iterdir()
+    (entry,) = bos_cache.iterdir()
     good = entry.read_bytes()
     entry.write_bytes(DAMAGE[damage](good, np.frombuffer(good[HEADER:], dtype="<u4")))
     with caplog.at_level(logging.WARNING, logger="nanopt"):
@@ -298,13 +220,13 @@ def test_a_damaged_cache_entry_is_warned_once_rescanned_and_rewritten(tmp_path, 
     assert len(scans) == 2
 
 
-def test_a_forged_subset_in_the_old_format_is_rescanned_and_the_rows_are_a_clean_caches(tmp_path, cache, scans,
+def test_a_forged_subset_in_the_old_format_is_rescanned_and_the_rows_are_a_clean_caches(tmp_path, bos_cache, scans,
                                                                                         caplog):
     # The review's forgery: every other BOS position, checksum recomputed, in the format without the BOS count
     # (which nanopt accepted before the count): rows from whole documents glued together.
     arrays = _corpus(tmp_path, n_shards=2)
     clean = packing.Documents(arrays, BOS, _ids(arrays))
-    (first, second) = sorted(cache.iterdir())
+    (first, second) = sorted(bos_cache.iterdir())
     good = first.read_bytes()
     first.write_bytes(_old_format(np.frombuffer(good[HEADER:], dtype="<u4")[::2]))
     with caplog.at_level(logging.INFO, logger="nanopt"):

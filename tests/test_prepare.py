@@ -1,93 +1,34 @@
-"""`nanopt prepare`: local files through `datasets` -> a locally built HF tokenizer -> token shards."""
+"""`nanopt prepare`: local files through `datasets` -> a locally built HF tokenizer -> token shards; interrupt and
+resume, rebuilt shards, what it may delete and which manifests it follows, one prepare per directory, and a full
+disk or an unwritable file as one paragraph. Training on prepared shards: e2e/test_prepare_then_train.py."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import random
+import socket
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub; fail fast if it tried
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 
 import numpy as np
 import pytest
 
-from conftest import REPO, run_module, small_overrides
-from nanopt import data, prepare, shards
+from conftest import (PREPARE_DOCS, REPO, USERS, full_disk_for, make_documents, one_paragraph, prepare_config,
+                      shard_bytes, users_file, write_source)
+from nanopt import cli, data, io, prepare, rundirs, shards
 from nanopt.commands import prepare as prepare_command
 from nanopt.config import ConfigError, load_config, to_yaml
+from nanopt.lock import DirLock
 from nanopt.tokenizer import get_tokenizer
-
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch; café naïve façade "
-         "über — “quoted” 42 3.14 emoji 🦊 tabs\tand newlines").split(" ")
-
-
-def make_documents(n: int = 48, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
-    for i in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 120))]
-        lines = [" ".join(words[j : j + 12]) for j in range(0, len(words), 12)]
-        docs.append(f"Document {i}. " + "\n".join(lines))
-    docs[7] = ""  # an empty document still counts (it is a BOS alone)
-    return docs
-
-
-DOCS = make_documents()
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    """A byte-level BPE trained here with `tokenizers`, saved and loaded back through transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(DOCS, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                 clean_up_tokenization_spaces=False)
-    out = tmp_path_factory.mktemp("tokenizer")
-    hf.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
 def tok(tokenizer_dir):
     return get_tokenizer(str(tokenizer_dir))
-
-
-def write_source(directory, fmt: str, docs: list[str]) -> tuple[str, str, list[str]]:
-    """Write docs in a format; returns (dataset builder, data_files, the documents in reading order)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if fmt == "jsonl":
-        path = directory / "docs.jsonl"
-        path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
-        return "json", str(path), docs
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        half = len(docs) // 2  # two files, read in name order
-        pq.write_table(pa.table({"text": docs[:half]}), directory / "a.parquet")
-        pq.write_table(pa.table({"text": docs[half:]}), directory / "b.parquet")
-        return "parquet", str(directory / "*.parquet"), docs
-    if fmt == "text":  # one file per document (sample_by=document); datasets reads a glob in name order
-        for i, d in enumerate(docs):
-            (directory / f"doc_{i:04d}.txt").write_text(d)
-        return "text", str(directory / "*.txt"), docs
-    raise ValueError(fmt)
-
-
-def config(tmp_path, tokenizer_dir, dataset: str, data_files: str, out_name: str = "shards", **prepare_keys):
-    keys = {"shuffle_buffer": 0, "workers": 1, "batch_documents": 5, "shard_tokens": 300, **prepare_keys}
-    overrides = [("data.source", str(tmp_path / out_name)), ("data.tokenizer", str(tokenizer_dir)),
-                 ("model.vocab_size", "600"), ("prepare.dataset", dataset), ("prepare.data_files", data_files)]
-    overrides += [(f"prepare.{k}", str(v)) for k, v in keys.items()]
-    return load_config(None, overrides)
 
 
 def read_split(directory, split: str) -> np.ndarray:
@@ -106,9 +47,9 @@ def framed(tok, docs: list[str], bos=True, eos=False) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet", "text"])
 def test_shards_decode_back_to_the_source_documents(tmp_path, tokenizer_dir, tok, fmt):
-    dataset, files, docs = write_source(tmp_path / "src", fmt, DOCS)
+    dataset, files, docs = write_source(tmp_path / "src", fmt, PREPARE_DOCS)
     extra = {"sample_by": "document"} if fmt == "text" else {}
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, **extra)
+    cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, **extra)
     stats = prepare.prepare(cfg, progress=False)
 
     out = tmp_path / "shards"
@@ -127,15 +68,15 @@ def test_shards_decode_back_to_the_source_documents(tmp_path, tokenizer_dir, tok
 
 
 def test_bos_and_eos_frame_every_document(tmp_path, tokenizer_dir, tok):
-    dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, add_eos="true", workers=2)
+    dataset, files, docs = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
+    cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, add_eos="true", workers=2)
     prepare.prepare(cfg, progress=False)
     expected = np.concatenate([np.asarray(x) for x in framed(tok, docs, bos=True, eos=True)])
     assert np.array_equal(read_split(tmp_path / "shards", "train"), expected)
 
 
 def test_encode_documents_matches_one_document_at_a_time(tok):
-    texts = ["", "a b", DOCS[3], "", "🦊"]
+    texts = ["", "a b", PREPARE_DOCS[3], "", "🦊"]
     for bos, eos in ((None, None), (tok.bos_id, None), (None, tok.eos_id), (tok.bos_id, tok.eos_id)):
         lengths, flat = prepare.encode_documents(tok, texts, bos, eos)
         ref = [([bos] if bos is not None else []) + tok.encode(t) + ([eos] if eos is not None else []) for t in texts]
@@ -145,7 +86,7 @@ def test_encode_documents_matches_one_document_at_a_time(tok):
 
 def test_batch_encode_on_tiktoken_gives_the_same_ids_as_transformers(tokenizer_dir):
     tok = get_tokenizer(str(tokenizer_dir))  # a fresh one: its engine is chosen on the first batch
-    texts = DOCS + ["a literal <s> and </s> inside text", "  leading spaces\n\n\ttabs  ", "'s 're 1234 🦊🦊"]
+    texts = [*PREPARE_DOCS, "a literal <s> and </s> inside text", "  leading spaces\n\n\ttabs  ", "'s 're 1234 🦊🦊"]
     ids = tok.encode_batch(texts)
     assert type(tok._tiktoken).__module__.startswith("tiktoken")  # the fast engine is really in use
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
@@ -167,11 +108,11 @@ def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_p
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=500, special_tokens=["<|begin_of_text|>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(PREPARE_DOCS, trainers.BpeTrainer(vocab_size=500, special_tokens=["<|begin_of_text|>"],
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>").save_pretrained(tmp_path)
     tok = get_tokenizer(str(tmp_path))
-    texts = DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S"]
+    texts = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S"]
     ids = tok.encode_batch(texts)
     assert type(tok._tiktoken).__module__.startswith("tiktoken")
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
@@ -191,7 +132,8 @@ def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_pa
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.train_from_iterator(DOCS, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(PREPARE_DOCS, trainers.BpeTrainer(vocab_size=400,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     to_byte = byte_decoder()
     ranks = sorted((i, bytes(to_byte[c] for c in token)) for token, i in bpe.get_vocab().items())
     (tmp_path / "ranks.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {i}\n" for i, b in ranks))
@@ -202,7 +144,7 @@ def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_pa
     assert any(a == b for a, b in zip(results, results[1:]))  # the Llama-3 shape: repeated merge results
     PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|begin_of_text|>").save_pretrained(tmp_path / "tok")
     tok = get_tokenizer(str(tmp_path / "tok"))
-    texts = DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S", "aaaa bbbbbb\n\n\t  ccc"]
+    texts = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S", "aaaa bbbbbb\n\n\t  ccc"]
     ids = tok.encode_batch(texts)
     assert type(tok._tiktoken).__module__.startswith("tiktoken")
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
@@ -217,8 +159,8 @@ def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, cap
 
     tok._tiktoken = Wrong()
     with caplog.at_level("WARNING", logger="nanopt"):
-        ids = tok.encode_batch(DOCS[:5])
-    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in DOCS[:5]]
+        ids = tok.encode_batch(PREPARE_DOCS[:5])
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in PREPARE_DOCS[:5]]
     assert tok._tiktoken is False and "disagrees" in caplog.text
 
 
@@ -240,9 +182,9 @@ def test_tokenizers_that_are_not_plain_byte_level_bpe_keep_the_transformers_engi
 
 
 def test_splits_honour_the_token_budgets_and_stats_are_right(tmp_path, tokenizer_dir, tok):
-    dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
+    dataset, files, docs = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
     budgets = {"val": 400, "test": 350, "train": 1500}
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, val_tokens=400, test_tokens=350, train_tokens=1500)
+    cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, val_tokens=400, test_tokens=350, train_tokens=1500)
     stats = prepare.prepare(cfg, progress=False)
 
     # Independent reference: fill val, then test, then train with whole documents from the stream, in
@@ -271,8 +213,9 @@ def test_splits_honour_the_token_budgets_and_stats_are_right(tmp_path, tokenizer
 
 
 def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_path, tokenizer_dir, tok, capsys):
-    dataset, files, docs = write_source(tmp_path / "src", "jsonl", DOCS)
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, train_tokens=100_000, val_tokens=5000, test_tokens=5000)
+    dataset, files, docs = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
+    cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, train_tokens=100_000, val_tokens=5000,
+                         test_tokens=5000)
     e = prepare.sample_documents(cfg, 10)
     mean = np.mean([len(x) for x in framed(tok, docs[:10])])
     assert e["mean_tokens_per_document"] == pytest.approx(mean)
@@ -290,17 +233,10 @@ def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_pat
     assert not (tmp_path / "never").exists()  # an estimate writes nothing
 
 
-# ---------------------------------------------------------------- interrupt and resume
-
-
-def _shard_bytes(directory) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.bin"))}
-
-
 def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenizer_dir, monkeypatch):
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
     keys = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
-    whole = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
+    whole = prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
     assert sum(s["shards"] for s in whole["splits"].values()) >= 8
 
     real_write = shards.write_shard
@@ -322,32 +258,33 @@ def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenize
     # First run: the worker pool is running when Ctrl-C arrives, mid-stream, before shard 3 is written.
     monkeypatch.setattr(shards, "write_shard", crash_on(3, after_write=False))
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", workers=2, **keys), progress=False)
+        prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "resumed", workers=2, **keys),
+                        progress=False)
     manifest = json.loads((resumed / "manifest.json").read_text())
     assert len(manifest["shards"]) == 2 and not manifest["state"]["complete"]
     # Second run: dies right after writing a shard, before committing it.
     monkeypatch.setattr(shards, "write_shard", crash_on(2, after_write=True))
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
+        prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
     assert len(json.loads((resumed / "manifest.json").read_text())["shards"]) == 3
     assert len(list(resumed.glob("*.bin"))) == 4  # one uncommitted shard on disk
     # Third run finishes.
     monkeypatch.setattr(shards, "write_shard", real_write)
-    final = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
-    assert _shard_bytes(resumed) == _shard_bytes(tmp_path / "whole")
+    final = prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
+    assert shard_bytes(resumed) == shard_bytes(tmp_path / "whole")
     assert final["splits"] == whole["splits"]  # no document counted twice or lost in the statistics
     assert final["this_run"]["tokens"] < sum(keys[k] for k in ("val_tokens", "test_tokens", "train_tokens"))
 
     # A finished directory is left alone.
-    again = prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
-    assert again["this_run"]["tokens"] == 0 and _shard_bytes(resumed) == _shard_bytes(tmp_path / "whole")
+    again = prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
+    assert again["this_run"]["tokens"] == 0 and shard_bytes(resumed) == shard_bytes(tmp_path / "whole")
 
 
 def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, tokenizer_dir, monkeypatch, caplog,
                                                                       capsys):
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
     keys = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
-    prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
+    prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
     real_iter, failures, waits = prepare.iter_texts, [], []
 
     def flaky(ds, text_field, start=0):  # the stream breaks twice, each time a few documents past the start
@@ -359,22 +296,22 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
 
     monkeypatch.setattr(prepare, "iter_texts", flaky)
     monkeypatch.setattr(prepare.time, "sleep", waits.append)
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)
+    cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)
     with caplog.at_level("WARNING", logger="nanopt"):
         stats = prepare.prepare_with_retries(cfg, progress=False)
     assert len(failures) == 2 and failures[1] > 0  # the second attempt resumed past the start
     assert waits == [prepare.RETRY_WAIT_S, 2 * prepare.RETRY_WAIT_S] and "retry 1 of 5" in caplog.text
-    assert _shard_bytes(tmp_path / "flaky") == _shard_bytes(tmp_path / "whole")
+    assert shard_bytes(tmp_path / "flaky") == shard_bytes(tmp_path / "whole")
     assert stats["splits"]["train"]["tokens"] == 2000
 
     failures.clear()  # out of retries: one paragraph, exit 1, the committed shards stay
     monkeypatch.setattr(prepare, "prepare", lambda *args: (_ for _ in ()).throw(ConnectionError("down")))
     cfg_file = tmp_path / "cfg.yaml"
-    cfg_file.write_text(to_yaml(config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)))
+    cfg_file.write_text(to_yaml(prepare_config(tmp_path, tokenizer_dir, dataset, files, "flaky", **keys)))
     assert prepare_command.main(["--config", str(cfg_file), "--no-progress", "--prepare.retries=1"]) == 1
     err = capsys.readouterr().err
     assert "kept failing (ConnectionError: down) after 1 retries" in err and "run the same command again" in err
-    assert _shard_bytes(tmp_path / "flaky") == _shard_bytes(tmp_path / "whole")
+    assert shard_bytes(tmp_path / "flaky") == shard_bytes(tmp_path / "whole")
 
 
 _REAL_ENCODE_TASK = prepare._encode_task
@@ -389,8 +326,9 @@ def _encode_task_then_die(batch):
 
 
 def test_a_worker_that_dies_stops_prepare_with_an_error_not_a_hang(tmp_path, tokenizer_dir, monkeypatch, capsys):
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, "dies", workers=2, shard_tokens=100, train_tokens=2000)
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
+    cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, "dies", workers=2, shard_tokens=100,
+                         train_tokens=2000)
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(to_yaml(cfg))
     monkeypatch.setattr(prepare, "_encode_task", _encode_task_then_die)
@@ -404,57 +342,22 @@ def test_a_worker_that_dies_stops_prepare_with_an_error_not_a_hang(tmp_path, tok
 
 
 def test_resume_refuses_a_directory_prepared_differently(tmp_path, tokenizer_dir):
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
-    prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500), progress=False)
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
+    prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500), progress=False)
     with pytest.raises(ConfigError, match="different configuration"):
-        prepare.prepare(config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500, shard_tokens=100),
+        prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, train_tokens=500, shard_tokens=100),
                         progress=False)
     # The same tokenizer name with a different definition (a hub tokenizer updated in place) is refused too.
     import shutil
 
     changed = tmp_path / "tokenizer"
     shutil.copytree(tokenizer_dir, changed)
-    prepare.prepare(config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
+    prepare.prepare(prepare_config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
     spec = json.loads((changed / "tokenizer.json").read_text())
     spec["model"]["merges"] = spec["model"]["merges"][:-1]
     (changed / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ConfigError, match="different configuration"):
-        prepare.prepare(config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
-
-
-# ---------------------------------------------------------------- lost, resized, replaced and corrupt shards
-
-KEYS = dict(val_tokens=400, test_tokens=350, train_tokens=1800, shard_tokens=300)  # 2 val, 2 test, 6 train shards
-
-
-@pytest.fixture
-def prepared(tmp_path, tokenizer_dir):
-    """(config, its output directory, the bytes of every shard) of one complete preparation, and a pristine copy."""
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, "shards", **KEYS)
-    stats = prepare.prepare(cfg, progress=False)
-    out = tmp_path / "shards"
-    assert len(shards.split_paths(out, "train")) == 6
-    return cfg, out, _shard_bytes(out), stats
-
-
-def _train_exit(out, tokenizer_dir, run_dir, capsys) -> tuple[int, str]:
-    from nanopt.main import run
-
-    code = run(small_overrides(**{"data.source": out, "data.tokenizer": tokenizer_dir, "model.vocab_size": 600,
-                                  "run.dir": run_dir, "train.max_steps": 1, "eval.every": 0, "train.seq_len": 32}))
-    return code, capsys.readouterr().err
-
-
-def test_training_refuses_shards_that_do_not_match_the_manifest_naming_them(prepared, tokenizer_dir, tmp_path,
-                                                                              capsys):
-    cfg, out, _, _ = prepared
-    for name in ("train_000001.bin", "train_000002.bin", "train_000003.bin", "train_000004.bin", "train_000005.bin"):
-        (out / name).unlink()  # a partial copy: one train shard of six arrived
-    code, err = _train_exit(out, tokenizer_dir, tmp_path / "run1", capsys)
-    assert code == 2 and "Traceback" not in err
-    assert "train_000001.bin is missing" in err and "train_000005.bin is missing" in err and "nanopt prepare" in err
-    assert not (tmp_path / "run1" / "checkpoints").exists()  # refused before anything was trained or written
+        prepare.prepare(prepare_config(tmp_path, changed, dataset, files, "by-name", train_tokens=500), progress=False)
 
 
 @pytest.mark.parametrize("fault", ["resized", "replaced", "extra", "val lost"])
@@ -484,7 +387,7 @@ def test_prepare_rebuilds_lost_and_resized_shards_to_identical_bytes(prepared):
     with open(out / "test_000001.bin", "r+b") as f:  # truncated by a partial copy
         f.truncate(200)
     again = prepare.prepare(cfg, progress=False)
-    assert _shard_bytes(out) == whole
+    assert shard_bytes(out) == whole
     assert again["splits"] == stats["splits"] and again["this_run"]["tokens"] > 0
     assert json.loads((out / "stats.json").read_text())["splits"]["train"]["shards"] == 6
     shards.check_manifest(out)  # training accepts the directory again
@@ -501,7 +404,7 @@ def test_verify_rebuilds_a_corrupt_shard_that_only_its_checksum_shows(prepared):
         shards.open_shard(out / "train_000004.bin")
     assert prepare.prepare(cfg, progress=False)["this_run"]["tokens"] == 0  # headers only: not seen
     prepare.prepare(cfg, progress=False, verify=True)
-    assert _shard_bytes(out) == whole
+    assert shard_bytes(out) == whole
 
 
 def test_a_rebuild_that_would_give_other_bytes_is_refused_and_keeps_the_files(prepared, tmp_path):
@@ -510,7 +413,7 @@ def test_a_rebuild_that_would_give_other_bytes_is_refused_and_keeps_the_files(pr
     (out / "train_000001.bin").unlink()
     with pytest.raises(ConfigError, match="source or the tokenizer changed"):
         prepare.prepare(cfg, progress=False)
-    left = _shard_bytes(out)
+    left = shard_bytes(out)
     assert left == {k: v for k, v in whole.items() if k != "train_000001.bin"}  # nothing else was lost
     with pytest.raises(ConfigError, match="waiting to be rebuilt"):
         shards.check_manifest(out)
@@ -531,7 +434,7 @@ def test_a_manifest_without_restart_points_refuses_to_rebuild(prepared):
 @pytest.mark.parametrize("builder,suffix", [("json", "jsonl"), ("text", "txt")])
 def test_an_empty_data_file_is_named_as_empty(tmp_path, tokenizer_dir, content, builder, suffix):
     (tmp_path / f"docs.{suffix}").write_text(content)
-    cfg = config(tmp_path, tokenizer_dir, builder, str(tmp_path / f"docs.{suffix}"))
+    cfg = prepare_config(tmp_path, tokenizer_dir, builder, str(tmp_path / f"docs.{suffix}"))
     with pytest.raises(ConfigError, match=r"names 1 empty file\(s\): .*docs\." + suffix):
         prepare.prepare(cfg, progress=False)
 
@@ -545,7 +448,8 @@ def test_hub_dataset_is_streamed_and_shuffled_as_configured(tmp_path, tokenizer_
     import datasets
 
     calls, shuffles = [], []
-    rows = datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))}).to_iterable_dataset(num_shards=4)
+    rows = datasets.Dataset.from_dict({"text": PREPARE_DOCS, "id": list(range(len(PREPARE_DOCS)))})
+    rows = rows.to_iterable_dataset(num_shards=4)
 
     def fake_load_dataset(path, *args, **kwargs):
         calls.append((path, args, kwargs))
@@ -569,7 +473,7 @@ def test_hub_dataset_is_streamed_and_shuffled_as_configured(tmp_path, tokenizer_
     p = cfg.prepare
     assert shuffles == [((), {"seed": p.shuffle_seed, "buffer_size": p.shuffle_buffer})]
     order = [r["text"] for r in real_shuffle(rows, seed=p.shuffle_seed, buffer_size=p.shuffle_buffer)]
-    assert order != DOCS and sorted(order) == sorted(DOCS)
+    assert order != PREPARE_DOCS and sorted(order) == sorted(PREPARE_DOCS)
     expected = np.concatenate([np.asarray(x) for x in framed(tok, order, bos=p.add_bos, eos=p.add_eos)])
     assert np.array_equal(read_split(tmp_path / "fineweb", "train"), expected)
 
@@ -581,7 +485,7 @@ def test_hub_dataset_is_streamed_and_shuffled_as_configured(tmp_path, tokenizer_
         prepare.prepare(pinned, progress=False)
 
 
-# ---------------------------------------------------------------- large vocabularies, bad input, training
+# ---------------------------------------------------------------- large vocabularies, bad input
 
 
 def test_vocabularies_over_65536_ids_are_written_as_uint32(tmp_path):
@@ -595,7 +499,7 @@ def test_vocabularies_over_65536_ids_are_written_as_uint32(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=wl, bos_token="<s>", unk_token="<unk>").save_pretrained(tok_dir)
     docs = ["w69999 w0 w65536", "w70000 w12"]  # w70000 is unknown
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", docs)
-    cfg = config(tmp_path, tok_dir, dataset, files, shard_tokens=1000)
+    cfg = prepare_config(tmp_path, tok_dir, dataset, files, shard_tokens=1000)
     prepare.prepare(cfg, progress=False)
     shard = tmp_path / "shards" / "train_000000.bin"
     assert shards.read_header(shard).dtype == np.uint32 and shards.read_header(shard).vocab_size == 70_002
@@ -605,7 +509,7 @@ def test_vocabularies_over_65536_ids_are_written_as_uint32(tmp_path):
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
     from nanopt import cli
 
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS[:3])
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS[:3])
     base = ["prepare", f"--data.tokenizer={tokenizer_dir}", "--no-progress", "--prepare.workers", "1"]
     cases = {
         "data.source": base + ["--prepare.dataset=json", f"--prepare.data_files={files}"],
@@ -622,19 +526,223 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
         assert needle in err and "Traceback" not in err, err
 
 
-@pytest.mark.slow
-def test_training_runs_on_prepared_shards(tmp_path, tokenizer_dir):
-    dataset, files, _ = write_source(tmp_path / "src", "jsonl", DOCS)
-    cfg = config(tmp_path, tokenizer_dir, dataset, files, val_tokens=300, train_tokens=2400, shard_tokens=1200)
+# ---------------------------------------------------------------- a shared data directory (the byte tokenizer)
+
+
+FOX_DOCS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(40)]
+
+
+def byte_config(tmp_path, out_name: str = "shards"):
+    """The byte tokenizer over a local JSON-lines file: 5 train shards of 200 tokens, in about a second."""
+    src = tmp_path / "docs.jsonl"
+    if not src.exists():
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in FOX_DOCS))
+    keys = {"dataset": "json", "data_files": str(src), "shuffle_buffer": 0, "workers": 1, "batch_documents": 8,
+            "shard_tokens": 200, "train_tokens": 1000}
+    overrides = [("data.source", str(tmp_path / out_name))] + [(f"prepare.{k}", str(v)) for k, v in keys.items()]
+    return load_config(None, overrides)
+
+
+@pytest.fixture
+def byte_prepared(tmp_path):
+    """(config, output directory, the bytes of every shard) of one complete preparation."""
+    cfg = byte_config(tmp_path)
     prepare.prepare(cfg, progress=False)
-    run_dir = tmp_path / "run"
-    proc = run_module(["nanopt.main", *small_overrides(**{
-        "data.source": tmp_path / "shards", "data.tokenizer": tokenizer_dir, "model.vocab_size": 600,
-        "run.dir": run_dir, "train.max_steps": 3, "eval.every": 3,
-    })], env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [x["loss"] for x in lines if "loss" in x]
-    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
-    assert abs(losses[0] - math.log(600)) < 1.0  # a fresh model on this 600-id vocabulary
-    assert any("val_loss" in x for x in lines)
+    out = tmp_path / "shards"
+    assert len(shards.split_paths(out, "train")) == 5
+    return cfg, out, shard_bytes(out)
+
+
+def _cli_prepare(cfg, tmp_path, capsys) -> tuple[int, str]:
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(to_yaml(cfg))
+    code = cli.run(["prepare", "--config", str(cfg_file), "--no-progress"])  # the `nanopt` dispatcher: exit codes
+    return code, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- what prepare deletes
+
+
+def test_resume_deletes_only_shard_and_temp_files_prepare_writes(byte_prepared, caplog):
+    """A user's train_000001.bin.bak or .gz beside the shards was deleted by every resume."""
+    cfg, out, whole = byte_prepared
+    users = {"train_000001.bin.bak": b"my backup", "train_000001.bin.gz": b"\x1f\x8b", "train_0000001.bin.x": b"x",
+             "train_000002.bin.tmp.keep": b"k", ".train_000002.bin.tmp": b"h"}
+    for name, content in users.items():
+        (out / name).write_bytes(content)
+    leftovers = ["train_000009.bin", "train_000003.bin.tmp", ".train_000004.bin.4242.139.tmp"]  # uncommitted, ours
+    for name in leftovers:
+        (out / name).write_bytes(whole["train_000000.bin"])
+    with caplog.at_level("INFO", logger="nanopt"):
+        assert prepare.prepare(cfg, progress=False)["this_run"]["tokens"] == 0
+    assert {name: (out / name).read_bytes() for name in users} == users
+    assert not any((out / name).exists() for name in leftovers)
+    assert shard_bytes(out) == whole
+    assert "left" in caplog.text and "train_000001.bin.bak" in caplog.text
+
+
+def test_a_temp_shard_left_by_a_crash_is_removed_on_resume(tmp_path, monkeypatch):
+    """Whatever name nanopt.io gives its temp files, the one a crash leaves on the way to a shard is prepare's own."""
+    real_replace = os.replace
+
+    def crash_at_shard_2(src, dst, *args, **kwargs):
+        if str(dst).endswith("train_000002.bin"):
+            raise KeyboardInterrupt  # the tokens are on disk under the temp name, the rename never happened
+        return real_replace(src, dst, *args, **kwargs)
+
+    cfg = byte_config(tmp_path)
+    out = tmp_path / "shards"
+    monkeypatch.setattr(io.os, "replace", crash_at_shard_2)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare(cfg, progress=False)
+    monkeypatch.setattr(io.os, "replace", real_replace)
+    (left,) = [p for p in out.iterdir() if ".tmp" in p.name and "train_000002" in p.name]  # the crash left one
+    left.rename(left.with_name(left.name.replace(f".{os.getpid()}.", ".1.")))  # as a resume in a new process sees it
+    prepare.prepare(cfg, progress=False)
+    whole = tmp_path / "whole"
+    prepare.prepare(byte_config(tmp_path, "whole"), progress=False)
+    assert shard_bytes(out) == shard_bytes(whole)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in whole.iterdir())  # no temp file left
+
+
+# ---------------------------------------------------------------- which manifests are followed
+
+
+@pytest.mark.parametrize("key,bad", [("shards", "absolute"), ("shards", "../victim.bin"),
+                                     ("shards", "train_000001.bin.bak"), ("rebuild", "../victim.bin")])
+def test_a_manifest_entry_naming_another_file_is_refused_and_nothing_is_deleted(byte_prepared, tmp_path, capsys, key,
+                                                                              bad):
+    """A manifest in a shared directory could make prepare delete (and training read) any file the user can write."""
+    cfg, out, whole = byte_prepared
+    victim = tmp_path / "victim.bin"
+    victim.write_text("a file of the user's, outside the data directory")
+    bad = str(victim) if bad == "absolute" else bad
+    if bad.endswith(".bak"):
+        (out / bad).write_text("a user's backup")
+    path = out / shards.MANIFEST
+    manifest = json.loads(path.read_text())
+    if key == "shards":
+        manifest["shards"][1]["file"] = bad
+    else:
+        manifest["rebuild"] = [dict(manifest["shards"][2], file=bad)]
+    path.write_text(json.dumps(manifest))
+    for check in (lambda: prepare.prepare(cfg, progress=False), lambda: shards.check_manifest(out)):
+        with pytest.raises(ConfigError) as e:
+            check()
+        message = str(e.value)
+        assert str(path) in message and f"`{key}[{1 if key == 'shards' else 0}]`" in message
+        assert json.dumps(bad) in message and "not a shard name" in message and "Restore" in message
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err and str(path) in err
+    assert victim.exists() and shard_bytes(out) == whole
+    assert not bad.endswith(".bak") or (out / bad).exists()
+
+
+@pytest.mark.parametrize("content", [
+    b"[1, 2]", b'"shards"', b'{"shards": {}, "state": {}}', b'{"shards": [], "state": []}',
+    b'{"shards": ["train_000000.bin"], "state": {}}', b'{"shards": [], "rebuild": 3, "state": {}}',
+    b'{"shards": [{"file": "train_000000.bin", "split": "train", "tokens": "many"}], "state": {}}',
+    b'{"shards": [{"file": "train_000000.bin", "split": "train", "tokens": 5, "crc32": "x"}], "state": {}}',
+    b'{"shards": [], "state": {}, "x": "\xff\xfe"}', b"[" * 100_000,
+])
+def test_a_wrong_typed_manifest_is_one_paragraph_not_a_traceback(tmp_path, capsys, content):
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / shards.MANIFEST).write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        shards.check_manifest(out)  # what training calls before it reads a shard
+    assert str(out / shards.MANIFEST) in str(e.value) and "cannot be used" in str(e.value) and "Restore" in str(e.value)
+    code, err = _cli_prepare(byte_config(tmp_path), tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err and "cannot be used" in err
+
+
+# ---------------------------------------------------------------- one prepare per directory, a full disk
+
+
+@pytest.fixture
+def no_waits(monkeypatch) -> list[float]:
+    """prepare's retry waits, recorded instead of slept."""
+    waits: list[float] = []
+    monkeypatch.setattr(prepare.time, "sleep", waits.append)
+    return waits
+
+
+def test_prepare_into_a_file_is_exit_2_at_once(tmp_path, capsys, no_waits):
+    """Before: the FileExistsError was taken for a flaky source and retried for minutes."""
+    cfg = byte_config(tmp_path)
+    (tmp_path / "shards").write_text("a file, not a directory")
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 2 and no_waits == []
+    err = one_paragraph(err)
+    assert str(tmp_path / "shards") in err and "is a file" in err and "`data.source`" in err
+    assert (tmp_path / "shards").read_text() == "a file, not a directory"
+
+
+def test_a_second_prepare_into_one_directory_is_exit_2_naming_the_holder(tmp_path, capsys, no_waits):
+    """Before: both exited 0, leaving doubled .doclens files and document counts."""
+    cfg = byte_config(tmp_path)
+    with DirLock(tmp_path / "shards", what="data"):  # a prepare running in this process, as the lease says
+        code, err = _cli_prepare(cfg, tmp_path, capsys)
+        assert code == 2
+        err = one_paragraph(err)
+        assert f"in use by process {os.getpid()} on host {socket.gethostname()}" in err
+        assert str(tmp_path / "shards" / rundirs.LOCK_FILE) in err
+        assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [rundirs.LOCK_FILE]  # nothing written
+    code, _ = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 0 and not (tmp_path / "shards" / rundirs.LOCK_FILE).exists()
+    stats = json.loads((tmp_path / "shards" / prepare.STATS).read_text())
+    whole = prepare.prepare(byte_config(tmp_path, "whole"), progress=False)
+    assert stats["splits"] == whole["splits"]
+
+
+def test_a_full_disk_in_prepare_is_exit_1_at_once_and_the_rerun_ends_identical(tmp_path, monkeypatch, capsys, no_waits):
+    """Before: ENOSPC was taken for a flaky source: retried 5 times over 15 minutes, then "the source kept failing"."""
+    cfg = byte_config(tmp_path)
+    full_disk_for(monkeypatch, "train_000002.bin", call="fsync")
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 1 and no_waits == []
+    err = one_paragraph(err)
+    out = tmp_path / "shards"
+    assert f"writing {out / 'train_000002.bin'}" in err and "GiB free" in err and "run the same command again" in err
+    assert [s["file"] for s in shards.read_manifest(out)["shards"]] == ["train_000000.bin", "train_000001.bin"]
+    assert not any(".tmp" in p.name for p in out.iterdir()) and not (out / rundirs.LOCK_FILE).exists()
+    monkeypatch.undo()
+    assert _cli_prepare(cfg, tmp_path, capsys)[0] == 0
+    prepare.prepare(byte_config(tmp_path, "whole"), progress=False)
+    whole = tmp_path / "whole"
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == {p.name: p.read_bytes() for p in whole.glob("*.bin")}
+    assert json.loads((out / prepare.STATS).read_text())["splits"] == json.loads((whole / prepare.STATS).read_text())[
+        "splits"]
+
+
+def test_an_output_file_prepare_cannot_write_is_exit_2_at_once(tmp_path, monkeypatch, capsys, no_waits):
+    """Before: a PermissionError on a shard was taken for a flaky source and retried for minutes, then exit 1."""
+    cfg = byte_config(tmp_path)
+    real = shards.write_shard
+
+    def read_only(path, *args):
+        if Path(path).name == "train_000001.bin":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(shards, "write_shard", read_only)
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 2 and no_waits == []
+    err = one_paragraph(err)
+    out = tmp_path / "shards"
+    assert f"cannot write {out / 'train_000001.bin'} (Permission denied)" in err and "run the same command" in err
+    assert [s["file"] for s in shards.read_manifest(out)["shards"]] == ["train_000000.bin"]
+
+
+def test_a_doclens_file_that_is_a_link_is_refused_and_the_users_file_untouched(tmp_path):
+    """Before: the resume truncated the file the link pointed to, then appended to it."""
+    cfg = byte_config(tmp_path)
+    prepare.prepare(cfg, progress=False)
+    out = tmp_path / "shards"
+    doclens = out / ".doclens-train.u32"
+    mine = users_file(tmp_path)
+    doclens.unlink()
+    doclens.symlink_to(mine)
+    with pytest.raises(ConfigError, match="symbolic link") as e:
+        prepare.prepare(cfg, progress=False)
+    assert str(doclens) in str(e.value) and mine.read_bytes() == USERS

@@ -1,4 +1,5 @@
-"""runtime.py's CPU backend: what it sets up for a CPU process."""
+"""runtime.py's CPU backend (what it sets up for a CPU process), and every RNG state through a weights-only
+checkpoint (a GPU rank's own generator only)."""
 from __future__ import annotations
 
 import platform
@@ -6,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
+from nanopt import runtime
 
 # 8 activation-sized tensors (2048 x 344 fp32, 2.8 MB each) made and freed 30 times, as steps do, with minor page
 # faults counted before and after. glibc's thresholds move with what the process freed before (imports can raise
@@ -42,3 +45,37 @@ def test_the_cpu_backend_keeps_freed_activations_instead_of_faulting_them_in_aga
     # glibc's defaults hand each freed 2.8 MB block back and fault ~700 fresh pages in for the next one.
     assert int(default) > 30 * 8 * 300, out.stdout
     assert kept == "True" and int(after) < int(default) / 100, out.stdout
+
+
+# ---------------------------------------------------------------- RNG state in a checkpoint
+
+
+def test_every_rng_round_trips_through_a_weights_only_checkpoint(tmp_path):
+    """Nothing in today's step draws random numbers, so the weights cannot show a lost RNG: check it here."""
+    import random
+
+    import numpy as np
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
+    torch.save({"ranks": [runtime.host_rng_state()]}, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    runtime.set_host_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
+    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_a_gpu_rank_saves_and_restores_only_its_own_generator(monkeypatch):
+    """CPU twin of the CUDA RNG round trip: torch.cuda's state calls are replaced by recorders, so what is
+    checked is which generator is read and written (the real ones need a GPU); a CPU checkpoint has none."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.tensor([device.index], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((int(state), device)))
+    rank3 = runtime.CudaBackend(torch.device("cuda", 3))
+    state = rank3.rng_state()
+    assert list(state) == ["cuda"]  # one state, this rank's: not every GPU the node shows
+    rank3.set_rng_state(state)
+    rank3.set_rng_state({})  # a CPU checkpoint
+    assert calls == [(3, torch.device("cuda", 3))]
+    runtime.CpuBackend(torch.device("cpu")).set_rng_state(state)  # a GPU checkpoint resumed on CPU: ignored
+    assert len(calls) == 1

@@ -1,29 +1,31 @@
-"""`nanopt sweep`: the grid, its names and device placement as pure functions; then real sweeps of real
-training processes on CPU: a 2x2 grid finishes and a re-run skips it, a killed sweep resumes without
-redoing finished runs, SIGTERM stops it resumably, a failing run is reported while the rest finish,
-and bad flags stop it before anything starts."""
+"""`nanopt sweep`: the grid, its names and device placement as pure functions, and bad flags; then, with fake runs (a
+tiny child script stands in for `python -m nanopt.main`): one sweep per directory, "finished" by rundirs' one rule
+(locally and on Modal), a point skipped or resumed only when it ran this config, keys normalised before the reserved
+check, and Ctrl-C reaching each run as exactly one SIGTERM. Real sweeps: e2e/test_sweep_runs.py."""
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any, Optional
+from unittest import mock
 
 import pytest
-import yaml
 
-from conftest import REPO, small_overrides
-from nanopt import cli, sweep
-from nanopt.config import load_config
+from conftest import REPO, TINY_CONFIG, dead_pid
+from nanopt import cli, rundirs, sweep
+from nanopt.config import load_config, to_yaml
 from nanopt.errors import ConfigError
-
-CONFIG = str(REPO / "configs" / "tiny.yaml")
-
+from nanopt.lock import DirLock
 
 # ---------------------------------------------------------------- pure functions
 
@@ -54,12 +56,12 @@ def test_parse_set_refuses_what_it_cannot_read(text, match):
 
 
 def test_plan_seeds_count_up_from_the_config_seed_and_checks_every_point():
-    points, configs = sweep.plan(CONFIG, ["optim.name=adamw,muon"], 2, ["--run.seed=10"])
+    points, configs = sweep.plan(TINY_CONFIG, ["optim.name=adamw,muon"], 2, ["--run.seed=10"])
     assert sorted({p.seed for p in points}) == [10, 11]
     assert configs["optim.name=muon,seed=11"].optim.name == "muon"
     assert configs["optim.name=muon,seed=11"].run.seed == 11
     with pytest.raises(ConfigError, match=r"grid point optim.name=sgd,seed=1337: .*optim.name"):
-        sweep.plan(CONFIG, ["optim.name=adamw,sgd"], 1, [])
+        sweep.plan(TINY_CONFIG, ["optim.name=adamw,sgd"], 1, [])
 
 
 def test_place_fake_8_gpus_two_per_run():
@@ -99,7 +101,7 @@ def test_place_cpu_splits_the_cores():
 
 
 def test_point_state_reads_the_run_directory(tmp_path):
-    cfg = load_config(CONFIG, [("train.max_steps", "5")])
+    cfg = load_config(TINY_CONFIG, [("train.max_steps", "5")])
     assert sweep.point_state(tmp_path, cfg) == "new"
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
@@ -114,7 +116,7 @@ def test_progress_is_bars_on_a_terminal_and_plain_lines_otherwise(tmp_path):
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
-    cfg = load_config(CONFIG)
+    cfg = load_config(TINY_CONFIG)
     jobs = [sweep.Job(p, tmp_path / p.name, cfg) for p in sweep.grid([("train.lr", ["1", "2", "3"])], [0])]
     (tmp_path / jobs[0].point.name).mkdir()
     (tmp_path / jobs[0].point.name / "metrics.jsonl").write_text('{"step": 3, "loss": 4.5}\n{"step": 3, "val_loss": 4.25}\n')
@@ -138,170 +140,6 @@ def test_progress_is_bars_on_a_terminal_and_plain_lines_otherwise(tmp_path):
             assert text.count("\n") == 2 and "\x1b" not in text and "\r" not in text
 
 
-# ---------------------------------------------------------------- real sweeps
-
-
-def _sweep_cmd(root: Path, *args: str, device: str = "cpu", **small: object) -> list[str]:
-    return [sys.executable, "-m", "nanopt.cli", "sweep", CONFIG, "--dir", str(root), *args,
-            *small_overrides(**{"train.max_steps": 4, "runtime.device": device, **small})]
-
-
-def _run(cmd: list[str], tmp_path: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def _sessions(run_dir: Path) -> int:
-    """How many times the sweep started this run (each start writes a header line to its stdout.log)."""
-    log = run_dir / sweep.LOG_FILE
-    return log.read_text().count("=== nanopt sweep") if log.exists() else 0
-
-
-@pytest.mark.slow
-def test_a_2x2_sweep_finishes_and_a_rerun_skips_it(tmp_path):
-    root = tmp_path / "sw"
-    # runtime.device=auto: the device is discovered as the runs will see it (CPU here)
-    first = _run(_sweep_cmd(root, "--set", "train.lr=1e-3,2e-3", "--seeds", "2", device="auto"), tmp_path)
-    assert first.returncode == 0, first.stdout + first.stderr
-    dirs = sorted(p for p in root.iterdir() if p.is_dir())
-    assert [d.name for d in dirs] == ["train.lr=1e-3,seed=1337", "train.lr=1e-3,seed=1338",
-                                      "train.lr=2e-3,seed=1337", "train.lr=2e-3,seed=1338"]
-    seen = set()
-    for d in dirs:
-        assert json.loads((d / "summary.json").read_text())["steps"] == 4
-        cfg = yaml.safe_load((d / "config.yaml").read_text())
-        seen.add((cfg["train"]["lr"], cfg["run"]["seed"]))
-        assert cfg["run"]["dir"] == str(d)
-    assert seen == {(1e-3, 1337), (1e-3, 1338), (2e-3, 1337), (2e-3, 1338)}
-    meta = json.loads((root / "sweep.json").read_text())
-    assert meta["set"] == {"train.lr": ["1e-3", "2e-3"]} and meta["seeds"] == [1337, 1338]
-    assert [p["status"] for p in meta["points"]] == ["done"] * 4
-    assert meta["points"][0]["values"] == {"train.lr": "1e-3"} and meta["points"][0]["seed"] == 1337
-    assert "2 at a time (cpu: 1 thread)" in first.stdout  # 2 cores: 2 single-thread runs
-    assert "final val loss" in first.stdout and first.stdout.count("  done ") >= 4
-
-    mtimes = {d: (d / "summary.json").stat().st_mtime_ns for d in dirs}
-    again = _run(_sweep_cmd(root, "--set", "train.lr=1e-3,2e-3", "--seeds", "2", device="auto"), tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
-    # Nothing to run: no device discovery (no "N at a time"), no training, each point skipped
-    assert "4 already done, 0 to run\n" in again.stdout and again.stdout.count("skipped") == 4
-    assert all(_sessions(d) == 1 for d in dirs)
-    assert {d: (d / "summary.json").stat().st_mtime_ns for d in dirs} == mtimes
-
-
-def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the sweep ended (exit {proc.returncode}) before {paths} appeared:\n{out}\n{err}")
-        assert time.monotonic() < deadline, f"timed out waiting for {paths}"
-        time.sleep(0.05)
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc: Linux)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended meanwhile
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _wait_gone(pids: list[int], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while any(Path(f"/proc/{pid}").exists() for pid in pids):
-        assert time.monotonic() < deadline, f"processes {pids} were not reaped"
-        time.sleep(0.05)
-
-
-@pytest.mark.slow
-def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
-    root = tmp_path / "sw"
-    args = ["--set", "train.max_steps=2,5", "--parallel", "2"]
-    short, long = root / "train.max_steps=2,seed=1337", root / "train.max_steps=5,seed=1337"
-    # The 5-step run checkpoints at step 2, then waits after step 3 (test hook) until the whole sweep is killed.
-    cmd = [a for a in _sweep_cmd(root, *args, **{"checkpoint.every": 2}) if a != "--train.max_steps=4"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
-    try:
-        _wait_for([short / "summary.json", long / ".test_paused.rank0"], proc)
-    finally:
-        # The sweep and every run it started, no chance to clean up. Each run has its own session (a terminal's
-        # Ctrl-C reaches only the sweep), so the sweep's process group is the sweep alone: the runs go first.
-        runs = _children(proc.pid)
-        for pid in runs:
-            os.kill(pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        _wait_gone(runs)  # reaped, so the runs' lock files name dead processes (a zombie's pid still answers)
-    assert not (long / "summary.json").exists() and (long / "checkpoints" / "latest").exists()
-    short_mtime = (short / "summary.json").stat().st_mtime_ns
-
-    again = _run(cmd, tmp_path)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "1 already done, 1 to run" in again.stdout
-    assert _sessions(short) == 1 and (short / "summary.json").stat().st_mtime_ns == short_mtime
-    assert _sessions(long) == 2 and "resuming from" in (long / sweep.LOG_FILE).read_text()
-    assert json.loads((long / "summary.json").read_text())["steps"] == 5
-    records = [json.loads(line) for line in (long / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # step 3 again from the step-2 checkpoint
-
-
-@pytest.mark.slow
-def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
-    root = tmp_path / "sw"
-    cmd = _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5})
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
-    first = root / "seed=1337"
-    _wait_for([first / ".test_paused.rank0"], proc)
-    proc.send_signal(signal.SIGTERM)  # the sweep alone: it passes the signal on to its run
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, out + err
-    assert (first / "checkpoints" / "step_000003").is_dir()
-    statuses = [p["status"] for p in json.loads((root / "sweep.json").read_text())["points"]]
-    assert statuses == ["interrupted", "not started"]
-    assert "interrupted (exit 75)" in out
-
-
-@pytest.mark.slow
-def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(tmp_path):
-    """SIGKILL to the sweep alone: its runs get SIGTERM (PR_SET_PDEATHSIG), checkpoint and exit, so none is left
-    running to clash with the same run started by the next sweep."""
-    root = tmp_path / "sw"
-    proc = subprocess.Popen(_sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
-    first = root / "seed=1337"
-    _wait_for([first / ".test_paused.rank0"], proc)
-    proc.kill()
-    proc.communicate()
-    deadline = time.monotonic() + 60
-    while "preempted by SIGTERM after step 3" not in (first / sweep.LOG_FILE).read_text():
-        assert time.monotonic() < deadline, (first / sweep.LOG_FILE).read_text()
-        time.sleep(0.1)
-    assert (first / "checkpoints" / "step_000003").is_dir() and not (root / "seed=1338").exists()
-
-
-@pytest.mark.slow
-def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
-    root = tmp_path / "sw"
-    result = _run(_sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), tmp_path)
-    assert result.returncode == 1, result.stdout + result.stderr
-    good, bad = root / "data.source=embedded,seed=1337", root / "data.source=_nonexistent_shards,seed=1337"
-    assert json.loads((good / "summary.json").read_text())["steps"] == 4
-    assert not (bad / "summary.json").exists()
-    assert "failed (exit 2)" in result.stdout
-    # the run's own error paragraph, from the tail of its stdout.log
-    assert f"last lines of {bad / 'stdout.log'}" in result.stdout and "/nonexistent/shards" in result.stdout
-    statuses = {p["name"]: (p["status"], p["exit_code"]) for p in json.loads((root / "sweep.json").read_text())["points"]}
-    assert statuses == {good.name: ("done", 0), bad.name: ("failed", 2)}
-
-
 @pytest.mark.parametrize("args, match", [
     (["--set", "train.lrr=1,2"], "unknown key `train.lrr`"),
     (["--set", "train.lr=1e-3,fast"], r"grid point train.lr=fast,seed=1337: .*must be a number"),
@@ -317,8 +155,358 @@ def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
 ])
 def test_bad_input_is_one_paragraph_and_exit_2_before_anything_starts(args, match, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert cli.run(["sweep", CONFIG, *args]) == 2
+    assert cli.run(["sweep", TINY_CONFIG, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nanopt sweep: error: ") and err.strip().count("\n") == 0
     assert re.search(match, err), err
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- fake runs: the sweep owns its directory
+
+
+GRID = ["--set", "train.lr=1e-3,2e-3"]
+POINTS = ["train.lr=1e-3,seed=1337", "train.lr=2e-3,seed=1337"]
+
+# A stand-in for a training run: `finish` writes the summary of a run trained to STEPS (after copying the
+# sweep's lock file, to show who held it meanwhile); `signals` records each signal it gets and, on the first,
+# takes 1.5 s to "save its checkpoint" before exiting 75, as a preempted run does.
+FAKE_RUN = r'''
+import os, shutil, signal, sys, time
+from pathlib import Path
+run_dir, mode = Path(sys.argv[1]), sys.argv[2]
+run_dir.mkdir(parents=True, exist_ok=True)
+if mode == "finish":
+    lock = run_dir.parent / "lock.json"
+    if lock.exists():
+        shutil.copy(lock, run_dir / "held_lock.json")
+    (run_dir / "summary.json").write_text('{"steps": %s}' % sys.argv[3])
+    sys.exit(0)
+got = []
+def on_signal(signum, frame):
+    got.append(signum)
+    with open(run_dir / "signals", "a") as f:
+        f.write(signal.Signals(signum).name + "\n")
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
+(run_dir / "ready").write_text(str(os.getpid()))
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+time.sleep(1.5)  # a slow checkpoint save: a second signal would arrive during it
+sys.exit(75)
+'''
+
+
+@pytest.fixture
+def fake_runs(tmp_path, monkeypatch) -> list[list[str]]:
+    """Every run the sweep starts is FAKE_RUN finishing its max_steps; returns the real commands it would
+    have started (for assertions on their overrides)."""
+    script = tmp_path / "fake_run.py"
+    script.write_text(FAKE_RUN)
+    commands: list[list[str]] = []
+    real = sweep.launch_command
+
+    def launch(config: Optional[str], job: sweep.Job, overrides: list[str], nproc: int, slot: sweep.Slot) -> list[str]:
+        commands.append(real(config, job, overrides, nproc, slot))
+        return [sys.executable, str(script), str(job.dir), "finish", str(job.cfg.train.max_steps)]
+
+    monkeypatch.setattr(sweep, "launch_command", launch)
+    return commands
+
+
+def _cli(root: Path, *args: str) -> int:
+    return cli.run(["sweep", TINY_CONFIG, "--dir", str(root), *GRID, "--runtime.device=cpu", *args])
+
+
+def _finished_point(root: Path, name: str, cfg: Any, steps: int, summary: Optional[dict] = None) -> Path:
+    """A point's directory as a finished run leaves it: the config it ran and its summary."""
+    run_dir = root / name
+    run_dir.mkdir(parents=True)
+    (run_dir / rundirs.CONFIG_FILE).write_text(to_yaml(cfg))
+    (run_dir / rundirs.SUMMARY_FILE).write_text(json.dumps(summary or {"steps": steps}))
+    return run_dir
+
+
+def _planned(*overrides: str) -> dict[str, Any]:
+    return sweep.plan(TINY_CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--runtime.device=cpu", *overrides])[1]
+
+
+# ---------------------------------------------------------------- one writer per sweep directory
+
+
+def test_a_second_sweep_on_the_same_directory_exits_2_naming_the_holder(tmp_path, fake_runs, capsys):
+    root = tmp_path / "sw"
+    with DirLock(root, what="sweep"):  # a sweep running in this process, as far as the lock says
+        assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt sweep: error: the sweep directory") and err.strip().count("\n") == 0
+    assert f"process {os.getpid()} on host {socket.gethostname()}" in err and str(root / rundirs.LOCK_FILE) in err
+    assert fake_runs == [] and not any(p.is_dir() for p in root.iterdir())  # nothing started
+    assert not (root / sweep.SWEEP_FILE).exists()
+
+
+@pytest.mark.slow
+def test_a_killed_sweeps_lock_is_taken_over_held_for_the_sweeps_life_and_released(tmp_path, fake_runs):
+    root = tmp_path / "sw"
+    root.mkdir()
+    stale = {"host": socket.gethostname(), "pid": dead_pid(), "started": time.time() - 60,
+             "heartbeat": time.time() - 60, "token": "killed-sweep"}
+    (root / rundirs.LOCK_FILE).write_text(json.dumps(stale))
+    assert _cli(root) == 0
+    for name in POINTS:  # each run saw the lock held by this sweep (this process), not the killed one
+        held = json.loads((root / name / "held_lock.json").read_text())
+        assert held["pid"] == os.getpid() and held["token"] != "killed-sweep"
+    assert not (root / rundirs.LOCK_FILE).exists()  # released at the end
+
+
+# ---------------------------------------------------------------- finished: one rule
+
+
+@pytest.mark.parametrize("summary", [
+    {"steps": 5},
+    {"steps": 7},
+    {"steps": 3},
+    {"steps": 3, "step_to_target": 3, "stopped_at_target": True},
+    {"steps": 3, "step_to_target": 2, "stopped_at_target": False},  # saw the target, went on, then was stopped
+])
+def test_point_state_is_rundirs_finished(tmp_path, summary):
+    cfg = load_config(TINY_CONFIG, [("train.max_steps", "5"), ("train.target_val_loss", "4.0"),
+                                    ("train.stop_at_target", "true")])
+    (tmp_path / rundirs.SUMMARY_FILE).write_text(json.dumps(summary))
+    done = rundirs.finished(tmp_path, cfg.train.max_steps, cfg.train.stop_at_target) is not None
+    assert (sweep.point_state(tmp_path, cfg) == "done") == done
+
+
+@pytest.mark.parametrize("file, text", [
+    (rundirs.SUMMARY_FILE, '{"steps": 150'),  # cut short
+    (rundirs.SUMMARY_FILE, "[150]"),
+    (rundirs.SUMMARY_FILE, '{"steps": "150"}'),
+    (rundirs.CONFIG_FILE, "train: {lr: [\n"),
+    (rundirs.CONFIG_FILE, "- just\n- a list\n"),
+])
+def test_a_damaged_file_in_a_point_is_one_paragraph_and_exit_2(tmp_path, fake_runs, capsys, file, text):
+    root = tmp_path / "sw"
+    cfg = _planned()[POINTS[0]]
+    run_dir = _finished_point(root, POINTS[0], cfg, cfg.train.max_steps)
+    (run_dir / file).write_text(text)
+    assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nanopt sweep: error: grid point {POINTS[0]}: ") and err.strip().count("\n") == 0
+    assert str(run_dir / file) in err and "restore the file, or remove" in err and "Traceback" not in err
+    assert fake_runs == [] and not (root / rundirs.LOCK_FILE).exists()
+
+
+def test_a_runs_log_that_is_a_link_is_refused_before_anything_starts(tmp_path, fake_runs, capsys):
+    """Before: the sweep appended its header and the run's output to the file the link pointed to."""
+    root = tmp_path / "sw"
+    mine = tmp_path / "mine.log"
+    mine.write_text("the user's log\n")
+    (root / POINTS[0]).mkdir(parents=True)
+    (root / POINTS[0] / sweep.LOG_FILE).symlink_to(mine)
+    assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert str(root / POINTS[0] / sweep.LOG_FILE) in err and "symbolic link" in err and "Remove the link" in err
+    assert fake_runs == [] and mine.read_text() == "the user's log\n"
+    assert not (root / rundirs.LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------- a point is what it says
+
+
+def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_path, fake_runs, capsys):
+    root = tmp_path / "sw"
+    before = _planned()
+    for name in POINTS:
+        _finished_point(root, name, before[name], before[name].train.max_steps)
+    (root / sweep.SWEEP_FILE).write_text('{"overrides": ["--runtime.device=cpu"]}')
+    assert _cli(root, "--train.weight_decay=0.0", "--optim.name=muon") == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "2 point(s)" in err
+    for name in POINTS:
+        assert f"{name} (optim.name: adamw -> muon, train.weight_decay: 0.1 -> 0.0)" in err
+    assert "same config file and overrides" in err and "--name or --dir" in err and str(root / sweep.SWEEP_FILE) in err
+    assert fake_runs == []
+    assert (root / sweep.SWEEP_FILE).read_text() == '{"overrides": ["--runtime.device=cpu"]}'  # not rewritten
+    assert not (root / rundirs.LOCK_FILE).exists()  # released on the refusal too
+
+    # An edited config file is the same refusal (only the point whose directory differs is named).
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(Path(TINY_CONFIG).read_text().replace("warmup_steps: 15", "warmup_steps: 20"))
+    assert cli.run(["sweep", str(edited), "--dir", str(root), "--set", "train.lr=1e-3", "--seeds", "2",
+                    "--runtime.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "1 point(s)" in err and "train.lr=1e-3,seed=1337 (train.warmup_steps: 15 -> 20)" in err
+
+
+@pytest.mark.slow
+def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, capsys):
+    root = tmp_path / "sw"
+    before = _planned()
+    for name in POINTS:
+        _finished_point(root, name, before[name], before[name].train.max_steps)
+    # runtime.* changes nothing a run computes: both points stay done.
+    states = sweep.point_states([(n, root / n, cfg) for n, cfg in _planned("--runtime.threads=3").items()], root)
+    assert states == {n: "done" for n in POINTS}
+    # A longer max_steps: a done point trains on from its checkpoint.
+    (root / POINTS[0] / rundirs.CHECKPOINTS_DIR).mkdir()
+    (root / POINTS[0] / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).write_text("step_000150\n")
+    longer = _planned("--train.max_steps=300")
+    assert sweep.point_states([(n, root / n, cfg) for n, cfg in longer.items()], root) == {
+        POINTS[0]: "resume", POINTS[1]: "new"}
+    assert _cli(root, "--train.max_steps=300") == 0
+    meta = json.loads((root / sweep.SWEEP_FILE).read_text())
+    assert meta["overrides"] == ["--runtime.device=cpu", "--train.max_steps=300"]  # what the runs now ran
+    assert [p["steps"] for p in meta["points"]] == [300, 300]
+    assert all("--train.max_steps=300" in c for c in fake_runs) and len(fake_runs) == 2
+
+
+# ---------------------------------------------------------------- keys normalised, integers exact
+
+
+@pytest.mark.parametrize("text", ["run.seed =1,2", " run.seed=1,2", "run. seed=1,2", " run.dir=a,b", "run.name =a,b"])
+def test_a_reserved_key_with_spaces_is_still_reserved(text):
+    with pytest.raises(ConfigError, match="the sweep sets"):
+        sweep.parse_set(text)
+
+
+def test_spaced_seed_set_is_refused_on_the_command_line(tmp_path, fake_runs, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.run(["sweep", TINY_CONFIG, "--set", "run.seed =1,2", "--runtime.device=cpu"]) == 2
+    assert "--seeds N" in capsys.readouterr().err and fake_runs == [] and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_common_overrides_are_normalised_before_the_checks_and_for_the_runs(tmp_path, fake_runs):
+    assert sweep.normal_overrides(["--run.seed", "5", "--train.lr =1e-3", "-- eval.every= 3"]) == [
+        "--run.seed=5", "--train.lr=1e-3", "--eval.every= 3"]
+    with pytest.raises(ConfigError, match="--run.dir"):
+        sweep.plan(TINY_CONFIG, ["train.lr=1,2"], 1, ["--run.dir =x"])
+    with pytest.raises(ConfigError, match="both an override and a --set key"):
+        sweep.plan(TINY_CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--train.lr =1e-2"])
+    root = tmp_path / "sw"
+    assert _cli(root, "--train.max_steps =3") == 0  # the spaced key reaches every run spelled as the config's
+    assert all("--train.max_steps=3" in c for c in fake_runs) and len(fake_runs) == 2
+    assert json.loads((root / sweep.SWEEP_FILE).read_text())["overrides"][-1] == "--train.max_steps=3"
+
+
+def test_seeds_are_exact_integers_and_range_checked_before_anything_starts():
+    points, configs = sweep.plan(TINY_CONFIG, [], 2, ["--run.seed=4294967294"])
+    assert [p.seed for p in points] == [4294967294, 4294967295]
+    assert [configs[p.name].run.seed for p in points] == [4294967294, 4294967295]
+    with pytest.raises(ConfigError, match=r"run\.seed"):
+        sweep.plan(TINY_CONFIG, [], 2, ["--run.seed=4294967295"])  # the second seed is 2^32
+    with pytest.raises(ConfigError, match=r"run\.seed"):
+        sweep.plan(TINY_CONFIG, [], 2, [f"--run.seed={2**40}"])
+
+
+# ---------------------------------------------------------------- Ctrl-C: one signal per run
+
+DRIVER = r'''
+import sys
+from pathlib import Path
+from nanopt import sweep
+from nanopt.config import load_config, parse_overrides, resolve
+root, script, config = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+sweep.launch_command = lambda config, job, overrides, nproc, slot: [sys.executable, script, str(job.dir), "signals"]
+points = sweep.grid([("train.lr", ["1e-3", "2e-3"])], [0])
+configs = {p.name: resolve(load_config(config, [("runtime.device", "cpu")] + parse_overrides(p.overrides())), 1)
+           for p in points}
+sys.exit(sweep.run_sweep(config, root, points, configs, [], parallel=2, poll_s=0.05))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["terminal", "sweep"])
+def test_ctrl_c_twice_reaches_each_run_as_exactly_one_sigterm(tmp_path, target):
+    """terminal: SIGINT to the sweep's whole process group, as a terminal's Ctrl-C is sent (a run in that group
+    would get it too, besides the sweep's SIGTERM); sweep: SIGINT to the sweep alone. Twice, 0.3 s apart: the
+    repeat must not reach a run that is still saving its checkpoint."""
+    root, script, driver = tmp_path / "sw", tmp_path / "fake_run.py", tmp_path / "driver.py"
+    script.write_text(FAKE_RUN)
+    driver.write_text(DRIVER)
+    proc = subprocess.Popen([sys.executable, str(driver), str(root), str(script), TINY_CONFIG], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    runs = [root / f"train.lr={lr},seed=0" for lr in ("1e-3", "2e-3")]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((r / "ready").exists() for r in runs):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the fake runs did not start"
+            time.sleep(0.05)
+        for _ in range(2):
+            if target == "terminal":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 75, out + err
+    for r in runs:
+        assert (r / "signals").read_text().split() == ["SIGTERM"], r
+    assert "already stopping" in out and out.count("interrupted (exit 75)") == 2
+
+
+# ---------------------------------------------------------------- the Modal driver, offline
+
+
+def _modal_sweep(monkeypatch, tmp_path: Path, train: mock.MagicMock, **kwargs: Any) -> None:
+    """modal_app.sweep.local(**kwargs) with `train` (a mock) as the training function and tmp_path/vol as the
+    Volume (test_modal_app.run_sweep_driver, without importing that module's Modal-only setup)."""
+    import modal_app
+
+    train.with_options.return_value.spawn.return_value.get.return_value = {"exit_code": 0}
+    monkeypatch.setattr(modal_app, "train", train)
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
+    monkeypatch.setattr(modal_app.volume, "reload", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
+        modal_app.sweep.local(config="configs/tiny.yaml", name="s", **kwargs)
+
+
+TARGET_SETS = "train.target_val_loss=4.0;train.stop_at_target=true;optim.name=adamw,muon"
+
+
+def _modal_points() -> dict[str, Any]:
+    """The configs the Modal driver would run, by point name (resolved for 1 GPU, as it checks them)."""
+    return sweep.plan(TINY_CONFIG, TARGET_SETS.split(";"), 1, [], 1)[1]
+
+
+def test_modal_sweep_skips_a_point_that_stopped_at_its_target(monkeypatch, tmp_path, capsys):
+    """Before, the driver skipped only a summary with steps == max_steps: a run stopped at its target was paid
+    for again."""
+    configs = _modal_points()
+    stopped = next(n for n in configs if "muon" in n)
+    _finished_point(tmp_path / "vol" / "runs" / "s", stopped, configs[stopped], 0,
+                    {"steps": 60, "step_to_target": 60, "stopped_at_target": True})
+    train = mock.MagicMock(name="train")
+    _modal_sweep(monkeypatch, tmp_path, train, sets=TARGET_SETS)
+    assert [c.args[1] for c in train.with_options.return_value.spawn.call_args_list] == [f"s/{n}" for n in configs if n != stopped]
+    assert f"s/{stopped}: finished before, skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["another config", "damaged summary"])
+def test_modal_sweep_refuses_another_config_or_a_damaged_file_before_any_gpu(monkeypatch, tmp_path, damage):
+    import modal_app
+
+    configs = _modal_points()
+    name = next(iter(configs))
+    ran = copy.deepcopy(configs[name])
+    if damage == "another config":
+        ran.train.lr = 0.01
+        words = rf"refused before any GPU started: 1 point\(s\) .*s/{name} \(train\.lr: 0\.01 -> "
+    else:
+        words = rf"refused before any GPU started: grid point s/{name}: .*{rundirs.SUMMARY_FILE}"
+    run_dir = _finished_point(tmp_path / "vol" / "runs" / "s", name, ran, ran.train.max_steps)
+    if damage == "damaged summary":
+        (run_dir / rundirs.SUMMARY_FILE).write_text("{")
+    train = mock.MagicMock(name="train")
+    with pytest.raises(modal_app.SweepError, match=words) as refused:
+        _modal_sweep(monkeypatch, tmp_path, train, sets=TARGET_SETS)
+    assert not train.mock_calls and "Traceback" not in str(refused.value)

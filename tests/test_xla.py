@@ -1,184 +1,19 @@
-"""The XLA device path, on torch_xla's CPU device (PJRT_DEVICE=CPU) in its own venv (tests/xla_jobs.py).
-
-The reference is the same config trained by the system torch on the plain CPU device. Cold: ~4 minutes for
-the venv; warm: about two minutes of both cores for the XLA runs, mostly hidden behind the rest of the suite.
-A venv that cannot be built fails the tests (in CI and outside it); they never skip.
-"""
+"""The XLA backend's pieces that need no torch_xla (nanopt/xla.py): xla_flash off XLA, the TPU config's step graph,
+TPU detection, peak memory from tpu-info, and the spot-VM warning. Runs on torch_xla's CPU device:
+e2e/test_xla_runs.py."""
 from __future__ import annotations
 
-import json
-import os
 import socket
 import sys
 import types
-import urllib.error
 import urllib.request
 from collections import namedtuple
-from pathlib import Path
 
 import pytest
 
-import xla_jobs
-from conftest import run_module, small_overrides
 from nanopt import xla
 from nanopt.config import configs_dir, load_config, resolve
 from nanopt.plan import build_plan
-
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def _lrs(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["lr"] for r in rows if "lr" in r]
-
-
-@pytest.fixture(scope="module")
-def runs() -> dict:
-    """The XLA and CPU runs of tests/xla_jobs.py (started in the background when the session was collected)."""
-    try:
-        return xla_jobs.results()
-    except xla_jobs.SetupError as e:
-        pytest.fail(str(e))
-
-
-@pytest.mark.slow
-def test_xla_training_matches_cpu_losses(runs):
-    cpu, xla = _losses(runs["root"] / "cpu"), _losses(runs["root"] / "xla1")
-    assert len(cpu) == len(xla) == 12
-    assert xla == pytest.approx(cpu, abs=5e-5), f"cpu {cpu}\nxla {xla}"
-    assert xla[-1] < xla[0] - 0.5  # and it actually trained
-
-
-@pytest.mark.slow
-def test_xla_training_with_muon_matches_cpu_losses(runs):
-    # torch.optim.Muon orthogonalises in bf16 (_zeropower_via_newtonschulz casts the update), and XLA's bf16
-    # matmuls round differently from oneDNN's, so the two drift apart by ~1e-3 per step, not fp32's 1e-6.
-    cpu, xla = _losses(runs["root"] / "cpu-muon"), _losses(runs["root"] / "xla1-muon")
-    assert len(cpu) == len(xla) == 6
-    assert xla == pytest.approx(cpu, abs=2e-2), f"cpu {cpu}\nxla {xla}"
-    assert xla[-1] < xla[0] - 0.3 and cpu[0] != _losses(runs["root"] / "cpu")[0]  # it trained, with Muon, one layer
-
-
-@pytest.mark.slow
-def test_adamw_on_xla_is_foreach(runs):
-    # torch picks foreach only on CUDA-like devices; the XLA backend asks for it (one traced op per tensor
-    # list, not a Python loop over parameters), and the run still matches the CPU one (above).
-    assert runs["xla1"]["adamw_foreach"] is True
-
-
-@pytest.mark.slow
-def test_xla_in_bf16_matches_cpu_losses(runs):
-    # bf16 autocast on both: XLA's and oneDNN's bf16 matmuls round differently (measured: within 2e-3). Steps 5-12
-    # of cpu-xla-bf16 ran on XLA (resumed from a CPU checkpoint), so they are the XLA path in bf16.
-    cpu, xla = _losses(runs["root"] / "cpu-bf16"), _losses(runs["root"] / "cpu-xla-bf16")
-    assert len(cpu) == len(xla) == 12
-    assert xla == pytest.approx(cpu, abs=1e-2), f"cpu {cpu}\nxla {xla}"
-    assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and in bf16
-    assert runs["cpu-xla-bf16"]["precision"] == "bf16"
-    assert runs["cpu-xla-bf16"]["step_compiles"] == 2 and runs["cpu-xla-bf16"]["recompiles"] == 0
-
-
-@pytest.mark.slow
-def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):
-    assert _losses(runs["root"] / "xla-xla") == _losses(runs["root"] / "xla1")
-    r = runs["xla-xla"]
-    assert "resuming from" in r["log"] and "step_000004" in r["log"]
-    assert r["step_calls"] == 8 and r["step_compiles"] == 2 and r["recompiles"] == 0  # steps 5..12, one graph
-
-
-@pytest.mark.parametrize("name, reference, tolerance", [
-    ("cpu-xla", "cpu", 5e-5), ("xla-cpu", "cpu", 5e-5), ("cpu-xla-bf16", "cpu-bf16", 1e-2)])
-@pytest.mark.slow
-def test_a_run_resumes_on_the_other_device_type(runs, name, reference, tolerance):
-    # runtime.* may change on resume: the optimizer's implementation (fused on CPU, foreach on XLA) comes
-    # from the new run, its moments and step counts from the checkpoint.
-    got, want = _losses(runs["root"] / name), _losses(runs["root"] / reference)
-    assert len(got) == len(want) == 12
-    assert got == pytest.approx(want, abs=tolerance), f"{reference} {want}\n{name} {got}"
-    assert "resuming from" in runs[name]["log"] and "step_000004" in runs[name]["log"]
-    if name.startswith("cpu-xla"):
-        assert runs[name]["step_compiles"] == 2 and runs[name]["recompiles"] == 0
-
-
-@pytest.mark.slow
-def test_train_step_compiles_twice_then_reuses_while_lr_changes(runs):
-    lrs = _lrs(runs["root"] / "xla1")
-    assert len(set(lrs)) >= 10, lrs  # a new learning rate nearly every step...
-    r = runs["xla1"]
-    assert r["step_calls"] == 12
-    assert r["step_compiles"] == 2, r  # ...yet only step 0 (optimizer state init) and step 1 compiled
-    assert r["recompiles"] == 0
-    assert r["hardware"] == "XLA CPU"
-
-
-@pytest.mark.slow
-def test_spmd_over_four_devices_matches_cpu(runs):
-    r = runs["xla4"]
-    assert r["num_devices"] == 4
-    assert "SPMD over 4 CPU device(s)" in r["log"]
-    assert _losses(runs["root"] / "xla4") == pytest.approx(_losses(runs["root"] / "cpu"), abs=5e-5)
-    assert r["step_compiles"] == 2 and r["recompiles"] == 0
-
-
-@pytest.mark.slow
-def test_xla_flash_falls_back_to_sdpa_off_tpu_with_the_reason(runs):
-    log = runs["xla4"]["log"]
-    assert "xla_flash requested but Pallas kernels run only on TPU (PJRT_DEVICE=CPU)" in log
-    assert "attention sdpa" in log
-
-
-@pytest.mark.slow
-def test_sampling_on_xla_does_not_recompile_per_token(runs):
-    r = runs["xla1"]
-    first, second = r["sample_compiles"]
-    assert first <= 1, r  # 12 tokens, one graph
-    assert second == 0, r  # another prompt length in the same bucket reuses it
-    assert r["sample_matches_cpu"] == [True, True]  # greedy tokens equal the CPU KV-cache sampler's
-
-
-@pytest.mark.slow
-def test_recompile_guard_stops_a_run_that_keeps_recompiling(runs):
-    r = runs["guard"]
-    assert r["stopped"], r
-    assert r["calls_before_stop"] == 2 + r["limit"]  # two warm-up compilations, then `limit` tolerated
-    assert "recompiled" in r["message"] and "PT_XLA_DEBUG_LEVEL" in r["message"]
-
-
-@pytest.mark.slow
-def test_downstream_scoring_on_xla_equals_the_host(runs):
-    """lm-eval's `nanopt` model on XLA: the same log-likelihoods and greedy flags as on the host, in a few
-    compiled shapes (lengths padded to power-of-two buckets), and the same greedy generation."""
-    r = runs["score"]
-    assert r["max_abs"] < 1e-4 and r["greedy_equal"] and r["generate_equal"], r
-    assert r["compiles"] < r["requests"] // 2, r  # buckets, not one graph per request
-
-
-# ---- without the venv: the errors a user sees before torch_xla is ever imported
-
-
-@pytest.mark.slow
-def test_xla_without_pjrt_device_is_a_clean_error():
-    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
-    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"], env=env)
-    if xla.tpu_attached():
-        pytest.skip("a TPU is visible here: PJRT_DEVICE defaults to TPU with a warning instead")
-    assert proc.returncode == 2, proc.stderr
-    assert "PJRT_DEVICE" in proc.stderr and "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-def test_xla_without_torch_xla_is_a_clean_error(tmp_path):
-    # A stand-in package that fails to import, first on the path: the test runs whether or not this
-    # interpreter has the real torch_xla.
-    (tmp_path / "torch_xla").mkdir()
-    (tmp_path / "torch_xla" / "__init__.py").write_text("raise ImportError('No module named torch_xla (hidden)')\n")
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"],
-                      env={"PJRT_DEVICE": "CPU", "PYTHONPATH": path})
-    assert proc.returncode == 2, proc.stderr
-    assert 'pip install -e ".[tpu]"' in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_xla_flash_off_xla_falls_back_to_sdpa_with_the_reason(caplog):

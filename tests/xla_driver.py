@@ -1,4 +1,4 @@
-"""Runs inside the torch_xla venv (scripts/xla_venv.sh), driven by tests/test_xla.py with PJRT_DEVICE=CPU.
+"""Runs inside the torch_xla venv (scripts/xla_venv.sh), driven by tests/e2e/test_xla_runs.py with PJRT_DEVICE=CPU.
 
 `python tests/xla_driver.py train RUN_DIR [--k.v=x ...]` trains through nanopt's own entry points
 (load_config -> runtime.init -> train) on the XLA device, then samples greedily from a freshly initialised

@@ -1,9 +1,9 @@
-"""The training runs behind tests/test_xla.py, started in the background as soon as the session is collected.
+"""The training runs behind tests/e2e/test_xla_runs.py, started in the background as soon as the session is collected.
 
 They are mostly XLA compile time on one thread each (~2 minutes of both cores if run at the end). Most of
 the suite runs one thread at a time, so conftest.py starts them when collection ends, at the lowest CPU
 priority (nice 19): they fill the core the other tests leave idle and never slow those down much.
-test_xla.py's `runs` fixture waits for them, and starts them itself when conftest did not.
+test_xla_runs.py's `runs` fixture waits for them, and starts them itself when conftest did not.
 
 torch_xla 2.9 runs only beside torch 2.9, so scripts/xla_venv.sh builds (once, cached outside the repo) a
 venv with both and this checkout on its path; tests/xla_driver.py runs there. A venv that cannot be built

@@ -1,8 +1,6 @@
-"""`nanopt runs` groups seeds and tests one group against another; `nanopt compare` sets two runs side by side.
-
-Statistics are checked against hand computations (textbook formulas, scipy only for the t distribution's
-quantiles and CDF); grouping on run directories written from real Config objects; compare on two real
-tiny profiled runs."""
+"""`nanopt runs` (nanopt/experiments.py): statistics against hand computations (textbook formulas, scipy only for
+the t distribution's quantiles and CDF), runs grouped by setting with each (setting, seed) counted once, where a
+group's spread comes from, and odd files skipped naming them. The runs are written by hand (conftest)."""
 from __future__ import annotations
 
 import json
@@ -10,17 +8,17 @@ import math
 import shutil
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 from scipy import stats
 
-from nanopt import experiments, profiling, rundirs
-from nanopt.cli import run
+from conftest import BAD_UTF8, FAKE_LOSSES, damage, error_line, no_traceback, read_out, write_config_run, write_fake_run
+from nanopt import experiments, rundirs
+from nanopt.cli import run as cli
 from nanopt.config import Config, to_yaml
+from nanopt.errors import ConfigError
 from nanopt.experiments import describe, seeds_needed, welch
-
-from conftest import run_module, small_overrides
-
 
 # ---------------------------------------------------------------- statistics against known samples
 
@@ -92,23 +90,6 @@ def test_welch_says_when_n_is_too_small_or_there_is_no_spread():
     assert not c["testable"] and "no spread" in c["reason"] and c["difference"] == -1.0
 
 
-# ---------------------------------------------------------------- grouping synthetic run directories
-
-
-def write_run(path: Path, seed: int, summary: dict, **changes: object) -> Path:
-    """A finished run directory: config.yaml from a real Config with `changes` ("optim.name": "muon"), and
-    summary.json."""
-    cfg = Config()
-    cfg.run.seed, cfg.run.name, cfg.run.dir = seed, path.name, str(path)
-    for key, value in changes.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
-    path.mkdir(parents=True)
-    (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "summary.json").write_text(json.dumps({"steps": 200, "hardware": "AMD EPYC", "world_size": 1, **summary}))
-    return path
-
-
 ADAMW = [4.52, 4.50, 4.55]
 MUON = [4.31, 4.30, 4.33]
 SECONDS = {"adamw": [12.0, 12.5, 11.8], "muon": [9.1, 9.4, 9.0]}
@@ -121,11 +102,12 @@ def sweep(tmp_path: Path) -> Path:
     root = tmp_path / "runs"
     for opt, losses in (("adamw", ADAMW), ("muon", MUON)):
         for i, loss in enumerate(losses):
-            write_run(root / "sw" / f"optim.name={opt},seed={i}", 1337 + i,
-                      {"final_val_loss": loss, "final_val_bpb": loss * 1.44, "train_seconds_to_target": SECONDS[opt][i],
-                       "step_to_target": 150, "tokens_to_target": 150 * 8192},
-                      **{"optim.name": opt, "checkpoint.every": 10 * i, "sample.num_samples": i})
-    write_run(root / "short", 7, {"final_val_loss": 4.9}, **{"train.max_steps": 100})
+            write_config_run(root / "sw" / f"optim.name={opt},seed={i}", 1337 + i,
+                             {"final_val_loss": loss, "final_val_bpb": loss * 1.44,
+                              "train_seconds_to_target": SECONDS[opt][i], "step_to_target": 150,
+                              "tokens_to_target": 150 * 8192},
+                             **{"optim.name": opt, "checkpoint.every": 10 * i, "sample.num_samples": i})
+    write_config_run(root / "short", 7, {"final_val_loss": 4.9}, **{"train.max_steps": 100})
     unfinished = root / "sw" / "optim.name=muon,seed=3"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text(to_yaml(Config()))
@@ -149,7 +131,7 @@ def test_runs_group_by_setting_and_split_on_a_result_changing_key(sweep):
 
 
 def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):
-    assert run(["runs", str(sweep)]) == 0
+    assert cli(["runs", str(sweep)]) == 0
     out = capsys.readouterr().out
     muon = describe(MUON)
     row = next(line for line in out.splitlines() if line.startswith("train.max_steps=200,optim.name=muon"))
@@ -158,7 +140,7 @@ def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):
     assert f"{muon['mean']:.4f}" in out and f"[{muon['ci95'][0]:.4f}, {muon['ci95'][1]:.4f}]" in out
     assert "skipped" in out and "seed=3: not finished" in out
 
-    assert run(["runs", str(sweep), "--json"]) == 0
+    assert cli(["runs", str(sweep), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     g = next(g for g in data["groups"] if g["name"] == "train.max_steps=200,optim.name=muon")
     # Field by field: pytest >= 9 refuses approx() of a dict holding a list (ci95).
@@ -171,7 +153,7 @@ def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):
 
 
 def test_runs_compare_says_whether_a_beats_b(sweep, capsys):
-    assert run(["runs", str(sweep), "--compare", "muon", "200,optim.name=adamw"]) == 0
+    assert cli(["runs", str(sweep), "--compare", "muon", "200,optim.name=adamw"]) == 0
     out = capsys.readouterr().out
     p = _welch_by_hand(MUON, ADAMW)[2]
     assert p < 0.01
@@ -179,12 +161,12 @@ def test_runs_compare_says_whether_a_beats_b(sweep, capsys):
     assert f"p = {p:.3g}" in out and "A beats B at alpha = 0.05" in out
     n = seeds_needed(statistics.stdev(MUON), statistics.stdev(ADAMW), statistics.fmean(MUON) - statistics.fmean(ADAMW))
     assert f"the observed {statistics.fmean(MUON) - statistics.fmean(ADAMW):.4f}: {n} seeds per group" in out
-    assert run(["runs", str(sweep), "--compare", "muon", "200,optim.name=adamw", "--effect", "0.001", "--json"]) == 0
+    assert cli(["runs", str(sweep), "--compare", "muon", "200,optim.name=adamw", "--effect", "0.001", "--json"]) == 0
     seeds = json.loads(capsys.readouterr().out)["comparison"]["seeds"]
     assert seeds["seeds_for_observed"] == n and seeds["alpha"] == 0.01 and seeds["power"] == 0.8
     assert seeds["seeds_for_difference"] == seeds_needed(seeds["sd_a"], seeds["sd_b"], 0.001) > n
 
-    assert run(["runs", str(sweep), "--compare", "200,optim.name=adamw", "muon",
+    assert cli(["runs", str(sweep), "--compare", "200,optim.name=adamw", "muon",
                 "--metric", "train_seconds_to_target", "--json"]) == 0
     c = json.loads(capsys.readouterr().out)["comparison"]
     assert c["metric"] == "train_seconds_to_target" and c["a_beats_b"] is False
@@ -193,15 +175,15 @@ def test_runs_compare_says_whether_a_beats_b(sweep, capsys):
 
     # Directories of seeds stand for their runs; a single run is n = 1, too few to test.
     a_dir = sweep / "sw" / "optim.name=muon,seed=0"
-    assert run(["runs", str(sweep), "--compare", str(a_dir), "muon"]) == 0
+    assert cli(["runs", str(sweep), "--compare", str(a_dir), "muon"]) == 0
     out = capsys.readouterr().out
     assert "no test: n is too small to test: A has 1 and B has 3" in out
 
 
 def test_runs_leaderboard_when_runs_do_not_group(sweep, capsys):
-    assert run(["runs", str(sweep / "short")]) == 0  # a run directory itself is a DIR with one run
+    assert cli(["runs", str(sweep / "short")]) == 0  # a run directory itself is a DIR with one run
     assert capsys.readouterr().out.splitlines()[0].split()[:3] == ["run", "target", "to"]
-    assert run(["runs", str(sweep), "--runs"]) == 0
+    assert cli(["runs", str(sweep), "--runs"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["run", "target", "to"]
     assert lines[2].startswith("sw/optim.name=muon,seed=2 ")  # fastest to target first
@@ -219,7 +201,7 @@ def test_runs_leaderboard_when_runs_do_not_group(sweep, capsys):
     (["compare", "{root}/short", "{root}/gone"], ["gone is not a directory"]),
 ])
 def test_bad_input_exits_2_naming_it(sweep, capsys, args, words):
-    assert run([a.format(root=sweep) for a in args]) == 2
+    assert cli([a.format(root=sweep) for a in args]) == 2
     err = capsys.readouterr().err
     for word in words:
         assert word in err
@@ -234,23 +216,23 @@ def test_init_and_data_seeds_are_seeds_of_one_setting_and_say_where_the_spread_c
     root = tmp_path / "runs"
     by_init, by_data = [3.50, 3.52, 3.47], [3.490, 3.500, 3.495]
     for k in range(3):
-        write_run(root / "init" / f"i{k}", 1337, {"final_val_loss": by_init[k]}, **{"run.init_seed": k + 1})
-        write_run(root / "data" / f"d{k}", 1337, {"final_val_loss": by_data[k]}, **{"run.data_seed": k + 1})
+        write_config_run(root / "init" / f"i{k}", 1337, {"final_val_loss": by_init[k]}, **{"run.init_seed": k + 1})
+        write_config_run(root / "data" / f"d{k}", 1337, {"final_val_loss": by_data[k]}, **{"run.data_seed": k + 1})
     # Another run.seed, but the init and data seeds of init/i0: the same run again, counted once.
-    write_run(root / "zz", 5, {"final_val_loss": 3.0}, **{"run.init_seed": 1, "run.data_seed": 1337})
-    assert run(["runs", str(root / "init")]) == 0
+    write_config_run(root / "zz", 5, {"final_val_loss": 3.0}, **{"run.init_seed": 1, "run.data_seed": 1337})
+    assert cli(["runs", str(root / "init")]) == 0
     assert "all: spread from init only (data seed 1337 fixed)" in capsys.readouterr().out
-    assert run(["runs", str(root / "data")]) == 0
+    assert cli(["runs", str(root / "data")]) == 0
     assert "all: spread from data order only (init seed 1337 fixed)" in capsys.readouterr().out
 
-    assert run(["runs", str(root)]) == 0
+    assert cli(["runs", str(root)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("6 runs in 1 group(s)") and "all: spread from both init and data order" in out
     assert (f"  final val loss sd: init alone {statistics.stdev(by_init):.4f} (3 runs, data seed 1337); "
             f"data order alone {statistics.stdev(by_data):.4f} (3 runs, init seed 1337)") in out
     assert f"warning: {root / 'zz'} repeats {root / 'init' / 'i0'} (the same setting, init seed 1 and data seed " \
            f"1337): counted once" in out
-    assert run(["runs", str(root), "--json"]) == 0
+    assert cli(["runs", str(root), "--json"]) == 0
     group = json.loads(capsys.readouterr().out)["groups"][0]
     assert group["n"] == 6 and [1, 1337] in group["seed_pairs"] and [1337, 3] in group["seed_pairs"]
     spread = group["spread"]
@@ -260,131 +242,103 @@ def test_init_and_data_seeds_are_seeds_of_one_setting_and_say_where_the_spread_c
 
 
 def test_a_run_seed_sweep_varies_both_in_every_group(sweep, capsys):
-    assert run(["runs", str(sweep)]) == 0
+    assert cli(["runs", str(sweep)]) == 0
     assert "every group of several runs: spread from both init and data order" in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- compare at equal budgets
+# ---------------------------------------------------------------- run directories written by hand
 
 
-def write_curve(path: Path, step_ms: float, tokens_per_step: int, evals: dict[int, float]) -> None:
-    """metrics.jsonl: a step record every 10 steps (each step `step_ms`) and evaluations {step: val loss}."""
-    last = max(evals)
-    steps = [{"step": s, "loss": 4.0, "step_ms": step_ms, "tokens_per_s": 1.0, "tokens_seen": s * tokens_per_step}
-             for s in range(10, last + 1, 10)]
-    vals = [{"step": s, "val_loss": v, "val_bpb": v, "tokens_seen": s * tokens_per_step} for s, v in evals.items()]
-    lines = sorted(steps + vals, key=lambda r: (r["step"], "val_loss" in r))
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+# ---------------------------------------------------------------- each (setting, seed) counted once
 
 
-def test_compare_val_loss_at_equal_steps_tokens_flops_and_seconds(tmp_path, capsys):
-    a = write_run(tmp_path / "a", 1, {"flops_per_token": 1000, "final_val_loss": 3.0})
-    b = write_run(tmp_path / "b", 1, {"flops_per_token": 2000, "final_val_loss": 3.3}, **{"run.init_seed": 7})
-    write_curve(a, 100.0, 256, {0: 5.0, 20: 4.0, 40: 3.0})  # 4 s of training, 10,240 tokens
-    write_curve(b, 50.0, 512, {0: 5.0, 15: 3.6, 30: 3.3})  # 1.5 s, 15,360 tokens, twice the FLOPs per token
-    assert run(["compare", str(a), str(b), "--json"]) == 0
-    c = json.loads(capsys.readouterr().out)
-    assert {"key": "run.init_seed", "a": "null", "b": "7"} in c["config_changes"]
-    rows = {r["unit"]: r for r in c["equal_budgets"]}
-    # Seconds, by hand: B trained 30 steps × 0.05 s = 1.5 s, A 40 × 0.1 s: both reached 1.5 s, which is A's
-    # step 15, between its evaluations at steps 0 (5.0) and 20 (4.0); B's last evaluation.
-    assert rows["seconds"]["budget"] == pytest.approx(1.5)
-    assert rows["seconds"]["a"] == pytest.approx(5.0 + (15 - 0) / (20 - 0) * (4.0 - 5.0))
-    assert rows["seconds"]["b"] == pytest.approx(3.3) and rows["seconds"]["delta"] == pytest.approx(3.3 - 4.25)
-    # FLOPs: A's 10,240 tokens × 1000 are B's 5,120 tokens × 2000, B's step 10, between its steps 0 and 15.
-    assert rows["flops"]["budget"] == 10240 * 1000 and rows["flops"]["a"] == pytest.approx(3.0)
-    assert rows["flops"]["b"] == pytest.approx(5.0 + 10 / 15 * (3.6 - 5.0))
-    assert (rows["steps"]["budget"], rows["steps"]["a"], rows["steps"]["b"]) == (30, pytest.approx(3.5), 3.3)
-    assert (rows["tokens"]["budget"], rows["tokens"]["a"], rows["tokens"]["b"]) == (10240, 3.0, pytest.approx(3.5))
-
-    assert run(["compare", str(a), str(b)]) == 0
-    md = capsys.readouterr().out
-    assert "## Val loss at equal budgets" in md and "| training seconds | 1.50 | 4.2500 | 3.3000 | -0.9500 |" in md
-    assert "| training FLOPs | 1.024e+07 | 3.0000 | 4.0667 | +1.0667 |" in md
-    (b / "metrics.jsonl").write_text("")  # no evaluations: no budget, every cell "-"
-    assert run(["compare", str(a), str(b)]) == 0
-    assert "| steps | - | - | - | - |" in capsys.readouterr().out
+def _comparison(root: Path, capsys) -> dict[str, Any]:
+    assert cli(["runs", str(root), "--compare", "muon", "adamw", "--json"]) == 0
+    return json.loads(read_out(capsys)[0])
 
 
-def test_profile_file_name_is_the_profilers():
-    assert rundirs.PROFILE_FILE == profiling.SUMMARY_FILE
+def test_a_copied_sweep_counts_each_seed_once_and_says_so(fake_sweep, capsys):
+    once = _comparison(fake_sweep, capsys)
+    shutil.copytree(fake_sweep / "sw", fake_sweep / "sw-copy")
+    twice = _comparison(fake_sweep, capsys)
+    assert twice["comparison"]["p"] == pytest.approx(once["comparison"]["p"]) and once["comparison"]["p"] < 0.01
+    assert twice["comparison"]["a"]["n"] == once["comparison"]["a"]["n"] == 3
+    assert [g["n"] for g in twice["groups"]] == [g["n"] for g in once["groups"]] == [3, 3]
+    assert len(twice["runs"]) == 6 and not once["warnings"]
+    assert len(twice["warnings"]) == 6
+    assert f"{fake_sweep / 'sw-copy' / 'muon-0'} repeats {fake_sweep / 'sw' / 'muon-0'}" in "\n".join(twice["warnings"])
+
+    assert cli(["runs", str(fake_sweep)]) == 0
+    out, _ = read_out(capsys)
+    assert out.splitlines()[0].startswith("6 runs in 2 group(s)")
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 6 and all("repeats" in w and "counted once" in w for w in warnings)
+    assert any(str(fake_sweep / "sw-copy" / "adamw-2") in w and str(fake_sweep / "sw" / "adamw-2") in w
+               for w in warnings)
 
 
-# ---------------------------------------------------------------- nanopt compare on real runs
+def test_group_runs_keeps_the_first_of_a_repeat_by_path_order(fake_sweep):
+    shutil.copytree(fake_sweep / "sw" / "muon-0", fake_sweep / "aa-copy")  # sorts before sw/: it is the one kept
+    groups = experiments.group_runs(experiments.find_runs(fake_sweep)[0])
+    muon = next(g for g in groups if g.values == {"optim.name": "muon"})
+    assert [r.name for r in muon.runs] == ["aa-copy", "sw/muon-1", "sw/muon-2"]
+    assert [(r.run.name, r.first.name) for r in muon.repeats] == [("sw/muon-0", "aa-copy")]
 
 
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory) -> tuple[Path, Path]:
-    """Two real tiny profiled runs: AdamW and Muon (5 steps, profile 1 wait / 1 warm-up / 2 recorded)."""
-    root = tmp_path_factory.mktemp("compare")
-    out = []
-    for name in ("adamw", "muon"):
-        run_dir = root / name
-        proc = run_module(["nanopt.main", *small_overrides(**{"train.max_steps": 5, "eval.every": 5}),
-                           f"--run.dir={run_dir}", f"--optim.name={name}", "--log.tensorboard=false",
-                           "--profile.enabled=true", "--profile.wait=1", "--profile.warmup=1", "--profile.active=2"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out.append(run_dir)
-    return out[0], out[1]
+# ---------------------------------------------------------------- a run that holds runs
 
 
-def _median_speed(run_dir: Path, key: str) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r[key] for r in records if "loss" in r and r["step"] > 1)  # mfu.warmup_steps = 1
+def test_runs_lists_a_run_and_the_runs_below_it(fake_sweep, capsys):
+    holder = write_fake_run(fake_sweep / "sw", 7, {"final_val_loss": 4.9}, **{"train.max_steps": 100})
+    assert cli(["runs", str(holder), "--json"]) == 0
+    names = [r["run"] for r in json.loads(read_out(capsys)[0])["runs"]]
+    assert sorted(names) == sorted(["sw", *(f"{o}-{i}" for o in FAKE_LOSSES for i in range(3))])
 
 
-@pytest.mark.slow
-def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
-    a, b = two_runs
-    assert run(["compare", str(a), str(b), "--json"]) == 0
-    c = json.loads(capsys.readouterr().out)
-    assert c["config_changes"] == [{"key": "optim.name", "a": "adamw", "b": "muon"}]
-    figures = {f["key"]: f for f in c["figures"]}
-    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
-    for key in ("tokens_per_s", "step_ms", "mfu"):
-        assert figures[key]["a"] == pytest.approx(_median_speed(a, key))
-        assert figures[key]["b"] == pytest.approx(_median_speed(b, key))
-    for key in ("train_seconds", "final_val_loss", "final_val_bpb"):
-        assert (figures[key]["a"], figures[key]["b"]) == (sa[key], sb[key])
-    for f in figures.values():
-        assert f["delta"] == pytest.approx(f["b"] - f["a"]) and f["ratio"] == pytest.approx(f["b"] / f["a"])
-    assert "train_seconds_to_target" not in figures  # no target set: no row
-
-    pa, pb = (json.loads((d / "profile_summary.json").read_text()) for d in (a, b))
-    parts = {p["key"]: p for p in c["profile"]["parts"]}
-    assert set(parts) >= {"step_ms_mean", "compute_share", "data_loader_share", "host_overhead_share",
-                          "label_ms.forward", "label_ms.backward", "label_ms.optimizer"}
-    for key in ("compute_share", "data_loader_share", "host_overhead_share"):
-        assert parts[key]["a_ms"] == pytest.approx(pa[key] * pa["step_ms_mean"])
-        assert parts[key]["b_ms"] == pytest.approx(pb[key] * pb["step_ms_mean"])
-        assert parts[key]["delta_ms"] == pytest.approx(parts[key]["b_ms"] - parts[key]["a_ms"])
-    assert sum(parts[k]["a_ms"] for k in ("compute_share", "data_loader_share", "host_overhead_share")) == \
-        pytest.approx(parts["step_ms_mean"]["a_ms"])
-    ops = c["profile"]["top_ops"]
-    mm = next(op for op in ops if op["name"] == "aten::mm")
-    a_mm = next(op for op in pa["top_ops"] if op["name"] == "aten::mm")
-    b_mm = next(op for op in pb["top_ops"] if op["name"] == "aten::mm")
-    assert mm["a_ms"] == pytest.approx(a_mm["self_ms"] / pa["profiled_steps"])
-    assert mm["delta_ms"] == pytest.approx(b_mm["self_ms"] / pb["profiled_steps"] - mm["a_ms"])
-    matched = [abs(op["delta_ms"]) for op in ops if op["delta_ms"] is not None]
-    assert matched == sorted(matched, reverse=True) and len(matched) >= 3
-    assert all(op["delta_ms"] is None for op in ops[len(matched):])  # ops in one top list only come last
+ODD_CONFIGS = [BAD_UTF8, b"- a list\n- of things\n", b"run: {seed: 1}\ndata: {date: 2020-01-01}\n"]
+ODD_SUMMARIES = [BAD_UTF8, b"[1, 2]", b'{"steps": 200, "final_val_loss": "low"}',
+                 b'{"steps": 200, "step_to_target": 150.5}']
 
 
-def test_compare_real_runs_markdown_and_one_profile_missing(two_runs, tmp_path, capsys):
-    a, b = two_runs
-    assert run(["compare", str(a), str(b)]) == 0
-    md = capsys.readouterr().out
-    for row in ("| `optim.name` | adamw | muon |", "| tokens/s (median step) |", "| MFU (median step) |",
-                "| step time, ms (median step) |", "| final val loss |", "| compute |", "| data loader |",
-                "| host overhead |", "| `aten::mm` |", "## Top ops by self time"):
-        assert row in md, row
-    unprofiled = tmp_path / "unprofiled"
-    shutil.copytree(b, unprofiled, ignore=shutil.ignore_patterns("checkpoints", "tb"))
-    (unprofiled / "profile_summary.json").unlink()
-    assert run(["compare", str(a), str(unprofiled)]) == 0
-    md = capsys.readouterr().out
-    assert "only A was profiled" in md and "## Profile" not in md and "| final val loss |" in md
-    # The two real runs differ in a result-changing key, so `nanopt runs` lists them, one row each.
-    assert run(["runs", str(a.parent)]) == 0
-    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["adamw", "muon"]
+@pytest.mark.parametrize("name, data", [*((rundirs.CONFIG_FILE, d) for d in ODD_CONFIGS),
+                                        *((rundirs.SUMMARY_FILE, d) for d in ODD_SUMMARIES)])
+def test_runs_skips_a_run_with_an_odd_file_naming_it(fake_sweep, capsys, name, data):
+    path = damage(fake_sweep / "sw" / "muon-1", name, data)
+    for args in ([], ["--runs"], ["--json"]):
+        assert cli(["runs", str(fake_sweep), *args]) == 0
+        out, err = read_out(capsys)
+        no_traceback(err)
+        if args == ["--json"]:
+            assert any(str(path) in line for line in json.loads(out)["skipped"])
+        else:
+            assert any(line.startswith("skipped ") and str(path) in line for line in out.splitlines()), out
+
+
+def test_records_read_objects_only_and_forgive_only_a_cut_last_line(tmp_path):
+    run_dir = write_fake_run(tmp_path / "r")
+    (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.')
+    assert experiments.load_run(run_dir).records == [{"step": 1, "loss": 5.0}]  # the line being written is left out
+    (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl: line 2 is not JSON"):
+        experiments.load_run(run_dir).records
+    (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1}\n"text"\n')
+    with pytest.raises(ConfigError, match=r"line 2 is a string, not an object"):
+        experiments.load_run(run_dir).records
+
+
+# ---------------------------------------------------------------- task scores and flags
+
+
+@pytest.mark.parametrize("effect", ["nan", "inf", "-inf", "0", "-0.5"])
+@pytest.mark.usefixtures("offline")
+def test_runs_compare_effect_must_be_finite_and_positive(effect, tmp_path, capsys):
+    assert cli(["runs", str(tmp_path), "--compare", "a", "b", f"--effect={effect}"]) == 2
+    assert f"--effect {float(effect)}" in error_line(capsys.readouterr().err, "runs")
+
+
+@pytest.mark.usefixtures("offline")
+def test_welch_on_a_task_score_asks_whether_a_is_higher():
+    higher = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "task:mc/acc", 0.05, lower_is_better=False)
+    lower = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "final_val_loss", 0.05)
+    assert higher["a_beats_b"] and higher["alternative"] == "mean(A) > mean(B)"
+    assert not lower["a_beats_b"] and higher["p"] < 0.01 < lower["p"]

@@ -107,13 +107,6 @@ def test_without_matplotlib_a_run_skips_the_picture_with_one_line(sweep, tmp_pat
     assert cli(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
 
 
-def test_a_picture_that_cannot_be_drawn_is_a_warning_not_an_error(tmp_path, caplog):
-    (tmp_path / "metrics.jsonl").write_text("")
-    with caplog.at_level("WARNING", logger="nanopt"):
-        assert plots.curves_quietly(tmp_path) is None
-    assert "curves.png could not be drawn" in caplog.text
-
-
 # ---------------------------------------------------------------- nanopt plot
 
 

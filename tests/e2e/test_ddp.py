@@ -1,4 +1,5 @@
-"""Real torchrun processes (gloo on CPU): DDP equals one process, and two 'nodes' train together."""
+"""Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), and two 'nodes' train
+together."""
 from __future__ import annotations
 
 import json
@@ -7,16 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import REPO, free_port, run_module, small_overrides, torchrun
-from nanopt import runtime
-from nanopt.config import load_config, parse_overrides
-from nanopt.model import build_model
-from nanopt.train import train_step
+from conftest import MUON_ARG, REPO, free_port, run_module, small_overrides, torchrun
+from nanopt.main import run
 
 # fp32 so the comparison is about the algorithm, not bf16 rounding; 8 sequences per step.
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "train.global_batch_tokens": 256})
@@ -84,30 +79,17 @@ def test_two_nodes_over_c10d_rendezvous_match_one_rank(single_run, tmp_path):
     assert len(digests) == 2 and digests[0] == digests[1]
 
 
-def test_gradients_accumulate_in_ddp_buckets_not_beside_them(monkeypatch):
-    """gradient_as_bucket_view=True only saves memory if the gradients stay bucket views: zero_grad(set_to_none)
-    would free them each step, so the no_sync micro-steps allocated a second set (one tensor per parameter)
-    and the last micro-step copied it into the buckets (GPU review finding 1: 4.6 GiB and a 4.9 GB copy per
-    step at 1B). In-process DDP over gloo, world size 1, two micro-steps per step."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        cfg = load_config(None, parse_overrides(small_overrides()))
-        model = build_model(cfg.model, "cpu")
-        ddp = DDP(model, gradient_as_bucket_view=True, broadcast_buffers=False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        storages: list[int] = []  # the storage each gradient lives in, as autograd accumulates into it
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: storages.append(p.grad.untyped_storage().data_ptr()))
-        batches = [(torch.randint(0, 257, (4, 32)), torch.randint(0, 257, (4, 32))) for _ in range(2)]
-        per_step = []
-        for _ in range(3):
-            storages.clear()
-            train_step(ddp, optimizer, batches, runtime.init("cpu", "fp32", 1), 1.0)
-            per_step.append(set(storages))
-    finally:
-        dist.destroy_process_group()
-    params = len(list(model.parameters()))
-    assert len(per_step[0]) == params  # the first step allocates them; DDP then makes them views of its bucket
-    assert per_step[1] == per_step[2] and len(per_step[1]) < params, [len(s) for s in per_step]
+# ---------------------------------------------------------------- muon
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_muon(tmp_path):
+    args = [*ARGS, MUON_ARG]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run([*args, f"--run.dir={one}"]) == 0  # in this process: the single-rank reference
+    proc = torchrun(2, [*args, f"--run.dir={two}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 ranks x 1 accum" in proc.stdout
+    _assert_same_run(one, two)
+    digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"

@@ -1,5 +1,6 @@
-"""Evaluation (deterministic, hand-checked bpb, DDP = one process), the speedrun clock, the leaderboard, and
-Hugging Face export/import (logit parity with transformers both ways, init_from=hf:DIR)."""
+"""Evaluation and export of trained runs: `nanopt eval` is deterministic and two ranks equal one, the speedrun clock
+(a val loss or bpb target, the speedrun recipe), train.init_from=hf:DIR, and `nanopt export`: a round trip, or a
+refusal (another model's files, a link, a full disk, a checkpoint directory, the opt-in model options)."""
 from __future__ import annotations
 
 import json
@@ -8,23 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
 
-from conftest import run_module, small_overrides
-from nanopt import data, hf, shards
+from conftest import (ALL_ON, CPU, hf_logits, hf_tokenizer, options_model, run_module, small_overrides,
+                      transformers_model)
+from nanopt import cli, data, hf, shards
+from nanopt.checkpoint import newest_checkpoint
 from nanopt.commands import export as export_command
 from nanopt.config import ModelConfig, configs_dir
 from nanopt.errors import ConfigError
-from nanopt.hf import check_export_target, export_model
-from nanopt.checkpoint import newest_checkpoint
-from nanopt.model import build_model
-from nanopt.runtime import Runtime
 from nanopt.evaluation import evaluate
+from nanopt.hf import check_export_target, export_model
+from nanopt.main import run
+from nanopt.model import build_model
 from nanopt.watch import Evaluator, evaluate_checkpoint
 
 torch.set_num_threads(1)
-CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
+
 ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
@@ -56,44 +57,6 @@ def trained_run(tmp_path_factory, corpus_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "easy"
     assert train(run_dir, **{"train.max_steps": 8, "eval.every": 4, "train.target_val_loss": 5.0}) == 0
     return run_dir
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-def test_bpb_matches_hand_computation():
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=5, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                                    max_seq_len=8))
-    token_bytes = torch.tensor([1, 2, 3, 0, 4])  # id 3 is a special token: it covers no bytes
-    x = torch.tensor([[0, 1, 2, 3], [4, 4, 0, 1]])
-    y = torch.tensor([[1, 2, 3, 4], [4, 0, 1, 2]])
-    # A zero head gives uniform logits: ln 5 nats on each of 8 targets, over 2+3+0+4 + 4+1+2+3 = 19 bytes.
-    torch.nn.init.zeros_(model.lm_head.weight)
-    loss, bpb = evaluate(model, [(x, y)], token_bytes, CPU)
-    assert loss == pytest.approx(math.log(5), abs=1e-6)
-    assert bpb == pytest.approx(8 * math.log2(5) / 19, abs=1e-6)
-    # Random weights, two batches: per-token cross-entropy summed by hand.
-    torch.nn.init.normal_(model.lm_head.weight, 0, 0.5)
-    batches = [(x[:1], y[:1]), (x[1:], y[1:])]
-    loss, bpb = evaluate(model, batches, token_bytes, CPU)
-    with torch.no_grad():
-        nats = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1), reduction="sum").item()
-    assert loss == pytest.approx(nats / 8, rel=1e-5)
-    assert bpb == pytest.approx(nats / math.log(2) / 19, rel=1e-5)
-
-
-def test_eval_batches_are_a_seeded_sample_of_the_whole_split(corpus_dir):
-    windows = data.TokenWindows(shards.split_paths(corpus_dir, "val"), 32)
-    a = data.eval_batches(windows, 4, 3, 0, 1, seed=0)
-    b = data.eval_batches(windows, 4, 3, 0, 1, seed=0)
-    other = data.eval_batches(windows, 4, 3, 0, 1, seed=1)
-    assert all(torch.equal(p[0], q[0]) for p, q in zip(a, b))
-    assert not torch.equal(a[0][0], other[0][0])
-    # Not just the head of the first document: the windows come from all over the split.
-    starts = [row[:8].tolist() for x, _ in a for row in x]
-    first = [windows.get(i)[:8].tolist() for i in range(12)]
-    assert starts != first
 
 
 @pytest.mark.slow
@@ -195,89 +158,10 @@ def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, cor
     assert first > 7.5 and summary["final_val_bpb"] <= 4.5  # from ~8 bits per byte (uniform over 257) to the target
 
 
-# ---------------------------------------------------------------- Hugging Face export / import
-
-PARITY = {
-    "gqa-tied": dict(n_heads=4, n_kv_heads=2, tie_embeddings=True),
-    "mqa-untied-llama3": dict(n_heads=4, n_kv_heads=1, tie_embeddings=False, rope_scaling="llama3",
-                              rope_factor=8.0, rope_original_max_seq_len=16, rope_theta=500000.0),
-    "gqa-tied-llama3": dict(n_heads=8, n_kv_heads=2, tie_embeddings=True, rope_scaling="llama3", rope_factor=4.0,
-                            rope_low_freq_factor=2.0, rope_high_freq_factor=8.0, rope_original_max_seq_len=32),
-}
-
-
-def hf_logits(directory: Path, idx: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(directory)).float().eval()  # any transformers: dtype= is new
-    assert type(hf).__name__ == "LlamaForCausalLM"
-    with torch.no_grad():
-        return hf(idx).logits
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(PARITY))
-def test_export_loads_in_transformers_with_matching_logits(name, tmp_path):
-    torch.manual_seed(len(name))
-    cfg = ModelConfig(vocab_size=101, dim=64, n_layers=2, ffn_dim=96, max_seq_len=64, init_std=0.1, **PARITY[name])
-    model = build_model(cfg).eval()
-    export_model(model, tmp_path, tokenizer="")
-    hf_cfg = json.loads((tmp_path / "config.json").read_text())
-    assert hf_cfg["tie_word_embeddings"] == cfg.tie_embeddings and hf_cfg["head_dim"] == 64 // cfg.n_heads
-    if cfg.rope_scaling == "llama3":
-        assert hf_cfg["rope_scaling"] == {"rope_type": "llama3", "factor": cfg.rope_factor,
-                                          "low_freq_factor": cfg.rope_low_freq_factor,
-                                          "high_freq_factor": cfg.rope_high_freq_factor,
-                                          "original_max_position_embeddings": cfg.rope_original_max_seq_len}
-    idx = torch.randint(0, 101, (2, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = model(idx)
-    theirs = hf_logits(tmp_path, idx)
-    assert (ours - theirs).abs().max().item() <= 1e-4
-    assert ours.abs().max().item() > 0.5  # the logits carry signal, not all ~0
-    if cfg.rope_scaling == "llama3":  # and the scaling is exercised: plain RoPE gives other logits
-        cfg.rope_scaling = "none"
-        plain = build_model(cfg).eval()
-        plain.load_state_dict(model.state_dict())
-        with torch.no_grad():
-            assert (plain(idx) - theirs).abs().max().item() > 1e-3
-
-
-def _transformers_model(tmp_path: Path, tied: bool, vocab: int = 97, **kw) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.1, **kw)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # transformers initialises norms to 1; make them matter too
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-    model.save_pretrained(str(tmp_path))
-    return tmp_path
-
-
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_transformers_saved_model_loads_into_nanopt_with_matching_logits(tied, tmp_path):
-    from nanopt import load_model
-
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-    directory = _transformers_model(tmp_path, tied, rope_parameters=rope)
-    model = load_model(directory)
-    assert not model.training and model.cfg.rope_scaling == "llama3" and model.cfg.tie_embeddings == tied
-    idx = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours = model(idx)
-    assert (ours - hf_logits(directory, idx)).abs().max().item() <= 1e-4
-
-
 def test_init_from_hf_trains_from_those_weights(tmp_path, corpus_dir, capsys):
     from nanopt import load_model
 
-    directory = _transformers_model(tmp_path / "hf", tied=True, vocab=257, rope_theta=10000.0)
+    directory = transformers_model(tmp_path / "hf", tied=True, vocab=257, rope_theta=10000.0)
     run_dir = tmp_path / "run"
     assert train(run_dir, **{"train.init_from": f"hf:{directory}", "train.max_steps": 1, "eval.every": 100,
                              "train.precision": "fp32"}) == 0
@@ -310,33 +194,6 @@ def test_export_cli_round_trip_of_a_trained_run(trained_run, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 256
 
 
-def _hf_tokenizer(directory: Path) -> Path:
-    """A small byte-level BPE saved as a Hugging Face tokenizer directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.BPE(unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.train_from_iterator(["Elementary, my dear Watson."] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(str(directory))
-    return directory
-
-
-def test_export_includes_hugging_face_tokenizer_files(tmp_path):
-    from transformers import AutoTokenizer
-
-    original = AutoTokenizer.from_pretrained(str(_hf_tokenizer(tmp_path / "tok")))
-    model = build_model(ModelConfig(vocab_size=len(original), dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                                    ffn_dim=64, max_seq_len=16))
-    export_model(model, tmp_path / "hf", tokenizer=str(tmp_path / "tok"))
-    copied = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert copied.encode("Elementary, my dear") == original.encode("Elementary, my dear")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"]) == (original.bos_token_id, original.eos_token_id)
-
-
 # ---------------------------------------------------------------- export: a complete model or a refusal
 def cli_code(capsys, *args: object) -> tuple[int, str]:
     """`nanopt ARGS...` in this process: (exit status, stderr)."""
@@ -351,7 +208,7 @@ def _other_model(directory: Path, tmp_path: Path) -> dict[str, bytes]:
     """Another model exported with a Hugging Face tokenizer, plus a user's own file: every file's bytes."""
     model = build_model(ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64,
                                     max_seq_len=16))
-    export_model(model, directory, tokenizer=str(_hf_tokenizer(tmp_path / "tok")))
+    export_model(model, directory, tokenizer=str(hf_tokenizer(tmp_path / "tok")))
     (directory / "NOTES.md").write_text("my notes on this model\n")
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
@@ -443,9 +300,24 @@ def test_export_refuses_a_checkpoint_directory_even_with_force(trained_run, tmp_
         check_export_target(ckpt, force=True)
 
 
-def test_import_nanopt_is_light_and_load_model_is_lazy():
-    import subprocess
-    import sys
+# ---------------------------------------------------------------- the opt-in model options
 
-    code = "import sys, nanopt; assert 'torch' not in sys.modules and 'load_model' in nanopt.__all__"
-    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
+
+def test_cli_export_and_init_from_refuse_options_with_exit_2(tmp_path, corpus_dir, capsys):
+    options = {f"model.{k}": str(v).lower() for k, v in ALL_ON.items()}
+    run_dir = tmp_path / "run"
+    assert run(small_overrides(**{"run.dir": run_dir, "train.max_steps": 2, "train.precision": "fp32",
+                                  "log.tensorboard": "false", **options})) == 0
+    capsys.readouterr()
+    assert cli.run(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt export: error: this model cannot be exported") and "Traceback" not in err
+    assert err.strip().count("\n") == 0  # one paragraph
+    assert "model.value_embeddings=true" in err and "nanopt checkpoint directly" in err
+
+    export_model(options_model(vocab_size=257, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128), tmp_path / "plain",
+                 tokenizer="")
+    assert run(small_overrides(**{"run.dir": tmp_path / "warm", "train.init_from": f"hf:{tmp_path / 'plain'}",
+                                  "model.qk_norm": "true"})) == 2
+    err = capsys.readouterr().err
+    assert "model.qk_norm=true" in err and "--model.qk_norm=false" in err

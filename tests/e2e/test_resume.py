@@ -1,4 +1,5 @@
-"""Exact resume: a run killed, preempted or crashed anywhere ends bitwise identical to one that never stopped.
+"""Exact resume: a run killed, preempted or crashed anywhere ends bitwise identical to one that never stopped; a
+rerun never restarts silently and a finished run stays finished; and a muon run resumes exactly too.
 
 Runs are CPU, fp32, the SMALL model. Crashes are real processes killed with SIGKILL at precise points
 through the NANOPT_TEST_HOOK test hook (nanopt/faults.py); resumes run in-process through nanopt.main.run
@@ -8,7 +9,6 @@ reference run.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, small_overrides, torchrun
-from nanopt import checkpoint, errors, faults, profiling, runtime
+from conftest import MUON_ARG, REPO, small_overrides, torchrun, train_short
+from nanopt import checkpoint, errors, profiling, rundirs
 from nanopt.main import run
 
 STEPS = 8
@@ -136,20 +136,6 @@ def test_time_limit_checkpoints_exits_75_and_resumes(tmp_path, reference, capsys
     assert_same_as(reference, tmp_path)
 
 
-def test_time_limit_is_read_on_every_step(monkeypatch):
-    """The limit is checked against the clock at each step, not only at start-up; no limit never stops."""
-    now = [100.0]
-    monkeypatch.setattr(faults.time, "monotonic", lambda: now[0])
-    rt = runtime.init("cpu", "fp32", 0)
-    stop, unlimited = faults.StopSignal(rt, time_limit_s=60), faults.StopSignal(rt)
-    now[0] = 159.9
-    assert not stop.should_stop() and not stop.timed_out
-    now[0] = 160.0
-    assert stop.should_stop() and stop.timed_out and "time limit" in stop.signame
-    now[0] = 1e9
-    assert not unlimited.should_stop()
-
-
 @pytest.mark.slow
 def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypatch, capsys):
     """Modal preempts with SIGINT: same behaviour, here through nanopt.main.run in this very process."""
@@ -169,20 +155,6 @@ def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypa
     monkeypatch.delenv("NANOPT_TEST_HOOK")
     assert train_here(tmp_path) == 0
     assert_same_as(reference, tmp_path)
-
-
-def test_second_signal_exits_at_once(monkeypatch):
-    exits = []
-    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
-    with faults.preemption_handlers():
-        signal.raise_signal(signal.SIGTERM)
-        assert faults.signalled() == signal.SIGTERM and exits == []  # first: just a flag, the step goes on
-        signal.raise_signal(signal.SIGINT)
-        assert exits == []  # within a second: the same request arriving twice (Ctrl-C + torchrun's SIGTERM)
-        monkeypatch.setattr(faults, "_first_at", faults._first_at - 2 * faults.REPEAT_WINDOW_S)
-        signal.raise_signal(signal.SIGTERM)
-        assert exits == [128 + signal.SIGTERM]  # a real second signal: out now
-    assert faults.signalled() is None
 
 
 @pytest.mark.slow
@@ -260,25 +232,6 @@ def test_a_diverged_run_closes_the_profiler_and_the_mirror_like_a_finished_one(t
     assert list((run_dir / "tb" / "plugins" / "profile").rglob("*.pt.trace.json")), "no trace written"
     kept = [p.name for p in complete_checkpoints(run_dir / "checkpoints")]
     assert kept == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
-
-
-def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
-    """The COMPLETE manifest is summed by worker threads while the next file is written: it must still
-    describe exactly the bytes on disk, and no temp directory or thread may outlive the save."""
-    import zlib
-
-    model = torch.nn.Linear(64, 64)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 64)).sum().backward()
-    opt.step()
-    final = checkpoint.save(tmp_path, 4, model, opt, {"config": {}}, keep=2)
-    files = json.loads((final / "COMPLETE").read_text())["files"]
-    assert sorted(files) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
-    for name, entry in files.items():
-        raw = (final / name).read_bytes()
-        assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
-    assert checkpoint.verify_checkpoint(final) is None and not list(tmp_path.glob(".tmp_*"))
-    assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
 
 
 @pytest.mark.slow
@@ -376,45 +329,85 @@ def test_mirror_copy_is_used_when_the_local_directory_is_gone(tmp_path, referenc
     assert not math.isnan(losses(run_dir)[-1][1])
 
 
-def test_every_rng_round_trips_through_a_weights_only_checkpoint(tmp_path):
-    """Nothing in today's step draws random numbers, so the weights cannot show a lost RNG: check it here."""
-    import random
-
-    import numpy as np
-
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    np.random.standard_normal()  # leaves a cached gaussian in numpy's state
-    torch.save({"ranks": [runtime.host_rng_state()]}, tmp_path / "rng.pt")
-    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
-    random.seed(9), np.random.seed(9), torch.manual_seed(9)
-    runtime.set_host_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["ranks"][0])
-    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
+# ---------------------------------------------------------------- no restart nobody asked for
 
 
-def test_a_gpu_rank_saves_and_restores_only_its_own_generator(monkeypatch):
-    """CPU twin of the CUDA RNG round trip: torch.cuda's state calls are replaced by recorders, so what is
-    checked is which generator is read and written (the real ones need a GPU); a CPU checkpoint has none."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.tensor([device.index], dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((int(state), device)))
-    rank3 = runtime.CudaBackend(torch.device("cuda", 3))
-    state = rank3.rng_state()
-    assert list(state) == ["cuda"]  # one state, this rank's: not every GPU the node shows
-    rank3.set_rng_state(state)
-    rank3.set_rng_state({})  # a CPU checkpoint
-    assert calls == [(3, torch.device("cuda", 3))]
-    runtime.CpuBackend(torch.device("cpu")).set_rng_state(state)  # a GPU checkpoint resumed on CPU: ignored
-    assert len(calls) == 1
+def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(tmp_path, capsys):
+    """A checkpoints/ directory not yet synced (or deleted) must not turn into a silent restart."""
+    assert train_short(tmp_path, "--train.max_steps=2") == 0
+    os.rename(tmp_path / "checkpoints", tmp_path / "elsewhere")
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    for _ in range(2):
+        assert train_short(tmp_path, "--train.max_steps=3") == 2
+        err = capsys.readouterr().err
+        assert "shows saved training but holds no usable checkpoint" in err and "start_over" in err
+        assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 
 
-def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):
-    """finish() waits for the mirror before the summary and the run's cleanup closes again: one warning."""
-    ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only close()'s collaborators are needed
-    ckpt.rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
-    ckpt.mirror = checkpoint.Mirror(str(tmp_path / "mirror"), 1)
-    ckpt.mirror.failures.append("step_000001: no space left on device")
-    with caplog.at_level(logging.WARNING, logger="nanopt"):
-        ckpt.close()
-        ckpt.close()
-    assert [r.getMessage() for r in caplog.records].count(
-        f"checkpoint mirror {tmp_path / 'mirror'}: 1 copy(ies) failed: step_000001: no space left on device") == 1
+# ---------------------------------------------------------------- a finished run is finished
+
+
+@pytest.mark.slow
+def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(tmp_path, capsys):
+    assert train_short(tmp_path) == 0
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert train_short(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "is finished; nothing to train" in out and "4 steps" in out and "step      1/4" not in out
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+    # Another config on the finished run is refused, naming the key.
+    assert train_short(tmp_path, "--train.lr=0.001") == 2
+    assert "finished run of another config" in capsys.readouterr().err
+
+
+def test_a_run_stopped_at_its_target_is_finished(tmp_path, capsys):
+    target = ["--train.target_val_loss=100", "--train.stop_at_target=true", "--eval.every=2", "--train.max_steps=6"]
+    assert train_short(tmp_path, *target) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # The clock saw the target at the step-0 evaluation; the loop stops at the next one.
+    assert summary["stopped_at_target"] is True and summary["steps"] == 2 and summary["step_to_target"] == 0
+    assert rundirs.finished(tmp_path, 6, True) == summary
+    assert rundirs.finished(tmp_path, 6, False) is None  # without stop_at_target it would train on to 6
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert train_short(tmp_path, *target) == 0
+    assert "is finished" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+
+
+# ---------------------------------------------------------------- a muon run
+
+@pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted muon run (the reference's 8 fp32 steps, a checkpoint every 2)."""
+    run_dir = tmp_path_factory.mktemp("muon_reference")
+    assert train_here(run_dir, MUON_ARG) == 0
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_muon_run_lowers_the_loss(muon_reference):
+    values = [loss for _, loss in losses(muon_reference)]
+    assert values[-1] < values[0] - 0.5, values
+    config = (muon_reference / "config.yaml").read_text()
+    assert "name: muon" in config
+
+
+@pytest.mark.slow
+def test_a_killed_muon_run_resumes_bitwise_identically(tmp_path, muon_reference, capsys):
+    proc = train_process(tmp_path, "kill-in-step:5", MUON_ARG)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert train_here(tmp_path, MUON_ARG) == 0
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step_000004'}" in capsys.readouterr().out
+    assert_same_as(muon_reference, tmp_path)  # weights, every logged loss, and Muon's and AdamW's state
+
+
+def test_switching_optimizer_on_resume_is_refused_even_when_allowed(tmp_path, capsys):
+    assert train_here(tmp_path, "--train.max_steps=2") == 0  # adamw
+    assert train_here(tmp_path, "--train.max_steps=4", MUON_ARG) == 2
+    assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in capsys.readouterr().err
+    assert train_here(tmp_path, "--train.max_steps=4", MUON_ARG, "--checkpoint.allow_changes=optim.name") == 2
+    err = capsys.readouterr().err
+    assert "optimizer state does not fit this run" in err and "--optim.name=adamw" in err
+    assert "Traceback" not in err

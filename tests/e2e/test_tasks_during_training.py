@@ -11,27 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_module, small_overrides, torchrun
+from conftest import TASK_TEXTS, run_module, small_overrides, torchrun
 from nanopt import core, harness
 from nanopt.cli import run as cli
-from nanopt.experiments import runs_report, welch
+from nanopt.experiments import runs_report
 from nanopt.main import run as main_run
-from nanopt.taskgen import make_tasks, write_bundle
+from nanopt.taskgen import make_tasks
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
-LINES = [f"{who}: {what} the {thing} of the {place}, said the {adj} {who2}." for who, what, thing, place, adj, who2 in
-         zip(["Anne", "Ben", "Cass", "Dion", "Ede", "Finn"] * 8, ["Where is", "I saw", "Bring me", "Mind"] * 12,
-             ["book", "lamp", "key", "ring", "coat", "map", "cup", "hat"] * 6, ["hall", "garden", "tower"] * 16,
-             ["old", "young", "tired", "bold", "quiet", "wise", "sad", "glad"] * 6, ["man", "maid", "king"] * 16)]
-TEXTS = ["\n".join(LINES[i:] + LINES[:i]) for i in range(0, 48, 12)]
-
-
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tasks")
-    make_tasks(out, TEXTS, n=12)
-    write_bundle(out / "core", TEXTS, n=12)
-    return out
 
 
 def evals(run_dir: Path) -> list[dict]:
@@ -81,7 +68,7 @@ def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, ca
 def test_task_data_or_a_bundle_that_cannot_be_scored_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
     """What scoring would trip over at the end is found at the start: an empty task file, a baseline of 100."""
     tasks = tmp_path / "tasks"
-    make_tasks(tasks, TEXTS, n=12)
+    make_tasks(tasks, TASK_TEXTS, n=12)
     (tasks / "nanopt_mc.jsonl").write_text("")
     assert main_run(small_overrides(**{"run.dir": tmp_path / "r1", "eval.tasks": "nanopt_mc",
                                        "eval.tasks_path": tasks})) == 2
@@ -124,7 +111,7 @@ def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, c
     """The issue's case: eval.tasks data removed after the start, scoring after the last step fails. The last
     step's checkpoint is saved first, the failure is recorded naming the task and the file, and the run ends 0."""
     tasks, run_dir, real = tmp_path / "tasks", tmp_path / "run", harness.score_model
-    make_tasks(tasks, TEXTS, n=12)
+    make_tasks(tasks, TASK_TEXTS, n=12)
 
     def data_removed_meanwhile(*args, **kwargs):
         (tasks / "nanopt_mc.jsonl").unlink(missing_ok=True)
@@ -147,7 +134,7 @@ def test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure(tmp_path
     """Under torchrun the main rank scores alone while the others wait: CORE (which gathers over ranks when all
     of them score) must not wait for ranks that are not scoring, and a failing task must not leave them waiting."""
     tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
-    make_tasks(tasks, TEXTS, n=12)
+    make_tasks(tasks, TASK_TEXTS, n=12)
 
     def remove_after_the_first_step() -> None:  # the task data goes away while the run trains
         deadline = time.monotonic() + 240
@@ -191,24 +178,6 @@ def test_eval_tasks_on_runs_then_runs_and_compare_show_them_over_seeds(tmp_path,
     assert "nanopt_mc/acc" in capsys.readouterr().out
     assert cli(["compare", str(tmp_path / "sweep" / "s1"), str(tmp_path / "sweep" / "s2")]) == 0
     assert "nanopt_mc/acc" in capsys.readouterr().out
-
-
-def test_welch_on_a_task_score_asks_whether_a_is_higher():
-    higher = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "task:mc/acc", 0.05, lower_is_better=False)
-    lower = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "final_val_loss", 0.05)
-    assert higher["a_beats_b"] and higher["alternative"] == "mean(A) > mean(B)"
-    assert not lower["a_beats_b"] and higher["p"] < 0.01 < lower["p"]
-
-
-def test_eval_tasks_bad_input_is_exit_2(tmp_path, task_dir, capsys):
-    assert cli(["eval", str(tmp_path / "nothing"), "--tasks", "nanopt_mc", "--include-path", str(task_dir)]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "core.yaml").write_text("icl_tasks: [")
-    assert cli(["eval", str(tmp_path), "--core", str(broken)]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.strip()
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import run_module, small_overrides
 from nanopt import cli
-from nanopt.shards import HEADER_BYTES, open_shard, write_shard
 from nanopt.main import run
+from nanopt.shards import HEADER_BYTES, open_shard, write_shard
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.tensorboard": "false"})
 

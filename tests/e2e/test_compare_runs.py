@@ -1,0 +1,91 @@
+"""`nanopt compare` (and `nanopt runs`) on two real tiny profiled runs, AdamW and Muon."""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from conftest import run_module, small_overrides
+from nanopt.cli import run as cli
+
+# ---------------------------------------------------------------- nanopt compare on real runs
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """Two real tiny profiled runs: AdamW and Muon (5 steps, profile 1 wait / 1 warm-up / 2 recorded)."""
+    root = tmp_path_factory.mktemp("compare")
+    out = []
+    for name in ("adamw", "muon"):
+        run_dir = root / name
+        proc = run_module(["nanopt.main", *small_overrides(**{"train.max_steps": 5, "eval.every": 5}),
+                           f"--run.dir={run_dir}", f"--optim.name={name}", "--log.tensorboard=false",
+                           "--profile.enabled=true", "--profile.wait=1", "--profile.warmup=1", "--profile.active=2"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out.append(run_dir)
+    return out[0], out[1]
+
+
+def _median_speed(run_dir: Path, key: str) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r[key] for r in records if "loss" in r and r["step"] > 1)  # mfu.warmup_steps = 1
+
+
+@pytest.mark.slow
+def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
+    a, b = two_runs
+    assert cli(["compare", str(a), str(b), "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["config_changes"] == [{"key": "optim.name", "a": "adamw", "b": "muon"}]
+    figures = {f["key"]: f for f in c["figures"]}
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    for key in ("tokens_per_s", "step_ms", "mfu"):
+        assert figures[key]["a"] == pytest.approx(_median_speed(a, key))
+        assert figures[key]["b"] == pytest.approx(_median_speed(b, key))
+    for key in ("train_seconds", "final_val_loss", "final_val_bpb"):
+        assert (figures[key]["a"], figures[key]["b"]) == (sa[key], sb[key])
+    for f in figures.values():
+        assert f["delta"] == pytest.approx(f["b"] - f["a"]) and f["ratio"] == pytest.approx(f["b"] / f["a"])
+    assert "train_seconds_to_target" not in figures  # no target set: no row
+
+    pa, pb = (json.loads((d / "profile_summary.json").read_text()) for d in (a, b))
+    parts = {p["key"]: p for p in c["profile"]["parts"]}
+    assert set(parts) >= {"step_ms_mean", "compute_share", "data_loader_share", "host_overhead_share",
+                          "label_ms.forward", "label_ms.backward", "label_ms.optimizer"}
+    for key in ("compute_share", "data_loader_share", "host_overhead_share"):
+        assert parts[key]["a_ms"] == pytest.approx(pa[key] * pa["step_ms_mean"])
+        assert parts[key]["b_ms"] == pytest.approx(pb[key] * pb["step_ms_mean"])
+        assert parts[key]["delta_ms"] == pytest.approx(parts[key]["b_ms"] - parts[key]["a_ms"])
+    assert sum(parts[k]["a_ms"] for k in ("compute_share", "data_loader_share", "host_overhead_share")) == \
+        pytest.approx(parts["step_ms_mean"]["a_ms"])
+    ops = c["profile"]["top_ops"]
+    mm = next(op for op in ops if op["name"] == "aten::mm")
+    a_mm = next(op for op in pa["top_ops"] if op["name"] == "aten::mm")
+    b_mm = next(op for op in pb["top_ops"] if op["name"] == "aten::mm")
+    assert mm["a_ms"] == pytest.approx(a_mm["self_ms"] / pa["profiled_steps"])
+    assert mm["delta_ms"] == pytest.approx(b_mm["self_ms"] / pb["profiled_steps"] - mm["a_ms"])
+    matched = [abs(op["delta_ms"]) for op in ops if op["delta_ms"] is not None]
+    assert matched == sorted(matched, reverse=True) and len(matched) >= 3
+    assert all(op["delta_ms"] is None for op in ops[len(matched):])  # ops in one top list only come last
+
+
+def test_compare_real_runs_markdown_and_one_profile_missing(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    assert cli(["compare", str(a), str(b)]) == 0
+    md = capsys.readouterr().out
+    for row in ("| `optim.name` | adamw | muon |", "| tokens/s (median step) |", "| MFU (median step) |",
+                "| step time, ms (median step) |", "| final val loss |", "| compute |", "| data loader |",
+                "| host overhead |", "| `aten::mm` |", "## Top ops by self time"):
+        assert row in md, row
+    unprofiled = tmp_path / "unprofiled"
+    shutil.copytree(b, unprofiled, ignore=shutil.ignore_patterns("checkpoints", "tb"))
+    (unprofiled / "profile_summary.json").unlink()
+    assert cli(["compare", str(a), str(unprofiled)]) == 0
+    md = capsys.readouterr().out
+    assert "only A was profiled" in md and "## Profile" not in md and "| final val loss |" in md
+    # The two real runs differ in a result-changing key, so `nanopt runs` lists them, one row each.
+    assert cli(["runs", str(a.parent)]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["adamw", "muon"]

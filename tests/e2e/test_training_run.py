@@ -1,0 +1,86 @@
+"""Whole training runs on the embedded corpus: the loss falls and the run directory is complete, bf16 and pure bf16
+both train, and the loop logs a numeric MFU on CPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_module, small_overrides
+from nanopt.config import load_config
+from nanopt.main import run
+
+
+@pytest.mark.slow
+def test_tiny_run_learns_and_writes_a_complete_run_directory(tmp_path, corpus_dir, capsys):
+    args = small_overrides(**{
+        "train.max_steps": 30, "train.lr": 1e-2, "train.warmup_steps": 3, "log.every": 5,
+        "eval.every": 15, "sample.num_samples": 1, "sample.max_new_tokens": 20,
+    })
+    assert run([*args, f"--run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert train_lines[0]["step"] == 1 and train_lines[-1]["step"] == 30
+    for r in train_lines:
+        assert {"step", "loss", "lr", "tokens_per_s", "mfu"} <= r.keys()
+        assert r["tokens_per_s"] > 0
+    # Bytes of English: ln(257) = 5.55 at init; a working loop gets well under 3.5 in 30 small steps.
+    assert train_lines[0]["loss"] > 5.0
+    assert train_lines[-1]["loss"] < 3.5
+    assert [e["step"] for e in evals] == [0, 15, 30]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.5
+    assert 0 < evals[-1]["val_bpb"] < evals[0]["val_bpb"]
+
+    saved = load_config(tmp_path / "config.yaml")
+    assert saved.train.max_steps == 30 and saved.model.dim == 64
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    ckpt = tmp_path / "checkpoints" / "step_000030"
+    assert (ckpt / "COMPLETE").exists()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000030"
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert weights["embed.weight"].shape == (257, 64)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["tokens_seen"] == 30 * 256
+    assert summary["final_val_loss"] == evals[-1]["val_loss"]
+    assert "samples from step 30" in out and "Elementary, my dear" in out
+
+
+@pytest.mark.slow
+def test_bf16_autocast_and_pure_bf16_both_train(tmp_path, corpus_dir, capsys):
+    for precision, weight_dtype in (("bf16", torch.float32), ("bf16-pure", torch.bfloat16)):
+        run_dir = tmp_path / precision
+        args = small_overrides(**{"train.precision": precision, "train.max_steps": 12, "train.lr": 1e-2,
+                                  "log.every": 11})
+        assert run([*args, f"--run.dir={run_dir}"]) == 0
+        # bf16 weights cannot hold a decay of lr x wd = 1e-3 per step below ~2^-9: the run says so.
+        assert ("rounds away" in capsys.readouterr().out) == (precision == "bf16-pure")  # the log is on stdout
+        losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        assert losses[-1] < losses[0] - 1.0, (precision, losses)
+        weights = load_file(str(run_dir / "checkpoints" / "step_000012" / "model.safetensors"))
+        assert weights["embed.weight"].dtype == weight_dtype, precision
+
+
+# ---------------------------------------------------------------- in the training loop
+
+
+@pytest.mark.slow
+def test_training_run_logs_numeric_mfu_on_cpu(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_module(["nanopt.main", *small_overrides(**{"run.dir": run_dir})], env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MEASURED" in proc.stdout, proc.stdout[-2000:]  # the CPU peak is labelled as measured
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6], records
+    assert steps[0]["mfu"] is None  # warm-up step
+    for r in steps[1:]:
+        assert isinstance(r["mfu"], float) and 0 < r["mfu_6n"] < r["mfu"], r
+        assert r["hfu"] == r["mfu"], r  # the small config's micro-batch is one loss chunk: nothing recomputed
+        assert r["peak_memory_gib"] > 0, r
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "MEASURED" in summary["mfu_peak_source"] and summary["mfu_peak_flops_per_device"] > 0

@@ -1,0 +1,40 @@
+"""Evaluation (nanopt/evaluation.py): the loss and bits per byte, checked by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import CPU
+from nanopt.config import ModelConfig
+from nanopt.evaluation import evaluate
+from nanopt.model import build_model
+
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def test_bpb_matches_hand_computation():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=5, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                    max_seq_len=8))
+    token_bytes = torch.tensor([1, 2, 3, 0, 4])  # id 3 is a special token: it covers no bytes
+    x = torch.tensor([[0, 1, 2, 3], [4, 4, 0, 1]])
+    y = torch.tensor([[1, 2, 3, 4], [4, 0, 1, 2]])
+    # A zero head gives uniform logits: ln 5 nats on each of 8 targets, over 2+3+0+4 + 4+1+2+3 = 19 bytes.
+    torch.nn.init.zeros_(model.lm_head.weight)
+    loss, bpb = evaluate(model, [(x, y)], token_bytes, CPU)
+    assert loss == pytest.approx(math.log(5), abs=1e-6)
+    assert bpb == pytest.approx(8 * math.log2(5) / 19, abs=1e-6)
+    # Random weights, two batches: per-token cross-entropy summed by hand.
+    torch.nn.init.normal_(model.lm_head.weight, 0, 0.5)
+    batches = [(x[:1], y[:1]), (x[1:], y[1:])]
+    loss, bpb = evaluate(model, batches, token_bytes, CPU)
+    with torch.no_grad():
+        nats = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1), reduction="sum").item()
+    assert loss == pytest.approx(nats / 8, rel=1e-5)
+    assert bpb == pytest.approx(nats / math.log(2) / 19, rel=1e-5)

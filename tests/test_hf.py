@@ -1,0 +1,82 @@
+"""Hugging Face conversion (nanopt/hf.py): an export loads in transformers with matching logits, a transformers model
+loads into nanopt with matching logits, and the tokenizer's files go along. Exports of trained runs:
+e2e/test_eval_and_export.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_logits, hf_tokenizer, transformers_model
+from nanopt.config import ModelConfig
+from nanopt.hf import export_model
+from nanopt.model import build_model
+
+torch.set_num_threads(1)
+
+# ---------------------------------------------------------------- Hugging Face export / import
+
+PARITY = {
+    "gqa-tied": dict(n_heads=4, n_kv_heads=2, tie_embeddings=True),
+    "mqa-untied-llama3": dict(n_heads=4, n_kv_heads=1, tie_embeddings=False, rope_scaling="llama3",
+                              rope_factor=8.0, rope_original_max_seq_len=16, rope_theta=500000.0),
+    "gqa-tied-llama3": dict(n_heads=8, n_kv_heads=2, tie_embeddings=True, rope_scaling="llama3", rope_factor=4.0,
+                            rope_low_freq_factor=2.0, rope_high_freq_factor=8.0, rope_original_max_seq_len=32),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PARITY))
+def test_export_loads_in_transformers_with_matching_logits(name, tmp_path):
+    torch.manual_seed(len(name))
+    cfg = ModelConfig(vocab_size=101, dim=64, n_layers=2, ffn_dim=96, max_seq_len=64, init_std=0.1, **PARITY[name])
+    model = build_model(cfg).eval()
+    export_model(model, tmp_path, tokenizer="")
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    assert hf_cfg["tie_word_embeddings"] == cfg.tie_embeddings and hf_cfg["head_dim"] == 64 // cfg.n_heads
+    if cfg.rope_scaling == "llama3":
+        assert hf_cfg["rope_scaling"] == {"rope_type": "llama3", "factor": cfg.rope_factor,
+                                          "low_freq_factor": cfg.rope_low_freq_factor,
+                                          "high_freq_factor": cfg.rope_high_freq_factor,
+                                          "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+    idx = torch.randint(0, 101, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(idx)
+    theirs = hf_logits(tmp_path, idx)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert ours.abs().max().item() > 0.5  # the logits carry signal, not all ~0
+    if cfg.rope_scaling == "llama3":  # and the scaling is exercised: plain RoPE gives other logits
+        cfg.rope_scaling = "none"
+        plain = build_model(cfg).eval()
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (plain(idx) - theirs).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_transformers_saved_model_loads_into_nanopt_with_matching_logits(tied, tmp_path):
+    from nanopt import load_model
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+    directory = transformers_model(tmp_path, tied, rope_parameters=rope)
+    model = load_model(directory)
+    assert not model.training and model.cfg.rope_scaling == "llama3" and model.cfg.tie_embeddings == tied
+    idx = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+    assert (ours - hf_logits(directory, idx)).abs().max().item() <= 1e-4
+
+
+def test_export_includes_hugging_face_tokenizer_files(tmp_path):
+    from transformers import AutoTokenizer
+
+    original = AutoTokenizer.from_pretrained(str(hf_tokenizer(tmp_path / "tok")))
+    model = build_model(ModelConfig(vocab_size=len(original), dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                    ffn_dim=64, max_seq_len=16))
+    export_model(model, tmp_path / "hf", tokenizer=str(tmp_path / "tok"))
+    copied = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert copied.encode("Elementary, my dear") == original.encode("Elementary, my dear")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (original.bos_token_id, original.eos_token_id)

