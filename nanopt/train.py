@@ -60,7 +60,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         optimizer.step()
         # Under DDP the gradients are views of its buckets (gradient_as_bucket_view): zeroing them in place keeps
         # them there. Set to None, the next no_sync micro-steps would allocate a second set beside the buckets
-        # and the last micro-step copy it in (tests/test_ddp.py measures it).
+        # and the last micro-step copy it in (tests/test_train.py measures it).
         optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
     return loss_sum, grad_norm
 
