@@ -137,6 +137,7 @@ def test_records_land_in_the_run_directory_and_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("tasks/mc/acc")] == [(8, 0.5)]
 
 
+@pytest.mark.slow  # lm-eval indexes its tasks for seconds
 def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path):
     lm = lm_class()(model=build_model(ModelConfig(vocab_size=257, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
                                                   ffn_dim=32, max_seq_len=16)), tokenizer="byte", rt=CPU)

@@ -25,6 +25,7 @@ def run_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # lm-eval indexes its tasks for seconds
 @pytest.mark.parametrize("name", [*BROKEN, "bad_group"])
 def test_broken_task_data_is_one_paragraph_naming_the_file_and_line(name, broken_task_dir, run_dir, capsys):
     assert cli(["eval", str(run_dir), "--tasks", name, "--include-path", str(broken_task_dir), "--limit", "4"]) == 2

@@ -72,6 +72,7 @@ def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
     assert all(op["delta_ms"] is None for op in ops[len(matched):])  # ops in one top list only come last
 
 
+@pytest.mark.slow  # its fixture trains two runs
 def test_compare_real_runs_markdown_and_one_profile_missing(two_runs, tmp_path, capsys):
     a, b = two_runs
     assert cli(["compare", str(a), str(b)]) == 0

@@ -54,6 +54,7 @@ def test_tasks_are_scored_at_their_cadence_outside_the_training_clock(tmp_path, 
         summary["weights_sha256_per_rank"]
 
 
+@pytest.mark.slow  # lm-eval indexes its tasks for seconds
 def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
     run_dir = tmp_path / "run"
     assert main_run(small_overrides(**{"run.dir": run_dir, "eval.tasks": "nanopt_mc,no_such_task",
