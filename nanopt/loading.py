@@ -23,13 +23,14 @@ class Loaded:
     run_dir: Optional[Path]  # the run directory; None for a bare Hugging Face directory
 
 
-def load(path: str | Path, device: str | torch.device = "cpu") -> Loaded:
-    """Weights and config from a run directory, a checkpoint or a Hugging Face directory, in eval mode."""
+def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = False) -> Loaded:
+    """Weights and config from a run directory, a checkpoint or a Hugging Face directory, in eval mode.
+    verified: `path` is a checkpoint find_checkpoint just chose (verifying reads every byte: once is enough)."""
     path = Path(path)
     if (path / "config.json").is_file() and not (path / rundirs.STATE_FILE).is_file():  # a Hugging Face directory
         model, cfg = load_hf(path, device)
         return Loaded(model, cfg, path, None, None)
-    ckpt = checkpoint.find_checkpoint(path)
+    ckpt = path if verified else checkpoint.find_checkpoint(path)
     cfg = checkpoint.checkpoint_config(ckpt)
     model = build_model(cfg.model, device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     try:

@@ -57,9 +57,9 @@ class Evaluator:
     def batch_count(self, cfg: Config) -> int:
         return self.batches or cfg.eval.batches
 
-    def run(self, ckpt: Path) -> dict[str, Any]:
+    def run(self, ckpt: Path, verified: bool = False) -> dict[str, Any]:
         """Evaluate one checkpoint, append its record to the run's evaluations (main rank) and print one line."""
-        loaded = load(ckpt)
+        loaded = load(ckpt, verified=verified)
         cfg, split = loaded.cfg, self.split
         rt = self.start(cfg)
         model = loaded.model.to(rt.device)
@@ -101,7 +101,7 @@ def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any
     try:
         rt = evaluator.start(run_cfg)
         # Rank 0's pick for everyone: a checkpoint the run writes meanwhile must not split the ranks.
-        record = evaluator.run(Path(rt.gather_objects(str(ckpt))[0]))
+        record = evaluator.run(Path(rt.gather_objects(str(ckpt))[0]), verified=True)  # find_checkpoint verified it
         runtime.teardown(wait_for_peers=True)
     finally:
         runtime.teardown()

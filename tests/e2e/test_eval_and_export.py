@@ -13,7 +13,7 @@ import yaml
 
 from conftest import (ALL_ON, CPU, hf_logits, hf_tokenizer, options_model, run_module, small_overrides,
                       transformers_model)
-from nanopt import cli, data, hf, shards
+from nanopt import checkpoint, cli, data, hf, shards
 from nanopt.checkpoint import newest_checkpoint
 from nanopt.commands import export as export_command
 from nanopt.config import ModelConfig, configs_dir
@@ -75,6 +75,16 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
     nanopt_cli("eval", trained_run, "--split", "test")
     test_record = evals(trained_run)[-1]
     assert test_record["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_eval_reads_the_checkpoint_it_chose_once(trained_run, monkeypatch):
+    # Verifying reads every byte of a checkpoint: find_checkpoint's choice is not verified again by load().
+    verified, real = [], checkpoint.verify_checkpoint
+    monkeypatch.setattr(checkpoint, "verify_checkpoint",
+                        lambda ckpt, *a: verified.append(Path(ckpt).name) or real(ckpt, *a))
+    record = evaluate_checkpoint(trained_run, Evaluator())
+    assert record["step"] == 8 and verified == ["step_000008"]
 
 
 @pytest.mark.slow
