@@ -183,14 +183,15 @@ def test_eval_tasks_on_runs_then_runs_and_compare_show_them_over_seeds(tmp_path,
 
 @pytest.mark.slow
 def test_the_cpu_speedrun_learns_the_generated_task(tmp_path, capsys):
-    """The speedrun recipe on the embedded corpus, scored by the harness on held-out plays it never trained on:
-    above chance (25%) with a 95% interval that excludes it, and better at the end than at step 50."""
+    """The speedrun recipe on the embedded corpus, shortened to 100 steps (its schedule follows), scored by the
+    harness on held-out plays it never trained on: above chance (25%) with a 95% interval that excludes it, and
+    better at the end than at step 50 (0.48 at step 50, 0.635 +- 0.034 at step 100 on 2026-11-27)."""
     make_tasks(tmp_path / "tasks", n=200)
     run_dir = tmp_path / "speedrun"
     assert main_run(["--config", "configs/speedrun-cpu.yaml", f"--run.dir={run_dir}", "--checkpoint.every=50",
-                     "--checkpoint.keep=10", "--log.curves=false"]) == 0
+                     "--checkpoint.keep=10", "--log.curves=false", "--train.max_steps=100"]) == 0
     scores = {}
-    for step in (50, 300):
+    for step in (50, 100):
         capsys.readouterr()
         assert cli(["eval", str(run_dir / "checkpoints" / f"step_{step:06d}"), "--tasks", "nanopt_mc",
                     "--include-path", str(tmp_path / "tasks"), "--json"]) == 0
@@ -198,7 +199,7 @@ def test_the_cpu_speedrun_learns_the_generated_task(tmp_path, capsys):
         (record,) = json.loads(out[out.index("[\n"):])
         assert record["samples"] == 200 and record["step"] == step
         scores[step] = (record["scores"]["acc"], record["stderr"]["acc"])
-    (early, _), (final, stderr) = scores[50], scores[300]
+    (early, _), (final, stderr) = scores[50], scores[100]
     assert final - 1.96 * stderr > 0.25, scores
     assert final > early, scores
 
