@@ -178,15 +178,39 @@ def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
     if include_path and not Path(include_path).is_dir():
         raise ConfigError(f"--include-path {include_path} is not a directory; give the directory that holds your "
                           f"task YAMLs (e.g. the one `nanopt eval --make-tasks DIR` wrote).")
-    if include_path not in _MANAGERS:  # indexing lm-eval's ~15,000 task YAMLs takes seconds: once per process
-        _MANAGERS[include_path] = TaskManager(include_path=include_path)
-    manager = _MANAGERS[include_path]
+    manager = _MANAGERS.get(include_path)
+    if manager is None and include_path:  # the user's YAMLs alone index in milliseconds
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        manager = own if _self_contained(own.task_index, tasks) else None
+    if manager is None:  # indexing lm-eval's ~15,000 task YAMLs takes seconds: once per process
+        manager = _MANAGERS[include_path] = TaskManager(include_path=include_path)
     if unknown := [t for t in tasks if not manager.match_tasks([t])]:
         raise ConfigError(f"unknown lm-eval task(s): {', '.join(unknown)}. Give task or group names the harness "
                           f"knows (`lm-eval ls tasks` lists them) or YAMLs in --include-path; a YAML that does "
                           f"not parse is not listed (check it with `lm-eval validate --tasks NAME "
                           f"--include_path DIR`).")
     return manager
+
+
+def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
+    """Whether every task, and every member of every group, named is in `index` (the user's YAMLs): then lm-eval's
+    own tasks need not be indexed. Anything unexpected (an inline task config, a newer index format) says no."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        entry = index.get(name) if isinstance(name, str) else None
+        kind = getattr(getattr(entry, "kind", None), "name", None)
+        if kind == "TASK":
+            continue
+        members = getattr(entry, "cfg", {}).get("task") if kind == "GROUP" else None
+        if not isinstance(members, list):
+            return False
+        todo.extend(members)
+    return True
 
 
 def check_tasks(spec: TaskSpec) -> None:

@@ -13,10 +13,11 @@ from conftest import CPU
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
-from nanopt.harness import evaluate_tasks, lm_class, record_tasks, task_records
+from nanopt.harness import _self_contained, _task_manager, evaluate_tasks, lm_class, record_tasks, task_records
 from nanopt.hf import export_model
 from nanopt.model import build_model
 from nanopt.scoring import continuation_scores
+from nanopt.taskgen import make_tasks
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
@@ -147,3 +148,20 @@ def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path):
         evaluate_tasks(lm, ["x"], include_path=str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="does not exist"):
         lm_class()(path=str(tmp_path / "nothing"))
+
+
+def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(tmp_path, monkeypatch):
+    """Tasks and groups whose every member is in --include-path resolve without lm-eval's ~15,000 YAMLs (seconds
+    saved per process); a group that names one of lm-eval's own tasks still gets the whole index."""
+    pytest.importorskip("lm_eval", reason="lm-eval is an optional extra (pip install -e '.[eval]')")
+    import lm_eval.tasks
+
+    make_tasks(tmp_path / "t", n=8)
+    (tmp_path / "t" / "mixed.yaml").write_text("group: mixed\ntask:\n  - nanopt_mc\n  - hellaswag\n")
+    built = []
+    real = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: built.append(kw) or real(**kw))
+    manager = _task_manager(["nanopt_tasks", "nanopt_mc"], str(tmp_path / "t"))
+    assert [kw.get("include_defaults", True) for kw in built] == [False]
+    assert manager.match_tasks(["nanopt_tasks"]) == ["nanopt_tasks"]
+    assert not _self_contained(manager.task_index, ["mixed"]) and not _self_contained(manager.task_index, ["nope"])

@@ -109,7 +109,7 @@ def test_lm_eval_loads_the_tasks_offline(tmp_path, monkeypatch):
 def test_the_harness_dummy_model_runs_both_tasks_offline(tmp_path, monkeypatch):
     """The harness's own `dummy` model (random scores), with the built-in tasks indexed too (~6 s): no name clash."""
     offline(monkeypatch)
-    import lm_eval
+    import lm_eval.tasks
     make_tasks(tmp_path, TEXTS, n=12)
     manager = lm_eval.tasks.TaskManager(include_path=str(tmp_path))
     out = lm_eval.simple_evaluate(model="dummy", tasks=["nanopt_mc", "nanopt_rolling"], task_manager=manager,
