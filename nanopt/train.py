@@ -453,15 +453,18 @@ def own_run_dir(cfg: Config, rt: Runtime) -> Optional[DirLock]:
 
 def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
     """The summary of this run when it is already finished (rundirs.finished), after checking that the
-    finished run is this config's: a re-run of its command changes nothing; another config is refused."""
+    finished run is this config's: a re-run of its command changes nothing; a change it would silently ignore
+    (one that changes results or what the run measures: data, target, profiling, tasks) is refused."""
     summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
     if summary is None:
         return None
-    if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg):
+    if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg, finished=True):
+        more = "" if summary.get("stopped_at_target") else " A larger `train.max_steps` continues the run."
         raise ConfigError(f"{cfg.run_dir} holds a finished run of another config ({'; '.join(changes)}; \"in the "
-                          f"checkpoint\" = its config.yaml). Set `run.dir` (or `run.name`) to a new directory for this "
-                          f"one, run the config it used, or accept the change with "
-                          f"`--checkpoint.allow_changes=KEY[,KEY...]`.")
+                          f"checkpoint\" = its config.yaml), and a finished run is not trained again. Set `run.name` "
+                          f"(or `run.dir`) to a new directory for this one, run the config it used, or accept the "
+                          f"change with `--checkpoint.allow_changes=KEY[,KEY...]` (then nothing is trained: the "
+                          f"finished run's summary is printed).{more}")
     return summary
 
 
