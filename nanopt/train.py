@@ -73,6 +73,7 @@ class RunState:
     tokens_seen: int = 0
     train_seconds: float = 0.0  # wall time inside train steps only (no eval, checkpoint, logging)
     best_val_loss: Optional[float] = None
+    best_val_bpb: Optional[float] = None  # absent from older checkpoints: None until the next evaluation
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -175,6 +176,8 @@ class Validator:
                                           train_seconds=state.train_seconds)
         if state.best_val_loss is None or val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
+        if state.best_val_bpb is None or val_bpb < state.best_val_bpb:
+            state.best_val_bpb = val_bpb
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
         return self.last
@@ -414,7 +417,8 @@ def finish(run: Session) -> dict[str, Any]:
         "run": cfg.run.name, "steps": state.step, "tokens_seen": state.tokens_seen,
         "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - run.started,
         "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
-        "best_val_loss": state.best_val_loss, "world_size": rt.world_size, "device": rt.kind,
+        "best_val_loss": state.best_val_loss, "best_val_bpb": state.best_val_bpb,
+        "world_size": rt.world_size, "device": rt.kind,
         "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
         **fp8.summary(cfg, (run.logger.stage or run.plan.at(state.step, state.tokens_seen)).seq_len),
         "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
@@ -431,6 +435,8 @@ def finish(run: Session) -> dict[str, Any]:
         _print_samples(run)
         log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
                  f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
+        if missed := run.clock.missed(state.step, state.best_val_loss, state.best_val_bpb):
+            log.info("%s", missed)
     return summary
 
 
@@ -480,6 +486,8 @@ def summary_line(summary: dict[str, Any]) -> str:
             parts.append(f"{key} {summary[key]:.4f}")
     if summary.get("stopped_at_target"):
         parts.append(f"stopped at its target at step {summary.get('step_to_target')}")
+    elif summary.get("target_reached") is False:
+        parts.append("target not reached")
     return "summary: " + ", ".join(parts)
 
 
