@@ -391,6 +391,8 @@ class MfuConfig:
                         "forces that device's dense spec-sheet peak.", choices=("auto", *PEAKS))
     warmup_steps: int = key(1, "Steps (from the start or a resume) kept out of the MFU average.", ge=0)
     causal_halving: bool = key(True, "Count half the T×T attention scores (causal kernels skip the rest).")
+    devices: int = key(1, "Devices (GPUs, TPU chips) the config is sized for: what `nanopt estimate` assumes without "
+                       "--gpus. Training takes its world size from torchrun, not from this.", gt=0)
 
 
 @section(safe=True)
