@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from nanopt.errors import EXIT_BAD_INPUT, ConfigError, ShardError, debug_enabled
+from nanopt.errors import EXIT_BAD_INPUT, ConfigError, ShardError, debug_enabled, debug_traceback
 
 COMMANDS: dict[str, str] = {
     "train": "train a model (same as python -m nanopt.main)",
@@ -37,7 +37,7 @@ def usage() -> str:
 
 
 def run(argv: list[str]) -> int:
-    # `--debug` anywhere (or NANOPT_DEBUG=1): tracebacks instead of one-paragraph errors, for every subcommand.
+    # `--debug` anywhere (or NANOPT_DEBUG=1): tracebacks before the one-paragraph errors, for every subcommand.
     debug = "--debug" in argv or debug_enabled()
     argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -55,8 +55,7 @@ def run(argv: list[str]) -> int:
     try:
         return int(importlib.import_module(f"nanopt.commands.{name}").main(rest) or 0)
     except (ConfigError, ShardError) as e:  # bad input, for every command alike: one paragraph, exit 2
-        if debug:
-            raise
+        debug_traceback()
         print(f"nanopt {name}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:

@@ -391,6 +391,8 @@ class MfuConfig:
                         "forces that device's dense spec-sheet peak.", choices=("auto", *PEAKS))
     warmup_steps: int = key(1, "Steps (from the start or a resume) kept out of the MFU average.", ge=0)
     causal_halving: bool = key(True, "Count half the T×T attention scores (causal kernels skip the rest).")
+    devices: int = key(1, "Devices (GPUs, TPU chips) the config is sized for: what `nanopt estimate` assumes without "
+                       "--gpus. Training takes its world size from torchrun, not from this.", gt=0)
 
 
 @section(safe=True)
@@ -445,6 +447,11 @@ def _keys(flag: str) -> frozenset[str]:
 
 SAFE_KEYS = _keys("safe")  # what resume_changes lets differ from the checkpoint's config
 NEUTRAL_KEYS = _keys("neutral")  # what does not split a group of repeats in `nanopt runs`
+# A finished run is not trained again, so a re-run of its command may differ only in keys that change neither its
+# results nor what it measures or prints (the eval, sample and mfu sections): where it lives, how it checkpoints,
+# prepare's keys, and runtime.threads (a sweep sets it per machine). Any other change would be silently ignored.
+RERUN_KEYS = frozenset({"runtime.threads"}
+                       | {k for k in NEUTRAL_KEYS if k.split(".")[0] not in ("eval", "sample", "mfu")})
 RETIRED_KEYS = {"train.grad_accum_steps"}  # in older checkpoints' configs: skipped when read (plan.py derives it)
 
 
@@ -719,12 +726,14 @@ def config_from_dict(data: Any, where: str) -> Config:
     return cfg
 
 
-def resume_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
-    """Keys whose value differs from the checkpoint's config and that are neither resume-safe (SAFE_KEYS) nor
-    allowed by `checkpoint.allow_changes`, each as "key: old in the checkpoint, new now"."""
+def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -> list[str]:
+    """Keys whose value differs from the checkpoint's config and that are neither allowed by
+    `checkpoint.allow_changes` nor free to differ: resume-safe (SAFE_KEYS) when the run goes on, RERUN_KEYS when
+    it is `finished` (rundirs.finished). Each as "key: old in the checkpoint, new now". The one rule for train,
+    sweep and Modal's sweep."""
     before, now = ({f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
                    for data in (saved, cfg.to_dict()))
-    allowed = set(comma_list(cfg.checkpoint.allow_changes))
+    free = (RERUN_KEYS if finished else SAFE_KEYS) | set(comma_list(cfg.checkpoint.allow_changes))
     # A key only one side knows is from another nanopt version.
-    changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in SAFE_KEYS | allowed)
+    changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in free)
     return [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now" for k in changed]

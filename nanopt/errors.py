@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -68,3 +69,10 @@ class Preempted(Exception):
 def debug_enabled() -> bool:
     """NANOPT_DEBUG=1 (or `--debug`, which the CLI turns into it): tracebacks instead of one-paragraph errors."""
     return os.environ.get("NANOPT_DEBUG", "") not in ("", "0")
+
+
+def debug_traceback() -> None:
+    """Under `--debug` (NANOPT_DEBUG): the traceback of the error being handled, on stderr. The caller then prints
+    its paragraph and returns its own exit status, so --debug never turns bad input's 2 into an uncaught 1."""
+    if debug_enabled():
+        traceback.print_exc()

@@ -91,6 +91,17 @@ class SpeedrunClock:
             log.info("target %s %.4f reached at step %d after %.1f s of training (%s tokens)",
                      self.metric.replace("_", " "), self.target, step, train_seconds, f"{tokens:,}")
 
+    def missed(self, steps: int, best_val_loss: Optional[float], best_val_bpb: Optional[float]) -> Optional[str]:
+        """The run's last word on a target set but not reached (None otherwise): the target and the best the run
+        came to, so a race that cannot reach its target does not end as quietly as one that did."""
+        if self.target is None or self.reached:
+            return None
+        closest = "no evaluation ran" if best_val_loss is None else f"best val loss {best_val_loss:.4f}"
+        if best_val_bpb is not None:  # None after a resume from a checkpoint older than the bpb record
+            closest += f", val bpb {best_val_bpb:.4f}"
+        return (f"target {self.metric.replace('_', ' ')} {self.target:.4f} not reached in {steps} steps ({closest}); "
+                f"summary.json says \"target_reached\": false")
+
     def summary(self) -> dict[str, Any]:
         """summary.json fields (nulls when the target was set but not reached; none when no target)."""
         if self.target is None:

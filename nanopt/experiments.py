@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
@@ -24,6 +25,7 @@ SEED_KEY = "run.seed"
 SEED_KEYS = (SEED_KEY, "run.init_seed", "run.data_seed")
 # Summary fields that split groups too: the same config on another machine or world size is another race.
 HARDWARE_KEYS = ("hardware", "world_size")
+NAME_KEYS = 3  # a group is named by at most this many keys; more (other configs) are named by directory
 MISSING = "<missing>"  # a key one run's config lacks (written by another nanopt version)
 # summary.json figures that reports do arithmetic on, by the type the trainer writes (null allowed: an
 # unreached target's figures are null). Anything else in a summary is shown as it is.
@@ -220,7 +222,8 @@ def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repe
 
 @dataclass
 class Group:
-    """Runs with one setting, each seed once; `name` is the keys that vary between the groups found together."""
+    """Runs with one setting, each seed once; `name` is the keys that vary between the groups found together (or
+    its directory: group_runs)."""
 
     name: str
     runs: list[FinishedRun] = field(default_factory=list)
@@ -234,22 +237,58 @@ class Group:
 
 def group_runs(runs: list[FinishedRun]) -> list[Group]:
     """Runs grouped by setting, in order of first appearance, repeats counted once (each group lists its own).
-    A group is named by the keys whose value differs between groups (`optim.name=muon`), or `all`."""
+    A group is named by the keys whose value differs between groups (`optim.name=muon`), or `all`; where more
+    than NAME_KEYS differ (runs of other configs beside a sweep), by directory (_names_by_directory)."""
     kept, repeats = split_repeats(runs)
     by_setting: dict[tuple, list[FinishedRun]] = {}
     for run in kept:
         by_setting.setdefault(run.setting(), []).append(run)
-    settings = [dict(s) for s in by_setting]
-    keys = [k for k in dict.fromkeys(k for s in settings for k in s) if len({s.get(k, MISSING) for s in settings}) > 1]
     # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
     order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
-    keys.sort(key=lambda k: order.get(k, len(order)))
-    groups = []
-    for setting, members in by_setting.items():
-        values = {k: dict(setting).get(k, MISSING) for k in keys}
-        own = [r for r in repeats if r.first.setting() == setting]
-        groups.append(Group(",".join(f"{k}={v}" for k, v in values.items()) or "all", members, values, own))
-    return groups
+    keys = _differing(list(by_setting), order)
+    if len(keys) > NAME_KEYS:
+        names = _names_by_directory(by_setting, order)
+    else:
+        names = {s: _key_name("", {k: dict(s).get(k, MISSING) for k in keys}) or ("all", {}) for s in by_setting}
+    return [Group(names[setting][0], members, names[setting][1], [r for r in repeats if r.first.setting() == setting])
+            for setting, members in by_setting.items()]
+
+
+def _differing(settings: list[tuple], order: dict[str, int]) -> list[str]:
+    """The keys whose value differs between these settings, in config order."""
+    dicts = [dict(s) for s in settings]
+    keys = [k for k in dict.fromkeys(k for d in dicts for k in d) if len({d.get(k, MISSING) for d in dicts}) > 1]
+    return sorted(keys, key=lambda k: order.get(k, len(order)))
+
+
+def _key_name(directory: str, values: dict[str, str]) -> Optional[tuple[str, dict[str, str]]]:
+    """(`directory/key=value,...`, values), None without values."""
+    if not values:
+        return None
+    return f"{directory}/" * bool(directory) + ",".join(f"{k}={v}" for k, v in values.items()), values
+
+
+def _names_by_directory(by_setting: dict[tuple, list[FinishedRun]],
+                        order: dict[str, int]) -> dict[tuple, tuple[str, dict[str, str]]]:
+    """(name, values) per setting when the groups differ in too many keys to be named by them: the directory
+    below DIR holding a group's runs and the keys that differ between the groups there (`tiny-sweep/optim.name=
+    muon`: a sweep's points by their grid); the directory alone when it holds one setting; else (too many keys
+    there too) the group's first run's name. Each name once: a clash falls back to the first run's name."""
+    where = {s: _directory(members) for s, members in by_setting.items()}
+    names = {}
+    for s, members in by_setting.items():
+        keys = _differing([t for t in by_setting if where[t] == where[s]], order)
+        named = _key_name(where[s], {k: dict(s).get(k, MISSING) for k in keys}) if len(keys) <= NAME_KEYS else None
+        names[s] = named or ((where[s], {}) if not keys and where[s] else (members[0].name, {}))
+    taken = [name for name, _ in names.values()]
+    return {s: (by_setting[s][0].name, {}) if taken.count(name) > 1 else (name, values)
+            for s, (name, values) in names.items()}
+
+
+def _directory(runs: list[FinishedRun]) -> str:
+    """The directory below DIR that a group's runs share ("" for DIR itself)."""
+    shared = os.path.commonpath([PurePosixPath(r.name).parent.as_posix() for r in runs])
+    return "" if shared in ("", ".") else shared
 
 
 # ---------------------------------------------------------------- statistics over seeds
@@ -550,9 +589,9 @@ def runs_text(report: dict[str, Any], per_run: bool = False) -> str:
     if not runs:
         lines = [f"no finished runs in {report['dir']} (a run writes {SUMMARY_FILE} when it ends)"]
     elif any(g["n"] > 1 for g in groups) and not per_run:
-        lines = [f"{len(runs)} runs in {len(groups)} group(s) of seeds; named by the config keys that differ "
-                 f"between groups; n: runs with the figure; 95% CI of the mean (Student t)", _groups_text(groups),
-                 *_spread_lines(groups)]
+        lines = [f"{len(runs)} runs in {len(groups)} group(s) of seeds, named by the config keys that differ between "
+                 f"groups (or directories)", "n: runs with the figure; 95% CI of the mean (Student t)",
+                 _groups_text(groups), *_spread_lines(groups)]
     else:
         lines = [_leaderboard_text(runs)]
     if report["comparison"] is not None:

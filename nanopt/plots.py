@@ -171,8 +171,10 @@ def curves_png(run_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------- nanopt plot: runs overlaid
-def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: str = "steps") -> Path:
-    """`nanopt plot`: a line per run at or below `paths`, in the PNG `out` (checked before any run is read)."""
+def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: str = "steps",
+              force: bool = False) -> Path:
+    """`nanopt plot`: a line per run at or below `paths`, in the PNG `out` (checked before any run is read; an
+    existing file is replaced only with `force`: the default name is the same for every plot of a metric)."""
     out = Path(out)
     if not have_matplotlib():
         raise ConfigError("nanopt plot draws with matplotlib, which is not installed; pip install matplotlib.")
@@ -182,6 +184,9 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
         raise ConfigError(f"-o {out} is a directory; give a file name, e.g. -o {out / 'plot.png'}.")
     if not out.parent.is_dir():
         raise ConfigError(f"-o {out}: the directory {out.parent} does not exist; create it or write elsewhere.")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError(f"{out} already exists (an earlier plot?) and is kept; name another file with -o, or add "
+                          f"--force to replace it.")
     runs = runs_to_plot(paths)
     per_run = [stepped_records(r) for r in runs]
     if not any(series(records, metric, x)[0] for records in per_run):

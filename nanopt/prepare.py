@@ -232,6 +232,7 @@ class ShardWriter:
         self.buffer: list[np.ndarray] = []
         self.buffer_tokens = 0
         self.doclens: list[int] = []  # lengths of documents finished since the last commit
+        self.verified: Optional[dict[str, Any]] = None  # resume(verify=True): the committed shards read whole
 
     # ---- resume
     def resume(self, verify: bool = False) -> None:
@@ -270,6 +271,9 @@ class ShardWriter:
     def _roll_back_to_first_lost(self, verify: bool) -> None:
         entries = self.manifest["shards"]
         lost = [(i, why) for i, e in enumerate(entries) if (why := shards.entry_problem(self.out, e, verify))]
+        if verify:
+            self.verified = {"shards": len(entries), "tokens": sum(e["tokens"] for e in entries),
+                             "rebuilt": [entries[i]["file"] for i, _ in lost]}
         if not lost:
             return
         first, why = lost[0][0], "; ".join(why for _, why in lost)
@@ -435,7 +439,9 @@ def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[st
                                                        "shuffle_buffer", "shuffle_seed")},
                  "documents_read": writer.state["next_doc"],
                  "this_run": {"documents": documents, "tokens": new_tokens, "seconds": round(elapsed, 3),
-                              "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed > 0 else None}}
+                              "tokens_per_s": round(new_tokens / elapsed, 1) if elapsed > 0 else None,
+                              # with verify: the shards committed before, read whole (None: there were none)
+                              "verified": writer.verified}}
         write_json(out / STATS, stats)
     return stats
 

@@ -213,14 +213,15 @@ def point_state(run_dir: Path, cfg: Config) -> str:
     return "resume" if (Path(run_dir) / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).exists() else "new"
 
 
-def resume_diff(run_dir: Path, cfg: Config) -> list[str]:
-    """How the run directory's config.yaml differs from `cfg` in the keys a resume may not change
-    (config.resume_changes), each as "key: old -> new"; [] when they agree or there is none."""
+def resume_diff(run_dir: Path, cfg: Config, finished: bool = False) -> list[str]:
+    """How the run directory's config.yaml differs from `cfg` in the keys a resume (or, `finished`, a re-run of a
+    finished run) may not change (config.resume_changes), each as "key: old -> new"; [] when they agree or there
+    is none."""
     saved = rundirs.read_config(run_dir)
     if saved is None:
         return []
     # resume_changes is the rule (which keys count, checkpoint.allow_changes included); its lines start "key:".
-    keys = [line.split(":", 1)[0] for line in resume_changes(saved, cfg)]
+    keys = [line.split(":", 1)[0] for line in resume_changes(saved, cfg, finished)]
     before, now = rundirs.flatten(saved), rundirs.flatten(cfg.to_dict())
     return [f"{k}: {rundirs.format_value(before[k])} -> {rundirs.format_value(now[k])}" for k in keys]
 
@@ -233,10 +234,11 @@ def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[st
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
         try:
-            if diff := resume_diff(run_dir, cfg):
+            state = point_state(run_dir, cfg)
+            if diff := resume_diff(run_dir, cfg, finished=state == "done"):
                 changed[name] = diff
             else:
-                states[name] = point_state(run_dir, cfg)
+                states[name] = state
         except ConfigError as e:
             why = " ".join(str(e).split())  # one paragraph: a YAML error's own text spans lines
             raise ConfigError(f"grid point {name}: {why} The sweep cannot tell what this point ran or whether it is "
@@ -253,8 +255,9 @@ def refusal(changed: dict[str, list[str]], where: Path) -> str:
     hint = f" (the earlier command is in {earlier})" if earlier.is_file() else ""
     return (f"{len(changed)} point(s) of this sweep already have a run directory under {where} that ran another "
             f"config, so skipping or resuming them would record another config's runs as this sweep's: {listed}. "
-            f"Run the sweep with the same config file and overrides as before{hint}, or give this one a new "
-            f"--name or --dir to run these points afresh.")
+            f"Run the sweep with the same config file and overrides as before{hint}, give this one a new "
+            f"--name or --dir to run these points afresh, or accept the change with "
+            f"--checkpoint.allow_changes=KEY[,KEY...].")
 
 
 def summary_or_empty(run_dir: Path) -> dict[str, Any]:

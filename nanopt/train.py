@@ -73,6 +73,7 @@ class RunState:
     tokens_seen: int = 0
     train_seconds: float = 0.0  # wall time inside train steps only (no eval, checkpoint, logging)
     best_val_loss: Optional[float] = None
+    best_val_bpb: Optional[float] = None  # absent from older checkpoints: None until the next evaluation
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -175,6 +176,8 @@ class Validator:
                                           train_seconds=state.train_seconds)
         if state.best_val_loss is None or val_loss < state.best_val_loss:
             state.best_val_loss = val_loss
+        if state.best_val_bpb is None or val_bpb < state.best_val_bpb:
+            state.best_val_bpb = val_bpb
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
         return self.last
@@ -414,7 +417,8 @@ def finish(run: Session) -> dict[str, Any]:
         "run": cfg.run.name, "steps": state.step, "tokens_seen": state.tokens_seen,
         "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - run.started,
         "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
-        "best_val_loss": state.best_val_loss, "world_size": rt.world_size, "device": rt.kind,
+        "best_val_loss": state.best_val_loss, "best_val_bpb": state.best_val_bpb,
+        "world_size": rt.world_size, "device": rt.kind,
         "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
         **fp8.summary(cfg, (run.logger.stage or run.plan.at(state.step, state.tokens_seen)).seq_len),
         "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
@@ -431,6 +435,8 @@ def finish(run: Session) -> dict[str, Any]:
         _print_samples(run)
         log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
                  f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
+        if missed := run.clock.missed(state.step, state.best_val_loss, state.best_val_bpb):
+            log.info("%s", missed)
     return summary
 
 
@@ -453,15 +459,18 @@ def own_run_dir(cfg: Config, rt: Runtime) -> Optional[DirLock]:
 
 def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
     """The summary of this run when it is already finished (rundirs.finished), after checking that the
-    finished run is this config's: a re-run of its command changes nothing; another config is refused."""
+    finished run is this config's: a re-run of its command changes nothing; a change it would silently ignore
+    (one that changes results or what the run measures: data, target, profiling, tasks) is refused."""
     summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
     if summary is None:
         return None
-    if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg):
+    if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg, finished=True):
+        more = "" if summary.get("stopped_at_target") else " A larger `train.max_steps` continues the run."
         raise ConfigError(f"{cfg.run_dir} holds a finished run of another config ({'; '.join(changes)}; \"in the "
-                          f"checkpoint\" = its config.yaml). Set `run.dir` (or `run.name`) to a new directory for this "
-                          f"one, run the config it used, or accept the change with "
-                          f"`--checkpoint.allow_changes=KEY[,KEY...]`.")
+                          f"checkpoint\" = its config.yaml), and a finished run is not trained again. Set `run.name` "
+                          f"(or `run.dir`) to a new directory for this one, run the config it used, or accept the "
+                          f"change with `--checkpoint.allow_changes=KEY[,KEY...]` (then nothing is trained: the "
+                          f"finished run's summary is printed).{more}")
     return summary
 
 
@@ -477,6 +486,8 @@ def summary_line(summary: dict[str, Any]) -> str:
             parts.append(f"{key} {summary[key]:.4f}")
     if summary.get("stopped_at_target"):
         parts.append(f"stopped at its target at step {summary.get('step_to_target')}")
+    elif summary.get("target_reached") is False:
+        parts.append("target not reached")
     return "summary: " + ", ".join(parts)
 
 

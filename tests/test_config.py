@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_module
-from nanopt.config import ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve, to_yaml
+from nanopt.config import (ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
+                           resume_changes, to_yaml)
 from nanopt.main import run
 from nanopt.plan import build_plan
 
@@ -15,6 +16,24 @@ def test_every_shipped_config_loads_and_resolves(path):
     world = 8 if path.stem == "1b" else 1
     resolve(cfg, world)
     assert all(stage.accum >= 1 for stage in build_plan(cfg.train, world).stages)
+
+
+@pytest.mark.parametrize("override, refused", [
+    ("--data.source=/data/shards", True), ("--train.target_val_loss=1.6", True), ("--profile.enabled=true", True),
+    ("--eval.tasks=hellaswag", True), ("--train.max_steps=50", True),
+    ("--runtime.threads=3", False), ("--checkpoint.every=7", False), ("--run.name=other", False),
+])
+def test_a_finished_run_refuses_a_resume_safe_key_its_rerun_would_ignore(override, refused):
+    """Before, a finished run's re-run swallowed every resume-safe change ("nothing to train", exit 0): a new
+    corpus, target, profiling or tasks silently did nothing. Where the run goes on, they stay free."""
+    saved = load_config(None).to_dict()
+    name = override[2:].split("=")[0]
+    cfg = load_config(None, parse_overrides([override]))
+    assert resume_changes(saved, cfg) == []
+    changes = resume_changes(saved, cfg, finished=True)
+    assert [line.split(":")[0] for line in changes] == ([name] if refused else [])
+    allowed = load_config(None, parse_overrides([override, f"--checkpoint.allow_changes={name}"]))
+    assert resume_changes(saved, allowed, finished=True) == []
 
 
 def test_no_config_is_the_embedded_tiny_default():

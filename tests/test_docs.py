@@ -64,3 +64,15 @@ def test_the_layer_map_page_is_the_enforced_one():
     assert [int(n) for n, _ in rows] == list(range(len(LAYERS))), "docs/development.md: layer numbers 0, 1, 2, ..."
     assert documented == LAYERS, ("docs/development.md's layer table differs from tests/test_layers.py LAYERS: "
                                   "make the table list each layer's modules in the same order")
+
+
+def test_what_the_documented_commands_write_into_the_checkout_is_ignored_by_git():
+    """Prepared shards, exported models, demo tasks and plots the pages' commands write in the checkout (a relative
+    --out, --make-tasks, data.source, or nanopt plot's default name) never show up as changes to commit."""
+    ignored = {line.strip() for line in (REPO / ".gitignore").read_text().splitlines()}
+    commands = "\n".join(re.findall(r"^```bash\n(.*?)^```", "\n".join(p.read_text() for p in PAGES), flags=re.S | re.M))
+    written = re.findall(r"(?:--out|--make-tasks|--data\.source=|--data\.dir=)[ =]?([A-Za-z][\w.-]*/)", commands)
+    assert {"data/", "exported/", "tasks/"} <= set(written)
+    for top in sorted(set(written)):
+        assert f"/{top}" in ignored or top in ignored, f"{top} (written by a documented command) is not in .gitignore"
+    assert "nanopt plot runs/a runs/b " in commands and "/plot_*.png" in ignored  # plot_<metric>_<x>.png

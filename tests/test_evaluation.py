@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import CPU
 from nanopt.config import ModelConfig
-from nanopt.evaluation import evaluate
+from nanopt.evaluation import SpeedrunClock, evaluate
 from nanopt.model import build_model
 
 torch.set_num_threads(1)
@@ -38,3 +38,19 @@ def test_bpb_matches_hand_computation():
         nats = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1), reduction="sum").item()
     assert loss == pytest.approx(nats / 8, rel=1e-5)
     assert bpb == pytest.approx(nats / math.log(2) / 19, rel=1e-5)
+
+
+# ---------------------------------------------------------------- the speedrun clock
+
+
+def test_the_clock_says_when_its_target_was_not_reached_and_how_close_the_run_came():
+    clock = SpeedrunClock(1.6)
+    clock.observe(4.9, 7.1, 2, 512, 0.5, CPU)
+    assert clock.missed(4, 4.6775, 6.7483) == ("target val loss 1.6000 not reached in 4 steps (best val loss 4.6775, "
+                                               "val bpb 6.7483); summary.json says \"target_reached\": false")
+    assert clock.summary()["target_reached"] is False
+    assert "(no evaluation ran)" in SpeedrunClock(1.6).missed(4, None, None)
+    assert SpeedrunClock(6.5, "val_bpb").missed(4, 4.6, 6.7).startswith("target val bpb 6.5000 not reached")
+    clock.observe(1.5, 2.2, 6, 1536, 1.5, CPU)
+    assert clock.missed(8, 1.5, 2.2) is None  # reached
+    assert SpeedrunClock(None).missed(8, 4.6, 6.7) is None  # no target

@@ -16,7 +16,7 @@ from scipy import stats
 from conftest import BAD_UTF8, FAKE_LOSSES, damage, error_line, no_traceback, read_out, write_config_run, write_fake_run
 from nanopt import experiments, rundirs
 from nanopt.cli import run as cli
-from nanopt.config import Config, to_yaml
+from nanopt.config import Config, configs_dir, load_config, parse_overrides, to_yaml
 from nanopt.errors import ConfigError
 from nanopt.experiments import describe, seeds_needed, welch
 
@@ -128,6 +128,41 @@ def test_runs_group_by_setting_and_split_on_a_result_changing_key(sweep):
         f"sw/optim.name=adamw,seed={i}" for i in range(3)]
     only_sweep = experiments.group_runs(experiments.find_runs(sweep / "sw")[0])
     assert [g.name for g in only_sweep] == ["optim.name=adamw", "optim.name=muon"]
+
+
+def _config_run(path: Path, config: Any, seed: int, loss: float, *overrides: str) -> None:
+    """A finished run of a shipped config (None: the embedded default) with overrides, as the trainer writes it."""
+    cfg = load_config(config, parse_overrides([*overrides, f"--run.seed={seed}"]))
+    cfg.run.name, cfg.run.dir = path.name, str(path)
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(to_yaml(cfg))
+    (path / "summary.json").write_text(json.dumps({"steps": 200, "hardware": "cpu", "world_size": 1,
+                                                   "final_val_loss": loss}))
+
+
+def test_a_sweep_beside_runs_of_other_configs_is_named_by_its_one_grid_key(tmp_path, capsys):
+    """Before: the README's run, speedrun.md's and a sweep of two settings named every group by the ~30 keys
+    that differ between tiny.yaml and speedrun-cpu.yaml, a 567-column table."""
+    root = tmp_path / "runs"
+    _config_run(root / "tiny", None, 1337, 2.2)
+    _config_run(root / "sdpa", configs_dir() / "speedrun-cpu.yaml", 1337, 2.0, "--train.target_val_loss=1.6")
+    for opt in ("adamw", "muon"):
+        for seed in (1337, 1338):
+            _config_run(root / "tiny-sweep" / f"optim.name={opt},seed={seed}", configs_dir() / "tiny.yaml", seed,
+                        2.1 + (opt == "muon") / 10 + (seed - 1337) / 100, f"--optim.name={opt}", "--runtime.threads=1")
+    groups = experiments.group_runs(experiments.find_runs(root)[0])
+    assert [(g.name, g.values) for g in groups] == [
+        ("sdpa", {}), ("tiny", {}), ("tiny-sweep/optim.name=adamw", {"optim.name": "adamw"}),
+        ("tiny-sweep/optim.name=muon", {"optim.name": "muon"})]
+    assert [g.name for g in experiments.group_runs(experiments.find_runs(root / "tiny-sweep")[0])] == [
+        "optim.name=adamw", "optim.name=muon"]
+    assert cli(["runs", str(root), "--compare", "muon", "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "A = tiny-sweep/optim.name=muon" in out and max(map(len, out.splitlines())) <= 100
+    # A directory of seeds of one setting is named by the directory.
+    shutil.rmtree(root / "tiny-sweep" / "optim.name=muon,seed=1337")
+    shutil.rmtree(root / "tiny-sweep" / "optim.name=muon,seed=1338")
+    assert [g.name for g in experiments.group_runs(experiments.find_runs(root)[0])] == ["sdpa", "tiny", "tiny-sweep"]
 
 
 def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):

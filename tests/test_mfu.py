@@ -325,6 +325,23 @@ def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
     assert got["mfu_full_attention"] == pytest.approx(0.4 * 9_025_499_136 / flops_per_token)
 
 
+@pytest.mark.parametrize("config, devices", [("170m-1gpu", 1), ("1b", 8), ("speedrun-gpu", 1), ("tiny", 1)])
+def test_estimate_assumes_the_devices_the_config_is_sized_for_unless_told(capsys, config, devices):
+    """Before, every config was estimated on 8 GPUs: configs/170m-1gpu.yaml's ~2.8 h on one H100 read 0.3 h."""
+    path = str(REPO / "configs" / f"{config}.yaml")
+    assert cli.run(["estimate", path, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["gpus"], got["gpus_source"]) == (devices, "mfu.devices")
+    assert cli.run(["estimate", path]) == 0
+    out = capsys.readouterr().out
+    assert f": {devices} × NVIDIA H100 SXM" in out and f"devices        {devices} (the config's mfu.devices" in out
+    assert cli.run(["estimate", path, "--gpus", "2", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert (given["gpus"], given["gpus_source"]) == (2, "--gpus")
+    assert given["hours"] == pytest.approx(got["hours"] * devices / 2)
+    assert given["gpu_hours"] == pytest.approx(got["gpu_hours"])
+
+
 def test_estimate_prints_the_three_conventions(capsys):
     assert cli.run(["estimate", str(REPO / "configs" / "1b.yaml"), "--mfu", "0.5126"]) == 0
     out = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Pictures (nanopt/plots.py) of run directories written by hand: `nanopt plot` names a damaged metrics line, leaves
 out a value of the wrong type and refuses an output that is not a file; a picture that cannot be drawn is a
-warning. Real runs drawn: e2e/test_plots_and_watch.py."""
+warning; an existing PNG is kept without --force. Real runs drawn: e2e/test_plots_and_watch.py."""
 from __future__ import annotations
 
 import json
@@ -48,6 +48,20 @@ def test_plot_output_must_be_a_file_in_an_existing_directory(plotted, tmp_path, 
     no_traceback(err)
     assert cli(["plot", str(plotted), "-o", str(tmp_path / "nowhere" / "p.png")]) == 2
     assert "does not exist" in read_out(capsys)[1]
+
+
+def test_plot_keeps_an_existing_png_unless_forced(plotted, tmp_path, capsys, monkeypatch):
+    """Before, a second `nanopt plot` silently replaced plot_<metric>_<x>.png (every plot of a metric has that name)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "plot_loss_steps.png"
+    out.write_bytes(b"an earlier plot")
+    assert cli(["plot", str(plotted), "--metric", "loss"]) == 2
+    _, err = read_out(capsys)
+    assert err == ("nanopt plot: error: plot_loss_steps.png already exists (an earlier plot?) and is kept; name "
+                   "another file with -o, or add --force to replace it.\n")
+    assert out.read_bytes() == b"an earlier plot"
+    assert cli(["plot", str(plotted), "--metric", "loss", "--force"]) == 0
+    assert read_out(capsys)[0] == "plot_loss_steps.png\n" and out.read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------- curves.png

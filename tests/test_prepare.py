@@ -560,6 +560,36 @@ def _cli_prepare(cfg, tmp_path, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+def test_verify_says_what_it_verified_and_a_failure_stays_exit_2(byte_prepared, tmp_path, capsys):
+    """Before, `nanopt prepare --verify` printed the usual statistics and never said it had read anything."""
+    cfg, out, whole = byte_prepared
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(to_yaml(cfg))
+    verify = ["prepare", "--config", str(cfg_file), "--no-progress", "--verify"]
+    tokens = sum(e["tokens"] for e in json.loads((out / "manifest.json").read_text())["shards"])
+    assert cli.run(verify) == 0
+    head = f"verify: {len(whole)} shards ({tokens:,} tokens) in {out} read whole against their crc32"
+    assert capsys.readouterr().out.splitlines()[-1] == f"{head}: all OK"
+    raw = bytearray(whole["train_000002.bin"])
+    raw[shards.HEADER_BYTES + 3] ^= 0x40  # only the checksum shows it
+    (out / "train_000002.bin").write_bytes(bytes(raw))
+    assert cli.run(verify) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"{head}: 1 lost or corrupt (train_000002.bin), rebuilt from the source to identical bytes")
+    assert shard_bytes(out) == whole
+    # A shard that cannot be rebuilt (the source changed): one paragraph, exit 2, as without --verify.
+    (out / "train_000002.bin").write_bytes(bytes(raw))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d.upper()}) + "\n" for d in FOX_DOCS))
+    assert cli.run(verify) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt prepare: error: ") and "source or the tokenizer changed" in err
+    assert err.strip().count("\n") == 0
+    fresh = tmp_path / "fresh.yaml"
+    fresh.write_text(to_yaml(byte_config(tmp_path, "fresh")))
+    assert cli.run(["prepare", "--config", str(fresh), "--no-progress", "--verify"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verify: no shards were committed")
+
+
 # ---------------------------------------------------------------- what prepare deletes
 
 

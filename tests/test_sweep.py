@@ -340,6 +340,27 @@ def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_p
     assert "1 point(s)" in err and "train.lr=1e-3,seed=1337 (train.warmup_steps: 15 -> 20)" in err
 
 
+def test_a_finished_point_refuses_a_changed_result_key_an_unfinished_one_resumes_with_it(tmp_path):
+    """Before, a done point was skipped under a new target (or corpus, profiling, tasks) that it never ran: the
+    sweep's table would report the old runs as the new setting's. The same rule as `nanopt train` (and Modal's
+    sweep, which calls point_states)."""
+    root = tmp_path / "sw"
+    before = _planned()
+    done, going = POINTS
+    _finished_point(root, done, before[done], before[done].train.max_steps)
+    _finished_point(root, going, before[going], before[going].train.max_steps - 1)  # interrupted
+    (root / going / rundirs.CHECKPOINTS_DIR).mkdir()
+    (root / going / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).write_text("step_000100\n")
+    target = _planned("--train.target_val_loss=1.6")
+    with pytest.raises(ConfigError, match=rf"1 point\(s\) .*{re.escape(done)} \(train\.target_val_loss: null -> 1\.6\)"
+                       r".*--checkpoint\.allow_changes=KEY") as refused:
+        sweep.point_states([(n, root / n, cfg) for n, cfg in target.items()], root)
+    assert going not in str(refused.value)
+    allowed = _planned("--train.target_val_loss=1.6", "--checkpoint.allow_changes=train.target_val_loss")
+    assert sweep.point_states([(n, root / n, cfg) for n, cfg in allowed.items()], root) == {
+        done: "done", going: "resume"}
+
+
 @pytest.mark.slow
 def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, capsys):
     root = tmp_path / "sw"

@@ -2,13 +2,17 @@
 switch and the seq_len schedule, and DDP's gradients stay bucket views. Whole runs: e2e/test_training_run.py."""
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import free_port, small_overrides
 from nanopt import runtime, train
-from nanopt.config import TrainConfig, load_config, parse_overrides
+from nanopt.config import TrainConfig, load_config, parse_overrides, to_yaml
+from nanopt.errors import ConfigError
 from nanopt.model import build_model
 from nanopt.plan import build_plan
 from nanopt.train import train_step
@@ -37,6 +41,28 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     assert [s for s in steps if tasks.due(s)] == [5, 10]  # and the last step's, from finish()
     run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt, tasks=tasks)
     assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_finished_runs_rerun_with_a_changed_result_key_is_refused_naming_it_and_the_fixes(tmp_path, stopped):
+    """Before: "is finished; nothing to train", exit 0, though the new target (or corpus, profiling, tasks) was
+    never used. The paragraph names the key, old and new, and each way out."""
+    cfg = load_config(None, parse_overrides([f"--run.dir={tmp_path}", "--train.target_val_loss=4.0",
+                                             f"--train.stop_at_target={stopped}"]))
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    steps = 120 if stopped else cfg.train.max_steps
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": steps, "stopped_at_target": stopped}))
+    assert train.finished_summary(cfg)["steps"] == steps  # its own command: the summary
+    cfg.train.target_val_loss = 1.6
+    with pytest.raises(ConfigError) as refused:
+        train.finished_summary(cfg)
+    text = str(refused.value)
+    assert f"{tmp_path} holds a finished run" in text
+    assert "train.target_val_loss: 4.0 in the checkpoint, 1.6 now" in text
+    assert "Set `run.name` (or `run.dir`)" in text and "run the config it used" in text
+    assert "`--checkpoint.allow_changes=KEY[,KEY...]`" in text
+    # Stopped at its target, a larger max_steps would not train on: not offered.
+    assert ("A larger `train.max_steps` continues the run." in text) is not stopped
 
 
 def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes():

@@ -27,7 +27,8 @@ def main(argv: list[str]) -> int:
                     "FLOPs, dense peaks; also given in the 6N and full-attention conventions). Extra "
                     "--section.key=value overrides apply to the config.")
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
-    parser.add_argument("--gpus", type=int, default=8, help="number of devices (default 8)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="number of devices (default: the config's mfu.devices, 1 unless it says more)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
     parser.add_argument("--tokens", help="tokens to train at train.seq_len (25B, 2.5e10, 20x = per parameter); "
                                          "default: the config's stage plan, each stage at its own batch and seq_len")
@@ -36,6 +37,9 @@ def main(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
     path, rest = split_args(rest)  # the config path, positional or --config, as `nanopt train` reads it
     cfg = load_config(path, parse_overrides(rest))
+    given = args.gpus is not None
+    if not given:
+        args.gpus = cfg.mfu.devices
     if args.hardware not in PEAKS:
         raise ConfigError(f"`--hardware {args.hardware}` is not in the peak table; valid: {', '.join(PEAKS)}.")
     if args.gpus <= 0:
@@ -55,6 +59,7 @@ def main(argv: list[str]) -> int:
     r = estimate(cfg.model, stages, args.hardware, args.gpus, args.mfu, t.precision, args.price_per_gpu_hour,
                  cfg.mfu.causal_halving)
     r["tokens_source"] = source
+    r["gpus_source"] = "--gpus" if given else "mfu.devices"
     # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
     r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
     if args.json:
@@ -64,9 +69,11 @@ def main(argv: list[str]) -> int:
     at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "averaged over the stages' seq_len"
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
+    devices_source = "--gpus" if given else "the config's mfu.devices; --gpus N for another count"
     print("\n".join([
         f"{cfg.run.name}: {r['gpus']} × {PEAKS[r['hardware']].name} "
         f"({r['peak_flops_per_gpu'] / 1e12:.1f} TFLOP/s dense {r['precision']} each) at {100 * r['mfu']:.0f}% MFU",
+        f"  devices        {r['gpus']} ({devices_source})",
         f"  parameters     {r['params']:,} (N for 6N: {r['n_6n']:,})",
         f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + {attention} attention {at}); 6N alone "
         f"{r['flops_per_token_6n']:.4g}; full attention {r['flops_per_token_full_attention']:.4g}",

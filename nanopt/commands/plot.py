@@ -1,4 +1,5 @@
-"""`nanopt plot RUN_OR_SWEEP... [-o OUT.png] [--x steps|tokens|seconds] [--metric NAME]`: runs overlaid in one PNG."""
+"""`nanopt plot RUN_OR_SWEEP... [-o OUT.png] [--force] [--x steps|tokens|seconds] [--metric NAME]`: runs overlaid in
+one PNG."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,8 @@ def main(argv: list[str]) -> int:
                    help="x axis: optimizer steps, tokens seen, or training seconds (default: steps)")
     p.add_argument("--metric", default="val_loss",
                    help=f"any number in {METRICS_FILE}: val_loss (default), val_bpb, loss, mfu, tokens_per_s, lr, ...")
+    p.add_argument("--force", action="store_true", help="replace the PNG if it exists (without it: exit 2, kept)")
     args = p.parse_args(argv)
-    print(plots.plot_runs(args.paths, args.out or f"plot_{args.metric}_{args.x}.png", args.metric, args.x))
+    print(plots.plot_runs(args.paths, args.out or f"plot_{args.metric}_{args.x}.png", args.metric, args.x,
+                          args.force))
     return 0

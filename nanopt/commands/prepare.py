@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 from concurrent.futures.process import BrokenProcessPool
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, Optional
 
 from nanopt.config import load_config, parse_overrides, split_args
 from nanopt.errors import EXIT_FAILED, ConfigError, DiskFull, debug_enabled
@@ -19,7 +20,8 @@ USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--sample-
 Tokenise the dataset configured in the `prepare` section with data.tokenizer into token shards in
 data.source (where training reads them). Running it again resumes an interrupted preparation and rebuilds
 committed shards that were lost (missing, resized or replaced), to identical bytes.
-  --verify            also read every shard and rebuild the corrupt ones (checksum mismatch)
+  --verify            also read every shard and rebuild the corrupt ones (checksum mismatch); its last line
+                      says how many shards and tokens it read and what it rebuilt
   --sample-documents N  tokenise the first N documents, print tokens per document and the documents the
                         budget needs (+25%); write nothing
   --no-progress       no progress bar
@@ -91,4 +93,18 @@ def main(argv: list[str]) -> int:
     r = stats["this_run"]
     print(f"this run: {r['tokens']:,} tokens in {r['seconds']:.1f} s ({r['tokens_per_s'] or 0:,.0f} tokens/s); "
           f"wrote {output_dir(cfg) / STATS}")
+    if args.verify:
+        print(verified_line(r["verified"], output_dir(cfg)))
     return 0
+
+
+def verified_line(verified: Optional[dict[str, Any]], out: Path) -> str:
+    """What --verify checked: every shard committed before this run, read whole against its crc32."""
+    if not verified or not verified["shards"]:
+        return f"verify: no shards were committed in {out} before this run; those written now carry their checksums"
+    head = f"verify: {verified['shards']} shards ({verified['tokens']:,} tokens) in {out} read whole against " \
+           f"their crc32"
+    rebuilt = verified["rebuilt"]
+    if not rebuilt:
+        return f"{head}: all OK"
+    return f"{head}: {len(rebuilt)} lost or corrupt ({', '.join(rebuilt)}), rebuilt from the source to identical bytes"

@@ -9,7 +9,8 @@ from pathlib import Path
 from nanopt import faults, runtime
 from nanopt.config import load_config, parse_overrides, resolve, split_args
 from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STATUS_ENV,
-                           ConfigError, Preempted, ShardError, TrainingError, debug_enabled)
+                           ConfigError, Preempted, ShardError, TrainingError, debug_enabled,
+                           debug_traceback)
 from nanopt.io import as_disk_full
 from nanopt.metrics import setup_logging
 from nanopt.train import train
@@ -58,8 +59,7 @@ def _run(argv: list[str]) -> int:
         print(f"nanopt: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     except (ConfigError, ShardError, TrainingError) as e:
-        if debug_enabled():
-            raise
+        debug_traceback()
         diverged = isinstance(e, TrainingError)
         print(f"nanopt: {'training stopped' if diverged else 'error'}: {e}", file=sys.stderr)
         return EXIT_DIVERGED if diverged else EXIT_BAD_INPUT

@@ -136,17 +136,21 @@ def test_unknown_subcommand_and_bad_flags_through_the_cli(capsys):
     assert "model.dim" in err and "Traceback" not in err
 
 
-def test_debug_flag_reraises_in_process(monkeypatch):
-    from nanopt.config import ConfigError
-
+def test_debug_flag_shows_the_traceback_and_keeps_exit_2(monkeypatch, capsys):
+    """Before, --debug re-raised, and the uncaught error exited 1: a script could not tell bad input from a crash."""
     monkeypatch.delenv("NANOPT_DEBUG", raising=False)
-    with pytest.raises(ConfigError, match="model.dim"):
-        run(["--debug", "--model.dim=wide"])
-    with pytest.raises(ConfigError, match="model.dim"):
-        cli.run(["--debug", "train", "--model.dim=wide"])
+    calls = [lambda: run(["--debug", "--model.dim=wide"]),  # python -m nanopt.main
+             lambda: cli.run(["--debug", "train", "--model.dim=wide"]),
+             lambda: cli.run(["runs", "--debug", "/nonexistent/runs"])]  # an error the dispatcher catches
+    for call in calls:
+        assert call() == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback") and "nanopt.errors.ConfigError" in err
+        assert err.strip().splitlines()[-1].startswith(("nanopt: error: ", "nanopt runs: error: "))
     monkeypatch.setenv("NANOPT_DEBUG", "1")
-    with pytest.raises(ConfigError):
-        run(["--model.dim=wide"])
+    assert run(["--model.dim=wide"]) == 2 and "Traceback" in capsys.readouterr().err
+    monkeypatch.delenv("NANOPT_DEBUG")
+    assert run(["--model.dim=wide"]) == 2 and "Traceback" not in capsys.readouterr().err
 
 
 @pytest.mark.slow

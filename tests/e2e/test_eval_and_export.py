@@ -149,6 +149,23 @@ def test_bits_per_byte_target_stops_the_run(tmp_path, capsys):
     assert "6.500 bpb" in row
 
 
+UNREACHABLE = {"train.max_steps": 2, "eval.every": 1, "train.target_val_loss": 0.5, "train.stop_at_target": "true"}
+
+
+def test_a_target_not_reached_is_said_at_the_end_and_in_the_summary(tmp_path, capsys):
+    """Before, a run that could not reach its target (docs/speedrun.md's clock example) ran to max_steps and
+    ended exactly like one that did."""
+    assert train(tmp_path, **UNREACHABLE) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["target_reached"] is False and summary["steps"] == 2 and not summary["stopped_at_target"]
+    assert summary["best_val_loss"] == summary["final_val_loss"] and summary["best_val_bpb"] == summary["final_val_bpb"]
+    out = capsys.readouterr().out
+    assert (f"target val loss 0.5000 not reached in 2 steps (best val loss {summary['best_val_loss']:.4f}, val bpb "
+            f"{summary['best_val_bpb']:.4f})") in out
+    assert train(tmp_path, **UNREACHABLE) == 0
+    assert "nothing to train" in (out := capsys.readouterr().out) and "target not reached" in out
+
+
 @pytest.mark.slow
 def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, corpus_dir):
     """configs/speedrun-cpu.yaml as docs/speedrun.md runs it (Muon, QK-norm, softcap, untied) on a prepared

@@ -359,6 +359,10 @@ def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(tmp_pat
     # Another config on the finished run is refused, naming the key.
     assert train_short(tmp_path, "--train.lr=0.001") == 2
     assert "finished run of another config" in capsys.readouterr().err
+    # So is a resume-safe key that changes results: the re-run would have ignored it (exit 0, before).
+    assert train_short(tmp_path, "--train.target_val_loss=1.6") == 2
+    assert "train.target_val_loss: None in the checkpoint, 1.6 now" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
 
 
 def test_a_run_stopped_at_its_target_is_finished(tmp_path, capsys):
