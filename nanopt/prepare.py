@@ -114,8 +114,9 @@ def _hub_dataset_problem(p: PrepareConfig, error: BaseException) -> str:
     streamed = ("With `prepare.streaming: true` it is read from the hub while it is tokenised, so no cache holds it: "
                 "prepare where there is network and copy the shards (`data.source`) here, or") if p.streaming else "Or"
     return hub.not_cached(f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r})", error,
-                          f"{streamed} tokenise local files: `--prepare.dataset=json --prepare.data_files='docs/*.jsonl'`"
-                          f" (docs/data.md, Sources and budgets).", None if p.streaming else "run the same command")
+                          f"{streamed} tokenise local files: `--prepare.dataset=json "
+                          f"--prepare.data_files='docs/*.jsonl'` (docs/data.md, Sources and budgets).",
+                          None if p.streaming else "run the same command")
 
 
 def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:

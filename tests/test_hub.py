@@ -89,7 +89,8 @@ def test_the_libraries_errors_are_recognised_through_their_wrappers():
     except OSError as e:
         wrapped = e
     assert hub.is_unreachable_error(wrapped)
-    assert hub.is_unreachable_error(ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)"))
+    assert hub.is_unreachable_error(ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (LocalEntryNotFound"
+                                                    "Error)"))
     assert not hub.is_unreachable_error(OSError("meta-llama/x is not a local folder and is not a valid model"))
     assert not hub.is_unreachable_error(ValueError("bad YAML"))
 
