@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from nanopt import core, runtime
+from nanopt import core, hub, runtime
 from nanopt.checkpoint import weights_crc32
 from nanopt.config import Config, comma_list
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
@@ -173,6 +173,7 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
 def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
     """lm-eval's TaskManager with the user's task YAMLs; ConfigError naming any task it does not know."""
     _lm_eval()  # the one paragraph when lm-eval is missing
+    hub.offline_unless_reachable()  # before lm-eval's task module loads datasets, which reads the offline switch
     from lm_eval.tasks import TaskManager
 
     if include_path and not Path(include_path).is_dir():

@@ -29,10 +29,23 @@ class _CurrentStdout(logging.StreamHandler):
         pass
 
 
+def _not_printed_below(record: logging.LogRecord) -> bool:
+    """False for a record a handler of its own logger's chain has printed already. huggingface_hub and datasets give
+    their package logger a stderr handler of their own and still pass each record up to ours: every hub retry line
+    came out twice. Each such line is printed once, by the library's handler."""
+    logger: Optional[logging.Logger] = logging.getLogger(record.name)
+    while logger is not None and logger.parent is not None:  # up to the root, whose handler this filter sits on
+        if any(record.levelno >= h.level for h in logger.handlers):
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
 def setup_logging(is_main: bool) -> None:
     """INFO lines with a clock on rank 0, warnings only elsewhere (so N ranks do not print N copies)."""
     handler = _CurrentStdout()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    handler.addFilter(_not_printed_below)
     logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, handlers=[handler], force=True)
 
 

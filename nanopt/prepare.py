@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator, Optional
 import numpy as np
 from tqdm import tqdm
 
-from nanopt import lock, shards
+from nanopt import hub, lock, shards
 from nanopt.config import Config, PrepareConfig, comma_list
 from nanopt.errors import ConfigError
 from nanopt.shards import encode_documents
@@ -55,6 +55,7 @@ STATS = "stats.json"
 # resuming with one of those changed would mix two datasets).
 _WORKER_ONLY_KEYS = ("workers", "batch_documents", "retries")
 RETRY_WAIT_S = 60.0  # times the attempt number
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' readers of prepare.data_files
 
 # (first document index, tokens per document [n] int64, all their tokens [sum] uint32)
 Encoded = tuple[int, np.ndarray, np.ndarray]
@@ -72,6 +73,8 @@ def output_dir(cfg: Config) -> Path:
 def load_documents(p: PrepareConfig):
     """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows (streaming
     reads the hub lazily, and its shuffle is a seeded buffer of `shuffle_buffer` documents)."""
+    if p.dataset not in ("embedded", *LOCAL_BUILDERS) and not os.path.exists(p.dataset):
+        hub.offline_unless_reachable()  # before datasets loads: it reads the offline switch then
     try:
         import datasets
     except ImportError:
@@ -91,6 +94,8 @@ def load_documents(p: PrepareConfig):
             ds = datasets.load_dataset(p.dataset, **kwargs)
         except Exception as e:  # datasets raises many types (FileNotFoundError, DatasetNotFoundError, ...)
             _refuse_empty_files(p)
+            if hub.is_unreachable_error(e):
+                raise ConfigError(_hub_dataset_problem(p, e)) from None
             raise ConfigError(
                 f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r}, files "
                 f"{p.data_files or '-'}) cannot be loaded: {type(e).__name__}: {e}. Check the name and subset, "
@@ -102,6 +107,16 @@ def load_documents(p: PrepareConfig):
         else:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
             ds = ds.shuffle(seed=p.shuffle_seed)
     return ds
+
+
+def _hub_dataset_problem(p: PrepareConfig, error: BaseException) -> str:
+    """The paragraph for a hub dataset that cannot be reached from here: prepare elsewhere, or from local files."""
+    streamed = ("With `prepare.streaming: true` it is read from the hub while it is tokenised, so no cache holds it: "
+                "prepare where there is network and copy the shards (`data.source`) here, or") if p.streaming else "Or"
+    return hub.not_cached(f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r})", error,
+                          f"{streamed} tokenise local files: `--prepare.dataset=json "
+                          f"--prepare.data_files='docs/*.jsonl'` (docs/data.md, Sources and budgets).",
+                          None if p.streaming else "run the same command")
 
 
 def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:

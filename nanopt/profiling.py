@@ -7,9 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import re
 import socket
+import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import IO, Any, Iterator, Optional, Union
 
 import torch
 from torch.autograd import DeviceType
@@ -31,6 +35,11 @@ BACKWARD = "nanopt/backward"
 OPTIMIZER = "nanopt/optimizer"
 COMPUTE_LABELS = (FORWARD, BACKWARD, OPTIMIZER)
 TOP_OPS = 10
+
+# kineto (torch 2.13) writes a marker for tracing tools to stderr at each trace start and stop, "USDT:<date> <time>
+# <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and profiler_stop), at a severity above its
+# ERROR: no KINETO_LOG_LEVEL hides them but not kineto's errors too. Those two lines alone are dropped.
+KINETO_MARKER = re.compile(rb"USDT:[^\n]*\] profiler_(start|stop)\r?\n?")
 
 # True only while a profile is running, so label() costs one global read when profiling is off.
 _active = False
@@ -64,6 +73,32 @@ def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, 
     new_wait = max(int(wait * scale), 1 if wait > 0 and steps >= 3 else 0)
     new_warmup = max(int(warmup * scale), 1 if warmup > 0 and steps >= 2 else 0)
     return new_wait, new_warmup, max(1, steps - new_wait - new_warmup)
+
+
+@contextlib.contextmanager
+def kineto_markers_dropped(spool: IO[bytes]) -> Iterator[None]:
+    """Run the block with stderr (file descriptor 2, where kineto writes) going to `spool`, an empty temporary file,
+    then write back to stderr all it got but kineto's markers: a warning or a kineto error in the block comes out,
+    in order, as the block ends. Where stderr cannot be duplicated the block just runs."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    sys.stderr.flush()
+    os.dup2(spool.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        spool.seek(0)
+        kept = [line for line in spool.read().splitlines(keepends=True) if not KINETO_MARKER.fullmatch(line)]
+        spool.seek(0)
+        spool.truncate()
+        if kept:
+            os.write(2, b"".join(kept))
 
 
 def worker_name(rank: int) -> str:
@@ -110,6 +145,7 @@ class Profile:
         # A run of TensorBoard's pytorch_profiler plugin under <run>/tb/.
         self.dir = self.run_dir / TB_DIR / "plugins" / "profile" / f"step_{self.first_step:06d}"
         self.steps_done, self._prof, self._snapshot = 0, None, False
+        self._spool: Optional[IO[bytes]] = None  # stderr while the profiler starts, steps or stops
 
     def __enter__(self) -> "Profile":
         global _active
@@ -118,7 +154,9 @@ class Profile:
             activities=self.activities, on_trace_ready=self._on_trace_ready,
             schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
             record_shapes=self.p.record_shapes, profile_memory=self.p.memory, with_stack=self.p.with_stack)
-        self._prof.__enter__()
+        self._spool = tempfile.TemporaryFile()
+        with kineto_markers_dropped(self._spool):
+            self._prof.__enter__()
         _active = True
         if self.p.memory_snapshot:
             self._snapshot = self.rt.backend.start_memory_history()
@@ -132,7 +170,8 @@ class Profile:
         if self._prof is None:
             return
         self.steps_done += 1  # before .step(): the trace (and its summary) may be written inside it
-        self._prof.step()
+        with kineto_markers_dropped(self._spool):  # a step may start or stop the trace
+            self._prof.step()
         if self.steps_done >= self.wait + self.warmup + self.active:
             self.__exit__(None, None, None)
 
@@ -143,7 +182,8 @@ class Profile:
             return
         prof, self._prof = self._prof, None
         _active = False
-        prof.__exit__(*exc)
+        with self._spool, kineto_markers_dropped(self._spool):
+            prof.__exit__(*exc)
         if self._snapshot:
             self._snapshot = False
             self.dir.mkdir(parents=True, exist_ok=True)

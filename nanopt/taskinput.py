@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from nanopt import hub
 from nanopt.errors import ConfigError
 
 TASK_HINT = ("Check the task YAML and its data_files: local paths must exist and hold one JSON object a line with "
@@ -26,6 +27,8 @@ def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
         try:
             loaded = manager.load([name])
         except Exception as e:  # the boundary: whatever the harness or datasets raise on a YAML or its data
+            if hub.is_unreachable_error(e):
+                raise ConfigError(_hub_problem(manager, name, e)) from None
             raise ConfigError(_load_problem(manager, name, e)) from None
         for task in loaded["tasks"].values():
             _check_rows(task)
@@ -114,6 +117,31 @@ def _check_files(manager: Any, name: str) -> None:
         if problem := _file_problem(path):
             where = f" from {entry.yaml_path}" if getattr(entry, "yaml_path", None) else ""
             raise ConfigError(f"lm-eval task {name}{where} cannot be read: {problem}. {TASK_HINT}")
+
+
+def _hub_datasets(manager: Any, name: str, seen: Optional[set[str]] = None) -> list[str]:
+    """The dataset_path of a task, or of a group's tasks, as the harness's index holds their YAMLs."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return []
+    seen.add(name)
+    cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
+    paths = [cfg["dataset_path"]] if isinstance(cfg.get("dataset_path"), str) else []
+    children = cfg.get("task") if "group" in cfg else None
+    for child in children if isinstance(children, list) else []:
+        paths += _hub_datasets(manager, child, seen) if isinstance(child, str) else []
+    return list(dict.fromkeys(paths))
+
+
+def _hub_problem(manager: Any, name: str, e: BaseException) -> str:
+    """The paragraph for a task whose data is on the hub, which cannot be reached, and not cached."""
+    paths = _hub_datasets(manager, name)
+    data = f" (its data: {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''})" if paths else ""
+    return hub.not_cached(f"lm-eval task {name}{data}", e, "Or score local tasks: `nanopt eval --make-tasks tasks/` "
+                          "writes demo tasks, nanopt_mc and nanopt_rolling from `--include-path tasks/` (in training "
+                          "`eval.tasks_path`), and a CORE bundle, tasks/core for `--core` (`eval.core`); "
+                          "docs/evaluation.md, Downstream tasks.", f"score it once (`nanopt eval RUN --tasks {name} "
+                          f"--limit 1`)")
 
 
 def _load_problem(manager: Any, name: str, e: BaseException) -> str:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Optional, Protocol
 
 import numpy as np
 
+from nanopt import hub
 from nanopt.errors import ConfigError
 from nanopt.fastbpe import tiktoken_encoding
 
@@ -54,6 +56,8 @@ class HFTokenizer:
     """Any `transformers.AutoTokenizer` (a hub name, with HF_TOKEN for gated repos, or a directory)."""
 
     def __init__(self, name: str):
+        if not Path(name).is_dir():
+            hub.offline_unless_reachable()  # before transformers loads: it reads the offline switch then
         try:
             from transformers import AutoTokenizer  # optional dependency: the `data` extra
         except ImportError:
@@ -62,6 +66,9 @@ class HFTokenizer:
         try:
             self.hf = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:
+            if hub.is_unreachable_error(e):
+                raise ConfigError(hub.not_cached(f"`data.tokenizer` {name!r}", e, "Or set `data.tokenizer` to a "
+                                                 "local directory with the tokenizer files (or `byte`).")) from None
             raise ConfigError(f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. Give "
                               f"a local directory with tokenizer files or a hub name you have access to.") from None
         self.name, self.vocab_size = name, len(self.hf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import logging
 import random
 import time
@@ -274,14 +275,21 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan) -> torch.nn.Mod
     return torch.compile(model, dynamic=False)
 
 
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword for "no buffer broadcast before each forward". The only buffers are the RoPE tables, computed
+    identically on every rank, and DDP's default would send them from rank 0 every micro-step. torch 2.13 names it
+    forward_sync_buffers (the old broadcast_buffers warns once per rank there; the new one still syncs them once at
+    construction, which is harmless for identical tables); torch 2.9, the floor, knows only broadcast_buffers."""
+    renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
+
+
 def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> Callable:
     """train_step bound to the model as the device wants it: compiled, under DDP, or one XLA graph."""
     train_model: torch.nn.Module = compiled(model, cfg.train, plan) if cfg.train.compile else model
     if rt.distributed:
-        # The only buffers are the RoPE tables, computed identically on every rank: nothing to broadcast
-        # before each forward (DDP's default would send them from rank 0 every micro-step).
-        train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids,
-                          gradient_as_bucket_view=True, broadcast_buffers=False)
+        train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids, gradient_as_bucket_view=True,
+                          **no_forward_buffer_sync())
     # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one)
     step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(plan.stages))
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)

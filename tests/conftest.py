@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from nanopt import packing, prepare, rundirs, shards
+from nanopt import hub, packing, prepare, rundirs, shards
 from nanopt.config import Config, ModelConfig, load_config, parse_overrides, resolve, to_yaml
 from nanopt.main import run
 from nanopt.model import Llama, build_model
@@ -74,6 +74,21 @@ def offline(monkeypatch):
     """What the downstream-task tests run under: datasets and the hub never reach the network."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+UNREACHABLE = "huggingface.co does not resolve: Name or service not known"
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch) -> str:
+    """A machine without network as nanopt finds it: no offline switch or proxy set, and the hub's host does not
+    resolve (hub.unreachable patched: no test reaches the network). Returns the reason the paragraphs name."""
+    for name in hub.OFFLINE_ENV + hub.PROXY_ENV + ("HF_ENDPOINT",):
+        monkeypatch.setenv(name, "")  # recorded, so the offline switch nanopt sets is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(hub, "_probe", {})
+    monkeypatch.setattr(hub, "unreachable", lambda timeout_s=5.0: UNREACHABLE)
+    return UNREACHABLE
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanopt"
 # Lowest first. A module may import any module of a lower layer, none of its own or a higher one.
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),                                          # exit codes and error types
-    ("io", "fastbpe"),                                    # atomic files, the cache directory; BPE engine
+    ("io", "fastbpe", "hub"),                             # atomic files, the cache directory; BPE engine; the hub
     ("hardware",),                                        # peak table, detection, the measured CPU peak (cached)
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
     ("plan",),                                            # the stage plan: steps, batch, seq_len, tokens per stage

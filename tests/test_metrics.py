@@ -1,13 +1,16 @@
 """The metrics logger (nanopt/metrics.py): it refuses a metrics.jsonl that is a link, and a resume trims only the
-records past its step."""
+records past its step; the console prints a library's line once."""
 from __future__ import annotations
+
+import io
+import logging
 
 import pytest
 
 from conftest import USERS, users_file
 from nanopt import rundirs
 from nanopt.errors import ConfigError
-from nanopt.metrics import MetricsLogger
+from nanopt.metrics import MetricsLogger, setup_logging
 
 
 def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):
@@ -25,3 +28,21 @@ def test_a_resume_trims_only_records_past_its_step_and_keeps_lines_it_cannot_rea
     MetricsLogger(tmp_path, enabled=True).trim(2)
     # The damaged middle line is the user's to look at; the cut last line would be joined by the next append.
     assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n\xff damaged\n{"step": 2}\n'
+
+
+def test_a_library_line_with_its_own_handler_is_printed_once(monkeypatch, capsys):
+    """huggingface_hub and datasets give their package logger a stderr handler and still pass records up to the
+    console's: each hub retry line came out twice. Now the library's handler prints it, and ours everything else."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # put back after the test: setup_logging replaces them
+    monkeypatch.setattr(root, "level", root.level)
+    setup_logging(is_main=True)
+    own = io.StringIO()
+    monkeypatch.setattr(logging.getLogger("somehub"), "handlers", [logging.StreamHandler(own)])
+    logging.getLogger("somehub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+    logging.getLogger("nanopt").warning("a nanopt warning")
+    logging.getLogger("otherlib").warning("a library line without a handler of its own")
+    out = capsys.readouterr().out
+    assert own.getvalue() == "Retrying in 1s [Retry 1/5].\n"
+    assert "Retrying" not in out
+    assert "a nanopt warning" in out and "a library line without a handler of its own" in out

@@ -526,6 +526,47 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
         assert needle in err and "Traceback" not in err, err
 
 
+def _raises(error: BaseException):
+    def fetch(*args, **kwargs):
+        raise error
+    return fetch
+
+
+def test_an_unreachable_hub_is_one_paragraph_at_once_naming_the_offline_fix(unreachable_hub, monkeypatch, capsys):
+    """configs/1b.yaml's `--sample-documents` on a machine without network: the tokenizer, then (with a local
+    one) the streamed dataset, each refused in one paragraph that names it, why, and what to do instead, exit 2.
+    The fetches raise what transformers and datasets raise there; offline mode is on before they were called."""
+    import datasets
+    import transformers
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline_then = []
+    tokenizer_error = OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
+                              "them in the cached files.")
+    tokenizer_error.__cause__ = LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
+
+    def from_pretrained(name, *args, **kwargs):
+        offline_then.append(os.environ.get("HF_HUB_OFFLINE"))
+        raise tokenizer_error
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(datasets, "load_dataset", _raises(ConnectionError(
+        "Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (OfflineModeIsEnabled)")))
+    argv = ["prepare", "--config", str(REPO / "configs" / "1b.yaml"), "--sample-documents", "10"]
+    assert cli.run(argv) == 2
+    err = one_paragraph(capsys.readouterr().err)
+    assert offline_then == ["1"]
+    for words in ("`data.tokenizer` 'meta-llama/Llama-3.2-1B'", unreachable_hub, "not in the local cache",
+                  "HF_HUB_OFFLINE=1", "`data.tokenizer` to a local directory"):
+        assert words in err, err
+
+    assert cli.run(argv + ["--data.tokenizer=byte", "--prepare.add_eos=false"]) == 2
+    err = one_paragraph(capsys.readouterr().err)
+    for words in ("`prepare.dataset` 'HuggingFaceFW/fineweb-edu' (subset sample-100BT", unreachable_hub,
+                  "`prepare.streaming: true`", "copy the shards", "--prepare.dataset=json"):
+        assert words in err, err
+
+
 # ---------------------------------------------------------------- a shared data directory (the byte tokenizer)
 
 

@@ -3,6 +3,7 @@ cut short. Profiled runs: e2e/test_profiled_run.py."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -71,8 +72,9 @@ def test_unlisted_rank_and_xla_get_the_no_op_profiler(caplog):
     assert "does not support xla" in caplog.text and "torch_xla.debug.profiler" in caplog.text
 
 
-def test_a_window_cut_short_is_still_written_and_counts_only_whole_steps(tmp_path):
-    """The run ends (target reached, preemption) while recording: stop() still saves and summarises."""
+def test_a_window_cut_short_is_still_written_and_counts_only_whole_steps(tmp_path, capfd):
+    """The run ends (target reached, preemption) while recording: stop() still saves and summarises; kineto's
+    start and stop markers stay off stderr."""
     cfg = resolved_small_config(f"--run.dir={tmp_path}", "--profile.enabled=true", "--train.max_steps=10")
     prof = profiling.profiler(cfg, stub_runtime(world=1))
     assert (prof.wait, prof.warmup, prof.active) == (2, 1, 7)  # 10/5/20 shrunk to 10 steps
@@ -98,3 +100,15 @@ def test_a_window_cut_short_is_still_written_and_counts_only_whole_steps(tmp_pat
     assert sum((s["host_overhead_share"], s["data_loader_share"], s["compute_share"])) == pytest.approx(1.0)
     assert len(trace_files(tmp_path)) == 1
     assert not profiling._active
+    assert "USDT" not in capfd.readouterr().err
+
+
+def test_kineto_markers_are_dropped_and_everything_else_on_stderr_kept(tmp_path, capfd):
+    marker = b"USDT:2026-11-27 02:01:20 8297:8297 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+    with open(tmp_path / "spool", "w+b") as spool:
+        for _ in range(2):  # the spool is emptied each time: nothing is written back twice
+            with profiling.kineto_markers_dropped(spool):
+                os.write(2, b"before\n" + marker + marker.replace(b"start", b"stop"))
+                os.write(2, b"ERROR:2026-11-27 kineto's own error\nUSDT: profiler_start is a word here\n")
+    kept = "before\nERROR:2026-11-27 kineto's own error\nUSDT: profiler_start is a word here\n"
+    assert capfd.readouterr().err == 2 * kept

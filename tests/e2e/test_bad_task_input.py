@@ -4,15 +4,18 @@ naming it (and the line), exit 2, no traceback; a bundle reads only its own file
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import BROKEN, error_line, small_overrides
 from nanopt import harness
 from nanopt.cli import run as cli
+from nanopt.errors import ConfigError
 from nanopt.main import run as main_run
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
@@ -33,6 +36,43 @@ def test_broken_task_data_is_one_paragraph_naming_the_file_and_line(name, broken
     for word in BROKEN[name if name != "bad_group" else "bad_json"][1]:
         assert word in line, line
     assert not (run_dir / "evals.jsonl").exists()  # nothing scored, nothing recorded
+
+
+class _UnreachableHubTasks:
+    """lm-eval's TaskManager as it stands on a machine without network: it knows hellaswag (its index is local) and
+    loading it raises what datasets raises for a hub dataset that is not cached."""
+
+    def __init__(self, include_path=None):
+        cfg = {"task": "hellaswag", "dataset_path": "Rowan/hellaswag", "output_type": "multiple_choice"}
+        self.task_index = {"hellaswag": SimpleNamespace(cfg=cfg, yaml_path=Path("hellaswag/hellaswag.yaml"))}
+        self.offline_when_built = os.environ.get("HF_DATASETS_OFFLINE")
+
+    def match_tasks(self, names):
+        return [n for n in names if n in self.task_index]
+
+    def load(self, names):
+        raise ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)")
+
+
+def test_a_hub_task_without_network_is_one_paragraph_naming_the_offline_fix(unreachable_hub, run_dir, monkeypatch,
+                                                                             capsys):
+    """`nanopt eval RUN --tasks hellaswag` offline, and a run with `eval.tasks: hellaswag` (the check before its
+    first step): one paragraph naming the task, its data, why and the offline fix, exit 2; offline mode was on
+    before lm-eval's task module loaded, so nothing waited on retries."""
+    import lm_eval.tasks
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", _UnreachableHubTasks)
+    monkeypatch.setattr(harness, "_MANAGERS", {})
+    assert cli(["eval", str(run_dir), "--tasks", "hellaswag"]) == 2
+    line = error_line(capsys.readouterr().err)
+    for words in ("lm-eval task hellaswag (its data: Rowan/hellaswag)", unreachable_hub, "not in the local cache",
+                  "--tasks hellaswag --limit 1", "HF_DATASETS_OFFLINE=1", "--make-tasks", "--core"):
+        assert words in line, line
+    assert harness._MANAGERS[None].offline_when_built == "1"
+    assert not (run_dir / "evals.jsonl").exists()
+    with pytest.raises(ConfigError) as raised:  # what training checks before its first step (TaskScorer)
+        harness.check_tasks(harness.TaskSpec(["hellaswag"]))
+    assert str(raised.value) == line.removeprefix("nanopt eval: error: ")
 
 
 # ---------------------------------------------------------------- CORE bundles

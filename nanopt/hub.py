@@ -1,0 +1,94 @@
+"""The Hugging Face hub as this machine sees it: whether its host answers at all, offline mode when it does not, and
+the one paragraph that names the offline fix when something needed is not in the local cache.
+
+Why: the hub libraries (huggingface_hub, under transformers, datasets and lm-eval) retry every file they cannot
+fetch for ~23 s (five retries, 1+2+4+8+8 s) before they look in their cache, and a tokenizer asks for two files:
+an unreachable hub cost `nanopt prepare` 48 s of retry lines before its error. A host whose name does not resolve,
+or that refuses the connection, will not answer a second later the way a busy server (a 5xx, a timeout) may; for
+those the libraries' offline mode is right: a cached file loads at once and a missing one fails at once. The
+libraries read HF_HUB_OFFLINE and HF_DATASETS_OFFLINE when they are imported, so offline_unless_reachable() runs
+before they load. Everything else (a 5xx, a timeout, a proxy in between) keeps their retries. Torch-free."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+from typing import Optional
+from urllib.parse import urlsplit
+
+log = logging.getLogger("nanopt")
+
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+# httpx (the hub's client) goes through these; a probe of the hub's own host would say nothing about the proxy.
+PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
+# What the hub libraries raise when a file is neither reachable nor cached, by class name (each library has its own;
+# datasets raises the builtin ConnectionError "Couldn't reach 'NAME' on the Hub").
+UNREACHABLE_ERRORS = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectionError")
+# How to fill the cache where there is network, and use it here. {fetch}: what fetches the files once.
+CACHE_HINT = ("Where there is network, {fetch} once: that fills the Hugging Face cache (HF_HOME, default "
+              "~/.cache/huggingface; HF_TOKEN for a gated repo); copy the cache here and set HF_HUB_OFFLINE=1 "
+              "HF_DATASETS_OFFLINE=1, and nothing waits on the network.")
+_probe: dict[str, Optional[str]] = {}  # the probe's answer, once per process
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def unreachable(timeout_s: float = 5.0) -> Optional[str]:
+    """Why the hub's host cannot be reached (its name does not resolve, the connection is refused, no route), or
+    None: it answers, or it is only slow (a timeout, which the libraries' retries are for)."""
+    url = urlsplit(endpoint())
+    host, port = url.hostname or "", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except socket.gaierror as e:
+        return f"{host} does not resolve: {e.strerror or e}"
+    except OSError as e:  # socket.timeout is an OSError without an errno: slow, not unreachable
+        return f"{host}:{port} cannot be connected to: {e.strerror or e}" if e.errno in UNREACHABLE_ERRNOS else None
+
+
+def offline_unless_reachable() -> Optional[str]:
+    """Turn on the hub libraries' offline mode (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1) when the hub cannot be
+    reached, before they are imported; say so in one INFO line. Returns why it cannot be reached, or None. Nothing is
+    probed where the user chose offline mode or a proxy, and once per process."""
+    if "reason" not in _probe:
+        chosen = any(os.environ.get(k) for k in OFFLINE_ENV + PROXY_ENV)
+        _probe["reason"] = None if chosen else unreachable()
+        if _probe["reason"]:
+            os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+            log.info("the Hugging Face hub cannot be reached (%s): reading its files from the local cache only "
+                     "(HF_HUB_OFFLINE=1)", _probe["reason"])
+    return _probe["reason"]
+
+
+def is_unreachable_error(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, is the hub libraries' "not reachable and not cached"."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(type(e).__name__ == name for name in UNREACHABLE_ERRORS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def why_unreachable(error: BaseException) -> str:
+    """The cause for the paragraph: the probe's answer, offline mode the user chose, or the library's own words."""
+    if _probe.get("reason"):
+        return _probe["reason"]  # type: ignore[return-value]
+    if chosen := [k for k in OFFLINE_ENV if os.environ.get(k)]:
+        return f"offline mode is on: {', '.join(f'{k}={os.environ[k]}' for k in chosen)}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+
+
+def not_cached(what: str, error: BaseException, fix: str, fetch: Optional[str] = "run the same command") -> str:
+    """The paragraph: `what` is needed from the hub, which cannot be reached (why), and is not cached; how to fill
+    the cache (`fetch` does it once; None for what no cache holds, a stream), then `fix` (what to use instead)."""
+    return (f"{what} comes from the Hugging Face hub ({endpoint()}), which cannot be reached from here "
+            f"({why_unreachable(error)}), and it is not in the local cache. "
+            + (CACHE_HINT.format(fetch=fetch) + " " if fetch else "") + fix)

@@ -1,0 +1,107 @@
+"""nanopt.hub: an unreachable Hugging Face hub (a name that does not resolve, a refused connection) turns on the hub
+libraries' offline mode once, a slow one does not, and their "not reachable, not cached" errors are recognised
+however they are wrapped. No test here reaches the network: the socket call is patched. The paragraphs each command
+prints: test_prepare.py, e2e/test_bad_task_input.py."""
+from __future__ import annotations
+
+import errno
+import socket
+
+import pytest
+
+from nanopt import hub
+
+
+def _connect_raises(monkeypatch, error: BaseException) -> list[tuple]:
+    calls: list[tuple] = []
+
+    def create_connection(address, timeout=None):
+        calls.append(address)
+        raise error
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    return calls
+
+
+@pytest.fixture
+def online_env(monkeypatch):
+    """No offline switch and no proxy set, and no earlier probe answer: what a user's shell usually has."""
+    for name in hub.OFFLINE_ENV + hub.PROXY_ENV + ("HF_ENDPOINT",):
+        monkeypatch.setenv(name, "")  # recorded, so what the code under test sets is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(hub, "_probe", {})
+
+
+@pytest.mark.parametrize("error, words", [
+    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), ["huggingface.co does not resolve",
+                                                                       "Name or service not known"]),
+    (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), ["huggingface.co:443", "Connection refused"]),
+    (OSError(errno.ENETUNREACH, "Network is unreachable"), ["Network is unreachable"]),
+])
+def test_a_host_that_does_not_resolve_or_refuses_is_unreachable(monkeypatch, online_env, error, words):
+    calls = _connect_raises(monkeypatch, error)
+    reason = hub.unreachable()
+    assert calls == [("huggingface.co", 443)]
+    assert reason is not None and all(w in reason for w in words), reason
+
+
+@pytest.mark.parametrize("error", [socket.timeout("timed out"), OSError(errno.EACCES, "Permission denied")])
+def test_a_slow_host_keeps_the_libraries_retries(monkeypatch, online_env, error):
+    """A timeout may be a busy server, which a retry can reach: no offline mode for it."""
+    _connect_raises(monkeypatch, error)
+    assert hub.unreachable() is None
+    assert hub.offline_unless_reachable() is None
+    assert "HF_HUB_OFFLINE" not in hub.os.environ
+
+
+def test_hf_endpoint_is_the_host_probed(monkeypatch, online_env):
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080/")
+    calls = _connect_raises(monkeypatch, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    assert "mirror.example does not resolve" in hub.unreachable()
+    assert calls == [("mirror.example", 8080)]
+
+
+def test_an_unreachable_hub_turns_on_offline_mode_once(monkeypatch, online_env):
+    calls = _connect_raises(monkeypatch, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    first = hub.offline_unless_reachable()
+    assert first and "does not resolve" in first
+    assert hub.os.environ["HF_HUB_OFFLINE"] == "1" and hub.os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert hub.offline_unless_reachable() == first and len(calls) == 1  # probed once per process
+    assert hub.why_unreachable(OSError("anything")) == first
+
+
+@pytest.mark.parametrize("name, value", [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                                         ("HTTPS_PROXY", "http://proxy:3128")])
+def test_offline_mode_or_a_proxy_chosen_by_the_user_is_not_probed(monkeypatch, online_env, name, value):
+    monkeypatch.setenv(name, value)
+    calls = _connect_raises(monkeypatch, AssertionError("probed"))
+    assert hub.offline_unless_reachable() is None and calls == []
+
+
+def test_the_libraries_errors_are_recognised_through_their_wrappers():
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:  # transformers: OSError("We couldn't connect to ...") raised from the hub's error
+        try:
+            raise LocalEntryNotFoundError("Cannot find the requested files in the disk cache")
+        except LocalEntryNotFoundError as inner:
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files") from inner
+    except OSError as e:
+        wrapped = e
+    assert hub.is_unreachable_error(wrapped)
+    assert hub.is_unreachable_error(ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (LocalEntryNotFound"
+                                                    "Error)"))
+    assert not hub.is_unreachable_error(OSError("meta-llama/x is not a local folder and is not a valid model"))
+    assert not hub.is_unreachable_error(ValueError("bad YAML"))
+
+
+def test_the_paragraph_names_what_why_and_the_fix(monkeypatch, online_env):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = hub.not_cached("`data.tokenizer` 'x/y'", OSError("offline"), "Or use a local directory.")
+    assert text.startswith("`data.tokenizer` 'x/y' comes from the Hugging Face hub (https://huggingface.co)")
+    for words in ("offline mode is on: HF_HUB_OFFLINE=1", "run the same command once", "HF_DATASETS_OFFLINE=1",
+                  "Or use a local directory."):
+        assert words in text, text
+    assert "\n" not in text
+    streamed = hub.not_cached("a stream", OSError("offline"), "Prepare elsewhere.", fetch=None)
+    assert "cache here" not in streamed and streamed.endswith("Prepare elsewhere.")
