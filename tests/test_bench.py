@@ -33,6 +33,15 @@ def run(name: str, argv: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
+def test_checkpoint_save_runs(tmp_path, capsys):
+    out = run("checkpoint_save", ["--gib", "0.001", "--repeats", "1", "--dir", str(tmp_path / "ck")], capsys)
+    assert "command : python bench/checkpoint_save.py --gib 0.001 --repeats 1 --dir" in out
+    for name in ("nanopt", "write+reread", "crc-in-write", "bytes only"):
+        assert f"| {name} | " in out
+    assert "nanopt / write+reread = " in out and "nanopt's checkpoint verifies (sizes, crc32s, step): yes" in out
+    assert not (tmp_path / "ck").exists()  # the bench cleans up after itself
+
+
 def test_ablation_runs(tmp_path, capsys):
     """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at once): the summary's
     keys the table reads; every variant's overrides are checked against the config before it."""
