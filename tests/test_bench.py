@@ -66,3 +66,20 @@ def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.startswith("bench/ablation.py: variant 'typo' (--model.dimm=8) does not load")
     assert "model.dimm" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow  # two real runs: ~8 s on 2 cores
+def test_omp_policy_runs(capsys):
+    """Two real training processes, one per policy; what it measures and each run's result go to stderr as they
+    finish (the full bench is 80 runs: it must not be silent for minutes)."""
+    bench("omp_policy").main(["--smoke"])
+    out = capsys.readouterr()
+    assert "2 runs of 3 steps" in out.out and "| nanogpt | 1 | quiet | " in out.out
+    assert out.err.startswith("measuring nanogpt shape, 1 rank(s), quiet: unset, PASSIVE x 1 round(s)\n")
+    assert "[1/2] round 1: unset " in out.err and "[2/2] round 1: PASSIVE " in out.err
+
+
+def test_omp_policy_refuses_an_unknown_shape(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench("omp_policy").main(["--shapes", "tiny,huge"])
+    assert exit.value.code == 2 and "--shapes names huge; the shapes are tiny, nanogpt." in capsys.readouterr().err
