@@ -51,8 +51,10 @@ SMOKE_HELP = "toy sizes: checks that the bench runs, measures nothing (the test 
 
 
 def parser(script: str, doc: str) -> argparse.ArgumentParser:
-    """A bench's argument parser, named as it is run (`bench/NAME.py`) whether from a shell or a test."""
-    return argparse.ArgumentParser(prog=f"bench/{Path(script).name}", description=doc.strip().splitlines()[0])
+    """A bench's argument parser, named as it is run (`bench/NAME.py`) whether from a shell or a test; its --help
+    shows the bench's docstring as written (what it measures, how, and example commands)."""
+    return argparse.ArgumentParser(prog=f"bench/{Path(script).name}", description=doc.strip(),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def command(script: str, argv: Optional[list[str]]) -> str:
@@ -77,7 +79,8 @@ def banner(title: str, extra: Optional[dict] = None, cmd: Optional[str] = None) 
     """Print the exact command (`command(__file__, argv)`; default the shell's) and the environment this bench ran
     with, flushed: a bench's output is often piped, and its first lines must not wait for its last."""
     cmd = cmd or " ".join(shlex.quote(a) for a in ["python", *sys.argv])
-    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+           if k in os.environ}
     print(f"# {title}")
     print(f"command : {cmd}")
     print(f"date    : {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
@@ -129,13 +132,14 @@ def spread(xs: list[float]) -> str:
     return f"±{50 * (hi - lo) / statistics.median(xs):.0f}%"
 
 
-def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), budget_s: float = 0.5) -> float:
-    """Best FLOP/s of a fixed 2048² matmul (8192² on GPU) seen in about budget_s.
+def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), budget_s: float = 0.5,
+               n: Optional[int] = None) -> float:
+    """Best FLOP/s of a fixed n² matmul (default 2048², 8192² on GPU) seen in about budget_s.
 
     Benches call this inside their alternating rounds, so the peak sees the same contention as the
     model; a larger size than the training loop's start-up measurement, since benches can afford it.
     """
-    n = 8192 if device.type == "cuda" else 2048
+    n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, dtype=dtype, device=device)
     out = a @ a  # warm-up: allocation, kernel selection
     best, start = 0.0, time.perf_counter()
@@ -150,7 +154,8 @@ def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), b
 
 
 def spec_peak(device: torch.device, precision: str) -> Optional[float]:
-    """The dense spec-sheet peak of a GPU nanopt.hardware knows (as training reports MFU), else None (CPU or unknown)."""
+    """The dense spec-sheet peak of a GPU nanopt.hardware knows (as training reports MFU), else None (CPU or
+    unknown)."""
     if device.type != "cuda":
         return None
     from nanopt.hardware import detect_hardware, table_peak

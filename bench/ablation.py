@@ -2,8 +2,8 @@
 
 Every variant is the recipe (`--config`, default configs/speedrun-cpu.yaml) with a few overrides: one option
 turned off (or on, if the recipe leaves it off), the MLP swapped, and AdamW in place of Muon at several
-learning rates and schedule lengths (every kind at `train.lr`; Muon's goal is measured against the best of those). Each variant runs
-`--seeds` times as a whole `python -m nanopt.main` process with `train.stop_at_target`, the variants
+learning rates and schedule lengths (every kind at `train.lr`; Muon's goal is measured against the best of those).
+Each variant runs `--seeds` times as a whole `python -m nanopt.main` process with `train.stop_at_target`, the variants
 alternating within each seed, and the table gives mean ± half-range of the optimizer steps and of the
 training seconds (`train_seconds_to_target`: steps only, no start-up or evaluation) to the target.
 
@@ -39,9 +39,9 @@ from nanopt.errors import ConfigError  # noqa: E402
 ADAMW_LRS = ("1e-3", "2e-3", "4e-3")
 # --smoke: the recipe at toy width for at most 2 steps, validated at every step: with a --target-bpb above any
 # loss a run stops at its first validation, and the bench's whole path runs in seconds.
-SMOKE = ["--train.max_steps=2", "--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.ffn_dim=64",
-         "--train.micro_batch_size=2", "--train.global_batch_tokens=128", "--eval.every=1", "--eval.batches=1",
-         "--runtime.threads=1", "--train.warmup_steps=1"]
+SMOKE = ["--train.max_steps=2", "--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2",
+         "--model.ffn_dim=64", "--train.micro_batch_size=2", "--train.global_batch_tokens=128", "--eval.every=1",
+         "--eval.batches=1", "--runtime.threads=1", "--train.warmup_steps=1"]
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -10,7 +10,7 @@ and each run's result (the defaults are 80 runs, several minutes).
 
     python bench/omp_policy.py
     python bench/omp_policy.py --rounds 3 --steps 40 --load 1
-    python bench/omp_policy.py --smoke                 # two short runs: checks that the bench runs
+    python bench/omp_policy.py --smoke                 # one short run: checks that the bench runs
 """
 from __future__ import annotations
 
@@ -44,11 +44,12 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--shapes", default="tiny,nanogpt", help=f"of {', '.join(SHAPES)}")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="unset | ACTIVE | PASSIVE | spin:N (policy unset, GOMP_SPINCOUNT=N: spin N times, then sleep)")
-    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: 3 steps at nanoGPT's shape, one rank, "
-                   "the quiet machine, policies unset and PASSIVE, one round")
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: one run of 3 steps at nanoGPT's shape, "
+                   "one rank, the quiet machine, policy PASSIVE (add --policies to alternate more)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.rounds, a.steps, a.load, a.ranks, a.shapes, a.policies = 1, 3, 0, "1", "nanogpt", "unset,PASSIVE"
+        a.rounds, a.steps, a.load, a.ranks, a.shapes = 1, 3, 0, "1", "nanogpt"
+        a.policies = a.policies if a.policies != ",".join(POLICIES) else "PASSIVE"
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:
         C.bad_input(__file__, f"--shapes names {', '.join(unknown)}; the shapes are {', '.join(SHAPES)}.")
