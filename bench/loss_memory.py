@@ -77,8 +77,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(json.dumps(measure(*args.child)))
         return
     print(f"command: {C.command(__file__, argv)}")
-    print(f"python {platform.python_version()}, torch {torch.__version__}, {platform.processor() or platform.machine()}"
-          f", {os.cpu_count()} cores, 1 thread per measurement, fp32")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, {C.cpu_model()}, {os.cpu_count()} cores, "
+          "1 thread per measurement (two side by side), fp32")
     print(f"{'vocab':>7} {'tokens':>6} {'full logits MB':>15} {'chunk':>6} {'full MB':>8} {'chunked MB':>10} "
           f"{'saved':>6}  loss/grad agree", flush=True)
     for vocab in args.vocab:

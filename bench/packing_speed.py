@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -28,14 +27,6 @@ import torch
 from nanopt import packing, shards  # noqa: E402
 
 VOCAB, BOS = 50257, 50256
-
-
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no lscpu)"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def write_corpus(directory: Path, tokens: int, mean: float, n_shards: int, seed: int) -> list[Path]:
@@ -83,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 def measure(args: argparse.Namespace, cmd: str) -> None:
     """The corpus written, the BOS index built and timed, then the packed steps, alternating repeats."""
     print(f"# bos_bestfit packing speed: {cmd}")
-    print(f"cpu     : {lscpu_model()} | os.cpu_count {os.cpu_count()} | torch threads {torch.get_num_threads()}")
+    print(f"cpu     : {C.cpu_model()} | os.cpu_count {os.cpu_count()} | torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_corpus(Path(tmp), args.tokens, args.mean_doc, args.shards, seed=0)
         maps = [shards.open_shard(p) for p in paths]

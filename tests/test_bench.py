@@ -14,7 +14,8 @@ from conftest import BENCH
 from conftest import bench_module as bench
 
 REPO = Path(__file__).resolve().parent.parent
-# Where a bench finds the peer it races (bench/vs_nanogpt.py's default): beside the checkout, never inside it.
+# Where a bench finds a peer kept outside the project (bench/vs_nanogpt.py's default): beside the checkout. The peers
+# that are packages (transformers for vs_hf, lm-eval for lmeval_speed) are dev dependencies: never skipped.
 PEERS = REPO.parent / "shared" / "peers"
 SMOKED_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py"}  # and its --quick sections (bench/gpu_quick.py)
 
@@ -55,6 +56,7 @@ def test_checkpoint_save_runs(tmp_path, capsys):
     assert not (tmp_path / "ck").exists()  # the bench cleans up after itself
 
 
+@pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
 def test_ablation_runs(tmp_path, capsys):
     """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at once): the summary's
     keys the table reads; every variant's overrides are checked against the config before it."""
@@ -81,6 +83,7 @@ def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
     assert "model.dimm" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
 def test_omp_policy_runs(capsys):
     """One real training process; what it measures and each run's result go to stderr as they finish (the full
     bench is 80 runs: it must not be silent for minutes)."""
@@ -144,6 +147,7 @@ def test_core_parity_against_nanochat_itself(tmp_path, capsys):
     assert "all examples agree" in out
 
 
+@pytest.mark.slow  # two spawned processes: ~4 s on 2 quiet cores
 def test_ddp_runs(capsys):
     """Two spawned gloo ranks: one-process and two-process steps alternate, and their losses must agree."""
     out = run("ddp", ["--smoke"], capsys)
@@ -156,11 +160,10 @@ def test_ladder_runs(capsys):
     assert "torch.compile" not in out  # --smoke leaves the compiled rungs out
 
 
+@pytest.mark.slow  # a BPE trained, a model exported, lm-eval and transformers imported: ~4 s
 def test_lmeval_speed_runs(capsys, monkeypatch):
     """A BPE, a Llama exported, lm-eval's own requests for the generated tasks: nanopt's model against the harness's
     hf model, same log-probs, alternating rounds."""
-    for package in ("lm_eval", "transformers", "tokenizers"):
-        pytest.importorskip(package, reason=f"the peer is absent: {package} is not installed (pip install -e '.[dev]')")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # what the bench sets, undone after the test
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = run("lmeval_speed", ["--smoke"], capsys)
@@ -177,7 +180,7 @@ def test_loss_memory_measures_in_this_process():
     assert full["grad_norm"] == pytest.approx(chunked["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.slow  # two fresh processes (the bench reads each one's peak RSS): ~6 s on 2 cores
+@pytest.mark.slow  # two fresh processes side by side (the bench reads each one's peak RSS): ~5 s on 2 cores
 def test_loss_memory_runs(capsys):
     out = run("loss_memory", ["--tokens", "64", "--vocab", "512", "--chunk", "16", "--dim", "32"], capsys)
     assert out.startswith("command: python bench/loss_memory.py --tokens 64 --vocab 512 --chunk 16 --dim 32\n")
@@ -199,7 +202,6 @@ def test_packing_speed_runs(capsys):
 
 def test_prepare_runs(capsys, monkeypatch):
     """`nanopt prepare`'s path against the per-document loop on 16 documents: the same tokens from both."""
-    pytest.importorskip("transformers", reason="the peer is absent: transformers is not installed")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # what the bench sets, undone after the test
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = run("prepare", ["--documents", "16", "--copies", "1", "--vocab", "300", "--workers", "1", "--repeats", "1"],
@@ -219,7 +221,7 @@ def test_sweep_refuses_a_sweep_of_one(capsys):
     assert exit.value.code == 2 and "a sweep is at least 2 runs" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side: ~8 s on 2 cores
+@pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side: ~7 s on 2 quiet cores
 def test_sweep_runs(capsys):
     bench("sweep").main(["--smoke"])
     out = capsys.readouterr()
@@ -229,13 +231,12 @@ def test_sweep_runs(capsys):
 
 def test_vs_hf_runs(capsys):
     """One train step of each model alternating, then each profiled; the ratio and the ceiling."""
-    pytest.importorskip("transformers", reason="the peer is absent: transformers is not installed")
     out = run("vs_hf", ["--smoke"], capsys)
     assert "fp32      | HF transformers  | " in out and "fp32      | nanopt           | " in out
     assert "CEILING fp32: nanopt/HF <= " in out and "RATIO fp32: nanopt/HF tokens/s = " in out
 
 
-@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process: ~10 s on 2 cores
+@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process: ~10 s on 2 quiet cores
 def test_vs_nanogpt_runs(capsys, tmp_path):
     """The step-time part against the peer itself: nanoGPT's and nanopt's runs alternating, medians, the ratio. The
     race part runs the same two commands to a target (its nanopt keys and summary: test_ablation_runs, same
