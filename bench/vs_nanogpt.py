@@ -233,13 +233,13 @@ def race(a: argparse.Namespace, work: Path, ngpt: Path, documents: Path, counts:
               f"{p['seconds']:.1f} s ({'reached at step ' + str(p['steps']) if p['reached'] else 'NOT reached'})",
               flush=True)
     g = [r["nanogpt_s"] for r in rows]
-    n = [r["seconds"] if r["reached"] else math.inf for r in rows]
+    n = [r["seconds"] for r in rows if r["reached"]]
     print("\n## 2. Wall time to nanoGPT's final val loss (whole processes, data preparation included)\n")
     print("| | mean s | spread (min-max) | runs |\n|---|---|---|---|")
     print(f"| nanoGPT ({iters} iters) | {statistics.mean(g):.1f} | {min(g):.1f}-{max(g):.1f} | {len(g)} |")
-    print(f"| nanopt ({Path(a.config).name}) | {statistics.mean(n):.1f} | {min(n):.1f}-{max(n):.1f} | "
-          f"{sum(r['reached'] for r in rows)}/{len(rows)} reached |")
-    ratio = statistics.mean(n) / statistics.mean(g) if all(r["reached"] for r in rows) else None
+    times = f"{statistics.mean(n):.1f} | {min(n):.1f}-{max(n):.1f}" if n else "- | -"  # the runs that reached it
+    print(f"| nanopt ({Path(a.config).name}) | {times} | {len(n)}/{len(rows)} reached |")
+    ratio = statistics.mean(n) / statistics.mean(g) if len(n) == len(rows) else None
     shown = f"**{ratio:.2f}x**" if ratio else "n/a (nanopt did not reach the target in every seed)"
     print(f"\nnanopt time / nanoGPT time = {shown} (lower is better for nanopt); steps to target: "
           f"{', '.join(str(r['steps']) for r in rows)}\n")

@@ -103,7 +103,6 @@ def test_omp_policy_refuses_an_unknown_shape(capsys):
 # nanochat's core_eval.py as bench/core_parity.py calls it, answered by nanopt.core: the harness (its adapters,
 # nanopt at batch 1 and batch N, the per-item comparison, the table) runs where the peer is absent.
 NANOCHAT_STAND_IN = '''
-import torch
 from nanopt import core
 from nanopt.runtime import Runtime
 
@@ -120,10 +119,16 @@ def render_prompts_lm(item, delimiter, shots):
     return core.render_prompts("language_modeling", item, delimiter, shots)
 
 
+SCORED = {}  # a task's items scored once, not once per item
+
+
 def evaluate_example(idx, model, tokenizer, data, device, meta):
-    task = core.CoreTask("one", meta["task_type"], meta["num_fewshot"], meta["continuation_delimiter"], 0.0, data)
-    rt = Runtime(device.type, device, 0, 0, 1, 1, "fp32")
-    return core.evaluate_core(model.model, tokenizer.tok, [task], rt, batch_size=1)["examples"]["one"][idx]
+    key = (id(data), meta["num_fewshot"])
+    if key not in SCORED:
+        task = core.CoreTask("one", meta["task_type"], meta["num_fewshot"], meta["continuation_delimiter"], 0.0, data)
+        rt = Runtime(device.type, device, 0, 0, 1, 1, "fp32")
+        SCORED[key] = core.evaluate_core(model.model, tokenizer.tok, [task], rt, batch_size=1)["examples"]["one"]
+    return SCORED[key][idx]
 '''
 
 
