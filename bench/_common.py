@@ -5,6 +5,7 @@ in one process after warm-up, so that a noisy, shared machine slows every conten
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -13,7 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout, no install needed
@@ -46,10 +47,40 @@ def cpu_flags() -> str:
     return "?"
 
 
-def banner(title: str, extra: Optional[dict] = None) -> None:
-    """Print the exact command and the environment this bench ran with."""
-    cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
-    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+SMOKE_HELP = "toy sizes: checks that the bench runs, measures nothing (the test suite runs it)"
+
+
+def parser(script: str, doc: str) -> argparse.ArgumentParser:
+    """A bench's argument parser, named as it is run (`bench/NAME.py`) whether from a shell or a test; its --help
+    shows the bench's docstring as written (what it measures, how, and example commands)."""
+    return argparse.ArgumentParser(prog=f"bench/{Path(script).name}", description=doc.strip(),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def command(script: str, argv: Optional[list[str]]) -> str:
+    """The command line that reproduces this bench: `python bench/NAME.py ARGS`, with the arguments it was given
+    (argv from a test calling main(argv) in-process, else the shell's)."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(shlex.quote(a) for a in ["python", f"bench/{Path(script).name}", *args])
+
+
+def bad_input(script: str, message: str) -> NoReturn:
+    """Bad arguments: one paragraph on stderr naming what and the fix, exit 2 (as nanopt's own commands do)."""
+    print(f"bench/{Path(script).name}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr, at once: the table on stdout stays clean, and a long bench is never silent."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def banner(title: str, extra: Optional[dict] = None, cmd: Optional[str] = None) -> None:
+    """Print the exact command (`command(__file__, argv)`; default the shell's) and the environment this bench ran
+    with, flushed: a bench's output is often piped, and its first lines must not wait for its last."""
+    cmd = cmd or " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+           if k in os.environ}
     print(f"# {title}")
     print(f"command : {cmd}")
     print(f"date    : {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
@@ -60,7 +91,7 @@ def banner(title: str, extra: Optional[dict] = None) -> None:
     print(f"cpu     : {cpu_model()} x{os.cpu_count()} | {cpu_flags()} | load avg {os.getloadavg()[0]:.2f}")
     for k, v in (extra or {}).items():
         print(f"{k:8s}: {v}")
-    print()
+    print(flush=True)
 
 
 def sync(device: torch.device) -> None:
@@ -101,13 +132,14 @@ def spread(xs: list[float]) -> str:
     return f"±{50 * (hi - lo) / statistics.median(xs):.0f}%"
 
 
-def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), budget_s: float = 0.5) -> float:
-    """Best FLOP/s of a fixed 2048² matmul (8192² on GPU) seen in about budget_s.
+def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), budget_s: float = 0.5,
+               n: Optional[int] = None) -> float:
+    """Best FLOP/s of a fixed n² matmul (default 2048², 8192² on GPU) seen in about budget_s.
 
     Benches call this inside their alternating rounds, so the peak sees the same contention as the
     model; a larger size than the training loop's start-up measurement, since benches can afford it.
     """
-    n = 8192 if device.type == "cuda" else 2048
+    n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, dtype=dtype, device=device)
     out = a @ a  # warm-up: allocation, kernel selection
     best, start = 0.0, time.perf_counter()
@@ -122,7 +154,8 @@ def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), b
 
 
 def spec_peak(device: torch.device, precision: str) -> Optional[float]:
-    """The dense spec-sheet peak of a GPU nanopt.hardware knows (as training reports MFU), else None (CPU or unknown)."""
+    """The dense spec-sheet peak of a GPU nanopt.hardware knows (as training reports MFU), else None (CPU or
+    unknown)."""
     if device.type != "cuda":
         return None
     from nanopt.hardware import detect_hardware, table_peak

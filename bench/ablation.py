@@ -2,40 +2,50 @@
 
 Every variant is the recipe (`--config`, default configs/speedrun-cpu.yaml) with a few overrides: one option
 turned off (or on, if the recipe leaves it off), the MLP swapped, and AdamW in place of Muon at several
-learning rates and schedule lengths (every kind at `train.lr`; Muon's goal is measured against the best of those). Each variant runs
-`--seeds` times as a whole `python -m nanopt.main` process with `train.stop_at_target`, the variants
+learning rates and schedule lengths (every kind at `train.lr`; Muon's goal is measured against the best of those).
+Each variant runs `--seeds` times as a whole `python -m nanopt.main` process with `train.stop_at_target`, the variants
 alternating within each seed, and the table gives mean ± half-range of the optimizer steps and of the
 training seconds (`train_seconds_to_target`: steps only, no start-up or evaluation) to the target.
 
     python bench/ablation.py --target-bpb 2.70
-    python bench/ablation.py --target-bpb 2.70 --seeds 5 --only recipe,adamw-lr3e-3
+    python bench/ablation.py --target-bpb 2.70 --seeds 5 --only "recipe,adamw lr 2e-3 450 steps"
     python bench/ablation.py --target-bpb 2.70 --variant "wide=--model.dim=256 --model.n_heads=8"
     python bench/ablation.py --target-bpb 2.8654 --data DIR --eval-every 10 --only recipe,+residual_scalars
         # on text prepared elsewhere (e.g. the Vim docs as bench/vs_nanogpt.py --work W prepares them), finer clock
 
 The target: nanoGPT's final val loss on the embedded corpus, which `bench/vs_nanogpt.py` prints in bits
-per byte.
+per byte. Every variant's overrides are checked against the config before the first run: a misspelt key is exit 2
+at once, not an hour in.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
 import yaml
 
 from nanopt import rundirs  # noqa: E402
+from nanopt.config import load_config, parse_overrides  # noqa: E402
+from nanopt.errors import ConfigError  # noqa: E402
 
 ADAMW_LRS = ("1e-3", "2e-3", "4e-3")
+# --smoke: the recipe at toy width for at most 2 steps, validated at every step: with a --target-bpb above any
+# loss a run stops at its first validation, and the bench's whole path runs in seconds.
+SMOKE = ["--train.max_steps=2", "--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2",
+         "--model.ffn_dim=64", "--train.micro_batch_size=2", "--train.global_batch_tokens=128", "--eval.every=1",
+         "--eval.batches=1", "--runtime.threads=1", "--train.warmup_steps=1"]
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = C.parser(__file__, __doc__)
     p.add_argument("--config", default=str(C.REPO / "configs" / "speedrun-cpu.yaml"))
     p.add_argument("--target-bpb", type=float, required=True, help="val bits per byte to race to")
     p.add_argument("--seeds", type=int, default=3)
@@ -45,7 +55,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="eval.every for every run (0: the config's); the "
                    "steps to the target are multiples of it")
     p.add_argument("--json", type=Path, default=None, help="also write every run's result here")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: one seed of the chosen variants (default "
+                   "the recipe) at toy width, stopping at the first validation that meets the target")
+    return p.parse_args(argv)
 
 
 def variants(config: str, extra: list[str]) -> dict[str, list[str]]:
@@ -66,13 +78,40 @@ def variants(config: str, extra: list[str]) -> dict[str, list[str]]:
     steps = int(train["max_steps"])
     for lr in ADAMW_LRS:  # AdamW needs longer schedules than Muon: 1.5x and 2x the recipe's
         for length in (steps * 3 // 2, steps * 2):
-            out[f"adamw lr {lr}, {length} steps"] = [
+            out[f"adamw lr {lr} {length} steps"] = [  # no comma: --only splits on commas
                 "--optim.name=adamw", f"--train.lr={lr}", "--optim.matrix_lr=null", "--optim.embedding_lr=null",
                 "--optim.head_lr=null", "--optim.scalar_lr=null", f"--train.max_steps={length}"]
     for v in extra:
         name, _, args = v.partition("=")
+        if not name.strip() or "," in name or not args.strip():
+            C.bad_input(__file__, f"--variant {v!r} is not NAME=OVERRIDES with a name free of commas (--only splits "
+                        'on them) and at least one override, e.g. --variant "wide=--model.dim=256 --model.n_heads=8".')
         out[name] = args.split()
     return out
+
+
+def choose(table: dict[str, list[str]], only: str) -> dict[str, list[str]]:
+    """The variants --only names (all when empty), in the table's order; an unknown name is exit 2."""
+    if not only:
+        return table
+    wanted = [name.strip() for name in only.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in table]
+    if unknown:
+        verb = "is" if len(unknown) == 1 else "are"
+        C.bad_input(__file__, f"--only names {', '.join(map(repr, unknown))}, which {verb} not a variant of this "
+                    f"config; the variants are {', '.join(map(repr, table))} (plus any you add with --variant "
+                    '"NAME=--key=value ..."). Quote a name that has spaces: --only "recipe,no qk_norm".')
+    return {name: args for name, args in table.items() if name in wanted}
+
+
+def check_overrides(config: str, table: dict[str, list[str]], common: list[str]) -> None:
+    """Every chosen variant's overrides load on the config (the keys exist, the values fit), before any run."""
+    for name, overrides in table.items():
+        try:
+            load_config(config, parse_overrides([*common, *overrides]))
+        except ConfigError as e:
+            C.bad_input(__file__, f"variant {name!r} ({' '.join(overrides) or 'no overrides'}) does not load on "
+                        f"{config}: {e}")
 
 
 def run_once(config: str, overrides: list[str], target: float, seed: int, run_dir: Path) -> dict:
@@ -98,30 +137,42 @@ def cell(rows: list[dict], key: str, fmt: str) -> str:
     return f"{statistics.mean(hit):{fmt}} ± {half:{fmt}}"
 
 
-def main() -> None:
-    a = parse()
-    table = variants(a.config, a.variant)
-    if a.only:
-        table = {k: v for k, v in table.items() if k in a.only.split(",")}
-    C.banner("Speedrun ablation: steps and seconds to a target", {"config": a.config, "target": f"{a.target_bpb} bpb",
-                                                                  "data": a.data or "the config's"})
+def main(argv: Optional[list[str]] = None) -> None:
+    a = parse(argv)
+    table = choose(variants(a.config, a.variant), a.only or ("recipe" if a.smoke else ""))
+    common = [f"--data.source={a.data}"] if a.data else []
+    common += [f"--eval.every={a.eval_every}"] if a.eval_every else []
+    if a.smoke:
+        a.seeds, common = 1, [*common, *SMOKE]
+    check_overrides(a.config, table, common)
+    C.banner("Speedrun ablation: steps and seconds to a target", {
+        "config": a.config, "target": f"{a.target_bpb} bpb", "data": a.data or "the config's",
+        "runs": f"{len(table)} variant(s) x {a.seeds} seed(s)" + (" at toy size (--smoke)" if a.smoke else "")},
+        C.command(__file__, argv))
     work = Path(tempfile.mkdtemp(prefix="nanopt-ablation-"))
-    common = ([f"--data.source={a.data}"] if a.data else []) + ([f"--eval.every={a.eval_every}"] if a.eval_every else [])
-    results: dict[str, list[dict]] = {name: [] for name in table}
-    for seed in range(a.seeds):
-        names = list(table)[seed % len(table):] + list(table)[: seed % len(table)]  # rotate: drift hits all alike
-        for name in names:
-            r = run_once(a.config, common + table[name], a.target_bpb, seed,
-                         work / f"{len(results[name])}-{seed}-{abs(hash(name))}")
-            results[name].append(r)
-            where = f"step {r['steps']}, {r['seconds']:.1f} s" if r["reached"] else "not reached"
-            print(f"seed {seed} | {name}: {where}", file=sys.stderr, flush=True)
+    try:
+        results = run_all(a, table, common, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     print(f"| variant | steps to {a.target_bpb} bpb | train seconds to target | overrides |\n|---|---|---|---|")
     for name, rows in results.items():
         shown = " ".join(o for o in table[name] if not o.endswith("=null")) or "-"  # AdamW's kind lrs reset to train.lr
         print(f"| {name} | {cell(rows, 'steps', '.0f')} | {cell(rows, 'seconds', '.1f')} | `{shown}` |")
     if a.json:
         a.json.write_text(json.dumps({"target_bpb": a.target_bpb, "variants": table, "results": results}, indent=2))
+
+
+def run_all(a: argparse.Namespace, table: dict[str, list[str]], common: list[str], work: Path) -> dict[str, list]:
+    """Every variant once per seed, the order rotating with the seed so that drift hits all alike."""
+    results: dict[str, list[dict]] = {name: [] for name in table}
+    for seed in range(a.seeds):
+        names = list(table)[seed % len(table):] + list(table)[: seed % len(table)]
+        for i, name in enumerate(names):
+            r = run_once(a.config, common + table[name], a.target_bpb, seed, work / f"{seed}-{i}")
+            results[name].append(r)
+            where = f"step {r['steps']}, {r['seconds']:.1f} s" if r["reached"] else "not reached"
+            C.progress(f"seed {seed} | {name}: {where}")
+    return results
 
 
 if __name__ == "__main__":

@@ -13,17 +13,18 @@ checkpoints go to: a tmpfs would measure memory, not the disk.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
+import sys
 import zlib
 from pathlib import Path
+from typing import Optional
 
 import safetensors.torch
 import torch
 from safetensors.torch import save_file
 
-from _common import REPO, alternate, banner, median, spread
+from _common import REPO, alternate, banner, command, median, parser, spread
 from nanopt import checkpoint
 from nanopt.io import fsync, write_json
 
@@ -89,18 +90,18 @@ def crc_in_write_save(root: Path, model: torch.nn.Module, opt: torch.optim.Optim
     shutil.rmtree(tmp)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = parser(__file__, __doc__)
     ap.add_argument("--gib", type=float, default=2.0, help="total state size (weights + AdamW moments)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=REPO / "runs" / ".bench_checkpoint")
     ap.add_argument("--grace", type=float, default=25.0, help="seconds a preemption leaves for the save")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     model, opt = build_state(args.gib)
     root = args.dir
     root.mkdir(parents=True, exist_ok=True)
     banner("checkpoint save throughput", {"dir": f"{root} ({os.statvfs(root).f_bsize} B blocks)",
-                                          "state": f"{args.gib:g} GiB"})
+                                          "state": f"{args.gib:g} GiB"}, command(__file__, argv))
 
     def nanopt_save() -> None:
         final = checkpoint.save(root / "nanopt", 1, model, opt, {"config": {}}, keep=1)
@@ -121,8 +122,12 @@ def main() -> None:
     base = median(times["write+reread"])
     print(f"\nnanopt / write+reread = {median(times['nanopt']) / base:.2f}x time; "
           f"bytes only / write+reread = {median(times['bytes only']) / base:.2f}x")
+    saved = checkpoint.save(root / "nanopt", 1, model, opt, {"config": {}}, keep=1)  # untimed: what was measured
+    problem = checkpoint.verify_checkpoint(saved)  # a checkpoint a resume accepts, or why not
+    print(f"nanopt's checkpoint verifies (sizes, crc32s, step): {'yes' if problem is None else 'NO: ' + problem}")
     shutil.rmtree(root, ignore_errors=True)
+    return 0 if problem is None else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

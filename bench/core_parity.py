@@ -12,13 +12,14 @@ item; nanochat's rendered prompts are compared with nanopt's too. Exit 1 on any 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
 import json
 import sys
+from pathlib import Path
+from typing import Optional
 
-from _common import banner
+from _common import bad_input, banner, command, parser
 
 import torch  # noqa: E402  (after _common puts the repo on sys.path)
 
@@ -105,16 +106,20 @@ def compare(nc, model, tokenizer, task: core.CoreTask, rt: Runtime, batch_size: 
             "nanopt_accuracy": sum(ours[1]) / n, "nanochat_accuracy": sum(theirs) / n}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nanochat-core-eval", required=True, help="path of nanochat's nanochat/core_eval.py")
+def main(argv: Optional[list[str]] = None) -> int:
+    p = parser(__file__, __doc__)
+    p.add_argument("--nanochat-core-eval", required=True, help="path of nanochat's nanochat/core_eval.py (the peer)")
     p.add_argument("--n", type=int, default=100, help="items per task")
     p.add_argument("--steps", type=int, default=300, help="training steps before scoring (0: random init)")
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--bundle", default="/tmp/nanopt_core_parity_bundle")
     p.add_argument("--json", action="store_true")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if not Path(a.nanochat_core_eval).is_file():
+        bad_input(__file__, f"--nanochat-core-eval {a.nanochat_core_eval} is not a file: give the path of nanochat's "
+                  "nanochat/core_eval.py, e.g. `git -C <nanochat checkout> show HEAD:nanochat/core_eval.py > "
+                  "/tmp/core_eval.py`.")
     nc = load_nanochat(a.nanochat_core_eval)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -133,7 +138,8 @@ def main() -> int:
     banner("CORE parity: nanopt.core vs nanochat core_eval.py", {
         "model": f"{model.num_params():,} params, byte vocab, context {a.max_seq_len}, {a.steps} steps "
                  f"(last loss {loss:.3f}), fp32 on {device.type}",
-        "bundle": f"{a.bundle} ({a.n} items per task; *_1shot: the same items 1-shot)"})
+        "bundle": f"{a.bundle} ({a.n} items per task; *_1shot: the same items 1-shot)",
+        "peer": a.nanochat_core_eval}, command(__file__, argv))
     agree = [k for k in rows[0] if k.startswith("agree")]
     print(f"{'task':32s} {'type':18s} {'shots':>5s} {'n':>4s} {'cropped':>7s} {'prompts':>7s} "
           + " ".join(f"{k:>12s}" for k in agree) + f" {'nanopt acc':>10s} {'nanochat acc':>12s}")

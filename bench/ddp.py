@@ -7,6 +7,7 @@ losses must agree step for step (the check), and the timings see the same machin
 
     python bench/ddp.py
     python bench/ddp.py --dim 512 --precision fp32 --compile
+    python bench/ddp.py --smoke                 # toy sizes: checks that the bench runs
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import os
 import queue
 import socket
 import time
+from typing import Optional
 
 import _common as C
 import torch
@@ -24,14 +26,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = C.parser(__file__, __doc__)
     C.add_shape_args(p, dim=256, ffn=768, vocab=257)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step (as in the config)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--compile", action="store_true", help="torch.compile both models (train.compile)")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: a one-layer, 32-wide model on 16-token "
+                   "sequences, fp32, one timed round")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.dim, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq = 32, 1, 2, 1, 64, 64, 16
+        a.micro_batch, a.precision, a.repeats = 2, "fp32", 1
+    return a
 
 
 def batches(round_idx: int, n_seq: int, a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,8 +132,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    a = parse()
+def main(argv: Optional[list[str]] = None) -> None:
+    a = parse(argv)
     world = 2
     tokens = a.micro_batch * world * a.seq
     C.banner("DDP on CPU: 2 processes x 1 thread vs 1 process x 2 threads", {
@@ -133,7 +141,7 @@ def main() -> None:
         "batch": f"global {a.micro_batch * world} sequences = {tokens} tokens/step; micro-batch {a.micro_batch}; "
                  f"1 proc accumulates {world} micro-steps; {a.precision}; compile={a.compile}",
         "step": "nanopt.train.train_step (no_sync on non-final micro-steps, clip 1.0, fused AdamW) + loss all-reduce",
-    })
+    }, C.command(__file__, argv))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port, store_port = free_port(), free_port()
@@ -165,8 +173,8 @@ def main() -> None:
     ratio = med["1 proc x 2 threads"] / med["2 procs x 1 thread"]
     tol = 2e-2 if a.precision == "bf16" else 1e-4
     verdict = "match" if worst <= tol else "MISMATCH"
-    print(f"RATIO 2 procs x 1 thread / 1 proc x 2 threads tokens/s = {ratio:.2f}; losses {verdict} "
-          f"(max |diff| {worst:.1e}, tolerance {tol:g} for {a.precision}; first {losses[0][0]:.3f} -> last {losses[-1][0]:.3f})")
+    print(f"RATIO 2 procs x 1 thread / 1 proc x 2 threads tokens/s = {ratio:.2f}; losses {verdict} (max |diff| "
+          f"{worst:.1e}, tolerance {tol:g} for {a.precision}; first {losses[0][0]:.3f} -> last {losses[-1][0]:.3f})")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import gpu_quick
+from _common import parser
 from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_sample, check_tasks, free_port, md_env,
                   md_sample, md_tasks, model_config, nanopt_run, peak_gib, process_group, random_batches, run_sections,
                   section_failed, speed_of, time_train_step, write_shards)
@@ -109,8 +110,10 @@ def sizes(smoke: bool) -> dict[str, Any]:
                                 "--train.target_val_loss=null"], curve_steps=20),
         "train": {"170m": ["--config", "configs/170m-1gpu.yaml", *toy],
                   "1b": ["--config", "configs/1b.yaml", *toy]},
-        "resume": ["--config", "configs/170m-1gpu.yaml", *toy],
-        "ranks2": ["--config", "configs/170m-1gpu.yaml", *toy],
+        # Eager: what these two check (the same loss across ranks, an exact resume) is not the compiler's, and a toy's
+        # compilation costs a CPU 5 s per process.
+        "resume": ["--config", "configs/170m-1gpu.yaml", *toy, "--train.compile=false"],
+        "ranks2": ["--config", "configs/170m-1gpu.yaml", *toy, "--train.compile=false"],
         "steps": 10, "shard_tokens": 40_000,
         "tasks": dict(config=None, items=40, context=20, ending=8, batch=16),
     }
@@ -263,29 +266,39 @@ def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, An
 
 
 def check_train(name: str, args: list[str], variants: list[str], work: Path, steps: int, shards: Path,
-                timeout: float) -> dict[str, Any]:
-    """One nanopt run per variant; the profiler records steps wait+2..wait+3, which the speed leaves out."""
+                timeout: float, done: Optional[dict[tuple, dict[str, Any]]] = None) -> dict[str, Any]:
+    """One nanopt run per variant; the profiler records steps wait+2..wait+3, which the speed leaves out. `done`:
+    the runs of this check so far, by what they ran: the same run asked for again (fp8's bf16 baseline is the 1b
+    and 170m sections' compiled run) is reported again, not run again."""
+    done = {} if done is None else done
+    out: dict[str, Any] = {}
+    for variant in variants:
+        key = (tuple(args), variant, steps, str(shards))
+        if key not in done:
+            done[key] = train_run(f"{name}-{variant}", [*args, *VARIANTS[variant]], work, steps, shards, timeout)
+        out[variant] = {"flags": VARIANTS[variant], **done[key]}
+    return out
+
+
+def train_run(name: str, args: list[str], work: Path, steps: int, shards: Path, timeout: float) -> dict[str, Any]:
+    """One profiled run: its speed, memory, profile shares and top ops."""
     wait = steps - 5  # profiled: step wait+1 (warm-up), wait+2..wait+3 (active); wait+4 pays the trace export
     profile = ["--profile.enabled=true", f"--profile.wait={wait}", "--profile.warmup=1", "--profile.active=2"]
     skip = {1, 2, *range(wait + 1, wait + 5)}
-    out: dict[str, Any] = {}
-    for variant in variants:
-        run_dir = work / f"{name}-{variant}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        flags = VARIANTS[variant]
-        res = nanopt_run([*args, *QUIET, *profile, *flags, f"--data.source={shards}",
-                          f"--train.max_steps={steps}"], run_dir, timeout)
-        prof = experiments.read_profile(run_dir) or {}
-        out[variant] = {"flags": flags, "rc": res["rc"], "wall_s": res["wall_s"], **speed_of(res["records"], skip),
-                        "profile": {k: prof.get(k) for k in ("mode", "host_overhead_share", "data_loader_share",
-                                                             "compute_share", "step_ms_mean")},
-                        "top_ops": [(o["name"], round(o["self_share"], 3)) for o in prof.get("top_ops", [])[:8]],
-                        # At most 1 since "Command Buffer Full" rows are left out (it was 1.28 at 1B, counted twice).
-                        "top_ops_share_sum": round(sum(o["self_share"] for o in prof.get("top_ops", [])), 3),
-                        "log_tail": res["log_tail"] if res["rc"] != 0 else "", "log_notable": res["log_notable"],
-                        "log_times": res["log_times"]}
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 15 GB at 1B: not wanted past the run
-    return out
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    res = nanopt_run([*args, *QUIET, *profile, f"--data.source={shards}", f"--train.max_steps={steps}"], run_dir,
+                     timeout)
+    prof = experiments.read_profile(run_dir) or {}
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 15 GB at 1B: not wanted past the run
+    return {"rc": res["rc"], "wall_s": res["wall_s"], **speed_of(res["records"], skip),
+            "profile": {k: prof.get(k) for k in ("mode", "host_overhead_share", "data_loader_share", "compute_share",
+                                                 "step_ms_mean")},
+            "top_ops": [(o["name"], round(o["self_share"], 3)) for o in prof.get("top_ops", [])[:8]],
+            # At most 1 since "Command Buffer Full" rows are left out (it was 1.28 at 1B, counted twice).
+            "top_ops_share_sum": round(sum(o["self_share"] for o in prof.get("top_ops", [])), 3),
+            "log_tail": res["log_tail"] if res["rc"] != 0 else "", "log_notable": res["log_notable"],
+            "log_times": res["log_times"]}
 
 
 
@@ -294,12 +307,12 @@ def check_train(name: str, args: list[str], variants: list[str], work: Path, ste
 
 
 def check_fp8(spec: dict[str, Any], train_args: dict[str, list[str]], work: Path, steps: int, shards: Path,
-              text: Path, timeout: float) -> dict[str, Any]:
+              text: Path, timeout: float, done: Optional[dict[tuple, dict[str, Any]]] = None) -> dict[str, Any]:
     """train.fp8 against bf16: each model's speed (check_train's runs of both variants) and the loss gap on text."""
     base, fp8 = spec["variants"]
     out: dict[str, Any] = {"variants": spec["variants"], "models": spec["models"]}
     for name in spec["models"]:
-        runs = check_train(f"fp8-{name}", train_args[name], spec["variants"], work, steps, shards, timeout)
+        runs = check_train(f"fp8-{name}", train_args[name], spec["variants"], work, steps, shards, timeout, done)
         speeds = [runs[v].get("tokens_per_s") for v in (base, fp8)]
         out[name] = {**runs, "fp8_speedup": speeds[1] / speeds[0] if all(speeds) else None}
     out["loss"] = fp8_loss_gap(spec, work, text, timeout)
@@ -554,7 +567,7 @@ MARKDOWN: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__file__, __doc__)
     p.add_argument("--quick", action="store_true", help="the quick check: every never-run GPU path at the smallest "
                    f"size that exercises it ({', '.join(gpu_quick.QUICK_SECTIONS)}; bench/gpu_quick.py)")
     p.add_argument("--sections", default="", help=f"comma list of {', '.join(SECTIONS)} (with --quick: of the quick "
@@ -593,6 +606,7 @@ def full_jobs(a: argparse.Namespace, device: torch.device, work: Path) -> dict[s
         return written[vocab]
 
     vocab = 512 if a.cpu_smoke else 128256
+    done: dict[tuple, dict[str, Any]] = {}  # training runs by what they ran: fp8, 170m and 1b share their baselines
 
     def carried_text() -> Path:
         return Path(a.text) if a.text else shards.embedded_shards("byte")
@@ -606,13 +620,13 @@ def full_jobs(a: argparse.Namespace, device: torch.device, work: Path) -> dict[s
         "resume": lambda: check_resume(size["resume"], work, shards_for(vocab), a.timeout),
         "tasks": lambda: check_tasks(device, size["tasks"]),
         "fp8": lambda: check_fp8(size["fp8"], size["train"], work, steps, shards_for(vocab),
-                                 carried_text(), a.timeout),
+                                 carried_text(), a.timeout, done),
         "speedrun": lambda: check_speedrun(size["speedrun"], work, steps,
                                            shards_for(vocab if a.cpu_smoke else 50304), carried_text(), a.timeout),
         "170m": lambda: check_train("170m", size["train"]["170m"], a.variants.split(","), work, steps,
-                                    shards_for(vocab), a.timeout),
+                                    shards_for(vocab), a.timeout, done),
         "1b": lambda: check_train("1b", size["train"]["1b"], a.variants.split(","), work, steps,
-                                  shards_for(vocab), a.timeout),
+                                  shards_for(vocab), a.timeout, done),
     }
     return {name: jobs[name] for name in a.sections}
 

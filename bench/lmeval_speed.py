@@ -9,6 +9,7 @@ equal before any timing.
 
     python bench/lmeval_speed.py                      # dim 256, 4 layers, vocab 32768, context 256
     python bench/lmeval_speed.py --vocab 8192 --batch-size 1 --repeats 7 --items 100
+    python bench/lmeval_speed.py --smoke              # toy sizes: checks that the bench runs
 """
 from __future__ import annotations
 
@@ -16,22 +17,26 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import _common as C
 import torch
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = C.parser(__file__, __doc__)
     C.add_shape_args(p, dim=256, ffn=768, vocab=32768)  # a Llama-2-sized vocabulary (Llama 3: 128256)
     p.add_argument("--items", type=int, default=60, help="multiple-choice items (4 requests each)")
     p.add_argument("--batch-size", type=int, default=16, help="both models' batch size")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="0 -> all cores")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: a one-layer, 32-wide model, vocab 300, "
+                   "4 items, one round")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.dim, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq = 32, 1, 2, 1, 64, 300, 256
+        a.items, a.batch_size, a.repeats = 4, 4, 1
+    return a
 
 
 def texts() -> list[str]:
@@ -78,15 +83,20 @@ def requests(root: Path, corpus: list[str], items: int) -> dict[str, list]:
     return out
 
 
-def main() -> None:
-    a = parse()
+def main(argv: Optional[list[str]] = None) -> None:
+    a = parse(argv)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # everything is built here: the hub is never needed
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.threads:
         torch.set_num_threads(a.threads)
     from lm_eval.models.huggingface import HFLM
 
     from nanopt.harness import lm_class
 
-    C.banner("lm-eval requests/s: nanopt's model vs the harness's hf model", {"shape": vars(a)})
+    C.banner("lm-eval requests/s: nanopt's model vs the harness's hf model", {
+        "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}",
+        "requests": f"{a.items} multiple-choice items (4 loglikelihood requests each) and as many rolling ones; "
+                    f"batch size {a.batch_size}; {a.repeats} alternating rounds"}, C.command(__file__, argv))
     with tempfile.TemporaryDirectory() as tmp:
         root, corpus = Path(tmp), texts()
         export = build(a, root, corpus)

@@ -11,6 +11,7 @@ difference). A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 import _common as C
 import torch
@@ -21,11 +22,11 @@ from nanopt.optim import BatchedMuon, param_groups
 from nanopt.runtime import CpuBackend
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = C.parser(__file__, __doc__)
     p.add_argument("--config", default=str(C.REPO / "configs" / "speedrun-cpu.yaml"))
     p.add_argument("--repeats", type=int, default=30, help="alternating rounds")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def matrices(config: str) -> list[torch.Tensor]:
@@ -36,9 +37,9 @@ def matrices(config: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in group["params"]]
 
 
-def main() -> None:
-    a = parse()
-    C.banner("Muon step: torch.optim.Muon vs BatchedMuon", {"config": a.config})
+def main(argv: Optional[list[str]] = None) -> None:
+    a = parse(argv)
+    C.banner("Muon step: torch.optim.Muon vs BatchedMuon", {"config": a.config}, C.command(__file__, argv))
     start = matrices(a.config)
     shapes = sorted({tuple(p.shape) for p in start})
     print(f"matrices: {len(start)} in {len(shapes)} shapes {shapes}\n")

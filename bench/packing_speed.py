@@ -7,35 +7,26 @@ the buffer by bisection) and the rows' tokens read from the memmapped shards. Me
 It is a benchmark, not a test. The goal is >= 1M tokens/s per core (a GPU step of ~0.5M tokens takes ~0.2 s).
 
     python bench/packing_speed.py [--tokens 20000000] [--seq-len 2048] [--micro-batch 16] [--steps 30]
+    python bench/packing_speed.py --tokens 20000 --seq-len 64 --micro-batch 2 --buffer 16 --steps 2 --repeats 1
+        # toy sizes, what the test suite runs
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
+import numpy as np
+import torch
 
 from nanopt import packing, shards  # noqa: E402
 
 VOCAB, BOS = 50257, 50256
-
-
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no lscpu)"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
 
 
 def write_corpus(directory: Path, tokens: int, mean: float, n_shards: int, seed: int) -> list[Path]:
@@ -60,8 +51,8 @@ def time_steps(loader: packing.PackedLoader, steps: int, seq_len: int) -> float:
     return seconds / (steps * sum(x.numel() for x, _ in batches))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = C.parser(__file__, __doc__)
     ap.add_argument("--tokens", type=int, default=20_000_000)
     ap.add_argument("--mean-doc", type=float, default=1000.0)
     ap.add_argument("--shards", type=int, default=4)
@@ -71,10 +62,19 @@ def main() -> None:
     ap.add_argument("--buffer", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    print(f"# bos_bestfit packing speed: python {' '.join(sys.argv)}")
-    print(f"cpu     : {lscpu_model()} | os.cpu_count {os.cpu_count()} | torch threads {torch.get_num_threads()}")
+    try:
+        measure(args, C.command(__file__, argv))
+    finally:
+        torch.set_num_threads(threads)  # as it was: a test calls main() in its own process
+
+
+def measure(args: argparse.Namespace, cmd: str) -> None:
+    """The corpus written, the BOS index built and timed, then the packed steps, alternating repeats."""
+    print(f"# bos_bestfit packing speed: {cmd}")
+    print(f"cpu     : {C.cpu_model()} | os.cpu_count {os.cpu_count()} | torch threads {torch.get_num_threads()}")
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_corpus(Path(tmp), args.tokens, args.mean_doc, args.shards, seed=0)
         maps = [shards.open_shard(p) for p in paths]

@@ -5,10 +5,11 @@ here on the embedded Shakespeare corpus with `tokenizers`, loaded through transf
 tokenizer is reachable offline), frame documents with BOS, and write token shards; they are checked to
 produce identical tokens. The naive side calls the Hugging Face tokenizer once per document in one
 process; prepare batches documents over worker processes and runs the same BPE on tiktoken when it is
-installed (nanopt/fastbpe.py), so the ratio has two factors: tokens per CPU-second and cores used. Alternating repeats after a warm-up; medians and the ratio are printed.
-It is a benchmark, not a test.
+installed (nanopt/fastbpe.py), so the ratio has two factors: tokens per CPU-second and cores used. Alternating
+repeats after a warm-up; medians and the ratio are printed. It is a benchmark, not a test.
 
     python bench/prepare.py [--repeats 3] [--doc-chars 4000] [--copies 4] [--vocab 8192] [--workers N]
+    python bench/prepare.py --documents 16 --copies 1 --vocab 300 --workers 1 --repeats 1   # what the tests run
 """
 from __future__ import annotations
 
@@ -19,17 +20,13 @@ import platform
 import resource
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-import numpy as np  # noqa: E402
+import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
+import numpy as np
 
 from nanopt import prepare, shards  # noqa: E402
 from nanopt.config import load_config  # noqa: E402
@@ -93,8 +90,9 @@ def nanopt_prepare(jsonl: Path, tokenizer_dir: Path, out: Path, workers: int, ba
     start = time.perf_counter()
     cfg = load_config(None, [
         ("data.source", str(out)), ("data.tokenizer", str(tokenizer_dir)), ("prepare.dataset", "json"),
-        ("prepare.data_files", str(jsonl)), ("prepare.shuffle_buffer", "0"), ("prepare.workers", str(workers)), ("prepare.batch_documents", str(batch)),
-        ("prepare.shard_tokens", str(10**9)), ("model.vocab_size", str(get_tokenizer(str(tokenizer_dir)).vocab_size)),
+        ("prepare.data_files", str(jsonl)), ("prepare.shuffle_buffer", "0"), ("prepare.workers", str(workers)),
+        ("prepare.batch_documents", str(batch)), ("prepare.shard_tokens", str(10**9)),
+        ("model.vocab_size", str(get_tokenizer(str(tokenizer_dir)).vocab_size)),
     ])
     stats = prepare.prepare(cfg, progress=False)
     return stats["splits"]["train"]["tokens"], time.perf_counter() - start
@@ -108,27 +106,34 @@ def _tiktoken_version() -> str:
     return tiktoken.__version__
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = C.parser(__file__, __doc__)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--doc-chars", type=int, default=4000)
     ap.add_argument("--copies", type=int, default=4, help="the corpus repeated, so fixed start-up costs weigh less")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--batch-documents", type=int, default=64)
-    args = ap.parse_args()
+    ap.add_argument("--documents", type=int, default=0, help="the first N documents of the corpus only (0: all)")
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tokenizer is trained here: the hub is never needed
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import datasets
     import tokenizers
     import transformers
 
-    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(f"command: {C.command(__file__, argv)}")
     print(f"python {platform.python_version()}, {os.cpu_count()} cores, datasets {datasets.__version__}, "
           f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}; "
           f"nanopt prepare with {args.workers} worker processes, {args.batch_documents} documents per task; "
-          f"load average before: {os.getloadavg()[0]:.1f}; tiktoken engine: {_tiktoken_version()}")
+          f"load average before: {os.getloadavg()[0]:.1f}; tiktoken engine: {_tiktoken_version()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="nanopt-bench-prepare-"))
     try:
-        docs = corpus_documents(args.doc_chars) * args.copies
+        docs = corpus_documents(args.doc_chars)[: args.documents or None] * args.copies
         jsonl = tmp / "docs.jsonl"
         jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         tokenizer_dir = build_tokenizer(docs, args.vocab, tmp / "tokenizer")
@@ -150,7 +155,8 @@ def main() -> None:
                               shards.open_shard(tmp / "prepare--1" / "train_000000.bin"))
         rates: dict[str, list[float]] = {"naive": [], "prepare": []}
         per_cpu: dict[str, list[float]] = {"naive": [], "prepare": []}
-        print(f"{'repeat':>6} {'naive tok/s':>12} {'prepare tok/s':>14} {'naive tok/cpu-s':>16} {'prepare tok/cpu-s':>18}")
+        print(f"{'repeat':>6} {'naive tok/s':>12} {'prepare tok/s':>14} {'naive tok/cpu-s':>16} "
+              f"{'prepare tok/cpu-s':>18}", flush=True)
         for i in range(args.repeats):
             row = []
             for kind in ("naive", "prepare"):
@@ -158,10 +164,11 @@ def main() -> None:
                 rates[kind].append(tokens / seconds)
                 per_cpu[kind].append(tokens / cpu)
                 row += [tokens / seconds, tokens / cpu]
-            print(f"{i:>6} {row[0]:>12,.0f} {row[2]:>14,.0f} {row[1]:>16,.0f} {row[3]:>18,.0f}")
+            print(f"{i:>6} {row[0]:>12,.0f} {row[2]:>14,.0f} {row[1]:>16,.0f} {row[3]:>18,.0f}", flush=True)
         naive_med, prep_med = statistics.median(rates["naive"]), statistics.median(rates["prepare"])
         print(f"median tokens per CPU-second: naive {statistics.median(per_cpu['naive']):,.0f}, "
-              f"prepare {statistics.median(per_cpu['prepare']):,.0f} (the wall-clock gain beyond this ratio is parallelism)")
+              f"prepare {statistics.median(per_cpu['prepare']):,.0f} (the wall-clock gain beyond this ratio is "
+              "parallelism)")
         print(f"tokens: {tokens:,} per run; identical shards from both paths: {same}")
         print(f"median tokens/s: naive per-document loop {naive_med:,.0f}, nanopt prepare {prep_med:,.0f}")
         print(f"load average after: {os.getloadavg()[0]:.1f} (other processes share these cores)")

@@ -8,9 +8,9 @@ greedily and must produce identical tokens (checked here); the printed ratio is 
 """
 from __future__ import annotations
 
-import argparse
+from typing import Optional
 
-from _common import alternate, banner, median, spread
+from _common import alternate, banner, command, median, parser, spread
 
 import torch  # noqa: E402  (after _common puts the repo on sys.path)
 
@@ -19,13 +19,14 @@ from nanopt.generate import generate  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@torch.no_grad()
+def main(argv: Optional[list[str]] = None) -> None:
+    p = parser(__file__, __doc__)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_config(None).model
     cfg.max_seq_len = args.prompt_tokens + args.new_tokens
@@ -33,9 +34,11 @@ def main() -> None:
     model = build_model(cfg, device).eval()
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_tokens), device=device)
     banner("KV-cache generation vs full recomputation", {
-        "model": f"{model.num_params():,} params, {cfg.n_layers} layers, dim {cfg.dim}, heads {cfg.n_heads}/{cfg.n_kv_heads}",
-        "decode": f"batch {args.batch}, prompt {args.prompt_tokens} + {args.new_tokens} new tokens, greedy, fp32",
-    })
+        "model": f"{model.num_params():,} params, {cfg.n_layers} layers, dim {cfg.dim}, heads "
+                 f"{cfg.n_heads}/{cfg.n_kv_heads}",
+        "decode": f"batch {args.batch}, prompt {args.prompt_tokens} + {args.new_tokens} new tokens, greedy, fp32 on "
+                  f"{device.type}",
+    }, command(__file__, argv))
     cached = generate(model, prompt, args.new_tokens, temperature=0.0, use_cache=True)
     full = generate(model, prompt, args.new_tokens, temperature=0.0, use_cache=False)
     assert torch.equal(cached, full), "the cached and recomputed tokens differ"
@@ -51,5 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with torch.no_grad():
-        main()
+    main()

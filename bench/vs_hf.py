@@ -5,18 +5,20 @@ attention kernels, the best nanopt/HF any overhead removal could reach without f
 
     python bench/vs_hf.py                       # dim 512, bf16 and fp32, eager and torch.compile
     python bench/vs_hf.py --no-compile --repeats 5 --precisions bf16
+    python bench/vs_hf.py --smoke              # toy sizes, fp32, no compile: checks that the bench runs
 """
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Optional
 
 import _common as C
 import torch
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = C.parser(__file__, __doc__)
     C.add_shape_args(p, dim=512, ffn=1536, vocab=8192)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--precisions", default="bf16,fp32", help="comma list of bf16 (autocast) and fp32")
@@ -25,7 +27,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--profile-rounds", type=int, default=3, help="profiled steps per model for the kernel split")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
     p.add_argument("--hf-compile", action="store_true", help="also time torch.compile(HF model)")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: a one-layer, 32-wide model, fp32, no "
+                   "compile, one round and one profiled step each")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.dim, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq = 32, 1, 2, 1, 64, 64, 16
+        a.batch, a.precisions, a.repeats, a.profile_rounds, a.no_compile, a.hf_compile = 1, "fp32", 1, 1, True, False
+    return a
 
 
 # The kernels both models must run: the matmuls (the 6N FLOPs) and the fused attention kernel.
@@ -63,8 +71,8 @@ def kernel_split(fns: dict, names: tuple[str, ...], rounds: int,
     return {n: (C.median(hard[n]), C.median(wall[n])) for n in names}
 
 
-def main() -> None:
-    a = parse()
+def main(argv: Optional[list[str]] = None) -> None:
+    a = parse(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -84,7 +92,7 @@ def main() -> None:
                  f"seq {a.seq} batch {a.batch} ({tokens} tokens/step, {fpt / 1e6:.1f} MFLOP/token)",
         "step": "autocast fwd + loss, backward, clip_grad_norm 1.0, fused AdamW (wd 0.1 on matrices), zero_grad",
         "hf": "transformers LlamaForCausalLM, attn_implementation=sdpa, labels=input (HF shifts inside)",
-    })
+    }, C.command(__file__, argv))
     torch.manual_seed(0)
     idx = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)  # data on device before the step
     targets = torch.roll(idx, -1, dims=1)
@@ -106,7 +114,8 @@ def main() -> None:
         if a.hf_compile:
             hf_c = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa").to(device).train()
             hf_compiled = torch.compile(hf_c)
-            fns["HF + compile"] = C.make_step(hf_c, lambda: hf_compiled(input_ids=idx, labels=idx).loss, precision, device)
+            fns["HF + compile"] = C.make_step(hf_c, lambda: hf_compiled(input_ids=idx, labels=idx).loss, precision,
+                                              device)
         t0 = time.perf_counter()
         for fn in fns.values():  # compile and allocate outside the timed rounds
             fn()
@@ -125,10 +134,12 @@ def main() -> None:
     print("-" * 78)
     for p, name, ms, sp, tps, gf, ratio in rows:
         print(f"{p:9s} | {name:16s} | {ms:8.0f} | {sp:>6s} | {tps:8.0f} | {gf:7.1f} | {ratio:.2f}x")
-    print(f"(median of {a.repeats} alternating repeats after warm-up; spread = half inter-quartile range)")
+    print(f"(median of {a.repeats} alternating repeats after warm-up; spread: ± half the inter-quartile range, "
+          "relative to the median)")
     print(f"\nwhere the eager step goes (profiled, median of {a.profile_rounds} alternating steps each):")
     for (p, name), (h, total) in hard.items():
-        print(f"  {p:5s} {name:16s}: matmul + attention kernels {1000 * h:6.0f} ms of {1000 * total:6.0f} ms ({100 * h / total:.0f}%)")
+        print(f"  {p:5s} {name:16s}: matmul + attention kernels {1000 * h:6.0f} ms of {1000 * total:6.0f} ms "
+              f"({100 * h / total:.0f}%)")
     for p in dict.fromkeys(r[0] for r in rows):
         ceiling = hard[(p, "HF transformers")][1] / hard[(p, "nanopt")][0]
         print(f"CEILING {p}: nanopt/HF <= {ceiling:.2f}x even if nanopt spent nothing outside its matmul and "
@@ -137,6 +148,7 @@ def main() -> None:
         eager = next(r[-1] for r in rows if r[0] == p and r[1] == "nanopt")
         best_ratio, best_name = max((r[-1], r[1]) for r in rows if r[0] == p and r[1].startswith("nanopt"))
         print(f"RATIO {p}: nanopt/HF tokens/s = {eager:.2f}x eager, best {best_ratio:.2f}x ({best_name})")
+
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,19 +54,28 @@ ITER_LINE = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", re.M)
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nanogpt", type=Path, default=PEER, help="a nanoGPT checkout (train.py, model.py, configurator.py)")
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = C.parser(__file__, __doc__)
+    p.add_argument("--nanogpt", type=Path, default=PEER, help="a nanoGPT checkout (train.py, model.py, "
+                   "configurator.py); default: the peer beside this checkout, %(default)s")
     p.add_argument("--config", default=str(C.REPO / "configs" / "speedrun-cpu.yaml"), help="nanopt's racing recipe")
     p.add_argument("--part", choices=["step", "race", "both"], default="both")
     p.add_argument("--steps", type=int, default=60, help="steps per process in the step-time part")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds in the step-time part")
     p.add_argument("--seeds", type=int, default=3, help="race repeats (nanopt seeds 0..N-1)")
-    p.add_argument("--text", default="", help="race on these text files instead (a glob, e.g. '/usr/share/vim/vim90/doc/*.txt')")
+    p.add_argument("--text", default="", help="race on these text files instead (a glob, e.g. "
+                   "'/usr/share/vim/vim90/doc/*.txt')")
     p.add_argument("--work", type=Path, default=None, help="working directory (default: a fresh temporary one)")
-    p.add_argument("--smoke", action="store_true", help="a few steps of each part: checks that the bench runs")
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: a few steps of each part, one round, one "
+                   "seed")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p.parse_args()
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.steps, a.rounds, a.seeds = 6, 1, 1
+    if not (a.nanogpt / "train.py").is_file():
+        C.bad_input(__file__, f"--nanogpt {a.nanogpt} has no train.py: point it at a nanoGPT checkout (the peer; by "
+                    f"default {PEER}, beside this checkout).")
+    return a
 
 
 # ---------------------------------------------------------------- data: one text, two formats
@@ -132,7 +142,8 @@ def run(cmd: list[str], cwd: Path, env: Optional[dict] = None) -> tuple[float, s
     proc = subprocess.run(cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
-        sys.exit(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{proc.stdout[-3000:]}\n"
+                 f"{proc.stderr[-3000:]}")
     return seconds, proc.stdout + proc.stderr
 
 
@@ -211,38 +222,48 @@ def race_nanopt(a: argparse.Namespace, work: Path, documents: Path, counts: dict
 
 
 def race(a: argparse.Namespace, work: Path, ngpt: Path, documents: Path, counts: dict) -> dict:
-    iters = 20 if a.smoke else NANOGPT_ITERS
+    iters = 10 if a.smoke else NANOGPT_ITERS
     rows = []
     for seed in range(a.seeds):
         g_seconds, g_loss = race_nanogpt(ngpt, work, documents, seed, iters)
         target = g_loss * counts["val_chars"] / counts["val_bytes"] / math.log(2)  # nats/char -> bits/byte
-        p = race_nanopt(a, work, documents, counts, seed, target, max_steps=5 if a.smoke else None)
+        p = race_nanopt(a, work, documents, counts, seed, target, max_steps=3 if a.smoke else None)
         rows.append({"seed": seed, "nanogpt_s": g_seconds, "nanogpt_val_loss": g_loss, "target_bpb": target, **p})
         print(f"seed {seed}: nanoGPT {g_seconds:.1f} s to val loss {g_loss:.4f} ({target:.4f} bpb); nanopt "
               f"{p['seconds']:.1f} s ({'reached at step ' + str(p['steps']) if p['reached'] else 'NOT reached'})",
               flush=True)
     g = [r["nanogpt_s"] for r in rows]
-    n = [r["seconds"] if r["reached"] else math.inf for r in rows]
+    n = [r["seconds"] for r in rows if r["reached"]]
     print("\n## 2. Wall time to nanoGPT's final val loss (whole processes, data preparation included)\n")
     print("| | mean s | spread (min-max) | runs |\n|---|---|---|---|")
-    print(f"| nanoGPT ({NANOGPT_ITERS} iters) | {statistics.mean(g):.1f} | {min(g):.1f}-{max(g):.1f} | {len(g)} |")
-    print(f"| nanopt ({Path(a.config).name}) | {statistics.mean(n):.1f} | {min(n):.1f}-{max(n):.1f} | "
-          f"{sum(r['reached'] for r in rows)}/{len(rows)} reached |")
-    ratio = statistics.mean(n) / statistics.mean(g)
-    print(f"\nnanopt time / nanoGPT time = **{ratio:.2f}x** (lower is better for nanopt); steps to target: "
+    print(f"| nanoGPT ({iters} iters) | {statistics.mean(g):.1f} | {min(g):.1f}-{max(g):.1f} | {len(g)} |")
+    times = f"{statistics.mean(n):.1f} | {min(n):.1f}-{max(n):.1f}" if n else "- | -"  # the runs that reached it
+    print(f"| nanopt ({Path(a.config).name}) | {times} | {len(n)}/{len(rows)} reached |")
+    ratio = statistics.mean(n) / statistics.mean(g) if len(n) == len(rows) else None
+    shown = f"**{ratio:.2f}x**" if ratio else "n/a (nanopt did not reach the target in every seed)"
+    print(f"\nnanopt time / nanoGPT time = {shown} (lower is better for nanopt); steps to target: "
           f"{', '.join(str(r['steps']) for r in rows)}\n")
     return {"rows": rows, "time_ratio": ratio}
 
 
-def main() -> None:
-    a = parse()
-    if a.smoke:
-        a.steps, a.rounds, a.seeds = 12, 1, 1
-    if not (a.nanogpt / "train.py").exists():
-        sys.exit(f"--nanogpt {a.nanogpt} has no train.py: point it at a nanoGPT checkout")
+def main(argv: Optional[list[str]] = None) -> None:
+    a = parse(argv)
     work = a.work or Path(tempfile.mkdtemp(prefix="nanopt-vs-nanogpt-"))
     work.mkdir(parents=True, exist_ok=True)
-    C.banner("nanopt vs nanoGPT on CPU", {"nanoGPT": str(a.nanogpt.resolve()), "config": a.config, "work": str(work)})
+    C.banner("nanopt vs nanoGPT on CPU", {
+        "nanoGPT": str(a.nanogpt.resolve()), "config": a.config, "text": a.text or "the embedded corpus",
+        "parts": f"{a.part}: step time {a.steps} steps x {a.rounds} round(s); race {a.seeds} seed(s)"
+                 + (" (--smoke: a few steps of each)" if a.smoke else ""),
+        "work": str(work) + ("" if a.work else " (removed at the end)")}, C.command(__file__, argv))
+    try:
+        both_parts(a, work)
+    finally:
+        if not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def both_parts(a: argparse.Namespace, work: Path) -> None:
+    """The parts asked for, on one copy of the text; the results also as JSON with --json."""
     documents, counts = corpus(work, a.text)
     ngpt = nanogpt_workdir(a.nanogpt, work)
     results: dict = {"counts": counts}

@@ -3,6 +3,7 @@ tests in more than one file use (unit tests in tests/, whole-run tests in tests/
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
 # Idle OpenMP threads sleep instead of spinning: on a small shared machine spinning threads of
@@ -534,3 +536,19 @@ def stub_runtime(kind: str = "cpu", rank: int = 0, world: int = 2) -> Runtime:
 
 def trace_files(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "tb" / "plugins" / "profile").glob("*/*.pt.trace.json"))
+
+
+# ---------------------------------------------------------------- the benches (tests/test_bench.py, test_gpu_check.py)
+
+BENCH = REPO / "bench"
+
+
+def bench_module(name: str) -> ModuleType:
+    """bench/NAME.py as the module NAME, for its main(argv) in this process. bench/ goes last on sys.path: its
+    neighbours (_common, _gpu, gpu_quick) import by name, and a spawned worker finds its module by name, while no
+    bench's name can shadow an installed package."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    module = importlib.import_module(name)
+    assert Path(module.__file__).resolve() == BENCH / f"{name}.py", f"{name} is another module: {module.__file__}"
+    return module

@@ -1,46 +1,53 @@
 """bench/gpu_check.py --cpu-smoke: the GPU check's own code, run at toy size on CPU so that it cannot rot
-between the sessions that have a GPU (docs/results.md "GPU: one H100" has its figures)."""
+between the sessions that have a GPU (docs/results.md "GPU: one H100" has its figures). Its main(argv) runs in this
+process; the training runs it starts are processes of their own, as on a GPU."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import bench_module
+
+# Every full section a test below reads, in one check: each section's training runs are most of the time, and the
+# 1b section's run is the fp8 section's bf16 baseline (gpu_check runs it once).
+SMOKED_SECTIONS = "env,attention,ddp,ranks2,sample,tasks,fp8,speedrun,1b"
 
 
 def load_gpu_check():
-    sys.path.insert(0, str(REPO / "bench"))  # gpu_check imports its neighbour _common
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "bench" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("gpu_check")
 
 
-def smoke(tmp_path: Path, sections: str) -> dict:
-    """`bench/gpu_check.py --cpu-smoke --sections SECTIONS`: its exit code must be 0; its JSON report."""
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
-                           "--sections", sections], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert not any("error" in result[s] for s in sections.split(",")), result
+def smoke(out: Path, *args: str) -> dict:
+    """`bench/gpu_check.py --cpu-smoke --out OUT ARGS` in this process: its exit code must be 0 and no section may
+    have failed; its JSON report. Its runs get one thread each (OMP_NUM_THREADS=1), as the CI machine's 2 cores
+    share them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        rc = load_gpu_check().main(["--cpu-smoke", "--out", str(out), *args])
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert rc == 0 and not [s for s in result if isinstance(result[s], dict) and "error" in result[s]], result
     return result
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> tuple[dict, str]:
+    """The full check's smoke of SMOKED_SECTIONS: its JSON report and its Markdown report."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    return smoke(out, "--sections", SMOKED_SECTIONS), (out / "gpu_check.md").read_text()
+
+
 @pytest.mark.slow
-def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
+def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(full):
     # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
-    # real runs would add ~80 s (tests/e2e/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
-    result = smoke(tmp_path, "env,attention,ddp,sample,tasks,1b")
+    # real runs would add ~15 s (tests/e2e/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
+    result, report = full
     tasks = result["tasks"]
     assert tasks["requests"] == 4 * 40 and tasks["seconds"] > 0 and tasks["batched_vs_alone_max_abs"] < 0.05
-    assert result["env"]["torch"] == __import__("torch").__version__
+    assert result["env"]["torch"] == torch.__version__
     for dtype in ("bfloat16", "float32"):
         row = result["attention"][dtype]
         assert row["nanopt_sdpa_rel_err"] < (2e-2 if dtype == "bfloat16" else 1e-5)
@@ -57,7 +64,7 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
     assert run["rc"] == 0 and run["tokens_per_s"] > 0 and run["steps_timed"] == [3, 4, 5, 10]
     assert run["profile"]["compute_share"] > 0.5 and run["top_ops"], run
     assert run["top_ops_share_sum"] <= 1.0
-    report = (tmp_path / "gpu_check.md").read_text()
+    assert result["fp8"]["1b"]["eager"] == run  # the fp8 section's bf16 baseline is the same run, run once
     for title in ("## DDP gradients", "## nanopt's DDP path", "## Sampling with the KV cache", "## Training 1b",
                   "## Downstream scoring"):
         assert title in report
@@ -65,8 +72,8 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(tmp_path):
 
 
 @pytest.mark.slow
-def test_cpu_smoke_of_fp8_and_two_ranks_on_one_device(tmp_path):
-    result = smoke(tmp_path, "ranks2,fp8")
+def test_cpu_smoke_of_fp8_and_two_ranks_on_one_device(full):
+    result, report = full
     ranks = result["ranks2"]
     assert ranks["two_ranks"]["rc_per_rank"] == [0, 0] and ranks["replicas_equal"]
     assert ranks["steps_compared"] == list(range(1, 11)) and ranks["max_abs_loss_diff"] < 1e-3
@@ -75,7 +82,6 @@ def test_cpu_smoke_of_fp8_and_two_ranks_on_one_device(tmp_path):
     assert any("fp8: 14 block Linears in FP8" in line for line in fp8["1b"]["fp8_eager"]["log_notable"]), fp8["1b"]
     loss = fp8["loss"]
     assert loss["eager"]["val_loss"] < 5.5 and abs(loss["val_loss_gap"]) < 0.05  # it learns; FP8 barely differs
-    report = (tmp_path / "gpu_check.md").read_text()
     assert "## Two ranks on one GPU" in report and "## FP8 (train.fp8) against bf16" in report
 
 
@@ -117,36 +123,34 @@ def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rer
 
 
 @pytest.mark.slow
-def test_cpu_smoke_of_the_gpu_speedrun_config(tmp_path):
+def test_cpu_smoke_of_the_gpu_speedrun_config(full):
     """configs/speedrun-gpu.yaml at toy width: its speed row and a validation curve on real text that falls."""
-    run = smoke(tmp_path, "speedrun")["speedrun"]
+    result, report = full
+    run = result["speedrun"]
     assert run["speed"]["rc"] == 0 and run["speed"]["tokens_per_s"] > 0
     curve = [loss for _, loss in run["curve"]["val_loss"]]
     assert run["curve"]["rc"] == 0 and len(curve) >= 3 and curve[-1] < curve[0] - 0.5
-    assert "## configs/speedrun-gpu.yaml" in (tmp_path / "gpu_check.md").read_text()
+    assert "## configs/speedrun-gpu.yaml" in report
 
 
 # ---------------------------------------------------------------- --quick: the first device call's check
 
 
-def quick(tmp_path: Path, sections: str = "") -> dict:
-    """`bench/gpu_check.py --quick --cpu-smoke [--sections ...]`: exit code 0, its JSON report."""
-    args = ["--sections", sections] if sections else []
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--quick", "--cpu-smoke", "--out", str(tmp_path),
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "## Goals" in proc.stdout  # the report ends the output: a device call's reply shows its tail
-    return json.loads((tmp_path / "gpu_check.json").read_text())
+def quick(tmp_path: Path, capsys) -> dict:
+    """`bench/gpu_check.py --quick --cpu-smoke`: exit code 0, its JSON report."""
+    result = smoke(tmp_path, "--quick")
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("gpu_check: ") and "## Goals" in out.split("## Sections")[-1]
+    return result  # the report ends the output, its goals last: a device call's reply shows its tail
 
 
 @pytest.mark.slow
-def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(tmp_path):
+def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(tmp_path, capsys):
     gc = load_gpu_check()
-    result = quick(tmp_path)
+    result = quick(tmp_path, capsys)
     assert result["quick"] and [s for s in gc.gpu_quick.QUICK_SECTIONS if s not in result] == []
     assert not [s for s in gc.gpu_quick.QUICK_SECTIONS if "error" in result[s] or "skipped" in result[s]], result
-    assert result["env"]["torchao"] == __import__("torchao").__version__ and "lm_eval" in result["env"]
+    assert result["env"]["torchao"] == importlib.import_module("torchao").__version__ and "lm_eval" in result["env"]
     muon = result["muon"]
     assert muon["toy"]["matrices"] == 2 * 6 and muon["toy"]["torch_ms"] > 0 and muon["per_shape"]
     assert "muon_batch_max_numel" in muon["cut_off"] and muon["goal"]["what"].startswith("BatchedMuon")
@@ -176,7 +180,7 @@ def test_quick_sections_skip_with_a_reason_where_a_package_is_absent(monkeypatch
     real = gc.gpu_quick.importlib.util.find_spec
     monkeypatch.setattr(gc.gpu_quick.importlib.util, "find_spec", lambda name: None if name in ("torchao", "lm_eval")
                         else real(name))
-    device = __import__("torch").device("cpu")
+    device = torch.device("cpu")
     size = gc.gpu_quick.sizes(True)
     for out in (gc.gpu_quick.check_decode_fp8(device, size["decode"]),
                 gc.gpu_quick.check_fp8_ddp(device, size["fp8_ddp"]),

@@ -1,0 +1,261 @@
+"""Every bench under bench/ runs: each at toy size, in this process where it can (its main(argv), so torch is not
+imported again), so a moved helper or a renamed key fails here and not in front of the next person who measures.
+The benches measure nothing here; speed is never asserted. bench/gpu_check.py's own smokes: tests/test_gpu_check.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BENCH
+from conftest import bench_module as bench
+
+REPO = Path(__file__).resolve().parent.parent
+# Where a bench finds a peer kept outside the project (bench/vs_nanogpt.py's default): beside the checkout. The peers
+# that are packages (transformers for vs_hf, lm-eval for lmeval_speed) are dev dependencies: never skipped.
+PEERS = REPO.parent / "shared" / "peers"
+SMOKED_ELSEWHERE = {"gpu_check": "tests/test_gpu_check.py"}  # and its --quick sections (bench/gpu_quick.py)
+
+
+def run(name: str, argv: list[str], capsys) -> str:
+    """main(argv) of bench NAME, which must succeed; its standard output."""
+    rc = bench(name).main(argv)
+    assert rc in (None, 0), rc
+    return capsys.readouterr().out
+
+
+# The scripts: bench/gpu_quick.py is gpu_check.py's --quick, and _common.py and _gpu.py are their helpers.
+BENCHES = sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_every_bench_answers_help_with_its_own_name(name, capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench(name).main(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: bench/{name}.py") and "-h, --help" in out, out
+
+
+def test_every_bench_has_a_smoke_here_or_in_its_own_file():
+    """A new bench without a smoke fails here: name its test below (test_<name>_runs) or in SMOKED_ELSEWHERE."""
+    here = {n.removeprefix("test_").removesuffix("_runs") for n in globals() if n.endswith("_runs")}
+    assert [n for n in BENCHES if n not in here and n not in SMOKED_ELSEWHERE] == []
+    assert all((REPO / where.split()[0]).is_file() for where in SMOKED_ELSEWHERE.values())
+
+
+def test_checkpoint_save_runs(tmp_path, capsys):
+    out = run("checkpoint_save", ["--gib", "0.001", "--repeats", "1", "--dir", str(tmp_path / "ck")], capsys)
+    assert "command : python bench/checkpoint_save.py --gib 0.001 --repeats 1 --dir" in out
+    for name in ("nanopt", "write+reread", "crc-in-write", "bytes only"):
+        assert f"| {name} | " in out
+    assert "nanopt / write+reread = " in out and "nanopt's checkpoint verifies (sizes, crc32s, step): yes" in out
+    assert not (tmp_path / "ck").exists()  # the bench cleans up after itself
+
+
+@pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
+def test_ablation_runs(tmp_path, capsys):
+    """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at once): the summary's
+    keys the table reads; every variant's overrides are checked against the config before it."""
+    out = run("ablation", ["--smoke", "--target-bpb", "100", "--json", str(tmp_path / "a.json")], capsys)
+    assert "| recipe | 0 ± 0 | 0.0 ± 0.0 | `-` |" in out and "1 variant(s) x 1 seed(s) at toy size" in out
+    result = json.loads((tmp_path / "a.json").read_text())["results"]["recipe"][0]
+    assert result["reached"] is True and result["final_val_bpb"] > 0
+
+
+def test_ablation_refuses_an_unknown_variant_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench("ablation").main(["--target-bpb", "3", "--only", "recipe,bogus,adamw lr 2e-3 450 steps"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1, err  # one paragraph, before any run
+    assert "--only names 'bogus', which is not a variant" in err and "'adamw lr 2e-3 450 steps'" in err
+    assert "'no qk_norm'" in err and "'relu2 mlp'" in err
+
+
+def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench("ablation").main(["--target-bpb", "3", "--variant", "typo=--model.dimm=8", "--only", "typo"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("bench/ablation.py: variant 'typo' (--model.dimm=8) does not load")
+    assert "model.dimm" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
+def test_omp_policy_runs(capsys):
+    """One real training process; what it measures and each run's result go to stderr as they finish (the full
+    bench is 80 runs: it must not be silent for minutes)."""
+    bench("omp_policy").main(["--smoke"])
+    out = capsys.readouterr()
+    assert "1 runs of 3 steps" in out.out and "| nanogpt | 1 | quiet | " in out.out and "(1.00x) | PASSIVE |" in out.out
+    assert out.err.startswith("measuring nanogpt shape, 1 rank(s), quiet: PASSIVE x 1 round(s)\n")
+    assert "[1/1] round 1: PASSIVE " in out.err and " ms/step (run " in out.err
+
+
+def test_omp_policy_refuses_an_unknown_shape(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench("omp_policy").main(["--shapes", "tiny,huge"])
+    assert exit.value.code == 2 and "--shapes names huge; the shapes are tiny, nanogpt." in capsys.readouterr().err
+
+
+# nanochat's core_eval.py as bench/core_parity.py calls it, answered by nanopt.core: the harness (its adapters,
+# nanopt at batch 1 and batch N, the per-item comparison, the table) runs where the peer is absent.
+NANOCHAT_STAND_IN = '''
+from nanopt import core
+from nanopt.runtime import Runtime
+
+
+def render_prompts_mc(item, delimiter, shots):
+    return core.render_prompts("multiple_choice", item, delimiter, shots)
+
+
+def render_prompts_schema(item, delimiter, shots):
+    return core.render_prompts("schema", item, delimiter, shots)
+
+
+def render_prompts_lm(item, delimiter, shots):
+    return core.render_prompts("language_modeling", item, delimiter, shots)
+
+
+SCORED = {}  # a task's items scored once, not once per item
+
+
+def evaluate_example(idx, model, tokenizer, data, device, meta):
+    key = (id(data), meta["num_fewshot"])
+    if key not in SCORED:
+        task = core.CoreTask("one", meta["task_type"], meta["num_fewshot"], meta["continuation_delimiter"], 0.0, data)
+        rt = Runtime(device.type, device, 0, 0, 1, 1, "fp32")
+        SCORED[key] = core.evaluate_core(model.model, tokenizer.tok, [task], rt, batch_size=1)["examples"]["one"]
+    return SCORED[key][idx]
+'''
+
+
+def test_core_parity_runs(tmp_path, capsys):
+    stand_in = tmp_path / "core_eval.py"
+    stand_in.write_text(NANOCHAT_STAND_IN)
+    out = run("core_parity", ["--nanochat-core-eval", str(stand_in), "--steps", "0", "--n", "4", "--batch-size", "3",
+                              "--max-seq-len", "64", "--bundle", str(tmp_path / "bundle")], capsys)
+    assert "command : python bench/core_parity.py --nanochat-core-eval" in out and "all examples agree" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("nanopt_")]
+    # n, then prompts the same, and examples agreeing at batch 1 and batch 3, for all 4 items of each task
+    assert len(rows) == 6 and all(r[3] == r[5] == r[6] == r[7] == "4" for r in rows), out
+
+
+def test_core_parity_against_nanochat_itself(tmp_path, capsys):
+    peer = PEERS / "nanochat" / "nanochat" / "core_eval.py"
+    if not peer.is_file():
+        pytest.skip(f"the peer is absent: nanochat's core_eval.py is not at {peer}")
+    out = run("core_parity", ["--nanochat-core-eval", str(peer), "--steps", "0", "--n", "4", "--max-seq-len", "64",
+                              "--bundle", str(tmp_path / "bundle")], capsys)
+    assert "all examples agree" in out
+
+
+@pytest.mark.slow  # two spawned processes: ~4 s on 2 quiet cores
+def test_ddp_runs(capsys):
+    """Two spawned gloo ranks: one-process and two-process steps alternate, and their losses must agree."""
+    out = run("ddp", ["--smoke"], capsys)
+    assert "losses match (max |diff| " in out and "1 proc x 2 threads   | " in out and "2 procs x 1 thread   | " in out
+
+
+def test_ladder_runs(capsys):
+    out = run("ladder", ["--smoke"], capsys)
+    assert "peak    : best 128^2 matmul" in out and "+ micro-batch 2 " in out and "RATIO best rung = " in out
+    assert "torch.compile" not in out  # --smoke leaves the compiled rungs out
+
+
+@pytest.mark.slow  # a BPE trained, a model exported, lm-eval and transformers imported: ~4 s
+def test_lmeval_speed_runs(capsys, monkeypatch):
+    """A BPE, a Llama exported, lm-eval's own requests for the generated tasks: nanopt's model against the harness's
+    hf model, same log-probs, alternating rounds."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # what the bench sets, undone after the test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = run("lmeval_speed", ["--smoke"], capsys)
+    for kind, n in (("loglikelihood", 16), ("loglikelihood_rolling", 4)):
+        line = next(line for line in out.splitlines() if line.startswith(f"{kind} "))
+        assert f" {n} requests | max |Δ logprob| " in line and " nanopt/hf " in line, out
+        assert float(line.split("max |Δ logprob| ")[1].split()[0]) < 1e-3  # the same scores before any timing
+
+
+def test_loss_memory_measures_in_this_process():
+    """What each of its child processes runs: the full and the chunked loss agree (loss and gradient)."""
+    full, chunked = (bench("loss_memory").measure(512, 64, chunk, 32) for chunk in (0, 16))
+    assert full["loss"] == pytest.approx(chunked["loss"], rel=1e-5) and chunked["chunk"] == 16
+    assert full["grad_norm"] == pytest.approx(chunked["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.slow  # two fresh processes side by side (the bench reads each one's peak RSS): ~5 s on 2 cores
+def test_loss_memory_runs(capsys):
+    out = run("loss_memory", ["--tokens", "64", "--vocab", "512", "--chunk", "16", "--dim", "32"], capsys)
+    assert out.startswith("command: python bench/loss_memory.py --tokens 64 --vocab 512 --chunk 16 --dim 32\n")
+    assert out.splitlines()[-1].split()[:4] == ["512", "64", "0", "16"] and out.rstrip().endswith("True"), out
+
+
+def test_muon_step_runs(capsys):
+    out = run("muon_step", ["--repeats", "1"], capsys)
+    assert "matrices: 21 in 3 shapes" in out and "| nanopt BatchedMuon | " in out and "BatchedMuon is **" in out
+
+
+def test_packing_speed_runs(capsys):
+    threads = torch.get_num_threads()
+    out = run("packing_speed", ["--tokens", "20000", "--seq-len", "64", "--micro-batch", "2", "--buffer", "16",
+                                "--steps", "2", "--repeats", "1"], capsys)
+    assert "corpus  : 20,000 tokens in 4 shards" in out and "M packed tokens/s on one core" in out
+    assert torch.get_num_threads() == threads  # it measures on one thread, then gives the others back
+
+
+def test_prepare_runs(capsys, monkeypatch):
+    """`nanopt prepare`'s path against the per-document loop on 16 documents: the same tokens from both."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # what the bench sets, undone after the test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = run("prepare", ["--documents", "16", "--copies", "1", "--vocab", "300", "--workers", "1", "--repeats", "1"],
+              capsys)
+    assert "corpus: 16 documents" in out and "identical shards from both paths: True" in out
+    assert "ratio nanopt prepare / naive: " in out
+
+
+def test_sample_runs(capsys):
+    out = run("sample", ["--new-tokens", "4", "--prompt-tokens", "4", "--repeats", "1"], capsys)
+    assert "batch 1, prompt 4 + 4 new tokens" in out and "speed-up of the KV cache: " in out
+
+
+def test_sweep_refuses_a_sweep_of_one(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench("sweep").main(["--runs", "1"])
+    assert exit.value.code == 2 and "a sweep is at least 2 runs" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side: ~7 s on 2 quiet cores
+def test_sweep_runs(capsys):
+    bench("sweep").main(["--smoke"])
+    out = capsys.readouterr()
+    assert "| quiet | " in out.out and "(1.00x, n/a) |" in out.out
+    assert "quiet, round 1/1: --parallel 2 swept 2 runs in " in out.err
+
+
+def test_vs_hf_runs(capsys):
+    """One train step of each model alternating, then each profiled; the ratio and the ceiling."""
+    out = run("vs_hf", ["--smoke"], capsys)
+    assert "fp32      | HF transformers  | " in out and "fp32      | nanopt           | " in out
+    assert "CEILING fp32: nanopt/HF <= " in out and "RATIO fp32: nanopt/HF tokens/s = " in out
+
+
+@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process: ~10 s on 2 quiet cores
+def test_vs_nanogpt_runs(capsys, tmp_path):
+    """The step-time part against the peer itself: nanoGPT's and nanopt's runs alternating, medians, the ratio. The
+    race part runs the same two commands to a target (its nanopt keys and summary: test_ablation_runs, same
+    recipe); `--smoke` without `--part` runs it too (~10 s more)."""
+    if not (PEERS / "nanoGPT" / "train.py").is_file():
+        pytest.skip(f"the peer is absent: no nanoGPT checkout at {PEERS / 'nanoGPT'} (bench/vs_nanogpt.py's default)")
+    out = run("vs_nanogpt", ["--smoke", "--part", "step", "--json", str(tmp_path / "r.json")], capsys)
+    step = json.loads((tmp_path / "r.json").read_text())["step"]
+    assert step["nanogpt_ms"] > 0 and step["nanopt_ms"] > 0 and len(step["rounds"]["nanopt"]) == 1
+    assert "nanopt speed / nanoGPT speed = **" in out and "(removed at the end)" in out
+
+
+def test_vs_nanogpt_names_a_missing_peer(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit:
+        bench("vs_nanogpt").main(["--nanogpt", str(tmp_path), "--smoke"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"--nanogpt {tmp_path} has no train.py: point it at a nanoGPT checkout" in err
