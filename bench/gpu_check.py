@@ -58,6 +58,7 @@ from nanopt import attention, experiments, rundirs, shards  # noqa: E402
 from nanopt.config import load_config, parse_overrides  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
+from nanopt.train import no_forward_buffer_sync  # noqa: E402
 
 SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "speedrun", "170m", "1b")
 
@@ -215,7 +216,7 @@ def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, An
         model = build_model(cfg, device)
         out["params"] = model.num_params()
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  gradient_as_bucket_view=True, broadcast_buffers=False)
+                  gradient_as_bucket_view=True, **no_forward_buffer_sync())
         x = torch.randint(0, cfg.vocab_size, (b, t + 1), device=device)
 
         storages: set[int] = set()
