@@ -356,10 +356,12 @@ class Progress:
 
 def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
               overrides: list[str], nproc: int = 1, parallel: Optional[int] = None,
-              meta: Optional[dict[str, Any]] = None, out: IO[str] = sys.stdout, poll_s: float = 0.5) -> int:
+              meta: Optional[dict[str, Any]] = None, out: Optional[IO[str]] = None, poll_s: float = 0.5) -> int:
     """Run every point not yet done, at most one per slot at a time: 0 when all are done, 1 when any failed,
     75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run it again to go on). ConfigError before
-    anything starts when another sweep holds DIR/lock.json, or a point's directory ran another config."""
+    anything starts when another sweep holds DIR/lock.json, or a point's directory ran another config. `out`:
+    sys.stdout at the call, not at import (a caller may have replaced and closed that one since)."""
+    out = out or sys.stdout
     with lock.DirLock(root, what="sweep"):
         jobs, slots = _jobs(root, points, configs, overrides, nproc, parallel)
         pending = [j for j in jobs if j.status == "queued"]

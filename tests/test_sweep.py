@@ -383,6 +383,13 @@ def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, caps
     assert all("--train.max_steps=300" in c for c in fake_runs) and len(fake_runs) == 2
 
 
+def test_lines_go_to_the_stdout_of_the_call_not_of_import(tmp_path, fake_runs, capsys):
+    # A default bound at import wrote to whatever sys.stdout was then: a stream a test's capture had closed since.
+    assert _cli(tmp_path / "sw") == 0
+    out = capsys.readouterr().out
+    assert "sweep " in out and "2 to run" in out and "sweep.json describes the sweep" in out
+
+
 # ---------------------------------------------------------------- keys normalised, integers exact
 
 
