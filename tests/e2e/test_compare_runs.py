@@ -68,7 +68,9 @@ def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
     assert mm["a_ms"] == pytest.approx(a_mm["self_ms"] / pa["profiled_steps"])
     assert mm["delta_ms"] == pytest.approx(b_mm["self_ms"] / pb["profiled_steps"] - mm["a_ms"])
     matched = [abs(op["delta_ms"]) for op in ops if op["delta_ms"] is not None]
-    assert matched == sorted(matched, reverse=True) and len(matched) >= 3
+    # Muon's Newton-Schulz ops (baddbmm, bmm, copy_, cat, ...) can fill its top 10 so that only mm and mul are in
+    # both lists (6-8 usually; 2 once in CI on 2026-11-27): the order is what is checked, over at least those two.
+    assert matched == sorted(matched, reverse=True) and len(matched) >= 2
     assert all(op["delta_ms"] is None for op in ops[len(matched):])  # ops in one top list only come last
 
 
