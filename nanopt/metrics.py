@@ -35,7 +35,8 @@ def _not_printed_below(record: logging.LogRecord) -> bool:
     came out twice. Each such line is printed once, by the library's handler."""
     logger: Optional[logging.Logger] = logging.getLogger(record.name)
     while logger is not None and logger.parent is not None:  # up to the root, whose handler this filter sits on
-        if any(record.levelno >= h.level for h in logger.handlers):
+        # A NullHandler (many libraries add one to their package logger) prints nothing: it is no reason to skip.
+        if any(record.levelno >= h.level and not isinstance(h, logging.NullHandler) for h in logger.handlers):
             return False
         logger = logger.parent if logger.propagate else None
     return True

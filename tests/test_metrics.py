@@ -42,7 +42,10 @@ def test_a_library_line_with_its_own_handler_is_printed_once(monkeypatch, capsys
     logging.getLogger("somehub.utils._http").warning("Retrying in 1s [Retry 1/5].")
     logging.getLogger("nanopt").warning("a nanopt warning")
     logging.getLogger("otherlib").warning("a library line without a handler of its own")
+    monkeypatch.setattr(logging.getLogger("quietlib"), "handlers", [logging.NullHandler()])
+    logging.getLogger("quietlib.sub").warning("a line whose library handler prints nothing")
     out = capsys.readouterr().out
     assert own.getvalue() == "Retrying in 1s [Retry 1/5].\n"
     assert "Retrying" not in out
     assert "a nanopt warning" in out and "a library line without a handler of its own" in out
+    assert "a line whose library handler prints nothing" in out  # a NullHandler does not swallow it
