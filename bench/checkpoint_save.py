@@ -103,7 +103,8 @@ def main() -> None:
                                           "state": f"{args.gib:g} GiB"})
 
     def nanopt_save() -> None:
-        final = checkpoint.save(root / "nanopt", 1, model, opt, {"config": {}}, keep=1)
+        final = checkpoint.save(root / "nanopt", 1, checkpoint.model_state(model), opt.state_dict(), {"config": {}},
+                                keep=1)
         shutil.rmtree(final.parent)
 
     fns = {"nanopt": nanopt_save,
