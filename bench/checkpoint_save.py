@@ -104,7 +104,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                           "state": f"{args.gib:g} GiB"}, command(__file__, argv))
 
     def nanopt_save() -> None:
-        final = checkpoint.save(root / "nanopt", 1, model, opt, {"config": {}}, keep=1)
+        final = checkpoint.save(root / "nanopt", 1, checkpoint.model_state(model), opt.state_dict(), {"config": {}},
+                                keep=1)
         shutil.rmtree(final.parent)
 
     fns = {"nanopt": nanopt_save,
@@ -122,7 +123,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = median(times["write+reread"])
     print(f"\nnanopt / write+reread = {median(times['nanopt']) / base:.2f}x time; "
           f"bytes only / write+reread = {median(times['bytes only']) / base:.2f}x")
-    saved = checkpoint.save(root / "nanopt", 1, model, opt, {"config": {}}, keep=1)  # untimed: what was measured
+    # untimed: what was measured
+    saved = checkpoint.save(root / "nanopt", 1, checkpoint.model_state(model), opt.state_dict(), {"config": {}}, keep=1)
     problem = checkpoint.verify_checkpoint(saved)  # a checkpoint a resume accepts, or why not
     print(f"nanopt's checkpoint verifies (sizes, crc32s, step): {'yes' if problem is None else 'NO: ' + problem}")
     shutil.rmtree(root, ignore_errors=True)

@@ -58,7 +58,7 @@ from nanopt import attention, experiments, rundirs, shards  # noqa: E402
 from nanopt.config import load_config, parse_overrides  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
-from nanopt.train import no_forward_buffer_sync  # noqa: E402
+from nanopt.parallel import no_forward_buffer_sync  # noqa: E402
 
 SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "speedrun", "170m", "1b")
 

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanopt import optim, shards
+from nanopt import optim, parallel, shards
 from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
@@ -53,23 +53,26 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights to save: contiguous CPU tensors, a tied parameter once, under its first name (embed.weight)."""
+def model_state(model: torch.nn.Module, weights: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """Weights to save: contiguous CPU tensors, a tied parameter once, under its first name (embed.weight).
+    `weights`: the model's whole state_dict when gathered from shards (parallel.full_state); default its own."""
     # named_parameters() lists a tied parameter once; XLA tensors have no data_ptr to compare instead.
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    return {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items() if name not in tied}
+    weights = model.state_dict() if weights is None else weights
+    return {name: t.detach().to("cpu").contiguous() for name, t in weights.items() if name not in tied}
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load saved weights; ValueError naming the first tensors of another shape, or missing or unexpected."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """Load saved weights (into each rank's shards of a sharded model); ValueError naming the first tensors of
+    another shape, or missing or unexpected."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is the whole one
     with safe_open(str(path), framework="pt") as f:  # shapes from the header, before reading any tensor
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
              for k in saved if k in own and saved[k] != own[k]]
     if wrong:
         raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    missing, unexpected = parallel.load_weights(model, load_file(str(path)))
     tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
@@ -257,17 +260,17 @@ def _torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
-def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: Optional[dict[str, Any]],
                  state: dict[str, Any], rng: Optional[list[dict[str, Any]]]) -> None:
     """Every file of the checkpoint into the new directory `tmp`, COMPLETE last; DiskFull naming the one that did
     not fit."""
     sealer = _Sealer()
     try:
         # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-        sealer.write(tmp / MODEL_FILE, lambda p: save_file(model_state(model), str(p), metadata={"format": "pt"}))
+        sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
-        if optimizer is not None:
-            sealer.write(tmp / OPTIMIZER_FILE, lambda p: _torch_save(optimizer.state_dict(), p))
+        if optimizer_state is not None:
+            sealer.write(tmp / OPTIMIZER_FILE, lambda p: _torch_save(optimizer_state, p))
         ranks = rng if rng is not None else [host_rng_state()]
         sealer.write(tmp / RNG_FILE, lambda p: _torch_save({"ranks": ranks}, p))
         versions = {"torch": torch.__version__, "numpy": np.__version__}
@@ -282,9 +285,10 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, optimizer: Option
         fsync(tmp)
 
 
-def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: Optional[dict[str, Any]],
          state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None) -> Path:
-    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `rng` is every
+    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `weights`:
+    model_state()'s; `optimizer_state`: an unsharded optimizer's state_dict() (None: weights only). `rng` is every
     rank's Runtime.rng_state() in rank order (default: this process's host states). A full disk is DiskFull, with
     the temp directory removed (its space back) and every earlier checkpoint as it was."""
     with writing(ckpt_root):
@@ -295,7 +299,7 @@ def save(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: Optional
     with writing(tmp):
         tmp.mkdir()
     try:
-        _write_files(tmp, step, model, optimizer, state, rng)
+        _write_files(tmp, step, weights, optimizer_state, state, rng)
     except DiskFull:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -546,8 +550,8 @@ class Checkpointer:
         # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
         init_device = self.rt.backend.init_device
         opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=init_device)
-        try:
-            optim.load_state_dict(optimizer, opt_state)
+        try:  # the file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards
+            optim.load_state_dict(optimizer, parallel.shard_optimizer_state(optimizer, opt_state))
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
@@ -573,10 +577,14 @@ class Checkpointer:
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
         rngs = self.rt.gather_objects(self.rt.rng_state())
+        # Every rank: a sharded model's weights and optimizer state are gathered whole onto rank 0, so the files
+        # are the same under ddp and fsdp and any world size resumes them.
+        weights, optimizer_state = parallel.full_state(model, optimizer)
         if self.rt.is_main:
             state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
                      "config": self.cfg.to_dict()}
-            final = save(self.root, step, model, optimizer, state, keep=self.cfg.checkpoint.keep, rng=rngs)
+            final = save(self.root, step, model_state(model, weights), optimizer_state, state,
+                         keep=self.cfg.checkpoint.keep, rng=rngs)
             if self.mirror is not None:
                 self.mirror.upload(final)
         self.rt.barrier()

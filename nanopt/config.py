@@ -24,6 +24,7 @@ from nanopt.hardware import PEAKS
 DEFAULT_CONFIG = "tiny"  # the embedded default when no config file is given: configs/tiny.yaml
 SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
 DEVICES = ("auto", "cpu", "cuda", "xla")  # every device nanopt runs on; `nanopt eval` and `sample` offer the same
+PARALLELISMS = ("ddp", "fsdp")  # runtime.parallel: how ranks share the model (nanopt/parallel.py)
 BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 
 
@@ -327,6 +328,43 @@ class RuntimeConfig:
     """The device and its threads (nanopt/runtime.py)."""
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0)
+    parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
+                        "all-reduced) or fsdp (FSDP2: each block's parameters, gradients and optimizer state "
+                        "sharded across ranks, gathered per block for forward and backward); one process either way "
+                        "without torchrun. Checkpoints are the same files, so a resume may switch (docs/resume.md).",
+                        choices=PARALLELISMS)
+
+    def check(self, cfg: Config) -> None:
+        """What fsdp does not do (yet): each is refused before anything is built."""
+        if self.parallel != "fsdp":
+            return
+        if self.device == "xla":
+            raise ConfigError("`runtime.parallel` is fsdp but `runtime.device` is xla: on XLA one process drives "
+                              "every chip through SPMD, a separate path that FSDP2 does not run on. Use "
+                              "`--runtime.parallel=ddp` (the XLA path's default) on TPUs.")
+        for what, fix in _fsdp_not_built(cfg):
+            raise ConfigError(f"`runtime.parallel` is fsdp and {what}, which nanopt does not build under FSDP yet "
+                              f"(issue 38). {fix}")
+
+
+def _fsdp_not_built(cfg: Config) -> list[tuple[str, str]]:
+    """(what the config asks, how to run it) for each combination fsdp does not offer yet."""
+    out = []
+    if cfg.optim.name == "muon":
+        out.append(("`optim.name` is muon", "Newton-Schulz needs whole matrices and sharded Muon (gathering each "
+                    "matrix on an owner rank) is not built yet: use `--optim.name=adamw`, or `--runtime.parallel=ddp` "
+                    "to keep Muon."))
+    if cfg.train.compile:
+        out.append(("`train.compile` is true", "Per-block compilation under FSDP2 is not built yet: use "
+                    "`--train.compile=false`, or `--runtime.parallel=ddp` to compile."))
+    if cfg.train.init_from:
+        out.append((f"`train.init_from` is {cfg.train.init_from!r}", "Start the run under "
+                    "`--runtime.parallel=ddp`; its checkpoints resume under fsdp."))
+    if cfg.eval.tasks or cfg.eval.core:
+        out.append(("`eval.tasks` or `eval.core` is set", "The task scorer runs on rank 0 alone, and a sharded "
+                    "model needs every rank: score the run's checkpoint afterwards with `nanopt eval`, or use "
+                    "`--runtime.parallel=ddp`."))
+    return out
 
 
 @section(safe=True, neutral=True)  # printed after summary.json

@@ -110,7 +110,9 @@ class FiniteGuard:
         """Raise TrainingError if any step in (checked_step, step] had a NaN/inf loss (or `model` a NaN/inf weight)."""
         if model is not None:
             for p in model.parameters():
-                self.bad += (~torch.isfinite(p.detach())).any().float()
+                # A sharded (DTensor) parameter: each rank checks its own shard; the sum below covers them all.
+                local = p.to_local() if hasattr(p, "to_local") else p
+                self.bad += (~torch.isfinite(local.detach())).any().float()
         self.rt.all_reduce_sum(self.bad)
         if self.bad.item() > 0:
             first = min(self.checked_step + 1, step)  # == step when only the weights of this step are bad

@@ -2,10 +2,8 @@
 checkpointer, profiler, stop signal) decides for itself whether it acts at this step."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import inspect
 import logging
 import random
 import time
@@ -15,9 +13,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanopt import data, faults, fp8, hf, mfu, packing, plots, profiling, rundirs, shards
+from nanopt import data, faults, fp8, hf, mfu, packing, parallel, plots, profiling, rundirs, shards
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, TrainConfig, resume_changes, to_yaml
@@ -40,14 +37,15 @@ log = logging.getLogger("nanopt")
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches, rt: Runtime,
                grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches: (mean loss, grad norm), on device. Each loss is divided
-    by the micro-steps so the summed gradient is the mean; DDP all-reduces only on the last micro-step (no_sync
-    elsewhere). Nothing here waits for the device."""
+    by the micro-steps so the summed gradient is the mean; gradients are reduced across ranks only on the last
+    micro-step (parallel.accumulating: DDP's no_sync, FSDP's set_requires_gradient_sync). Nothing here waits for
+    the device."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=rt.device)
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)  # B T each
         last = i == accum - 1
-        with contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync():
+        with parallel.accumulating(model, last):
             with rt.autocast(), profiling.label(profiling.FORWARD):
                 loss = model(x, y) / accum
             with profiling.label(profiling.BACKWARD):
@@ -55,14 +53,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         loss_sum += loss.detach()
     with profiling.label(profiling.OPTIMIZER):
         if grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            grad_norm = parallel.clip_grad_norm(model, grad_clip)  # the whole gradient's norm, sharded or not
         else:
             grad_norm = torch.zeros((), device=rt.device)
         optimizer.step()
         # Under DDP the gradients are views of its buckets (gradient_as_bucket_view): zeroing them in place keeps
         # them there. Set to None, the next no_sync micro-steps would allocate a second set beside the buckets
         # and the last micro-step copy it in (tests/test_train.py measures it).
-        optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
+        optimizer.zero_grad(set_to_none=not parallel.grads_in_buckets(model))
     return loss_sum, grad_norm
 
 
@@ -207,11 +205,12 @@ def seed_everything(seed: int) -> None:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's bytes, in a fixed order (once, at the end of a run)."""
+    """sha256 over every parameter's bytes, in a fixed order (once, at the end of a run); of a sharded model,
+    over this rank's shards."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(parallel.local_tensor(p).detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -223,7 +222,7 @@ class Session:
     rt: Runtime
     directory: Path  # the data
     tokenizer: Tokenizer
-    model: torch.nn.Module  # unwrapped: what is saved, evaluated and sampled
+    model: torch.nn.Module  # not DDP-wrapped (sharded in place under fsdp): what is saved, evaluated and sampled
     optimizer: torch.optim.Optimizer
     step_fn: Callable  # train_step, wrapped for the device and DDP (see _wrap)
     loader: data.Loader | packing.PackedLoader
@@ -275,21 +274,10 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan) -> torch.nn.Mod
     return torch.compile(model, dynamic=False)
 
 
-def no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's keyword for "no buffer broadcast before each forward". The only buffers are the RoPE tables, computed
-    identically on every rank, and DDP's default would send them from rank 0 every micro-step. torch 2.13 names it
-    forward_sync_buffers (the old broadcast_buffers warns once per rank there; the new one still syncs them once at
-    construction, which is harmless for identical tables); torch 2.9, the floor, knows only broadcast_buffers."""
-    renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    return {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
-
-
 def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> Callable:
-    """train_step bound to the model as the device wants it: compiled, under DDP, or one XLA graph."""
-    train_model: torch.nn.Module = compiled(model, cfg.train, plan) if cfg.train.compile else model
-    if rt.distributed:
-        train_model = DDP(train_model, device_ids=rt.backend.ddp_device_ids, gradient_as_bucket_view=True,
-                          **no_forward_buffer_sync())
+    """train_step bound to the model as the device wants it: compiled, under DDP (parallel.wrap), or one XLA
+    graph."""
+    train_model = parallel.wrap(compiled(model, cfg.train, plan) if cfg.train.compile else model, rt)
     # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one)
     step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(plan.stages))
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
@@ -317,6 +305,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
                         dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
     fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
+    parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
     state, clock = RunState(), SpeedrunClock.for_config(cfg)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
@@ -440,7 +429,8 @@ def finish(run: Session) -> dict[str, Any]:
         write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)
         if cfg.log.curves:
             plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
-        _print_samples(run)
+    _print_samples(run)
+    if rt.is_main:
         log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
                  f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
         if missed := run.clock.missed(state.step, state.best_val_loss, state.best_val_bpb):
@@ -450,10 +440,13 @@ def finish(run: Session) -> dict[str, Any]:
 
 def _print_samples(run: Session) -> None:
     s = run.cfg.sample
-    if not s.num_samples:
+    # A sharded model's forward gathers from every rank, so all sample together (one seed: the same tokens).
+    if not s.num_samples or not (run.rt.is_main or parallel.is_sharded(run.model)):
         return
     samples = sample_text(run.model, run.tokenizer, s.prompt, s.num_samples, s.max_new_tokens, s.temperature,
                           s.top_k, run.cfg.run.seed, run.rt.device)
+    if not run.rt.is_main:
+        return
     print(f"\n--- {len(samples)} samples from step {run.state.step}, prompt {s.prompt!r} ---")
     print("".join(f"{text.strip()}\n---\n" for text in samples), end="")
     run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)

@@ -32,7 +32,7 @@ def two_checkpoints(tmp_path_factory) -> Path:
     model = build_model(cfg.model, "cpu")
     opt = torch.optim.AdamW(model.parameters())
     for step in (2, 4):
-        checkpoint.save(root, step, model, opt, {"config": cfg.to_dict()}, keep=3)
+        checkpoint.save(root, step, checkpoint.model_state(model), opt.state_dict(), {"config": cfg.to_dict()}, keep=3)
     return root
 
 
@@ -122,7 +122,7 @@ def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 64)).sum().backward()
     opt.step()
-    final = checkpoint.save(tmp_path, 4, model, opt, {"config": {}}, keep=2)
+    final = checkpoint.save(tmp_path, 4, checkpoint.model_state(model), opt.state_dict(), {"config": {}}, keep=2)
     files = json.loads((final / "COMPLETE").read_text())["files"]
     assert sorted(files) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
     for name, entry in files.items():
@@ -159,7 +159,8 @@ def test_a_checkpoint_save_removes_links_in_its_way_never_what_they_point_to(tmp
     (root / "step_000002").symlink_to(mine)
     cfg = load_config(None, parse_overrides(SHORT_ARGS))
     model = build_model(cfg.model, "cpu")
-    final = checkpoint.save(root, 2, model, torch.optim.AdamW(model.parameters()), {}, keep=3)
+    opt_state = torch.optim.AdamW(model.parameters()).state_dict()
+    final = checkpoint.save(root, 2, checkpoint.model_state(model), opt_state, {}, keep=3)
     assert not final.is_symlink() and checkpoint.verify_checkpoint(final) is None
     assert [p.name for p in mine.iterdir()] == ["precious"] and (mine / "precious").read_text() == "the user's"
 
@@ -171,7 +172,7 @@ def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkey
     model = build_model(cfg.model, "cpu")
     opt = torch.optim.AdamW(model.parameters())
     root = tmp_path / rundirs.CHECKPOINTS_DIR
-    checkpoint.save(root, 2, model, opt, {}, keep=3)
+    checkpoint.save(root, 2, checkpoint.model_state(model), opt.state_dict(), {}, keep=3)
     real = torch.save
 
     def full(obj, f, *args, **kwargs):
@@ -184,7 +185,7 @@ def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkey
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     with pytest.raises(DiskFull) as e:
-        checkpoint.save(root, 4, model, opt, {}, keep=3)
+        checkpoint.save(root, 4, checkpoint.model_state(model), opt.state_dict(), {}, keep=3)
     monkeypatch.setattr(checkpoint.torch, "save", real)
     assert f"writing {root / '.tmp_step_000004' / rundirs.OPTIMIZER_FILE}" in str(e.value)
     assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]

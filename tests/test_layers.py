@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
-    ("fp8",),                                             # torchao's float8 on the block Linears (train.fp8)
+    ("fp8", "parallel"),                                  # float8 Linears; DDP / FSDP2 (runtime.parallel)
     ("mfu", "profiling", "evaluation", "generate", "hf", "taskgen", "taskinput"),
     ("checkpoint", "scoring"),                            # the format; THE continuation scorer
     ("loading", "core"),                                  # a model from a run; CORE through the scorer

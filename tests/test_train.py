@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import free_port, small_overrides
-from nanopt import runtime, train
+from nanopt import parallel, runtime, train
 from nanopt.config import TrainConfig, load_config, parse_overrides, to_yaml
 from nanopt.errors import ConfigError
 from nanopt.model import build_model
@@ -98,7 +98,7 @@ def test_gradients_accumulate_in_ddp_buckets_not_beside_them(monkeypatch):
         model = build_model(cfg.model, "cpu")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the keyword train uses is torch's current one: no FutureWarning per rank
-            ddp = DDP(model, gradient_as_bucket_view=True, **train.no_forward_buffer_sync())
+            ddp = DDP(model, gradient_as_bucket_view=True, **parallel.no_forward_buffer_sync())
         assert not ddp.broadcast_buffers  # no broadcast before each forward, under either keyword
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         storages: list[int] = []  # the storage each gradient lives in, as autograd accumulates into it

@@ -1,5 +1,5 @@
-"""Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), and two 'nodes' train
-together."""
+"""Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), two 'nodes' train
+together, and FSDP equals them, its checkpoints resuming under either parallelism at any world size."""
 from __future__ import annotations
 
 import json
@@ -93,3 +93,48 @@ def test_two_ranks_match_one_rank_with_muon(tmp_path):
     _assert_same_run(one, two)
     digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+
+
+# ---------------------------------------------------------------- fsdp
+# Global batch 512 = 4 micro-steps at one rank, 2 per rank at two: accumulation runs under no_sync and under
+# set_requires_gradient_sync(False). A constant lr makes a 5-step run plus its resume to 10 one 10-step run.
+FSDP_ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 10, "train.global_batch_tokens": 512,
+                               "train.schedule": "constant", "log.tensorboard": "false"})
+HALF = "--train.max_steps=5"
+
+
+@pytest.mark.slow
+def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(tmp_path):
+    """FSDP on 2 gloo ranks equals one rank (what DDP is tested equal to above) to 1e-5 in loss, grad norm and
+    weights over 10 AdamW steps: steps 1-5 fsdp from scratch, then resumed under ddp on 1 rank; and 1-5 on 1 rank,
+    then resumed under fsdp on 2 ranks. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
+    (pytorch#162338): the logged grad norm would double from step 1 (AdamW's update hardly sees a gradient's scale,
+    so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
+    one, fsdp_first, ddp_first = tmp_path / "one", tmp_path / "fsdp_first", tmp_path / "ddp_first"
+    assert run([*FSDP_ARGS, f"--run.dir={one}"]) == 0
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={fsdp_first}"]) == 0  # 1 rank resumes it
+    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0
+    proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr + proc.stdout and "2 ranks x 2 accum" in proc.stdout
+    reference = _records(one)
+    for other in (fsdp_first, ddp_first):
+        records = _records(other)
+        assert sorted(records) == list(range(1, 11))
+        for step, (loss, norm) in reference.items():
+            assert abs(records[step][0] - loss) < 1e-5 and abs(records[step][1] - norm) < 1e-5, (other, step)
+        wa, wb = _final_weights(one), _final_weights(other)
+        assert wa.keys() == wb.keys()
+        for name in wa:
+            assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
+
+
+def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = (rec["loss"], rec["grad_norm"])
+    return out

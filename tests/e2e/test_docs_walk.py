@@ -125,6 +125,8 @@ WALKS: dict[str, Page] = {
         skip("torchrun --standalone --nproc-per-node=2 -m nanopt.main --config configs/tiny.yaml --run.name=tiny-ddp",
              DDP),
         skip("torchrun --nproc-per-node=8 -m nanopt.main --config configs/1b.yaml", GPU),
+        skip("torchrun --standalone --nproc-per-node=2 -m nanopt.main --runtime.parallel=fsdp --run.name=tiny-fsdp",
+             DDP),
         Step("nanopt train configs/tiny.yaml --run.name=tiny-cli", toy=BARE, summary={"runs/tiny-cli": {"steps": 150}}),
         TENSORBOARD,
         # Data

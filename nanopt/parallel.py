@@ -1,0 +1,173 @@
+"""THE parallelism (runtime.parallel): DDP replicas or FSDP2 shards on a 1-D DeviceMesh; what the train step asks of
+either (micro-step sync, gradient clipping, zeroing) and the full state a checkpoint holds whichever it is.
+
+Everything else sees one model object: under ddp the unwrapped model (DDP wraps a view of it for the step), under
+fsdp the model itself, sharded in place by fully_shard (its parameters become DTensors, forward gathers them).
+Without torchrun (world size 1) both mean one process and the model is left as it is."""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nanopt.config import Config
+from nanopt.runtime import Runtime
+
+# train.precision -> FSDP2's MixedPrecisionPolicy (param_dtype, reduce_dtype): bf16 gathers bf16 parameters and
+# computes in them; every precision reduces gradients in fp32, so the mean over ranks is not rounded to bf16.
+PRECISION_DTYPES: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype]]] = {
+    "bf16": (torch.bfloat16, torch.float32), "bf16-pure": (None, torch.float32), "fp32": (None, None)}
+
+
+def _dtensor_type() -> Optional[type]:
+    """DTensor when torch.distributed.tensor is loaded, else None: nothing can be one then. Importing it costs
+    0.6-1.8 s, so only an fsdp run loads it (in shard())."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` holds DTensor parameters (fsdp across ranks): every rank must then run its forward passes
+    (sampling, evaluation) together, and its state is gathered to be saved."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
+def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
+    """runtime.parallel=fsdp across ranks: fully_shard each transformer block, then the root (embedding, head,
+    final norm), on a 1-D mesh over every rank, in place. Before the optimizer is built: it must hold the
+    sharded parameters. Otherwise (ddp, or one process) nothing."""
+    if cfg.runtime.parallel != "fsdp" or not rt.distributed:
+        return
+    # Lazy: torch.distributed.tensor costs seconds at import, which no ddp run should pay.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("shard",))
+    param_dtype, reduce_dtype = PRECISION_DTYPES[rt.precision]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        # reshard_after_forward (the default for non-root modules): a block's full weights are freed after its
+        # forward and gathered again for its backward, so only one block is whole at a time.
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword for "no buffer broadcast before each forward". The only buffers are the RoPE tables, computed
+    identically on every rank, and DDP's default would send them from rank 0 every micro-step. torch 2.13 names it
+    forward_sync_buffers (the old broadcast_buffers warns once per rank there; the new one still syncs them once at
+    construction, which is harmless for identical tables); torch 2.9, the floor, knows only broadcast_buffers."""
+    renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
+
+
+def wrap(model: nn.Module, rt: Runtime) -> nn.Module:
+    """The module the train step calls: DDP over `model` across ranks under ddp, else `model` itself (a sharded
+    model reduce-scatters its own gradients)."""
+    if not rt.distributed or is_sharded(model):
+        return model
+    return DDP(model, device_ids=rt.backend.ddp_device_ids, gradient_as_bucket_view=True, **no_forward_buffer_sync())
+
+
+def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Around one micro-step's forward and backward: gradients are reduced across ranks on the last micro-step
+    only. DDP: no_sync(). FSDP: set_requires_gradient_sync(False), so a micro-step's backward keeps the whole
+    (unsharded) gradients and neither reduce-scatters nor reshards them; the last one reduce-scatters their sum
+    once. That trades one full gradient per rank during accumulation for (accum - 1) fewer reduce-scatters; the
+    parameters are still gathered again each micro-step (reshard_after_forward), so memory stays at one block."""
+    if last:
+        return contextlib.nullcontext()
+    if isinstance(model, DDP):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDPModule
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: Any):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a total norm of max_norm; the norm before clipping, a plain tensor. On sharded
+    gradients torch's clip_grad_norm_ sums each shard's squares across ranks (a partial DTensor norm): the norm
+    of the whole gradient, equal to DDP's."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    dtensor = _dtensor_type()
+    return norm.full_tensor() if dtensor is not None and isinstance(norm, dtensor) else norm
+
+
+def grads_in_buckets(model: nn.Module) -> bool:
+    """Whether the gradients are views of DDP's buckets: zeroed in place then, not freed (see train_step)."""
+    return isinstance(model, DDP)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: its shard of a DTensor, the tensor itself otherwise."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+# ---------------------------------------------------------------- the checkpoint's full state, whatever the parallelism
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(model state_dict, optimizer state_dict) as an unsharded model's: whole tensors, the optimizer's state
+    indexed by parameter position. Every rank calls it: a sharded model's state is gathered one tensor at a time
+    into rank 0's CPU memory (other ranks get none of it). So a checkpoint is the same files under ddp and fsdp."""
+    if not is_sharded(model):
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    return weights, _indexed(get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def _indexed(by_name: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) keyed by position across the
+    groups, as Optimizer.state_dict() numbers them. Ranks other than 0 receive nothing ({}) to convert."""
+    if not by_name:
+        return by_name
+    position = {name: i for i, name in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
+    return {"state": {position[name]: s for name, s in by_name["state"].items()},
+            "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in by_name["param_groups"]]}
+
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Whole saved weights into `model` (each rank keeps its shard of a sharded one): (missing, unexpected)."""
+    if not is_sharded(model):
+        return model.load_state_dict(weights, strict=False)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    return set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A whole saved optimizer state_dict cut to this rank's shards for a sharded model's optimizer (each moment
+    shaped like its parameter takes the parameter's placement; step counts stay whole); as it is otherwise."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
+        return state
+    from torch.distributed.tensor import distribute_tensor
+
+    def cut(p: torch.Tensor, value: Any) -> Any:
+        if not isinstance(p, dtensor) or not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            return value
+        # src_data_rank=None: every rank read the whole file, so each slices its own shard without communicating.
+        return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
+
+    sharded = {i: {k: cut(params[i], v) for k, v in s.items()} if i < len(params) else s
+               for i, s in state["state"].items()}
+    return {**state, "state": sharded}
