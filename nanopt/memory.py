@@ -43,13 +43,19 @@ class DeviceMemory:
     grads: int
     optimizer: int
     activations: int  # saved for backward at one micro-batch, plus the loss's logits
+    transient: int = 0  # of params and grads: what exists only during a step (gathered, unreduced, autocast copies)
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations
 
+    @property
+    def resident(self) -> int:
+        """Parameters, gradients and optimizer state held between steps: what bench/fsdp_memory.py measures."""
+        return self.params + self.grads + self.optimizer - self.transient
+
     def summary(self) -> dict[str, Any]:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "resident": self.resident}
 
 
 def _dtypes(precision: str) -> tuple[int, int]:
@@ -120,7 +126,8 @@ def device_memory(m: ModelConfig, t: Training, parallel: str, shard_ranks: int =
     activations, optimizer = activation_bytes(m, t), _optimizer_bytes(m, t, weight)
     if parallel == "ddp":
         copies = compute * (counts.block_matmuls + counts.lm_head) if t.precision == "bf16" else 0
-        return DeviceMemory("ddp", 1, weight * counts.total + copies, weight * counts.total, optimizer, activations)
+        return DeviceMemory("ddp", 1, weight * counts.total + copies, weight * counts.total, optimizer, activations,
+                            copies)
     n = shard_ranks
     root = root_params(m)
     block = (counts.total - root) // m.n_layers
@@ -130,7 +137,8 @@ def device_memory(m: ModelConfig, t: Training, parallel: str, shard_ranks: int =
     unreduced = compute * m.vocab_size * m.dim + (compute + (FP32 if compute != FP32 else 0)) * block
     whole_grads = FP32 * counts.total if t.accum > 1 else 0
     return DeviceMemory(parallel, n, _ceil(weight * counts.total, n) + gathered,
-                        _ceil(weight * counts.total, n) + unreduced + whole_grads, _ceil(optimizer, n), activations)
+                        _ceil(weight * counts.total, n) + unreduced + whole_grads, _ceil(optimizer, n), activations,
+                        gathered + unreduced + whole_grads)
 
 
 def root_params(m: ModelConfig) -> int:

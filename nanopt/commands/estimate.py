@@ -125,8 +125,7 @@ def _memory_lines(cfg, memory: dict) -> list[str]:
              f"{cfg.optim.name}; {gb(capacity)} each; docs/mfu.md)",
              f"    {'parallel':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}{'total':>11}  fits"]
     for row in memory["rows"]:
-        m = DeviceMemory(**{k: row[k] for k in ("parallel", "shard_ranks", "params", "grads", "optimizer",
-                                                 "activations")})
+        m = DeviceMemory(**{k: v for k, v in row.items() if k not in ("total", "resident", "fits")})
         name = m.parallel if m.parallel == "ddp" else f"{m.parallel} over {m.shard_ranks}"
         fits = f"yes ({100 * m.total / capacity:.0f}%)" if row["fits"] else "NO"
         mark = "  <- runtime.parallel" if m.parallel == memory["config_parallel"] else ""
