@@ -159,7 +159,7 @@ def test_ddp_runs(capsys):
     assert "losses match (max |diff| " in out and "1 proc x 2 threads   | " in out and "2 procs x 1 thread   | " in out
 
 
-@pytest.mark.slow  # two spawned processes: ~6 s on 2 cores
+@pytest.mark.slow  # two spawned processes: 6-10 s on 2 cores
 def test_fsdp_memory_runs(capsys):
     """Two spawned gloo ranks hold a DDP and an FSDP model; FSDP's bytes are half DDP's, as the model says."""
     out = run("fsdp_memory", ["--smoke"], capsys)
