@@ -23,47 +23,59 @@ log = logging.getLogger("nanopt")
 
 @dataclass(frozen=True)
 class Peak:
-    """Dense (no 2:4 sparsity) peak FLOP/s of one device, per matmul precision; None where not published."""
+    """Dense (no 2:4 sparsity) peak FLOP/s of one device, per matmul precision; None where not published. And its
+    memory as the spec sheet gives it, in GB read as 10^9 bytes (`memory_bytes`): below what the device reports
+    (an H100 80GB shows 79.2 GiB = 85.0e9 bytes), so `nanopt estimate`'s "fits" leaves that margin for the CUDA
+    context and the allocator's fragmentation."""
     name: str
     bf16: float
     tf32: Optional[float]
     source: str
+    memory_gb: float
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gb * 1e9)
 
 
 TERA = 1e12
 _H100 = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 _H200 = "https://www.nvidia.com/en-us/data-center/h200/"
+_A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+         "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
 # NVIDIA's headline tensor-core figures (marked * below) assume 2:4 structured sparsity; dense training gets half
 # of them, which is what is stored here. TPU figures are per chip and dense already. `tf32` is what an fp32 run
 # gets on CUDA, because runtime.init enables TF32 tensor-core matmuls.
 PEAKS: dict[str, Peak] = {
-    # H100 datasheet, SXM5 / PCIe / NVL (per GPU): BF16 1,979* / 1,513* / 1,671*, TF32 989* / 756* / 835* TFLOPS.
-    "h100-sxm": Peak("NVIDIA H100 SXM", 989.4 * TERA, 494.7 * TERA, _H100),
-    "h100-pcie": Peak("NVIDIA H100 PCIe", 756.5 * TERA, 378.0 * TERA, _H100),
-    "h100-nvl": Peak("NVIDIA H100 NVL", 835.5 * TERA, 417.5 * TERA, _H100),
-    # H200 product page, SXM / NVL: BF16 1,979* / 1,671*, TF32 989* / 835* TFLOPS (the H100's tensor cores).
-    "h200": Peak("NVIDIA H200 SXM", 989.5 * TERA, 494.5 * TERA, _H200),
-    "h200-nvl": Peak("NVIDIA H200 NVL", 835.5 * TERA, 417.5 * TERA, _H200),
-    # A100 datasheet (SXM4 and PCIe alike): BF16 312 TFLOPS (624* sparse), TF32 156 TFLOPS (312*).
-    "a100": Peak("NVIDIA A100", 312.0 * TERA, 156.0 * TERA,
-                 "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-                 "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
-    # L4 datasheet: BF16 242 TFLOPS*, TF32 120 TFLOPS*.
-    "l4": Peak("NVIDIA L4", 121.0 * TERA, 60.0 * TERA, "https://www.nvidia.com/en-us/data-center/l4/"),
-    # HGX B200 spec table, per GPU: FP16/BF16 4.5 PFLOPS*, TF32 2.2 PFLOPS*.
-    "b200": Peak("NVIDIA B200", 2250.0 * TERA, 1100.0 * TERA, "https://www.nvidia.com/en-us/data-center/hgx/"),
-    # Cloud TPU system architecture pages, "Peak compute per chip (bf16)". No TF32 on TPUs.
-    "tpu-v4": Peak("Google TPU v4", 275.0 * TERA, None, "https://cloud.google.com/tpu/docs/v4"),
-    "tpu-v5e": Peak("Google TPU v5e", 197.0 * TERA, None, "https://cloud.google.com/tpu/docs/v5e"),
-    "tpu-v5p": Peak("Google TPU v5p", 459.0 * TERA, None, "https://cloud.google.com/tpu/docs/v5p"),
-    "tpu-v6e": Peak("Google TPU v6e (Trillium)", 918.0 * TERA, None, "https://cloud.google.com/tpu/docs/v6e"),
+    # H100 datasheet, SXM5 / PCIe / NVL (per GPU): BF16 1,979* / 1,513* / 1,671*, TF32 989* / 756* / 835* TFLOPS;
+    # GPU memory 80 / 80 / 94 GB.
+    "h100-sxm": Peak("NVIDIA H100 SXM", 989.4 * TERA, 494.7 * TERA, _H100, 80),
+    "h100-pcie": Peak("NVIDIA H100 PCIe", 756.5 * TERA, 378.0 * TERA, _H100, 80),
+    "h100-nvl": Peak("NVIDIA H100 NVL", 835.5 * TERA, 417.5 * TERA, _H100, 94),
+    # H200 product page, SXM / NVL: BF16 1,979* / 1,671*, TF32 989* / 835* TFLOPS (the H100's tensor cores);
+    # GPU memory 141 GB both.
+    "h200": Peak("NVIDIA H200 SXM", 989.5 * TERA, 494.5 * TERA, _H200, 141),
+    "h200-nvl": Peak("NVIDIA H200 NVL", 835.5 * TERA, 417.5 * TERA, _H200, 141),
+    # A100 datasheet (SXM4 and PCIe alike): BF16 312 TFLOPS (624* sparse), TF32 156 TFLOPS (312*); GPU memory
+    # 80 GB, or 40 GB on the A100 40GB (the same peaks).
+    "a100": Peak("NVIDIA A100 80GB", 312.0 * TERA, 156.0 * TERA, _A100, 80),
+    "a100-40gb": Peak("NVIDIA A100 40GB", 312.0 * TERA, 156.0 * TERA, _A100, 40),
+    # L4 datasheet: BF16 242 TFLOPS*, TF32 120 TFLOPS*; GPU memory 24 GB.
+    "l4": Peak("NVIDIA L4", 121.0 * TERA, 60.0 * TERA, "https://www.nvidia.com/en-us/data-center/l4/", 24),
+    # HGX B200 spec table, per GPU: FP16/BF16 4.5 PFLOPS*, TF32 2.2 PFLOPS*; memory 1,440 GB for the 8 GPUs.
+    "b200": Peak("NVIDIA B200", 2250.0 * TERA, 1100.0 * TERA, "https://www.nvidia.com/en-us/data-center/hgx/", 180),
+    # Cloud TPU system architecture pages, "Peak compute per chip (bf16)" and "HBM capacity" per chip. No TF32.
+    "tpu-v4": Peak("Google TPU v4", 275.0 * TERA, None, "https://cloud.google.com/tpu/docs/v4", 32),
+    "tpu-v5e": Peak("Google TPU v5e", 197.0 * TERA, None, "https://cloud.google.com/tpu/docs/v5e", 16),
+    "tpu-v5p": Peak("Google TPU v5p", 459.0 * TERA, None, "https://cloud.google.com/tpu/docs/v5p", 95),
+    "tpu-v6e": Peak("Google TPU v6e (Trillium)", 918.0 * TERA, None, "https://cloud.google.com/tpu/docs/v6e", 32),
 }
 # Lower-cased device name -> PEAKS key, first match wins. torch_xla's device kinds read "TPU v4", "TPU v5 lite",
 # "TPU v5", "TPU v6 lite" or accelerator types ("TPU v5litepod-16"); \b keeps GH200, GB200 and L40(S) out.
 _TPUS = ((r"v6(e|\s*lite)", "tpu-v6e"), (r"v5(e|\s*lite)", "tpu-v5e"), (r"v5(p|\b)", "tpu-v5p"), (r"v4\b", "tpu-v4"))
 _GPUS = ((r"\bh100\b.*nvl", "h100-nvl"), (r"\bh100\b.*pcie", "h100-pcie"), (r"\bh100\b.*(hbm3|sxm)", "h100-sxm"),
-         (r"\bh200\b.*nvl", "h200-nvl"), (r"\bh200\b", "h200"), (r"\ba100\b", "a100"), (r"\bl4\b", "l4"),
-         (r"\bb200\b", "b200"))
+         (r"\bh200\b.*nvl", "h200-nvl"), (r"\bh200\b", "h200"), (r"\ba100\b.*\b40\s*gb", "a100-40gb"),
+         (r"\ba100\b", "a100"), (r"\bl4\b", "l4"), (r"\bb200\b", "b200"))
 
 
 def matmul_precision(run_precision: str) -> str:

@@ -139,8 +139,9 @@ def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:
                       dir=str(run_dir), resume="allow")
 
 
-def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "") -> str:
-    """The human-scannable per-step line; `basis` labels MFU that is not plain ("bf16-equivalent" under FP8)."""
+def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ranks: int = 1) -> str:
+    """The human-scannable per-step line; `basis` labels MFU that is not plain ("bf16-equivalent" under FP8);
+    across `ranks` > 1 the memory is the busiest rank's, and the line names it."""
     mfu = v.get("mfu")
     mfu_text = "  n/a" if mfu is None else f"{100 * mfu:4.1f}%" + (f" {basis}" if basis else "")
     parts = [f"step {step:>6}/{max_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
@@ -149,6 +150,9 @@ def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "") -> 
     if v.get("peak_memory_gib") is not None:  # mfu.peak_memory_gib: None where the device cannot tell
         # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
         reserved = v.get("peak_reserved_gib")
-        memory = f"mem {v['peak_memory_gib']:.2f} GiB" + ("" if reserved is None else f" ({reserved:.2f} reserved)")
+        memory = f"mem {v['peak_memory_gib']:.2f} GiB"
+        if ranks > 1 and v.get("peak_memory_rank") is not None:
+            memory += f" @rank {v['peak_memory_rank']}"
+        memory += "" if reserved is None else f" ({reserved:.2f} reserved)"
         parts.insert(-1, memory)
     return " | ".join(parts)

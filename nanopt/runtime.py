@@ -298,6 +298,17 @@ class Runtime:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def peak_memory_by_rank(self) -> tuple[Optional[list[int]], Optional[list[int]]]:
+        """Every rank's peak (allocated, reserved) bytes in rank order, each None where the device cannot tell:
+        one all_reduce of 2 × world_size integers on the device, so call it at the log cadence, not per step."""
+        mine = (self.backend.peak_memory_bytes(), self.backend.peak_reserved_bytes())
+        if not self.distributed:
+            return tuple(None if v is None else [v] for v in mine)  # type: ignore[return-value]
+        table = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
+        table[:, self.rank] = torch.tensor([-1 if v is None else v for v in mine], dtype=torch.int64)
+        rows = self.all_reduce_sum(table).tolist()
+        return tuple(None if min(row) < 0 else row for row in rows)  # type: ignore[return-value]
+
     def gather_objects(self, obj: object) -> list:
         """Every rank's `obj`, in rank order (a list of one without a process group)."""
         if not self.distributed:

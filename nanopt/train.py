@@ -142,18 +142,27 @@ class StepLogger:
             "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": tokens / step_s, "step_ms": 1000 * step_s,
             **self.meter.update(state.step, steps, step_s),
-            "peak_memory_gib": _gib(self.rt.backend.peak_memory_bytes()),
-            "peak_reserved_gib": _gib(self.rt.backend.peak_reserved_bytes()),
+            **peak_memory(self.rt),
             "tokens_seen": state.tokens_seen,
             "eta_s": step_s * self.plan.tokens_left(state.step) / tokens, **extra,
         }
         self.metrics.log(state.step, values)
         if self.rt.is_main:
-            log.info(step_line(state.step, t.max_steps, values, self.meter.basis))
+            log.info(step_line(state.step, t.max_steps, values, self.meter.basis, self.rt.world_size))
 
 
 def _gib(n: Optional[int]) -> Optional[float]:
     return None if n is None else n / 2**30
+
+
+def peak_memory(rt: Runtime) -> dict[str, Any]:
+    """The busiest rank's peak memory (allocated; reserved where the device has a caching allocator) and which
+    rank that is: under fsdp ranks differ (rank 0 holds a gathered checkpoint's CPU copy), so rank 0 alone would
+    not say whether any device is close to full. Every rank calls it (one small all_reduce)."""
+    allocated, reserved = rt.peak_memory_by_rank()
+    busiest = None if allocated is None else max(range(len(allocated)), key=allocated.__getitem__)
+    return {"peak_memory_gib": None if busiest is None else _gib(allocated[busiest]), "peak_memory_rank": busiest,
+            "peak_reserved_gib": None if reserved is None else _gib(max(reserved))}
 
 
 class Validator:
@@ -202,6 +211,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def peak_memory_per_rank(rt: Runtime) -> dict[str, Optional[list[float]]]:
+    """summary.json's peak memory of every rank over the whole session (GiB, rank order; null where unknown)."""
+    allocated, reserved = rt.peak_memory_by_rank()
+    return {"peak_memory_gib_per_rank": None if allocated is None else [_gib(n) for n in allocated],
+            "peak_reserved_gib_per_rank": None if reserved is None else [_gib(n) for n in reserved]}
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -421,6 +437,7 @@ def finish(run: Session) -> dict[str, Any]:
         "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
         # One digest per rank: DDP replicas that drifted apart would show different values here.
         "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),
+        **peak_memory_per_rank(rt),
         **test_eval, **run.clock.summary(), "tasks_seconds": run.tasks.seconds if run.tasks.spec else None,
         # What makes the run finished (rundirs.finished) when it ends before max_steps.
         "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and run.clock.reached,

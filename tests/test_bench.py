@@ -159,6 +159,17 @@ def test_ddp_runs(capsys):
     assert "losses match (max |diff| " in out and "1 proc x 2 threads   | " in out and "2 procs x 1 thread   | " in out
 
 
+@pytest.mark.slow  # two spawned processes: 6-10 s on 2 cores
+def test_fsdp_memory_runs(capsys):
+    """Two spawned gloo ranks hold a DDP and an FSDP model; FSDP's bytes are half DDP's, as the model says."""
+    out = run("fsdp_memory", ["--smoke"], capsys)
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("    2 |")}
+    assert set(rows) == {"ddp", "fsdp"}
+    measured, modelled = float(rows["fsdp"][5]), float(rows["fsdp"][7])
+    assert measured == pytest.approx(modelled, abs=0.01) and float(rows["fsdp"][6]) <= 0.55
+    assert "RATIO 2 ranks: fsdp/ddp bytes 0.5" in out
+
+
 def test_ladder_runs(capsys):
     out = run("ladder", ["--smoke"], capsys)
     assert "peak    : best 128^2 matmul" in out and "+ micro-batch 2 " in out and "RATIO best rung = " in out

@@ -13,7 +13,7 @@ from nanopt.plan import build_plan
 @pytest.mark.parametrize("path", sorted(configs_dir().glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_resolves(path):
     cfg = load_config(path)
-    world = 8 if path.stem == "1b" else 1
+    world = 8 if path.stem in ("1b", "8b") else 1
     resolve(cfg, world)
     assert all(stage.accum >= 1 for stage in build_plan(cfg.train, world).stages)
 

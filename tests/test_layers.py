@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
     ("plan",),                                            # the stage plan: steps, batch, seq_len, tokens per stage
     ("flops", "xla", "plots", "experiments", "shards", "lock"),  # FLOPs; XLA; pictures; runs; shards; the lease
-    ("runtime",),                                         # THE device module
+    ("runtime", "memory"),                                # THE device module; per-GPU memory (torch-free)
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
     ("fp8", "parallel"),                                  # float8 Linears; DDP / FSDP2 (runtime.parallel)

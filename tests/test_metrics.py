@@ -1,5 +1,5 @@
 """The metrics logger (nanopt/metrics.py): it refuses a metrics.jsonl that is a link, and a resume trims only the
-records past its step; the console prints a library's line once."""
+records past its step; the console prints a library's line once; the step line names the busiest rank."""
 from __future__ import annotations
 
 import io
@@ -10,7 +10,7 @@ import pytest
 from conftest import USERS, users_file
 from nanopt import rundirs
 from nanopt.errors import ConfigError
-from nanopt.metrics import MetricsLogger, setup_logging
+from nanopt.metrics import MetricsLogger, setup_logging, step_line
 
 
 def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):
@@ -49,3 +49,11 @@ def test_a_library_line_with_its_own_handler_is_printed_once(monkeypatch, capsys
     assert "Retrying" not in out
     assert "a nanopt warning" in out and "a library line without a handler of its own" in out
     assert "a line whose library handler prints nothing" in out  # a NullHandler does not swallow it
+
+
+def test_the_step_line_names_the_busiest_rank_only_across_ranks():
+    values = {"loss": 2.5, "lr": 1e-3, "step_ms": 10.0, "tokens_per_s": 1000.0, "mfu": None, "eta_s": 5.0,
+              "peak_memory_gib": 1.5, "peak_memory_rank": 1, "peak_reserved_gib": 2.0}
+    assert "| mem 1.50 GiB @rank 1 (2.00 reserved) |" in step_line(10, 20, values, ranks=2)
+    assert "| mem 1.50 GiB (2.00 reserved) |" in step_line(10, 20, values)
+    assert "mem" not in step_line(10, 20, {**values, "peak_memory_gib": None}, ranks=2)

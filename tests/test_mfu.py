@@ -104,6 +104,14 @@ def test_peak_table_holds_dense_spec_sheet_numbers():
     assert hardware.table_peak("h100-sxm", "fp32") == pytest.approx(494.7e12)  # fp32 runs use TF32 tensor cores
     assert hardware.table_peak("a100", "fp32") == pytest.approx(156e12)
     assert hardware.table_peak("tpu-v5e", "fp32") is None
+    assert hardware.table_peak("a100-40gb", "bf16") == hardware.table_peak("a100", "bf16")
+
+
+def test_peak_table_holds_each_devices_spec_sheet_memory():
+    memory_gb = {"h100-sxm": 80, "h100-pcie": 80, "h100-nvl": 94, "h200": 141, "h200-nvl": 141, "a100": 80,
+                 "a100-40gb": 40, "l4": 24, "b200": 180, "tpu-v4": 32, "tpu-v5e": 16, "tpu-v5p": 95, "tpu-v6e": 32}
+    assert {key: peak.memory_gb for key, peak in hardware.PEAKS.items()} == memory_gb
+    assert hardware.PEAKS["h100-sxm"].memory_bytes == 80 * 10**9  # GB as the sheet writes it, under 80 GiB
 
 
 @pytest.mark.parametrize("name, watts, key", [
@@ -118,6 +126,8 @@ def test_peak_table_holds_dense_spec_sheet_numbers():
     ("NVIDIA GH200 480GB", None, None),
     ("NVIDIA A100-SXM4-80GB", None, "a100"),
     ("NVIDIA A100 80GB PCIe", None, "a100"),
+    ("NVIDIA A100-SXM4-40GB", None, "a100-40gb"),
+    ("NVIDIA A100-PCIE-40GB", None, "a100-40gb"),
     ("NVIDIA L4", None, "l4"),
     ("NVIDIA L40S", None, None),
     ("NVIDIA B200", None, "b200"),
@@ -405,3 +415,32 @@ def test_hfu_counts_recomputation_on_top_of_mfu():
     out = meter.update(step=5, window_steps=1, step_seconds=2.5)
     assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]
     assert meter.summary()["flops_per_token_hardware"] == hw
+
+
+def test_estimate_shows_8b_fits_80gb_under_fsdp_on_8_and_not_under_ddp(capsys):
+    """configs/8b.yaml's recipe rests on this (nanopt/memory.py): ~193 GB per GPU replicated, ~71 GB sharded."""
+    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["params"] == 8_030_261_248 and got["gpus"] == 8  # Llama-3-8B, on the config's 8 GPUs
+    memory = got["memory"]
+    assert memory["capacity_bytes"] == 80 * 10**9 and memory["config_parallel"] == "fsdp"
+    rows = {row["parallel"]: row for row in memory["rows"]}
+    assert set(rows) == {"ddp", "fsdp"} and rows["fsdp"]["shard_ranks"] == 8
+    assert rows["fsdp"]["fits"] and rows["fsdp"]["total"] < 80e9
+    assert not rows["ddp"]["fits"] and rows["ddp"]["total"] > 2 * 80e9
+    assert rows["ddp"]["optimizer"] == 8 * 8_030_261_248 == 8 * rows["fsdp"]["optimizer"]
+    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "NO" in next(line for line in out.splitlines() if line.strip().startswith("ddp "))
+    assert "yes (" in next(line for line in out.splitlines() if line.strip().startswith("fsdp over 8"))
+
+
+def test_estimate_adds_an_hsdp_row_for_a_shard_group_and_refuses_one_that_does_not_divide(capsys):
+    path = str(REPO / "configs" / "1b.yaml")
+    assert cli.run(["estimate", path, "--gpus", "16", "--json"]) == 0  # two nodes: one group of 8 per node
+    rows = json.loads(capsys.readouterr().out)["memory"]["rows"]
+    assert [(r["parallel"], r["shard_ranks"]) for r in rows] == [("ddp", 1), ("fsdp", 16), ("hsdp", 8)]
+    assert cli.run(["estimate", path, "--gpus", "16", "--shard-group-size", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["rows"][2]["shard_ranks"] == 4
+    assert cli.run(["estimate", path, "--gpus", "16", "--shard-group-size", "3"]) == 2
+    assert "`--shard-group-size 3` must be a positive divisor of the 16 GPUs" in capsys.readouterr().err

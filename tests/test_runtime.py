@@ -79,3 +79,9 @@ def test_a_gpu_rank_saves_and_restores_only_its_own_generator(monkeypatch):
     assert calls == [(3, torch.device("cuda", 3))]
     runtime.CpuBackend(torch.device("cpu")).set_rng_state(state)  # a GPU checkpoint resumed on CPU: ignored
     assert len(calls) == 1
+
+
+def test_one_process_reports_its_own_peak_memory_as_the_only_rank():
+    rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
+    allocated, reserved = rt.peak_memory_by_rank()
+    assert len(allocated) == 1 and allocated[0] > 0 and reserved is None  # CPU: resident set, no allocator cache

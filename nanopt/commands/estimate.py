@@ -1,5 +1,6 @@
 """`nanopt estimate CONFIG [--hardware KEY] [--gpus N] [--mfu F] [--tokens T]`: time, GPU-hours and cost to
-train a config's stage plan at an assumed MFU, before renting anything. Torch-free."""
+train a config's stage plan at an assumed MFU, and the memory each GPU needs under each parallelism, before renting
+anything. Torch-free."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ from nanopt.config import load_config, parse_overrides, split_args
 from nanopt.errors import ConfigError
 from nanopt.flops import estimate, param_counts, parse_tokens
 from nanopt.hardware import PEAKS, matmul_precision, table_peak
+from nanopt.memory import DeviceMemory, config_memory
 from nanopt.plan import build_plan
 
 
@@ -33,6 +35,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", help="tokens to train at train.seq_len (25B, 2.5e10, 20x = per parameter); "
                                          "default: the config's stage plan, each stage at its own batch and seq_len")
     parser.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; without it cost is null")
+    parser.add_argument("--shard-group-size", type=int, default=None,
+                        help="GPUs per hsdp shard group for the memory table (default: 8, one node, when --gpus is "
+                             "a larger multiple of it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, rest = parser.parse_known_args(argv)
     path, rest = split_args(rest)  # the config path, positional or --config, as `nanopt train` reads it
@@ -46,6 +51,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"`--gpus` must be positive, got {args.gpus}.")
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}.")
+    group = _shard_group(args.shard_group_size, args.gpus)
     if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
         raise ConfigError(f"`--price-per-gpu-hour` must be zero or positive, got {args.price_per_gpu_hour}.")
     if table_peak(args.hardware, cfg.train.precision) is None:
@@ -62,6 +68,7 @@ def main(argv: list[str]) -> int:
     r["gpus_source"] = "--gpus" if given else "mfu.devices"
     # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
     r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
+    r["memory"] = _memory(cfg, args.hardware, args.gpus, group)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -86,5 +93,44 @@ def main(argv: list[str]) -> int:
         f"  wall time      {_hours_text(r['hours'])}",
         f"  GPU-hours      {r['gpu_hours']:,.{1 if r['gpu_hours'] >= 10 else 3}f}",
         f"  cost           {cost}",
+        *_memory_lines(cfg, r["memory"]),
     ]))
     return 0
+
+
+def _shard_group(given: int | None, gpus: int) -> int | None:
+    """The hsdp shard group for the memory table: --shard-group-size (it must divide --gpus), else one node of 8
+    when the GPUs are a larger multiple of 8, else none (no hsdp row)."""
+    if given is None:
+        return 8 if gpus > 8 and gpus % 8 == 0 else None
+    if given < 1 or gpus % given:
+        raise ConfigError(f"`--shard-group-size {given}` must be a positive divisor of the {gpus} GPUs: hsdp shards "
+                          f"each tensor over a group of that many and replicates it across the groups.")
+    return given
+
+
+def _memory(cfg, hardware: str, gpus: int, group: int | None) -> dict:
+    """Per-GPU bytes under each parallelism and whether they fit `hardware`'s memory (nanopt/memory.py)."""
+    capacity = PEAKS[hardware].memory_bytes
+    recomputed = config_memory(cfg, gpus, group, recompute=True)[0].activations
+    rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, gpus, group)]
+    return {"capacity_bytes": capacity, "rows": rows, "activations_with_block_recompute": recomputed,
+            "config_parallel": cfg.runtime.parallel}
+
+
+def _memory_lines(cfg, memory: dict) -> list[str]:
+    gb = lambda n: f"{n / 1e9:,.1f} GB"  # noqa: E731  decimal GB, as the spec sheets give memory
+    t, capacity = cfg.train, memory["capacity_bytes"]
+    lines = [f"  memory per GPU (eager step at micro-batch {t.micro_batch_size} × seq {t.seq_len}, {t.precision}, "
+             f"{cfg.optim.name}; {gb(capacity)} each; docs/mfu.md)",
+             f"    {'parallel':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}{'total':>11}  fits"]
+    for row in memory["rows"]:
+        m = DeviceMemory(**{k: v for k, v in row.items() if k not in ("total", "resident", "fits")})
+        name = m.parallel if m.parallel == "ddp" else f"{m.parallel} over {m.shard_ranks}"
+        fits = f"yes ({100 * m.total / capacity:.0f}%)" if row["fits"] else "NO"
+        mark = "  <- runtime.parallel" if m.parallel == memory["config_parallel"] else ""
+        lines.append(f"    {name:<14}{gb(m.params):>10}{gb(m.grads):>10}{gb(m.optimizer):>11}{gb(m.activations):>13}"
+                     f"{gb(m.total):>11}  {fits}{mark}")
+    lines.append(f"    activations with per-block recompute (not a nanopt option yet): "
+                 f"{gb(memory['activations_with_block_recompute'])}")
+    return lines

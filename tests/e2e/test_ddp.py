@@ -58,6 +58,13 @@ def test_two_ranks_match_one_rank(single_run, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     digests = summary["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+    # Every rank's peak memory: the summary lists both, each logged step the busiest and which rank it is.
+    peaks = summary["peak_memory_gib_per_rank"]
+    assert len(peaks) == 2 and all(p > 0 for p in peaks) and summary["peak_reserved_gib_per_rank"] is None
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in logged if "loss" in r]
+    assert all(r["peak_memory_rank"] in (0, 1) and 0 < r["peak_memory_gib"] <= max(peaks) for r in logged)
+    assert f"GiB @rank {logged[-1]['peak_memory_rank']}" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
