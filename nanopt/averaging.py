@@ -77,7 +77,8 @@ def check_same_model(chosen: list[Path]) -> None:
     first, first_keys, first_shapes = chosen[0], describe(chosen[0]), _shapes(chosen[0])
     for ckpt in chosen[1:]:
         keys = describe(ckpt)
-        if changed := [f"{k}: {first_keys[k]!r} vs {keys.get(k)!r}" for k in first_keys if keys.get(k) != first_keys[k]]:
+        changed = [f"{k}: {first_keys[k]!r} vs {keys.get(k)!r}" for k in first_keys if keys.get(k) != first_keys[k]]
+        if changed:
             raise ConfigError(f"checkpoints {first} and {ckpt} come from different configs ({'; '.join(changed)}), "
                               f"so their weights cannot be averaged; name checkpoints of one model.")
         shapes = _shapes(ckpt)
