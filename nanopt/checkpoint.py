@@ -6,6 +6,7 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
   optimizer.pt       optimizer state (loaded with weights_only=True, like rng.pt)
   state.json         step, each resumable component's state_dict(), the shards' identity, the config, versions
   rng.pt             every rank's host and device RNG states
+  ema.safetensors    the averaged weights (train.ema_decay), fp32, once the average has started
   COMPLETE           written last: a JSON manifest of every file's size and crc32
 It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
 `checkpoints/latest` is updated last. A full disk removes the temp directory and is DiskFull (exit 1), every earlier
@@ -32,16 +33,19 @@ from safetensors.torch import load_file, save_file
 
 from nanopt import optim, parallel, shards
 from nanopt.config import Config, config_from_dict, resume_changes
+from nanopt.ema import EMA
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
 from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
-from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
-                            RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, is_lease, read_summary)
+from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, EMA_FILE, LATEST_FILE, MODEL_FILE,
+                            OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, is_lease,
+                            read_summary)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
-# What a COMPLETE manifest may list, and must (optimizer.pt is absent from a weights-only one: resume refuses it).
-CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE)
+# What a COMPLETE manifest may list, and must (optimizer.pt is absent from a weights-only one: resume refuses it;
+# ema.safetensors from a run without averaged weights).
+CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, EMA_FILE)
 REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
 
 
@@ -132,11 +136,12 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     return None, files
 
 
-def weights_crc32(ckpt: Path) -> Optional[int]:
-    """Which weights a checkpoint holds: its model file's crc32 as its COMPLETE manifest lists it (loading has
-    checked the file against it); None for a Hugging Face directory or an unusable manifest."""
+def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
+    """Which weights a checkpoint holds: its model file's (or `name`'s: the averaged weights) crc32 as its COMPLETE
+    manifest lists it (loading has checked the file against it); None for a Hugging Face directory, an unusable
+    manifest or a file it does not list."""
     problem, files = _manifest_problem(Path(ckpt))
-    return None if problem else files[MODEL_FILE]["crc32"]
+    return None if problem or name not in files else files[name]["crc32"]
 
 
 def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
@@ -261,7 +266,8 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 
 def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: Optional[dict[str, Any]],
-                 state: dict[str, Any], rng: Optional[list[dict[str, Any]]]) -> None:
+                 state: dict[str, Any], rng: Optional[list[dict[str, Any]]],
+                 averaged: Optional[dict[str, torch.Tensor]]) -> None:
     """Every file of the checkpoint into the new directory `tmp`, COMPLETE last; DiskFull naming the one that did
     not fit."""
     sealer = _Sealer()
@@ -269,6 +275,8 @@ def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], optimiz
         # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
         sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
+        if averaged is not None:
+            sealer.write(tmp / EMA_FILE, lambda p: save_file(averaged, str(p), metadata={"format": "pt"}))
         if optimizer_state is not None:
             sealer.write(tmp / OPTIMIZER_FILE, lambda p: _torch_save(optimizer_state, p))
         ranks = rng if rng is not None else [host_rng_state()]
@@ -286,10 +294,12 @@ def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], optimiz
 
 
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: Optional[dict[str, Any]],
-         state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None) -> Path:
+         state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None,
+         averaged: Optional[dict[str, torch.Tensor]] = None) -> Path:
     """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `weights`:
     model_state()'s; `optimizer_state`: an unsharded optimizer's state_dict() (None: weights only). `rng` is every
-    rank's Runtime.rng_state() in rank order (default: this process's host states). A full disk is DiskFull, with
+    rank's Runtime.rng_state() in rank order (default: this process's host states); `averaged`: EMA.full_weights()
+    (ema.safetensors; None: the run keeps no average, or it has not started). A full disk is DiskFull, with
     the temp directory removed (its space back) and every earlier checkpoint as it was."""
     with writing(ckpt_root):
         ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -299,7 +309,7 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer
     with writing(tmp):
         tmp.mkdir()
     try:
-        _write_files(tmp, step, weights, optimizer_state, state, rng)
+        _write_files(tmp, step, weights, optimizer_state, state, rng, averaged)
     except DiskFull:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -402,6 +412,24 @@ class Mirror:
 
 
 # ---------------------------------------------------------------- exact resume and the training loop's checkpointer
+def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
+    """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at this
+    resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
+    kept = saved.get("ema")
+    if not (isinstance(kept, dict) and kept.get("started")):
+        if ema.start < saved["step"]:
+            log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step %d, "
+                        "not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
+        return
+    if not (ckpt / EMA_FILE).is_file():
+        raise ConfigError(f"checkpoint {ckpt}'s {STATE_FILE} says the run kept averaged weights but it holds no "
+                          f"{EMA_FILE}; the checkpoint is damaged: resume from an earlier one (move this one aside).")
+    try:
+        ema.load_weights(load_file(str(ckpt / EMA_FILE)))
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {ckpt}'s {EMA_FILE} does not fit this run: {e}.") from None
+
+
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
     if len(before) != len(now):
         return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
@@ -431,9 +459,10 @@ class Checkpointer:
                 raise ConfigError(f"`checkpoint.mirror` {cfg.checkpoint.mirror!r} cannot be written ({e}); "
                                   f"check the URL and credentials, or unset it.") from None
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                states: dict[str, Stateful]) -> Optional[dict[str, Any]]:
-        """Load the newest usable checkpoint into model, optimizer, states and RNGs: its state.json, or None."""
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, states: dict[str, Stateful],
+                ema: Optional[EMA] = None) -> Optional[dict[str, Any]]:
+        """Load the newest usable checkpoint into model, optimizer, states, the averaged weights (`ema`, when the
+        run keeps them) and RNGs: its state.json, or None."""
         rt = self.rt
         if not self.cfg.checkpoint.resume:
             if rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
@@ -460,6 +489,8 @@ class Checkpointer:
             return None
         ckpt = self.root / chosen
         saved = self._load(ckpt, model, optimizer, states)
+        if ema is not None:
+            _load_ema(ckpt, saved, ema)
         self.latest = ckpt
         if rt.is_main:
             log.info("resuming from %s (step %d)", ckpt, saved["step"])
@@ -571,8 +602,9 @@ class Checkpointer:
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             states: dict[str, Stateful]) -> Path:
-        """Every rank calls this (RNG states are gathered); rank 0 writes. Returns the checkpoint path."""
+             states: dict[str, Stateful], ema: Optional[EMA] = None) -> Path:
+        """Every rank calls this (RNG states and sharded weights are gathered); rank 0 writes. Returns the
+        checkpoint path. `ema`: the run's averaged weights, saved whole beside the model's once started."""
         final = checkpoint_path(self.run_dir, step)
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
@@ -580,11 +612,12 @@ class Checkpointer:
         # Every rank: a sharded model's weights and optimizer state are gathered whole onto rank 0, so the files
         # are the same under ddp and fsdp and any world size resumes them.
         weights, optimizer_state = parallel.full_state(model, optimizer)
+        averaged = ema.full_weights(keep=self.rt.is_main) if ema is not None and ema.started else None
         if self.rt.is_main:
             state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
-                     "config": self.cfg.to_dict()}
+                     "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
             final = save(self.root, step, model_state(model, weights), optimizer_state, state,
-                         keep=self.cfg.checkpoint.keep, rng=rngs)
+                         keep=self.cfg.checkpoint.keep, rng=rngs, averaged=averaged)
             if self.mirror is not None:
                 self.mirror.upload(final)
         self.rt.barrier()

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "plot": "overlay runs (or a sweep's runs) in one PNG: --metric val_loss, --x steps|tokens|seconds",
     "sample": "sample continuations of a prompt from a run, checkpoint or HF dir",
     "export": "write a checkpoint as a Hugging Face LlamaForCausalLM directory",
+    "average": "a checkpoint whose weights are the mean of a run's --last K (or --steps a,b,c) checkpoints",
 }
 # Defaults set before a command's module is imported. Idle OpenMP threads spin instead of sleeping: on a quiet
 # machine PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape) and libgomp's default (spin,

@@ -193,6 +193,11 @@ class TrainConfig:
     compile_ddp_split: bool = key(True, "Compiled under DDP: split the graph at DDP's gradient buckets so their "
                                   "all-reduces overlap the backward (torch._dynamo's optimize_ddp); false = one graph, "
                                   "no overlap: the fallback if FP8 + compile + DDP fails to compile.", safe=True)
+    ema_decay: float = key(0.0, "Keep an exponential moving average of the weights (fp32, on the device), updated "
+                           "after every optimizer step: ema = decay × ema + (1 - decay) × weights; 0 = off "
+                           "(docs/experiments.md).", ge=0, lt=1)
+    ema_start: int = key(0, "The step the average starts at: the weights after this many optimizer steps are its "
+                         "first value.", ge=0)
 
     def check(self, cfg: Config) -> None:
         if self.target_val_loss is not None and self.target_val_bpb is not None:
@@ -279,9 +284,15 @@ class EvalConfig:
                            safe=True, neutral=True)
     tasks_path: str = key("", "A directory of local lm-eval task YAMLs for eval.tasks (the harness's include_path).",
                           safe=True, neutral=True)
+    weights: str = key("model", "Which weights validation, the test split, the speedrun clock and the end-of-run "
+                       "samples use: the model's own, or the average kept by train.ema_decay (before "
+                       "train.ema_start that is the model's, and the records say so).", choices=("model", "ema"))
 
     def check(self, cfg: Config) -> None:
         """Task directories are checked before training, not found missing after the last step."""
+        if self.weights == "ema" and not cfg.train.ema_decay:
+            raise ConfigError("`eval.weights` is ema but `train.ema_decay` is 0, so no averaged weights are kept; "
+                              "set `--train.ema_decay` (e.g. 0.99) or use `--eval.weights=model`.")
         for name in ("core", "tasks_path"):
             value = getattr(self, name)
             if value and not Path(value).is_dir():

@@ -117,7 +117,8 @@ class TaskModel:
 
 
 def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Optional[Tokenizer | str] = None,
-               device: str = "auto", precision: str = "run", rt: Optional[Runtime] = None) -> TaskModel:
+               device: str = "auto", precision: str = "run", rt: Optional[Runtime] = None,
+               weights: str = "run") -> TaskModel:
     """The model, tokenizer and runtime to score: loaded from `path` (no lm-eval needed), or given (training's
     live model, a NanoptLM's model and tokenizer)."""
     loaded: Optional[Loaded] = None
@@ -125,7 +126,7 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
         if not path:
             raise ConfigError("the nanopt harness model needs path=<run directory, checkpoint or Hugging Face "
                               "directory>, e.g. --model_args path=runs/speedrun.")
-        loaded = load(path)
+        loaded = load(path, weights=weights)
         model = loaded.model
     name = tokenizer if tokenizer is not None else (loaded.cfg.data.tokenizer if loaded else "byte")
     if not name:
@@ -411,18 +412,19 @@ class TaskScorer:
             log.info("step %6d | %s", step, line)
 
 
-def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto",
-                     precision: str = "run") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", precision: str = "run",
+                     weights: str = "run") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`nanopt eval PATH --tasks/--core`: load a run directory (its newest complete checkpoint), a checkpoint
     or a Hugging Face directory, score it, and record the results in its run directory (if it has one). Returns
     the records, and those of them the run's evals.jsonl already held from the same weights (not appended)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--tasks and --core run in one process; start `nanopt eval` without torchrun.")
-    found = task_model(str(path), device=device, precision=precision)  # lm-eval only if spec has its tasks
+    found = task_model(str(path), device=device, precision=precision, weights=weights)  # lm-eval only if needed
     loaded: Loaded = found.loaded  # type: ignore[assignment]
     try:
         records = score_model(found.model, found.tok, found.rt, spec, loaded.step, "nanopt eval",
-                              checkpoint=str(loaded.source), weights_crc32=weights_crc32(loaded.source),
+                              checkpoint=str(loaded.source), weights=loaded.weights,
+                              weights_crc32=weights_crc32(loaded.source, loaded.weights_file),
                               limit=spec.limit, precision=found.rt.precision)
         held = record_tasks(loaded.run_dir, records)
     finally:

@@ -9,7 +9,8 @@ file, never a traceback. The layout:
   summary.json           written when the run ends (finished, or stopped at its target)
   profile_summary.json   when the run was profiled
   tb/                    TensorBoard events and profiler traces
-  checkpoints/step_NNNNNN/  {model.safetensors, optimizer.pt, rng.pt, state.json, COMPLETE}; checkpoints/latest
+  checkpoints/step_NNNNNN/  {model.safetensors, optimizer.pt, rng.pt, state.json, COMPLETE, ema.safetensors
+                         when train.ema_decay keeps one}; checkpoints/latest
   lock.json              the lease of the trainer writing it now (absent when none is)
 
 Its files are the run's own: the appended ones (APPENDED_FILES, the lease) are opened so that a symbolic link is never
@@ -53,6 +54,7 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # The files of one checkpoint; COMPLETE, written last, is the manifest of the others' sizes and crc32s.
 MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = (
     "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "COMPLETE")
+EMA_FILE = "ema.safetensors"  # the averaged weights (train.ema_decay), when the run keeps them
 # The files a run appends to: a link at one of them is refused before the run writes anything.
 APPENDED_FILES = (METRICS_FILE, EVALS_FILE)
 

@@ -2,6 +2,7 @@
 checkpointer, profiler, stop signal) decides for itself whether it acts at this step."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -18,6 +19,7 @@ from nanopt import data, faults, fp8, hf, mfu, packing, parallel, plots, profili
 from nanopt.attention import choose
 from nanopt.checkpoint import Checkpointer
 from nanopt.config import Config, TrainConfig, resume_changes, to_yaml
+from nanopt.ema import EMA
 from nanopt.errors import ConfigError, DiskFull, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
@@ -166,12 +168,14 @@ def peak_memory(rt: Runtime) -> dict[str, Any]:
 
 
 class Validator:
-    """Validation every `eval.every` steps (and at step 0 and the end): loss, bpb, best loss, speedrun clock."""
+    """Validation every `eval.every` steps (and at step 0 and the end): loss, bpb, best loss, speedrun clock. Of
+    the averaged weights under eval.weights=ema (swapped in for the measurement; each record says which)."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, batches: Batches,
-                 token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock):
+                 token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
         self.cfg, self.rt, self.model, self.batches = cfg, rt, model, batches
         self.token_bytes, self.metrics, self.clock = token_bytes, metrics, clock
+        self.ema = ema if cfg.eval.weights == "ema" else None
         self.last: dict[str, float] = {}
         self.last_step: Optional[int] = None  # this session's last evaluation
 
@@ -199,11 +203,18 @@ class Validator:
         loss, bpb = self._measure("test", batches, step)
         return {"test_loss": loss, "test_bpb": bpb}
 
+    def weights(self) -> contextlib.AbstractContextManager[str]:
+        """The weights evaluations use, in the model for the duration; yields their name ("model" or "ema")."""
+        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext("model")
+
     def _measure(self, split: str, batches: Batches, step: int, **extra: Any) -> tuple[float, float]:
-        loss, bpb = evaluate(self.model, batches, self.token_bytes, self.rt)
-        self.metrics.log(step, {f"{split}_loss": loss, f"{split}_bpb": bpb, **extra})
+        with self.weights() as weights:
+            loss, bpb = evaluate(self.model, batches, self.token_bytes, self.rt)
+        named = {"weights": weights} if self.ema is not None else {}  # under eval.weights=ema, every record says
+        self.metrics.log(step, {f"{split}_loss": loss, f"{split}_bpb": bpb, **extra, **named})
         if self.rt.is_main:
-            log.info("step %6d | %s loss %.4f | %s bpb %.4f", step, split, loss, split, bpb)
+            of = f" ({weights} weights)" if named else ""
+            log.info("step %6d | %s loss %.4f | %s bpb %.4f%s", step, split, loss, split, bpb, of)
         return loss, bpb
 
 
@@ -254,6 +265,7 @@ class Session:
     stop: faults.StopSignal
     started: float  # time.perf_counter() at the start of this session's loop
     plan: Plan
+    ema: Optional[EMA] = None  # the averaged weights (train.ema_decay), None when off
 
     def pause_follows(self, step: int) -> bool:
         """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
@@ -265,7 +277,7 @@ class Session:
         """Checkpoint now (every rank), never a diverged model over the last good one."""
         self.guard.check(self.state.step, self.ckpt.latest, self.model)
         states = {"run_state": self.state, "loader": self.loader, "speedrun": self.clock}
-        return self.ckpt.save(self.state.step, self.model, self.optimizer, states)
+        return self.ckpt.save(self.state.step, self.model, self.optimizer, states, self.ema)
 
     def close(self) -> None:
         """What both a finished and a failed run close: mirror copies waited for, logs flushed and closed."""
@@ -323,12 +335,14 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
-    state, clock = RunState(), SpeedrunClock.for_config(cfg)
+    state, clock, ema = RunState(), SpeedrunClock.for_config(cfg), EMA.for_config(cfg, model)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
     ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))
-    saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock})
+    saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock}, ema)
     if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
         hf.init_from(model, t.init_from)
+    if ema is not None:
+        ema.begin(state.step)  # train.ema_start 0: the average starts from the initial weights
     metrics.open(saved["step"] if saved else 0)  # a resume drops the records past its step
     if rt.is_main:
         write_text(cfg.run_dir / rundirs.CONFIG_FILE, to_yaml(cfg))
@@ -345,9 +359,10 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
     token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
     return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer, plan), loader,
-               state, clock, ckpt, metrics, meter, Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock),
+               state, clock, ckpt, metrics, meter,
+               Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock, ema),
                TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step, plan),
-               guard, stop, time.perf_counter(), plan)
+               guard, stop, time.perf_counter(), plan, ema)
 
 
 def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
@@ -373,6 +388,9 @@ def one_step(run: Session) -> None:
     with profiling.label(profiling.DATA):
         micro_batches = run.loader.micro_batches(stage.accum, stage.seq_len)
     loss, grad_norm = run.step_fn(micro_batches)
+    if run.ema is not None:
+        with profiling.label(profiling.OPTIMIZER):
+            run.ema.update(state.step + 1)  # on the device's queue like the step: training time
     run.guard.update(loss)
     faults.fault_hook("kill-in-step", state.step + 1, rt.rank)
     state.step += 1
@@ -441,6 +459,8 @@ def finish(run: Session) -> dict[str, Any]:
         **test_eval, **run.clock.summary(), "tasks_seconds": run.tasks.seconds if run.tasks.spec else None,
         # What makes the run finished (rundirs.finished) when it ends before max_steps.
         "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and run.clock.reached,
+        # Which weights final_val_*, best_val_*, test_* and the target's figures come from (eval.weights).
+        "eval_weights": cfg.eval.weights,
     }
     if rt.is_main:
         write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)
@@ -460,11 +480,13 @@ def _print_samples(run: Session) -> None:
     # A sharded model's forward gathers from every rank, so all sample together (one seed: the same tokens).
     if not s.num_samples or not (run.rt.is_main or parallel.is_sharded(run.model)):
         return
-    samples = sample_text(run.model, run.tokenizer, s.prompt, s.num_samples, s.max_new_tokens, s.temperature,
-                          s.top_k, run.cfg.run.seed, run.rt.device)
+    with run.evaluator.weights() as weights:
+        samples = sample_text(run.model, run.tokenizer, s.prompt, s.num_samples, s.max_new_tokens, s.temperature,
+                              s.top_k, run.cfg.run.seed, run.rt.device)
     if not run.rt.is_main:
         return
-    print(f"\n--- {len(samples)} samples from step {run.state.step}, prompt {s.prompt!r} ---")
+    of = f" ({weights} weights)" if run.evaluator.ema is not None else ""
+    print(f"\n--- {len(samples)} samples from step {run.state.step}{of}, prompt {s.prompt!r} ---")
     print("".join(f"{text.strip()}\n---\n" for text in samples), end="")
     run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)
 

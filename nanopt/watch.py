@@ -37,6 +37,7 @@ class Evaluator:
     batches: int = 0  # micro-batches in the evaluation set; 0: the run's eval.batches
     device: str = "auto"
     precision: str = "run"  # autocast as the run trained, or fp32 / bf16
+    weights: str = "run"  # loading.WEIGHTS: the run's eval.weights, the model's own, or the averaged ones
     rt: Optional[Runtime] = None
     sets: dict[int, Any] = field(default_factory=dict)  # batch count -> this rank's evaluation batches
     token_bytes: Optional[torch.Tensor] = None
@@ -59,7 +60,7 @@ class Evaluator:
 
     def run(self, ckpt: Path, verified: bool = False) -> dict[str, Any]:
         """Evaluate one checkpoint, append its record to the run's evaluations (main rank) and print one line."""
-        loaded = load(ckpt, verified=verified)
+        loaded = load(ckpt, verified=verified, weights=self.weights)
         cfg, split = loaded.cfg, self.split
         rt = self.start(cfg)
         model = loaded.model.to(rt.device)
@@ -76,7 +77,8 @@ class Evaluator:
         loss, bpb = evaluate(model, self.sets[batches_n], self.token_bytes, rt)
         seconds = time.perf_counter() - t0
         record = {"step": loaded.step, "time": time.time(), f"{split}_loss": loss, f"{split}_bpb": bpb,
-                  "source": "nanopt eval", "checkpoint": str(ckpt), "weights_crc32": weights_crc32(ckpt),
+                  "source": "nanopt eval", "checkpoint": str(ckpt), "weights": loaded.weights,
+                  "weights_crc32": weights_crc32(ckpt, loaded.weights_file),
                   "eval_batches": batches_n, "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
                   "world_size": rt.world_size, "precision": self.precision_for(cfg)}
         if rt.is_main:
@@ -86,7 +88,8 @@ class Evaluator:
             fresh = evaluation_key(record) not in recorded(loaded.run_dir)
             if fresh:
                 append_jsonl(evals, record)
-            print(f"{ckpt} (step {loaded.step}) | {split} loss {loss:.4f} | {split} bpb {bpb:.4f} | "
+            of = " (ema weights)" if loaded.weights == "ema" else ""
+            print(f"{ckpt} (step {loaded.step}){of} | {split} loss {loss:.4f} | {split} bpb {bpb:.4f} | "
                   f"{record['eval_tokens']:,} tokens in {seconds:.1f} s on {rt.world_size} rank(s) | "
                   f"{f'appended to {evals}' if fresh else f'already in {evals} from the same weights, not appended'}",
                   flush=True)
@@ -109,10 +112,12 @@ def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any
 
 
 # ---------------------------------------------------------------- watching a training run
-def evaluated(run_dir: Path, split: str) -> set[tuple[int, int]]:
-    """(step, eval batches) already in the run's evaluations for this split: what a restarted watcher skips."""
+def evaluated(run_dir: Path, split: str, weights: str = "model") -> set[tuple[int, int]]:
+    """(step, eval batches) already in the run's evaluations for this split and weights ("model" or "ema"; a record
+    without the field is of the model's): what a restarted watcher skips."""
     return {(r["step"], r["eval_batches"]) for r in read_records(run_dir / EVALS_FILE)
             if r.get(f"{split}_loss") is not None and r.get("source") == "nanopt eval"
+            and r.get("weights", "model") == weights
             and isinstance(r.get("step"), int) and isinstance(r.get("eval_batches"), int)}
 
 
@@ -188,7 +193,7 @@ def _watch_lease(run_dir: Path) -> DirLock:
 def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float) -> int:
     setup_logging(True)
     deadline = time.monotonic() + timeout if timeout else None
-    done = evaluated(run_dir, evaluator.split)
+    done = evaluated(run_dir, evaluator.split, "ema" if evaluator.weights == "ema" else "model")
     handled: set[Path] = set()  # looked at in this session: evaluated, found done, or skipped
     count = 0
     print(f"watching {run_dir} for complete checkpoints every {interval:g} s "

@@ -24,9 +24,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
     ("fp8", "parallel"),                                  # float8 Linears; DDP / FSDP2 (runtime.parallel)
-    ("mfu", "profiling", "evaluation", "generate", "hf", "taskgen", "taskinput"),
+    ("mfu", "profiling", "evaluation", "generate", "hf", "taskgen", "taskinput", "ema"),
     ("checkpoint", "scoring"),                            # the format; THE continuation scorer
-    ("loading", "core"),                                  # a model from a run; CORE through the scorer
+    ("loading", "core", "averaging"),                     # a model from a run; CORE; checkpoints averaged
     ("harness",),                                         # the tasks wing: scoring a model, lm-eval's adapter
     ("train", "prepare", "sweep", "comparison", "watch"),  # the logic that commands call
     ("commands",),                                        # nanopt/commands/*: one module per subcommand

@@ -14,6 +14,7 @@ from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.harness import TaskSpec, score_checkpoint, task_lines
 from nanopt.io import refuse_link
+from nanopt.loading import WEIGHTS
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run
 from nanopt.taskgen import make_tasks, write_bundle
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
@@ -30,6 +31,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--precision", choices=("run", "fp32", "bf16"), default="run",
                    help="autocast as the run trained (default) or force one")
+    p.add_argument("--weights", choices=WEIGHTS, default="run", help="the weights the run evaluated (its "
+                   "eval.weights, default), the model's own, or the averaged ones (train.ema_decay); the record says "
+                   "which")
     p.add_argument("--watch", action="store_true",
                    help=f"evaluate each new complete checkpoint of the run directory until the run has finished (its "
                         f"{SUMMARY_FILE} says so for its {CONFIG_FILE}) and its last checkpoint is evaluated")
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> int:
     _refuse_linked_evals(Path(args.path))
     if args.tasks or args.core:
         return _tasks(args)
-    evaluator = Evaluator(args.split, args.batches, args.device, args.precision)
+    evaluator = Evaluator(args.split, args.batches, args.device, args.precision, args.weights)
     if args.watch:
         return watch_run(args.path, evaluator, args.interval, args.timeout)
     evaluate_checkpoint(args.path, evaluator)  # prints its line
@@ -92,7 +96,7 @@ def _tasks(args: argparse.Namespace) -> int:
         raise ConfigError(f"--tasks {args.tasks!r} names no task; give a comma list of lm-eval task or group names, "
                           f"e.g. --tasks hellaswag,arc_easy (or leave --tasks out and score only --core).")
     spec = TaskSpec(names, args.include_path, args.limit, args.num_fewshot, args.core, args.batch_size)
-    records, held = score_checkpoint(args.path, spec, args.device, args.precision)
+    records, held = score_checkpoint(args.path, spec, args.device, args.precision, args.weights)
     print(json.dumps(records, indent=2) if args.json else "\n".join(task_lines(records)))
     if held:
         print(f"{len(held)} of these ({', '.join(r['task'] for r in held)}) were already in {EVALS_FILE} from the "

@@ -9,7 +9,7 @@ import torch
 
 from nanopt.errors import EXIT_FAILED, DiskFull, debug_enabled
 from nanopt.hf import check_export_target, export_model
-from nanopt.loading import load
+from nanopt.loading import WEIGHTS, load
 
 
 def _gib(n: int) -> str:
@@ -25,13 +25,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("path", help="a run directory (its newest checkpoint) or a checkpoint directory")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--weights", choices=WEIGHTS, default="run", help="the weights the run evaluated (its "
+                   "eval.weights, default), the model's own, or the averaged ones (train.ema_decay); nanopt.json "
+                   "says which")
     p.add_argument("--force", action="store_true", help=(
         "replace another model's files in DIR: every model file there is removed or replaced by the new "
         "export's; other files are kept"))
     args = p.parse_args(argv)
     check_export_target(args.out, args.force)  # before the checkpoint loads: a wrong --out fails at once
-    loaded = load(args.path)
-    meta = {"step": loaded.step, "source": str(loaded.source)}
+    loaded = load(args.path, weights=args.weights)
+    meta = {"step": loaded.step, "source": str(loaded.source), "weights": loaded.weights}
     dtype = getattr(torch, args.dtype)
     try:
         out = export_model(loaded.model, args.out, loaded.cfg.data.tokenizer, loaded.cfg, dtype, meta, args.force)
@@ -44,6 +47,7 @@ def main(argv: list[str]) -> int:
               f"{args.out}, and a model that was there is untouched. Free space on that device, or choose another "
               f"--out, and run the same command again.", file=sys.stderr)
         return EXIT_FAILED
-    print(f"exported {loaded.source} (step {loaded.step}, {loaded.model.num_params():,} parameters) to {out}; "
+    print(f"exported {loaded.source} (step {loaded.step}, {loaded.weights} weights, "
+          f"{loaded.model.num_params():,} parameters) to {out}; "
           f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

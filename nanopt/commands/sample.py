@@ -7,7 +7,7 @@ from nanopt import runtime
 from nanopt.config import DEVICES
 from nanopt.errors import ConfigError
 from nanopt.generate import sample_text
-from nanopt.loading import load
+from nanopt.loading import WEIGHTS, load
 from nanopt.tokenizer import get_tokenizer
 
 
@@ -22,12 +22,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=None, help="0 = no top-k filter (default: the run's sample.top_k)")
     p.add_argument("--seed", type=int, default=None, help="default: the run's run.seed")
     p.add_argument("--device", choices=DEVICES, default="cpu")
+    p.add_argument("--weights", choices=WEIGHTS, default="run", help="the weights the run evaluated (its "
+                   "eval.weights, default), the model's own, or the averaged ones (train.ema_decay)")
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
     rt = runtime.init(args.device, "fp32")  # a clear error when --device cuda has no GPU behind it
-    loaded = load(args.path, rt.device)
+    loaded = load(args.path, rt.device, weights=args.weights)
     cfg = loaded.cfg
     if not cfg.data.tokenizer:
         raise ConfigError(f"{loaded.source} has no tokenizer files and no nanopt.json naming one, so its token ids "
@@ -41,7 +43,8 @@ def main(argv: list[str]) -> int:
     seed = cfg.run.seed if args.seed is None else args.seed
     samples = sample_text(loaded.model, tokenizer, prompt, args.num_samples, args.max_new_tokens, temperature,
                           top_k, seed, rt.device)
-    print(f"--- {len(samples)} samples from {loaded.source}, prompt {prompt!r}, temperature {temperature}, "
+    print(f"--- {len(samples)} samples from {loaded.source} ({loaded.weights} weights), prompt {prompt!r}, "
+          f"temperature {temperature}, "
           f"top-k {top_k}, seed {seed} ---")
     for s in samples:
         print(s.strip())

@@ -103,6 +103,8 @@ CASES = [
     ("loss_chunk_negative", lambda f: ["--train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens", "zero or positive"]),
     ("allow_changes_typo", lambda f: ["--checkpoint.allow_changes=train.lrr"], ["checkpoint.allow_changes", "train.lrr"]),
     ("no_cuda", lambda f: ["--runtime.device=cuda"], ["runtime.device", "cpu"]),
+    ("ema_weights_without_ema", lambda f: ["--eval.weights=ema"], ["eval.weights", "train.ema_decay", "is 0"]),
+    ("ema_decay_one", lambda f: ["--train.ema_decay=1"], ["train.ema_decay", "in [0, 1)"]),
 ]
 
 

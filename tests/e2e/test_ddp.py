@@ -26,9 +26,16 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
-def _final_weights(run_dir: Path) -> dict:
+def _final_weights(run_dir: Path, name: str = "model.safetensors") -> dict:
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return load_file(str(run_dir / "checkpoints" / latest / "model.safetensors"))
+    return load_file(str(run_dir / "checkpoints" / latest / name))
+
+
+def _assert_same_weights(a: Path, b: Path, name: str = "model.safetensors") -> None:
+    wa, wb = _final_weights(a, name), _final_weights(b, name)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert (wa[key] - wb[key]).abs().max().item() < 1e-5, (name, key)
 
 
 def _assert_same_run(a: Path, b: Path) -> None:
@@ -89,15 +96,21 @@ def test_two_nodes_over_c10d_rendezvous_match_one_rank(single_run, tmp_path):
 # ---------------------------------------------------------------- muon
 
 
+# The averaged weights (train.ema_decay) ride along in the muon and fsdp comparisons: every rank keeps the same
+# average (ddp) or its shard of it (fsdp), evaluations swap it in on every rank, and it is saved whole.
+EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema", "--eval.every=2"]
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_with_muon(tmp_path):
-    args = [*ARGS, MUON_ARG]
+    args = [*ARGS, MUON_ARG, *EMA_ARGS]
     one, two = tmp_path / "one", tmp_path / "two"
     assert run([*args, f"--run.dir={one}"]) == 0  # in this process: the single-rank reference
     proc = torchrun(2, [*args, f"--run.dir={two}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks x 1 accum" in proc.stdout
     _assert_same_run(one, two)
+    _assert_same_weights(one, two, "ema.safetensors")
     digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
 
@@ -106,7 +119,7 @@ def test_two_ranks_match_one_rank_with_muon(tmp_path):
 # Global batch 512 = 4 micro-steps at one rank, 2 per rank at two: accumulation runs under no_sync and under
 # set_requires_gradient_sync(False). A constant lr makes a 5-step run plus its resume to 10 one 10-step run.
 FSDP_ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 10, "train.global_batch_tokens": 512,
-                               "train.schedule": "constant", "log.tensorboard": "false"})
+                               "train.schedule": "constant", "log.tensorboard": "false"}) + EMA_ARGS
 HALF = "--train.max_steps=5"
 
 
@@ -132,10 +145,16 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
         assert sorted(records) == list(range(1, 11))
         for step, (loss, norm) in reference.items():
             assert abs(records[step][0] - loss) < 1e-5 and abs(records[step][1] - norm) < 1e-5, (other, step)
-        wa, wb = _final_weights(one), _final_weights(other)
-        assert wa.keys() == wb.keys()
-        for name in wa:
-            assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
+        for name in ("model.safetensors", "ema.safetensors"):  # the average: saved whole, resumed as shards
+            _assert_same_weights(one, other, name)
+        evaluated = _val(other)  # the averaged weights' evaluations (the half run's final one at step 5 besides)
+        for step, (loss, weights) in _val(one).items():
+            assert abs(evaluated[step][0] - loss) < 1e-5 and evaluated[step][1] == weights, (other, step)
+
+
+def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["val_loss"], r["weights"]) for r in records if "val_loss" in r}
 
 
 def _records(run_dir: Path) -> dict[int, tuple[float, float]]:

@@ -148,6 +148,8 @@ WALKS: dict[str, Page] = {
         Step('nanopt sample runs/tiny --prompt "Elementary, my dear"', prints=("Elementary, my dear",)),
         Step("nanopt export runs/tiny --out exported/tiny",
              files=("exported/tiny/config.json", "exported/tiny/model.safetensors")),
+        Step("nanopt average runs/tiny --last 2 --out averaged/tiny", prints=("averaged 2 checkpoints",),
+             files=("averaged/tiny/checkpoints/step_000300/COMPLETE",)),
         Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BARE,
              summary={"runs/finetune": {"steps": 150}}),
         # Speedrun; speed
@@ -281,6 +283,14 @@ WALKS: dict[str, Page] = {
              toy=f"{BARE} --train.batch_schedule=0:128,150:256 --train.seq_len_schedule=0:16,100:32 "
                  "--train.max_steps=160",  # both stage changes, in half the steps
              prints=("stage 2 from step 100", "stage 3 from step 150"), summary={"runs/schedules": {"steps": 160}}),
+        Step("python -m nanopt.main --train.ema_decay=0.98 --train.ema_start=50 --eval.weights=ema "
+             "--checkpoint.every=50 --run.name=ema", toy=BARE, prints=("(ema weights)",),
+             files=("runs/ema/checkpoints/step_000150/ema.safetensors",),
+             summary={"runs/ema": {"eval_weights": "ema", "steps": 150}}),
+        Step("nanopt eval runs/ema --weights model", prints=("step_000150 (step 150) | val loss",)),
+        Step("nanopt average runs/ema --last 3 --out averaged/ema", prints=("(steps 50, 100, 150)",),
+             files=("averaged/ema/checkpoints/step_000150/COMPLETE",)),
+        Step("nanopt eval averaged/ema", prints=("val loss", "averaged/ema/evals.jsonl")),
     ), user_files=("docs.jsonl",)),
     "docs/tpu.md": Page((
         skip("gcloud compute tpus tpu-vm create nanopt --zone=us-east5-b --accelerator-type=v6e-4 "

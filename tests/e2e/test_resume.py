@@ -415,3 +415,34 @@ def test_switching_optimizer_on_resume_is_refused_even_when_allowed(tmp_path, ca
     err = capsys.readouterr().err
     assert "optimizer state does not fit this run" in err and "--optim.name=adamw" in err
     assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- a run that keeps averaged weights
+# The average starts at step 3, so the kill at step 5 resumes from step 4's checkpoint, whose ema.safetensors
+# carries it; the evaluations (every 2 steps) are of the average.
+EMA_ARGS = ("--train.ema_decay=0.9", "--train.ema_start=3", "--eval.weights=ema", "--eval.every=2")
+
+
+@pytest.fixture(scope="module")
+def ema_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ema_reference")
+    assert train_here(run_dir, *EMA_ARGS) == 0
+    return run_dir
+
+
+def evaluations(run_dir: Path) -> list[tuple[int, float, str]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["val_loss"], r["weights"]) for r in records if "val_loss" in r]
+
+
+@pytest.mark.slow
+def test_a_killed_run_with_averaged_weights_resumes_bitwise_identically(tmp_path, ema_reference, capsys):
+    proc = train_process(tmp_path, "kill-in-step:5", *EMA_ARGS)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert train_here(tmp_path, *EMA_ARGS) == 0
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step_000004'}" in capsys.readouterr().out
+    assert_same_as(ema_reference, tmp_path)
+    averaged = [d / "checkpoints" / f"step_{STEPS:06d}" / rundirs.EMA_FILE for d in (ema_reference, tmp_path)]
+    assert averaged[0].read_bytes() == averaged[1].read_bytes()
+    assert evaluations(tmp_path) == evaluations(ema_reference)
+    assert [w for _, _, w in evaluations(tmp_path)] == ["model", "model", "ema", "ema", "ema"]  # steps 0 2 4 6 8

@@ -1,0 +1,142 @@
+"""The averaged weights (train.ema_decay): an exponential moving average of the parameters, kept in fp32 beside them
+on the device with each parameter's layout (a DTensor shard under fsdp, a replica under ddp), updated by one fused
+lerp after every optimizer step from train.ema_start, swapped into the model for evaluation and back, and saved
+whole by the checkpointer (its ema.safetensors) under any parallelism."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from nanopt.config import Config
+from nanopt.parallel import local_tensor
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    return hasattr(t, "placements")  # a DTensor (parallel.py owns the import that makes one)
+
+
+class EMA:
+    """ema = decay × ema + (1 - decay) × weights after each optimizer step at or past `start`; at `start` it is the
+    weights themselves. Nothing is allocated before then. Its state_dict() is JSON; its tensors travel through
+    full_weights() / load_weights() (the checkpointer's ema.safetensors)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float, start: int):
+        if not 0 < decay < 1:
+            raise ValueError(f"an EMA decay is in (0, 1), got {decay}")
+        self.model, self.decay, self.start = model, decay, start
+        named = list(model.named_parameters())  # a tied parameter once, under its first name, like model_state()
+        self.names = [name for name, _ in named]
+        self.params = [p for _, p in named]
+        self.averaged: Optional[list[torch.Tensor]] = None
+
+    @classmethod
+    def for_config(cls, cfg: Config, model: torch.nn.Module) -> Optional["EMA"]:
+        """The run's EMA, or None when train.ema_decay is 0."""
+        t = cfg.train
+        return cls(model, t.ema_decay, t.ema_start) if t.ema_decay > 0 else None
+
+    @property
+    def started(self) -> bool:
+        return self.averaged is not None
+
+    @torch.no_grad()
+    def begin(self, step: int) -> None:
+        """At set-up (after a resume loaded its state): a run at or past ema_start with no average yet starts one."""
+        if self.averaged is None and step >= self.start:
+            self.averaged = [p.detach().to(torch.float32, copy=True) for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        """After optimizer step number `step`. The parameters are read on each call (local_tensor): FSDP may
+        re-point a parameter's local shard at its first forward."""
+        if self.averaged is None:
+            self.begin(step)
+            return
+        weights = [local_tensor(p) for p in self.params]
+        if weights[0].dtype != torch.float32:  # bf16-pure: lerp takes one dtype
+            weights = [w.float() for w in weights]
+        torch._foreach_lerp_([local_tensor(a) for a in self.averaged], weights, 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[str]:
+        """The averaged weights in the model for the duration, the model's own back after; yields which weights the
+        model holds ("ema", or "model" before ema_start). In place, so the optimizer, DDP, compiled graphs and FSDP's
+        shards keep their tensors; an fp32 parameter trades values with its average through one scratch tensor
+        (no copy of the model), a bf16 one is kept aside while the average rounded to bf16 stands in."""
+        if self.averaged is None:
+            yield "model"
+            return
+        held = self._swap(None)
+        try:
+            yield "ema"
+        finally:
+            self._swap(held)
+
+    @torch.no_grad()
+    def _swap(self, held: Optional[list[Optional[torch.Tensor]]]) -> list[Optional[torch.Tensor]]:
+        """Swap in (held None: returns what it kept aside) or back (held: what swapping in returned)."""
+        pairs = [(local_tensor(p), local_tensor(a)) for p, a in zip(self.params, self.averaged)]
+        same = [p.numel() for p, a in pairs if p.dtype == a.dtype]
+        scratch = torch.empty(max(same, default=0), dtype=torch.float32, device=pairs[0][0].device)
+        kept: list[Optional[torch.Tensor]] = []
+        for i, (p, a) in enumerate(pairs):
+            if p.dtype == a.dtype:  # an exchange is its own inverse, and exact
+                tmp = scratch[:p.numel()].view_as(p)
+                tmp.copy_(p)
+                p.copy_(a)
+                a.copy_(tmp)
+                kept.append(None)
+            elif held is None:
+                kept.append(p.clone())
+                p.copy_(a)
+            else:
+                p.copy_(held[i])
+        self._reshard()
+        return kept
+
+    def _reshard(self) -> None:
+        """FSDP keeps a module's gathered weights after a forward without gradients (the root's, at least); they
+        would survive a swap and serve the next forward stale, so every FSDP module drops them."""
+        for module in self.model.modules():
+            if hasattr(module, "set_requires_gradient_sync") and hasattr(module, "reshard"):  # an FSDPModule
+                module.reshard()
+
+    # ------------------------------------------------------------ what a checkpoint holds
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "start": self.start, "started": self.started}
+
+    def full_weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The average as whole fp32 CPU tensors by parameter name. Every rank calls it (a sharded average is
+        gathered one tensor at a time); ranks that do not write (keep=False) get {}."""
+        out = {}
+        for name, a in zip(self.names, self.averaged or []):
+            whole = a.full_tensor() if _sharded(a) else a
+            if keep:
+                out[name] = whole.detach().to("cpu").contiguous()
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Whole saved tensors (full_weights()'s) as the average, each taking its parameter's device and layout;
+        ValueError naming what does not match."""
+        missing = [n for n in self.names if n not in weights]
+        unexpected = [n for n in weights if n not in self.names]
+        wrong = [f"{n} {tuple(weights[n].shape)} vs {tuple(p.shape)}" for n, p in zip(self.names, self.params)
+                 if n in weights and weights[n].shape != p.shape]
+        if missing or unexpected or wrong:
+            raise ValueError(f"the averaged weights do not match the model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]}, other shapes {wrong[:3]}")
+        self.averaged = [self._like(p, weights[n]) for n, p in zip(self.names, self.params)]
+
+    @staticmethod
+    def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        value = whole.to(device=local_tensor(p).device, dtype=torch.float32)
+        if not _sharded(p):
+            return value.clone() if value is whole else value
+        # Lazy, as in parallel.py: only an fsdp run has DTensors, and the module costs seconds to import.
+        from torch.distributed.tensor import distribute_tensor
+
+        # src_data_rank=None: every rank read the whole file, so each slices its own shard without communicating.
+        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)

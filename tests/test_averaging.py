@@ -1,0 +1,146 @@
+"""`nanopt average` (nanopt/averaging.py): the mean of a run's checkpoints, summed in fp32 and saved in each tensor's
+dtype, is a checkpoint that eval and sample load like any other; every bad input is one paragraph, exit 2, and
+nothing written."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import small_overrides
+from nanopt import averaging, checkpoint, cli, loading, rundirs
+from nanopt.main import run
+
+ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 6, "checkpoint.every": 2,
+                          "log.tensorboard": "false"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A run with checkpoints at steps 2, 4, 6; and a 2-step run of a wider model."""
+    root = tmp_path_factory.mktemp("average")
+    assert run([*ARGS, f"--run.dir={root / 'run'}"]) == 0
+    assert run([*ARGS, "--train.max_steps=2", "--model.dim=32", f"--run.dir={root / 'wider'}"]) == 0
+    return {"run": root / "run", "wider": root / "wider"}
+
+
+def _step(run_dir: Path, step: int) -> Path:
+    return run_dir / rundirs.CHECKPOINTS_DIR / f"step_{step:06d}"
+
+
+def test_the_average_is_the_mean_and_loads_evaluates_and_samples_like_any_checkpoint(runs, tmp_path, capsys):
+    out = tmp_path / "avg"
+    assert cli.run(["average", str(runs["run"]), "--steps", "2,6,4", "--out", str(out)]) == 0
+    assert "averaged 3 checkpoints" in capsys.readouterr().out
+    ckpt = _step(out, 6)  # named for the newest step averaged
+    assert checkpoint.verify_checkpoint(ckpt) is None and not (ckpt / rundirs.OPTIMIZER_FILE).exists()
+    sources = [load_file(str(_step(runs["run"], s) / rundirs.MODEL_FILE)) for s in (2, 4, 6)]
+    loaded = loading.load(out)
+    assert loaded.step == 6 and loaded.weights == "model"
+    state = loaded.model.state_dict()
+    for name in sources[0]:
+        torch.testing.assert_close(state[name], sum(s[name] for s in sources) / 3, rtol=0, atol=1e-6)
+    averaged = checkpoint.read_state(ckpt)["averaged_from"]
+    assert [c["step"] for c in averaged["checkpoints"]] == [2, 4, 6]
+    assert averaged["checkpoints"][0]["weights_crc32"] == checkpoint.weights_crc32(_step(runs["run"], 2))
+    assert cli.run(["eval", str(out)]) == 0
+    record = json.loads((out / rundirs.EVALS_FILE).read_text())
+    assert record["step"] == 6 and record["weights"] == "model" and record["val_loss"] > 0
+    assert cli.run(["sample", str(out), "-n", "1", "--max-new-tokens", "4"]) == 0
+    assert "1 samples from" in capsys.readouterr().out
+
+
+def test_the_sum_is_fp32_and_each_tensor_keeps_its_dtype(tmp_path):
+    """In bf16, 1 + 2^-8 rounds to 1, so a bf16 running sum of [1, 2^-8 x 2, ...] would lose the small terms."""
+    dirs = []
+    for i, value in enumerate([1.0, 2**-8, 2**-8, 2**-8]):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        save_file({"w": torch.full((2,), value, dtype=torch.bfloat16), "s": torch.full((1,), value)},
+                  str(d / rundirs.MODEL_FILE))
+        dirs.append(d)
+    mean = averaging.mean_weights(dirs)
+    assert mean["w"].dtype == torch.bfloat16 and mean["s"].dtype == torch.float32
+    expected = (1 + 3 * 2**-8) / 4
+    assert mean["s"].item() == pytest.approx(expected)
+    assert mean["w"][0].item() == torch.tensor(expected).to(torch.bfloat16).item()
+
+
+def _with_foreign_checkpoint(runs: dict[str, Path], root: Path) -> Path:
+    """A copy of the run whose newest checkpoint (step 8) is the wider model's."""
+    copy = root / "mixed"
+    shutil.copytree(runs["run"], copy)
+    shutil.copytree(_step(runs["wider"], 2), _step(copy, 8))
+    state = json.loads((_step(copy, 8) / rundirs.STATE_FILE).read_text())
+    state["step"] = 8  # its name and its state agree: only the model differs
+    (_step(copy, 8) / rundirs.STATE_FILE).write_text(json.dumps(state))
+    _reseal(_step(copy, 8))
+    return copy
+
+
+def _reseal(ckpt: Path) -> None:
+    """Rewrite COMPLETE for the files as they now are (a checkpoint that verifies)."""
+    files = {p.name: {"bytes": p.stat().st_size, "crc32": checkpoint.crc32_of(p)}
+             for p in ckpt.iterdir() if p.name != rundirs.COMPLETE_FILE}
+    (ckpt / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": checkpoint.step_of(ckpt), "files": files}))
+
+
+def _with_other_tensors(runs: dict[str, Path], root: Path) -> Path:
+    """A copy of the run whose step 6 lacks one tensor (same config)."""
+    copy = root / "dropped"
+    shutil.copytree(runs["run"], copy)
+    weights = load_file(str(_step(copy, 6) / rundirs.MODEL_FILE))
+    weights.pop(sorted(weights)[0])
+    save_file(weights, str(_step(copy, 6) / rundirs.MODEL_FILE), metadata={"format": "pt"})
+    _reseal(_step(copy, 6))
+    return copy
+
+
+def _with_incomplete(runs: dict[str, Path], root: Path) -> Path:
+    copy = root / "incomplete"
+    shutil.copytree(runs["run"], copy)
+    (_step(copy, 6) / rundirs.COMPLETE_FILE).unlink()
+    return copy
+
+
+def _nonempty_out(root: Path) -> Path:
+    (root / "taken").mkdir()
+    (root / "taken" / "notes.txt").write_text("someone's files")
+    return root / "taken"
+
+
+# (case id, argv builder (runs, scratch root) -> argv after `average`, words the message must contain)
+CASES = [
+    ("last_one", lambda r, t: [str(r["run"]), "--last", "1"], ["--last 1", "2 or more", "--last 3"]),
+    ("last_too_many", lambda r, t: [str(r["run"]), "--last", "4"], ["3 checkpoint(s)", "steps 2, 4, 6"]),
+    ("missing_step", lambda r, t: [str(r["run"]), "--steps", "2,5"], ["step 5", "it has steps 2, 4, 6"]),
+    ("one_step", lambda r, t: [str(r["run"]), "--steps", "4"], ["--steps '4'", "two or more distinct"]),
+    ("repeated_step", lambda r, t: [str(r["run"]), "--steps", "4,4"], ["two or more distinct"]),
+    ("not_a_run", lambda r, t: [str(t), "--last", "2"], ["holds no checkpoints"]),
+    ("out_not_empty", lambda r, t: [str(r["run"]), "--last", "2", "--out", str(_nonempty_out(t))],
+     ["taken", "not empty", "never overwrites"]),
+    ("other_config", lambda r, t: [str(_with_foreign_checkpoint(r, t)), "--last", "2"],
+     ["different configs", "model.dim: 64 vs 32", "step_000008"]),
+    ("other_tensors", lambda r, t: [str(_with_other_tensors(r, t)), "--steps", "4,6"],
+     ["hold different tensors", "1 differ"]),
+    ("incomplete", lambda r, t: [str(_with_incomplete(r, t)), "--last", "2"],
+     ["step_000006 cannot be averaged", "COMPLETE"]),
+]
+
+
+@pytest.mark.parametrize("case, argv, words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_paragraph_exit_2_and_nothing_written(case, argv, words, runs, tmp_path, capsys):
+    args = argv(runs, tmp_path)
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
+    assert cli.run(["average", *args, *out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt average: error: ") and err.strip().count("\n") == 0, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert not (tmp_path / "out").exists()
+    if case == "out_not_empty":
+        assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]

@@ -1,0 +1,133 @@
+"""The averaged weights (nanopt/ema.py): the update from train.ema_start, the exact swap in and back, the whole
+tensors a checkpoint holds; and in a run: training untouched by it, evaluations that name it, its file in every
+checkpoint from ema_start on."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import small_overrides
+from nanopt import checkpoint, rundirs
+from nanopt.ema import EMA
+from nanopt.main import run
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(dtype)
+
+
+def _set(model: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def test_the_average_starts_at_ema_start_as_the_weights_then_follows_the_decay():
+    model = _model()
+    ema = EMA(model, decay=0.75, start=2)
+    ema.begin(0)
+    ema.update(1)
+    assert not ema.started and ema.state_dict() == {"decay": 0.75, "start": 2, "started": False}
+    _set(model, 4.0)
+    ema.update(2)  # the weights after step 2 are its first value
+    _set(model, 8.0)
+    ema.update(3)  # 0.75 * 4 + 0.25 * 8
+    _set(model, 0.0)
+    ema.update(4)  # 0.75 * 5
+    assert all(torch.equal(a, torch.full_like(a, 3.75)) for a in ema.averaged)
+    assert all(a.dtype == torch.float32 for a in ema.averaged)
+
+
+def test_a_resumed_run_at_or_past_ema_start_begins_from_its_weights():
+    model = _model()
+    ema = EMA(model, 0.9, start=0)
+    ema.begin(0)  # ema_start 0: the initial weights
+    assert ema.started and all(torch.equal(a, p) for a, p in zip(ema.averaged, model.parameters()))
+    assert all(a.data_ptr() != p.data_ptr() for a, p in zip(ema.averaged, model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swapping_in_and_back_is_exact_and_leaves_the_average_alone(dtype):
+    model = _model(dtype)
+    ema = EMA(model, 0.5, start=0)
+    ema.begin(0)
+    with torch.no_grad():
+        for a in ema.averaged:
+            a.add_(0.123456789)  # not representable in bf16: the swap must not round the average
+    own = [p.detach().clone() for p in model.parameters()]
+    average = [a.clone() for a in ema.averaged]
+    with ema.swapped() as weights:
+        assert weights == "ema"
+        for p, a in zip(model.parameters(), average):
+            assert torch.equal(p, a.to(dtype))
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own))
+    assert all(torch.equal(a, b) for a, b in zip(ema.averaged, average))
+
+
+def test_before_ema_start_the_model_keeps_its_own_weights_and_says_so():
+    model = _model()
+    ema = EMA(model, 0.5, start=10)
+    own = [p.detach().clone() for p in model.parameters()]
+    with ema.swapped() as weights:
+        assert weights == "model"
+    assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own))
+
+
+def test_the_whole_average_round_trips_and_a_mismatch_is_named():
+    model = _model()
+    ema = EMA(model, 0.5, start=0)
+    ema.begin(0)
+    whole = ema.full_weights()
+    assert set(whole) == {n for n, _ in model.named_parameters()} and not ema.full_weights(keep=False)
+    other = EMA(_model(), 0.5, start=0)
+    other.load_weights(whole)
+    assert all(torch.equal(a, b) for a, b in zip(ema.averaged, other.averaged))
+    with pytest.raises(ValueError, match="missing"):
+        other.load_weights({k: v for k, v in whole.items() if k != "0.weight"})
+    with pytest.raises(ValueError, match="other shapes"):
+        other.load_weights({**whole, "0.weight": torch.zeros(5, 3)})
+    with pytest.raises(ValueError, match="decay"):
+        EMA(model, 1.0, start=0)
+
+
+# ---------------------------------------------------------------- in a run
+ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 1,
+                          "checkpoint.keep": 4, "eval.every": 2, "log.tensorboard": "false"})
+EMA_ARGS = ["--train.ema_decay=0.5", "--train.ema_start=3", "--eval.weights=ema"]
+
+
+def _ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / rundirs.CHECKPOINTS_DIR / f"step_{step:06d}"
+
+
+def test_a_run_with_averaged_weights_trains_the_same_and_its_records_name_them(tmp_path):
+    plain, averaged = tmp_path / "plain", tmp_path / "averaged"
+    assert run([*ARGS, f"--run.dir={plain}"]) == 0
+    assert run([*ARGS, *EMA_ARGS, f"--run.dir={averaged}"]) == 0
+    # Keeping and swapping the average never changes the training: the same weights, byte for byte.
+    for step in (2, 4):
+        assert (_ckpt(plain, step) / rundirs.MODEL_FILE).read_bytes() == \
+            (_ckpt(averaged, step) / rundirs.MODEL_FILE).read_bytes()
+    # ema_start 3: no average in step 2's checkpoint; from step 3 one, listed in the manifest and verified.
+    assert not (_ckpt(averaged, 2) / rundirs.EMA_FILE).exists()
+    for step in (3, 4):
+        assert checkpoint.verify_checkpoint(_ckpt(averaged, step)) is None
+        assert checkpoint.weights_crc32(_ckpt(averaged, step), rundirs.EMA_FILE) is not None
+    w3, w4 = (load_file(str(_ckpt(averaged, s) / rundirs.MODEL_FILE)) for s in (3, 4))
+    ema = load_file(str(_ckpt(averaged, 4) / rundirs.EMA_FILE))
+    assert ema.keys() == w4.keys()
+    for name in ema:  # 0.5 x step 3's weights + 0.5 x step 4's
+        torch.testing.assert_close(ema[name], (w3[name] + w4[name]) / 2)
+    records = [json.loads(line) for line in (averaged / rundirs.METRICS_FILE).read_text().splitlines()]
+    named = [(r["step"], r["weights"]) for r in records if "val_loss" in r or "test_loss" in r]
+    assert named == [(0, "model"), (2, "model"), (4, "ema"), (4, "ema")]  # before ema_start: the model's
+    assert all("weights" not in json.loads(line) for line in (plain / rundirs.METRICS_FILE).read_text().splitlines())
+    summary = json.loads((averaged / rundirs.SUMMARY_FILE).read_text())
+    assert summary["eval_weights"] == "ema" and summary["final_val_loss"] == records[-2]["val_loss"]
+    plain_final = json.loads((plain / rundirs.SUMMARY_FILE).read_text())["final_val_loss"]
+    assert summary["final_val_loss"] != plain_final  # the averaged weights were evaluated, not the model's
