@@ -224,7 +224,7 @@ def muon_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
 # ---------------------------------------------------------------- Muon's orthogonalisation shared out across ranks
 def owners(shapes: list[torch.Size], world: int) -> list[int]:
     """The rank that orthogonalises each matrix: the least loaded one so far, largest Newton-Schulz cost first
-    (elements x the small side, as the Gram matmuls' FLOPs grow), the lowest rank on ties. Same-shaped matrices thus
+    (its matmuls' multiply-adds), the lowest rank on ties. Same-shaped matrices thus
     go round-robin, so a few shapes still split evenly and each rank batches its share; every rank computes the
     same answer, so none has to be told."""
     load = [0] * world
@@ -237,7 +237,10 @@ def owners(shapes: list[torch.Size], world: int) -> list[int]:
 
 
 def _ns_cost(shape: torch.Size) -> int:
-    return shape.numel() * min(shape)
+    """Multiply-adds of one Newton-Schulz iteration on the wide orientation R x C (R <= C): the Gram matrix
+    X X^T and the update's (..) X, R^2 C each, and the Gram matrix squared, R^3."""
+    r, c = sorted(shape[-2:])
+    return r * r * (2 * c + r)
 
 
 def _dtensor_type() -> Optional[type]:

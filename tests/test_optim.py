@@ -309,7 +309,7 @@ def test_owners_spread_same_shaped_matrices_and_balance_the_newton_schulz_work()
     assert owners(shapes, 1) == [0] * 7
     # Largest cost first (the 64x256s), each to the least loaded rank: the 64x64s then go two to a rank.
     assert owners(shapes, 2) == [0, 1, 0, 1, 0, 1, 0]
-    # At 4 ranks a 64x256 (4x a 64x64's cost) takes a rank of its own, and two 64x64s share each of the others.
+    # At 4 ranks a 64x256 (3x a 64x64's multiply-adds) takes a rank of its own; two 64x64s share each other one.
     assert owners(shapes, 4) == [2, 3, 2, 3, 0, 1, 2]
 
 
