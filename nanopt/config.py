@@ -361,10 +361,6 @@ class RuntimeConfig:
 def _fsdp_not_built(cfg: Config) -> list[tuple[str, str]]:
     """(what the config asks, how to run it) for each combination fsdp does not offer yet."""
     out = []
-    if cfg.optim.name == "muon":
-        out.append(("`optim.name` is muon", "Newton-Schulz needs whole matrices and sharded Muon (gathering each "
-                    "matrix on an owner rank) is not built yet: use `--optim.name=adamw`, or `--runtime.parallel=ddp` "
-                    "to keep Muon."))
     if cfg.train.compile:
         out.append(("`train.compile` is true", "Per-block compilation under FSDP2 is not built yet: use "
                     "`--train.compile=false`, or `--runtime.parallel=ddp` to compile."))

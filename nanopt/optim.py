@@ -1,13 +1,17 @@
 """Optimizer parameter groups by kind, the optimizers by name (adamw, muon) and the AdamW flags each device
-wants, the learning-rate schedule as a multiplier (a pure function of step), and loading optimizer state."""
+wants, Muon's orthogonalisation shared out across ranks, the learning-rate schedule as a multiplier (a pure function
+of step), and loading optimizer state."""
 from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from nanopt import xla
@@ -74,10 +78,12 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, optim: Optional[OptimConfig] = None,
-                    muon_batch_max_numel: Optional[int] = None) -> torch.optim.Optimizer:
+                    muon_batch_max_numel: Optional[int] = None,
+                    process_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
     """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon
     on the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW;
-    `muon_batch_max_numel` is BatchedMuon's cut-off (the device backend's)."""
+    `muon_batch_max_numel` is BatchedMuon's cut-off (the device backend's), `process_group` the ranks that share
+    its orthogonalisation (Runtime.process_group: None in one process)."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
@@ -93,7 +99,8 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, opti
         if device_kind == "xla":
             muon: torch.optim.Muon = _muon(torch.optim.Muon, matrix, optim)
         else:
-            muon = _muon(BatchedMuon, matrix, optim, batch_max_numel=muon_batch_max_numel)
+            muon = _muon(BatchedMuon, matrix, optim, batch_max_numel=muon_batch_max_numel,
+                         process_group=process_group)
         return MuonWithAdamW(muon, _adamw(rest, train, device_kind))
     raise ValueError(f"unknown optimizer {optim.name!r}; expected {ADAMW!r} or {MUON!r}")
 
@@ -120,11 +127,16 @@ class BatchedMuon(torch.optim.Muon):
 
     `batch_max_numel`: matrices above this many elements go one at a time (None: every shape batches). Where
     batching stops paying is the device's (its backend's muon_batch_max_numel, runtime.py): on 2 CPU cores a
-    batched bf16 matmul of 170m's matrices ran 0.69x single ones."""
+    batched bf16 matmul of 170m's matrices ran 0.69x single ones.
 
-    def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None, **kwargs: Any) -> None:
+    Across ranks (`process_group` of more than one rank, or FSDP2's DTensor parameters) each rank orthogonalises
+    only the matrices it owns (OwnerSplit) and receives the rest: about 1/world of the Newton-Schulz work each."""
+
+    def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None,
+                 process_group: Optional[dist.ProcessGroup] = None, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
         self.batch_max_numel = batch_max_numel
+        self.process_group = process_group
 
     def batches(self, params: list[torch.Tensor]) -> list[list[int]]:
         """Indices into params, one list per Newton-Schulz call: same shapes together, large ones alone."""
@@ -149,6 +161,10 @@ class BatchedMuon(torch.optim.Muon):
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
+            split = OwnerSplit.of(params, self.process_group)
+            if split is not None:
+                split.step(self, params, grads, bufs, group)
+                continue
             for part in self.batches(params):
                 _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group)
         return loss
@@ -157,14 +173,26 @@ class BatchedMuon(torch.optim.Muon):
 def _muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor],
                  group: dict[str, Any]) -> None:
     """torch's per-matrix Muon step (torch.optim._muon._single_tensor_muon) for 1 or N matrices of one shape."""
-    momentum = group["momentum"]
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-    stacked = torch.stack(updates) if len(updates) > 1 else updates[0]  # N A B, or one A B
-    ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"]).to(params[0].dtype)
+    updates = _momentum(grads, bufs, group)
+    ortho = _orthogonalize_batch(updates, group)
     lr = muon_lr(group["lr"], group["adjust_lr_fn"], params[0].shape)
     torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-    torch._foreach_add_(params, list(ortho.unbind(0)) if ortho.dim() == 3 else [ortho], alpha=-lr)
+    torch._foreach_add_(params, [t.to(params[0].dtype) for t in ortho], alpha=-lr)
+
+
+def _momentum(grads: list[torch.Tensor], bufs: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
+    """Each buffer lerped toward its gradient in place; the updates Newton-Schulz takes (Nesterov's look-ahead or
+    the buffers themselves). Elementwise, so a rank may run it on its rows of each matrix alone."""
+    momentum = group["momentum"]
+    torch._foreach_lerp_(bufs, grads, 1 - momentum)
+    return torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+
+
+def _orthogonalize_batch(updates: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
+    """Newton-Schulz on 1 or N same-shaped matrices in one call: one bf16 result per matrix."""
+    stacked = torch.stack(updates) if len(updates) > 1 else updates[0]  # N A B, or one A B
+    ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    return list(ortho.unbind(0)) if ortho.dim() == 3 else [ortho]
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
@@ -191,6 +219,172 @@ def muon_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     return lr
+
+
+# ---------------------------------------------------------------- Muon's orthogonalisation shared out across ranks
+def owners(shapes: list[torch.Size], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the least loaded one so far, largest Newton-Schulz cost first
+    (its matmuls' multiply-adds), the lowest rank on ties. Same-shaped matrices thus
+    go round-robin, so a few shapes still split evenly and each rank batches its share; every rank computes the
+    same answer, so none has to be told."""
+    load = [0] * world
+    out = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: -_ns_cost(shapes[i])):  # stable: ties keep their order
+        rank = min(range(world), key=load.__getitem__)
+        out[i] = rank
+        load[rank] += _ns_cost(shapes[i])
+    return out
+
+
+def _ns_cost(shape: torch.Size) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on the wide orientation R x C (R <= C): the Gram matrix
+    X X^T and the update's (..) X, R^2 C each, and the Gram matrix squared, R^3."""
+    r, c = sorted(shape[-2:])
+    return r * r * (2 * c + r)
+
+
+def _dtensor_type() -> Optional[type]:
+    """DTensor when torch.distributed.tensor is loaded, else None: no parameter can be one then (importing it costs
+    seconds, which only an fsdp run pays, in parallel.shard)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a DTensor (its local tensor itself, so in-place ops write the DTensor), else `t`."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+@dataclass
+class OwnerSplit:
+    """Muon's step shared out across the ranks of `group` (the owner pattern of nanochat's and modded-nanogpt's
+    distributed Muon): each matrix has an owner rank (owners()), which holds the whole momentum update,
+    orthogonalises it with the other same-shaped matrices it owns (one batched Newton-Schulz) and sends every rank
+    the rows that rank holds. Replicas (`sharded` false, DDP: whole matrices, equal on every rank) need no gather and
+    take whole results, one all_gather; Shard(0) rows (FSDP2's DTensors) travel to the owner and back, one
+    all_to_all each way. Both carry bf16, which is what Newton-Schulz casts to first and returns.
+
+    Momentum, weight decay and the update stay elementwise on each rank's own rows, so the momentum buffers keep the
+    parameter's layout and the state_dict is torch Muon's; the per-shape lr reads the whole matrix's shape."""
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    sharded: bool
+    device: torch.device  # where the matrices and the bf16 messages live
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor], process_group: Optional[dist.ProcessGroup]) -> Optional[OwnerSplit]:
+        """The split for these parameters: over their mesh's Shard(0) dimension when they are DTensors (replicas
+        along another dimension, HSDP's, each split the same way), over `process_group` when it has more than one
+        rank, else None: one process steps them all (BatchedMuon's own loop)."""
+        dtensor = _dtensor_type()
+        if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+            return cls._over_mesh(params, dtensor)
+        if process_group is None or dist.get_world_size(process_group) == 1:
+            return None
+        return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), False,
+                   params[0].device)
+
+    @classmethod
+    def _over_mesh(cls, params: list[torch.Tensor], dtensor: type) -> OwnerSplit:
+        mesh, placements = params[0].device_mesh, params[0].placements
+        dims = [d for d, p in enumerate(placements) if p.is_shard(0)]
+        uniform = all(isinstance(p, dtensor) and p.device_mesh == mesh and p.placements == placements for p in params)
+        if not uniform or len(dims) != 1 or not all(p.is_shard(0) or p.is_replicate() for p in placements):
+            raise ValueError(f"Muon splits DTensor matrices that all share one mesh and are sharded by rows (Shard(0)) "
+                             f"along one of its dimensions; these are {sorted({str(p.placements) for p in params})}")
+        return cls(mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), mesh.size(dims[0]), True, params[0].device)
+
+    def spans(self, rows: int) -> list[tuple[int, int]]:
+        """(start, stop) of a matrix's rows on each rank: torch.chunk's cut under Shard(0), as FSDP2 and DTensor cut
+        (the last ranks may hold fewer rows, or none), or all of them on every replica."""
+        if not self.sharded:
+            return [(0, rows)] * self.world
+        size = -(-rows // self.world)
+        return [(min(rows, r * size), min(rows, (r + 1) * size)) for r in range(self.world)]
+
+    def step(self, muon: BatchedMuon, params: list[torch.Tensor], grads: list[torch.Tensor],
+             bufs: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """One Muon step of a param group, as _muon_update's, with this rank orthogonalising its own matrices."""
+        local = [_local(p) for p in params]
+        updates = _momentum([_local(g) for g in grads], [_local(b) for b in bufs], group)
+        shapes = [p.shape for p in params]  # the whole matrices' (a DTensor's shape is its global one)
+        self._check_rows(local, shapes)
+        owner = owners(shapes, self.world)
+        owned = [[i for i, o in enumerate(owner) if o == r] for r in range(self.world)]
+        mine = owned[self.rank]
+        whole = self._gather(updates, shapes, owned) if self.sharded else [updates[i] for i in mine]
+        ortho: list[torch.Tensor] = list(whole)
+        for part in muon.batches(whole):
+            for j, result in zip(part, _orthogonalize_batch([whole[j] for j in part], group)):
+                ortho[j] = result
+        rows = self._scatter(ortho, shapes, owned) if self.sharded else self._all_gather(ortho, shapes, owned)
+        torch._foreach_mul_(local, 1 - group["lr"] * group["weight_decay"])
+        for p, shape, update in zip(local, shapes, rows):
+            p.add_(update.to(p.dtype), alpha=-muon_lr(group["lr"], group["adjust_lr_fn"], shape))
+
+    def _check_rows(self, local: list[torch.Tensor], shapes: list[torch.Size]) -> None:
+        for t, shape in zip(local, shapes):
+            start, stop = self.spans(shape[0])[self.rank]
+            if t.shape != (stop - start, *shape[1:]):
+                raise RuntimeError(f"rank {self.rank} of {self.world} holds a {tuple(t.shape)} part of a "
+                                   f"{tuple(shape)} matrix, not rows {start}:{stop} (Shard(0) as torch.chunk cuts)")
+
+    def _gather(self, updates: list[torch.Tensor], shapes: list[torch.Size],
+                owned: list[list[int]]) -> list[torch.Tensor]:
+        """The whole update of each matrix this rank owns: every rank sends each owner its rows of the owner's."""
+        mine = owned[self.rank]
+        sent = [[updates[i] for i in owned[r]] for r in range(self.world)]
+        counts = [[self._numel(shapes[i], s) for i in mine] for s in range(self.world)]
+        received = self._all_to_all(sent, counts)
+        return [torch.cat([received[s][j].view(-1, shapes[i][1]) for s in range(self.world)])
+                for j, i in enumerate(mine)]
+
+    def _scatter(self, ortho: list[torch.Tensor], shapes: list[torch.Size],
+                 owned: list[list[int]]) -> list[torch.Tensor]:
+        """This rank's rows of every matrix's result: each owner sends each rank its rows of the owner's."""
+        sent = [[ortho[j][slice(*self.spans(shapes[i][0])[r])] for j, i in enumerate(owned[self.rank])]
+                for r in range(self.world)]
+        counts = [[self._numel(shapes[i], self.rank) for i in owned[o]] for o in range(self.world)]
+        received = self._all_to_all(sent, counts)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        for o in range(self.world):
+            for k, i in enumerate(owned[o]):
+                out[i] = received[o][k].view(-1, shapes[i][1])
+        return out
+
+    def _all_gather(self, ortho: list[torch.Tensor], shapes: list[torch.Size],
+                    owned: list[list[int]]) -> list[torch.Tensor]:
+        """Every matrix's whole result on every replica: one all_gather of each owner's results, padded to the
+        largest owner's total (owners() keeps them close)."""
+        sizes = [sum(shapes[i].numel() for i in owned[r]) for r in range(self.world)]
+        width = max(sizes)
+        send = torch.zeros(width, dtype=torch.bfloat16, device=self.device)
+        if ortho:
+            send[:sizes[self.rank]] = torch.cat([t.reshape(-1) for t in ortho])
+        received = send.new_empty(self.world * width)
+        dist.all_gather(list(received.chunk(self.world)), send, group=self.group)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+        for r, start in zip(range(self.world), range(0, self.world * width, width)):
+            flat = received[start:start + sizes[r]].split([shapes[i].numel() for i in owned[r]])
+            for i, t in zip(owned[r], flat):
+                out[i] = t.view(shapes[i])
+        return out
+
+    def _numel(self, shape: torch.Size, rank: int) -> int:
+        start, stop = self.spans(shape[0])[rank]
+        return (stop - start) * shape[1]
+
+    def _all_to_all(self, sent: list[list[torch.Tensor]], counts: list[list[int]]) -> list[list[torch.Tensor]]:
+        """sent[r] (bf16, flattened one after another) to rank r, in one all_to_all; what each rank s sent here,
+        cut into counts[s]."""
+        flat = [t.bfloat16().reshape(-1) for ts in sent for t in ts]
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=self.device)
+        received = torch.empty(sum(map(sum, counts)), dtype=torch.bfloat16, device=self.device)
+        dist.all_to_all_single(received, send, [sum(c) for c in counts], [sum(t.numel() for t in ts) for ts in sent],
+                               group=self.group)
+        return [list(chunk.split(c)) for chunk, c in zip(received.split([sum(c) for c in counts]), counts)]
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -255,6 +255,11 @@ class Runtime:
         return self.world_size > 1
 
     @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """Every rank's group (torch's default one) under torchrun, None in one process."""
+        return dist.group.WORLD if self.distributed else None
+
+    @property
     def param_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16-pure" else torch.float32
 

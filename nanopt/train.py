@@ -334,7 +334,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
                         dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
     fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
-    optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
+    optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel, rt.process_group)
     state, clock, ema = RunState(), SpeedrunClock.for_config(cfg), EMA.for_config(cfg, model)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
     ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))

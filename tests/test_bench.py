@@ -208,6 +208,13 @@ def test_muon_step_runs(capsys):
     assert "matrices: 21 in 3 shapes" in out and "| nanopt BatchedMuon | " in out and "BatchedMuon is **" in out
 
 
+def test_muon_dist_runs(capsys):
+    """Forked gloo ranks (1, then 2) step the speedrun's matrices, each orthogonalising its share."""
+    out = run("muon_dist", ["--smoke"], capsys)
+    assert "matrices: 21 in 3 shapes" in out and "| ranks | Newton-Schulz ms/step, busiest rank |" in out
+    assert "\n| 1 | " in out and "\n| 2 | " in out
+
+
 def test_packing_speed_runs(capsys):
     threads = torch.get_num_threads()
     out = run("packing_speed", ["--tokens", "20000", "--seq-len", "64", "--micro-batch", "2", "--buffer", "16",

@@ -102,7 +102,6 @@ BAD = [
     (["--prepare.sample_by=word"], "prepare.sample_by"),
     (["--mfu.hardware=h1000"], "mfu.hardware"),
     (["--runtime.parallel=hsdp"], "runtime.parallel"),
-    (["--runtime.parallel=fsdp", "--optim.name=muon"], "sharded Muon"),
     (["--runtime.parallel=fsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--train.compile=true"], "train.compile"),
 ]

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from nanopt import optim as optim_module
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.model import build_model
 from nanopt.optim import (BatchedMuon, MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams, load_state_dict,
-                          lr_multiplier, param_groups)
+                          lr_multiplier, owners, param_groups)
 from nanopt.runtime import CpuBackend, CudaBackend
 
 
@@ -292,6 +296,87 @@ def test_the_batch_cut_off_is_the_devices_and_reaches_the_optimizer():
     assert CpuBackend.muon_batch_max_numel == 3 * 2**16 and CudaBackend.muon_batch_max_numel is None
     opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu", OptimConfig(name="muon"), muon_batch_max_numel=77)
     assert opt.optimizers["muon"].batch_max_numel == 77
+
+
+# ---------------------------------------------------------------- Muon shared out across ranks
+# Square, wide and tall matrices, and row counts two ranks cut unevenly (5 = 3 + 2) or leave one rank none of (1).
+SPLIT_SHAPES = [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (5, 16), (1, 8)]
+SPLIT_KW = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+
+
+def test_owners_spread_same_shaped_matrices_and_balance_the_newton_schulz_work():
+    shapes = [torch.Size(s) for s in [(64, 64)] * 4 + [(64, 256)] * 2 + [(8, 8)]]
+    assert owners(shapes, 1) == [0] * 7
+    # Largest cost first (the 64x256s), each to the least loaded rank: the 64x64s then go two to a rank.
+    assert owners(shapes, 2) == [0, 1, 0, 1, 0, 1, 0]
+    # At 4 ranks a 64x256 (3x a 64x64's multiply-adds) takes a rank of its own; two 64x64s share each other one.
+    assert owners(shapes, 4) == [2, 3, 2, 3, 0, 1, 2]
+
+
+def _split_worker(rank: int, world: int, store: str, out: str) -> None:
+    """One gloo rank: three Muon steps of SPLIT_SHAPES split across the ranks as DDP replicas and as FSDP2 shards,
+    the same gradients on every rank; saves the whole results and the matrices this rank orthogonalised."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in SPLIT_SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SPLIT_SHAPES] for _ in range(3)]
+    replicas = [p.clone().requires_grad_() for p in start]
+    model = torch.nn.Sequential(*(torch.nn.Linear(s[1], s[0], bias=False) for s in SPLIT_SHAPES))  # never run
+    with torch.no_grad():
+        for linear, p in zip(model, start):
+            linear.weight.copy_(p)
+    fully_shard(model, mesh=torch.distributed.device_mesh.init_device_mesh("cpu", (world,)))
+    sharded = [m.weight for m in model]
+    opts = {"ddp": BatchedMuon(replicas, **SPLIT_KW, process_group=dist.group.WORLD),
+            "fsdp": BatchedMuon(sharded, **SPLIT_KW, process_group=dist.group.WORLD)}
+    done: dict[str, list[tuple[int, ...]]] = {"ddp": [], "fsdp": []}
+    real = optim_module.orthogonalize
+    for name, params in (("ddp", replicas), ("fsdp", sharded)):
+        optim_module.orthogonalize = lambda x, *a: done[name].append(tuple(x.shape)) or real(x, *a)
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads):
+                p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)]) if isinstance(p, DTensor) else grad
+            opts[name].step()
+    optim_module.orthogonalize = real
+    momentum = [opts["fsdp"].state[p]["momentum_buffer"] for p in sharded]
+    assert all(isinstance(m, DTensor) and m.placements == (Shard(0),) for m in momentum)  # the param's layout
+    torch.save({"ddp": [p.detach() for p in replicas], "fsdp": [p.full_tensor() for p in sharded],
+                "fsdp_momentum": [m.full_tensor() for m in momentum], "done": done}, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_muon_split_over_two_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_shards(tmp_path):
+    """The owner split over 2 gloo ranks (forked: no second torch import) equals single-rank BatchedMuon after 3
+    steps, to one bf16 ulp of the largest update as above, for DDP replicas and for FSDP2's Shard(0) DTensors (the
+    uneven 5- and 1-row matrices included); the momentum stays sharded like the param; each rank orthogonalised
+    only the matrices it owns, together each exactly once per step."""
+    mp.start_processes(_split_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+    g = torch.Generator().manual_seed(0)
+    ref = [torch.randn(s, generator=g).requires_grad_() for s in SPLIT_SHAPES]
+    opt = BatchedMuon(ref, **SPLIT_KW)
+    for _ in range(3):
+        for p, s in zip(ref, SPLIT_SHAPES):
+            p.grad = torch.randn(s, generator=g)
+        opt.step()
+    ulp = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7
+    for name in ("ddp", "fsdp"):
+        for mine, want in zip(ranks[0][name], ref):
+            torch.testing.assert_close(mine, want.detach(), rtol=0, atol=ulp)
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0][name], ranks[1][name]))  # every rank the same
+    for mine, p in zip(ranks[0]["fsdp_momentum"], ref):
+        torch.testing.assert_close(mine, opt.state[p]["momentum_buffer"])
+    shapes = [torch.Size(s) for s in SPLIT_SHAPES]
+    owner = owners(shapes, 2)
+    for name in ("ddp", "fsdp"):
+        for r in (0, 1):
+            want = sorted(tuple(shapes[i]) for i in range(len(shapes)) if owner[i] == r) * 3
+            got = sorted(s[-2:] for s in ranks[r]["done"][name] for _ in range(s[0] if len(s) == 3 else 1))
+            assert got == sorted(want), (name, r)
 
 
 def test_embedding_head_and_scalars_go_to_adamw_with_their_own_lr_and_decay():
