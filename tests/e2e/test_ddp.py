@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import MUON_ARG, REPO, free_port, run_module, small_overrides, torchrun
+from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
 
 # fp32 so the comparison is about the algorithm, not bf16 rounding; 8 sequences per step.
@@ -170,3 +171,16 @@ def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
 def _val_loss(run_dir: Path) -> float:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if "val_loss" in line][-1]["val_loss"]
+
+
+@pytest.mark.slow
+def test_hsdp_whose_one_shard_group_is_the_whole_world_is_refused_before_any_step(tmp_path):
+    """shard_group_size null = the ranks per node: on one node of 2 ranks that is one group and no replicas (fsdp).
+    Known only once torchrun says the world size: each rank refuses it, exit 2, before the run directory exists."""
+    status = tmp_path / "codes"
+    proc = torchrun(2, [*ARGS, "--runtime.parallel=hsdp", f"--run.dir={tmp_path / 'run'}"],
+                    env={EXIT_STATUS_ENV: str(status)})
+    assert proc.returncode != 0
+    assert "`runtime.shard_group_size` is null, the ranks per node (2), the whole world of 2 ranks" in proc.stderr
+    assert sorted(status.read_text().split()) == ["0", "1", "2", "2"]  # "rank code" per line: both ranks said 2
+    assert not (tmp_path / "run").exists()
