@@ -210,11 +210,12 @@ def run_dir_for(run_name: str) -> str:
     return f"runs/{run_name}"
 
 
-def check_config(path: str, world_size: int, run_name: str = "") -> tuple[str, Any]:
-    """Load and validate a config as nanopt will, for this world size; return (YAML for the Volume, Config).
+def check_config(path: str, world_size: int, run_name: str = "", nodes: int = 1) -> tuple[str, Any]:
+    """Load and validate a config as nanopt will, for this world size over `nodes` nodes; return (YAML for the
+    Volume, Config).
 
     Raises nanopt's ConfigError. The YAML is the full config with run.name and run.dir pointing at the
-    run directory on the Volume.
+    run directory on the Volume, and fsdp across nodes made hsdp (sharded_across_nodes).
     """
     import copy
 
@@ -226,9 +227,25 @@ def check_config(path: str, world_size: int, run_name: str = "") -> tuple[str, A
     if run_name:
         cfg.run.name = run_name
     cfg.run.dir = run_dir_for(cfg.run.name)
+    sharded_across_nodes(cfg, nodes, world_size // nodes)
     validate(cfg)
-    resolve(copy.deepcopy(cfg), world_size)  # the batch must divide over this many GPUs: check before paying
+    # the batch must divide over this many GPUs, hsdp's groups over the nodes: check before paying
+    resolve(copy.deepcopy(cfg), world_size, world_size // nodes)
     return to_yaml(cfg), cfg
+
+
+def sharded_across_nodes(cfg: Any, nodes: int, gpus: int) -> None:
+    """runtime.parallel=fsdp on several nodes of several GPUs each becomes hsdp with one shard group per node
+    (runtime.shard_group_size = its GPUs), said in one line. FSDP across nodes gathers every block's weights over
+    the network (tens of GB/s) for each forward and backward; HSDP gathers them over NVLink inside the node and
+    sends only one all-reduce of the gradient shards across nodes per step. The price is memory: each node holds a
+    whole copy, sharded over its GPUs. A config that asks for hsdp itself is passed through as it is."""
+    if nodes < 2 or gpus < 2 or cfg.runtime.parallel != "fsdp":
+        return
+    cfg.runtime.parallel, cfg.runtime.shard_group_size = "hsdp", gpus
+    print(f"modal_app: runtime.parallel fsdp on {nodes} nodes runs as hsdp: each node's {gpus} GPUs shard the "
+          f"model (runtime.shard_group_size: {gpus}) and the {nodes} nodes are its replicas, so only gradients "
+          f"cross the network", flush=True)
 
 
 def write_run_config(config_yaml: str, run_name: str) -> str:
@@ -580,7 +597,7 @@ def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_nam
     from nanopt.config import ConfigError
 
     try:
-        config_yaml, cfg = check_config(config, gpus * NODES, run_name)
+        config_yaml, cfg = check_config(config, gpus * NODES, run_name, NODES)
     except ConfigError as e:
         print(f"modal_app: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from nanopt import fp8, hardware, rundirs, shards, train  # noqa: E402
+from nanopt import fp8, hardware, parallel, rundirs, shards, train  # noqa: E402
 from nanopt.config import ModelConfig, load_config  # noqa: E402
 from nanopt.generate import generate  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
@@ -123,6 +123,7 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     torch.manual_seed(0)
     model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.setup converts: before optimizer, compile, DDP
+    parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp/hsdp in a process group, as train.setup shards
     optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
     step = train._wrap(cfg, rt, model, optimizer, build_plan(cfg.train, rt.world_size))
     for _ in range(2):

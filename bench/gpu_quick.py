@@ -15,6 +15,9 @@ Sections, in the order they run (cheap first, so a command stopped at its limit 
   tasks       HellaSwag-sized scoring at 1B in bf16: 10,042 items x 4 endings (goal < 60 s)
   fp8_ddp     rowwise FP8 + compile + nanopt's own DDP wrapper at world size 1 against the same model unwrapped:
               graphs, graph breaks, loss difference; on failure again with --train.compile_ddp_split=false
+  fsdp        nanopt's FSDP2 path (runtime.parallel=fsdp) at world size 1 against its DDP path at world size 1, both
+              eager (fsdp does not compile yet), configs/170m-1gpu.yaml: tokens/s of each and the loss after the
+              same steps (goal: FSDP >= 0.95x DDP's tokens/s)
   speedrun    configs/speedrun-gpu.yaml with bos_bestfit packing, a batch ramp and a seq_len change and return
               (2048 -> 1024 -> 2048): recompiles and tokens/s per stage (goals: the last stage within 5% of the
               first's tokens/s; no recompile at a batch stage or at the return to a length already compiled)
@@ -52,7 +55,8 @@ from nanopt.runtime import Runtime  # noqa: E402
 from nanopt.scoring import continuation_scores  # noqa: E402
 from nanopt.tokenizer import get_tokenizer  # noqa: E402
 
-QUICK_SECTIONS = ("env", "muon", "decode_fp8", "sample", "harness", "tasks", "fp8_ddp", "speedrun", "fp8_1b")
+QUICK_SECTIONS = ("env", "muon", "decode_fp8", "sample", "harness", "tasks", "fp8_ddp", "fsdp", "speedrun",
+                  "fp8_1b")
 SHIPPED = REPO / "bench" / "results" / "gpu_check_h100_shipped.json"  # the bf16 row fp8_1b is held against
 TOY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
        "--model.vocab_size=512", "--train.seq_len=64", "--train.micro_batch_size=2", "--train.global_batch_tokens=256",
@@ -75,6 +79,9 @@ def sizes(smoke: bool) -> dict[str, Any]:
             "fp8_ddp": dict(args=[*TWO_LAYERS, "--train.seq_len=1024", "--train.micro_batch_size=4",
                                   "--train.global_batch_tokens=8192", "--train.compile=true"], micro=(4, 1024),
                             accum=2, steps=3),
+            # Eager (fsdp refuses compile for now), the loss in chunks as an eager 170m run needs for memory.
+            "fsdp": dict(args=["--config", "configs/170m-1gpu.yaml", "--train.compile=false",
+                               "--train.loss_chunk_tokens=8192"], micro=(8, 2048), accum=2, steps=5),
             "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", "--data.packing=bos_bestfit",
                                    "--train.batch_schedule=0:262144,4:393216,10:524288",
                                    "--train.seq_len_schedule=0:2048,7:1024,10:2048"], vocab=50304, tokens=12_000_000,
@@ -92,6 +99,8 @@ def sizes(smoke: bool) -> dict[str, Any]:
         "harness": dict(args=[*toy_two, "--model.vocab_size=257"], requests=8),
         "tasks": dict(config=None, items=20, context=20, ending=8, batch=16),
         "fp8_ddp": dict(args=[*toy_two, "--train.compile=false"], micro=(2, 32), accum=2, steps=2),
+        "fsdp": dict(args=["--config", "configs/170m-1gpu.yaml", *TOY, "--train.compile=false"], micro=(2, 32),
+                     accum=2, steps=1),
         "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", *TOY, "--data.packing=bos_bestfit",
                                "--train.batch_schedule=0:256,4:384,10:512",
                                "--train.seq_len_schedule=0:64,7:32,10:64"], vocab=512, tokens=60_000,
@@ -115,6 +124,7 @@ def jobs(device: torch.device, smoke: bool, work: Path, sections: list[str]) -> 
         "harness": lambda: check_harness(device, size["harness"]),
         "tasks": lambda: tasks_section(device, size["tasks"]),
         "fp8_ddp": lambda: check_fp8_ddp(device, size["fp8_ddp"]),
+        "fsdp": lambda: check_fsdp(device, size["fsdp"]),
         "speedrun": lambda: check_speedrun_stages(size["speedrun"], work, timeout),
         "fp8_1b": lambda: check_fp8_1b(size["fp8_1b"], work, timeout),
     }
@@ -312,6 +322,30 @@ def check_fp8_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------- FSDP at world size 1
+
+
+def check_fsdp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
+    """nanopt's FSDP path at world size 1 (fully_shard on a one-rank mesh, so each all-gather and reduce-scatter is
+    a copy: what is left is FSDP's own overhead) against its DDP path at world size 1, in one process group, on the
+    same batches from the same weights: tokens/s of each, their ratio, and the loss difference after the same
+    steps (0 up to the reduction's rounding: fp32 gradients either way)."""
+    (b, t), accum = spec["micro"], spec["accum"]
+    out: dict[str, Any] = {"micro_batch": [b, t], "accum": accum}
+    with process_group(device):
+        for name in ("ddp", "fsdp"):
+            cfg = config([*spec["args"], f"--runtime.parallel={name}"])
+            batches = random_batches(cfg.model.vocab_size, (b, t), accum)
+            out[name] = time_train_step(cfg, WorldOfOne(device.type, device, 0, 0, 1, 1, cfg.train.precision),
+                                        batches, spec["steps"])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    out["fsdp_over_ddp"] = out["fsdp"]["tokens_per_s"] / out["ddp"]["tokens_per_s"]
+    out["loss_diff"] = abs(out["fsdp"]["loss"] - out["ddp"]["loss"])
+    out["goal"] = goal(out["fsdp_over_ddp"], ">=", 0.95, "FSDP / DDP tokens/s at world size 1 (eager)")
+    return out
+
+
 # ---------------------------------------------------------------- the speedrun recipe's stages
 
 
@@ -455,6 +489,11 @@ def _fp8_1b_line(r: dict[str, Any]) -> str:
             f"bf16 {_fmt(b.get('step_ms'), '.0f')} ms/step, loss {_fmt(b.get('loss_last'), '.4f')}")
 
 
+def _fsdp_line(r: dict[str, Any]) -> str:
+    return (f"FSDP / DDP tokens/s {r['fsdp_over_ddp']:.3f} ({r['fsdp']['tokens_per_s']:,.0f} / "
+            f"{r['ddp']['tokens_per_s']:,.0f}); loss diff {r['loss_diff']:.1e}")
+
+
 def _muon_line(r: dict[str, Any]) -> str:
     ratios = ", ".join(f"{k} {v['batched_over_torch']:.2f}" for k, v in r.items()
                        if isinstance(v, dict) and "batched_over_torch" in v)
@@ -476,6 +515,7 @@ SUMMARY: dict[str, Callable[[dict[str, Any]], str]] = {
                           + "; ".join(f"{k}: {v.get('graphs')} graphs, {v.get('graph_breaks')} breaks"
                                       if "error" not in v else f"{k}: {v['error'][:150]}"
                                       for k, v in r.items() if k.startswith("ddp_"))),
+    "fsdp": _fsdp_line,
     "speedrun": _speedrun_line,
     "fp8_1b": _fp8_1b_line,
 }

@@ -24,7 +24,7 @@ from nanopt.hardware import PEAKS
 DEFAULT_CONFIG = "tiny"  # the embedded default when no config file is given: configs/tiny.yaml
 SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
 DEVICES = ("auto", "cpu", "cuda", "xla")  # every device nanopt runs on; `nanopt eval` and `sample` offer the same
-PARALLELISMS = ("ddp", "fsdp")  # runtime.parallel: how ranks share the model (nanopt/parallel.py)
+PARALLELISMS = ("ddp", "fsdp", "hsdp")  # runtime.parallel: how ranks share the model (nanopt/parallel.py)
 BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 
 
@@ -340,22 +340,48 @@ class RuntimeConfig:
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0)
     parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
-                        "all-reduced) or fsdp (FSDP2: each block's parameters, gradients and optimizer state "
-                        "sharded across ranks, gathered per block for forward and backward); one process either way "
-                        "without torchrun. Checkpoints are the same files, so a resume may switch (docs/resume.md).",
+                        "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state "
+                        "sharded across ranks, gathered per block for forward and backward) or hsdp (fsdp within "
+                        "each shard group of `runtime.shard_group_size` ranks, the groups replicas of each other: "
+                        "across nodes, only gradients cross the slow links); one process each without torchrun. "
+                        "Checkpoints are the same files, so a resume may switch (docs/resume.md).",
                         choices=PARALLELISMS)
+    shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group (one sharded copy of the model "
+                                          "each); divides the world size and is smaller than it. Checked under "
+                                          "torchrun with 2 or more ranks.", ge=1,
+                                          null="the ranks per node, torchrun's LOCAL_WORLD_SIZE")
 
     def check(self, cfg: Config) -> None:
-        """What fsdp does not do (yet): each is refused before anything is built."""
-        if self.parallel != "fsdp":
+        """What the parallelism cannot do (yet): each is refused before anything is built."""
+        if self.shard_group_size is not None and self.parallel != "hsdp":
+            raise ConfigError(f"`runtime.shard_group_size` is {self.shard_group_size} but `runtime.parallel` is "
+                              f"{self.parallel}: shard groups exist only under hsdp, so the key would be ignored. "
+                              f"Use `--runtime.parallel=hsdp`, or drop the key (`--runtime.shard_group_size=null`).")
+        if self.parallel == "ddp":
             return
         if self.device == "xla":
-            raise ConfigError("`runtime.parallel` is fsdp but `runtime.device` is xla: on XLA one process drives "
-                              "every chip through SPMD, a separate path that FSDP2 does not run on. Use "
-                              "`--runtime.parallel=ddp` (the XLA path's default) on TPUs.")
+            raise ConfigError(f"`runtime.parallel` is {self.parallel} but `runtime.device` is xla: on XLA one process "
+                              f"drives every chip through SPMD, a separate path that FSDP2 does not run on. Use "
+                              f"`--runtime.parallel=ddp` (the XLA path's default) on TPUs.")
         for what, fix in _fsdp_not_built(cfg):
-            raise ConfigError(f"`runtime.parallel` is fsdp and {what}, which nanopt does not build under FSDP yet "
-                              f"(issue 38). {fix}")
+            raise ConfigError(f"`runtime.parallel` is {self.parallel} and {what}, which nanopt does not build under "
+                              f"FSDP yet (issue 38). {fix}")
+
+    def hsdp_mesh(self, world_size: int, local_world_size: int) -> tuple[int, int]:
+        """hsdp's (replicas, ranks per shard group) on `world_size` ranks, `local_world_size` per node. A group that
+        does not divide the world cannot tile it; one the size of the world replicates nothing (that is fsdp)."""
+        group = self.shard_group_size or local_world_size
+        named = (f"`runtime.shard_group_size` is {group}" if self.shard_group_size else
+                 f"`runtime.shard_group_size` is null, the ranks per node ({group})")
+        divisors = [d for d in range(1, world_size) if world_size % d == 0]
+        fix = f"Set `--runtime.shard_group_size` to one of {', '.join(map(str, divisors))} (usually the GPUs per node)"
+        if world_size % group:
+            raise ConfigError(f"{named}, which does not divide the world of {world_size} ranks: hsdp cuts the ranks "
+                              f"into equal shard groups. {fix}.")
+        if group == world_size:
+            raise ConfigError(f"{named}, the whole world of {world_size} ranks: one shard group and no replicas, "
+                              f"which is fsdp. Use `--runtime.parallel=fsdp`, or replicate: {fix[0].lower()}{fix[1:]}.")
+        return world_size // group, group
 
 
 def _fsdp_not_built(cfg: Config) -> list[tuple[str, str]]:
@@ -724,9 +750,11 @@ def validate(cfg: Config) -> None:
             values.check(cfg)
 
 
-def resolve(cfg: Config, world_size: int) -> Config:
-    """Check the config against this world size (every stage's batch in whole micro-batches) and fill in
-    model.max_seq_len."""
+def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> Config:
+    """Check the config against this world size, `local_world_size` ranks per node (default: one node): every
+    stage's batch in whole micro-batches, hsdp's shard groups tiling the ranks; fill in model.max_seq_len."""
+    if cfg.runtime.parallel == "hsdp" and world_size > 1:
+        cfg.runtime.hsdp_mesh(world_size, local_world_size or world_size)
     t = cfg.train
     scheduled = bool(t.batch_schedule.strip() or t.seq_len_schedule.strip())
     for start, batch, seq_len in t.stages():

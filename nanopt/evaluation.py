@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from nanopt import data, shards
+from nanopt import data, parallel, shards
 from nanopt.config import Config
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import Tokenizer
@@ -41,6 +41,7 @@ def split_batches(cfg: Config, rt: Runtime, directory: Path, split: str, batches
 def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor, rt: Runtime) -> tuple[float, float]:
     """(mean loss in nats per token, bits per byte) over a fixed evaluation set, summed over ranks."""
     model.eval()
+    short = _forwards_short(model, len(batches), rt)  # before any forward: the count exchange is a collective too
     totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nats, tokens, bytes
     for x, y in batches:
         x, y = rt.batch_to_device(x), rt.batch_to_device(y)
@@ -51,10 +52,23 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
         totals[1] += n
         totals[2] += token_bytes[y].sum()
         rt.mark_step()  # XLA: one graph per batch (the same one every time), not one growing graph
+    idle = torch.zeros(1, 1, dtype=torch.long, device=rt.device)  # B T: one token, its logits discarded
+    for _ in range(short):
+        with rt.autocast():
+            model(idle)
     model.train()
     rt.all_reduce_sum(totals)
     nats, tokens, nbytes = totals.tolist()
     return nats / max(tokens, 1), nats / math.log(2) / max(nbytes, 1)
+
+
+def _forwards_short(model: torch.nn.Module, batches: int, rt: Runtime) -> int:
+    """How many forwards fewer than the busiest rank this one has. A sharded model's forward is a collective (each
+    block gathers its weights from the other ranks), and eval.batches need not divide over the ranks: a rank with
+    fewer batches runs that many one-token forwards, discarded, or the others would wait for it forever."""
+    if not parallel.is_sharded(model):
+        return 0
+    return max(rt.gather_objects(batches)) - batches
 
 
 class SpeedrunClock:

@@ -1,9 +1,10 @@
-"""THE parallelism (runtime.parallel): DDP replicas or FSDP2 shards on a 1-D DeviceMesh; what the train step asks of
-either (micro-step sync, gradient clipping, zeroing) and the full state a checkpoint holds whichever it is.
+"""THE parallelism (runtime.parallel): DDP replicas, FSDP2 shards on a 1-D DeviceMesh, or HSDP (FSDP2 on a 2-D
+(replicate, shard) mesh); what the train step asks of each (micro-step sync, gradient clipping, zeroing) and the
+full state a checkpoint holds whichever it is.
 
 Everything else sees one model object: under ddp the unwrapped model (DDP wraps a view of it for the step), under
-fsdp the model itself, sharded in place by fully_shard (its parameters become DTensors, forward gathers them).
-Without torchrun (world size 1) both mean one process and the model is left as it is."""
+fsdp and hsdp the model itself, sharded in place by fully_shard (its parameters become DTensors, forward gathers
+them). Without torchrun (world size 1) all three mean one process and the model is left as it is."""
 from __future__ import annotations
 
 import contextlib
@@ -39,16 +40,15 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
-    """runtime.parallel=fsdp across ranks: fully_shard each transformer block, then the root (embedding, head,
-    final norm), on a 1-D mesh over every rank, in place. Before the optimizer is built: it must hold the
-    sharded parameters. Otherwise (ddp, or one process) nothing."""
-    if cfg.runtime.parallel != "fsdp" or not rt.distributed:
+    """runtime.parallel=fsdp or hsdp across ranks: fully_shard each transformer block, then the root (embedding,
+    head, final norm), on the mesh, in place. Before the optimizer is built: it must hold the sharded parameters.
+    Otherwise (ddp, or one process) nothing."""
+    if cfg.runtime.parallel == "ddp" or not rt.distributed:
         return
-    # Lazy: torch.distributed.tensor costs seconds at import, which no ddp run should pay.
-    from torch.distributed.device_mesh import init_device_mesh
+    # Lazy: torch.distributed.fsdp loads torch.distributed.tensor (seconds at import), which no ddp run should pay.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("shard",))
+    mesh = _mesh(cfg, rt)
     param_dtype, reduce_dtype = PRECISION_DTYPES[rt.precision]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers:
@@ -56,6 +56,19 @@ def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
         # forward and gathered again for its backward, so only one block is whole at a time.
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _mesh(cfg: Config, rt: Runtime) -> Any:
+    """fsdp: a 1-D mesh over every rank. hsdp: a 2-D (replicate, shard) mesh whose rows are the shard groups of
+    consecutive ranks (one node's under the default), so the parameter all-gathers and gradient reduce-scatters
+    stay inside a group and only the all-reduce of each shard's gradient crosses groups. fully_shard reads a 2-D
+    mesh as HSDP; parameters are DTensors placed (Replicate(), Shard(0))."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if cfg.runtime.parallel == "fsdp":
+        return init_device_mesh(rt.device.type, (rt.world_size,), mesh_dim_names=("shard",))
+    replicas, group = cfg.runtime.hsdp_mesh(rt.world_size, rt.local_world_size)
+    return init_device_mesh(rt.device.type, (replicas, group), mesh_dim_names=("replicate", "shard"))
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:

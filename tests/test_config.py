@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import run_module
-from nanopt.config import (ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
+from nanopt.config import (Config, ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
                            resume_changes, to_yaml)
 from nanopt.main import run
 from nanopt.plan import build_plan
@@ -101,7 +101,10 @@ BAD = [
     (["--run.seed=-1"], "run.seed"),
     (["--prepare.sample_by=word"], "prepare.sample_by"),
     (["--mfu.hardware=h1000"], "mfu.hardware"),
-    (["--runtime.parallel=hsdp"], "runtime.parallel"),
+    (["--runtime.parallel=zero3"], "runtime.parallel"),
+    (["--runtime.shard_group_size=2"], "runtime.shard_group_size"),  # under ddp: it would be ignored
+    (["--runtime.parallel=hsdp", "--runtime.shard_group_size=0"], "runtime.shard_group_size"),
+    (["--runtime.parallel=hsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--train.compile=true"], "train.compile"),
 ]
@@ -115,6 +118,42 @@ def test_bad_input_exits_2_with_a_message_naming_the_key(args, named, capsys, tm
     assert named in err
     assert "Traceback" not in err
     assert not any(tmp_path.iterdir()), "a refused config must not write anything"
+
+
+def hsdp(group: str = "null") -> Config:
+    """hsdp with a batch that splits over 1, 2, 4, 6, 8 or 16 ranks."""
+    return load_config(None, parse_overrides(["--runtime.parallel=hsdp", f"--runtime.shard_group_size={group}",
+                                              "--train.global_batch_tokens=98304"]))
+
+
+@pytest.mark.parametrize("group, world, local, mesh", [
+    ("2", 4, 4, (2, 2)), ("1", 2, 2, (2, 1)), ("null", 16, 8, (2, 8)), ("4", 16, 8, (4, 4)),
+])
+def test_hsdp_tiles_the_world_into_replicas_of_shard_groups(group, world, local, mesh):
+    """(replicas, ranks per shard group); null = the ranks per node (torchrun's LOCAL_WORLD_SIZE)."""
+    cfg = hsdp(group)
+    assert cfg.runtime.hsdp_mesh(world, local) == mesh
+    resolve(cfg, world, local)  # accepted
+
+
+@pytest.mark.parametrize("group, world, local, message", [
+    ("3", 4, 4, "`runtime.shard_group_size` is 3, which does not divide the world of 4 ranks: hsdp cuts the ranks "
+                "into equal shard groups. Set `--runtime.shard_group_size` to one of 1, 2"),
+    ("4", 4, 4, "`runtime.shard_group_size` is 4, the whole world of 4 ranks: one shard group and no replicas, "
+                "which is fsdp. Use `--runtime.parallel=fsdp`"),
+    ("null", 2, 2, "`runtime.shard_group_size` is null, the ranks per node (2), the whole world of 2 ranks"),
+    ("null", 6, 4, "`runtime.shard_group_size` is null, the ranks per node (4), which does not divide the world of 6"),
+])
+def test_hsdp_refuses_shard_groups_that_do_not_tile_or_do_not_replicate(group, world, local, message):
+    with pytest.raises(ConfigError) as e:
+        resolve(hsdp(group), world, local)
+    assert message in str(e.value)
+
+
+def test_hsdp_at_world_size_one_is_one_process_whatever_its_group_size():
+    """Without torchrun (or with one rank) nothing is sharded or replicated: the key is accepted, as fsdp is."""
+    for group in ("null", "8"):
+        resolve(hsdp(group), 1)
 
 
 @pytest.mark.parametrize("arg, message", [

@@ -162,6 +162,9 @@ def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(tmp_path, capsy
     ddp = result["fp8_ddp"]  # eager here: DDP at world size 1 trains exactly like the model unwrapped
     assert ddp["works_with"] == "train.compile_ddp_split=true" and ddp["loss_diff"] == 0
     assert ddp["ddp_split"]["fp8_linears"] == 2 * 6
+    fsdp = result["fsdp"]  # FSDP2 at world size 1 in a real process group: it trains, against DDP's loss and speed
+    assert fsdp["fsdp"]["tokens_per_s"] > 0 and fsdp["fsdp_over_ddp"] > 0 and fsdp["goal"]["what"].startswith("FSDP")
+    assert fsdp["loss_diff"] < 0.01  # bf16: FSDP computes in bf16 weights, DDP under autocast
     speedrun = result["speedrun"]  # compiled: only the stage that brings a new seq_len recompiles
     assert speedrun["rc"] == 0 and speedrun["packing_cropped_share"] is not None
     assert [(s["batch_tokens"], s["seq_len"], s["recompiles"]) for s in speedrun["stages"]] == [

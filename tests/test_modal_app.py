@@ -21,6 +21,7 @@ import pytest
 import modal_app  # modal is in the dev extra: a missing one fails these tests, it does not skip them
 from conftest import REPO, SMALL
 from nanopt.config import load_config, parse_overrides, to_yaml
+from nanopt.errors import ConfigError
 
 
 def offline_env(tmp_path: Path) -> dict[str, str]:
@@ -266,6 +267,38 @@ def test_rank_thread_env_gives_each_rank_its_share_of_cores_unless_the_environme
     assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"], env["TORCHINDUCTOR_COMPILE_THREADS"]) == \
         ("4", "ACTIVE", "4")
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def parallel_config(tmp_path: Path, *overrides: str) -> str:
+    """SMALL with a batch that splits over 16 ranks and these overrides, as a config file."""
+    path = tmp_path / "parallel.yaml"
+    args = [*SMALL, "--train.global_batch_tokens=2048", *overrides]
+    path.write_text(to_yaml(load_config(REPO / "configs" / "tiny.yaml", parse_overrides(args))))
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides, world, nodes, launched", [
+    (["--runtime.parallel=fsdp"], 16, 2, ("hsdp", 8)),  # across nodes: a shard group per node, the nodes replicas
+    (["--runtime.parallel=fsdp"], 8, 1, ("fsdp", None)),  # one node: fsdp as asked
+    (["--runtime.parallel=fsdp"], 2, 2, ("fsdp", None)),  # one GPU per node: only fsdp shards at all
+    (["--runtime.parallel=hsdp"], 16, 2, ("hsdp", None)),  # hsdp as asked; null = GPUs per node, checked as 8
+    (["--runtime.parallel=hsdp", "--runtime.shard_group_size=4"], 16, 2, ("hsdp", 4)),
+    ([], 16, 2, ("ddp", None)),
+])
+def test_fsdp_across_nodes_runs_as_hsdp_with_a_shard_group_per_node(tmp_path, capsys, overrides, world, nodes,
+                                                                     launched):
+    config_yaml, cfg = modal_app.check_config(parallel_config(tmp_path, *overrides), world, "p", nodes)
+    assert (cfg.runtime.parallel, cfg.runtime.shard_group_size) == launched
+    assert f"parallel: {launched[0]}" in config_yaml  # what the Volume's config, so every node, runs
+    said = "modal_app: runtime.parallel fsdp on 2 nodes runs as hsdp: each node's 8 GPUs shard the model"
+    assert (said in capsys.readouterr().out) == (launched == ("hsdp", 8) and "fsdp" in overrides[0])
+
+
+def test_hsdp_whose_groups_do_not_tile_the_world_is_refused_before_paying(tmp_path):
+    path = parallel_config(tmp_path, "--runtime.parallel=hsdp", "--runtime.shard_group_size=5")
+    with pytest.raises(ConfigError) as e:
+        modal_app.check_config(path, 16, "p", 2)
+    assert "`runtime.shard_group_size` is 5, which does not divide the world of 16 ranks" in str(e.value)
 
 
 def test_training_launches_its_ranks_with_their_share_of_threads(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
-"""The parallelism (nanopt/parallel.py) in one process: without torchrun fsdp leaves the model whole, and the
+"""The parallelism (nanopt/parallel.py) in one process: without torchrun fsdp and hsdp leave the model whole, and the
 full optimizer state of a sharded run is converted to the files a DDP run writes. Two ranks: e2e/test_ddp.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -14,8 +15,10 @@ from nanopt.optim import build_optimizer
 TINY = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
 
-def test_fsdp_without_torchrun_is_one_process_with_the_model_left_whole():
-    cfg = load_config(None, parse_overrides(["--runtime.parallel=fsdp"]))
+@pytest.mark.parametrize("args", [["--runtime.parallel=fsdp"],
+                                  ["--runtime.parallel=hsdp", "--runtime.shard_group_size=8"]])
+def test_fsdp_and_hsdp_without_torchrun_are_one_process_with_the_model_left_whole(args):
+    cfg = load_config(None, parse_overrides(args))
     model = build_model(TINY)
     parallel.shard(model, cfg, CPU)
     assert not parallel.is_sharded(model)

@@ -50,7 +50,7 @@ def _run(argv: list[str]) -> int:
         run_dir = cfg.run_dir
         rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
         rt.warn_if_checkpoints_perishable(cfg.checkpoint.mirror)
-        resolve(cfg, rt.world_size)
+        resolve(cfg, rt.world_size, rt.local_world_size)
         with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then Preempted
             train(cfg, rt)
         runtime.teardown(wait_for_peers=True)

@@ -1,6 +1,6 @@
 """Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), two 'nodes' train
-together, and FSDP equals them (with AdamW and with Muon), its checkpoints resuming under either parallelism at any
-world size."""
+together, and FSDP and HSDP equal them (with AdamW and with Muon), their checkpoints resuming under any parallelism
+at any world size."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import MUON_ARG, REPO, free_port, run_module, small_overrides, torchrun
+from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
 
 # fp32 so the comparison is about the algorithm, not bf16 rounding; 8 sequences per step.
@@ -118,21 +119,43 @@ def test_two_ranks_match_one_rank_with_muon(tmp_path):
 
 # ---------------------------------------------------------------- fsdp
 # Global batch 512 = 4 micro-steps at one rank, 2 per rank at two: accumulation runs under no_sync and under
-# set_requires_gradient_sync(False). A constant lr makes a 5-step run plus its resume to 10 one 10-step run.
+# set_requires_gradient_sync(False). A constant lr makes a 5-step run plus its resume to 10 one 10-step run. Three
+# evaluation batches do not divide over 2 or 4 ranks: a sharded model's forward is a collective, so the rank with
+# fewer must still run as many (evaluation._forwards_short), or the final evaluation hangs.
 FSDP_ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 10, "train.global_batch_tokens": 512,
-                               "train.schedule": "constant", "log.tensorboard": "false"}) + EMA_ARGS
+                               "train.schedule": "constant", "log.tensorboard": "false", "eval.batches": 3}) + EMA_ARGS
 HALF = "--train.max_steps=5"
 
 
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory) -> Path:
+    """FSDP_ARGS on one rank, in this process: what every sharded run below must equal."""
+    run_dir = tmp_path_factory.mktemp("fsdp_reference")
+    assert run([*FSDP_ARGS, f"--run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def _assert_equals_reference(reference: Path, other: Path) -> None:
+    """Loss and grad norm at every one of the 10 steps, the final val loss and the weights, to 1e-5."""
+    records, expected = _records(other), _records(reference)
+    assert sorted(records) == list(range(1, 11))
+    for step, (loss, norm) in expected.items():
+        assert abs(records[step][0] - loss) < 1e-5 and abs(records[step][1] - norm) < 1e-5, (other, step)
+    for name in ("model.safetensors", "ema.safetensors"):  # the average: saved whole, resumed as shards
+        _assert_same_weights(reference, other, name)
+    evaluated = _val(other)  # the averaged weights' evaluations (a half run's final one at step 5 besides)
+    for step, (loss, weights) in _val(reference).items():
+        assert abs(evaluated[step][0] - loss) < 1e-5 and evaluated[step][1] == weights, (other, step)
+
+
 @pytest.mark.slow
-def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(tmp_path):
+def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(fsdp_reference, tmp_path):
     """FSDP on 2 gloo ranks equals one rank (what DDP is tested equal to above) to 1e-5 in loss, grad norm and
     weights over 10 AdamW steps: steps 1-5 fsdp from scratch, then resumed under ddp on 1 rank; and 1-5 on 1 rank,
     then resumed under fsdp on 2 ranks. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
     (pytorch#162338): the logged grad norm would double from step 1 (AdamW's update hardly sees a gradient's scale,
     so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
-    one, fsdp_first, ddp_first = tmp_path / "one", tmp_path / "fsdp_first", tmp_path / "ddp_first"
-    assert run([*FSDP_ARGS, f"--run.dir={one}"]) == 0
+    fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
     proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={fsdp_first}"]) == 0  # 1 rank resumes it
@@ -140,17 +163,8 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr + proc.stdout and "2 ranks x 2 accum" in proc.stdout
-    reference = _records(one)
     for other in (fsdp_first, ddp_first):
-        records = _records(other)
-        assert sorted(records) == list(range(1, 11))
-        for step, (loss, norm) in reference.items():
-            assert abs(records[step][0] - loss) < 1e-5 and abs(records[step][1] - norm) < 1e-5, (other, step)
-        for name in ("model.safetensors", "ema.safetensors"):  # the average: saved whole, resumed as shards
-            _assert_same_weights(one, other, name)
-        evaluated = _val(other)  # the averaged weights' evaluations (the half run's final one at step 5 besides)
-        for step, (loss, weights) in _val(one).items():
-            assert abs(evaluated[step][0] - loss) < 1e-5 and evaluated[step][1] == weights, (other, step)
+        _assert_equals_reference(fsdp_reference, other)
 
 
 def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
@@ -183,6 +197,20 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
         assert (wa[name] - wb[name]).abs().max().item() < 5e-3, name
 
 
+@pytest.mark.slow
+def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, tmp_path):
+    """HSDP on 4 gloo ranks as 2 replicas x shard groups of 2 (a 2-D mesh: parameters placed (Replicate(),
+    Shard(0))) resumes a one-rank checkpoint at step 5 (the whole weights and AdamW state cut to 2-D shards), trains
+    to 10 and saves (gathered from 2-D shards): equal to the one-rank run, which FSDP and DDP equal above, to 1e-5.
+    A gradient summed instead of averaged over either mesh dimension would double the logged grad norm."""
+    assert run([*FSDP_ARGS, HALF, f"--run.dir={tmp_path}"]) == 0
+    hsdp = ["--runtime.parallel=hsdp", "--runtime.shard_group_size=2"]
+    proc = torchrun(4, [*FSDP_ARGS, *hsdp, f"--run.dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr + proc.stdout and "4 ranks x 1 accum" in proc.stdout
+    _assert_equals_reference(fsdp_reference, tmp_path)
+
+
 def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -190,3 +218,16 @@ def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
         if "loss" in rec:
             out[rec["step"]] = (rec["loss"], rec["grad_norm"])
     return out
+
+
+@pytest.mark.slow
+def test_hsdp_whose_one_shard_group_is_the_whole_world_is_refused_before_any_step(tmp_path):
+    """shard_group_size null = the ranks per node: on one node of 2 ranks that is one group and no replicas (fsdp).
+    Known only once torchrun says the world size: each rank refuses it, exit 2, before the run directory exists."""
+    status = tmp_path / "codes"
+    proc = torchrun(2, [*ARGS, "--runtime.parallel=hsdp", f"--run.dir={tmp_path / 'run'}"],
+                    env={EXIT_STATUS_ENV: str(status)})
+    assert proc.returncode != 0
+    assert "`runtime.shard_group_size` is null, the ranks per node (2), the whole world of 2 ranks" in proc.stderr
+    assert sorted(status.read_text().split()) == ["0", "1", "2", "2"]  # "rank code" per line: both ranks said 2
+    assert not (tmp_path / "run").exists()

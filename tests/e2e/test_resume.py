@@ -175,6 +175,25 @@ def test_two_process_torchrun_restart_resumes_identically(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
+    """The same kill -9 under runtime.parallel=fsdp: the ranks restart from the step-4 checkpoint (whole tensors,
+    cut back into each rank's shards) and end byte for byte as an uninterrupted fsdp run, weights, losses and AdamW
+    state. Not as the one-process reference: the sharded gradient norm adds its shards' squares in another order,
+    so fsdp equals one rank to rounding (tests/e2e/test_ddp.py), and itself to the bit."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    fsdp = [*ARGS, "--runtime.parallel=fsdp"]
+    proc = torchrun(2, [*fsdp, f"--run.dir={straight}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(2, [*fsdp, f"--run.dir={killed}"], extra=["--standalone", "--max-restarts=1"],
+                    env={"NANOPT_TEST_HOOK": "kill-in-step:5:1"})
+    log = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, log
+    assert "test hook kill-in-step:5: SIGKILL" in proc.stderr, log
+    assert "resuming from" in proc.stdout and "step_000004" in proc.stdout, log
+    assert_same_as(straight, killed)
+
+
+@pytest.mark.slow
 def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, reference):
     """torchrun workers hear a signal at different moments: here only rank 1 gets SIGTERM, while paused
     after step 3. The all-reduced flag makes rank 0 stop after the same step; both save one checkpoint."""
