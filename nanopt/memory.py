@@ -29,7 +29,6 @@ class Training:
     micro_batch_size: int
     seq_len: int
     loss_chunk_tokens: int  # train.loss_chunk_tokens (0: the whole micro-batch's logits at once)
-    accum: int = 1  # micro-steps per optimizer step on this world size
     recompute: bool = False  # per-block activation recompute: a what-if, nanopt has no such key yet
 
 
@@ -116,9 +115,8 @@ def device_memory(m: ModelConfig, t: Training, parallel: str, shard_ranks: int =
     - ddp: everything whole; bf16 adds autocast's bf16 copy of every matmul weight (saved for backward).
     - fsdp / hsdp: weights, gradients and moments divided by shard_ranks, plus what is whole at the peak: the root
       (embedding, head, final norm: gathered for the whole step) and GATHERED_BLOCKS blocks in the compute dtype,
-      and the whole gradients of the head and one block before their reduce-scatter (fp32 for it). With
-      accum > 1 each rank also keeps every whole gradient in fp32 across the micro-steps
-      (set_requires_gradient_sync(False), nanopt/parallel.py).
+      and the whole gradients of the head and one block before their reduce-scatter (fp32 for it). Gradient
+      accumulation adds nothing: every micro-step reduce-scatters into the shards (parallel.accumulating).
     Activations are per micro-batch and the same under every parallelism (each rank runs its own rows)."""
     if parallel not in PARALLELISMS:
         raise ValueError(f"parallel is one of {PARALLELISMS}, not {parallel!r}")
@@ -135,10 +133,9 @@ def device_memory(m: ModelConfig, t: Training, parallel: str, shard_ranks: int =
     # At the peak (backward's start) the head's whole gradient is out (the root reduces last), and one block's:
     # in the compute dtype, plus the fp32 copy its reduce-scatter takes.
     unreduced = compute * m.vocab_size * m.dim + (compute + (FP32 if compute != FP32 else 0)) * block
-    whole_grads = FP32 * counts.total if t.accum > 1 else 0
     return DeviceMemory(parallel, n, _ceil(weight * counts.total, n) + gathered,
-                        _ceil(weight * counts.total, n) + unreduced + whole_grads, _ceil(optimizer, n), activations,
-                        gathered + unreduced + whole_grads)
+                        _ceil(weight * counts.total, n) + unreduced, _ceil(optimizer, n), activations,
+                        gathered + unreduced)
 
 
 def root_params(m: ModelConfig) -> int:
@@ -164,18 +161,17 @@ def every_parallelism(m: ModelConfig, t: Training, devices: int,
     return rows
 
 
-def training(cfg: Config, seq_len: int, accum: int, recompute: bool = False) -> Training:
-    """The Training of a config's stage (its seq_len and micro-steps)."""
+def training(cfg: Config, seq_len: int, recompute: bool = False) -> Training:
+    """The Training of a config's stage (its seq_len)."""
     t = cfg.train
-    return Training(t.precision, cfg.optim.name, t.micro_batch_size, seq_len, t.loss_chunk_tokens, max(1, accum),
-                    recompute)
+    return Training(t.precision, cfg.optim.name, t.micro_batch_size, seq_len, t.loss_chunk_tokens, recompute)
 
 
 def config_memory(cfg: Config, devices: int, shard_group_size: Optional[int] = None,
                   recompute: bool = False) -> list[DeviceMemory]:
     """every_parallelism for a config on `devices`, each at its most demanding stage of the plan (the longest
-    sequences; under fsdp, micro-steps that keep whole gradients)."""
+    sequences)."""
     stages = build_plan(cfg.train, devices).stages
-    per_stage = [every_parallelism(cfg.model, training(cfg, s.seq_len, s.accum, recompute), devices,
+    per_stage = [every_parallelism(cfg.model, training(cfg, s.seq_len, recompute), devices,
                                    shard_group_size) for s in stages]
     return [max(rows, key=lambda r: r.total) for rows in zip(*per_stage)]

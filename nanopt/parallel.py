@@ -13,6 +13,7 @@ import sys
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,6 +57,12 @@ def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
         # forward and gathered again for its backward, so only one block is whole at a time.
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if dist.get_backend() == "gloo":
+        # Gloo's reduce-scatter once took ReduceOp.AVG for a SUM (pytorch#162338): the ranks' gradients were summed,
+        # not averaged. SUM plus FSDP2's own division is right on every torch; the extra division costs nothing.
+        # The setting is per FSDP module (it does not recurse).
+        for module in (*model.layers, model):
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _mesh(cfg: Config, rt: Runtime) -> Any:
@@ -89,27 +96,35 @@ def wrap(model: nn.Module, rt: Runtime) -> nn.Module:
 
 
 def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """Around one micro-step's forward and backward: gradients are reduced across ranks on the last micro-step
-    only. DDP: no_sync(). FSDP: set_requires_gradient_sync(False), so a micro-step's backward keeps the whole
-    (unsharded) gradients and neither reduce-scatters nor reshards them; the last one reduce-scatters their sum
-    once. That trades one full gradient per rank during accumulation for (accum - 1) fewer reduce-scatters; the
-    parameters are still gathered again each micro-step (reshard_after_forward), so memory stays at one block."""
+    """Around one micro-step's forward and backward. DDP: no_sync() until the last micro-step, which all-reduces
+    the sum once. FSDP: every micro-step reduce-scatters its gradients into the shards, so a rank never holds more
+    than its shard of them between micro-steps; skipping it (set_requires_gradient_sync(False)) would save
+    accum - 1 reduce-scatters but keep every whole gradient in fp32 on every rank, 4 bytes per parameter (32 GB at
+    8B), which is the memory fsdp is chosen to save. HSDP: the same inside each shard group, and the all-reduce
+    across the replicas (the traffic between nodes) only on the last micro-step: that one pays, for no memory."""
     if last:
         return contextlib.nullcontext()
     if isinstance(model, DDP):
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDPModule
-        return _fsdp_no_sync(model)
+    if _replicated(model):
+        return _hsdp_no_all_reduce(model)
     return contextlib.nullcontext()
 
 
+def _replicated(model: nn.Module) -> bool:
+    """Whether `model` is sharded on a 2-D (replicate, shard) mesh: hsdp."""
+    dtensor = _dtensor_type()
+    p = next(model.parameters(), None)
+    return dtensor is not None and isinstance(p, dtensor) and p.device_mesh.ndim == 2
+
+
 @contextlib.contextmanager
-def _fsdp_no_sync(model: Any):
-    model.set_requires_gradient_sync(False)
+def _hsdp_no_all_reduce(model: Any):
+    model.set_requires_all_reduce(False)  # an FSDPModule; recurses into the blocks
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(True)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -136,11 +136,13 @@ def fsdp_reference(tmp_path_factory) -> Path:
 
 
 def _assert_equals_reference(reference: Path, other: Path) -> None:
-    """Loss and grad norm at every one of the 10 steps, the final val loss and the weights, to 1e-5."""
+    """Loss at every one of the 10 steps, the evaluations and the weights to 1e-5; the grad norm to 5e-5 of itself:
+    fsdp reduce-scatters each micro-step's gradients (parallel.accumulating), another fp32 summation order, and a
+    late step's norm (~2) amplifies it to ~1e-5 (AMD EPYC, 2026-11-27). A summed gradient would be 100% off."""
     records, expected = _records(other), _records(reference)
     assert sorted(records) == list(range(1, 11))
     for step, (loss, norm) in expected.items():
-        assert abs(records[step][0] - loss) < 1e-5 and abs(records[step][1] - norm) < 1e-5, (other, step)
+        assert abs(records[step][0] - loss) < 1e-5 and abs(records[step][1] - norm) < 5e-5 * norm, (other, step)
     for name in ("model.safetensors", "ema.safetensors"):  # the average: saved whole, resumed as shards
         _assert_same_weights(reference, other, name)
     evaluated = _val(other)  # the averaged weights' evaluations (a half run's final one at step 5 besides)
