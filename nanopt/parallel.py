@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -245,7 +246,9 @@ def load_sharded_tensors(path: Path, prefix: str, tensors: dict[str, torch.Tenso
 
     _check_shapes(path, prefix, tensors)
     try:
-        dcp.load({prefix: tensors}, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # one process is what this reader is for: DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({prefix: tensors}, checkpoint_id=str(path))
     except _DCP_ERRORS() as e:
         raise ValueError(_dcp_problem(e)) from None
 
