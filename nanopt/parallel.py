@@ -222,7 +222,6 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     the optimizer's state as Optimizer.state_dict() indexes it, cut like the model's parameters, for optim's
     checked load. Every rank calls it (one process without a process group too). ValueError when the saved state
     does not fit the model or optimizer."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 
     # The template DCP fills in place: the model's own tensors, and the optimizer's state (initialised by a
@@ -230,10 +229,7 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     weights, optimizer_state = get_state_dict(model, optimizer)
     _check_shapes(path, "model", weights)
     state = {"model": weights, "optimizer": optimizer_state}
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except _DCP_ERRORS() as e:
-        raise ValueError(_dcp_problem(e)) from None
+    _dcp_load(path, state)
     set_model_state_dict(model, state["model"])
     return _indexed(state["optimizer"])
 
@@ -242,15 +238,8 @@ def load_sharded_tensors(path: Path, prefix: str, tensors: dict[str, torch.Tenso
     """Fill `tensors` (name -> a tensor of the saved shape: whole, or a DTensor shard) in place from the entries
     `prefix` ("model", "ema") of save_sharded's files, whatever world size and layout wrote them; in one process
     without a process group too. ValueError naming what the files lack."""
-    import torch.distributed.checkpoint as dcp
-
     _check_shapes(path, prefix, tensors)
-    try:
-        with warnings.catch_warnings():  # one process is what this reader is for: DCP warns that it assumes so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({prefix: tensors}, checkpoint_id=str(path))
-    except _DCP_ERRORS() as e:
-        raise ValueError(_dcp_problem(e)) from None
+    _dcp_load(path, {prefix: tensors})
 
 
 def sharded_entries(path: Path) -> set[str]:
@@ -276,14 +265,16 @@ def _check_shapes(path: Path, prefix: str, tensors: dict[str, Any]) -> None:
         raise ValueError(f"the shards hold tensors of other shapes: {'; '.join(wrong[:3])}")
 
 
-def _DCP_ERRORS() -> tuple[type[BaseException], ...]:
-    """What a dcp.load that does not fit raises: DCP's CheckpointException (a BaseException, carrying each rank's
-    error), or the error itself."""
+def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+    """dcp.load into `state` in place; what does not fit as ValueError in one line (DCP's CheckpointException is a
+    BaseException holding one traceback per rank)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return CheckpointException, RuntimeError, ValueError, KeyError
-
-
-def _dcp_problem(e: BaseException) -> str:
-    """DCP's failure in one line (a CheckpointException holds one traceback per rank)."""
-    return str(e).strip().splitlines()[-1][:500] if str(e).strip() else e.__class__.__name__
+    try:
+        with warnings.catch_warnings():  # one process without a process group is a use, not an accident, here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        lines = str(e).strip().splitlines()
+        raise ValueError(lines[-1][:500] if lines else e.__class__.__name__) from None
