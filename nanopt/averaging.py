@@ -55,6 +55,10 @@ def choose(run: Path, last: Optional[int], steps: Optional[list[int]]) -> list[P
                               f"steps {have}; checkpoint.keep prunes older ones). Name steps it has.")
         chosen = [by_step[s] for s in steps]
     for ckpt in chosen:
+        if checkpoint.is_sharded(ckpt):
+            raise ConfigError(f"checkpoint {ckpt} is sharded (checkpoint.sharded: its weights are DCP shards in "
+                              f"dcp/), and averaging reads whole weights only. Leave it out (--steps), or average "
+                              f"checkpoints saved whole (a run resumed with --checkpoint.sharded=false saves so).")
         if problem := checkpoint.verify_checkpoint(ckpt):
             raise ConfigError(f"checkpoint {ckpt} cannot be averaged: {problem}. Leave it out (--steps), or wait "
                               f"until it is written.")

@@ -7,6 +7,8 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
   state.json         step, each resumable component's state_dict(), the shards' identity, the config, versions
   rng.pt             every rank's host and device RNG states
   ema.safetensors    the averaged weights (train.ema_decay), fp32, once the average has started
+  dcp/               checkpoint.sharded, in place of the three files above: every rank's shards of them
+                     (torch.distributed.checkpoint), each file listed in COMPLETE like the others
   COMPLETE           written last: a JSON manifest of every file's size and crc32
 It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
 `checkpoints/latest` is updated last. A full disk removes the temp directory and is DiskFull (exit 1), every earlier
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import threading
 import zlib
@@ -37,9 +40,9 @@ from nanopt.ema import EMA
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.faults import fault_hook
 from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
-from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, EMA_FILE, LATEST_FILE, MODEL_FILE,
-                            OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE, checkpoint_path, is_lease,
-                            read_summary)
+from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, DCP_DIR, DCP_METADATA, EMA_FILE,
+                            LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE,
+                            checkpoint_path, is_lease, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
@@ -47,6 +50,9 @@ log = logging.getLogger("nanopt")
 # ema.safetensors from a run without averaged weights).
 CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, EMA_FILE)
 REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
+# A sharded checkpoint's (checkpoint.sharded) files: DCP's metadata and each rank's shard files, one level down; a
+# name that could climb out of the directory is no checkpoint file.
+SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
 
 
 class Stateful(Protocol):
@@ -126,10 +132,11 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         return "its COMPLETE manifest is not a JSON object with a `files` map", {}
-    if missing := [name for name in REQUIRED_FILES if name not in files]:
+    required = [DCP_METADATA if n == MODEL_FILE and DCP_METADATA in files else n for n in REQUIRED_FILES]
+    if missing := [name for name in required if name not in files]:
         return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
     for name, entry in files.items():
-        if name not in CHECKPOINT_FILES:
+        if name not in CHECKPOINT_FILES and not SHARD_FILE.match(name):
             return f"its COMPLETE manifest lists {name!r}, which is no checkpoint file", {}
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("bytes", "crc32")):
             return f"its COMPLETE manifest's entry for {name} has no integer bytes and crc32", {}
@@ -138,10 +145,43 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
 
 def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
     """Which weights a checkpoint holds: its model file's (or `name`'s: the averaged weights) crc32 as its COMPLETE
-    manifest lists it (loading has checked the file against it); None for a Hugging Face directory, an unusable
-    manifest or a file it does not list."""
+    manifest lists it (loading has checked the file against it); for a sharded checkpoint, the crc32 of `name` and
+    its shard files' crc32s (the shards hold both weights). None for a Hugging Face directory, an unusable manifest
+    or a file it does not list."""
     problem, files = _manifest_problem(Path(ckpt))
-    return None if problem or name not in files else files[name]["crc32"]
+    if problem:
+        return None
+    if DCP_METADATA in files:
+        return zlib.crc32(json.dumps([name, sorted((k, v["crc32"]) for k, v in files.items() if SHARD_FILE.match(k))])
+                          .encode())
+    return None if name not in files else files[name]["crc32"]
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """Whether a checkpoint holds its weights as DCP shards (checkpoint.sharded) rather than whole files."""
+    return (Path(ckpt) / DCP_METADATA).is_file()
+
+
+def has_averaged_weights(ckpt: Path) -> bool:
+    """Whether a checkpoint holds the averaged weights (train.ema_decay, once the average started)."""
+    if is_sharded(ckpt):
+        return "ema" in parallel.sharded_entries(Path(ckpt) / DCP_DIR)
+    return (Path(ckpt) / EMA_FILE).is_file()
+
+
+def load_checkpoint_weights(model: torch.nn.Module, ckpt: Path, name: str = MODEL_FILE) -> None:
+    """A checkpoint's weights (`name`: MODEL_FILE, or EMA_FILE for the averaged ones) into `model`, whole files or
+    DCP shards of any world size (one process without a process group reads them too); ValueError as
+    load_model_weights."""
+    if not is_sharded(ckpt):
+        return load_model_weights(model, Path(ckpt) / name)
+    if name == EMA_FILE:  # the average is kept per parameter: a tied one once, under its first name
+        tensors = {n: p.detach() for n, p in model.named_parameters()}
+    else:
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        tensors = {n: t for n, t in model.state_dict().items() if n not in tied}
+    with torch.no_grad():
+        parallel.load_sharded_tensors(Path(ckpt) / DCP_DIR, "ema" if name == EMA_FILE else "model", tensors)
 
 
 def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
@@ -228,7 +268,8 @@ class _Sealer:
     crc32 through a Python file object; overlapping the fsync and re-read (zlib releases the GIL) with the next
     file shortens a save that must fit a preemption's grace period."""
 
-    def __init__(self):
+    def __init__(self, root: Path):
+        self.root = root
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nanopt-ckpt")
         self.pending: dict[Path, tuple[Future, Future]] = {}
 
@@ -236,6 +277,10 @@ class _Sealer:
         """save(path), a full disk as DiskFull naming the file; then its fsync and crc32 start in the background."""
         with writing(path):
             save(path)
+        self.seal(path)
+
+    def seal(self, path: Path) -> None:
+        """A file already written (a rank's DCP shards): its fsync and crc32 in the background."""
         self.pending[path] = (self.pool.submit(fsync, path), self.pool.submit(crc32_of, path))
 
     def manifest(self) -> dict[str, dict[str, int]]:
@@ -244,7 +289,7 @@ class _Sealer:
             out = {}
             for path, (synced, crc) in sorted(self.pending.items()):
                 synced.result()
-                out[path.name] = {"bytes": path.stat().st_size, "crc32": crc.result()}
+                out[path.relative_to(self.root).as_posix()] = {"bytes": path.stat().st_size, "crc32": crc.result()}
             return out
         finally:
             self.pool.shutdown(wait=True)
@@ -265,15 +310,18 @@ def _torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
-def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: Optional[dict[str, Any]],
-                 state: dict[str, Any], rng: Optional[list[dict[str, Any]]],
+def _write_files(tmp: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
+                 optimizer_state: Optional[dict[str, Any]], state: dict[str, Any], rng: Optional[list[dict[str, Any]]],
                  averaged: Optional[dict[str, torch.Tensor]]) -> None:
     """Every file of the checkpoint into the new directory `tmp`, COMPLETE last; DiskFull naming the one that did
-    not fit."""
-    sealer = _Sealer()
+    not fit. `weights` None: every rank wrote its shards into tmp/dcp (checkpoint.sharded); they are listed."""
+    sealer = _Sealer(tmp)
     try:
-        # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-        sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+        if weights is None:
+            for path in sorted((tmp / DCP_DIR).iterdir()):
+                sealer.seal(path)
+        else:  # one metadata entry only: safetensors writes a map, and its order is not stable across processes
+            sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
         if averaged is not None:
             sealer.write(tmp / EMA_FILE, lambda p: save_file(averaged, str(p), metadata={"format": "pt"}))
@@ -288,26 +336,37 @@ def _write_files(tmp: Path, step: int, weights: dict[str, torch.Tensor], optimiz
         raise
     with writing(tmp):  # an fsync can be the first to hear of a full disk
         files = sealer.manifest()
+        if weights is None:
+            fsync(tmp / DCP_DIR)
     write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
     with writing(tmp):
         fsync(tmp)
 
 
-def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: Optional[dict[str, Any]],
-         state: dict[str, Any], keep: int, rng: Optional[list[dict[str, Any]]] = None,
-         averaged: Optional[dict[str, torch.Tensor]] = None) -> Path:
+def temp_dir(ckpt_root: Path, step: int, fresh: bool = True) -> Path:
+    """Where checkpoint `step` is written before its rename: made anew (fresh), or the one made before."""
+    tmp = ckpt_root / f".tmp_step_{step:06d}"
+    if fresh:
+        with writing(ckpt_root):
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+        with writing(tmp):
+            tmp.mkdir()
+    return tmp
+
+
+def save(ckpt_root: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
+         optimizer_state: Optional[dict[str, Any]], state: dict[str, Any], keep: int,
+         rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None) -> Path:
     """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `weights`:
-    model_state()'s; `optimizer_state`: an unsharded optimizer's state_dict() (None: weights only). `rng` is every
-    rank's Runtime.rng_state() in rank order (default: this process's host states); `averaged`: EMA.full_weights()
-    (ema.safetensors; None: the run keeps no average, or it has not started). A full disk is DiskFull, with
-    the temp directory removed (its space back) and every earlier checkpoint as it was."""
-    with writing(ckpt_root):
-        ckpt_root.mkdir(parents=True, exist_ok=True)
+    model_state()'s; None for a sharded checkpoint, whose temp_dir() every rank has written its DCP shards into
+    (parallel.save_sharded into its dcp/). `optimizer_state`: an unsharded optimizer's state_dict() (None: weights
+    only, or in the shards). `rng` is every rank's Runtime.rng_state() in rank order (default: this process's host
+    states); `averaged`: EMA.full_weights() (ema.safetensors; None: the run keeps no average, it has not started,
+    or it is in the shards). A full disk is DiskFull, with the temp directory removed (its space back) and every
+    earlier checkpoint as it was."""
     final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_{final.name}"
-    _remove(tmp)
-    with writing(tmp):
-        tmp.mkdir()
+    tmp = temp_dir(ckpt_root, step, fresh=weights is not None)
     try:
         _write_files(tmp, step, weights, optimizer_state, state, rng, averaged)
     except DiskFull:
@@ -421,11 +480,15 @@ def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
             log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step %d, "
                         "not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
         return
-    if not (ckpt / EMA_FILE).is_file():
+    if not has_averaged_weights(ckpt):
         raise ConfigError(f"checkpoint {ckpt}'s {STATE_FILE} says the run kept averaged weights but it holds no "
-                          f"{EMA_FILE}; the checkpoint is damaged: resume from an earlier one (move this one aside).")
+                          f"{EMA_FILE} (nor `ema` shards in {DCP_DIR}/); the checkpoint is damaged: resume from an "
+                          f"earlier one (move this one aside).")
     try:
-        ema.load_weights(load_file(str(ckpt / EMA_FILE)))
+        if is_sharded(ckpt):
+            ema.load_tensors(lambda tensors: parallel.load_sharded_tensors(ckpt / DCP_DIR, "ema", tensors))
+        else:
+            ema.load_weights(load_file(str(ckpt / EMA_FILE)))
     except ValueError as e:
         raise ConfigError(f"checkpoint {ckpt}'s {EMA_FILE} does not fit this run: {e}.") from None
 
@@ -561,7 +624,7 @@ class Checkpointer:
         saved, where = read_state(ckpt), str(ckpt / STATE_FILE)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        if not (ckpt / OPTIMIZER_FILE).is_file():
+        if not (ckpt / OPTIMIZER_FILE).is_file() and not is_sharded(ckpt):
             raise ConfigError(f"checkpoint {ckpt} holds weights only (no {OPTIMIZER_FILE}), so training cannot "
                               f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")
         if missing := [name for name in states if not isinstance(saved.get(name), dict)]:
@@ -574,15 +637,9 @@ class Checkpointer:
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")
+        opt_state = self._load_weights(ckpt, model, optimizer, fix)
         try:
-            load_model_weights(model, ckpt / MODEL_FILE)
-        except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
-        # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        init_device = self.rt.backend.init_device
-        opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=init_device)
-        try:  # the file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards
-            optim.load_state_dict(optimizer, parallel.shard_optimizer_state(optimizer, opt_state))
+            optim.load_state_dict(optimizer, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         for name, component in states.items():
@@ -594,6 +651,24 @@ class Checkpointer:
         self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
         self.last_saved_step = saved["step"]
         return saved
+
+    def _load_weights(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      fix: str) -> dict[str, Any]:
+        """The checkpoint's weights into `model`; its optimizer state cut to this rank's shards, to be loaded."""
+        if is_sharded(ckpt):  # DCP reshards to this world size and layout, whole tensors under ddp included
+            try:
+                return parallel.load_sharded(ckpt / DCP_DIR, model, optimizer)
+            except ValueError as e:
+                raise ConfigError(f"checkpoint {ckpt}'s shards ({DCP_DIR}/) do not fit this run's model and "
+                                  f"optimizer: {e}. {fix}") from None
+        try:
+            load_model_weights(model, ckpt / MODEL_FILE)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
+        # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
+        opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=self.rt.backend.init_device)
+        # The file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards.
+        return parallel.shard_optimizer_state(optimizer, opt_state)
 
     def should_save(self, step: int) -> bool:
         """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it
@@ -609,20 +684,35 @@ class Checkpointer:
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
         rngs = self.rt.gather_objects(self.rt.rng_state())
-        # Every rank: a sharded model's weights and optimizer state are gathered whole onto rank 0, so the files
-        # are the same under ddp and fsdp and any world size resumes them.
-        weights, optimizer_state = parallel.full_state(model, optimizer)
-        averaged = ema.full_weights(keep=self.rt.is_main) if ema is not None and ema.started else None
+        started = ema is not None and ema.started
+        if self.cfg.checkpoint.sharded and parallel.is_sharded(model):
+            self._save_shards(step, model, optimizer, ema.tensors() if started else None)
+            weights, optimizer_state, averaged = None, None, None
+        else:  # every rank: a sharded model's state is gathered whole onto rank 0, the same files as under ddp
+            weights, optimizer_state = parallel.full_state(model, optimizer)
+            weights = model_state(model, weights) if self.rt.is_main else weights
+            averaged = ema.full_weights(keep=self.rt.is_main) if started else None
         if self.rt.is_main:
             state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
                      "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
-            final = save(self.root, step, model_state(model, weights), optimizer_state, state,
+            final = save(self.root, step, weights, optimizer_state, state,
                          keep=self.cfg.checkpoint.keep, rng=rngs, averaged=averaged)
             if self.mirror is not None:
                 self.mirror.upload(final)
         self.rt.barrier()
         self.latest, self.last_saved_step = final, step
         return final
+
+    def _save_shards(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     averaged: Optional[dict[str, torch.Tensor]]) -> None:
+        """checkpoint.sharded: rank 0 makes the temp directory, every rank writes its own shards of the weights,
+        optimizer state and average into its dcp/ (nothing is gathered), and once all are there (the barrier) rank 0
+        lists each file in COMPLETE (save()). The directory must be one every rank sees: a shared filesystem."""
+        tmp = temp_dir(self.root, step, fresh=self.rt.is_main)
+        self.rt.barrier()
+        with writing(tmp / DCP_DIR):
+            parallel.save_sharded(tmp / DCP_DIR, model, optimizer, averaged)
+        self.rt.barrier()
 
     def close(self) -> None:
         """Wait for queued mirror copies; warn once about any that failed. Safe to call again."""

@@ -5,7 +5,7 @@ whole by the checkpointer (its ema.safetensors) under any parallelism."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -116,6 +116,18 @@ class EMA:
             if keep:
                 out[name] = whole.detach().to("cpu").contiguous()
         return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The average by parameter name as it is kept (each rank's DTensor shards under fsdp), for a sharded save."""
+        return dict(zip(self.names, self.averaged or []))
+
+    @torch.no_grad()
+    def load_tensors(self, fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """The average from fill(tensors), which fills each of the named fp32 tensors, laid out as its parameter,
+        in place (a sharded checkpoint's reader)."""
+        tensors = {n: p.detach().to(torch.float32, copy=True) for n, p in zip(self.names, self.params)}
+        fill(tensors)
+        self.averaged = [tensors[n] for n in self.names]
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -1,5 +1,6 @@
-"""Loading a trained model from a run directory, a checkpoint, or a Hugging Face Llama directory; a checkpoint's
-own weights or its averaged ones (train.ema_decay's ema.safetensors)."""
+"""Loading a trained model from a run directory, a checkpoint (whole files, or a sharded one's DCP shards: read in
+this one process whatever world size wrote them), or a Hugging Face Llama directory; a checkpoint's own weights or
+its averaged ones (train.ema_decay's ema.safetensors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     chosen = chosen_weights(ckpt, cfg, weights)
     loaded = Loaded(model, cfg, ckpt, checkpoint.read_state(ckpt)["step"], None, chosen)
     try:
-        checkpoint.load_model_weights(model, ckpt / loaded.weights_file)
+        checkpoint.load_checkpoint_weights(model, ckpt, loaded.weights_file)  # whole files or any rank's shards
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"the weights in {ckpt} do not fit the model its state.json describes: {e}") from None
     model.eval()
@@ -63,7 +64,7 @@ def chosen_weights(ckpt: Path, cfg: Config, weights: str) -> str:
     the checkpoint holds none."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights is one of {WEIGHTS}, not {weights!r}")
-    has_ema = (ckpt / rundirs.EMA_FILE).is_file()
+    has_ema = checkpoint.has_averaged_weights(ckpt)
     if weights == "ema" and not has_ema:
         why = ("its run kept none (train.ema_decay 0)" if not cfg.train.ema_decay else
                f"it is from before train.ema_start ({cfg.train.ema_start})")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -199,3 +201,80 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any
     sharded = {i: {k: cut(params[i], v) for k, v in s.items()} if i < len(params) else s
                for i, s in state["state"].items()}
     return {**state, "state": sharded}
+
+
+# ---------------------------------------------------------------- checkpoint.sharded: each rank writes its own shards
+def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 averaged: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """The model's and optimizer's state (and `averaged`, the EMA's tensors by parameter name) into the directory
+    `path` with torch.distributed.checkpoint: every rank calls it and writes its own shards, no rank gathers
+    anything. DCP's files record each shard's place in its tensor, so any world size and layout loads them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": weights, "optimizer": optimizer_state, **({"ema": averaged} if averaged else {})}
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """save_sharded's weights into `model` (its shards, or whole tensors for an unsharded one: DCP reshards) and
+    the optimizer's state as Optimizer.state_dict() indexes it, cut like the model's parameters, for optim's
+    checked load. Every rank calls it (one process without a process group too). ValueError when the saved state
+    does not fit the model or optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+
+    # The template DCP fills in place: the model's own tensors, and the optimizer's state (initialised by a
+    # zero-learning-rate step where it is empty, which get_state_dict does and which changes no weight).
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    _check_shapes(path, "model", weights)
+    state = {"model": weights, "optimizer": optimizer_state}
+    _dcp_load(path, state)
+    set_model_state_dict(model, state["model"])
+    return _indexed(state["optimizer"])
+
+
+def load_sharded_tensors(path: Path, prefix: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill `tensors` (name -> a tensor of the saved shape: whole, or a DTensor shard) in place from the entries
+    `prefix` ("model", "ema") of save_sharded's files, whatever world size and layout wrote them; in one process
+    without a process group too. ValueError naming what the files lack."""
+    _check_shapes(path, prefix, tensors)
+    _dcp_load(path, {prefix: tensors})
+
+
+def sharded_entries(path: Path) -> set[str]:
+    """The top-level entries ("model", "optimizer", "ema") save_sharded's files at `path` hold, from DCP's
+    metadata (no tensor read)."""
+    return {key.split(".", 1)[0] for key in _metadata(path)}
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def _check_shapes(path: Path, prefix: str, tensors: dict[str, Any]) -> None:
+    """ValueError naming the first tensors saved in another shape (DCP would read the overlap of the two and
+    leave the rest: a model of another width would load half-filled); a DTensor's shape is the whole tensor's."""
+    saved = _metadata(path)
+    wrong = [f"{name} {tuple(saved[key].size)} in the checkpoint vs {tuple(t.shape)} here"
+             for name, t in tensors.items() if (key := f"{prefix}.{name}") in saved
+             and isinstance(t, torch.Tensor) and hasattr(saved[key], "size") and tuple(saved[key].size) != t.shape]
+    if wrong:
+        raise ValueError(f"the shards hold tensors of other shapes: {'; '.join(wrong[:3])}")
+
+
+def _dcp_load(path: Path, state: dict[str, Any]) -> None:
+    """dcp.load into `state` in place; what does not fit as ValueError in one line (DCP's CheckpointException is a
+    BaseException holding one traceback per rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # one process without a process group is a use, not an accident, here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        lines = str(e).strip().splitlines()
+        raise ValueError(lines[-1][:500] if lines else e.__class__.__name__) from None

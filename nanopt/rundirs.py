@@ -55,6 +55,10 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = (
     "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "COMPLETE")
 EMA_FILE = "ema.safetensors"  # the averaged weights (train.ema_decay), when the run keeps them
+# checkpoint.sharded: weights, optimizer state and average as torch.distributed.checkpoint shards (every rank's own
+# files), in place of the three files above; DCP_METADATA, DCP's index of them, marks such a checkpoint.
+DCP_DIR = "dcp"
+DCP_METADATA = f"{DCP_DIR}/.metadata"
 # The files a run appends to: a link at one of them is refused before the run writes anything.
 APPENDED_FILES = (METRICS_FILE, EVALS_FILE)
 

@@ -22,8 +22,8 @@ from nanopt.io import append_jsonl, is_int
 from nanopt.loading import load
 from nanopt.lock import DirLock
 from nanopt.metrics import setup_logging
-from nanopt.rundirs import (CONFIG_FILE, EVALS_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE, evaluation_key, finished,
-                            is_lease, is_run, read_config, read_records, recorded)
+from nanopt.rundirs import (CONFIG_FILE, DCP_METADATA, EVALS_FILE, MODEL_FILE, STATE_FILE, WATCH_LOCK_FILE,
+                            evaluation_key, finished, is_lease, is_run, read_config, read_records, recorded)
 from nanopt.runtime import Runtime
 from nanopt.tokenizer import get_tokenizer
 
@@ -210,7 +210,8 @@ def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float)
                         done.add((step, evaluator.batch_count(cfg)))
                         count += 1
                 except Exception:
-                    vanished = not (ckpt / STATE_FILE).exists() or not (ckpt / MODEL_FILE).exists()
+                    weights = (ckpt / MODEL_FILE).exists() or (ckpt / DCP_METADATA).exists()  # whole or sharded
+                    vanished = not (ckpt / STATE_FILE).exists() or not weights
                     problem = "it was removed while being read (pruned by checkpoint.keep)" if vanished \
                         else verify_checkpoint(ckpt)
                     if problem is None:

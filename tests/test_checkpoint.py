@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import SHORT_ARGS
-from nanopt import checkpoint, loading, rundirs, runtime
+from nanopt import checkpoint, loading, parallel, rundirs, runtime
 from nanopt.config import load_config, parse_overrides
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.model import build_model
@@ -130,6 +130,41 @@ def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
         assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
     assert checkpoint.verify_checkpoint(final) is None and not list(tmp_path.glob(".tmp_*"))
     assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
+
+
+def _sharded_save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, cfg) -> Path:
+    """What Checkpointer.save does under checkpoint.sharded, as the one rank of no process group: the shards into
+    the temp directory's dcp/, then rank 0's save() lists them in COMPLETE."""
+    parallel.save_sharded(checkpoint.temp_dir(root, step) / rundirs.DCP_DIR, model, opt)
+    return checkpoint.save(root, step, None, None, {"config": cfg.to_dict()}, keep=3)
+
+
+def test_a_sharded_checkpoint_is_listed_verified_loaded_whole_and_falls_back_when_a_shard_is_torn(tmp_path):
+    """checkpoint.sharded's DCP files count only as COMPLETE lists them: a truncated shard makes the checkpoint
+    incomplete, and the reader takes the previous one, naming the file (the same rule as model.safetensors). A
+    sharded checkpoint loads whole in one process with no process group (eval, sample, export), and a manifest
+    entry that climbs out of dcp/ is no checkpoint file."""
+    cfg = load_config(None, parse_overrides(SHORT_ARGS))
+    model = build_model(cfg.model, "cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    root = tmp_path / "run" / rundirs.CHECKPOINTS_DIR
+    _sharded_save(root, 2, model, opt, cfg)
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)
+    final = _sharded_save(root, 4, model, opt, cfg)
+    files = json.loads((final / rundirs.COMPLETE_FILE).read_text())["files"]
+    assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "rng.pt", "state.json"]
+    assert not (final / rundirs.MODEL_FILE).exists() and checkpoint.verify_checkpoint(final) is None
+    loaded = loading.load(tmp_path / "run")
+    assert loaded.step == 4 and torch.equal(loaded.model.embed.weight, model.embed.weight)
+    shard = final / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    found, skipped = checkpoint.newest_checkpoint(root)
+    assert found.name == "step_000002" and "dcp/__0_0.distcp has" in skipped[0], skipped
+    assert torch.allclose(loading.load(tmp_path / "run").model.embed.weight, model.embed.weight - 1.0, atol=1e-6)
+    files["dcp/../rng.pt"] = files["rng.pt"]
+    (final / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": 4, "files": files}))
+    assert "no checkpoint file" in checkpoint.verify_checkpoint(final)
 
 
 def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):

@@ -107,6 +107,9 @@ BAD = [
     (["--runtime.parallel=hsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--train.compile=true"], "train.compile"),
+    (["--checkpoint.sharded=true"], "checkpoint.sharded"),  # under ddp: nothing is sharded
+    (["--runtime.parallel=fsdp", "--checkpoint.sharded=true"], "checkpoint.sharded"),  # one process: the same
+    (["--runtime.parallel=fsdp", "--checkpoint.sharded=true", "--checkpoint.mirror=/tmp/m"], "checkpoint.mirror"),
 ]
 
 

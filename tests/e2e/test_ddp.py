@@ -4,6 +4,7 @@ at any world size."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import MUON_ARG, REPO, free_port, run_module, small_overrides, torchrun
+from nanopt import checkpoint, loading
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
 
@@ -167,6 +169,53 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     assert "resuming from" in proc.stderr + proc.stdout and "2 ranks x 2 accum" in proc.stdout
     for other in (fsdp_first, ddp_first):
         _assert_equals_reference(fsdp_reference, other)
+
+
+@pytest.fixture(scope="module")
+def sharded_half(tmp_path_factory) -> Path:
+    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks with checkpoint.sharded: each rank wrote its own DCP shards."""
+    run_dir = tmp_path_factory.mktemp("sharded_half")
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
+                        f"--run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(fsdp_reference, sharded_half,
+                                                                                  tmp_path):
+    """checkpoint.sharded (about 15 s): the step-5 checkpoint holds no model.safetensors but both ranks' DCP
+    shards, each listed in COMPLETE; 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as
+    shards) and save sharded again at 10; the losses, evaluations and final weights (read whole in this process,
+    no process group, as `nanopt eval/sample/export` do) equal the one-rank run to 1e-5."""
+    ckpt = sharded_half / "checkpoints" / "step_000005"
+    listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
+    assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
+    shutil.copytree(sharded_half, tmp_path / "run")
+    proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
+                        f"--run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr + proc.stdout
+    records, expected = _records(tmp_path / "run"), _records(fsdp_reference)
+    assert sorted(records) == list(range(1, 11))
+    for step, (loss, _) in expected.items():
+        assert abs(records[step][0] - loss) < 1e-5, step
+    for weights, name in (("model", "model.safetensors"), ("ema", "ema.safetensors")):
+        loaded = loading.load(tmp_path / "run", weights=weights)
+        assert loaded.step == 10 and checkpoint.is_sharded(loaded.source)
+        whole, own = _final_weights(fsdp_reference, name), loaded.model.state_dict()
+        for key in whole:
+            assert (whole[key] - own[key]).abs().max().item() < 1e-5, (name, key)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_at_world_size_one_under_ddp(fsdp_reference, sharded_half, tmp_path):
+    """DCP reshards on load: one process (no process group) resumes the 2 ranks' shards into the whole model,
+    optimizer and average, trains 6-10 and saves whole: equal to the one-rank run (about 5 s)."""
+    shutil.copytree(sharded_half, tmp_path / "run")
+    assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={tmp_path / 'run'}"]) == 0
+    _assert_equals_reference(fsdp_reference, tmp_path / "run")
 
 
 def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
