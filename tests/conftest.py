@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -66,9 +67,32 @@ def run_module(args: list[str], env: dict | None = None, timeout: float = 300) -
 def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: float = 300,
              env: dict | None = None) -> subprocess.CompletedProcess:
     """Real torchrun on CPU (gloo): `torchrun --standalone --nproc-per-node=N -m nanopt.main ...`."""
+    return torchrun_started(nproc, args, extra, env)(timeout)
+
+
+def torchrun_started(nproc: int, args: list[str], extra: list[str] | None = None,
+                     env: dict | None = None) -> Callable[..., subprocess.CompletedProcess]:
+    """torchrun(...) started in the background: call what this returns to wait for it and get what torchrun()
+    returns. A test trains its one-rank run in this process meanwhile: the CI machine has 2 cores, and a run here
+    keeps one busy (runtime.threads=1). The output goes to files, which never fill up as an unread pipe does."""
     launcher = extra if extra is not None else ["--standalone"]
-    cmd = ["torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", "-m", "nanopt.main", *args]
-    return run_module(cmd, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", "-m", "nanopt.main",
+           *args]
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+    def finished(timeout: float = 300) -> subprocess.CompletedProcess:
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            proc.kill()  # a no-op once it has exited
+        out.seek(0), err.seek(0)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+        out.close(), err.close()
+        return done
+
+    return finished
 
 
 @pytest.fixture

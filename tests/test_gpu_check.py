@@ -1,20 +1,27 @@
 """bench/gpu_check.py --cpu-smoke: the GPU check's own code, run at toy size on CPU so that it cannot rot
-between the sessions that have a GPU (docs/results.md "GPU: one H100" has its figures). Its main(argv) runs in this
-process; the training runs it starts are processes of their own, as on a GPU."""
+between the sessions that have a GPU (docs/results.md "GPU: one H100" has its figures). Some sections run through
+its main(argv) in this process, the others and the quick check as `python bench/gpu_check.py` beside it; the
+training runs it starts are processes of their own, as on a GPU."""
 from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
 import torch
 
-from conftest import bench_module
+from conftest import BENCH, REPO, bench_module
 
-# Every full section a test below reads, in one check: each section's training runs are most of the time, and the
-# 1b section's run is the fp8 section's bf16 baseline (gpu_check runs it once).
-SMOKED_SECTIONS = "env,attention,ddp,ranks2,sample,tasks,fp8,speedrun,1b"
+# Every full section a test below reads, in two checks side by side (the CI machine's 2 cores; each training run
+# has one thread): each section's training runs are most of the time. The 1b section's run is the fp8 section's
+# bf16 baseline (gpu_check runs it once), so the two share the check in a process of its own.
+SMOKED_HERE = "env,attention,ddp,ranks2,sample,tasks,speedrun"
+SMOKED_APART = "fp8,1b"
 
 
 def load_gpu_check():
@@ -28,16 +35,58 @@ def smoke(out: Path, *args: str) -> dict:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         rc = load_gpu_check().main(["--cpu-smoke", "--out", str(out), *args])
+    return read_result(out, rc)
+
+
+def read_result(out: Path, rc: Optional[int], log: str = "") -> dict:
     result = json.loads((out / "gpu_check.json").read_text())
-    assert rc == 0 and not [s for s in result if isinstance(result[s], dict) and "error" in result[s]], result
+    assert rc == 0 and not [s for s in result if isinstance(result[s], dict) and "error" in result[s]], (result, log)
     return result
 
 
+def start(out: Path, *args: str) -> subprocess.Popen:
+    """The same as `python bench/gpu_check.py`, a process of its own that runs while this one smokes other sections
+    (the CI machine has 2 cores; each training run has one thread). Its output goes to OUT/stdout.txt and
+    OUT/stderr.txt, where no pipe can fill up while nobody reads it."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+        return subprocess.Popen([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--out", str(out), *args],
+                                cwd=REPO, stdout=stdout, stderr=stderr,
+                                env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
+
+
+def finish(proc: subprocess.Popen, out: Path) -> tuple[dict, str]:
+    """A started check's JSON report (exit code 0, no section failed) and its standard output."""
+    try:
+        proc.wait(timeout=900)
+    finally:
+        proc.kill()  # a no-op once it has exited
+    log = (out / "stdout.txt").read_text()
+    return read_result(out, proc.returncode, log[-3000:] + (out / "stderr.txt").read_text()[-3000:]), log
+
+
 @pytest.fixture(scope="module")
-def full(tmp_path_factory) -> tuple[dict, str]:
-    """The full check's smoke of SMOKED_SECTIONS: its JSON report and its Markdown report."""
-    out = tmp_path_factory.mktemp("gpu_check")
-    return smoke(out, "--sections", SMOKED_SECTIONS), (out / "gpu_check.md").read_text()
+def quick_started(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The quick check's smoke, started before the full one's so that the two run side by side."""
+    out = tmp_path_factory.mktemp("gpu_quick")
+    proc = start(out, "--quick")
+    yield proc, out
+    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory, quick_started) -> tuple[dict, str]:
+    """The full check's smoke of SMOKED_HERE in this process and of SMOKED_APART in a process of its own at the
+    same time: the sections of both in one JSON report, and both Markdown reports."""
+    here, apart = tmp_path_factory.mktemp("gpu_check"), tmp_path_factory.mktemp("gpu_check_apart")
+    proc = start(apart, "--sections", SMOKED_APART)
+    try:
+        result = smoke(here, "--sections", SMOKED_HERE)
+    finally:
+        other, _ = finish(proc, apart)
+    assert set(SMOKED_APART.split(",")) <= set(other)
+    result.update({name: other[name] for name in SMOKED_APART.split(",")})
+    return result, (here / "gpu_check.md").read_text() + (apart / "gpu_check.md").read_text()
 
 
 @pytest.mark.slow
@@ -136,18 +185,18 @@ def test_cpu_smoke_of_the_gpu_speedrun_config(full):
 # ---------------------------------------------------------------- --quick: the first device call's check
 
 
-def quick(tmp_path: Path, capsys) -> dict:
-    """`bench/gpu_check.py --quick --cpu-smoke`: exit code 0, its JSON report."""
-    result = smoke(tmp_path, "--quick")
-    out = capsys.readouterr().out
-    assert out.rstrip().splitlines()[-1].startswith("gpu_check: ") and "## Goals" in out.split("## Sections")[-1]
-    return result  # the report ends the output, its goals last: a device call's reply shows its tail
+def quick(started: tuple[subprocess.Popen, Path]) -> tuple[dict, Path]:
+    """`bench/gpu_check.py --quick --cpu-smoke`: exit code 0, its JSON report and its --out directory."""
+    proc, out = started
+    result, log = finish(proc, out)
+    assert log.rstrip().splitlines()[-1].startswith("gpu_check: ") and "## Goals" in log.split("## Sections")[-1]
+    return result, out  # the report ends the output, its goals last: a device call's reply shows its tail
 
 
 @pytest.mark.slow
-def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(tmp_path, capsys):
+def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(quick_started):
     gc = load_gpu_check()
-    result = quick(tmp_path, capsys)
+    result, out = quick(quick_started)
     assert result["quick"] and [s for s in gc.gpu_quick.QUICK_SECTIONS if s not in result] == []
     assert not [s for s in gc.gpu_quick.QUICK_SECTIONS if "error" in result[s] or "skipped" in result[s]], result
     assert result["env"]["torchao"] == importlib.import_module("torchao").__version__ and "lm_eval" in result["env"]
@@ -174,7 +223,7 @@ def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(tmp_path, capsy
     fp8_1b = result["fp8_1b"]
     assert fp8_1b["fp8"]["rc"] == 0 == fp8_1b["bf16"]["rc"] and fp8_1b["baseline"]["step_ms"] > 0
     assert fp8_1b["goals"][1]["met"]  # emulated FP8 ends within 0.01 nats of bf16
-    report = (tmp_path / "gpu_check.md").read_text()
+    report = (out / "gpu_check.md").read_text()
     assert "FAILED" not in report and "toy sizes" in report
 
 

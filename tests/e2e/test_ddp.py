@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import MUON_ARG, REPO, free_port, run_module, small_overrides, torchrun
+from conftest import MUON_ARG, REPO, free_port, small_overrides, torchrun, torchrun_started
 from nanopt import checkpoint, loading
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
@@ -55,8 +55,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory, corpus_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("single")
-    proc = run_module(["nanopt.main", *ARGS, f"--run.dir={run_dir}"], env={"OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run([*ARGS, f"--run.dir={run_dir}"]) == 0  # in this process: no interpreter start-up
     return run_dir
 
 
@@ -109,8 +108,9 @@ EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema"
 def test_two_ranks_match_one_rank_with_muon(tmp_path):
     args = [*ARGS, MUON_ARG, *EMA_ARGS]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert run([*args, f"--run.dir={one}"]) == 0  # in this process: the single-rank reference
-    proc = torchrun(2, [*args, f"--run.dir={two}"])
+    finished = torchrun_started(2, [*args, f"--run.dir={two}"])
+    assert run([*args, f"--run.dir={one}"]) == 0  # in this process meanwhile: the single-rank reference
+    proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks x 1 accum" in proc.stdout
     _assert_same_run(one, two)
@@ -160,11 +160,13 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     (pytorch#162338): the logged grad norm would double from step 1 (AdamW's update hardly sees a gradient's scale,
     so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
     fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
+    finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
+    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0  # in this process meanwhile
+    proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    finished = torchrun_started(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
     assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={fsdp_first}"]) == 0  # 1 rank resumes it
-    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0
-    proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
+    proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr + proc.stdout and "2 ranks x 2 accum" in proc.stdout
     for other in (fsdp_first, ddp_first):
@@ -233,10 +235,12 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
     bits) ends 1.3e-3 from one rank here too; losses stay within 4e-5 (AMD EPYC, 2026-11-27)."""
     args = [*FSDP_ARGS, MUON_ARG]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert run([*args, f"--run.dir={one}"]) == 0
-    for steps in ([HALF], []):
-        proc = torchrun(2, [*args, *steps, "--runtime.parallel=fsdp", f"--run.dir={two}"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    finished = torchrun_started(2, [*args, HALF, "--runtime.parallel=fsdp", f"--run.dir={two}"])
+    assert run([*args, f"--run.dir={one}"]) == 0  # in this process meanwhile
+    proc = finished()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(2, [*args, "--runtime.parallel=fsdp", f"--run.dir={two}"])  # resumes the momentum's shards
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr + proc.stdout and "2 ranks x 2 accum" in proc.stdout
     reference, records = _records(one), _records(two)
     assert sorted(records) == list(range(1, 11))

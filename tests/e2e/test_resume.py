@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MUON_ARG, REPO, small_overrides, torchrun, train_short
+from conftest import MUON_ARG, REPO, small_overrides, torchrun, torchrun_started, train_short
 from nanopt import checkpoint, errors, profiling, rundirs
 from nanopt.main import run
 
@@ -182,10 +182,11 @@ def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
     so fsdp equals one rank to rounding (tests/e2e/test_ddp.py), and itself to the bit."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     fsdp = [*ARGS, "--runtime.parallel=fsdp"]
-    proc = torchrun(2, [*fsdp, f"--run.dir={straight}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight_finished = torchrun_started(2, [*fsdp, f"--run.dir={straight}"])  # side by side with the killed one
     proc = torchrun(2, [*fsdp, f"--run.dir={killed}"], extra=["--standalone", "--max-restarts=1"],
                     env={"NANOPT_TEST_HOOK": "kill-in-step:5:1"})
+    straight_proc = straight_finished()
+    assert straight_proc.returncode == 0, straight_proc.stderr[-3000:]
     log = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, log
     assert "test hook kill-in-step:5: SIGKILL" in proc.stderr, log
