@@ -98,8 +98,24 @@ def jobs(root: Path, python: str) -> dict[str, list[Step]]:
         "cpu": [phase("cpu", root / "cpu", OVERRIDES, python)],
         "cpu-muon": [phase("cpu", root / "cpu-muon", [*OVERRIDES, *MUON], python)],
         "cpu-bf16": [phase("cpu", root / "cpu-bf16", [*OVERRIDES, *BF16], python)],
+        # torch 2.9, the floor, whose gloo FSDP2 once summed the ranks' gradients (pytorch#162338): one rank, then
+        # fsdp on two, both in this venv on the plain CPU device.
+        "torch29-fsdp": [floor_step(python, root / "torch29-one", ranks=1),
+                         floor_step(python, root / "torch29-fsdp", ranks=2)],
     }
 
+
+# Accumulation on both sides: 4 micro-steps on one rank, 2 per rank on two.
+FLOOR_ARGS = [*OVERRIDES, "--train.global_batch_tokens=512", "--runtime.device=cpu"]
+
+
+def floor_step(python: str, run_dir: Path, ranks: int) -> Step:
+    """nanopt.main with the venv's torch (2.9) on the plain CPU device: one process, or fsdp under torchrun (gloo)."""
+    launch = ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m"] if ranks > 1 else []
+    fsdp = ["--runtime.parallel=fsdp"] if ranks > 1 else []
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
+    cmd = [python, "-m", *launch, "nanopt.main", *FLOOR_ARGS, *fsdp, f"--run.dir={run_dir}"]
+    return cmd, {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, 0
 
 class Background:
     """The venv build and every chain, in threads; each process at nice 19 and killed if the session ends first."""

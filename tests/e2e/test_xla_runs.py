@@ -173,3 +173,17 @@ def test_xla_without_torch_xla_is_a_clean_error(tmp_path):
                       env={"PJRT_DEVICE": "CPU", "PYTHONPATH": path})
     assert proc.returncode == 2, proc.stderr
     assert 'pip install -e ".[tpu]"' in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_on_the_torch_floor_averages_the_ranks_gradients(runs):
+    """torch 2.9 (the floor, in the XLA venv), fsdp on 2 gloo ranks with accumulation equals one rank: gloo's
+    FSDP2 once summed the ranks' gradients instead of averaging them (pytorch#162338), which would double the
+    logged grad norm from step 1. nanopt also forces SUM reductions plus FSDP2's division under gloo."""
+    rows = {name: [json.loads(line) for line in (runs["root"] / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("torch29-one", "torch29-fsdp")}
+    one, two = ([(r["loss"], r["grad_norm"]) for r in rows[name] if "loss" in r] for name in rows)
+    assert len(one) == len(two) == 12
+    for (loss_a, norm_a), (loss_b, norm_b) in zip(one, two):
+        assert abs(loss_a - loss_b) < 1e-5 and abs(norm_a - norm_b) < 5e-5 * norm_a, (one, two)
+    assert "2 ranks x 2 accum" in runs["torch29-fsdp"]["log"]  # scripts/xla_venv.sh pins torch==2.9.*
