@@ -9,7 +9,9 @@ import argparse
 import datetime
 import os
 import platform
+import queue
 import shlex
+import socket
 import statistics
 import sys
 import time
@@ -21,6 +23,7 @@ if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout, no 
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 
 # nanoGPT's documented CPU shape (4 layers, 4 heads, dim 128, block 64, batch 12) as nanopt overrides: a Llama with
@@ -214,3 +217,30 @@ def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.dev
         return loss.detach()
 
     return step
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable, world: int, args: tuple, what: str) -> object:
+    """`world` spawned processes running worker(rank, world, *args, out); the first result one of them puts on
+    `out` (rank 0's, by convention). A worker that dies fails the bench instead of leaving it waiting forever."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    while True:
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise SystemExit(f"a worker process failed ({what}); its traceback is above")
+    for p in procs:
+        p.join()
+    return result

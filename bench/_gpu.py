@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _common import REPO, spec_peak  # importing _common puts REPO on sys.path: nanopt from this checkout
+from _common import REPO, free_port, spec_peak  # importing _common puts REPO on sys.path: nanopt from this checkout
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -78,12 +77,6 @@ def peak_gib(device: torch.device, fn: Callable[[], Any]) -> Optional[float]:
     fn()
     torch.cuda.synchronize()
     return round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -15,8 +15,6 @@ import argparse
 import dataclasses
 import datetime
 import os
-import queue
-import socket
 import time
 from typing import Optional
 
@@ -126,12 +124,6 @@ def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namesp
     runtime.teardown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse(argv)
     world = 2
@@ -142,21 +134,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                  f"1 proc accumulates {world} micro-steps; {a.precision}; compile={a.compile}",
         "step": "nanopt.train.train_step (no_sync on non-final micro-steps, clip 1.0, fused AdamW) + loss all-reduce",
     }, C.command(__file__, argv))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port, store_port = free_port(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, store_port, a, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    while True:  # a crashed worker must not leave us waiting forever
-        try:
-            result = out.get(timeout=5)
-            break
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise SystemExit("a worker process failed; its traceback is above")
-    for p in procs:
-        p.join()
+    result = C.spawn_ranks(worker, world, (C.free_port(), C.free_port(), a), "the DDP bench")
     times, losses = result["times"], result["losses"]
     print(f"warm-up (2 rounds, incl. compile) {result['warmup_s']:.0f} s\n")
     print(f"{'set-up':20s} | {'step ms':>7s} | {'spread':>6s} | {'tokens/s':>8s}")

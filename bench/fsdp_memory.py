@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import time
 from typing import Any, Optional
 
@@ -114,30 +112,9 @@ def opt_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int, a: argparse.Namespace) -> dict:
     """One world size: `world` spawned ranks; rank 0's result."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, a, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    while True:  # a crashed worker must not leave us waiting forever
-        try:
-            result = out.get(timeout=5)
-            break
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise SystemExit(f"a worker process failed at world size {world}; its traceback is above")
-    for p in procs:
-        p.join()
-    return result
+    return C.spawn_ranks(worker, world, (C.free_port(), a), f"world size {world}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
