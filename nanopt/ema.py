@@ -10,11 +10,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from nanopt.config import Config
-from nanopt.parallel import local_tensor
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    return hasattr(t, "placements")  # a DTensor (parallel.py owns the import that makes one)
+from nanopt.parallel import local_tensor, shard_like, whole
 
 
 class EMA:
@@ -112,9 +108,9 @@ class EMA:
         gathered one tensor at a time); ranks that do not write (keep=False) get {}."""
         out = {}
         for name, a in zip(self.names, self.averaged or []):
-            whole = a.full_tensor() if _sharded(a) else a
+            gathered = whole(a)  # every rank takes part in a sharded average's gather
             if keep:
-                out[name] = whole.detach().to("cpu").contiguous()
+                out[name] = gathered.detach().to("cpu").contiguous()
         return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -143,12 +139,6 @@ class EMA:
         self.averaged = [self._like(p, weights[n]) for n, p in zip(self.names, self.params)]
 
     @staticmethod
-    def _like(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-        value = whole.to(device=local_tensor(p).device, dtype=torch.float32)
-        if not _sharded(p):
-            return value.clone() if value is whole else value
-        # Lazy, as in parallel.py: only an fsdp run has DTensors, and the module costs seconds to import.
-        from torch.distributed.tensor import distribute_tensor
-
-        # src_data_rank=None: every rank read the whole file, so each slices its own shard without communicating.
-        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+    def _like(p: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+        value = saved.to(device=local_tensor(p).device, dtype=torch.float32)
+        return shard_like(p, value.clone() if value is saved else value)

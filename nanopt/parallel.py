@@ -38,8 +38,7 @@ def _dtensor_type() -> Optional[type]:
 def is_sharded(model: nn.Module) -> bool:
     """Whether `model` holds DTensor parameters (fsdp across ranks): every rank must then run its forward passes
     (sampling, evaluation) together, and its state is gathered to be saved."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
@@ -115,9 +114,8 @@ def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextMana
 
 def _replicated(model: nn.Module) -> bool:
     """Whether `model` is sharded on a 2-D (replicate, shard) mesh: hsdp."""
-    dtensor = _dtensor_type()
     p = next(model.parameters(), None)
-    return dtensor is not None and isinstance(p, dtensor) and p.device_mesh.ndim == 2
+    return is_dtensor(p) and p.device_mesh.ndim == 2
 
 
 @contextlib.contextmanager
@@ -133,9 +131,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients to a total norm of max_norm; the norm before clipping, a plain tensor. On sharded
     gradients torch's clip_grad_norm_ sums each shard's squares across ranks (a partial DTensor norm): the norm
     of the whole gradient, equal to DDP's."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    dtensor = _dtensor_type()
-    return norm.full_tensor() if dtensor is not None and isinstance(norm, dtensor) else norm
+    return whole(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def grads_in_buckets(model: nn.Module) -> bool:
@@ -143,10 +139,30 @@ def grads_in_buckets(model: nn.Module) -> bool:
     return isinstance(model, DDP)
 
 
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a DTensor (a parameter, moment or average of a sharded model)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: its shard of a DTensor, the tensor itself otherwise."""
-    dtensor = _dtensor_type()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    return t.to_local() if is_dtensor(t) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered from every rank (every rank calls it), any other tensor as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def shard_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A whole tensor laid out as `p`: this rank's shard of it when p is a DTensor (every rank holds the whole value,
+    read from a file, so each slices its own: src_data_rank=None, no communication), `value` otherwise."""
+    if not is_dtensor(p):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
 
 
 # ---------------------------------------------------------------- the checkpoint's full state, whatever the parallelism
@@ -187,16 +203,12 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any
     """A whole saved optimizer state_dict cut to this rank's shards for a sharded model's optimizer (each moment
     shaped like its parameter takes the parameter's placement; step counts stay whole); as it is otherwise."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    dtensor = _dtensor_type()
-    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
+    if not any(is_dtensor(p) for p in params):
         return state
-    from torch.distributed.tensor import distribute_tensor
 
     def cut(p: torch.Tensor, value: Any) -> Any:
-        if not isinstance(p, dtensor) or not isinstance(value, torch.Tensor) or value.shape != p.shape:
-            return value
-        # src_data_rank=None: every rank read the whole file, so each slices its own shard without communicating.
-        return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
+        shaped = isinstance(value, torch.Tensor) and value.shape == p.shape
+        return shard_like(p, value) if shaped else value
 
     sharded = {i: {k: cut(params[i], v) for k, v in s.items()} if i < len(params) else s
                for i, s in state["state"].items()}
