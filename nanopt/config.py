@@ -269,6 +269,8 @@ class EvalConfig:
     """Validation on a fixed set of windows. eval.batches and eval.seed choose those tokens, so a resume may not
     change them: a val-loss curve that changes its tokens at the resume is two curves."""
     every: int = key(50, "Validate every this many steps; 0 = no periodic validation.", ge=0, safe=True)
+    at_start: bool = key(True, "Also validate the initial weights at step 0 (the curve's first point, about "
+                         "ln(vocab)); a race to a target gains nothing from it.", safe=True, neutral=True)
     batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0)
     seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
                     "measured on the same tokens.")

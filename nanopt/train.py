@@ -168,8 +168,9 @@ def peak_memory(rt: Runtime) -> dict[str, Any]:
 
 
 class Validator:
-    """Validation every `eval.every` steps (and at step 0 and the end): loss, bpb, best loss, speedrun clock. Of
-    the averaged weights under eval.weights=ema (swapped in for the measurement; each record says which)."""
+    """Validation every `eval.every` steps (and at step 0 unless eval.at_start is off, and at the end): loss, bpb,
+    best loss, speedrun clock. Of the averaged weights under eval.weights=ema (swapped in for the measurement; each
+    record says which)."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, batches: Batches,
                  token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
@@ -181,6 +182,8 @@ class Validator:
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every
+        if step == 0:  # before the first step: the initial weights, unless eval.at_start is off
+            return bool(every) and self.cfg.eval.at_start
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def run(self, state: RunState) -> dict[str, float]:

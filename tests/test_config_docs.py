@@ -75,14 +75,14 @@ SAFE = {
     "train.compile_ddp_split",
     "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
-    "checkpoint.start_over", "checkpoint.sharded", "eval.every", "eval.test_at_end",
+    "checkpoint.start_over", "checkpoint.sharded", "eval.every", "eval.at_start", "eval.test_at_end",
     # Downstream tasks score the model outside the step and put the RNG states back (harness.score_model).
     "eval.tasks", "eval.core", "eval.tasks_every", "eval.tasks_limit", "eval.tasks_path",
 }
 SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu"}  # every key in them
 # What does not change results: runs differing only in these (and run.seed) are repeats of one setting.
-NEUTRAL = {"run.name", "run.dir", "run.time_limit_s", "data.verify_checksum", "eval.test_at_end", "log.wandb_project",
-           "eval.tasks", "eval.core", "eval.tasks_every", "eval.tasks_limit", "eval.tasks_path"}
+NEUTRAL = {"run.name", "run.dir", "run.time_limit_s", "data.verify_checksum", "eval.test_at_end", "eval.at_start",
+           "log.wandb_project", "eval.tasks", "eval.core", "eval.tasks_every", "eval.tasks_limit", "eval.tasks_path"}
 NEUTRAL_SECTIONS = {"checkpoint", "sample", "prepare", "mfu"}
 
 

@@ -39,6 +39,12 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     steps = range(1, 13)
     assert [s for s in steps if ckpt.should_save(s)] == [3, 6, 9]
     assert [s for s in steps if evaluator.due(s)] == [4, 8]
+    assert evaluator.due(0)  # the initial weights' loss, the curve's first point
+    cfg.eval.at_start = False
+    assert not evaluator.due(0) and [s for s in steps if evaluator.due(s)] == [4, 8]
+    cfg.eval.at_start, cfg.eval.every = True, 0
+    assert not evaluator.due(0)  # no periodic validation: none at the start either
+    cfg.eval.every = 4
     assert [s for s in steps if tasks.due(s)] == [5, 10]  # and the last step's, from finish()
     run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt, tasks=tasks)
     assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]
