@@ -181,7 +181,7 @@ def _scorer_config(bundle: Path, run_dir: Path, parallel: str = "fsdp") -> Confi
     return load_config(None, parse_overrides([
         f"--runtime.parallel={parallel}", f"--eval.core={bundle}", "--eval.tasks_limit=4", f"--run.dir={run_dir}",
         "--train.precision=fp32", *(f"--model.{k}={getattr(SCORED, k)}" for k in ("dim", "n_layers", "n_heads",
-                                                                                 "n_kv_heads", "ffn_dim"))]))
+                                                                                 "n_kv_heads", "ffn_dim", "max_seq_len"))]))
 
 
 def _sharded_scorer_worker(rank: int, world: int, store: str, bundle: str, run_dir: str) -> None:
@@ -218,14 +218,13 @@ def test_a_sharded_model_is_scored_on_every_rank_as_one_process_scores_it_and_su
     what one process scores on the same weights."""
     bundle = tmp_path / "core"
     write_bundle(bundle, TASK_TEXTS, n=12)
+    cfg = _scorer_config(bundle, tmp_path / "one", parallel="ddp")
+    torch.manual_seed(0)
+    TaskScorer(cfg, CPU, build_model(cfg.model), get_tokenizer("byte")).run(4)  # first: the forks inherit its imports
+    expected = [json.loads(line) for line in (tmp_path / "one" / "evals.jsonl").read_text().splitlines()]
     fork_ranks(_sharded_scorer_worker, 2, (2, str(tmp_path / "store"), str(bundle), str(tmp_path / "run")), timeout=120)
     records = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     failed, scored = [r for r in records if r["step"] == 2], [r for r in records if r["step"] == 4]
     assert [r["task"] for r in failed] == ["core"] and failed[0]["error"] == "rank 1: RuntimeError: the harness broke here"
-    cfg = _scorer_config(bundle, tmp_path / "one", parallel="ddp")
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    TaskScorer(cfg, CPU, model, get_tokenizer("byte")).run(4)
-    expected = [json.loads(line) for line in (tmp_path / "one" / "evals.jsonl").read_text().splitlines()]
     assert [(r["task"], r["scores"]) for r in scored] == [(r["task"], r["scores"]) for r in expected]
     assert len(scored) > 2 and "error" not in json.dumps(scored)
