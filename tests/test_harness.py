@@ -216,6 +216,8 @@ def test_a_sharded_model_is_scored_on_every_rank_as_one_process_scores_it_and_su
     weights from both), the main rank records. A failure on rank 1 alone, mid-scoring, fails the part on both
     (no hang: the fork has a deadline), recorded once with rank 1's cause; the next scoring is whole and records
     what one process scores on the same weights."""
+    import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
+
     bundle = tmp_path / "core"
     write_bundle(bundle, TASK_TEXTS, n=12)
     cfg = _scorer_config(bundle, tmp_path / "one", parallel="ddp")
