@@ -4,7 +4,6 @@ equal to sampling at temperature 0, and what goes into the run directory."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
