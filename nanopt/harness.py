@@ -439,8 +439,7 @@ class TaskScorer:
         mine = None if error is None else (isinstance(error, parallel.Broken), failure_cause(error))
         if not self.sharded:
             return None if mine is None else mine[1]
-        causes = [(broken, rank, text) for rank, c in enumerate(self.rt.gather_objects(mine)) if c is not None
-                  for broken, text in [c]]
+        causes = [(c[0], rank, c[1]) for rank, c in enumerate(self.rt.gather_objects(mine)) if c is not None]
         if not causes:
             return None
         _, rank, text = min(causes)  # an own error before a Broken one, then the lowest rank
