@@ -173,14 +173,14 @@ def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(tmp_path, monk
 
 # ---------------------------------------------------------------- eval.core / eval.tasks during a sharded run
 SCORED = ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256)
+MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
 
 
 def _scorer_config(bundle: Path, run_dir: Path, parallel: str = "fsdp") -> Config:
     run_dir.mkdir(exist_ok=True)
     return load_config(None, parse_overrides([
         f"--runtime.parallel={parallel}", f"--eval.core={bundle}", "--eval.tasks_limit=4", f"--run.dir={run_dir}",
-        "--train.precision=fp32", *(f"--model.{k}={getattr(SCORED, k)}" for k in ("dim", "n_layers", "n_heads",
-                                                                                 "n_kv_heads", "ffn_dim", "max_seq_len"))]))
+        "--train.precision=fp32", *(f"--model.{k}={getattr(SCORED, k)}" for k in MODEL_KEYS)]))
 
 
 def _sharded_scorer_worker(rank: int, world: int, store: str, bundle: str, run_dir: str) -> None:
@@ -226,6 +226,7 @@ def test_a_sharded_model_is_scored_on_every_rank_as_one_process_scores_it_and_su
     fork_ranks(_sharded_scorer_worker, 2, (2, str(tmp_path / "store"), str(bundle), str(tmp_path / "run")), timeout=120)
     records = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     failed, scored = [r for r in records if r["step"] == 2], [r for r in records if r["step"] == 4]
-    assert [r["task"] for r in failed] == ["core"] and failed[0]["error"] == "rank 1: RuntimeError: the harness broke here"
+    assert [r["task"] for r in failed] == ["core"]
+    assert failed[0]["error"] == "rank 1: RuntimeError: the harness broke here"
     assert [(r["task"], r["scores"]) for r in scored] == [(r["task"], r["scores"]) for r in expected]
     assert len(scored) > 2 and "error" not in json.dumps(scored)
