@@ -404,13 +404,6 @@ def _fsdp_not_built(cfg: Config) -> list[tuple[str, str]]:
     if cfg.train.compile:
         out.append(("`train.compile` is true", "Per-block compilation under FSDP2 is not built yet: use "
                     "`--train.compile=false`, or `--runtime.parallel=ddp` to compile."))
-    if cfg.train.init_from:
-        out.append((f"`train.init_from` is {cfg.train.init_from!r}", "Start the run under "
-                    "`--runtime.parallel=ddp`; its checkpoints resume under fsdp."))
-    if cfg.eval.tasks or cfg.eval.core:
-        out.append(("`eval.tasks` or `eval.core` is set", "The task scorer runs on rank 0 alone, and a sharded "
-                    "model needs every rank: score the run's checkpoint afterwards with `nanopt eval`, or use "
-                    "`--runtime.parallel=ddp`."))
     return out
 
 

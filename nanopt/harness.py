@@ -14,11 +14,11 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from nanopt import core, hub, runtime
+from nanopt import core, hub, parallel, runtime
 from nanopt.checkpoint import weights_crc32
 from nanopt.config import Config, comma_list
 from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
@@ -280,9 +280,15 @@ def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list
     return held
 
 
-def failure_records(spec: TaskSpec, step: Optional[int], source: str, error: BaseException) -> list[dict[str, Any]]:
+def failure_cause(error: BaseException) -> str:
+    """A scoring failure in one line of evals.jsonl: a ConfigError's paragraph, else the exception's type and text."""
+    return str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+
+
+def failure_records(spec: TaskSpec, step: Optional[int], source: str,
+                    error: BaseException | str) -> list[dict[str, Any]]:
     """One evals.jsonl record per task of `spec` whose scoring failed: its name and the cause, no scores."""
-    cause = str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+    cause = error if isinstance(error, str) else failure_cause(error)
     return [{"step": step, "time": time.time(), "source": source, "task": name, "error": cause, "scores": {},
              "stderr": {}, "higher_is_better": {}, "samples": None} for name in spec.names()]
 
@@ -363,22 +369,30 @@ def core_records(result: dict[str, Any], step: Optional[int], source: str, **ext
 class TaskScorer:
     """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, each time
     after that step's checkpoint is saved (loop, finish): scoring is an evaluation and never costs trained steps.
-    The main rank scores (the harness runs in one process) on a one-process view of the runtime, so nothing in the
-    scoring waits for the other ranks, while they wait at a barrier. A scoring failure there (task data removed
-    during the run, a harness error) is one warning and a record in evals.jsonl naming the task and the cause, and
-    training goes on; what can be checked before step 1 is (check_tasks). The time is reported and, like
-    validation, outside the training clock."""
+    The harness runs in one process, on a one-process view of the runtime. A whole model: the main rank scores
+    while the others wait at a barrier. A sharded one (fsdp, hsdp): every rank runs the same scoring on the same
+    examples, since each forward gathers weights from all of them, in lockstep (parallel.lockstep: a rank that
+    stops early stops the others at their next forward), and the main rank records. A scoring failure (task data
+    removed during the run, a harness error, on any rank) is one warning and a record in evals.jsonl naming the
+    task and the cause, and training goes on; what can be checked before step 1 is (check_tasks, on every rank
+    that scores). The time is reported and, like validation, outside the training clock."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
         e = cfg.eval
         self.spec = TaskSpec(comma_list(e.tasks), e.tasks_path or None, e.tasks_limit or None, None, e.core or None)
         self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
         self.solo = replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
+        self.sharded = parallel.is_sharded(model)
         self.seconds, self.last_step = 0.0, None
         if not self.spec:  # every rank reads the same config: no collective for a run without tasks
             return
         # An unknown task, unusable task data or a broken bundle is refused before the first step.
-        rt.on_main(lambda: check_tasks(self.spec))
+        if not self.sharded:
+            rt.on_main(lambda: check_tasks(self.spec))
+            return
+        errors = rt.gather_objects(_config_error(lambda: check_tasks(self.spec)))
+        if error := next((e for e in errors if e is not None), None):
+            raise error
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.tasks_every
@@ -386,7 +400,7 @@ class TaskScorer:
 
     def run(self, step: int) -> None:
         t0 = time.perf_counter()
-        if self.rt.is_main:
+        if self.rt.is_main or self.sharded:
             self._score(step)
         self.rt.barrier()
         self.seconds += time.perf_counter() - t0
@@ -395,21 +409,50 @@ class TaskScorer:
     def _score(self, step: int) -> None:
         """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
         failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
-        records = []
-        for part in self.spec.parts():
-            try:
-                records += score_model(self.model, self.tokenizer, self.solo, part, step, "train")
-            except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
-                failed = failure_records(part, step, "train", e)
-                log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()),
-                            failed[0]["error"])
-                records += failed
+        records = [r for part in self.spec.parts() for r in self._score_part(part, step)]
+        if not self.rt.is_main:
+            return
         try:
             record_tasks(self.cfg.run_dir, records)
         except Exception as e:  # e.g. evals.jsonl replaced by a link, or damaged, during the run
             log.warning("step %6d | task scores not recorded in %s: %s", step, EVALS_FILE, e)
         for line in task_lines(records):
             log.info("step %6d | %s", step, line)
+
+    def _score_part(self, part: TaskSpec, step: int) -> list[dict[str, Any]]:
+        records, error = [], None
+        try:
+            with parallel.lockstep(self.model, self.rt):
+                records = score_model(self.model, self.tokenizer, self.solo, part, step, "train")
+        except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
+            error = e
+        if (cause := self._agreed_cause(error)) is None:
+            return records
+        failed = failure_records(part, step, "train", cause)
+        if self.rt.is_main:
+            log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()), cause)
+        return failed
+
+    def _agreed_cause(self, error: Optional[Exception]) -> Optional[str]:
+        """Why the part failed, on every rank alike: under a sharded model a failure on any rank fails it (its
+        scores may have been cut short), named by the first rank whose own error (not Broken) it was."""
+        mine = None if error is None else (isinstance(error, parallel.Broken), failure_cause(error))
+        if not self.sharded:
+            return None if mine is None else mine[1]
+        causes = [(c[0], rank, c[1]) for rank, c in enumerate(self.rt.gather_objects(mine)) if c is not None]
+        if not causes:
+            return None
+        _, rank, text = min(causes)  # an own error before a Broken one, then the lowest rank
+        return text if rank == 0 else f"rank {rank}: {text}"
+
+
+def _config_error(check: Callable[[], None]) -> Optional[ConfigError]:
+    """The ConfigError check() raised, None when it passed."""
+    try:
+        check()
+    except ConfigError as e:
+        return e
+    return None
 
 
 def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", precision: str = "run",

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanopt import rundirs
+from nanopt import parallel, rundirs
 from nanopt.config import Config, ModelConfig, config_from_dict
 from nanopt.errors import ConfigError
 from nanopt.io import as_disk_full, disk_full, fsync, read_json, refuse_link, write_json, writing
@@ -181,7 +181,8 @@ def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: Llama, directory: Path) -> None:
-    """Copy a Hugging Face directory's weights into `model` (same shape), converting dtype."""
+    """Copy a Hugging Face directory's weights into `model` (same shape), converting dtype; a sharded model (fsdp)
+    keeps each rank's shard of them (every rank calls it and reads the files)."""
     ours: dict[str, torch.Tensor] = {}
     for name, t in read_hf_weights(directory).items():
         if _HF_IGNORED.search(name):
@@ -193,7 +194,7 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
     if model.cfg.tie_embeddings:
         ours.pop("lm_head.weight", None)  # transformers may store the tied head too; it is the embedding
     try:
-        missing, unexpected = model.load_state_dict(ours, strict=False)
+        missing, unexpected = parallel.load_weights(model, ours)
     except RuntimeError as e:  # shape mismatch
         raise ConfigError(f"the weights in {directory} do not fit the model: {e}") from None
     missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_embeddings)]

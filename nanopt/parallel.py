@@ -12,7 +12,7 @@ import inspect
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,57 @@ def shard_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
+
+
+# ---------------------------------------------------------------- forwards outside the train step, on every rank
+class Broken(RuntimeError):
+    """Another rank stopped its forwards under lockstep (its own error is the cause)."""
+
+
+class _Vote:
+    """The ranks' agreement before each forward under lockstep: one all_reduce of one integer, how many still run."""
+
+    def __init__(self, rt: Runtime):
+        self.rt, self.broken = rt, False
+
+    def _running(self, me: bool) -> int:
+        return int(self.rt.all_reduce_sum(torch.tensor([int(me)], device=self.rt.device)).item())
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        if self.broken or self._running(True) < self.rt.world_size:
+            self.broken = True  # no second vote from this rank: it is already counted as stopped
+            raise Broken("another rank stopped scoring; its error is the cause")
+
+    def finish(self) -> None:
+        """Vote "stopped" until no rank runs: a rank still running sees the vote fall short and stops too."""
+        while self._running(False):
+            pass
+
+
+@contextlib.contextmanager
+def lockstep(model: nn.Module, rt: Runtime) -> Iterator[None]:
+    """Around forwards every rank runs apart from the train step (task scoring), each rank the same ones: a sharded
+    model's forward is a collective (each block gathers its weights from every rank), so a rank that fails before
+    its last forward would leave the others waiting forever. Each forward (its embedding, the first thing a forward
+    or model.hidden runs) starts with a vote: when a rank has stopped, the others' forward raises Broken and they
+    stop too; on the way out every rank votes "stopped" until all have. A failure inside a forward, between two
+    collectives, still hangs, as it does in training. The root's own weights (embedding, final norm, head) stay
+    gathered throughout, since the scorers call model.hidden and model.logits, which FSDP's forward hooks do not
+    see; the blocks gather theirs in their own calls. Not sharded: nothing."""
+    if not is_sharded(model):
+        yield
+        return
+    with torch.no_grad():  # the root's first forward initialises FSDP's root state; one token, discarded
+        model(torch.zeros(1, 1, dtype=torch.long, device=rt.device))
+    model.unshard()
+    vote = _Vote(rt)
+    hook = model.embed.register_forward_pre_hook(vote.before_forward)
+    try:
+        yield
+    finally:
+        hook.remove()
+        vote.finish()
+        model.reshard()
 
 
 # ---------------------------------------------------------------- the checkpoint's full state, whatever the parallelism

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -93,6 +94,20 @@ def torchrun_started(nproc: int, args: list[str], extra: list[str] | None = None
         return done
 
     return finished
+
+
+def fork_ranks(worker: Callable[..., None], world: int, args: tuple, timeout: float = 120) -> None:
+    """worker(rank, *args) on `world` forked processes (no second torch import), failing the test when one raises or
+    when they have not all finished within `timeout` seconds (a hang: the processes are killed)."""
+    import torch.multiprocessing as mp
+
+    ranks = mp.start_processes(worker, args=args, nprocs=world, start_method="fork", join=False)
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail(f"{world} forked ranks still running after {timeout} s: a hang")
 
 
 @pytest.fixture

@@ -217,3 +217,12 @@ def test_integers_are_parsed_exactly():
     assert (cfg.run.seed, cfg.train.max_steps, cfg.log.every) == (4294967295, 1000, 100)
     big = load_config(None, parse_overrides(["--train.max_steps=9007199254740993"]))  # 2^53 + 1
     assert big.train.max_steps == 9007199254740993
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
+def test_fsdp_and_hsdp_accept_init_from_and_task_scoring(parallel, tmp_path):
+    """train.init_from loads into the shards and eval.tasks / eval.core score on every rank in lockstep under a
+    sharded model (tests/test_hf.py, tests/test_harness.py), so neither is refused."""
+    cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", f"--train.init_from=hf:{tmp_path}",
+                                             "--eval.tasks=hellaswag", f"--eval.core={tmp_path}"]))
+    cfg.runtime.check(cfg)

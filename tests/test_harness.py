@@ -9,15 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CPU
-from nanopt.config import ModelConfig
+from conftest import CPU, TASK_TEXTS, fork_ranks
+from nanopt import core, parallel
+from nanopt.config import Config, ModelConfig, load_config, parse_overrides
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
-from nanopt.harness import _self_contained, _task_manager, evaluate_tasks, lm_class, record_tasks, task_records
+from nanopt.harness import (TaskScorer, _self_contained, _task_manager, evaluate_tasks, lm_class, record_tasks,
+                            task_records)
 from nanopt.hf import export_model
 from nanopt.model import build_model
+from nanopt.runtime import Runtime
 from nanopt.scoring import continuation_scores
-from nanopt.taskgen import make_tasks
+from nanopt.taskgen import make_tasks, write_bundle
+from nanopt.tokenizer import get_tokenizer
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
@@ -165,3 +169,64 @@ def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(tmp_path, monk
     assert [kw.get("include_defaults", True) for kw in built] == [False]
     assert manager.match_tasks(["nanopt_tasks"]) == ["nanopt_tasks"]
     assert not _self_contained(manager.task_index, ["mixed"]) and not _self_contained(manager.task_index, ["nope"])
+
+
+# ---------------------------------------------------------------- eval.core / eval.tasks during a sharded run
+SCORED = ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256)
+MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+
+
+def _scorer_config(bundle: Path, run_dir: Path, parallel: str = "fsdp") -> Config:
+    run_dir.mkdir(exist_ok=True)
+    return load_config(None, parse_overrides([
+        f"--runtime.parallel={parallel}", f"--eval.core={bundle}", "--eval.tasks_limit=4", f"--run.dir={run_dir}",
+        "--train.precision=fp32", *(f"--model.{k}={getattr(SCORED, k)}" for k in MODEL_KEYS)]))
+
+
+def _sharded_scorer_worker(rank: int, world: int, store: str, bundle: str, run_dir: str) -> None:
+    """One gloo rank of an fsdp run scoring CORE twice through TaskScorer: at step 2 rank 1's scorer raises on its
+    second batch (after forwards the others ran too), at step 4 every rank scores."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = _scorer_config(Path(bundle), Path(run_dir))
+    rt = Runtime(kind="cpu", device=torch.device("cpu"), rank=rank, local_rank=rank, world_size=world,
+                 local_world_size=world, precision="fp32")
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    parallel.shard(model, cfg, rt)
+    scorer = TaskScorer(cfg, rt, model, get_tokenizer("byte"))
+    real, calls = core.token_scores, [0]
+
+    def fails_on_rank_one(*args, **kwargs):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 2:
+            raise RuntimeError("the harness broke here")
+        return real(*args, **kwargs)
+
+    core.token_scores = fails_on_rank_one
+    scorer.run(2)
+    core.token_scores = real
+    scorer.run(4)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_sharded_model_is_scored_on_every_rank_as_one_process_scores_it_and_survives_one_rank_failing(tmp_path):
+    """eval.core under fsdp on 2 forked gloo ranks: every rank runs the same forwards in lockstep (each gathers
+    weights from both), the main rank records. A failure on rank 1 alone, mid-scoring, fails the part on both
+    (no hang: the fork has a deadline), recorded once with rank 1's cause; the next scoring is whole and records
+    what one process scores on the same weights."""
+    import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
+
+    bundle = tmp_path / "core"
+    write_bundle(bundle, TASK_TEXTS, n=12)
+    cfg = _scorer_config(bundle, tmp_path / "one", parallel="ddp")
+    torch.manual_seed(0)
+    TaskScorer(cfg, CPU, build_model(cfg.model), get_tokenizer("byte")).run(4)  # first: the forks inherit its imports
+    expected = [json.loads(line) for line in (tmp_path / "one" / "evals.jsonl").read_text().splitlines()]
+    fork_ranks(_sharded_scorer_worker, 2, (2, str(tmp_path / "store"), str(bundle), str(tmp_path / "run")), timeout=120)
+    records = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
+    failed, scored = [r for r in records if r["step"] == 2], [r for r in records if r["step"] == 4]
+    assert [r["task"] for r in failed] == ["core"]
+    assert failed[0]["error"] == "rank 1: RuntimeError: the harness broke here"
+    assert [(r["task"], r["scores"]) for r in scored] == [(r["task"], r["scores"]) for r in expected]
+    assert len(scored) > 2 and "error" not in json.dumps(scored)

@@ -4,14 +4,18 @@ e2e/test_eval_and_export.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import hf_logits, hf_tokenizer, transformers_model
-from nanopt.config import ModelConfig
-from nanopt.hf import export_model
+from conftest import fork_ranks, hf_logits, hf_tokenizer, transformers_model
+from nanopt import parallel
+from nanopt.config import ModelConfig, load_config, parse_overrides
+from nanopt.hf import export_model, init_from
 from nanopt.model import build_model
+from nanopt.runtime import Runtime
 
 torch.set_num_threads(1)
 
@@ -80,3 +84,48 @@ def test_export_includes_hugging_face_tokenizer_files(tmp_path):
     assert copied.encode("Elementary, my dear") == original.encode("Elementary, my dear")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (original.bos_token_id, original.eos_token_id)
+
+
+# ---------------------------------------------------------------- train.init_from into a sharded model
+INIT = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+
+def _init_from_worker(rank: int, world: int, store: str, exported: str, out: str) -> None:
+    """One gloo rank: a tied and an untied model, each sharded (fsdp, then hsdp 2x2 for the untied one at 4
+    ranks) from its own seed, then initialised from the export; saves the gathered weights."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rt = Runtime(kind="cpu", device=torch.device("cpu"), rank=rank, local_rank=rank, world_size=world,
+                 local_world_size=world, precision="fp32")
+    got = {}
+    for tie, args in ((True, ["--runtime.parallel=fsdp"]),
+                      (False, ["--runtime.parallel=hsdp", "--runtime.shard_group_size=2"])):
+        torch.manual_seed(rank)  # every rank different: whatever matches came from the files
+        model = build_model(replace(INIT, tie_embeddings=tie))
+        parallel.shard(model, load_config(None, parse_overrides(["--train.precision=fp32", *args])), rt)
+        init_from(model, f"hf:{exported}/{tie}")
+        got[tie] = {name: parallel.whole(p.detach()) for name, p in model.named_parameters()}
+    torch.save(got, Path(out) / f"{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_init_from_loads_an_export_into_fsdp_and_hsdp_shards_as_one_process_loads_it(tmp_path):
+    """train.init_from=hf:DIR under fsdp (tied head) and hsdp 2x2 (untied) on 4 forked gloo ranks: each rank
+    keeps its shard of the exported weights (saved in bf16, converted to the model's fp32), and the gathered
+    model is the one a single process loads from the same directory, whatever each rank had built."""
+    import torch.distributed.fsdp  # noqa: F401 (here, not in each of the 4 forks: seconds of import)
+
+    expected = {}
+    for tie in (True, False):
+        torch.manual_seed(0)
+        export_model(build_model(replace(INIT, tie_embeddings=tie)), tmp_path / str(tie), dtype=torch.bfloat16)
+        one = build_model(replace(INIT, tie_embeddings=tie))
+        init_from(one, f"hf:{tmp_path / str(tie)}")
+        expected[tie] = dict(one.named_parameters())
+    fork_ranks(_init_from_worker, 4, (4, str(tmp_path / "store"), str(tmp_path), str(tmp_path)), timeout=120)
+    for rank in range(4):
+        got = torch.load(tmp_path / f"{rank}.pt")
+        for tie in (True, False):
+            assert got[tie].keys() == expected[tie].keys()
+            for name, p in expected[tie].items():
+                assert torch.equal(got[tie][name], p.detach()), (rank, tie, name)

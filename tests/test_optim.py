@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import fork_ranks
 from nanopt import optim as optim_module
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.model import build_model
@@ -313,11 +314,12 @@ def test_owners_spread_same_shaped_matrices_and_balance_the_newton_schulz_work()
     assert owners(shapes, 4) == [2, 3, 2, 3, 0, 1, 2]
 
 
-def _split_worker(rank: int, world: int, store: str, out: str) -> None:
-    """One gloo rank: three Muon steps of SPLIT_SHAPES split across the ranks as DDP replicas and as FSDP2 shards,
-    the same gradients on every rank; saves the whole results and the matrices this rank orthogonalised."""
+def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str, out: str) -> None:
+    """One gloo rank: three Muon steps of SPLIT_SHAPES split across the ranks as DDP replicas and as FSDP2 shards
+    on `mesh_shape` ((world,): fsdp; (replicas, group): hsdp), the same gradients on every rank; saves the whole
+    results and the matrices this rank orthogonalised."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -329,7 +331,8 @@ def _split_worker(rank: int, world: int, store: str, out: str) -> None:
     with torch.no_grad():
         for linear, p in zip(model, start):
             linear.weight.copy_(p)
-    fully_shard(model, mesh=torch.distributed.device_mesh.init_device_mesh("cpu", (world,)))
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")  # as parallel._mesh names them
+    fully_shard(model, mesh=torch.distributed.device_mesh.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
     sharded = [m.weight for m in model]
     opts = {"ddp": BatchedMuon(replicas, **SPLIT_KW, process_group=dist.group.WORLD),
             "fsdp": BatchedMuon(sharded, **SPLIT_KW, process_group=dist.group.WORLD)}
@@ -339,23 +342,30 @@ def _split_worker(rank: int, world: int, store: str, out: str) -> None:
         optim_module.orthogonalize = lambda x, *a: done[name].append(tuple(x.shape)) or real(x, *a)
         for step_grads in grads:
             for p, grad in zip(params, step_grads):
-                p.grad = distribute_tensor(grad, p.device_mesh, [Shard(0)]) if isinstance(p, DTensor) else grad
+                p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
             opts[name].step()
     optim_module.orthogonalize = real
     momentum = [opts["fsdp"].state[p]["momentum_buffer"] for p in sharded]
-    assert all(isinstance(m, DTensor) and m.placements == (Shard(0),) for m in momentum)  # the param's layout
+    layout = (Shard(0),) if len(mesh_shape) == 1 else (Replicate(), Shard(0))  # fsdp's, hsdp's
+    assert all(isinstance(m, DTensor) and m.placements == layout for m in momentum)  # the param's layout
     torch.save({"ddp": [p.detach() for p in replicas], "fsdp": [p.full_tensor() for p in sharded],
                 "fsdp_momentum": [m.full_tensor() for m in momentum], "done": done}, Path(out) / f"{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_muon_split_over_two_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_shards(tmp_path):
-    """The owner split over 2 gloo ranks (forked: no second torch import) equals single-rank BatchedMuon after 3
-    steps, to one bf16 ulp of the largest update as above, for DDP replicas and for FSDP2's Shard(0) DTensors (the
-    uneven 5- and 1-row matrices included); the momentum stays sharded like the param; each rank orthogonalised
-    only the matrices it owns, together each exactly once per step."""
-    mp.start_processes(_split_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
-    ranks = [torch.load(tmp_path / f"{r}.pt") for r in (0, 1)]
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp2", "hsdp2x2"])
+def test_muon_split_over_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_or_hsdp_shards(mesh_shape, tmp_path):
+    """The owner split over 2 gloo ranks, or 4 as hsdp's 2 replicas of a 2-rank shard group (forked: no second torch
+    import), equals single-rank BatchedMuon after 3 steps, to one bf16 ulp of the largest update as above, for DDP
+    replicas (split over every rank) and for FSDP2's Shard(0) / hsdp's (Replicate(), Shard(0)) DTensors (the uneven
+    5- and 1-row matrices included); the momentum stays sharded like the param; each rank orthogonalised only the
+    matrices it owns, together each exactly once per step (hsdp: once per shard group, within which the split is
+    fsdp's)."""
+    import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
+
+    world = math.prod(mesh_shape)
+    fork_ranks(_split_worker, world, (world, mesh_shape, str(tmp_path / "store"), str(tmp_path)))
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     g = torch.Generator().manual_seed(0)
     ref = [torch.randn(s, generator=g).requires_grad_() for s in SPLIT_SHAPES]
     opt = BatchedMuon(ref, **SPLIT_KW)
@@ -367,14 +377,16 @@ def test_muon_split_over_two_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_s
     for name in ("ddp", "fsdp"):
         for mine, want in zip(ranks[0][name], ref):
             torch.testing.assert_close(mine, want.detach(), rtol=0, atol=ulp)
-        assert all(torch.equal(a, b) for a, b in zip(ranks[0][name], ranks[1][name]))  # every rank the same
+        for other in ranks[1:]:  # every rank the same
+            assert all(torch.equal(a, b) for a, b in zip(ranks[0][name], other[name]))
     for mine, p in zip(ranks[0]["fsdp_momentum"], ref):
         torch.testing.assert_close(mine, opt.state[p]["momentum_buffer"])
     shapes = [torch.Size(s) for s in SPLIT_SHAPES]
-    owner = owners(shapes, 2)
-    for name in ("ddp", "fsdp"):
-        for r in (0, 1):
-            want = sorted(tuple(shapes[i]) for i in range(len(shapes)) if owner[i] == r) * 3
+    group = mesh_shape[-1]  # the ranks a shard group splits the sharded matrices over
+    for name, split, position in (("ddp", world, lambda r: r), ("fsdp", group, lambda r: r % group)):
+        owner = owners(shapes, split)
+        for r in range(world):
+            want = sorted(tuple(shapes[i]) for i in range(len(shapes)) if owner[i] == position(r)) * 3
             got = sorted(s[-2:] for s in ranks[r]["done"][name] for _ in range(s[0] if len(s) == 3 else 1))
             assert got == sorted(want), (name, r)
 

@@ -138,13 +138,7 @@ def test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure(tmp_path
     tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
     make_tasks(tasks, TASK_TEXTS, n=12)
 
-    def remove_after_the_first_step() -> None:  # the task data goes away while the run trains
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and '"loss"' not in _text(run_dir / "metrics.jsonl"):
-            time.sleep(0.05)
-        (tasks / "nanopt_mc.jsonl").unlink()
-
-    remover = threading.Thread(target=remove_after_the_first_step, daemon=True)
+    remover = threading.Thread(target=_remove_after_the_first_step, args=(run_dir, tasks), daemon=True)
     remover.start()
     proc = torchrun(2, small_overrides(**{
         "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
@@ -156,6 +150,41 @@ def test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure(tmp_path
     assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
     assert sorted(r["step"] for r in records if r["task"] == "core" and "error" not in r) == [20, 40]
     assert {p.name for p in (run_dir / "checkpoints").glob("step_*")} == {"step_000020", "step_000040"}
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_score_together_as_one_process_scores_the_checkpoint_and_survive_a_scoring_failure(tmp_path,
+                                                                                                      task_dir):
+    """Under fsdp every rank scores (each forward gathers weights from both) and the main rank records: the task
+    data removed during the run fails nanopt_mc on every rank alike, recorded once per scoring, and CORE goes on;
+    its step-40 scores are those `nanopt eval` computes in one process from the step-40 checkpoint. No hang: a
+    deadline on the run."""
+    tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
+    make_tasks(tasks, TASK_TEXTS, n=12)
+    remover = threading.Thread(target=_remove_after_the_first_step, args=(run_dir, tasks), daemon=True)
+    remover.start()
+    proc = torchrun(2, small_overrides(**{
+        "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
+        "eval.tasks": "nanopt_mc", "eval.tasks_path": tasks, "eval.core": task_dir / "core", "eval.tasks_limit": 4,
+        "log.every": 1, "runtime.parallel": "fsdp", "train.precision": "fp32"}), timeout=240)
+    remover.join(timeout=10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = evals(run_dir)
+    assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
+    assert all("nanopt_mc.jsonl does not exist" in r["error"] for r in records if "error" in r)
+    trained = {r["task"]: r["scores"] for r in records if r["step"] == 40 and r["task"].startswith("core")}
+    assert len(trained) > 1 and sorted(r["step"] for r in records if r["task"] == "core") == [20, 40]
+    scored, _ = harness.score_checkpoint(run_dir / "checkpoints" / "step_000040",
+                                         harness.TaskSpec([], None, 4, None, str(task_dir / "core")))
+    assert {r["task"]: r["scores"] for r in scored} == trained
+
+
+def _remove_after_the_first_step(run_dir: Path, tasks: Path) -> None:
+    """The task data goes away while the run trains."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and '"loss"' not in _text(run_dir / "metrics.jsonl"):
+        time.sleep(0.05)
+    (tasks / "nanopt_mc.jsonl").unlink()
 
 
 def _text(path: Path) -> str:
