@@ -399,9 +399,6 @@ class RuntimeConfig:
 def _fsdp_not_built(cfg: Config) -> list[tuple[str, str]]:
     """(what the config asks, how to run it) for each combination fsdp does not offer yet."""
     out = []
-    if cfg.train.compile:
-        out.append(("`train.compile` is true", "Per-block compilation under FSDP2 is not built yet: use "
-                    "`--train.compile=false`, or `--runtime.parallel=ddp` to compile."))
     if cfg.train.init_from:
         out.append((f"`train.init_from` is {cfg.train.init_from!r}", "Start the run under "
                     "`--runtime.parallel=ddp`; its checkpoints resume under fsdp."))
