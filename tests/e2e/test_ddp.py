@@ -4,6 +4,7 @@ at any world size."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -264,6 +265,30 @@ def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_refe
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr + proc.stdout and "4 ranks x 1 accum" in proc.stdout
     _assert_equals_reference(fsdp_reference, tmp_path)
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(fsdp_reference,
+                                                                                                tmp_path):
+    """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks): 5
+    steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
+    loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
+    2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
+    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos)."""
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--train.compile=true", "--sample.num_samples=1",
+                        "--sample.max_new_tokens=4", f"--run.dir={tmp_path}"], env={"TORCH_LOGS": "dynamo,recompiles"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traced = re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)
+    assert traced == [("forward", str(REPO / "nanopt" / "model.py"))] * 2, traced
+    assert "Recompiling" not in proc.stderr
+    assert "--- 1 samples from step 5" in proc.stdout
+    records, expected = _records(tmp_path), _records(fsdp_reference)
+    assert sorted(records) == list(range(1, 6))
+    for step, (loss, norm) in records.items():
+        assert abs(expected[step][0] - loss) < 1e-5 and abs(expected[step][1] - norm) < 5e-5 * norm, (step, norm)
+    evaluated, reference = _val(tmp_path), _val(fsdp_reference)
+    for step in (0, 2, 4):
+        assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
 
 
 def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
