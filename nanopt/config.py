@@ -165,7 +165,9 @@ class TrainConfig:
     beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
     eps: float = key(1e-8, "AdamW epsilon.")
     grad_clip: float = key(1.0, "Gradient-norm clipping threshold; 0 = no clipping.", ge=0)
-    compile: bool = key(False, "torch.compile the model; the same state, so a resume may switch.", safe=True)
+    compile: bool = key(False, "torch.compile the training forward: the whole model, or each transformer block "
+                        "under fsdp and hsdp (FSDP2's hooks stay eager between them); evaluation, task scoring and "
+                        "sampling run eager. The same state, so a resume may switch.", safe=True)
     loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing each chunk's "
                                  "logits in backward, so at most chunk × vocab fp32 logits are live; lower it when "
                                  "they dominate memory; 0 = never chunk (fastest when they fit).", ge=0, safe=True)
@@ -353,9 +355,10 @@ class RuntimeConfig:
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0)
     parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
                         "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state "
-                        "sharded across ranks, gathered per block for forward and backward) or hsdp (fsdp within "
-                        "each shard group of `runtime.shard_group_size` ranks, the groups replicas of each other: "
-                        "across nodes, only gradients cross the slow links); one process each without torchrun. "
+                        "sharded across ranks, gathered per block for forward and backward, compiled per block "
+                        "under `train.compile`) or hsdp (fsdp within each shard group of `runtime.shard_group_size` "
+                        "ranks, the groups replicas of each other: across nodes, only gradients cross the slow "
+                        "links); one process each without torchrun. "
                         "Checkpoints are the same files, so a resume may switch (docs/resume.md).",
                         choices=PARALLELISMS)
     shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group (one sharded copy of the model "
