@@ -95,6 +95,23 @@ def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(mo
     assert list(model.state_dict()) == keys
 
 
+def test_compiled_blocks_share_one_graph_per_sequence_length_and_evaluation_adds_none():
+    """compile_blocks as compiled() calls it under a seq_len schedule (static shapes), with dynamo's eager backend
+    (the tracing without inductor's seconds): 3 blocks, 3 lengths (16 again at the end) -> 3 graphs, not 9 (compile
+    time does not grow with depth) and not a dynamic one; a no_grad forward (evaluation) compiles nothing."""
+    model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    train.compile_blocks(model, dynamic=False, backend="eager")
+    for length in (16, 32, 8, 16):
+        x = torch.randint(0, 61, (2, length))
+        model(x, x).backward()
+    with torch.no_grad():
+        model(x, x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- DDP
 
 
