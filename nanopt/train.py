@@ -298,7 +298,9 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan) -> torch.nn.Mod
     lengths = {s.seq_len for s in plan.stages}
     static: dict[str, Any] = {}
     if len(lengths) > 1:
-        # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager.
+        # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager. Two
+        # per length for torch 2.9's frame around an FSDP-managed block (compile_blocks): its guards tell the first
+        # block, whose input is the embedding x0 itself, from the others.
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 2 * len(lengths))
         static = {"dynamic": False}
