@@ -1,6 +1,6 @@
 """Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), two 'nodes' train
-together, and FSDP and HSDP equal them (with AdamW and with Muon; compiled per block too), their checkpoints resuming under any parallelism
-at any world size."""
+together, and FSDP and HSDP equal them (with AdamW and with Muon; compiled per block too), their checkpoints
+resuming under any parallelism at any world size."""
 from __future__ import annotations
 
 import json
