@@ -165,7 +165,9 @@ class TrainConfig:
     beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
     eps: float = key(1e-8, "AdamW epsilon.")
     grad_clip: float = key(1.0, "Gradient-norm clipping threshold; 0 = no clipping.", ge=0)
-    compile: bool = key(False, "torch.compile the model; the same state, so a resume may switch.", safe=True)
+    compile: bool = key(False, "torch.compile the training forward: the whole model, or each transformer block "
+                        "under fsdp and hsdp (FSDP2's hooks stay eager between them); evaluation, task scoring and "
+                        "sampling run eager. The same state, so a resume may switch.", safe=True)
     loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing each chunk's "
                                  "logits in backward, so at most chunk × vocab fp32 logits are live; lower it when "
                                  "they dominate memory; 0 = never chunk (fastest when they fit).", ge=0, safe=True)
@@ -355,9 +357,10 @@ class RuntimeConfig:
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0)
     parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
                         "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state "
-                        "sharded across ranks, gathered per block for forward and backward) or hsdp (fsdp within "
-                        "each shard group of `runtime.shard_group_size` ranks, the groups replicas of each other: "
-                        "across nodes, only gradients cross the slow links); one process each without torchrun. "
+                        "sharded across ranks, gathered per block for forward and backward, compiled per block "
+                        "under `train.compile`) or hsdp (fsdp within each shard group of `runtime.shard_group_size` "
+                        "ranks, the groups replicas of each other: across nodes, only gradients cross the slow "
+                        "links); one process each without torchrun. "
                         "Checkpoints are the same files, so a resume may switch (docs/resume.md).",
                         choices=PARALLELISMS)
     shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group (one sharded copy of the model "
@@ -366,20 +369,15 @@ class RuntimeConfig:
                                           null="the ranks per node, torchrun's LOCAL_WORLD_SIZE")
 
     def check(self, cfg: Config) -> None:
-        """What the parallelism cannot do (yet): each is refused before anything is built."""
+        """What the parallelism cannot do: each is refused before anything is built."""
         if self.shard_group_size is not None and self.parallel != "hsdp":
             raise ConfigError(f"`runtime.shard_group_size` is {self.shard_group_size} but `runtime.parallel` is "
                               f"{self.parallel}: shard groups exist only under hsdp, so the key would be ignored. "
                               f"Use `--runtime.parallel=hsdp`, or drop the key (`--runtime.shard_group_size=null`).")
-        if self.parallel == "ddp":
-            return
-        if self.device == "xla":
+        if self.parallel != "ddp" and self.device == "xla":
             raise ConfigError(f"`runtime.parallel` is {self.parallel} but `runtime.device` is xla: on XLA one process "
                               f"drives every chip through SPMD, a separate path that FSDP2 does not run on. Use "
                               f"`--runtime.parallel=ddp` (the XLA path's default) on TPUs.")
-        for what, fix in _fsdp_not_built(cfg):
-            raise ConfigError(f"`runtime.parallel` is {self.parallel} and {what}, which nanopt does not build under "
-                              f"FSDP yet (issue 38). {fix}")
 
     def hsdp_mesh(self, world_size: int, local_world_size: int) -> tuple[int, int]:
         """hsdp's (replicas, ranks per shard group) on `world_size` ranks, `local_world_size` per node. A group that
@@ -396,15 +394,6 @@ class RuntimeConfig:
             raise ConfigError(f"{named}, the whole world of {world_size} ranks: one shard group and no replicas, "
                               f"which is fsdp. Use `--runtime.parallel=fsdp`, or replicate: {fix[0].lower()}{fix[1:]}.")
         return world_size // group, group
-
-
-def _fsdp_not_built(cfg: Config) -> list[tuple[str, str]]:
-    """(what the config asks, how to run it) for each combination fsdp does not offer yet."""
-    out = []
-    if cfg.train.compile:
-        out.append(("`train.compile` is true", "Per-block compilation under FSDP2 is not built yet: use "
-                    "`--train.compile=false`, or `--runtime.parallel=ddp` to compile."))
-    return out
 
 
 @section(safe=True, neutral=True)  # printed after summary.json

@@ -232,6 +232,10 @@ class Llama(nn.Module):
         # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss); 0 = never
         # chunk. A plain attribute, so tests and benches can change it on a built model.
         self.loss_chunk_tokens = loss_chunk_tokens
+        # The blocks a training forward calls in place of self.layers (train.compile_blocks sets torch.compile'd
+        # ones under fsdp); None = self.layers. A plain list, not registered modules: state_dict keys,
+        # checkpoints, parameters() and the FSDP tree stay those of the eager model.
+        self.training_blocks: Optional[list[nn.Module]] = None
 
     def tie_head(self) -> None:
         """Make the LM head the embedding matrix again, when tied (to_empty and device moves untie them)."""
@@ -274,7 +278,10 @@ class Llama(nn.Module):
         cos = self.rope_cos[start_pos : start_pos + T]
         sin = self.rope_sin[start_pos : start_pos + T]
         x = x0 = self.embed(idx)  # B T C; x0 stays the embedding (residual scalars re-read it every layer)
-        for i, layer in enumerate(self.layers):
+        # A training forward (autograd on, no KV cache) may run compiled blocks; evaluation, scoring and decoding
+        # (no_grad, caches, a growing start_pos) run the eager ones, so they never compile shapes of their own.
+        training = self.training_blocks is not None and caches is None and torch.is_grad_enabled()
+        for i, layer in enumerate(self.training_blocks if training else self.layers):
             x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos, x0=x0, idx=idx)
         return self.norm(x)
 

@@ -291,18 +291,40 @@ class Session:
 
 
 def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan) -> torch.nn.Module:
-    """torch.compile(model) for train.compile. Shapes are static when a seq_len schedule is set: under dynamo's
-    default a second sequence length recompiles the graph with T dynamic, and every later stage then runs that
-    slower dynamic-shape graph; static, each length gets its own graph, once. Under DDP, train.compile_ddp_split
-    chooses whether the graph is split at DDP's buckets (the all-reduces overlap the backward)."""
+    """torch.compile for train.compile: the model the train step calls. Unsharded (ddp, or one process), the whole
+    model; sharded (fsdp, hsdp), each block (compile_blocks) and the model itself is returned. Shapes are static
+    when a seq_len schedule is set: under dynamo's default a second sequence length recompiles the graph with T
+    dynamic, and every later stage then runs that slower dynamic-shape graph; static, each length gets its own
+    graph, once. Under DDP, train.compile_ddp_split chooses whether the graph is split at DDP's buckets (the
+    all-reduces overlap the backward)."""
     torch._dynamo.config.optimize_ddp = t.compile_ddp_split
     lengths = {s.seq_len for s in plan.stages}
-    if len(lengths) == 1:
-        return torch.compile(model)
-    # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager.
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, 2 * len(lengths))
-    return torch.compile(model, dynamic=False)
+    static: dict[str, Any] = {}
+    if len(lengths) > 1:
+        # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager. Two
+        # per length for torch 2.9's frame around an FSDP-managed block (compile_blocks): its guards tell the first
+        # block, whose input is the embedding x0 itself, from the others.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * len(lengths))
+        static = {"dynamic": False}
+    if parallel.is_sharded(model):
+        compile_blocks(model, **static)
+        return model
+    return torch.compile(model, **static)
+
+
+def compile_blocks(model: torch.nn.Module, **options: Any) -> None:
+    """A sharded model compiled per block, as torch's guidance for FSDP2 has it (torchtitan's apply_compile): each
+    block's forward is one graph, FSDP2's hooks around it (the all-gather before, the reshard after, the gradient
+    reduce-scatter in backward) stay eager, where torch runs them (dynamo does not trace them), so a whole-model
+    graph would break at every block anyway. The blocks share one compiled code: dynamo inlines nn modules and
+    guards on their structure, not their identity, so compile time does not grow with depth.
+    Compiled callables only the training forward uses (Llama.training_blocks), after fully_shard, rather than
+    torchtitan's compiled blocks swapped into the module tree or an in-place block.compile(): those change the
+    state_dict keys (`_orig_mod.`) or compile every call of the block, so validation, task scoring and KV-cache
+    decoding (T=1, a growing start_pos, cache arguments) would each compile shapes of their own, hit dynamo's
+    recompile limit and warn; here they run the eager blocks, as the unsharded path runs the eager model."""
+    model.training_blocks = [torch.compile(block, **options) for block in model.layers]
 
 
 def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> Callable:

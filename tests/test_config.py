@@ -106,7 +106,6 @@ BAD = [
     (["--runtime.parallel=hsdp", "--runtime.shard_group_size=0"], "runtime.shard_group_size"),
     (["--runtime.parallel=hsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--runtime.device=xla"], "runtime.device"),
-    (["--runtime.parallel=fsdp", "--train.compile=true"], "train.compile"),
     (["--checkpoint.sharded=true"], "checkpoint.sharded"),  # under ddp: nothing is sharded
     (["--runtime.parallel=fsdp", "--checkpoint.sharded=true"], "checkpoint.sharded"),  # one process: the same
     (["--runtime.parallel=fsdp", "--checkpoint.sharded=true", "--checkpoint.mirror=/tmp/m"], "checkpoint.mirror"),
@@ -151,6 +150,13 @@ def test_hsdp_refuses_shard_groups_that_do_not_tile_or_do_not_replicate(group, w
     with pytest.raises(ConfigError) as e:
         resolve(hsdp(group), world, local)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
+def test_compile_is_accepted_under_fsdp_and_hsdp(parallel):
+    """Per-block compilation (train.compile_blocks) is built: issue 38's refusal of train.compile under fsdp is gone."""
+    cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", "--train.compile=true"]))
+    assert cfg.train.compile and cfg.runtime.parallel == parallel
 
 
 def test_hsdp_at_world_size_one_is_one_process_whatever_its_group_size():

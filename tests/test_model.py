@@ -537,6 +537,41 @@ def test_kv_cache_decoding_matches_the_full_forward_with_every_option():
     assert len(set(cached[:, 7:].flatten().tolist())) > 3  # not a constant stream that would hide a bug
 
 
+class CountingBlock(torch.nn.Module):
+    """Stands in for a compiled block (train.compile_blocks): counts its calls, then runs the block."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block, self.calls = block, 0
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        self.calls += 1
+        return self.block(*args, **kwargs)
+
+
+def test_training_blocks_run_only_in_a_training_forward_and_leave_the_state_dict_alone():
+    """Llama.training_blocks (compiled blocks under fsdp) serve a forward with autograd on and no KV cache, and
+    give its loss; evaluation (no_grad) and decoding (caches) run the eager layers, so they never reach a compiled
+    graph. A plain list: the state_dict keys, parameters and submodules are the eager model's."""
+    model = options_model(**ALL_ON)  # residual scalars and value embeddings: the blocks' keyword arguments too
+    keys, params, modules = list(model.state_dict()), list(model.parameters()), list(model.modules())
+    idx = tokens(2, 16)
+    eager_loss = model(idx, idx)
+    counting = [CountingBlock(block) for block in model.layers]
+    model.training_blocks = counting
+    assert list(model.state_dict()) == keys and list(model.parameters()) == params
+    assert list(model.modules()) == modules
+    assert torch.equal(model(idx, idx), eager_loss)
+    assert [b.calls for b in counting] == [1, 1]
+    with torch.no_grad():
+        model(idx, idx)
+        model(idx)
+    generate(model, idx[:, :4], 3, temperature=0.0, use_cache=True)
+    caches = model.new_caches(2, 8, torch.device("cpu"), torch.float32)
+    model(idx[:, :4], caches=caches, start_pos=0)  # a cached forward with autograd on
+    assert [b.calls for b in counting] == [1, 1]
+
+
 # ---------------------------------------------------------------- Hugging Face: refused, with the fix
 
 

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import free_port, small_overrides
 from nanopt import parallel, runtime, train
-from nanopt.config import TrainConfig, load_config, parse_overrides, to_yaml
+from nanopt.config import ModelConfig, TrainConfig, load_config, parse_overrides, to_yaml
 from nanopt.errors import ConfigError
 from nanopt.model import build_model
 from nanopt.plan import build_plan
@@ -85,6 +85,37 @@ def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_st
         t = TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8)))
         train.compiled(model, t, build_plan(t, 1))
         assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
+
+
+def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(monkeypatch):
+    """Under fsdp (a sharded model) the step calls the model itself, whose training forward runs one compiled
+    callable per block (Llama.training_blocks, each wrapping its FSDP-managed block so FSDP2's hooks run around the
+    graph); the module tree and state_dict keys stay the eager model's. Unsharded, the whole model is compiled."""
+    model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    keys, t = list(model.state_dict()), TrainConfig()
+    assert isinstance(train.compiled(model, t, build_plan(t, 1)), torch._dynamo.eval_frame.OptimizedModule)
+    assert model.training_blocks is None
+    monkeypatch.setattr(parallel, "is_sharded", lambda m: m is model)
+    assert train.compiled(model, t, build_plan(t, 1)) is model
+    assert [b._orig_mod for b in model.training_blocks] == list(model.layers)
+    assert list(model.state_dict()) == keys
+
+
+def test_compiled_blocks_share_one_graph_per_sequence_length_and_evaluation_adds_none():
+    """compile_blocks as compiled() calls it under a seq_len schedule (static shapes), with dynamo's eager backend
+    (the tracing without inductor's seconds): 3 blocks, 3 lengths (16 again at the end) -> 3 graphs, not 9 (compile
+    time does not grow with depth) and not a dynamic one; a no_grad forward (evaluation) compiles nothing."""
+    model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    train.compile_blocks(model, dynamic=False, backend="eager")
+    for length in (16, 32, 8, 16):
+        x = torch.randint(0, 61, (2, length))
+        model(x, x).backward()
+    with torch.no_grad():
+        model(x, x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------- DDP

@@ -1,9 +1,10 @@
 """Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), two 'nodes' train
-together, and FSDP and HSDP equal them (with AdamW and with Muon), their checkpoints resuming under any parallelism
-at any world size."""
+together, and FSDP and HSDP equal them (with AdamW and with Muon; compiled per block too), their checkpoints
+resuming under any parallelism at any world size."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -284,6 +285,31 @@ def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
     losses = {step: loss for step, (loss, _) in _records(tmp_path).items()}
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1] - 0.5, losses
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(fsdp_reference,
+                                                                                                tmp_path):
+    """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks): 5
+    steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
+    loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
+    2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
+    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos)."""
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--train.compile=true", "--sample.num_samples=1",
+                        "--sample.max_new_tokens=4", f"--run.dir={tmp_path}"], env={"TORCH_LOGS": "dynamo,recompiles"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traced = [(name, Path(path).parts[-2:])
+              for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
+    assert traced == [("forward", ("nanopt", "model.py"))] * 2, traced  # Block.forward, once per rank
+    assert "Recompiling" not in proc.stderr
+    assert "--- 1 samples from step 5" in proc.stdout
+    records, expected = _records(tmp_path), _records(fsdp_reference)
+    assert sorted(records) == list(range(1, 6))
+    for step, (loss, norm) in records.items():
+        assert abs(expected[step][0] - loss) < 1e-5 and abs(expected[step][1] - norm) < 5e-5 * norm, (step, norm)
+    evaluated, reference = _val(tmp_path), _val(fsdp_reference)
+    for step in (0, 2, 4):
+        assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
 
 
 def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
