@@ -58,8 +58,9 @@ def test_checkpoint_save_runs(tmp_path, capsys):
 
 @pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
 def test_ablation_runs(tmp_path, capsys):
-    """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at its first evaluation, step 1: the recipe skips step 0's): the summary's
-    keys the table reads; every variant's overrides are checked against the config before it."""
+    """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at its first evaluation:
+    step 1, since the recipe skips step 0's): the summary's keys the table reads; every variant's overrides are
+    checked against the config before it."""
     out = run("ablation", ["--smoke", "--target-bpb", "100", "--json", str(tmp_path / "a.json")], capsys)
     assert "| recipe | 1 ± 0 | 0.0 ± 0.0 | `-` |" in out and "1 variant(s) x 1 seed(s) at toy size" in out
     result = json.loads((tmp_path / "a.json").read_text())["results"]["recipe"][0]
