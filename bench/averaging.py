@@ -129,16 +129,17 @@ def score(run_dir: Path, lasts: list[int], batches: int) -> dict[str, float]:
 
 
 def contrasts(lasts: list[int]) -> list[tuple[str, tuple[str, str], tuple[str, str]]]:
-    """(claim, (arm, weights) that should be lower, (arm, weights) it is tested against)."""
+    """(claim, (arm, weights) that should be lower, (arm, weights) it is tested against). Against the recipe's own
+    figures (cosine, its EMA as it evaluates and its last weights) only the first K of --last: the one chosen first."""
     out = [("EMA vs none", ("cosine", "ema"), ("cosine", "last"))]
     for k in lasts:
         out += [(f"LAWA {k} vs none", ("cosine", f"lawa {k}"), ("cosine", "last")),
                 (f"LAWA {k} vs EMA", ("cosine", f"lawa {k}"), ("cosine", "ema")),
                 (f"constant + LAWA {k} vs WSD with decay", ("constant", f"lawa {k}"), ("wsd", "last"))]
-    out.append(("constant + EMA vs WSD with decay", ("constant", "ema"), ("wsd", "last")))
-    out += [(f"constant + LAWA {k} vs the recipe (cosine + EMA)", ("constant", f"lawa {k}"), ("cosine", "ema"))
-            for k in lasts]
-    return out
+    first = f"lawa {lasts[0]}"
+    return [*out, ("constant + EMA vs WSD with decay", ("constant", "ema"), ("wsd", "last")),
+            (f"constant + LAWA {lasts[0]} vs cosine + EMA", ("constant", first), ("cosine", "ema")),
+            (f"constant + LAWA {lasts[0]} vs cosine", ("constant", first), ("cosine", "last"))]
 
 
 def compare(scores: dict[str, dict[str, dict[str, float]]], lasts: list[int]) -> list[dict[str, Any]]:

@@ -110,7 +110,7 @@ def test_averaging_compares_each_claim_over_seeds():
                 "constant": {"last": 2.95 + wobble, "ema": 2.88 + wobble, "lawa 4": 2.84 + wobble},
                 "wsd": {"last": 2.87 + wobble, "ema": 2.86 + wobble, "lawa 4": 2.87 + wobble}}
     rows = {r["claim"]: r for r in bench("averaging").compare({str(i): seed(i) for i in range(6)}, [4])}
-    assert list(rows)[0] == "EMA vs none" and len(rows) == 6
+    assert list(rows)[0] == "EMA vs none" and len(rows) == 7
     won = rows["constant + LAWA 4 vs WSD with decay"]
     assert won["a_beats_b"] and won["p"] < 0.01 and won["difference"] == pytest.approx(-0.03)
     assert isinstance(won["seeds_needed"], int) and won["seeds_needed"] >= 2
