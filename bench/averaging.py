@@ -42,6 +42,7 @@ import _common as C  # importing _common puts REPO on sys.path: nanopt from this
 
 from nanopt import checkpoint  # noqa: E402
 from nanopt.averaging import average_checkpoints  # noqa: E402
+from nanopt.config import load_config, parse_overrides  # noqa: E402
 from nanopt.experiments import RECORD_ALPHA, seeds_needed, welch  # noqa: E402
 from nanopt.watch import Evaluator, evaluate_checkpoint  # noqa: E402
 
@@ -217,6 +218,9 @@ def run_seeds(a: argparse.Namespace, scores: dict, work: Path) -> dict[str, dict
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse(argv)
     C.check_overrides(__file__, a.config, ARMS, common_overrides(a))
+    if not load_config(a.config, parse_overrides(common_overrides(a))).train.ema_decay:
+        C.bad_input(__file__, f"{a.config} keeps no EMA (train.ema_decay is 0), and every run is scored on its EMA "
+                    f"too; give a config with train.ema_decay above 0 (configs/speedrun-cpu.yaml has 0.95).")
     done = load_done(a)
     C.banner("Weight averaging at a fixed step budget: val bpb of last, EMA and LAWA weights", {
         "config": a.config, "data": a.data or "the config's", "runs": f"{len(ARMS)} arms x {a.seeds} seed(s), "
