@@ -31,6 +31,10 @@ import torch.multiprocessing as mp  # noqa: E402
 NANOGPT_SHAPE = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=4",
                  "--model.ffn_dim=344", "--train.seq_len=64", "--train.micro_batch_size=12",
                  "--train.global_batch_tokens=768"]
+# A recipe's --smoke size (bench/ablation.py, bench/averaging.py): one narrow layer, two-row batches, one thread.
+TOY_RECIPE = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2", "--model.ffn_dim=64",
+              "--train.micro_batch_size=2", "--train.global_batch_tokens=128", "--runtime.threads=1",
+              "--train.warmup_steps=1"]
 
 def cpu_model() -> str:
     from nanopt.hardware import cpu_model_name
@@ -71,6 +75,20 @@ def bad_input(script: str, message: str) -> NoReturn:
     """Bad arguments: one paragraph on stderr naming what and the fix, exit 2 (as nanopt's own commands do)."""
     print(f"bench/{Path(script).name}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def check_overrides(script: str, config: str, table: dict[str, list[str]], common: list[str]) -> None:
+    """Every variant's overrides (after `common`) load on the config, the keys existing and the values fitting,
+    before any run: a misspelt key is exit 2 at once, not an hour in."""
+    from nanopt.config import load_config, parse_overrides
+    from nanopt.errors import ConfigError
+
+    for name, overrides in table.items():
+        try:
+            load_config(config, parse_overrides([*common, *overrides]))
+        except ConfigError as e:
+            bad_input(script, f"variant {name!r} ({' '.join(overrides) or 'no overrides'}) does not load on "
+                      f"{config}: {e}")
 
 
 def progress(message: str) -> None:

@@ -33,15 +33,11 @@ import _common as C  # importing _common puts REPO on sys.path: nanopt from this
 import yaml
 
 from nanopt import rundirs  # noqa: E402
-from nanopt.config import load_config, parse_overrides  # noqa: E402
-from nanopt.errors import ConfigError  # noqa: E402
 
 ADAMW_LRS = ("1e-3", "2e-3", "4e-3")
 # --smoke: the recipe at toy width for at most 2 steps, validated at every step: with a --target-bpb above any
 # loss a run stops at its first validation, and the bench's whole path runs in seconds.
-SMOKE = ["--train.max_steps=2", "--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.n_kv_heads=2",
-         "--model.ffn_dim=64", "--train.micro_batch_size=2", "--train.global_batch_tokens=128", "--eval.every=1",
-         "--eval.batches=1", "--runtime.threads=1", "--train.warmup_steps=1"]
+SMOKE = ["--train.max_steps=2", *C.TOY_RECIPE, "--eval.every=1", "--eval.batches=1"]
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -104,16 +100,6 @@ def choose(table: dict[str, list[str]], only: str) -> dict[str, list[str]]:
     return {name: args for name, args in table.items() if name in wanted}
 
 
-def check_overrides(config: str, table: dict[str, list[str]], common: list[str]) -> None:
-    """Every chosen variant's overrides load on the config (the keys exist, the values fit), before any run."""
-    for name, overrides in table.items():
-        try:
-            load_config(config, parse_overrides([*common, *overrides]))
-        except ConfigError as e:
-            C.bad_input(__file__, f"variant {name!r} ({' '.join(overrides) or 'no overrides'}) does not load on "
-                        f"{config}: {e}")
-
-
 def run_once(config: str, overrides: list[str], target: float, seed: int, run_dir: Path) -> dict:
     """One whole run to the target; `overrides` last, so a variant's own keys win over the bench's."""
     cmd = [sys.executable, "-m", "nanopt.main", "--config", config, f"--run.dir={run_dir}", f"--run.seed={seed}",
@@ -144,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     common += [f"--eval.every={a.eval_every}"] if a.eval_every else []
     if a.smoke:
         a.seeds, common = 1, [*common, *SMOKE]
-    check_overrides(a.config, table, common)
+    C.check_overrides(__file__, a.config, table, common)
     C.banner("Speedrun ablation: steps and seconds to a target", {
         "config": a.config, "target": f"{a.target_bpb} bpb", "data": a.data or "the config's",
         "runs": f"{len(table)} variant(s) x {a.seeds} seed(s)" + (" at toy size (--smoke)" if a.smoke else "")},

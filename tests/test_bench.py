@@ -84,6 +84,65 @@ def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
     assert "model.dimm" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # three training processes: ~10 s on 2 quiet cores
+def test_averaging_runs(tmp_path, capsys):
+    """Three whole runs (cosine, constant, wsd at toy width), each scored as its last weights, their EMA and the
+    mean of its last 2 checkpoints; run again with the same --json, the seed is reused, nothing trains."""
+    kept = tmp_path / "avg.json"
+    out = run("averaging", ["--smoke", "--json", str(kept)], capsys)
+    assert "3 arms x 1 seed(s), 4 steps, a checkpoint every 2, LAWA of the last 2 at toy size" in out
+    scores = json.loads(kept.read_text())["scores"]["0"]
+    assert set(scores) == {"cosine", "constant", "wsd"}
+    for arm in scores.values():
+        assert set(arm) == {"last", "ema", "lawa 2"} and all(0 < bpb < 20 for bpb in arm.values())
+    # The three sets of weights differ, so they were three evaluations, not one three times.
+    assert len({scores["constant"][w] for w in ("last", "ema", "lawa 2")}) == 3
+    assert f"| constant | {scores['constant']['last']:.4f} | " in out
+    assert "| constant + LAWA 2 vs WSD with decay | constant lawa 2 | wsd last | " in out
+    assert "| n/a | n/a | no |" in out  # one seed: nothing to test
+    again = run("averaging", ["--smoke", "--json", str(kept)], capsys)
+    assert again.split("\nval bpb")[1] == out.split("\nval bpb")[1]
+
+
+def test_averaging_compares_each_claim_over_seeds():
+    """Welch one-sided per claim and the seeds it needs; no seeds figure where A is not the lower side."""
+    def seed(i: int) -> dict:
+        wobble = 0.01 * (i % 3)
+        return {"cosine": {"last": 2.90 + wobble, "ema": 2.85 + wobble, "lawa 4": 2.86 + wobble},
+                "constant": {"last": 2.95 + wobble, "ema": 2.88 + wobble, "lawa 4": 2.84 + wobble},
+                "wsd": {"last": 2.87 + wobble, "ema": 2.86 + wobble, "lawa 4": 2.87 + wobble}}
+    rows = {r["claim"]: r for r in bench("averaging").compare({str(i): seed(i) for i in range(6)}, [4])}
+    assert list(rows)[0] == "EMA vs none" and len(rows) == 7
+    won = rows["constant + LAWA 4 vs WSD with decay"]
+    assert won["a_beats_b"] and won["p"] < 0.01 and won["difference"] == pytest.approx(-0.03)
+    assert isinstance(won["seeds_needed"], int) and won["seeds_needed"] >= 2
+    lost = rows["LAWA 4 vs EMA"]  # 0.01 higher: tested (p near 1), and no seeds can show it lower
+    assert lost["testable"] and lost["p"] > 0.5 and not lost["a_beats_b"] and lost["seeds_needed"] is None
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "160", "--every", "20", "--last", "9"], "--last '9': give distinct K from 2 to 8"),
+    (["--steps", "165", "--every", "20", "--last", "2,x"], "from 2 to 9, comma separated (a run of 165 steps"),
+    (["--every", "0"], "--every (0)"),
+    (["--config", str(REPO / "configs" / "tiny.yaml")], "tiny.yaml keeps no EMA (train.ema_decay is 0)"),
+])
+def test_averaging_refuses_a_layout_or_config_it_cannot_average(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench("averaging").main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("bench/averaging.py: ") and words in err, err
+    assert err.count("\n") == 1, err
+
+
+def test_averaging_refuses_a_json_of_other_settings(tmp_path, capsys):
+    kept = tmp_path / "avg.json"
+    kept.write_text(json.dumps({"settings": {"steps": 80}, "scores": {}}))
+    with pytest.raises(SystemExit) as exit:
+        bench("averaging").main(["--json", str(kept)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"--json {kept} holds seeds of other settings" in err and err.count("\n") == 1
+
+
 @pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
 def test_omp_policy_runs(capsys):
     """One real training process; what it measures and each run's result go to stderr as they finish (the full
