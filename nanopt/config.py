@@ -168,6 +168,11 @@ class TrainConfig:
     compile: bool = key(False, "torch.compile the training forward: the whole model, or each transformer block "
                         "under fsdp and hsdp (FSDP2's hooks stay eager between them); evaluation, task scoring and "
                         "sampling run eager. The same state, so a resume may switch.", safe=True)
+    recompute: bool = key(False, "Activation recompute (checkpointing) per transformer block: a training forward "
+                          "keeps only each block's input and runs the block again in backward, a third more FLOPs "
+                          "(counted in hfu, not mfu) for the activation memory of one block instead of all; "
+                          "`nanopt estimate` shows both. Composes with train.compile, ddp, fsdp and hsdp. The same "
+                          "state, so a resume may switch.", safe=True)
     loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing each chunk's "
                                  "logits in backward, so at most chunk × vocab fp32 logits are live; lower it when "
                                  "they dominate memory; 0 = never chunk (fastest when they fit).", ge=0, safe=True)

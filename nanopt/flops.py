@@ -80,12 +80,22 @@ def flops_per_token(m: ModelConfig, seq_len: int, causal_halving: bool = True) -
     return flops_per_token_6n(m) + attention_flops_per_token(m, seq_len, causal_halving)
 
 
-def recompute_flops_per_token(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: int) -> int:
+def recompute_flops_per_token(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: int,
+                              seq_len: int = 0, blocks: bool = False, causal_halving: bool = True) -> int:
     """FLOPs per token that nanopt computes twice: the chunked loss (model.py, `train.loss_chunk_tokens`)
     runs the LM head forward again in backward, 2·vocab·dim per token, whenever a micro-batch holds more
-    positions than one chunk. Nothing else is recomputed (no activation checkpointing in the blocks)."""
+    positions than one chunk; with `train.recompute` (blocks) every block's forward runs again too: its matmuls
+    (2 per weight) and its attention forward (a third of attention_flops_per_token at `seq_len`), all but the MLP's
+    down projection: nothing in backward needs its output, and torch's checkpoint stops the recompute before it."""
+    counts = param_counts(m)
     chunked = 0 < loss_chunk_tokens < micro_batch_tokens
-    return 2 * param_counts(m).lm_head if chunked else 0
+    head = 2 * counts.lm_head if chunked else 0
+    if not blocks:
+        return head
+    down = m.n_layers * math.prod(block_linears(m)["mlp.w2"])
+    block_norms = counts.norms - m.dim  # the final norm is outside the blocks
+    block_forward = 2 * (counts.block_matmuls - down + block_norms + counts.scalars)
+    return head + block_forward + attention_flops_per_token(m, seq_len, causal_halving) // 3
 
 
 @dataclass(frozen=True)
@@ -102,11 +112,14 @@ class TokenFlops:
 
 
 def token_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
-                loss_chunk_tokens: int = 0) -> TokenFlops:
-    """Every FLOPs-per-token figure of a run at this sequence length (micro-batches of micro_batch_size rows)."""
+                loss_chunk_tokens: int = 0, recompute: bool = False) -> TokenFlops:
+    """Every FLOPs-per-token figure of a run at this sequence length (micro-batches of micro_batch_size rows;
+    `recompute`: train.recompute's second forward of every block, in `hardware` only)."""
     model = flops_per_token(m, seq_len, causal_halving)
+    again = recompute_flops_per_token(m, micro_batch_size * seq_len, loss_chunk_tokens, seq_len, recompute,
+                                      causal_halving)
     return TokenFlops(model=model, six_n=flops_per_token_6n(m), full_attention=flops_per_token(m, seq_len, False),
-                      hardware=model + recompute_flops_per_token(m, micro_batch_size * seq_len, loss_chunk_tokens))
+                      hardware=model + again)
 
 
 def estimate(m: ModelConfig, stages: Sequence[tuple[int, int]], hardware: str, gpus: int, mfu: float,

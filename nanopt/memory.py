@@ -29,7 +29,7 @@ class Training:
     micro_batch_size: int
     seq_len: int
     loss_chunk_tokens: int  # train.loss_chunk_tokens (0: the whole micro-batch's logits at once)
-    recompute: bool = False  # per-block activation recompute: a what-if, nanopt has no such key yet
+    recompute: bool = False  # train.recompute: each block's activations recomputed in backward
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,10 @@ def every_parallelism(m: ModelConfig, t: Training, devices: int,
 
 
 def training(cfg: Config, seq_len: int, recompute: bool = False) -> Training:
-    """The Training of a config's stage (its seq_len)."""
+    """The Training of a config's stage (its seq_len); `recompute` as if train.recompute were on."""
     t = cfg.train
-    return Training(t.precision, cfg.optim.name, t.micro_batch_size, seq_len, t.loss_chunk_tokens, recompute)
+    return Training(t.precision, cfg.optim.name, t.micro_batch_size, seq_len, t.loss_chunk_tokens,
+                    recompute or t.recompute)
 
 
 def config_memory(cfg: Config, devices: int, shard_group_size: Optional[int] = None,

@@ -117,7 +117,8 @@ def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
     """Build the run's meter (measuring the CPU peak if needed) and log what MFU is relative to."""
     t = cfg.train
     per_token = functools.partial(token_flops, cfg.model, causal_halving=cfg.mfu.causal_halving,
-                                  micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens)
+                                  micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens,
+                                  recompute=t.recompute)
     peak, where = run_peak(cfg, rt)
     # FP8 matmuls are counted against the dense peak of the run's precision, not an FP8 peak: MFU stays comparable
     # with a bf16 run's, and FP8's gain shows as a higher figure.

@@ -236,6 +236,9 @@ class Llama(nn.Module):
         # ones under fsdp); None = self.layers. A plain list, not registered modules: state_dict keys,
         # checkpoints, parameters() and the FSDP tree stay those of the eager model.
         self.training_blocks: Optional[list[nn.Module]] = None
+        # train.recompute: a training forward keeps each block's input only and runs the block again in backward.
+        # A plain attribute like loss_chunk_tokens; evaluation and decoding keep no activations anyway.
+        self.recompute_blocks = False
 
     def tie_head(self) -> None:
         """Make the LM head the embedding matrix again, when tied (to_empty and device moves untie them)."""
@@ -280,9 +283,14 @@ class Llama(nn.Module):
         x = x0 = self.embed(idx)  # B T C; x0 stays the embedding (residual scalars re-read it every layer)
         # A training forward (autograd on, no KV cache) may run compiled blocks; evaluation, scoring and decoding
         # (no_grad, caches, a growing start_pos) run the eager ones, so they never compile shapes of their own.
-        training = self.training_blocks is not None and caches is None and torch.is_grad_enabled()
-        for i, layer in enumerate(self.training_blocks if training else self.layers):
-            x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos, x0=x0, idx=idx)
+        training = caches is None and torch.is_grad_enabled()
+        blocks = self.training_blocks if training and self.training_blocks is not None else self.layers
+        for i, layer in enumerate(blocks):
+            if training and self.recompute_blocks:
+                # x0 is an argument, not captured: XLA's reentrant checkpoint returns gradients to its inputs only.
+                x = recompute(lambda x, cos, sin, x0, layer=layer: layer(x, cos, sin, x0=x0, idx=idx), x, cos, sin, x0)
+            else:
+                x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos, x0=x0, idx=idx)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

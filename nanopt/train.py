@@ -357,6 +357,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
     model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
                         dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
+    model.recompute_blocks = t.recompute  # train.recompute: each block's activations again in backward
     fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel, rt.process_group)

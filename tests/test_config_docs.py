@@ -72,7 +72,7 @@ def test_each_rule_fits_its_key_and_every_default_obeys_its_rules():
 SAFE = {
     "run.name", "run.dir", "run.time_limit_s", "train.max_steps", "train.compile", "train.target_val_loss",
     "train.target_val_bpb", "train.stop_at_target", "train.init_from", "train.loss_chunk_tokens",
-    "train.compile_ddp_split",
+    "train.compile_ddp_split", "train.recompute",
     "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
     "checkpoint.start_over", "checkpoint.sharded", "eval.every", "eval.at_start", "eval.test_at_end",

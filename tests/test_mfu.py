@@ -90,6 +90,17 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     assert extra == 2 * m.vocab_size * m.dim
     assert chunked_counter.get_total_flops() - (forward + backward) == extra * B * T
 
+    # train.recompute runs every block's forward again in backward: HFU counts it too (the counter leaves out the
+    # blocks' norm gains, elementwise, as above).
+    model.zero_grad(set_to_none=True)
+    model.recompute_blocks = True
+    with FlopCounterMode(display=False) as recomputed_counter:
+        model(idx, idx).backward()
+    blocks = flops.recompute_flops_per_token(m, B * T, 16, T, blocks=True, causal_halving=False) - extra
+    block_norms = norms - m.dim  # two per block; the final norm is not recomputed
+    again = recomputed_counter.get_total_flops() - chunked_counter.get_total_flops()
+    assert again == (blocks - 2 * block_norms) * B * T
+
 
 # ---------------------------------------------------------------- peaks and detection
 
@@ -433,6 +444,14 @@ def test_estimate_shows_8b_fits_80gb_under_fsdp_on_8_and_not_under_ddp(capsys):
     out = capsys.readouterr().out
     assert "NO" in next(line for line in out.splitlines() if line.strip().startswith("ddp "))
     assert "yes (" in next(line for line in out.splitlines() if line.strip().startswith("fsdp over 8"))
+    # With train.recompute on, the rows hold the recomputed activations and the what-if line is left out.
+    assert "--train.recompute=true" in out
+    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--json", "--train.recompute=true"]) == 0
+    recomputed = {row["parallel"]: row for row in json.loads(capsys.readouterr().out)["memory"]["rows"]}
+    assert recomputed["fsdp"]["activations"] == memory["activations_with_block_recompute"]
+    assert recomputed["fsdp"]["activations"] < rows["fsdp"]["activations"] / 4
+    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--train.recompute=true"]) == 0
+    assert "per-block recompute" not in capsys.readouterr().out
 
 
 def test_estimate_adds_an_hsdp_row_for_a_shard_group_and_refuses_one_that_does_not_divide(capsys):

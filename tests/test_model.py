@@ -572,6 +572,33 @@ def test_training_blocks_run_only_in_a_training_forward_and_leave_the_state_dict
     assert [b.calls for b in counting] == [1, 1]
 
 
+def test_recompute_blocks_gives_the_same_loss_and_gradients_and_keeps_only_each_blocks_input():
+    """train.recompute: a training forward keeps each block's input only and runs the block again in backward, with
+    the loss and every gradient of the plain model (the embedding's too, through x0 and the value embeddings). What
+    autograd keeps falls, as nanopt/memory.py counts it; evaluation (no_grad) is untouched."""
+    model = options_model(**ALL_ON)  # residual scalars re-read x0, value embeddings read idx: both reach the blocks
+    idx = tokens(2, 16)
+
+    def loss_grads_and_saved_bytes() -> tuple[torch.Tensor, list[torch.Tensor], int]:
+        model.zero_grad(set_to_none=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = model(idx, idx)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], sum(saved)
+
+    plain = loss_grads_and_saved_bytes()
+    model.recompute_blocks = True
+    again = loss_grads_and_saved_bytes()
+    assert torch.equal(again[0], plain[0])
+    for ours, theirs in zip(again[1], plain[1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert again[2] < plain[2] / 2, (again[2], plain[2])  # the blocks' activations are gone until backward
+    with torch.no_grad():
+        assert torch.equal(model(idx, idx), plain[0])
+
+
 # ---------------------------------------------------------------- Hugging Face: refused, with the fix
 
 

@@ -131,6 +131,7 @@ def _memory_lines(cfg, memory: dict) -> list[str]:
         mark = "  <- runtime.parallel" if m.parallel == memory["config_parallel"] else ""
         lines.append(f"    {name:<14}{gb(m.params):>10}{gb(m.grads):>10}{gb(m.optimizer):>11}{gb(m.activations):>13}"
                      f"{gb(m.total):>11}  {fits}{mark}")
-    lines.append(f"    activations with per-block recompute (not a nanopt option yet): "
-                 f"{gb(memory['activations_with_block_recompute'])}")
+    if not cfg.train.recompute:
+        lines.append(f"    activations with per-block recompute (--train.recompute=true): "
+                     f"{gb(memory['activations_with_block_recompute'])}")
     return lines

@@ -290,13 +290,15 @@ def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(fsdp_reference,
                                                                                                 tmp_path):
-    """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks): 5
-    steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
+    """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks), each
+    block recomputed in backward (train.recompute: the compiled block runs again, FSDP2 gathers its weights again):
+    5 steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
     loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
     2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
     the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos)."""
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--train.compile=true", "--sample.num_samples=1",
-                        "--sample.max_new_tokens=4", f"--run.dir={tmp_path}"], env={"TORCH_LOGS": "dynamo,recompiles"})
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--train.compile=true", "--train.recompute=true",
+                        "--sample.num_samples=1", "--sample.max_new_tokens=4", f"--run.dir={tmp_path}"],
+                    env={"TORCH_LOGS": "dynamo,recompiles"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     traced = [(name, Path(path).parts[-2:])
               for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
@@ -307,6 +309,10 @@ def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_witho
     assert sorted(records) == list(range(1, 6))
     for step, (loss, norm) in records.items():
         assert abs(expected[step][0] - loss) < 1e-5 and abs(expected[step][1] - norm) < 5e-5 * norm, (step, norm)
+    timed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in timed if r.get("mfu")]
+    # hfu counts the blocks' second forward (without train.recompute it equals mfu here: no chunked loss)
+    assert timed and all(r["hfu"] > 1.1 * r["mfu"] for r in timed), [r["hfu"] / r["mfu"] for r in timed]
     evaluated, reference = _val(tmp_path), _val(fsdp_reference)
     for step in (0, 2, 4):
         assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
