@@ -135,18 +135,7 @@ def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, c
 def test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure(tmp_path, task_dir):
     """Under torchrun the main rank scores alone while the others wait: CORE (which gathers over ranks when all
     of them score) must not wait for ranks that are not scoring, and a failing task must not leave them waiting."""
-    tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
-    make_tasks(tasks, TASK_TEXTS, n=12)
-
-    remover = threading.Thread(target=_remove_after_the_first_step, args=(run_dir, tasks), daemon=True)
-    remover.start()
-    proc = torchrun(2, small_overrides(**{
-        "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
-        "eval.tasks": "nanopt_mc", "eval.tasks_path": tasks, "eval.core": task_dir / "core", "eval.tasks_limit": 4,
-        "log.every": 1}), timeout=240)
-    remover.join(timeout=10)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = evals(run_dir)
+    run_dir, records = _two_ranks_losing_their_task_data(tmp_path, task_dir)
     assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
     assert sorted(r["step"] for r in records if r["task"] == "core" and "error" not in r) == [20, 40]
     assert {p.name for p in (run_dir / "checkpoints").glob("step_*")} == {"step_000020", "step_000040"}
@@ -159,17 +148,8 @@ def test_fsdp_ranks_score_together_as_one_process_scores_the_checkpoint_and_surv
     data removed during the run fails nanopt_mc on every rank alike, recorded once per scoring, and CORE goes on;
     its step-40 scores are those `nanopt eval` computes in one process from the step-40 checkpoint. No hang: a
     deadline on the run."""
-    tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
-    make_tasks(tasks, TASK_TEXTS, n=12)
-    remover = threading.Thread(target=_remove_after_the_first_step, args=(run_dir, tasks), daemon=True)
-    remover.start()
-    proc = torchrun(2, small_overrides(**{
-        "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
-        "eval.tasks": "nanopt_mc", "eval.tasks_path": tasks, "eval.core": task_dir / "core", "eval.tasks_limit": 4,
-        "log.every": 1, "runtime.parallel": "fsdp", "train.precision": "fp32"}), timeout=240)
-    remover.join(timeout=10)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = evals(run_dir)
+    run_dir, records = _two_ranks_losing_their_task_data(tmp_path, task_dir, **{"runtime.parallel": "fsdp",
+                                                                                "train.precision": "fp32"})
     assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
     assert all("nanopt_mc.jsonl does not exist" in r["error"] for r in records if "error" in r)
     trained = {r["task"]: r["scores"] for r in records if r["step"] == 40 and r["task"].startswith("core")}
@@ -177,6 +157,22 @@ def test_fsdp_ranks_score_together_as_one_process_scores_the_checkpoint_and_surv
     scored, _ = harness.score_checkpoint(run_dir / "checkpoints" / "step_000040",
                                          harness.TaskSpec([], None, 4, None, str(task_dir / "core")))
     assert {r["task"]: r["scores"] for r in scored} == trained
+
+
+def _two_ranks_losing_their_task_data(tmp_path: Path, task_dir: Path, **extra) -> tuple[Path, list[dict]]:
+    """A 2-rank torchrun of 40 steps scoring nanopt_mc and CORE every 20, whose nanopt_mc data is removed after its
+    first step; it must end 0 within a deadline. Its run directory and evals.jsonl records."""
+    tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
+    make_tasks(tasks, TASK_TEXTS, n=12)
+    remover = threading.Thread(target=_remove_after_the_first_step, args=(run_dir, tasks), daemon=True)
+    remover.start()
+    proc = torchrun(2, small_overrides(**{
+        "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
+        "eval.tasks": "nanopt_mc", "eval.tasks_path": tasks, "eval.core": task_dir / "core", "eval.tasks_limit": 4,
+        "log.every": 1, **extra}), timeout=240)
+    remover.join(timeout=10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, evals(run_dir)
 
 
 def _remove_after_the_first_step(run_dir: Path, tasks: Path) -> None:
