@@ -287,7 +287,8 @@ class Llama(nn.Module):
         blocks = self.training_blocks if training and self.training_blocks is not None else self.layers
         for i, layer in enumerate(blocks):
             if training and self.recompute_blocks:
-                # x0 is an argument, not captured: XLA's reentrant checkpoint returns gradients to its inputs only.
+                # x0 is an argument, not captured: XLA's reentrant checkpoint returns gradients to its inputs only;
+                # `layer` is bound now, since backward calls the function again after the loop has moved on.
                 x = recompute(lambda x, cos, sin, x0, layer=layer: layer(x, cos, sin, x0=x0, idx=idx), x, cos, sin, x0)
             else:
                 x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos, x0=x0, idx=idx)
