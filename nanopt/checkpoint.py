@@ -312,14 +312,16 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 def _write_files(tmp: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
                  optimizer_state: Optional[dict[str, Any]], state: dict[str, Any], rng: Optional[list[dict[str, Any]]],
-                 averaged: Optional[dict[str, torch.Tensor]]) -> None:
+                 averaged: Optional[dict[str, torch.Tensor]], sealed: dict[str, dict[str, int]]) -> None:
     """Every file of the checkpoint into the new directory `tmp`, COMPLETE last; DiskFull naming the one that did
-    not fit. `weights` None: every rank wrote its shards into tmp/dcp (checkpoint.sharded); they are listed."""
+    not fit. `weights` None: every rank wrote its shards into tmp/dcp (checkpoint.sharded); they are listed, from
+    `sealed` (seal_own_shards' entries of every rank) where it has them, else read back here."""
     sealer = _Sealer(tmp)
     try:
         if weights is None:
             for path in sorted((tmp / DCP_DIR).iterdir()):
-                sealer.seal(path)
+                if path.relative_to(tmp).as_posix() not in sealed:
+                    sealer.seal(path)
         else:  # one metadata entry only: safetensors writes a map, and its order is not stable across processes
             sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
@@ -335,7 +337,7 @@ def _write_files(tmp: Path, step: int, weights: Optional[dict[str, torch.Tensor]
         sealer.pool.shutdown(wait=True, cancel_futures=True)
         raise
     with writing(tmp):  # an fsync can be the first to hear of a full disk
-        files = sealer.manifest()
+        files = {**sealed, **sealer.manifest()} if weights is None else sealer.manifest()
         if weights is None:
             fsync(tmp / DCP_DIR)
     write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
@@ -355,20 +357,40 @@ def temp_dir(ckpt_root: Path, step: int, fresh: bool = True) -> Path:
     return tmp
 
 
+def seal_own_shards(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
+    """checkpoint.sharded: the files in tmp/dcp that this rank wrote (DCP names them `__RANK_N.distcp`; rank 0 also
+    takes the rest, its `.metadata`), fsynced, with the size and crc32 COMPLETE lists them under. Each rank reads
+    back only its own shards, from its own node's page cache, all ranks at once: rank 0 alone would read the whole
+    checkpoint again (configs/8b.yaml's weights and AdamW state: 96 GB) while every other rank waits for it."""
+    sealer = _Sealer(tmp)
+    try:
+        for path in sorted((tmp / DCP_DIR).iterdir()):
+            owner = re.match(r"__(\d+)_", path.name)
+            if (int(owner.group(1)) if owner else 0) == rank:
+                sealer.seal(path)
+    except BaseException:
+        sealer.pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    with writing(tmp / DCP_DIR):
+        return sealer.manifest()
+
+
 def save(ckpt_root: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
          optimizer_state: Optional[dict[str, Any]], state: dict[str, Any], keep: int,
-         rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None) -> Path:
+         rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None,
+         sealed: Optional[dict[str, dict[str, int]]] = None) -> Path:
     """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `weights`:
     model_state()'s; None for a sharded checkpoint, whose temp_dir() every rank has written its DCP shards into
     (parallel.save_sharded into its dcp/). `optimizer_state`: an unsharded optimizer's state_dict() (None: weights
     only, or in the shards). `rng` is every rank's Runtime.rng_state() in rank order (default: this process's host
     states); `averaged`: EMA.full_weights() (ema.safetensors; None: the run keeps no average, it has not started,
-    or it is in the shards). A full disk is DiskFull, with the temp directory removed (its space back) and every
-    earlier checkpoint as it was."""
+    or it is in the shards); `sealed`: the shard files every rank has already fsynced and summed (seal_own_shards).
+    A full disk is DiskFull, with the temp directory removed (its space back) and every earlier checkpoint as it
+    was."""
     final = ckpt_root / f"step_{step:06d}"
     tmp = temp_dir(ckpt_root, step, fresh=weights is not None)
     try:
-        _write_files(tmp, step, weights, optimizer_state, state, rng, averaged)
+        _write_files(tmp, step, weights, optimizer_state, state, rng, averaged, sealed or {})
     except DiskFull:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -685,8 +707,9 @@ class Checkpointer:
             return final
         rngs = self.rt.gather_objects(self.rt.rng_state())
         started = ema is not None and ema.started
+        sealed: dict[str, dict[str, int]] = {}
         if self.cfg.checkpoint.sharded and parallel.is_sharded(model):
-            self._save_shards(step, model, optimizer, ema.tensors() if started else None)
+            sealed = self._save_shards(step, model, optimizer, ema.tensors() if started else None)
             weights, optimizer_state, averaged = None, None, None
         else:  # every rank: a sharded model's state is gathered whole onto rank 0, the same files as under ddp
             weights, optimizer_state = parallel.full_state(model, optimizer)
@@ -696,7 +719,7 @@ class Checkpointer:
             state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
                      "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
             final = save(self.root, step, weights, optimizer_state, state,
-                         keep=self.cfg.checkpoint.keep, rng=rngs, averaged=averaged)
+                         keep=self.cfg.checkpoint.keep, rng=rngs, averaged=averaged, sealed=sealed)
             if self.mirror is not None:
                 self.mirror.upload(final)
         self.rt.barrier()
@@ -704,15 +727,24 @@ class Checkpointer:
         return final
 
     def _save_shards(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     averaged: Optional[dict[str, torch.Tensor]]) -> None:
+                     averaged: Optional[dict[str, torch.Tensor]]) -> dict[str, dict[str, int]]:
         """checkpoint.sharded: rank 0 makes the temp directory, every rank writes its own shards of the weights,
-        optimizer state and average into its dcp/ (nothing is gathered), and once all are there (the barrier) rank 0
-        lists each file in COMPLETE (save()). The directory must be one every rank sees: a shared filesystem."""
+        optimizer state and average into its dcp/ (nothing is gathered) and fsyncs and sums them (seal_own_shards);
+        the entries of every rank, for rank 0 to list in COMPLETE (save()). A rank's failure to seal is raised on
+        every rank. The directory must be one every rank sees: a shared filesystem."""
         tmp = temp_dir(self.root, step, fresh=self.rt.is_main)
         self.rt.barrier()
         with writing(tmp / DCP_DIR):
             parallel.save_sharded(tmp / DCP_DIR, model, optimizer, averaged)
-        self.rt.barrier()
+        try:
+            mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = (seal_own_shards(tmp, self.rt.rank), None)
+        except OSError as e:  # gathered, so that every rank raises it rather than waiting for the failed one
+            mine = ({}, e)
+        parts = self.rt.gather_objects(mine)  # also the barrier: every rank's shards are on disk after it
+        for _, error in parts:
+            if error is not None:
+                raise error
+        return {name: entry for files, _ in parts for name, entry in files.items()}
 
     def close(self) -> None:
         """Wait for queued mirror copies; warn once about any that failed. Safe to call again."""

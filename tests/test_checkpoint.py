@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHORT_ARGS
+from conftest import SHORT_ARGS, fork_ranks
 from nanopt import checkpoint, loading, parallel, rundirs, runtime
 from nanopt.config import load_config, parse_overrides
 from nanopt.errors import ConfigError, DiskFull
@@ -165,6 +165,59 @@ def test_a_sharded_checkpoint_is_listed_verified_loaded_whole_and_falls_back_whe
     files["dcp/../rng.pt"] = files["rng.pt"]
     (final / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": 4, "files": files}))
     assert "no checkpoint file" in checkpoint.verify_checkpoint(final)
+
+
+def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
+    """One gloo rank of a 2-rank fsdp model: Checkpointer.save's sharded path (every rank writes its shards and
+    fsyncs and sums its own), recording which files this rank read back; then a save where rank 1's fsync fails."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rt = runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
+    cfg = load_config(None, parse_overrides([*SHORT_ARGS, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
+                                             f"--run.dir={root}"]))
+    model = build_model(cfg.model, "cpu")
+    parallel.shard(model, cfg, rt)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only save()'s collaborators are needed
+    ckpt.cfg, ckpt.rt, ckpt.root, ckpt.run_dir, ckpt.data, ckpt.mirror = cfg, rt, Path(root) / "checkpoints", \
+        Path(root), {}, None
+    ckpt.latest, ckpt.last_saved_step = None, None
+    read: list[str] = []
+    summed = checkpoint.crc32_of
+    checkpoint.crc32_of = lambda path: read.append(Path(path).name) or summed(path)
+    ckpt.save(2, model, opt, {})
+    (Path(root) / f"read{rank}.json").write_text(json.dumps(read))
+    real_fsync = checkpoint.fsync
+    checkpoint.fsync = lambda path: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error", str(path))) \
+        if rank == 1 and Path(path).suffix == ".distcp" else real_fsync(path)
+    try:
+        ckpt.save(4, model, opt, {})
+    except OSError as e:
+        (Path(root) / f"error{rank}.txt").write_text(str(e))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_each_rank_reads_back_only_its_own_shards_and_a_rank_failing_to_seal_fails_every_rank(tmp_path):
+    """checkpoint.sharded on 2 forked fsdp ranks: rank 1 sums its own DCP file and rank 0 its own and the metadata,
+    never rank 1's (at 8B that would be the whole checkpoint read again by one rank); COMPLETE lists all of them
+    and the checkpoint verifies. When rank 1 cannot fsync its shard, both ranks raise that error (no rank waits
+    for the failed one) and no step_000004 appears."""
+    import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
+
+    root = tmp_path / "run"
+    root.mkdir()
+    fork_ranks(_seal_worker, 2, (2, str(tmp_path / "store"), str(root)), timeout=120)
+    read = {rank: sorted(name for name in json.loads((root / f"read{rank}.json").read_text())
+                         if name.endswith(".distcp") or name == ".metadata") for rank in (0, 1)}
+    assert read[0] == [".metadata", "__0_0.distcp"] and read[1] == ["__1_0.distcp"], read
+    final = root / "checkpoints" / "step_000002"
+    files = json.loads((final / rundirs.COMPLETE_FILE).read_text())["files"]
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(files)
+    assert checkpoint.verify_checkpoint(final) is None
+    for rank in (0, 1):
+        assert "__1_0.distcp" in (root / f"error{rank}.txt").read_text(), rank
+    assert not (root / "checkpoints" / "step_000004").exists()
 
 
 def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):
