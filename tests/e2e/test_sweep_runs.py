@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -131,12 +132,34 @@ def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # step 3 again from the step-2 checkpoint
 
 
+PAUSED_SWEEPS = {"sigterm": "test_sigterm_stops_the_sweep_with_every_run_checkpointed",
+                 "sigkill": "test_a_run_outlives_its_killed_sweep_only_to_checkpoint"}
+
+
+@pytest.fixture(scope="module")
+def paused_sweeps(request, tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """For the SIGTERM and the SIGKILL test (those selected): a sweep each of two seeds, one run at a time, whose
+    first run waits after step 3 (test hook) for a signal. Both start when the first of the two tests asks, so their
+    runs start side by side on the 2 cores; each test signals its own sweep. The sweep and its sweep directory."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    sweeps = {}
+    for name, test in PAUSED_SWEEPS.items():
+        if test in selected:
+            cwd = tmp_path_factory.mktemp(name)
+            proc = subprocess.Popen(_sweep_cmd(cwd / "sw", "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}),
+                                    cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
+            sweeps[name] = (proc, cwd / "sw")
+    yield sweeps
+    for proc, _ in sweeps.values():
+        if proc.poll() is None:  # a sweep its test did not end (-x after a failure): its run gets SIGTERM
+            proc.kill()
+            proc.communicate()
+
+
 @pytest.mark.slow
-def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
-    root = tmp_path / "sw"
-    cmd = _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5})
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
+def test_sigterm_stops_the_sweep_with_every_run_checkpointed(paused_sweeps):
+    proc, root = paused_sweeps["sigterm"]
     first = root / "seed=1337"
     _wait_for([first / ".test_paused.rank0"], proc)
     proc.send_signal(signal.SIGTERM)  # the sweep alone: it passes the signal on to its run
@@ -149,12 +172,10 @@ def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(tmp_path):
+def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(paused_sweeps):
     """SIGKILL to the sweep alone: its runs get SIGTERM (PR_SET_PDEATHSIG), checkpoint and exit, so none is left
     running to clash with the same run started by the next sweep."""
-    root = tmp_path / "sw"
-    proc = subprocess.Popen(_sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
+    proc, root = paused_sweeps["sigkill"]
     first = root / "seed=1337"
     _wait_for([first / ".test_paused.rank0"], proc)
     proc.kill()
@@ -177,5 +198,6 @@ def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
     assert "failed (exit 2)" in result.stdout
     # the run's own error paragraph, from the tail of its stdout.log
     assert f"last lines of {bad / 'stdout.log'}" in result.stdout and "/nonexistent/shards" in result.stdout
-    statuses = {p["name"]: (p["status"], p["exit_code"]) for p in json.loads((root / "sweep.json").read_text())["points"]}
+    points = json.loads((root / "sweep.json").read_text())["points"]
+    statuses = {p["name"]: (p["status"], p["exit_code"]) for p in points}
     assert statuses == {good.name: ("done", 0), bad.name: ("failed", 2)}
