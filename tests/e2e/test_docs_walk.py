@@ -12,7 +12,9 @@ with `...`), not walked; bench/ commands are left to tests/test_bench.py's smoke
 How a step runs: `nanopt ...`, `python -m nanopt.main|nanopt.cli ...` and `python -c` in this process (a process
 each would pay torch's import again); torchrun as a real process. At toy size: the page's argv, then the step's
 `toy` flags appended; a later `--section.key=value` wins, which the walk checks in each run's config.yaml. Step
-counts stay the page's (150 steps of a 64-wide model take about 1.5 s), so checkpoint names are the page's."""
+counts stay the page's (150 steps of a 64-wide model take about 1.5 s), so checkpoint names, cadences and what later
+steps read are the page's; a run that nothing reads after it (no checkpoint name, no cadence, no later step) trains
+20 (BRIEF)."""
 from __future__ import annotations
 
 import json
@@ -36,6 +38,7 @@ SHAPE = ("--model.dim=64 --model.n_layers=2 --model.n_heads=4 --model.n_kv_heads
          "--train.seq_len=32 --train.micro_batch_size=4 --train.global_batch_tokens=256 --eval.batches=2")
 TOY = f"{SHAPE} --runtime.threads=1"  # the quick start: its curves.png and samples are what the README shows
 BARE = f"{TOY} --log.curves=false --sample.num_samples=0"  # every other run: no ~1 s of matplotlib, no samples
+BRIEF = f"{BARE} --train.max_steps=20"  # a run whose length nothing reads: 20 steps instead of 150 save ~1.2 s
 # A sweep sets each run's threads itself, and asks torch for devices in a process of its own unless told cpu.
 SWEEP_TOY = f"--seeds 1 --runtime.device=cpu --train.max_steps=20 {SHAPE} --log.curves=false --sample.num_samples=0"
 
@@ -118,8 +121,8 @@ WALKS: dict[str, Page] = {
              summary={"runs/tiny": {"steps": 300}}),
         skip('pip install "torch==2.13.0" -e ".[dev]" && python -m pytest -q', SUITE),
         # Train
-        Step("python -m nanopt.main configs/tiny.yaml --run.name=tiny-file", toy=BARE,
-             summary={"runs/tiny-file": {"steps": 150}}),
+        Step("python -m nanopt.main configs/tiny.yaml --run.name=tiny-file", toy=BRIEF,
+             summary={"runs/tiny-file": {"steps": 20}}),
         Step("python -m nanopt.main --config configs/tiny.yaml --train.max_steps=50 --run.name=tiny-50", toy=BARE,
              files=run_files("runs/tiny-50", 50), summary={"runs/tiny-50": {"steps": 50}}),
         skip("torchrun --standalone --nproc-per-node=2 -m nanopt.main --config configs/tiny.yaml --run.name=tiny-ddp",
@@ -127,7 +130,7 @@ WALKS: dict[str, Page] = {
         skip("torchrun --nproc-per-node=8 -m nanopt.main --config configs/1b.yaml", GPU),
         skip("torchrun --standalone --nproc-per-node=2 -m nanopt.main --runtime.parallel=fsdp --run.name=tiny-fsdp",
              DDP),
-        Step("nanopt train configs/tiny.yaml --run.name=tiny-cli", toy=BARE, summary={"runs/tiny-cli": {"steps": 150}}),
+        Step("nanopt train configs/tiny.yaml --run.name=tiny-cli", toy=BRIEF, summary={"runs/tiny-cli": {"steps": 20}}),
         TENSORBOARD,
         # Data
         skip("nanopt prepare --config configs/1b.yaml --sample-documents 10000", HUB),
@@ -150,8 +153,8 @@ WALKS: dict[str, Page] = {
              files=("exported/tiny/config.json", "exported/tiny/model.safetensors")),
         Step("nanopt average runs/tiny --last 2 --out averaged/tiny", prints=("averaged 2 checkpoints",),
              files=("averaged/tiny/checkpoints/step_000300/COMPLETE",)),
-        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BARE,
-             summary={"runs/finetune": {"steps": 150}}),
+        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BRIEF,
+             summary={"runs/finetune": {"steps": 20}}),
         # Speedrun; speed
         SPEEDRUN,
         Step("nanopt estimate --config configs/1b.yaml --hardware h100-sxm --gpus 8 --mfu 0.4 --price-per-gpu-hour 3.0",
@@ -169,8 +172,8 @@ WALKS: dict[str, Page] = {
              toy="--prepare.val_tokens=20000 --no-progress", prints=("val: 20,000 tokens",),
              files=("data/docs/manifest.json", "data/docs/stats.json", "data/docs/val_000000.bin",
                     "data/docs/train_000000.bin")),
-        Step("python -m nanopt.main configs/tiny.yaml --data.source=data/docs --run.name=docs", toy=BARE,
-             summary={"runs/docs": {"steps": 150}}),
+        Step("python -m nanopt.main configs/tiny.yaml --data.source=data/docs --run.name=docs", toy=BRIEF,
+             summary={"runs/docs": {"steps": 20}}),
         skip("HF_TOKEN=... nanopt prepare --config configs/1b.yaml", HUB),
         skip("torchrun --nproc-per-node=8 -m nanopt.main --config configs/1b.yaml", GPU),
     ), user_files=("docs/a.jsonl", "docs/b.jsonl")),
@@ -205,8 +208,8 @@ WALKS: dict[str, Page] = {
              files=("exported/tiny/config.json", "exported/tiny/model.safetensors")),
         Step("python -c \"from transformers import AutoModelForCausalLM as M; "
              "print(M.from_pretrained('exported/tiny'))\"", prints=("LlamaForCausalLM(",)),
-        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BARE,
-             summary={"runs/finetune": {"steps": 150}}),
+        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BRIEF,
+             summary={"runs/finetune": {"steps": 20}}),
     ), setup=(QUICK_START, SPEEDRUN)),
     "docs/experiments.md": Page((
         Step("nanopt sweep configs/tiny.yaml --set optim.name=adamw,muon --set train.lr=1e-3,3e-3 --seeds 3 "
@@ -280,9 +283,9 @@ WALKS: dict[str, Page] = {
              summary={"runs/speedrun-mytext": {"target_reached": True, "stopped_at_target": True}}),
         Step("python -m nanopt.main --config configs/speedrun-cpu.yaml --train.batch_schedule=0:2048,150:4096 "
              "--train.seq_len_schedule=0:32,100:64 --train.max_steps=300 --run.name=schedules",
-             toy=f"{BARE} --train.batch_schedule=0:128,150:256 --train.seq_len_schedule=0:16,100:32 "
-                 "--train.max_steps=160",  # both stage changes, in half the steps
-             prints=("stage 2 from step 100", "stage 3 from step 150"), summary={"runs/schedules": {"steps": 160}}),
+             toy=f"{BARE} --train.batch_schedule=0:128,30:256 --train.seq_len_schedule=0:16,20:32 "
+                 "--train.max_steps=40",  # both stage changes, in 40 steps
+             prints=("stage 2 from step 20", "stage 3 from step 30"), summary={"runs/schedules": {"steps": 40}}),
         Step("python -m nanopt.main --train.ema_decay=0.98 --train.ema_start=50 --eval.weights=ema "
              "--checkpoint.every=50 --run.name=ema", toy=BARE, prints=("(ema weights)",),
              files=("runs/ema/checkpoints/step_000150/ema.safetensors",),
