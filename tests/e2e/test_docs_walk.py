@@ -1,9 +1,9 @@
 """The pages, walked: every command in a ```bash block of README.md and docs/*.md runs as its page writes it, in
-page order, in a fresh directory of its own (runs/, data/, tasks/ and exported/ land in tmp), at toy size, and
-does what its page promises: its exit status, the files it writes, the lines it prints, the summary it leaves. A
-command that cannot run here (a GPU, Modal, a TPU, the network, a pip install) says why. A command on a page that
-WALKS lacks, or a step no longer on its page, fails test_every_page_command_is_walked (quick: nothing runs), so a
-page and the code cannot drift apart unseen.
+page order (a sweep from the walk's start, beside the steps before it: below), in a fresh directory of its own
+(runs/, data/, tasks/ and exported/ land in tmp), at toy size, and does what its page promises: its exit status,
+the files it writes, the lines it prints, the summary it leaves. A command that cannot run here (a GPU, Modal, a
+TPU, the network, a pip install) says why. A command on a page that WALKS lacks, or a step no longer on its page,
+fails test_every_page_command_is_walked (quick: nothing runs), so a page and the code cannot drift apart unseen.
 
 Inline commands are walked where a page relies on them: the README's quick start says what re-running the main
 job does (`said` holds the page's words, checked in its prose). Untagged blocks are transcripts (`$ nanopt ...`
