@@ -1,6 +1,8 @@
 """`nanopt compare` (and `nanopt runs`) on two real tiny profiled runs, AdamW and Muon."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import statistics
@@ -8,25 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_module, small_overrides
+from conftest import small_overrides
 from nanopt.cli import run as cli
+from nanopt.main import run as main_run
 
 # ---------------------------------------------------------------- nanopt compare on real runs
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> tuple[Path, Path]:
-    """Two real tiny profiled runs: AdamW and Muon (5 steps, profile 1 wait / 1 warm-up / 2 recorded)."""
+    """Two real tiny profiled runs: AdamW and Muon (5 steps, profile 1 wait / 1 warm-up / 2 recorded), trained in
+    this process (a process each would pay torch's import again)."""
     root = tmp_path_factory.mktemp("compare")
-    out = []
     for name in ("adamw", "muon"):
-        run_dir = root / name
-        proc = run_module(["nanopt.main", *small_overrides(**{"train.max_steps": 5, "eval.every": 5}),
-                           f"--run.dir={run_dir}", f"--optim.name={name}", "--log.tensorboard=false",
-                           "--profile.enabled=true", "--profile.wait=1", "--profile.warmup=1", "--profile.active=2"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out.append(run_dir)
-    return out[0], out[1]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main_run([*small_overrides(**{"train.max_steps": 5, "eval.every": 5}), f"--run.dir={root / name}",
+                             f"--optim.name={name}", "--log.tensorboard=false", "--profile.enabled=true",
+                             "--profile.wait=1", "--profile.warmup=1", "--profile.active=2"]) == 0, name
+    return root / "adamw", root / "muon"
 
 
 def _median_speed(run_dir: Path, key: str) -> float:

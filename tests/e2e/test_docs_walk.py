@@ -1,18 +1,25 @@
 """The pages, walked: every command in a ```bash block of README.md and docs/*.md runs as its page writes it, in
-page order, in a fresh directory of its own (runs/, data/, tasks/ and exported/ land in tmp), at toy size, and
-does what its page promises: its exit status, the files it writes, the lines it prints, the summary it leaves. A
-command that cannot run here (a GPU, Modal, a TPU, the network, a pip install) says why. A command on a page that
-WALKS lacks, or a step no longer on its page, fails test_every_page_command_is_walked (quick: nothing runs), so a
-page and the code cannot drift apart unseen.
+page order (a sweep from the walk's start, beside the steps before it: below), in a fresh directory of its own
+(runs/, data/, tasks/ and exported/ land in tmp), at toy size, and does what its page promises: its exit status,
+the files it writes, the lines it prints, the summary it leaves. A command that cannot run here (a GPU, Modal, a
+TPU, the network, a pip install) says why. A command on a page that WALKS lacks, or a step no longer on its page,
+fails test_every_page_command_is_walked (quick: nothing runs), so a page and the code cannot drift apart unseen.
 
 Inline commands are walked where a page relies on them: the README's quick start says what re-running the main
 job does (`said` holds the page's words, checked in its prose). Untagged blocks are transcripts (`$ nanopt ...`
 with `...`), not walked; bench/ commands are left to tests/test_bench.py's smoke runs.
 
 How a step runs: `nanopt ...`, `python -m nanopt.main|nanopt.cli ...` and `python -c` in this process (a process
-each would pay torch's import again); torchrun as a real process. At toy size: the page's argv, then the step's
-`toy` flags appended; a later `--section.key=value` wins, which the walk checks in each run's config.yaml. Step
-counts stay the page's (150 steps of a 64-wide model take about 1.5 s), so checkpoint names are the page's."""
+each would pay torch's import again); torchrun as a real process. A sweep, whose runs are processes anyway, is a
+`beside` step: from the walk's start, the beside steps run one after another as `python -m nanopt.cli sweep ...`
+(torch-free) in their pages' directories, their runs training on the second core while the steps before them train
+here on one; such a step reads only configs/, no step before it reads what it writes, and it is checked at its place
+in its page.
+
+At toy size: the page's argv, then the step's `toy` flags appended; a later `--section.key=value` wins, which the
+walk checks in each run's config.yaml. Step counts stay the page's (150 steps of a 64-wide model take about 1.5 s),
+so checkpoint names, cadences and what later steps read are the page's; a run that nothing reads after it (no
+checkpoint name, no cadence, no later step) trains 20 (BRIEF)."""
 from __future__ import annotations
 
 import json
@@ -22,8 +29,12 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
 import yaml
@@ -36,6 +47,7 @@ SHAPE = ("--model.dim=64 --model.n_layers=2 --model.n_heads=4 --model.n_kv_heads
          "--train.seq_len=32 --train.micro_batch_size=4 --train.global_batch_tokens=256 --eval.batches=2")
 TOY = f"{SHAPE} --runtime.threads=1"  # the quick start: its curves.png and samples are what the README shows
 BARE = f"{TOY} --log.curves=false --sample.num_samples=0"  # every other run: no ~1 s of matplotlib, no samples
+BRIEF = f"{BARE} --train.max_steps=20"  # a run whose length nothing reads: 20 steps instead of 150 save ~1.2 s
 # A sweep sets each run's threads itself, and asks torch for devices in a process of its own unless told cpu.
 SWEEP_TOY = f"--seeds 1 --runtime.device=cpu --train.max_steps=20 {SHAPE} --log.curves=false --sample.num_samples=0"
 
@@ -64,6 +76,7 @@ class Step:
     same: tuple[str, ...] = ()  # files it must leave byte for byte
     said: str = ""  # an inline command: the page's words for it, found in its prose instead of a block
     skip: str = ""  # why it does not run here
+    beside: bool = False  # runs from the walk's start as a process of its own (see Beside), checked here
 
 
 def skip(doc: str, why: str) -> Step:
@@ -118,8 +131,8 @@ WALKS: dict[str, Page] = {
              summary={"runs/tiny": {"steps": 300}}),
         skip('pip install "torch==2.13.0" -e ".[dev]" && python -m pytest -q', SUITE),
         # Train
-        Step("python -m nanopt.main configs/tiny.yaml --run.name=tiny-file", toy=BARE,
-             summary={"runs/tiny-file": {"steps": 150}}),
+        Step("python -m nanopt.main configs/tiny.yaml --run.name=tiny-file", toy=BRIEF,
+             summary={"runs/tiny-file": {"steps": 20}}),
         Step("python -m nanopt.main --config configs/tiny.yaml --train.max_steps=50 --run.name=tiny-50", toy=BARE,
              files=run_files("runs/tiny-50", 50), summary={"runs/tiny-50": {"steps": 50}}),
         skip("torchrun --standalone --nproc-per-node=2 -m nanopt.main --config configs/tiny.yaml --run.name=tiny-ddp",
@@ -127,15 +140,16 @@ WALKS: dict[str, Page] = {
         skip("torchrun --nproc-per-node=8 -m nanopt.main --config configs/1b.yaml", GPU),
         skip("torchrun --standalone --nproc-per-node=2 -m nanopt.main --runtime.parallel=fsdp --run.name=tiny-fsdp",
              DDP),
-        Step("nanopt train configs/tiny.yaml --run.name=tiny-cli", toy=BARE, summary={"runs/tiny-cli": {"steps": 150}}),
+        Step("nanopt train configs/tiny.yaml --run.name=tiny-cli", toy=BRIEF, summary={"runs/tiny-cli": {"steps": 20}}),
         TENSORBOARD,
         # Data
         skip("nanopt prepare --config configs/1b.yaml --sample-documents 10000", HUB),
         skip("HF_TOKEN=... nanopt prepare --config configs/1b.yaml", HUB),
         # Experiments
         Step("nanopt sweep configs/tiny.yaml --set optim.name=adamw,muon --seeds 3 --name opt", toy=SWEEP_TOY,
-             files=("runs/opt/sweep.json",), summary={"runs/opt/optim.name=adamw,seed=1337": {"steps": 20},
-                                                      "runs/opt/optim.name=muon,seed=1337": {"steps": 20}}),
+             beside=True, files=("runs/opt/sweep.json",),
+             summary={"runs/opt/optim.name=adamw,seed=1337": {"steps": 20},
+                      "runs/opt/optim.name=muon,seed=1337": {"steps": 20}}),
         Step("nanopt runs runs/opt", prints=("optim.name=adamw,seed=1337", "optim.name=muon,seed=1337")),
         Step("nanopt compare runs/a runs/b", run="nanopt compare runs/tiny runs/tiny-50",
              prints=("| figure | A | B |", "| final val loss |")),
@@ -150,8 +164,8 @@ WALKS: dict[str, Page] = {
              files=("exported/tiny/config.json", "exported/tiny/model.safetensors")),
         Step("nanopt average runs/tiny --last 2 --out averaged/tiny", prints=("averaged 2 checkpoints",),
              files=("averaged/tiny/checkpoints/step_000300/COMPLETE",)),
-        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BARE,
-             summary={"runs/finetune": {"steps": 150}}),
+        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BRIEF,
+             summary={"runs/finetune": {"steps": 20}}),
         # Speedrun; speed
         SPEEDRUN,
         Step("nanopt estimate --config configs/1b.yaml --hardware h100-sxm --gpus 8 --mfu 0.4 --price-per-gpu-hour 3.0",
@@ -169,8 +183,8 @@ WALKS: dict[str, Page] = {
              toy="--prepare.val_tokens=20000 --no-progress", prints=("val: 20,000 tokens",),
              files=("data/docs/manifest.json", "data/docs/stats.json", "data/docs/val_000000.bin",
                     "data/docs/train_000000.bin")),
-        Step("python -m nanopt.main configs/tiny.yaml --data.source=data/docs --run.name=docs", toy=BARE,
-             summary={"runs/docs": {"steps": 150}}),
+        Step("python -m nanopt.main configs/tiny.yaml --data.source=data/docs --run.name=docs", toy=BRIEF,
+             summary={"runs/docs": {"steps": 20}}),
         skip("HF_TOKEN=... nanopt prepare --config configs/1b.yaml", HUB),
         skip("torchrun --nproc-per-node=8 -m nanopt.main --config configs/1b.yaml", GPU),
     ), user_files=("docs/a.jsonl", "docs/b.jsonl")),
@@ -205,12 +219,12 @@ WALKS: dict[str, Page] = {
              files=("exported/tiny/config.json", "exported/tiny/model.safetensors")),
         Step("python -c \"from transformers import AutoModelForCausalLM as M; "
              "print(M.from_pretrained('exported/tiny'))\"", prints=("LlamaForCausalLM(",)),
-        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BARE,
-             summary={"runs/finetune": {"steps": 150}}),
+        Step("python -m nanopt.main --train.init_from=hf:exported/tiny --run.name=finetune", toy=BRIEF,
+             summary={"runs/finetune": {"steps": 20}}),
     ), setup=(QUICK_START, SPEEDRUN)),
     "docs/experiments.md": Page((
         Step("nanopt sweep configs/tiny.yaml --set optim.name=adamw,muon --set train.lr=1e-3,3e-3 --seeds 3 "
-             "--name opt-lr", toy=SWEEP_TOY, files=("runs/opt-lr/sweep.json",),
+             "--name opt-lr", toy=SWEEP_TOY, beside=True, files=("runs/opt-lr/sweep.json",),
              summary={f"runs/opt-lr/optim.name={o},train.lr={lr},seed=1337": {"steps": 20}
                       for o in ("adamw", "muon") for lr in ("1e-3", "3e-3")}),
         skip("nanopt sweep configs/1b.yaml --set train.lr=2e-4,4e-4 --nproc 2 --name lr --train.max_steps=2000", GPU),
@@ -280,9 +294,9 @@ WALKS: dict[str, Page] = {
              summary={"runs/speedrun-mytext": {"target_reached": True, "stopped_at_target": True}}),
         Step("python -m nanopt.main --config configs/speedrun-cpu.yaml --train.batch_schedule=0:2048,150:4096 "
              "--train.seq_len_schedule=0:32,100:64 --train.max_steps=300 --run.name=schedules",
-             toy=f"{BARE} --train.batch_schedule=0:128,150:256 --train.seq_len_schedule=0:16,100:32 "
-                 "--train.max_steps=160",  # both stage changes, in half the steps
-             prints=("stage 2 from step 100", "stage 3 from step 150"), summary={"runs/schedules": {"steps": 160}}),
+             toy=f"{BARE} --train.batch_schedule=0:128,30:256 --train.seq_len_schedule=0:16,20:32 "
+                 "--train.max_steps=40",  # both stage changes, in 40 steps
+             prints=("stage 2 from step 20", "stage 3 from step 30"), summary={"runs/schedules": {"steps": 40}}),
         Step("python -m nanopt.main --train.ema_decay=0.98 --train.ema_start=50 --eval.weights=ema "
              "--checkpoint.every=50 --run.name=ema", toy=BARE, prints=("(ema weights)",),
              files=("runs/ema/checkpoints/step_000150/ema.safetensors",),
@@ -377,10 +391,13 @@ def toy_won(run_dir: Path, toy: str) -> list[str]:
     return lost
 
 
-def check(step: Step, where: str, cwd: Path, capfd) -> None:
+def check(step: Step, where: str, cwd: Path, capfd, beside: Optional[Beside] = None) -> None:
     before = {name: (cwd / name).read_bytes() for name in step.same}
-    code = execute(shlex.split(step.run or step.doc) + shlex.split(step.toy))
-    out, err = capfd.readouterr()
+    if step.beside:
+        code, out, err = beside.result(step)
+    else:
+        code = execute(shlex.split(step.run or step.doc) + shlex.split(step.toy))
+        out, err = capfd.readouterr()
     what = f"{where}: `{step.run or step.doc}` + `{step.toy}`"
     tail = (out + err)[-4000:]
     assert code == step.code, f"{what} exited {code}, the page says {step.code}:\n{tail}"
@@ -398,11 +415,70 @@ def check(step: Step, where: str, cwd: Path, capfd) -> None:
 
 
 @pytest.fixture
-def page_dir(tmp_path, monkeypatch, offline, corpus_dir) -> Path:
-    """A fresh directory that looks like the clone's root: configs/ is there, runs/ and the rest are not."""
-    (tmp_path / "configs").symlink_to(REPO / "configs")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def page_dir(request, tmp_path, monkeypatch, offline, beside_steps) -> Path:
+    """A fresh directory that looks like the clone's root: configs/ is there, runs/ and the rest are not (but what
+    the page's `beside` steps, started with the walk, have written by now)."""
+    name = request.node.callspec.params["name"]
+    cwd = beside_steps[name][0] if name in beside_steps else clone_root(tmp_path)
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def clone_root(path: Path) -> Path:
+    (path / "configs").symlink_to(REPO / "configs")
+    return path
+
+
+class Beside:
+    """The walk's `beside` steps, one after another in a thread of their own, each a process in its page's
+    directory a little below this process's priority (nice 3): with a sweep's two runs at a time they keep the
+    second core busy while the walk here keeps its one. result(command) waits for a step: its exit status, stdout
+    and stderr (from files, which never fill up as an unread pipe does)."""
+
+    def __init__(self, steps: list[tuple[Step, Path]]):
+        self.lane = ThreadPoolExecutor(max_workers=1)
+        self.running: Optional[subprocess.Popen] = None
+        self.stopped, self.lock = False, threading.Lock()  # no step starts once stop() has begun
+        self.results = {step.doc: self.lane.submit(self._run, step, cwd) for step, cwd in steps}
+
+    def _run(self, step: Step, cwd: Path) -> tuple[int, str, str]:
+        argv = shlex.split(step.run or step.doc) + shlex.split(step.toy)
+        assert argv[0] == "nanopt" and not step.same, f"`{step.doc}` cannot run beside: a `nanopt` command only"
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            with self.lock:
+                assert not self.stopped, "the walk ended first"
+                self.running = subprocess.Popen(
+                    [sys.executable, "-m", "nanopt.cli", *argv[1:]], stdout=out, stderr=err, text=True, cwd=cwd,
+                    env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+                os.setpriority(os.PRIO_PROCESS, self.running.pid, 3)  # before it starts its runs, which inherit it
+            code = self.running.wait(timeout=300)
+            out.seek(0), err.seek(0)
+            return code, out.read(), err.read()
+
+    def result(self, step: Step) -> tuple[int, str, str]:
+        return self.results[step.doc].result(timeout=600)
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+        self.lane.shutdown(wait=False, cancel_futures=True)
+        if self.running is not None:
+            self.running.kill()  # a no-op once it has exited; a sweep killed gives its runs SIGTERM
+            self.running.wait()
+
+
+@pytest.fixture(scope="module")
+def beside_steps(request, tmp_path_factory, corpus_dir) -> Iterator[dict[str, tuple[Path, Beside]]]:
+    """The `beside` steps of the pages to walk, started when the first page's walk starts, each page's in its
+    directory, made now: page -> (its directory, the steps). The walk here trains on one core (runtime.threads=1),
+    the sweeps' runs, processes anyway, on the second meanwhile."""
+    pages = {item.callspec.params["name"] for item in request.session.items
+             if item.path == request.path and item.originalname == "test_page_walk"}
+    dirs = {name: clone_root(tmp_path_factory.mktemp("page")) for name, page in WALKS.items()
+            if name in pages and any(step.beside and not step.skip for step in page.steps)}
+    beside = Beside([(step, cwd) for name, cwd in dirs.items() for step in WALKS[name].steps if step.beside])
+    yield {name: (cwd, beside) for name, cwd in dirs.items()}
+    beside.stop()
 
 
 def write_user_files(cwd: Path, names: tuple[str, ...]) -> None:
@@ -437,12 +513,12 @@ def set_up(step: Step, cwd: Path, store: Path, capfd, monkeypatch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, p in WALKS.items() if any(not s.skip for s in p.steps)])
-def test_page_walk(name: str, page_dir: Path, capfd, monkeypatch, tmp_path_factory):
+def test_page_walk(name: str, page_dir: Path, capfd, monkeypatch, tmp_path_factory, beside_steps):
     page = WALKS[name]
     write_user_files(page_dir, page.user_files)
     for step in page.setup:
         set_up(step, page_dir, tmp_path_factory.mktemp("setup"), capfd, monkeypatch)
     for step in page.steps:
         if not step.skip:
-            check(step, name, page_dir, capfd)
+            check(step, name, page_dir, capfd, beside_steps[name][1] if step.beside else None)
             keep_for_setup(step, page_dir, tmp_path_factory.mktemp("setup"))

@@ -25,6 +25,7 @@ from conftest import REPO, small_overrides
 from nanopt import plots, watch
 from nanopt.cli import run as cli
 from nanopt.lock import DirLock
+from nanopt.main import run as main_run
 from nanopt.rundirs import WATCH_LOCK_FILE
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -32,10 +33,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def train(run_dir: Path, **changes: object) -> None:
     """A real training run in this process (a fresh interpreter would pay torch's import again)."""
-    from nanopt.main import run
-
     with contextlib.redirect_stdout(io.StringIO()):
-        assert run(small_overrides(**{"run.dir": str(run_dir), "log.curves": "true", **changes})) == 0
+        assert main_run(small_overrides(**{"run.dir": str(run_dir), "log.curves": "true", **changes})) == 0
 
 
 def decode(png: Path | bytes) -> np.ndarray:
@@ -185,10 +184,11 @@ def _wait_for(condition, what: str, *procs: subprocess.Popen, timeout: float = 1
 
 
 def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
-    """Train the run (paused after step 4 until the watcher has caught up, preempted, resumed) and check the
-    watcher's end."""
-    train_cmd = [sys.executable, "-m", "nanopt.main", *small_overrides(**{
-        "run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10, "train.max_steps": 8})]
+    """Train the run (a process paused after step 4 until the watcher has caught up, preempted; then resumed in
+    this process) and check the watcher's end."""
+    overrides = small_overrides(**{"run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10,
+                                   "train.max_steps": 8})
+    train_cmd = [sys.executable, "-m", "nanopt.main", *overrides]
     # The trainer waits after step 4 (a test hook) until the watcher has evaluated checkpoints 2 and 4: the
     # evaluations happen while the run is still training, not after it.
     trainer = subprocess.Popen(train_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -202,8 +202,9 @@ def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
         if trainer.poll() is None:
             trainer.kill()
         trainer.communicate()
-    resumed = subprocess.run(train_cmd, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with contextlib.redirect_stdout(io.StringIO()) as log:  # a process of its own would pay torch's import again
+        assert main_run(overrides) == 0, log.getvalue()[-3000:]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_000004'}" in log.getvalue()
     out, err = watcher.communicate(timeout=300)
     assert watcher.returncode == 0, err[-3000:]
     assert out.strip().splitlines()[-1] == "the run finished at step 8; 4 checkpoint(s) evaluated by this watcher"
@@ -211,7 +212,7 @@ def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path):
+def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # an empty directory: the watcher may start before the run does
     watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch",
@@ -226,12 +227,11 @@ def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path):
     last = records(run_dir / "evals.jsonl")[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert last["source"] == "nanopt eval" and last["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
-    # A second watcher finds everything done and adds nothing.
+    # A second watcher (in this process: the watcher's process was the first) finds everything done and adds nothing.
     before = (run_dir / "evals.jsonl").read_bytes()
-    again = subprocess.run([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch", "--interval", "0.2"],
-                           capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 checkpoint(s) evaluated" in again.stdout
+    capsys.readouterr()
+    assert cli(["eval", str(run_dir), "--watch", "--interval", "0.2"]) == 0
+    assert "0 checkpoint(s) evaluated" in capsys.readouterr().out
     assert (run_dir / "evals.jsonl").read_bytes() == before
 
 

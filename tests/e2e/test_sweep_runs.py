@@ -8,8 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any, Iterator
 
 import pytest
 import yaml
@@ -68,12 +71,77 @@ def test_a_2x2_sweep_finishes_and_a_rerun_skips_it(tmp_path):
     assert {d: (d / "summary.json").stat().st_mtime_ns for d in dirs} == mtimes
 
 
-def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 120) -> None:
+@dataclass
+class Started:
+    """A sweep started in the background, its output going to files (which never fill up as an unread pipe does)."""
+    proc: subprocess.Popen
+    root: Path  # its sweep directory
+    cmd: list[str]
+    out: IO[str]
+    err: IO[str]
+
+    def output(self) -> tuple[str, str]:
+        self.out.seek(0), self.err.seek(0)
+        return self.out.read(), self.err.read()
+
+    def ended(self, timeout: float = 300) -> tuple[int, str, str]:
+        self.proc.wait(timeout=timeout)
+        return (self.proc.returncode, *self.output())
+
+
+def _killed_sweep(root: Path) -> tuple[list[str], dict[str, Any]]:
+    # The 5-step run checkpoints at step 2, then waits after step 3 (test hook) until the whole sweep is killed.
+    cmd = _sweep_cmd(root, "--set", "train.max_steps=2,5", "--parallel", "2", **{"checkpoint.every": 2})
+    return [a for a in cmd if a != "--train.max_steps=4"], {"hook": "pause:3", "start_new_session": True}
+
+
+def _paused_sweep(root: Path) -> tuple[list[str], dict[str, Any]]:
+    # Two seeds, one run at a time; the first run waits after step 3 (test hook) for a signal.
+    return _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}), {"hook": "pause:3"}
+
+
+def _failing_sweep(root: Path) -> tuple[list[str], dict[str, Any]]:
+    return _sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), {}
+
+
+STARTED_TOGETHER = {
+    "test_a_killed_sweep_resumes_and_does_not_redo_finished_runs": _killed_sweep,
+    "test_sigterm_stops_the_sweep_with_every_run_checkpointed": _paused_sweep,
+    "test_a_run_outlives_its_killed_sweep_only_to_checkpoint": _paused_sweep,
+    "test_a_failing_run_is_reported_and_the_others_finish": _failing_sweep,
+}
+
+
+@pytest.fixture(scope="module")
+def sweeps(request, tmp_path_factory) -> Iterator[dict[str, Started]]:
+    """The sweeps of the tests in STARTED_TOGETHER (those selected), all started when the first of those tests asks:
+    test name -> its sweep. Their runs (six, a process each, three of which then wait for a signal) start side by side
+    on the 2 cores instead of one test after another, each test then acting on and asserting about its own sweep."""
+    selected = {item.name for item in request.session.items if item.path == request.path}
+    started = {}
+    for test, sweep_for in STARTED_TOGETHER.items():
+        if test in selected:
+            cwd = tmp_path_factory.mktemp("sweep")
+            cmd, how = sweep_for(cwd / "sw")
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            env = {**os.environ, **({"NANOPT_TEST_HOOK": how["hook"]} if "hook" in how else {})}
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True, env=env,
+                                    start_new_session=how.get("start_new_session", False))
+            started[test] = Started(proc, cwd / "sw", cmd, out, err)
+    yield started
+    for each in started.values():
+        if each.proc.poll() is None:  # a sweep its test did not end (-x after a failure): its runs get SIGTERM
+            each.proc.kill()
+            each.proc.wait()
+        each.out.close(), each.err.close()
+
+
+def _wait_for(paths: list[Path], started: Started, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the sweep ended (exit {proc.returncode}) before {paths} appeared:\n{out}\n{err}")
+        if started.proc.poll() is not None:
+            out, err = started.output()
+            pytest.fail(f"the sweep ended (exit {started.proc.returncode}) before {paths} appeared:\n{out}\n{err}")
         assert time.monotonic() < deadline, f"timed out waiting for {paths}"
         time.sleep(0.05)
 
@@ -99,16 +167,12 @@ def _wait_gone(pids: list[int], timeout: float = 30) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
-    root = tmp_path / "sw"
-    args = ["--set", "train.max_steps=2,5", "--parallel", "2"]
+def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(sweeps):
+    started = sweeps["test_a_killed_sweep_resumes_and_does_not_redo_finished_runs"]
+    proc, root = started.proc, started.root
     short, long = root / "train.max_steps=2,seed=1337", root / "train.max_steps=5,seed=1337"
-    # The 5-step run checkpoints at step 2, then waits after step 3 (test hook) until the whole sweep is killed.
-    cmd = [a for a in _sweep_cmd(root, *args, **{"checkpoint.every": 2}) if a != "--train.max_steps=4"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
     try:
-        _wait_for([short / "summary.json", long / ".test_paused.rank0"], proc)
+        _wait_for([short / "summary.json", long / ".test_paused.rank0"], started)
     finally:
         # The sweep and every run it started, no chance to clean up. Each run has its own session (a terminal's
         # Ctrl-C reaches only the sweep), so the sweep's process group is the sweep alone: the runs go first.
@@ -116,12 +180,12 @@ def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
         for pid in runs:
             os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
         _wait_gone(runs)  # reaped, so the runs' lock files name dead processes (a zombie's pid still answers)
     assert not (long / "summary.json").exists() and (long / "checkpoints" / "latest").exists()
     short_mtime = (short / "summary.json").stat().st_mtime_ns
 
-    again = _run(cmd, tmp_path)
+    again = _run(started.cmd, root.parent)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "1 already done, 1 to run" in again.stdout
     assert _sessions(short) == 1 and (short / "summary.json").stat().st_mtime_ns == short_mtime
@@ -132,50 +196,47 @@ def test_a_killed_sweep_resumes_and_does_not_redo_finished_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_sweep_with_every_run_checkpointed(tmp_path):
-    root = tmp_path / "sw"
-    cmd = _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5})
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
-    first = root / "seed=1337"
-    _wait_for([first / ".test_paused.rank0"], proc)
-    proc.send_signal(signal.SIGTERM)  # the sweep alone: it passes the signal on to its run
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, out + err
+def test_sigterm_stops_the_sweep_with_every_run_checkpointed(sweeps):
+    started = sweeps["test_sigterm_stops_the_sweep_with_every_run_checkpointed"]
+    first = started.root / "seed=1337"
+    _wait_for([first / ".test_paused.rank0"], started)
+    started.proc.send_signal(signal.SIGTERM)  # the sweep alone: it passes the signal on to its run
+    code, out, err = started.ended(timeout=120)
+    assert code == 75, out + err
     assert (first / "checkpoints" / "step_000003").is_dir()
-    statuses = [p["status"] for p in json.loads((root / "sweep.json").read_text())["points"]]
+    statuses = [p["status"] for p in json.loads((started.root / "sweep.json").read_text())["points"]]
     assert statuses == ["interrupted", "not started"]
     assert "interrupted (exit 75)" in out
 
 
 @pytest.mark.slow
-def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(tmp_path):
+def test_a_run_outlives_its_killed_sweep_only_to_checkpoint(sweeps):
     """SIGKILL to the sweep alone: its runs get SIGTERM (PR_SET_PDEATHSIG), checkpoint and exit, so none is left
     running to clash with the same run started by the next sweep."""
-    root = tmp_path / "sw"
-    proc = subprocess.Popen(_sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "NANOPT_TEST_HOOK": "pause:3"})
-    first = root / "seed=1337"
-    _wait_for([first / ".test_paused.rank0"], proc)
-    proc.kill()
-    proc.communicate()
+    started = sweeps["test_a_run_outlives_its_killed_sweep_only_to_checkpoint"]
+    first = started.root / "seed=1337"
+    _wait_for([first / ".test_paused.rank0"], started)
+    started.proc.kill()
+    started.proc.wait()
     deadline = time.monotonic() + 60
     while "preempted by SIGTERM after step 3" not in (first / sweep.LOG_FILE).read_text():
         assert time.monotonic() < deadline, (first / sweep.LOG_FILE).read_text()
         time.sleep(0.1)
-    assert (first / "checkpoints" / "step_000003").is_dir() and not (root / "seed=1338").exists()
+    assert (first / "checkpoints" / "step_000003").is_dir() and not (started.root / "seed=1338").exists()
 
 
 @pytest.mark.slow
-def test_a_failing_run_is_reported_and_the_others_finish(tmp_path):
-    root = tmp_path / "sw"
-    result = _run(_sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), tmp_path)
-    assert result.returncode == 1, result.stdout + result.stderr
+def test_a_failing_run_is_reported_and_the_others_finish(sweeps):
+    started = sweeps["test_a_failing_run_is_reported_and_the_others_finish"]
+    root = started.root
+    code, out, err = started.ended()
+    assert code == 1, out + err
     good, bad = root / "data.source=embedded,seed=1337", root / "data.source=_nonexistent_shards,seed=1337"
     assert json.loads((good / "summary.json").read_text())["steps"] == 4
     assert not (bad / "summary.json").exists()
-    assert "failed (exit 2)" in result.stdout
+    assert "failed (exit 2)" in out
     # the run's own error paragraph, from the tail of its stdout.log
-    assert f"last lines of {bad / 'stdout.log'}" in result.stdout and "/nonexistent/shards" in result.stdout
-    statuses = {p["name"]: (p["status"], p["exit_code"]) for p in json.loads((root / "sweep.json").read_text())["points"]}
+    assert f"last lines of {bad / 'stdout.log'}" in out and "/nonexistent/shards" in out
+    points = json.loads((root / "sweep.json").read_text())["points"]
+    statuses = {p["name"]: (p["status"], p["exit_code"]) for p in points}
     assert statuses == {good.name: ("done", 0), bad.name: ("failed", 2)}
