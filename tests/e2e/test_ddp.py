@@ -7,14 +7,13 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MUON_ARG, REPO, free_port, small_overrides, torchrun, torchrun_started
+from conftest import MUON_ARG, free_port, small_overrides, torchrun, torchrun_started
 from nanopt import checkpoint, loading
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
@@ -54,67 +53,68 @@ def _assert_same_run(a: Path, b: Path) -> None:
         assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
 
 
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory, corpus_dir) -> Path:
-    run_dir = tmp_path_factory.mktemp("single")
-    assert run([*ARGS, f"--run.dir={run_dir}"]) == 0  # in this process: no interpreter start-up
-    return run_dir
-
-
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(single_run, tmp_path):
-    proc = torchrun(2, [*ARGS, f"--run.dir={tmp_path}"])
+def test_two_ranks_match_one_rank(corpus_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    finished = torchrun_started(2, [*ARGS, f"--run.dir={two}"])
+    assert run([*ARGS, f"--run.dir={one}"]) == 0  # in this process meanwhile: the single-rank reference
+    proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks x 1 accum" in proc.stdout
-    _assert_same_run(single_run, tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    _assert_same_run(one, two)
+    summary = json.loads((two / "summary.json").read_text())
     digests = summary["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
     # Every rank's peak memory: the summary lists both, each logged step the busiest and which rank it is.
     peaks = summary["peak_memory_gib_per_rank"]
     assert len(peaks) == 2 and all(p > 0 for p in peaks) and summary["peak_reserved_gib_per_rank"] is None
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in logged if "loss" in r]
     assert all(r["peak_memory_rank"] in (0, 1) and 0 < r["peak_memory_gib"] <= max(peaks) for r in logged)
     assert f"GiB @rank {logged[-1]['peak_memory_rank']}" in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_two_nodes_over_c10d_rendezvous_match_one_rank(single_run, tmp_path):
-    port = free_port()
-    procs = []
-    for _ in (0, 1):  # the README's line: c10d numbers the nodes, no --node-rank
-        launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node=1",
-               "-m", "nanopt.main", *ARGS, f"--run.dir={tmp_path}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}))
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert "torch/distributed/run.py" not in err, err[-3000:]  # torchrun warned nothing about its arguments
-    _assert_same_run(single_run, tmp_path)
-    digests = json.loads((tmp_path / "summary.json").read_text())["weights_sha256_per_rank"]
-    assert len(digests) == 2 and digests[0] == digests[1]
-
-
-# ---------------------------------------------------------------- muon
+# ---------------------------------------------------------------- muon, on two nodes
 
 
 # The averaged weights (train.ema_decay) ride along in the muon and fsdp comparisons: every rank keeps the same
 # average (ddp) or its shard of it (fsdp), evaluations swap it in on every rank, and it is saved whole.
 EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema", "--eval.every=2"]
+MUON_ARGS = [*ARGS, MUON_ARG, *EMA_ARGS]
+
+
+@pytest.fixture(scope="module")
+def muon_on_two_nodes(tmp_path_factory, corpus_dir) -> tuple[Path, Path, list[subprocess.CompletedProcess]]:
+    """MUON_ARGS on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line: c10d numbers the
+    nodes, no --node-rank), and on one rank in this process meanwhile. One ddp run of 2 ranks for two tests: the
+    nodes' rendezvous, and Muon's (with the average) equality to one rank. Returns (one, two, each node's torchrun)."""
+    root = tmp_path_factory.mktemp("muon_two_nodes")
+    one, two = root / "one", root / "two"
+    port = free_port()
+    launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
+    nodes = [torchrun_started(1, [*MUON_ARGS, f"--run.dir={two}"], extra=launcher) for _ in (0, 1)]
+    assert run([*MUON_ARGS, f"--run.dir={one}"]) == 0  # the single-rank reference
+    return one, two, [finished() for finished in nodes]
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_muon(tmp_path):
-    args = [*ARGS, MUON_ARG, *EMA_ARGS]
-    one, two = tmp_path / "one", tmp_path / "two"
-    finished = torchrun_started(2, [*args, f"--run.dir={two}"])
-    assert run([*args, f"--run.dir={one}"]) == 0  # in this process meanwhile: the single-rank reference
-    proc = finished()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 ranks x 1 accum" in proc.stdout
+def test_two_nodes_over_c10d_rendezvous_match_one_rank(muon_on_two_nodes):
+    one, two, procs = muon_on_two_nodes
+    for proc in procs:  # torchrun warned nothing about its arguments
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "torch/distributed/run.py" not in proc.stderr, proc.stderr[-3000:]
+    _assert_same_run(one, two)
+    digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_muon(muon_on_two_nodes):
+    """Muon under ddp on 2 ranks (here the two nodes above) equals one rank, its averaged weights included."""
+    one, two, procs = muon_on_two_nodes
+    assert all(proc.returncode == 0 for proc in procs), [proc.stderr[-3000:] for proc in procs]
+    assert "name: muon" in (two / "config.yaml").read_text()
+    assert "2 ranks x 1 accum" in "".join(proc.stdout for proc in procs)  # rank 0's line, on either node
     _assert_same_run(one, two)
     _assert_same_weights(one, two, "ema.safetensors")
     digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
