@@ -175,28 +175,35 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
         _assert_equals_reference(fsdp_reference, other)
 
 
+COMPILED = ["--train.compile=true", "--train.recompute=true", "--sample.num_samples=1", "--sample.max_new_tokens=4"]
+
+
 @pytest.fixture(scope="module")
-def sharded_half(tmp_path_factory) -> Path:
-    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks with checkpoint.sharded: each rank wrote its own DCP shards."""
+def sharded_half(tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks with checkpoint.sharded: each rank wrote its own DCP shards. Compiled
+    per block with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): one torchrun for the
+    compiled test and the sharded-checkpoint tests, which resume it eager (compile and recompute keep the state, so a
+    resume may switch them). Returns (the run directory, the torchrun)."""
     run_dir = tmp_path_factory.mktemp("sharded_half")
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
-                        f"--run.dir={run_dir}"])
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--checkpoint.sharded=true", *COMPILED,
+                        f"--run.dir={run_dir}"], env={"TORCH_LOGS": "dynamo,recompiles"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+    return run_dir, proc
 
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(fsdp_reference, sharded_half,
                                                                                   tmp_path):
-    """checkpoint.sharded (about 15 s): the step-5 checkpoint holds no model.safetensors but both ranks' DCP
-    shards, each listed in COMPLETE; 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as
-    shards) and save sharded again at 10; the losses, evaluations and final weights (read whole in this process,
+    """checkpoint.sharded: the step-5 checkpoint holds no model.safetensors but both ranks' DCP shards, each listed
+    in COMPLETE; 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as shards) and save sharded
+    again at 10; the losses, evaluations and final weights (read whole in this process,
     no process group, as `nanopt eval/sample/export` do) equal the one-rank run to 1e-5."""
-    ckpt = sharded_half / "checkpoints" / "step_000005"
+    written, _ = sharded_half
+    ckpt = written / "checkpoints" / "step_000005"
     listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
     assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
-    shutil.copytree(sharded_half, tmp_path / "run")
+    shutil.copytree(written, tmp_path / "run")
     proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
                         f"--run.dir={tmp_path / 'run'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -217,7 +224,7 @@ def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(
 def test_a_sharded_checkpoint_resumes_at_world_size_one_under_ddp(fsdp_reference, sharded_half, tmp_path):
     """DCP reshards on load: one process (no process group) resumes the 2 ranks' shards into the whole model,
     optimizer and average, trains 6-10 and saves whole: equal to the one-rank run (about 5 s)."""
-    shutil.copytree(sharded_half, tmp_path / "run")
+    shutil.copytree(sharded_half[0], tmp_path / "run")
     assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={tmp_path / 'run'}"]) == 0
     _assert_equals_reference(fsdp_reference, tmp_path / "run")
 
@@ -289,31 +296,29 @@ def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(fsdp_reference,
-                                                                                                tmp_path):
+                                                                                                sharded_half):
     """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks), each
     block recomputed in backward (train.recompute: the compiled block runs again, FSDP2 gathers its weights again):
     5 steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
     loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
     2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
-    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos)."""
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--train.compile=true", "--train.recompute=true",
-                        "--sample.num_samples=1", "--sample.max_new_tokens=4", f"--run.dir={tmp_path}"],
-                    env={"TORCH_LOGS": "dynamo,recompiles"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos).
+    The run is sharded_half's (it saves sharded, which the tests above resume eager)."""
+    run_dir, proc = sharded_half
     traced = [(name, Path(path).parts[-2:])
               for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
     assert traced == [("forward", ("nanopt", "model.py"))] * 2, traced  # Block.forward, once per rank
     assert "Recompiling" not in proc.stderr
     assert "--- 1 samples from step 5" in proc.stdout
-    records, expected = _records(tmp_path), _records(fsdp_reference)
+    records, expected = _records(run_dir), _records(fsdp_reference)
     assert sorted(records) == list(range(1, 6))
     for step, (loss, norm) in records.items():
         assert abs(expected[step][0] - loss) < 1e-5 and abs(expected[step][1] - norm) < 5e-5 * norm, (step, norm)
-    timed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    timed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in timed if r.get("mfu")]
     # hfu counts the blocks' second forward (without train.recompute it equals mfu here: no chunked loss)
     assert timed and all(r["hfu"] > 1.1 * r["mfu"] for r in timed), [r["hfu"] / r["mfu"] for r in timed]
-    evaluated, reference = _val(tmp_path), _val(fsdp_reference)
+    evaluated, reference = _val(run_dir), _val(fsdp_reference)
     for step in (0, 2, 4):
         assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
 
