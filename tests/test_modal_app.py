@@ -5,6 +5,7 @@ standing in for the Volume and launches real torchrun on CPU.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -57,22 +59,58 @@ def small_config(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------- import and CLI, in fresh processes
 
 
-def test_import_needs_no_token_or_network_and_warns_nothing_deprecated(tmp_path):
+def import_offline(tmp_path: Path, **env: str) -> dict[str, Any]:
+    """Import modal_app in a fresh process, offline (offline_env plus `env`), spying on modal.Image's pip_install and
+    apt_install. Returns {"warnings": the deprecation-like warnings the import raised, "app": the app's name, "pip":
+    (packages, keyword arguments) of each pip_install call in order, "apt": every apt package asked for, "cluster":
+    train_multinode's (cluster size, rdma, gpus, max_retries), None where it is not defined}."""
     code = (
         "import warnings\n"
+        "import modal\n"
+        "pip, apt = [], []\n"
+        "real_pip, real_apt = modal.Image.pip_install, modal.Image.apt_install\n"
+        "def pip_spy(self, *packages, **kw):\n"
+        "    pip.append((packages, kw))\n"
+        "    return real_pip(self, *packages, **kw)\n"
+        "def apt_spy(self, *packages, **kw):\n"
+        "    apt.extend(packages)\n"
+        "    return real_apt(self, *packages, **kw)\n"
+        "modal.Image.pip_install, modal.Image.apt_install = pip_spy, apt_spy\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import modal_app\n"
         "from modal.exception import DeprecationError, InternalAPIWarning\n"
         "bad = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, DeprecationError, InternalAPIWarning)\n"
         "found = [f'{w.category.__name__}: {w.message}' for w in caught if issubclass(w.category, bad)]\n"
-        "assert not found, found\n"
-        "print('imported', modal_app.app.name)\n"
+        "info = modal_app.train_multinode.info() if hasattr(modal_app, 'train_multinode') else None\n"
+        "cluster = info and (info.cluster_info.size, info.cluster_info.rdma, info.gpus, info.max_retries)\n"
+        "print(repr({'warnings': found, 'app': modal_app.app.name, 'pip': pip, 'apt': apt, 'cluster': cluster}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env=offline_env(tmp_path), timeout=120)
+                         env={**offline_env(tmp_path), **env}, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "imported nanopt" in out.stdout
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])  # our own repr of strings, tuples, lists, dicts
+
+
+WHEEL = "https://example.invalid/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl"
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> dict[str, Any]:
+    """import_offline() as a user's laptop runs it: no options in the environment."""
+    return import_offline(tmp_path_factory.mktemp("imported"))
+
+
+@pytest.fixture(scope="module")
+def imported_with_options(tmp_path_factory) -> dict[str, Any]:
+    """import_offline() with the environment's two image and launch options set: 2 nodes and a flash-attn wheel."""
+    return import_offline(tmp_path_factory.mktemp("imported"), NANOPT_MODAL_NODES="2",
+                          NANOPT_MODAL_FLASH_ATTN_WHEEL=WHEEL)
+
+
+def test_import_needs_no_token_or_network_and_warns_nothing_deprecated(imported):
+    assert not imported["warnings"], imported["warnings"]
+    assert imported["app"] == "nanopt"
 
 
 @pytest.mark.slow
@@ -145,15 +183,9 @@ def test_bench_function_runs_a_real_bench(capfd, tmp_path):
     assert "RATIO fp32: nanopt/HF" in out and "CEILING fp32" in out
 
 
-def test_multinode_is_a_cluster_when_asked_for(tmp_path):
-    code = ("import modal_app\n"
-            "info = modal_app.train_multinode.info()\n"
-            "print(info.cluster_info.size, info.cluster_info.rdma, info.gpus, info.max_retries)\n")
-    env = {**offline_env(tmp_path), "NANOPT_MODAL_NODES": "2"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["2", "True", "[('H100',", "8)]", "10"]
+def test_multinode_is_a_cluster_when_asked_for(imported, imported_with_options):
+    assert imported_with_options["cluster"] == (2, True, [("H100", 8)], 10)
+    assert imported["cluster"] is None  # only defined when multi-node is asked for
 
 
 def test_image_installs_every_runtime_dependency_of_the_package():
@@ -169,47 +201,18 @@ def test_image_installs_every_runtime_dependency_of_the_package():
         assert name in names, f"{name} (pyproject) is not installed in the Modal image"
 
 
-def pip_install_calls(tmp_path: Path, **env: str) -> list[tuple[tuple[str, ...], dict]]:
-    """(packages, keyword arguments) of every Image.pip_install call that importing modal_app makes, in order."""
-    code = ("import modal\n"
-            "calls = []\n"
-            "real = modal.Image.pip_install\n"
-            "def spy(self, *packages, **kw):\n"
-            "    calls.append((packages, kw))\n"
-            "    return real(self, *packages, **kw)\n"
-            "modal.Image.pip_install = spy\n"
-            "import modal_app\n"
-            "print(repr(calls))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={**offline_env(tmp_path), **env}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return eval(out.stdout)  # noqa: S307 - our own repr of strings, tuples and dicts
-
-
-def test_image_installs_torch_from_pypi_without_an_index_that_replaces_it(tmp_path):
+def test_image_installs_torch_from_pypi_without_an_index_that_replaces_it(imported):
     """An index_url replaces PyPI for the whole install: PyTorch's cu130 index lacks cuda-bindings>=13.0.3, which
     torch 2.11.0 requires, so the image could not build. PyPI's torch 2.11.0 is the CUDA 13.0 build."""
-    calls = pip_install_calls(tmp_path)
+    calls = imported["pip"]
     assert [list(packages) for packages, _ in calls] == modal_app.pip_layers()
     assert calls[0][0] == ("torch==2.11.0",)  # its own layer, pinned
     assert all(kw == {} for _, kw in calls), calls  # no index_url, extra_index_url, find_links or pip options
 
 
-def test_image_has_the_verbs_libraries_nccl_needs_for_rdma(tmp_path):
+def test_image_has_the_verbs_libraries_nccl_needs_for_rdma(imported):
     """Without libibverbs and the mlx5 provider, NCCL across nodes falls back to TCP sockets."""
-    code = ("import modal\n"
-            "calls = []\n"
-            "real = modal.Image.apt_install\n"
-            "def spy(self, *packages, **kw):\n"
-            "    calls.extend(packages)\n"
-            "    return real(self, *packages, **kw)\n"
-            "modal.Image.apt_install = spy\n"
-            "import modal_app\n"
-            "print(' '.join(calls))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env=offline_env(tmp_path), timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert {"libibverbs1", "ibverbs-providers"} <= set(out.stdout.split())
+    assert {"libibverbs1", "ibverbs-providers"} <= set(imported["apt"])
 
 
 # ---------------------------------------------------------------- commands
@@ -227,11 +230,10 @@ def test_the_image_is_the_stack_gpu_check_measured():
     assert modal_app.FLASH_ATTN_WHEEL == "" and not any("flash" in p for p in modal_app.PIP_PACKAGES)
 
 
-def test_a_flash_attn_wheel_can_be_added_to_the_image(tmp_path):
-    wheel = "https://example.invalid/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl"
-    calls = pip_install_calls(tmp_path, NANOPT_MODAL_FLASH_ATTN_WHEEL=wheel)
-    assert [list(packages) for packages, _ in calls] == modal_app.pip_layers(wheel)
-    assert calls[0] == (("torch==2.11.0",), {}) and calls[-1] == ((wheel,), {})
+def test_a_flash_attn_wheel_can_be_added_to_the_image(imported_with_options):
+    calls = imported_with_options["pip"]
+    assert [list(packages) for packages, _ in calls] == modal_app.pip_layers(WHEEL)
+    assert calls[0] == (("torch==2.11.0",), {}) and calls[-1] == ((WHEEL,), {})
 
 
 def test_torchrun_command_is_what_the_modal_page_says():
