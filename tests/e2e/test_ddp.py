@@ -155,7 +155,8 @@ def _assert_equals_reference(reference: Path, other: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(fsdp_reference, tmp_path):
+def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(corpus_dir, request,
+                                                                                         tmp_path):
     """FSDP on 2 gloo ranks equals one rank (what DDP is tested equal to above) to 1e-5 in loss, grad norm and
     weights over 10 AdamW steps: steps 1-5 fsdp from scratch, then resumed under ddp on 1 rank; and 1-5 on 1 rank,
     then resumed under fsdp on 2 ranks. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
@@ -163,7 +164,9 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
     fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
     finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
-    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0  # in this process meanwhile
+    # In this process meanwhile: the module's reference (if no test has made it yet) and the one-rank half.
+    fsdp_reference = request.getfixturevalue("fsdp_reference")
+    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0
     proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished = torchrun_started(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
