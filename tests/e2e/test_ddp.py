@@ -139,6 +139,15 @@ def fsdp_reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def one_rank_half(tmp_path_factory) -> Path:
+    """FSDP_ARGS' steps 1-5 on one rank, in this process: the checkpoint that fsdp and hsdp resume below (each a
+    copy)."""
+    run_dir = tmp_path_factory.mktemp("one_rank_half")
+    assert run([*FSDP_ARGS, HALF, f"--run.dir={run_dir}"]) == 0
+    return run_dir
+
+
 def _assert_equals_reference(reference: Path, other: Path) -> None:
     """Loss at every one of the 10 steps, the evaluations and the weights to 1e-5; the grad norm to 5e-5 of itself:
     fsdp reduce-scatters each micro-step's gradients (parallel.accumulating), another fp32 summation order, and a
@@ -164,9 +173,9 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
     fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
     finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
-    # In this process meanwhile: the module's reference (if no test has made it yet) and the one-rank half.
+    # In this process meanwhile (where no test has made them yet): the reference and the one-rank half.
     fsdp_reference = request.getfixturevalue("fsdp_reference")
-    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0
+    shutil.copytree(request.getfixturevalue("one_rank_half"), ddp_first)
     proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished = torchrun_started(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
@@ -265,12 +274,12 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
 
 
 @pytest.mark.slow
-def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, tmp_path):
+def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, one_rank_half, tmp_path):
     """HSDP on 4 gloo ranks as 2 replicas x shard groups of 2 (a 2-D mesh: parameters placed (Replicate(),
     Shard(0))) resumes a one-rank checkpoint at step 5 (the whole weights and AdamW state cut to 2-D shards), trains
     to 10 and saves (gathered from 2-D shards): equal to the one-rank run, which FSDP and DDP equal above, to 1e-5.
     A gradient summed instead of averaged over either mesh dimension would double the logged grad norm."""
-    assert run([*FSDP_ARGS, HALF, f"--run.dir={tmp_path}"]) == 0
+    shutil.copytree(one_rank_half, tmp_path, dirs_exist_ok=True)
     hsdp = ["--runtime.parallel=hsdp", "--runtime.shard_group_size=2"]
     proc = torchrun(4, [*FSDP_ARGS, *hsdp, f"--run.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
