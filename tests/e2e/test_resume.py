@@ -71,7 +71,9 @@ def train_started(run_dir: Path, hook: str, *extra: str) -> Callable[[], subproc
         finally:
             proc.kill()  # a no-op once it has exited
         err.seek(0)
-        return subprocess.CompletedProcess(cmd, proc.returncode, "", err.read())
+        done = subprocess.CompletedProcess(cmd, proc.returncode, "", err.read())
+        err.close()
+        return done
 
     return finished
 
