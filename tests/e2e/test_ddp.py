@@ -7,14 +7,13 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import MUON_ARG, REPO, free_port, small_overrides, torchrun, torchrun_started
+from conftest import MUON_ARG, free_port, small_overrides, torchrun, torchrun_started
 from nanopt import checkpoint, loading
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
@@ -54,67 +53,68 @@ def _assert_same_run(a: Path, b: Path) -> None:
         assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
 
 
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory, corpus_dir) -> Path:
-    run_dir = tmp_path_factory.mktemp("single")
-    assert run([*ARGS, f"--run.dir={run_dir}"]) == 0  # in this process: no interpreter start-up
-    return run_dir
-
-
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(single_run, tmp_path):
-    proc = torchrun(2, [*ARGS, f"--run.dir={tmp_path}"])
+def test_two_ranks_match_one_rank(corpus_dir, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    finished = torchrun_started(2, [*ARGS, f"--run.dir={two}"])
+    assert run([*ARGS, f"--run.dir={one}"]) == 0  # in this process meanwhile: the single-rank reference
+    proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks x 1 accum" in proc.stdout
-    _assert_same_run(single_run, tmp_path)
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    _assert_same_run(one, two)
+    summary = json.loads((two / "summary.json").read_text())
     digests = summary["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
     # Every rank's peak memory: the summary lists both, each logged step the busiest and which rank it is.
     peaks = summary["peak_memory_gib_per_rank"]
     assert len(peaks) == 2 and all(p > 0 for p in peaks) and summary["peak_reserved_gib_per_rank"] is None
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in logged if "loss" in r]
     assert all(r["peak_memory_rank"] in (0, 1) and 0 < r["peak_memory_gib"] <= max(peaks) for r in logged)
     assert f"GiB @rank {logged[-1]['peak_memory_rank']}" in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_two_nodes_over_c10d_rendezvous_match_one_rank(single_run, tmp_path):
-    port = free_port()
-    procs = []
-    for _ in (0, 1):  # the README's line: c10d numbers the nodes, no --node-rank
-        launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node=1",
-               "-m", "nanopt.main", *ARGS, f"--run.dir={tmp_path}"]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}))
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        assert "torch/distributed/run.py" not in err, err[-3000:]  # torchrun warned nothing about its arguments
-    _assert_same_run(single_run, tmp_path)
-    digests = json.loads((tmp_path / "summary.json").read_text())["weights_sha256_per_rank"]
-    assert len(digests) == 2 and digests[0] == digests[1]
-
-
-# ---------------------------------------------------------------- muon
+# ---------------------------------------------------------------- muon, on two nodes
 
 
 # The averaged weights (train.ema_decay) ride along in the muon and fsdp comparisons: every rank keeps the same
 # average (ddp) or its shard of it (fsdp), evaluations swap it in on every rank, and it is saved whole.
 EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema", "--eval.every=2"]
+MUON_ARGS = [*ARGS, MUON_ARG, *EMA_ARGS]
+
+
+@pytest.fixture(scope="module")
+def muon_on_two_nodes(tmp_path_factory, corpus_dir) -> tuple[Path, Path, list[subprocess.CompletedProcess]]:
+    """MUON_ARGS on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line: c10d numbers the
+    nodes, no --node-rank), and on one rank in this process meanwhile. One ddp run of 2 ranks for two tests: the
+    nodes' rendezvous, and Muon's (with the average) equality to one rank. Returns (one, two, each node's torchrun)."""
+    root = tmp_path_factory.mktemp("muon_two_nodes")
+    one, two = root / "one", root / "two"
+    port = free_port()
+    launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
+    nodes = [torchrun_started(1, [*MUON_ARGS, f"--run.dir={two}"], extra=launcher) for _ in (0, 1)]
+    assert run([*MUON_ARGS, f"--run.dir={one}"]) == 0  # the single-rank reference
+    return one, two, [finished() for finished in nodes]
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_rank_with_muon(tmp_path):
-    args = [*ARGS, MUON_ARG, *EMA_ARGS]
-    one, two = tmp_path / "one", tmp_path / "two"
-    finished = torchrun_started(2, [*args, f"--run.dir={two}"])
-    assert run([*args, f"--run.dir={one}"]) == 0  # in this process meanwhile: the single-rank reference
-    proc = finished()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 ranks x 1 accum" in proc.stdout
+def test_two_nodes_over_c10d_rendezvous_match_one_rank(muon_on_two_nodes):
+    one, two, procs = muon_on_two_nodes
+    for proc in procs:  # torchrun warned nothing about its arguments
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "torch/distributed/run.py" not in proc.stderr, proc.stderr[-3000:]
+    _assert_same_run(one, two)
+    digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_muon(muon_on_two_nodes):
+    """Muon under ddp on 2 ranks (here the two nodes above) equals one rank, its averaged weights included."""
+    one, two, procs = muon_on_two_nodes
+    assert all(proc.returncode == 0 for proc in procs), [proc.stderr[-3000:] for proc in procs]
+    assert "name: muon" in (two / "config.yaml").read_text()
+    assert "2 ranks x 1 accum" in "".join(proc.stdout for proc in procs)  # rank 0's line, on either node
     _assert_same_run(one, two)
     _assert_same_weights(one, two, "ema.safetensors")
     digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
@@ -139,6 +139,15 @@ def fsdp_reference(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def one_rank_half(tmp_path_factory) -> Path:
+    """FSDP_ARGS' steps 1-5 on one rank, in this process: the checkpoint that fsdp and hsdp resume below (each a
+    copy)."""
+    run_dir = tmp_path_factory.mktemp("one_rank_half")
+    assert run([*FSDP_ARGS, HALF, f"--run.dir={run_dir}"]) == 0
+    return run_dir
+
+
 def _assert_equals_reference(reference: Path, other: Path) -> None:
     """Loss at every one of the 10 steps, the evaluations and the weights to 1e-5; the grad norm to 5e-5 of itself:
     fsdp reduce-scatters each micro-step's gradients (parallel.accumulating), another fp32 summation order, and a
@@ -155,7 +164,8 @@ def _assert_equals_reference(reference: Path, other: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(fsdp_reference, tmp_path):
+def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(corpus_dir, request,
+                                                                                         tmp_path):
     """FSDP on 2 gloo ranks equals one rank (what DDP is tested equal to above) to 1e-5 in loss, grad norm and
     weights over 10 AdamW steps: steps 1-5 fsdp from scratch, then resumed under ddp on 1 rank; and 1-5 on 1 rank,
     then resumed under fsdp on 2 ranks. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
@@ -163,7 +173,9 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
     fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
     finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
-    assert run([*FSDP_ARGS, HALF, f"--run.dir={ddp_first}"]) == 0  # in this process meanwhile
+    # In this process meanwhile (where no test has made them yet): the reference and the one-rank half.
+    fsdp_reference = request.getfixturevalue("fsdp_reference")
+    shutil.copytree(request.getfixturevalue("one_rank_half"), ddp_first)
     proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished = torchrun_started(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
@@ -175,28 +187,35 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
         _assert_equals_reference(fsdp_reference, other)
 
 
+COMPILED = ["--train.compile=true", "--train.recompute=true", "--sample.num_samples=1", "--sample.max_new_tokens=4"]
+
+
 @pytest.fixture(scope="module")
-def sharded_half(tmp_path_factory) -> Path:
-    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks with checkpoint.sharded: each rank wrote its own DCP shards."""
+def sharded_half(tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks with checkpoint.sharded: each rank wrote its own DCP shards. Compiled
+    per block with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): one torchrun for the
+    compiled test and the sharded-checkpoint tests, which resume it eager (compile and recompute keep the state, so a
+    resume may switch them). Returns (the run directory, the torchrun)."""
     run_dir = tmp_path_factory.mktemp("sharded_half")
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
-                        f"--run.dir={run_dir}"])
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--checkpoint.sharded=true", *COMPILED,
+                        f"--run.dir={run_dir}"], env={"TORCH_LOGS": "dynamo,recompiles"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+    return run_dir, proc
 
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(fsdp_reference, sharded_half,
                                                                                   tmp_path):
-    """checkpoint.sharded (about 15 s): the step-5 checkpoint holds no model.safetensors but both ranks' DCP
-    shards, each listed in COMPLETE; 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as
-    shards) and save sharded again at 10; the losses, evaluations and final weights (read whole in this process,
+    """checkpoint.sharded: the step-5 checkpoint holds no model.safetensors but both ranks' DCP shards, each listed
+    in COMPLETE; 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as shards) and save sharded
+    again at 10; the losses, evaluations and final weights (read whole in this process,
     no process group, as `nanopt eval/sample/export` do) equal the one-rank run to 1e-5."""
-    ckpt = sharded_half / "checkpoints" / "step_000005"
+    written, _ = sharded_half
+    ckpt = written / "checkpoints" / "step_000005"
     listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
     assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
-    shutil.copytree(sharded_half, tmp_path / "run")
+    shutil.copytree(written, tmp_path / "run")
     proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
                         f"--run.dir={tmp_path / 'run'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -217,7 +236,7 @@ def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(
 def test_a_sharded_checkpoint_resumes_at_world_size_one_under_ddp(fsdp_reference, sharded_half, tmp_path):
     """DCP reshards on load: one process (no process group) resumes the 2 ranks' shards into the whole model,
     optimizer and average, trains 6-10 and saves whole: equal to the one-rank run (about 5 s)."""
-    shutil.copytree(sharded_half, tmp_path / "run")
+    shutil.copytree(sharded_half[0], tmp_path / "run")
     assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={tmp_path / 'run'}"]) == 0
     _assert_equals_reference(fsdp_reference, tmp_path / "run")
 
@@ -255,12 +274,12 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
 
 
 @pytest.mark.slow
-def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, tmp_path):
+def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, one_rank_half, tmp_path):
     """HSDP on 4 gloo ranks as 2 replicas x shard groups of 2 (a 2-D mesh: parameters placed (Replicate(),
     Shard(0))) resumes a one-rank checkpoint at step 5 (the whole weights and AdamW state cut to 2-D shards), trains
     to 10 and saves (gathered from 2-D shards): equal to the one-rank run, which FSDP and DDP equal above, to 1e-5.
     A gradient summed instead of averaged over either mesh dimension would double the logged grad norm."""
-    assert run([*FSDP_ARGS, HALF, f"--run.dir={tmp_path}"]) == 0
+    shutil.copytree(one_rank_half, tmp_path, dirs_exist_ok=True)
     hsdp = ["--runtime.parallel=hsdp", "--runtime.shard_group_size=2"]
     proc = torchrun(4, [*FSDP_ARGS, *hsdp, f"--run.dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -271,49 +290,47 @@ def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_refe
 @pytest.mark.slow
 def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
     """train.precision=bf16 under fsdp on 2 gloo ranks: FSDP2's MixedPrecisionPolicy gathers bf16 weights and
-    computes in them, and reduces fp32 gradients into the fp32 shards AdamW steps. The loss falls over 8 steps,
-    5-8 resumed from step 4's checkpoint, whose weights were saved whole in fp32."""
+    computes in them, and reduces fp32 gradients into the fp32 shards AdamW steps. Steps 1-4 train on one rank in
+    this process; 5-8 resume step 4's checkpoint under fsdp (its whole fp32 weights and AdamW state cut into the
+    shards). The loss falls over the 8 steps and over fsdp's own 4, and fsdp saves the weights whole in fp32."""
     args = small_overrides(**{"train.precision": "bf16", "train.max_steps": 8, "checkpoint.every": 4,
-                              "runtime.parallel": "fsdp", "log.tensorboard": "false", "run.dir": tmp_path})
-    proc = torchrun(2, [*args, "--train.max_steps=4"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    saved = load_file(str(tmp_path / "checkpoints" / "step_000004" / "model.safetensors"))
-    assert {t.dtype for t in saved.values()} == {torch.float32}
-    proc = torchrun(2, args)
+                              "log.tensorboard": "false", "run.dir": tmp_path})
+    assert run([*args, "--train.max_steps=4"]) == 0
+    proc = torchrun(2, [*args, "--runtime.parallel=fsdp"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr + proc.stdout and "bf16 on cpu x2" in proc.stdout
+    saved = load_file(str(tmp_path / "checkpoints" / "step_000008" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
     losses = {step: loss for step, (loss, _) in _records(tmp_path).items()}
     assert sorted(losses) == list(range(1, 9))
-    assert losses[8] < losses[1] - 0.5, losses
+    assert losses[8] < losses[1] - 0.5 and losses[8] < losses[5], losses
 
 
 @pytest.mark.slow
 def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(fsdp_reference,
-                                                                                                tmp_path):
+                                                                                                sharded_half):
     """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks), each
     block recomputed in backward (train.recompute: the compiled block runs again, FSDP2 gathers its weights again):
     5 steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
     loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
     2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
-    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos)."""
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--train.compile=true", "--train.recompute=true",
-                        "--sample.num_samples=1", "--sample.max_new_tokens=4", f"--run.dir={tmp_path}"],
-                    env={"TORCH_LOGS": "dynamo,recompiles"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos).
+    The run is sharded_half's (it saves sharded, which the tests above resume eager)."""
+    run_dir, proc = sharded_half
     traced = [(name, Path(path).parts[-2:])
               for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
     assert traced == [("forward", ("nanopt", "model.py"))] * 2, traced  # Block.forward, once per rank
     assert "Recompiling" not in proc.stderr
     assert "--- 1 samples from step 5" in proc.stdout
-    records, expected = _records(tmp_path), _records(fsdp_reference)
+    records, expected = _records(run_dir), _records(fsdp_reference)
     assert sorted(records) == list(range(1, 6))
     for step, (loss, norm) in records.items():
         assert abs(expected[step][0] - loss) < 1e-5 and abs(expected[step][1] - norm) < 5e-5 * norm, (step, norm)
-    timed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    timed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in timed if r.get("mfu")]
     # hfu counts the blocks' second forward (without train.recompute it equals mfu here: no chunked loss)
     assert timed and all(r["hfu"] > 1.1 * r["mfu"] for r in timed), [r["hfu"] / r["mfu"] for r in timed]
-    evaluated, reference = _val(tmp_path), _val(fsdp_reference)
+    evaluated, reference = _val(run_dir), _val(fsdp_reference)
     for step in (0, 2, 4):
         assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
 
