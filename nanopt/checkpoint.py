@@ -337,7 +337,7 @@ def _write_files(tmp: Path, step: int, weights: Optional[dict[str, torch.Tensor]
         sealer.pool.shutdown(wait=True, cancel_futures=True)
         raise
     with writing(tmp):  # an fsync can be the first to hear of a full disk
-        files = {**sealed, **sealer.manifest()} if weights is None else sealer.manifest()
+        files = {**sealed, **sealer.manifest()}  # sealed is empty unless the shards were sealed by their ranks
         if weights is None:
             fsync(tmp / DCP_DIR)
     write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
