@@ -84,13 +84,15 @@ def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
     assert "model.dimm" in err and err.count("\n") == 1, err
 
 
-@pytest.mark.slow  # three training processes: ~10 s on 2 quiet cores
+@pytest.mark.slow  # three training processes side by side: ~6 s on 2 quiet cores
 def test_averaging_runs(tmp_path, capsys):
-    """Three whole runs (cosine, constant, wsd at toy width), each scored as its last weights, their EMA and the
-    mean of its last 2 checkpoints; run again with the same --json, the seed is reused, nothing trains."""
+    """Three whole runs (cosine, constant, wsd at toy width, side by side), each scored as its last weights, their
+    EMA and the mean of its last 2 checkpoints; run again with the same --json (one run at a time, a setting the
+    scores do not depend on), the seed is reused, nothing trains."""
     kept = tmp_path / "avg.json"
-    out = run("averaging", ["--smoke", "--json", str(kept)], capsys)
-    assert "3 arms x 1 seed(s), 4 steps, a checkpoint every 2, LAWA of the last 2 at toy size" in out
+    out = run("averaging", ["--smoke", "--parallel", "3", "--json", str(kept)], capsys)
+    assert "3 arms x 1 seed(s), 4 steps, a checkpoint every 2, LAWA of the last 2 at toy size (--smoke), 3 runs at " \
+           "once" in out
     scores = json.loads(kept.read_text())["scores"]["0"]
     assert set(scores) == {"cosine", "constant", "wsd"}
     for arm in scores.values():
@@ -124,6 +126,7 @@ def test_averaging_compares_each_claim_over_seeds():
     (["--steps", "160", "--every", "20", "--last", "9"], "--last '9': give distinct K from 2 to 8"),
     (["--steps", "165", "--every", "20", "--last", "2,x"], "from 2 to 9, comma separated (a run of 165 steps"),
     (["--every", "0"], "--every (0)"),
+    (["--parallel", "0"], "--parallel (0)"),
     (["--config", str(REPO / "configs" / "tiny.yaml")], "tiny.yaml keeps no EMA (train.ema_decay is 0)"),
 ])
 def test_averaging_refuses_a_layout_or_config_it_cannot_average(argv, words, capsys):
