@@ -2,9 +2,9 @@
 which imports torch and the benches once and runs no torch op before it forks. (Not forks of pytest's process: a fork
 of a process whose OpenMP threads have run hangs in its first parallel region.)
 
-`python tests/bench_smokes.py OUT '{"NAME": [ARG, ...], ...}'`: for each bench NAME, OUT/NAME/stdout.txt and
-OUT/NAME/stderr.txt as it runs, then OUT/NAME/rc, its exit code, once it has finished; this process exits when all
-have.
+`python tests/bench_smokes.py OUT '{"NAME": [ARG, ...], ...}'`: the benches in that order, AT_ONCE at a time; for each
+NAME, OUT/NAME/stdout.txt and OUT/NAME/stderr.txt as it runs, then OUT/NAME/rc, its exit code, once it has finished;
+this process exits when all have.
 """
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+# Each smoke runs one to three single-threaded processes at a time: three smokes keep the CI machine's 2 cores busy
+# (more cores, more smokes), and the first ones finish early (all at once, each would take as long as all of them).
+AT_ONCE = max(3, os.cpu_count() or 1)
 
 
 def run(bench: ModuleType, argv: list[str], out: Path) -> int:
@@ -44,14 +47,15 @@ def run(bench: ModuleType, argv: list[str], out: Path) -> int:
 def main(out: Path, smokes: dict[str, list[str]]) -> None:
     sys.path.append(str(BENCH))  # as tests/conftest.py's bench_module: the benches import their neighbours by name
     benches = {name: importlib.import_module(name) for name in smokes}  # once, before any fork
-    forks = {}
-    for name, argv in smokes.items():
-        (out / name).mkdir(parents=True, exist_ok=True)
-        pid = os.fork()
-        if pid == 0:
-            os._exit(run(benches[name], argv, out / name))
-        forks[pid] = name
-    while forks:
+    waiting, forks = list(smokes), {}
+    while waiting or forks:
+        while waiting and len(forks) < AT_ONCE:
+            name = waiting.pop(0)
+            (out / name).mkdir(parents=True, exist_ok=True)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(run(benches[name], smokes[name], out / name))
+            forks[pid] = name
         pid, status = os.wait()
         rc = out / forks.pop(pid) / "rc"
         rc.with_suffix(".tmp").write_text(str(os.waitstatus_to_exitcode(status)))

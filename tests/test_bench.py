@@ -41,16 +41,18 @@ def run(name: str, argv: list[str], capsys) -> str:
 NANOGPT = PEERS / "nanoGPT" / "train.py"  # bench/vs_nanogpt.py's peer
 # The slow smokes' arguments (given each one's own directory), by bench: test_NAME_runs judges each. Their time is
 # the training processes they start, each one thread, which one after another would leave a core of the CI
-# machine's 2 idle: tests/bench_smokes.py runs them side by side, each main(argv) in a fork of one process.
+# machine's 2 idle: tests/bench_smokes.py runs them side by side, each main(argv) in a fork of one process, in this
+# order (the longest chain of processes first, then as this file's tests ask for them), while this process goes on
+# with the tests between them.
 SMOKES: dict[str, Callable[[Path], list[str]]] = {
-    "averaging": lambda d: ["--smoke", "--parallel", "3", "--json", str(d / "avg.json")],
     "vs_nanogpt": lambda d: ["--smoke", "--part", "step", "--json", str(d / "r.json")],
-    "sweep": lambda d: ["--smoke"],
+    "ablation": lambda d: ["--smoke", "--target-bpb", "100", "--json", str(d / "a.json")],
+    "averaging": lambda d: ["--smoke", "--parallel", "3", "--json", str(d / "avg.json")],
+    "omp_policy": lambda d: ["--smoke"],
     "ddp": lambda d: ["--smoke"],
     "fsdp_memory": lambda d: ["--smoke"],
     "loss_memory": lambda d: ["--tokens", "64", "--vocab", "512", "--chunk", "16", "--dim", "32"],
-    "omp_policy": lambda d: ["--smoke"],
-    "ablation": lambda d: ["--smoke", "--target-bpb", "100", "--json", str(d / "a.json")],
+    "sweep": lambda d: ["--smoke"],
 }
 
 
@@ -61,7 +63,7 @@ class Smoke(NamedTuple):
 
 
 class Smokes:
-    """The slow smokes the selected tests judge, all started at once (tests/bench_smokes.py)."""
+    """The slow smokes the selected tests judge, started together (tests/bench_smokes.py)."""
 
     def __init__(self, names: list[str], root: Path) -> None:
         self.root, self.argv = root, {name: SMOKES[name](root / name) for name in names}
