@@ -161,7 +161,7 @@ def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
     assert "model.dimm" in err and err.count("\n") == 1, err
 
 
-@pytest.mark.slow  # three training processes side by side (SMOKES): ~6 s alone on 2 quiet cores
+@pytest.mark.slow  # three training processes side by side (SMOKES): ~7 s alone on 2 quiet cores
 def test_averaging_runs(smokes, capsys):
     """Three whole runs (cosine, constant, wsd at toy width, side by side), each scored as its last weights, their
     EMA and the mean of its last 2 checkpoints; run again here with the same --json (one run at a time, a setting
@@ -397,11 +397,11 @@ def test_vs_hf_runs(capsys):
     assert "CEILING fp32: nanopt/HF <= " in out and "RATIO fp32: nanopt/HF tokens/s = " in out
 
 
-@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process (SMOKES): ~8 s alone on 2 quiet cores
+@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process (SMOKES): ~9 s alone on 2 quiet cores
 def test_vs_nanogpt_runs(smokes):
     """The step-time part against the peer itself: nanoGPT's and nanopt's runs alternating, medians, the ratio. The
     race part runs the same two commands to a target (its nanopt keys and summary: test_ablation_runs, same
-    recipe); `--smoke` without `--part` runs it too (~8 s more)."""
+    recipe); `--smoke` without `--part` runs it too (~9 s more)."""
     if not NANOGPT.is_file():
         pytest.skip(f"the peer is absent: no nanoGPT checkout at {NANOGPT.parent} (bench/vs_nanogpt.py's default)")
     out, _, where = smokes.result("vs_nanogpt")
