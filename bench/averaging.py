@@ -4,7 +4,7 @@ checkpoints (LAWA, `nanopt average --last K`) and of its EMA (`train.ema_decay`)
 Averaging the checkpoints happens after training, so a race to a target cannot use it: here every run trains
 exactly `--steps` optimizer steps instead, saving a checkpoint every `--every` steps, and each set of weights is
 evaluated on the same validation batches. Three arms, each a whole `python -m nanopt.main` process per seed, one
-at a time, the order rotating with the seed:
+at a time (`--parallel N`: N at once), the order rotating with the seed:
 
 - `cosine`: the recipe (`--config`) as it is, its lr schedule ending at `--steps`;
 - `constant`: the recipe without a decay phase (`train.schedule=constant`: WSD's warmup and stable part);
@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,6 +63,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=32, help="validation micro-batches for every score (default 32)")
     p.add_argument("--threads", type=int, default=1, help="runtime.threads of every run and evaluation (default 1: "
                    "one core per run leaves a shared machine usable, and the bench measures no seconds)")
+    p.add_argument("--parallel", type=int, default=1, help="arms of a seed trained at once, each a process of "
+                   "--threads threads (default 1); the scores do not depend on it")
     p.add_argument("--json", type=Path, default=None, help="write every seed's scores here as each seed finishes; "
                    "the seeds already in it (same settings) are not trained again")
     p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: one seed at toy width, "
@@ -75,9 +78,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def check_layout(a: argparse.Namespace) -> list[int]:
     """The K of --last, each averaging 2 or more of the checkpoints the runs save; exit 2 naming the fix if not."""
-    if min(a.seeds, a.steps, a.every, a.batches, a.threads) < 1:
+    if min(a.seeds, a.steps, a.every, a.batches, a.threads, a.parallel) < 1:
         C.bad_input(__file__, f"--seeds ({a.seeds}), --steps ({a.steps}), --every ({a.every}), --batches "
-                    f"({a.batches}) and --threads ({a.threads}) must each be at least 1.")
+                    f"({a.batches}), --threads ({a.threads}) and --parallel ({a.parallel}) must each be at least 1.")
     saved = len(range(a.every, a.steps + 1, a.every)) + (a.steps % a.every != 0)  # and the last step's
     try:
         lasts = [int(k) for k in a.last.split(",")]
@@ -113,6 +116,15 @@ def train(config: str, overrides: list[str], seed: int, run_dir: Path) -> None:
     proc = subprocess.run(cmd, cwd=C.REPO, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+
+
+def train_arms(a: argparse.Namespace, arms: list[str], seed: int, work: Path) -> None:
+    """The arms' runs of one seed at once (one: as train alone), each into work/SEED-ARM; a failure exits."""
+    def one(name: str) -> None:
+        train(a.config, [*common_overrides(a), *ARMS[name]], seed, work / f"{seed}-{name}")
+
+    with ThreadPoolExecutor(len(arms)) as pool:  # each thread only waits on its process
+        list(pool.map(one, arms))  # re-raises the first failure's SystemExit here
 
 
 def score(run_dir: Path, lasts: list[int], batches: int) -> dict[str, float]:
@@ -203,13 +215,15 @@ def run_seeds(a: argparse.Namespace, scores: dict, work: Path) -> dict[str, dict
             continue
         names = list(ARMS)[seed % len(ARMS):] + list(ARMS)[: seed % len(ARMS)]
         scores[str(seed)] = {}
-        for name in names:
-            run_dir = work / f"{seed}-{name}"
-            train(a.config, [*common_overrides(a), *ARMS[name]], seed, run_dir)
-            scores[str(seed)][name] = score(run_dir, a.lasts, a.batches)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in scores[str(seed)][name].items())
-            C.progress(f"seed {seed} | {name}: {shown}")
+        for i in range(0, len(names), a.parallel):
+            arms = names[i : i + a.parallel]
+            train_arms(a, arms, seed, work)
+            for name in arms:
+                run_dir = work / f"{seed}-{name}"
+                scores[str(seed)][name] = score(run_dir, a.lasts, a.batches)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in scores[str(seed)][name].items())
+                C.progress(f"seed {seed} | {name}: {shown}")
         if a.json:
             a.json.write_text(json.dumps({"settings": settings(a), "scores": scores}, indent=2))
     return {seed: scores[seed] for seed in map(str, range(a.seeds))}
@@ -225,7 +239,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     C.banner("Weight averaging at a fixed step budget: val bpb of last, EMA and LAWA weights", {
         "config": a.config, "data": a.data or "the config's", "runs": f"{len(ARMS)} arms x {a.seeds} seed(s), "
         f"{a.steps} steps, a checkpoint every {a.every}, LAWA of the last {a.last}" + (" at toy size (--smoke)"
-                                                                                      if a.smoke else "")},
+                                                                                      if a.smoke else "")
+        + (f", {a.parallel} runs at once" if a.parallel > 1 else "")},
         C.command(__file__, argv))
     work = Path(tempfile.mkdtemp(prefix="nanopt-averaging-"))
     try:

@@ -105,7 +105,9 @@ def sizes(smoke: bool) -> dict[str, Any]:
         # compile is tested on 2 gloo ranks (tests/e2e/test_ddp.py).
         "fsdp": dict(args=["--config", "configs/170m-1gpu.yaml", *TOY, "--train.compile=false"], micro=(2, 32),
                      accum=2, steps=1),
-        "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", *TOY, "--data.packing=bos_bestfit",
+        # One layer: the stages' shapes and recompiles are the check, and a second layer adds ~1 s to its two compiles.
+        "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", *TOY, "--model.n_layers=1",
+                               "--data.packing=bos_bestfit",
                                "--train.batch_schedule=0:256,4:384,10:512",
                                "--train.seq_len_schedule=0:64,7:32,10:64"], vocab=512, tokens=60_000,
                          doc_tokens=(10, 100)),

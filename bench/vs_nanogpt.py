@@ -50,6 +50,10 @@ NANOGPT_SHAPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_in
                  "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 NANOGPT_ITERS = 2000
 NANOPT_SHAPE = [*C.NANOGPT_SHAPE, "--train.precision=fp32", "--train.compile=false"]
+# --smoke: none of what only costs time (it measures nothing): nanopt's end-of-run samples and curves.png and all but
+# one of its validation batches, nanoGPT's 20-batch loss estimates (one batch each).
+SMOKE_NANOPT = ["--sample.num_samples=0", "--log.curves=false", "--eval.batches=1"]
+SMOKE_NANOGPT = ["--eval_iters=1"]
 ITER_LINE = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 EVAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", re.M)
 
@@ -71,7 +75,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     a = p.parse_args(argv)
     if a.smoke:
-        a.steps, a.rounds, a.seeds = 6, 1, 1
+        a.steps, a.rounds, a.seeds = 3, 1, 1
     if not (a.nanogpt / "train.py").is_file():
         C.bad_input(__file__, f"--nanogpt {a.nanogpt} has no train.py: point it at a nanoGPT checkout (the peer; by "
                     f"default {PEER}, beside this checkout).")
@@ -147,9 +151,10 @@ def run(cmd: list[str], cwd: Path, env: Optional[dict] = None) -> tuple[float, s
     return seconds, proc.stdout + proc.stderr
 
 
-def nanogpt_cmd(iters: int, out_dir: Path, eval_interval: int) -> list[str]:
+def nanogpt_cmd(iters: int, out_dir: Path, eval_interval: int, smoke: bool) -> list[str]:
     return [sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_SHAPE, f"--max_iters={iters}",
-            f"--lr_decay_iters={NANOGPT_ITERS}", f"--eval_interval={eval_interval}", f"--out_dir={out_dir}"]
+            f"--lr_decay_iters={NANOGPT_ITERS}", f"--eval_interval={eval_interval}", f"--out_dir={out_dir}",
+            *(SMOKE_NANOGPT if smoke else [])]
 
 
 def nanopt_cmd(config: str, data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -172,13 +177,14 @@ def step_time(a: argparse.Namespace, work: Path, ngpt: Path, data_dir: Path) -> 
     for r in range(a.rounds):
         for name in (["nanoGPT", "nanopt"] if r % 2 == 0 else ["nanopt", "nanoGPT"]):
             if name == "nanoGPT":
-                _, out = run(nanogpt_cmd(a.steps, work / f"ngpt-step-{r}", eval_interval=10**6), ngpt)
+                _, out = run(nanogpt_cmd(a.steps, work / f"ngpt-step-{r}", 10**6, a.smoke), ngpt)
                 ms = [float(t) for i, t in ITER_LINE.findall(out) if int(i) > skip]
             else:
                 run_dir = work / f"nanopt-step-{r}"
                 run(nanopt_cmd(str(C.REPO / "configs" / "tiny.yaml"), data_dir, run_dir, *NANOPT_SHAPE,
                                f"--train.max_steps={a.steps}", "--log.every=1", "--eval.every=0",
-                               "--eval.test_at_end=false", "--train.warmup_steps=10"), C.REPO)
+                               "--eval.test_at_end=false", "--train.warmup_steps=10",
+                               *(SMOKE_NANOPT if a.smoke else [])), C.REPO)
                 ms = nanopt_step_ms(run_dir, skip)
             times[name].append(statistics.median(ms))
     ngpt, npt = statistics.median(times["nanoGPT"]), statistics.median(times["nanopt"])
@@ -193,13 +199,14 @@ def step_time(a: argparse.Namespace, work: Path, ngpt: Path, data_dir: Path) -> 
 # ---------------------------------------------------------------- part 2: the race to nanoGPT's final loss
 
 
-def race_nanogpt(ngpt: Path, work: Path, documents: Path, seed: int, iters: int) -> tuple[float, float]:
+def race_nanogpt(ngpt: Path, work: Path, documents: Path, seed: int, iters: int,
+                 smoke: bool) -> tuple[float, float]:
     """(whole-process seconds incl. writing its data, final val loss in nats/char) of nanoGPT's recipe."""
     data_dir = ngpt / "data" / "shakespeare_char"
     t0 = time.perf_counter()
     write_nanogpt_data(documents, data_dir)  # in this process: its prepare step is a few lines of numpy
     prep = time.perf_counter() - t0
-    seconds, out = run(nanogpt_cmd(iters, work / f"ngpt-race-{seed}", eval_interval=min(250, iters)), ngpt)
+    seconds, out = run(nanogpt_cmd(iters, work / f"ngpt-race-{seed}", min(250, iters), smoke), ngpt)
     evals = EVAL_LINE.findall(out)
     return prep + seconds, float(evals[-1][2])
 
@@ -210,7 +217,8 @@ def race_nanopt(a: argparse.Namespace, work: Path, documents: Path, counts: dict
     data_dir, run_dir = work / f"nanopt-data-{seed}", work / f"nanopt-race-{seed}"
     val_tokens = counts["val_bytes"] + counts["val_docs"]  # one BOS per document
     prep, _ = run(nanopt_prepare_args(documents, data_dir, a.config, val_tokens), C.REPO)
-    extra = [f"--train.target_val_bpb={target_bpb}", "--train.stop_at_target=true", f"--run.seed={seed}"]
+    extra = [f"--train.target_val_bpb={target_bpb}", "--train.stop_at_target=true", f"--run.seed={seed}",
+             *(SMOKE_NANOPT if a.smoke else [])]
     if max_steps:
         extra.append(f"--train.max_steps={max_steps}")
     seconds, _ = run(nanopt_cmd(a.config, data_dir, run_dir, *extra), C.REPO)
@@ -225,7 +233,7 @@ def race(a: argparse.Namespace, work: Path, ngpt: Path, documents: Path, counts:
     iters = 10 if a.smoke else NANOGPT_ITERS
     rows = []
     for seed in range(a.seeds):
-        g_seconds, g_loss = race_nanogpt(ngpt, work, documents, seed, iters)
+        g_seconds, g_loss = race_nanogpt(ngpt, work, documents, seed, iters, a.smoke)
         target = g_loss * counts["val_chars"] / counts["val_bytes"] / math.log(2)  # nats/char -> bits/byte
         p = race_nanopt(a, work, documents, counts, seed, target, max_steps=3 if a.smoke else None)
         rows.append({"seed": seed, "nanogpt_s": g_seconds, "nanogpt_val_loss": g_loss, "target_bpb": target, **p})

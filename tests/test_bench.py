@@ -1,11 +1,20 @@
 """Every bench under bench/ runs: each at toy size, in this process where it can (its main(argv), so torch is not
 imported again), so a moved helper or a renamed key fails here and not in front of the next person who measures.
-The benches measure nothing here; speed is never asserted. bench/gpu_check.py's own smokes: tests/test_gpu_check.py.
+The slow smokes, whose time goes to the training processes they start, run side by side, their main(argv) each in a
+fork of one other process (SMOKES). The benches measure nothing here; speed is never asserted. bench/gpu_check.py's
+own smokes: tests/test_gpu_check.py.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
 
 import pytest
 import torch
@@ -25,6 +34,72 @@ def run(name: str, argv: list[str], capsys) -> str:
     rc = bench(name).main(argv)
     assert rc in (None, 0), rc
     return capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the slow smokes, side by side
+
+NANOGPT = PEERS / "nanoGPT" / "train.py"  # bench/vs_nanogpt.py's peer
+# The slow smokes' arguments (given each one's own directory), by bench: test_NAME_runs judges each. Their time is
+# the training processes they start, each one thread, which one after another would leave a core of the CI
+# machine's 2 idle: tests/bench_smokes.py runs them side by side, each main(argv) in a fork of one process, in this
+# order (the longest chain of processes first, then as this file's tests ask for them), while this process goes on
+# with the tests between them.
+SMOKES: dict[str, Callable[[Path], list[str]]] = {
+    "vs_nanogpt": lambda d: ["--smoke", "--part", "step", "--json", str(d / "r.json")],
+    "ablation": lambda d: ["--smoke", "--target-bpb", "100", "--json", str(d / "a.json")],
+    "averaging": lambda d: ["--smoke", "--parallel", "3", "--json", str(d / "avg.json")],
+    "omp_policy": lambda d: ["--smoke"],
+    "ddp": lambda d: ["--smoke"],
+    "fsdp_memory": lambda d: ["--smoke"],
+    "loss_memory": lambda d: ["--tokens", "64", "--vocab", "512", "--chunk", "16", "--dim", "32"],
+    "sweep": lambda d: ["--smoke"],
+}
+
+
+class Smoke(NamedTuple):
+    out: str  # standard output
+    err: str  # standard error
+    dir: Path  # where its --json went
+
+
+class Smokes:
+    """The slow smokes the selected tests judge, started together (tests/bench_smokes.py)."""
+
+    def __init__(self, names: list[str], root: Path) -> None:
+        self.root, self.argv = root, {name: SMOKES[name](root / name) for name in names}
+        with open(root / "driver.log", "w") as log:
+            self.driver = subprocess.Popen([sys.executable, str(REPO / "tests" / "bench_smokes.py"), str(root),
+                                            json.dumps(self.argv)], cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+
+    def result(self, name: str, timeout: float = 600) -> Smoke:
+        """Bench NAME's output once it has finished, which it must have done with exit code 0."""
+        out, deadline = self.root / name, time.monotonic() + timeout
+        while not (out / "rc").exists() and self.driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rc = (out / "rc").read_text() if (out / "rc").exists() else None
+        assert rc is not None, (f"bench/{name}.py has not finished after {timeout:.0f} s, or tests/bench_smokes.py "
+                                f"ended without it:\n{(self.root / 'driver.log').read_text()[-3000:]}")
+        smoke = Smoke((out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
+        assert rc == "0", (f"python bench/{name}.py {' '.join(self.argv[name])}: exit code {rc}\n{smoke.out[-2000:]}\n"
+                           f"{smoke.err[-3000:]}")
+        return smoke
+
+    def stop(self) -> None:
+        if self.driver.poll() is None:  # a test failed before the rest had finished: the smokes and their runs go
+            os.killpg(self.driver.pid, signal.SIGKILL)
+        self.driver.wait()
+
+
+@pytest.fixture(scope="module")
+def smokes(request, tmp_path_factory) -> Iterator[Smokes]:
+    """The slow smokes of this module's selected tests (test_NAME_runs for each NAME of SMOKES), all started when
+    the first of them runs: each test then waits for its own."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    names = [n for n in SMOKES if f"test_{n}_runs" in selected and (n != "vs_nanogpt" or NANOGPT.is_file())]
+    started = Smokes(names, tmp_path_factory.mktemp("smokes"))
+    yield started
+    started.stop()
 
 
 # The scripts: bench/gpu_quick.py is gpu_check.py's --quick, and _common.py and _gpu.py are their helpers.
@@ -56,15 +131,17 @@ def test_checkpoint_save_runs(tmp_path, capsys):
     assert not (tmp_path / "ck").exists()  # the bench cleans up after itself
 
 
-@pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
-def test_ablation_runs(tmp_path, capsys):
+@pytest.mark.slow  # a training process (SMOKES: side by side with the others): ~3.5 s alone on 2 quiet cores
+def test_ablation_runs(smokes):
     """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at its first evaluation:
     step 1, since the recipe skips step 0's): the summary's keys the table reads; every variant's overrides are
     checked against the config before it."""
-    out = run("ablation", ["--smoke", "--target-bpb", "100", "--json", str(tmp_path / "a.json")], capsys)
-    assert "| recipe | 1 ± 0 | 0.0 ± 0.0 | `-` |" in out and "1 variant(s) x 1 seed(s) at toy size" in out
-    result = json.loads((tmp_path / "a.json").read_text())["results"]["recipe"][0]
-    assert result["reached"] is True and result["final_val_bpb"] > 0
+    out, _, where = smokes.result("ablation")
+    # Its seconds are the machine's (a loaded one takes longer to step 1): their cell's form, not their value.
+    assert re.search(r"\n\| recipe \| 1 ± 0 \| \d+\.\d ± 0\.0 \| `-` \|\n", out), out
+    assert "1 variant(s) x 1 seed(s) at toy size" in out
+    result = json.loads((where / "a.json").read_text())["results"]["recipe"][0]
+    assert result["reached"] is True and result["steps"] == 1 and result["final_val_bpb"] > 0
 
 
 def test_ablation_refuses_an_unknown_variant_naming_the_valid_ones(capsys):
@@ -84,13 +161,15 @@ def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
     assert "model.dimm" in err and err.count("\n") == 1, err
 
 
-@pytest.mark.slow  # three training processes: ~10 s on 2 quiet cores
-def test_averaging_runs(tmp_path, capsys):
-    """Three whole runs (cosine, constant, wsd at toy width), each scored as its last weights, their EMA and the
-    mean of its last 2 checkpoints; run again with the same --json, the seed is reused, nothing trains."""
-    kept = tmp_path / "avg.json"
-    out = run("averaging", ["--smoke", "--json", str(kept)], capsys)
-    assert "3 arms x 1 seed(s), 4 steps, a checkpoint every 2, LAWA of the last 2 at toy size" in out
+@pytest.mark.slow  # three training processes side by side (SMOKES): ~7 s alone on 2 quiet cores
+def test_averaging_runs(smokes, capsys):
+    """Three whole runs (cosine, constant, wsd at toy width, side by side), each scored as its last weights, their
+    EMA and the mean of its last 2 checkpoints; run again here with the same --json (one run at a time, a setting
+    the scores do not depend on), the seed is reused, nothing trains."""
+    out, _, where = smokes.result("averaging")
+    kept = where / "avg.json"
+    assert "3 arms x 1 seed(s), 4 steps, a checkpoint every 2, LAWA of the last 2 at toy size (--smoke), 3 runs at " \
+           "once" in out
     scores = json.loads(kept.read_text())["scores"]["0"]
     assert set(scores) == {"cosine", "constant", "wsd"}
     for arm in scores.values():
@@ -124,6 +203,7 @@ def test_averaging_compares_each_claim_over_seeds():
     (["--steps", "160", "--every", "20", "--last", "9"], "--last '9': give distinct K from 2 to 8"),
     (["--steps", "165", "--every", "20", "--last", "2,x"], "from 2 to 9, comma separated (a run of 165 steps"),
     (["--every", "0"], "--every (0)"),
+    (["--parallel", "0"], "--parallel (0)"),
     (["--config", str(REPO / "configs" / "tiny.yaml")], "tiny.yaml keeps no EMA (train.ema_decay is 0)"),
 ])
 def test_averaging_refuses_a_layout_or_config_it_cannot_average(argv, words, capsys):
@@ -143,12 +223,11 @@ def test_averaging_refuses_a_json_of_other_settings(tmp_path, capsys):
     assert exit.value.code == 2 and f"--json {kept} holds seeds of other settings" in err and err.count("\n") == 1
 
 
-@pytest.mark.slow  # a training process: ~3.5 s on 2 quiet cores
-def test_omp_policy_runs(capsys):
+@pytest.mark.slow  # a training process (SMOKES): ~3.5 s alone on 2 quiet cores
+def test_omp_policy_runs(smokes):
     """One real training process; what it measures and each run's result go to stderr as they finish (the full
     bench is 80 runs: it must not be silent for minutes)."""
-    bench("omp_policy").main(["--smoke"])
-    out = capsys.readouterr()
+    out = smokes.result("omp_policy")
     assert "1 runs of 3 steps" in out.out and "| nanogpt | 1 | quiet | " in out.out and "(1.00x) | PASSIVE |" in out.out
     assert out.err.startswith("measuring nanogpt shape, 1 rank(s), quiet: PASSIVE x 1 round(s)\n")
     assert "[1/1] round 1: PASSIVE " in out.err and " ms/step (run " in out.err
@@ -212,17 +291,17 @@ def test_core_parity_against_nanochat_itself(tmp_path, capsys):
     assert "all examples agree" in out
 
 
-@pytest.mark.slow  # two spawned processes: ~4 s on 2 quiet cores
-def test_ddp_runs(capsys):
+@pytest.mark.slow  # two spawned processes (SMOKES): ~4 s alone on 2 quiet cores
+def test_ddp_runs(smokes):
     """Two spawned gloo ranks: one-process and two-process steps alternate, and their losses must agree."""
-    out = run("ddp", ["--smoke"], capsys)
+    out = smokes.result("ddp").out
     assert "losses match (max |diff| " in out and "1 proc x 2 threads   | " in out and "2 procs x 1 thread   | " in out
 
 
-@pytest.mark.slow  # two spawned processes: 6-10 s on 2 cores
-def test_fsdp_memory_runs(capsys):
+@pytest.mark.slow  # two spawned processes (SMOKES): ~3.5 s alone on 2 quiet cores
+def test_fsdp_memory_runs(smokes):
     """Two spawned gloo ranks hold a DDP and an FSDP model; FSDP's bytes are half DDP's, as the model says."""
-    out = run("fsdp_memory", ["--smoke"], capsys)
+    out = smokes.result("fsdp_memory").out
     rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("    2 |")}
     assert set(rows) == {"ddp", "fsdp"}
     measured, modelled = float(rows["fsdp"][5]), float(rows["fsdp"][7])
@@ -256,9 +335,9 @@ def test_loss_memory_measures_in_this_process():
     assert full["grad_norm"] == pytest.approx(chunked["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.slow  # two fresh processes side by side (the bench reads each one's peak RSS): ~5 s on 2 cores
-def test_loss_memory_runs(capsys):
-    out = run("loss_memory", ["--tokens", "64", "--vocab", "512", "--chunk", "16", "--dim", "32"], capsys)
+@pytest.mark.slow  # two fresh processes side by side (the bench reads each one's peak RSS; SMOKES): ~3 s alone
+def test_loss_memory_runs(smokes):
+    out = smokes.result("loss_memory").out
     assert out.startswith("command: python bench/loss_memory.py --tokens 64 --vocab 512 --chunk 16 --dim 32\n")
     assert out.splitlines()[-1].split()[:4] == ["512", "64", "0", "16"] and out.rstrip().endswith("True"), out
 
@@ -304,10 +383,9 @@ def test_sweep_refuses_a_sweep_of_one(capsys):
     assert exit.value.code == 2 and "a sweep is at least 2 runs" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side: ~7 s on 2 quiet cores
-def test_sweep_runs(capsys):
-    bench("sweep").main(["--smoke"])
-    out = capsys.readouterr()
+@pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side (SMOKES): ~4 s alone on 2 quiet cores
+def test_sweep_runs(smokes):
+    out = smokes.result("sweep")
     assert "| quiet | " in out.out and "(1.00x, n/a) |" in out.out
     assert "quiet, round 1/1: --parallel 2 swept 2 runs in " in out.err
 
@@ -319,15 +397,15 @@ def test_vs_hf_runs(capsys):
     assert "CEILING fp32: nanopt/HF <= " in out and "RATIO fp32: nanopt/HF tokens/s = " in out
 
 
-@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process: ~10 s on 2 quiet cores
-def test_vs_nanogpt_runs(capsys, tmp_path):
+@pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process (SMOKES): ~9 s alone on 2 quiet cores
+def test_vs_nanogpt_runs(smokes):
     """The step-time part against the peer itself: nanoGPT's and nanopt's runs alternating, medians, the ratio. The
     race part runs the same two commands to a target (its nanopt keys and summary: test_ablation_runs, same
-    recipe); `--smoke` without `--part` runs it too (~10 s more)."""
-    if not (PEERS / "nanoGPT" / "train.py").is_file():
-        pytest.skip(f"the peer is absent: no nanoGPT checkout at {PEERS / 'nanoGPT'} (bench/vs_nanogpt.py's default)")
-    out = run("vs_nanogpt", ["--smoke", "--part", "step", "--json", str(tmp_path / "r.json")], capsys)
-    step = json.loads((tmp_path / "r.json").read_text())["step"]
+    recipe); `--smoke` without `--part` runs it too (~9 s more)."""
+    if not NANOGPT.is_file():
+        pytest.skip(f"the peer is absent: no nanoGPT checkout at {NANOGPT.parent} (bench/vs_nanogpt.py's default)")
+    out, _, where = smokes.result("vs_nanogpt")
+    step = json.loads((where / "r.json").read_text())["step"]
     assert step["nanogpt_ms"] > 0 and step["nanopt_ms"] > 0 and len(step["rounds"]["nanopt"]) == 1
     assert "nanopt speed / nanoGPT speed = **" in out and "(removed at the end)" in out
 
