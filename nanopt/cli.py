@@ -3,9 +3,12 @@ main(argv: list[str]) -> int. Commands are imported by name when they run, so `n
 torch and `nanopt train` can set the OpenMP environment before torch loads."""
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import sys
+import threading
+from typing import NoReturn, Optional
 
 from nanopt.errors import EXIT_BAD_INPUT, ConfigError, ShardError, debug_enabled, debug_traceback
 
@@ -66,16 +69,34 @@ def run(argv: list[str]) -> int:
             os.environ["NANOPT_DEBUG"] = previous
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> NoReturn:
+    """The process entry of `nanopt` and, with argv ["train", ...], of `python -m nanopt.main`."""
     try:
-        code = run(sys.argv[1:])
+        code = run(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # here, so a closed pipe raises inside the try
     except BrokenPipeError:
         # `nanopt runs | head`: the reader left. Python's documented way (signal module, "Note on SIGPIPE"):
         # point stdout at devnull, so the interpreter's own flush at exit does not raise again, and exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 1
-    sys.exit(code)
+    exit_process(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """sys.exit(code) without the interpreter's teardown: freeing every object of the ~2,000 modules a training
+    process imports (torch's among them) takes ~0.9 s on a 2-core EPYC, 5% of the CPU race, for memory the kernel
+    takes back at once. What an exit does that matters still happens first: the atexit handlers (logging's flush,
+    multiprocessing's children, weakref finalizers such as temporary directories), then the standard streams'
+    flush. While another thread runs (a writer the interpreter would wait for), it is sys.exit."""
+    if threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what the interpreter runs at exit (CPython; not in the documented API)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: the interpreter would ignore it too
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

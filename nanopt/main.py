@@ -11,7 +11,7 @@ def run(argv: list[str]) -> int:
 
 
 def main() -> None:
-    sys.exit(run(sys.argv[1:]))
+    cli.main(["train", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

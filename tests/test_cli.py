@@ -55,6 +55,31 @@ def test_a_reader_that_left_ends_the_command_quietly():
     assert proc.returncode == 1 and proc.stderr == ""
 
 
+
+# ---------------------------------------------------------------- the exit without the interpreter's teardown
+
+EXIT_CODE = """
+import atexit, sys, threading, time
+from pathlib import Path
+from nanopt import cli
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+if sys.argv[2] == "thread":  # a writer still running: the exit waits for it, as the interpreter's would
+    threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("done"))).start()
+print("buffered, not yet flushed", end="")
+sys.stderr.write("to stderr")
+cli.exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "thread"])
+def test_exit_process_keeps_the_exit_code_atexit_handlers_output_and_running_threads(case, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", EXIT_CODE, str(tmp_path), case], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "buffered, not yet flushed", proc
+    assert proc.stderr == "to stderr" and (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "done" if case == "thread" else not (tmp_path / "thread").exists()
+
 # ---------------------------------------------------------------- OpenMP's wait policy, set before torch loads
 
 
