@@ -87,8 +87,9 @@ def exit_process(code: int) -> NoReturn:
     process imports (torch's among them) takes ~0.9 s on a 2-core EPYC, 5% of the CPU race, for memory the kernel
     takes back at once. What an exit does that matters still happens first: the atexit handlers (logging's flush,
     multiprocessing's children, weakref finalizers such as temporary directories), then the standard streams'
-    flush. While another thread runs (a writer the interpreter would wait for), it is sys.exit."""
-    if threading.active_count() > 1:
+    flush. It is sys.exit while another thread runs (a writer the interpreter would wait for) or a profiler,
+    tracer or debugger watches (`python -m cProfile` writes its file once the command has returned)."""
+    if threading.active_count() > 1 or _watched():
         sys.exit(code)
     atexit._run_exitfuncs()  # what the interpreter runs at exit (CPython; not in the documented API)
     for stream in (sys.stdout, sys.stderr):
@@ -97,6 +98,14 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe or stream: the interpreter would ignore it too
             pass
     os._exit(code)
+
+
+
+def _watched() -> bool:
+    """A profiler, tracer, debugger or coverage tool is attached (sys.monitoring: theirs from Python 3.12)."""
+    monitoring = getattr(sys, "monitoring", None)
+    tools = monitoring is not None and any(monitoring.get_tool(i) for i in range(6))
+    return sys.getprofile() is not None or sys.gettrace() is not None or tools
 
 
 if __name__ == "__main__":

@@ -80,6 +80,14 @@ def test_exit_process_keeps_the_exit_code_atexit_handlers_output_and_running_thr
     assert proc.stderr == "to stderr" and (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "done" if case == "thread" else not (tmp_path / "thread").exists()
 
+
+def test_a_profiled_command_exits_through_the_profiler_which_writes_its_file(tmp_path):
+    """`python -m cProfile -o F -m nanopt.cli ...` writes F after the command returns: no exit past it."""
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p.prof"), "-m", "nanopt.cli",
+                           "--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0 and "usage" in proc.stdout, proc
+    assert (tmp_path / "p.prof").stat().st_size > 0
+
 # ---------------------------------------------------------------- OpenMP's wait policy, set before torch loads
 
 
