@@ -13,8 +13,9 @@ A checkpoint directory `checkpoints/step_NNNNNN/` holds
 It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
 `checkpoints/latest` is updated last. A full disk removes the temp directory and is DiskFull (exit 1), every earlier
 checkpoint untouched. A reader takes the newest checkpoint that verifies (newest_checkpoint; a damaged one is left in
-place, named in a warning); when the run has trained but none is usable, every re-run refuses (exit 2) until the
-user decides (`checkpoint.start_over`): a transient failure never becomes a silent restart."""
+place, named in a warning; on resume every rank reads its share of the files: verify_on_every_rank); when the run
+has trained but none is usable, every re-run refuses (exit 2) until the user decides (`checkpoint.start_over`): a
+transient failure never becomes a silent restart."""
 from __future__ import annotations
 
 import json
@@ -189,20 +190,38 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
     the one its name says; a download being verified has a temporary name)."""
     ckpt = Path(ckpt)
     step = step_of(ckpt) if step is None else step
-    if step is None or not ckpt.is_dir():
-        return "it is not a step_NNNNNN directory"
-    problem, files = _manifest_problem(ckpt)
+    problem, files = _listing_problem(ckpt, step)
     if problem:
         return problem
+    return next(filter(None, (_file_problem(ckpt, name, entry) for name, entry in files.items())), None) \
+        or _state_problem(ckpt, step)
+
+
+def _listing_problem(ckpt: Path, step: Optional[int]) -> tuple[Optional[str], dict[str, Any]]:
+    """What is wrong before any listed file is read (the name, COMPLETE), and the manifest's file entries."""
+    if step is None or not ckpt.is_dir():
+        return "it is not a step_NNNNNN directory", {}
+    return _manifest_problem(ckpt)
+
+
+def _file_problem(ckpt: Path, name: str, expected: dict[str, int]) -> Optional[str]:
+    """Why one file COMPLETE lists is not as listed (missing, another size, another crc32), or None."""
+    path = ckpt / name
     try:
-        for name, expected in files.items():
-            path = ckpt / name
-            if not path.is_file():
-                return f"{name} is missing"
-            if path.stat().st_size != expected["bytes"]:
-                return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-            if crc32_of(path) != expected["crc32"]:
-                return f"{name} fails its crc32 checksum (the file is corrupt)"
+        if not path.is_file():
+            return f"{name} is missing"
+        if (size := path.stat().st_size) != expected["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+        if crc32_of(path) != expected["crc32"]:
+            return f"{name} fails its crc32 checksum (the file is corrupt)"
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    return None
+
+
+def _state_problem(ckpt: Path, step: int) -> Optional[str]:
+    """Why state.json (its bytes already verified) does not hold `step`, or None."""
+    try:
         state = read_state(ckpt)
     except OSError as e:
         return f"it cannot be read ({e})"
@@ -213,15 +232,76 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
     return None
 
 
-def newest_checkpoint(path: Path, newer_than: int = -1) -> tuple[Optional[Path], list[str]]:
+def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[list[str]]:
+    """Which of a checkpoint's files (COMPLETE's entries) each of `world` ranks verifies: a DCP shard `__N_0.distcp`
+    on rank N (the rank that wrote it, when the world size is unchanged), every other file, largest first, on the
+    rank with the fewest bytes so far. Each rank's names in manifest order."""
+    shares: list[list[str]] = [[] for _ in range(world)]
+    load = [0] * world
+    rest = []
+    for name, entry in files.items():
+        owner = re.match(rf"{DCP_DIR}/__(\d+)_", name)
+        if owner and int(owner.group(1)) < world:
+            shares[int(owner.group(1))].append(name)
+            load[int(owner.group(1))] += entry["bytes"]
+        else:
+            rest.append(name)
+    for name in sorted(rest, key=lambda n: -files[n]["bytes"]):  # stable: ties keep manifest order
+        rank = load.index(min(load))
+        shares[rank].append(name)
+        load[rank] += files[name]["bytes"]
+    order = {name: i for i, name in enumerate(files)}
+    return [sorted(share, key=order.__getitem__) for share in shares]
+
+
+def _share_problem(rt: Runtime, ckpt: Path, files: dict[str, dict[str, int]]) -> Optional[tuple[int, str]]:
+    """This rank's first problem among its share of `files` (verify_shares) as (its place in the manifest, why)."""
+    order = list(files)
+    for name in verify_shares(files, rt.world_size)[rt.rank]:
+        if problem := _file_problem(ckpt, name, files[name]):
+            return order.index(name), problem
+    return None
+
+
+def verify_on_every_rank(rt: Runtime, ckpt: Path, step: Optional[int] = None) -> Optional[str]:
+    """Rank 0: verify_checkpoint's answer, the listed files' bytes read by every rank at once, each its share (the
+    other ranks are in follow_verification). The first problem in manifest order wins, as when one rank reads all:
+    the shards of configs/8b.yaml (96 GB) are then read by 8 ranks, not by rank 0 while 7 wait."""
+    ckpt = Path(ckpt)
+    step = step_of(ckpt) if step is None else step
+    problem, files = _listing_problem(ckpt, step)
+    if problem:
+        return problem
+    rt.gather_objects((str(ckpt), files))  # what every rank verifies next
+    found = [p for p in rt.gather_objects(_share_problem(rt, ckpt, files)) if p is not None]
+    return min(found)[1] if found else _state_problem(ckpt, step)
+
+
+def follow_verification(rt: Runtime) -> None:
+    """Every rank but 0 while rank 0 chooses a checkpoint: verify this rank's share of each candidate rank 0 names
+    (verify_on_every_rank), until rank 0 says it has chosen (end_verification). It reads; it never writes or logs."""
+    while (candidate := rt.gather_objects(None)[0]) is not None:
+        path, files = candidate
+        rt.gather_objects(_share_problem(rt, Path(path), files))
+
+
+def end_verification(rt: Runtime) -> None:
+    """Rank 0, once it has chosen: the other ranks leave follow_verification."""
+    rt.gather_objects(None)
+
+
+def newest_checkpoint(path: Path, newer_than: int = -1,
+                      verify: Optional[Callable[[Path], Optional[str]]] = None) -> tuple[Optional[Path], list[str]]:
     """The newest complete checkpoint of a run (or checkpoints/) directory above step `newer_than`, and "name:
     why" for each newer one skipped. Newest first, stopping at the first that verifies: verifying reads every byte
-    (15 GB for configs/1b.yaml), so older ones are left alone. The one answer for resume, eval, sample, Modal."""
+    (15 GB for configs/1b.yaml), so older ones are left alone. The one answer for resume, eval, sample, Modal.
+    `verify`: verify_checkpoint (default), or a resume's verify_on_every_rank."""
+    verify = verify or verify_checkpoint  # looked up now: a test may replace verify_checkpoint
     skipped: list[str] = []
     for ckpt in reversed(checkpoint_dirs(path)):
         if step_of(ckpt) <= newer_than:
             break
-        if (problem := verify_checkpoint(ckpt)) is None:
+        if (problem := verify(ckpt)) is None:
             return ckpt, skipped
         skipped.append(f"{ckpt.name}: {problem}")
     return None, skipped
@@ -557,20 +637,7 @@ class Checkpointer:
                                   "its newest checkpoint.")
             rt.barrier()  # every rank looks before rank 0 writes into the directory
             return None
-        # Rank 0 picks (and, when needed, downloads) the checkpoint; all ranks load that same one.
-        chosen, error = None, None
-        if rt.is_main:
-            try:
-                for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
-                    refuse_link(self.run_dir / name)
-                found = self._choose()
-                chosen = found.name if found else None
-            except ConfigError as e:
-                error = str(e)
-        chosen, error = rt.gather_objects((chosen, error))[0]
-        if error is not None:
-            raise ConfigError(error if rt.is_main else f"rank 0 could not resume from {self.root}: {error}")
-        if chosen is None:  # nothing was checkpointed and no earlier training shows (_choose refuses otherwise)
+        if (chosen := self._agree()) is None:  # nothing was checkpointed and no earlier training shows
             return None
         ckpt = self.root / chosen
         saved = self._load(ckpt, model, optimizer, states)
@@ -581,13 +648,37 @@ class Checkpointer:
             log.info("resuming from %s (step %d)", ckpt, saved["step"])
         return saved
 
+    def _agree(self) -> Optional[str]:
+        """The name of the checkpoint every rank resumes from, or None (fresh). Rank 0 chooses (and, when needed,
+        downloads) it, alone writing and logging, while every rank verifies its share of each candidate's files;
+        what rank 0 refuses (ConfigError) every rank raises."""
+        rt, chosen, error = self.rt, None, None
+        if rt.is_main:
+            try:
+                for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
+                    refuse_link(self.run_dir / name)
+                found = self._choose()
+                chosen = found.name if found else None
+            except ConfigError as e:
+                error = str(e)
+            end_verification(rt)
+        else:
+            follow_verification(rt)
+        chosen, error = rt.gather_objects((chosen, error))[0]
+        if error is not None:
+            raise ConfigError(error if rt.is_main else f"rank 0 could not resume from {self.root}: {error}")
+        return chosen
+
+    def _verify(self, ckpt: Path, step: Optional[int] = None) -> Optional[str]:
+        return verify_on_every_rank(self.rt, ckpt, step)
+
     def _choose(self) -> Optional[Path]:
-        """Newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved one;
-        ConfigError when it did (`checkpoint.start_over`: fresh)."""
+        """Rank 0: the newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved
+        one; ConfigError when it did (`checkpoint.start_over`: fresh)."""
         for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             shutil.rmtree(tmp, ignore_errors=True)
-        found, problems = newest_checkpoint(self.root)
+        found, problems = newest_checkpoint(self.root, verify=self._verify)
         for line in problems:
             log.warning("skipping checkpoint %s", line)
         if found:
@@ -629,7 +720,7 @@ class Checkpointer:
         """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
         tmp = self.root / f".tmp_{name}"
         try:
-            problem = verify_checkpoint(self.mirror.fetch(name, tmp), step_of(name))
+            problem = self._verify(self.mirror.fetch(name, tmp), step_of(name))
         except OSError as e:
             problem = str(e)
         if problem:

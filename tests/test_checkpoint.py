@@ -220,6 +220,114 @@ def test_each_rank_reads_back_only_its_own_shards_and_a_rank_failing_to_seal_fai
     assert not (root / "checkpoints" / "step_000004").exists()
 
 
+def _synthetic(root: Path, step: int, sharded: bool = True, first: tuple[str, ...] = ()) -> Path:
+    """checkpoints/step_NNNNNN with random bytes under a sharded (2 ranks' DCP files) or a whole checkpoint's names
+    and a true COMPLETE, listing `first` first: verifying reads sizes and crc32s, never the contents."""
+    ckpt = root / f"step_{step:06d}"
+    names = ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"] if sharded else ["model.safetensors",
+                                                                                        "optimizer.pt"]
+    sizes = dict(zip(names, (300, 40_000, 40_000) if sharded else (40_000, 30_000)))
+    (ckpt / "dcp" if sharded else ckpt).mkdir(parents=True)
+    for name in names:
+        (ckpt / name).write_bytes(torch.randint(0, 256, (sizes[name],), dtype=torch.uint8).numpy().tobytes())
+    (ckpt / "rng.pt").write_bytes(b"rng" * 500)
+    (ckpt / "state.json").write_text(json.dumps({"step": step}))
+    listed = [*first, *[n for n in [*names, "rng.pt", "state.json"] if n not in first]]
+    files = {n: {"bytes": (ckpt / n).stat().st_size, "crc32": zlib.crc32((ckpt / n).read_bytes())} for n in listed}
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": step, "files": files}))
+    return ckpt
+
+
+def _damage(path: Path, truncate: bool = False) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-10] if truncate else raw[:5] + bytes([raw[5] ^ 1]) + raw[6:])
+
+
+def _resume_scenarios(runs: Path) -> None:
+    """Run directories, each a resume case: whole, damaged in one way or two, none usable, only on the mirror."""
+    for name in ("whole", "torn", "two_torn", "missing", "manifest", "renamed", "unusable", "fresh", "mirror"):
+        (runs / name / "checkpoints").mkdir(parents=True)
+    for name in ("whole", "torn", "missing", "manifest", "renamed"):
+        _synthetic(runs / name / "checkpoints", 2)
+        _synthetic(runs / name / "checkpoints", 4)
+    (runs / "whole" / "checkpoints" / ".tmp_step_000006").mkdir()  # an interrupted save: rank 0 removes it
+    _damage(runs / "torn" / "checkpoints" / "step_000004" / "dcp" / "__1_0.distcp")
+    _synthetic(runs / "two_torn" / "checkpoints", 2)
+    two = _synthetic(runs / "two_torn" / "checkpoints", 4, first=("dcp/__1_0.distcp",))  # rank 1's listed first
+    _damage(two / "dcp" / "__0_0.distcp")
+    _damage(two / "dcp" / "__1_0.distcp", truncate=True)
+    (runs / "missing" / "checkpoints" / "step_000004" / "rng.pt").unlink()
+    (runs / "manifest" / "checkpoints" / "step_000004" / "COMPLETE").write_text("[1, 2]")
+    (runs / "renamed" / "checkpoints" / "step_000002").rename(runs / "renamed" / "checkpoints" / "step_000006")
+    _damage(_synthetic(runs / "unusable" / "checkpoints", 4) / "state.json")
+    _synthetic(runs / "mirror" / "remote", 4, sharded=False)
+
+
+def _choose_worker(rank: int, world: int, store: str, runs: str) -> None:
+    """One gloo rank resuming each scenario run: the checkpoint Checkpointer.restore would load on this rank (or
+    the refusal), the files this rank summed and the warnings it logged."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rt = runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
+    read, warned, out = [], [], {}
+    summed = checkpoint.crc32_of
+    checkpoint.crc32_of = lambda path: read.append(str(path)) or summed(path)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("nanopt").addHandler(handler)
+    for run in sorted(Path(runs).iterdir()):
+        mirror = [f"--checkpoint.mirror={run / 'remote'}"] if run.name == "mirror" else []
+        cfg = load_config(None, parse_overrides([*SHORT_ARGS, f"--run.dir={run}", *mirror]))
+        read.clear()
+        warned.clear()
+        try:
+            chosen = checkpoint.Checkpointer(cfg, rt, [])._agree()
+        except ConfigError as e:
+            chosen = f"refused: {e}"
+        out[run.name] = {"chosen": chosen, "read": [str(Path(p).relative_to(run)) for p in read], "warned": warned[:]}
+    (Path(runs).parent / f"chosen{rank}.json").write_text(json.dumps(out))
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_verify_their_own_share_of_a_checkpoint_on_resume_and_choose_what_one_rank_would(tmp_path):
+    """Resume on 2 forked ranks: each candidate's files are summed once, split between the ranks (rank N takes
+    `__N_0.distcp`), rank 0 alone removes, downloads and warns, and both resume from the checkpoint one rank's
+    newest_checkpoint picks, skipping the same ones for the same reasons: a torn `__1_0.distcp` (read by rank 1
+    alone), the first of two damaged files in manifest order, a missing file, a bad manifest, a state.json of
+    another step; a refusal is every rank's; the mirror's copy is verified by both."""
+    runs = tmp_path / "runs"
+    _resume_scenarios(runs)
+    expected = {run.name: checkpoint.newest_checkpoint(run) for run in runs.iterdir()}
+    fork_ranks(_choose_worker, 2, (2, str(tmp_path / "store"), str(runs)), timeout=120)
+    got = [json.loads((tmp_path / f"chosen{rank}.json").read_text()) for rank in (0, 1)]
+    for name, (found, skipped) in expected.items():
+        if name in ("unusable", "mirror"):
+            continue
+        assert got[0][name]["chosen"] == got[1][name]["chosen"] == (found.name if found else None), name
+        assert [w for w in got[0][name]["warned"] if w.startswith("skipping")] == \
+            [f"skipping checkpoint {line}" for line in skipped], name
+        assert got[1][name]["warned"] == [], name
+        reads = [set(got[rank][name]["read"]) for rank in (0, 1)]
+        assert not reads[0] & reads[1] and len(got[0][name]["read"]) == len(reads[0]), name  # each file once
+    whole = [set(got[rank]["whole"]["read"]) for rank in (0, 1)]
+    assert whole[0] | whole[1] == {f"checkpoints/step_000004/{n}" for n in json.loads(
+        (runs / "whole" / "checkpoints" / "step_000004" / "COMPLETE").read_text())["files"]}
+    assert "checkpoints/step_000004/dcp/__0_0.distcp" in whole[0] and whole[1], whole  # both ranks read
+    assert "checkpoints/step_000004/dcp/__1_0.distcp" in whole[1], whole
+    assert not (runs / "whole" / "checkpoints" / ".tmp_step_000006").exists()
+    torn = got[0]["torn"]
+    assert torn["chosen"] == "step_000002" and "step_000004: dcp/__1_0.distcp fails its crc32" in torn["warned"][0]
+    assert not [p for p in torn["read"] if p.endswith("__1_0.distcp")]  # rank 1's share, read by rank 1 alone
+    assert "dcp/__1_0.distcp has 39990 bytes" in got[0]["two_torn"]["warned"][0]  # rank 0 found __0_0's, listed later
+    refused = [got[rank]["unusable"]["chosen"] for rank in (0, 1)]
+    assert refused[0].startswith("refused: the run directory") and expected["unusable"][1][0] in refused[0]
+    assert refused[1].startswith("refused: rank 0 could not resume") and expected["unusable"][1][0] in refused[1]
+    assert got[0]["mirror"]["chosen"] == got[1]["mirror"]["chosen"] == "step_000004"
+    fetched = got[1]["mirror"]["read"]
+    assert fetched and all(p.startswith("checkpoints/.tmp_step_000004/") for p in fetched), fetched
+    assert checkpoint.verify_checkpoint(runs / "mirror" / "checkpoints" / "step_000004") is None
+
+
 def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):
     """finish() waits for the mirror before the summary and the run's cleanup closes again: one warning."""
     ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only close()'s collaborators are needed
