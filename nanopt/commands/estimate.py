@@ -21,7 +21,7 @@ def _hours_text(hours: float) -> str:
     return f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.2f} s"
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanopt estimate", allow_abbrev=False,
         usage="nanopt estimate [CONFIG | --config CONFIG] [options] [--section.key=value ...]",
@@ -39,24 +39,18 @@ def main(argv: list[str]) -> int:
                         help="GPUs per hsdp shard group for the memory table (default: 8, one node, when --gpus is "
                              "a larger multiple of it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args, rest = _parser().parse_known_args(argv)
     path, rest = split_args(rest)  # the config path, positional or --config, as `nanopt train` reads it
     cfg = load_config(path, parse_overrides(rest))
     given = args.gpus is not None
     if not given:
         args.gpus = cfg.mfu.devices
-    if args.hardware not in PEAKS:
-        raise ConfigError(f"`--hardware {args.hardware}` is not in the peak table; valid: {', '.join(PEAKS)}.")
-    if args.gpus <= 0:
-        raise ConfigError(f"`--gpus` must be positive, got {args.gpus}.")
-    if not 0 < args.mfu <= 1:
-        raise ConfigError(f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}.")
+    _check(args, cfg)
     group = _shard_group(args.shard_group_size, args.gpus)
-    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
-        raise ConfigError(f"`--price-per-gpu-hour` must be zero or positive, got {args.price_per_gpu_hour}.")
-    if table_peak(args.hardware, cfg.train.precision) is None:
-        raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "
-                          f"peak; estimate a bf16 run (--train.precision=bf16).")
     t, plan = cfg.train, build_plan(cfg.train, args.gpus)
     stages, source = [(s.tokens, s.seq_len) for s in plan.stages], f"the config's plan: {t.max_steps:,} steps"
     if args.tokens is not None:
@@ -69,15 +63,33 @@ def main(argv: list[str]) -> int:
     # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
     r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
     r["memory"] = _memory(cfg, args.hardware, args.gpus, group)
-    if args.json:
-        print(json.dumps(r))
-        return 0
+    print(json.dumps(r) if args.json else _text(cfg, r, stages, given))
+    return 0
+
+
+def _check(args: argparse.Namespace, cfg) -> None:
+    """ConfigError for an option out of range, or a precision the hardware has no published peak for."""
+    if args.hardware not in PEAKS:
+        raise ConfigError(f"`--hardware {args.hardware}` is not in the peak table; valid: {', '.join(PEAKS)}.")
+    if args.gpus <= 0:
+        raise ConfigError(f"`--gpus` must be positive, got {args.gpus}.")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}.")
+    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
+        raise ConfigError(f"`--price-per-gpu-hour` must be zero or positive, got {args.price_per_gpu_hour}.")
+    if table_peak(args.hardware, cfg.train.precision) is None:
+        raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "
+                          f"peak; estimate a bf16 run (--train.precision=bf16).")
+
+
+def _text(cfg, r: dict, stages: list[tuple[int, int]], given: bool) -> str:
+    """The estimate as the terminal shows it."""
     attention = "causal" if r["causal_halving"] else "full"
     at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "averaged over the stages' seq_len"
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
     devices_source = "--gpus" if given else "the config's mfu.devices; --gpus N for another count"
-    print("\n".join([
+    return "\n".join([
         f"{cfg.run.name}: {r['gpus']} × {PEAKS[r['hardware']].name} "
         f"({r['peak_flops_per_gpu'] / 1e12:.1f} TFLOP/s dense {r['precision']} each) at {100 * r['mfu']:.0f}% MFU",
         f"  devices        {r['gpus']} ({devices_source})",
@@ -86,7 +98,7 @@ def main(argv: list[str]) -> int:
         f"{r['flops_per_token_6n']:.4g}; full attention {r['flops_per_token_full_attention']:.4g}",
         f"  same speed     {100 * r['mfu']:.1f}% MFU here = {100 * r['mfu_6n']:.1f}% in 6N alone (the blog) = "
         f"{100 * r['mfu_full_attention']:.1f}% with full attention (nanochat, torchtitan)",
-        f"  tokens         {r['tokens']:,} ({source}; {r['tokens_per_param']:.1f} tokens/parameter)",
+        f"  tokens         {r['tokens']:,} ({r['tokens_source']}; {r['tokens_per_param']:.1f} tokens/parameter)",
         *(f"  stage {s['number']:<8} from step {s['first_step']:,}: {s['steps']:,} steps × {s['batch_tokens']:,} "
           f"tokens at seq {s['seq_len']} = {s['tokens']:,} tokens" for s in r["stages"] or []),
         f"  total FLOPs    {r['total_flops']:.3g}",
@@ -94,8 +106,7 @@ def main(argv: list[str]) -> int:
         f"  GPU-hours      {r['gpu_hours']:,.{1 if r['gpu_hours'] >= 10 else 3}f}",
         f"  cost           {cost}",
         *_memory_lines(cfg, r["memory"]),
-    ]))
-    return 0
+    ])
 
 
 def _shard_group(given: int | None, gpus: int) -> int | None:
