@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:  # run as `python bench/x.py` from a checkout, no 
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
@@ -244,12 +245,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def join_group(rank: int, world: int, ports: "mp.Queue") -> dist.TCPStore:
+    """A spawned rank's gloo process group, made before nanopt's runtime.init (which then finds it), over a store
+    rank 0 binds to a port the kernel picks and hands the other ranks through `ports`. A port picked beforehand
+    (free_port) can be taken by another process before rank 0 binds it: with benches and tests side by side, a rank
+    then failed with "connection reset by peer". The store is returned for the bench's own blocking waits."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    timeout = datetime.timedelta(minutes=30)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+        for _ in range(world - 1):
+            ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=600), world, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return store
+
 def spawn_ranks(worker: Callable, world: int, args: tuple, what: str) -> object:
-    """`world` spawned processes running worker(rank, world, *args, out); the first result one of them puts on
-    `out` (rank 0's, by convention). A worker that dies fails the bench instead of leaving it waiting forever."""
+    """`world` spawned processes running worker(rank, world, ports, *args, out), `ports` for join_group; the first
+    result one of them puts on `out` (rank 0's, by convention). A worker that dies fails the bench instead of leaving
+    it waiting forever."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, *args, out)) for r in range(world)]
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, ports, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     while True:

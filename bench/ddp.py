@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
 import time
 from typing import Optional
 
@@ -47,9 +45,8 @@ def batches(round_idx: int, n_seq: int, a: argparse.Namespace) -> tuple[torch.Te
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namespace, out: "mp.Queue") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def worker(rank: int, world: int, ports: "mp.Queue", a: argparse.Namespace, out: "mp.Queue") -> None:
+    store = C.join_group(rank, world, ports)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from nanopt import runtime
@@ -58,8 +55,7 @@ def worker(rank: int, world: int, port: int, store_port: int, a: argparse.Namesp
     from nanopt.optim import build_optimizer
     from nanopt.train import train_step
 
-    rt = runtime.init("cpu", a.precision, threads=1)  # starts the gloo group
-    store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=datetime.timedelta(minutes=30))
+    rt = runtime.init("cpu", a.precision, threads=1)  # finds the gloo group
     single_rt = dataclasses.replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
     cfg = C.model_config(a)
     tcfg = TrainConfig(lr=1e-3)
@@ -134,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                  f"1 proc accumulates {world} micro-steps; {a.precision}; compile={a.compile}",
         "step": "nanopt.train.train_step (no_sync on non-final micro-steps, clip 1.0, fused AdamW) + loss all-reduce",
     }, C.command(__file__, argv))
-    result = C.spawn_ranks(worker, world, (C.free_port(), C.free_port(), a), "the DDP bench")
+    result = C.spawn_ranks(worker, world, (a,), "the DDP bench")
     times, losses = result["times"], result["losses"]
     print(f"warm-up (2 rounds, incl. compile) {result['warmup_s']:.0f} s\n")
     print(f"{'set-up':20s} | {'step ms':>7s} | {'spread':>6s} | {'tokens/s':>8s}")

@@ -60,9 +60,8 @@ def local_bytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def worker(rank: int, world: int, port: int, a: argparse.Namespace, out: "mp.Queue") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def worker(rank: int, world: int, ports: "mp.Queue", a: argparse.Namespace, out: "mp.Queue") -> None:
+    C.join_group(rank, world, ports)
     from nanopt import parallel, runtime
     from nanopt.model import build_model
     from nanopt.optim import build_optimizer
@@ -114,7 +113,7 @@ def opt_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def measure(world: int, a: argparse.Namespace) -> dict:
     """One world size: `world` spawned ranks; rank 0's result."""
-    return C.spawn_ranks(worker, world, (C.free_port(), a), f"world size {world}")
+    return C.spawn_ranks(worker, world, (a,), f"world size {world}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
