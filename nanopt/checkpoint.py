@@ -21,24 +21,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import queue
 import re
 import shutil
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from nanopt import optim, parallel, shards
 from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.ema import EMA
-from nanopt.errors import ConfigError, DiskFull
+from nanopt.errors import ConfigError, DiskFull, ShardError
 from nanopt.faults import fault_hook
 from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
 from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, DCP_DIR, DCP_METADATA, EMA_FILE,
@@ -54,6 +56,10 @@ REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
 # A sharded checkpoint's (checkpoint.sharded) files: DCP's metadata and each rank's shard files, one level down; a
 # name that could climb out of the directory is no checkpoint file.
 SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
+# What reading a file whose bytes verified (its manifest may have been rewritten with it) raises when its content
+# is not what this version wrote: a pickle or safetensors file that is none, a JSON entry of another shape.
+DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
+                   pickle.UnpicklingError, SafetensorError)
 
 
 class Stateful(Protocol):
@@ -75,7 +81,7 @@ def model_state(model: torch.nn.Module, weights: Optional[dict[str, torch.Tensor
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Load saved weights (into each rank's shards of a sharded model); ValueError naming the first tensors of
-    another shape, or missing or unexpected."""
+    another shape, or missing or unexpected; SafetensorError when the file is no safetensors file."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is the whole one
     with safe_open(str(path), framework="pt") as f:  # shapes from the header, before reading any tensor
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -573,6 +579,24 @@ class Mirror:
 
 
 # ---------------------------------------------------------------- exact resume and the training loop's checkpointer
+@contextmanager
+def _reading(ckpt: Path, name: str) -> Iterator[None]:
+    """Restoring from checkpoint file `name`: content that verified but this version cannot use (DAMAGED_CONTENT)
+    is ConfigError naming the file and the way out, never a traceback. Nothing on disk has been changed by then."""
+    try:
+        yield
+    except (ConfigError, ShardError):  # already one paragraph (both are ValueErrors)
+        raise
+    except DAMAGED_CONTENT as e:
+        raise _damaged(ckpt, name, e) from e
+
+
+def _damaged(ckpt: Path, name: str, e: Exception) -> ConfigError:
+    return ConfigError(f"checkpoint {ckpt}'s {name} cannot be restored ({e.__class__.__name__}: {e}); it is damaged "
+                       f"or was written by another nanopt version. Resume from an earlier checkpoint (move this one "
+                       f"aside), or start a new run (a new `run.dir`).")
+
+
 def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
     """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at this
     resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
@@ -590,7 +614,11 @@ def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
         if is_sharded(ckpt):
             ema.load_tensors(lambda tensors: parallel.load_sharded_tensors(ckpt / DCP_DIR, "ema", tensors))
         else:
-            ema.load_weights(load_file(str(ckpt / EMA_FILE)))
+            with _reading(ckpt, EMA_FILE):
+                weights = load_file(str(ckpt / EMA_FILE))
+            ema.load_weights(weights)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(f"checkpoint {ckpt}'s {EMA_FILE} does not fit this run: {e}.") from None
 
@@ -746,7 +774,9 @@ class Checkpointer:
         if changes := resume_changes(saved["config"], self.cfg):
             raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
                               f"{'; '.join(changes)}. {fix}")
-        if data_change := (_describe_data_change(saved["data"], self.data) if "data" in saved else None):
+        with _reading(ckpt, f"{STATE_FILE} `data` entry"):
+            data_change = _describe_data_change(saved["data"], self.data) if "data" in saved else None
+        if data_change:
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")
@@ -755,13 +785,17 @@ class Checkpointer:
             optim.load_state_dict(optimizer, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
+        except DAMAGED_CONTENT as e:  # not an optimizer's state_dict at all
+            raise _damaged(ckpt, OPTIMIZER_FILE, e) from e
         for name, component in states.items():
-            component.load_state_dict(saved[name])
-        ranks = torch.load(ckpt / RNG_FILE, weights_only=True)["ranks"]
-        if len(ranks) != self.rt.world_size and self.rt.is_main:
-            log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank 0's",
-                        len(ranks), self.rt.world_size)
-        self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
+            with _reading(ckpt, f"{STATE_FILE} `{name}` entry"):
+                component.load_state_dict(saved[name])
+        with _reading(ckpt, RNG_FILE):
+            ranks = list(torch.load(ckpt / RNG_FILE, weights_only=True)["ranks"])
+            if len(ranks) != self.rt.world_size and self.rt.is_main:
+                log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank "
+                            "0's", len(ranks), self.rt.world_size)
+            self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
         self.last_saved_step = saved["step"]
         return saved
 
@@ -776,12 +810,15 @@ class Checkpointer:
                                   f"optimizer: {e}. {fix}") from None
         try:
             load_model_weights(model, ckpt / MODEL_FILE)
+        except SafetensorError as e:
+            raise _damaged(ckpt, MODEL_FILE, e) from e
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
-        # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=self.rt.backend.init_device)
-        # The file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards.
-        return parallel.shard_optimizer_state(optimizer, opt_state)
+        with _reading(ckpt, OPTIMIZER_FILE):
+            # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
+            opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=self.rt.backend.init_device)
+            # The file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards.
+            return parallel.shard_optimizer_state(optimizer, opt_state)
 
     def should_save(self, step: int) -> bool:
         """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it

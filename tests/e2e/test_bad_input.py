@@ -5,10 +5,14 @@ prove that nothing but the paragraph reaches the terminal, and that --debug brin
 """
 from __future__ import annotations
 
+import json
+import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import run_module, small_overrides
 from nanopt import cli
@@ -164,3 +168,80 @@ def test_real_processes_print_one_paragraph_and_no_traceback(files, tmp_path):
                           f"--run.dir={tmp_path / 'run'}"], env={"OMP_NUM_THREADS": "1"})
     assert corrupt.returncode == 2, corrupt.stderr
     assert "checksum" in corrupt.stderr and "Traceback" not in corrupt.stderr
+
+
+# ---------------------------------------------------------------- a checkpoint whose manifest was rewritten with it
+def _reseal(ckpt: Path) -> None:
+    """COMPLETE rewritten for the files as they now are: damage the checksums cannot see."""
+    manifest = json.loads((ckpt / "COMPLETE").read_text())
+    for name in manifest["files"]:
+        raw = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    (ckpt / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def _edit_state(ckpt: Path, edit) -> None:
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+# (case id, what to do to the newest checkpoint, words the message must contain)
+SEALED_DAMAGE = [
+    ("weights_not_safetensors", lambda c: (c / "model.safetensors").write_bytes(b"hello"), ["model.safetensors"]),
+    ("optimizer_not_pickle", lambda c: (c / "optimizer.pt").write_bytes(b"hello"), ["optimizer.pt"]),
+    ("optimizer_a_list", lambda c: torch.save([1, 2], c / "optimizer.pt"), ["optimizer.pt"]),
+    ("rng_not_pickle", lambda c: (c / "rng.pt").write_bytes(b"hello"), ["rng.pt"]),
+    ("rng_no_ranks", lambda c: torch.save({"x": 1}, c / "rng.pt"), ["rng.pt", "ranks"]),
+    ("loader_wrong_type", lambda c: _edit_state(c, lambda s: s["loader"].update(sample="x")), ["`loader`"]),
+    ("loader_empty", lambda c: _edit_state(c, lambda s: s.update(loader={})), ["`loader`"]),
+    ("run_state_wrong_type", lambda c: _edit_state(c, lambda s: s.update(run_state={"step": "x"})), ["`run_state`"]),
+    ("data_not_a_list", lambda c: _edit_state(c, lambda s: s.update(data=5)), ["`data`"]),
+    ("speedrun_wrong_type", lambda c: _edit_state(c, lambda s: s.update(speedrun={"hit": "x"})), ["`speedrun`"]),
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert run([*ARGS, "--checkpoint.every=2", f"--run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("case, damage, words", SEALED_DAMAGE, ids=[c[0] for c in SEALED_DAMAGE])
+def test_a_resume_from_a_checkpoint_damaged_behind_its_manifest_is_refused_naming_the_file(
+        case, damage, words, trained, tmp_path, capsys):
+    """Before, each of these escaped as a traceback (exit 1) from torch.load, safetensors or a component's
+    load_state_dict; the run directory must stay byte-identical."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    damage(ckpt)
+    _reseal(ckpt)
+    before = _snapshot(run_dir)
+    assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt: error: ") and "Traceback" not in err and err.strip().count("\n") == 0, err
+    for word in [str(ckpt), "earlier checkpoint", *words]:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("command", ["eval", "sample", "export"])
+def test_weights_that_are_no_safetensors_file_behind_their_manifest_are_one_paragraph(command, trained, tmp_path,
+                                                                                       capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    (ckpt / "model.safetensors").write_bytes(b"hello")
+    _reseal(ckpt)
+    extra = {"eval": ["--batches", "1"], "sample": ["-n", "1", "--max-new-tokens", "2"],
+             "export": ["--out", str(tmp_path / "hf")]}[command]
+    assert cli.run([command, str(run_dir), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{ckpt / 'model.safetensors'} is not a safetensors file" in err, err
+    assert not (tmp_path / "hf").exists()
