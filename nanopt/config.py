@@ -804,6 +804,22 @@ def config_from_dict(data: Any, where: str) -> Config:
     return cfg
 
 
+def model_from_dict(values: dict[str, Any], where: str) -> ModelConfig:
+    """A model section from another program's file (a Hugging Face config.json, its keys already mapped to ours)
+    converted and checked as a config file's model keys are; ConfigError naming `where` and the key."""
+    cfg = Config()
+    for name, value in values.items():
+        _apply(cfg, f"model.{name}", value, where)
+    cfg.train.seq_len = cfg.model.max_seq_len or cfg.train.seq_len  # no training run to fit: the model's own length
+    try:
+        for f in fields(cfg.model):
+            _check_key(f"model.{f.name}", getattr(cfg.model, f.name), f.metadata)
+        cfg.model.check(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return cfg.model
+
+
 def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -> list[str]:
     """Keys whose value differs from the checkpoint's config and that are neither allowed by
     `checkpoint.allow_changes` nor free to differ: resume-safe (SAFE_KEYS) when the run goes on, RERUN_KEYS when
