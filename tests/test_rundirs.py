@@ -8,6 +8,7 @@ import pytest
 
 from conftest import FAKE_METRICS, REPO, write_fake_run
 from nanopt import experiments, plots, profiling, rundirs
+from nanopt.errors import ConfigError
 
 # ---------------------------------------------------------------- one rule each, from rundirs
 
@@ -50,3 +51,22 @@ def test_plot_and_runs_find_runs_with_one_walker(tmp_path):
 
 def test_profile_file_name_is_the_profilers():
     assert rundirs.PROFILE_FILE == profiling.SUMMARY_FILE
+
+
+@pytest.mark.parametrize("name", [rundirs.CONFIG_FILE, rundirs.SUMMARY_FILE])
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_something_other_than_a_file_at_a_run_file_is_named_not_taken_for_absent(tmp_path, name, kind):
+    """Before, a directory at config.yaml or summary.json read as 'no such file': `compare` showed every config key
+    as changed, `runs` grouped the run alone, a sweep took the point for done or new."""
+    run = write_fake_run(tmp_path / "run")
+    (run / name).unlink()
+    if kind == "directory":
+        (run / name).mkdir()
+    else:
+        (run / name).symlink_to(tmp_path / "nowhere")
+    reader = rundirs.read_config if name == rundirs.CONFIG_FILE else rundirs.read_summary
+    what = "a directory" if kind == "directory" else "a link to nothing"
+    with pytest.raises(ConfigError, match=rf"{name} is {what}"):
+        reader(run)
+    (run / name).rmdir() if kind == "directory" else (run / name).unlink()
+    assert reader(run) is None  # nothing there: absent, as before
