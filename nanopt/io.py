@@ -155,6 +155,9 @@ def write_bytes(path: Path, *chunks: bytes) -> Path:
     # A name of this writer's own: two processes replacing one file (a lease's heartbeat and its takeover, a
     # sweep's state) must never write into, or rename, each other's half-written temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    if path.is_dir() and not path.is_symlink():  # the rename would fail (IsADirectoryError) after the work
+        raise ConfigError(f"{path} is a directory, where nanopt writes a file of its own; it never replaces a "
+                          f"directory. Move it aside (or remove it) and run the command again.")
     try:
         with writing(path):
             tmp.unlink(missing_ok=True)  # ours by its name: a crash of an earlier process with this pid left it
