@@ -280,7 +280,7 @@ class EvalConfig:
                          "ln(vocab)); a race to a target gains nothing from it.", safe=True, neutral=True)
     batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0)
     seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
-                    "measured on the same tokens.")
+                    "measured on the same tokens.", ge=0, lt=SEED_LIMIT)
     test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
                             neutral=True)
     tasks: str = key("", "Comma list of lm-eval tasks scored on the live model during training (pip install -e "
@@ -564,10 +564,22 @@ def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
             out = float(value)
     elif typ is str and not isinstance(value, (dict, list)):
         out = "" if value is None else str(value)
+        if not is_utf8(out):  # a command line's undecodable bytes (or YAML's "\udcff"): no file or text can hold it
+            raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
     if out is None:
         kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
         raise ConfigError(f"{where}: `{key}` must be {kind}, got {value!r}.")
     return out
+
+
+def is_utf8(text: str) -> bool:
+    """Whether a str is text UTF-8 can encode: not so when it holds lone surrogates (how Python keeps the bytes of
+    a command-line argument that do not decode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:

@@ -212,10 +212,24 @@ def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
     ("--run.name=.", "one directory name"),
     ("--run.seed=4294967296", "run.seed"),
     ("--run.seed=-1", "run.seed"),
+    ("--eval.seed=99999999999999999999999", r"eval\.seed.*2\^32"),  # was an OverflowError traceback at the first eval
 ])
 def test_run_names_and_seeds_that_would_escape_or_overflow_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, parse_overrides([override]))
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_a_string_key_holding_bytes_that_are_no_utf8_is_refused_naming_the_key(where, tmp_path):
+    """A command-line byte that does not decode reaches Python as a lone surrogate (as does YAML's "\\udcff"); it
+    was accepted, then the tokenizer's UnicodeEncodeError ended the run with a traceback after training."""
+    if where == "command line":
+        make = lambda: load_config(None, parse_overrides(["--sample.prompt=caf\udcff"]))
+    else:
+        (tmp_path / "c.yaml").write_text('sample:\n  prompt: "caf\\udcff"\n')
+        make = lambda: load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"`sample\.prompt` is 'caf\\udcff', which holds bytes that are no UTF-8"):
+        make()
 
 
 def test_integers_are_parsed_exactly():
