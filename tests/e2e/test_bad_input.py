@@ -245,3 +245,17 @@ def test_weights_that_are_no_safetensors_file_behind_their_manifest_are_one_para
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"{ckpt / 'model.safetensors'} is not a safetensors file" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--temperature", "nan"], ["--temperature", "got nan"]),  # was torch.multinomial's RuntimeError
+    (["--temperature", "inf"], ["--temperature", "got inf"]),
+    (["--seed", str(2**70)], ["--seed", "[0, 2^32)"]),  # was an OverflowError from manual_seed
+    (["--prompt", "caf\udcff"], ["--prompt", "no UTF-8 text"]),  # a command-line byte that does not decode
+])
+def test_sample_flags_out_of_range_are_one_paragraph(flags, words, trained, capsys):
+    assert cli.run(["sample", str(trained), "-n", "1", "--max-new-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt sample: error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
