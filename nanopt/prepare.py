@@ -263,6 +263,7 @@ class ShardWriter:
                                   f"`data.source` at a new directory, or delete {self.out} to start over.")
             self.manifest = saved
             self.state = saved["state"]
+            self._check_position()
             self._roll_back_to_first_lost(verify)
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
@@ -282,6 +283,23 @@ class ShardWriter:
             refuse_link(f)  # truncated and appended to: never a file elsewhere
             if count is not None and f.exists():
                 os.truncate(f, count * 4)
+
+    def _check_position(self) -> None:
+        """ConfigError when the adopted resume position cannot be this config's (read_manifest checked its types):
+        a split beyond the budgets, a document index no stream reaches, or more documents than their lengths file
+        holds (it would be zero-filled)."""
+        state, names = self.state, [name for name, _ in self.budgets]
+        problem = None
+        if state["split_index"] > len(names) - (not state["complete"]):
+            problem = f"its `state` is in split number {state['split_index']}, and there are {len(names)}"
+        elif state["next_doc"] > sys.maxsize:
+            problem = f"its `state` resumes at document {state['next_doc']}, beyond any stream"
+        for name, count in state["doclens"].items():
+            lengths = self.out / f".doclens-{name}.u32"
+            if problem is None and name in names and count * 4 > (lengths.stat().st_size if lengths.is_file() else 0):
+                problem = f"its `state` counts {count} {name} documents, and {lengths.name} holds fewer"
+        if problem:
+            raise shards.manifest_error(self.out, problem)
 
     def _roll_back_to_first_lost(self, verify: bool) -> None:
         entries = self.manifest["shards"]

@@ -727,6 +727,46 @@ def test_a_wrong_typed_manifest_is_one_paragraph_not_a_traceback(tmp_path, capsy
     assert code == 2 and "Traceback" not in err and "cannot be used" in err
 
 
+def _set(path: str, value):
+    """An edit of manifest.json: the value at a path like "state.next_doc" or "shards.1.after"."""
+    def edit(manifest: dict) -> None:
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+        target = manifest
+        for p in parents:
+            target = target[p]
+        target[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edits, words", [
+    ([_set("state.next_doc", "x"), _set("state.complete", False)], ["`state`", "`next_doc`"]),
+    ([_set("state", {"complete": False})], ["`state`", "`split_index`"]),
+    ([_set("state.doclens", [1])], ["`state`", "`doclens`"]),
+    ([_set("state.complete", "no")], ["`state`", "`complete`"]),
+    ([_set("shards.1.after", {"split_index": "x"})], ["`shards[1]`", "`after`", "`split_index`"]),
+    ([_set("state.split_index", 99), _set("state.complete", False)], ["split number 99"]),
+    ([_set("state.next_doc", 10**30), _set("state.complete", False), _set("state.split_index", 0)],
+     ["beyond any stream"]),
+    ([_set("state.doclens.train", 10**6)], ["1000000 train documents", ".doclens-train.u32 holds fewer"]),
+])
+def test_a_resume_position_of_the_wrong_type_or_range_is_one_paragraph(byte_prepared, tmp_path, capsys, edits,
+                                                                         words):
+    """Before, each ended in a traceback (KeyError, islice's ValueError, IndexError) once prepare resumed."""
+    cfg, out, whole = byte_prepared
+    path = out / shards.MANIFEST
+    manifest = json.loads(path.read_text())
+    for edit in edits:
+        edit(manifest)
+    path.write_text(json.dumps(manifest))
+    (out / shards.split_paths(out, "train")[-1].name).unlink()  # a lost shard: the resume rolls back and re-reads
+    listing = sorted(p.name for p in out.iterdir())
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err
+    for word in [str(path), "cannot be used", *words]:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert sorted(p.name for p in out.iterdir()) == listing and json.loads(path.read_text()) == manifest
+
+
 # ---------------------------------------------------------------- one prepare per directory, a full disk
 
 
