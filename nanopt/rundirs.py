@@ -231,8 +231,10 @@ def evaluation_key(record: dict[str, Any]) -> tuple:
     weights_crc32 where known), and what was measured: a task with its limit and shots, or a split with its
     batches and precision. A record without a field has None there."""
     measured = record.get("task") or next((k for k in ("val_loss", "test_loss") if k in record), None)
-    return tuple(record.get(k) for k in ("source", "step", "weights_crc32", "limit", "num_fewshot", "eval_batches",
-                                         "precision")) + (measured,)
+    key = tuple(record.get(k) for k in ("source", "step", "weights_crc32", "limit", "num_fewshot", "eval_batches",
+                                        "precision")) + (measured,)
+    # A damaged line's list or object (unhashable) as its JSON text: it matches no evaluation, which is then made.
+    return tuple(v if v is None or isinstance(v, (str, int, float)) else json.dumps(v, sort_keys=True) for v in key)
 
 
 def recorded(run_dir: Path) -> set[tuple]:

@@ -3,6 +3,7 @@ inside a run too), and the profile summary's name is the profiler's."""
 from __future__ import annotations
 
 import ast
+import json
 
 import pytest
 
@@ -70,3 +71,12 @@ def test_something_other_than_a_file_at_a_run_file_is_named_not_taken_for_absent
         reader(run)
     (run / name).rmdir() if kind == "directory" else (run / name).unlink()
     assert reader(run) is None  # nothing there: absent, as before
+
+
+def test_an_evals_record_with_a_list_or_object_where_a_key_field_goes_matches_no_evaluation(tmp_path):
+    """Before, `nanopt eval --watch` (and scoring tasks during training) died with TypeError: unhashable type."""
+    good = {"source": "nanopt eval", "step": 4, "val_loss": 4.2, "eval_batches": 2, "precision": "fp32"}
+    lines = [good, {**good, "step": [4]}, {**good, "source": {"a": 1}}, {**good, "task": ["hellaswag"]}]
+    (tmp_path / rundirs.EVALS_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert rundirs.recorded(tmp_path) == {rundirs.evaluation_key(r) for r in lines}
+    assert len(rundirs.recorded(tmp_path)) == 4 and rundirs.evaluation_key(good) in rundirs.recorded(tmp_path)
