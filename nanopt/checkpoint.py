@@ -382,11 +382,19 @@ class _Sealer:
 
 
 def _remove(path: Path) -> None:
-    """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to)."""
+    """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to); a
+    file there is not ours to delete (ConfigError)."""
     if path.is_symlink():
         path.unlink()
-    elif path.exists():
+    elif path.is_dir():
         shutil.rmtree(path)
+    elif path.exists():
+        raise _not_a_directory(path)
+
+
+def _not_a_directory(path: Path) -> ConfigError:
+    return ConfigError(f"{path} is a file, where nanopt keeps a checkpoint directory; it was not written by nanopt "
+                       f"and is not deleted. Move it out of {path.parent} and run the command again.")
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -703,9 +711,13 @@ class Checkpointer:
     def _choose(self) -> Optional[Path]:
         """Rank 0: the newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved
         one; ConfigError when it did (`checkpoint.start_over`: fresh)."""
-        for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
+        ours = [p for p in self.root.iterdir() if p.name.startswith(".tmp_step_") or step_of(p) is not None] \
+            if self.root.is_dir() else []
+        if strays := [p for p in ours if not p.is_dir() and not p.is_symlink()]:  # else taken for no checkpoint
+            raise _not_a_directory(strays[0])
+        for tmp in (p for p in ours if p.name.startswith(".tmp_step_")):
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
         found, problems = newest_checkpoint(self.root, verify=self._verify)
         for line in problems:
             log.warning("skipping checkpoint %s", line)
