@@ -715,6 +715,9 @@ class Checkpointer:
             if self.root.is_dir() else []
         if strays := [p for p in ours if not p.is_dir() and not p.is_symlink()]:  # else taken for no checkpoint
             raise _not_a_directory(strays[0])
+        if (latest := self.root / LATEST_FILE).is_dir() and not latest.is_symlink():  # else refused at the first save
+            raise ConfigError(f"{latest} is a directory, where nanopt writes the name of the newest checkpoint; move "
+                              f"it out of {self.root} and run the command again.")
         for tmp in (p for p in ours if p.name.startswith(".tmp_step_")):
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             _remove(tmp)

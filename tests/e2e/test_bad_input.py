@@ -261,16 +261,20 @@ def test_sample_flags_out_of_range_are_one_paragraph(flags, words, trained, caps
         assert word in err, f"{word!r} missing from: {err}"
 
 
-@pytest.mark.parametrize("name", ["step_000003", ".tmp_step_000003"])
+@pytest.mark.parametrize("name", ["step_000003", ".tmp_step_000003", "latest"])
 def test_a_file_where_a_checkpoint_directory_goes_is_refused_before_training_and_kept(name, trained, tmp_path,
                                                                                       capsys):
     """Before: the file was skipped as no checkpoint, the run trained, and saving step 3 ended in a
     NotADirectoryError traceback from rmtree."""
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
-    (run_dir / "checkpoints" / name).write_text("the user's notes")
+    if name == "latest":  # a directory where a file goes: refused at the first save, after training, before
+        (run_dir / "checkpoints" / name).unlink()
+        (run_dir / "checkpoints" / name).mkdir()
+    else:
+        (run_dir / "checkpoints" / name).write_text("the user's notes")
     before = _snapshot(run_dir)
     assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and f"{run_dir / 'checkpoints' / name} is a file" in err, err
+    assert "Traceback" not in err and f"{run_dir / 'checkpoints' / name} is a " in err, err
     assert _snapshot(run_dir) == before
