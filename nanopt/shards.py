@@ -388,7 +388,7 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
             stamps[path.name] = stamp
             try:  # one atomic write per shard: cheap beside reading a shard of hundreds of MB
                 write_json(stamps_path, stamps)
-            except OSError as e:
+            except (OSError, ConfigError) as e:  # a cache: a directory at its name (ConfigError) as a read-only one
                 unwritten = e
     if unwritten is not None:
         log.info("data: shards verified, but %s cannot be written (%s): the next start verifies them again",
