@@ -122,6 +122,9 @@ def open_own(path: Path, flags: int, mode: int = 0o644) -> int:
         # ELOOP (Linux, macOS) or EMLINK (FreeBSD): the name is a link; EEXIST: O_EXCL met one.
         if e.errno in (errno.ELOOP, errno.EMLINK) or (e.errno == errno.EEXIST and Path(path).is_symlink()):
             raise link_refused(path) from None
+        if e.errno == errno.EISDIR:
+            raise ConfigError(f"{path} is a directory, where nanopt writes a file of its own; move it aside (or "
+                              f"remove it) and run the command again.") from None
         raise
 
 
