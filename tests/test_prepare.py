@@ -118,6 +118,22 @@ def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_p
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
 
 
+@pytest.mark.parametrize("files, words", [
+    ({"tokenizer.json": "garbage"}, ["JSONDecodeError"]),
+    ({"tokenizer.json": "{}", "tokenizer_config.json": '{"x": 1}'}, ["KeyError", "added_tokens"]),  # was a traceback
+    ({}, ["Couldn't instantiate the backend tokenizer"]),  # transformers' message spans lines: one paragraph here
+])
+def test_a_damaged_tokenizer_directory_is_one_paragraph_naming_it(tmp_path, files, words):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        get_tokenizer(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and f"`data.tokenizer` '{tmp_path}' cannot be loaded" in message, message
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
 def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_path):
     """Llama-3's tokenizer.json came from tiktoken ranks through transformers' TikTokenConverter, which
     writes one merge per split of each token, so merge results repeat; the engine must still be used."""
