@@ -17,7 +17,7 @@ from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the s
 from nanopt.errors import ConfigError
 from nanopt.io import clean, is_int, is_number, read_json
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
-                            flatten, format_value, is_run, read_config, read_metrics, read_records,
+                            file_present, flatten, format_value, is_run, read_config, read_metrics, read_records,
                             read_summary, walk_runs)
 
 SEED_KEY = "run.seed"
@@ -83,7 +83,7 @@ def _profile_problem(profile: Any) -> Optional[str]:
 def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
     """profile_summary.json, None when the run was not profiled; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / PROFILE_FILE
-    if not path.is_file():
+    if not file_present(path):
         return None
     profile = read_json(path)
     if problem := _profile_problem(profile):

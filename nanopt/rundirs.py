@@ -77,7 +77,7 @@ def format_value(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- reading one run directory
-def _present(path: Path) -> bool:
+def file_present(path: Path) -> bool:
     """Whether a run's file is there to read: False when nothing is; ConfigError when something that is no file
     holds its name (a directory, a link to nothing), which a reader taking it for absent would silently ignore."""
     if path.is_file():
@@ -92,7 +92,7 @@ def _present(path: Path) -> bool:
 def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
     """summary.json as a dict, None when there is none yet; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / SUMMARY_FILE
-    if not _present(path):
+    if not file_present(path):
         return None
     summary = read_json(path)
     if not isinstance(summary, dict):
@@ -104,7 +104,7 @@ def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
 def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     """config.yaml as a nested dict, None when there is none; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / CONFIG_FILE
-    if not _present(path):
+    if not file_present(path):
         return None
     try:
         data = yaml.safe_load(path.read_text())
