@@ -99,6 +99,12 @@ def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
         raise ShardError(f"token shard {info.path} fails its checksum (stored {info.crc32:#010x}, computed "
                          f"{crc:#010x}): the file is corrupt. Run `nanopt prepare --verify` with the config that wrote "
                          f"it: it rebuilds corrupt and lost shards to identical bytes")
+    # The checksum covers the tokens, not the vocabulary the header declares (which training checks against the
+    # model's): a token past it would index past the embedding table.
+    if verify and (top := int(tokens.max())) >= info.vocab_size:
+        raise ShardError(f"token shard {info.path} holds token id {top}, but its header declares a vocabulary of "
+                         f"{info.vocab_size}: the shard was not written by `nanopt prepare` as it says. Prepare it "
+                         f"again.")
     return tokens
 
 

@@ -17,7 +17,7 @@ import torch
 from conftest import run_module, small_overrides
 from nanopt import cli
 from nanopt.main import run
-from nanopt.shards import HEADER_BYTES, open_shard, write_shard
+from nanopt.shards import HEADER, HEADER_BYTES, MAGIC, VERSION, open_shard, write_shard
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.tensorboard": "false"})
 
@@ -61,6 +61,10 @@ def files(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[st
     write_shard(d / "train_000000.bin", np.asarray(good_train), 50000)
     d = shard_dir("tiny")
     write_shard(d / "train_000000.bin", good_train[:10], 257)
+    d = shard_dir("past_vocab")  # a checksum that holds, a header that understates the vocabulary
+    lying = np.asarray(good_train).astype(np.uint16) * 100
+    header = HEADER.pack(MAGIC, VERSION, 2, lying.size, 257, zlib.crc32(lying.tobytes()))
+    (d / "train_000000.bin").write_bytes(header.ljust(HEADER_BYTES, b"\0") + lying.tobytes())
     (root / "a_file").write_text("not a directory")
     out["a_file"] = root / "a_file"
     (root / "nonempty_run").mkdir()
@@ -100,6 +104,8 @@ CASES = [
     ("shard_none", lambda f: [f"--data.source={f['no_train']}"], ["train_*.bin", "nanopt prepare"]),
     ("shard_vocab", lambda f: [f"--data.source={f['big_vocab']}"], ["50000", "model.vocab_size"]),
     ("shard_too_short", lambda f: [f"--data.source={f['tiny']}"], ["train.seq_len", "fewer than"]),
+    ("shard_token_past_vocab", lambda f: [f"--data.source={f['past_vocab']}"],  # was an IndexError in the embedding
+     ["train_000000.bin", "holds token id", "vocabulary of 257"]),
     ("run_dir_is_file", lambda f: [f"--run.dir={f['a_file']}"], ["a_file", "is a file", "run.dir"]),
     ("resume_false_nonempty", lambda f: [f"--run.dir={f['nonempty_run']}", "--checkpoint.resume=false"],
      ["nonempty_run", "not empty", "run.dir"]),
