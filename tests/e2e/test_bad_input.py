@@ -205,6 +205,17 @@ SEALED_DAMAGE = [
     ("data_not_a_list", lambda c: _edit_state(c, lambda s: s.update(data=5)), ["`data`"]),
     ("speedrun_wrong_type", lambda c: _edit_state(c, lambda s: s.update(speedrun={"hit": "x"})), ["`speedrun`"]),
 ]
+SEALED_DAMAGE = [(case, damage, [*words, "earlier checkpoint"]) for case, damage, words in SEALED_DAMAGE] + [
+    # torch loads moments of another shape as they are; the fused/foreach step then crashed the process (SIGSEGV)
+    ("moments_of_another_shape", lambda c: _shrink_moments(c), ["optimizer state does not fit", "`exp_avg`"]),
+]
+
+
+def _shrink_moments(ckpt: Path) -> None:
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    for entry in state["state"].values():
+        entry["exp_avg"] = entry["exp_avg"].flatten()[:3]
+    torch.save(state, ckpt / "optimizer.pt")
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +243,7 @@ def test_a_resume_from_a_checkpoint_damaged_behind_its_manifest_is_refused_namin
     assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nanopt: error: ") and "Traceback" not in err and err.strip().count("\n") == 0, err
-    for word in [str(ckpt), "earlier checkpoint", *words]:
+    for word in [str(ckpt), *words]:
         assert word in err, f"{word!r} missing from: {err}"
     assert _snapshot(run_dir) == before
 
