@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import clean, is_int, is_number, read_json
+from nanopt.io import clean, finite, is_int, is_number, read_json
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
                             file_present, flatten, format_value, is_run, read_config, read_metrics, read_records,
                             read_summary, walk_runs)
@@ -52,10 +52,11 @@ TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (e
 
 # ---------------------------------------------------------------- reading finished runs
 def _type_problem(data: dict[str, Any], ints: tuple = (), numbers: tuple = (), required: tuple = ()) -> Optional[str]:
-    """The first of `ints` and `numbers` whose value is of another type (None is one unless `required`)."""
+    """The first of `ints` and `numbers` whose value is of another type (None is one unless `required`). NaN and
+    infinity, which JSON readers take but nanopt never writes (io.clean: null), are damage too."""
     for key in (*ints, *numbers):
-        value, kind = data.get(key), "an integer" if key in ints else "a number"
-        if (value is not None or key in required) and not (is_int(value) if key in ints else is_number(value)):
+        value, kind = data.get(key), "an integer" if key in ints else "a finite number"
+        if (value is not None or key in required) and not (is_int(value) if key in ints else finite(value) is not None):
             return f"`{key}` is {value!r}, not {kind}"
     return None
 
@@ -308,7 +309,7 @@ def describe(values: list[float]) -> dict[str, Any]:
 
 def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
     """The metric from each run that has it (a run that never reached its target has no time to target)."""
-    return [float(r.figure(metric)) for r in runs if is_number(r.figure(metric))]
+    return [value for r in runs if (value := finite(r.figure(metric))) is not None]
 
 
 def higher_is_better(runs: list[FinishedRun], metric: str) -> bool:

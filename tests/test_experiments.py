@@ -332,7 +332,9 @@ def test_runs_lists_a_run_and_the_runs_below_it(fake_sweep, capsys):
 
 ODD_CONFIGS = [BAD_UTF8, b"- a list\n- of things\n", b"run: {seed: 1}\ndata: {date: 2020-01-01}\n"]
 ODD_SUMMARIES = [BAD_UTF8, b"[1, 2]", b'{"steps": 200, "final_val_loss": "low"}',
-                 b'{"steps": 200, "step_to_target": 150.5}']
+                 b'{"steps": 200, "step_to_target": 150.5}',
+                 # JSON readers take NaN and Infinity; nanopt never writes them: statistics.stdev raised on them
+                 b'{"steps": 200, "final_val_loss": NaN}', b'{"steps": 200, "train_seconds": Infinity}']
 
 
 @pytest.mark.parametrize("name, data", [*((rundirs.CONFIG_FILE, d) for d in ODD_CONFIGS),
