@@ -38,14 +38,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from nanopt import optim, parallel, shards
-from nanopt.config import Config, config_from_dict, resume_changes
+from nanopt.config import SECTIONS, Config, config_from_dict, resume_changes
 from nanopt.ema import EMA
 from nanopt.errors import ConfigError, DiskFull, ShardError
 from nanopt.faults import fault_hook
 from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
-from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, DCP_DIR, DCP_METADATA, EMA_FILE,
-                            LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE,
-                            checkpoint_path, is_lease, read_summary)
+from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE, DCP_DIR, DCP_METADATA,
+                            EMA_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR,
+                            SUMMARY_FILE, checkpoint_path, is_lease, read_config, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
@@ -631,6 +631,21 @@ def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
         raise ConfigError(f"checkpoint {ckpt}'s {EMA_FILE} does not fit this run: {e}.") from None
 
 
+def _refuse_foreign_config(run_dir: Path) -> None:
+    """ConfigError when the run directory's config.yaml, which the run rewrites, is not a run config nanopt wrote
+    (damaged, or a file of the user's in a directory given as run.dir): replacing it would lose it."""
+    path = run_dir / CONFIG_FILE
+    fix = ("Training here would replace it with this run's config: move it aside (a damaged one of this run's may "
+           "be deleted), or set `run.dir` to another directory.")
+    try:
+        saved = read_config(run_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{e} {fix}") from None
+    if saved is not None and (foreign := sorted(set(saved) - set(SECTIONS))):
+        raise ConfigError(f"{path} has sections nanopt does not write ({', '.join(foreign)}): it is no run config. "
+                          f"{fix}")
+
+
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
     if len(before) != len(now):
         return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
@@ -693,6 +708,7 @@ class Checkpointer:
             try:
                 for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
                     refuse_link(self.run_dir / name)
+                _refuse_foreign_config(self.run_dir)
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:

@@ -295,3 +295,17 @@ def test_a_file_where_a_checkpoint_directory_goes_is_refused_before_training_and
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"{run_dir / 'checkpoints' / name} is a " in err, err
     assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("text", ["my: own\nsettings: [1, 2]\n", "database:\n  host: db.local\n", "run:\n  seed: [\n"])
+def test_a_config_yaml_that_is_no_run_config_is_never_replaced(text, tmp_path, capsys):
+    """Before, a directory given as run.dir that held the user's own config.yaml (or a damaged one) had it
+    silently replaced by the run's config."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.yaml").write_text(text)
+    assert run([*ARGS, f"--run.dir={tmp_path / 'mine'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert f"{tmp_path / 'mine' / 'config.yaml'}" in err and "move it aside" in err, err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["config.yaml"]
+    assert (tmp_path / "mine" / "config.yaml").read_text() == text
