@@ -125,6 +125,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     none. A cut last line (being appended, or its writer killed) is left out; any other line that is not a JSON
     object is damage: ConfigError naming the file and line, never a record quietly dropped from a figure."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device: a read would never end
+        raise ConfigError(f"{path} is not a regular file (a pipe or a device); move it aside and run the command "
+                          f"again.")
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:

@@ -80,3 +80,10 @@ def test_an_evals_record_with_a_list_or_object_where_a_key_field_goes_matches_no
     (tmp_path / rundirs.EVALS_FILE).write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert rundirs.recorded(tmp_path) == {rundirs.evaluation_key(r) for r in lines}
     assert len(rundirs.recorded(tmp_path)) == 4 and rundirs.evaluation_key(good) in rundirs.recorded(tmp_path)
+
+
+def test_a_records_file_that_is_a_device_or_pipe_is_named_not_read(tmp_path):
+    """A pipe (or a link to /dev/zero) would be read forever; a link to /dev/null read as no records."""
+    (tmp_path / rundirs.METRICS_FILE).symlink_to("/dev/null")
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl is not a regular file"):
+        rundirs.read_metrics(tmp_path)
