@@ -309,3 +309,21 @@ def test_a_config_yaml_that_is_no_run_config_is_never_replaced(text, tmp_path, c
     assert f"{tmp_path / 'mine' / 'config.yaml'}" in err and "move it aside" in err, err
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["config.yaml"]
     assert (tmp_path / "mine" / "config.yaml").read_text() == text
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--limit", "5"], ["--limit applies only with --tasks or --core"]),
+    (["--json"], ["--json applies only with --tasks or --core"]),
+    (["--interval", "5"], ["--interval applies only with --watch"]),
+    (["--tasks", "nanopt_mc", "--batches", "3"], ["--batches sets the val/test loss evaluation"]),
+    (["--core", "bundle", "--split", "test"], ["--split sets the val/test loss evaluation"]),
+])
+def test_an_eval_flag_that_would_be_ignored_is_refused(flags, words, trained, capsys):
+    """Before, each was silently ignored: a loss evaluation took no --limit, task scoring no --split."""
+    before = _snapshot(trained)
+    assert cli.run(["eval", str(trained), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt eval: error: ") and err.strip().count("\n") == 0, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert _snapshot(trained) == before
