@@ -445,15 +445,20 @@ def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
     return reached + rest
 
 
-def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
-                alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
-    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
-    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
+def check_test_options(alpha: float, effect: Optional[float]) -> None:
+    """ConfigError for a significance level outside (0, 1) or an effect size that is not a finite positive number."""
     if not 0 < alpha < 1:
         raise ConfigError(f"--alpha {alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
     if effect is not None and not (math.isfinite(effect) and effect > 0):
         raise ConfigError(f"--effect {effect}: give the difference to detect as a finite number above 0, in the "
                           f"metric's unit (e.g. --effect 0.01 for final_val_loss).")
+
+
+def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
+                alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
+    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
+    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
+    check_test_options(alpha, effect)
     found, skipped = find_runs(root)
     runs, repeats = split_repeats(found)
     groups = group_runs(runs)

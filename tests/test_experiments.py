@@ -231,6 +231,10 @@ def test_runs_leaderboard_when_runs_do_not_group(sweep, capsys):
     (["runs", "{root}", "--compare", "{root}", "muon"], ["holds 3 settings, not one"]),
     (["runs", "{root}", "--compare", "muon", "max_steps=100", "--metric", "nope"], ["--metric nope", "final_val_loss"]),
     (["runs", "{root}", "--alpha", "5"], ["--alpha 5.0"]),
+    # without --compare these were silently ignored
+    (["runs", "{root}", "--metric", "train_seconds"], ["--metric applies only with --compare"]),
+    (["runs", "{root}", "--alpha", "0.01"], ["--alpha applies only with --compare"]),
+    (["runs", "{root}", "--effect", "0.1"], ["--effect applies only with --compare"]),
     (["compare", "{root}/sw", "{root}/short"], ["is not a run directory", "nanopt runs"]),
     (["compare", "{root}/sw/optim.name=muon,seed=3", "{root}/short"], ["has no summary.json", "not finished"]),
     (["compare", "{root}/short", "{root}/gone"], ["gone is not a directory"]),
