@@ -641,9 +641,10 @@ def _refuse_foreign_config(run_dir: Path) -> None:
         saved = read_config(run_dir)
     except ConfigError as e:
         raise ConfigError(f"{e} {fix}") from None
-    if saved is not None and (foreign := sorted(set(saved) - set(SECTIONS))):
-        raise ConfigError(f"{path} has sections nanopt does not write ({', '.join(foreign)}): it is no run config. "
-                          f"{fix}")
+    # Not a section of this version (an older one's may have been retired since): none that any version writes.
+    if saved and not set(saved) & set(SECTIONS):
+        raise ConfigError(f"{path} holds none of the sections a run config has ({', '.join(sorted(saved)[:5])}): it "
+                          f"is no run config. {fix}")
 
 
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
