@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import reprlib
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -568,8 +569,15 @@ def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
     if out is None:
         kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
-        raise ConfigError(f"{where}: `{key}` must be {kind}, got {value!r}.")
+        raise ConfigError(f"{where}: `{key}` must be {kind}, got {_SHORT.repr(value)}.")
     return out
+
+
+# A wrong value as an error message shows it: a YAML list of 100,000 numbers (or anchors nested into billions of
+# items) is a few of its items, not a paragraph of megabytes.
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
+_SHORT.maxstring = _SHORT.maxother = 120
 
 
 def is_utf8(text: str) -> bool:

@@ -246,3 +246,11 @@ def test_fsdp_and_hsdp_accept_init_from_and_task_scoring(parallel, tmp_path):
     cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", f"--train.init_from=hf:{tmp_path}",
                                              "--eval.tasks=hellaswag", f"--eval.core={tmp_path}"]))
     cfg.runtime.check(cfg)
+
+
+def test_a_huge_wrong_value_is_shown_shortly_in_its_message(tmp_path):
+    """Before, a YAML list of 100,000 numbers where a number goes made a one-line error of 300 KB."""
+    (tmp_path / "big.yaml").write_text("train:\n  lr: [" + ", ".join(["0"] * 100_000) + "]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "big.yaml")
+    assert "`train.lr` must be a number, got [0, 0, 0, 0, 0, 0, ...]." in str(e.value) and len(str(e.value)) < 300
