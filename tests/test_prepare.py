@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import socket
@@ -741,6 +742,31 @@ def test_a_wrong_typed_manifest_is_one_paragraph_not_a_traceback(tmp_path, capsy
     assert str(out / shards.MANIFEST) in str(e.value) and "cannot be used" in str(e.value) and "Restore" in str(e.value)
     code, err = _cli_prepare(byte_config(tmp_path), tmp_path, capsys)
     assert code == 2 and "Traceback" not in err and "cannot be used" in err
+
+
+@pytest.mark.parametrize("builder, content, words", [
+    ("json", b'{"text": "a fox"}\nnot json\n', ["'json'", "ArrowInvalid: JSON parse error"]),
+    ("text", b"a fox\n\xff\xfe\x00 binary\n", ["'text'", "UnicodeDecodeError"]),
+])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_local_file_its_builder_cannot_parse_is_bad_input_not_a_source_failure(tmp_path, capsys, no_waits, builder,
+                                                                                 content, words, streaming,
+                                                                                 monkeypatch):
+    """Before, streamed: a DatasetGenerationError / UnicodeDecodeError traceback, exit 1, as if the source were flaky
+    (and retried first); loaded whole: exit 2, but naming only datasets' wrapper, not the parse error."""
+    # datasets logs the parse error itself first, through a handler bound to the stderr of an earlier test's capture
+    monkeypatch.setattr(logging.getLogger("datasets"), "handlers", [])
+    monkeypatch.setattr(logging.getLogger("datasets"), "propagate", False)
+    (tmp_path / "docs.src").write_bytes(content)
+    cfg = byte_config(tmp_path)
+    cfg.prepare.dataset, cfg.prepare.data_files = builder, str(tmp_path / "docs.src")
+    cfg.prepare.streaming, cfg.prepare.retries = streaming, 1
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    last = err.strip().splitlines()[-1]  # datasets logs its own line before it raises
+    assert code == 2 and "Traceback" not in err and last.startswith("nanopt prepare: error: "), err
+    for word in [str(tmp_path / "docs.src"), *words]:
+        assert word in last, f"{word!r} missing from: {last}"
+    assert no_waits == []  # not retried: waiting mends no file
 
 
 def _set(path: str, value):
