@@ -431,7 +431,7 @@ class PrepareConfig:
                          choices=("", "line", "paragraph", "document"))
     streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
     shuffle_buffer: int = key(10000, "Streaming shuffle buffer (documents); 0 = no shuffling.", ge=0)
-    shuffle_seed: int = key(42, "Seed of the document shuffle.")
+    shuffle_seed: int = key(42, "Seed of the document shuffle.", ge=0)
     add_bos: bool = key(True, "The tokenizer's BOS before every document.")
     add_eos: bool = key(False, "The tokenizer's EOS after every document.")
     train_tokens: int = key(0, "Token budget of the train split; 0 = every remaining document.", ge=0)
