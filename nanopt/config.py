@@ -95,10 +95,10 @@ class ModelConfig:
     rope_theta: float = key(10000.0, "RoPE base.", gt=0)
     rope_scaling: str = key("none", "Llama-3 frequency scaling (llama3, tuned by the model.rope_* keys) or "
                             "plain RoPE (none).", choices=("none", "llama3"))
-    rope_factor: float = key(32.0, "llama3 scaling: the factor.")
-    rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.")
-    rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor.")
-    rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.")
+    rope_factor: float = key(32.0, "llama3 scaling: the factor.", gt=0)
+    rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.", gt=0)
+    rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor (above the low one).", gt=0)
+    rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.", gt=0)
     max_seq_len: int = key(0, "Longest sequence the model takes; 0 = train.seq_len.", ge=0)
     tie_embeddings: bool = key(True, "The LM head shares the token embedding's weights.")
     attention: str = key("sdpa", "Attention kernel (xla_flash: Pallas, TPU); the same numbers, so a resume may "
@@ -123,6 +123,10 @@ class ModelConfig:
                               f"({self.n_kv_heads}).")
         if self.head_dim % 2:
             raise ConfigError(f"head dimension dim/n_heads = {self.head_dim} must be even for RoPE.")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"`model.rope_high_freq_factor` ({self.rope_high_freq_factor}) must be above "
+                              f"`model.rope_low_freq_factor` ({self.rope_low_freq_factor}): llama3 scaling "
+                              f"interpolates between them (divides by their difference).")
         if self.max_seq_len and self.max_seq_len < cfg.train.seq_len:
             raise ConfigError(f"`model.max_seq_len` ({self.max_seq_len}) is shorter than `train.seq_len` "
                               f"({cfg.train.seq_len}).")

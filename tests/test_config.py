@@ -220,6 +220,19 @@ def test_run_names_and_seeds_that_would_escape_or_overflow_are_refused(override,
         load_config(None, parse_overrides([override]))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # before: NaN or 0 "diverged" (exit 3), a low factor of 0 a ZeroDivisionError traceback, the others ran
+    (["--model.rope_factor=nan"], r"`model\.rope_factor` must be positive, got nan"),
+    (["--model.rope_factor=0"], r"`model\.rope_factor` must be positive"),
+    (["--model.rope_low_freq_factor=0"], r"`model\.rope_low_freq_factor` must be positive"),
+    (["--model.rope_original_max_seq_len=0"], r"`model\.rope_original_max_seq_len` must be positive"),
+    (["--model.rope_low_freq_factor=4", "--model.rope_high_freq_factor=4"], r"must be above `model\.rope_low_freq"),
+])
+def test_llama3_rope_scaling_keys_out_of_range_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, parse_overrides(["--model.rope_scaling=llama3", *overrides]))
+
+
 @pytest.mark.parametrize("where", ["command line", "yaml"])
 def test_a_string_key_holding_bytes_that_are_no_utf8_is_refused_naming_the_key(where, tmp_path):
     """A command-line byte that does not decode reaches Python as a lone surrogate (as does YAML's "\\udcff"); it
