@@ -168,7 +168,7 @@ class TrainConfig:
     weight_decay: float = key(0.1, "AdamW weight decay (scalars never decay).", ge=0)
     beta1: float = key(0.9, "AdamW beta1.", ge=0, lt=1)
     beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
-    eps: float = key(1e-8, "AdamW epsilon.")
+    eps: float = key(1e-8, "AdamW epsilon.", ge=0)
     grad_clip: float = key(1.0, "Gradient-norm clipping threshold; 0 = no clipping.", ge=0)
     compile: bool = key(False, "torch.compile the training forward: the whole model, or each transformer block "
                         "under fsdp and hsdp (FSDP2's hooks stay eager between them); evaluation, task scoring and "

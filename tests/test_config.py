@@ -214,6 +214,7 @@ def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
     ("--run.seed=-1", "run.seed"),
     ("--eval.seed=99999999999999999999999", r"eval\.seed.*2\^32"),  # was an OverflowError traceback at the first eval
     ("--prepare.shuffle_seed=-1", r"prepare\.shuffle_seed.*zero or positive"),  # was numpy's ValueError traceback
+    ("--train.eps=nan", r"train\.eps.*zero or positive"),  # was torch.optim.AdamW's ValueError traceback
 ])
 def test_run_names_and_seeds_that_would_escape_or_overflow_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
