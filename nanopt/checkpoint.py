@@ -21,29 +21,31 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import queue
 import re
 import shutil
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from nanopt import optim, parallel, shards
-from nanopt.config import Config, config_from_dict, resume_changes
+from nanopt.config import SECTIONS, Config, config_from_dict, resume_changes
 from nanopt.ema import EMA
-from nanopt.errors import ConfigError, DiskFull
+from nanopt.errors import ConfigError, DiskFull, ShardError
 from nanopt.faults import fault_hook
 from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
-from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, DCP_DIR, DCP_METADATA, EMA_FILE,
-                            LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE,
-                            checkpoint_path, is_lease, read_summary)
+from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE, DCP_DIR, DCP_METADATA,
+                            EMA_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR,
+                            SUMMARY_FILE, checkpoint_path, is_lease, read_config, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
@@ -54,6 +56,10 @@ REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
 # A sharded checkpoint's (checkpoint.sharded) files: DCP's metadata and each rank's shard files, one level down; a
 # name that could climb out of the directory is no checkpoint file.
 SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
+# What reading a file whose bytes verified (its manifest may have been rewritten with it) raises when its content
+# is not what this version wrote: a pickle or safetensors file that is none, a JSON entry of another shape.
+DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
+                   pickle.UnpicklingError, SafetensorError)
 
 
 class Stateful(Protocol):
@@ -75,7 +81,7 @@ def model_state(model: torch.nn.Module, weights: Optional[dict[str, torch.Tensor
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Load saved weights (into each rank's shards of a sharded model); ValueError naming the first tensors of
-    another shape, or missing or unexpected."""
+    another shape, or missing or unexpected; SafetensorError when the file is no safetensors file."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is the whole one
     with safe_open(str(path), framework="pt") as f:  # shapes from the header, before reading any tensor
         saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -376,11 +382,19 @@ class _Sealer:
 
 
 def _remove(path: Path) -> None:
-    """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to)."""
+    """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to); a
+    file there is not ours to delete (ConfigError)."""
     if path.is_symlink():
         path.unlink()
-    elif path.exists():
+    elif path.is_dir():
         shutil.rmtree(path)
+    elif path.exists():
+        raise _not_a_directory(path)
+
+
+def _not_a_directory(path: Path) -> ConfigError:
+    return ConfigError(f"{path} is a file, where nanopt keeps a checkpoint directory; it was not written by nanopt "
+                       f"and is not deleted. Move it out of {path.parent} and run the command again.")
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -573,6 +587,24 @@ class Mirror:
 
 
 # ---------------------------------------------------------------- exact resume and the training loop's checkpointer
+@contextmanager
+def _reading(ckpt: Path, name: str) -> Iterator[None]:
+    """Restoring from checkpoint file `name`: content that verified but this version cannot use (DAMAGED_CONTENT)
+    is ConfigError naming the file and the way out, never a traceback. Nothing on disk has been changed by then."""
+    try:
+        yield
+    except (ConfigError, ShardError):  # already one paragraph (both are ValueErrors)
+        raise
+    except DAMAGED_CONTENT as e:
+        raise _damaged(ckpt, name, e) from e
+
+
+def _damaged(ckpt: Path, name: str, e: Exception) -> ConfigError:
+    return ConfigError(f"checkpoint {ckpt}'s {name} cannot be restored ({e.__class__.__name__}: {e}); it is damaged "
+                       f"or was written by another nanopt version. Resume from an earlier checkpoint (move this one "
+                       f"aside), or start a new run (a new `run.dir`).")
+
+
 def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
     """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at this
     resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
@@ -590,9 +622,29 @@ def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
         if is_sharded(ckpt):
             ema.load_tensors(lambda tensors: parallel.load_sharded_tensors(ckpt / DCP_DIR, "ema", tensors))
         else:
-            ema.load_weights(load_file(str(ckpt / EMA_FILE)))
+            with _reading(ckpt, EMA_FILE):
+                weights = load_file(str(ckpt / EMA_FILE))
+            ema.load_weights(weights)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(f"checkpoint {ckpt}'s {EMA_FILE} does not fit this run: {e}.") from None
+
+
+def _refuse_foreign_config(run_dir: Path) -> None:
+    """ConfigError when the run directory's config.yaml, which the run rewrites, is not a run config nanopt wrote
+    (damaged, or a file of the user's in a directory given as run.dir): replacing it would lose it."""
+    path = run_dir / CONFIG_FILE
+    fix = ("Training here would replace it with this run's config: move it aside (a damaged one of this run's may "
+           "be deleted), or set `run.dir` to another directory.")
+    try:
+        saved = read_config(run_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{e} {fix}") from None
+    # Not a section of this version (an older one's may have been retired since): none that any version writes.
+    if saved and not set(saved) & set(SECTIONS):
+        raise ConfigError(f"{path} holds none of the sections a run config has ({', '.join(sorted(saved)[:5])}): it "
+                          f"is no run config. {fix}")
 
 
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
@@ -657,6 +709,7 @@ class Checkpointer:
             try:
                 for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
                     refuse_link(self.run_dir / name)
+                _refuse_foreign_config(self.run_dir)
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:
@@ -675,9 +728,16 @@ class Checkpointer:
     def _choose(self) -> Optional[Path]:
         """Rank 0: the newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved
         one; ConfigError when it did (`checkpoint.start_over`: fresh)."""
-        for tmp in self.root.glob(".tmp_step_*") if self.root.is_dir() else []:
+        ours = [p for p in self.root.iterdir() if p.name.startswith(".tmp_step_") or step_of(p) is not None] \
+            if self.root.is_dir() else []
+        if strays := [p for p in ours if not p.is_dir() and not p.is_symlink()]:  # else taken for no checkpoint
+            raise _not_a_directory(strays[0])
+        if (latest := self.root / LATEST_FILE).is_dir() and not latest.is_symlink():  # else refused at the first save
+            raise ConfigError(f"{latest} is a directory, where nanopt writes the name of the newest checkpoint; move "
+                              f"it out of {self.root} and run the command again.")
+        for tmp in (p for p in ours if p.name.startswith(".tmp_step_")):
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
         found, problems = newest_checkpoint(self.root, verify=self._verify)
         for line in problems:
             log.warning("skipping checkpoint %s", line)
@@ -746,7 +806,9 @@ class Checkpointer:
         if changes := resume_changes(saved["config"], self.cfg):
             raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
                               f"{'; '.join(changes)}. {fix}")
-        if data_change := (_describe_data_change(saved["data"], self.data) if "data" in saved else None):
+        with _reading(ckpt, f"{STATE_FILE} `data` entry"):
+            data_change = _describe_data_change(saved["data"], self.data) if "data" in saved else None
+        if data_change:
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")
@@ -755,13 +817,17 @@ class Checkpointer:
             optim.load_state_dict(optimizer, opt_state)
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
+        except DAMAGED_CONTENT as e:  # not an optimizer's state_dict at all
+            raise _damaged(ckpt, OPTIMIZER_FILE, e) from e
         for name, component in states.items():
-            component.load_state_dict(saved[name])
-        ranks = torch.load(ckpt / RNG_FILE, weights_only=True)["ranks"]
-        if len(ranks) != self.rt.world_size and self.rt.is_main:
-            log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank 0's",
-                        len(ranks), self.rt.world_size)
-        self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
+            with _reading(ckpt, f"{STATE_FILE} `{name}` entry"):
+                component.load_state_dict(saved[name])
+        with _reading(ckpt, RNG_FILE):
+            ranks = list(torch.load(ckpt / RNG_FILE, weights_only=True)["ranks"])
+            if len(ranks) != self.rt.world_size and self.rt.is_main:
+                log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank "
+                            "0's", len(ranks), self.rt.world_size)
+            self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
         self.last_saved_step = saved["step"]
         return saved
 
@@ -776,12 +842,15 @@ class Checkpointer:
                                   f"optimizer: {e}. {fix}") from None
         try:
             load_model_weights(model, ckpt / MODEL_FILE)
+        except SafetensorError as e:
+            raise _damaged(ckpt, MODEL_FILE, e) from e
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
-        # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-        opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=self.rt.backend.init_device)
-        # The file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards.
-        return parallel.shard_optimizer_state(optimizer, opt_state)
+        with _reading(ckpt, OPTIMIZER_FILE):
+            # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
+            opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=self.rt.backend.init_device)
+            # The file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards.
+            return parallel.shard_optimizer_state(optimizer, opt_state)
 
     def should_save(self, step: int) -> bool:
         """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import reprlib
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -94,10 +95,10 @@ class ModelConfig:
     rope_theta: float = key(10000.0, "RoPE base.", gt=0)
     rope_scaling: str = key("none", "Llama-3 frequency scaling (llama3, tuned by the model.rope_* keys) or "
                             "plain RoPE (none).", choices=("none", "llama3"))
-    rope_factor: float = key(32.0, "llama3 scaling: the factor.")
-    rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.")
-    rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor.")
-    rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.")
+    rope_factor: float = key(32.0, "llama3 scaling: the factor.", gt=0)
+    rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.", gt=0)
+    rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor (above the low one).", gt=0)
+    rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.", gt=0)
     max_seq_len: int = key(0, "Longest sequence the model takes; 0 = train.seq_len.", ge=0)
     tie_embeddings: bool = key(True, "The LM head shares the token embedding's weights.")
     attention: str = key("sdpa", "Attention kernel (xla_flash: Pallas, TPU); the same numbers, so a resume may "
@@ -122,6 +123,10 @@ class ModelConfig:
                               f"({self.n_kv_heads}).")
         if self.head_dim % 2:
             raise ConfigError(f"head dimension dim/n_heads = {self.head_dim} must be even for RoPE.")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"`model.rope_high_freq_factor` ({self.rope_high_freq_factor}) must be above "
+                              f"`model.rope_low_freq_factor` ({self.rope_low_freq_factor}): llama3 scaling "
+                              f"interpolates between them (divides by their difference).")
         if self.max_seq_len and self.max_seq_len < cfg.train.seq_len:
             raise ConfigError(f"`model.max_seq_len` ({self.max_seq_len}) is shorter than `train.seq_len` "
                               f"({cfg.train.seq_len}).")
@@ -163,7 +168,7 @@ class TrainConfig:
     weight_decay: float = key(0.1, "AdamW weight decay (scalars never decay).", ge=0)
     beta1: float = key(0.9, "AdamW beta1.", ge=0, lt=1)
     beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
-    eps: float = key(1e-8, "AdamW epsilon.")
+    eps: float = key(1e-8, "AdamW epsilon.", ge=0)
     grad_clip: float = key(1.0, "Gradient-norm clipping threshold; 0 = no clipping.", ge=0)
     compile: bool = key(False, "torch.compile the training forward: the whole model, or each transformer block "
                         "under fsdp and hsdp (FSDP2's hooks stay eager between them); evaluation, task scoring and "
@@ -280,7 +285,7 @@ class EvalConfig:
                          "ln(vocab)); a race to a target gains nothing from it.", safe=True, neutral=True)
     batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0)
     seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
-                    "measured on the same tokens.")
+                    "measured on the same tokens.", ge=0, lt=SEED_LIMIT)
     test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
                             neutral=True)
     tasks: str = key("", "Comma list of lm-eval tasks scored on the live model during training (pip install -e "
@@ -430,7 +435,7 @@ class PrepareConfig:
                          choices=("", "line", "paragraph", "document"))
     streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
     shuffle_buffer: int = key(10000, "Streaming shuffle buffer (documents); 0 = no shuffling.", ge=0)
-    shuffle_seed: int = key(42, "Seed of the document shuffle.")
+    shuffle_seed: int = key(42, "Seed of the document shuffle.", ge=0)
     add_bos: bool = key(True, "The tokenizer's BOS before every document.")
     add_eos: bool = key(False, "The tokenizer's EOS after every document.")
     train_tokens: int = key(0, "Token budget of the train split; 0 = every remaining document.", ge=0)
@@ -564,10 +569,29 @@ def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
             out = float(value)
     elif typ is str and not isinstance(value, (dict, list)):
         out = "" if value is None else str(value)
+        if not is_utf8(out):  # a command line's undecodable bytes (or YAML's "\udcff"): no file or text can hold it
+            raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
     if out is None:
         kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
-        raise ConfigError(f"{where}: `{key}` must be {kind}, got {value!r}.")
+        raise ConfigError(f"{where}: `{key}` must be {kind}, got {_SHORT.repr(value)}.")
     return out
+
+
+# A wrong value as an error message shows it: a YAML list of 100,000 numbers (or anchors nested into billions of
+# items) is a few of its items, not a paragraph of megabytes.
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
+_SHORT.maxstring = _SHORT.maxother = 120
+
+
+def is_utf8(text: str) -> bool:
+    """Whether a str is text UTF-8 can encode: not so when it holds lone surrogates (how Python keeps the bytes of
+    a command-line argument that do not decode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
@@ -802,6 +826,22 @@ def config_from_dict(data: Any, where: str) -> Config:
                 _apply(cfg, f"{section_name}.{name}", value, where)
     validate(cfg)  # its messages name the key; the caller's context names the file
     return cfg
+
+
+def model_from_dict(values: dict[str, Any], where: str) -> ModelConfig:
+    """A model section from another program's file (a Hugging Face config.json, its keys already mapped to ours)
+    converted and checked as a config file's model keys are; ConfigError naming `where` and the key."""
+    cfg = Config()
+    for name, value in values.items():
+        _apply(cfg, f"model.{name}", value, where)
+    cfg.train.seq_len = cfg.model.max_seq_len or cfg.train.seq_len  # no training run to fit: the model's own length
+    try:
+        for f in fields(cfg.model):
+            _check_key(f"model.{f.name}", getattr(cfg.model, f.name), f.metadata)
+        cfg.model.check(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return cfg.model
 
 
 def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -> list[str]:

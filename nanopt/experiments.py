@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import clean, is_int, is_number, read_json
+from nanopt.io import clean, finite, is_int, is_number, read_json
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
-                            flatten, format_value, is_run, read_config, read_metrics, read_records,
+                            file_present, flatten, format_value, is_run, read_config, read_metrics, read_records,
                             read_summary, walk_runs)
 
 SEED_KEY = "run.seed"
@@ -52,10 +52,11 @@ TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (e
 
 # ---------------------------------------------------------------- reading finished runs
 def _type_problem(data: dict[str, Any], ints: tuple = (), numbers: tuple = (), required: tuple = ()) -> Optional[str]:
-    """The first of `ints` and `numbers` whose value is of another type (None is one unless `required`)."""
+    """The first of `ints` and `numbers` whose value is of another type (None is one unless `required`). NaN and
+    infinity, which JSON readers take but nanopt never writes (io.clean: null), are damage too."""
     for key in (*ints, *numbers):
-        value, kind = data.get(key), "an integer" if key in ints else "a number"
-        if (value is not None or key in required) and not (is_int(value) if key in ints else is_number(value)):
+        value, kind = data.get(key), "an integer" if key in ints else "a finite number"
+        if (value is not None or key in required) and not (is_int(value) if key in ints else finite(value) is not None):
             return f"`{key}` is {value!r}, not {kind}"
     return None
 
@@ -83,7 +84,7 @@ def _profile_problem(profile: Any) -> Optional[str]:
 def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
     """profile_summary.json, None when the run was not profiled; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / PROFILE_FILE
-    if not path.is_file():
+    if not file_present(path):
         return None
     profile = read_json(path)
     if problem := _profile_problem(profile):
@@ -308,7 +309,7 @@ def describe(values: list[float]) -> dict[str, Any]:
 
 def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
     """The metric from each run that has it (a run that never reached its target has no time to target)."""
-    return [float(r.figure(metric)) for r in runs if is_number(r.figure(metric))]
+    return [value for r in runs if (value := finite(r.figure(metric))) is not None]
 
 
 def higher_is_better(runs: list[FinishedRun], metric: str) -> bool:
@@ -444,15 +445,20 @@ def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
     return reached + rest
 
 
-def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
-                alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
-    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
-    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
+def check_test_options(alpha: float, effect: Optional[float]) -> None:
+    """ConfigError for a significance level outside (0, 1) or an effect size that is not a finite positive number."""
     if not 0 < alpha < 1:
         raise ConfigError(f"--alpha {alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
     if effect is not None and not (math.isfinite(effect) and effect > 0):
         raise ConfigError(f"--effect {effect}: give the difference to detect as a finite number above 0, in the "
                           f"metric's unit (e.g. --effect 0.01 for final_val_loss).")
+
+
+def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
+                alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
+    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
+    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
+    check_test_options(alpha, effect)
     found, skipped = find_runs(root)
     runs, repeats = split_repeats(found)
     groups = group_runs(runs)

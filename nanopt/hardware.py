@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from nanopt.errors import ConfigError
 from nanopt.io import cache_dir, write_json
 
 log = logging.getLogger("nanopt")
@@ -244,6 +245,6 @@ def cpu_peak(key: str, measure: Measure, agree: Callable[[bool], bool] = lambda 
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, {**peaks, key: entry})
-        except OSError as e:  # a read-only home: measured every start, as before the cache
+        except (OSError, ConfigError) as e:  # a read-only home (or a directory at the name): measured every start
             log.warning("mfu: cannot write %s (%s); the CPU peak is measured again next start", path, e)
     return entry["peak"], how

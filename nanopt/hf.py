@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanopt import parallel, rundirs
-from nanopt.config import Config, ModelConfig, config_from_dict
+from nanopt.config import Config, ModelConfig, config_from_dict, model_from_dict
 from nanopt.errors import ConfigError
 from nanopt.io import as_disk_full, disk_full, fsync, read_json, refuse_link, write_json, writing
 from nanopt.model import Llama, build_model
@@ -131,8 +133,12 @@ def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtyp
     }
 
 
-def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
-    """A nanopt ModelConfig from a Hugging Face Llama config.json, or ConfigError naming what differs."""
+def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
+    """A nanopt ModelConfig from a Hugging Face Llama config.json, or ConfigError naming what differs (a value of
+    the wrong type or out of range included: the file is someone else's)."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}/config.json is not a JSON object; a Hugging Face model's config.json maps "
+                          f"hidden_size, num_attention_heads, ... to their values.")
     archs = hf.get("architectures") or []
     if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
         raise ConfigError(f"{where}/config.json describes a {hf.get('model_type') or archs!r} model; nanopt reads "
@@ -141,43 +147,76 @@ def model_config_from_hf(hf: dict[str, Any], where: Path) -> ModelConfig:
         raise ConfigError(f"{where}/config.json uses hidden_act={hf.get('hidden_act')!r}, attention_bias="
                           f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')}; nanopt's Llama is SwiGLU "
                           f"(silu) without biases.")
-    dim, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim") or dim // n_heads
+    dim, n_heads = _hf_int(hf, "hidden_size", where), _hf_int(hf, "num_attention_heads", where)
+    head_dim = _hf_int(hf, "head_dim", where, dim // n_heads)
     if head_dim * n_heads != dim:
         raise ConfigError(f"{where}/config.json has head_dim {head_dim} × {n_heads} heads != hidden_size {dim}; "
                           f"nanopt needs head_dim = hidden_size / num_attention_heads.")
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}/config.json: `rope_parameters` / `rope_scaling` is {rope!r}, not an object.")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}/config.json uses RoPE scaling {rope_type!r}; nanopt implements `default` and "
                           f"`llama3` only.")
-    m = ModelConfig(vocab_size=int(hf["vocab_size"]), dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-                    n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), ffn_dim=int(hf["intermediate_size"]),
-                    norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-                    max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-                    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                    init_std=float(hf.get("initializer_range", 0.02)),)
+    model = {"vocab_size": _hf_int(hf, "vocab_size", where), "dim": dim, "n_heads": n_heads,
+             "n_layers": _hf_int(hf, "num_hidden_layers", where),
+             "n_kv_heads": _hf_int(hf, "num_key_value_heads", where, n_heads),
+             "ffn_dim": _hf_int(hf, "intermediate_size", where),
+             "max_seq_len": _hf_int(hf, "max_position_embeddings", where, 2048),
+             "norm_eps": hf.get("rms_norm_eps", 1e-6), "init_std": hf.get("initializer_range", 0.02),
+             "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+             "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
     if rope_type == "llama3":  # the inverse of _rope_parameters
-        m.rope_scaling, m.rope_factor = "llama3", float(rope["factor"])
-        m.rope_low_freq_factor = float(rope["low_freq_factor"])
-        m.rope_high_freq_factor = float(rope["high_freq_factor"])
-        m.rope_original_max_seq_len = int(rope["original_max_position_embeddings"])
-    return m
+        model.update(rope_scaling="llama3", rope_factor=rope.get("factor"), rope_low_freq_factor=rope.get(
+            "low_freq_factor"), rope_high_freq_factor=rope.get("high_freq_factor"),
+            rope_original_max_seq_len=rope.get("original_max_position_embeddings"))
+    return model_from_dict(model, f"{where}/config.json (read as nanopt's model section)")
+
+
+def _hf_int(hf: dict[str, Any], name: str, where: Path, default: Optional[int] = None) -> int:
+    """A positive integer entry of a Hugging Face config.json (`default` when absent or null)."""
+    value = hf.get(name)
+    value = default if value is None else value
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ConfigError(f"{where}/config.json: `{name}` is {value!r}, not a positive integer; the file is damaged "
+                          f"or not a Llama config.")
+    return value
 
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin."""
+    """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin;
+    ConfigError naming a file that is none of these."""
     if (directory / "model.safetensors").is_file():
-        return load_file(str(directory / "model.safetensors"))
+        return _read_weights(directory / "model.safetensors")
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {name: t for shard in shards for name, t in load_file(str(directory / shard)).items()}
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v
+                                                       for v in weight_map.values()):
+            raise ConfigError(f"{index} has no `weight_map` of tensor names to shard file names in {directory}; "
+                              f"the file is damaged.")
+        shards = sorted(set(weight_map.values()))
+        return {name: t for shard in shards for name, t in _read_weights(directory / shard).items()}
     if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return _read_weights(directory / "pytorch_model.bin")
     raise ConfigError(f"{directory} has a config.json but no weights (model.safetensors, "
                       f"model.safetensors.index.json or pytorch_model.bin).")
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors (or a pytorch_model.bin's, weights only); ConfigError naming it when it is
+    missing, unreadable or no such file."""
+    try:
+        weights = (load_file(str(path)) if path.suffix == ".safetensors" else
+                   torch.load(path, map_location="cpu", weights_only=True))
+    except (OSError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read as model weights ({e.__class__.__name__}: {e}); the file is "
+                          f"damaged or missing: save the model again (save_pretrained, or nanopt export).") from None
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise ConfigError(f"{path} holds no mapping of tensor names to tensors; save the model again.")
+    return weights
 
 
 def load_hf_weights(model: Llama, directory: Path) -> None:

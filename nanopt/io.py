@@ -122,6 +122,9 @@ def open_own(path: Path, flags: int, mode: int = 0o644) -> int:
         # ELOOP (Linux, macOS) or EMLINK (FreeBSD): the name is a link; EEXIST: O_EXCL met one.
         if e.errno in (errno.ELOOP, errno.EMLINK) or (e.errno == errno.EEXIST and Path(path).is_symlink()):
             raise link_refused(path) from None
+        if e.errno == errno.EISDIR:
+            raise ConfigError(f"{path} is a directory, where nanopt writes a file of its own; move it aside (or "
+                              f"remove it) and run the command again.") from None
         raise
 
 
@@ -155,6 +158,9 @@ def write_bytes(path: Path, *chunks: bytes) -> Path:
     # A name of this writer's own: two processes replacing one file (a lease's heartbeat and its takeover, a
     # sweep's state) must never write into, or rename, each other's half-written temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    if path.is_dir() and not path.is_symlink():  # the rename would fail (IsADirectoryError) after the work
+        raise ConfigError(f"{path} is a directory, where nanopt writes a file of its own; it never replaces a "
+                          f"directory. Move it aside (or remove it) and run the command again.")
     try:
         with writing(path):
             tmp.unlink(missing_ok=True)  # ours by its name: a crash of an earlier process with this pid left it

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from nanopt.errors import ConfigError
 from nanopt.io import append_bytes, finite, json_line, open_append, refuse_link, write_bytes
 from nanopt.rundirs import METRICS_FILE, TB_DIR
 
@@ -72,6 +73,9 @@ class MetricsLogger:
     def open(self, resumed_step: int = 0) -> None:
         if not self.enabled:
             return
+        if self.tensorboard and (tb := self.run_dir / TB_DIR).exists() and not tb.is_dir():  # else FileExistsError
+            raise ConfigError(f"{tb} is a file, where TensorBoard writes its event files (a directory); move it "
+                              f"aside, or set `log.tensorboard: false`.")
         self.trim(resumed_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.fd = open_append(self.path)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from nanopt.attention import AttentionFn, sdpa
 from nanopt.config import ModelConfig
+from nanopt.errors import ConfigError
 from nanopt.flops import param_counts
 from nanopt.runtime import recompute
 
@@ -372,9 +373,17 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     """A ready model: built on the meta device (no memory, no wasted init), materialised, initialised once.
     `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG), then moves to `device`;
     a `dtype` other than fp32 (bf16-pure) casts the parameters, not the RoPE tables."""
-    with torch.device("meta"):
-        model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)
-    model.to_empty(device=init_device or device)
+    try:
+        with torch.device("meta"):
+            model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)
+        model.to_empty(device=init_device or device)
+    except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not any(why in str(e) for why in _TOO_BIG):
+            raise
+        raise ConfigError(f"the model section describes {param_counts(cfg).total:,} parameters, which cannot be "
+                          f"allocated on {init_device or device} ({' '.join(str(e).split()[:12])} ...). Check "
+                          f"model.dim, model.n_layers, model.ffn_dim and model.vocab_size (`nanopt estimate` sizes a "
+                          f"config's memory).") from None
     model.tie_head()
     model.init_weights()
     model.to(device=device, dtype=dtype)  # a no-op unless moving (XLA) or casting (bf16-pure)
@@ -384,6 +393,10 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
         model.rope_cos, model.rope_sin = rope_tables(cfg, model.rope_cos.shape[0], device=model.rope_cos.device)
     _check_param_count(cfg, model)
     return model
+
+
+# What torch says when a tensor of the config's sizes cannot exist: no memory for it, or a size past int64.
+_TOO_BIG = ("can't allocate memory", "out of memory", "Overflow when unpacking long")
 
 
 def _check_param_count(cfg: ModelConfig, model: Llama) -> None:

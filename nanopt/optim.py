@@ -465,10 +465,24 @@ def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
                          "a new run (a new `run.dir`)")
     if saved_kinds != kinds:  # torch would only compare group sizes, and could load moments into wrong params
         raise ValueError(f"the saved optimizer has parameter groups {saved_kinds}, this model has {kinds}")
+    _check_moment_shapes(optimizer, state["state"])
     optimizer.load_state_dict(state)
     for group, keys in zip(optimizer.param_groups, current):
         group.update(keys)  # e.g. a CUDA checkpoint's fused=True would fail on XLA, an XLA one's foreach on CPU
         _place_steps(optimizer, group)
+
+
+def _check_moment_shapes(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """ValueError when a saved moment is not shaped like its parameter: torch loads it as it is, and the first step
+    then fails, or (fused and foreach kernels) reads past the tensor and crashes the process."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, entry in saved.items():
+        if not (isinstance(index, int) and 0 <= index < len(params)) or not isinstance(entry, dict):
+            raise ValueError(f"its state names parameter {index!r}, and the model has {len(params)}")
+        for key, value in entry.items():  # a step count is a scalar; a moment has its parameter's shape
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[index].shape:
+                raise ValueError(f"its `{key}` of parameter {index} has shape {tuple(value.shape)}, the parameter "
+                                 f"{tuple(params[index].shape)}")
 
 
 def optimizer_name(groups: list[dict]) -> str:

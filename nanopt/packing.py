@@ -99,7 +99,7 @@ def bos_index(shards: Sequence[np.ndarray], bos: int, ids: Optional[Sequence[Sha
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     write_bytes(path, *_entry(positions, ids[k], bos))
-                except OSError as e:
+                except (OSError, ConfigError) as e:  # a cache: a directory at its name (ConfigError) as a read-only one
                     unwritten = e
         found.append(positions)
     if unwritten is not None:

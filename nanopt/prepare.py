@@ -98,7 +98,7 @@ def load_documents(p: PrepareConfig):
                 raise ConfigError(_hub_dataset_problem(p, e)) from None
             raise ConfigError(
                 f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r}, files "
-                f"{p.data_files or '-'}) cannot be loaded: {type(e).__name__}: {e}. Check the name and subset, "
+                f"{p.data_files or '-'}) cannot be loaded: {_builder_error(e)}. Check the name and subset, "
                 f"the local file paths, network access, and HF_TOKEN for gated datasets."
             ) from None
     if p.shuffle_buffer:
@@ -106,7 +106,33 @@ def load_documents(p: PrepareConfig):
             ds = ds.shuffle(seed=p.shuffle_seed, buffer_size=p.shuffle_buffer)
         else:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
             ds = ds.shuffle(seed=p.shuffle_seed)
-    return ds
+    return LocalRows(ds, p) if p.dataset in LOCAL_BUILDERS else ds
+
+
+class LocalRows:
+    """The rows of a dataset of local files (prepare.data_files). A file its builder cannot parse (not JSON, not
+    UTF-8 text) is bad input, ConfigError naming the builder and files, not a source failure to retry; it surfaces
+    only when the stream reaches it."""
+
+    def __init__(self, ds: Any, p: PrepareConfig):
+        self.ds, self.p = ds, p
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            yield from self.ds
+        except OSError:  # the disk, as for any source: retried, or a full disk
+            raise
+        except Exception as e:  # the builder's parse error, or datasets' DatasetGenerationError around it
+            raise ConfigError(f"`prepare.data_files` {self.p.data_files!r} cannot be read by the {self.p.dataset!r} "
+                              f"builder ({_builder_error(e)}). Check that every file is {self.p.dataset} (UTF-8 text "
+                              f"for `text`), or remove the odd one; every shard committed so far is kept.") from None
+
+
+def _builder_error(e: BaseException) -> str:
+    """`Type: message` on one line, of the error datasets' DatasetGenerationError wraps when it is one."""
+    if type(e).__name__ == "DatasetGenerationError" and (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def _hub_dataset_problem(p: PrepareConfig, error: BaseException) -> str:
@@ -263,6 +289,7 @@ class ShardWriter:
                                   f"`data.source` at a new directory, or delete {self.out} to start over.")
             self.manifest = saved
             self.state = saved["state"]
+            self._check_position()
             self._roll_back_to_first_lost(verify)
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
@@ -282,6 +309,23 @@ class ShardWriter:
             refuse_link(f)  # truncated and appended to: never a file elsewhere
             if count is not None and f.exists():
                 os.truncate(f, count * 4)
+
+    def _check_position(self) -> None:
+        """ConfigError when the adopted resume position cannot be this config's (read_manifest checked its types):
+        a split beyond the budgets, a document index no stream reaches, or more documents than their lengths file
+        holds (it would be zero-filled)."""
+        state, names = self.state, [name for name, _ in self.budgets]
+        problem = None
+        if state["split_index"] > len(names) - (not state["complete"]):
+            problem = f"its `state` is in split number {state['split_index']}, and there are {len(names)}"
+        elif state["next_doc"] > sys.maxsize:
+            problem = f"its `state` resumes at document {state['next_doc']}, beyond any stream"
+        for name, count in state["doclens"].items():
+            lengths = self.out / f".doclens-{name}.u32"
+            if problem is None and name in names and count * 4 > (lengths.stat().st_size if lengths.is_file() else 0):
+                problem = f"its `state` counts {count} {name} documents, and {lengths.name} holds fewer"
+        if problem:
+            raise shards.manifest_error(self.out, problem)
 
     def _roll_back_to_first_lost(self, verify: bool) -> None:
         entries = self.manifest["shards"]

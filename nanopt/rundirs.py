@@ -77,10 +77,22 @@ def format_value(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- reading one run directory
+def file_present(path: Path) -> bool:
+    """Whether a run's file is there to read: False when nothing is; ConfigError when something that is no file
+    holds its name (a directory, a link to nothing), which a reader taking it for absent would silently ignore."""
+    if path.is_file():
+        return True
+    if not path.exists() and not path.is_symlink():
+        return False
+    what = "a directory" if path.is_dir() else "a link to nothing" if path.is_symlink() else "not a regular file"
+    raise ConfigError(f"{path} is {what}, where the run keeps a file; move it aside (or restore the file) and run "
+                      f"the command again.")
+
+
 def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
     """summary.json as a dict, None when there is none yet; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / SUMMARY_FILE
-    if not path.is_file():
+    if not file_present(path):
         return None
     summary = read_json(path)
     if not isinstance(summary, dict):
@@ -92,7 +104,7 @@ def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
 def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     """config.yaml as a nested dict, None when there is none; ConfigError naming it when it is damaged."""
     path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
+    if not file_present(path):
         return None
     try:
         data = yaml.safe_load(path.read_text())
@@ -113,6 +125,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     none. A cut last line (being appended, or its writer killed) is left out; any other line that is not a JSON
     object is damage: ConfigError naming the file and line, never a record quietly dropped from a figure."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device: a read would never end
+        raise ConfigError(f"{path} is not a regular file (a pipe or a device); move it aside and run the command "
+                          f"again.")
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:
@@ -219,8 +234,10 @@ def evaluation_key(record: dict[str, Any]) -> tuple:
     weights_crc32 where known), and what was measured: a task with its limit and shots, or a split with its
     batches and precision. A record without a field has None there."""
     measured = record.get("task") or next((k for k in ("val_loss", "test_loss") if k in record), None)
-    return tuple(record.get(k) for k in ("source", "step", "weights_crc32", "limit", "num_fewshot", "eval_batches",
-                                         "precision")) + (measured,)
+    key = tuple(record.get(k) for k in ("source", "step", "weights_crc32", "limit", "num_fewshot", "eval_batches",
+                                        "precision")) + (measured,)
+    # A damaged line's list or object (unhashable) as its JSON text: it matches no evaluation, which is then made.
+    return tuple(v if v is None or isinstance(v, (str, int, float)) else json.dumps(v, sort_keys=True) for v in key)
 
 
 def recorded(run_dir: Path) -> set[tuple]:

@@ -99,6 +99,12 @@ def open_shard(path: str | Path, verify: bool = True) -> np.memmap:
         raise ShardError(f"token shard {info.path} fails its checksum (stored {info.crc32:#010x}, computed "
                          f"{crc:#010x}): the file is corrupt. Run `nanopt prepare --verify` with the config that wrote "
                          f"it: it rebuilds corrupt and lost shards to identical bytes")
+    # The checksum covers the tokens, not the vocabulary the header declares (which training checks against the
+    # model's): a token past it would index past the embedding table.
+    if verify and (top := int(tokens.max())) >= info.vocab_size:
+        raise ShardError(f"token shard {info.path} holds token id {top}, but its header declares a vocabulary of "
+                         f"{info.vocab_size}: the shard was not written by `nanopt prepare` as it says. Prepare it "
+                         f"again.")
     return tokens
 
 
@@ -220,7 +226,8 @@ def _shown(value: object) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _manifest_error(directory: Path, problem: str) -> ConfigError:
+def manifest_error(directory: Path, problem: str) -> ConfigError:
+    """ConfigError: the manifest in `directory` cannot be used (`problem`), and what to do."""
     path = directory / MANIFEST
     return ConfigError(f"{path} cannot be used: {problem}. Nothing was read or deleted on its word. Restore {path} "
                        f"from a copy, or delete it together with the shards ({_NAME_FIX}) in {directory} and run "
@@ -241,6 +248,25 @@ def _entry_shape_problem(entry: object) -> Optional[str]:
         return f"for {entry['file']} has a `crc32` that is not a number"
     if "after" in entry and not isinstance(entry["after"], dict):
         return f"for {entry['file']} has an `after` that is not a JSON object"
+    if "after" in entry and (why := _state_shape_problem(entry["after"])):
+        return f"for {entry['file']} has an `after` {why}"
+    return None
+
+
+# What prepare's resume position holds (prepare.ShardWriter's state): counters, tokens per document so far per
+# split, and whether the stream is done.
+_STATE_COUNTERS = ("split_index", "shard_index", "split_tokens", "next_doc", "next_offset")
+
+
+def _state_shape_problem(state: dict[str, Any]) -> Optional[str]:
+    """Why a resume position (the manifest's `state`, an entry's `after`) is not one prepare writes, or None."""
+    if bad := [k for k in _STATE_COUNTERS if not (is_int(state.get(k)) and state[k] >= 0)]:
+        return f"whose {', '.join(f'`{k}`' for k in bad)} is missing or not a count"
+    doclens = state.get("doclens")
+    if not (isinstance(doclens, dict) and all(is_int(v) and v >= 0 for v in doclens.values())):
+        return "whose `doclens` is missing or not a map of splits to counts"
+    if not isinstance(state.get("complete"), bool):
+        return "whose `complete` is missing or not true or false"
     return None
 
 
@@ -256,6 +282,8 @@ def _manifest_shape_problem(manifest: object) -> Optional[str]:
         for i, entry in enumerate(entries):
             if why := _entry_shape_problem(entry):
                 return f"the entry `{key}[{i}]` {why}"
+    if why := _state_shape_problem(manifest["state"]):
+        return f"its `state` is a resume position {why}"
     return None
 
 
@@ -269,9 +297,9 @@ def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, and bad UTF-8 (UnicodeDecodeError)
-        raise _manifest_error(directory, f"it is unreadable ({e})") from None
+        raise manifest_error(directory, f"it is unreadable ({e})") from None
     if problem := _manifest_shape_problem(manifest):
-        raise _manifest_error(directory, problem)
+        raise manifest_error(directory, problem)
     return manifest
 
 
@@ -279,7 +307,7 @@ def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) 
     """Why the committed shard `entry` is not on disk as committed (missing, resized, another shard, or with
     verify corrupt), or None."""
     if why := _entry_shape_problem(entry):  # read_manifest refuses these already; a name is never followed unchecked
-        raise _manifest_error(directory, f"an entry {why}")
+        raise manifest_error(directory, f"an entry {why}")
     path = directory / entry["file"]
     if not path.exists():
         return f"{entry['file']} is missing"
@@ -366,7 +394,7 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
             stamps[path.name] = stamp
             try:  # one atomic write per shard: cheap beside reading a shard of hundreds of MB
                 write_json(stamps_path, stamps)
-            except OSError as e:
+            except (OSError, ConfigError) as e:  # a cache: a directory at its name (ConfigError) as a read-only one
                 unwritten = e
     if unwritten is not None:
         log.info("data: shards verified, but %s cannot be written (%s): the next start verifies them again",

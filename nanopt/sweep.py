@@ -207,6 +207,8 @@ def visible_ids(count: int, visible: Optional[str]) -> list[str]:
 def point_state(run_dir: Path, cfg: Config) -> str:
     """done (rundirs.finished), resume (a checkpoint to resume from) or new; ConfigError naming a damaged
     summary.json. Says nothing about whose config it ran: see resume_diff."""
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"{run_dir} is a file, where the sweep keeps this point's run directory.")
     if rundirs.finished(run_dir, cfg.train.max_steps, cfg.train.stop_at_target) is not None:
         return "done"
     # The pointer, not a verified checkpoint: verifying reads every byte (GBs), and the run verifies it anyway.

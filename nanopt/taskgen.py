@@ -41,7 +41,8 @@ def _check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file, not a directory; make_tasks writes task YAMLs and their JSONL "
                           f"data into a directory. Pass a new or empty directory.")
-    if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in OURS) if out_dir.is_dir() else []):
+    ours = OURS | ({BUNDLE_DIR} if _bundle_problem(out_dir / BUNDLE_DIR) is None else set())
+    if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in ours) if out_dir.is_dir() else []):
         raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
                           f"will not mix with its tasks. Pass a new or empty directory, or one that holds only "
                           f"earlier generated tasks.")
@@ -144,8 +145,30 @@ GENERATED = [("nanopt_line_end", "multiple_choice", 0, 25.0), ("nanopt_line_star
              ("nanopt_word_end", "language_modeling", 2, 0.0)]
 
 
+BUNDLE_DIR = "core"  # where `nanopt eval --make-tasks DIR` writes its bundle: DIR/core, beside make_tasks' output
+BUNDLE_FILES = {"core.yaml", "eval_meta_data.csv", "eval_data"}
+
+
+def _bundle_problem(root: Path) -> Optional[str]:
+    """Why `root` is neither absent, empty, nor an earlier write_bundle's output (what it would replace or mix
+    with), or None."""
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        return "is a file"
+    others = [p.name for p in root.iterdir() if p.name not in BUNDLE_FILES]
+    data, labels = root / "eval_data", {f"{label}.jsonl" for label, *_ in GENERATED}
+    others += [f"eval_data/{p.name}" for p in data.iterdir() if p.name not in labels] if data.is_dir() else \
+        ["eval_data"] * data.exists()
+    return f"holds files write_bundle did not write ({', '.join(sorted(others)[:5])})" if others else None
+
+
 def write_bundle(out_dir: str | Path, texts: list[str], seed: int = 0, n: int = 60) -> Path:
-    """A small bundle in DCLM's layout from held-out texts: n items per GENERATED task (see _generated_item)."""
+    """A small bundle in DCLM's layout from held-out texts: n items per GENERATED task (see _generated_item), into
+    a new or empty directory or over an earlier bundle (ConfigError where it would replace anything else)."""
+    if problem := _bundle_problem(Path(out_dir)):
+        raise ConfigError(f"{out_dir} {problem}, which it will not mix with its bundle. Pass a new or empty "
+                          f"directory, or one that holds only an earlier generated bundle.")
     rng = random.Random(seed)
     docs = [[s.strip() for s in t.split("\n") if len(s.strip()) >= 20] for t in texts]
     spots = [(d, i) for d in docs for i in range(3, len(d)) if WORD.search(d[i])]

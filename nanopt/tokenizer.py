@@ -65,11 +65,12 @@ class HFTokenizer:
                               f"pip install -e '.[data]' (or use `data.tokenizer: byte`).") from None
         try:
             self.hf = AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # the last three: damaged files
             if hub.is_unreachable_error(e):
                 raise ConfigError(hub.not_cached(f"`data.tokenizer` {name!r}", e, "Or set `data.tokenizer` to a "
                                                  "local directory with the tokenizer files (or `byte`).")) from None
-            raise ConfigError(f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer: {e}. Give "
+            why = " ".join(f"{e.__class__.__name__}: {e}".split())  # transformers' messages span lines
+            raise ConfigError(f"`data.tokenizer` {name!r} cannot be loaded as a Hugging Face tokenizer ({why}). Give "
                               f"a local directory with tokenizer files or a hub name you have access to.") from None
         self.name, self.vocab_size = name, len(self.hf)
         self.bos_id, self.eos_id = self.hf.bos_token_id, self.hf.eos_token_id

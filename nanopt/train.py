@@ -24,7 +24,7 @@ from nanopt.errors import ConfigError, DiskFull, Preempted
 from nanopt.evaluation import Batches, SpeedrunClock, evaluate, split_batches, token_bytes_table
 from nanopt.generate import sample_text
 from nanopt.harness import TaskScorer
-from nanopt.io import write_json, write_text
+from nanopt.io import is_int, is_number, write_json, write_text
 from nanopt.lock import DirLock
 from nanopt.metrics import MetricsLogger, format_duration, step_line
 from nanopt.model import build_model
@@ -81,7 +81,17 @@ class RunState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state.get(f.name, f.default))
+            value = state.get(f.name, f.default)
+            check, kind = _COUNTER_TYPES[f.type]
+            if not check(value):  # a damaged state.json: checkpoint.py names the file
+                raise TypeError(f"`{f.name}` is {value!r}, not {kind}")
+            setattr(self, f.name, value)
+
+
+# RunState's field types (annotations are strings here) -> (what a saved value must pass, its name in an error).
+_COUNTER_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (is_int, "an integer"), "float": (is_number, "a number"),
+    "Optional[float]": (lambda v: v is None or is_number(v), "a number or null")}
 
 
 class SpeedWindow:

@@ -100,6 +100,15 @@ def _with_other_tensors(runs: dict[str, Path], root: Path) -> Path:
     return copy
 
 
+def _with_no_safetensors(runs: dict[str, Path], root: Path, step: int) -> Path:
+    """A copy of the run whose step `step` holds weights that are no safetensors file, listed in its manifest."""
+    copy = root / "garbage"
+    shutil.copytree(runs["run"], copy)
+    (_step(copy, step) / rundirs.MODEL_FILE).write_bytes(b"hello")
+    _reseal(_step(copy, step))
+    return copy
+
+
 def _with_incomplete(runs: dict[str, Path], root: Path) -> Path:
     copy = root / "incomplete"
     shutil.copytree(runs["run"], copy)
@@ -127,6 +136,10 @@ CASES = [
      ["different configs", "model.dim: 64 vs 32", "step_000008"]),
     ("other_tensors", lambda r, t: [str(_with_other_tensors(r, t)), "--steps", "4,6"],
      ["hold different tensors", "1 differ"]),
+    ("first_no_safetensors", lambda r, t: [str(_with_no_safetensors(r, t, 4)), "--steps", "4,6"],
+     ["step_000004/model.safetensors is not a safetensors file"]),
+    ("second_no_safetensors", lambda r, t: [str(_with_no_safetensors(r, t, 6)), "--steps", "4,6"],
+     ["step_000006/model.safetensors is not a safetensors file"]),
     ("incomplete", lambda r, t: [str(_with_incomplete(r, t)), "--last", "2"],
      ["step_000006 cannot be averaged", "COMPLETE"]),
 ]

@@ -76,13 +76,19 @@ def test_compare_names_a_damaged_metrics_line(fake_sweep, capsys, data, words):
     (rundirs.PROFILE_FILE, b'{"step_ms_mean": "slow", "profiled_steps": 2}', "`step_ms_mean`"),
     (rundirs.PROFILE_FILE, b'{"step_ms_mean": 5.0, "profiled_steps": 2, "top_ops": [1]}', "`top_ops[0]`"),
     (rundirs.PROFILE_FILE, b'{"step_ms_mean": 5.0, "profiled_steps": 2, "label_ms": [1]}', "`label_ms`"),
+    # A directory at the name (data None): before, read as no file (an unprofiled run, a config of no keys).
+    (rundirs.PROFILE_FILE, None, "is a directory"),
+    (rundirs.CONFIG_FILE, None, "is a directory"),
 ])
 def test_compare_names_an_odd_file(fake_sweep, capsys, name, data, words):
     a, b = fake_sweep / "sw" / "adamw-0", fake_sweep / "sw" / "muon-0"
     good = b'{"step_ms_mean": 5.0, "profiled_steps": 2, "compute_share": 1.0, "top_ops": []}'
     (a / rundirs.PROFILE_FILE).write_bytes(good)  # both profiled: compare reads both profiles
     (b / rundirs.PROFILE_FILE).write_bytes(good)
-    path = damage(b, name, data)
+    if data is None:
+        (b / name).unlink()
+        (b / name).mkdir()
+    path = b / name if data is None else damage(b, name, data)
     assert cli(["compare", str(a), str(b)]) == 2
     _, err = read_out(capsys)
     assert err.startswith("nanopt compare: error: ") and str(path) in err and words in err, err

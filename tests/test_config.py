@@ -212,10 +212,39 @@ def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
     ("--run.name=.", "one directory name"),
     ("--run.seed=4294967296", "run.seed"),
     ("--run.seed=-1", "run.seed"),
+    ("--eval.seed=99999999999999999999999", r"eval\.seed.*2\^32"),  # was an OverflowError traceback at the first eval
+    ("--prepare.shuffle_seed=-1", r"prepare\.shuffle_seed.*zero or positive"),  # was numpy's ValueError traceback
+    ("--train.eps=nan", r"train\.eps.*zero or positive"),  # was torch.optim.AdamW's ValueError traceback
 ])
 def test_run_names_and_seeds_that_would_escape_or_overflow_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, parse_overrides([override]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # before: NaN or 0 "diverged" (exit 3), a low factor of 0 a ZeroDivisionError traceback, the others ran
+    (["--model.rope_factor=nan"], r"`model\.rope_factor` must be positive, got nan"),
+    (["--model.rope_factor=0"], r"`model\.rope_factor` must be positive"),
+    (["--model.rope_low_freq_factor=0"], r"`model\.rope_low_freq_factor` must be positive"),
+    (["--model.rope_original_max_seq_len=0"], r"`model\.rope_original_max_seq_len` must be positive"),
+    (["--model.rope_low_freq_factor=4", "--model.rope_high_freq_factor=4"], r"must be above `model\.rope_low_freq"),
+])
+def test_llama3_rope_scaling_keys_out_of_range_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, parse_overrides(["--model.rope_scaling=llama3", *overrides]))
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_a_string_key_holding_bytes_that_are_no_utf8_is_refused_naming_the_key(where, tmp_path):
+    """A command-line byte that does not decode reaches Python as a lone surrogate (as does YAML's "\\udcff"); it
+    was accepted, then the tokenizer's UnicodeEncodeError ended the run with a traceback after training."""
+    if where == "command line":
+        make = lambda: load_config(None, parse_overrides(["--sample.prompt=caf\udcff"]))
+    else:
+        (tmp_path / "c.yaml").write_text('sample:\n  prompt: "caf\\udcff"\n')
+        make = lambda: load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"`sample\.prompt` is 'caf\\udcff', which holds bytes that are no UTF-8"):
+        make()
 
 
 def test_integers_are_parsed_exactly():
@@ -232,3 +261,11 @@ def test_fsdp_and_hsdp_accept_init_from_and_task_scoring(parallel, tmp_path):
     cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", f"--train.init_from=hf:{tmp_path}",
                                              "--eval.tasks=hellaswag", f"--eval.core={tmp_path}"]))
     cfg.runtime.check(cfg)
+
+
+def test_a_huge_wrong_value_is_shown_shortly_in_its_message(tmp_path):
+    """Before, a YAML list of 100,000 numbers where a number goes made a one-line error of 300 KB."""
+    (tmp_path / "big.yaml").write_text("train:\n  lr: [" + ", ".join(["0"] * 100_000) + "]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "big.yaml")
+    assert "`train.lr` must be a number, got [0, 0, 0, 0, 0, 0, ...]." in str(e.value) and len(str(e.value)) < 300

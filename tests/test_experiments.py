@@ -231,6 +231,10 @@ def test_runs_leaderboard_when_runs_do_not_group(sweep, capsys):
     (["runs", "{root}", "--compare", "{root}", "muon"], ["holds 3 settings, not one"]),
     (["runs", "{root}", "--compare", "muon", "max_steps=100", "--metric", "nope"], ["--metric nope", "final_val_loss"]),
     (["runs", "{root}", "--alpha", "5"], ["--alpha 5.0"]),
+    # without --compare these were silently ignored
+    (["runs", "{root}", "--metric", "train_seconds"], ["--metric applies only with --compare"]),
+    (["runs", "{root}", "--alpha", "0.01"], ["--alpha applies only with --compare"]),
+    (["runs", "{root}", "--effect", "0.1"], ["--effect applies only with --compare"]),
     (["compare", "{root}/sw", "{root}/short"], ["is not a run directory", "nanopt runs"]),
     (["compare", "{root}/sw/optim.name=muon,seed=3", "{root}/short"], ["has no summary.json", "not finished"]),
     (["compare", "{root}/short", "{root}/gone"], ["gone is not a directory"]),
@@ -332,7 +336,9 @@ def test_runs_lists_a_run_and_the_runs_below_it(fake_sweep, capsys):
 
 ODD_CONFIGS = [BAD_UTF8, b"- a list\n- of things\n", b"run: {seed: 1}\ndata: {date: 2020-01-01}\n"]
 ODD_SUMMARIES = [BAD_UTF8, b"[1, 2]", b'{"steps": 200, "final_val_loss": "low"}',
-                 b'{"steps": 200, "step_to_target": 150.5}']
+                 b'{"steps": 200, "step_to_target": 150.5}',
+                 # JSON readers take NaN and Infinity; nanopt never writes them: statistics.stdev raised on them
+                 b'{"steps": 200, "final_val_loss": NaN}', b'{"steps": 200, "train_seconds": Infinity}']
 
 
 @pytest.mark.parametrize("name, data", [*((rundirs.CONFIG_FILE, d) for d in ODD_CONFIGS),

@@ -13,7 +13,8 @@ import torch
 from conftest import fork_ranks, hf_logits, hf_tokenizer, transformers_model
 from nanopt import parallel
 from nanopt.config import ModelConfig, load_config, parse_overrides
-from nanopt.hf import export_model, init_from
+from nanopt.errors import ConfigError
+from nanopt.hf import export_model, init_from, load_hf
 from nanopt.model import build_model
 from nanopt.runtime import Runtime
 
@@ -84,6 +85,48 @@ def test_export_includes_hugging_face_tokenizer_files(tmp_path):
     assert copied.encode("Elementary, my dear") == original.encode("Elementary, my dear")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (original.bos_token_id, original.eos_token_id)
+
+
+# ---------------------------------------------------------------- a damaged Hugging Face directory
+def _edit_config(d: Path, **changes) -> None:
+    config = json.loads((d / "config.json").read_text())
+    config.update(changes)
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _index_instead(d: Path, text: str) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors.index.json").write_text(text)
+
+
+# (case id, what to do to an export, words the message must contain)
+DAMAGED_HF = [
+    ("config_a_list", lambda d: (d / "config.json").write_text("[1]"), ["config.json is not a JSON object"]),
+    ("hidden_size_text", lambda d: _edit_config(d, hidden_size="x"), ["`hidden_size` is 'x'"]),
+    ("heads_zero", lambda d: _edit_config(d, num_attention_heads=0), ["`num_attention_heads` is 0"]),
+    ("eps_text", lambda d: _edit_config(d, rms_norm_eps="x"), ["config.json", "model.norm_eps"]),
+    ("theta_negative", lambda d: _edit_config(d, rope_theta=-1, rope_parameters=None), ["config.json", "rope_theta"]),
+    ("kv_heads_not_dividing", lambda d: _edit_config(d, num_key_value_heads=3), ["config.json", "n_kv_heads"]),
+    ("rope_a_list", lambda d: _edit_config(d, rope_parameters=[1]), ["config.json", "not an object"]),
+    ("weights_not_safetensors", lambda d: (d / "model.safetensors").write_bytes(b"hello"),
+     ["model.safetensors cannot be read as model weights"]),
+    ("index_without_map", lambda d: _index_instead(d, '{"x": 1}'), ["index.json has no `weight_map`"]),
+    ("index_to_missing_shard", lambda d: _index_instead(d, '{"weight_map": {"embed_tokens": "gone.safetensors"}}'),
+     ["gone.safetensors cannot be read"]),
+]
+
+
+@pytest.mark.parametrize("case, damage, words", DAMAGED_HF, ids=[c[0] for c in DAMAGED_HF])
+def test_a_damaged_hugging_face_directory_is_one_paragraph_naming_the_file(case, damage, words, tmp_path):
+    """Before, a config.json of another shape or type, or weights that are no safetensors file, escaped as a
+    traceback from `nanopt sample/eval/export` and `train.init_from`."""
+    export_model(build_model(INIT), tmp_path / "hf")
+    load_hf(tmp_path / "hf")  # whole, it loads
+    damage(tmp_path / "hf")
+    with pytest.raises(ConfigError) as raised:
+        load_hf(tmp_path / "hf")
+    for word in words:
+        assert word in str(raised.value), f"{word!r} missing from: {raised.value}"
 
 
 # ---------------------------------------------------------------- train.init_from into a sharded model

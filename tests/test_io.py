@@ -88,3 +88,13 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_pat
         io.write_bytes(path, b"new")
     assert isinstance(e.value, OSError) and str(path) in str(e.value) and "GiB free" in str(e.value)
     assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_an_atomic_write_onto_a_directory_is_refused_before_anything_is_written(tmp_path):
+    """Before, the rename failed with IsADirectoryError (a traceback, exit 1) once the work was done: a sweep with a
+    directory at sweep.json, a run with one at summary.json after training."""
+    (tmp_path / "summary.json").mkdir()
+    (tmp_path / "summary.json" / "kept").write_text("someone's")
+    with pytest.raises(ConfigError, match=r"summary\.json is a directory.*Move it aside"):
+        io.write_json(tmp_path / "summary.json", {"steps": 1})
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept", "summary.json"]

@@ -23,6 +23,18 @@ def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):
     assert mine.read_bytes() == USERS
 
 
+@pytest.mark.parametrize("blocked", [rundirs.METRICS_FILE, rundirs.TB_DIR])
+def test_a_directory_at_metrics_jsonl_or_a_file_at_tb_is_named_not_a_traceback(tmp_path, blocked):
+    """Before: IsADirectoryError from the append, FileExistsError from TensorBoard's makedirs (exit 1)."""
+    if blocked == rundirs.METRICS_FILE:
+        (tmp_path / blocked).mkdir()
+    else:
+        (tmp_path / blocked).write_text("the user's notes")
+    with pytest.raises(ConfigError, match=f"{tmp_path / blocked} is a "):
+        MetricsLogger(tmp_path, enabled=True, tensorboard=True).open()
+    assert [p.name for p in tmp_path.iterdir()] == [blocked]  # nothing written
+
+
 def test_a_resume_trims_only_records_past_its_step_and_keeps_lines_it_cannot_read(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff damaged\n{"step": 3}\n{"step": 2}\n{"step": 5, "lo')
     MetricsLogger(tmp_path, enabled=True).trim(2)

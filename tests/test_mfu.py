@@ -409,7 +409,8 @@ def test_estimate_tokens_flag_and_bad_input(capsys):
     assert cli.run(args + ["--tokens", "2.5B", "--train.seq_len=512"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["tokens"] == 2_500_000_000 and got["seq_len"] == 512
-    for bad in (["--hardware", "z100"], ["--mfu", "40"], ["--tokens", "lots"], ["--gpus", "0"]):
+    for bad in (["--hardware", "z100"], ["--mfu", "40"], ["--tokens", "lots"], ["--gpus", "0"],
+                ["--price-per-gpu-hour", "nan"], ["--price-per-gpu-hour", "inf"]):  # were "$nan", and Infinity in JSON
         assert cli.run(args + bad) == 2
         assert "error" in capsys.readouterr().err
 

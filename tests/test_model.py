@@ -660,3 +660,11 @@ def test_compiled_model_matches_eager_loss_and_grads(cfg):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
     for p, g in zip(model.parameters(), eager_grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [6_400_000, 99999999999999999999968])  # ~1 PB of weights; a size past int64
+def test_a_model_too_big_to_allocate_is_one_paragraph_naming_the_model_keys(dim):
+    """Before: a RuntimeError (can't allocate memory) or TypeError (Overflow when unpacking long) traceback."""
+    cfg = ModelConfig(vocab_size=257, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    with pytest.raises(ConfigError, match=r"cannot be allocated on cpu .*model\.dim, model\.n_layers"):
+        build_model(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import socket
@@ -116,6 +117,22 @@ def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_p
     ids = tok.encode_batch(texts)
     assert type(tok._tiktoken).__module__.startswith("tiktoken")
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+
+
+@pytest.mark.parametrize("files, words", [
+    ({"tokenizer.json": "garbage"}, ["JSONDecodeError"]),
+    ({"tokenizer.json": "{}", "tokenizer_config.json": '{"x": 1}'}, ["KeyError", "added_tokens"]),  # was a traceback
+    ({}, ["Couldn't instantiate the backend tokenizer"]),  # transformers' message spans lines: one paragraph here
+])
+def test_a_damaged_tokenizer_directory_is_one_paragraph_naming_it(tmp_path, files, words):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        get_tokenizer(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and f"`data.tokenizer` '{tmp_path}' cannot be loaded" in message, message
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
 
 
 def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_path):
@@ -725,6 +742,71 @@ def test_a_wrong_typed_manifest_is_one_paragraph_not_a_traceback(tmp_path, capsy
     assert str(out / shards.MANIFEST) in str(e.value) and "cannot be used" in str(e.value) and "Restore" in str(e.value)
     code, err = _cli_prepare(byte_config(tmp_path), tmp_path, capsys)
     assert code == 2 and "Traceback" not in err and "cannot be used" in err
+
+
+@pytest.mark.parametrize("builder, content, words", [
+    ("json", b'{"text": "a fox"}\nnot json\n', ["'json'", "ArrowInvalid: JSON parse error"]),
+    ("text", b"a fox\n\xff\xfe\x00 binary\n", ["'text'", "UnicodeDecodeError"]),
+])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_local_file_its_builder_cannot_parse_is_bad_input_not_a_source_failure(tmp_path, capsys, no_waits, builder,
+                                                                                 content, words, streaming,
+                                                                                 monkeypatch):
+    """Before, streamed: a DatasetGenerationError / UnicodeDecodeError traceback, exit 1, as if the source were flaky
+    (and retried first); loaded whole: exit 2, but naming only datasets' wrapper, not the parse error."""
+    # datasets logs the parse error itself first, through a handler bound to the stderr of an earlier test's capture
+    monkeypatch.setattr(logging.getLogger("datasets"), "handlers", [])
+    monkeypatch.setattr(logging.getLogger("datasets"), "propagate", False)
+    (tmp_path / "docs.src").write_bytes(content)
+    cfg = byte_config(tmp_path)
+    cfg.prepare.dataset, cfg.prepare.data_files = builder, str(tmp_path / "docs.src")
+    cfg.prepare.streaming, cfg.prepare.retries = streaming, 1
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    last = err.strip().splitlines()[-1]  # datasets logs its own line before it raises
+    assert code == 2 and "Traceback" not in err and last.startswith("nanopt prepare: error: "), err
+    for word in [str(tmp_path / "docs.src"), *words]:
+        assert word in last, f"{word!r} missing from: {last}"
+    assert no_waits == []  # not retried: waiting mends no file
+
+
+def _set(path: str, value):
+    """An edit of manifest.json: the value at a path like "state.next_doc" or "shards.1.after"."""
+    def edit(manifest: dict) -> None:
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+        target = manifest
+        for p in parents:
+            target = target[p]
+        target[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("edits, words", [
+    ([_set("state.next_doc", "x"), _set("state.complete", False)], ["`state`", "`next_doc`"]),
+    ([_set("state", {"complete": False})], ["`state`", "`split_index`"]),
+    ([_set("state.doclens", [1])], ["`state`", "`doclens`"]),
+    ([_set("state.complete", "no")], ["`state`", "`complete`"]),
+    ([_set("shards.1.after", {"split_index": "x"})], ["`shards[1]`", "`after`", "`split_index`"]),
+    ([_set("state.split_index", 99), _set("state.complete", False)], ["split number 99"]),
+    ([_set("state.next_doc", 10**30), _set("state.complete", False), _set("state.split_index", 0)],
+     ["beyond any stream"]),
+    ([_set("state.doclens.train", 10**6)], ["1000000 train documents", ".doclens-train.u32 holds fewer"]),
+])
+def test_a_resume_position_of_the_wrong_type_or_range_is_one_paragraph(byte_prepared, tmp_path, capsys, edits,
+                                                                         words):
+    """Before, each ended in a traceback (KeyError, islice's ValueError, IndexError) once prepare resumed."""
+    cfg, out, whole = byte_prepared
+    path = out / shards.MANIFEST
+    manifest = json.loads(path.read_text())
+    for edit in edits:
+        edit(manifest)
+    path.write_text(json.dumps(manifest))
+    (out / shards.split_paths(out, "train")[-1].name).unlink()  # a lost shard: the resume rolls back and re-reads
+    listing = sorted(p.name for p in out.iterdir())
+    code, err = _cli_prepare(cfg, tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err
+    for word in [str(path), "cannot be used", *words]:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert sorted(p.name for p in out.iterdir()) == listing and json.loads(path.read_text()) == manifest
 
 
 # ---------------------------------------------------------------- one prepare per directory, a full disk

@@ -201,3 +201,13 @@ def test_stamps_are_recorded_shard_by_shard(tmp_path):
     assert sorted(stamps) == ["train_000000.bin", "train_000001.bin"]
     st = (tmp_path / "train_000000.bin").stat()
     assert stamps["train_000000.bin"][:4] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+
+
+def test_a_directory_at_the_verification_record_is_a_cache_that_cannot_be_written_not_a_refusal(tmp_path, passes):
+    """The record is only a cache: a directory at its name is read as no record and written as a read-only one
+    (io.write_bytes refuses to replace a directory with ConfigError; the cache's writer takes that as unwritable)."""
+    _shards(tmp_path)
+    (tmp_path / shards.VERIFIED).mkdir()
+    data.open_split(tmp_path, "train", _cfg())
+    data.open_split(tmp_path, "train", _cfg())
+    assert passes == ["train_000000.bin", "train_000001.bin"] * 2 and (tmp_path / shards.VERIFIED).is_dir()

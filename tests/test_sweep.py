@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import shutil
 import os
 import re
 import signal
@@ -294,6 +295,31 @@ def test_a_damaged_file_in_a_point_is_one_paragraph_and_exit_2(tmp_path, fake_ru
     err = capsys.readouterr().err
     assert err.startswith(f"nanopt sweep: error: grid point {POINTS[0]}: ") and err.strip().count("\n") == 0
     assert str(run_dir / file) in err and "restore the file, or remove" in err and "Traceback" not in err
+    assert fake_runs == [] and not (root / rundirs.LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("where", ["point", rundirs.SUMMARY_FILE, rundirs.CONFIG_FILE, sweep.SWEEP_FILE])
+def test_a_directory_or_file_in_the_wrong_place_is_one_paragraph_and_nothing_starts(tmp_path, fake_runs, capsys,
+                                                                                      where):
+    """Before: a file at a point's directory was a FileExistsError traceback, a directory at sweep.json an
+    IsADirectoryError one, and a directory at a point's summary.json or config.yaml read as absent (the point was
+    run again, or skipped unchecked)."""
+    root = tmp_path / "sw"
+    cfg = _planned()[POINTS[0]]
+    run_dir = _finished_point(root, POINTS[0], cfg, cfg.train.max_steps)
+    if where == "point":
+        shutil.rmtree(run_dir)
+        run_dir.write_text("not a run")
+    elif where == sweep.SWEEP_FILE:
+        (root / where).mkdir()
+    else:
+        (run_dir / where).unlink()
+        (run_dir / where).mkdir()
+    assert _cli(root) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    named = run_dir if where == "point" else root / where if where == sweep.SWEEP_FILE else run_dir / where
+    assert f"{named} is a " in err, err
     assert fake_runs == [] and not (root / rundirs.LOCK_FILE).exists()
 
 

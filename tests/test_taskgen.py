@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nanopt.errors import ConfigError
-from nanopt.taskgen import MAX_ITEM_BYTES, make_tasks
+from nanopt.taskgen import BUNDLE_DIR, MAX_ITEM_BYTES, make_tasks, write_bundle
 
 NOUNS = ["king", "raven", "castle", "river", "lantern", "soldier", "garden", "letter", "storm", "bell"]
 VERBS = ["watches", "remembers", "follows", "forgets", "answers", "carries", "praises", "fears"]
@@ -146,3 +146,17 @@ def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
         make_tasks(out, texts, n=n)
     if case == "foreign":
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # nothing written beside it
+
+
+def test_make_tasks_and_its_bundle_run_again_over_their_own_output_and_nothing_else(tmp_path):
+    """`nanopt eval --make-tasks DIR` writes DIR/core beside the tasks; before, its second run was refused because
+    of that core/ (a directory make_tasks did not write), and write_bundle replaced whatever DIR/core held."""
+    for _ in range(2):
+        make_tasks(tmp_path, TEXTS, n=10)
+        write_bundle(tmp_path / BUNDLE_DIR, TEXTS, n=10)
+    (tmp_path / BUNDLE_DIR / "eval_data" / "mine.jsonl").write_text("the user's")
+    with pytest.raises(ConfigError, match=r"core holds files write_bundle did not write \(eval_data/mine.jsonl\)"):
+        write_bundle(tmp_path / BUNDLE_DIR, TEXTS, n=10)
+    with pytest.raises(ConfigError, match=r"holds files make_tasks did not write \(core\)"):
+        make_tasks(tmp_path, TEXTS, n=10)
+    assert (tmp_path / BUNDLE_DIR / "eval_data" / "mine.jsonl").read_text() == "the user's"

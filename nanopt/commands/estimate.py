@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict
 
 from nanopt.config import load_config, parse_overrides, split_args
@@ -75,7 +76,7 @@ def _check(args: argparse.Namespace, cfg) -> None:
         raise ConfigError(f"`--gpus` must be positive, got {args.gpus}.")
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}.")
-    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
+    if args.price_per_gpu_hour is not None and not 0 <= args.price_per_gpu_hour < math.inf:  # NaN fails too
         raise ConfigError(f"`--price-per-gpu-hour` must be zero or positive, got {args.price_per_gpu_hour}.")
     if table_peak(args.hardware, cfg.train.precision) is None:
         raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "

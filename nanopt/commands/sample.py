@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from nanopt import runtime
-from nanopt.config import DEVICES
+from nanopt.config import DEVICES, SEED_LIMIT, is_utf8
 from nanopt.errors import ConfigError
 from nanopt.generate import sample_text
 from nanopt.loading import WEIGHTS, load
@@ -37,10 +38,14 @@ def main(argv: list[str]) -> int:
     tokenizer = get_tokenizer(cfg.data.tokenizer)
     temperature = cfg.sample.temperature if args.temperature is None else args.temperature
     top_k = cfg.sample.top_k if args.top_k is None else args.top_k
-    if temperature < 0 or top_k < 0:
+    if not (0 <= temperature < math.inf and top_k >= 0):  # NaN fails too
         raise ConfigError(f"--temperature and --top-k must be zero or positive, got {temperature} and {top_k}.")
     prompt = cfg.sample.prompt if args.prompt is None else args.prompt
+    if not is_utf8(prompt):
+        raise ConfigError(f"--prompt {prompt!r} holds bytes that are no UTF-8 text; give the prompt as text.")
     seed = cfg.run.seed if args.seed is None else args.seed
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"--seed must be in [0, 2^32), as `run.seed` is; got {seed}.")
     samples = sample_text(loaded.model, tokenizer, prompt, args.num_samples, args.max_new_tokens, temperature,
                           top_k, seed, rt.device)
     print(f"--- {len(samples)} samples from {loaded.source} ({loaded.weights} weights), prompt {prompt!r}, "

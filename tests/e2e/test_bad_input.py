@@ -5,15 +5,19 @@ prove that nothing but the paragraph reaches the terminal, and that --debug brin
 """
 from __future__ import annotations
 
+import json
+import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import run_module, small_overrides
 from nanopt import cli
 from nanopt.main import run
-from nanopt.shards import HEADER_BYTES, open_shard, write_shard
+from nanopt.shards import HEADER, HEADER_BYTES, MAGIC, VERSION, open_shard, write_shard
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.tensorboard": "false"})
 
@@ -57,6 +61,10 @@ def files(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[st
     write_shard(d / "train_000000.bin", np.asarray(good_train), 50000)
     d = shard_dir("tiny")
     write_shard(d / "train_000000.bin", good_train[:10], 257)
+    d = shard_dir("past_vocab")  # a checksum that holds, a header that understates the vocabulary
+    lying = np.asarray(good_train).astype(np.uint16) * 100
+    header = HEADER.pack(MAGIC, VERSION, 2, lying.size, 257, zlib.crc32(lying.tobytes()))
+    (d / "train_000000.bin").write_bytes(header.ljust(HEADER_BYTES, b"\0") + lying.tobytes())
     (root / "a_file").write_text("not a directory")
     out["a_file"] = root / "a_file"
     (root / "nonempty_run").mkdir()
@@ -96,6 +104,8 @@ CASES = [
     ("shard_none", lambda f: [f"--data.source={f['no_train']}"], ["train_*.bin", "nanopt prepare"]),
     ("shard_vocab", lambda f: [f"--data.source={f['big_vocab']}"], ["50000", "model.vocab_size"]),
     ("shard_too_short", lambda f: [f"--data.source={f['tiny']}"], ["train.seq_len", "fewer than"]),
+    ("shard_token_past_vocab", lambda f: [f"--data.source={f['past_vocab']}"],  # was an IndexError in the embedding
+     ["train_000000.bin", "holds token id", "vocabulary of 257"]),
     ("run_dir_is_file", lambda f: [f"--run.dir={f['a_file']}"], ["a_file", "is a file", "run.dir"]),
     ("resume_false_nonempty", lambda f: [f"--run.dir={f['nonempty_run']}", "--checkpoint.resume=false"],
      ["nonempty_run", "not empty", "run.dir"]),
@@ -164,3 +174,156 @@ def test_real_processes_print_one_paragraph_and_no_traceback(files, tmp_path):
                           f"--run.dir={tmp_path / 'run'}"], env={"OMP_NUM_THREADS": "1"})
     assert corrupt.returncode == 2, corrupt.stderr
     assert "checksum" in corrupt.stderr and "Traceback" not in corrupt.stderr
+
+
+# ---------------------------------------------------------------- a checkpoint whose manifest was rewritten with it
+def _reseal(ckpt: Path) -> None:
+    """COMPLETE rewritten for the files as they now are: damage the checksums cannot see."""
+    manifest = json.loads((ckpt / "COMPLETE").read_text())
+    for name in manifest["files"]:
+        raw = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    (ckpt / "COMPLETE").write_text(json.dumps(manifest))
+
+
+def _edit_state(ckpt: Path, edit) -> None:
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+
+
+# (case id, what to do to the newest checkpoint, words the message must contain)
+SEALED_DAMAGE = [
+    ("weights_not_safetensors", lambda c: (c / "model.safetensors").write_bytes(b"hello"), ["model.safetensors"]),
+    ("optimizer_not_pickle", lambda c: (c / "optimizer.pt").write_bytes(b"hello"), ["optimizer.pt"]),
+    ("optimizer_a_list", lambda c: torch.save([1, 2], c / "optimizer.pt"), ["optimizer.pt"]),
+    ("rng_not_pickle", lambda c: (c / "rng.pt").write_bytes(b"hello"), ["rng.pt"]),
+    ("rng_no_ranks", lambda c: torch.save({"x": 1}, c / "rng.pt"), ["rng.pt", "ranks"]),
+    ("loader_wrong_type", lambda c: _edit_state(c, lambda s: s["loader"].update(sample="x")), ["`loader`"]),
+    ("loader_empty", lambda c: _edit_state(c, lambda s: s.update(loader={})), ["`loader`"]),
+    ("run_state_wrong_type", lambda c: _edit_state(c, lambda s: s.update(run_state={"step": "x"})), ["`run_state`"]),
+    ("data_not_a_list", lambda c: _edit_state(c, lambda s: s.update(data=5)), ["`data`"]),
+    ("speedrun_wrong_type", lambda c: _edit_state(c, lambda s: s.update(speedrun={"hit": "x"})), ["`speedrun`"]),
+]
+SEALED_DAMAGE = [(case, damage, [*words, "earlier checkpoint"]) for case, damage, words in SEALED_DAMAGE] + [
+    # torch loads moments of another shape as they are; the fused/foreach step then crashed the process (SIGSEGV)
+    ("moments_of_another_shape", lambda c: _shrink_moments(c), ["optimizer state does not fit", "`exp_avg`"]),
+]
+
+
+def _shrink_moments(ckpt: Path) -> None:
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    for entry in state["state"].values():
+        entry["exp_avg"] = entry["exp_avg"].flatten()[:3]
+    torch.save(state, ckpt / "optimizer.pt")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert run([*ARGS, "--checkpoint.every=2", f"--run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("case, damage, words", SEALED_DAMAGE, ids=[c[0] for c in SEALED_DAMAGE])
+def test_a_resume_from_a_checkpoint_damaged_behind_its_manifest_is_refused_naming_the_file(
+        case, damage, words, trained, tmp_path, capsys):
+    """Before, each of these escaped as a traceback (exit 1) from torch.load, safetensors or a component's
+    load_state_dict; the run directory must stay byte-identical."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    damage(ckpt)
+    _reseal(ckpt)
+    before = _snapshot(run_dir)
+    assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt: error: ") and "Traceback" not in err and err.strip().count("\n") == 0, err
+    for word in [str(ckpt), *words]:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("command", ["eval", "sample", "export"])
+def test_weights_that_are_no_safetensors_file_behind_their_manifest_are_one_paragraph(command, trained, tmp_path,
+                                                                                       capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    (ckpt / "model.safetensors").write_bytes(b"hello")
+    _reseal(ckpt)
+    extra = {"eval": ["--batches", "1"], "sample": ["-n", "1", "--max-new-tokens", "2"],
+             "export": ["--out", str(tmp_path / "hf")]}[command]
+    assert cli.run([command, str(run_dir), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{ckpt / 'model.safetensors'} is not a safetensors file" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--temperature", "nan"], ["--temperature", "got nan"]),  # was torch.multinomial's RuntimeError
+    (["--temperature", "inf"], ["--temperature", "got inf"]),
+    (["--seed", str(2**70)], ["--seed", "[0, 2^32)"]),  # was an OverflowError from manual_seed
+    (["--prompt", "caf\udcff"], ["--prompt", "no UTF-8 text"]),  # a command-line byte that does not decode
+])
+def test_sample_flags_out_of_range_are_one_paragraph(flags, words, trained, capsys):
+    assert cli.run(["sample", str(trained), "-n", "1", "--max-new-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt sample: error: ") and "Traceback" not in err, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+
+
+@pytest.mark.parametrize("name", ["step_000003", ".tmp_step_000003", "latest"])
+def test_a_file_where_a_checkpoint_directory_goes_is_refused_before_training_and_kept(name, trained, tmp_path,
+                                                                                      capsys):
+    """Before: the file was skipped as no checkpoint, the run trained, and saving step 3 ended in a
+    NotADirectoryError traceback from rmtree."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    if name == "latest":  # a directory where a file goes: refused at the first save, after training, before
+        (run_dir / "checkpoints" / name).unlink()
+        (run_dir / "checkpoints" / name).mkdir()
+    else:
+        (run_dir / "checkpoints" / name).write_text("the user's notes")
+    before = _snapshot(run_dir)
+    assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{run_dir / 'checkpoints' / name} is a " in err, err
+    assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("text", ["my: own\nsettings: [1, 2]\n", "database:\n  host: db.local\n", "run:\n  seed: [\n"])
+def test_a_config_yaml_that_is_no_run_config_is_never_replaced(text, tmp_path, capsys):
+    """Before, a directory given as run.dir that held the user's own config.yaml (or a damaged one) had it
+    silently replaced by the run's config."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.yaml").write_text(text)
+    assert run([*ARGS, f"--run.dir={tmp_path / 'mine'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert f"{tmp_path / 'mine' / 'config.yaml'}" in err and "move it aside" in err, err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["config.yaml"]
+    assert (tmp_path / "mine" / "config.yaml").read_text() == text
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--limit", "5"], ["--limit applies only with --tasks or --core"]),
+    (["--json"], ["--json applies only with --tasks or --core"]),
+    (["--interval", "5"], ["--interval applies only with --watch"]),
+    (["--tasks", "nanopt_mc", "--batches", "3"], ["--batches sets the val/test loss evaluation"]),
+    (["--core", "bundle", "--split", "test"], ["--split sets the val/test loss evaluation"]),
+])
+def test_an_eval_flag_that_would_be_ignored_is_refused(flags, words, trained, capsys):
+    """Before, each was silently ignored: a loss evaluation took no --limit, task scoring no --split."""
+    before = _snapshot(trained)
+    assert cli.run(["eval", str(trained), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt eval: error: ") and err.strip().count("\n") == 0, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+    assert _snapshot(trained) == before
