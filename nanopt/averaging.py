@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from nanopt import checkpoint
@@ -66,12 +65,7 @@ def choose(run: Path, last: Optional[int], steps: Optional[list[int]]) -> list[P
 
 
 def _shapes(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    try:
-        with safe_open(str(ckpt / MODEL_FILE), framework="pt") as f:  # from the header, before reading any tensor
-            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    except SafetensorError as e:  # its bytes verified: the manifest was written for a file that is none
-        raise ConfigError(f"{ckpt / MODEL_FILE} is not a safetensors file ({e}); the checkpoint is damaged. Leave "
-                          f"it out (--steps).") from None
+    return checkpoint.weights_header(ckpt / MODEL_FILE)
 
 
 def check_same_model(chosen: list[Path]) -> None:

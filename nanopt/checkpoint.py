@@ -79,12 +79,22 @@ def model_state(model: torch.nn.Module, weights: Optional[dict[str, torch.Tensor
     return {name: t.detach().to("cpu").contiguous() for name, t in weights.items() if name not in tied}
 
 
+def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A checkpoint's safetensors file's tensors as name -> (shape, dtype), from its header before any tensor is
+    read; ConfigError naming the file when it is none (its bytes may still verify: a manifest rewritten with it)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except SafetensorError as e:
+        raise ConfigError(f"{path} is not a safetensors file ({e}); the checkpoint is damaged. Use an earlier "
+                          f"checkpoint (its checkpoints/step_NNNNNN directory), or leave this one out.") from None
+
+
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Load saved weights (into each rank's shards of a sharded model); ValueError naming the first tensors of
-    another shape, or missing or unexpected; SafetensorError when the file is no safetensors file."""
+    another shape, or missing or unexpected; ConfigError (weights_header) when the file is no safetensors file."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is the whole one
-    with safe_open(str(path), framework="pt") as f:  # shapes from the header, before reading any tensor
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    saved = {k: shape for k, (shape, _) in weights_header(path).items()}
     wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
              for k in saved if k in own and saved[k] != own[k]]
     if wrong:
@@ -842,8 +852,8 @@ class Checkpointer:
                                   f"optimizer: {e}. {fix}") from None
         try:
             load_model_weights(model, ckpt / MODEL_FILE)
-        except SafetensorError as e:
-            raise _damaged(ckpt, MODEL_FILE, e) from e
+        except ConfigError:  # no safetensors file: already one paragraph
+            raise
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
         with _reading(ckpt, OPTIMIZER_FILE):

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
 
 from nanopt import checkpoint, rundirs
 from nanopt.config import Config
@@ -52,9 +51,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     loaded = Loaded(model, cfg, ckpt, checkpoint.read_state(ckpt)["step"], None, chosen)
     try:
         checkpoint.load_checkpoint_weights(model, ckpt, loaded.weights_file)  # whole files or any rank's shards
-    except SafetensorError as e:  # its bytes verified: the manifest was written for a file that is none
-        raise ConfigError(f"{ckpt / loaded.weights_file} is not a safetensors file ({e}); the checkpoint is "
-                          f"damaged: use an earlier one (give its checkpoints/step_NNNNNN directory).") from None
+    except ConfigError:  # no safetensors file (checkpoint.weights_header): already one paragraph
+        raise
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"the weights in {ckpt} do not fit the model its state.json describes: {e}") from None
     model.eval()
