@@ -38,9 +38,10 @@ TOY_RECIPE = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--mo
               "--train.warmup_steps=1"]
 
 def cpu_model() -> str:
-    from nanopt.hardware import cpu_model_name
+    """The CPU as nanopt's runtime names it: model, best matmul ISA, native or emulated bf16, torch's kernels."""
+    from nanopt.runtime import CpuBackend
 
-    return cpu_model_name()
+    return CpuBackend(torch.device("cpu")).hardware_name()
 
 
 def cpu_flags() -> str:

@@ -1,9 +1,11 @@
-"""Muon's optimizer step: torch.optim.Muon (one Newton-Schulz iteration per matrix) against nanopt's BatchedMuon
-(one per matrix shape, batched), on the hidden matrices of a config's model, side by side in one process.
+"""Muon's optimizer step: torch.optim.Muon (one bf16 Newton-Schulz per matrix) against nanopt's BatchedMuon (one
+per matrix shape, batched) with its Newton-Schulz in bf16 and in fp32, and fused AdamW, on the hidden matrices of a
+config's model, side by side in one process.
 
-Both step the same parameters from the same random gradients, alternating round-robin after a warm-up; the table
-gives the median seconds per step, the spread, and the ratio; the two updates are compared once (max abs
-difference). A benchmark, not a test.
+All step the same parameters from the same random gradients, alternating round-robin after a warm-up; the table
+gives the median seconds per step, the spread, and each one's ratio to AdamW's; the updates are compared once (max
+abs difference to torch's, and fp32's to bf16's relative to the update's size). `nanopt` trains with the Newton-Schulz
+dtype its backend names (Backend.reduced_dtype: fp32 on a CPU without bf16 hardware). A benchmark, not a test.
 
     python bench/muon_step.py                                   # configs/speedrun-cpu.yaml's 21 matrices
     python bench/muon_step.py --config configs/170m-1gpu.yaml --repeats 5
@@ -46,23 +48,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=g) for p in start]
     kw = dict(lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
-    params = {name: [p.clone().requires_grad_() for p in start] for name in ("torch", "batched")}
+    names = ("torch", "batched_bf16", "batched_fp32", "adamw")
+    params = {name: [p.clone().requires_grad_() for p in start] for name in names}
     cut_off = CpuBackend.muon_batch_max_numel  # as nanopt trains on CPU
     opts = {"torch": torch.optim.Muon(params["torch"], **kw),
-            "batched": BatchedMuon(params["batched"], **kw, batch_max_numel=cut_off)}
+            "batched_bf16": BatchedMuon(params["batched_bf16"], **kw, batch_max_numel=cut_off),
+            "batched_fp32": BatchedMuon(params["batched_fp32"], **kw, batch_max_numel=cut_off,
+                                        ns_dtype=torch.float32),
+            "adamw": torch.optim.AdamW(params["adamw"], lr=1e-3, weight_decay=0.0, fused=True)}
     for name in opts:
         for p, grad in zip(params[name], grads):
             p.grad = grad
-    opts["torch"].step()
-    opts["batched"].step()
-    diff = max((x - y).abs().max().item() for x, y in zip(params["torch"], params["batched"]))
+        opts[name].step()
+    moved = {name: [p - s for p, s in zip(params[name], start)] for name in names}  # the first step's updates
+    diff = max((x - y).abs().max().item() for x, y in zip(params["torch"], params["batched_bf16"]))
+    rel = max(((x - y).norm() / y.norm()).item() for x, y in zip(moved["batched_fp32"], moved["batched_bf16"]))
     times = C.alternate({name: opt.step for name, opt in opts.items()}, a.repeats)
-    print("| optimizer | median ms/step | spread |\n|---|---:|---|")
-    for name, label in (("torch", "torch.optim.Muon"), ("batched", "nanopt BatchedMuon")):
-        print(f"| {label} | {1e3 * C.median(times[name]):.2f} | {C.spread(times[name])} |")
-    ratio = C.median(times["torch"]) / C.median(times["batched"])
-    print(f"\nBatchedMuon is **{ratio:.2f}x** torch's speed; the first steps' updates differ by at most {diff:.2e}")
-
+    adamw = C.median(times["adamw"])
+    print("| optimizer | median ms/step | spread | / AdamW |\n|---|---:|---|---:|")
+    for name, label in (("torch", "torch.optim.Muon (bf16)"), ("batched_bf16", "nanopt BatchedMuon, bf16"),
+                        ("batched_fp32", "nanopt BatchedMuon, fp32"), ("adamw", "torch AdamW (fused)")):
+        print(f"| {label} | {1e3 * C.median(times[name]):.2f} | {C.spread(times[name])} | "
+              f"{C.median(times[name]) / adamw:.2f}x |")
+    ratio = C.median(times["torch"]) / C.median(times["batched_bf16"])
+    print(f"\nBatchedMuon (bf16) is **{ratio:.2f}x** torch's speed; the first steps' updates differ by at most "
+          f"{diff:.2e}. The fp32 update differs from the bf16 one by at most {rel:.1e} of its norm (bf16 rounds "
+          f"each entry by up to {2**-8:.1e}). This CPU's backend trains with "
+          f"{str(CpuBackend(torch.device('cpu')).reduced_dtype).replace('torch.', '')}.")
 
 if __name__ == "__main__":
     main()

@@ -146,6 +146,23 @@ def cpu_flags() -> str:
     return _cpuinfo("flags", "Features") or ""
 
 
+# What a CPU's vector units compute natively, best first: (name, the /proc/cpuinfo flags that mean it, native bf16).
+# Without bf16 hardware torch emulates bf16 matmuls through fp32 and conversions: on a 2-core AVX2 AMD EPYC a batched
+# matmul of the CPU speedrun's width ran 45x slower in bf16 than in fp32 (docs/results.md, "CPU kinds").
+CPU_ISAS = (("AMX", ("amx_bf16",), True), ("AVX512-BF16", ("avx512_bf16",), True), ("AVX512", ("avx512f",), False),
+            ("AVX2", ("avx2",), False), ("ARM-BF16", ("bf16",), True))
+
+
+def cpu_isa(flags: Optional[str] = None) -> tuple[str, bool]:
+    """(the best matmul ISA this CPU has, whether it computes bf16 in hardware), from its flags: ("AVX2", False)
+    on an AVX2-only EPYC, ("AMX", True) on a Sapphire Rapids Xeon; ("other", False) where none is known."""
+    have = set((cpu_flags() if flags is None else flags).split())
+    for name, needs, native_bf16 in CPU_ISAS:
+        if have.issuperset(needs):
+            return name, native_bf16
+    return "other", False
+
+
 # ---------------------------------------------------------------- the CPU peak, measured once per machine
 PEAK_CACHE = "cpu_peak.json"  # under io.cache_dir(): {peak_key(): {"peak", "measured_at", "uses"}}
 # A peak measured under load is too low: an entry keeps the highest measurement and is measured again after this

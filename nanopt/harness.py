@@ -134,9 +134,8 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
                           f"(a Hugging Face tokenizer directory or `byte`) in --model_args.")
     tok = get_tokenizer(name) if isinstance(name, str) else name
     if rt is None:
-        run_precision = loaded.cfg.train.precision if loaded else "fp32"
-        chosen = run_precision if precision == "run" else precision
-        rt = runtime.init(device, "bf16" if chosen == "bf16" else "fp32", loaded.cfg.runtime.threads if loaded else 0)
+        rt = runtime.init_to_evaluate(device, precision, loaded.cfg.train.precision if loaded else "fp32",
+                                      loaded.cfg.runtime.threads if loaded else 0)
     return TaskModel(model.to(rt.device).eval(), tok, rt, loaded)
 
 

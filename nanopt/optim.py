@@ -78,12 +78,13 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, optim: Optional[OptimConfig] = None,
-                    muon_batch_max_numel: Optional[int] = None,
-                    process_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
+                    muon_batch_max_numel: Optional[int] = None, process_group: Optional[dist.ProcessGroup] = None,
+                    muon_dtype: torch.dtype = torch.bfloat16) -> torch.optim.Optimizer:
     """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon
     on the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW;
-    `muon_batch_max_numel` is BatchedMuon's cut-off (the device backend's), `process_group` the ranks that share
-    its orthogonalisation (Runtime.process_group: None in one process)."""
+    `muon_batch_max_numel` is BatchedMuon's cut-off and `muon_dtype` its Newton-Schulz dtype (the device backend's
+    reduced_dtype), `process_group` the ranks that share its orthogonalisation (Runtime.process_group: None in one
+    process)."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
@@ -100,7 +101,7 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, opti
             muon: torch.optim.Muon = _muon(torch.optim.Muon, matrix, optim)
         else:
             muon = _muon(BatchedMuon, matrix, optim, batch_max_numel=muon_batch_max_numel,
-                         process_group=process_group)
+                         process_group=process_group, ns_dtype=muon_dtype)
         return MuonWithAdamW(muon, _adamw(rest, train, device_kind))
     raise ValueError(f"unknown optimizer {optim.name!r}; expected {ADAMW!r} or {MUON!r}")
 
@@ -120,7 +121,7 @@ def _muon(muon_type: type[torch.optim.Muon], groups: list[dict], optim: OptimCon
 
 class BatchedMuon(torch.optim.Muon):
     """torch's Muon with one Newton-Schulz iteration per group of same-shaped matrices (batched matmuls) instead
-    of one per matrix. The update is torch's (the same bf16 iteration, momentum, decay and per-shape lr); its groups
+    of one per matrix. The update is torch's (the same iteration, momentum, decay and per-shape lr); its groups
     and state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the 21
     matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast (bench/muon_step.py,
     docs/results.md).
@@ -129,14 +130,20 @@ class BatchedMuon(torch.optim.Muon):
     batching stops paying is the device's (its backend's muon_batch_max_numel, runtime.py): on 2 CPU cores a
     batched bf16 matmul of 170m's matrices ran 0.69x single ones.
 
+    `ns_dtype`: the dtype Newton-Schulz computes and its messages travel in. torch's is bf16; a CPU without bf16
+    hardware (AVX2) emulates bf16 matmuls ~45x slower than fp32, so there the backend passes fp32
+    (Backend.reduced_dtype). fp32 is the exact iteration that bf16 approximates: the updates agree to bf16's rounding.
+
     Across ranks (`process_group` of more than one rank, or FSDP2's DTensor parameters) each rank orthogonalises
     only the matrices it owns (OwnerSplit) and receives the rest: about 1/world of the Newton-Schulz work each."""
 
     def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None,
-                 process_group: Optional[dist.ProcessGroup] = None, **kwargs: Any) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None, ns_dtype: torch.dtype = torch.bfloat16,
+                 **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
         self.batch_max_numel = batch_max_numel
         self.process_group = process_group
+        self.ns_dtype = ns_dtype
 
     def batches(self, params: list[torch.Tensor]) -> list[list[int]]:
         """Indices into params, one list per Newton-Schulz call: same shapes together, large ones alone."""
@@ -161,20 +168,21 @@ class BatchedMuon(torch.optim.Muon):
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
-            split = OwnerSplit.of(params, self.process_group)
+            split = OwnerSplit.of(params, self.process_group, self.ns_dtype)
             if split is not None:
                 split.step(self, params, grads, bufs, group)
                 continue
             for part in self.batches(params):
-                _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group)
+                _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group,
+                             self.ns_dtype)
         return loss
 
 
 def _muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor],
-                 group: dict[str, Any]) -> None:
+                 group: dict[str, Any], dtype: torch.dtype) -> None:
     """torch's per-matrix Muon step (torch.optim._muon._single_tensor_muon) for 1 or N matrices of one shape."""
     updates = _momentum(grads, bufs, group)
-    ortho = _orthogonalize_batch(updates, group)
+    ortho = _orthogonalize_batch(updates, group, dtype)
     lr = muon_lr(group["lr"], group["adjust_lr_fn"], params[0].shape)
     torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
     torch._foreach_add_(params, [t.to(params[0].dtype) for t in ortho], alpha=-lr)
@@ -188,19 +196,21 @@ def _momentum(grads: list[torch.Tensor], bufs: list[torch.Tensor], group: dict[s
     return torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
 
 
-def _orthogonalize_batch(updates: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
-    """Newton-Schulz on 1 or N same-shaped matrices in one call: one bf16 result per matrix."""
+def _orthogonalize_batch(updates: list[torch.Tensor], group: dict[str, Any],
+                         dtype: torch.dtype) -> list[torch.Tensor]:
+    """Newton-Schulz on 1 or N same-shaped matrices in one call: one result per matrix, in `dtype`."""
     stacked = torch.stack(updates) if len(updates) > 1 else updates[0]  # N A B, or one A B
-    ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
     return list(ortho.unbind(0)) if ortho.dim() == 3 else [ortho]
 
 
-def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Newton-Schulz's quintic, as torch.optim.Muon runs it (in bf16, on the wide orientation), on one matrix or a
-    batch: (N) A B -> (N) A B bf16, each matrix's singular values pushed into a band around 1."""
+def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Newton-Schulz's quintic, as torch.optim.Muon runs it (in bf16 by default, on the wide orientation), on one
+    matrix or a batch: (N) A B -> (N) A B in `dtype`, each matrix's singular values pushed into a band around 1."""
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
-    x = g.bfloat16()
+    x = g.to(dtype)
     x = x.mT if tall else x  # (N) R C with R <= C: the Gram matrices are the small side
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
     mul_add = torch.baddbmm if x.dim() == 3 else torch.addmm
@@ -263,7 +273,7 @@ class OwnerSplit:
     orthogonalises it with the other same-shaped matrices it owns (one batched Newton-Schulz) and sends every rank
     the rows that rank holds. Replicas (`sharded` false, DDP: whole matrices, equal on every rank) need no gather and
     take whole results, one all_gather; Shard(0) rows (FSDP2's DTensors) travel to the owner and back, one
-    all_to_all each way. Both carry bf16, which is what Newton-Schulz casts to first and returns.
+    all_to_all each way. Both carry `dtype` (BatchedMuon's ns_dtype), which Newton-Schulz casts to first and returns.
 
     Momentum, weight decay and the update stay elementwise on each rank's own rows, so the momentum buffers keep the
     parameter's layout and the state_dict is torch Muon's; the per-shape lr reads the whole matrix's shape."""
@@ -271,30 +281,33 @@ class OwnerSplit:
     rank: int
     world: int
     sharded: bool
-    device: torch.device  # where the matrices and the bf16 messages live
+    device: torch.device  # where the matrices and the messages live
+    dtype: torch.dtype = torch.bfloat16  # what Newton-Schulz computes in and the messages carry
 
     @classmethod
-    def of(cls, params: list[torch.Tensor], process_group: Optional[dist.ProcessGroup]) -> Optional[OwnerSplit]:
+    def of(cls, params: list[torch.Tensor], process_group: Optional[dist.ProcessGroup],
+           dtype: torch.dtype = torch.bfloat16) -> Optional[OwnerSplit]:
         """The split for these parameters: over their mesh's Shard(0) dimension when they are DTensors (replicas
         along another dimension, HSDP's, each split the same way), over `process_group` when it has more than one
         rank, else None: one process steps them all (BatchedMuon's own loop)."""
         dtensor = _dtensor_type()
         if dtensor is not None and any(isinstance(p, dtensor) for p in params):
-            return cls._over_mesh(params, dtensor)
+            return cls._over_mesh(params, dtensor, dtype)
         if process_group is None or dist.get_world_size(process_group) == 1:
             return None
         return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), False,
-                   params[0].device)
+                   params[0].device, dtype)
 
     @classmethod
-    def _over_mesh(cls, params: list[torch.Tensor], dtensor: type) -> OwnerSplit:
+    def _over_mesh(cls, params: list[torch.Tensor], dtensor: type, dtype: torch.dtype) -> OwnerSplit:
         mesh, placements = params[0].device_mesh, params[0].placements
         dims = [d for d, p in enumerate(placements) if p.is_shard(0)]
         uniform = all(isinstance(p, dtensor) and p.device_mesh == mesh and p.placements == placements for p in params)
         if not uniform or len(dims) != 1 or not all(p.is_shard(0) or p.is_replicate() for p in placements):
             raise ValueError(f"Muon splits DTensor matrices that all share one mesh and are sharded by rows (Shard(0)) "
                              f"along one of its dimensions; these are {sorted({str(p.placements) for p in params})}")
-        return cls(mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), mesh.size(dims[0]), True, params[0].device)
+        return cls(mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), mesh.size(dims[0]), True, params[0].device,
+                   dtype)
 
     def spans(self, rows: int) -> list[tuple[int, int]]:
         """(start, stop) of a matrix's rows on each rank: torch.chunk's cut under Shard(0), as FSDP2 and DTensor cut
@@ -317,7 +330,7 @@ class OwnerSplit:
         whole = self._gather(updates, shapes, owned) if self.sharded else [updates[i] for i in mine]
         ortho: list[torch.Tensor] = list(whole)
         for part in muon.batches(whole):
-            for j, result in zip(part, _orthogonalize_batch([whole[j] for j in part], group)):
+            for j, result in zip(part, _orthogonalize_batch([whole[j] for j in part], group, self.dtype)):
                 ortho[j] = result
         rows = self._scatter(ortho, shapes, owned) if self.sharded else self._all_gather(ortho, shapes, owned)
         torch._foreach_mul_(local, 1 - group["lr"] * group["weight_decay"])
@@ -360,7 +373,7 @@ class OwnerSplit:
         largest owner's total (owners() keeps them close)."""
         sizes = [sum(shapes[i].numel() for i in owned[r]) for r in range(self.world)]
         width = max(sizes)
-        send = torch.zeros(width, dtype=torch.bfloat16, device=self.device)
+        send = torch.zeros(width, dtype=self.dtype, device=self.device)
         if ortho:
             send[:sizes[self.rank]] = torch.cat([t.reshape(-1) for t in ortho])
         received = send.new_empty(self.world * width)
@@ -377,11 +390,11 @@ class OwnerSplit:
         return (stop - start) * shape[1]
 
     def _all_to_all(self, sent: list[list[torch.Tensor]], counts: list[list[int]]) -> list[list[torch.Tensor]]:
-        """sent[r] (bf16, flattened one after another) to rank r, in one all_to_all; what each rank s sent here,
-        cut into counts[s]."""
-        flat = [t.bfloat16().reshape(-1) for ts in sent for t in ts]
-        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.bfloat16, device=self.device)
-        received = torch.empty(sum(map(sum, counts)), dtype=torch.bfloat16, device=self.device)
+        """sent[r] (in self.dtype, flattened one after another) to rank r, in one all_to_all; what each rank s sent
+        here, cut into counts[s]."""
+        flat = [t.to(self.dtype).reshape(-1) for ts in sent for t in ts]
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=self.dtype, device=self.device)
+        received = torch.empty(sum(map(sum, counts)), dtype=self.dtype, device=self.device)
         dist.all_to_all_single(received, send, [sum(c) for c in counts], [sum(t.numel() for t in ts) for ts in sent],
                                group=self.group)
         return [list(chunk.split(c)) for chunk, c in zip(received.split([sum(c) for c in counts]), counts)]

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity
 
 from nanopt import xla
 from nanopt.errors import ConfigError
-from nanopt.hardware import cpu_model_name
+from nanopt.hardware import cpu_isa, cpu_model_name, measure_matmul_flops
 
 log = logging.getLogger("nanopt")
 
@@ -45,9 +45,16 @@ class Backend:
     # optim.BatchedMuon's cut-off: matrices above this many elements are orthogonalised one at a time, the rest one
     # batched Newton-Schulz per shape; None batches every shape. Where batching stops paying is the device's.
     muon_batch_max_numel: Optional[int] = None
+    native_bf16 = False  # bf16 matmuls run in hardware; False where torch would emulate them through fp32
 
     def __init__(self, device: torch.device) -> None:
         self.device = self.init_device = device  # init_device: where weights are initialised, then moved
+
+    @property
+    def reduced_dtype(self) -> torch.dtype:
+        """The cheapest float dtype this device computes natively, for work that tolerates bf16's rounding
+        (Muon's Newton-Schulz and its messages): bf16, or fp32 where bf16 would be emulated and far slower."""
+        return torch.bfloat16 if self.native_bf16 else torch.float32
 
     def sync(self) -> None:
         """Wait for queued device work, so host timers measure it."""
@@ -106,6 +113,10 @@ class CpuBackend(Backend):
     # 0.69x at 170m's shapes (bench/muon_step.py); the CPU speedrun's matrices are 16-44k elements.
     muon_batch_max_numel = 3 * 2**16
 
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.isa, self.native_bf16 = cpu_isa()
+
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CpuBackend:
         # Each rank gets its share of the cores; oversubscription costs more than it gives.
@@ -117,7 +128,9 @@ class CpuBackend(Backend):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak RSS; Linux says KiB
 
     def hardware_name(self) -> str:
-        return cpu_model_name()
+        """The model name and what it computes natively: "AMD EPYC (AVX2, bf16 emulated, torch AVX2)"."""
+        return (f"{cpu_model_name()} ({self.isa}, bf16 {'native' if self.native_bf16 else 'emulated'}, "
+                f"torch {torch.backends.cpu.get_cpu_capability()})")
 
 
 def keep_freed_memory() -> bool:
@@ -160,6 +173,10 @@ class CudaBackend(Backend):
     def fp8(self) -> Optional[str]:
         # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later.
         return "native" if self.module.get_device_capability(self.device) >= (8, 9) else None
+
+    @property
+    def native_bf16(self) -> bool:  # type: ignore[override]
+        return self.module.get_device_capability(self.device) >= (8, 0)  # bf16 tensor cores: Ampere and later
 
     def sync(self) -> None:
         self.module.synchronize(self.device)
@@ -215,6 +232,8 @@ class CudaBackend(Backend):
 class SpmdXlaBackend(xla.XlaBackend, Backend):
     """xla.py's backend (one process drives every local chip through SPMD), with Backend's answers where XLA
     has nothing of its own: torch.profiler (XLA's is a separate server), allocator history, power limit."""
+
+    native_bf16 = True  # TPUs' matrix units are bf16; XLA's CPU device (the tests) runs what the TPU would
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> SpmdXlaBackend:
@@ -371,6 +390,24 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
         timeout = datetime.timedelta(minutes=30)
         dist.init_process_group(timeout=timeout, **backend.process_group_options, **_restart_store(timeout))
     return Runtime(kind, backend.device, rank, local_rank, world, local_world, precision, backend)
+
+
+def init_to_evaluate(device: str, asked: str, trained: str, threads: int = 0) -> Runtime:
+    """The runtime that evaluates a run: `asked` (fp32 | bf16) as given, or "run": autocast as the run trained
+    (bf16-pure: fp32), except in fp32 on a device that would emulate bf16 (~45x slower on an AVX2 CPU), said once."""
+    precision = trained if asked == "run" else asked
+    rt = init(device, "bf16" if precision == "bf16" else "fp32", threads)
+    if asked == "run" and rt.precision == "bf16" and not rt.backend.native_bf16:
+        log.info("evaluating in fp32: the run trained under bf16 autocast, which %s would emulate (--precision bf16 "
+                 "evaluates as it trained)", rt.hardware_name())
+        rt.precision = "fp32"
+    return rt
+
+
+def bf16_slowdown(width: int, device: torch.device) -> float:
+    """How many times longer a width x width matmul takes in bf16 than in fp32 here (~0.1 s to measure)."""
+    fp32, bf16 = (measure_matmul_flops(dtype, device, 0.05, n=width) for dtype in (torch.float32, torch.bfloat16))
+    return fp32 / bf16
 
 
 def _restart_store(timeout: datetime.timedelta) -> dict:

@@ -47,12 +47,14 @@ class Evaluator:
             raise ConfigError(f"--batches must be positive, got {self.batches}.")
 
     def precision_for(self, cfg: Config) -> str:
-        return cfg.train.precision if self.precision == "run" else self.precision
+        """What the evaluation computes in: as asked, or as the run trained; fp32 where the runtime refused
+        emulated bf16 (runtime.init_to_evaluate)."""
+        asked = cfg.train.precision if self.precision == "run" else self.precision
+        return "fp32" if asked == "bf16" and self.rt is not None and self.rt.precision == "fp32" else asked
 
     def start(self, cfg: Config) -> Runtime:
         if self.rt is None:
-            self.rt = runtime.init(self.device, "bf16" if self.precision_for(cfg) == "bf16" else "fp32",
-                                   cfg.runtime.threads)
+            self.rt = runtime.init_to_evaluate(self.device, self.precision, cfg.train.precision, cfg.runtime.threads)
         return self.rt
 
     def batch_count(self, cfg: Config) -> int:

@@ -204,3 +204,15 @@ def test_the_real_benchmark_fills_the_cache_and_its_quick_check_agrees(cache, ca
     t0 = time.perf_counter()
     cpu_peak(key, measure)  # the quick check of a cached peak: a fraction of a second
     assert time.perf_counter() - t0 < 1.5
+
+
+@pytest.mark.parametrize("flags,want", [
+    ("fpu sse avx avx2 fma", ("AVX2", False)),  # the AVX2-only AMD EPYC: bf16 emulated
+    ("avx2 avx512f avx512bw", ("AVX512", False)),
+    ("avx2 avx512f avx512_bf16", ("AVX512-BF16", True)),  # the AVX-512 AMD EPYC
+    ("avx2 avx512f avx512_bf16 amx_tile amx_bf16", ("AMX", True)),  # the Sapphire Rapids Xeon
+    ("fp asimd bf16 i8mm", ("ARM-BF16", True)),  # an Arm core with BF16 (Graviton 3): /proc/cpuinfo's Features
+    ("fp asimd", ("other", False)), ("", ("other", False)),
+])
+def test_the_cpu_kind_and_whether_it_computes_bf16_come_from_its_flags(flags, want):
+    assert hardware.cpu_isa(flags) == want

@@ -287,6 +287,35 @@ def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adju
     assert torch.equal(torch_muon.state[ref[0]]["momentum_buffer"], batched.state[mine[0]]["momentum_buffer"])
 
 
+def test_fp32_newton_schulz_is_the_bf16_update_to_bf16s_rounding_and_reaches_the_optimizer():
+    """Where bf16 is emulated (an AVX2 CPU) the backend runs Newton-Schulz in fp32: the exact iteration bf16
+    approximates. After 4 steps with weight decay the parameters agree with bf16's to a few bf16 ulps of the
+    largest update (the bf16 iteration's own error), far below what they moved; the update itself is fp32."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(32, 32)] * 3 + [(64, 32), (32, 64)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    bf16, fp32 = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    opts = BatchedMuon(bf16, **kw), BatchedMuon(fp32, **kw, ns_dtype=torch.float32)
+    for _ in range(4):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for params, opt in zip((bf16, fp32), opts):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            opt.step()
+    ulp = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7
+    for a, b, s in zip(bf16, fp32, start):
+        assert (a - s).abs().max() > 100 * ulp
+        torch.testing.assert_close(b, a, rtol=0, atol=8 * ulp)
+    x = torch.randn(3, 32, 64, generator=g)
+    assert optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32).dtype == torch.float32
+    # BatchedMuon's iteration in fp32 differs from bf16's: the bf16 result is not just cast up.
+    assert not torch.equal(optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7).float(),
+                           optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32))
+    opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu", OptimConfig(name="muon"), muon_dtype=torch.float32)
+    assert opt.optimizers["muon"].ns_dtype == torch.float32
+
+
 def test_the_batch_cut_off_is_the_devices_and_reaches_the_optimizer():
     """Which matrices share a Newton-Schulz call: every same-shaped one without a cut-off (CUDA's default), the
     large ones alone above it (the CPU backend's, measured on 2 cores); train.py passes the backend's."""
@@ -314,7 +343,8 @@ def test_owners_spread_same_shaped_matrices_and_balance_the_newton_schulz_work()
     assert owners(shapes, 4) == [2, 3, 2, 3, 0, 1, 2]
 
 
-def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str, out: str) -> None:
+def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str, out: str,
+                  dtype: torch.dtype = torch.bfloat16) -> None:
     """One gloo rank: three Muon steps of SPLIT_SHAPES split across the ranks as DDP replicas and as FSDP2 shards
     on `mesh_shape` ((world,): fsdp; (replicas, group): hsdp), the same gradients on every rank; saves the whole
     results and the matrices this rank orthogonalised."""
@@ -334,8 +364,8 @@ def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str
     names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")  # as parallel._mesh names them
     fully_shard(model, mesh=torch.distributed.device_mesh.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
     sharded = [m.weight for m in model]
-    opts = {"ddp": BatchedMuon(replicas, **SPLIT_KW, process_group=dist.group.WORLD),
-            "fsdp": BatchedMuon(sharded, **SPLIT_KW, process_group=dist.group.WORLD)}
+    opts = {"ddp": BatchedMuon(replicas, **SPLIT_KW, process_group=dist.group.WORLD, ns_dtype=dtype),
+            "fsdp": BatchedMuon(sharded, **SPLIT_KW, process_group=dist.group.WORLD, ns_dtype=dtype)}
     done: dict[str, list[tuple[int, ...]]] = {"ddp": [], "fsdp": []}
     real = optim_module.orthogonalize
     for name, params in (("ddp", replicas), ("fsdp", sharded)):
@@ -353,22 +383,24 @@ def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["fsdp2", "hsdp2x2"])
-def test_muon_split_over_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_or_hsdp_shards(mesh_shape, tmp_path):
+@pytest.mark.parametrize("mesh_shape,dtype", [((2,), torch.bfloat16), ((2, 2), torch.bfloat16), ((2,), torch.float32)],
+                         ids=["fsdp2", "hsdp2x2", "fsdp2-fp32"])
+def test_muon_split_over_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_or_hsdp_shards(mesh_shape, dtype,
+                                                                                           tmp_path):
     """The owner split over 2 gloo ranks, or 4 as hsdp's 2 replicas of a 2-rank shard group (forked: no second torch
     import), equals single-rank BatchedMuon after 3 steps, to one bf16 ulp of the largest update as above, for DDP
     replicas (split over every rank) and for FSDP2's Shard(0) / hsdp's (Replicate(), Shard(0)) DTensors (the uneven
     5- and 1-row matrices included); the momentum stays sharded like the param; each rank orthogonalised only the
     matrices it owns, together each exactly once per step (hsdp: once per shard group, within which the split is
-    fsdp's)."""
+    fsdp's). In fp32 (a CPU without bf16 hardware) the messages carry fp32 and the same holds."""
     import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
 
     world = math.prod(mesh_shape)
-    fork_ranks(_split_worker, world, (world, mesh_shape, str(tmp_path / "store"), str(tmp_path)))
+    fork_ranks(_split_worker, world, (world, mesh_shape, str(tmp_path / "store"), str(tmp_path), dtype))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     g = torch.Generator().manual_seed(0)
     ref = [torch.randn(s, generator=g).requires_grad_() for s in SPLIT_SHAPES]
-    opt = BatchedMuon(ref, **SPLIT_KW)
+    opt = BatchedMuon(ref, **SPLIT_KW, ns_dtype=dtype)
     for _ in range(3):
         for p, s in zip(ref, SPLIT_SHAPES):
             p.grad = torch.randn(s, generator=g)

@@ -85,3 +85,26 @@ def test_one_process_reports_its_own_peak_memory_as_the_only_rank():
     rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
     allocated, reserved = rt.peak_memory_by_rank()
     assert len(allocated) == 1 and allocated[0] > 0 and reserved is None  # CPU: resident set, no allocator cache
+
+
+@pytest.mark.parametrize("isa", [("AVX2", False), ("AVX512-BF16", True)])
+def test_the_cpu_backend_names_its_kind_and_keeps_bf16_where_the_cpu_computes_it(isa, monkeypatch):
+    """Newton-Schulz's dtype (reduced_dtype) is bf16 only with bf16 hardware; the name says which kind this is,
+    for the start line and summary.json's hardware entry."""
+    monkeypatch.setattr(runtime, "cpu_isa", lambda: isa)
+    backend = runtime.CpuBackend(torch.device("cpu"))
+    assert backend.native_bf16 is isa[1]
+    assert backend.reduced_dtype == (torch.bfloat16 if isa[1] else torch.float32)
+    name = backend.hardware_name()
+    assert name.startswith(runtime.cpu_model_name()) and isa[0] in name
+    assert ("bf16 native" if isa[1] else "bf16 emulated") in name
+
+
+@pytest.mark.parametrize("asked,trained,native,want", [
+    ("run", "bf16", False, "fp32"),  # a default: fp32 where bf16 would be emulated, said in the log
+    ("run", "bf16", True, "bf16"), ("run", "bf16-pure", True, "fp32"), ("run", "fp32", True, "fp32"),
+    ("bf16", "fp32", False, "bf16"),  # the user's explicit choice stands
+])
+def test_an_evaluation_runs_as_the_run_trained_except_in_emulated_bf16(asked, trained, native, want, monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_isa", lambda: ("AVX512-BF16", True) if native else ("AVX2", False))
+    assert runtime.init_to_evaluate("cpu", asked, trained).precision == want

@@ -1,5 +1,5 @@
 """Whole training runs on the embedded corpus: the loss falls and the run directory is complete, bf16 and pure bf16
-both train, and the loop logs a numeric MFU on CPU."""
+both train (and a CPU without bf16 hardware says what bf16 costs), and the loop logs a numeric MFU on CPU."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_module, small_overrides
+from nanopt import runtime
 from nanopt.config import load_config
 from nanopt.main import run
 
@@ -51,14 +52,25 @@ def test_tiny_run_learns_and_writes_a_complete_run_directory(tmp_path, corpus_di
 
 
 @pytest.mark.slow
-def test_bf16_autocast_and_pure_bf16_both_train(tmp_path, corpus_dir, capsys):
-    for precision, weight_dtype in (("bf16", torch.float32), ("bf16-pure", torch.bfloat16)):
+def test_bf16_autocast_and_pure_bf16_both_train(tmp_path, corpus_dir, capsys, monkeypatch):
+    """Both train; on a CPU without bf16 hardware (its flags say AVX2 here, whatever this CPU is) the run warns
+    once with the measured slowdown and the fix, keeps the user's precision, and records the kind it ran on."""
+    for precision, weight_dtype, isa in (("bf16", torch.float32, ("AVX2", False)),
+                                         ("bf16-pure", torch.bfloat16, ("AMX", True))):
+        monkeypatch.setattr(runtime, "cpu_isa", lambda: isa)
         run_dir = tmp_path / precision
         args = small_overrides(**{"train.precision": precision, "train.max_steps": 12, "train.lr": 1e-2,
                                   "log.every": 11})
         assert run([*args, f"--run.dir={run_dir}"]) == 0
+        out = capsys.readouterr().out  # the log is on stdout
         # bf16 weights cannot hold a decay of lr x wd = 1e-3 per step below ~2^-9: the run says so.
-        assert ("rounds away" in capsys.readouterr().out) == (precision == "bf16-pure")  # the log is on stdout
+        assert ("rounds away" in out) == (precision == "bf16-pure")
+        emulated = "has no bf16 hardware" in out
+        assert emulated == (not isa[1]) and out.count("has no bf16 hardware") <= 1
+        assert not emulated or ("slower in bf16 than in fp32" in out and "--train.precision=fp32" in out)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert f"({isa[0]}, bf16 {'native' if isa[1] else 'emulated'}" in summary["hardware"]
+        assert load_config(run_dir / "config.yaml").train.precision == precision  # never changed silently
         losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
         assert losses[-1] < losses[0] - 1.0, (precision, losses)
         weights = load_file(str(run_dir / "checkpoints" / "step_000012" / "model.safetensors"))
