@@ -72,8 +72,9 @@ def _rank(rank: int, world: int, shapes: list[tuple[int, int]], layout: str, rep
         return result
 
     optim.orthogonalize = timed
+    cpu = CpuBackend(torch.device("cpu"))  # as nanopt trains on this CPU: its cut-off and Newton-Schulz dtype
     opt = optim.BatchedMuon(params, lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw",
-                            batch_max_numel=CpuBackend.muon_batch_max_numel,  # as nanopt trains on CPU
+                            batch_max_numel=cpu.muon_batch_max_numel, ns_dtype=cpu.reduced_dtype,
                             process_group=dist.group.WORLD if world > 1 else None)
     for p, grad in zip(params, grads):
         p.grad = grad

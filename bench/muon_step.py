@@ -9,6 +9,7 @@ dtype its backend names (Backend.reduced_dtype: fp32 on a CPU without bf16 hardw
 
     python bench/muon_step.py                                   # configs/speedrun-cpu.yaml's 21 matrices
     python bench/muon_step.py --config configs/170m-1gpu.yaml --repeats 5
+    python bench/muon_step.py --cut-off --repeats 5            # batched vs one at a time, per shape
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from nanopt.config import load_config
 from nanopt.model import build_model
-from nanopt.optim import BatchedMuon, param_groups
+from nanopt.optim import BatchedMuon, orthogonalize, param_groups
 from nanopt.runtime import CpuBackend
 
 
@@ -28,7 +29,30 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = C.parser(__file__, __doc__)
     p.add_argument("--config", default=str(C.REPO / "configs" / "speedrun-cpu.yaml"))
     p.add_argument("--repeats", type=int, default=30, help="alternating rounds")
+    p.add_argument("--cut-off", action="store_true",
+                   help="instead: per shape, 6 same-shaped matrices in one batched Newton-Schulz against one at a "
+                        "time, in this CPU backend's dtype: where BatchedMuon's cut-off (muon_batch_max_numel) lies")
     return p.parse_args(argv)
+
+
+CUT_OFF_SHAPES = [(128, 128), (128, 344), (256, 688), (384, 384), (512, 512), (768, 2048)]  # 16k .. 1.6M elements
+
+
+def per_shape(repeats: int) -> None:
+    """Batched over one at a time, per shape, at the backend's Newton-Schulz dtype."""
+    dtype = CpuBackend(torch.device("cpu")).reduced_dtype
+    coefficients, g = (3.4445, -4.775, 2.0315), torch.Generator().manual_seed(0)
+    print(f"Newton-Schulz in {dtype}, 5 steps, batches of 6\n\n| shape | elements | batched ms | one at a time ms "
+          f"| batched speed-up |\n|---|---:|---:|---:|---:|")
+    for shape in CUT_OFF_SHAPES:
+        x = torch.randn(6, *shape, generator=g)
+        times = C.alternate({"batched": lambda: orthogonalize(x, coefficients, 5, 1e-7, dtype),
+                             "single": lambda: [orthogonalize(m, coefficients, 5, 1e-7, dtype) for m in x]}, repeats)
+        b, one = C.median(times["batched"]), C.median(times["single"])
+        print(f"| {shape[0]}x{shape[1]} | {shape[0] * shape[1]:,} | {1e3 * b:.1f} | {1e3 * one:.1f} | {one / b:.2f}x |",
+              flush=True)
+    limit = CpuBackend(torch.device("cpu")).muon_batch_max_numel
+    print(f"\nThis CPU's muon_batch_max_numel is {limit:,}: shapes above it go one at a time.")
 
 
 def matrices(config: str) -> list[torch.Tensor]:
@@ -42,6 +66,8 @@ def matrices(config: str) -> list[torch.Tensor]:
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse(argv)
     C.banner("Muon step: torch.optim.Muon vs BatchedMuon", {"config": a.config}, C.command(__file__, argv))
+    if a.cut_off:
+        return per_shape(a.repeats)
     start = matrices(a.config)
     shapes = sorted({tuple(p.shape) for p in start})
     print(f"matrices: {len(start)} in {len(shapes)} shapes {shapes}\n")
@@ -50,7 +76,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     kw = dict(lr=0.01, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
     names = ("torch", "batched_bf16", "batched_fp32", "adamw")
     params = {name: [p.clone().requires_grad_() for p in start] for name in names}
-    cut_off = CpuBackend.muon_batch_max_numel  # as nanopt trains on CPU
+    cut_off = CpuBackend(torch.device("cpu")).muon_batch_max_numel  # as nanopt trains on this CPU
     opts = {"torch": torch.optim.Muon(params["torch"], **kw),
             "batched_bf16": BatchedMuon(params["batched_bf16"], **kw, batch_max_numel=cut_off),
             "batched_fp32": BatchedMuon(params["batched_fp32"], **kw, batch_max_numel=cut_off,
@@ -72,8 +98,8 @@ def main(argv: Optional[list[str]] = None) -> None:
               f"{C.median(times[name]) / adamw:.2f}x |")
     ratio = C.median(times["torch"]) / C.median(times["batched_bf16"])
     print(f"\nBatchedMuon (bf16) is **{ratio:.2f}x** torch's speed; the first steps' updates differ by at most "
-          f"{diff:.2e}. The fp32 update differs from the bf16 one by at most {rel:.1e} of its norm (bf16 rounds "
-          f"each entry by up to {2**-8:.1e}). This CPU's backend trains with "
+          f"{diff:.2e}. The fp32 update differs from the bf16 one by at most {rel:.1e} of its norm (the bf16 iteration's "
+          f"own error: one bf16 rounding is {2**-8:.1e}). This CPU's backend trains with "
           f"{str(CpuBackend(torch.device('cpu')).reduced_dtype).replace('torch.', '')}.")
 
 if __name__ == "__main__":

@@ -109,13 +109,18 @@ class CpuBackend(Backend):
     measures_peak = True
     profiler_activities = [ProfilerActivity.CPU]
     fp8 = "emulated"  # to test FP8 runs' numerics without a GPU
-    # Batches of 6 on 2 EPYC cores: 2.6x faster at 128x128, 1.2x at 256x688, even at 384x384, 0.97x at 512x512, and
-    # 0.69x at 170m's shapes (bench/muon_step.py); the CPU speedrun's matrices are 16-44k elements.
-    muon_batch_max_numel = 3 * 2**16
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.isa, self.native_bf16 = cpu_isa()
+
+    @property
+    def muon_batch_max_numel(self) -> Optional[int]:  # type: ignore[override]
+        """Where batching stops paying depends on the dtype Newton-Schulz runs in (bench/muon_step.py --cut-off, 6
+        matrices, 2 cores). bf16 on an AVX512-BF16 EPYC: 2.6x faster at 128x128, 1.2x at 256x688, even at 384x384,
+        0.97x at 512x512, 0.69x at 170m's shapes. fp32 on an AVX2 EPYC: 1.2x at 128x128 and 128x344, 0.87-0.97x
+        from 147k elements up. The CPU speedrun's matrices are 16-44k elements."""
+        return 3 * 2**16 if self.native_bf16 else 2**16
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CpuBackend:

@@ -344,7 +344,11 @@ def test_loss_memory_runs(smokes):
 
 def test_muon_step_runs(capsys):
     out = run("muon_step", ["--repeats", "1"], capsys)
-    assert "matrices: 21 in 3 shapes" in out and "| nanopt BatchedMuon | " in out and "BatchedMuon is **" in out
+    assert "matrices: 21 in 3 shapes" in out and "BatchedMuon (bf16) is **" in out
+    for label in ("torch.optim.Muon (bf16)", "nanopt BatchedMuon, bf16", "nanopt BatchedMuon, fp32",
+                  "torch AdamW (fused)"):
+        assert f"| {label} | " in out, label
+    assert "This CPU's backend trains with" in out
 
 
 def test_muon_dist_runs(capsys):
