@@ -5,7 +5,8 @@ turned off (or on, if the recipe leaves it off), the MLP swapped, and AdamW in p
 learning rates and schedule lengths (every kind at `train.lr`; Muon's goal is measured against the best of those).
 Each variant runs `--seeds` times as a whole `python -m nanopt.main` process with `train.stop_at_target`, the variants
 alternating within each seed, and the table gives mean ± half-range of the optimizer steps and of the
-training seconds (`train_seconds_to_target`: steps only, no start-up or evaluation) to the target.
+training seconds (`train_seconds_to_target`: steps only, no start-up or evaluation) to the target, and Welch's p
+that each variant's mean is the recipe's.
 
     python bench/ablation.py --target-bpb 2.70
     python bench/ablation.py --target-bpb 2.70 --seeds 5 --only "recipe,adamw lr 2e-3 450 steps"
@@ -31,6 +32,7 @@ from typing import Optional
 
 import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
 import yaml
+from scipy import stats
 
 from nanopt import rundirs  # noqa: E402
 
@@ -123,6 +125,17 @@ def cell(rows: list[dict], key: str, fmt: str) -> str:
     return f"{statistics.mean(hit):{fmt}} ± {half:{fmt}}"
 
 
+def p_value(rows: list[dict], base: list[dict], key: str) -> str:
+    """Welch's two-sided p that a variant's `key` (steps or seconds to the target) has the recipe's mean, over the
+    seeds that reached it: is a difference more than seed noise? "equal" where both are the same constant."""
+    a, b = ([r[key] for r in xs if r["reached"]] for xs in (rows, base))
+    if len(a) < 2 or len(b) < 2:
+        return "n/a"
+    if len(set(a)) == 1 and len(set(b)) == 1:
+        return "equal" if a[0] == b[0] else "0 (constant)"
+    return f"{stats.ttest_ind(a, b, equal_var=False).pvalue:.2g}"
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse(argv)
     table = choose(variants(a.config, a.variant), a.only or ("recipe" if a.smoke else ""))
@@ -140,10 +153,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         results = run_all(a, table, common, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"| variant | steps to {a.target_bpb} bpb | train seconds to target | overrides |\n|---|---|---|---|")
+    print(f"| variant | steps to {a.target_bpb} bpb | train seconds to target | Welch p vs recipe (steps, seconds) "
+          f"| overrides |\n|---|---|---|---|---|")
+    base = results.get("recipe", [])
     for name, rows in results.items():
         shown = " ".join(o for o in table[name] if not o.endswith("=null")) or "-"  # AdamW's kind lrs reset to train.lr
-        print(f"| {name} | {cell(rows, 'steps', '.0f')} | {cell(rows, 'seconds', '.1f')} | `{shown}` |")
+        p = "-" if name == "recipe" else f"{p_value(rows, base, 'steps')}, {p_value(rows, base, 'seconds')}"
+        print(f"| {name} | {cell(rows, 'steps', '.0f')} | {cell(rows, 'seconds', '.1f')} | {p} | `{shown}` |")
     if a.json:
         a.json.write_text(json.dumps({"target_bpb": a.target_bpb, "variants": table, "results": results}, indent=2))
 

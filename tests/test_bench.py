@@ -138,10 +138,21 @@ def test_ablation_runs(smokes):
     checked against the config before it."""
     out, _, where = smokes.result("ablation")
     # Its seconds are the machine's (a loaded one takes longer to step 1): their cell's form, not their value.
-    assert re.search(r"\n\| recipe \| 1 ± 0 \| \d+\.\d ± 0\.0 \| `-` \|\n", out), out
+    assert re.search(r"\n\| recipe \| 1 ± 0 \| \d+\.\d ± 0\.0 \| - \| `-` \|\n", out), out
     assert "1 variant(s) x 1 seed(s) at toy size" in out
     result = json.loads((where / "a.json").read_text())["results"]["recipe"][0]
     assert result["reached"] is True and result["steps"] == 1 and result["final_val_bpb"] > 0
+
+
+def test_ablation_tests_each_variant_against_the_recipe_over_seeds():
+    """Welch's p over the seeds that reached the target: small for a clear difference, large for noise, "equal" for
+    the same constant (steps come in multiples of eval.every), n/a with fewer than two seeds reached."""
+    rows = lambda *xs: [{"reached": x is not None, "steps": x} for x in xs]  # noqa: E731
+    p_value = bench("ablation").p_value
+    assert float(p_value(rows(100, 101, 99, 100), rows(140, 141, 139, 140), "steps")) < 0.001
+    assert float(p_value(rows(100, 120, 80), rows(110, 90, 100), "steps")) > 0.5
+    assert p_value(rows(140, 140), rows(140, 140, 140), "steps") == "equal"
+    assert p_value(rows(140, None), rows(140, 140), "steps") == "n/a"
 
 
 def test_ablation_refuses_an_unknown_variant_naming_the_valid_ones(capsys):
