@@ -50,7 +50,7 @@ _A100 = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pd
 PEAKS: dict[str, Peak] = {
     # H100 datasheet, SXM5 / PCIe / NVL (per GPU): BF16 1,979* / 1,513* / 1,671*, TF32 989* / 756* / 835* TFLOPS;
     # GPU memory 80 / 80 / 94 GB.
-    "h100-sxm": Peak("NVIDIA H100 SXM", 989.4 * TERA, 494.7 * TERA, _H100, 80),
+    "h100-sxm": Peak("NVIDIA H100 SXM", 989.5 * TERA, 494.7 * TERA, _H100, 80),
     "h100-pcie": Peak("NVIDIA H100 PCIe", 756.5 * TERA, 378.0 * TERA, _H100, 80),
     "h100-nvl": Peak("NVIDIA H100 NVL", 835.5 * TERA, 417.5 * TERA, _H100, 94),
     # H200 product page, SXM / NVL: BF16 1,979* / 1,671*, TF32 989* / 835* TFLOPS (the H100's tensor cores);

@@ -106,7 +106,7 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
 
 
 def test_peak_table_holds_dense_spec_sheet_numbers():
-    expected_bf16 = {"h100-sxm": 989.4, "h100-pcie": 756.5, "h100-nvl": 835.5, "h200": 989.5, "a100": 312.0,
+    expected_bf16 = {"h100-sxm": 989.5, "h100-pcie": 756.5, "h100-nvl": 835.5, "h200": 989.5, "a100": 312.0,
                      "l4": 121.0, "b200": 2250.0, "tpu-v4": 275.0, "tpu-v5e": 197.0, "tpu-v5p": 459.0,
                      "tpu-v6e": 918.0}
     for key, tflops in expected_bf16.items():
@@ -192,7 +192,7 @@ def test_unknown_accelerator_gives_null_mfu_and_one_warning(caplog):
 
 def test_power_limit_and_override_choose_the_peak():
     cfg = load_config(None, [("train.precision", "bf16")])
-    assert mfu.run_peak(cfg, named_device("NVIDIA H100", 700.0))[0] == pytest.approx(989.4e12)
+    assert mfu.run_peak(cfg, named_device("NVIDIA H100", 700.0))[0] == pytest.approx(989.5e12)
     assert mfu.run_peak(cfg, named_device("NVIDIA H100", 350.0))[0] == pytest.approx(756.5e12)
     forced = load_config(None, [("mfu.hardware", "a100"), ("train.precision", "fp32")])
     peak, where = mfu.run_peak(forced, named_device("NVIDIA Z100 Hypothetical"))
@@ -319,7 +319,7 @@ def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor
 def test_an_fp8_run_is_labelled_bf16_equivalent_against_the_dense_peak():
     cfg = load_config(REPO / "configs" / "1b.yaml", [("train.fp8", "tensorwise")])
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
-    assert meter.basis == "bf16-equivalent" and meter.peak_flops == pytest.approx(989.4e12)  # not an FP8 peak
+    assert meter.basis == "bf16-equivalent" and meter.peak_flops == pytest.approx(989.5e12)  # not an FP8 peak
     assert meter.summary()["mfu_basis"] == "bf16-equivalent"
 
 
@@ -334,13 +334,13 @@ def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
     # By hand: the config's budget is 23,570 steps × 2^20 tokens; 6N + causal attention at seq 4096.
     tokens = 23_570 * 1_048_576  # 24,714,936,320 ≈ 20 tokens per parameter
     flops_per_token = 6 * 1_235_814_400 + 6 * 16 * 4096 * 2048  # 8,220,192,768
-    hours = tokens * flops_per_token / (8 * 989.4e12 * 0.4) / 3600
+    hours = tokens * flops_per_token / (8 * 989.5e12 * 0.4) / 3600
     assert got["params"] == 1_235_814_400
     assert got["flops_per_token"] == flops_per_token and got["flops_per_token_6n"] == 7_414_886_400
     assert got["tokens"] == tokens
-    assert got["hours"] == pytest.approx(hours) and got["hours"] == pytest.approx(17.8245, abs=1e-3)
+    assert got["hours"] == pytest.approx(hours) and got["hours"] == pytest.approx(17.8227, abs=1e-3)
     assert got["gpu_hours"] == pytest.approx(8 * hours)
-    assert got["cost_usd"] == pytest.approx(8 * hours * 3.0) and got["cost_usd"] == pytest.approx(427.79, abs=0.01)
+    assert got["cost_usd"] == pytest.approx(8 * hours * 3.0) and got["cost_usd"] == pytest.approx(427.74, abs=0.01)
     # The same speed in the blog's 6N and in nanochat's / torchtitan's full-attention convention.
     assert got["mfu_6n"] == pytest.approx(0.4 * 7_414_886_400 / flops_per_token)
     assert got["mfu_full_attention"] == pytest.approx(0.4 * 9_025_499_136 / flops_per_token)

@@ -169,7 +169,7 @@ WALKS: dict[str, Page] = {
         # Speedrun; speed
         SPEEDRUN,
         Step("nanopt estimate --config configs/1b.yaml --hardware h100-sxm --gpus 8 --mfu 0.4 --price-per-gpu-hour 3.0",
-             prints=("17.8 h", "$427.79")),
+             prints=("17.8 h", "$427.74")),
         PROFILED,
         # Modal and TPU
         skip("modal run modal_app.py --config configs/1b.yaml", MODAL),
@@ -241,7 +241,7 @@ WALKS: dict[str, Page] = {
     ), setup=(QUICK_START, *(sweep_point(o, s) for o in ("adamw", "muon") for s in (1337, 1338)))),
     "docs/mfu.md": Page((
         Step("nanopt estimate --config configs/1b.yaml --hardware h100-sxm --gpus 8 --mfu 0.4 --price-per-gpu-hour 3.0",
-             prints=("2.03e+20", "17.8 h", "142.6", "$427.79")),
+             prints=("2.03e+20", "17.8 h", "142.6", "$427.74")),
         Step("nanopt estimate configs/1b.yaml --tokens 20x --json", prints=('"gpu_hours"',)),
         Step("nanopt estimate configs/1b.yaml --train.seq_len=8192", prints=("seq 8192",)),
         Step("nanopt estimate configs/170m-1gpu.yaml --gpus 1",
