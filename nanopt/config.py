@@ -202,9 +202,11 @@ class TrainConfig:
     fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain from FP8 "
                           "by torchao's H100 measurements (small in/out features stay in bf16), all = every one "
                           "whose dims are multiples of 16 (docs/mfu.md).", choices=("auto", "all"))
-    compile_ddp_split: bool = key(True, "Compiled under DDP: split the graph at DDP's gradient buckets so their "
-                                  "all-reduces overlap the backward (torch._dynamo's optimize_ddp); false = one graph, "
-                                  "no overlap: the fallback if FP8 + compile + DDP fails to compile.", safe=True)
+    compile_ddp_split: Optional[bool] = key(None, "Compiled under DDP: split the graph at DDP's gradient buckets so "
+                                            "their all-reduces overlap the backward (torch._dynamo's optimize_ddp); "
+                                            "false = one graph, no overlap; null = split unless train.fp8 is on (FP8 + "
+                                            "compile + the split is a known upstream failure, pytorch/pytorch#158936).",
+                                            safe=True)
     ema_decay: float = key(0.0, "Keep an exponential moving average of the weights (fp32, on the device), updated "
                            "after every optimizer step: ema = decay × ema + (1 - decay) × weights; 0 = off "
                            "(docs/experiments.md).", ge=0, lt=1)

@@ -300,14 +300,24 @@ class Session:
             self.metrics.close()
 
 
-def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan) -> torch.nn.Module:
+def ddp_split(t: TrainConfig) -> bool:
+    """Whether a model compiled under DDP is split at DDP's buckets (train.compile_ddp_split; null: unless train.fp8
+    is on, since FP8 + compile + the split fails upstream: pytorch/pytorch#158936, pytorch/ao#2586)."""
+    return t.fp8 == "none" if t.compile_ddp_split is None else t.compile_ddp_split
+
+
+def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = False) -> torch.nn.Module:
     """torch.compile for train.compile: the model the train step calls. Unsharded (ddp, or one process), the whole
     model; sharded (fsdp, hsdp), each block (compile_blocks) and the model itself is returned. Shapes are static
     when a seq_len schedule is set: under dynamo's default a second sequence length recompiles the graph with T
     dynamic, and every later stage then runs that slower dynamic-shape graph; static, each length gets its own
-    graph, once. Under DDP, train.compile_ddp_split chooses whether the graph is split at DDP's buckets (the
-    all-reduces overlap the backward)."""
-    torch._dynamo.config.optimize_ddp = t.compile_ddp_split
+    graph, once. Under DDP (`ddp`: the model will be wrapped), ddp_split chooses whether the graph is split at
+    DDP's buckets (the all-reduces overlap the backward)."""
+    torch._dynamo.config.optimize_ddp = ddp_split(t)
+    if ddp and not ddp_split(t) and t.compile_ddp_split is None and not parallel.is_sharded(model):
+        log.info("compile: one graph under DDP, its all-reduces not overlapping the backward: train.fp8 is on, and "
+                 "FP8 + compile + DDP's graph split fails upstream (pytorch/pytorch#158936); "
+                 "--train.compile_ddp_split=true splits it anyway")
     lengths = {s.seq_len for s in plan.stages}
     static: dict[str, Any] = {}
     if len(lengths) > 1:
@@ -340,7 +350,7 @@ def compile_blocks(model: torch.nn.Module, **options: Any) -> None:
 def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> Callable:
     """train_step bound to the model as the device wants it: compiled, under DDP (parallel.wrap), or one XLA
     graph."""
-    train_model = parallel.wrap(compiled(model, cfg.train, plan) if cfg.train.compile else model, rt)
+    train_model = parallel.wrap(compiled(model, cfg.train, plan, rt.distributed) if cfg.train.compile else model, rt)
     # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one)
     step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(plan.stages))
     return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)

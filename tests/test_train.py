@@ -72,9 +72,10 @@ def test_a_finished_runs_rerun_with_a_changed_result_key_is_refused_naming_it_an
     assert ("A larger `train.max_steps` continues the run." in text) is not stopped
 
 
-def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes():
-    """train.compile_ddp_split is dynamo's optimize_ddp (the fallback for FP8 + compile + DDP); with several
-    sequence lengths the model is compiled with static shapes and room for a graph per length."""
+def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(caplog):
+    """train.compile_ddp_split is dynamo's optimize_ddp: by default split, but one graph when train.fp8 is on (FP8 +
+    compile + the split fails upstream), saying why; with several sequence lengths the model is compiled with static
+    shapes and room for a graph per length."""
     # torch's own patch, not monkeypatch: pytest's undo deletes an attribute it did not find in the module's
     # __dict__, and a deleted torch._dynamo.config entry is gone for the session (every later DDP() raises).
     with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=8):
@@ -85,6 +86,15 @@ def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_st
         t = TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8)))
         train.compiled(model, t, build_plan(t, 1))
         assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
+        t = TrainConfig(fp8="tensorwise")
+        with caplog.at_level("INFO", logger="nanopt"):
+            train.compiled(model, t, build_plan(t, 1), ddp=True)
+        assert torch._dynamo.config.optimize_ddp is False and "pytorch/pytorch#158936" in caplog.text
+        caplog.clear()
+        t = TrainConfig(fp8="tensorwise", compile_ddp_split=True)  # the split, asked for
+        with caplog.at_level("INFO", logger="nanopt"):
+            train.compiled(model, t, build_plan(t, 1), ddp=True)
+        assert torch._dynamo.config.optimize_ddp is True and "one graph" not in caplog.text
 
 
 def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(monkeypatch):
