@@ -272,6 +272,10 @@ class OptimConfig:
     muon_momentum: float = key(0.95, "torch.optim.Muon's momentum.", ge=0, lt=1)
     muon_nesterov: bool = key(True, "Nesterov momentum in Muon.")
     muon_ns_steps: int = key(5, "Newton-Schulz iterations per Muon update.", gt=0)
+    muon_dtype: str = key("auto", "The dtype Newton-Schulz computes in (nanopt's batched Muon): auto = bf16 where the "
+                          "device computes bf16 in hardware (CUDA, XLA, AVX512-BF16 and AMX CPUs), fp32 where bf16 "
+                          "would be emulated (AVX2 CPUs: ~45x slower); XLA's torch Muon is always bf16.",
+                          choices=("auto", "bf16", "fp32"))
     muon_adjust_lr: str = key("match_rms_adamw", "match_rms_adamw scales each matrix's update to AdamW's typical "
                               "RMS, so a matrix_lr of AdamW's size works; original is Keller Jordan's "
                               "sqrt(max(1, rows/cols)) (lr ~0.02).", choices=("match_rms_adamw", "original"))

@@ -287,6 +287,10 @@ class Runtime:
     def param_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16-pure" else torch.float32
 
+    def reduced_dtype(self, choice: str = "auto") -> torch.dtype:
+        """A config's dtype choice for reduced-precision work (optim.muon_dtype): auto = the backend's."""
+        return {"auto": self.backend.reduced_dtype, "bf16": torch.bfloat16, "fp32": torch.float32}[choice]
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast for matmuls (weights stay fp32) or nothing for fp32 / pure bf16."""
         if self.precision != "bf16":

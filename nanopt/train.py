@@ -381,7 +381,7 @@ def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
     fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
     optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel, rt.process_group,
-                                rt.backend.reduced_dtype)
+                                rt.reduced_dtype(cfg.optim.muon_dtype))
     state, clock, ema = RunState(), SpeedrunClock.for_config(cfg), EMA.for_config(cfg, model)
     # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
     ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))

@@ -98,6 +98,9 @@ def test_the_cpu_backend_names_its_kind_and_keeps_bf16_where_the_cpu_computes_it
     name = backend.hardware_name()
     assert name.startswith(runtime.cpu_model_name()) and isa[0] in name
     assert ("bf16 native" if isa[1] else "bf16 emulated") in name
+    rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32", backend)
+    assert rt.reduced_dtype("auto") == backend.reduced_dtype  # optim.muon_dtype: auto is the backend's,
+    assert rt.reduced_dtype("bf16") == torch.bfloat16 and rt.reduced_dtype("fp32") == torch.float32  # else as set
 
 
 @pytest.mark.parametrize("asked,trained,native,want", [
