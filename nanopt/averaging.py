@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from nanopt import checkpoint
 from nanopt.config import comma_list
 from nanopt.errors import ConfigError
-from nanopt.rundirs import CHECKPOINTS_DIR, MODEL_FILE
+from nanopt.rundirs import CHECKPOINTS_DIR, MODEL_FILE, refuse_inside_checkpoints
 
 
 def parse_steps(text: str) -> list[int]:
@@ -113,6 +113,7 @@ def average_checkpoints(run: str | Path, out: str | Path, last: Optional[int] = 
     """Write OUT/checkpoints/step_NNNNNN (NNNNNN: the newest averaged step), the mean of the run's newest `last`
     checkpoints or those of `steps`; returns it. OUT must not exist or be empty: nothing is ever overwritten."""
     run, out = Path(run), Path(out)
+    refuse_inside_checkpoints(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} {'is a file' if not out.is_dir() else 'is not empty'}, and nanopt average "
                           f"never overwrites; give a new directory (or an empty one).")

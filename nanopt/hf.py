@@ -323,6 +323,7 @@ def check_export_target(out: str | Path, force: bool = False) -> None:
     above it is a file; it is a nanopt checkpoint; a model file there is a symbolic link (never written through or
     removed blind); or, without `force`, it holds another model's files, which an export would mix with its own."""
     out = Path(out)
+    rundirs.refuse_inside_checkpoints(out)
     if refused := _not_a_directory(out):
         raise refused
     if any((out / name).exists() for name in (rundirs.COMPLETE_FILE, rundirs.STATE_FILE)):

@@ -180,6 +180,7 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
         raise ConfigError("nanopt plot draws with matplotlib, which is not installed; pip install matplotlib.")
     if out.suffix.lower() != ".png":
         raise ConfigError(f"-o {out} must name a .png file.")
+    rundirs.refuse_inside_checkpoints(out, "-o")
     if out.is_dir():
         raise ConfigError(f"-o {out} is a directory; give a file name, e.g. -o {out / 'plot.png'}.")
     if not out.parent.is_dir():

@@ -229,6 +229,20 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"step_{step:06d}"
 
 
+def refuse_inside_checkpoints(out: Path, flag: str = "--out") -> None:
+    """ConfigError when the output path `out` is a checkpoint of a run's checkpoints/ (a step_NNNNNN or a
+    temporary .tmp_ name) or below one: the run replaces, prunes (checkpoint.keep) or removes such a directory as
+    its own, so whatever nanopt wrote there would be lost (and read by the run as a checkpoint of its own)."""
+    out = Path(os.path.abspath(out))
+    for here in (out, *out.parents):
+        if here.parent.name == CHECKPOINTS_DIR and (STEP_DIR.match(here.name) or here.name.startswith(".tmp_")):
+            run = here.parent.parent
+            raise ConfigError(f"{flag} {out} is inside {here}, a checkpoint of the run {run}, which the run "
+                              f"replaces or deletes as its own (a later save of that step, or pruning by "
+                              f"checkpoint.keep), so what is written there would be lost; write outside the run's "
+                              f"{CHECKPOINTS_DIR}/, e.g. {flag} {run.parent / (run.name + '-out')}.")
+
+
 def evaluation_key(record: dict[str, Any]) -> tuple:
     """What makes two evals.jsonl records one evaluation: who made it, of which weights (step, and the checkpoint's
     weights_crc32 where known), and what was measured: a task with its limit and shots, or a split with its

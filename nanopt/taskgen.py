@@ -15,6 +15,7 @@ import yaml
 from nanopt.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.io import write_json, write_text
+from nanopt.rundirs import refuse_inside_checkpoints
 
 MC, ROLLING, GROUP = "nanopt_mc", "nanopt_rolling", "nanopt_tasks"
 TASKS_FILE = "nanopt_tasks.json"
@@ -38,6 +39,7 @@ _Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
 
 def _check_out_dir(out_dir: Path) -> None:
     """Write only where nothing but our own earlier output would be replaced."""
+    refuse_inside_checkpoints(out_dir, "--make-tasks")
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file, not a directory; make_tasks writes task YAMLs and their JSONL "
                           f"data into a directory. Pass a new or empty directory.")

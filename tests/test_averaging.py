@@ -157,3 +157,25 @@ def test_bad_input_is_one_paragraph_exit_2_and_nothing_written(case, argv, words
     assert not (tmp_path / "out").exists()
     if case == "out_not_empty":
         assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+
+
+OUTPUTS = {  # each command that writes an output directory or file: argv after `nanopt`, given the --out path
+    "average": lambda run, out: ["average", str(run), "--last", "2", "--out", str(out)],
+    "export": lambda run, out: ["export", str(run), "--out", str(out)],
+    "plot": lambda run, out: ["plot", str(run), "-o", str(out / "curves.png")],
+    "make-tasks": lambda run, out: ["eval", "--make-tasks", str(out)],
+    "sweep": lambda run, out: ["sweep", "--set", "optim.name=adamw,muon", "--dir", str(out)],
+}
+
+
+@pytest.mark.parametrize("where", ["step_000004", "step_000010", ".tmp_step_000010", "step_000004/below"])
+@pytest.mark.parametrize("command", sorted(OUTPUTS))
+def test_no_command_writes_inside_a_runs_checkpoints(command, where, runs, capsys):
+    """A run replaces, prunes or removes its checkpoints/step_NNNNNN and .tmp_ directories as its own: an average
+    (or export, plot, tasks, sweep) written there would be lost, and read by the run as a checkpoint."""
+    ckpts = runs["run"] / rundirs.CHECKPOINTS_DIR
+    before = sorted(str(p.relative_to(ckpts)) for p in ckpts.rglob("*"))
+    assert cli.run(OUTPUTS[command](runs["run"], ckpts / where)) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and f"checkpoint of the run {runs['run']}" in err, err
+    assert sorted(str(p.relative_to(ckpts)) for p in ckpts.rglob("*")) == before

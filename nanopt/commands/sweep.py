@@ -9,6 +9,7 @@ from typing import NoReturn
 from nanopt import sweep
 from nanopt.config import DEFAULT_CONFIG, split_args
 from nanopt.errors import ConfigError
+from nanopt.rundirs import refuse_inside_checkpoints
 
 DESCRIPTION = """\
 Run every combination of the --set values, once per seed (S, S+1, ... from the config's run.seed or
@@ -55,6 +56,7 @@ def main(argv: list[str]) -> int:
     if "/" in name or name in ("", ".", ".."):
         raise ConfigError(f"--name {name!r}: a sweep name is one directory name; use --dir DIR for a path.")
     root = Path(args.dir or f"runs/{name}")
+    refuse_inside_checkpoints(root, "--dir")
     meta = {"name": name, "config": config, "command": ["nanopt", "sweep", *argv],
             "set": dict(sweep.parse_set(s) for s in args.set), "seeds": sorted({pt.seed for pt in points}),
             "overrides": overrides}
