@@ -5,7 +5,6 @@ report's common parts."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -107,8 +106,8 @@ def random_batches(vocab: int, micro: tuple[int, int], accum: int) -> list[tuple
 
 
 def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[str, Any]:
-    """tokens/s over `steps` optimizer steps after two warm-up steps (compilation), the graphs and graph breaks
-    torch.compile made, and the last step's loss."""
+    """tokens/s and ms per step over `steps` optimizer steps after two warm-up steps (compilation), the graphs and
+    graph breaks torch.compile made, and the last step's loss."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -117,7 +116,8 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.setup converts: before optimizer, compile, DDP
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp/hsdp in a process group, as train.setup shards
-    optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel)
+    optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel,
+                                muon_dtype=rt.backend.reduced_dtype)  # as train.setup builds it
     step = train._wrap(cfg, rt, model, optimizer, build_plan(cfg.train, rt.world_size))
     for _ in range(2):
         step(batches)
@@ -128,8 +128,9 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     sync(rt.device)
     seconds = time.perf_counter() - t0
     tokens = steps * sum(x.numel() for x, _ in batches)
-    return {"tokens_per_s": tokens / seconds, "loss": float(loss), "graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()), "fp8_linears": converted}
+    return {"tokens_per_s": tokens / seconds, "step_ms": 1e3 * seconds / steps, "loss": float(loss),
+            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "fp8_linears": converted}
 
 
 def check_sample(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
@@ -324,16 +325,25 @@ def section_failed(result: Any) -> bool:
     return any(section_failed(v) for v in result.values())
 
 
-def run_sections(jobs: dict[str, Callable[[], dict[str, Any]]], results: dict[str, Any], out_file: Path) -> None:
-    """Each job in order, on its own: one that raises is recorded with its traceback and the rest go on; the JSON is
-    rewritten after each, so a command stopped at its time limit still leaves every finished section's result."""
+def run_sections(jobs: dict[str, Callable[[], dict[str, Any]]], results: dict[str, Any],
+                 write: Callable[[dict[str, Any]], None], budgets: Optional[dict[str, float]] = None,
+                 deadline_s: Optional[float] = None, started: float = 0.0) -> None:
+    """Each job in order, on its own: one that raises is recorded with its traceback and the rest go on. With a
+    deadline (seconds since `started`, a time.monotonic() reading), a job whose budget would carry the check past
+    it is not started but recorded as skipped for the `deadline`. `write(results)` after every job, so a command
+    stopped at its time limit still leaves every finished section's result."""
     for name, job in jobs.items():
-        t0 = time.perf_counter()
-        print(f"gpu_check: {name} ...", flush=True)
-        try:
-            results[name] = job()
-        except Exception:  # noqa: BLE001 - one failed section must not hide the others' results
-            results[name] = {"error": traceback.format_exc()[-3000:]}
-        results.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-        print(f"gpu_check: {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
-        out_file.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        t0, budget = time.monotonic(), (budgets or {}).get(name, 0)
+        if budget and deadline_s is not None and t0 - started + budget > deadline_s:
+            results[name] = {"skipped": "deadline", "budget_s": budget, "at_s": round(t0 - started, 1),
+                             "deadline_s": deadline_s}
+            print(f"gpu_check: {name} skipped: its {budget} s from {t0 - started:.0f} s pass the deadline", flush=True)
+        else:
+            print(f"gpu_check: {name} ...", flush=True)
+            try:
+                results[name] = job()
+            except Exception:  # noqa: BLE001 - one failed section must not hide the others' results
+                results[name] = {"error": traceback.format_exc()[-3000:]}
+            results.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
+            print(f"gpu_check: {name} done in {time.monotonic() - t0:.0f} s", flush=True)
+        write(results)

@@ -1,6 +1,7 @@
 """Verify nanopt's CUDA path on one GPU and measure it: one command, a Markdown report and a JSON file.
 
-    python bench/gpu_check.py --quick --out DIR                 # every never-run path, ~7 minutes (gpu_quick.py)
+    python bench/gpu_check.py --quick --part 1 --deadline-s 270 --out DIR   # the never-run paths, half of them
+    python bench/gpu_check.py --quick --part 2 --deadline-s 270 --out DIR   # the other half (gpu_quick.py's PLAN)
     python bench/gpu_check.py --quick --cpu-smoke               # the same at toy size on CPU (the suite runs it)
     python bench/gpu_check.py                                   # every full section, roughly 25 minutes on one H100
     python bench/gpu_check.py --sections env,attention,ddp      # some of them (each under 10 minutes)
@@ -33,15 +34,20 @@ sections, ddp's nanopt-path half and the top ops without "Command Buffer Full" r
 """
 from __future__ import annotations
 
+import time
+
+STARTED = time.monotonic()  # --deadline-s counts from here, before the imports: the command's whole time
+
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -54,7 +60,7 @@ from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_samp
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, experiments, rundirs, shards  # noqa: E402
+from nanopt import attention, experiments, io, rundirs, shards  # noqa: E402
 from nanopt.config import load_config, parse_overrides  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.runtime import Runtime  # noqa: E402
@@ -573,6 +579,10 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    f"size that exercises it ({', '.join(gpu_quick.QUICK_SECTIONS)}; bench/gpu_quick.py)")
     p.add_argument("--sections", default="", help=f"comma list of {', '.join(SECTIONS)} (with --quick: of the quick "
                    "sections); default all")
+    p.add_argument("--part", type=int, choices=(1, 2), help="with --quick: the sections of this part (gpu_quick.PLAN: "
+                   "each part's budgets add up to under 5 minutes on the H200)")
+    p.add_argument("--deadline-s", type=float, help="with --quick: start no section whose budget (gpu_quick.PLAN) "
+                   "would carry the check past this many seconds from its start; it is reported skipped, `deadline`")
     p.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default: compiled,eager; "
                    "smoke: eager)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps per training run (0: 12; smoke 10)")
@@ -584,8 +594,11 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    "the embedded corpus, byte-level, fetched once into NANOPT_CACHE; a GPU machine without network "
                    "needs a carried copy)")
     a = p.parse_args(argv)
+    if not a.quick and (a.part or a.deadline_s is not None) or a.part and a.sections:
+        p.error("--part and --deadline-s go with --quick (its sections have budgets), and --part with no --sections")
     known = gpu_quick.QUICK_SECTIONS if a.quick else SECTIONS
-    a.sections = [s for s in a.sections.split(",") if s] or list(known)
+    in_part = [s for s in known if a.part and gpu_quick.PLAN[s][0] in (0, a.part)]
+    a.sections = [s for s in a.sections.split(",") if s] or in_part or list(known)
     a.variants = a.variants or ("eager" if a.cpu_smoke else "compiled,eager")
     unknown = set(a.sections) - set(known) | set(a.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -632,7 +645,21 @@ def full_jobs(a: argparse.Namespace, device: torch.device, work: Path) -> dict[s
     return {name: jobs[name] for name in a.sections}
 
 
+def writer(out_dir: Path, report: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], None]:
+    """Writes gpu_check.json and gpu_check.md, each atomically (a kill leaves the last complete one): after every
+    section. A report that fails to render is its traceback, and the JSON is still written."""
+    def write(results: dict[str, Any]) -> None:
+        io.write_text(out_dir / "gpu_check.json", json.dumps(io.clean(results), indent=1, default=str) + "\n")
+        try:
+            text = report(results)
+        except Exception:  # noqa: BLE001 - the JSON holds the figures; the report says why it is missing
+            text = "# nanopt GPU check: the report failed to render\n\n```\n" + traceback.format_exc() + "```"
+        io.write_text(out_dir / "gpu_check.md", text + "\n")
+    return write
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    started = STARTED if argv is None else time.monotonic()  # in a test's process: from this call
     a = parse(argv)
     device = torch.device("cpu") if a.cpu_smoke else torch.device("cuda", 0)
     if device.type == "cuda":
@@ -648,18 +675,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "command": " ".join(["python", "bench/gpu_check.py",
                                                     *(argv if argv is not None else sys.argv[1:])]),
-                               "smoke": a.cpu_smoke, "quick": a.quick}
-    jobs = gpu_quick.jobs(device, a.cpu_smoke, work, a.sections) if a.quick else full_jobs(a, device, work)
-    t0 = time.perf_counter()
+                               "smoke": a.cpu_smoke, "quick": a.quick, "part": a.part, "deadline_s": a.deadline_s}
+    report = gpu_quick.markdown if a.quick else markdown
+    if a.quick:
+        why = f"not in --part {a.part}" if a.part else "not in --sections"
+        jobs = gpu_quick.jobs(device, a.cpu_smoke, work, a.sections, why)
+        budgets = {s: gpu_quick.PLAN[s][2 if a.cpu_smoke else 1] for s in a.sections}  # the others cost nothing
+    else:
+        jobs, budgets = full_jobs(a, device, work), None
     try:
-        run_sections(jobs, results, out_dir / "gpu_check.json")
+        run_sections(jobs, results, writer(out_dir, report), budgets, a.deadline_s, started)
     finally:
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
-    report = (gpu_quick.markdown if a.quick else markdown)(results)
-    (out_dir / "gpu_check.md").write_text(report + "\n")
-    print(report)
-    print(f"\ngpu_check: {time.perf_counter() - t0:.0f} s; {out_dir / 'gpu_check.json'}")
+    print((out_dir / "gpu_check.md").read_text())
+    print(f"gpu_check: {time.monotonic() - started:.0f} s; {out_dir / 'gpu_check.json'}")
     return 1 if any(section_failed(results[n]) for n in jobs) else 0
 
 

@@ -195,9 +195,6 @@ WALKS: dict[str, Page] = {
              "--platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0 lm_eval==0.4.13", PIP),
         skip("OMP_NUM_THREADS=1 python bench/gpu_check.py --quick --cpu-smoke --out /tmp/quick",
              "a bench: tests/test_gpu_check.py runs --quick --cpu-smoke"),
-        skip("set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
-             ".whl/*.whl && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --quick "
-             "--out $OUT 2>&1 | tee $OUT/log.txt", GPU),
     )),
     "docs/evaluation.md": Page((
         Step("nanopt eval runs/tiny", prints=("val loss",), files=("runs/tiny/evals.jsonl",)),
