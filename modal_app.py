@@ -81,6 +81,7 @@ PIP_PACKAGES = [
     "transformers>=4.44",
     "tokenizers>=0.19",
     "tiktoken>=0.7",
+    "lm-eval>=0.4.13",  # downstream tasks (`nanopt eval --tasks`, eval.tasks) and gpu_check --quick's harness section
     "wandb",
     "packaging",
 ]

@@ -226,6 +226,7 @@ def test_the_image_is_the_stack_gpu_check_measured():
     assert env["python"].startswith(modal_app.PYTHON_VERSION + ".")
     assert modal_app.TORCH_PACKAGE == f"torch=={modal_app.TORCH_VERSION}"
     assert f"torchao=={modal_app.TORCHAO_VERSION}" in modal_app.PIP_PACKAGES
+    assert "lm-eval>=0.4.13" in modal_app.PIP_PACKAGES  # --quick's harness section runs, not skipped
     assert "gcc" in modal_app.APT_PACKAGES  # Triton's launchers, under torch.compile
     assert modal_app.FLASH_ATTN_WHEEL == "" and not any("flash" in p for p in modal_app.PIP_PACKAGES)
 
