@@ -117,7 +117,7 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.setup converts: before optimizer, compile, DDP
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp/hsdp in a process group, as train.setup shards
     optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel,
-                                muon_dtype=rt.backend.reduced_dtype)  # as train.setup builds it
+                                muon_dtype=rt.reduced_dtype(cfg.optim.muon_dtype))  # as train.setup builds it
     step = train._wrap(cfg, rt, model, optimizer, build_plan(cfg.train, rt.world_size))
     for _ in range(2):
         step(batches)
