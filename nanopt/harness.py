@@ -8,6 +8,7 @@ import, so it is imported on first use and for lm-eval tasks only: a model loads
 without it."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -397,18 +398,21 @@ class TaskScorer:
         every = self.cfg.eval.tasks_every
         return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
 
-    def run(self, step: int) -> None:
+    def run(self, step: int, weights: Optional[contextlib.AbstractContextManager[str]] = None) -> None:
+        """Score at `step` with `weights` in the model (the validator's: the weights validation uses, swapped in
+        on every rank; it yields their name, which every record carries); the model's own when None."""
         t0 = time.perf_counter()
-        if self.rt.is_main or self.sharded:
-            self._score(step)
+        with weights or contextlib.nullcontext("model") as name:
+            if self.rt.is_main or self.sharded:
+                self._score(step, name)
         self.rt.barrier()
         self.seconds += time.perf_counter() - t0
         self.last_step = step
 
-    def _score(self, step: int) -> None:
+    def _score(self, step: int, weights: str) -> None:
         """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
         failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
-        records = [r for part in self.spec.parts() for r in self._score_part(part, step)]
+        records = [{**r, "weights": weights} for part in self.spec.parts() for r in self._score_part(part, step)]
         if not self.rt.is_main:
             return
         try:
@@ -467,7 +471,8 @@ def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", pre
         records = score_model(found.model, found.tok, found.rt, spec, loaded.step, "nanopt eval",
                               checkpoint=str(loaded.source), weights=loaded.weights,
                               weights_crc32=weights_crc32(loaded.source, loaded.weights_file),
-                              limit=spec.limit, precision=found.rt.precision)
+                              limit=spec.limit, precision=found.rt.precision,
+                              **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {}))
         held = record_tasks(loaded.run_dir, records)
     finally:
         runtime.teardown()

@@ -26,7 +26,10 @@ class Loaded:
     source: Path  # the checkpoint directory or the Hugging Face directory
     step: Optional[int]  # optimizer steps behind these weights, when known
     run_dir: Optional[Path]  # the run directory; None for a bare Hugging Face directory
-    weights: str = "model"  # which weights the model holds: the checkpoint's own, or its averaged ones ("ema")
+    # Which weights the model holds: "model" (the checkpoint's own), "ema" (its averaged ones), or, for a checkpoint
+    # `nanopt average` wrote, "average of steps a,b,c of RUN" (averaged_from: its state.json's record of them).
+    weights: str = "model"
+    averaged_from: Optional[dict] = None
 
     @property
     def weights_file(self) -> str:
@@ -47,8 +50,10 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     ckpt = path if verified else checkpoint.find_checkpoint(path)
     cfg = checkpoint.checkpoint_config(ckpt)
     model = build_model(cfg.model, device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    state = checkpoint.read_state(ckpt)
     chosen = chosen_weights(ckpt, cfg, weights)
-    loaded = Loaded(model, cfg, ckpt, checkpoint.read_state(ckpt)["step"], None, chosen)
+    averaged = state.get("averaged_from") if isinstance(state.get("averaged_from"), dict) else None
+    loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen, averaged)
     try:
         checkpoint.load_checkpoint_weights(model, ckpt, loaded.weights_file)  # whole files or any rank's shards
     except ConfigError:  # no safetensors file (checkpoint.weights_header): already one paragraph
@@ -60,13 +65,33 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     return loaded
 
 
+def averaged_name(averaged_from: dict) -> str:
+    """An averaged checkpoint's weights as its records name them: "average of steps 4,6,8 of RUN"."""
+    steps = [c.get("step") for c in averaged_from.get("checkpoints") or [] if isinstance(c, dict)]
+    return f"average of steps {','.join(map(str, steps))} of {averaged_from.get('run')}"
+
+
 def chosen_weights(ckpt: Path, cfg: Config, weights: str) -> str:
-    """"model" or "ema" for `--weights` (WEIGHTS): run = the run's eval.weights, whose averaged weights before
-    train.ema_start are the model's own (as the run's own records say); ema = the averaged weights, ConfigError when
-    the checkpoint holds none."""
+    """The name of the weights `--weights` (WEIGHTS) loads from a checkpoint, as loaded (never as configured):
+    run = the run's eval.weights, whose averaged weights before train.ema_start are the model's own (as the run's
+    own records say); ema = the averaged weights. A checkpoint of `nanopt average` holds one set, named
+    averaged_name. ConfigError when `ema` is asked of a checkpoint that holds none, and when a checkpoint whose
+    state.json says the average had started lacks it (damage, not the model's weights in its place)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights is one of {WEIGHTS}, not {weights!r}")
+    state = checkpoint.read_state(ckpt)
+    if isinstance(averaged := state.get("averaged_from"), dict):
+        if weights == "ema":
+            raise ConfigError(f"checkpoint {ckpt} is an average of checkpoints ({averaged_name(averaged)}, written "
+                              f"by nanopt average), which holds one set of weights, the mean of their "
+                              f"{averaged.get('weights') or rundirs.MODEL_FILE}, and no EMA; drop `--weights ema`.")
+        return averaged_name(averaged)
     has_ema = checkpoint.has_averaged_weights(ckpt)
+    started = isinstance(state.get("ema"), dict) and state["ema"].get("started")
+    if started and not has_ema and (weights == "ema" or (weights == "run" and cfg.eval.weights == "ema")):
+        raise ConfigError(f"checkpoint {ckpt}'s {rundirs.STATE_FILE} says its run kept averaged weights, but "
+                          f"{ckpt / rundirs.EMA_FILE} is missing; the checkpoint is damaged. Use an earlier "
+                          f"checkpoint, or `--weights model` for the model's own weights.")
     if weights == "ema" and not has_ema:
         why = ("its run kept none (train.ema_decay 0)" if not cfg.train.ema_decay else
                f"it is from before train.ema_start ({cfg.train.ema_start})")

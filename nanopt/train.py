@@ -216,6 +216,10 @@ class Validator:
         loss, bpb = self._measure("test", batches, step)
         return {"test_loss": loss, "test_bpb": bpb}
 
+    def weights_name(self) -> str:
+        """The name of the weights evaluations use now: "ema" once the average has started, else "model"."""
+        return "ema" if self.ema is not None and self.ema.started else "model"
+
     def weights(self) -> contextlib.AbstractContextManager[str]:
         """The weights evaluations use, in the model for the duration; yields their name ("model" or "ema")."""
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext("model")
@@ -223,10 +227,9 @@ class Validator:
     def _measure(self, split: str, batches: Batches, step: int, **extra: Any) -> tuple[float, float]:
         with self.weights() as weights:
             loss, bpb = evaluate(self.model, batches, self.token_bytes, self.rt)
-        named = {"weights": weights} if self.ema is not None else {}  # under eval.weights=ema, every record says
-        self.metrics.log(step, {f"{split}_loss": loss, f"{split}_bpb": bpb, **extra, **named})
+        self.metrics.log(step, {f"{split}_loss": loss, f"{split}_bpb": bpb, **extra, "weights": weights})
         if self.rt.is_main:
-            of = f" ({weights} weights)" if named else ""
+            of = f" ({weights} weights)" if self.ema is not None else ""
             log.info("step %6d | %s loss %.4f | %s bpb %.4f%s", step, split, loss, split, bpb, of)
         return loss, bpb
 
@@ -477,7 +480,7 @@ def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
         if scoring or run.ckpt.should_save(state.step):
             run.save()  # before scoring: a scoring failure or a kill during it costs no trained step
         if scoring:
-            run.tasks.run(state.step)
+            run.tasks.run(state.step, run.evaluator.weights())
         if run.pause_follows(state.step):
             run.logger.window.reopen(state.step)  # the pause is not billed to the next window's steps
         faults.fault_hook("pause", state.step, run.rt.rank, cfg.run_dir)
@@ -493,7 +496,7 @@ def finish(run: Session) -> dict[str, Any]:
     test_eval = run.evaluator.test(run.directory, state.step)
     run.save()  # before scoring, which may fail (recorded) or be killed: the last step is kept either way
     if run.tasks.spec and run.tasks.last_step != state.step:
-        run.tasks.run(state.step)
+        run.tasks.run(state.step, run.evaluator.weights())
     run.ckpt.close()  # wait for the copy to checkpoint.mirror
     last = run.evaluator.last
     summary = {
@@ -511,8 +514,9 @@ def finish(run: Session) -> dict[str, Any]:
         **test_eval, **run.clock.summary(), "tasks_seconds": run.tasks.seconds if run.tasks.spec else None,
         # What makes the run finished (rundirs.finished) when it ends before max_steps.
         "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and run.clock.reached,
-        # Which weights final_val_*, best_val_*, test_* and the target's figures come from (eval.weights).
-        "eval_weights": cfg.eval.weights,
+        # Which weights the final validation and test used, as swapped in (eval.weights=ema before the average
+        # started, or a run stopped at its target first: the model's).
+        "eval_weights": run.evaluator.weights_name(),
     }
     if rt.is_main:
         write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)

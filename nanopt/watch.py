@@ -82,7 +82,8 @@ class Evaluator:
                   "source": "nanopt eval", "checkpoint": str(ckpt), "weights": loaded.weights,
                   "weights_crc32": weights_crc32(ckpt, loaded.weights_file),
                   "eval_batches": batches_n, "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
-                  "world_size": rt.world_size, "precision": self.precision_for(cfg)}
+                  "world_size": rt.world_size, "precision": self.precision_for(cfg),
+                  **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {})}
         if rt.is_main:
             evals = loaded.run_dir / EVALS_FILE
             # One record per evaluation (harness.evaluation_key): the same weights, split, batches and precision
@@ -90,7 +91,7 @@ class Evaluator:
             fresh = evaluation_key(record) not in recorded(loaded.run_dir)
             if fresh:
                 append_jsonl(evals, record)
-            of = " (ema weights)" if loaded.weights == "ema" else ""
+            of = f" ({loaded.weights} weights)" if loaded.weights != "model" else ""
             print(f"{ckpt} (step {loaded.step}){of} | {split} loss {loss:.4f} | {split} bpb {bpb:.4f} | "
                   f"{record['eval_tokens']:,} tokens in {seconds:.1f} s on {rt.world_size} rank(s) | "
                   f"{f'appended to {evals}' if fresh else f'already in {evals} from the same weights, not appended'}",

@@ -40,7 +40,8 @@ def test_the_average_is_the_mean_and_loads_evaluates_and_samples_like_any_checkp
     assert checkpoint.verify_checkpoint(ckpt) is None and not (ckpt / rundirs.OPTIMIZER_FILE).exists()
     sources = [load_file(str(_step(runs["run"], s) / rundirs.MODEL_FILE)) for s in (2, 4, 6)]
     loaded = loading.load(out)
-    assert loaded.step == 6 and loaded.weights == "model"
+    averaged_name = f"average of steps 2,4,6 of {runs['run'].resolve()}"
+    assert loaded.step == 6 and loaded.weights == averaged_name
     state = loaded.model.state_dict()
     for name in sources[0]:
         torch.testing.assert_close(state[name], sum(s[name] for s in sources) / 3, rtol=0, atol=1e-6)
@@ -49,7 +50,7 @@ def test_the_average_is_the_mean_and_loads_evaluates_and_samples_like_any_checkp
     assert averaged["checkpoints"][0]["weights_crc32"] == checkpoint.weights_crc32(_step(runs["run"], 2))
     assert cli.run(["eval", str(out)]) == 0
     record = json.loads((out / rundirs.EVALS_FILE).read_text())
-    assert record["step"] == 6 and record["weights"] == "model" and record["val_loss"] > 0
+    assert record["step"] == 6 and record["weights"] == averaged_name and record["val_loss"] > 0
     assert cli.run(["sample", str(out), "-n", "1", "--max-new-tokens", "4"]) == 0
     assert "1 samples from" in capsys.readouterr().out
 

@@ -34,7 +34,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     check_export_target(args.out, args.force)  # before the checkpoint loads: a wrong --out fails at once
     loaded = load(args.path, weights=args.weights)
-    meta = {"step": loaded.step, "source": str(loaded.source), "weights": loaded.weights}
+    meta = {"step": loaded.step, "source": str(loaded.source), "weights": loaded.weights,
+            **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {})}
     dtype = getattr(torch, args.dtype)
     try:
         out = export_model(loaded.model, args.out, loaded.cfg.data.tokenizer, loaded.cfg, dtype, meta, args.force)
