@@ -561,7 +561,9 @@ def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
     if summary is None:
         return None
     if changes := resume_changes(rundirs.read_config(cfg.run_dir) or {}, cfg, finished=True):
-        more = "" if summary.get("stopped_at_target") else " A larger `train.max_steps` continues the run."
+        more = (f" `--train.stop_at_target=false` continues the run (it stopped at its target at step "
+                f"{summary.get('steps')}) to train.max_steps." if summary.get("stopped_at_target") else
+                " A larger `train.max_steps` continues the run.")
         raise ConfigError(f"{cfg.run_dir} holds a finished run of another config ({'; '.join(changes)}; \"in the "
                           f"checkpoint\" = its config.yaml), and a finished run is not trained again. Set `run.name` "
                           f"(or `run.dir`) to a new directory for this one, run the config it used, or accept the "
@@ -598,8 +600,10 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
         done = rt.gather_objects(done)[0]
         if done is not None:
             if rt.is_main:
-                log.info("%s is finished; nothing to train (a longer run: raise train.max_steps; another run: set "
-                         "run.dir). %s", cfg.run_dir, summary_line(done))
+                longer = ("--train.stop_at_target=false continues it to train.max_steps" if
+                          done.get("stopped_at_target") else "a longer run: raise train.max_steps")
+                log.info("%s is finished; nothing to train (%s; another run: set run.dir). %s", cfg.run_dir, longer,
+                         summary_line(done))
             return done
         return _train(cfg, rt)
     finally:

@@ -68,8 +68,29 @@ def test_a_finished_runs_rerun_with_a_changed_result_key_is_refused_naming_it_an
     assert "train.target_val_loss: 4.0 in the checkpoint, 1.6 now" in text
     assert "Set `run.name` (or `run.dir`)" in text and "run the config it used" in text
     assert "`--checkpoint.allow_changes=KEY[,KEY...]`" in text
-    # Stopped at its target, a larger max_steps would not train on: not offered.
+    # Stopped at its target, a larger max_steps would not train on: not offered; what does continue it is.
     assert ("A larger `train.max_steps` continues the run." in text) is not stopped
+    assert ("`--train.stop_at_target=false` continues the run" in text) is stopped
+
+
+def test_a_run_stopped_at_its_target_continues_as_its_advice_says(tmp_path, capsys):
+    """Before: "nothing to train (a longer run: raise train.max_steps ...)", and a raised max_steps was refused as
+    a finished run of another config. Both now name --train.stop_at_target=false, which does continue it."""
+    from nanopt.main import run
+
+    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 6, "eval.every": 2,
+                                "checkpoint.every": 2, "log.tensorboard": "false", "train.target_val_loss": 100.0,
+                                "train.stop_at_target": "true"}), f"--run.dir={tmp_path}"]
+    assert run(args) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["stopped_at_target"] is True
+    capsys.readouterr()
+    assert run(args) == 0  # its own command: nothing to train, and how to go on
+    assert "--train.stop_at_target=false continues it to train.max_steps" in capsys.readouterr().out
+    assert run([*args, "--train.max_steps=8"]) == 2  # refused, naming the same way on
+    assert "`--train.stop_at_target=false` continues the run" in capsys.readouterr().err
+    assert run([*args, "--train.stop_at_target=false"]) == 0  # the advice, followed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and not summary["stopped_at_target"]
 
 
 def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(caplog):
