@@ -829,7 +829,14 @@ class Checkpointer:
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         except DAMAGED_CONTENT as e:  # not an optimizer's state_dict at all
             raise _damaged(ckpt, OPTIMIZER_FILE, e) from e
+        packing = (saved["config"].get("data") or {}).get("packing", "windows")
         for name, component in states.items():
+            if name == "loader" and packing != self.cfg.data.packing:
+                # An allowed data.packing change: the other loader's position means nothing to this one, which
+                # reads the shards from its own start (the checkpoint is sound; the data order differs).
+                log.warning("data.packing changed from %s to %s (checkpoint.allow_changes): the loader starts at "
+                            "its first batch, not at the checkpoint's position", packing, self.cfg.data.packing)
+                continue
             with _reading(ckpt, f"{STATE_FILE} `{name}` entry"):
                 component.load_state_dict(saved[name])
         with _reading(ckpt, RNG_FILE):

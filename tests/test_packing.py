@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BOS
+from conftest import BOS, small_overrides
 from nanopt import packing, shards
 from nanopt.errors import ConfigError
+from nanopt.main import run
 
 pytestmark = pytest.mark.usefixtures("bos_cache")  # conftest: the BOS index cache is never the user's
 
@@ -252,3 +253,18 @@ def test_a_cache_that_cannot_be_written_costs_one_warning(tmp_path, monkeypatch,
     where = packing.index_path(_ids(arrays)[0], BOS).parent
     assert _said(caplog, logging.WARNING, "") == [f"data: cannot cache the BOS index in {where}"]
     assert len(scans) == 6
+
+
+@pytest.mark.parametrize("before, after", [("windows", "bos_bestfit"), ("bos_bestfit", "windows")])
+def test_a_packing_change_the_user_allows_resumes_a_sound_checkpoint(before, after, tmp_path, capsys):
+    """Before: the other loader's state was restored into this one (KeyError 'plan'), reported as a loader entry
+    "damaged or written by another nanopt version" with advice to move a sound checkpoint aside."""
+    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 2,
+                                "log.tensorboard": "false", "data.packing": before}), f"--run.dir={tmp_path}"]
+    assert run(args) == 0
+    assert run([*args, "--train.max_steps=6", f"--data.packing={after}"]) == 2  # refused, naming the way on
+    assert "--checkpoint.allow_changes=KEY" in capsys.readouterr().err
+    assert run([*args, "--train.max_steps=6", f"--data.packing={after}", "--checkpoint.allow_changes=data.packing"]) == 0
+    out = capsys.readouterr()
+    assert "damaged" not in out.err + out.out
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
