@@ -10,10 +10,16 @@ dtype its backend names (Backend.reduced_dtype: fp32 on a CPU without bf16 hardw
     python bench/muon_step.py                                   # configs/speedrun-cpu.yaml's 21 matrices
     python bench/muon_step.py --config configs/170m-1gpu.yaml --repeats 5
     python bench/muon_step.py --cut-off --repeats 5            # batched vs one at a time, per shape
+    python bench/muon_step.py --whole-step --repeats 3         # whole training steps: Muon's cost against AdamW's
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Optional
 
 import _common as C
@@ -32,7 +38,39 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--cut-off", action="store_true",
                    help="instead: per shape, 6 same-shaped matrices in one batched Newton-Schulz against one at a "
                         "time, in this CPU backend's dtype: where BatchedMuon's cut-off (muon_batch_max_numel) lies")
+    p.add_argument("--whole-step", action="store_true",
+                   help="instead: whole `python -m nanopt.main` processes of --config with Muon (the backend's "
+                        "Newton-Schulz dtype), Muon in bf16, and AdamW, alternating: median ms per training step")
+    p.add_argument("--steps", type=int, default=40, help="--whole-step: steps per process (the first 10 are warm-up)")
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: --whole-step at toy width, 11 steps, once")
     return p.parse_args(argv)
+
+
+WHOLE_STEP = {"muon (auto dtype)": [], "muon, bf16 Newton-Schulz": ["--optim.muon_dtype=bf16"],
+              "adamw": ["--optim.name=adamw"]}
+
+
+def whole_step(config: str, rounds: int, steps: int, extra: tuple[str, ...] = ()) -> None:
+    """Each variant a whole training process per round, the order rotating; the median of its logged step_ms past
+    the warm-up, then the median over rounds."""
+    times: dict[str, list[float]] = {name: [] for name in WHOLE_STEP}
+    with tempfile.TemporaryDirectory() as work:
+        for r in range(rounds):
+            names = list(WHOLE_STEP)[r % 3:] + list(WHOLE_STEP)[:r % 3]
+            for name in names:
+                run_dir = Path(work) / f"{r}-{len(times[name])}-{names.index(name)}"
+                cmd = [sys.executable, "-m", "nanopt.main", "--config", config, f"--run.dir={run_dir}",
+                       f"--train.max_steps={steps}", "--eval.every=0", "--eval.test_at_end=false", "--log.every=1",
+                       "--sample.num_samples=0", "--checkpoint.every=0", "--log.tensorboard=false",
+                       *extra, *WHOLE_STEP[name]]
+                subprocess.run(cmd, cwd=C.REPO, check=True, capture_output=True)
+                rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                times[name].append(C.median([x["step_ms"] for x in rows if "step_ms" in x and x["step"] > 10]))
+                C.progress(f"round {r} | {name}: {times[name][-1]:.1f} ms/step")
+    adamw = C.median(times["adamw"])
+    print(f"| optimizer | median ms/step | spread | / AdamW |\n|---|---:|---|---:|")
+    for name, xs in times.items():
+        print(f"| {name} | {C.median(xs):.1f} | {C.spread(xs)} | {C.median(xs) / adamw:.2f}x |")
 
 
 CUT_OFF_SHAPES = [(128, 128), (128, 344), (256, 688), (384, 384), (512, 512), (768, 2048)]  # 16k .. 1.6M elements
@@ -68,6 +106,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     C.banner("Muon step: torch.optim.Muon vs BatchedMuon", {"config": a.config}, C.command(__file__, argv))
     if a.cut_off:
         return per_shape(a.repeats)
+    if a.smoke:
+        return whole_step(a.config, 1, 11, tuple(C.TOY_RECIPE))
+    if a.whole_step:
+        return whole_step(a.config, a.repeats, a.steps)
     start = matrices(a.config)
     shapes = sorted({tuple(p.shape) for p in start})
     print(f"matrices: {len(start)} in {len(shapes)} shapes {shapes}\n")

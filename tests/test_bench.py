@@ -362,6 +362,14 @@ def test_muon_step_runs(capsys):
     assert "This CPU's backend trains with" in out
 
 
+@pytest.mark.slow
+def test_muon_step_whole_step_runs(capsys):
+    """Three real training processes at toy width (Muon in the backend's dtype, in bf16, AdamW): a row each."""
+    out = run("muon_step", ["--smoke"], capsys)
+    for label in ("muon (auto dtype)", "muon, bf16 Newton-Schulz", "adamw"):
+        assert re.search(rf"\| {re.escape(label)} \| \d+\.\d \| n/a \| \d+\.\d\dx \|", out), (label, out)
+
+
 def test_muon_dist_runs(capsys):
     """Forked gloo ranks (1, then 2) step the speedrun's matrices, each orthogonalising its share."""
     out = run("muon_dist", ["--smoke"], capsys)
