@@ -283,14 +283,22 @@ class ShardWriter:
         path = self.out / shards.MANIFEST
         if path.exists():
             saved = shards.read_manifest(self.out)
-            if saved.get("fingerprint") != self.manifest["fingerprint"]:
+            unused = not saved["shards"] and not saved.get("rebuild") and not saved["state"]["next_doc"]
+            if saved.get("fingerprint") != self.manifest["fingerprint"] and unused:
+                # No shard was committed under the other configuration (a prepare that could not reach its
+                # source, say): there is nothing to mix, so this one starts afresh here.
+                log.info("prepare: %s holds no shards yet; its manifest, of another configuration, is replaced",
+                         self.out)
+                path.unlink()
+            elif saved.get("fingerprint") != self.manifest["fingerprint"]:
                 raise ConfigError(f"{self.out} holds shards prepared with a different configuration ({path} records "
                                   f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
                                   f"`data.source` at a new directory, or delete {self.out} to start over.")
-            self.manifest = saved
-            self.state = saved["state"]
-            self._check_position()
-            self._roll_back_to_first_lost(verify)
+            else:
+                self.manifest = saved
+                self.state = saved["state"]
+                self._check_position()
+                self._roll_back_to_first_lost(verify)
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
         if present and not path.exists():

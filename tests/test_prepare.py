@@ -584,6 +584,29 @@ def test_an_unreachable_hub_is_one_paragraph_at_once_naming_the_offline_fix(unre
         assert words in err, err
 
 
+def test_an_offline_prepares_advice_to_tokenise_local_files_into_the_same_directory_works(unreachable_hub,
+                                                                                          monkeypatch, tmp_path,
+                                                                                          capsys):
+    """Before: the failed prepare left a manifest with no shards, and following its advice (local files, the same
+    data.source) was refused as "holds shards prepared with a different configuration ... delete it"."""
+    import datasets
+
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", _raises(ConnectionError(
+        "Couldn't reach 'HuggingFaceFW/fineweb-edu' on the Hub (OfflineModeIsEnabled)")))
+    out = tmp_path / "shards"
+    argv = ["prepare", f"--data.source={out}", "--data.tokenizer=byte", "--prepare.add_eos=false",
+            "--prepare.dataset=HuggingFaceFW/fineweb-edu", "--prepare.shuffle_buffer=0", "--prepare.workers=1",
+            "--prepare.shard_tokens=200", "--prepare.train_tokens=1000"]
+    assert cli.run(argv) == 2
+    assert "--prepare.dataset=json" in one_paragraph(capsys.readouterr().err)
+    assert shards.read_manifest(out)["shards"] == []  # what the failed prepare leaves
+    monkeypatch.setattr(datasets, "load_dataset", real)  # local files read as ever
+    dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
+    assert cli.run([*argv, f"--prepare.dataset={dataset}", f"--prepare.data_files={files}"]) == 0
+    assert shards.read_manifest(out)["shards"]
+
+
 # ---------------------------------------------------------------- a shared data directory (the byte tokenizer)
 
 
