@@ -8,6 +8,7 @@ keys are each section's `check()`.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import operator
 import reprlib
@@ -338,10 +339,6 @@ class CheckpointConfig:
 
     def check(self, cfg: Config) -> None:
         """allow_changes names real keys: a typo would otherwise silently allow nothing. sharded needs shards."""
-        if self.sharded and cfg.runtime.parallel == "ddp":
-            raise ConfigError("`checkpoint.sharded` is true but `runtime.parallel` is ddp: nothing is sharded, every "
-                              "rank holds the whole model and checkpoints are already whole. Drop the key, or shard "
-                              "the model with `--runtime.parallel=fsdp` (or hsdp) under torchrun.")
         if self.sharded and self.mirror:
             raise ConfigError(f"`checkpoint.sharded` is true and `checkpoint.mirror` is {self.mirror!r}: the mirror "
                               f"copies whole checkpoints only, not a sharded one's dcp/ directory (not built yet). "
@@ -386,10 +383,6 @@ class RuntimeConfig:
 
     def check(self, cfg: Config) -> None:
         """What the parallelism cannot do: each is refused before anything is built."""
-        if self.shard_group_size is not None and self.parallel != "hsdp":
-            raise ConfigError(f"`runtime.shard_group_size` is {self.shard_group_size} but `runtime.parallel` is "
-                              f"{self.parallel}: shard groups exist only under hsdp, so the key would be ignored. "
-                              f"Use `--runtime.parallel=hsdp`, or drop the key (`--runtime.shard_group_size=null`).")
         if self.parallel != "ddp" and self.device == "xla":
             raise ConfigError(f"`runtime.parallel` is {self.parallel} but `runtime.device` is xla: on XLA one process "
                               f"drives every chip through SPMD, a separate path that FSDP2 does not run on. Use "
@@ -770,8 +763,46 @@ def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         raise ConfigError(f"`{key}` must be {finite}{bounds_text(meta)}{null}, got {value}.")
 
 
+# The one rule for keys that act only behind a switch: such a key set away from its default while its switch is off
+# would be ignored, so it is refused (validate), naming the switch. key -> (the switch's key, what it must be, is
+# it so). A config that keeps presets for an optional feature (profile.*) states them as flags in a comment.
+SWITCHES: dict[str, tuple[str, str, Callable[[Config], bool]]] = {
+    "train.ema_start": ("train.ema_decay", "above 0", lambda c: c.train.ema_decay > 0),
+    "train.decay_fraction": ("train.schedule", "wsd", lambda c: c.train.schedule == "wsd"),
+    "train.batch_lr_rule": ("train.batch_schedule", "a schedule", lambda c: bool(c.train.batch_schedule.strip())),
+    "train.schedule_unit": ("train.batch_schedule", "a schedule (or train.seq_len_schedule)",
+                            lambda c: bool(c.train.batch_schedule.strip() or c.train.seq_len_schedule.strip())),
+    "eval.tasks_every": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
+    "eval.tasks_limit": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
+    "eval.tasks_path": ("eval.tasks", "a task list", lambda c: bool(c.eval.tasks)),
+    "runtime.shard_group_size": ("runtime.parallel", "hsdp", lambda c: c.runtime.parallel == "hsdp"),
+    "checkpoint.sharded": ("runtime.parallel", "fsdp or hsdp", lambda c: c.runtime.parallel != "ddp"),
+    **{f"profile.{f.name}": ("profile.enabled", "true", lambda c: c.profile.enabled)
+       for f in fields(ProfileConfig) if f.name != "enabled"},
+}
+
+
+def _refuse_ignored(cfg: Config) -> None:
+    """ConfigError for the first key of SWITCHES set away from its default while its switch is off."""
+    for name, (switch, needs, on) in SWITCHES.items():
+        section, key_name = name.split(".")
+        value = getattr(getattr(cfg, section), key_name)
+        default = next(f.default for f in fields(SECTIONS[section]) if f.name == key_name)
+        if value != default and not on(cfg):
+            now = getattr(getattr(cfg, switch.split(".")[0]), switch.split(".")[1])
+            raise ConfigError(f"`{name}` is {_shown(value)}, but it acts only when `{switch}` is {needs} (it is "
+                              f"{_shown(now)}), so the key would be ignored. Set `{switch}`, or drop the key "
+                              f"(`--{name}={_shown(default)}`).")
+
+
+def _shown(value: Any) -> str:
+    """A value as an override writes it: wsd, 0.5, true, null, \"\"."""
+    return value if isinstance(value, str) and value else json.dumps(value)
+
+
 def validate(cfg: Config) -> None:
-    """Checks that need no knowledge of the world size: every key's own rules, then each section's check()."""
+    """Checks that need no knowledge of the world size: every key's own rules, then each section's check(), then
+    the one rule for keys behind a switch (SWITCHES)."""
     sections = [(name, getattr(cfg, name)) for name in SECTIONS]
     for name, values in sections:
         for f in fields(values):
@@ -779,6 +810,7 @@ def validate(cfg: Config) -> None:
     for _, values in sections:
         if hasattr(values, "check"):
             values.check(cfg)
+    _refuse_ignored(cfg)
 
 
 def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> Config:

@@ -22,10 +22,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from nanopt.config import SECTIONS, bounds_text, choices_text  # noqa: E402
+from nanopt.config import SECTIONS, SWITCHES, bounds_text, choices_text  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
 COMMAND = "python scripts/config_docs.py --write"
+
+SWITCHED = "; ".join(f"`{name}` (`{switch}`: {needs})" for name, (switch, needs, _) in SWITCHES.items())
 
 INTRO = f"""\
 # Configuration reference
@@ -50,6 +52,10 @@ A run is configured by one YAML file of sections (`run:`, `model:`, `train:`, ..
   multiple of micro_batch_size × seq_len × world size) stop the command before anything runs, with one
   paragraph naming the key and what would be valid (exit code 2). A key with bounds takes finite numbers
   only: `nan` and `inf` are refused.
+- **Keys behind a switch.** A key that acts only when another is on, set away from its default while that
+  switch is off, would be ignored, so it is refused (exit 2, naming the switch and the default that drops it):
+  {SWITCHED}. A config keeps presets for an optional feature as flags in a comment (the `profile:` of
+  `configs/1b.yaml`).
 - **Derived values.** At start-up a `model.max_seq_len` of 0 becomes `train.seq_len`. The stage plan
   (nanopt/plan.py) derives each stage's steps, tokens and micro-steps per optimizer step (batch tokens /
   (micro_batch_size × seq_len × world size)) from the config and the world size; a run logs each stage as it

@@ -269,3 +269,38 @@ def test_a_huge_wrong_value_is_shown_shortly_in_its_message(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "big.yaml")
     assert "`train.lr` must be a number, got [0, 0, 0, 0, 0, 0, ...]." in str(e.value) and len(str(e.value)) < 300
+
+
+# Each key that acts only behind a switch (config.SWITCHES): set with its switch off, then with it on.
+SWITCHED = [
+    ("--train.ema_start=5", "train.ema_decay", ["--train.ema_decay=0.9"]),
+    ("--train.decay_fraction=0.3", "train.schedule", ["--train.schedule=wsd"]),
+    ("--train.batch_lr_rule=linear", "train.batch_schedule", ["--train.batch_schedule=0:8192,100:16384"]),
+    ("--train.schedule_unit=tokens", "train.batch_schedule", ["--train.seq_len_schedule=0:128,1000:256"]),
+    ("--eval.tasks_every=50", "eval.tasks", ["--eval.tasks=hellaswag"]),
+    ("--eval.tasks_limit=10", "eval.tasks", ["--eval.tasks=hellaswag"]),
+    ("--profile.active=3", "profile.enabled", ["--profile.enabled=true"]),
+    ("--profile.ranks=all", "profile.enabled", ["--profile.enabled=true"]),
+    ("--runtime.shard_group_size=2", "runtime.parallel", ["--runtime.parallel=hsdp"]),
+    ("--checkpoint.sharded=true", "runtime.parallel", ["--runtime.parallel=fsdp"]),
+]
+
+
+@pytest.mark.parametrize("arg, switch, on", SWITCHED, ids=[s[0] for s in SWITCHED])
+def test_a_key_set_with_its_switch_off_is_refused_as_ignored_and_accepted_with_it_on(arg, switch, on):
+    """One rule for every key behind a switch. Before: train.ema_start without train.ema_decay, decay_fraction
+    without wsd and profile.* without profile.enabled were silently ignored, while shard_group_size was refused."""
+    name = arg[2:].split("=")[0]
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, parse_overrides([arg]))
+    text = str(refused.value)
+    assert f"`{name}` is" in text and f"`{switch}`" in text and "would be ignored" in text, text
+    assert f"drop the key (`--{name}=" in text, text
+    load_config(None, parse_overrides([arg, *on]))  # the switch on: the key acts
+    default = text.split(f"(`--{name}=")[1].split("`")[0]
+    load_config(None, parse_overrides([arg, f"--{name}={default}"]))  # the advice followed: the key dropped
+
+
+def test_every_shipped_config_sets_no_key_its_switch_leaves_ignored():
+    for path in sorted(configs_dir().glob("*.yaml")):
+        load_config(str(path), [])
