@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -324,8 +325,12 @@ def test_a_full_disk_during_export_is_one_paragraph_exit_1_and_leaves_no_half_mo
 
 def test_export_refuses_a_checkpoint_directory_even_with_force(trained_run, tmp_path):
     ckpt, _ = newest_checkpoint(trained_run)
-    with pytest.raises(ConfigError, match="is a nanopt checkpoint directory"):
+    with pytest.raises(ConfigError, match="a checkpoint of the run"):  # inside its run: the run would prune it
         check_export_target(ckpt, force=True)
+    elsewhere = tmp_path / "copied"
+    shutil.copytree(ckpt, elsewhere)
+    with pytest.raises(ConfigError, match="is a nanopt checkpoint directory"):
+        check_export_target(elsewhere, force=True)
 
 
 # ---------------------------------------------------------------- the opt-in model options
