@@ -233,7 +233,7 @@ def refuse_inside_checkpoints(out: Path, flag: str = "--out") -> None:
     """ConfigError when the output path `out` is a checkpoint of a run's checkpoints/ (a step_NNNNNN or a
     temporary .tmp_ name) or below one: the run replaces, prunes (checkpoint.keep) or removes such a directory as
     its own, so whatever nanopt wrote there would be lost (and read by the run as a checkpoint of its own)."""
-    out = Path(os.path.abspath(out))
+    out = Path(out).resolve()  # a link into a run's checkpoints/ is inside them too
     for here in (out, *out.parents):
         if here.parent.name == CHECKPOINTS_DIR and (STEP_DIR.match(here.name) or here.name.startswith(".tmp_")):
             run = here.parent.parent

@@ -169,14 +169,17 @@ OUTPUTS = {  # each command that writes an output directory or file: argv after 
 }
 
 
-@pytest.mark.parametrize("where", ["step_000004", "step_000010", ".tmp_step_000010", "step_000004/below"])
+@pytest.mark.parametrize("where", ["step_000004", "step_000010", ".tmp_step_000010", "step_000004/below", "link"])
 @pytest.mark.parametrize("command", sorted(OUTPUTS))
 def test_no_command_writes_inside_a_runs_checkpoints(command, where, runs, capsys):
     """A run replaces, prunes or removes its checkpoints/step_NNNNNN and .tmp_ directories as its own: an average
     (or export, plot, tasks, sweep) written there would be lost, and read by the run as a checkpoint."""
     ckpts = runs["run"] / rundirs.CHECKPOINTS_DIR
+    if where == "link":  # a link elsewhere to one of the run's checkpoints
+        where = ckpts.parent.parent / f"link-{command}"
+        where.symlink_to(ckpts / "step_000004")
     before = sorted(str(p.relative_to(ckpts)) for p in ckpts.rglob("*"))
     assert cli.run(OUTPUTS[command](runs["run"], ckpts / where)) == 2
     err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and f"checkpoint of the run {runs['run']}" in err, err
+    assert err.strip().count("\n") == 0 and f"checkpoint of the run {runs['run'].resolve()}" in err, err
     assert sorted(str(p.relative_to(ckpts)) for p in ckpts.rglob("*")) == before
