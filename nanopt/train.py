@@ -593,6 +593,7 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
     """Run (or resume) training; returns summary.json's contents. A finished run is not trained further: its
     summary is returned and nothing written. However the run ends, profiler, checkpointer (mirror copies),
     logs and the run directory's lock are closed the same way."""
+    rundirs.refuse_inside_checkpoints(cfg.run_dir, "--run.dir")  # another run would prune this one away
     lock = own_run_dir(cfg, rt)
     try:
         # checkpoint.resume=false asks for a fresh run: the checkpointer refuses a directory that is not empty.

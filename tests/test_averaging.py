@@ -161,6 +161,7 @@ def test_bad_input_is_one_paragraph_exit_2_and_nothing_written(case, argv, words
 
 
 OUTPUTS = {  # each command that writes an output directory or file: argv after `nanopt`, given the --out path
+    "train": lambda run, out: ["train", *ARGS, f"--run.dir={out}"],
     "average": lambda run, out: ["average", str(run), "--last", "2", "--out", str(out)],
     "export": lambda run, out: ["export", str(run), "--out", str(out)],
     "plot": lambda run, out: ["plot", str(run), "-o", str(out / "curves.png")],
