@@ -800,9 +800,10 @@ def _shown(value: Any) -> str:
     return value if isinstance(value, str) and value else json.dumps(value)
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, saved: bool = False) -> None:
     """Checks that need no knowledge of the world size: every key's own rules, then each section's check(), then
-    the one rule for keys behind a switch (SWITCHES)."""
+    the one rule for keys behind a switch (SWITCHES), except for a `saved` config (a checkpoint's, an export's):
+    what a run was trained with loads as written, and a key it ignored changed nothing."""
     sections = [(name, getattr(cfg, name)) for name in SECTIONS]
     for name, values in sections:
         for f in fields(values):
@@ -810,7 +811,8 @@ def validate(cfg: Config) -> None:
     for _, values in sections:
         if hasattr(values, "check"):
             values.check(cfg)
-    _refuse_ignored(cfg)
+    if not saved:
+        _refuse_ignored(cfg)
 
 
 def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None) -> Config:
@@ -862,7 +864,7 @@ def config_from_dict(data: Any, where: str) -> Config:
         for name, value in values.items():
             if f"{section_name}.{name}" not in RETIRED_KEYS:
                 _apply(cfg, f"{section_name}.{name}", value, where)
-    validate(cfg)  # its messages name the key; the caller's context names the file
+    validate(cfg, saved=True)  # its messages name the key; the caller's context names the file
     return cfg
 
 

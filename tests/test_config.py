@@ -301,6 +301,15 @@ def test_a_key_set_with_its_switch_off_is_refused_as_ignored_and_accepted_with_i
     load_config(None, parse_overrides([arg, f"--{name}={default}"]))  # the advice followed: the key dropped
 
 
+def test_a_saved_config_with_a_key_its_switch_ignored_still_loads():
+    """A checkpoint of configs/1b.yaml from before the rule holds profile.wait 5 with profiling off: eval, export
+    and resume read it as written (the key changed nothing), while the same key given now is refused."""
+    data = load_config(None, []).to_dict()
+    data["profile"]["wait"], data["train"]["ema_start"] = 5, 7
+    cfg = config_from_dict(data, "state.json")
+    assert (cfg.profile.wait, cfg.train.ema_start) == (5, 7)
+
+
 def test_every_shipped_config_sets_no_key_its_switch_leaves_ignored():
     for path in sorted(configs_dir().glob("*.yaml")):
         load_config(str(path), [])
