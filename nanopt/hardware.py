@@ -147,8 +147,8 @@ def cpu_flags() -> str:
 
 
 # What a CPU's vector units compute natively, best first: (name, the /proc/cpuinfo flags that mean it, native bf16).
-# Without bf16 hardware torch emulates bf16 matmuls through fp32 and conversions: on a 2-core AVX2 AMD EPYC a batched
-# matmul of the CPU speedrun's width ran 45x slower in bf16 than in fp32 (docs/results.md, "CPU kinds").
+# Without bf16 hardware torch emulates bf16 matmuls through fp32 and conversions: on 2-core AVX2 AMD EPYCs a batched
+# matmul of the CPU speedrun's width ran 45-59x slower in bf16 than in fp32 (docs/results.md, "CPU kinds").
 CPU_ISAS = (("AMX", ("amx_bf16",), True), ("AVX512-BF16", ("avx512_bf16",), True), ("AVX512", ("avx512f",), False),
             ("AVX2", ("avx2",), False), ("ARM-BF16", ("bf16",), True))
 
