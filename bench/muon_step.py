@@ -25,6 +25,7 @@ from typing import Optional
 import _common as C
 import torch
 
+from nanopt import rundirs
 from nanopt.config import load_config
 from nanopt.model import build_model
 from nanopt.optim import BatchedMuon, orthogonalize, param_groups
@@ -64,7 +65,7 @@ def whole_step(config: str, rounds: int, steps: int, extra: tuple[str, ...] = ()
                        "--sample.num_samples=0", "--checkpoint.every=0", "--log.tensorboard=false",
                        *extra, *WHOLE_STEP[name]]
                 subprocess.run(cmd, cwd=C.REPO, check=True, capture_output=True)
-                rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                rows = [json.loads(x) for x in (run_dir / rundirs.METRICS_FILE).read_text().splitlines()]
                 times[name].append(C.median([x["step_ms"] for x in rows if "step_ms" in x and x["step"] > 10]))
                 C.progress(f"round {r} | {name}: {times[name][-1]:.1f} ms/step")
     adamw = C.median(times["adamw"])
