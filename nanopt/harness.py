@@ -22,7 +22,6 @@ import torch
 from nanopt import core, hub, parallel, runtime
 from nanopt.checkpoint import weights_crc32
 from nanopt.config import Config, comma_list
-from nanopt.taskinput import TASK_HINT, cause, entry_files, files_note, input_errors, load_tasks
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
 from nanopt.io import append_jsonl, is_number
@@ -227,9 +226,12 @@ def check_tasks(spec: TaskSpec) -> None:
 def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None, limit: Optional[float] = None,
                    num_fewshot: Optional[int] = None) -> Optional[dict[str, Any]]:
     """lm-eval's simple_evaluate on an lm_class() object: its results dict on the main rank, None elsewhere. The
-    tasks are built and checked first (load_tasks), and what the harness still raises on a task's YAML or data is
-    caught here, at the boundary: ConfigError naming the tasks, their files and the cause."""
+    tasks are built first (load_tasks); what the harness raises on a task's YAML or data while it scores is bad
+    input (_task_error); a model or device failure (a RuntimeError) passes as it is."""
     lm_eval = _lm_eval()
+    import datasets.exceptions  # both come with lm-eval
+    import jinja2
+
     manager = _task_manager(tasks, include_path)
     built = load_tasks(manager, tasks)  # handed to the harness as objects: each task's data is read once
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -238,10 +240,124 @@ def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None
                                        num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=1000)
     except ConfigError:
         raise
-    except input_errors() as e:
-        files = [f for name in tasks for f in entry_files(manager, name)]
-        raise ConfigError(f"lm-eval could not score task(s) {', '.join(tasks)}{files_note(files)}: {cause(e)}. "
-                          f"{TASK_HINT}") from None
+    except (ValueError, LookupError, FileNotFoundError, StopIteration, datasets.exceptions.DatasetsError,
+            jinja2.TemplateError) as e:
+        raise _task_error(manager, tasks, e) from None
+
+
+# ---------------------------------------------------------------- the boundary for lm-eval's task input
+TASK_HINT = ("Check the task YAML and its data_files: local paths must exist and hold one JSON object a line with "
+             "the fields the YAML's doc_to_text, doc_to_target and doc_to_choice use (hub datasets need the network).")
+
+
+def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
+    """The harness's Task and Group objects for `tasks`, each built by lm-eval (its YAML and data read, its first
+    row rendered) and its rows checked for what lm-eval accepts silently (_check_rows). Building reads only the
+    task's own files, so whatever lm-eval, datasets or jinja2 raise here is bad input (_task_error)."""
+    built: list[Any] = []
+    for name in tasks:
+        try:
+            loaded = manager.load([name])
+            for task in loaded["tasks"].values():
+                _check_rows(task)
+        except ConfigError:
+            raise
+        except Exception as e:  # the boundary: lm-eval validates its inputs, nanopt names them
+            raise _task_error(manager, [name], e) from None
+        top = loaded["groups"].get(name, loaded["tasks"].get(name))
+        built += [top] if top is not None else list(loaded["tasks"].values())  # a tag: its tasks
+    return built
+
+
+def _task_error(manager: Any, names: list[str], e: BaseException) -> ConfigError:
+    """The one paragraph for task input the harness refused: the task(s), their YAMLs and data files, and the
+    cause (with the reader's own error, which datasets wraps: "JSON parse error ... in row 1"); a hub dataset that
+    cannot be reached and is not cached gets the offline fix."""
+    configs = [c for name in names for c in _configs(manager, name, set())]
+    if hub.is_unreachable_error(e):
+        paths = list(dict.fromkeys(c["dataset_path"] for c in configs if isinstance(c.get("dataset_path"), str)))
+        data = f" (its data: {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''})" if paths else ""
+        return ConfigError(hub.not_cached(
+            f"lm-eval task {', '.join(names)}{data}", e, "Or score local tasks: `nanopt eval --make-tasks tasks/` "
+            "writes demo tasks, nanopt_mc and nanopt_rolling from `--include-path tasks/` (in training "
+            "`eval.tasks_path`), and a CORE bundle, tasks/core for `--core` (`eval.core`); docs/evaluation.md, "
+            "Downstream tasks.", f"score it once (`nanopt eval RUN --tasks {', '.join(names)} --limit 1`)"))
+    yamls = [str(p) for n in names if (p := getattr(manager.task_index.get(n), "yaml_path", None))]
+    files = ", ".join(dict.fromkeys(str(f) for c in configs for f in _local_files(c.get("dataset_kwargs"))))
+    files = files or "its data"
+    inner = e.__cause__ or e.__context__
+    why = f"{type(e).__name__}: {e}"
+    why += f" ({type(inner).__name__}: {inner})" if inner is not None and str(inner) not in why else ""
+    why = f": {files} has no rows" if isinstance(e, StopIteration) else f" (data {files}): {why}"
+    return ConfigError(f"lm-eval could not build or score task {', '.join(names)}"
+                       f"{' from ' + ', '.join(yamls) if yamls else ''}{why}. {TASK_HINT}")
+
+
+def _configs(manager: Any, name: Any, seen: set[str]) -> list[dict[str, Any]]:
+    """The YAML config of a task and those of a group's tasks (inline ones too), as lm-eval's index holds them."""
+    if isinstance(name, dict):
+        return [name]
+    if not isinstance(name, str) or name in seen:
+        return []
+    seen.add(name)
+    cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
+    members = cfg.get("task") if "group" in cfg else None
+    return [cfg] + [c for m in (members if isinstance(members, list) else []) for c in _configs(manager, m, seen)]
+
+
+def _local_files(dataset_kwargs: Any, split: Optional[str] = None) -> list[Path]:
+    """The local paths in a YAML's dataset_kwargs.data_files (a path, a list, or a map of split to either), those
+    of `split` when given."""
+    data = dataset_kwargs.get("data_files") if isinstance(dataset_kwargs, dict) else None
+    if isinstance(data, dict):
+        data = data.get(split) if split else [v for vs in data.values() for v in (vs if isinstance(vs, list) else [vs])]
+    return [Path(v) for v in (data if isinstance(data, list) else [data]) if isinstance(v, str) and "://" not in v]
+
+
+def _check_rows(task: Any) -> None:
+    """What lm-eval accepts silently, in a task whose data is local files (what a user wrote; the harness's own
+    hub tasks are its to keep): a row without a field the templates use (datasets fills it with null, which
+    renders as "None") and a multiple-choice gold outside its choices (only a warning, scored wrong).
+    ConfigError naming the row of the evaluation split."""
+    config = task.config
+    split = config.test_split if task.has_test_docs() else config.validation_split
+    files = _local_files(config.dataset_kwargs, split)
+    if not files:
+        return
+    used = _fields_used(task)
+    for row, doc in enumerate(task.eval_docs, 1):
+        missing = sorted(f for f in used if f in doc and doc[f] is None)
+        if problem := f"it has no {', '.join(missing)}" if missing else _gold_problem(task, doc):
+            raise ConfigError(f"lm-eval task {config.task}: {', '.join(map(str, files))} row {row} of its {split} "
+                              f"split: {problem}. Every row needs the fields its YAML's doc_to_text, doc_to_target "
+                              f"and doc_to_choice use, and a multiple-choice gold inside its choices; mend or "
+                              f"remove that row.")
+
+
+def _fields_used(task: Any) -> set[str]:
+    """The data fields the YAML's doc_to_text, doc_to_target and doc_to_choice read: a field's name, or a Jinja
+    template's variables (lm-eval has parsed each template: the first row rendered)."""
+    import jinja2.meta
+
+    features, used = set(getattr(task, "features", None) or []), set()
+    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        if isinstance(value := getattr(task.config, key, None), str):
+            used |= {value} & features or jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(value))
+    return used & features
+
+
+def _gold_problem(task: Any, doc: Any) -> Optional[str]:
+    """Why a multiple-choice row's gold is none of its choices (lm-eval's rule: an int indexes the choices, a
+    string is one of them; a list holds several), or None."""
+    if task.OUTPUT_TYPE != "multiple_choice":
+        return None
+    text, target, choices = task.doc_to_text(doc), task.doc_to_target(doc), task.doc_to_choice(doc)
+    gold = text if isinstance(text, int) else target  # several contexts (winogrande): the text is the gold index
+    for g in gold if isinstance(gold, list) else [gold]:
+        if not (0 <= g < len(choices) if isinstance(g, int) else g in choices):
+            return f"its gold {g!r} is not one of its {len(choices)} choices (an index 0-{len(choices) - 1}, or " \
+                   f"one of the choice strings)"
+    return None
 
 
 def task_records(results: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:

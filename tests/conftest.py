@@ -453,7 +453,7 @@ TASK_LINES = [f"{who}: {what} the {thing} of the {place}, said the {adj} {who2}.
 TASK_TEXTS = ["\n".join(TASK_LINES[i:] + TASK_LINES[:i]) for i in range(0, 48, 12)]
 
 
-# The task directories are read only, and session-scoped: tests in two files use each, and lm-eval indexes a
+# The task directory is read only, and session-scoped: tests in several files use it, and lm-eval indexes a
 # directory once per path (nanopt.harness keeps its TaskManager), seconds a time.
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory) -> Path:
@@ -461,53 +461,6 @@ def task_dir(tmp_path_factory) -> Path:
     make_tasks(out, TASK_TEXTS, n=12)
     write_bundle(out / "core", TASK_TEXTS, n=12)
     return out
-
-
-def rows_text(root: Path) -> str:
-    return (root / "nanopt_mc.jsonl").read_text()
-
-
-def edit_row(text: str, line: int, old: str, new: str) -> str:
-    """The JSONL text with `old` replaced by `new` in its line `line` (1-based) only."""
-    lines = text.split("\n")
-    assert old in lines[line - 1]
-    lines[line - 1] = lines[line - 1].replace(old, new, 1)
-    return "\n".join(lines)
-
-
-def add_task(root: Path, name: str, data: str | None) -> None:
-    """A copy of the generated multiple-choice task under another name, reading `data` (None: no file)."""
-    spec = yaml.safe_load((root / "nanopt_mc.yaml").read_text())
-    spec["task"] = name
-    spec["dataset_kwargs"]["data_files"]["test"] = str(root / f"{name}.jsonl")
-    (root / f"{name}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    if data is not None:
-        (root / f"{name}.jsonl").write_text(data)
-
-
-BROKEN = {
-    "bad_json": (lambda t: edit_row(t, 2, "{", "{oops "), ["bad_json.jsonl:2 is not JSON"]),
-    "bad_empty": (lambda t: "", ["bad_empty.jsonl has no rows"]),
-    "bad_gold": (lambda t: edit_row(t, 3, '"gold": ', '"gold": 9'), ["bad_gold.jsonl:3", "not one of its 4 choices"]),
-    "bad_gold_first": (lambda t: edit_row(t, 1, '"gold": ', '"gold": 9'), ["bad_gold_first.jsonl:1", "IndexError"]),
-    "bad_context": (lambda t: t.replace('"context"', '"ctx"'), ["bad_context.jsonl:1", "'context' is undefined"]),
-    "bad_row_context": (lambda t: edit_row(t, 2, '"context"', '"ctx"'), ["bad_row_context.jsonl:2", "no context"]),
-    "bad_missing": (None, ["bad_missing.jsonl does not exist"]),
-}
-
-
-@pytest.fixture(scope="session")
-def broken_task_dir(tmp_path_factory) -> Path:
-    """The generated tasks, a broken copy of nanopt_mc per BROKEN case, a group holding one, and a CORE bundle."""
-    root = tmp_path_factory.mktemp("tasks")
-    make_tasks(root, TASK_TEXTS, n=12)
-    good = rows_text(root)
-    for name, (breaks, _) in BROKEN.items():
-        add_task(root, name, breaks(good) if breaks else None)
-    (root / "bad_group.yaml").write_text(yaml.safe_dump({"group": "bad_group", "task": ["nanopt_rolling", "bad_json"],
-                                                         "metadata": {"version": 1.0}}))
-    write_bundle(root / "bundle", TASK_TEXTS, n=12)
-    return root
 
 
 def error_line(err: str, command: str = "eval") -> str:

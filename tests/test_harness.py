@@ -154,6 +154,26 @@ def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path):
         lm_class()(path=str(tmp_path / "nothing"))
 
 
+def test_a_harness_failure_on_task_data_while_scoring_is_caught_at_the_boundary(task_dir, monkeypatch):
+    """What the harness raises on data while it scores is bad input naming the task and its file (the damaged
+    inputs themselves: e2e/test_bad_task_input.py); a failure of the model or device (a RuntimeError) is not, and
+    passes unchanged."""
+    import datasets.exceptions
+    import lm_eval
+
+    lm = lm_class()(model=build_model(ModelConfig(vocab_size=257, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                  ffn_dim=32, max_seq_len=64)), tokenizer="byte", rt=CPU)
+    for error, raised, words in [
+            (datasets.exceptions.DatasetGenerationError("generation"), ConfigError,
+             r"nanopt_mc.*nanopt_mc\.jsonl.*DatasetGenerationError"),
+            (StopIteration(), ConfigError, "no rows"), (RuntimeError("CUDA error"), RuntimeError, "CUDA error")]:
+        def simple_evaluate(error=error, **kwargs):
+            raise error
+        monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+        with pytest.raises(raised, match=words):
+            evaluate_tasks(lm, ["nanopt_mc"], str(task_dir))
+
+
 def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(tmp_path, monkeypatch):
     """Tasks and groups whose every member is in --include-path resolve without lm-eval's ~15,000 YAMLs (seconds
     saved per process); a group that names one of lm-eval's own tasks still gets the whole index."""

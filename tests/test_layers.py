@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
     ("model", "data", "packing", "faults", "metrics"),
     ("fp8", "parallel"),                                  # float8 Linears; DDP / FSDP2 (runtime.parallel)
-    ("mfu", "profiling", "evaluation", "generate", "hf", "taskgen", "taskinput", "ema"),
+    ("mfu", "profiling", "evaluation", "generate", "hf", "taskgen", "ema"),
     ("checkpoint", "scoring"),                            # the format; THE continuation scorer
     ("loading", "core", "averaging"),                     # a model from a run; CORE; checkpoints averaged
     ("harness",),                                         # the tasks wing: scoring a model, lm-eval's adapter

@@ -1,6 +1,6 @@
-"""Bad task and bundle input to `nanopt eval --tasks/--core` on a trained run: every broken file is one paragraph
-naming it (and the line), exit 2, no traceback; a bundle reads only its own files; bad flags are refused; and each
-(checkpoint, task) is written once."""
+"""Bad task and bundle input to `nanopt eval --tasks/--core` on a trained run, one row per damaged input at the one
+boundary: one paragraph naming the file (and the row), exit 2, no traceback, nothing recorded; a bundle reads only
+its own files; and each (checkpoint, task) is written once."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from conftest import BROKEN, error_line, small_overrides
+from conftest import TASK_TEXTS, error_line, small_overrides
 from nanopt import harness
 from nanopt.cli import run as cli
 from nanopt.errors import ConfigError
 from nanopt.main import run as main_run
+from nanopt.taskgen import make_tasks, write_bundle
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 
@@ -28,12 +30,106 @@ def run_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.slow  # lm-eval indexes its tasks for seconds
-@pytest.mark.parametrize("name", [*BROKEN, "bad_group"])
-def test_broken_task_data_is_one_paragraph_naming_the_file_and_line(name, broken_task_dir, run_dir, capsys):
-    assert cli(["eval", str(run_dir), "--tasks", name, "--include-path", str(broken_task_dir), "--limit", "4"]) == 2
+def _row(line: int, old: str, new: str):
+    """nanopt_mc.jsonl with `old` replaced by `new` in its line `line` (1-based) only."""
+    def edit(text: str) -> str:
+        lines = text.split("\n")
+        assert old in lines[line - 1]
+        lines[line - 1] = lines[line - 1].replace(old, new, 1)
+        return "\n".join(lines)
+    return edit
+
+
+BROKEN = {  # a copy of nanopt_mc reading damaged data (None: no data file)
+    "bad_json": _row(2, "{", "{oops "), "bad_empty": lambda t: "", "bad_gold": _row(3, '"gold": ', '"gold": 9'),
+    "bad_gold_first": _row(1, '"gold": ', '"gold": 9'), "bad_context": lambda t: t.replace('"context"', '"ctx"'),
+    "bad_row_context": _row(2, '"context"', '"ctx"'), "bad_missing": None,
+}
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    """The generated tasks, a broken copy of nanopt_mc per BROKEN entry, a group holding one, and a CORE bundle."""
+    root = tmp_path_factory.mktemp("tasks")
+    make_tasks(root, TASK_TEXTS, n=12)
+    good, spec = (root / "nanopt_mc.jsonl").read_text(), yaml.safe_load((root / "nanopt_mc.yaml").read_text())
+    for name, breaks in BROKEN.items():
+        data = {"data_files": {"test": str(root / f"{name}.jsonl")}}
+        (root / f"{name}.yaml").write_text(yaml.safe_dump({**spec, "task": name, "dataset_kwargs": data}))
+        if breaks:
+            (root / f"{name}.jsonl").write_text(breaks(good))
+    (root / "bad_group.yaml").write_text(yaml.safe_dump({"group": "bad_group", "task": ["nanopt_rolling", "bad_json"],
+                                                         "metadata": {"version": 1.0}}))
+    write_bundle(root / "bundle", TASK_TEXTS, n=12)
+    return root
+
+
+def _broken_bundle(tasks: Path, tmp_path: Path, old: str, new: str, name: str = "eval_meta_data.csv") -> Path:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tasks / "bundle", bundle)
+    path = bundle / name
+    path.write_text(path.read_text().replace(old, new, 1))
+    return bundle
+
+
+def _task(name: str):
+    return lambda run, tasks, tmp: [run, "--tasks", name, "--include-path", str(tasks), "--limit", "4"]
+
+
+def _bundle(old: str, new: str, name: str = "eval_meta_data.csv"):
+    return lambda run, tasks, tmp: [run, "--core", str(_broken_bundle(tasks, tmp, old, new, name))]
+
+
+def _outside(uri: str):
+    """A bundle whose dataset_uri leaves it for a good task file elsewhere, which it would read without the check."""
+    def args(run: str, tasks: Path, tmp: Path) -> list[str]:
+        elsewhere = tmp / "elsewhere" / "x.jsonl"
+        elsewhere.parent.mkdir()
+        shutil.copy(tasks / "bundle" / "eval_data" / "nanopt_line_end.jsonl", elsewhere)
+        written = str(elsewhere) if uri == "ABSOLUTE" else uri
+        bundle = _broken_bundle(tasks, tmp, "nanopt_line_end.jsonl", written, "core.yaml")
+        assert (bundle / "eval_data" / written).resolve() == elsewhere.resolve()
+        return [run, "--core", str(bundle)]
+    return args
+
+
+def _flags(*flags: str):
+    return lambda run, tasks, tmp: [run, *flags]
+
+
+slow = pytest.mark.slow  # lm-eval indexes its tasks for seconds
+DAMAGED = [  # (id, `nanopt eval` arguments meeting the damaged input, words its one paragraph holds)
+    pytest.param(_task("bad_json"), ["bad_json.jsonl", "JSON parse error", "in row 1"], id="bad_json", marks=slow),
+    pytest.param(_task("bad_empty"), ["bad_empty.jsonl has no rows"], id="bad_empty", marks=slow),
+    pytest.param(_task("bad_gold"), ["bad_gold.jsonl row 3", "not one of its 4 choices"], id="bad_gold", marks=slow),
+    pytest.param(_task("bad_gold_first"), ["bad_gold_first.jsonl", "IndexError"], id="bad_gold_first", marks=slow),
+    pytest.param(_task("bad_context"), ["bad_context.jsonl", "'context' is undefined"], id="bad_context", marks=slow),
+    pytest.param(_task("bad_row_context"), ["bad_row_context.jsonl row 2", "no context"], id="bad_row_context",
+                 marks=slow),
+    pytest.param(_task("bad_missing"), ["bad_missing.yaml", "Unable to find", "bad_missing.jsonl"], id="bad_missing",
+                 marks=slow),
+    pytest.param(_task("bad_group"), ["task bad_group", "bad_json.jsonl", "JSON parse error"], id="bad_group",
+                 marks=slow),
+    # A random baseline of 100 divided by zero; NaN, 150 and -10 gave a meaningless CORE.
+    *[pytest.param(_bundle("25.0", b), ["eval_meta_data.csv:2", "nanopt_line_end", repr(b)], id=f"baseline {b}")
+      for b in ("100", "100.0", "nan", "150", "-10", "inf")],
+    *[pytest.param(_outside(u), ["core.yaml", "dataset_uri", "leaves the bundle"], id=f"dataset_uri {u}")
+      for u in ("../../elsewhere/x.jsonl", "ABSOLUTE")],
+    pytest.param(_bundle("icl_tasks", "icl_tasks: [", "core.yaml"), ["core.yaml cannot be read"], id="core.yaml"),
+    pytest.param(lambda run, tasks, tmp: [str(tmp / "nothing"), "--tasks", "nanopt_mc", "--include-path",
+                                          str(tasks)], ["does not exist"], id="no run"),
+    pytest.param(_flags("--tasks", "nanopt_mc", "--num-fewshot", "-1"), ["--num-fewshot -1", "0 or more"],
+                 id="num_fewshot -1"),
+    pytest.param(_flags("--tasks", ","), ["--tasks ','", "names no task"], id="tasks ,"),
+    pytest.param(_flags("--tasks", " , ", "--core", "x"), ["names no task"], id="tasks blank"),
+]
+
+
+@pytest.mark.parametrize("args, words", DAMAGED)
+def test_damaged_task_input_is_one_paragraph_naming_the_file(args, words, tasks, run_dir, tmp_path, capsys):
+    assert cli(["eval", *args(str(run_dir), tasks, tmp_path)]) == 2
     line = error_line(capsys.readouterr().err)
-    for word in BROKEN[name if name != "bad_group" else "bad_json"][1]:
+    for word in words:
         assert word in line, line
     assert not (run_dir / "evals.jsonl").exists()  # nothing scored, nothing recorded
 
@@ -75,59 +171,13 @@ def test_a_hub_task_without_network_is_one_paragraph_naming_the_offline_fix(unre
     assert str(raised.value) == line.removeprefix("nanopt eval: error: ")
 
 
-# ---------------------------------------------------------------- CORE bundles
-
-
-def _broken_bundle(broken_task_dir: Path, tmp_path: Path, old: str, new: str, name: str = "eval_meta_data.csv") -> Path:
-    bundle = tmp_path / "bundle"
-    shutil.copytree(broken_task_dir / "bundle", bundle)
-    path = bundle / name
-    path.write_text(path.read_text().replace(old, new, 1))
-    return bundle
-
-
-@pytest.mark.parametrize("baseline", ["100", "100.0", "nan", "150", "-10", "inf"])
-def test_a_baseline_outside_0_to_100_is_refused_naming_the_line(baseline, broken_task_dir, run_dir, tmp_path, capsys):
-    bundle = _broken_bundle(broken_task_dir, tmp_path, "25.0", baseline)
-    assert cli(["eval", str(run_dir), "--core", str(bundle)]) == 2
-    line = error_line(capsys.readouterr().err)
-    assert "eval_meta_data.csv:2" in line and "nanopt_line_end" in line and repr(baseline) in line, line
-
-
-@pytest.mark.parametrize("uri", ["../../elsewhere/x.jsonl", "ABSOLUTE"])
-def test_a_dataset_uri_outside_the_bundle_is_not_read(uri, broken_task_dir, run_dir, tmp_path, capsys):
-    elsewhere = tmp_path / "elsewhere" / "x.jsonl"  # a good task file, but not the bundle's
-    elsewhere.parent.mkdir()
-    shutil.copy(broken_task_dir / "bundle" / "eval_data" / "nanopt_line_end.jsonl", elsewhere)
-    uri = str(elsewhere) if uri == "ABSOLUTE" else uri
-    bundle = _broken_bundle(broken_task_dir, tmp_path, "nanopt_line_end.jsonl", uri, "core.yaml")
-    assert (bundle / "eval_data" / uri).resolve() == elsewhere.resolve()  # it would be read without the check
-    assert cli(["eval", str(run_dir), "--core", str(bundle)]) == 2
-    line = error_line(capsys.readouterr().err)
-    assert "core.yaml" in line and "dataset_uri" in line and "leaves the bundle" in line, line
-
-
-# ---------------------------------------------------------------- flags
-
-
-@pytest.mark.parametrize("args, words", [
-    (["--tasks", "nanopt_mc", "--num-fewshot", "-1"], ["--num-fewshot -1", "0 or more"]),
-    (["--tasks", ","], ["--tasks ','", "names no task"]),
-    (["--tasks", " , ", "--core", "x"], ["names no task"]),
-])
-def test_bad_task_flags_are_refused(args, words, run_dir, capsys):
-    assert cli(["eval", str(run_dir), *args]) == 2
-    line = error_line(capsys.readouterr().err)
-    assert all(w in line for w in words), line
-
-
 # ---------------------------------------------------------------- each (checkpoint, task) once
 
 
-def test_eval_writes_each_checkpoint_task_once(broken_task_dir, run_dir, tmp_path, capsys):
+def test_eval_writes_each_checkpoint_task_once(tasks, run_dir, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    bundle = str(broken_task_dir / "bundle")
+    bundle = str(tasks / "bundle")
     assert cli(["eval", str(run), "--core", bundle, "--limit", "6"]) == 0
     first = (run / "evals.jsonl").read_text()
     assert cli(["eval", str(run), "--core", bundle, "--limit", "6"]) == 0  # the same weights, tasks and limit
@@ -141,15 +191,15 @@ def test_eval_writes_each_checkpoint_task_once(broken_task_dir, run_dir, tmp_pat
     assert len(records) == 2 * 4 and all(isinstance(r["weights_crc32"], int) for r in records)
 
 
-def test_eval_core_needs_no_lm_eval(broken_task_dir, run_dir, tmp_path, monkeypatch, capsys):
+def test_eval_core_needs_no_lm_eval(tasks, run_dir, tmp_path, monkeypatch, capsys):
     """CORE never uses lm-eval: `nanopt eval RUN --core DIR` loads and scores the model with lm_eval unimportable;
     only --tasks asks for it (one paragraph, exit 2)."""
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` (and lm_eval.anything) raises ImportError
     monkeypatch.setattr(harness, "_LM", None)  # the NanoptLM class an earlier test made is lm-eval's subclass
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    assert cli(["eval", str(run), "--core", str(broken_task_dir / "bundle"), "--limit", "6"]) == 0
+    assert cli(["eval", str(run), "--core", str(tasks / "bundle"), "--limit", "6"]) == 0
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
     assert {r["task"] for r in records} >= {"core"} and all("error" not in r for r in records)
-    assert cli(["eval", str(run), "--tasks", "nanopt_mc", "--include-path", str(broken_task_dir)]) == 2
+    assert cli(["eval", str(run), "--tasks", "nanopt_mc", "--include-path", str(tasks)]) == 2
     assert "need lm-evaluation-harness" in error_line(capsys.readouterr().err)
