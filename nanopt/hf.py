@@ -134,8 +134,8 @@ def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtyp
 
 
 def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
-    """A nanopt ModelConfig from a Hugging Face Llama config.json, or ConfigError naming what differs (a value of
-    the wrong type or out of range included: the file is someone else's)."""
+    """A nanopt ModelConfig from a Hugging Face Llama config.json, its values checked as a config file's model keys
+    are (model_from_dict: the file is someone else's), or ConfigError naming what nanopt's Llama cannot be."""
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}/config.json is not a JSON object; a Hugging Face model's config.json maps "
                           f"hidden_size, num_attention_heads, ... to their values.")
@@ -147,11 +147,7 @@ def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
         raise ConfigError(f"{where}/config.json uses hidden_act={hf.get('hidden_act')!r}, attention_bias="
                           f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')}; nanopt's Llama is SwiGLU "
                           f"(silu) without biases.")
-    dim, n_heads = _hf_int(hf, "hidden_size", where), _hf_int(hf, "num_attention_heads", where)
-    head_dim = _hf_int(hf, "head_dim", where, dim // n_heads)
-    if head_dim * n_heads != dim:
-        raise ConfigError(f"{where}/config.json has head_dim {head_dim} × {n_heads} heads != hidden_size {dim}; "
-                          f"nanopt needs head_dim = hidden_size / num_attention_heads.")
+    hf = {k: v for k, v in hf.items() if v is not None}  # a null is the default, as transformers reads it
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}/config.json: `rope_parameters` / `rope_scaling` is {rope!r}, not an object.")
@@ -159,29 +155,22 @@ def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}/config.json uses RoPE scaling {rope_type!r}; nanopt implements `default` and "
                           f"`llama3` only.")
-    model = {"vocab_size": _hf_int(hf, "vocab_size", where), "dim": dim, "n_heads": n_heads,
-             "n_layers": _hf_int(hf, "num_hidden_layers", where),
-             "n_kv_heads": _hf_int(hf, "num_key_value_heads", where, n_heads),
-             "ffn_dim": _hf_int(hf, "intermediate_size", where),
-             "max_seq_len": _hf_int(hf, "max_position_embeddings", where, 2048),
-             "norm_eps": hf.get("rms_norm_eps", 1e-6), "init_std": hf.get("initializer_range", 0.02),
-             "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-             "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+    g = hf.get
+    model = {"vocab_size": g("vocab_size"), "dim": g("hidden_size"), "n_heads": g("num_attention_heads"),
+             "n_layers": g("num_hidden_layers"), "n_kv_heads": g("num_key_value_heads", g("num_attention_heads")),
+             "ffn_dim": g("intermediate_size"), "max_seq_len": g("max_position_embeddings", 2048),
+             "norm_eps": g("rms_norm_eps", 1e-6), "init_std": g("initializer_range", 0.02),
+             "rope_theta": rope.get("rope_theta", g("rope_theta", 10000.0)),
+             "tie_embeddings": bool(g("tie_word_embeddings", False))}
     if rope_type == "llama3":  # the inverse of _rope_parameters
         model.update(rope_scaling="llama3", rope_factor=rope.get("factor"), rope_low_freq_factor=rope.get(
             "low_freq_factor"), rope_high_freq_factor=rope.get("high_freq_factor"),
             rope_original_max_seq_len=rope.get("original_max_position_embeddings"))
-    return model_from_dict(model, f"{where}/config.json (read as nanopt's model section)")
-
-
-def _hf_int(hf: dict[str, Any], name: str, where: Path, default: Optional[int] = None) -> int:
-    """A positive integer entry of a Hugging Face config.json (`default` when absent or null)."""
-    value = hf.get(name)
-    value = default if value is None else value
-    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        raise ConfigError(f"{where}/config.json: `{name}` is {value!r}, not a positive integer; the file is damaged "
-                          f"or not a Llama config.")
-    return value
+    m = model_from_dict(model, f"{where}/config.json (read as nanopt's model section)")
+    if hf.get("head_dim", m.head_dim) != m.head_dim:
+        raise ConfigError(f"{where}/config.json has head_dim {hf['head_dim']!r} with {m.n_heads} heads and "
+                          f"hidden_size {m.dim}; nanopt needs head_dim = hidden_size / num_attention_heads.")
+    return m
 
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -102,8 +102,9 @@ def _index_instead(d: Path, text: str) -> None:
 # (case id, what to do to an export, words the message must contain)
 DAMAGED_HF = [
     ("config_a_list", lambda d: (d / "config.json").write_text("[1]"), ["config.json is not a JSON object"]),
-    ("hidden_size_text", lambda d: _edit_config(d, hidden_size="x"), ["`hidden_size` is 'x'"]),
-    ("heads_zero", lambda d: _edit_config(d, num_attention_heads=0), ["`num_attention_heads` is 0"]),
+    ("hidden_size_text", lambda d: _edit_config(d, hidden_size="x"), ["config.json", "`model.dim`", "'x'"]),
+    ("heads_zero", lambda d: _edit_config(d, num_attention_heads=0), ["config.json", "`model.n_heads`", "got 0"]),
+    ("head_dim_other", lambda d: _edit_config(d, head_dim=4), ["config.json", "head_dim 4"]),
     ("eps_text", lambda d: _edit_config(d, rms_norm_eps="x"), ["config.json", "model.norm_eps"]),
     ("theta_negative", lambda d: _edit_config(d, rope_theta=-1, rope_parameters=None), ["config.json", "rope_theta"]),
     ("kv_heads_not_dividing", lambda d: _edit_config(d, num_key_value_heads=3), ["config.json", "n_kv_heads"]),
