@@ -91,7 +91,7 @@ def process_group(device: torch.device):
 
 class WorldOfOne(Runtime):
     """A rank alone in a real process group. nanopt wraps its model in DDP only when distributed (world > 1):
-    claiming to be runs nanopt's own DDP path (train._wrap, train_step's no_sync) at world size 1 on one device."""
+    claiming to be runs nanopt's own DDP path (train.step_model, train_step's no_sync) at world size 1 on one device."""
 
     @property
     def distributed(self) -> bool:
@@ -114,17 +114,19 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     counters.clear()
     torch.manual_seed(0)
     model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
-    converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.setup converts: before optimizer, compile, DDP
-    parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp/hsdp in a process group, as train.setup shards
+    converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.Trainer converts: before optimizer, compile, DDP
+    parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp/hsdp in a process group, as train.Trainer shards
     optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel,
-                                muon_dtype=rt.reduced_dtype(cfg.optim.muon_dtype))  # as train.setup builds it
-    step = train._wrap(cfg, rt, model, optimizer, build_plan(cfg.train, rt.world_size))
+                                muon_dtype=rt.reduced_dtype(cfg.optim.muon_dtype))  # as train.Trainer builds it
+    plan = build_plan(cfg.train, rt.world_size)
+    step_model = train.step_model(model, cfg.train, rt, plan)  # as train.Trainer builds it: compiled, then DDP
+    step = rt.backend.compile_step(train.train_step, optimizer, shapes=len(plan.stages))
     for _ in range(2):
-        step(batches)
+        step(step_model, optimizer, batches, rt, cfg.train.grad_clip)
     sync(rt.device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss, _ = step(batches)
+        loss, _ = step(step_model, optimizer, batches, rt, cfg.train.grad_clip)
     sync(rt.device)
     seconds = time.perf_counter() - t0
     tokens = steps * sum(x.numel() for x, _ in batches)

@@ -12,7 +12,7 @@ Sections (docs/results.md "GPU: one H100"; issue 16's findings in brackets):
              a measured bf16 matmul
   attention  the SDPA kernel torch picks per dtype at 1B shapes, with and without nanopt's GQA handling
              [5]; nanopt's sdpa and flash-attn (when installed) against a float64 reference
-  ddp        nanopt's own DDP path (train._wrap: compiled, then DDP; train_step's no_sync) at world size 1 in a
+  ddp        nanopt's own DDP path (train.step_model: compiled, then DDP; train_step's no_sync) at world size 1 in a
              real NCCL process group against the unwrapped model: tokens/s, graphs and graph breaks, loss; and
              DDP gradient memory under no_sync micro-steps, zeroing set to None vs in place [1]
   ranks2     two ranks of `python -m nanopt.main` on one GPU (gloo: NCCL refuses two ranks on one device) against
@@ -192,7 +192,7 @@ def check_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_ddp_path(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
-    """The train step as train._wrap builds it (compiled per the config, then DDP) against the same step unwrapped:
+    """The train step as train.step_model builds it (compiled per the config, then DDP) against the same step unwrapped:
     tokens/s, torch.compile's graphs and graph breaks, and the loss after the same steps from the same weights."""
     cfg = load_config(REPO / (spec["config"] or "configs/170m-1gpu.yaml"), parse_overrides(spec["overrides"]))
     (b, t), accum = spec["micro"], spec["accum"]

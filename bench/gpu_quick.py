@@ -334,7 +334,7 @@ def tasks_section(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_fp8_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
-    """Rowwise FP8 (every block Linear) compiled, through train._wrap at world size 1 in a real process group: under
+    """Rowwise FP8 (every block Linear) compiled, through train.step_model at world 1 in a real process group: under
     DDP split at its buckets (optimize_ddp, pytorch/pytorch#158936 reports it failing), under DDP as one graph
     (train.compile_ddp_split's default when train.fp8 is on), and unwrapped; each line on its own. Graphs, graph
     breaks, and each DDP line's loss against the unwrapped one after the same steps."""
@@ -455,7 +455,7 @@ def stage_table(log: list[str], records: list[dict[str, Any]], stages: list[tupl
 
 def check_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     """bf16, then FP8 tensorwise and rowwise (train.fp8, its auto filter on a GPU), each through nanopt's own step
-    (time_train_step: the model seeded the same, converted, compiled, train._wrap) on the same batches, each line on
+    (time_train_step: the model seeded the same, converted, train.step_model) on the same batches, each line on
     its own: step ms, FP8's speed-up over bf16 (bf16 ms / FP8 ms) and the loss gap after the same steps, beside the
     share of this model's FLOPs FP8 covers (the LM head stays in bf16). The shipped H100 row is a reference only."""
     if reason := skip_reason("torchao", CARRY):

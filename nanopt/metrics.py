@@ -1,5 +1,6 @@
-"""Where numbers go: the console (logging set-up, one line per logged step), metrics.jsonl, TensorBoard,
-optional W&B. Only rank 0's MetricsLogger writes; other ranks get a silent one."""
+"""Where numbers go: the console (logging set-up, one line per logged step, a finished run's summary line),
+metrics.jsonl, TensorBoard, optional W&B; and the peak memory those lines report. Only rank 0's MetricsLogger
+writes; other ranks get a silent one."""
 from __future__ import annotations
 
 import json
@@ -143,6 +144,27 @@ def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:
                       dir=str(run_dir), resume="allow")
 
 
+def _gib(ns: Optional[list[int]]) -> Optional[list[float]]:
+    return None if ns is None else [n / 2**30 for n in ns]
+
+
+def peak_memory(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dict[str, Any]:
+    """The busiest rank's peak memory (allocated; reserved where the device has a caching allocator) and which
+    rank that is, from Runtime.peak_memory_by_rank's bytes (every rank calls it: one small all_reduce): under fsdp
+    ranks differ (rank 0 holds a gathered checkpoint's CPU copy), so rank 0 alone would not say whether any device
+    is close to full."""
+    allocated, reserved = map(_gib, by_rank)  # GiB by rank, None where the device cannot tell
+    busiest = None if allocated is None else allocated.index(max(allocated))
+    return {"peak_memory_gib": None if busiest is None else allocated[busiest], "peak_memory_rank": busiest,
+            "peak_reserved_gib": None if reserved is None else max(reserved)}
+
+
+def peak_memory_per_rank(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dict[str, Any]:
+    """summary.json's peak memory of every rank over the whole session (GiB, rank order; null where unknown)."""
+    allocated, reserved = map(_gib, by_rank)
+    return {"peak_memory_gib_per_rank": allocated, "peak_reserved_gib_per_rank": reserved}
+
+
 def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ranks: int = 1) -> str:
     """The human-scannable per-step line; `basis` labels MFU that is not plain ("bf16-equivalent" under FP8);
     across `ranks` > 1 the memory is the busiest rank's, and the line names it."""
@@ -151,7 +173,7 @@ def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ran
     parts = [f"step {step:>6}/{max_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
              f"{v['step_ms']:7.1f} ms/step", f"{v['tokens_per_s']:>9,.0f} tok/s", f"mfu {mfu_text}",
              f"eta {format_duration(v.get('eta_s', 0.0))}"]
-    if v.get("peak_memory_gib") is not None:  # mfu.peak_memory_gib: None where the device cannot tell
+    if v.get("peak_memory_gib") is not None:  # peak_memory: None where the device cannot tell
         # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
         reserved = v.get("peak_reserved_gib")
         memory = f"mem {v['peak_memory_gib']:.2f} GiB"
@@ -160,3 +182,20 @@ def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ran
         memory += "" if reserved is None else f" ({reserved:.2f} reserved)"
         parts.insert(-1, memory)
     return " | ".join(parts)
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """A finished run's summary.json in one line."""
+    parts = [f"{summary.get('steps')} steps"]
+    if isinstance(summary.get("tokens_seen"), int):
+        parts.append(f"{summary['tokens_seen']:,} tokens")
+    if isinstance(summary.get("train_seconds"), (int, float)):
+        parts.append(f"{format_duration(summary['train_seconds'])} of training")
+    for key in ("final_val_loss", "final_val_bpb"):
+        if isinstance(summary.get(key), (int, float)):
+            parts.append(f"{key} {summary[key]:.4f}")
+    if summary.get("stopped_at_target"):
+        parts.append(f"stopped at its target at step {summary.get('step_to_target')}")
+    elif summary.get("target_reached") is False:
+        parts.append("target not reached")
+    return "summary: " + ", ".join(parts)

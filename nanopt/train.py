@@ -1,5 +1,6 @@
-"""Training: setup -> loop -> finish. The step is train_step; in the loop each component (logger, evaluator,
-checkpointer, profiler, stop signal) decides for itself whether it acts at this step."""
+"""Training: train() sets up a Trainer (its __init__), whose train() is the loop that calls train_step, then
+finish(). In the loop each component (logger, evaluator, task scorer, checkpointer, profiler, stop signal)
+decides for itself whether it acts at this step."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -26,12 +27,13 @@ from nanopt.generate import sample_text
 from nanopt.harness import TaskScorer
 from nanopt.io import is_int, is_number, write_json, write_text
 from nanopt.lock import DirLock
-from nanopt.metrics import MetricsLogger, format_duration, step_line
+from nanopt.metrics import (MetricsLogger, format_duration, peak_memory, peak_memory_per_rank, step_line,
+                            summary_line)
 from nanopt.model import build_model
 from nanopt.optim import apply_schedule, build_optimizer, lr_multiplier
 from nanopt.plan import Plan, Stage, build_plan
 from nanopt.runtime import Runtime, bf16_slowdown
-from nanopt.tokenizer import Tokenizer, get_tokenizer
+from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
 
@@ -66,6 +68,220 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     return loss_sum, grad_norm
 
 
+def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
+    """Run (or resume) training; returns summary.json's contents. A finished run is not trained further: its
+    summary is returned and nothing written. However the run ends, profiler, checkpointer (mirror copies),
+    logs and the run directory's lock are closed the same way."""
+    rundirs.refuse_inside_checkpoints(cfg.run_dir, "--run.dir")  # another run would prune this one away
+    with contextlib.ExitStack() as closing:  # closed last to first: checkpointer, metrics, the lock
+        # The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
+        # raises ConfigError naming the holder when another process writes the directory (a full disk: exit 1).
+        if (lock := rt.on_main(lambda: DirLock(cfg.run_dir).acquire(), (ConfigError, DiskFull))) is not None:
+            closing.callback(lock.release)
+        # checkpoint.resume=false asks for a fresh run: the checkpointer refuses a directory that is not empty.
+        done = rt.gather_objects(finished_summary(cfg) if rt.is_main and cfg.checkpoint.resume else None)[0]
+        if done is not None:
+            return done
+        metrics = MetricsLogger(cfg.run_dir, enabled=rt.is_main, tensorboard=cfg.log.tensorboard,
+                                wandb_cfg={"project": cfg.log.wandb_project, "name": cfg.run.name,
+                                           "config": cfg.to_dict()} if cfg.log.wandb else None)
+        closing.callback(metrics.close)
+        trainer = Trainer(cfg, rt, metrics)
+        closing.callback(trainer.ckpt.close)  # mirror copies waited for, on a failure too
+        return trainer.train()
+
+
+class Trainer:
+    """One session of a run: __init__ sets up, train() loops, finish() ends. What the loop holds: the model as it
+    is saved, evaluated and sampled (`model`: sharded in place under fsdp), the model the step calls
+    (`train_model`: compiled, under DDP) and the step (`train_step`: one graph on XLA); the optimizer and the
+    averaged weights; the data (`plan`, `loader`); the run's counters (`state`); and the components, each deciding
+    for itself whether it acts at a step: `logger`, `evaluator` (with the speedrun clock), `tasks`, `ckpt`, `stop`
+    and `guard` (NaN/inf), and the profiler, open around the loop."""
+
+    def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger):
+        """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is
+        one."""
+        t = cfg.train
+        self.cfg, self.rt, self.metrics = cfg, rt, metrics
+        self.stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
+        init_seed, data_seed = cfg.run.seeds
+        random.seed(init_seed)
+        np.random.seed(init_seed % 2**32)
+        torch.manual_seed(init_seed)
+        directory = data.data_dir(cfg, rt)
+        # One checksum pass per node (its ranks read the same files), and only over shards new since the last one;
+        # the node's other ranks wait for its verdict.
+        verify = rt.local_rank == 0
+        train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
+        rt.barrier()
+        self.tokenizer = get_tokenizer(cfg.data.tokenizer)
+        self.plan = build_plan(t, rt.world_size)
+        first = self.plan.stages[0]
+        # Each step asks the loader for its own stage's rows.
+        self.loader = build_loader(cfg, rt, train_windows, self.tokenizer.bos_id, data_seed, first.accum)
+        val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
+                                        cfg.eval.seed)
+        attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
+        model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
+                            dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: the host RNG's init
+        model.recompute_blocks = t.recompute  # train.recompute: each block's activations again in backward
+        fp8.convert(model, cfg, rt)  # train.fp8: block Linears in FP8, before the optimizer, compile and DDP see them
+        parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
+        self.model, self.optimizer = model, build_optimizer(
+            model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel, rt.process_group,
+            rt.reduced_dtype(cfg.optim.muon_dtype))
+        self.state, clock, self.ema = RunState(), SpeedrunClock.for_config(cfg), EMA.for_config(cfg, model)
+        self.states = {"run_state": self.state, "loader": self.loader, "speedrun": clock}  # saved besides weights
+        # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
+        self.ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))
+        saved = self.ckpt.restore(model, self.optimizer, self.states, self.ema)
+        if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
+            hf.init_from(model, t.init_from)
+        if self.ema is not None:
+            self.ema.begin(self.state.step)  # train.ema_start 0: the average starts from the initial weights
+        metrics.open(saved["step"] if saved else 0)  # a resume drops the records past its step
+        if rt.is_main:
+            write_text(cfg.run_dir / rundirs.CONFIG_FILE, to_yaml(cfg))
+            log.info("model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d "
+                     "seq x %d ranks x %d accum", f"{model.num_params():,}", attention_name, t.precision, rt.kind,
+                     rt.world_size, rt.hardware_name(), first.batch_tokens, t.micro_batch_size, first.seq_len,
+                     rt.world_size, first.accum)
+        if rt.is_main and t.precision == "bf16-pure":
+            log.warning("train.precision is bf16-pure: the weights and AdamW's state are bf16, so an update smaller "
+                        "than ~2^-9 of a weight rounds away (decoupled weight decay of lr x wd = %.1e per step does "
+                        "nothing, and late small updates are lost). Use bf16 (autocast, fp32 weights) unless memory "
+                        "forces this.", t.lr * t.weight_decay)
+        if rt.is_main and t.precision != "fp32" and not rt.backend.native_bf16:  # the user's choice stands, but is told
+            log.warning("train.precision is %s, but %s has no bf16 hardware: torch emulates bf16, and a %d-wide "
+                        "matmul (model.dim) measured %.0fx slower in bf16 than in fp32 here. Set "
+                        "--train.precision=fp32 to train at this CPU's speed.", t.precision, rt.hardware_name(),
+                        cfg.model.dim, bf16_slowdown(cfg.model.dim, rt.device))
+        self.guard = faults.FiniteGuard(rt, self.state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
+        self.logger = StepLogger(cfg, rt, metrics, self.guard, self.state.step, self.plan)
+        token_bytes = token_bytes_table(self.tokenizer, cfg.model.vocab_size, rt.device)
+        self.train_model = step_model(model, t, rt, self.plan)
+        # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one).
+        self.train_step = rt.backend.compile_step(train_step, self.optimizer, shapes=len(self.plan.stages))
+        self.evaluator = Validator(cfg, rt, model, directory, val_batches, token_bytes, metrics, clock, self.ema)
+        self.tasks = TaskScorer(cfg, rt, model, self.tokenizer)
+        self.started = time.perf_counter()  # this session's loop starts
+
+    def train(self) -> dict[str, Any]:
+        """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal or the time limit
+        (checkpoint, Preempted); then finish(). A step: stage, lr, data, train_step, then the bookkeeping that
+        needs its result; training time (device work included) runs from the data to the logger's sync."""
+        cfg, rt, state, t = self.cfg, self.rt, self.state, self.cfg.train
+        with profiling.profiler(cfg, rt, state.step, self.metrics) as profiler:  # a no-op unless profile.enabled
+            if state.step == 0 and self.evaluator.due(0):
+                self.evaluator.run(state)
+            while state.step < t.max_steps:
+                stage = self.plan.at(state.step, state.tokens_seen)
+                if stage != self.logger.stage:
+                    self.logger.enter(stage, state.step)
+                apply_schedule(self.optimizer, lr_multiplier(state.step, t) * stage.lr_factor)
+                t0 = time.perf_counter()
+                with profiling.label(profiling.DATA):
+                    micro_batches = self.loader.micro_batches(stage.accum, stage.seq_len)
+                loss, grad_norm = self.train_step(self.train_model, self.optimizer, micro_batches, rt, t.grad_clip)
+                if self.ema is not None:
+                    with profiling.label(profiling.OPTIMIZER):
+                        self.ema.update(state.step + 1)  # on the device's queue like the step: training time
+                self.guard.update(loss)
+                faults.fault_hook("kill-in-step", state.step + 1, rt.rank)
+                state.step += 1
+                state.tokens_seen += stage.batch_tokens
+                loss_value = self.logger.end_step(state.step, loss, self.ckpt.latest, self.pause_follows(state.step))
+                seconds = time.perf_counter() - t0
+                state.train_seconds += seconds
+                if loss_value is not None:
+                    self.logger.log(state, loss_value, self.optimizer.param_groups[0]["lr"], grad_norm, seconds,
+                                    self.loader.metrics())
+                profiler.step()
+                if self.evaluator.due(state.step):
+                    self.evaluator.run(state)
+                    if t.stop_at_target and self.evaluator.clock.reached:
+                        break
+                scoring = self.tasks.due(state.step)
+                if scoring or self.ckpt.should_save(state.step):
+                    self.save()  # before scoring: a scoring failure or a kill during it costs no trained step
+                if scoring:
+                    self.tasks.run(state.step, self.evaluator.weights())
+                if self.pause_follows(state.step):
+                    self.logger.reopen(state.step)  # the pause is not billed to the next window's steps
+                faults.fault_hook("pause", state.step, rt.rank, cfg.run_dir)
+                if self.stop.should_stop() and state.step < t.max_steps:
+                    raise Preempted(self.stop.signame, state.step, self.save())
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        """Final evaluation (val, then test), the last checkpoint, summary.json and samples."""
+        cfg, rt, state, evaluator, clock = self.cfg, self.rt, self.state, self.evaluator, self.evaluator.clock
+        if evaluator.last_step != state.step:
+            evaluator.run(state)
+        test_eval = evaluator.test(state.step)
+        self.save()  # before scoring, which may fail (recorded) or be killed: the last step is kept either way
+        if self.tasks.spec and self.tasks.last_step != state.step:
+            self.tasks.run(state.step, evaluator.weights())
+        self.ckpt.close()  # wait for the copy to checkpoint.mirror
+        summary = {
+            "run": cfg.run.name, "steps": state.step, "tokens_seen": state.tokens_seen,
+            "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - self.started,
+            "final_val_loss": evaluator.last.get("val_loss"), "final_val_bpb": evaluator.last.get("val_bpb"),
+            "best_val_loss": state.best_val_loss, "best_val_bpb": state.best_val_bpb,
+            "world_size": rt.world_size, "device": rt.kind,
+            "hardware": rt.hardware_name(), "params": self.model.num_params(), **self.logger.meter.summary(),
+            **fp8.summary(cfg, (self.logger.stage or self.plan.at(state.step, state.tokens_seen)).seq_len),
+            "packing_cropped_share": self.loader.metrics().get("cropped_share"),  # null under windows
+            # One digest per rank: DDP replicas that drifted apart would show different values here.
+            "weights_sha256_per_rank": rt.gather_objects(weights_digest(self.model)),
+            **peak_memory_per_rank(rt.peak_memory_by_rank()),
+            **test_eval, **clock.summary(), "tasks_seconds": self.tasks.seconds if self.tasks.spec else None,
+            # What makes the run finished (rundirs.finished) when it ends before max_steps.
+            "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and clock.reached,
+            # Which weights the final validation and test used, as swapped in (eval.weights=ema before the average
+            # started, or a run stopped at its target first: the model's).
+            "eval_weights": evaluator.weights_name(),
+        }
+        if rt.is_main:
+            write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)
+            if cfg.log.curves:
+                plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
+        self.print_samples()
+        if rt.is_main:
+            log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
+                     f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
+            if missed := clock.missed(state.step, state.best_val_loss, state.best_val_bpb):
+                log.info("%s", missed)
+        return summary
+
+    def pause_follows(self, step: int) -> bool:
+        """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
+        the step's device work must then be waited for inside the training clock, or the pause is billed it."""
+        return (step >= self.cfg.train.max_steps or self.evaluator.due(step) or self.tasks.due(step)
+                or self.ckpt.should_save(step))
+
+    def save(self) -> Path:
+        """Checkpoint now (every rank), never a diverged model over the last good one."""
+        self.guard.check(self.state.step, self.ckpt.latest, self.model)
+        return self.ckpt.save(self.state.step, self.model, self.optimizer, self.states, self.ema)
+
+    def print_samples(self) -> None:
+        s = self.cfg.sample
+        # A sharded model's forward gathers from every rank, so all sample together (one seed: the same tokens).
+        if not s.num_samples or not (self.rt.is_main or parallel.is_sharded(self.model)):
+            return
+        with self.evaluator.weights() as weights:
+            samples = sample_text(self.model, self.tokenizer, s.prompt, s.num_samples, s.max_new_tokens,
+                                  s.temperature, s.top_k, self.cfg.run.seed, self.rt.device)
+        if not self.rt.is_main:
+            return
+        of = f" ({weights} weights)" if self.evaluator.ema is not None else ""
+        print(f"\n--- {len(samples)} samples from step {self.state.step}{of}, prompt {s.prompt!r} ---")
+        print("".join(f"{text.strip()}\n---\n" for text in samples), end="")
+        self.metrics.text("samples", "\n\n---\n\n".join(samples), self.state.step)
+
+
 @dataclass
 class RunState:
     """The run's counters; saved in every checkpoint."""
@@ -82,55 +298,33 @@ class RunState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for f in dataclasses.fields(self):
             value = state.get(f.name, f.default)
-            check, kind = _COUNTER_TYPES[f.type]
-            if not check(value):  # a damaged state.json: checkpoint.py names the file
+            # A damaged state.json (checkpoint.py names the file). Counters are integers; seconds and losses numbers,
+            # the losses (default None) null before a first evaluation.
+            kind = "an integer" if f.type == "int" else "a number" + (" or null" if f.default is None else "")
+            if not (is_int(value) if f.type == "int" else is_number(value) or value is None is f.default):
                 raise TypeError(f"`{f.name}` is {value!r}, not {kind}")
             setattr(self, f.name, value)
-
-
-# RunState's field types (annotations are strings here) -> (what a saved value must pass, its name in an error).
-_COUNTER_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (is_int, "an integer"), "float": (is_number, "a number"),
-    "Optional[float]": (lambda v: v is None or is_number(v), "a number or null")}
-
-
-class SpeedWindow:
-    """Steps and wall time since the window opened, for tokens/s and MFU. The first step after (re)starting
-    is left out (allocation, compilation); a pause (evaluation, checkpoint) reopens it, so it is not billed."""
-
-    def __init__(self, step: int):
-        self.start_time: Optional[float] = None
-        self.start_step = step
-
-    def stepped(self, step: int) -> None:
-        if self.start_time is None:
-            self.reopen(step)
-
-    def reopen(self, step: int) -> None:
-        self.start_time, self.start_step = time.perf_counter(), step
-
-    def close(self, step: int, fallback_s: float) -> tuple[int, float]:
-        """(steps in the window, seconds per step), and reopen."""
-        steps = step - self.start_step
-        step_s = (time.perf_counter() - self.start_time) / steps if steps > 0 else fallback_s
-        self.reopen(step)
-        return steps, step_s
 
 
 class StepLogger:
     """On the first step of a session, every `log.every` steps and the last: the one host sync of the
     logging window (loss averaged over ranks, NaN check), then one console line and one metrics record."""
 
-    def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, meter: mfu.MFUMeter,
-                 guard: faults.FiniteGuard, start_step: int, plan: Plan):
-        self.cfg, self.rt, self.metrics, self.meter, self.guard = cfg, rt, metrics, meter, guard
-        self.start_step, self.window, self.plan = start_step, SpeedWindow(start_step), plan
+    def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, guard: faults.FiniteGuard,
+                 start_step: int, plan: Plan):
+        self.cfg, self.rt, self.metrics, self.guard, self.plan = cfg, rt, metrics, guard, plan
+        self.meter = mfu.meter_for_run(cfg, rt, start_step)  # every rank: on CPU it measures the peak once
+        self.start_step = start_step
         self.stage: Optional[Stage] = None  # the stage the loop is in, None before a session's first step
+        # The speed window (tokens/s, MFU): when and after which step it opened. It opens at the end of the first
+        # step after a (re)start or a new stage, so that step's allocation and compilation are left out, and reopens
+        # after a pause (evaluation, checkpoint), which is then not billed to the steps after it.
+        self.opened: Optional[tuple[float, int]] = None
 
     def enter(self, stage: Stage, step: int) -> None:
         """A new stage (or a session's first): the meter counts its tokens and FLOPs; a fresh window, so none
         spans two stages and a recompile for a new seq_len is left out like the first step's compilation."""
-        self.stage, self.window = stage, SpeedWindow(step)
+        self.stage, self.opened = stage, None
         self.meter.set_stage(stage.batch_tokens, stage.seq_len)  # FLOPs/token at this seq_len too
         if self.rt.is_main and len(self.plan.stages) > 1:
             log.info("stage %d from step %d: %s tokens/step, seq %d, accum %d, lr x%.2f", stage.number, step,
@@ -139,22 +333,37 @@ class StepLogger:
     def due(self, step: int) -> bool:
         return step % self.cfg.log.every == 0 or step == self.cfg.train.max_steps or step == self.start_step + 1
 
-    def read_loss(self, step: int, loss: torch.Tensor, last_good: Optional[Path]) -> float:
-        self.guard.check(step, last_good)
-        self.rt.all_reduce_sum(loss)
-        value = loss.item() / self.rt.world_size
-        self.rt.sync()
+    def end_step(self, step: int, loss: torch.Tensor, last_good: Optional[Path], pause: bool) -> Optional[float]:
+        """Where a step's device work is waited for, inside the training clock: on a logging step the window's one
+        host sync (NaN check, the loss averaged over ranks, returned); before a pause (`pause`: evaluation,
+        checkpoint, the end) a plain sync, so this step's queued work is billed to training, not to the pause.
+        None on other steps, which do not wait."""
+        value = None
+        if self.due(step):
+            self.guard.check(step, last_good)
+            self.rt.all_reduce_sum(loss)
+            value = loss.item() / self.rt.world_size
+        if value is not None or pause:
+            self.rt.sync()
+        if self.opened is None:
+            self.reopen(step)
         return value
+
+    def reopen(self, step: int) -> None:
+        self.opened = (time.perf_counter(), step)
 
     def log(self, state: RunState, loss: float, lr: float, grad_norm: torch.Tensor, step_seconds: float,
             extra: dict[str, float]) -> None:
         t, tokens = self.cfg.train, self.stage.batch_tokens
-        steps, step_s = self.window.close(state.step, step_seconds)
+        (opened_at, opened_step), now = self.opened, time.perf_counter()
+        steps = state.step - opened_step  # 0: the window's opening step, timed alone (step_seconds)
+        step_s = (now - opened_at) / steps if steps > 0 else step_seconds
+        self.opened = (now, state.step)
         values = {
             "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": tokens / step_s, "step_ms": 1000 * step_s,
             **self.meter.update(state.step, steps, step_s),
-            **peak_memory(self.rt),
+            **peak_memory(self.rt.peak_memory_by_rank()),
             "tokens_seen": state.tokens_seen,
             "eta_s": step_s * self.plan.tokens_left(state.step) / tokens, **extra,
         }
@@ -163,28 +372,14 @@ class StepLogger:
             log.info(step_line(state.step, t.max_steps, values, self.meter.basis, self.rt.world_size))
 
 
-def _gib(n: Optional[int]) -> Optional[float]:
-    return None if n is None else n / 2**30
-
-
-def peak_memory(rt: Runtime) -> dict[str, Any]:
-    """The busiest rank's peak memory (allocated; reserved where the device has a caching allocator) and which
-    rank that is: under fsdp ranks differ (rank 0 holds a gathered checkpoint's CPU copy), so rank 0 alone would
-    not say whether any device is close to full. Every rank calls it (one small all_reduce)."""
-    allocated, reserved = rt.peak_memory_by_rank()
-    busiest = None if allocated is None else max(range(len(allocated)), key=allocated.__getitem__)
-    return {"peak_memory_gib": None if busiest is None else _gib(allocated[busiest]), "peak_memory_rank": busiest,
-            "peak_reserved_gib": None if reserved is None else _gib(max(reserved))}
-
-
 class Validator:
     """Validation every `eval.every` steps (and at step 0 unless eval.at_start is off, and at the end): loss, bpb,
     best loss, speedrun clock. Of the averaged weights under eval.weights=ema (swapped in for the measurement; each
     record says which)."""
 
-    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, batches: Batches,
+    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, directory: Path, batches: Batches,
                  token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
-        self.cfg, self.rt, self.model, self.batches = cfg, rt, model, batches
+        self.cfg, self.rt, self.model, self.directory, self.batches = cfg, rt, model, directory, batches
         self.token_bytes, self.metrics, self.clock = token_bytes, metrics, clock
         self.ema = ema if cfg.eval.weights == "ema" else None
         self.last: dict[str, float] = {}
@@ -196,7 +391,7 @@ class Validator:
             return bool(every) and self.cfg.eval.at_start
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
-    def run(self, state: RunState) -> dict[str, float]:
+    def run(self, state: RunState) -> None:
         val_loss, val_bpb = self._measure("val", self.batches, state.step, tokens_seen=state.tokens_seen,
                                           train_seconds=state.train_seconds)
         if state.best_val_loss is None or val_loss < state.best_val_loss:
@@ -205,12 +400,11 @@ class Validator:
             state.best_val_bpb = val_bpb
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
-        return self.last
 
-    def test(self, directory: Path, step: int) -> dict[str, float]:
+    def test(self, step: int) -> dict[str, float]:
         """The test split's loss and bpb after the final step ({} when off or when there are no test shards)."""
-        test_at_end = self.cfg.eval.test_at_end
-        batches = split_batches(self.cfg, self.rt, directory, "test", self.cfg.eval.batches) if test_at_end else None
+        cfg = self.cfg
+        batches = split_batches(cfg, self.rt, self.directory, "test", cfg.eval.batches) if cfg.eval.test_at_end else None
         if batches is None:
             return {}
         loss, bpb = self._measure("test", batches, step)
@@ -234,19 +428,6 @@ class Validator:
         return loss, bpb
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def peak_memory_per_rank(rt: Runtime) -> dict[str, Optional[list[float]]]:
-    """summary.json's peak memory of every rank over the whole session (GiB, rank order; null where unknown)."""
-    allocated, reserved = rt.peak_memory_by_rank()
-    return {"peak_memory_gib_per_rank": None if allocated is None else [_gib(n) for n in allocated],
-            "peak_reserved_gib_per_rank": None if reserved is None else [_gib(n) for n in reserved]}
-
-
 def weights_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter's bytes, in a fixed order (once, at the end of a run); of a sharded model,
     over this rank's shards."""
@@ -257,50 +438,21 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-@dataclass
-class Session:
-    """Everything setup() builds for the loop."""
+def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
+                 seed: int, accum: int) -> data.Loader | packing.PackedLoader:
+    """The training rows as data.packing cuts them (validation always reads windows, so val loss compares)."""
+    t = cfg.train
+    args = (t.micro_batch_size, rt.rank, rt.world_size, accum, seed)
+    if cfg.data.packing == "windows":
+        return data.Loader(windows, *args)
+    documents = packing.Documents(windows.shards, bos, windows.infos)  # the BOS index is cached by the shards' contents
+    return packing.PackedLoader(documents, *args, t.seq_len, cfg.data.pack_buffer)
 
-    cfg: Config
-    rt: Runtime
-    directory: Path  # the data
-    tokenizer: Tokenizer
-    model: torch.nn.Module  # not DDP-wrapped (sharded in place under fsdp): what is saved, evaluated and sampled
-    optimizer: torch.optim.Optimizer
-    step_fn: Callable  # train_step, wrapped for the device and DDP (see _wrap)
-    loader: data.Loader | packing.PackedLoader
-    state: RunState
-    clock: SpeedrunClock
-    ckpt: Checkpointer
-    metrics: MetricsLogger
-    meter: mfu.MFUMeter
-    evaluator: Validator
-    tasks: TaskScorer
-    logger: StepLogger
-    guard: faults.FiniteGuard
-    stop: faults.StopSignal
-    started: float  # time.perf_counter() at the start of this session's loop
-    plan: Plan
-    ema: Optional[EMA] = None  # the averaged weights (train.ema_decay), None when off
 
-    def pause_follows(self, step: int) -> bool:
-        """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
-        the step's device work must then be waited for inside the training clock, or the pause is billed it."""
-        return (step >= self.cfg.train.max_steps or self.evaluator.due(step) or self.tasks.due(step)
-                or self.ckpt.should_save(step))
-
-    def save(self) -> Path:
-        """Checkpoint now (every rank), never a diverged model over the last good one."""
-        self.guard.check(self.state.step, self.ckpt.latest, self.model)
-        states = {"run_state": self.state, "loader": self.loader, "speedrun": self.clock}
-        return self.ckpt.save(self.state.step, self.model, self.optimizer, states, self.ema)
-
-    def close(self) -> None:
-        """What both a finished and a failed run close: mirror copies waited for, logs flushed and closed."""
-        try:
-            self.ckpt.close()
-        finally:
-            self.metrics.close()
+def step_model(model: torch.nn.Module, t: TrainConfig, rt: Runtime, plan: Plan) -> torch.nn.Module:
+    """The model train_step calls: compiled under train.compile, then wrapped for DDP where the run is (parallel.wrap);
+    the model itself stays what is saved, evaluated and sampled."""
+    return parallel.wrap(compiled(model, t, plan, rt.distributed) if t.compile else model, rt)
 
 
 def ddp_split(t: TrainConfig) -> bool:
@@ -337,226 +489,21 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = Fal
 
 
 def compile_blocks(model: torch.nn.Module, **options: Any) -> None:
-    """A sharded model compiled per block, as torch's guidance for FSDP2 has it (torchtitan's apply_compile): each
-    block's forward is one graph, FSDP2's hooks around it (the all-gather before, the reshard after, the gradient
-    reduce-scatter in backward) stay eager, where torch runs them (dynamo does not trace them), so a whole-model
-    graph would break at every block anyway. The blocks share one compiled code: dynamo inlines nn modules and
-    guards on their structure, not their identity, so compile time does not grow with depth.
-    Compiled callables only the training forward uses (Llama.training_blocks), after fully_shard, rather than
-    torchtitan's compiled blocks swapped into the module tree or an in-place block.compile(): those change the
-    state_dict keys (`_orig_mod.`) or compile every call of the block, so validation, task scoring and KV-cache
-    decoding (T=1, a growing start_pos, cache arguments) would each compile shapes of their own, hit dynamo's
-    recompile limit and warn; here they run the eager blocks, as the unsharded path runs the eager model."""
+    """A sharded model compiled per block (torch's guidance for FSDP2, torchtitan's apply_compile): FSDP2's hooks
+    around each block (all-gather, reshard, the gradient reduce-scatter) stay eager, as dynamo does not trace them,
+    so a whole-model graph would break at every block anyway; the blocks share one compiled code (dynamo guards on
+    their structure, not identity), so compile time does not grow with depth. Callables that only the training
+    forward uses (Llama.training_blocks), not compiled blocks in the module tree: those change the state_dict keys
+    (`_orig_mod.`) or compile every call, so validation, task scoring and KV-cache decoding would each compile
+    shapes of their own and hit dynamo's recompile limit; they run the eager blocks, as unsharded runs do."""
     model.training_blocks = [torch.compile(block, **options) for block in model.layers]
-
-
-def _wrap(cfg: Config, rt: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> Callable:
-    """train_step bound to the model as the device wants it: compiled, under DDP (parallel.wrap), or one XLA
-    graph."""
-    train_model = parallel.wrap(compiled(model, cfg.train, plan, rt.distributed) if cfg.train.compile else model, rt)
-    # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one)
-    step_fn = rt.backend.compile_step(train_step, optimizer, shapes=len(plan.stages))
-    return lambda batches: step_fn(train_model, optimizer, batches, rt, cfg.train.grad_clip)
-
-
-def setup(cfg: Config, rt: Runtime, metrics: MetricsLogger) -> Session:
-    """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is one."""
-    t = cfg.train
-    stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
-    init_seed, data_seed = cfg.run.seeds
-    seed_everything(init_seed)
-    directory = data.data_dir(cfg, rt)
-    # One checksum pass per node (its ranks read the same files), and only over shards new since the last one;
-    # the node's other ranks wait for its verdict.
-    verify = rt.local_rank == 0
-    train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
-    rt.barrier()
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    plan = build_plan(t, rt.world_size)
-    first = plan.stages[0]
-    loader = build_loader(cfg, rt, train_windows, tokenizer.bos_id, data_seed, first.accum)  # each step asks its own
-    val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
-                                    cfg.eval.seed)
-    attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
-    model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
-                        dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: initialised with the host RNG
-    model.recompute_blocks = t.recompute  # train.recompute: each block's activations again in backward
-    fp8.convert(model, cfg, rt)  # train.fp8: the block Linears in FP8, before the optimizer, compile and DDP see them
-    parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
-    optimizer = build_optimizer(model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel, rt.process_group,
-                                rt.reduced_dtype(cfg.optim.muon_dtype))
-    state, clock, ema = RunState(), SpeedrunClock.for_config(cfg), EMA.for_config(cfg, model)
-    # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
-    ckpt = Checkpointer(cfg, rt, shards.split_paths(directory, "train"))
-    saved = ckpt.restore(model, optimizer, {"run_state": state, "loader": loader, "speedrun": clock}, ema)
-    if saved is None and t.init_from:  # a fresh run warm-started from Hugging Face weights (a resume keeps its own)
-        hf.init_from(model, t.init_from)
-    if ema is not None:
-        ema.begin(state.step)  # train.ema_start 0: the average starts from the initial weights
-    metrics.open(saved["step"] if saved else 0)  # a resume drops the records past its step
-    if rt.is_main:
-        write_text(cfg.run_dir / rundirs.CONFIG_FILE, to_yaml(cfg))
-        log.info("model: %s parameters | attention %s | %s on %s x%d (%s) | %d tokens/step = %d micro-batch x %d "
-                 "seq x %d ranks x %d accum", f"{model.num_params():,}", attention_name, t.precision, rt.kind,
-                 rt.world_size, rt.hardware_name(), first.batch_tokens, t.micro_batch_size, first.seq_len,
-                 rt.world_size, first.accum)
-    if rt.is_main and t.precision == "bf16-pure":
-        log.warning("train.precision is bf16-pure: the weights and AdamW's state are bf16, so an update smaller "
-                    "than ~2^-9 of a weight rounds away (decoupled weight decay of lr x wd = %.1e per step does "
-                    "nothing, and late small updates are lost). Use bf16 (autocast, fp32 weights) unless memory "
-                    "forces this.", t.lr * t.weight_decay)
-    if rt.is_main and t.precision != "fp32" and not rt.backend.native_bf16:  # the user's choice stands, but is told
-        log.warning("train.precision is %s, but %s has no bf16 hardware: torch emulates bf16, and a %d-wide matmul "
-                    "(model.dim) measured %.0fx slower in bf16 than in fp32 here. Set --train.precision=fp32 to "
-                    "train at this CPU's speed.", t.precision, rt.hardware_name(), cfg.model.dim,
-                    bf16_slowdown(cfg.model.dim, rt.device))
-    meter = mfu.meter_for_run(cfg, rt, state.step)  # every rank: on CPU it measures the peak once
-    guard = faults.FiniteGuard(rt, state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
-    token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
-    return Session(cfg, rt, directory, tokenizer, model, optimizer, _wrap(cfg, rt, model, optimizer, plan), loader,
-               state, clock, ckpt, metrics, meter,
-               Validator(cfg, rt, model, val_batches, token_bytes, metrics, clock, ema),
-               TaskScorer(cfg, rt, model, tokenizer), StepLogger(cfg, rt, metrics, meter, guard, state.step, plan),
-               guard, stop, time.perf_counter(), plan, ema)
-
-
-def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
-                 seed: int, accum: int) -> data.Loader | packing.PackedLoader:
-    """The training rows as data.packing cuts them (validation always reads windows, so val loss compares)."""
-    t = cfg.train
-    args = (t.micro_batch_size, rt.rank, rt.world_size, accum, seed)
-    if cfg.data.packing == "windows":
-        return data.Loader(windows, *args)
-    documents = packing.Documents(windows.shards, bos, windows.infos)  # the BOS index is cached by the shards' contents
-    return packing.PackedLoader(documents, *args, t.seq_len, cfg.data.pack_buffer)
-
-
-def one_step(run: Session) -> None:
-    """Stage, lr, data, the step, then the bookkeeping that needs the step's result: counters, the logger's
-    host sync on logging steps, and training time (device work included) up to here."""
-    cfg, rt, state = run.cfg, run.rt, run.state
-    stage = run.plan.at(state.step, state.tokens_seen)
-    if stage != run.logger.stage:
-        run.logger.enter(stage, state.step)
-    apply_schedule(run.optimizer, lr_multiplier(state.step, cfg.train) * stage.lr_factor)
-    t0 = time.perf_counter()
-    with profiling.label(profiling.DATA):
-        micro_batches = run.loader.micro_batches(stage.accum, stage.seq_len)
-    loss, grad_norm = run.step_fn(micro_batches)
-    if run.ema is not None:
-        with profiling.label(profiling.OPTIMIZER):
-            run.ema.update(state.step + 1)  # on the device's queue like the step: training time
-    run.guard.update(loss)
-    faults.fault_hook("kill-in-step", state.step + 1, rt.rank)
-    state.step += 1
-    state.tokens_seen += stage.batch_tokens
-    logging_step = run.logger.due(state.step)
-    if logging_step:
-        loss_value = run.logger.read_loss(state.step, loss, run.ckpt.latest)
-    elif run.pause_follows(state.step):
-        rt.sync()  # charge this step's queued device work to training, not to the eval/checkpoint after it
-    seconds = time.perf_counter() - t0
-    state.train_seconds += seconds
-    run.logger.window.stepped(state.step)
-    if logging_step:
-        run.logger.log(state, loss_value, run.optimizer.param_groups[0]["lr"], grad_norm, seconds,
-                       run.loader.metrics())
-
-
-def loop(run: Session, profiler: profiling.Off | profiling.Profile) -> None:
-    """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal or the time limit
-    (checkpoint, Preempted)."""
-    cfg, state = run.cfg, run.state
-    if state.step == 0 and run.evaluator.due(0):
-        run.evaluator.run(state)
-    while state.step < cfg.train.max_steps:
-        one_step(run)
-        profiler.step()
-        if run.evaluator.due(state.step):
-            run.evaluator.run(state)
-            if cfg.train.stop_at_target and run.clock.reached:
-                break
-        scoring = run.tasks.due(state.step)
-        if scoring or run.ckpt.should_save(state.step):
-            run.save()  # before scoring: a scoring failure or a kill during it costs no trained step
-        if scoring:
-            run.tasks.run(state.step, run.evaluator.weights())
-        if run.pause_follows(state.step):
-            run.logger.window.reopen(state.step)  # the pause is not billed to the next window's steps
-        faults.fault_hook("pause", state.step, run.rt.rank, cfg.run_dir)
-        if run.stop.should_stop() and state.step < cfg.train.max_steps:
-            raise Preempted(run.stop.signame, state.step, run.save())
-
-
-def finish(run: Session) -> dict[str, Any]:
-    """Final evaluation (val, then test), the last checkpoint, summary.json and samples."""
-    cfg, rt, state, model = run.cfg, run.rt, run.state, run.model
-    if run.evaluator.last_step != state.step:
-        run.evaluator.run(state)
-    test_eval = run.evaluator.test(run.directory, state.step)
-    run.save()  # before scoring, which may fail (recorded) or be killed: the last step is kept either way
-    if run.tasks.spec and run.tasks.last_step != state.step:
-        run.tasks.run(state.step, run.evaluator.weights())
-    run.ckpt.close()  # wait for the copy to checkpoint.mirror
-    last = run.evaluator.last
-    summary = {
-        "run": cfg.run.name, "steps": state.step, "tokens_seen": state.tokens_seen,
-        "train_seconds": state.train_seconds, "wall_seconds_this_session": time.perf_counter() - run.started,
-        "final_val_loss": last.get("val_loss"), "final_val_bpb": last.get("val_bpb"),
-        "best_val_loss": state.best_val_loss, "best_val_bpb": state.best_val_bpb,
-        "world_size": rt.world_size, "device": rt.kind,
-        "hardware": rt.hardware_name(), "params": model.num_params(), **run.meter.summary(),
-        **fp8.summary(cfg, (run.logger.stage or run.plan.at(state.step, state.tokens_seen)).seq_len),
-        "packing_cropped_share": run.loader.metrics().get("cropped_share"),  # null under windows
-        # One digest per rank: DDP replicas that drifted apart would show different values here.
-        "weights_sha256_per_rank": rt.gather_objects(weights_digest(model)),
-        **peak_memory_per_rank(rt),
-        **test_eval, **run.clock.summary(), "tasks_seconds": run.tasks.seconds if run.tasks.spec else None,
-        # What makes the run finished (rundirs.finished) when it ends before max_steps.
-        "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and run.clock.reached,
-        # Which weights the final validation and test used, as swapped in (eval.weights=ema before the average
-        # started, or a run stopped at its target first: the model's).
-        "eval_weights": run.evaluator.weights_name(),
-    }
-    if rt.is_main:
-        write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)
-        if cfg.log.curves:
-            plots.curves_quietly(cfg.run_dir)  # curves.png; a log line, never an error, when it cannot be drawn
-    _print_samples(run)
-    if rt.is_main:
-        log.info("done: %d steps, %s tokens in %s of training; run directory %s", state.step,
-                 f"{state.tokens_seen:,}", format_duration(state.train_seconds), cfg.run_dir)
-        if missed := run.clock.missed(state.step, state.best_val_loss, state.best_val_bpb):
-            log.info("%s", missed)
-    return summary
-
-
-def _print_samples(run: Session) -> None:
-    s = run.cfg.sample
-    # A sharded model's forward gathers from every rank, so all sample together (one seed: the same tokens).
-    if not s.num_samples or not (run.rt.is_main or parallel.is_sharded(run.model)):
-        return
-    with run.evaluator.weights() as weights:
-        samples = sample_text(run.model, run.tokenizer, s.prompt, s.num_samples, s.max_new_tokens, s.temperature,
-                              s.top_k, run.cfg.run.seed, run.rt.device)
-    if not run.rt.is_main:
-        return
-    of = f" ({weights} weights)" if run.evaluator.ema is not None else ""
-    print(f"\n--- {len(samples)} samples from step {run.state.step}{of}, prompt {s.prompt!r} ---")
-    print("".join(f"{text.strip()}\n---\n" for text in samples), end="")
-    run.metrics.text("samples", "\n\n---\n\n".join(samples), run.state.step)
-
-
-def own_run_dir(cfg: Config, rt: Runtime) -> Optional[DirLock]:
-    """The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
-    raises ConfigError naming the holder when another process writes the directory."""
-    return rt.on_main(lambda: DirLock(cfg.run_dir).acquire(), (ConfigError, DiskFull))  # a full disk: exit 1
 
 
 def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
     """The summary of this run when it is already finished (rundirs.finished), after checking that the
-    finished run is this config's: a re-run of its command changes nothing; a change it would silently ignore
-    (one that changes results or what the run measures: data, target, profiling, tasks) is refused."""
+    finished run is this config's: a re-run of its command changes nothing (and says so, and how to go on); a
+    change it would silently ignore (one that changes results or what the run measures: data, target, profiling,
+    tasks) is refused. On the main rank."""
     summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
     if summary is None:
         return None
@@ -569,58 +516,8 @@ def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
                           f"(or `run.dir`) to a new directory for this one, run the config it used, or accept the "
                           f"change with `--checkpoint.allow_changes=KEY[,KEY...]` (then nothing is trained: the "
                           f"finished run's summary is printed).{more}")
+    longer = ("--train.stop_at_target=false continues it to train.max_steps" if summary.get("stopped_at_target")
+              else "a longer run: raise train.max_steps")
+    log.info("%s is finished; nothing to train (%s; another run: set run.dir). %s", cfg.run_dir, longer,
+             summary_line(summary))
     return summary
-
-
-def summary_line(summary: dict[str, Any]) -> str:
-    """A finished run's summary.json in one line."""
-    parts = [f"{summary.get('steps')} steps"]
-    if isinstance(summary.get("tokens_seen"), int):
-        parts.append(f"{summary['tokens_seen']:,} tokens")
-    if isinstance(summary.get("train_seconds"), (int, float)):
-        parts.append(f"{format_duration(summary['train_seconds'])} of training")
-    for key in ("final_val_loss", "final_val_bpb"):
-        if isinstance(summary.get(key), (int, float)):
-            parts.append(f"{key} {summary[key]:.4f}")
-    if summary.get("stopped_at_target"):
-        parts.append(f"stopped at its target at step {summary.get('step_to_target')}")
-    elif summary.get("target_reached") is False:
-        parts.append("target not reached")
-    return "summary: " + ", ".join(parts)
-
-
-def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Run (or resume) training; returns summary.json's contents. A finished run is not trained further: its
-    summary is returned and nothing written. However the run ends, profiler, checkpointer (mirror copies),
-    logs and the run directory's lock are closed the same way."""
-    rundirs.refuse_inside_checkpoints(cfg.run_dir, "--run.dir")  # another run would prune this one away
-    lock = own_run_dir(cfg, rt)
-    try:
-        # checkpoint.resume=false asks for a fresh run: the checkpointer refuses a directory that is not empty.
-        done = finished_summary(cfg) if rt.is_main and cfg.checkpoint.resume else None
-        done = rt.gather_objects(done)[0]
-        if done is not None:
-            if rt.is_main:
-                longer = ("--train.stop_at_target=false continues it to train.max_steps" if
-                          done.get("stopped_at_target") else "a longer run: raise train.max_steps")
-                log.info("%s is finished; nothing to train (%s; another run: set run.dir). %s", cfg.run_dir, longer,
-                         summary_line(done))
-            return done
-        return _train(cfg, rt)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    metrics = MetricsLogger(cfg.run_dir, enabled=rt.is_main, tensorboard=cfg.log.tensorboard,
-                            wandb_cfg={"project": cfg.log.wandb_project, "name": cfg.run.name,
-                                       "config": cfg.to_dict()} if cfg.log.wandb else None)
-    run = None
-    try:
-        run = setup(cfg, rt, metrics)
-        with profiling.profiler(cfg, rt, run.state.step, metrics) as profiler:  # a no-op unless profile.enabled
-            loop(run, profiler)
-        return finish(run)
-    finally:
-        (run if run is not None else metrics).close()  # a run closes its metrics too

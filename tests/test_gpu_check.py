@@ -105,7 +105,7 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(full):
         assert row["sdpa_kernel_enable_gqa"] and row["nanopt_kernel"] == "sdpa"
     # Finding 1's evidence: without the in-place zeroing the no_sync gradients live outside DDP's bucket.
     assert result["ddp"]["set_to_none"]["grad_storages"] > 1 == result["ddp"]["in_place"]["grad_storages"]
-    # nanopt's own DDP path (train._wrap at world size 1) trains exactly like the unwrapped model.
+    # nanopt's own DDP path (train.step_model at world size 1) trains exactly like the unwrapped model.
     path = result["ddp"]["nanopt_path"]
     assert path["ddp"]["tokens_per_s"] > 0 and path["unwrapped"]["tokens_per_s"] > 0 and path["loss_diff"] == 0
     sample = result["sample"]

@@ -27,7 +27,7 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     from nanopt.checkpoint import Checkpointer
     from nanopt.config import parse_overrides
     from nanopt.harness import TaskSpec
-    from nanopt.train import Session, TaskScorer, Validator
+    from nanopt.train import TaskScorer, Trainer, Validator
 
     cfg = load_config(None, parse_overrides(small_overrides(
         **{"train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3, "eval.tasks": "t",
@@ -47,7 +47,7 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     cfg.eval.every = 4
     assert [s for s in steps if tasks.due(s)] == [5, 10]  # and the last step's, from finish()
     run = SimpleNamespace(cfg=cfg, evaluator=evaluator, ckpt=ckpt, tasks=tasks)
-    assert [s for s in steps if Session.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]
+    assert [s for s in steps if Trainer.pause_follows(run, s)] == [3, 4, 5, 6, 8, 9, 10, 12]
 
 
 @pytest.mark.parametrize("stopped", [False, True])
@@ -104,7 +104,7 @@ def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_st
         t = TrainConfig(compile_ddp_split=False)
         train.compiled(model, t, build_plan(t, 1))
         assert torch._dynamo.config.optimize_ddp is False and torch._dynamo.config.recompile_limit == 8
-        t = TrainConfig(seq_len=64, seq_len_schedule=",".join(f"{i}:{8 * (i + 1)}" for i in range(8)))
+        t = TrainConfig(seq_len=64, seq_len_schedule=[[i, 8 * (i + 1)] for i in range(8)])
         train.compiled(model, t, build_plan(t, 1))
         assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
         t = TrainConfig(fp8="tensorwise")
