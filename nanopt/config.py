@@ -28,17 +28,26 @@ SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed,
 DEVICES = ("auto", "cpu", "cuda", "xla")  # every device nanopt runs on; `nanopt eval` and `sample` offer the same
 PARALLELISMS = ("ddp", "fsdp", "hsdp")  # runtime.parallel: how ranks share the model (nanopt/parallel.py)
 BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
+# Every integer key is below this unless its own rules say less: torch, numpy and C hold integers as int64, and a
+# larger one is an OverflowError wherever it lands. Keys whose size allocates or loops (a batch, a context, a
+# sample's length) have tighter bounds of their own, each from what exists.
+INT_LIMIT = 2**63
+CONTEXT_LIMIT = 2**20  # model.max_seq_len, train.seq_len: a million tokens, the longest context models train at
 
 
 def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[float] = None,
         ge: Optional[float] = None, lt: Optional[float] = None, le: Optional[float] = None, null: str = "",
-        safe: Optional[bool] = None, neutral: Optional[bool] = None) -> Any:
-    """A config field and its rules. validate() enforces `choices` and the bounds (gt/ge/lt/le); `null` says
-    what null means for an Optional key. `safe`: a resume may change it (it changes how long the run goes, what
-    it logs or where things live, not the state the next step computes from). `neutral`: it does not change
-    results, so `nanopt runs` groups runs differing only in neutral keys and the seed as repeats of one setting.
-    Both left None take the section's default (`section`)."""
-    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, safe=safe, neutral=neutral)
+        zero: str = "", safe: Optional[bool] = None, neutral: Optional[bool] = None) -> Any:
+    """A config field and its rules. validate() enforces `choices` and the bounds (gt/ge/lt/le; on a list, on
+    every number in it); `null` says what null means for an Optional key (a one-word meaning, such as `all`, is
+    also a spelling of null); `zero`, what 0 means where it lies outside the bounds (an off switch). `safe`: a
+    resume may change it (it changes how long the run goes, what it logs or where things live, not the state the
+    next step computes from). `neutral`: it does not change results, so `nanopt runs` groups runs differing only
+    in neutral keys and the seed as repeats of one setting. Both left None take the section's default (`section`)."""
+    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, zero=zero, safe=safe,
+                neutral=neutral)
+    if isinstance(default, list):  # a dataclass field takes a mutable default only through a factory
+        return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -86,29 +95,35 @@ class RunConfig:
 class ModelConfig:
     """The Llama. The speedrun options (docs/speedrun.md) are off by default, so the model stays the Llama that
     `nanopt export` writes for transformers."""
-    vocab_size: int = key(257, "Vocabulary size; covers the tokenizer (byte: 256 bytes + BOS).", gt=0)
-    dim: int = key(256, "Model width.", gt=0)
-    n_layers: int = key(4, "Transformer blocks.", gt=0)
+    # Shards hold ids as uint32 at most (shards.token_dtype); widths and depth at 4-30x the largest models trained.
+    vocab_size: int = key(257, "Vocabulary size; covers the tokenizer (byte: 256 bytes + BOS).", gt=0, le=2**32)
+    dim: int = key(256, "Model width.", gt=0, le=2**16)
+    n_layers: int = key(4, "Transformer blocks.", gt=0, le=2**12)
     n_heads: int = key(8, "Attention heads; divides dim, and dim / n_heads is even (RoPE).", gt=0)
     n_kv_heads: int = key(4, "Key/value heads (grouped-query attention); divides n_heads.", gt=0)
-    ffn_dim: int = key(768, "Hidden width of the MLP.", gt=0)
-    norm_eps: float = key(1e-5, "RMSNorm epsilon.", gt=0)
-    rope_theta: float = key(10000.0, "RoPE base.", gt=0)
+    ffn_dim: int = key(768, "Hidden width of the MLP.", gt=0, le=2**18)
+    # An epsilon of 1 or more outweighs the mean square of unit-scale activations: the norm would no longer normalise.
+    norm_eps: float = key(1e-5, "RMSNorm epsilon.", gt=0, le=1)
+    # RoPE's frequencies theta^(-2i/d) fall across the head only for a base above 1; below it they grow, and a base
+    # near 0 overflows them to inf (the run "diverged").
+    rope_theta: float = key(10000.0, "RoPE base.", gt=1)
     rope_scaling: str = key("none", "Llama-3 frequency scaling (llama3, tuned by the model.rope_* keys) or "
                             "plain RoPE (none).", choices=("none", "llama3"))
     rope_factor: float = key(32.0, "llama3 scaling: the factor.", gt=0)
     rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.", gt=0)
     rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor (above the low one).", gt=0)
     rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.", gt=0)
-    max_seq_len: int = key(0, "Longest sequence the model takes; 0 = train.seq_len.", ge=0)
+    max_seq_len: int = key(0, "Longest sequence the model takes; 0 = train.seq_len.", ge=0, le=CONTEXT_LIMIT)
     tie_embeddings: bool = key(True, "The LM head shares the token embedding's weights.")
     attention: str = key("sdpa", "Attention kernel (xla_flash: Pallas, TPU); the same numbers, so a resume may "
                          "switch.", choices=("sdpa", "eager", "flash", "auto", "xla_flash"), safe=True)
-    init_std: float = key(0.02, "Standard deviation of the initial weights.", gt=0)
+    # Weights of std above 1 grow a Llama's activations layer by layer until the first step overflows ("diverged").
+    init_std: float = key(0.02, "Standard deviation of the initial weights.", gt=0, le=1)
     qk_norm: bool = key(False, "Speedrun: RMS-normalise queries and keys per head (no gain) before RoPE.")
     mlp: str = key("swiglu", "swiglu: w2(silu(w1 x) * w3 x); relu2: w2(relu(w1 x)^2), no w3.",
                    choices=("swiglu", "relu2"))
-    logit_softcap: float = key(0.0, "Speedrun: logits -> c * tanh(logits / c); 0 = off.", ge=0)
+    # A cap below 1 squashes every logit into (-1, 1); near 0, logits / c overflow and the backward is NaN.
+    logit_softcap: float = key(0.0, "Speedrun: logits -> c * tanh(logits / c); 0 = off.", ge=1, zero="off")
     value_embeddings: bool = key(False, "Speedrun: each layer adds its own token embedding to the attention values.")
     residual_scalars: bool = key(False, "Speedrun: layer input a * x + b * x0 (x0: the embedding; a, b learned).")
 
@@ -146,7 +161,8 @@ class DataConfig:
                        "rows start mid-document) or bos_bestfit (every row starts at a document's BOS, filled "
                        "best-fit from a buffer of documents, only the last one cropped); docs/data.md.",
                        choices=("windows", "bos_bestfit"))
-    pack_buffer: int = key(1000, "bos_bestfit: documents held to choose each best fit from.", gt=0)
+    # Best fit gains nothing past a few thousand documents; a larger buffer only holds the corpus in memory.
+    pack_buffer: int = key(1000, "bos_bestfit: documents held to choose each best fit from.", gt=0, le=2**20)
 
 
 @section()
@@ -154,10 +170,12 @@ class DataConfig:
 class TrainConfig:
     """Batch, schedule, AdamW and the speedrun clock (docs/speedrun.md)."""
     max_steps: int = key(200, "Optimizer steps (a resume may change it; the LR schedule follows).", gt=0, safe=True)
-    seq_len: int = key(256, "Tokens per training sequence.", gt=0)
+    seq_len: int = key(256, "Tokens per training sequence.", gt=0, le=CONTEXT_LIMIT)
     micro_batch_size: int = key(16, "Sequences per rank per micro-step.", gt=0)
+    # A billion tokens a step, ~60x the largest published batches (Llama 3: 16M): its micro-steps run one after
+    # another, so a larger batch is a step that never ends, not a bigger machine's.
     global_batch_tokens: int = key(8192, "Tokens per optimizer step, all ranks and micro-steps; a multiple of "
-                                   "micro_batch_size × seq_len × world size.", gt=0)
+                                   "micro_batch_size × seq_len × world size.", gt=0, le=2**30)
     precision: str = key("bf16", "bf16: autocast, fp32 weights; bf16-pure: bf16 weights and AdamW state "
                          "(updates under ~2^-9 of a weight round away); fp32.", choices=("bf16", "bf16-pure", "fp32"))
     lr: float = key(3e-3, "Peak learning rate.", gt=0)
@@ -188,11 +206,14 @@ class TrainConfig:
                                           "can race to; set one of the two.", gt=0, null="no target", safe=True)
     stop_at_target: bool = key(False, "End the run (final eval, checkpoint, summary) at the target.", safe=True)
     init_from: str = key("", "hf:DIR: start from a Hugging Face Llama directory's weights; \"\" = scratch.", safe=True)
-    batch_schedule: str = key("", "Global batch by stage: comma list of START:TOKENS, e.g. `0:8192,300:16384`, "
-                              "START in train.schedule_unit from 0; \"\" = train.global_batch_tokens throughout.")
-    seq_len_schedule: str = key("", "Sequence length by stage: START:SEQ_LEN, e.g. `0:128,300:256`, each at most "
-                                "train.seq_len (the model's context and the validation windows); \"\" = "
-                                "train.seq_len throughout.")
+    batch_schedule: list[list[int]] = key([], "Global batch by stage: [START, TOKENS] pairs, e.g. `[[0, 8192], "
+                                          "[300, 16384]]` (on the command line `0:8192,300:16384`), START in "
+                                          "train.schedule_unit from 0, TOKENS within train.global_batch_tokens' "
+                                          "bounds; [] = train.global_batch_tokens throughout.", ge=0)
+    seq_len_schedule: list[list[int]] = key([], "Sequence length by stage: [START, SEQ_LEN] pairs, e.g. `[[0, 128], "
+                                            "[300, 256]]` (`0:128,300:256`), each at most train.seq_len (the model's "
+                                            "context and the validation windows); [] = train.seq_len throughout.",
+                                            ge=0)
     schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens seen.",
                              choices=("steps", "tokens"))
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
@@ -229,7 +250,7 @@ class TrainConfig:
         if self.init_from and (not self.init_from.startswith("hf:") or not self.init_from[3:].strip()):
             raise ConfigError(f"`train.init_from` is {self.init_from!r}; it takes `hf:DIR`, a directory written by "
                               f"`nanopt export` or by transformers' save_pretrained (or \"\" to start from scratch).")
-        for stage_start, length in parse_stages(self.seq_len_schedule, "train.seq_len_schedule"):
+        for stage_start, length in check_stages(self.seq_len_schedule, "train.seq_len_schedule"):
             if length > self.seq_len:
                 raise ConfigError(f"`train.seq_len_schedule` has {length} tokens from {stage_start}, longer than "
                                   f"`train.seq_len` ({self.seq_len}), the model's context; raise train.seq_len.")
@@ -248,8 +269,8 @@ class TrainConfig:
     def stages(self) -> list[tuple[int, int, int]]:
         """(start, global batch tokens, seq_len) per stretch where neither schedule changes, starts in schedule_unit
         from 0 (one without schedules): for the checks here and plan.build_plan; everything else reads the plan."""
-        batch = parse_stages(self.batch_schedule, "train.batch_schedule") or [(0, self.global_batch_tokens)]
-        seq = parse_stages(self.seq_len_schedule, "train.seq_len_schedule") or [(0, self.seq_len)]
+        batch = check_stages(self.batch_schedule, "train.batch_schedule") or [(0, self.global_batch_tokens)]
+        seq = check_stages(self.seq_len_schedule, "train.seq_len_schedule") or [(0, self.seq_len)]
         starts = sorted({s for s, _ in batch} | {s for s, _ in seq})
         at = (lambda stages, x: [v for s, v in stages if s <= x][-1])
         return [(s, at(batch, s), at(seq, s)) for s in starts]
@@ -272,7 +293,8 @@ class OptimConfig:
     head_weight_decay: Optional[float] = key(None, "Head weight decay.", ge=0, null="train.weight_decay")
     muon_momentum: float = key(0.95, "torch.optim.Muon's momentum.", ge=0, lt=1)
     muon_nesterov: bool = key(True, "Nesterov momentum in Muon.")
-    muon_ns_steps: int = key(5, "Newton-Schulz iterations per Muon update.", gt=0)
+    # Newton-Schulz converges in about 5; each iteration is three matmuls per matrix per step.
+    muon_ns_steps: int = key(5, "Newton-Schulz iterations per Muon update.", gt=0, le=100)
     muon_dtype: str = key("auto", "The dtype Newton-Schulz computes in (nanopt's batched Muon): auto = bf16 where the "
                           "device computes bf16 in hardware (CUDA, XLA, AVX512-BF16 and AMX CPUs), fp32 where bf16 "
                           "would be emulated (AVX2 CPUs: ~45x slower); XLA's torch Muon is always bf16.",
@@ -290,14 +312,16 @@ class EvalConfig:
     every: int = key(50, "Validate every this many steps; 0 = no periodic validation.", ge=0, safe=True)
     at_start: bool = key(True, "Also validate the initial weights at step 0 (the curve's first point, about "
                          "ln(vocab)); a race to a target gains nothing from it.", safe=True, neutral=True)
-    batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0)
+    # The fixed set's windows stay in memory: 2^14 micro-batches of 16 × 2048 tokens are 2^29 tokens (8 GiB of ids),
+    # already more than a periodic validation is worth.
+    batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0, le=2**14)
     seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
                     "measured on the same tokens.", ge=0, lt=SEED_LIMIT)
     test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
                             neutral=True)
-    tasks: str = key("", "Comma list of lm-eval tasks scored on the live model during training (pip install -e "
-                     "'.[eval]'); \"\" = none. Outside the training clock; docs/evaluation.md.", safe=True,
-                     neutral=True)
+    tasks: list[str] = key([], "lm-eval tasks scored on the live model during training, e.g. `[hellaswag, arc_easy]` "
+                           "(`hellaswag,arc_easy`; pip install -e '.[eval]'); [] = none. Outside the training clock; "
+                           "docs/evaluation.md.", safe=True, neutral=True)
     core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True)
     tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
                            ge=0, safe=True, neutral=True)
@@ -329,7 +353,8 @@ class CheckpointConfig:
     keep: int = key(3, "How many checkpoints to keep.", gt=0)
     resume: bool = key(True, "Continue from the newest usable checkpoint; false: start fresh, into an empty dir.")
     mirror: str = key("", "fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to.")
-    allow_changes: str = key("", "Comma list of config keys allowed to differ from the checkpoint's on resume.")
+    allow_changes: list[str] = key([], "Config keys allowed to differ from the checkpoint's on resume, e.g. "
+                                   "`[train.lr]` (`train.lr,train.warmup_steps`).")
     start_over: bool = key(False, "When the run directory shows training but holds no usable checkpoint, a re-run "
                            "refuses (exit 2) rather than silently start over; true starts at step 0.")
     sharded: bool = key(False, "fsdp/hsdp only: each rank writes its own shards of the weights, optimizer state and "
@@ -343,7 +368,7 @@ class CheckpointConfig:
             raise ConfigError(f"`checkpoint.sharded` is true and `checkpoint.mirror` is {self.mirror!r}: the mirror "
                               f"copies whole checkpoints only, not a sharded one's dcp/ directory (not built yet). "
                               f"Drop one of the two keys.")
-        for name in comma_list(self.allow_changes):
+        for name in self.allow_changes:
             section_name, _, rest = name.partition(".")
             if section_name not in SECTIONS or rest not in {f.name for f in fields(SECTIONS[section_name])}:
                 raise ConfigError(
@@ -367,7 +392,9 @@ class LogConfig:
 class RuntimeConfig:
     """The device and its threads (nanopt/runtime.py)."""
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
-    threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0)
+    # More threads than any host has cores (the largest hold a few hundred) only oversubscribe; a fixed bound, not
+    # this machine's count, so a config written here runs on a bigger host.
+    threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0, le=1024)
     parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
                         "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state "
                         "sharded across ranks, gathered per block for forward and backward, compiled per block "
@@ -410,9 +437,12 @@ class RuntimeConfig:
 class SampleConfig:
     """The samples printed at the end of a run."""
     prompt: str = key("Elementary, my dear", "The text each sample continues.")
-    num_samples: int = key(2, "How many samples.", ge=0)
-    max_new_tokens: int = key(120, "Tokens generated per sample.", ge=0)
-    temperature: float = key(0.8, "Sampling temperature; 0 = greedy.", ge=0)
+    # The samples decode as one batch, one token at a time, to be read: 2^10 of them, 2^16 tokens (a book chapter)
+    # each, already take hours; more allocate or decode until killed.
+    num_samples: int = key(2, "How many samples.", ge=0, le=2**10)
+    max_new_tokens: int = key(120, "Tokens generated per sample.", ge=0, le=2**16)
+    # Below 1e-4 sampling is greedy in effect, and near 0 logits / temperature overflow to inf (NaN probabilities).
+    temperature: float = key(0.8, "Sampling temperature; 0 = greedy.", ge=1e-4, zero="greedy")
     top_k: int = key(50, "Sample among the k likeliest tokens; 0 = all.", ge=0)
 
 
@@ -427,13 +457,15 @@ class PrepareConfig:
                        "load_dataset.")
     subset: str = key("", "The dataset's config name, e.g. sample-100BT.")
     revision: str = key("", "A hub dataset's commit or tag (pins the stream a resume re-reads); \"\" = main.")
-    data_files: str = key("", "Local file or glob for json/parquet/text; comma-separated for several.")
+    data_files: list[str] = key([], "Local files or globs for json/parquet/text, e.g. `[a.jsonl, \"b/*.jsonl\"]` "
+                                "(`a.jsonl,b/*.jsonl`).")
     split: str = key("train", "The source split to read (datasets slice syntax allowed: train[:10%]).")
     text_field: str = key("text", "The column holding each document's text.")
     sample_by: str = key("", "text builder only: what one document is; \"\" = the builder's default.",
                          choices=("", "line", "paragraph", "document"))
     streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
-    shuffle_buffer: int = key(10000, "Streaming shuffle buffer (documents); 0 = no shuffling.", ge=0)
+    # The buffer's documents are held in memory: 2^20 of web text are GBs already.
+    shuffle_buffer: int = key(10000, "Streaming shuffle buffer (documents); 0 = no shuffling.", ge=0, le=2**20)
     shuffle_seed: int = key(42, "Seed of the document shuffle.", ge=0)
     add_bos: bool = key(True, "The tokenizer's BOS before every document.")
     add_eos: bool = key(False, "The tokenizer's EOS after every document.")
@@ -441,7 +473,7 @@ class PrepareConfig:
     val_tokens: int = key(0, "Token budget of the val split; 0 = no val split.", ge=0)
     test_tokens: int = key(0, "Token budget of the test split; 0 = no test split.", ge=0)
     shard_tokens: int = key(100_000_000, "Tokens per shard file.", gt=0)
-    workers: int = key(0, "Tokenizer processes; 0 = one per CPU core.", ge=0)
+    workers: int = key(0, "Tokenizer processes; 0 = one per CPU core.", ge=0, le=1024)  # as runtime.threads
     batch_documents: int = key(128, "Documents per worker task.", gt=0)
     retries: int = key(5, "A source error mid-stream (a hub outage longer than datasets' own retries) restarts "
                        "the stream from the last committed shard this many times, waiting 1, 2, 3... minutes; "
@@ -480,14 +512,16 @@ class ProfileConfig:
     wait: int = key(10, "Steps skipped before profiling.", ge=0)
     warmup: int = key(5, "Steps the profiler warms up (not recorded).", ge=0)
     active: int = key(20, "Steps recorded.", gt=0)
-    ranks: str = key("0", "Ranks that write a trace: 0, a comma list 0,1,4, or all.")
+    ranks: Optional[list[int]] = key([0], "Ranks that write a trace, e.g. `[0, 1, 4]` (`0,1,4`).", ge=0, null="all")
     record_shapes: bool = key(False, "Record each op's input shapes.")
     memory: bool = key(False, "profile_memory: allocations per op (Memory view in TensorBoard).")
     with_stack: bool = key(False, "Python stacks per op (bigger traces).")
     memory_snapshot: bool = key(False, "CUDA only: allocator history dump for pytorch.org/memory_viz.")
 
     def check(self, cfg: Config) -> None:
-        parse_ranks(self.ranks)
+        if self.ranks == []:
+            raise ConfigError("`profile.ranks` is empty, so no rank would write a trace; name ranks such as `[0]` "
+                              "(`--profile.ranks=0`), or all.")
 
 
 @dataclass
@@ -552,12 +586,20 @@ def _to_int(value: Any) -> Optional[int]:
     return int(value) if isinstance(value, float) and value.is_integer() else None
 
 
-def _convert(value: Any, typ: Any, key: str, where: str) -> Any:
-    """Convert a YAML or CLI value to the declared field type, or raise ConfigError naming the key."""
+def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: str = ",") -> Any:
+    """Convert a YAML or CLI value to the declared field type, or raise ConfigError naming the key. A list takes a
+    YAML list, one item, or text (a flag; a config of older versions): items separated by `sep`, a comma, and a
+    pair's two numbers by a colon (`0:8192,300:16384` is [[0, 8192], [300, 16384]])."""
     if typing.get_origin(typ) in (typing.Union, types.UnionType):  # Optional[X]: null or an X
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+        words = ("null", "none", "~", *([null] if null and " " not in null else []))
+        if value is None or (isinstance(value, str) and value.lower() in words):
             return None
         typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typing.get_origin(typ) is list:
+        if isinstance(value, str):
+            value = comma_list(value, sep)
+        items = value if isinstance(value, list) else [value]
+        return [_convert(item, typing.get_args(typ)[0], key, where, sep=":") for item in items]
     out: Any = None
     if typ is bool:
         out = value if isinstance(value, bool) else _BOOLS.get(value.lower()) if isinstance(value, str) else None
@@ -593,6 +635,13 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+def _declared(key: str) -> tuple[Any, str]:
+    """A known key's type and what null means for it (KeyError for an unknown one)."""
+    section_name, _, name = key.partition(".")
+    f = {f.name: f for f in fields(SECTIONS[section_name])}[name]
+    return typing.get_type_hints(SECTIONS[section_name])[name], f.metadata["null"]
+
+
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     parts = key.split(".")
     if len(parts) != 2:
@@ -604,8 +653,8 @@ def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     valid = [f.name for f in fields(SECTIONS[section_name])]
     if name not in valid:
         raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {', '.join(valid)}.")
-    typ = typing.get_type_hints(SECTIONS[section_name])[name]
-    setattr(getattr(cfg, section_name), name, _convert(value, typ, key, where))
+    typ, null = _declared(key)
+    setattr(getattr(cfg, section_name), name, _convert(value, typ, key, where, null))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -690,50 +739,40 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     return cfg
 
 
-def parse_stages(text: str, key: str) -> list[tuple[int, int]]:
-    """A schedule `START:VALUE,START:VALUE` -> [(start, value)]: integers (1e6, 16_384), starts rising from 0,
-    values positive; "" -> []. Raises ConfigError naming `key`."""
-    if not text.strip():
-        return []
-    pairs = [part.split(":") for part in text.split(",")]
-    stages = [(_to_int(p[0]), _to_int(p[1])) if len(p) == 2 else (None, None) for p in pairs]
-    starts = [s for s, _ in stages]
-    if (any(s is None or v is None or s < 0 or v <= 0 for s, v in stages) or starts[0] != 0
-            or starts != sorted(set(starts))):
-        raise ConfigError(f"`{key}` is {text!r}; write comma-separated START:VALUE stages, starts rising from 0 "
-                          f"(in train.schedule_unit) and positive integer values, e.g. `0:8192,300:16384`.")
-    return stages  # type: ignore[return-value]
+def check_stages(stages: list[list[int]], key: str) -> list[tuple[int, int]]:
+    """A schedule's [START, VALUE] pairs -> [(start, value)]: starts rising from 0, values positive and, for the
+    batch, within train.global_batch_tokens' own rules; [] -> []. Raises ConfigError naming `key`."""
+    starts = [stage[0] for stage in stages if len(stage) == 2]
+    if stages and (len(starts) < len(stages) or starts[0] != 0 or starts != sorted(set(starts))
+                   or any(v <= 0 for _, v in stages)):
+        raise ConfigError(f"`{key}` is {_shown(stages)}; write [START, VALUE] pairs, starts rising from 0 (in "
+                          f"train.schedule_unit) and positive integer values: `[[0, 8192], [300, 16384]]` in YAML, "
+                          f"`0:8192,300:16384` on the command line.")
+    if key == "train.batch_schedule":  # a stage's batch is a global batch: the same bound
+        meta = next(f.metadata for f in fields(TrainConfig) if f.name == "global_batch_tokens")
+        for _, tokens in stages:
+            _check_key(key, tokens, meta)
+    return [(start, value) for start, value in stages]
 
 
-def comma_list(text: Optional[str]) -> list[str]:
-    """The items of a comma-separated value (a config key, a flag): `a, b,,c` -> ["a", "b", "c"]."""
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
-
-
-def parse_ranks(text: str) -> Optional[list[int]]:
-    """`profile.ranks` -> sorted rank ids, or None for "all". Raises ConfigError when unreadable."""
-    if text.strip().lower() == "all":
-        return None
-    ranks: list[int] = []
-    with contextlib.suppress(ValueError):
-        ranks = sorted({int(part) for part in comma_list(text)})
-    if not ranks or ranks[0] < 0:
-        raise ConfigError(
-            f"`profile.ranks` is {text!r}; use a rank such as 0, a comma-separated list such as 0,1,4, or all.")
-    return ranks
+def comma_list(text: Optional[str], sep: str = ",") -> list[str]:
+    """The items of a comma-separated value (a flag, a config list given as text): `a, b,,c` -> ["a", "b", "c"]."""
+    return [part.strip() for part in (text or "").split(sep) if part.strip()]
 
 
 # ---------------------------------------------------------------- validation
 
 
 def _number(x: float) -> str:
-    return f"2^{int(x).bit_length() - 1}" if x >= 2**16 and int(x) & (int(x) - 1) == 0 else f"{x:g}"
+    return f"2^{int(x).bit_length() - 1}" if 2**16 <= x < math.inf and int(x) & (int(x) - 1) == 0 else f"{x:g}"
 
 
 def bounds_text(meta: Mapping[str, Any]) -> str:
     """A key's bounds as its error and docs/configuration.md say them: "positive", "zero or positive",
     "in [0, 1)"; "" when it has none."""
     gt, ge, lt, le = (meta[b] for b in BOUNDS)
+    if meta.get("zero") and (gt is not None or ge is not None):  # 0 (off) or a range above it
+        return f"0 ({meta['zero']}) or {bounds_text({**meta, 'zero': ''})}"
     low = gt if gt is not None else ge
     high = lt if lt is not None else le
     if high is None:
@@ -751,16 +790,25 @@ def choices_text(choices: tuple[str, ...]) -> str:
 
 
 def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
-    """One key against its own rules: choices and bounds (NaN fails every bound; infinity is refused)."""
+    """One key against its own rules: choices and bounds (NaN fails every bound; infinity is refused; a list's
+    every number), and any integer against INT_LIMIT."""
+    if isinstance(value, list):
+        for item in value:
+            _check_key(key, item, meta)
+        return
     if meta["choices"] and value not in meta["choices"]:
         raise ConfigError(f"`{key}` is {value!r}; valid values: {choices_text(meta['choices'])}. {meta['doc']}")
-    if value is None or not bounds_text(meta):
+    if value is None or (meta["zero"] and value == 0):
         return
     infinite = isinstance(value, float) and math.isinf(value)
-    if infinite or not all(meta[b] is None or op(value, meta[b]) for b, op in BOUNDS.items()):
+    if bounds_text(meta) and (infinite or not all(meta[b] is None or op(value, meta[b]) for b, op in BOUNDS.items())):
         finite = "finite and " if value == math.inf else ""
         null = f" (or null for {meta['null']})" if meta["null"] else ""
-        raise ConfigError(f"`{key}` must be {finite}{bounds_text(meta)}{null}, got {value}.")
+        shown = _number(value) if isinstance(value, int) else value
+        raise ConfigError(f"`{key}` must be {finite}{bounds_text(meta)}{null}, got {shown}.")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= INT_LIMIT:
+        raise ConfigError(f"`{key}` must be below {_number(INT_LIMIT)} (integers are held as int64), got "
+                          f"{_number(value)}.")
 
 
 # The one rule for keys that act only behind a switch: such a key set away from its default while its switch is off
@@ -769,9 +817,9 @@ def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
 SWITCHES: dict[str, tuple[str, str, Callable[[Config], bool]]] = {
     "train.ema_start": ("train.ema_decay", "above 0", lambda c: c.train.ema_decay > 0),
     "train.decay_fraction": ("train.schedule", "wsd", lambda c: c.train.schedule == "wsd"),
-    "train.batch_lr_rule": ("train.batch_schedule", "a schedule", lambda c: bool(c.train.batch_schedule.strip())),
+    "train.batch_lr_rule": ("train.batch_schedule", "a schedule", lambda c: bool(c.train.batch_schedule)),
     "train.schedule_unit": ("train.batch_schedule", "a schedule (or train.seq_len_schedule)",
-                            lambda c: bool(c.train.batch_schedule.strip() or c.train.seq_len_schedule.strip())),
+                            lambda c: bool(c.train.batch_schedule or c.train.seq_len_schedule)),
     "eval.tasks_every": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
     "eval.tasks_limit": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
     "eval.tasks_path": ("eval.tasks", "a task list", lambda c: bool(c.eval.tasks)),
@@ -787,7 +835,7 @@ def _refuse_ignored(cfg: Config) -> None:
     for name, (switch, needs, on) in SWITCHES.items():
         section, key_name = name.split(".")
         value = getattr(getattr(cfg, section), key_name)
-        default = next(f.default for f in fields(SECTIONS[section]) if f.name == key_name)
+        default = getattr(SECTIONS[section](), key_name)
         if value != default and not on(cfg):
             now = getattr(getattr(cfg, switch.split(".")[0]), switch.split(".")[1])
             raise ConfigError(f"`{name}` is {_shown(value)}, but it acts only when `{switch}` is {needs} (it is "
@@ -795,8 +843,10 @@ def _refuse_ignored(cfg: Config) -> None:
                               f"(`--{name}={_shown(default)}`).")
 
 
-def _shown(value: Any) -> str:
-    """A value as an override writes it: wsd, 0.5, true, null, \"\"."""
+def _shown(value: Any, sep: str = ",") -> str:
+    """A value as an override writes it: wsd, 0.5, true, null, \"\", 0:8192,300:16384."""
+    if isinstance(value, list):
+        return sep.join(_shown(item, ":") for item in value) or '""'
     return value if isinstance(value, str) and value else json.dumps(value)
 
 
@@ -825,7 +875,7 @@ def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None
                           f"{cfg.runtime.parallel} shards only across torchrun's ranks): nothing is sharded; "
                           f"checkpoints are already whole. Drop the key, or launch 2 or more ranks with torchrun.")
     t = cfg.train
-    scheduled = bool(t.batch_schedule.strip() or t.seq_len_schedule.strip())
+    scheduled = bool(t.batch_schedule or t.seq_len_schedule)
     for start, batch, seq_len in t.stages():
         tokens_per_micro_step = t.micro_batch_size * seq_len * world_size
         if batch % tokens_per_micro_step == 0:
@@ -884,6 +934,16 @@ def model_from_dict(values: dict[str, Any], where: str) -> ModelConfig:
     return cfg.model
 
 
+def canonical(key: str, value: Any) -> Any:
+    """A saved config's value as this version holds it (a list that older versions wrote as a comma string), so
+    comparing configs across versions compares values; the value as found when it does not convert."""
+    try:
+        typ, null = _declared(key)
+        return _convert(value, typ, key, "", null)
+    except (KeyError, ConfigError):
+        return value
+
+
 def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -> list[str]:
     """Keys whose value differs from the checkpoint's config and that are neither allowed by
     `checkpoint.allow_changes` nor free to differ: resume-safe (SAFE_KEYS) when the run goes on, RERUN_KEYS when
@@ -891,7 +951,8 @@ def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -
     sweep and Modal's sweep."""
     before, now = ({f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
                    for data in (saved, cfg.to_dict()))
-    free = (RERUN_KEYS if finished else SAFE_KEYS) | set(comma_list(cfg.checkpoint.allow_changes))
+    before = {k: canonical(k, v) for k, v in before.items()}
+    free = (RERUN_KEYS if finished else SAFE_KEYS) | set(cfg.checkpoint.allow_changes)
     # A key only one side knows is from another nanopt version.
     changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in free)
     return [f"{k}: {before[k]!r} in the checkpoint, {now[k]!r} now" for k in changed]

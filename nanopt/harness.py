@@ -21,7 +21,7 @@ import torch
 
 from nanopt import core, hub, parallel, runtime
 from nanopt.checkpoint import weights_crc32
-from nanopt.config import Config, comma_list
+from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.generate import generate
 from nanopt.io import append_jsonl, is_number
@@ -495,7 +495,7 @@ class TaskScorer:
 
     def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
         e = cfg.eval
-        self.spec = TaskSpec(comma_list(e.tasks), e.tasks_path or None, e.tasks_limit or None, None, e.core or None)
+        self.spec = TaskSpec(list(e.tasks), e.tasks_path or None, e.tasks_limit or None, None, e.core or None)
         self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
         self.solo = replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
         self.sharded = parallel.is_sharded(model)

@@ -42,7 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nanopt import hub, lock, shards
-from nanopt.config import Config, PrepareConfig, comma_list
+from nanopt.config import Config, PrepareConfig
 from nanopt.errors import ConfigError
 from nanopt.shards import encode_documents
 from nanopt.io import append_bytes, as_disk_full, open_append, refuse_link, write_json
@@ -86,7 +86,7 @@ def load_documents(p: PrepareConfig):
         if p.streaming:
             ds = ds.to_iterable_dataset()
     else:
-        optional = {"name": p.subset, "revision": p.revision, "data_files": comma_list(p.data_files),
+        optional = {"name": p.subset, "revision": p.revision, "data_files": p.data_files,
                     "sample_by": p.sample_by}
         kwargs = {"split": p.split, "streaming": p.streaming, **{k: v for k, v in optional.items() if v}}
         _refuse_empty_files(p, only_if_all=True)
@@ -98,7 +98,7 @@ def load_documents(p: PrepareConfig):
                 raise ConfigError(_hub_dataset_problem(p, e)) from None
             raise ConfigError(
                 f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r}, files "
-                f"{p.data_files or '-'}) cannot be loaded: {_builder_error(e)}. Check the name and subset, "
+                f"{', '.join(p.data_files) or '-'}) cannot be loaded: {_builder_error(e)}. Check the name and subset, "
                 f"the local file paths, network access, and HF_TOKEN for gated datasets."
             ) from None
     if p.shuffle_buffer:
@@ -148,7 +148,7 @@ def _hub_dataset_problem(p: PrepareConfig, error: BaseException) -> str:
 def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:
     """datasets fails on an empty local file unhelpfully (StopIteration for json, a generation error for text) or
     reads blank lines as documents: name the empty files instead (only_if_all: the check before loading)."""
-    matched = [Path(m) for f in comma_list(p.data_files) for m in sorted(glob.glob(os.path.expanduser(f)))]
+    matched = [Path(m) for f in p.data_files for m in sorted(glob.glob(os.path.expanduser(f)))]
     empty = [m for m in matched if m.is_file() and not _has_content(m)]
     if empty and (not only_if_all or len(empty) == len(matched)):
         names = ", ".join(map(str, empty[:5])) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
@@ -240,6 +240,7 @@ def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
     """What decides the output bytes. The tokenizer's own definition is hashed too: a hub tokenizer can
     change under the same name between a run and its resume."""
     keys = {k: v for k, v in asdict(cfg.prepare).items() if k not in _WORKER_ONLY_KEYS}
+    keys["data_files"] = ",".join(cfg.prepare.data_files)  # as earlier versions wrote it: their outputs resume
     out = {"prepare": keys, "tokenizer": cfg.data.tokenizer, "vocab_size": tokenizer.vocab_size}
     if (definition := getattr(tokenizer, "definition", None)) is not None:
         out["tokenizer_sha256"] = hashlib.sha256(definition().encode()).hexdigest()
@@ -533,7 +534,7 @@ def _tokenise(cfg: Config, tokenizer, special: tuple[Optional[int], Optional[int
         if not writer.done:  # the source is exhausted
             if writer.state["next_doc"] == 0:  # before its first document
                 _refuse_empty_files(p)
-                raise ConfigError(f"`prepare.dataset` {p.dataset!r} (files {p.data_files or '-'}) holds no "
+                raise ConfigError(f"`prepare.dataset` {p.dataset!r} (files {', '.join(p.data_files) or '-'}) holds no "
                                   f"documents; point it at a source that has some.")
             writer.finish()
     finally:

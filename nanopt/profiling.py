@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity
 from nanopt import plots
 from nanopt.io import write_text
 from nanopt.rundirs import PROFILE_FILE, TB_DIR
-from nanopt.config import Config, ConfigError, ProfileConfig, parse_ranks
+from nanopt.config import Config, ConfigError, ProfileConfig
 from nanopt.metrics import MetricsLogger
 from nanopt.runtime import Runtime
 
@@ -112,11 +112,10 @@ def profiler(cfg: Config, rt: Runtime, start_step: int = 0,
     p = cfg.profile
     if not p.enabled:
         return Off()
-    ranks = parse_ranks(p.ranks)
-    if ranks is not None and ranks[-1] >= rt.world_size:
-        raise ConfigError(f"`profile.ranks` is {p.ranks!r} but the run has {rt.world_size} rank(s) "
+    if p.ranks is not None and max(p.ranks) >= rt.world_size:  # None: all
+        raise ConfigError(f"`profile.ranks` is {p.ranks} but the run has {rt.world_size} rank(s) "
                           f"(0..{rt.world_size - 1}); list ranks that exist, or use all.")
-    if ranks is not None and rt.rank not in ranks:
+    if p.ranks is not None and rt.rank not in p.ranks:
         return Off()
     activities = rt.backend.profiler_activities
     if activities is None:

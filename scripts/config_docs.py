@@ -45,13 +45,20 @@ A run is configured by one YAML file of sections (`run:`, `model:`, `train:`, ..
   `--train.max_steps=50 --profile.enabled=true`. Overrides apply after the file, left to right. A value is
   read as its key's type: `true`/`false` (also yes/no, on/off, 1/0), integers (`16_384` and `1e6` too),
   numbers, strings, and `null` where the type says so.
+- **Lists.** A list key takes a YAML list: `eval.tasks: [hellaswag, arc_easy]`, and a schedule's
+  [START, VALUE] pairs, `train.batch_schedule: [[0, 8192], [300, 16384]]`. On the command line (and in a
+  config of earlier versions, which wrote lists as text) the items are separated by commas and a pair's two
+  numbers by a colon: `--eval.tasks=hellaswag,arc_easy`, `--train.batch_schedule=0:8192,300:16384`; `""` is
+  the empty list.
 - **Defaults.** A key the file leaves out takes the default in the tables below (`configs/tiny.yaml` sets
   several of them to other values).
 - **Errors.** An unknown section or key, a value of the wrong type or outside its key's rules, and impossible
   combinations (`model.dim` not divisible by `model.n_heads`, a `train.global_batch_tokens` that is not a
   multiple of micro_batch_size × seq_len × world size) stop the command before anything runs, with one
   paragraph naming the key and what would be valid (exit code 2). A key with bounds takes finite numbers
-  only: `nan` and `inf` are refused.
+  only: `nan` and `inf` are refused. Every number is bounded by what exists (each bound's reason is a comment
+  on its key in nanopt/config.py), and an integer whose rules below name no upper bound is below 2^63: torch,
+  numpy and C hold integers as int64.
 - **Keys behind a switch.** A key that acts only when another is on, set away from its default while that
   switch is off, would be ignored, so it is refused (exit 2, naming the switch and the default that drops it):
   {SWITCHED}. A config keeps presets for an optional feature as flags in a comment (the `profile:` of
@@ -72,8 +79,12 @@ A run is configured by one YAML file of sections (`run:`, `model:`, `train:`, ..
 
 
 def _type(hint: Any) -> str:
+    if typing.get_origin(hint) is list:  # a list in a list is a schedule's [START, VALUE] pair
+        item = typing.get_args(hint)[0]
+        return f"list of [{_type(typing.get_args(item)[0])}, {_type(typing.get_args(item)[0])}]" if \
+            typing.get_origin(item) is list else f"list of {_type(item)}"
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return f"{args[0].__name__} or null" if args else hint.__name__
+    return f"{_type(args[0])} or null" if args else hint.__name__
 
 
 def _value(value: Any) -> str:

@@ -59,6 +59,8 @@ def test_each_rule_fits_its_key_and_every_default_obeys_its_rules():
             meta, typ = f.metadata, hints[f.name]
             optional = type(None) in typing.get_args(typ)
             base = next((a for a in typing.get_args(typ) if a is not type(None)), typ)
+            while typing.get_origin(base) is list:  # a list's rules are its items'
+                base = typing.get_args(base)[0]
             assert not meta["choices"] or base is str, f"`{name}.{f.name}`: choices on a {base.__name__}"
             bounded = any(meta[b] is not None for b in ("gt", "ge", "lt", "le"))
             assert not bounded or base in (int, float), f"`{name}.{f.name}`: bounds on a {base.__name__}"
