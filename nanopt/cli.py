@@ -8,9 +8,12 @@ import importlib
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import NoReturn, Optional
 
-from nanopt.errors import EXIT_BAD_INPUT, ConfigError, ShardError, debug_enabled, debug_traceback
+from nanopt.errors import (EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, DiskFull, ShardError, debug_enabled,
+                           debug_traceback, path_problem)
+from nanopt.io import disk_full, is_disk_full
 
 COMMANDS: dict[str, str] = {
     "train": "train a model (same as python -m nanopt.main)",
@@ -24,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "sample": "sample continuations of a prompt from a run, checkpoint or HF dir",
     "export": "write a checkpoint as a Hugging Face LlamaForCausalLM directory",
     "average": "a checkpoint whose weights are the mean of a run's --last K (or --steps a,b,c) checkpoints",
+    "scaling": "scaling laws: `fit` a ladder's runs (or a CSV): isoFLOP optima, L(N, D), predictions",
 }
 # Defaults set before a command's module is imported. Idle OpenMP threads spin instead of sleeping: on a quiet
 # machine PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape) and libgomp's default (spin,
@@ -56,12 +60,20 @@ def run(argv: list[str]) -> int:
     previous = os.environ.get("NANOPT_DEBUG")
     if debug:
         os.environ["NANOPT_DEBUG"] = "1"  # seen by commands that catch their own errors (train)
+    prefix = "nanopt" if name == "train" else f"nanopt {name}"  # the trainer's own paragraphs say "nanopt: "
     try:
         return int(importlib.import_module(f"nanopt.commands.{name}").main(rest) or 0)
     except (ConfigError, ShardError) as e:  # bad input, for every command alike: one paragraph, exit 2
         debug_traceback()
-        print(f"nanopt {name}: error: {e}", file=sys.stderr)
+        print(f"{prefix}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # about a path, wherever a command met it: one paragraph; a full disk is a failure (1)
+        if e.filename is None:
+            raise  # no path: stdout gone (main), or a crash
+        debug_traceback()
+        full = e if isinstance(e, DiskFull) else disk_full(Path(os.fsdecode(e.filename))) if is_disk_full(e) else None
+        print(f"{prefix}: error: {full or path_problem(e)}", file=sys.stderr)
+        return EXIT_FAILED if full else EXIT_BAD_INPUT
     finally:
         if previous is None:
             os.environ.pop("NANOPT_DEBUG", None)
@@ -74,12 +86,18 @@ def main(argv: Optional[list[str]] = None) -> NoReturn:
     try:
         code = run(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # here, so a closed pipe raises inside the try
-    except BrokenPipeError:
-        # `nanopt runs | head`: the reader left. Python's documented way (signal module, "Note on SIGPIPE"):
-        # point stdout at devnull, so the interpreter's own flush at exit does not raise again, and exit.
+    except OSError as e:
+        # No path named: a reader that left (EPIPE), or stdout's disk is full (nanopt's own writes name their file).
+        if e.filename is not None or not (isinstance(e, BrokenPipeError) or is_disk_full(e)):
+            raise
+        # `nanopt runs | head`: the reader left; `> /dev/full`: no space. Python's documented way (signal module,
+        # "Note on SIGPIPE"): point stdout at devnull, so the interpreter's own flush at exit does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 1
+        if not isinstance(e, BrokenPipeError):  # a reader that left wants no more; a full disk is said once
+            print(f"nanopt: error: the output could not be written to stdout ({e.strerror or e}).", file=sys.stderr)
+        code = EXIT_FAILED
     exit_process(code)
+
 
 
 def exit_process(code: int) -> NoReturn:

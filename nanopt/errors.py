@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -64,6 +65,44 @@ class Preempted(Exception):
         super().__init__(f"preempted by {signame} after step {step}; checkpoint {ckpt} is complete. The run is "
                          f"resumable: re-run the same command to continue from step {step} (exit status "
                          f"{EXIT_PREEMPTED}).")
+
+
+def path_problem(error: OSError) -> Optional[str]:
+    """An OSError about a path (a directory where a file belongs or the reverse, a link to nothing, permission
+    denied, a read-only disk) as one paragraph naming the path and the fix; None when it names no path. The one
+    place such errors are worded: the CLI turns each into exit 2 wherever a command met it."""
+    if error.filename is None:
+        return None
+    path = Path(os.fsdecode(error.filename))
+    other = f" (and {os.fsdecode(error.filename2)})" if error.filename2 is not None else ""
+    # The first name along the path that is not a directory, or a link to nothing: what blocks the way.
+    blocker = next((p for p in reversed((path, *path.parents)) if os.path.lexists(p)
+                    and (not p.is_dir() or not p.exists())), None)
+    code, fix = error.errno, "Choose another path (or move what is there aside) and run the command again."
+    if blocker is not None and blocker != path and code in (errno.ENOTDIR, errno.ENOENT, errno.EEXIST):
+        what = "a symbolic link to nothing" if not blocker.exists() else "a file"
+        said = f"{blocker} is {what}, where a directory belongs, so {path} below it cannot be reached"
+    elif os.path.islink(path) and not path.exists():
+        said = f"{path} is a symbolic link to {os.readlink(path)}, which does not exist"
+        fix = "Remove the link (or create what it points to) and run the command again."
+    elif code == errno.ENOTDIR or (code == errno.EEXIST and path.exists() and not path.is_dir()):
+        said = f"{path} is a file, where a directory belongs"
+    elif code == errno.EISDIR or (code == errno.EEXIST and path.is_dir()):
+        said = f"{path} is a directory, where a file belongs"
+    elif code in (errno.EACCES, errno.EPERM):
+        said = f"{path}{other}: permission denied"
+        fix = "Give a path this user may read and write (or change its permissions) and run the command again."
+    elif code == errno.EROFS:
+        said = f"{path} is on a read-only file system"
+        fix = "Point the output at a writable directory and run the command again."
+    elif code == errno.ELOOP:
+        said = f"{path} is a symbolic link (or a loop of them), which nanopt does not follow there"
+        fix = "Replace the link with the file itself and run the command again."
+    elif os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode) and not path.is_dir():
+        said = f"{path} is not a regular file (a pipe, a device or a socket)"
+    else:
+        said = f"{path}{other}: {error.strerror or error}"
+    return f"{said}. {fix}"
 
 
 def debug_enabled() -> bool:

@@ -7,7 +7,9 @@ an unreachable hub cost `nanopt prepare` 48 s of retry lines before its error. A
 or that refuses the connection, will not answer a second later the way a busy server (a 5xx, a timeout) may; for
 those the libraries' offline mode is right: a cached file loads at once and a missing one fails at once. The
 libraries read HF_HUB_OFFLINE and HF_DATASETS_OFFLINE when they are imported, so offline_unless_reachable() runs
-before they load. Everything else (a 5xx, a timeout, a proxy in between) keeps their retries. Torch-free."""
+before they load. What is probed is the first hop the libraries' client (httpx) takes: the proxy when one is set
+(HTTPS_PROXY, ALL_PROXY; not for a host in NO_PROXY), else the hub's host: a dead proxy cost 51 s of retries.
+Everything else (a 5xx, a timeout) keeps their retries. Torch-free."""
 from __future__ import annotations
 
 import errno
@@ -16,12 +18,13 @@ import os
 import socket
 from typing import Optional
 from urllib.parse import urlsplit
+from urllib.request import getproxies_environment, proxy_bypass_environment
 
 log = logging.getLogger("nanopt")
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-# httpx (the hub's client) goes through these; a probe of the hub's own host would say nothing about the proxy.
-PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+# httpx (the hub's client) goes through these, so the probe does too (NO_PROXY names the hosts it does not).
+PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy")
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
 # What the hub libraries raise when a file is neither reachable nor cached, by class name (each library has its own;
 # datasets raises the builtin ConnectionError "Couldn't reach 'NAME' on the Hub").
@@ -38,26 +41,31 @@ def endpoint() -> str:
 
 
 def unreachable(timeout_s: float = 5.0) -> Optional[str]:
-    """Why the hub's host cannot be reached (its name does not resolve, the connection is refused, no route), or
-    None: it answers, or it is only slow (a timeout, which the libraries' retries are for)."""
+    """Why the hub's host, or the proxy in front of it, cannot be reached (its name does not resolve, the
+    connection is refused, no route), or None: it answers, or it is only slow (a timeout, which the libraries'
+    retries are for)."""
     url = urlsplit(endpoint())
-    host, port = url.hostname or "", url.port or (80 if url.scheme == "http" else 443)
+    proxies = getproxies_environment()
+    proxy, via = proxies.get(url.scheme) or proxies.get("all"), ""
+    if proxy and not proxy_bypass_environment(url.hostname or "", proxies):
+        url, via = urlsplit(proxy if "://" in proxy else f"http://{proxy}"), "the proxy "
+    host, port = url.hostname or "", url.port or {"http": 80, "https": 443}.get(url.scheme, 1080)  # 1080: SOCKS
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return None
     except socket.gaierror as e:
-        return f"{host} does not resolve: {e.strerror or e}"
+        return f"{via}{host} does not resolve: {e.strerror or e}"
     except OSError as e:  # socket.timeout is an OSError without an errno: slow, not unreachable
-        return f"{host}:{port} cannot be connected to: {e.strerror or e}" if e.errno in UNREACHABLE_ERRNOS else None
+        return (f"{via}{host}:{port} cannot be connected to: {e.strerror or e}" if e.errno in UNREACHABLE_ERRNOS
+                else None)
 
 
 def offline_unless_reachable() -> Optional[str]:
     """Turn on the hub libraries' offline mode (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1) when the hub cannot be
     reached, before they are imported; say so in one INFO line. Returns why it cannot be reached, or None. Nothing is
-    probed where the user chose offline mode or a proxy, and once per process."""
+    probed where the user chose offline mode, and once per process."""
     if "reason" not in _probe:
-        chosen = any(os.environ.get(k) for k in OFFLINE_ENV + PROXY_ENV)
-        _probe["reason"] = None if chosen else unreachable()
+        _probe["reason"] = None if any(os.environ.get(k) for k in OFFLINE_ENV) else unreachable()
         if _probe["reason"]:
             os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
             log.info("the Hugging Face hub cannot be reached (%s): reading its files from the local cache only "

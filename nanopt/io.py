@@ -1,5 +1,7 @@
 """Files that are never torn and never written through a link: atomic writes (temp file + fsync + rename), JSON
-lines appends, the cache dir, and the disk-full error that names the file and the free space."""
+lines appends, the cache dir, and the disk-full error that names the file and the free space. Every open here,
+read or write, refuses what is not a regular file (a FIFO, a device, a socket, a directory) before reading or
+writing a byte: a read from a FIFO waits for a writer for ever, and one from /dev/zero never ends."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -16,6 +19,8 @@ from nanopt.errors import ConfigError, DiskFull
 
 # Where O_NOFOLLOW exists (Linux, macOS), opening a symbolic link fails with ELOOP instead of opening its target.
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# O_NONBLOCK: opening a FIFO waits for its other end, and only then could fstat tell it is none of nanopt's files.
+NONBLOCK = getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 FULL_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded")
 
@@ -94,7 +99,7 @@ def writing(path: Path) -> Iterator[None]:
         raise
 
 
-# ---------------------------------------------------------------- never through a link
+# ---------------------------------------------------------------- never through a link, never a FIFO
 def link_refused(path: Path) -> ConfigError:
     """A symbolic link where nanopt writes a file of its own: one paragraph naming it and the fix."""
     path = Path(path)
@@ -107,25 +112,68 @@ def link_refused(path: Path) -> ConfigError:
                        f"file) and run the command again.")
 
 
+def not_a_file(path: Path, mode: int) -> ConfigError:
+    """Something other than a regular file (of stat mode `mode`) where nanopt expects a file: one paragraph."""
+    if stat.S_ISDIR(mode):
+        return ConfigError(f"{path} is a directory, where nanopt expects a file; it never reads or replaces a "
+                           f"directory there. Move it aside (or remove it) and run the command again.")
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+    return ConfigError(f"{path} is not a regular file but {kind}, where nanopt expects a file; it is refused unread "
+                       f"(a read from it could wait or run for ever). Move it aside (or restore the file) and run "
+                       f"the command again.")
+
+
+def _checked(fd: int, path: Path) -> int:
+    """`fd` back in blocking mode when it is a regular file's; else closed, and ConfigError naming `path`."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_a_file(path, mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def refuse_link(path: Path) -> None:
-    """ConfigError when `path` is a symbolic link (dangling or not); an lstat, for a check before the work starts."""
-    if Path(path).is_symlink():
-        raise link_refused(path)
+    """ConfigError when `path` is a symbolic link (dangling or not) or anything but a regular file (a directory, a
+    FIFO) where nanopt writes or replaces a file of its own; an lstat, for a check before the work starts."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        mode = os.lstat(path).st_mode
+        if stat.S_ISLNK(mode):
+            raise link_refused(path)
+        if not stat.S_ISREG(mode):
+            raise not_a_file(path, mode)
 
 
 def open_own(path: Path, flags: int, mode: int = 0o644) -> int:
     """os.open of a file nanopt writes (metrics.jsonl, evals.jsonl, a lease, a log) that never follows a symbolic
-    link out: a link there is ConfigError, a dangling one included (O_CREAT would create its target)."""
+    link out: a link there is ConfigError, a dangling one included (O_CREAT would create its target); so is anything
+    but a regular file, found before a byte is read or written."""
     try:
-        return os.open(path, flags | NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+        return _checked(os.open(path, flags | NOFOLLOW | NONBLOCK, mode), path)
     except OSError as e:
         # ELOOP (Linux, macOS) or EMLINK (FreeBSD): the name is a link; EEXIST: O_EXCL met one.
         if e.errno in (errno.ELOOP, errno.EMLINK) or (e.errno == errno.EEXIST and Path(path).is_symlink()):
             raise link_refused(path) from None
-        if e.errno == errno.EISDIR:
-            raise ConfigError(f"{path} is a directory, where nanopt writes a file of its own; move it aside (or "
-                              f"remove it) and run the command again.") from None
+        if e.errno in (errno.EISDIR, errno.ENXIO):  # ENXIO: a FIFO opened for writing that no one reads
+            raise not_a_file(path, os.stat(path).st_mode) from None
         raise
+
+
+def open_read(path: Path) -> int:
+    """A file descriptor reading `path` (a link is followed: a user may point at one), or ConfigError naming it when
+    it is not a regular file. Every reader of a file nanopt expects goes through here or read_bytes."""
+    return _checked(os.open(path, os.O_RDONLY | NONBLOCK), path)
+
+
+def read_bytes(path: Path) -> bytes:
+    """`path`'s bytes, refused unread when it is not a regular file (open_read); other OSErrors pass unchanged."""
+    with os.fdopen(open_read(path), "rb") as f:
+        return f.read()
+
+
+def read_text(path: Path) -> str:
+    """`path` as UTF-8 text (read_bytes); UnicodeDecodeError (a ValueError) for a byte that does not decode."""
+    return read_bytes(path).decode("utf-8")
 
 
 def open_append(path: Path) -> int:
@@ -159,8 +207,7 @@ def write_bytes(path: Path, *chunks: bytes) -> Path:
     # sweep's state) must never write into, or rename, each other's half-written temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     if path.is_dir() and not path.is_symlink():  # the rename would fail (IsADirectoryError) after the work
-        raise ConfigError(f"{path} is a directory, where nanopt writes a file of its own; it never replaces a "
-                          f"directory. Move it aside (or remove it) and run the command again.")
+        raise not_a_file(path, stat.S_IFDIR)
     try:
         with writing(path):
             tmp.unlink(missing_ok=True)  # ours by its name: a crash of an earlier process with this pid left it
@@ -226,6 +273,8 @@ def read_json(path: Path) -> Any:
     """A JSON file a user pointed at (a config.json, a manifest); ConfigError naming it when unreadable
     (missing, not UTF-8, not JSON: UnicodeDecodeError is a ValueError but no JSONDecodeError)."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(read_text(path))
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} cannot be read as JSON: {e}.") from None

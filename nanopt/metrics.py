@@ -30,6 +30,17 @@ class _CurrentStdout(logging.StreamHandler):
     def stream(self, value) -> None:
         pass
 
+    def handleError(self, record: logging.LogRecord) -> None:
+        """A stdout that takes no line (its disk full, its reader gone) is said once on stderr, not in one
+        "--- Logging error ---" block per line as logging's own handleError does; the run goes on."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            return super().handleError(record)  # a bad format: logging's block, which names the call
+        if not getattr(self, "failed", False):
+            self.failed = True
+            sys.stderr.write(f"nanopt: console lines cannot be written to stdout ({error.strerror or error}); the "
+                             f"run goes on, and its figures are still written to the run directory.\n")
+
 
 def _not_printed_below(record: logging.LogRecord) -> bool:
     """False for a record a handler of its own logger's chain has printed already. huggingface_hub and datasets give

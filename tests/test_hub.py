@@ -70,12 +70,28 @@ def test_an_unreachable_hub_turns_on_offline_mode_once(monkeypatch, online_env):
     assert hub.why_unreachable(OSError("anything")) == first
 
 
-@pytest.mark.parametrize("name, value", [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                                         ("HTTPS_PROXY", "http://proxy:3128")])
-def test_offline_mode_or_a_proxy_chosen_by_the_user_is_not_probed(monkeypatch, online_env, name, value):
+@pytest.mark.parametrize("name, value", [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1")])
+def test_offline_mode_chosen_by_the_user_is_not_probed(monkeypatch, online_env, name, value):
     monkeypatch.setenv(name, value)
     calls = _connect_raises(monkeypatch, AssertionError("probed"))
     assert hub.offline_unless_reachable() is None and calls == []
+
+
+@pytest.mark.parametrize("env, probed", [
+    ({"HTTPS_PROXY": "http://proxy:3128"}, ("proxy", 3128)),
+    ({"https_proxy": "proxy.local"}, ("proxy.local", 80)),
+    ({"ALL_PROXY": "socks5://127.0.0.1"}, ("127.0.0.1", 1080)),
+    ({"HTTPS_PROXY": "http://proxy:3128", "NO_PROXY": "huggingface.co"}, ("huggingface.co", 443)),
+])
+def test_a_proxy_is_the_host_probed_as_the_hub_client_would_reach_it(monkeypatch, online_env, env, probed):
+    """Before, a proxy skipped the probe: a dead one (HTTPS_PROXY=http://127.0.0.1:9) cost 51 s of retry lines."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = _connect_raises(monkeypatch, ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"))
+    reason = hub.offline_unless_reachable()
+    assert calls == [probed] and f"{probed[0]}:{probed[1]} cannot be connected to" in reason, reason
+    assert reason.startswith("the proxy ") == ("NO_PROXY" not in env)
+    assert hub.os.environ["HF_HUB_OFFLINE"] == "1"
 
 
 def test_the_libraries_errors_are_recognised_through_their_wrappers():

@@ -98,3 +98,38 @@ def test_an_atomic_write_onto_a_directory_is_refused_before_anything_is_written(
     with pytest.raises(ConfigError, match=r"summary\.json is a directory.*Move it aside"):
         io.write_json(tmp_path / "summary.json", {"steps": 1})
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept", "summary.json"]
+
+
+# ---------------------------------------------------------------- one rule: what is no regular file is refused unread
+def _fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("make, kind", [
+    (_fifo, "is not a regular file but a named pipe (FIFO)"),
+    (lambda p: p.symlink_to("/dev/zero") or p, "is not a regular file but a device"),
+    (lambda p: p.mkdir() or p, "is a directory"),
+])
+@pytest.mark.parametrize("use", ["read_bytes", "read_json", "open_own_read", "open_append", "refuse_link"])
+def test_every_open_refuses_what_is_not_a_regular_file_before_a_byte_moves(tmp_path, make, kind, use):
+    """A read of a FIFO waited for a writer for ever (lock.json, a shard, a manifest), one of /dev/zero never ended;
+    an O_WRONLY open of a FIFO waited for a reader. Each open here is O_NONBLOCK, then fstat."""
+    path = make(tmp_path / "lock.json")
+    if use not in ("read_bytes", "read_json") and path.is_symlink():
+        kind = "is a symbolic link"  # where nanopt writes, a link is refused as a link, before what it points to
+    call = {"read_bytes": io.read_bytes, "read_json": io.read_json, "refuse_link": io.refuse_link,
+            "open_own_read": lambda p: io.open_own(p, os.O_RDONLY), "open_append": io.open_append}[use]
+    with pytest.raises(ConfigError) as e:
+        call(path)
+    assert str(e.value).startswith(f"{path} {kind}") and "run the command again" in str(e.value), e.value
+
+
+def test_a_regular_file_reads_whole_and_blocking(tmp_path):
+    path = io.write_bytes(tmp_path / "f", b"x" * 100_000)
+    assert io.read_bytes(path) == b"x" * 100_000 and io.read_text(path) == "x" * 100_000
+    fd = io.open_read(path)
+    try:
+        assert os.get_blocking(fd)
+    finally:
+        os.close(fd)
