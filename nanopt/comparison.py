@@ -10,11 +10,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from nanopt.errors import ConfigError
 from nanopt.experiments import HARDWARE_KEYS, SEED_KEYS, TASK_PREFIX, FinishedRun, cell, table
 from nanopt.io import finite, is_int
 from nanopt.plots import series
-from nanopt.rundirs import CONFIG_FILE, format_value
+from nanopt.rundirs import format_value
 
 # `nanopt compare`'s figures (key, label, format): speed from the metrics records, the rest from the summary.
 SPEED = ("tokens_per_s", "step_ms", "mfu")
@@ -37,10 +36,7 @@ BUDGETS = [("steps", "steps", ",.0f"), ("tokens", "tokens seen", ",.0f"), ("flop
 def figures(run: FinishedRun) -> dict[str, Optional[float]]:
     """FIGURES of one run; speed as the median over the logged steps after the MFU warm-up (start-up), which a few
     slow steps (a profiled window, a checkpoint write) do not move."""
-    warmup = run.config.get("mfu.warmup_steps", 1)
-    if not is_int(warmup):
-        raise ConfigError(f"{run.dir / CONFIG_FILE}: `mfu.warmup_steps` is {warmup!r}, not an integer; the file is "
-                          f"damaged.")
+    warmup = run.config.get("mfu.warmup_steps", 1)  # an integer: rundirs.CONFIG
     steps = [r for r in run.records if "loss" in r and is_int(r.get("step")) and r["step"] > warmup]
     out = {key: finite(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED}
     for key in SPEED:

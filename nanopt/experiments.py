@@ -13,12 +13,13 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-from nanopt.config import NEUTRAL_KEYS  # runs differing only in these and the seed repeat one setting
+from nanopt.config import NEUTRAL_KEYS, canonical  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import clean, finite, is_int, is_number, read_json
+from nanopt.io import clean, finite, is_number
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE,
-                            file_present, flatten, format_value, is_run, read_config, read_metrics, read_records,
-                            read_summary, walk_runs)
+                            flatten, format_value, is_run, read_config, read_metrics, read_records, read_summary,
+                            walk_runs)
+from nanopt.schema import Field, read
 
 SEED_KEY = "run.seed"
 # Runs differing only in these are seeds of one setting; init and data seeds are each null = run.seed.
@@ -27,11 +28,6 @@ SEED_KEYS = (SEED_KEY, "run.init_seed", "run.data_seed")
 HARDWARE_KEYS = ("hardware", "world_size")
 NAME_KEYS = 3  # a group is named by at most this many keys; more (other configs) are named by directory
 MISSING = "<missing>"  # a key one run's config lacks (written by another nanopt version)
-# summary.json figures that reports do arithmetic on, by the type the trainer writes (null allowed: an
-# unreached target's figures are null). Anything else in a summary is shown as it is.
-SUMMARY_INTEGERS = ("steps", "tokens_seen", "params", "world_size", "step_to_target", "tokens_to_target")
-SUMMARY_NUMBERS = ("train_seconds", "train_seconds_to_target", "final_val_loss", "final_val_bpb", "best_val_loss",
-                   "test_loss", "test_bpb", "target_val_loss", "target_val_bpb")
 # The figures a group of seeds is summarised by (those its runs have), each lower-is-better: label, format.
 GROUP_FIGURES: dict[str, tuple[str, str]] = {
     "train_seconds_to_target": ("time to target (s)", ".2f"),
@@ -51,51 +47,19 @@ TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (e
 
 
 # ---------------------------------------------------------------- reading finished runs
-def _type_problem(data: dict[str, Any], ints: tuple = (), numbers: tuple = (), required: tuple = ()) -> Optional[str]:
-    """The first of `ints` and `numbers` whose value is of another type (None is one unless `required`). NaN and
-    infinity, which JSON readers take but nanopt never writes (io.clean: null), are damage too."""
-    for key in (*ints, *numbers):
-        value, kind = data.get(key), "an integer" if key in ints else "a finite number"
-        if (value is not None or key in required) and not (is_int(value) if key in ints else finite(value) is not None):
-            return f"`{key}` is {value!r}, not {kind}"
-    return None
-
-
-def _profile_problem(profile: Any) -> Optional[str]:
-    """Why a profile summary is not what the profiler writes (the entries `compare` computes with), or None."""
-    if not isinstance(profile, dict):
-        return "it is not a JSON object"
-    if problem := _type_problem(profile, ("profiled_steps", "first_step", "last_step"), ("step_ms_mean",),
-                                required=("profiled_steps", "step_ms_mean")):
-        return problem
-    labels = profile.get("label_ms", {})
-    if not isinstance(labels, dict) or not all(is_number(v) for v in labels.values()):
-        return "`label_ms` is not an object of numbers"
-    ops = profile.get("top_ops", [])
-    if not isinstance(ops, list):
-        return "`top_ops` is not a list"
-    for i, op in enumerate(ops):
-        if not (isinstance(op, dict) and isinstance(op.get("name"), str)
-                and all(is_number(op.get(k)) for k in ("calls", "self_ms"))):
-            return f"`top_ops[{i}]` is not an object with a string `name` and numbers `calls` and `self_ms`"
-    return None
+# What the profiler writes (profiling.py), with the entries `compare` computes with.
+PROFILE = Field(dict, what="a profile summary (an object)", fields={
+    "profiled_steps": Field(int, required=True, lo=0), "first_step": Field(int, null=True),
+    "last_step": Field(int, null=True), "step_ms_mean": Field(float, required=True),
+    "label_ms": Field(dict, items=Field(float)),
+    "top_ops": Field(list, items=Field(dict, fields={k: Field(str if k == "name" else float, required=True)
+                                                     for k in ("name", "calls", "self_ms")}))})
 
 
 def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
     """profile_summary.json, None when the run was not profiled; ConfigError naming it when it is damaged."""
-    path = Path(run_dir) / PROFILE_FILE
-    if not file_present(path):
-        return None
-    profile = read_json(path)
-    if problem := _profile_problem(profile):
-        raise ConfigError(f"{path} is not a profile summary as the profiler writes it: {problem}. The file is "
-                          f"damaged; remove it (the run's other figures stay usable) or profile the run again.")
-    return profile
-
-
-def _plain(value: Any) -> bool:
-    """A string, number (bool is an int), null, or a list of them: what a config key takes (YAML also gives dates)."""
-    return all(map(_plain, value)) if isinstance(value, list) else isinstance(value, (str, int, float, type(None)))
+    return read(Path(run_dir) / PROFILE_FILE, PROFILE, "The file is damaged: remove it (the run's other figures "
+                "stay usable) or profile the run again.")
 
 
 @dataclass
@@ -166,14 +130,8 @@ def load_run(path: Path, name: str = "") -> FinishedRun:
     if summary is None:
         raise ConfigError(f"{path} has no {SUMMARY_FILE}: the run has not finished (a run writes it when it "
                           f"ends). Wait for it, resume it with the same command, or give a finished run.")
-    if problem := _type_problem(summary, SUMMARY_INTEGERS, SUMMARY_NUMBERS):
-        raise ConfigError(f"{path / SUMMARY_FILE}: {problem}; the file is damaged. Remove it and run the run's "
-                          f"command again to finish it anew.")
-    config = flatten(read_config(path) or {})
-    odd = next((k for k, v in config.items() if not _plain(v)), None)
-    if odd is not None:
-        raise ConfigError(f"{path / CONFIG_FILE}: `{odd}` is {config[odd]!r}, which no config key takes (a string, "
-                          f"number, true/false, null or a list of them); the file is damaged.")
+    # As this version holds each value (a list older versions wrote as text), so old and new runs still group.
+    config = {k: canonical(k, v) for k, v in flatten(read_config(path) or {}).items()}
     return FinishedRun(path, config, summary, name or path.name)
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 from nanopt.errors import ConfigError
 from nanopt.io import disk_full, is_disk_full, open_own, write_bytes
 from nanopt.rundirs import LOCK_FILE
+from nanopt.schema import Field, parse, problem
 
 log = logging.getLogger("nanopt")
 
@@ -45,6 +46,12 @@ class Holder:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return (f"process {self.pid} on host {self.host} (started {started}, last heartbeat "
                 f"{time.time() - self.heartbeat:.0f} s ago{', running ' + self.command if self.command else ''})")
+
+
+# The lease as _record writes it.
+LEASE = Field(dict, fields={**{k: Field(str, required=True) for k in ("host", "token")},
+                            **{k: Field(float, required=True) for k in ("started", "heartbeat")},
+                            "pid": Field(int, required=True), "command": Field(str), "owner": Field(str)})
 
 
 def _cut_holder(data: bytes, mtime: float) -> Holder:
@@ -96,24 +103,20 @@ class DirLock:
         """The holder of the lease (or of the one at `path`); None when there is none; token "" when unreadable;
         ConfigError when it is a symbolic link (never read, or replaced, through one)."""
         path = path or self.path
-        data = b""
-        try:
+        try:  # a link, a FIFO: ConfigError, never taken for a damaged lease
             with os.fdopen(open_own(path, os.O_RDONLY), "rb") as f:
-                data = f.read(1 << 16)
-            record = json.loads(data)
-            return Holder(**{k: record[k] for k in ("host", "pid", "started", "heartbeat", "token")},
-                          command=str(record.get("command", "")), owner=str(record.get("owner", "")))
+                data, mtime = f.read(1 << 16), os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return None
-        except ConfigError:  # a link (ConfigError is a ValueError too): never taken for a damaged lease
-            raise
-        except (OSError, ValueError, TypeError, KeyError):
-            # Cut short (a crash or a full disk between create and write), or damaged: as old as the file itself.
+        except OSError:  # unreadable (no permission): a lease that tells nothing, as old as the file
             try:
-                mtime = path.stat().st_mtime
+                data, mtime = b"", path.stat().st_mtime
             except FileNotFoundError:
                 return None
-            return _cut_holder(data, mtime)
+        record, why = parse(data)
+        if why is None and problem(record, LEASE) is None:
+            return Holder(**{k: record[k] for k in LEASE.fields if k in record})
+        return _cut_holder(data, mtime)  # cut short (a crash or a full disk between create and write), or damaged
 
     def _expired(self, h: Holder) -> bool:
         """Stale: an earlier attempt of this job; on this host, a dead pid; a live pid's readable lease never; else

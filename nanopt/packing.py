@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nanopt.errors import ConfigError
-from nanopt.io import cache_dir, write_bytes
+from nanopt.io import cache_dir, read_bytes, write_bytes
 from nanopt.shards import ShardInfo
 
 log = logging.getLogger("nanopt")
@@ -76,8 +76,8 @@ def _parse(raw: bytes, shard: np.ndarray, bos: int, info: ShardInfo) -> np.ndarr
 
 
 def _cached(path: Path, shard: np.ndarray, bos: int, info: ShardInfo) -> Optional[np.ndarray]:
-    try:
-        return _parse(path.read_bytes(), shard, bos, info)
+    try:  # io.read_bytes refuses what is no regular file (ConfigError, a ValueError) unread: a FIFO would block
+        return _parse(read_bytes(path), shard, bos, info)
     except (OSError, ValueError, struct.error) as e:
         if not isinstance(e, (FileNotFoundError, NotADirectoryError)):  # absent is no damage
             log.warning("data: ignoring the damaged BOS index %s (%s): scanning the shard and rewriting it", path, e)

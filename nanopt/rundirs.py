@@ -25,10 +25,9 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from nanopt.errors import ConfigError
-from nanopt.io import is_int, read_json
+from nanopt.io import open_read
+from nanopt.schema import Field, damaged, parse, problem, raw, read
 
 CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
@@ -77,80 +76,60 @@ def format_value(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- reading one run directory
-def file_present(path: Path) -> bool:
-    """Whether a run's file is there to read: False when nothing is; ConfigError when something that is no file
-    holds its name (a directory, a link to nothing), which a reader taking it for absent would silently ignore."""
-    if path.is_file():
-        return True
-    if not path.exists() and not path.is_symlink():
-        return False
-    what = "a directory" if path.is_dir() else "a link to nothing" if path.is_symlink() else "not a regular file"
-    raise ConfigError(f"{path} is {what}, where the run keeps a file; move it aside (or restore the file) and run "
-                      f"the command again.")
+# The shapes of the run's files (schema.read checks them): the summary's figures that reports do arithmetic on, by
+# the type the trainer writes (null allowed: an unreached target's figures are null; anything else is shown as it
+# is); a config of sections of plain values (a string, number, bool, null or a list of them); one object per line.
+SUMMARY = Field(dict, what="a run summary (an object)", fields={
+    "stopped_at_target": Field(bool, null=True),
+    **{k: Field(int, null=True) for k in ("steps", "tokens_seen", "params", "world_size", "step_to_target",
+                                          "tokens_to_target")},
+    **{k: Field(float, null=True) for k in ("train_seconds", "train_seconds_to_target", "final_val_loss",
+                                            "final_val_bpb", "best_val_loss", "test_loss", "test_bpb",
+                                            "target_val_loss", "target_val_bpb")}})
+FINISHED = Field(dict, what=SUMMARY.what, fields={**SUMMARY.fields, "steps": Field(int, required=True)})
+SUMMARY_FIX = "The file is damaged: remove it and run the run's command again to finish it anew."
 
 
-def read_summary(run_dir: Path) -> Optional[dict[str, Any]]:
+def _plain(value: Any) -> bool:
+    return all(map(_plain, value)) if isinstance(value, list) else isinstance(value, (str, int, float, type(None)))
+
+
+CONFIG = Field(dict, what="a run config (a mapping of sections)", fields={
+    "train": Field(dict, required=True, fields={"max_steps": Field(int, required=True, lo=1),
+                                                "stop_at_target": Field(bool)}),
+    "mfu": Field(dict, fields={"warmup_steps": Field(int, lo=0)}),
+}, items=Field(dict, what="a section (a mapping of keys)", items=Field(
+    object, test=_plain, what="a string, number, true/false, null or a list of them (what a config key takes)")))
+CONFIG_FIX = "The file is damaged: restore it, or remove the run directory."
+RECORD = Field(dict, what="an object (one record per line)")
+RECORD_FIX = "The file is damaged: remove or mend that line and run the command again."
+
+
+def read_summary(run_dir: Path, shape: Field = SUMMARY) -> Optional[dict[str, Any]]:
     """summary.json as a dict, None when there is none yet; ConfigError naming it when it is damaged."""
-    path = Path(run_dir) / SUMMARY_FILE
-    if not file_present(path):
-        return None
-    summary = read_json(path)
-    if not isinstance(summary, dict):
-        raise ConfigError(f"{path} is not a run summary (a JSON object); the file is damaged. Remove it and run "
-                          f"the run's command again to finish it anew.")
-    return summary
+    return read(Path(run_dir) / SUMMARY_FILE, shape, SUMMARY_FIX)
 
 
 def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
     """config.yaml as a nested dict, None when there is none; ConfigError naming it when it is damaged."""
-    path = Path(run_dir) / CONFIG_FILE
-    if not file_present(path):
-        return None
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, ValueError) as e:  # ValueError: UnicodeDecodeError, a damaged byte
-        raise ConfigError(f"{path} cannot be read: {e}. The file is damaged; restore it or remove it.") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path} is not valid YAML{at} ({getattr(e, 'problem', None) or 'unreadable'}); the file "
-                          f"is damaged: restore it, or remove the run directory.") from None
-    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise ConfigError(f"{path} is not a run config (a YAML mapping of sections); the file is damaged.")
-    return data
+    return read(Path(run_dir) / CONFIG_FILE, CONFIG, CONFIG_FIX)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file a run appends to (metrics.jsonl, evals.jsonl); [] when there is
     none. A cut last line (being appended, or its writer killed) is left out; any other line that is not a JSON
     object is damage: ConfigError naming the file and line, never a record quietly dropped from a figure."""
-    path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device: a read would never end
-        raise ConfigError(f"{path} is not a regular file (a pipe or a device); move it aside and run the command "
-                          f"again.")
-    try:
-        lines = path.read_bytes().splitlines()
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        raise ConfigError(f"{path} cannot be read ({e.strerror or e}).") from None
+    lines = (raw(path) or b"").splitlines()
     last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line.decode("utf-8"))  # bytes to json.loads would also take UTF-16 and -32
-        except ValueError as e:  # UnicodeDecodeError or JSONDecodeError
-            if number == last:
-                continue
-            what = "is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "is not JSON"
-            raise ConfigError(f"{path}: line {number} {what}; the file is damaged. Remove or mend that line "
-                              f"and run the command again.") from None
-        if not isinstance(record, dict):
-            kind = {list: "an array", str: "a string", int: "a number", float: "a number"}.get(type(record))
-            raise ConfigError(f"{path}: line {number} is {kind or json.dumps(record)}, not an object (one record per "
-                              f"line); the file is damaged. Remove or mend that line and run the command again.")
+        record, why = parse(line, f"line {number}")
+        if why is not None and number == last:
+            continue  # cut short: being appended, or its writer was killed
+        if why := why or problem(record, RECORD, f"line {number}"):
+            raise damaged(path, why, RECORD_FIX)
         out.append(record)
     return out
 
@@ -184,24 +163,20 @@ def walk_runs(root: Path) -> list[Path]:
 def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[dict[str, Any]]:
     """The run's summary when its last session trained to `max_steps`, or stopped at its target with
     `stop_at_target` on; else None. The one rule for train (no training on), sweep, Modal and `eval --watch`."""
-    summary = read_summary(run_dir)
-    if summary is None:
-        return None
-    steps = summary.get("steps")
-    if not is_int(steps):
-        raise ConfigError(f"{Path(run_dir) / SUMMARY_FILE} has no integer `steps`; the file is damaged. Remove it "
-                          f"and run the run's command again to finish it anew.")
+    summary = read_summary(run_dir, FINISHED)
     # `stopped_at_target`: the run ended early because the clock saw its target.
-    return summary if steps >= max_steps or (stop_at_target and summary.get("stopped_at_target")) else None
+    if summary is None or not (summary["steps"] >= max_steps or (stop_at_target and summary.get("stopped_at_target"))):
+        return None
+    return summary
 
 
 def tail_lines(path: Path, nbytes: int) -> list[str]:
-    """The lines of a file's last `nbytes` (the first may be cut); [] when it cannot be read."""
+    """The lines of a file's last `nbytes` (the first may be cut); [] when it cannot be read (or is no file)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_read(path), "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
             return f.read().decode(errors="replace").splitlines()
-    except OSError:
+    except (OSError, ConfigError):
         return []
 
 

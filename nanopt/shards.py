@@ -4,7 +4,6 @@ so it never imports torch (a second saved at every prepare, and in each of its e
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -16,14 +15,15 @@ import tarfile
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from nanopt.errors import ConfigError, ShardError
-from nanopt.io import cache_dir, is_int, write_bytes, write_json
+from nanopt.io import cache_dir, open_read, write_bytes, write_json
+from nanopt.schema import Field, damaged, problem, read
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
@@ -67,9 +67,9 @@ class ShardInfo:
 
 def read_header(path: str | Path) -> ShardInfo:
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
+    try:  # io.open_read: a FIFO or device at a shard's name is refused unread (ConfigError), never waited on
+        with os.fdopen(open_read(path), "rb") as f:
+            raw, actual = f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size
     except OSError as e:
         raise ShardError(f"token shard {path} cannot be read: {e}") from None
     if len(raw) < HEADER_BYTES:
@@ -82,7 +82,7 @@ def read_header(path: str | Path) -> ShardInfo:
         raise ShardError(f"token shard {path} has format version {version}; this nanopt reads version {VERSION}")
     if itemsize not in (2, 4):
         raise ShardError(f"token shard {path} declares {itemsize} bytes per token; only 2 or 4 are valid")
-    expected, actual = HEADER_BYTES + count * itemsize, path.stat().st_size
+    expected = HEADER_BYTES + count * itemsize
     if actual != expected:
         raise ShardError(f"token shard {path} is truncated or padded: header says {count} tokens ({expected} bytes) "
                          f"but the file has {actual} bytes; re-run `nanopt prepare`")
@@ -221,93 +221,47 @@ def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
     return zlib.crc32(np.ascontiguousarray(np.asarray(tokens).astype(token_dtype(vocab_size))))
 
 
-def _shown(value: object) -> str:
-    text = json.dumps(value)  # a bad entry as it stands in the file, cut short only when very long
-    return text if len(text) <= 300 else text[:297] + "..."
+def _manifest_fix(directory: Path) -> str:
+    return (f"It cannot be used, and nothing was read or deleted on its word. Restore {directory / MANIFEST} from a "
+            f"copy, or delete it together with the shards ({_NAME_FIX}) in {directory} and run `nanopt prepare` again.")
 
 
-def manifest_error(directory: Path, problem: str) -> ConfigError:
-    """ConfigError: the manifest in `directory` cannot be used (`problem`), and what to do."""
-    path = directory / MANIFEST
-    return ConfigError(f"{path} cannot be used: {problem}. Nothing was read or deleted on its word. Restore {path} "
-                       f"from a copy, or delete it together with the shards ({_NAME_FIX}) in {directory} and run "
-                       f"`nanopt prepare` again.")
+def manifest_error(directory: Path, why: str) -> ConfigError:
+    """ConfigError: the manifest in `directory` cannot be used (`why`), and what to do."""
+    return damaged(directory / MANIFEST, why, _manifest_fix(directory))
 
 
-def _entry_shape_problem(entry: object) -> Optional[str]:
-    """Why a manifest entry is not one prepare writes (None when it is). The file name matters most: a manifest
-    in a shared directory must not be able to make prepare delete, or training read, any other file."""
-    if not isinstance(entry, dict):
-        return f"is {_shown(entry)}, not a JSON object"
-    if not is_shard_name(entry.get("file")):
-        return (f"names the file {_shown(entry.get('file'))}, which is not a shard name `nanopt prepare` writes "
-                f"({_NAME_FIX} inside the manifest's directory)")
-    if not isinstance(entry.get("split"), str) or not is_int(entry.get("tokens")):
-        return f"for {entry['file']} lacks a `split` string or a `tokens` count"
-    if "crc32" in entry and not is_int(entry["crc32"]):
-        return f"for {entry['file']} has a `crc32` that is not a number"
-    if "after" in entry and not isinstance(entry["after"], dict):
-        return f"for {entry['file']} has an `after` that is not a JSON object"
-    if "after" in entry and (why := _state_shape_problem(entry["after"])):
-        return f"for {entry['file']} has an `after` {why}"
-    return None
-
-
-# What prepare's resume position holds (prepare.ShardWriter's state): counters, tokens per document so far per
-# split, and whether the stream is done.
-_STATE_COUNTERS = ("split_index", "shard_index", "split_tokens", "next_doc", "next_offset")
-
-
-def _state_shape_problem(state: dict[str, Any]) -> Optional[str]:
-    """Why a resume position (the manifest's `state`, an entry's `after`) is not one prepare writes, or None."""
-    if bad := [k for k in _STATE_COUNTERS if not (is_int(state.get(k)) and state[k] >= 0)]:
-        return f"whose {', '.join(f'`{k}`' for k in bad)} is missing or not a count"
-    doclens = state.get("doclens")
-    if not (isinstance(doclens, dict) and all(is_int(v) and v >= 0 for v in doclens.values())):
-        return "whose `doclens` is missing or not a map of splits to counts"
-    if not isinstance(state.get("complete"), bool):
-        return "whose `complete` is missing or not true or false"
-    return None
-
-
-def _manifest_shape_problem(manifest: object) -> Optional[str]:
-    if not isinstance(manifest, dict):
-        return f"it holds {_shown(manifest)}, not a JSON object"
-    if not isinstance(manifest.get("state"), dict):
-        return "its `state` is missing or not a JSON object"
-    for key in ("shards", "rebuild"):
-        entries = manifest.get(key, [] if key == "rebuild" else None)
-        if not isinstance(entries, list):
-            return f"its `{key}` is missing or not a list"
-        for i, entry in enumerate(entries):
-            if why := _entry_shape_problem(entry):
-                return f"the entry `{key}[{i}]` {why}"
-    if why := _state_shape_problem(manifest["state"]):
-        return f"its `state` is a resume position {why}"
-    return None
+# What the manifest holds. A resume position (prepare.ShardWriter's state, as `state` and each entry's `after`):
+# counters, tokens per document so far per split, and whether the stream is done. An entry: the shard's file, whose
+# name matters most (a manifest in a shared directory must not be able to make prepare delete, or training read, any
+# other file), its split, token count and crc32.
+_COUNT = Field(int, required=True, lo=0)
+POSITION = Field(dict, what="a resume position (an object)", fields={
+    **{k: _COUNT for k in ("split_index", "shard_index", "split_tokens", "next_doc", "next_offset")},
+    "doclens": Field(dict, required=True, items=Field(int, lo=0), what="a map of splits to counts"),
+    "complete": Field(bool, required=True)})
+ENTRY = Field(dict, what="a shard entry (an object)", fields={
+    "file": Field(str, required=True, test=is_shard_name,
+                  what=f"a shard name `nanopt prepare` writes ({_NAME_FIX} inside the manifest's directory)"),
+    "split": Field(str, required=True), "tokens": _COUNT, "crc32": Field(int, lo=0, hi=2**32 - 1),
+    "after": POSITION})
+MANIFEST_SHAPE = Field(dict, what="a shard manifest (an object)", fields={
+    "state": replace(POSITION, required=True), "shards": Field(list, required=True, items=ENTRY),
+    "rebuild": Field(list, items=ENTRY)})
 
 
 def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
     """The directory's manifest.json as `nanopt prepare` wrote it, or None where there is none (the embedded
     corpus, shards written by hand). Anything else (not UTF-8, not JSON, another shape, an entry naming a file
     that is not a shard of this directory) is refused with ConfigError before any file it names is touched."""
-    path = directory / MANIFEST
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, and bad UTF-8 (UnicodeDecodeError)
-        raise manifest_error(directory, f"it is unreadable ({e})") from None
-    if problem := _manifest_shape_problem(manifest):
-        raise manifest_error(directory, problem)
-    return manifest
+    return read(directory / MANIFEST, MANIFEST_SHAPE, _manifest_fix(directory))
 
 
 def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) -> Optional[str]:
     """Why the committed shard `entry` is not on disk as committed (missing, resized, another shard, or with
     verify corrupt), or None."""
-    if why := _entry_shape_problem(entry):  # read_manifest refuses these already; a name is never followed unchecked
-        raise manifest_error(directory, f"an entry {why}")
+    if why := problem(entry, ENTRY, "an entry"):  # read_manifest refuses these already; never a name unchecked
+        raise manifest_error(directory, why)
     path = directory / entry["file"]
     if not path.exists():
         return f"{entry['file']} is missing"
@@ -357,21 +311,18 @@ VERIFIED = ".verified.json"
 _RACY_NS = 2_000_000_000  # a file modified this recently is not recorded (see verify_shards)
 
 
+STAMPS = Field(dict, what="a verification record (an object of shard name -> list of integers)",
+               items=Field(list, items=Field(int)))
+
+
 def _read_stamps(path: Path) -> dict[str, list[int]]:
-    """The recorded stamps. The file is only a cache: when it is damaged (not UTF-8, not JSON, not an object of
-    name -> list of numbers) it is ignored with a warning and every shard is verified again, never a failed start."""
-    if not path.exists():
-        return {}
+    """The recorded stamps. The file is only a cache: when it is damaged (or no file) it is ignored with a warning
+    and every shard is verified again, never a failed start."""
     try:
-        stamps = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, and bad UTF-8 (UnicodeDecodeError)
-        why = str(e)
-    else:
-        if isinstance(stamps, dict) and all(isinstance(v, list) and all(map(is_int, v)) for v in stamps.values()):
-            return stamps
-        why = f"{_shown(stamps)} is not an object of shard name -> list of numbers"
-    log.warning("data: ignoring the damaged verification record %s (%s): every shard is verified again", path, why)
-    return {}
+        return read(path, STAMPS) or {}
+    except (OSError, ConfigError) as e:
+        log.warning("data: ignoring the damaged verification record: %s Every shard is verified again.", e)
+        return {}
 
 
 def verify_shards(directory: Path, paths: list[Path]) -> None:

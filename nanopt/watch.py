@@ -18,7 +18,7 @@ from nanopt.checkpoint import (checkpoint_config, checkpoint_dirs, find_checkpoi
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.evaluation import evaluate, split_batches, token_bytes_table
-from nanopt.io import append_jsonl, is_int
+from nanopt.io import append_jsonl
 from nanopt.loading import load
 from nanopt.lock import DirLock
 from nanopt.metrics import setup_logging
@@ -130,13 +130,7 @@ def finished_at(run_dir: Path) -> Optional[int]:
     config = read_config(run_dir)
     if config is None:
         return None  # not started yet
-    train = config.get("train", {})
-    max_steps, stop_at_target = train.get("max_steps"), train.get("stop_at_target", False)
-    if not is_int(max_steps) or not isinstance(stop_at_target, bool):
-        raise ConfigError(f"{run_dir / CONFIG_FILE}: train.max_steps ({max_steps!r}) must be an integer and "
-                          f"train.stop_at_target ({stop_at_target!r}) true or false; the file is damaged. The run "
-                          f"writes it when it starts: restart the run, or mend the file.")
-    summary = finished(run_dir, max_steps, stop_at_target)
+    summary = finished(run_dir, config["train"]["max_steps"], config["train"].get("stop_at_target", False))
     return None if summary is None else summary["steps"]
 
 

@@ -67,12 +67,12 @@ def test_compare_names_a_damaged_metrics_line(fake_sweep, capsys, data, words):
 
 
 @pytest.mark.parametrize("name, data, words", [
-    (rundirs.CONFIG_FILE, BAD_UTF8, "cannot be read"),
-    (rundirs.CONFIG_FILE, b"run: {seed: 1}\ndata: {date: 2020-01-01}\n", "`data.date`"),
-    (rundirs.CONFIG_FILE, b"run: {seed: 1}\nmfu: {warmup_steps: many}\n", "`mfu.warmup_steps`"),
-    (rundirs.SUMMARY_FILE, BAD_UTF8, "cannot be read as JSON"),
+    (rundirs.CONFIG_FILE, BAD_UTF8, "the file is not UTF-8 text"),
+    (rundirs.CONFIG_FILE, b"train: {max_steps: 9}\ndata: {date: 2020-01-01}\n", "`data.date` is a date"),
+    (rundirs.CONFIG_FILE, b"train: {max_steps: 9}\nmfu: {warmup_steps: many}\n", "`mfu.warmup_steps` is a string"),
+    (rundirs.SUMMARY_FILE, BAD_UTF8, "the file is not UTF-8 text"),
     (rundirs.SUMMARY_FILE, b'{"steps": 200, "final_val_loss": [4.3]}', "`final_val_loss`"),
-    (rundirs.PROFILE_FILE, BAD_UTF8, "cannot be read as JSON"),
+    (rundirs.PROFILE_FILE, BAD_UTF8, "the file is not UTF-8 text"),
     (rundirs.PROFILE_FILE, b'{"step_ms_mean": "slow", "profiled_steps": 2}', "`step_ms_mean`"),
     (rundirs.PROFILE_FILE, b'{"step_ms_mean": 5.0, "profiled_steps": 2, "top_ops": [1]}', "`top_ops[0]`"),
     (rundirs.PROFILE_FILE, b'{"step_ms_mean": 5.0, "profiled_steps": 2, "label_ms": [1]}', "`label_ms`"),

@@ -17,7 +17,6 @@ from conftest import BAD_UTF8, FAKE_LOSSES, damage, error_line, no_traceback, re
 from nanopt import experiments, rundirs
 from nanopt.cli import run as cli
 from nanopt.config import Config, configs_dir, load_config, parse_overrides, to_yaml
-from nanopt.errors import ConfigError
 from nanopt.experiments import describe, seeds_needed, welch
 
 # ---------------------------------------------------------------- statistics against known samples
@@ -353,18 +352,6 @@ def test_runs_skips_a_run_with_an_odd_file_naming_it(fake_sweep, capsys, name, d
             assert any(str(path) in line for line in json.loads(out)["skipped"])
         else:
             assert any(line.startswith("skipped ") and str(path) in line for line in out.splitlines()), out
-
-
-def test_records_read_objects_only_and_forgive_only_a_cut_last_line(tmp_path):
-    run_dir = write_fake_run(tmp_path / "r")
-    (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.')
-    assert experiments.load_run(run_dir).records == [{"step": 1, "loss": 5.0}]  # the line being written is left out
-    (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
-    with pytest.raises(ConfigError, match=r"metrics.jsonl: line 2 is not JSON"):
-        experiments.load_run(run_dir).records
-    (run_dir / rundirs.METRICS_FILE).write_bytes(b'{"step": 1}\n"text"\n')
-    with pytest.raises(ConfigError, match=r"line 2 is a string, not an object"):
-        experiments.load_run(run_dir).records
 
 
 # ---------------------------------------------------------------- task scores and flags

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanopt"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),                                          # exit codes and error types
     ("io", "fastbpe", "hub"),                             # atomic files, the cache directory; BPE engine; the hub
-    ("hardware",),                                        # peak table, detection, the measured CPU peak (cached)
+    ("hardware", "schema"),                               # peak table, detection, CPU peak; THE reader of own files
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
     ("plan",),                                            # the stage plan: steps, batch, seq_len, tokens per stage
     ("flops", "xla", "plots", "experiments", "shards", "lock"),  # FLOPs; XLA; pictures; runs; shards; the lease

@@ -741,7 +741,7 @@ def test_a_manifest_entry_naming_another_file_is_refused_and_nothing_is_deleted(
         with pytest.raises(ConfigError) as e:
             check()
         message = str(e.value)
-        assert str(path) in message and f"`{key}[{1 if key == 'shards' else 0}]`" in message
+        assert str(path) in message and f"`{key}[{1 if key == 'shards' else 0}].file`" in message
         assert json.dumps(bad) in message and "not a shard name" in message and "Restore" in message
     code, err = _cli_prepare(cfg, tmp_path, capsys)
     assert code == 2 and "Traceback" not in err and str(path) in err
@@ -804,11 +804,11 @@ def _set(path: str, value):
 
 
 @pytest.mark.parametrize("edits, words", [
-    ([_set("state.next_doc", "x"), _set("state.complete", False)], ["`state`", "`next_doc`"]),
-    ([_set("state", {"complete": False})], ["`state`", "`split_index`"]),
-    ([_set("state.doclens", [1])], ["`state`", "`doclens`"]),
-    ([_set("state.complete", "no")], ["`state`", "`complete`"]),
-    ([_set("shards.1.after", {"split_index": "x"})], ["`shards[1]`", "`after`", "`split_index`"]),
+    ([_set("state.next_doc", "x"), _set("state.complete", False)], ["`state.next_doc`"]),
+    ([_set("state", {"complete": False})], ["`state.split_index`"]),
+    ([_set("state.doclens", [1])], ["`state.doclens`"]),
+    ([_set("state.complete", "no")], ["`state.complete`"]),
+    ([_set("shards.1.after", {"split_index": "x"})], ["`shards[1].after.split_index`"]),
     ([_set("state.split_index", 99), _set("state.complete", False)], ["split number 99"]),
     ([_set("state.next_doc", 10**30), _set("state.complete", False), _set("state.split_index", 0)],
      ["beyond any stream"]),

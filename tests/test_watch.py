@@ -22,7 +22,7 @@ def _checkpoint(run_dir: Path, step: int, state: bytes, complete: bytes | None =
     """checkpoints/step_N with small stand-in files and a COMPLETE manifest that matches them (or `complete`)."""
     ckpt = rundirs.checkpoint_path(run_dir, step)
     ckpt.mkdir(parents=True)
-    files = {rundirs.MODEL_FILE: b"weights", rundirs.OPTIMIZER_FILE: b"moments", rundirs.RNG_FILE: b"rng",
+    files = {rundirs.MODEL_FILE: b"weights", rundirs.EMA_FILE: b"average", rundirs.RNG_FILE: b"rng",
              rundirs.STATE_FILE: state}
     for name, data in files.items():
         (ckpt / name).write_bytes(data)
@@ -57,11 +57,11 @@ def watched(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("name, data, words", [
-    (rundirs.CONFIG_FILE, BAD_UTF8, "cannot be read"),
-    (rundirs.CONFIG_FILE, b"run: {seed: 1}\ntrain: {max_steps: many}\n", "train.max_steps"),
-    (rundirs.SUMMARY_FILE, BAD_UTF8, "cannot be read as JSON"),
-    (rundirs.SUMMARY_FILE, b"[1, 2]", "is not a run summary"),
-    (rundirs.SUMMARY_FILE, b'{"steps": "two"}', "no integer `steps`"),
+    (rundirs.CONFIG_FILE, BAD_UTF8, "the file is not UTF-8 text"),
+    (rundirs.CONFIG_FILE, b"run: {seed: 1}\ntrain: {max_steps: many}\n", "`train.max_steps` is a string"),
+    (rundirs.SUMMARY_FILE, BAD_UTF8, "the file is not UTF-8 text"),
+    (rundirs.SUMMARY_FILE, b"[1, 2]", "the file is an array [1, 2], not a run summary"),
+    (rundirs.SUMMARY_FILE, b'{"steps": "two"}', '`steps` is a string "two", not an integer'),
     (rundirs.EVALS_FILE, b'{"step": 2}\n' + BAD_UTF8 + b'\n{"step": 4}\n', "line 2 is not UTF-8"),
     (rundirs.EVALS_FILE, b'{"step": 2}\n[2, 4]\n', "line 2 is an array"),
 ])

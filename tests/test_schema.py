@@ -1,0 +1,127 @@
+"""The one reader of nanopt's own files (nanopt/schema.py): one table of every kind of file, each damaged once, read
+by its own reader, is one paragraph naming the file, the field, what was found and the fix; what is no file at the
+name (a directory, a link to nothing, a FIFO) is refused unread; the caches and the lease read the same shapes and
+rebuild, or take an unreadable lease for what it still tells, instead of refusing."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+
+import pytest
+
+from conftest import BAD_UTF8, write_fake_run
+from nanopt import experiments, rundirs, shards
+from nanopt.errors import ConfigError
+from nanopt.lock import DirLock
+from nanopt.schema import Field, problem
+
+READERS = {rundirs.SUMMARY_FILE: rundirs.read_summary, rundirs.CONFIG_FILE: rundirs.read_config,
+           rundirs.METRICS_FILE: rundirs.read_metrics, rundirs.PROFILE_FILE: experiments.read_profile,
+           shards.MANIFEST: shards.read_manifest}
+STATE = {"split_index": 0, "shard_index": 0, "split_tokens": 0, "next_doc": 0, "next_offset": 0, "doclens": {},
+         "complete": True}
+
+
+def _manifest(**changes) -> bytes:
+    return json.dumps({"shards": [], "state": STATE, **changes}).encode()
+
+
+# (file, content, words): each the first thing wrong with the file, and the fix its kind gives.
+DAMAGED = [
+    (rundirs.SUMMARY_FILE, BAD_UTF8, ["the file is not UTF-8 text", "run the run's command again"]),
+    (rundirs.SUMMARY_FILE, b"{", ["the file is not JSON (Expecting property name"]),
+    (rundirs.SUMMARY_FILE, b"[" * 100_000, ["the file nests deeper than any file nanopt writes"]),
+    (rundirs.SUMMARY_FILE, b'{"steps": 200, "final_val_loss": NaN}', ["`final_val_loss` is a number NaN, not a "
+                                                                      "finite number or null"]),
+    (rundirs.SUMMARY_FILE, b'{"steps": 200, "step_to_target": 150.5}', ["`step_to_target` is a number 150.5, not an "
+                                                                        "integer or null"]),
+    (rundirs.CONFIG_FILE, b"run: {seed: [\n", ["the file is not valid YAML at line 2", "restore it"]),
+    (rundirs.CONFIG_FILE, b"- a list\n", ['the file is an array ["a list"], not a run config']),
+    (rundirs.CONFIG_FILE, b"run: {seed: 1}\n", ["`train` is missing"]),
+    (rundirs.CONFIG_FILE, b"train: {max_steps: 0}\n", ["`train.max_steps` is a number 0, not an integer >= 1"]),
+    (rundirs.CONFIG_FILE, b"train: {max_steps: 9}\nrun: 5\n", ["`run` is a number 5, not a section"]),
+    (rundirs.METRICS_FILE, b'{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n', ["line 2 is not JSON", "mend that line"]),
+    (rundirs.METRICS_FILE, b'{"step": 1}\n"text"\n', ['line 2 is a string "text", not an object']),
+    (rundirs.METRICS_FILE, b'{"step": 1}\nnull\n', ["line 2 is null, not an object"]),
+    (rundirs.PROFILE_FILE, b'{"profiled_steps": 2}', ["`step_ms_mean` is missing", "profile the run again"]),
+    (rundirs.PROFILE_FILE, b'{"profiled_steps": 2, "step_ms_mean": 5, "top_ops": [{"name": "mm", "calls": "x"}]}',
+     ['`top_ops[0].calls` is a string "x", not a finite number']),
+    (shards.MANIFEST, b'"shards"', ['the file is a string "shards", not a shard manifest', "Restore", "cannot be used"]),
+    (shards.MANIFEST, _manifest(shards=[{"file": "../x.bin", "split": "train", "tokens": 5}]),
+     ['`shards[0].file` is a string "../x.bin", not a shard name `nanopt prepare` writes']),
+    (shards.MANIFEST, _manifest(state={**STATE, "doclens": {"train": -1}}), ["`state.doclens.train` is a number -1"]),
+    (shards.MANIFEST, _manifest(rebuild=[{"file": "train_000000.bin", "split": "train", "tokens": 5,
+                                          "after": {**STATE, "complete": "no"}}]),
+     ['`rebuild[0].after.complete` is a string "no", not true or false']),
+]
+
+
+@pytest.mark.parametrize("name, content, words", DAMAGED)
+def test_a_damaged_file_is_one_paragraph_naming_the_file_the_field_what_was_found_and_the_fix(tmp_path, name, content,
+                                                                                             words):
+    run_dir = write_fake_run(tmp_path / "run")
+    (run_dir / name).write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        READERS[name](run_dir)
+    message = str(e.value)
+    assert message.startswith(f"{run_dir / name}: ") and "\n" not in message, message
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+@pytest.mark.parametrize("name", READERS)
+@pytest.mark.parametrize("kind, words", [("directory", "is a directory"), ("dangling link", "is a symbolic link to"),
+                                         ("fifo", "is not a regular file")])
+def test_what_is_no_file_at_a_files_name_is_named_unread_not_taken_for_absent(tmp_path, name, kind, words):
+    """Before, a directory at config.yaml or summary.json read as 'no such file' (`compare` showed every config key as
+    changed, a sweep took the point for done or new), and a FIFO at any of them was read for ever."""
+    run_dir = write_fake_run(tmp_path / "run")
+    (run_dir / name).unlink(missing_ok=True)
+    {"directory": lambda p: p.mkdir(), "dangling link": lambda p: p.symlink_to(tmp_path / "nowhere"),
+     "fifo": os.mkfifo}[kind](run_dir / name)
+    with pytest.raises(ConfigError, match=rf"{name} {words}"):
+        READERS[name](run_dir)
+    (run_dir / name).rmdir() if kind == "directory" else (run_dir / name).unlink()
+    assert READERS[name](run_dir) in (None, [])  # nothing there: absent, as before
+
+
+def test_a_records_file_that_is_a_device_is_named_not_read_and_only_a_cut_last_line_is_forgiven(tmp_path):
+    """A link to /dev/zero would be read forever, one to /dev/null read as no records."""
+    (tmp_path / rundirs.METRICS_FILE).symlink_to("/dev/null")
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl is not a regular file"):
+        rundirs.read_metrics(tmp_path)
+    (tmp_path / rundirs.METRICS_FILE).unlink()
+    (tmp_path / rundirs.METRICS_FILE).write_bytes(b'{"step": 1, "loss": 5.0}\n\n{"step": 2, "loss": 4.')
+    assert rundirs.read_metrics(tmp_path) == [{"step": 1, "loss": 5.0}]  # the line being written is left out
+
+
+def test_the_first_problem_is_named_by_its_path_in_declaration_order():
+    shape = Field(dict, fields={"a": Field(int, required=True), "b": Field(list, items=Field(str, null=True))})
+    assert problem({"b": [None, 3]}, shape) == "`a` is missing"
+    assert problem({"a": 1, "b": [None, 3]}, shape) == "`b[1]` is a number 3, not a string or null"
+    assert problem({"a": True}, shape) == "`a` is true, not an integer"  # JSON's true is no count
+    assert problem({"a": 1, "b": [], "other": object()}, shape) is None  # undeclared keys pass
+
+
+@pytest.mark.parametrize("content", [
+    b'{"host": "%s", "pid": "%d", "started": 1, "heartbeat": 1, "token": "t"}' % (socket.gethostname().encode(), 1),
+    b'{"host": "h", "pid": 1, "started": 1, "heartbeat": 1}', b"[1, 2]"])
+def test_a_lease_of_the_wrong_shape_is_read_as_what_it_still_tells_not_a_traceback(tmp_path, content):
+    """Before, a pid of the wrong type was a TypeError in the liveness check, and a list an unhandled error."""
+    (tmp_path / rundirs.LOCK_FILE).write_bytes(content)
+    held = DirLock(tmp_path).holder()
+    assert held.token == "" and held.describe().endswith("s ago)")
+
+
+@pytest.mark.parametrize("name", [rundirs.LOCK_FILE, shards.VERIFIED])
+def test_a_fifo_at_the_lease_or_the_verification_record_is_named_or_ignored_never_read(tmp_path, name, caplog):
+    os.mkfifo(tmp_path / name)
+    if name == rundirs.LOCK_FILE:
+        with pytest.raises(ConfigError, match=f"{name} is not a regular file"):
+            DirLock(tmp_path).acquire()
+        return
+    with caplog.at_level(logging.WARNING, logger="nanopt"):
+        assert shards._read_stamps(tmp_path / name) == {}
+    assert f"{name} is not a regular file" in caplog.text and "verified again" in caplog.text
