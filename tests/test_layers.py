@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint", "scoring"),                            # the format; THE continuation scorer
     ("loading", "core", "averaging"),                     # a model from a run; CORE; checkpoints averaged
     ("harness",),                                         # the tasks wing: scoring a model, lm-eval's adapter
-    ("train", "prepare", "sweep", "comparison", "watch"),  # the logic that commands call
+    ("train", "prepare", "sweep", "comparison", "watch", "scaling"),  # the logic that commands call
     ("commands",),                                        # nanopt/commands/*: one module per subcommand
     ("cli",),
     ("main",),

@@ -1,0 +1,152 @@
+"""The scaling-law fitter: it recovers a known law from noisy isoFLOP data, predicts the optimum the closed form
+gives, reads CSVs and ladders, and refuses a CSV it cannot use with one paragraph (exit 2)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nanopt import scaling
+from nanopt.errors import ConfigError
+
+# Hoffmann et al.'s fitted law (their eq. 10): the data below is drawn from it.
+TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+
+
+def ladder(noise: float = 0.003, budgets=(1e18, 3e18, 1e19, 3e19, 1e20), sizes: int = 7, seed: int = 1):
+    """An isoFLOP grid: at each budget, `sizes` models spread 6x either side of the law's optimum, D = C / 6N."""
+    rng = np.random.default_rng(seed)
+    n, d, c = [], [], []
+    for budget in budgets:
+        centre = scaling.optimum(TRUE, budget)["params"]
+        for f in np.geomspace(1 / 6, 6, sizes):
+            n.append(centre * f)
+            d.append(budget / (6 * centre * f))
+            c.append(budget)
+    n, d, c = map(np.array, (n, d, c))
+    loss = np.array([scaling.predict_loss(TRUE, a, b) for a, b in zip(n, d)]) * np.exp(rng.normal(0, noise, len(n)))
+    return scaling.Points(n, d, c, loss)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    points = ladder()
+    return points, scaling.fit(points, bootstrap=20)
+
+
+def test_approach_3_recovers_the_law_from_noisy_data(fitted):
+    _, out = fitted
+    for key, tolerance in (("E", 0.03), ("alpha", 0.05), ("beta", 0.05), ("A", 0.3), ("B", 0.3)):
+        assert out[key]["value"] == pytest.approx(TRUE[key], rel=tolerance), key
+        lo, hi = out[key]["ci"]
+        assert lo <= out[key]["value"] <= hi
+    # The exponents the law implies for the optimal allocation under C = 6ND.
+    a = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])
+    assert out["approach3_a"] == pytest.approx(a, abs=0.02)
+    assert out["approach3_b"] == pytest.approx(1 - a, abs=0.02)
+
+
+def test_approach_2_finds_each_budgets_optimum_and_the_exponents(fitted):
+    points, out = fitted
+    a = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])
+    assert out["a"]["value"] == pytest.approx(a, abs=0.03)
+    assert out["b"]["value"] == pytest.approx(1 - a, abs=0.03)
+    assert out["a"]["value"] + out["b"]["value"] == pytest.approx(1, abs=1e-6)  # C = 6ND: exponents sum to 1
+    assert out["budget_count"] == 5 and out["runs"] == len(points.loss) == 35
+    for c, n in zip(out["isoflop"]["budgets"], out["isoflop"]["params_opt"]):
+        assert n == pytest.approx(scaling.optimum(TRUE, c)["params"], rel=0.25)
+    assert all(10 < r < 60 for r in out["tokens_per_param"])  # Chinchilla's ~20 at these budgets, within noise
+
+
+def test_the_optimum_is_the_closed_form_under_6nd():
+    c = 1e21
+    got = scaling.optimum(TRUE, c)
+    al, be = TRUE["alpha"], TRUE["beta"]
+    g = (al * TRUE["A"] / (be * TRUE["B"])) ** (1 / (al + be))
+    assert got["params"] == pytest.approx(g * (c / 6) ** (be / (al + be)), rel=1e-3)
+    assert got["tokens"] * got["params"] * 6 == pytest.approx(c)
+    assert got["loss"] == pytest.approx(scaling.predict_loss(TRUE, got["params"], got["tokens"]))
+    # Another FLOPs-per-token rule moves the optimum: 8N per token leaves fewer tokens at each size.
+    other = scaling.optimum(TRUE, c, tokens_for=lambda n, budget: budget / (8 * n))
+    assert other["tokens"] * other["params"] * 8 == pytest.approx(c) and other["loss"] > got["loss"]
+
+
+def test_a_csv_of_flops_or_tokens_fits_the_same(tmp_path, fitted):
+    points, _ = fitted
+    by_tokens, by_flops = tmp_path / "tokens.csv", tmp_path / "flops.csv"
+    by_tokens.write_text("params,tokens,loss,extra\n" + "".join(
+        f"{n},{d},{l},x\n" for n, d, l in zip(points.params, points.tokens, points.loss)))
+    by_flops.write_text("loss,params,flops\n" + "".join(
+        f"{l},{n},{6 * n * d}\n" for n, d, l in zip(points.params, points.tokens, points.loss)))
+    a, b = scaling.from_csv(by_tokens), scaling.from_csv(by_flops)
+    np.testing.assert_allclose(a.tokens, b.tokens, rtol=1e-9)
+    np.testing.assert_allclose(a.flops, points.flops, rtol=1e-9)
+    assert len(a.budgets()) == 5
+
+
+def test_the_command_prints_json_predicts_and_plots(tmp_path, fitted):
+    points, _ = fitted
+    csv = tmp_path / "ladder.csv"
+    csv.write_text("params,tokens,loss\n" + "".join(f"{n},{d},{l}\n" for n, d, l in
+                                                    zip(points.params, points.tokens, points.loss)))
+    png = tmp_path / "fit.png"
+    out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "fit", "--csv", str(csv), "--json",
+                          "--bootstrap", "5", "--predict", "1e22", "--plot", str(png)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(scaling.LAW_KEYS) | {"a", "b"} <= set(result)
+    assert all(isinstance(result[k]["value"], float) and len(result[k]["ci"]) == 2 for k in ("E", "alpha", "a"))
+    (prediction,) = result["predictions"]
+    assert prediction["flops"] == 1e22 and prediction["loss"] < min(points.loss)  # more compute, lower loss
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_ladder_directory_is_read_from_its_summaries(tmp_path, fitted):
+    points, _ = fitted
+    for i, (n, d, l) in enumerate(zip(points.params, points.tokens, points.loss)):
+        run = tmp_path / "ladder" / f"r{i}"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"steps": 10, "params": int(n), "tokens_seen": int(d),
+                                                      "flops_per_token": 6 * int(n), "final_val_bpb": l}))
+    got = scaling.from_runs(tmp_path / "ladder")
+    assert len(got.loss) == 35 and len(got.budgets()) == 5
+    np.testing.assert_allclose(np.sort(got.loss), np.sort(points.loss))
+
+
+BAD_CSVS = [
+    ("", "lacks params, tokens, loss"),
+    ("params,loss\n1,2\n", "lacks tokens"),
+    ("params,tokens,loss\n1e6,2e7,abc\n", "line 2"),
+    ("params,tokens,loss\n1e6,2e7\n", "line 2"),
+    ("params,tokens,loss\n-1e6,2e7,3.1\n", "positive numbers"),
+    ("params,tokens,loss\n1e6,2e7,inf\n", "positive numbers"),
+    ("params,flops,loss\n" + "".join(f"{n},1e15,{3 - n / 1e7}\n" for n in (1e6, 2e6, 3e6)), "1 compute budget"),
+    ("params,flops,loss\n" + "".join(f"{n},{c},3\n" for c in (1e15, 1e16) for n in (1e6, 2e6)), "3 or more"),
+]
+
+
+@pytest.mark.parametrize("text, says", BAD_CSVS)
+def test_a_csv_it_cannot_use_is_one_paragraph(tmp_path, text, says):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        scaling.from_csv(path)
+    assert str(path) in str(e.value) and says in str(e.value) and "params,tokens,loss" in str(e.value)
+
+
+def test_the_command_exits_2_without_a_traceback(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("params,tokens,loss\n1e6,2e7,abc\n")
+    out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "fit", "--csv", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{path}, line 2" in out.stderr
+
+
+def test_too_few_runs_for_a_parabola_has_no_optimum():
+    assert math.isnan(scaling._vertex(np.log([1e6, 1e6, 2e6]), np.array([3.0, 3.1, 2.9])))
