@@ -209,15 +209,15 @@ def model_config(a, **extra):
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token exactly as the training loop counts them (nanopt.flops): 6N + attention.
+    """Training FLOPs per token exactly as the training loop counts them (nanopt.mfu): 6N + attention.
 
     6 = 2 (multiply + add) × 3 (forward, backward for activations, backward for weights); N includes
     the LM head even when tied (a real matmul; the embedding lookup is not). Attention counts only the
     unmasked causal half of the score/value matmuls, 6·L·T·D.
     """
-    from nanopt.flops import flops_per_token as fpt
+    from nanopt.mfu import meta_model, token_flops
 
-    return float(fpt(cfg, seq_len))
+    return float(token_flops(meta_model(cfg), seq_len).model)
 
 
 def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):

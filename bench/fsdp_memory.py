@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from nanopt.config import load_config, parse_overrides
 from nanopt.memory import Training, device_memory
+from nanopt.mfu import meta_model
 
 SMOKE = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
          "--model.vocab_size=64", "--train.seq_len=16", "--train.micro_batch_size=2", "--train.precision=fp32"]
@@ -138,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         totals = {s: sum(r["bytes"][s].values()) for s in SETUPS}
         for s in SETUPS:
             b = r["bytes"][s]
-            modelled = device_memory(m, training, s if world > 1 else "ddp", world).resident
+            modelled = device_memory(meta_model(m), training, s if world > 1 else "ddp", world).resident
             print(f"{world:5d} | {s:6} | {b['params'] / 1e6:9.2f} | {b['grads'] / 1e6:8.2f} | "
                   f"{b['optimizer'] / 1e6:8.2f} | {totals[s] / 1e6:8.2f} | {totals[s] / totals['ddp']:5.2f} | "
                   f"{modelled / 1e6:8.2f} | {1000 * medians[s]:7.1f} | {C.spread(r['times'][s]):>6}")

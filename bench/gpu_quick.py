@@ -51,8 +51,8 @@ import torch  # noqa: E402
 
 from nanopt import fp8, shards, train  # noqa: E402
 from nanopt.config import Config, load_config, parse_overrides  # noqa: E402
-from nanopt.flops import block_linears  # noqa: E402
 from nanopt.harness import lm_class  # noqa: E402
+from nanopt.mfu import meta_model  # noqa: E402
 from nanopt.model import build_model  # noqa: E402
 from nanopt.optim import BatchedMuon  # noqa: E402
 from nanopt.plan import build_plan  # noqa: E402
@@ -198,7 +198,7 @@ def check_muon(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     per_shape: dict[tuple[int, int], dict[str, float]] = {}
     for name, args in spec["configs"].items():
         m = config(args).model
-        shapes = [(o, i) for _ in range(m.n_layers) for i, o in block_linears(m).values()]  # weights are out x in
+        shapes = [tuple(lin.weight.shape) for lin in meta_model(m).layers.modules() if isinstance(lin, torch.nn.Linear)]
         whole = time_muon(shapes, device, spec["repeats"], {"torch": None, "batched": None})
         out[name] = {"matrices": len(shapes), **whole, "batched_over_torch": whole["batched_ms"] / whole["torch_ms"]}
         for shape in sorted(set(shapes)):

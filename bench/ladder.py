@@ -83,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     side = a.peak_n or (8192 if device.type == "cuda" else 2048)
     C.banner("optimisation ladder", {
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}"
-                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.flops convention)",
+                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.mfu convention)",
         "peak": f"best {side}^2 matmul FLOP/s per precision, measured inside the same alternating rounds",
     }, C.command(__file__, argv))
     ladder = rungs(a)

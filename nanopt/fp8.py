@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from nanopt.config import Config, ModelConfig, TrainConfig
+from nanopt.config import Config, TrainConfig
 from nanopt.errors import ConfigError
-from nanopt.flops import block_linears, flops_per_token
+from nanopt.mfu import meta_model, token_flops
 from nanopt.plan import build_plan
 from nanopt.runtime import Runtime
 
@@ -54,14 +54,14 @@ def module_filter(recipe: str, which: str) -> Callable[[nn.Module, str], bool]:
     return keep
 
 
-def flops_share(m: ModelConfig, t: TrainConfig, seq_len: int, causal_halving: bool = True) -> float:
-    """The share of the model's FLOPs per token at `seq_len` (a stage's; the `mfu` convention, flops.py) that run in
-    FP8: 6 FLOPs per weight of every converted block Linear; 0 without FP8."""
+def flops_share(model: nn.Module, t: TrainConfig, seq_len: int, causal_halving: bool = True) -> float:
+    """The share of `model`'s FLOPs per token at `seq_len` (a stage's; the `mfu` convention) that run in FP8: 6 FLOPs
+    per weight of every Linear module_filter converts; 0 without FP8."""
     if t.fp8 == "none":
         return 0.0
-    fp8_weights = m.n_layers * sum(i * o for i, o in block_linears(m).values()
-                                   if converts(t.fp8, t.fp8_filter, i, o))
-    return 6 * fp8_weights / flops_per_token(m, seq_len, causal_halving)
+    keep = module_filter(t.fp8, t.fp8_filter)
+    fp8_weights = sum(m.weight.numel() for fqn, m in model.named_modules() if keep(m, fqn))
+    return 6 * fp8_weights / token_flops(model, seq_len, causal_halving).model
 
 
 def _torchao_float8() -> ModuleType:
@@ -94,6 +94,8 @@ def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
                           f"needs an NVIDIA GPU of compute capability 8.9 or later, e.g. an H100 or L4, or the CPU, "
                           f"where it is emulated for testing); set `--train.fp8=none` to train in bf16 here.")
     float8 = _torchao_float8()
+    seq_len = build_plan(cfg.train, 1).stages[0].seq_len  # the first stage's, which no world size changes
+    share = flops_share(model, cfg.train, seq_len, cfg.mfu.causal_halving)
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
     if support == "emulated":
         config = dataclasses.replace(config, emulate=True)
@@ -101,15 +103,13 @@ def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
                                                                                            cfg.train.fp8_filter))
     converted = sum(isinstance(m, float8.float8_linear.Float8Linear) for m in model.modules())
     if rt.is_main:
-        _explain(cfg, support, converted, rt.kind)
+        _explain(cfg, support, converted, rt.kind, share, seq_len)
     return converted
 
 
-def _explain(cfg: Config, support: str, converted: int, device: str) -> None:
+def _explain(cfg: Config, support: str, converted: int, device: str, share: float, seq_len: int) -> None:
     """The log lines of a conversion: how much runs in FP8, and what would make this run slower than bf16."""
     t = cfg.train
-    seq_len = build_plan(t, 1).stages[0].seq_len  # the first stage's, which no world size changes
-    share = flops_share(cfg.model, t, seq_len, cfg.mfu.causal_halving)
     log.info("fp8: %d block Linears in FP8 (%s scaling, %s, filter %s), %.1f%% of the model's FLOPs at seq_len %d; "
              "embeddings and LM head stay in %s", converted, t.fp8, support, t.fp8_filter, 100 * share, seq_len,
              t.precision)
@@ -128,6 +128,6 @@ def _explain(cfg: Config, support: str, converted: int, device: str) -> None:
 def summary(cfg: Config, seq_len: int) -> dict[str, Any]:
     """summary.json's FP8 keys: the recipe, its filter and the share of the model's FLOPs in FP8 at the seq_len
     of the run's last stage (0 without FP8)."""
-    share = flops_share(cfg.model, cfg.train, seq_len, cfg.mfu.causal_halving)
+    share = flops_share(meta_model(cfg.model), cfg.train, seq_len, cfg.mfu.causal_halving)
     return {"fp8": cfg.train.fp8, "fp8_filter": cfg.train.fp8_filter if cfg.train.fp8 != "none" else None,
             "fp8_matmul_flops_share": share}

@@ -1,25 +1,13 @@
 """What a device can do: the dense spec-sheet peak table, device-name -> peak detection, the measured CPU matmul
-peak and its per-machine cache. Torch-free at import (the measuring functions import it), so `nanopt estimate`
-and config checks stay fast."""
+peak. Torch-free at import (the measuring function imports it), so config checks stay fast."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import logging
-import math
-import os
 import platform
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
-
-from nanopt.errors import ConfigError
-from nanopt.io import cache_dir, write_json
-
-log = logging.getLogger("nanopt")
 
 
 @dataclass(frozen=True)
@@ -103,7 +91,11 @@ def detect_hardware(device_name: str, power_limit_w: Optional[float] = None) -> 
 
 
 # ---------------------------------------------------------------- measured peak (CPU)
-def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = 0.3,
+# Measured at every start (every rank at once, mfu.run_peak): a fraction of a second, never a stale or copied figure.
+PEAK_BUDGET_S = 0.3
+
+
+def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = PEAK_BUDGET_S,
                          sync: Callable[[], None] = lambda: None, n: int = 1024) -> float:
     """Best square-matmul FLOP/s seen within about `budget_s` seconds: the measured peak. A fixed size (1024: every
     core busy, ~10 ms a product on a CPU), not one picked from a first timing, which a busy machine skews toward
@@ -161,107 +153,3 @@ def cpu_isa(flags: Optional[str] = None) -> tuple[str, bool]:
         if have.issuperset(needs):
             return name, native_bf16
     return "other", False
-
-
-# ---------------------------------------------------------------- the CPU peak, measured once per machine
-PEAK_CACHE = "cpu_peak.json"  # under io.cache_dir(): {peak_key(): {"peak", "measured_at", "uses"}}
-# A peak measured under load is too low: an entry keeps the highest measurement and is measured again after this
-# many uses or seconds, whichever comes first, so a low one does not stick. NANOPT_MEASURE_PEAK=1 measures now.
-PEAK_USES, PEAK_AGE_S = 10, 7 * 24 * 3600
-# The full measurement's budget, and the quick one's that checks a cached peak at every start: 0 s is the warm-up
-# product and one timed batch of three (0.03-0.06 s on 2 quiet AMD EPYC cores, up to 0.25 s when they were busy). A
-# cached peak more than PLAUSIBLE times off the quick figure, either way, is not this machine's (a copied or edited
-# file): it is measured again. A busy machine reads lower, but not by 4x: there the quick figure stayed within 2x of
-# the full one.
-PEAK_BUDGET_S, CHECK_BUDGET_S, PLAUSIBLE = 0.3, 0.0, 4.0
-# A measurement's time may lie a little ahead of this clock (a home directory shared with another machine), not more.
-CLOCK_SKEW_S = 24 * 3600
-Measure = Callable[[float], float]  # budget in seconds -> FLOP/s, measured by every rank at once (their mean)
-
-
-def peak_key(dtype: Any, threads: Optional[int], ranks: int) -> str:
-    """What a measured peak depends on: the CPU (name, flags), threads per rank (None: torch's), ranks measuring at
-    once, the dtype and torch's version (its kernels). Any change is another entry, measured anew."""
-    import torch
-
-    threads = torch.get_num_threads() if threads is None else threads
-    flags = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
-    return f"{cpu_model_name()} | flags {flags} | {threads} threads x {ranks} ranks | {dtype} | {torch.__version__}"
-
-
-def _entry_problem(entry: Any, now: float) -> Optional[str]:
-    """Why a cache entry cannot be used as it stands (None when it can): JSON turns 1e400 into inf and NaN into
-    nan, and a hand-edited or copied file holds anything."""
-    if not isinstance(entry, dict):
-        return "not an object"
-    peak, at, uses = entry.get("peak"), entry.get("measured_at"), entry.get("uses")
-    if type(peak) not in (int, float) or not math.isfinite(peak) or peak <= 0:
-        return f"peak {peak!r} is not a finite positive FLOP/s"
-    if type(at) not in (int, float) or not 0 < at <= now + CLOCK_SKEW_S:
-        return f"measured_at {at!r} is not a time up to now"
-    if type(uses) is not int or uses < 0:
-        return f"uses {uses!r} is not a count"
-    return None
-
-
-def _read_peaks(path: Path, now: float, warn: Callable[[str], None]) -> dict[str, Any]:
-    """The cache's usable entries. A damaged file or entry costs one warning naming it and is left out: its
-    peak is measured again when asked for, and the caller's write replaces the file."""
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        data = None
-    if not isinstance(data, dict):
-        warn(f"mfu: {path} is damaged (not a JSON object of entries); ignoring it and measuring the CPU peak (the "
-             f"file is rewritten)")
-        return {}
-    problems = {key: problem for key, entry in data.items() if (problem := _entry_problem(entry, now))}
-    if problems:
-        warn(f"mfu: {path} has damaged entries ({'; '.join(f'{k!r}: {p}' for k, p in problems.items())}); ignoring "
-             f"them and measuring the CPU peak where needed (the file is rewritten)")
-    return {key: entry for key, entry in data.items() if key not in problems}
-
-
-def _plausible(a: float, b: float) -> bool:
-    return b / PLAUSIBLE <= a <= b * PLAUSIBLE
-
-
-def cpu_peak(key: str, measure: Measure, agree: Callable[[bool], bool] = lambda must: must,
-             main: bool = True) -> tuple[float, str]:
-    """(CPU matmul peak FLOP/s, how it was had: "cached (measured DATE, N uses)" or "measured now"), measured
-    once per machine and key (peak_key) and then read from PEAK_CACHE, each read checked against a quick
-    measurement. Several ranks: each calls this with `measure` their joint measurement and `agree` a collective
-    (True on every rank when any rank's argument is), so all ranks measure together or none do; only `main` warns
-    and writes."""
-    path, now = cache_dir() / PEAK_CACHE, time.time()
-    warn = log.warning if main else (lambda message: None)
-    peaks = _read_peaks(path, now, warn)
-    entry = peaks.get(key)
-    stale = entry is None or entry["uses"] >= PEAK_USES or now - entry["measured_at"] >= PEAK_AGE_S
-    must = agree(stale or os.environ.get("NANOPT_MEASURE_PEAK") == "1")
-    if not must:  # every rank is here together (agree is a collective), so the quick measurement is joint too
-        quick = measure(CHECK_BUDGET_S)
-        if agree(not _plausible(entry["peak"], quick)):
-            warn(f"mfu: the CPU peak in {path} ({entry['peak'] / TERA:.4g} TFLOP/s) is more than {PLAUSIBLE:g}x "
-                 f"off a quick measurement now ({quick / TERA:.4g} TFLOP/s); measuring it again (the entry is "
-                 f"rewritten)")
-            must = True
-    if must:
-        # The higher of this and the earlier peak (a busy machine measures low), unless that is more than PLAUSIBLE
-        # times off (not this machine's: replaced).
-        value = measure(PEAK_BUDGET_S)
-        old = entry["peak"] if entry and _plausible(entry["peak"], value) else 0.0
-        how = "measured now" + ("" if value >= old else f" ({value / TERA:.3f} TFLOP/s; the higher "
-                                                          f"{old / TERA:.3f} measured before is kept)")
-        entry = {"peak": max(value, old), "measured_at": now, "uses": 0}
-    else:
-        entry = {**entry, "uses": entry["uses"] + 1}
-        when = time.strftime("%Y-%m-%d", time.localtime(entry["measured_at"]))
-        how = f"cached (measured {when}, {entry['uses']} uses)"
-    if main:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(path, {**peaks, key: entry})
-        except (OSError, ConfigError) as e:  # a read-only home (or a directory at the name): measured every start
-            log.warning("mfu: cannot write %s (%s); the CPU peak is measured again next start", path, e)
-    return entry["peak"], how

@@ -1,4 +1,4 @@
-"""What one device holds while a config trains, from the config alone (torch-free, for `nanopt estimate` and
+"""What one device holds while a model trains, read from its modules (a meta-device model for `nanopt estimate` and
 bench/fsdp_memory.py): parameters, gradients, optimizer state and activations per device under each parallelism
 (ddp, fsdp over n ranks, hsdp sharded over groups of g), and whether that fits a device's memory.
 
@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from nanopt.config import Config, ModelConfig
-from nanopt.flops import param_counts
+import torch.nn as nn
+
+from nanopt.config import Config
+from nanopt.mfu import ParamCounts, meta_model, param_counts
+from nanopt.model import RESIDUAL_OUT
 from nanopt.plan import build_plan
 
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
@@ -63,24 +66,38 @@ def _dtypes(precision: str) -> tuple[int, int]:
     return {"bf16": (4, 2), "bf16-pure": (2, 2), "fp32": (4, 4)}[precision]
 
 
-def activation_bytes_per_token(m: ModelConfig, precision: str) -> int:
-    """Bytes one block saves for backward per token (eager model.py; checked against autograd's saved tensors in
-    tests/test_memory.py). s = the activation dtype's bytes:
-    - each RMSNorm: its fp32 normalised input (4·dim) and its output in s (the next Linears' shared input), bf16-pure
-      also the bf16 copy the gain multiplies (so 4 + 2s);
-    - attention: SDPA's q, k, v and output (s·(2·q_dim + 2·kv_dim); fp32 with grouped-query attention repeats K/V
-      to q_dim on CUDA, attention.choose) and its fp32 log-sum-exp per head; RoPE keeps only its tables;
-    - SwiGLU: w1's and w3's outputs, silu's and the product (4·ffn·s); relu2: the relu and its square (2·ffn·s);
-    - qk_norm adds the fp32 normalised q and k, residual_scalars the block input (x0 is shared)."""
-    s = _dtypes(precision)[1]
-    q_dim, kv_dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-    norm = (4 + (2 * s if precision == "bf16-pure" else s)) * m.dim
-    sdpa_kv = q_dim if precision == "fp32" and kv_dim != q_dim else kv_dim
-    attention = s * (2 * q_dim + 2 * sdpa_kv) + FP32 * m.n_heads
-    mlp = (2 if m.mlp == "relu2" else 4) * m.ffn_dim * s
-    extras = (FP32 * (q_dim + kv_dim) if m.qk_norm else 0) + (_residual_bytes(precision) * m.dim
-                                                              if m.residual_scalars else 0)
-    return 2 * norm + attention + mlp + extras
+def activation_bytes_per_token(block: nn.Module, precision: str) -> int:
+    """Bytes one block (a model.layers module) saves for backward per token, read from its modules (eager model.py;
+    checked against autograd's saved tensors in tests/test_memory.py). s = the activation dtype's bytes:
+    - each norm: its fp32 normalised input and its output in s (the next Linears' shared input), bf16-pure also the
+      bf16 copy the gain multiplies: (4 + s) × its width, or (4 + 2s);
+    - each attention module: SDPA's q, k, v and output (s·(2·q_dim + 2·kv_dim); fp32 with grouped-query attention
+      repeats K/V to q_dim on CUDA, attention.choose), its fp32 log-sum-exp per head, with qk_norm the fp32
+      normalised q and k; RoPE keeps only its tables;
+    - each other Linear that does not write the residual stream (SwiGLU's w1 and w3, relu2's w1): its output and the
+      elementwise result made of it, 2·out·s (SwiGLU: w1, w3, silu and the product; relu2: the relu and its square);
+    - scalar parameters (residual_scalars): the block input (x0 is shared)."""
+    s, pure = _dtypes(precision)[1], precision == "bf16-pure"
+    total, in_attention = 0, set()
+    for m in block.modules():
+        if hasattr(m, "n_heads") and hasattr(m, "head_dim"):  # model.Attention, or a variant's
+            q_dim, kv_dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+            sdpa_kv = q_dim if precision == "fp32" and kv_dim != q_dim else kv_dim
+            qk_norm = FP32 * (q_dim + kv_dim) if getattr(m, "qk_norm_eps", None) is not None else 0
+            total += s * (2 * q_dim + 2 * sdpa_kv) + FP32 * m.n_heads + qk_norm
+            in_attention |= {id(x) for x in m.modules()}
+        elif "Norm" in type(m).__name__:
+            total += (4 + (2 * s if pure else s)) * m.weight.numel()
+    hidden = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in in_attention
+              and not getattr(m, RESIDUAL_OUT, False)]
+    scalars = any(p.numel() == 1 for p in block.parameters())
+    return total + 2 * s * sum(m.out_features for m in hidden) + (_residual_bytes(precision) * _dim(block)
+                                                                   if scalars else 0)
+
+
+def _dim(model: nn.Module) -> int:
+    """The residual stream's width: the first Linear's input."""
+    return next(m.in_features for m in model.modules() if isinstance(m, nn.Linear))
 
 
 def _residual_bytes(precision: str) -> int:
@@ -88,67 +105,60 @@ def _residual_bytes(precision: str) -> int:
     return 2 if precision == "bf16-pure" else FP32
 
 
-def activation_bytes(m: ModelConfig, t: Training) -> int:
-    """Saved activations of one micro-batch: every block's (with recompute: every block's input, plus one block's
-    activations while it is recomputed), the final norm, and the loss's logits over one chunk of positions: the
-    logits in s, their fp32 log-softmax and its gradient (s + 8 bytes per position and vocabulary entry)."""
-    tokens, s = t.micro_batch_size * t.seq_len, _dtypes(t.precision)[1]
-    block = activation_bytes_per_token(m, t.precision) * tokens
-    blocks = (m.n_layers * _residual_bytes(t.precision) * m.dim * tokens + block if t.recompute
-              else m.n_layers * block)
+def activation_bytes(model: nn.Module, t: Training) -> int:
+    """Saved activations of one micro-batch: every block's (with recompute: every block's input, plus the largest
+    block's activations while it is recomputed), the final norm, and the loss's logits over one chunk of positions:
+    the logits in s, their fp32 log-softmax and its gradient (s + 8 bytes per position and vocabulary entry)."""
+    tokens, s, dim = t.micro_batch_size * t.seq_len, _dtypes(t.precision)[1], _dim(model)
+    blocks = [activation_bytes_per_token(b, t.precision) * tokens for b in model.layers]
+    saved = (len(blocks) * _residual_bytes(t.precision) * dim * tokens + max(blocks) if t.recompute
+             else sum(blocks))
     positions = min(t.loss_chunk_tokens, tokens) if t.loss_chunk_tokens > 0 else tokens
-    return blocks + (4 + s) * m.dim * tokens + (s + 8) * positions * m.vocab_size
+    return saved + (4 + s) * dim * tokens + (s + 8) * positions * model.lm_head.out_features
 
 
-def _optimizer_bytes(m: ModelConfig, t: Training, weight: int) -> int:
+def _optimizer_bytes(counts: ParamCounts, t: Training, weight: int) -> int:
     """AdamW: two moments per parameter; Muon: one momentum buffer per block matrix, AdamW's two for the rest.
     Moments are stored like the weights (fp32, or bf16 under bf16-pure)."""
-    counts = param_counts(m)
     if t.optimizer == "muon":
         return weight * (counts.block_matmuls + 2 * (counts.total - counts.block_matmuls))
     return 2 * weight * counts.total
 
 
-def device_memory(m: ModelConfig, t: Training, parallel: str, shard_ranks: int = 1) -> DeviceMemory:
+def device_memory(model: nn.Module, t: Training, parallel: str, shard_ranks: int = 1) -> DeviceMemory:
     """One device's bytes under `parallel` (ddp; fsdp over shard_ranks = the world; hsdp over shard_ranks = the
-    shard group size, replicated across groups):
+    shard group size, replicated across groups), `model` a meta-device one (mfu.meta_model) or any other:
     - ddp: everything whole; bf16 adds autocast's bf16 copy of every matmul weight (saved for backward).
     - fsdp / hsdp: weights, gradients and moments divided by shard_ranks, plus what is whole at the peak: the root
-      (embedding, head, final norm: gathered for the whole step) and GATHERED_BLOCKS blocks in the compute dtype,
-      and the whole gradients of the head and one block before their reduce-scatter (fp32 for it). Gradient
-      accumulation adds nothing: every micro-step reduce-scatters into the shards (parallel.accumulating).
+      (what is outside the blocks: embedding, head, final norm; gathered for the whole step) and GATHERED_BLOCKS
+      blocks in the compute dtype, and the whole gradients of the head and one block before their reduce-scatter
+      (fp32 for it). Gradient accumulation adds nothing: every micro-step reduce-scatters into the shards.
     Activations are per micro-batch and the same under every parallelism (each rank runs its own rows)."""
     if parallel not in PARALLELISMS:
         raise ValueError(f"parallel is one of {PARALLELISMS}, not {parallel!r}")
-    counts, (weight, compute) = param_counts(m), _dtypes(t.precision)
-    activations, optimizer = activation_bytes(m, t), _optimizer_bytes(m, t, weight)
+    counts, (weight, compute) = param_counts(model), _dtypes(t.precision)
+    activations, optimizer = activation_bytes(model, t), _optimizer_bytes(counts, t, weight)
     if parallel == "ddp":
         copies = compute * (counts.block_matmuls + counts.lm_head) if t.precision == "bf16" else 0
         return DeviceMemory("ddp", 1, weight * counts.total + copies, weight * counts.total, optimizer, activations,
                             copies)
     n = shard_ranks
-    root = root_params(m)
-    block = (counts.total - root) // m.n_layers
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
+    root = counts.total - sum(sum(p.numel() for p in b.parameters()) for b in model.layers)
     gathered = compute * (root + GATHERED_BLOCKS * block)
     # At the peak (backward's start) the head's whole gradient is out (the root reduces last), and one block's:
     # in the compute dtype, plus the fp32 copy its reduce-scatter takes.
-    unreduced = compute * m.vocab_size * m.dim + (compute + (FP32 if compute != FP32 else 0)) * block
+    unreduced = compute * counts.lm_head + (compute + (FP32 if compute != FP32 else 0)) * block
     return DeviceMemory(parallel, n, _ceil(weight * counts.total, n) + gathered,
                         _ceil(weight * counts.total, n) + unreduced, _ceil(optimizer, n), activations,
                         gathered + unreduced)
-
-
-def root_params(m: ModelConfig) -> int:
-    """Parameters outside the blocks, which fsdp shards as one unit (the root): the token embedding, an untied
-    head and the final norm's gain."""
-    return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
 
 
 def _ceil(total: int, n: int) -> int:
     return -(-total // n)
 
 
-def every_parallelism(m: ModelConfig, t: Training, devices: int,
+def every_parallelism(m: nn.Module, t: Training, devices: int,
                       shard_group_size: Optional[int] = None) -> list[DeviceMemory]:
     """ddp, fsdp over `devices`, and hsdp over groups of shard_group_size when that is a real middle (1 < g <
     devices and g divides devices); one device: ddp alone (every parallelism is one process there)."""
@@ -173,6 +183,7 @@ def config_memory(cfg: Config, devices: int, shard_group_size: Optional[int] = N
     """every_parallelism for a config on `devices`, each at its most demanding stage of the plan (the longest
     sequences)."""
     stages = build_plan(cfg.train, devices).stages
-    per_stage = [every_parallelism(cfg.model, training(cfg, s.seq_len, recompute), devices,
+    model = meta_model(cfg.model)
+    per_stage = [every_parallelism(model, training(cfg, s.seq_len, recompute), devices,
                                    shard_group_size) for s in stages]
     return [max(rows, key=lambda r: r.total) for rows in zip(*per_stage)]

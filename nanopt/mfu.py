@@ -1,21 +1,167 @@
-"""Model FLOPs utilisation in the loop: the run's peak (spec sheet or measured), and the meter that turns a
-logging window's seconds into MFU, HFU and TFLOP/s. MFU = achieved model FLOP/s / (per-device dense peak ×
-devices); the FLOPs per token come from flops.py, the peaks from hardware.py."""
+"""MFU: the formula (`mfu`), the FLOPs per token it divides, counted from the model's own modules (a model on the
+meta device costs nothing, so adding a layer to model.py is the whole change), and the meter that feeds it the
+loop's timings. The peaks are hardware.py's.
+
+"Model" FLOPs are what the model needs per token whatever the implementation does, so MFU compares runs across
+kernels, batch shapes and hardware; HFU adds what nanopt recomputes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn as nn
 
-from nanopt.config import Config
-from nanopt.flops import TokenFlops, token_flops
-from nanopt.hardware import (PEAKS, cpu_peak, detect_hardware, matmul_precision, measure_matmul_flops, peak_key,
-                             table_peak)
+from nanopt.config import Config, ModelConfig
+from nanopt.hardware import PEAK_BUDGET_S, PEAKS, detect_hardware, matmul_precision, measure_matmul_flops, table_peak
+from nanopt.model import RESIDUAL_OUT, Llama
 from nanopt.runtime import Runtime
 
 log = logging.getLogger("nanopt")
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_device: Optional[float],
+        devices: int) -> Optional[float]:
+    """Model FLOPs utilisation: achieved FLOP/s over (the dense peak per device × devices).
+
+    - flops_per_token, training (forward + backward), as token_flops counts it: 6N (a multiply-add per weight
+      forward, twice that backward; N is every weight a token passes through, the LM head included, lookups not)
+      plus attention's two T×T matmuls, causally halved (the masked half is skipped; `full_attention` counts the
+      square as PaLM, nanoGPT and torchtitan do). HFU is this formula fed `hardware`: plus the recomputation.
+    - tokens_per_s: every rank's tokens, every micro-step.
+    - peak_flops_per_device: the spec sheet's dense peak at the run's precision (FP8 matmuls count against the bf16
+      peak: "bf16-equivalent"); on a CPU, measured. An unknown device's is None, and so is its MFU: never a guess."""
+    if peak_flops_per_device is None:
+        return None
+    return flops_per_token * tokens_per_s / (peak_flops_per_device * devices)
+
+
+def meta_model(cfg: ModelConfig) -> Llama:
+    """model.py's Llama on the meta device: every module and shape, no memory, no compute."""
+    with torch.device("meta"):
+        return Llama(cfg)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """A model's parameters by what they do per token, read from its modules."""
+    embedding: int  # nn.Embedding tables (the token embedding, value embeddings): gathers, no FLOPs
+    lm_head: int  # the Linears outside the blocks (the output matmul): FLOPs per token even when tied
+    block_matmuls: int  # the Linears inside model.layers
+    norms: int  # norm gains (a module whose class name has "Norm"): elementwise, ~0.005% of the 1B model
+    scalars: int  # every other parameter (residual_scalars' a and b)
+    total: int  # unique parameters, a tied head once (== Llama.num_params())
+
+    @property
+    def n_6n(self) -> int:
+        """N of 6N: everything a token passes through once, the head in, the lookups out; with a tied head N is the
+        familiar parameter count (Llama-3.2-1B: 1,235,814,400)."""
+        return self.block_matmuls + self.norms + self.scalars + self.lm_head
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return hasattr(module, "n_heads") and hasattr(module, "head_dim")  # model.Attention, or a variant's
+
+
+def param_counts(model: nn.Module) -> ParamCounts:
+    in_blocks = {id(p) for p in model.layers.parameters()}
+    seen: set[int] = set()
+    counts = dict.fromkeys(("embedding", "lm_head", "block_matmuls", "norms", "scalars"), 0)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if isinstance(module, nn.Linear):  # a tied head's weight was seen as the embedding: its matmul still counts
+                counts["block_matmuls" if id(p) in in_blocks else "lm_head"] += p.numel()
+            elif id(p) not in seen:
+                kind = ("embedding" if isinstance(module, nn.Embedding) else
+                        "norms" if "Norm" in type(module).__name__ else "scalars")
+                counts[kind] += p.numel()
+            seen.add(id(p))
+    return ParamCounts(**counts, total=sum(p.numel() for p in model.parameters()))
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """Training FLOPs per token at one sequence length, in each convention MFU is quoted in."""
+    model: int  # 6N + attention as mfu.causal_halving counts it: nanopt's `mfu`
+    six_n: int  # 6N alone: the blog's convention
+    full_attention: int  # 6N + the whole T×T square: nanochat's, torchtitan's, PaLM's
+    hardware: int  # model + what nanopt recomputes: `hfu`
+
+    def summary(self) -> dict[str, int]:
+        return {"flops_per_token": self.model, "flops_per_token_6n": self.six_n,
+                "flops_per_token_full_attention": self.full_attention, "flops_per_token_hardware": self.hardware}
+
+
+def token_flops(model: nn.Module, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
+                loss_chunk_tokens: int = 0, recompute: bool = False) -> TokenFlops:
+    """Every FLOPs-per-token figure of `model` training at `seq_len` (micro-batches of micro_batch_size rows).
+    Attention, per attention module (n_heads × head_dim = d) and token: 2·T·d for the scores Q·Kᵀ and 2·T·d for P·V
+    forward, twice that backward: 12·T·d, halved when causal. Recomputed (HFU only): the chunked loss
+    (train.loss_chunk_tokens) runs the head forward again when a micro-batch holds more positions than a chunk;
+    train.recompute runs every block's forward again (2 per weight, and attention's forward, a third of it) but for
+    its last residual-output Linear (the MLP's down projection): no backward needs its output, so torch's checkpoint
+    stops before it."""
+    counts = param_counts(model)
+    six_n = 6 * counts.n_6n
+    full = 12 * seq_len * sum(m.n_heads * m.head_dim for m in model.modules() if _is_attention(m))
+    attention = full // 2 if causal_halving else full
+    again = 2 * counts.lm_head if 0 < loss_chunk_tokens < micro_batch_size * seq_len else 0
+    if recompute:
+        for block in model.layers:
+            weights = [p.numel() for m in block.modules() if not isinstance(m, nn.Embedding)
+                       for p in m.parameters(recurse=False)]
+            down = [m.weight.numel() for m in block.modules() if getattr(m, RESIDUAL_OUT, False)][-1:]
+            again += 2 * (sum(weights) - sum(down))
+        again += attention // 3
+    return TokenFlops(six_n + attention, six_n, six_n + full, six_n + attention + again)
+
+
+CONVENTIONS = ("mfu", "mfu_6n", "mfu_full_attention", "hfu")  # TokenFlops' fields in order, as MFU figures
+
+
+class MFUMeter:
+    """Feeds mfu() each logging window: the world's tokens per step (every rank and micro-step) over the step's
+    seconds, per convention, against the per-device peak × devices; warm-up windows give nulls."""
+
+    def __init__(self, per_token: Callable[[int], TokenFlops], seq_len: int, tokens_per_step: int,
+                 peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
+                 peak_label: str = "", basis: str = ""):
+        self.per_token, self.peak_flops, self.world_size = per_token, peak_flops, world_size
+        self.first_counted_step = start_step + warmup_steps + 1
+        self.peak_label = peak_label  # where the peak came from (spec sheet, measured, override)
+        self.basis = basis  # "bf16-equivalent" when FP8 matmuls are counted against the bf16 peak, else ""
+        self.tokens_done, self.seconds_done, self.flops_done = 0.0, 0.0, [0.0] * len(CONVENTIONS)
+        self.set_stage(tokens_per_step, seq_len)
+
+    def set_stage(self, tokens_per_step: int, seq_len: int) -> None:
+        """From now on a step holds `tokens_per_step` tokens (the world's) in sequences of `seq_len`."""
+        self.tokens_per_step, self.flops = tokens_per_step, self.per_token(seq_len)
+
+    def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
+        """MFU of the `window_steps` steps ending at `step`, `step_seconds` each; nulls for a window holding a
+        warm-up step (compilation, allocation, autotuning) and for a 0-step window: a session's or stage's first step
+        (its compile, or a new seq_len's recompile) timed alone, in neither the figure nor the summary."""
+        if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
+            return dict.fromkeys((*CONVENTIONS, "tflops_per_device"))
+        tokens_per_s, seconds = self.tokens_per_step / step_seconds, window_steps * step_seconds
+        per_token = dataclasses.astuple(self.flops)
+        self.tokens_done += tokens_per_s * seconds
+        self.seconds_done += seconds
+        self.flops_done = [done + f * tokens_per_s * seconds for done, f in zip(self.flops_done, per_token)]
+        return {**{name: mfu(f, tokens_per_s, self.peak_flops, self.world_size) for name, f in
+                   zip(CONVENTIONS, per_token)},
+                "tflops_per_device": tokens_per_s * self.flops.model / self.world_size / 1e12}
+
+    def summary(self) -> dict[str, Any]:
+        """What every MFU figure of the run is relative to, and this session's MFU over its timed steps."""
+        tokens, seconds = self.tokens_done, self.seconds_done
+        mean = {name: mfu(done / tokens, tokens / seconds, self.peak_flops, self.world_size) if seconds else None
+                for name, done in zip(CONVENTIONS, self.flops_done)}
+        return {"mfu_peak_flops_per_device": self.peak_flops, "mfu_peak_source": self.peak_label,
+                "mfu_basis": self.basis or None, **self.flops.summary(), **mean}
 
 
 @functools.cache  # once per process and message
@@ -23,86 +169,22 @@ def warn_once(message: str) -> None:
     log.warning(message)
 
 
-class MFUMeter:
-    """Turns (steps, seconds) of a logging window into MFU, skipping warm-up steps.
-
-    Work is counted per optimizer step over the whole world (every rank and micro-step) and the peak per
-    device × devices, so MFU is one device's achieved FLOP/s over its own peak whatever the world size. `mfu` is in
-    the run's convention (mfu.causal_halving); `mfu_6n` and `mfu_full_attention` are the same speed in the others."""
-
-    CONVENTIONS = (("mfu", "model"), ("mfu_6n", "six_n"), ("mfu_full_attention", "full_attention"), ("hfu", "hardware"))
-
-    def __init__(self, per_token: Callable[[int], TokenFlops], seq_len: int, tokens_per_step: int,
-                 peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
-                 peak_label: str = "", basis: str = ""):
-        self.per_token = per_token  # FLOPs per token for a sequence length
-        self.world_size = world_size
-        self.peak_flops = peak_flops  # per device
-        self.first_counted_step = start_step + warmup_steps + 1
-        self.peak_label = peak_label  # where the peak came from (spec sheet, measured, override)
-        self.basis = basis  # "bf16-equivalent" when FP8 matmuls are counted against the bf16 peak, else ""
-        self.flops_done = {key: 0.0 for key, _ in self.CONVENTIONS}  # per device, over the counted windows
-        self.seconds_done = 0.0
-        self.set_stage(tokens_per_step, seq_len)
-
-    def set_stage(self, tokens_per_step: int, seq_len: int) -> None:
-        """From now on a step holds `tokens_per_step` tokens (the world's) in sequences of `seq_len`."""
-        self.tokens_per_step = tokens_per_step
-        self.flops = self.per_token(seq_len)
-
-    def summary(self) -> dict[str, Any]:
-        """What every MFU figure of the run is relative to, and this session's MFU over its timed steps."""
-        seconds, peak = self.seconds_done, self.peak_flops
-        mean = {key: done / seconds / peak if seconds and peak else None for key, done in self.flops_done.items()}
-        return {"mfu_peak_flops_per_device": peak, "mfu_peak_source": self.peak_label,
-                "mfu_basis": self.basis or None, **self.flops.summary(), **mean}
-
-    def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
-        """Metrics for the `window_steps` optimizer steps ending at `step`, which took `step_seconds` each; nulls
-        for a window that includes a warm-up step (compilation, allocation, autotuning). A window of 0 steps is the
-        step that opened it (a session's or a stage's first: its compilation, or a new seq_len's recompile), timed
-        alone: a warm-up step too, in neither the figure nor the summary."""
-        out: dict[str, Optional[float]] = {key: None for key, _ in self.CONVENTIONS}
-        if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
-            return {**out, "tflops_per_device": None}
-        tokens_per_s_per_device = self.tokens_per_step / step_seconds / self.world_size
-        self.seconds_done += window_steps * step_seconds
-        for key, field in self.CONVENTIONS:
-            achieved = tokens_per_s_per_device * getattr(self.flops, field)
-            self.flops_done[key] += achieved * window_steps * step_seconds
-            out[key] = achieved / self.peak_flops if self.peak_flops else None
-        return {**out, "tflops_per_device": tokens_per_s_per_device * self.flops.model / 1e12}
-
-
-def _measure_together(rt: Runtime, dtype: torch.dtype, budget_s: float) -> float:
-    """Every rank measures at once, sharing the cores as they will in training; the mean."""
-    rt.barrier()
-    measured = torch.tensor([measure_matmul_flops(dtype, rt.device, budget_s, rt.sync)], dtype=torch.float64)
-    return rt.all_reduce_sum(measured).item() / rt.world_size
-
-
-def _any_rank(rt: Runtime, flag: bool) -> bool:
-    """True on every rank when it is on any: all ranks measure the peak, or none (one alone would read high)."""
-    return rt.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() > 0
-
-
 def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
     """(per-device peak FLOP/s or None, a description for the log): the `mfu.hardware` override, else on CPU a
-    peak measured by every rank at once (the mean), else the detected accelerator's table entry. An unknown
-    accelerator gives None and one warning: MFU is then null, never a guess."""
-    precision, override = cfg.train.precision, cfg.mfu.hardware
-    warn = warn_once if rt.is_main else (lambda message: None)  # one warning per run, not per rank
+    peak measured now by every rank at once (sharing the cores as in training; the mean), else the detected
+    accelerator's table entry. An unknown accelerator gives None and one warning: MFU is then null, never a guess."""
+    precision, override, name = cfg.train.precision, cfg.mfu.hardware, rt.hardware_name()
     if override == "auto" and rt.backend.measures_peak:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-        peak, how = cpu_peak(peak_key(dtype, torch.get_num_threads(), rt.world_size),
-                             functools.partial(_measure_together, rt, dtype), functools.partial(_any_rank, rt),
-                             rt.is_main)
-        return peak, (f"MEASURED on {rt.hardware_name()}: a {str(dtype).replace('torch.', '')} matmul benchmark, "
-                      f"{how}, {torch.get_num_threads()} thread(s) per rank (not a spec-sheet figure)")
-    name = rt.hardware_name()
+        rt.barrier()
+        measured = torch.tensor([measure_matmul_flops(dtype, rt.device, PEAK_BUDGET_S, rt.sync)], dtype=torch.float64)
+        peak = rt.all_reduce_sum(measured).item() / rt.world_size
+        return peak, (f"MEASURED on {name}: a {str(dtype).replace('torch.', '')} matmul benchmark, every rank at "
+                      f"once, {torch.get_num_threads()} thread(s) per rank (not a spec-sheet figure)")
+    warn = warn_once if rt.is_main else (lambda message: None)  # one warning per run, not per rank
     key = override if override != "auto" else detect_hardware(name, rt.backend.power_limit_watts())
     if key is None:
-        warn(f"mfu: unknown accelerator {name!r}: no dense peak in nanopt.mfu.PEAKS, so MFU is null. Set "
+        warn(f"mfu: unknown accelerator {name!r}: no dense peak in nanopt.hardware.PEAKS, so MFU is null. Set "
              f"--mfu.hardware=KEY if it is one of: {', '.join(PEAKS)}")
         return None, f"unknown accelerator {name!r}"
     peak = table_peak(key, precision)
@@ -114,14 +196,13 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
 
 
 def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
-    """Build the run's meter (measuring the CPU peak if needed) and log what MFU is relative to."""
+    """The run's meter (measuring the CPU peak if needed), counting a meta-device twin of the run's model; logs
+    what MFU is relative to."""
     t = cfg.train
-    per_token = functools.partial(token_flops, cfg.model, causal_halving=cfg.mfu.causal_halving,
+    per_token = functools.partial(token_flops, meta_model(cfg.model), causal_halving=cfg.mfu.causal_halving,
                                   micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens,
                                   recompute=t.recompute)
     peak, where = run_peak(cfg, rt)
-    # FP8 matmuls are counted against the dense peak of the run's precision, not an FP8 peak: MFU stays comparable
-    # with a bf16 run's, and FP8's gain shows as a higher figure.
     dense = matmul_precision(t.precision)
     if dense == "tf32" and rt.backend.measures_peak and cfg.mfu.hardware == "auto":
         dense = "fp32"  # the CPU's measured fp32 matmul, not a TF32 spec sheet

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from nanopt.attention import AttentionFn, sdpa
 from nanopt.config import ModelConfig
 from nanopt.errors import ConfigError
-from nanopt.flops import param_counts
 from nanopt.runtime import recompute
 
 # Loss chunk (positions) under torch.no_grad when train.loss_chunk_tokens is 0 (see Llama._chunked_loss).
@@ -270,7 +269,7 @@ class Llama(nn.Module):
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (a tied head is counted once); exclude_embedding leaves out every lookup table
-        (the token embedding and any value embeddings), as flops.ParamCounts.embedding counts them."""
+        (the token embedding and any value embeddings), as mfu.ParamCounts.embedding counts them."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
             n -= sum(p.numel() for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
@@ -380,7 +379,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not any(why in str(e) for why in _TOO_BIG):
             raise
-        raise ConfigError(f"the model section describes {param_counts(cfg).total:,} parameters, which cannot be "
+        raise ConfigError(f"the model section's parameters cannot be "
                           f"allocated on {init_device or device} ({' '.join(str(e).split()[:12])} ...). Check "
                           f"model.dim, model.n_layers, model.ffn_dim and model.vocab_size (`nanopt estimate` sizes a "
                           f"config's memory).") from None
@@ -391,17 +390,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     if dtype != torch.float32:
         # bf16 would round every cos/sin entry by up to 2^-9; apply_rope rotates in fp32 and casts back.
         model.rope_cos, model.rope_sin = rope_tables(cfg, model.rope_cos.shape[0], device=model.rope_cos.device)
-    _check_param_count(cfg, model)
     return model
 
 
 # What torch says when a tensor of the config's sizes cannot exist: no memory for it, or a size past int64.
 _TOO_BIG = ("can't allocate memory", "out of memory", "Overflow when unpacking long")
 
-
-def _check_param_count(cfg: ModelConfig, model: Llama) -> None:
-    """MFU divides FLOPs counted from the config (flops.py) by time: the count must be this model's."""
-    expected, built = param_counts(cfg).total, model.num_params()
-    if expected != built:
-        raise RuntimeError(f"flops.param_counts counts {expected:,} parameters but the built model has {built:,}: "
-                           "flops.py no longer describes model.py, so FLOPs and MFU would be wrong")

@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO, small_overrides
-from nanopt import flops, fp8
+from nanopt import fp8
 from nanopt.config import ConfigError, ModelConfig, TrainConfig, load_config, parse_overrides
 from nanopt.main import run
+from nanopt.mfu import meta_model, param_counts, token_flops
 from nanopt.model import build_model
 from nanopt.runtime import Backend, Runtime
 
@@ -50,7 +51,8 @@ def test_block_linears_go_fp8_embeddings_and_head_stay_and_the_state_dict_is_unc
     plain = build_model(TOY)
     model = converted(TOY, recipe)
     swapped = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-    assert swapped == {f"layers.{i}.{name}" for i in range(2) for name in flops.block_linears(TOY)}
+    blocks = {name for name, m in plain.named_modules() if isinstance(m, nn.Linear) and name.startswith("layers.")}
+    assert swapped == blocks and len(blocks) == 2 * 7  # wq, wk, wv, wo, w1, w3, w2 of each layer
     assert type(model.lm_head) is nn.Linear and type(model.embed) is nn.Embedding
     assert model.lm_head.weight is model.embed.weight  # still tied
     # Same keys, same values: checkpoints of FP8 and bf16 runs load into each other, strictly.
@@ -67,13 +69,14 @@ def test_a_linear_whose_dims_torchao_refuses_stays_and_the_share_says_so():
     assert not any(isinstance(m, Float8Linear) for m in model.layers[0].mlp.modules())  # 40 is no multiple of 16
     assert all(isinstance(getattr(model.layers[0].attention, n), Float8Linear) for n in ("wq", "wk", "wv", "wo"))
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear))
-    assert fp8.flops_share(odd, fp8_config().train, 32) == pytest.approx(6 * weights / flops.flops_per_token(odd, 32))
+    assert fp8.flops_share(meta_model(odd), fp8_config().train, 32) == pytest.approx(
+        6 * weights / token_flops(meta_model(odd), 32).model)
 
 
 def test_fp8_share_of_the_1b_model_by_hand():
-    m = load_config(REPO / "configs" / "1b.yaml").model
+    m = meta_model(load_config(REPO / "configs" / "1b.yaml").model)
     # Every block Linear of Llama-3.2-1B (dims 2048, 512, 8192) runs in FP8: 6 x 973,078,528 of 8.22 GFLOP/token.
-    assert flops.param_counts(m).block_matmuls == 973_078_528
+    assert param_counts(m).block_matmuls == 973_078_528
     every = TrainConfig(fp8="tensorwise", fp8_filter="all")
     assert fp8.flops_share(m, every, 4096) == pytest.approx(6 * 973_078_528 / 8_220_192_768)  # 71.0%
     # auto: torchao's H100 thresholds keep wk and wv (2048 -> 512) in bf16, 3.4% of the block matmuls
@@ -91,7 +94,8 @@ def test_auto_keeps_the_shapes_torchao_measured_slower_and_agrees_with_torchaos_
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
-    shapes = flops.block_linears(m)
+    shapes = {name: (lin.in_features, lin.out_features) for name, lin in meta_model(m).layers[0].named_modules()
+              if isinstance(lin, nn.Linear)}
     chosen = {name for name, (i, o) in shapes.items() if fp8.converts("tensorwise", "auto", i, o)}
     assert chosen == {"mlp.w1"}
     assert not any(fp8.converts("rowwise", "auto", i, o) for i, o in shapes.values())
@@ -172,5 +176,5 @@ def test_emulation_warns_once_and_mfu_is_labelled_bf16_equivalent(tmp_path, caps
     assert out.count("fp8: emulated on cpu") == 1 and "mfu: bf16-equivalent" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["fp8"] == "tensorwise" and summary["mfu_basis"] == "bf16-equivalent"
-    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(fp8_config().model, fp8_config().train,
+    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(meta_model(fp8_config().model), fp8_config().train,
                                                                               32))

@@ -7,10 +7,11 @@ import torch
 
 from nanopt.config import ModelConfig
 from nanopt.memory import Training, activation_bytes, activation_bytes_per_token, device_memory, every_parallelism
+from nanopt.mfu import meta_model
 from nanopt.model import Block, rope_tables
 
 # 4 layers of dim 64 (4 heads of 16, 2 KV heads), SwiGLU 128, vocabulary 100, tied head.
-SMALL = ModelConfig(vocab_size=100, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128)
+SMALL = meta_model(ModelConfig(vocab_size=100, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128))
 # By hand: per block wq 64·64 + wk, wv 64·32 each + wo 64·64 + w1, w3, w2 64·128 each = 36,864 matrix
 # parameters and two norm gains of 64; the root: the embedding 100·64 (the tied head) and the final norm's 64.
 BLOCK_MATRICES, BLOCK, ROOT = 36_864, 36_864 + 128, 6_400 + 64
@@ -53,7 +54,7 @@ def test_activations_by_hand_with_and_without_recompute():
     per_token = (2 * (4 + 2) * 64  # two norms: the fp32 normalised input and the bf16 output
                  + 2 * (2 * 64 + 2 * 32) + 4 * 4  # SDPA's q, k, v, output and the per-head log-sum-exp
                  + 4 * 128 * 2)  # SwiGLU's four ffn-wide tensors
-    assert activation_bytes_per_token(SMALL, "bf16") == per_token == 2_192
+    assert activation_bytes_per_token(SMALL.layers[0], "bf16") == per_token == 2_192
     loss = (4 + 2) * 64 * 32 + (2 + 8) * 8 * 100  # the final norm; 8 positions' logits, log-softmax, gradient
     assert activation_bytes(SMALL, t) == 4 * per_token * 32 + loss
     # Recompute keeps each block's fp32 input and one block's activations at a time.
@@ -92,4 +93,5 @@ def test_the_activation_formula_is_what_autograd_saves(precision, n_kv_heads):
     """Within 2%: the formula leaves out the norms' per-row fp32 scale (4 bytes a row each). fp32 with grouped-query
     attention is left out: on CUDA nanopt repeats K/V there (attention.choose), which the formula follows."""
     m = ModelConfig(vocab_size=100, dim=64, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=160)
-    assert _saved_bytes_per_token(m, precision) == pytest.approx(activation_bytes_per_token(m, precision), rel=0.02)
+    assert _saved_bytes_per_token(m, precision) == pytest.approx(activation_bytes_per_token(Block(m), precision),
+                                                                 rel=0.02)

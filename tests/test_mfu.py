@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from nanopt import cli, flops, hardware, mfu
+from nanopt import cli, hardware, mfu
 from nanopt.attention import eager
 from nanopt.config import ConfigError, ModelConfig, load_config
 from nanopt.model import build_model
@@ -18,17 +18,42 @@ from nanopt.runtime import Backend, Runtime
 # ---------------------------------------------------------------- FLOPs per token, by hand
 
 
+def counts_of(m: ModelConfig) -> mfu.ParamCounts:
+    return mfu.param_counts(mfu.meta_model(m))
+
+
+def model_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
+    """6N + attention, read from a meta-device model of the config."""
+    return mfu.token_flops(mfu.meta_model(m), seq_len, causal_halving).model
+
+
+def six_n(m: ModelConfig) -> int:
+    return mfu.token_flops(mfu.meta_model(m), 1).six_n
+
+
+def attention_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
+    return model_flops(m, seq_len, causal_halving) - six_n(m)
+
+
+def recompute_flops(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: int, seq_len: int = 1,
+                    blocks: bool = False, causal_halving: bool = True) -> int:
+    """What HFU adds to MFU: the FLOPs per token nanopt computes twice."""
+    f = mfu.token_flops(mfu.meta_model(m), seq_len, causal_halving, micro_batch_tokens // seq_len, loss_chunk_tokens,
+                        blocks)
+    return f.hardware - f.model
+
+
 def test_llama_3_2_1b_6n_is_six_times_its_parameter_count():
     m = load_config(REPO / "configs" / "1b.yaml").model
-    counts = flops.param_counts(m)
+    counts = counts_of(m)
     # Tied embeddings: the LM head matmul is counted, the lookup is not -> N is exactly the parameter count.
     assert counts.total == 1_235_814_400
     assert counts.n_6n == 1_235_814_400
-    assert flops.flops_per_token_6n(m) == 6 * 1_235_814_400
+    assert six_n(m) == 6 * 1_235_814_400
     # Attention at seq 4096: 12 · L · T · (n_heads · head_dim) = 12 · 16 · 4096 · 2048, halved when causal.
-    assert flops.attention_flops_per_token(m, 4096, causal_halving=False) == 1_610_612_736
-    assert flops.attention_flops_per_token(m, 4096, causal_halving=True) == 805_306_368
-    assert flops.flops_per_token(m, 4096) == 7_414_886_400 + 805_306_368
+    assert attention_flops(m, 4096, causal_halving=False) == 1_610_612_736
+    assert attention_flops(m, 4096, causal_halving=True) == 805_306_368
+    assert model_flops(m, 4096) == 7_414_886_400 + 805_306_368
 
 
 def test_tiny_config_by_hand_tied_and_untied():
@@ -37,15 +62,15 @@ def test_tiny_config_by_hand_tied_and_untied():
     blocks = 4 * (196_608 + 589_824)  # 3,145,728
     norms = 256 * (2 * 4 + 1)  # 2,304
     head = 257 * 256  # 65,792
-    assert flops.param_counts(m).total == blocks + norms + head == 3_213_824
-    assert flops.flops_per_token_6n(m) == 6 * 3_213_824 == 19_282_944
+    assert counts_of(m).total == blocks + norms + head == 3_213_824
+    assert six_n(m) == 6 * 3_213_824 == 19_282_944
     # seq 256: 12 · 4 · 256 · 256 = 3,145,728 in full, 1,572,864 causal.
-    assert flops.flops_per_token(m, 256, causal_halving=False) == 19_282_944 + 3_145_728
-    assert flops.flops_per_token(m, 256) == 19_282_944 + 1_572_864
+    assert model_flops(m, 256, causal_halving=False) == 19_282_944 + 3_145_728
+    assert model_flops(m, 256) == 19_282_944 + 1_572_864
 
     m.tie_embeddings = False  # a separate head adds parameters, not FLOPs: the head matmul was already counted
-    assert flops.param_counts(m).total == 3_213_824 + 65_792
-    assert flops.flops_per_token_6n(m) == 19_282_944
+    assert counts_of(m).total == 3_213_824 + 65_792
+    assert six_n(m) == 19_282_944
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -53,7 +78,7 @@ def test_param_counts_match_the_built_model(tied):
     m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied,
                     max_seq_len=16)
     model = build_model(m)
-    counts = flops.param_counts(m)
+    counts = counts_of(m)
     assert counts.total == model.num_params()
     assert counts.n_6n == model.num_params() - (0 if tied else model.embed.weight.numel())
 
@@ -74,19 +99,19 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     with FlopCounterMode(display=False) as backward_counter:
         loss.backward()
     forward, backward = forward_counter.get_total_flops(), backward_counter.get_total_flops()
-    norms = flops.param_counts(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
-    expected_training = (flops.flops_per_token(m, T, causal_halving=False) - 6 * norms) * B * T
+    norms = counts_of(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
+    expected_training = (model_flops(m, T, causal_halving=False) - 6 * norms) * B * T
     assert forward == expected_training // 3
     assert (forward + backward) / forward == pytest.approx(3.0, rel=0.01)
-    assert forward + backward == pytest.approx(flops.flops_per_token(m, T, causal_halving=False) * B * T, rel=0.01)
-    assert flops.recompute_flops_per_token(m, B * T, model.loss_chunk_tokens) == 0  # 48 positions: one chunk
+    assert forward + backward == pytest.approx(model_flops(m, T, causal_halving=False) * B * T, rel=0.01)
+    assert recompute_flops(m, B * T, model.loss_chunk_tokens) == 0  # 48 positions: one chunk
 
     # A chunked loss recomputes each chunk's logits in backward: HFU counts that work, MFU does not.
     model.zero_grad(set_to_none=True)
     model.loss_chunk_tokens = 16  # 48 positions -> 3 chunks
     with FlopCounterMode(display=False) as chunked_counter:
         model(idx, idx).backward()
-    extra = flops.recompute_flops_per_token(m, B * T, 16)
+    extra = recompute_flops(m, B * T, 16)
     assert extra == 2 * m.vocab_size * m.dim
     assert chunked_counter.get_total_flops() - (forward + backward) == extra * B * T
 
@@ -96,7 +121,7 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     model.recompute_blocks = True
     with FlopCounterMode(display=False) as recomputed_counter:
         model(idx, idx).backward()
-    blocks = flops.recompute_flops_per_token(m, B * T, 16, T, blocks=True, causal_halving=False) - extra
+    blocks = recompute_flops(m, B * T, 16, T, blocks=True, causal_halving=False) - extra
     block_norms = norms - m.dim  # two per block; the final norm is not recomputed
     again = recomputed_counter.get_total_flops() - chunked_counter.get_total_flops()
     assert again == (blocks - 2 * block_norms) * B * T
@@ -209,9 +234,7 @@ def test_cpu_peak_is_measured():
     assert peak > 1e8  # any CPU that runs torch does a 256² fp32 matmul faster than 0.1 GFLOP/s
 
 
-def test_run_peak_on_cpu_measures_then_reads_the_cache_after_a_quick_check(tmp_path, monkeypatch):
-    monkeypatch.setenv("NANOPT_CACHE", str(tmp_path))
-    monkeypatch.delenv("NANOPT_MEASURE_PEAK", raising=False)
+def test_run_peak_on_cpu_is_measured_at_every_start(monkeypatch):
     budgets = []
     monkeypatch.setattr(mfu, "measure_matmul_flops", lambda dtype, device, budget_s, sync: budgets.append(budget_s)
                         or 5e10)
@@ -219,7 +242,7 @@ def test_run_peak_on_cpu_measures_then_reads_the_cache_after_a_quick_check(tmp_p
     cfg = load_config(None, [("train.precision", "fp32")])
     assert mfu.run_peak(cfg, rt)[0] == 5e10 and budgets == [hardware.PEAK_BUDGET_S]
     peak, where = mfu.run_peak(cfg, rt)
-    assert peak == 5e10 and "cached (measured " in where and budgets[1:] == [hardware.CHECK_BUDGET_S]
+    assert peak == 5e10 and "MEASURED on" in where and budgets == [hardware.PEAK_BUDGET_S] * 2
 
 
 # ---------------------------------------------------------------- the meter
@@ -239,7 +262,7 @@ class FakeClock:
 def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
     micro_batch, seq = 4, 256
     m = load_config(REPO / "configs" / "tiny.yaml").model
-    meter = mfu.MFUMeter(functools.partial(flops.token_flops, m), seq, tokens_per_step=micro_batch * seq * world * accum,
+    meter = mfu.MFUMeter(functools.partial(mfu.token_flops, mfu.meta_model(m)), seq, tokens_per_step=micro_batch * seq * world * accum,
                          peak_flops=1e12, world_size=world, warmup_steps=2)
     clock, out = FakeClock(micro_s), []
     window_start, window_step = clock.now, 0
@@ -255,7 +278,7 @@ def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12
 def test_grad_accumulation_and_world_size_do_not_change_mfu():
     reference = simulated_mfu(world=1, accum=1)
     assert reference[0]["mfu"] is None  # the window (1..3] holds the 2 warm-up steps
-    expected = 4 * 256 / 0.02 * flops.flops_per_token(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
+    expected = 4 * 256 / 0.02 * model_flops(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
     assert reference[1]["mfu"] == pytest.approx(expected)
     for world, accum in [(1, 4), (8, 1), (8, 4), (64, 2)]:
         got = simulated_mfu(world, accum)
@@ -269,9 +292,9 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
 def test_mfu_6n_leaves_out_attention_and_full_attention_counts_the_whole_square():
     values = simulated_mfu(world=2, accum=2)[-1]
     m = load_config(REPO / "configs" / "tiny.yaml").model
-    assert values["mfu_6n"] / values["mfu"] == pytest.approx(flops.flops_per_token_6n(m) / flops.flops_per_token(m, 256))
+    assert values["mfu_6n"] / values["mfu"] == pytest.approx(six_n(m) / model_flops(m, 256))
     assert values["mfu_full_attention"] / values["mfu"] == \
-        pytest.approx(flops.flops_per_token(m, 256, causal_halving=False) / flops.flops_per_token(m, 256))
+        pytest.approx(model_flops(m, 256, causal_halving=False) / model_flops(m, 256))
 
 
 def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention():
@@ -293,13 +316,13 @@ def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
     meter.set_stage(tokens_per_step=2**19, seq_len=1024)  # half the batch in sequences a quarter as long
     m = cfg.model
     assert meter.tokens_per_step == 2**19
-    assert meter.flops == flops.token_flops(m, 1024, True, cfg.train.micro_batch_size, 8192)
-    assert meter.summary()["flops_per_token"] == flops.flops_per_token(m, 1024)
+    assert meter.flops == mfu.token_flops(mfu.meta_model(m), 1024, True, cfg.train.micro_batch_size, 8192)
+    assert meter.summary()["flops_per_token"] == model_flops(m, 1024)
     short_step = meter.update(step=11, window_steps=1, step_seconds=1.0)
     # 4 x 1024 positions per micro-batch fit one loss chunk: nothing recomputed at this stage (at 4096 there was).
     assert long_step["hfu"] > long_step["mfu"] and short_step["hfu"] == short_step["mfu"]
-    assert short_step["mfu"] == pytest.approx(long_step["mfu"] / 2 * flops.flops_per_token(m, 1024)
-                                              / flops.flops_per_token(m, 4096))
+    assert short_step["mfu"] == pytest.approx(long_step["mfu"] / 2 * model_flops(m, 1024)
+                                              / model_flops(m, 4096))
     # The summary's MFU is over both stages' time: total FLOPs over total seconds.
     assert meter.summary()["mfu"] == pytest.approx((long_step["mfu"] + short_step["mfu"]) / 2)
 
@@ -391,8 +414,8 @@ def test_estimate_trains_the_schedule_stage_by_stage(capsys):
     assert cli.run(["estimate", path, *short]) == 0
     mixed = json.loads(capsys.readouterr().out)
     m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
-    assert mixed["total_flops"] == (262_144_000 * flops.flops_per_token(m, 512)
-                                    + (393_216_000 + 786_432_000) * flops.flops_per_token(m, 2048))
+    assert mixed["total_flops"] == (262_144_000 * model_flops(m, 512)
+                                    + (393_216_000 + 786_432_000) * model_flops(m, 2048))
     assert mixed["total_flops"] < got["total_flops"] and mixed["seq_len"] == 2048
     # --tokens: one stage at train.seq_len, and the report says so.
     assert cli.run(["estimate", path, "--tokens", "1B", "--json"]) == 0
@@ -417,12 +440,12 @@ def test_estimate_tokens_flag_and_bad_input(capsys):
 
 def test_hfu_counts_recomputation_on_top_of_mfu():
     m = load_config(REPO / "configs" / "1b.yaml").model
-    fpt = flops.flops_per_token(m, 4096)
+    fpt = model_flops(m, 4096)
     # 1b.yaml: micro-batch 4 × 4096 = 16,384 positions, chunks of 8192 -> the LM head forward runs twice.
-    hw = fpt + flops.recompute_flops_per_token(m, 4 * 4096, 8192)
+    hw = fpt + recompute_flops(m, 4 * 4096, 8192)
     assert hw - fpt == 2 * 128_256 * 2048
-    assert flops.recompute_flops_per_token(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
-    per_token = functools.partial(flops.token_flops, m, micro_batch_size=4, loss_chunk_tokens=8192)
+    assert recompute_flops(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
+    per_token = functools.partial(mfu.token_flops, mfu.meta_model(m), micro_batch_size=4, loss_chunk_tokens=8192)
     meter = mfu.MFUMeter(per_token, 4096, tokens_per_step=2**20, peak_flops=989.4e12, world_size=8, warmup_steps=0)
     out = meter.update(step=5, window_steps=1, step_seconds=2.5)
     assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]
