@@ -28,7 +28,6 @@ COMMANDS: dict[str, str] = {
     "export": "write a checkpoint as a Hugging Face LlamaForCausalLM directory",
     "average": "a checkpoint whose weights are the mean of a run's --last K (or --steps a,b,c) checkpoints",
     "scaling": "scaling laws: `fit` a ladder's runs (or a CSV): isoFLOP optima, L(N, D), predictions",
-    "scaling": "scaling laws: `fit` a ladder's runs (or a CSV): isoFLOP optima, L(N, D), predictions",
 }
 # Defaults set before a command's module is imported. Idle OpenMP threads spin instead of sleeping: on a quiet
 # machine PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape) and libgomp's default (spin,
