@@ -8,6 +8,7 @@ keys are each section's `check()`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import operator
@@ -635,6 +636,7 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)  # `nanopt runs` converts every key of every run it reads
 def _declared(key: str) -> tuple[Any, str]:
     """A known key's type and what null means for it (KeyError for an unknown one)."""
     section_name, _, name = key.partition(".")
