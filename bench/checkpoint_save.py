@@ -1,8 +1,8 @@
 """How fast a checkpoint reaches the disk, and how large a state fits in a preemption's grace period.
 
 Four ways to write the same state (fp32 weights + AdamW moments, `--gib` GiB in all), alternately, medians:
-  nanopt        checkpoint.save: native writers; each file's fsync and crc32 re-read run in threads while
-                the next file is serialised
+  nanopt        checkpoint.save_resumable: DCP's shards of weights and moments, then the whole weights for
+                readers; each file's fsync and crc32 re-read run in threads while the next file is serialised
   write+reread  the previous save: write and fsync every file, then read each back for its crc32, in turn
   crc-in-write  crc32 summed as the bytes go through a Python file object (no re-read), each file fsynced
   bytes only    the same files written and fsynced with no checksum at all: the disk's floor
@@ -27,6 +27,9 @@ from safetensors.torch import save_file
 from _common import REPO, alternate, banner, command, median, parser, spread
 from nanopt import checkpoint
 from nanopt.io import fsync, write_json
+from nanopt.runtime import Runtime
+
+ONE_PROCESS = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
 
 
 def build_state(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -104,8 +107,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                           "state": f"{args.gib:g} GiB"}, command(__file__, argv))
 
     def nanopt_save() -> None:
-        final = checkpoint.save(root / "nanopt", 1, checkpoint.model_state(model), opt.state_dict(), {"config": {}},
-                                keep=1)
+        final = checkpoint.save_resumable(root / "nanopt", 1, model, opt, {"config": {}}, 1, ONE_PROCESS)
         shutil.rmtree(final.parent)
 
     fns = {"nanopt": nanopt_save,
@@ -124,7 +126,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nnanopt / write+reread = {median(times['nanopt']) / base:.2f}x time; "
           f"bytes only / write+reread = {median(times['bytes only']) / base:.2f}x")
     # untimed: what was measured
-    saved = checkpoint.save(root / "nanopt", 1, checkpoint.model_state(model), opt.state_dict(), {"config": {}}, keep=1)
+    saved = checkpoint.save_resumable(root / "nanopt", 1, model, opt, {"config": {}}, 1, ONE_PROCESS)
     problem = checkpoint.verify_checkpoint(saved)  # a checkpoint a resume accepts, or why not
     print(f"nanopt's checkpoint verifies (sizes, crc32s, step): {'yes' if problem is None else 'NO: ' + problem}")
     shutil.rmtree(root, ignore_errors=True)

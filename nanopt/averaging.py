@@ -54,10 +54,6 @@ def choose(run: Path, last: Optional[int], steps: Optional[list[int]]) -> list[P
                               f"steps {have}; checkpoint.keep prunes older ones). Name steps it has.")
         chosen = [by_step[s] for s in steps]
     for ckpt in chosen:
-        if checkpoint.is_sharded(ckpt):
-            raise ConfigError(f"checkpoint {ckpt} is sharded (checkpoint.sharded: its weights are DCP shards in "
-                              f"dcp/), and averaging reads whole weights only. Leave it out (--steps), or average "
-                              f"checkpoints saved whole (a run resumed with --checkpoint.sharded=false saves so).")
         if problem := checkpoint.verify_checkpoint(ckpt):
             raise ConfigError(f"checkpoint {ckpt} cannot be averaged: {problem}. Leave it out (--steps), or wait "
                               f"until it is written.")
@@ -127,4 +123,4 @@ def average_checkpoints(run: str | Path, out: str | Path, last: Optional[int] = 
                         for c in chosen]}}
     # The newest's counters and config (what eval, sample and export read); its step names the new directory.
     state = {k: v for k, v in state.items() if k not in ("versions", "step", "ema")}
-    return checkpoint.save(out / CHECKPOINTS_DIR, checkpoint.step_of(newest), weights, None, state, keep=1)
+    return checkpoint.save(out / CHECKPOINTS_DIR, checkpoint.step_of(newest), weights, state, keep=1)

@@ -1,20 +1,23 @@
-"""THE checkpoint format: atomic save with a checksummed manifest, verification, the newest complete checkpoint,
-exact resume, and copies to a mirror (any fsspec URL). The file names are rundirs.py's.
+"""THE checkpoint format: one save path whatever the parallelism and world size, one verifier, the newest complete
+checkpoint, exact resume, and copies to a mirror (any fsspec URL). The file names are rundirs.py's.
 
 A checkpoint directory `checkpoints/step_NNNNNN/` holds
-  model.safetensors  weights (a tied LM head is stored once, as embed.weight)
-  optimizer.pt       optimizer state (loaded with weights_only=True, like rng.pt)
-  state.json         step, each resumable component's state_dict(), the shards' identity, the config, versions
+  dcp/               what a resume loads: weights, optimizer state and averaged weights as every rank's own shards
+                     (torch.distributed.checkpoint: `.metadata` and `__RANK_N.distcp`), nothing gathered. DCP reshards
+                     on load, so any world size and parallelism (ddp, fsdp, hsdp, one process) resumes any other's.
+  model.safetensors  the whole weights for readers (eval, sample, export, average, load_model, any safetensors
+                     reader), gathered one tensor at a time onto rank 0; a tied LM head once, as embed.weight
+  ema.safetensors    the averaged weights (train.ema_decay), whole, fp32, once the average has started
   rng.pt             every rank's host and device RNG states
-  ema.safetensors    the averaged weights (train.ema_decay), fp32, once the average has started
-  dcp/               checkpoint.sharded, in place of the three files above: every rank's shards of them
-                     (torch.distributed.checkpoint), each file listed in COMPLETE like the others
-  COMPLETE           written last: a JSON manifest of every file's size and crc32
-It is written to `.tmp_step_NNNNNN/` (made anew: no file in it can be a link), fsynced, renamed into place;
-`checkpoints/latest` is updated last. A full disk removes the temp directory and is DiskFull (exit 1), every earlier
-checkpoint untouched. A reader takes the newest checkpoint that verifies (newest_checkpoint; a damaged one is left in
-place, named in a warning; on resume every rank reads its share of the files: verify_on_every_rank); when the run
-has trained but none is usable, every re-run refuses (exit 2) until the user decides (`checkpoint.start_over`): a
+  state.json         step, each resumable component's state_dict(), the shards' identity, the config, versions
+  COMPLETE           written last: a JSON manifest of every file's size and crc32, dcp/'s included
+A checkpoint without dcp/ (nanopt average's) holds weights only: it is read like any other, and resume refuses it.
+Rank 0 makes `.tmp_step_NNNNNN/` anew (no file in it can be a link); every rank writes, fsyncs and sums its own DCP
+files, rank 0 the rest; the directory is renamed into place and `checkpoints/latest` updated last. The ranks must
+share the directory (one filesystem across nodes). A full disk removes the temp directory and is DiskFull (exit 1),
+every earlier checkpoint untouched. A reader takes the newest checkpoint that verifies (newest_checkpoint; a damaged
+one is left in place, named in a warning; on resume every rank reads its share of the files); when the run has
+trained but none is usable, every re-run refuses (exit 2) until the user decides (`checkpoint.start_over`): a
 transient failure never becomes a silent restart."""
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import queue
 import re
 import shutil
 import threading
+import warnings
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -44,17 +48,17 @@ from nanopt.errors import ConfigError, DiskFull, ShardError
 from nanopt.faults import fault_hook
 from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
 from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE, DCP_DIR, DCP_METADATA,
-                            EMA_FILE, LATEST_FILE, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, STEP_DIR,
-                            SUMMARY_FILE, checkpoint_path, is_lease, read_config, read_summary)
+                            EMA_FILE, LATEST_FILE, MODEL_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE,
+                            checkpoint_path, is_lease, read_config, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
 
 log = logging.getLogger("nanopt")
-# What a COMPLETE manifest may list, and must (optimizer.pt is absent from a weights-only one: resume refuses it;
-# ema.safetensors from a run without averaged weights).
-CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, EMA_FILE)
+# What a COMPLETE manifest may list besides dcp/'s files, and must (ema.safetensors is absent from a run without
+# averaged weights, dcp/ from a weights-only checkpoint).
+CHECKPOINT_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE, EMA_FILE)
 REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
-# A sharded checkpoint's (checkpoint.sharded) files: DCP's metadata and each rank's shard files, one level down; a
-# name that could climb out of the directory is no checkpoint file.
+# DCP's metadata and each rank's shard files, one level down; a name that could climb out of the directory is no
+# checkpoint file.
 SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
 # What reading a file whose bytes verified (its manifest may have been rewritten with it) raises when its content
 # is not what this version wrote: a pickle or safetensors file that is none, a JSON entry of another shape.
@@ -70,13 +74,18 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def model_state(model: torch.nn.Module, weights: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """Weights to save: contiguous CPU tensors, a tied parameter once, under its first name (embed.weight).
-    `weights`: the model's whole state_dict when gathered from shards (parallel.full_state); default its own."""
+def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The whole weights as contiguous CPU tensors, a tied parameter once, under its first name (embed.weight).
+    Every rank calls it: a sharded tensor is gathered one at a time; ranks that do not write (keep=False) get {}."""
     # named_parameters() lists a tied parameter once; XLA tensors have no data_ptr to compare instead.
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    weights = model.state_dict() if weights is None else weights
-    return {name: t.detach().to("cpu").contiguous() for name, t in weights.items() if name not in tied}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name not in tied:
+            whole = parallel.whole(t.detach())  # every rank takes part in a sharded tensor's gather
+            if keep:
+                out[name] = whole.to("cpu").contiguous()
+    return out
 
 
 def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -91,19 +100,61 @@ def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load saved weights (into each rank's shards of a sharded model); ValueError naming the first tensors of
-    another shape, or missing or unexpected; ConfigError (weights_header) when the file is no safetensors file."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # a DTensor's shape is the whole one
+    """Load a checkpoint's whole weights (model.safetensors, or ema.safetensors) into an unsharded model; ValueError
+    naming the first tensors of another shape, or missing or unexpected; ConfigError (weights_header) when the file
+    is no safetensors file."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     saved = {k: shape for k, (shape, _) in weights_header(path).items()}
     wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
              for k in saved if k in own and saved[k] != own[k]]
     if wrong:
         raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
-    missing, unexpected = parallel.load_weights(model, load_file(str(path)))
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
     tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+# ---------------------------------------------------------------- the resumable state: DCP, every rank its shards
+def _indexed(by_name: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) keyed by position across the
+    groups, as Optimizer.state_dict() numbers them, for optim's checked load."""
+    position = {name: i for i, name in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
+    return {"state": {position[name]: s for name, s in by_name["state"].items()},
+            "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in by_name["param_groups"]]}
+
+
+def _flat(prefix: str, tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of nested dicts under the names DCP flattens them to ("optimizer.state.embed.weight.exp_avg")."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(f"{prefix}.{key}", value)
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
+
+
+def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
+    """dcp.save of `state` into the directory `path` (every rank its own shards), or dcp.load into it in place (any
+    world size and layout: DCP reshards; tensors the files lack are left as they are, for the caller to name); in
+    one process without a process group too. DCP's own failures (a BaseException holding one traceback per rank)
+    are the OSError a rank met (a full disk), or RuntimeError in one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # one process without a process group is a use, not an accident, here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if save:
+                dcp.save(state, checkpoint_id=str(path))
+            else:
+                dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    except CheckpointException as e:
+        first = next(iter(e.failures.values()), (None,))[0]
+        if isinstance(first, OSError):  # a full disk on any rank is DiskFull on every rank (the caller's writing())
+            raise first from None
+        lines = str(e).strip().splitlines()
+        raise RuntimeError(lines[-1][:500] if lines else e.__class__.__name__) from None
 
 
 # ---------------------------------------------------------------- the format: verified, the newest complete one
@@ -149,8 +200,7 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         return "its COMPLETE manifest is not a JSON object with a `files` map", {}
-    required = [DCP_METADATA if n == MODEL_FILE and DCP_METADATA in files else n for n in REQUIRED_FILES]
-    if missing := [name for name in required if name not in files]:
+    if missing := [name for name in REQUIRED_FILES if name not in files]:
         return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
     for name, entry in files.items():
         if name not in CHECKPOINT_FILES and not SHARD_FILE.match(name):
@@ -162,90 +212,15 @@ def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
 
 def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
     """Which weights a checkpoint holds: its model file's (or `name`'s: the averaged weights) crc32 as its COMPLETE
-    manifest lists it (loading has checked the file against it); for a sharded checkpoint, the crc32 of `name` and
-    its shard files' crc32s (the shards hold both weights). None for a Hugging Face directory, an unusable manifest
-    or a file it does not list."""
+    manifest lists it (loading has checked the file against it). None for a Hugging Face directory, an unusable
+    manifest or a file it does not list."""
     problem, files = _manifest_problem(Path(ckpt))
-    if problem:
-        return None
-    if DCP_METADATA in files:
-        return zlib.crc32(json.dumps([name, sorted((k, v["crc32"]) for k, v in files.items() if SHARD_FILE.match(k))])
-                          .encode())
-    return None if name not in files else files[name]["crc32"]
-
-
-def is_sharded(ckpt: Path) -> bool:
-    """Whether a checkpoint holds its weights as DCP shards (checkpoint.sharded) rather than whole files."""
-    return (Path(ckpt) / DCP_METADATA).is_file()
+    return None if problem or name not in files else files[name]["crc32"]
 
 
 def has_averaged_weights(ckpt: Path) -> bool:
     """Whether a checkpoint holds the averaged weights (train.ema_decay, once the average started)."""
-    if is_sharded(ckpt):
-        return "ema" in parallel.sharded_entries(Path(ckpt) / DCP_DIR)
     return (Path(ckpt) / EMA_FILE).is_file()
-
-
-def load_checkpoint_weights(model: torch.nn.Module, ckpt: Path, name: str = MODEL_FILE) -> None:
-    """A checkpoint's weights (`name`: MODEL_FILE, or EMA_FILE for the averaged ones) into `model`, whole files or
-    DCP shards of any world size (one process without a process group reads them too); ValueError as
-    load_model_weights."""
-    if not is_sharded(ckpt):
-        return load_model_weights(model, Path(ckpt) / name)
-    if name == EMA_FILE:  # the average is kept per parameter: a tied one once, under its first name
-        tensors = {n: p.detach() for n, p in model.named_parameters()}
-    else:
-        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-        tensors = {n: t for n, t in model.state_dict().items() if n not in tied}
-    with torch.no_grad():
-        parallel.load_sharded_tensors(Path(ckpt) / DCP_DIR, "ema" if name == EMA_FILE else "model", tensors)
-
-
-def verify_checkpoint(ckpt: Path, step: Optional[int] = None) -> Optional[str]:
-    """None when the checkpoint is whole, else why not (never raises). `step`: the step it must hold (default:
-    the one its name says; a download being verified has a temporary name)."""
-    ckpt = Path(ckpt)
-    step = step_of(ckpt) if step is None else step
-    problem, files = _listing_problem(ckpt, step)
-    if problem:
-        return problem
-    return next(filter(None, (_file_problem(ckpt, name, entry) for name, entry in files.items())), None) \
-        or _state_problem(ckpt, step)
-
-
-def _listing_problem(ckpt: Path, step: Optional[int]) -> tuple[Optional[str], dict[str, Any]]:
-    """What is wrong before any listed file is read (the name, COMPLETE), and the manifest's file entries."""
-    if step is None or not ckpt.is_dir():
-        return "it is not a step_NNNNNN directory", {}
-    return _manifest_problem(ckpt)
-
-
-def _file_problem(ckpt: Path, name: str, expected: dict[str, int]) -> Optional[str]:
-    """Why one file COMPLETE lists is not as listed (missing, another size, another crc32), or None."""
-    path = ckpt / name
-    try:
-        if not path.is_file():
-            return f"{name} is missing"
-        if (size := path.stat().st_size) != expected["bytes"]:
-            return f"{name} has {size} bytes, the manifest says {expected['bytes']}"
-        if crc32_of(path) != expected["crc32"]:
-            return f"{name} fails its crc32 checksum (the file is corrupt)"
-    except OSError as e:
-        return f"it cannot be read ({e})"
-    return None
-
-
-def _state_problem(ckpt: Path, step: int) -> Optional[str]:
-    """Why state.json (its bytes already verified) does not hold `step`, or None."""
-    try:
-        state = read_state(ckpt)
-    except OSError as e:
-        return f"it cannot be read ({e})"
-    except ConfigError:
-        return "its state.json is not a JSON object with an integer step"
-    if state["step"] != step:
-        return f"its state.json says step {state['step']}, its name step {step}"
-    return None
 
 
 def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[list[str]]:
@@ -270,40 +245,59 @@ def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[list[str
     return [sorted(share, key=order.__getitem__) for share in shares]
 
 
-def _share_problem(rt: Runtime, ckpt: Path, files: dict[str, dict[str, int]]) -> Optional[tuple[int, str]]:
-    """This rank's first problem among its share of `files` (verify_shares) as (its place in the manifest, why)."""
+def _share_problem(ckpt: Path, files: dict[str, dict[str, int]], rank: int, world: int) -> Optional[tuple[int, str]]:
+    """Rank `rank`'s first problem among its share of `files` (verify_shares) as (its place in the manifest, why):
+    a file missing, of another size or failing its crc32."""
     order = list(files)
-    for name in verify_shares(files, rt.world_size)[rt.rank]:
-        if problem := _file_problem(ckpt, name, files[name]):
-            return order.index(name), problem
+    for name in verify_shares(files, world)[rank]:
+        path, expected = ckpt / name, files[name]
+        try:
+            if not path.is_file():
+                problem = f"{name} is missing"
+            elif (size := path.stat().st_size) != expected["bytes"]:
+                problem = f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+            elif crc32_of(path) != expected["crc32"]:
+                problem = f"{name} fails its crc32 checksum (the file is corrupt)"
+            else:
+                continue
+        except OSError as e:
+            problem = f"it cannot be read ({e})"
+        return order.index(name), problem
     return None
 
 
-def verify_on_every_rank(rt: Runtime, ckpt: Path, step: Optional[int] = None) -> Optional[str]:
-    """Rank 0: verify_checkpoint's answer, the listed files' bytes read by every rank at once, each its share (the
-    other ranks are in follow_verification). The first problem in manifest order wins, as when one rank reads all:
-    the shards of configs/8b.yaml (96 GB) are then read by 8 ranks, not by rank 0 while 7 wait."""
+def verify_checkpoint(ckpt: Path, step: Optional[int] = None, rt: Optional[Runtime] = None) -> Optional[str]:
+    """None when the checkpoint is whole, else why not (never raises): its name, COMPLETE, every listed file's
+    size and crc32, then state.json's step. `step`: the step it must hold (default: the one its name says; a
+    download being verified has a temporary name). `rt` (resume): rank 0 calls it while every other rank is in
+    _follow, and each rank reads its share of the files at once (verify_shares), the first problem in manifest
+    order winning as when one process reads all: configs/8b.yaml's 96 GB are read by 8 ranks, not by one."""
     ckpt = Path(ckpt)
     step = step_of(ckpt) if step is None else step
-    problem, files = _listing_problem(ckpt, step)
+    if step is None or not ckpt.is_dir():
+        return "it is not a step_NNNNNN directory"
+    problem, files = _manifest_problem(ckpt)
     if problem:
         return problem
-    rt.gather_objects((str(ckpt), files))  # what every rank verifies next
-    found = [p for p in rt.gather_objects(_share_problem(rt, ckpt, files)) if p is not None]
-    return min(found)[1] if found else _state_problem(ckpt, step)
+    if rt is not None:
+        rt.gather_objects((str(ckpt), files))  # what every rank verifies next
+    mine = _share_problem(ckpt, files, rt.rank if rt else 0, rt.world_size if rt else 1)
+    found = [p for p in (rt.gather_objects(mine) if rt else [mine]) if p is not None]
+    if found:
+        return min(found)[1]
+    try:
+        saved = read_state(ckpt)["step"]
+    except (OSError, ConfigError):
+        return "its state.json is not a JSON object with an integer step"
+    return None if saved == step else f"its state.json says step {saved}, its name step {step}"
 
 
-def follow_verification(rt: Runtime) -> None:
+def _follow(rt: Runtime) -> None:
     """Every rank but 0 while rank 0 chooses a checkpoint: verify this rank's share of each candidate rank 0 names
-    (verify_on_every_rank), until rank 0 says it has chosen (end_verification). It reads; it never writes or logs."""
+    (verify_checkpoint with rt), until rank 0 says it has chosen (None). It reads; it never writes or logs."""
     while (candidate := rt.gather_objects(None)[0]) is not None:
         path, files = candidate
-        rt.gather_objects(_share_problem(rt, Path(path), files))
-
-
-def end_verification(rt: Runtime) -> None:
-    """Rank 0, once it has chosen: the other ranks leave follow_verification."""
-    rt.gather_objects(None)
+        rt.gather_objects(_share_problem(Path(path), files, rt.rank, rt.world_size))
 
 
 def newest_checkpoint(path: Path, newer_than: int = -1,
@@ -311,7 +305,7 @@ def newest_checkpoint(path: Path, newer_than: int = -1,
     """The newest complete checkpoint of a run (or checkpoints/) directory above step `newer_than`, and "name:
     why" for each newer one skipped. Newest first, stopping at the first that verifies: verifying reads every byte
     (15 GB for configs/1b.yaml), so older ones are left alone. The one answer for resume, eval, sample, Modal.
-    `verify`: verify_checkpoint (default), or a resume's verify_on_every_rank."""
+    `verify`: verify_checkpoint (default), or a resume's, every rank reading its share."""
     verify = verify or verify_checkpoint  # looked up now: a test may replace verify_checkpoint
     skipped: list[str] = []
     for ckpt in reversed(checkpoint_dirs(path)):
@@ -390,6 +384,9 @@ class _Sealer:
         finally:
             self.pool.shutdown(wait=True)
 
+    def abandon(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
 
 def _remove(path: Path) -> None:
     """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to); a
@@ -414,41 +411,6 @@ def _torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
-def _write_files(tmp: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
-                 optimizer_state: Optional[dict[str, Any]], state: dict[str, Any], rng: Optional[list[dict[str, Any]]],
-                 averaged: Optional[dict[str, torch.Tensor]], sealed: dict[str, dict[str, int]]) -> None:
-    """Every file of the checkpoint into the new directory `tmp`, COMPLETE last; DiskFull naming the one that did
-    not fit. `weights` None: every rank wrote its shards into tmp/dcp (checkpoint.sharded); they are listed, from
-    `sealed` (seal_own_shards' entries of every rank) where it has them, else read back here."""
-    sealer = _Sealer(tmp)
-    try:
-        if weights is None:
-            for path in sorted((tmp / DCP_DIR).iterdir()):
-                if path.relative_to(tmp).as_posix() not in sealed:
-                    sealer.seal(path)
-        else:  # one metadata entry only: safetensors writes a map, and its order is not stable across processes
-            sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
-        fault_hook("kill-in-save", step)
-        if averaged is not None:
-            sealer.write(tmp / EMA_FILE, lambda p: save_file(averaged, str(p), metadata={"format": "pt"}))
-        if optimizer_state is not None:
-            sealer.write(tmp / OPTIMIZER_FILE, lambda p: _torch_save(optimizer_state, p))
-        ranks = rng if rng is not None else [host_rng_state()]
-        sealer.write(tmp / RNG_FILE, lambda p: _torch_save({"ranks": ranks}, p))
-        versions = {"torch": torch.__version__, "numpy": np.__version__}
-        sealer.write(tmp / STATE_FILE, lambda p: write_json(p, {**state, "step": step, "versions": versions}))
-    except BaseException:
-        sealer.pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    with writing(tmp):  # an fsync can be the first to hear of a full disk
-        files = {**sealed, **sealer.manifest()}  # sealed is empty unless the shards were sealed by their ranks
-        if weights is None:
-            fsync(tmp / DCP_DIR)
-    write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
-    with writing(tmp):
-        fsync(tmp)
-
-
 def temp_dir(ckpt_root: Path, step: int, fresh: bool = True) -> Path:
     """Where checkpoint `step` is written before its rename: made anew (fresh), or the one made before."""
     tmp = ckpt_root / f".tmp_step_{step:06d}"
@@ -462,10 +424,10 @@ def temp_dir(ckpt_root: Path, step: int, fresh: bool = True) -> Path:
 
 
 def seal_own_shards(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
-    """checkpoint.sharded: the files in tmp/dcp that this rank wrote (DCP names them `__RANK_N.distcp`; rank 0 also
-    takes the rest, its `.metadata`), fsynced, with the size and crc32 COMPLETE lists them under. Each rank reads
-    back only its own shards, from its own node's page cache, all ranks at once: rank 0 alone would read the whole
-    checkpoint again (configs/8b.yaml's weights and AdamW state: 96 GB) while every other rank waits for it."""
+    """The files in tmp/dcp that this rank wrote (DCP names them `__RANK_N.distcp`; rank 0 also takes the rest, its
+    `.metadata`), fsynced, with the size and crc32 COMPLETE lists them under. Each rank reads back only its own
+    shards, from its own node's page cache, all ranks at once: rank 0 alone would read the whole checkpoint again
+    (configs/8b.yaml's weights and AdamW state: 96 GB) while every other rank waits for it."""
     sealer = _Sealer(tmp)
     try:
         for path in sorted((tmp / DCP_DIR).iterdir()):
@@ -473,30 +435,47 @@ def seal_own_shards(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
             if (int(owner.group(1)) if owner else 0) == rank:
                 sealer.seal(path)
     except BaseException:
-        sealer.pool.shutdown(wait=True, cancel_futures=True)
+        sealer.abandon()
         raise
     with writing(tmp / DCP_DIR):
         return sealer.manifest()
 
 
-def save(ckpt_root: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
-         optimizer_state: Optional[dict[str, Any]], state: dict[str, Any], keep: int,
+def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any], keep: int,
          rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None,
-         sealed: Optional[dict[str, dict[str, int]]] = None) -> Path:
-    """Write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. Rank 0 only. `weights`:
-    model_state()'s; None for a sharded checkpoint, whose temp_dir() every rank has written its DCP shards into
-    (parallel.save_sharded into its dcp/). `optimizer_state`: an unsharded optimizer's state_dict() (None: weights
-    only, or in the shards). `rng` is every rank's Runtime.rng_state() in rank order (default: this process's host
-    states); `averaged`: EMA.full_weights() (ema.safetensors; None: the run keeps no average, it has not started,
-    or it is in the shards); `sealed`: the shard files every rank has already fsynced and summed (seal_own_shards).
-    A full disk is DiskFull, with the temp directory removed (its space back) and every earlier checkpoint as it
-    was."""
+         shards: Optional[dict[str, dict[str, int]]] = None) -> Path:
+    """Rank 0: write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. `weights`: model_state()'s.
+    `shards`: the entries of the dcp/ files every rank has written into temp_dir() and sealed (Checkpointer.save);
+    None for a weights-only checkpoint, whose temp directory this makes. `rng` is every rank's Runtime.rng_state()
+    in rank order (default: this process's host states); `averaged`: EMA.full_weights() (None: the run keeps no
+    average, or it has not started). A full disk is DiskFull, with the temp directory removed (its space back) and
+    every earlier checkpoint as it was."""
     final = ckpt_root / f"step_{step:06d}"
-    tmp = temp_dir(ckpt_root, step, fresh=weights is not None)
+    tmp = temp_dir(ckpt_root, step, fresh=shards is None)
+    sealer = _Sealer(tmp)
     try:
-        _write_files(tmp, step, weights, optimizer_state, state, rng, averaged, sealed or {})
+        # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
+        sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+        fault_hook("kill-in-save", step)
+        if averaged is not None:
+            sealer.write(tmp / EMA_FILE, lambda p: save_file(averaged, str(p), metadata={"format": "pt"}))
+        ranks = rng if rng is not None else [host_rng_state()]
+        sealer.write(tmp / RNG_FILE, lambda p: _torch_save({"ranks": ranks}, p))
+        versions = {"torch": torch.__version__, "numpy": np.__version__}
+        sealer.write(tmp / STATE_FILE, lambda p: write_json(p, {**state, "step": step, "versions": versions}))
+        with writing(tmp):  # an fsync can be the first to hear of a full disk
+            files = {**(shards or {}), **sealer.manifest()}
+            if shards:
+                fsync(tmp / DCP_DIR)
+        write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
+        with writing(tmp):
+            fsync(tmp)
     except DiskFull:
+        sealer.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException:
+        sealer.abandon()
         raise
     _remove(final)  # same step saved again (e.g. final save right after a periodic one)
     os.replace(tmp, final)
@@ -509,11 +488,43 @@ def save(ckpt_root: Path, step: int, weights: Optional[dict[str, torch.Tensor]],
     return final
 
 
+def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   state: dict[str, Any], keep: int, rt: Runtime, ema: Optional[EMA] = None) -> Path:
+    """THE save, whatever the parallelism and world size; every rank calls it. Rank 0 makes the temp directory,
+    every rank writes its own shards of the weights, optimizer state and average (`ema`, once started) into its
+    dcp/ and fsyncs and sums them (a rank's failure is raised on every rank), the whole weights and average are
+    gathered onto rank 0, which writes the rest (save(): `state` is its state.json). The checkpoint's path."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rngs = rt.gather_objects(rt.rng_state())
+    started = ema is not None and ema.started
+    made = rt.on_main(lambda: temp_dir(ckpt_root, step), (ConfigError, DiskFull))  # rank 0's failure: every rank's
+    tmp = made or temp_dir(ckpt_root, step, fresh=False)
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    with writing(tmp / DCP_DIR):
+        _dcp(tmp / DCP_DIR, {"model": weights, "optimizer": optimizer_state,
+                             **({"ema": ema.tensors()} if started else {})}, save=True)
+    try:
+        mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = (seal_own_shards(tmp, rt.rank), None)
+    except OSError as e:  # gathered, so that every rank raises it rather than waiting for the failed one
+        mine = ({}, e)
+    parts = rt.gather_objects(mine)  # also the barrier: every rank's shards are on disk after it
+    for _, error in parts:
+        if error is not None:
+            raise error
+    whole = model_state(model, keep=rt.is_main)
+    averaged = ema.full_weights(keep=rt.is_main) if started else None
+    if not rt.is_main:
+        return ckpt_root / f"step_{step:06d}"
+    return save(ckpt_root, step, whole, state, keep, rng=rngs, averaged=averaged,
+                shards={name: entry for files, _ in parts for name, entry in files.items()})
+
+
 # ---------------------------------------------------------------- copies to a mirror
 class Mirror:
-    """The remote layout matches the local one: URL/step_NNNNNN/<files> with COMPLETE uploaded last (object stores
-    have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the local
-    directory never races an upload."""
+    """The remote layout matches the local one: URL/step_NNNNNN/<files> (dcp/ included) with COMPLETE uploaded last
+    (object stores have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the
+    local directory never races an upload."""
 
     def __init__(self, url: str, keep: int):
         try:
@@ -534,12 +545,12 @@ class Mirror:
         """Queue a copy of `ckpt`; returns at once."""
         staging = ckpt.parent / ".mirror-staging" / ckpt.name
         shutil.rmtree(staging, ignore_errors=True)  # a snapshot left by a crash
-        staging.mkdir(parents=True)
-        for f in ckpt.iterdir():
-            try:
-                os.link(f, staging / f.name)
-            except OSError:  # a filesystem without hard links
-                shutil.copy2(f, staging / f.name)
+        staging.parent.mkdir(exist_ok=True)
+        try:
+            shutil.copytree(ckpt, staging, copy_function=os.link)
+        except (OSError, shutil.Error):  # a filesystem without hard links
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copytree(ckpt, staging)
         self._queue.put(staging)
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="nanopt-mirror", daemon=True)
@@ -566,9 +577,9 @@ class Mirror:
         remote = f"{self.root}/{staging.name}"
         if self.fs.exists(remote):
             self.fs.rm(remote, recursive=True)
-        self.fs.makedirs(remote, exist_ok=True)
-        names = sorted(f.name for f in staging.iterdir() if f.name != COMPLETE_FILE) + [COMPLETE_FILE]
-        for name in names:
+        names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+        for name in sorted(names, key=lambda n: n == COMPLETE_FILE):  # COMPLETE last
+            self.fs.makedirs(f"{remote}/{name}".rsplit("/", 1)[0], exist_ok=True)
             self.fs.put_file(str(staging / name), f"{remote}/{name}")
         self.fs.pipe_file(f"{self.root}/{LATEST_FILE}", (staging.name + "\n").encode())
         for name in self.names()[:-self.keep]:
@@ -587,12 +598,16 @@ class Mirror:
         return sorted(complete, key=step_of)
 
     def fetch(self, name: str, dest: Path) -> Path:
-        """Download URL/<name>/* into the fresh directory `dest` (the caller verifies it and moves it into place)."""
+        """Download URL/<name>/** into the fresh directory `dest` (the caller verifies it and moves it into place)."""
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
-        for entry in self.fs.ls(f"{self.root}/{name}", detail=False):
-            fname = str(entry).rstrip("/").rsplit("/", 1)[-1]
-            self.fs.get_file(f"{self.root}/{name}/{fname}", str(dest / fname))
+        remote = f"{self.root}/{name}"
+        for entry in self.fs.find(remote):
+            relative = str(entry).rstrip("/")[len(remote.rstrip("/")) + 1:]
+            if relative.startswith("/"):  # memory:// lists paths with a leading slash its root lacks
+                relative = relative[1:]
+            (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(f"{remote}/{relative}", str(dest / relative))
         return dest
 
 
@@ -613,32 +628,6 @@ def _damaged(ckpt: Path, name: str, e: Exception) -> ConfigError:
     return ConfigError(f"checkpoint {ckpt}'s {name} cannot be restored ({e.__class__.__name__}: {e}); it is damaged "
                        f"or was written by another nanopt version. Resume from an earlier checkpoint (move this one "
                        f"aside), or start a new run (a new `run.dir`).")
-
-
-def _load_ema(ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
-    """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at this
-    resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
-    kept = saved.get("ema")
-    if not (isinstance(kept, dict) and kept.get("started")):
-        if ema.start < saved["step"]:
-            log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step %d, "
-                        "not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
-        return
-    if not has_averaged_weights(ckpt):
-        raise ConfigError(f"checkpoint {ckpt}'s {STATE_FILE} says the run kept averaged weights but it holds no "
-                          f"{EMA_FILE} (nor `ema` shards in {DCP_DIR}/); the checkpoint is damaged: resume from an "
-                          f"earlier one (move this one aside).")
-    try:
-        if is_sharded(ckpt):
-            ema.load_tensors(lambda tensors: parallel.load_sharded_tensors(ckpt / DCP_DIR, "ema", tensors))
-        else:
-            with _reading(ckpt, EMA_FILE):
-                weights = load_file(str(ckpt / EMA_FILE))
-            ema.load_weights(weights)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"checkpoint {ckpt}'s {EMA_FILE} does not fit this run: {e}.") from None
 
 
 def _refuse_foreign_config(run_dir: Path) -> None:
@@ -702,9 +691,7 @@ class Checkpointer:
         if (chosen := self._agree()) is None:  # nothing was checkpointed and no earlier training shows
             return None
         ckpt = self.root / chosen
-        saved = self._load(ckpt, model, optimizer, states)
-        if ema is not None:
-            _load_ema(ckpt, saved, ema)
+        saved = self._load(ckpt, model, optimizer, states, ema)
         self.latest = ckpt
         if rt.is_main:
             log.info("resuming from %s (step %d)", ckpt, saved["step"])
@@ -724,16 +711,16 @@ class Checkpointer:
                 chosen = found.name if found else None
             except ConfigError as e:
                 error = str(e)
-            end_verification(rt)
+            rt.gather_objects(None)  # the other ranks leave _follow
         else:
-            follow_verification(rt)
+            _follow(rt)
         chosen, error = rt.gather_objects((chosen, error))[0]
         if error is not None:
             raise ConfigError(error if rt.is_main else f"rank 0 could not resume from {self.root}: {error}")
         return chosen
 
     def _verify(self, ckpt: Path, step: Optional[int] = None) -> Optional[str]:
-        return verify_on_every_rank(self.rt, ckpt, step)
+        return verify_checkpoint(ckpt, step, self.rt)
 
     def _choose(self) -> Optional[Path]:
         """Rank 0: the newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved
@@ -802,14 +789,16 @@ class Checkpointer:
         return self.root / name
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              states: dict[str, Stateful]) -> dict[str, Any]:
+              states: dict[str, Stateful], ema: Optional[EMA]) -> dict[str, Any]:
         checkpoint_config(ckpt)  # checked like a YAML config before it is compared
+        weights_header(ckpt / MODEL_FILE)  # not read to resume, but its readers' copy: damage there is damage
         saved, where = read_state(ckpt), str(ckpt / STATE_FILE)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
-        if not (ckpt / OPTIMIZER_FILE).is_file() and not is_sharded(ckpt):
-            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {OPTIMIZER_FILE}), so training cannot "
-                              f"resume from it. Start a new run from its weights, or resume from a full checkpoint.")
+        if not (ckpt / DCP_METADATA).is_file():
+            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {DCP_DIR}/ with the optimizer state), so "
+                              f"training cannot resume from it. Start a new run from its weights, or resume from a "
+                              f"full checkpoint.")
         if missing := [name for name in states if not isinstance(saved.get(name), dict)]:
             raise ConfigError(f"{where} has no state for {', '.join(missing)}; it was written by another nanopt "
                               f"version. Resume with that version, or start a new run (a new `run.dir`).")
@@ -822,13 +811,25 @@ class Checkpointer:
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")
-        opt_state = self._load_weights(ckpt, model, optimizer, fix)
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+
+        # The template DCP fills in place: the model's own tensors, and the optimizer's state (initialised by a
+        # zero-learning-rate step where it is empty, which get_state_dict does and which changes no weight).
+        weights, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": weights, "optimizer": optimizer_state}
+        missing = self._read_shards(ckpt, state, fix)
+        set_model_state_dict(model, state["model"])
         try:
-            optim.load_state_dict(optimizer, opt_state)
+            optim.load_state_dict(optimizer, _indexed(state["optimizer"]))
         except ValueError as e:  # e.g. an allowed optim.name change: adamw moments cannot seed Muon
             raise ConfigError(f"checkpoint {ckpt}'s optimizer state does not fit this run: {e}.") from None
         except DAMAGED_CONTENT as e:  # not an optimizer's state_dict at all
-            raise _damaged(ckpt, OPTIMIZER_FILE, e) from e
+            raise _damaged(ckpt, DCP_DIR, e) from e
+        if missing:
+            raise ConfigError(f"checkpoint {ckpt}'s {DCP_DIR}/ does not fit this run's model and optimizer: it holds "
+                              f"no {', '.join(missing[:3])}. {fix}")
+        if ema is not None:
+            self._load_ema(ckpt, saved, ema)
         packing = (saved["config"].get("data") or {}).get("packing", "windows")
         for name, component in states.items():
             if name == "loader" and packing != self.cfg.data.packing:
@@ -848,26 +849,54 @@ class Checkpointer:
         self.last_saved_step = saved["step"]
         return saved
 
-    def _load_weights(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      fix: str) -> dict[str, Any]:
-        """The checkpoint's weights into `model`; its optimizer state cut to this rank's shards, to be loaded."""
-        if is_sharded(ckpt):  # DCP reshards to this world size and layout, whole tensors under ddp included
-            try:
-                return parallel.load_sharded(ckpt / DCP_DIR, model, optimizer)
-            except ValueError as e:
-                raise ConfigError(f"checkpoint {ckpt}'s shards ({DCP_DIR}/) do not fit this run's model and "
-                                  f"optimizer: {e}. {fix}") from None
-        try:
-            load_model_weights(model, ckpt / MODEL_FILE)
-        except ConfigError:  # no safetensors file: already one paragraph
-            raise
-        except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"checkpoint {ckpt} does not fit this config's model: {e}. {fix}") from None
-        with _reading(ckpt, OPTIMIZER_FILE):
-            # init_device: XLA storages cannot be mapped straight to the device; load_state_dict moves them.
-            opt_state = torch.load(ckpt / OPTIMIZER_FILE, weights_only=True, map_location=self.rt.backend.init_device)
-            # The file holds whole tensors whatever the parallelism: a sharded optimizer takes its shards.
-            return parallel.shard_optimizer_state(optimizer, opt_state)
+    def _read_shards(self, ckpt: Path, state: dict[str, Any], fix: str) -> list[str]:
+        """The checkpoint's dcp/ into `state` (nested dicts of tensors, filled in place); the names of the tensors
+        it lacks (refused by the caller, after optim's clearer check of another optimizer's state). DCP's metadata is
+        read first: tensors saved in another shape are a config change (`fix`; DCP would read the overlap of the
+        two: a model of another width would load half-filled), and files that verified but cannot be read (damage
+        behind a rewritten manifest) are one paragraph naming the file: the metadata, a cut shard."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        with _reading(ckpt, DCP_METADATA):
+            metadata = FileSystemReader(str(ckpt / DCP_DIR)).read_metadata()
+            saved, placed = metadata.state_dict_metadata, list((metadata.storage_data or {}).values())
+            ends = {info.relative_path: info.offset + info.length for info in placed}
+            for info in placed:
+                ends[info.relative_path] = max(ends[info.relative_path], info.offset + info.length)
+        tensors = [(name, t) for key in state for name, t in _flat(key, state[key])]
+        if wrong := [f"{name} {tuple(saved[name].size)} in the checkpoint vs {tuple(t.shape)} here" for name, t in
+                     tensors if name in saved and tuple(getattr(saved[name], "size", t.shape)) != tuple(t.shape)]:
+            what = {"optimizer": "optimizer state", "ema": "averaged weights"}.get(wrong[0].split(".", 1)[0], "weights")
+            raise ConfigError(f"checkpoint {ckpt}'s {what} does not fit this run: it holds tensors of other shapes: "
+                              f"{'; '.join(wrong[:3])}. {fix}")
+        for name, end in sorted(ends.items()):
+            if not (ckpt / DCP_DIR / name).is_file() or (ckpt / DCP_DIR / name).stat().st_size < end:
+                raise _damaged(ckpt, f"{DCP_DIR}/{name}", EOFError(f"shorter than the {end} bytes its metadata "
+                                                                    f"places in it"))
+        with _reading(ckpt, f"{DCP_DIR}/ (its .metadata or a shard file)"):
+            _dcp(ckpt / DCP_DIR, state, save=False)
+        return [name for name, _ in tensors if name not in saved]
+
+    def _load_ema(self, ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
+        """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at
+        this resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
+        kept = saved.get("ema")
+        if not (isinstance(kept, dict) and kept.get("started")):
+            if ema.start < saved["step"]:
+                log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step "
+                            "%d, not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
+            return
+        if not has_averaged_weights(ckpt):
+            raise ConfigError(f"checkpoint {ckpt}'s {STATE_FILE} says the run kept averaged weights but it holds no "
+                              f"{EMA_FILE}; the checkpoint is damaged: resume from an earlier one (move this one "
+                              f"aside).")
+
+        def fill(tensors: dict[str, torch.Tensor]) -> None:
+            if missing := self._read_shards(ckpt, {"ema": tensors}, ""):
+                raise ConfigError(f"checkpoint {ckpt}'s {DCP_DIR}/ holds no averaged {', '.join(missing[:3])}; "
+                                  f"the checkpoint is damaged: resume from an earlier one (move this one aside).")
+
+        ema.load_tensors(fill)
 
     def should_save(self, step: int) -> bool:
         """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it
@@ -877,51 +906,19 @@ class Checkpointer:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful], ema: Optional[EMA] = None) -> Path:
-        """Every rank calls this (RNG states and sharded weights are gathered); rank 0 writes. Returns the
-        checkpoint path. `ema`: the run's averaged weights, saved whole beside the model's once started."""
+        """Every rank calls this (save_resumable); rank 0 queues the mirror's copy. Returns the checkpoint path.
+        `ema`: the run's averaged weights, saved once started."""
         final = checkpoint_path(self.run_dir, step)
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return final
-        rngs = self.rt.gather_objects(self.rt.rng_state())
-        started = ema is not None and ema.started
-        sealed: dict[str, dict[str, int]] = {}
-        if self.cfg.checkpoint.sharded and parallel.is_sharded(model):
-            sealed = self._save_shards(step, model, optimizer, ema.tensors() if started else None)
-            weights, optimizer_state, averaged = None, None, None
-        else:  # every rank: a sharded model's state is gathered whole onto rank 0, the same files as under ddp
-            weights, optimizer_state = parallel.full_state(model, optimizer)
-            weights = model_state(model, weights) if self.rt.is_main else weights
-            averaged = ema.full_weights(keep=self.rt.is_main) if started else None
-        if self.rt.is_main:
-            state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
-                     "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
-            final = save(self.root, step, weights, optimizer_state, state,
-                         keep=self.cfg.checkpoint.keep, rng=rngs, averaged=averaged, sealed=sealed)
-            if self.mirror is not None:
-                self.mirror.upload(final)
+        state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
+                 "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
+        final = save_resumable(self.root, step, model, optimizer, state, self.cfg.checkpoint.keep, self.rt, ema)
+        if self.rt.is_main and self.mirror is not None:
+            self.mirror.upload(final)
         self.rt.barrier()
         self.latest, self.last_saved_step = final, step
         return final
-
-    def _save_shards(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     averaged: Optional[dict[str, torch.Tensor]]) -> dict[str, dict[str, int]]:
-        """checkpoint.sharded: rank 0 makes the temp directory, every rank writes its own shards of the weights,
-        optimizer state and average into its dcp/ (nothing is gathered) and fsyncs and sums them (seal_own_shards);
-        the entries of every rank, for rank 0 to list in COMPLETE (save()). A rank's failure to seal is raised on
-        every rank. The directory must be one every rank sees: a shared filesystem."""
-        tmp = temp_dir(self.root, step, fresh=self.rt.is_main)
-        self.rt.barrier()
-        with writing(tmp / DCP_DIR):
-            parallel.save_sharded(tmp / DCP_DIR, model, optimizer, averaged)
-        try:
-            mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = (seal_own_shards(tmp, self.rt.rank), None)
-        except OSError as e:  # gathered, so that every rank raises it rather than waiting for the failed one
-            mine = ({}, e)
-        parts = self.rt.gather_objects(mine)  # also the barrier: every rank's shards are on disk after it
-        for _, error in parts:
-            if error is not None:
-                raise error
-        return {name: entry for files, _ in parts for name, entry in files.items()}
 
     def close(self) -> None:
         """Wait for queued mirror copies; warn once about any that failed. Safe to call again."""

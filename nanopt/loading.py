@@ -1,6 +1,6 @@
-"""Loading a trained model from a run directory, a checkpoint (whole files, or a sharded one's DCP shards: read in
-this one process whatever world size wrote them), or a Hugging Face Llama directory; a checkpoint's own weights or
-its averaged ones (train.ema_decay's ema.safetensors)."""
+"""Loading a trained model from a run directory, a checkpoint (its whole weights, model.safetensors, whatever world
+size and parallelism wrote it), or a Hugging Face Llama directory; a checkpoint's own weights or its averaged ones
+(train.ema_decay's ema.safetensors)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,7 +55,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     averaged = state.get("averaged_from") if isinstance(state.get("averaged_from"), dict) else None
     loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen, averaged)
     try:
-        checkpoint.load_checkpoint_weights(model, ckpt, loaded.weights_file)  # whole files or any rank's shards
+        checkpoint.load_model_weights(model, ckpt / loaded.weights_file)
     except ConfigError:  # no safetensors file (checkpoint.weights_header): already one paragraph
         raise
     except (ValueError, RuntimeError) as e:

@@ -1,6 +1,6 @@
 """THE parallelism (runtime.parallel): DDP replicas, FSDP2 shards on a 1-D DeviceMesh, or HSDP (FSDP2 on a 2-D
-(replicate, shard) mesh); what the train step asks of each (micro-step sync, gradient clipping, zeroing) and the
-full state a checkpoint holds whichever it is.
+(replicate, shard) mesh); what the train step asks of each (micro-step sync, gradient clipping, zeroing), and whole
+weights loaded into any of them (train.init_from). Checkpoints need nothing here: DCP reshards (checkpoint.py).
 
 Everything else sees one model object: under ddp the unwrapped model (DDP wraps a view of it for the step), under
 fsdp and hsdp the model itself, sharded in place by fully_shard (its parameters become DTensors, forward gathers
@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import warnings
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -216,128 +214,12 @@ def lockstep(model: nn.Module, rt: Runtime) -> Iterator[None]:
         model.reshard()
 
 
-# ---------------------------------------------------------------- the checkpoint's full state, whatever the parallelism
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(model state_dict, optimizer state_dict) as an unsharded model's: whole tensors, the optimizer's state
-    indexed by parameter position. Every rank calls it: a sharded model's state is gathered one tensor at a time
-    into rank 0's CPU memory (other ranks get none of it). So a checkpoint is the same files under ddp and fsdp."""
-    if not is_sharded(model):
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    return weights, _indexed(get_optimizer_state_dict(model, optimizer, options=options))
-
-
-def _indexed(by_name: dict[str, Any]) -> dict[str, Any]:
-    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) keyed by position across the
-    groups, as Optimizer.state_dict() numbers them. Ranks other than 0 receive nothing ({}) to convert."""
-    if not by_name:
-        return by_name
-    position = {name: i for i, name in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
-    return {"state": {position[name]: s for name, s in by_name["state"].items()},
-            "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in by_name["param_groups"]]}
-
-
+# ---------------------------------------------------------------- whole weights into a model, whatever the parallelism
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-    """Whole saved weights into `model` (each rank keeps its shard of a sharded one): (missing, unexpected)."""
+    """Whole weights (a Hugging Face import) into `model`, each rank keeping its shard of a sharded one:
+    (missing, unexpected)."""
     if not is_sharded(model):
         return model.load_state_dict(weights, strict=False)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     return set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """A whole saved optimizer state_dict cut to this rank's shards for a sharded model's optimizer (each moment
-    shaped like its parameter takes the parameter's placement; step counts stay whole); as it is otherwise."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not any(is_dtensor(p) for p in params):
-        return state
-
-    def cut(p: torch.Tensor, value: Any) -> Any:
-        shaped = isinstance(value, torch.Tensor) and value.shape == p.shape
-        return shard_like(p, value) if shaped else value
-
-    sharded = {i: {k: cut(params[i], v) for k, v in s.items()} if i < len(params) else s
-               for i, s in state["state"].items()}
-    return {**state, "state": sharded}
-
-
-# ---------------------------------------------------------------- checkpoint.sharded: each rank writes its own shards
-def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 averaged: Optional[dict[str, torch.Tensor]] = None) -> None:
-    """The model's and optimizer's state (and `averaged`, the EMA's tensors by parameter name) into the directory
-    `path` with torch.distributed.checkpoint: every rank calls it and writes its own shards, no rank gathers
-    anything. DCP's files record each shard's place in its tensor, so any world size and layout loads them."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    weights, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": weights, "optimizer": optimizer_state, **({"ema": averaged} if averaged else {})}
-    dcp.save(state, checkpoint_id=str(path))
-
-
-def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """save_sharded's weights into `model` (its shards, or whole tensors for an unsharded one: DCP reshards) and
-    the optimizer's state as Optimizer.state_dict() indexes it, cut like the model's parameters, for optim's
-    checked load. Every rank calls it (one process without a process group too). ValueError when the saved state
-    does not fit the model or optimizer."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
-
-    # The template DCP fills in place: the model's own tensors, and the optimizer's state (initialised by a
-    # zero-learning-rate step where it is empty, which get_state_dict does and which changes no weight).
-    weights, optimizer_state = get_state_dict(model, optimizer)
-    _check_shapes(path, "model", weights)
-    state = {"model": weights, "optimizer": optimizer_state}
-    _dcp_load(path, state)
-    set_model_state_dict(model, state["model"])
-    return _indexed(state["optimizer"])
-
-
-def load_sharded_tensors(path: Path, prefix: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Fill `tensors` (name -> a tensor of the saved shape: whole, or a DTensor shard) in place from the entries
-    `prefix` ("model", "ema") of save_sharded's files, whatever world size and layout wrote them; in one process
-    without a process group too. ValueError naming what the files lack."""
-    _check_shapes(path, prefix, tensors)
-    _dcp_load(path, {prefix: tensors})
-
-
-def sharded_entries(path: Path) -> set[str]:
-    """The top-level entries ("model", "optimizer", "ema") save_sharded's files at `path` hold, from DCP's
-    metadata (no tensor read)."""
-    return {key.split(".", 1)[0] for key in _metadata(path)}
-
-
-def _metadata(path: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
-
-
-def _check_shapes(path: Path, prefix: str, tensors: dict[str, Any]) -> None:
-    """ValueError naming the first tensors saved in another shape (DCP would read the overlap of the two and
-    leave the rest: a model of another width would load half-filled); a DTensor's shape is the whole tensor's."""
-    saved = _metadata(path)
-    wrong = [f"{name} {tuple(saved[key].size)} in the checkpoint vs {tuple(t.shape)} here"
-             for name, t in tensors.items() if (key := f"{prefix}.{name}") in saved
-             and isinstance(t, torch.Tensor) and hasattr(saved[key], "size") and tuple(saved[key].size) != t.shape]
-    if wrong:
-        raise ValueError(f"the shards hold tensors of other shapes: {'; '.join(wrong[:3])}")
-
-
-def _dcp_load(path: Path, state: dict[str, Any]) -> None:
-    """dcp.load into `state` in place; what does not fit as ValueError in one line (DCP's CheckpointException is a
-    BaseException holding one traceback per rank)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with warnings.catch_warnings():  # one process without a process group is a use, not an accident, here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
-    except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
-        lines = str(e).strip().splitlines()
-        raise ValueError(lines[-1][:500] if lines else e.__class__.__name__) from None

@@ -85,8 +85,8 @@ def _with_foreign_checkpoint(runs: dict[str, Path], root: Path) -> Path:
 
 def _reseal(ckpt: Path) -> None:
     """Rewrite COMPLETE for the files as they now are (a checkpoint that verifies)."""
-    files = {p.name: {"bytes": p.stat().st_size, "crc32": checkpoint.crc32_of(p)}
-             for p in ckpt.iterdir() if p.name != rundirs.COMPLETE_FILE}
+    files = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "crc32": checkpoint.crc32_of(p)}
+             for p in ckpt.rglob("*") if p.is_file() and p.name != rundirs.COMPLETE_FILE}
     (ckpt / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": checkpoint.step_of(ckpt), "files": files}))
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHORT_ARGS, fork_ranks
+from conftest import CPU, SHORT_ARGS, fork_ranks
 from nanopt import checkpoint, loading, parallel, rundirs, runtime
 from nanopt.config import load_config, parse_overrides
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.model import build_model
+from nanopt.optim import build_optimizer
 
 real_crc32 = checkpoint.crc32_of
 
@@ -32,7 +33,7 @@ def two_checkpoints(tmp_path_factory) -> Path:
     model = build_model(cfg.model, "cpu")
     opt = torch.optim.AdamW(model.parameters())
     for step in (2, 4):
-        checkpoint.save(root, step, checkpoint.model_state(model), opt.state_dict(), {"config": cfg.to_dict()}, keep=3)
+        checkpoint.save(root, step, checkpoint.model_state(model), {"config": cfg.to_dict()}, keep=3)
     return root
 
 
@@ -113,68 +114,125 @@ def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, two
 # ---------------------------------------------------------------- the manifest and the mirror
 
 
+def _checkpointer(run_dir: Path, *args: str) -> checkpoint.Checkpointer:
+    """The training loop's checkpointer of a SHORT_ARGS run in `run_dir`, as the one rank of no process group."""
+    cfg = load_config(None, parse_overrides([*SHORT_ARGS, f"--run.dir={run_dir}", *args]))
+    return checkpoint.Checkpointer(cfg, CPU, [])
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The SHORT_ARGS model and its optimizer after one step (moments to save)."""
+    cfg = load_config(None, parse_overrides(SHORT_ARGS))
+    model = build_model(cfg.model, "cpu")
+    opt = build_optimizer(model, cfg.train, "cpu", cfg.optim)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    model(x, x).backward()
+    opt.step()
+    return model, opt
+
+
 def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     """The COMPLETE manifest is summed by worker threads while the next file is written: it must still
-    describe exactly the bytes on disk, and no temp directory or thread may outlive the save."""
-    import zlib
-
-    model = torch.nn.Linear(64, 64)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 64)).sum().backward()
-    opt.step()
-    final = checkpoint.save(tmp_path, 4, checkpoint.model_state(model), opt.state_dict(), {"config": {}}, keep=2)
+    describe exactly the bytes on disk, the DCP files included, and no temp directory or thread may outlive the
+    save. One save path for every parallelism: the dcp/ shards a resume loads, and the whole weights for readers."""
+    model, opt = _trained()
+    final = _checkpointer(tmp_path).save(4, model, opt, {})
     files = json.loads((final / "COMPLETE").read_text())["files"]
-    assert sorted(files) == ["model.safetensors", "optimizer.pt", "rng.pt", "state.json"]
+    assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "model.safetensors", "rng.pt", "state.json"]
     for name, entry in files.items():
         raw = (final / name).read_bytes()
         assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
-    assert checkpoint.verify_checkpoint(final) is None and not list(tmp_path.glob(".tmp_*"))
+    root = tmp_path / rundirs.CHECKPOINTS_DIR
+    assert checkpoint.verify_checkpoint(final) is None and not list(root.glob(".tmp_*"))
     assert not [t for t in threading.enumerate() if t.name.startswith("nanopt-ckpt")]
 
 
-def _sharded_save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, cfg) -> Path:
-    """What Checkpointer.save does under checkpoint.sharded, as the one rank of no process group: the shards into
-    the temp directory's dcp/, then rank 0's save() lists them in COMPLETE."""
-    parallel.save_sharded(checkpoint.temp_dir(root, step) / rundirs.DCP_DIR, model, opt)
-    return checkpoint.save(root, step, None, None, {"config": cfg.to_dict()}, keep=3)
+def test_the_optimizer_state_dcp_gives_is_keyed_as_torch_saves_it():
+    """What a resume hands optim's checked load (checkpoint._indexed of DCP's name-keyed state) is what
+    optimizer.state_dict() gives: the same positions, groups and tensors (a tied embedding once)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-
-def test_a_sharded_checkpoint_is_listed_verified_loaded_whole_and_falls_back_when_a_shard_is_torn(tmp_path):
-    """checkpoint.sharded's DCP files count only as COMPLETE lists them: a truncated shard makes the checkpoint
-    incomplete, and the reader takes the previous one, naming the file (the same rule as model.safetensors). A
-    sharded checkpoint loads whole in one process with no process group (eval, sample, export), and a manifest
-    entry that climbs out of dcp/ is no checkpoint file."""
-    cfg = load_config(None, parse_overrides(SHORT_ARGS))
+    cfg = load_config(None, parse_overrides([*SHORT_ARGS, "--optim.name=adamw"]))
     model = build_model(cfg.model, "cpu")
-    opt = torch.optim.AdamW(model.parameters())
-    root = tmp_path / "run" / rundirs.CHECKPOINTS_DIR
-    _sharded_save(root, 2, model, opt, cfg)
+    optimizer = build_optimizer(model, cfg.train, "cpu", cfg.optim)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 8))
+    model(x, x).backward()
+    optimizer.step()
+    ours, torchs = checkpoint._indexed(get_optimizer_state_dict(model, optimizer)), optimizer.state_dict()
+    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in torchs["param_groups"]]
+    assert ours["param_groups"] == torchs["param_groups"]
+    assert ours["state"].keys() == torchs["state"].keys()
+    for i, state in torchs["state"].items():
+        for k, v in state.items():
+            assert torch.equal(ours["state"][i][k], v), (i, k)
+
+
+def test_dcp_files_are_listed_verified_and_fall_back_when_a_shard_is_torn_and_readers_load_whole_weights(tmp_path):
+    """The DCP files count only as COMPLETE lists them: a truncated shard makes the checkpoint incomplete, and the
+    reader takes the previous one, naming the file (the same rule as model.safetensors). Readers (eval, sample,
+    export) load the whole weights, and a manifest entry that climbs out of dcp/ is no checkpoint file."""
+    model, opt = _trained()
+    run_dir = tmp_path / "run"
+    root = run_dir / rundirs.CHECKPOINTS_DIR
+    _checkpointer(run_dir).save(2, model, opt, {})
     with torch.no_grad():
         model.embed.weight.add_(1.0)
-    final = _sharded_save(root, 4, model, opt, cfg)
+    final = _checkpointer(run_dir).save(4, model, opt, {})
     files = json.loads((final / rundirs.COMPLETE_FILE).read_text())["files"]
-    assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "rng.pt", "state.json"]
-    assert not (final / rundirs.MODEL_FILE).exists() and checkpoint.verify_checkpoint(final) is None
-    loaded = loading.load(tmp_path / "run")
+    assert checkpoint.verify_checkpoint(final) is None
+    loaded = loading.load(run_dir)
     assert loaded.step == 4 and torch.equal(loaded.model.embed.weight, model.embed.weight)
     shard = final / "dcp" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
     found, skipped = checkpoint.newest_checkpoint(root)
     assert found.name == "step_000002" and "dcp/__0_0.distcp has" in skipped[0], skipped
-    assert torch.allclose(loading.load(tmp_path / "run").model.embed.weight, model.embed.weight - 1.0, atol=1e-6)
+    assert torch.allclose(loading.load(run_dir).model.embed.weight, model.embed.weight - 1.0, atol=1e-6)
     files["dcp/../rng.pt"] = files["rng.pt"]
     (final / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": 4, "files": files}))
     assert "no checkpoint file" in checkpoint.verify_checkpoint(final)
 
 
+def _reseal(ckpt: Path) -> None:
+    """COMPLETE rewritten for the files as they now are: damage the checksums cannot see."""
+    manifest = json.loads((ckpt / rundirs.COMPLETE_FILE).read_text())
+    for name in manifest["files"]:
+        raw = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    (ckpt / rundirs.COMPLETE_FILE).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda c: (c / "dcp" / ".metadata").write_bytes(b"hello"), "dcp/.metadata"),  # was an UnpicklingError
+    (lambda c: (c / "dcp" / "__0_0.distcp").write_bytes((c / "dcp" / "__0_0.distcp").read_bytes()[:-100]),
+     "dcp/__0_0.distcp"),  # a cut shard: was a message naming no file that advised a config change
+])
+def test_dcp_files_damaged_behind_their_manifest_are_one_paragraph_naming_the_file(tmp_path, damage, named):
+    """A resume refuses them naming the file and the way out (an earlier checkpoint); without the rewritten manifest
+    it takes the previous checkpoint itself. Readers never read dcp/: eval, sample and export still load."""
+    model, opt = _trained()
+    run_dir = tmp_path / "run"
+    _checkpointer(run_dir).save(2, model, opt, {})
+    ckpt = _checkpointer(run_dir).save(4, model, opt, {})
+    manifest = (ckpt / rundirs.COMPLETE_FILE).read_bytes()
+    damage(ckpt)
+    _reseal(ckpt)
+    fresh, fresh_opt = _trained()
+    with pytest.raises(ConfigError) as e:
+        _checkpointer(run_dir).restore(fresh, fresh_opt, {})
+    assert f"checkpoint {ckpt}'s {named} cannot be restored" in str(e.value) and "earlier checkpoint" in str(e.value)
+    assert "allow_changes" not in str(e.value)
+    assert loading.load(run_dir).step == 4
+    (ckpt / rundirs.COMPLETE_FILE).write_bytes(manifest)
+    assert _checkpointer(run_dir).restore(fresh, fresh_opt, {})["step"] == 2
+
+
 def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
-    """One gloo rank of a 2-rank fsdp model: Checkpointer.save's sharded path (every rank writes its shards and
-    fsyncs and sums its own), recording which files this rank read back; then a save where rank 1's fsync fails."""
+    """One gloo rank of a 2-rank fsdp model: Checkpointer.save (every rank writes its DCP shards and fsyncs and sums
+    its own), recording which files this rank read back; then a save where rank 1's fsync fails."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rt = runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
-    cfg = load_config(None, parse_overrides([*SHORT_ARGS, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
-                                             f"--run.dir={root}"]))
+    cfg = load_config(None, parse_overrides([*SHORT_ARGS, "--runtime.parallel=fsdp", f"--run.dir={root}"]))
     model = build_model(cfg.model, "cpu")
     parallel.shard(model, cfg, rt)
     opt = torch.optim.AdamW(model.parameters())
@@ -199,7 +257,7 @@ def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
 
 @pytest.mark.slow
 def test_each_rank_reads_back_only_its_own_shards_and_a_rank_failing_to_seal_fails_every_rank(tmp_path):
-    """checkpoint.sharded on 2 forked fsdp ranks: rank 1 sums its own DCP file and rank 0 its own and the metadata,
+    """A checkpoint of 2 forked fsdp ranks: rank 1 sums its own DCP file and rank 0 its own and the metadata,
     never rank 1's (at 8B that would be the whole checkpoint read again by one rank); COMPLETE lists all of them
     and the checkpoint verifies. When rank 1 cannot fsync its shard, both ranks raise that error (no rank waits
     for the failed one) and no step_000004 appears."""
@@ -221,12 +279,12 @@ def test_each_rank_reads_back_only_its_own_shards_and_a_rank_failing_to_seal_fai
 
 
 def _synthetic(root: Path, step: int, sharded: bool = True, first: tuple[str, ...] = ()) -> Path:
-    """checkpoints/step_NNNNNN with random bytes under a sharded (2 ranks' DCP files) or a whole checkpoint's names
+    """checkpoints/step_NNNNNN with random bytes under a 2-rank checkpoint's names (DCP files) or a weights-only one's
     and a true COMPLETE, listing `first` first: verifying reads sizes and crc32s, never the contents."""
     ckpt = root / f"step_{step:06d}"
-    names = ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"] if sharded else ["model.safetensors",
-                                                                                        "optimizer.pt"]
-    sizes = dict(zip(names, (300, 40_000, 40_000) if sharded else (40_000, 30_000)))
+    names = ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "model.safetensors"] if sharded else \
+        ["model.safetensors", "ema.safetensors"]
+    sizes = dict(zip(names, (300, 40_000, 40_000, 20_000) if sharded else (40_000, 30_000)))
     (ckpt / "dcp" if sharded else ckpt).mkdir(parents=True)
     for name in names:
         (ckpt / name).write_bytes(torch.randint(0, 256, (sizes[name],), dtype=torch.uint8).numpy().tobytes())
@@ -355,8 +413,7 @@ def test_a_checkpoint_save_removes_links_in_its_way_never_what_they_point_to(tmp
     (root / "step_000002").symlink_to(mine)
     cfg = load_config(None, parse_overrides(SHORT_ARGS))
     model = build_model(cfg.model, "cpu")
-    opt_state = torch.optim.AdamW(model.parameters()).state_dict()
-    final = checkpoint.save(root, 2, checkpoint.model_state(model), opt_state, {}, keep=3)
+    final = checkpoint.save(root, 2, checkpoint.model_state(model), {}, keep=3)
     assert not final.is_symlink() and checkpoint.verify_checkpoint(final) is None
     assert [p.name for p in mine.iterdir()] == ["precious"] and (mine / "precious").read_text() == "the user's"
 
@@ -366,9 +423,8 @@ def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkey
     object, the OSError is its context, and the save removes its temp directory."""
     cfg = load_config(None, parse_overrides(SHORT_ARGS))
     model = build_model(cfg.model, "cpu")
-    opt = torch.optim.AdamW(model.parameters())
     root = tmp_path / rundirs.CHECKPOINTS_DIR
-    checkpoint.save(root, 2, checkpoint.model_state(model), opt.state_dict(), {}, keep=3)
+    checkpoint.save(root, 2, checkpoint.model_state(model), {}, keep=3)
     real = torch.save
 
     def full(obj, f, *args, **kwargs):
@@ -381,9 +437,9 @@ def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkey
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     with pytest.raises(DiskFull) as e:
-        checkpoint.save(root, 4, checkpoint.model_state(model), opt.state_dict(), {}, keep=3)
+        checkpoint.save(root, 4, checkpoint.model_state(model), {}, keep=3)
     monkeypatch.setattr(checkpoint.torch, "save", real)
-    assert f"writing {root / '.tmp_step_000004' / rundirs.OPTIMIZER_FILE}" in str(e.value)
+    assert f"writing {root / '.tmp_step_000004' / rundirs.RNG_FILE}" in str(e.value)
     assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]
     assert checkpoint.verify_checkpoint(root / "step_000002") is None
 

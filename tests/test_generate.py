@@ -86,7 +86,7 @@ def test_sample_cli_prints_seeded_continuations(tmp_path):
     cfg.model = ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     cfg.train.seq_len = 64  # a checkpoint's config is validated like a YAML one: max_seq_len >= seq_len
     model = build_model(cfg.model)
-    ckpt = checkpoint.save(tmp_path / "run" / "checkpoints", 3, checkpoint.model_state(model), None,
+    ckpt = checkpoint.save(tmp_path / "run" / "checkpoints", 3, checkpoint.model_state(model),
                            {"config": cfg.to_dict()}, keep=1)
 
     def sample(*extra: str) -> str:

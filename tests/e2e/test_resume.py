@@ -44,6 +44,15 @@ def final_weights(run_dir: Path, step: int = STEPS) -> bytes:
     return (run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors").read_bytes()
 
 
+def resumable_state(ckpt: Path) -> dict[str, Any]:
+    """Everything a checkpoint's dcp/ holds (weights, optimizer state by parameter name, average), read whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(ckpt / rundirs.DCP_DIR, Path(tmp) / "state.pt")
+        return torch.load(Path(tmp) / "state.pt", weights_only=False)
+
+
 def losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, training loss) of every logged step: a resumed run's log must read like the uninterrupted one."""
     out = []
@@ -122,8 +131,8 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
     assert final_weights(run_dir) == final_weights(reference)
     assert losses(run_dir) == losses(reference)
     assert len(losses(run_dir)) == STEPS  # each step logged once: the rows after the checkpoint were trimmed
-    ref_opt = torch.load(reference / "checkpoints" / f"step_{STEPS:06d}" / "optimizer.pt", weights_only=True)
-    opt = torch.load(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "optimizer.pt", weights_only=True)
+    ref_opt, opt = (resumable_state(d / "checkpoints" / f"step_{STEPS:06d}")["optimizer"] for d in (reference, run_dir))
+    assert ref_opt["state"] and ref_opt["state"].keys() == opt["state"].keys()
     for key, state in ref_opt["state"].items():
         for name, value in state.items():
             assert torch.equal(value, opt["state"][key][name]), (key, name)
@@ -208,7 +217,7 @@ def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypa
 @pytest.mark.slow
 def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
     """Rank 1 of 2 fsdp ranks is SIGKILLed in step 5; torchrun --max-restarts restarts both, which resume from the
-    step-4 checkpoint (whole tensors, cut back into each rank's shards) and end byte for byte as an uninterrupted
+    step-4 checkpoint (DCP's shards, read into each rank's) and end byte for byte as an uninterrupted
     run, weights, losses and AdamW state. Without gradient clipping (train.grad_clip=0) that is the one-process run,
     trained here meanwhile: the loader gives every step the same sequences at any world size, fsdp averages the two
     ranks' gradients as exactly as one process accumulates them (halving a sum is exact), and only clipping reads
@@ -306,13 +315,13 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference,
 @pytest.mark.slow
 def test_no_usable_checkpoint_is_refused_every_time_until_start_over(tmp_path, capsys):
     assert train_here(tmp_path, "--train.max_steps=2") == 0
-    (tmp_path / "checkpoints" / "step_000002" / "optimizer.pt").write_bytes(b"garbage")
+    (tmp_path / "checkpoints" / "step_000002" / "dcp" / "__0_0.distcp").write_bytes(b"garbage")
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     capsys.readouterr()
     for _ in range(2):  # the same paragraph every time: nothing is set aside, nothing restarts
         assert train_here(tmp_path, "--train.max_steps=3") == 2
         err = capsys.readouterr().err
-        assert "no usable checkpoint" in err and "optimizer.pt" in err and "start_over" in err
+        assert "no usable checkpoint" in err and "dcp/__0_0.distcp" in err and "start_over" in err
         assert "Traceback" not in err
         assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
         assert (tmp_path / "checkpoints" / "step_000002").is_dir()
