@@ -6,6 +6,7 @@ differ; language_modeling needs every continuation token to be the greedy predic
 the one continuation scorer (scoring.py), as lm-eval's are."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -14,11 +15,12 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Iterator
 
 import yaml
 
 from nanopt.errors import ConfigError
+from nanopt.io import read_text
 from nanopt.model import Llama
 from nanopt.runtime import Runtime
 from nanopt.scoring import TokenScores, token_scores
@@ -46,36 +48,33 @@ class CoreTask:
 
 def read_bundle(directory: str | Path, limit: int = 0) -> list[CoreTask]:
     """Every task core.yaml lists, with its items and random baseline; `limit` > 0 keeps that many per task. All of
-    it is checked here, before any scoring: each dataset_uri names a file inside the bundle, each baseline is a
-    percentage in [0, 100), each item has its type's fields with gold inside its options; ConfigError naming the
-    file (and line) otherwise."""
-    root = Path(directory)
-    specs = _read(root / "core.yaml", yaml.safe_load)
-    specs = specs.get("icl_tasks") if isinstance(specs, dict) else None
-    if not isinstance(specs, list) or not specs:
-        raise ConfigError(f"{root / 'core.yaml'} has no `icl_tasks` list. {HINT}.")
-    baselines = _read_baselines(root / "eval_meta_data.csv")
-    return [_read_task(root, spec, baselines, limit) for spec in specs]
+    it is read before any scoring by the libraries of its formats (yaml, csv, json), each item rendered once as
+    scoring renders it: what they raise is one ConfigError naming the file and line (_reading). nanopt checks what
+    they would accept: a dataset_uri that leaves the bundle, a baseline outside [0, 100), a gold outside its
+    options, a task without items or with too few for its shots."""
+    root, table = Path(directory), Path(directory) / "eval_meta_data.csv"
+    with _reading(root / "core.yaml", f"an `icl_tasks` list whose tasks have label, icl_task_type (one of "
+                  f"{', '.join(FIELDS)}), dataset_uri and num_fewshot"):
+        specs = yaml.safe_load(read_text(root / "core.yaml"))["icl_tasks"]
+        specs = [(s["label"], s["icl_task_type"], s["dataset_uri"], s["num_fewshot"], s.get(
+            "continuation_delimiter", " "), FIELDS[s["icl_task_type"]]) for s in specs or [None]]  # none: refused
+    with _reading(table, "CSV with the columns `Eval Task` and `Random baseline` (in percent) and a row per task"):
+        reader = csv.DictReader(io.StringIO(read_text(table)))
+        rows = {row["Eval Task"]: (row["Random baseline"], reader.line_num) for row in reader}
+        baselines = [_baseline(table, label, *rows[label]) for label, *_ in specs]
+    return [_read_task(root, spec, baseline, limit) for spec, baseline in zip(specs, baselines)]
 
 
-def _read(path: Path, parse: Callable[[str], Any]) -> Any:
+@contextlib.contextmanager
+def _reading(where: str | Path, what: str) -> Iterator[None]:
+    """What a format's library (or a missing key, a wrong type) raises on a bundle's file, as one ConfigError
+    naming the file (and line) and what it must hold."""
     try:
-        return parse(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError, csv.Error) as e:  # a decode error is a ValueError
-        raise ConfigError(f"{path} cannot be read: {e}. {HINT}.") from None
-
-
-def _read_baselines(path: Path) -> dict[str, tuple[str, int]]:
-    """eval_meta_data.csv's `Random baseline` per `Eval Task`, as written, with its line (checked where a task
-    uses it: DCLM's file lists more tasks than a core.yaml may)."""
-    reader = csv.DictReader(io.StringIO(_read(path, str)))
-    try:
-        if not {"Eval Task", "Random baseline"} <= set(reader.fieldnames or []):
-            raise ConfigError(f"{path} needs the columns `Eval Task` and `Random baseline` (a number, in percent); "
-                              f"its header is {reader.fieldnames}. {HINT}.")
-        return {row["Eval Task"]: (row["Random baseline"], reader.line_num) for row in reader}
-    except csv.Error as e:
-        raise ConfigError(f"{path}:{reader.line_num} cannot be read as CSV: {e}. {HINT}.") from None
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, LookupError, TypeError, yaml.YAMLError, csv.Error) as e:  # decoding: a ValueError
+        raise ConfigError(f"{where} cannot be read as {what} ({type(e).__name__}: {e}). {HINT}.") from None
 
 
 def _baseline(path: Path, label: str, written: Any, line: int) -> float:
@@ -91,64 +90,41 @@ def _baseline(path: Path, label: str, written: Any, line: int) -> float:
     return value
 
 
-def _data_file(root: Path, label: str, uri: Any) -> Path:
-    """eval_data/<dataset_uri>, which must stay inside the bundle: a bundle names its own files, so an absolute
-    path or a `..` is refused rather than read from elsewhere."""
-    name = Path(str(uri))
+def _read_task(root: Path, spec: tuple, baseline: float, limit: int) -> CoreTask:
+    label, kind, uri, shots, delimiter, fields = spec
+    name = Path(str(uri))  # inside the bundle: a bundle names its own files, and one elsewhere is not read
     if not str(uri) or name.is_absolute() or ".." in name.parts:
         raise ConfigError(f"{root / 'core.yaml'}: task {label}'s dataset_uri {uri!r} leaves the bundle; give the "
                           f"path of its JSONL file inside {root / 'eval_data'} (e.g. {label}.jsonl), and copy the "
                           f"file there if it lives elsewhere.")
-    return root / "eval_data" / name
-
-
-def _read_task(root: Path, spec: Any, baselines: dict[str, tuple[str, int]], limit: int) -> CoreTask:
-    try:
-        label, kind, uri, shots = (spec[k] for k in ("label", "icl_task_type", "dataset_uri", "num_fewshot"))
-    except (KeyError, TypeError):
-        raise ConfigError(f"{root / 'core.yaml'}: task {spec!r} needs label, icl_task_type, dataset_uri and "
-                          f"num_fewshot (a list such as [0]), as DCLM's core.yaml gives them.") from None
-    shots = shots[0] if isinstance(shots, list) and shots else shots
-    if kind not in FIELDS:
-        raise ConfigError(f"{root / 'core.yaml'}: task {label}'s icl_task_type {kind!r} is none of {list(FIELDS)}.")
-    if label not in baselines:
-        raise ConfigError(f"{root / 'eval_meta_data.csv'} has no row for task {label}: add its `Eval Task` and "
-                          f"`Random baseline`.")
-    baseline = _baseline(root / "eval_meta_data.csv", label, *baselines[label])
-    items = _read_items(_data_file(root, label, uri), kind)
+    items = _read_items(root / "eval_data" / name, kind, fields)
     random.Random(SHUFFLE_SEED).shuffle(items)
     items = items[:limit] if limit > 0 else items
+    shots = shots[0] if isinstance(shots, list) and shots else shots
     if not isinstance(shots, int) or not 0 <= shots < len(items):
         raise ConfigError(f"{root / 'core.yaml'}: task {label} has {len(items)} item(s) (limit {limit}), too few "
                           f"to draw num_fewshot {shots!r} examples from the others for each.")
-    return CoreTask(str(label), kind, shots, str(spec.get("continuation_delimiter", " ")), baseline, items)
+    return CoreTask(str(label), kind, shots, str(delimiter), baseline, items)
 
 
-def _read_items(path: Path, kind: str) -> list[dict]:
+def _read_items(path: Path, kind: str, fields: tuple[str, ...]) -> list[dict]:
+    with _reading(path, "UTF-8 text"):
+        lines = read_text(path).split("\n")  # not splitlines(): JSON may hold U+2028
     items = []
-    for number, line in enumerate(_read(path, str).split("\n"), 1):  # not splitlines(): JSON may hold U+2028
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
+        with _reading(f"{path}:{number}", f"a {kind} item: one JSON object with {', '.join(fields)}"):
             item = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"{path}:{number} is not JSON ({e}); a task file holds one JSON object a line.") from None
-        if not _complete(item, kind):
-            gold = f" (gold: an index into {OPTIONS[kind]})" if kind in OPTIONS else ""
-            has = list(item) if isinstance(item, dict) else f"a JSON {type(item).__name__}"
-            raise ConfigError(f"{path}:{number}: a {kind} item needs {', '.join(FIELDS[kind])}{gold}; this line has "
-                              f"{has}.")
+            render_prompts(kind, item, "", [])  # what scoring reads of it; as an example, its gold too:
+            gold, options = (item["gold"], item[OPTIONS[kind]]) if kind in OPTIONS else (0, [None])
+        if not (isinstance(options, list) and type(gold) is int and 0 <= gold < len(options)):
+            raise ConfigError(f"{path}:{number}: a {kind} item's gold is {gold!r}, not an index into its "
+                              f"{OPTIONS[kind]} (0 to {len(options) - 1}).")
         items.append(item)
     if not items:
         raise ConfigError(f"{path} holds no items (the file is empty); a task file holds one JSON object a line.")
     return items
-
-
-def _complete(item: Any, kind: str) -> bool:
-    if not isinstance(item, dict) or any(k not in item for k in FIELDS[kind]):
-        return False
-    options, gold = item.get(OPTIONS.get(kind, "")), item.get("gold")
-    return kind not in OPTIONS or (isinstance(options, list) and type(gold) is int and 0 <= gold < len(options))
 
 
 def render_prompts(kind: str, item: dict, delimiter: str, shots: list[dict]) -> list[str]:

@@ -47,6 +47,7 @@ def _lm_eval() -> Any:
         raise ConfigError("downstream tasks need lm-evaluation-harness: pip install -e '.[eval]' "
                           "(it brings lm-eval; nanopt train needs none of it).") from None
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines would bury nanopt's
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)  # what it logs on a task's data it raises: named once
     return lm_eval
 
 
@@ -339,11 +340,11 @@ def _fields_used(task: Any) -> set[str]:
     template's variables (lm-eval has parsed each template: the first row rendered)."""
     import jinja2.meta
 
-    features, used = set(getattr(task, "features", None) or []), set()
-    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
-        if isinstance(value := getattr(task.config, key, None), str):
-            used |= {value} & features or jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(value))
-    return used & features
+    used: set[str] = set()
+    for value in (task.config.doc_to_text, task.config.doc_to_target, task.config.doc_to_choice):
+        if isinstance(value, str):
+            used |= {value} | jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(value))
+    return used & set(getattr(task, "features", None) or [])
 
 
 def _gold_problem(task: Any, doc: Any) -> Optional[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
 
@@ -203,6 +204,8 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 BAD = {  # what is broken -> (how, the file the message names)
     "no bundle": (lambda b: (b / "core.yaml").unlink(), "core.yaml"),
+    "a FIFO for a task file": (lambda b: (os.remove(b / "eval_data" / "nanopt_line_end.jsonl"),  # refused unread
+                                          os.mkfifo(b / "eval_data" / "nanopt_line_end.jsonl")), "named pipe"),
     "no task list": (lambda b: (b / "core.yaml").write_text("tasks: []\n"), "core.yaml"),
     "task without a type": (lambda b: _edit(b / "core.yaml", "icl_task_type", "type"), "core.yaml"),
     "unknown type": (lambda b: _edit(b / "core.yaml", "schema", "generative"), "core.yaml"),
@@ -222,7 +225,8 @@ BAD = {  # what is broken -> (how, the file the message names)
     "empty data file": (lambda b: (b / "eval_data" / "nanopt_word_end.jsonl").write_text("\n"),
                         "nanopt_word_end.jsonl holds no items"),
     # A random baseline of 100 divided by zero; NaN, 150 and -10 gave a meaningless CORE.
-    **{f"baseline {v or 'empty'}": (lambda b, v=v: _edit(b / "eval_meta_data.csv", "50.0", v), "eval_meta_data.csv:3")
+    **{f"baseline {v or 'empty'}": (lambda b, v=v: _edit(b / "eval_meta_data.csv", "50.0", v),
+                                    f"eval_meta_data.csv:3: task nanopt_line_start's `Random baseline` is {v!r}")
        for v in ("100", "100.0", "nan", "150", "-10", "inf", "")},
     # A bundle names files inside itself: no way out of it, by `..` or an absolute path.
     "dataset_uri out of the bundle": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "../../x.jsonl"),
