@@ -7,12 +7,15 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import nanopt.model
 from conftest import REPO
 from nanopt import cli, hardware, mfu
 from nanopt.attention import eager
 from nanopt.config import ConfigError, ModelConfig, load_config
-from nanopt.model import build_model
+from nanopt.memory import Training, activation_bytes_per_token, device_memory
+from nanopt.model import Block, build_model, residual_linear
 from nanopt.runtime import Backend, Runtime
 
 # ---------------------------------------------------------------- FLOPs per token, by hand
@@ -487,3 +490,72 @@ def test_estimate_adds_an_hsdp_row_for_a_shard_group_and_refuses_one_that_does_n
     assert json.loads(capsys.readouterr().out)["memory"]["rows"][2]["shard_ranks"] == 4
     assert cli.run(["estimate", path, "--gpus", "16", "--shard-group-size", "3"]) == 2
     assert "`--shard-group-size 3` must be a positive divisor of the 16 GPUs" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a variant only this test knows
+
+
+class GeluMLPWithAnExtraLinear(torch.nn.Module):
+    """Another MLP, and an extra Linear per block: w2(gelu(extra(gelu(w1 x)))). Swapped into model.py's Block by
+    monkeypatching model.MLP alone: FLOPs, counts, memory and MFU must follow with no other file touched."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = torch.nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.extra = torch.nn.Linear(cfg.ffn_dim, cfg.ffn_dim, bias=False)
+        self.w2 = residual_linear(cfg.ffn_dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.extra(F.gelu(self.w1(x)))))  # B T C -> B T F -> B T F -> B T C
+
+
+def test_a_variant_defined_only_here_gets_its_flops_counts_memory_and_mfu(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from test_memory import _saved_bytes_per_token
+
+    monkeypatch.setattr(nanopt.model, "MLP", GeluMLPWithAnExtraLinear)
+    m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    torch.manual_seed(0)
+    model = build_model(m)
+    assert isinstance(model.layers[0].mlp, GeluMLPWithAnExtraLinear)
+    # Counts by hand: wq, wo 32·32; wk, wv 32·16; w1, w2 32·48; extra 48·48.
+    block = 2 * 32 * 32 + 2 * 32 * 16 + 2 * 32 * 48 + 48 * 48
+    counts = mfu.param_counts(model)
+    assert counts.block_matmuls == 2 * block and counts.norms == 32 * 5 and counts.lm_head == 97 * 32
+    assert counts.total == model.num_params() == 2 * block + 32 * 5 + 97 * 32
+    assert mfu.param_counts(mfu.meta_model(m)) == counts  # the meta-device twin the meter and estimate count
+
+    # FLOPs against FlopCounterMode, forward and backward (eager attention computes the full square).
+    model.set_attention(eager)
+    B, T = 3, 16
+    idx = torch.randint(0, m.vocab_size, (B, T))
+    flops = mfu.token_flops(model, T, causal_halving=False, micro_batch_size=B, loss_chunk_tokens=0)
+    with FlopCounterMode(display=False) as counter:
+        model(idx, idx).backward()
+    assert flops.full_attention == 6 * counts.n_6n + 12 * 2 * T * 32
+    assert counter.get_total_flops() == pytest.approx((flops.full_attention - 6 * counts.norms) * B * T, rel=0.01)
+    # train.recompute: every block's forward again but its down projection w2 (HFU's convention, measured).
+    model.zero_grad(set_to_none=True)
+    model.recompute_blocks = True
+    with FlopCounterMode(display=False) as recomputed:
+        model(idx, idx).backward()
+    again = mfu.token_flops(model, T, False, B, 0, recompute=True)
+    assert again.hardware - again.model == 2 * 2 * (block - 48 * 32 + 2 * 32) + 12 * 2 * T * 32 // 3
+    assert recomputed.get_total_flops() - counter.get_total_flops() == (again.hardware - again.model
+                                                                          - 2 * 2 * 2 * 32) * B * T
+
+    # Memory: parameters as counted, activations as autograd saves them in the variant's block.
+    t = Training("fp32", "adamw", micro_batch_size=B, seq_len=T, loss_chunk_tokens=0)
+    assert device_memory(mfu.meta_model(m), t, "ddp").params == 4 * counts.total
+    for precision in ("bf16", "bf16-pure"):  # (fp32 with GQA: the formula follows CUDA's K/V repeat, test_memory.py)
+        assert _saved_bytes_per_token(m, precision, batch=1) == pytest.approx(
+            activation_bytes_per_token(Block(m), precision), rel=0.02)
+
+    # MFU: the meter of a run of this config counts the variant (two H100s at 1 s a step).
+    cfg = load_config(None, [("train.precision", "bf16")])
+    cfg.model = m
+    meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3", world_size=2))
+    assert meter.flops.model == mfu.token_flops(model, cfg.train.seq_len).model
+    out = meter.update(step=10, window_steps=2, step_seconds=1.0)
+    assert out["mfu"] == pytest.approx(cfg.train.global_batch_tokens * meter.flops.model / (2 * 989.5e12))
