@@ -39,10 +39,7 @@ _Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
 
 def _check_out_dir(out_dir: Path) -> None:
     """Write only where nothing but our own earlier output would be replaced."""
-    refuse_inside_checkpoints(out_dir, "--make-tasks")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"{out_dir} is a file, not a directory; make_tasks writes task YAMLs and their JSONL "
-                          f"data into a directory. Pass a new or empty directory.")
+    refuse_inside_checkpoints(out_dir, "--make-tasks")  # a file at out_dir: mkdir's OSError, named by the CLI
     ours = OURS | ({BUNDLE_DIR} if _bundle_problem(out_dir / BUNDLE_DIR) is None else set())
     if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in ours) if out_dir.is_dir() else []):
         raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
@@ -156,8 +153,6 @@ def _bundle_problem(root: Path) -> Optional[str]:
     with), or None."""
     if not root.exists():
         return None
-    if not root.is_dir():
-        return "is a file"
     others = [p.name for p in root.iterdir() if p.name not in BUNDLE_FILES]
     data, labels = root / "eval_data", {f"{label}.jsonl" for label, *_ in GENERATED}
     others += [f"eval_data/{p.name}" for p in data.iterdir() if p.name not in labels] if data.is_dir() else \

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from nanopt.errors import ConfigError
+from nanopt.errors import ConfigError, path_problem
 from nanopt.taskgen import BUNDLE_DIR, MAX_ITEM_BYTES, make_tasks, write_bundle
 
 NOUNS = ["king", "raven", "castle", "river", "lantern", "soldier", "garden", "letter", "storm", "bell"]
@@ -142,8 +143,9 @@ def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
         n = 3
     else:
         texts, n = [english(0, lines=20)], 50  # 20 distinct lines make 20 items
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(OSError if case == "file" else ConfigError) as raised:
         make_tasks(out, texts, n=n)
+    assert re.search(match, path_problem(raised.value) if case == "file" else str(raised.value))
     if case == "foreign":
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # nothing written beside it
 
