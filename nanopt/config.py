@@ -33,7 +33,7 @@ BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operato
 # larger one is an OverflowError wherever it lands. Keys whose size allocates or loops (a batch, a context, a
 # sample's length) have tighter bounds of their own, each from what exists.
 INT_LIMIT = 2**63
-CONTEXT_LIMIT = 2**20  # model.max_seq_len, train.seq_len: a million tokens, the longest context models train at
+CONTEXT_LIMIT = 2**22  # model.max_seq_len, train.seq_len: 4M tokens, the longest Llama checkpoints published have
 
 
 def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[float] = None,
@@ -473,9 +473,10 @@ class PrepareConfig:
     train_tokens: int = key(0, "Token budget of the train split; 0 = every remaining document.", ge=0)
     val_tokens: int = key(0, "Token budget of the val split; 0 = no val split.", ge=0)
     test_tokens: int = key(0, "Token budget of the test split; 0 = no test split.", ge=0)
-    shard_tokens: int = key(100_000_000, "Tokens per shard file.", gt=0)
+    # A shard is held in memory until written (2^32 tokens: 16 GiB), a task's documents go to a worker in one message.
+    shard_tokens: int = key(100_000_000, "Tokens per shard file.", gt=0, le=2**32)
     workers: int = key(0, "Tokenizer processes; 0 = one per CPU core.", ge=0, le=1024)  # as runtime.threads
-    batch_documents: int = key(128, "Documents per worker task.", gt=0)
+    batch_documents: int = key(128, "Documents per worker task.", gt=0, le=2**20)
     retries: int = key(5, "A source error mid-stream (a hub outage longer than datasets' own retries) restarts "
                        "the stream from the last committed shard this many times, waiting 1, 2, 3... minutes; "
                        "0 = stop at the first error.", ge=0)

@@ -213,13 +213,14 @@ HUGE = 2**64
 BOUNDED = [
     ("eval.batches", HUGE, "in (0, 16384]"), ("train.global_batch_tokens", HUGE, "in (0, 2^30]"),
     ("sample.max_new_tokens", HUGE, "in [0, 2^16]"), ("runtime.threads", HUGE, "in [0, 1024]"),
-    ("model.max_seq_len", HUGE, "in [0, 2^20]"), ("train.seq_len", HUGE, "in (0, 2^20]"),
+    ("model.max_seq_len", HUGE, "in [0, 2^22]"), ("train.seq_len", HUGE, "in (0, 2^22]"),
     ("sample.num_samples", HUGE, "in [0, 1024]"), ("sample.temperature", 1e-320, "0 (greedy) or >= 0.0001"),
     ("model.rope_theta", 1e-320, "> 1"), ("model.init_std", 1e308, "in (0, 1]"),
     ("model.logit_softcap", 1e-320, "0 (off) or >= 1"), ("model.norm_eps", 1e308, "in (0, 1]"),
     ("model.vocab_size", HUGE, "in (0, 2^32]"), ("model.dim", HUGE, "in (0, 2^16]"),
     ("optim.muon_ns_steps", HUGE, "in (0, 100]"), ("data.pack_buffer", HUGE, "in (0, 2^20]"),
     ("prepare.shuffle_buffer", HUGE, "in [0, 2^20]"), ("prepare.workers", HUGE, "in [0, 1024]"),
+    ("prepare.shard_tokens", HUGE, "in (0, 2^32]"), ("prepare.batch_documents", HUGE, "in (0, 2^20]"),
     ("train.max_steps", HUGE, "below 2^63"), ("checkpoint.keep", HUGE, "below 2^63"),  # the default bound
     ("train.batch_schedule", f"0:4096,3:{2**40}", "in (0, 2^30]"),  # a stage's batch: the batch's bound
     ("profile.ranks", f"0,{HUGE}", "below 2^63"),  # a list's every number
