@@ -31,7 +31,6 @@ def two_checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpts")
     cfg = load_config(None, parse_overrides(SHORT_ARGS))
     model = build_model(cfg.model, "cpu")
-    opt = torch.optim.AdamW(model.parameters())
     for step in (2, 4):
         checkpoint.save(root, step, checkpoint.model_state(model), {"config": cfg.to_dict()}, keep=3)
     return root

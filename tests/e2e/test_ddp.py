@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import MUON_ARG, free_port, small_overrides, torchrun, torchrun_started
-from nanopt import checkpoint, loading
+from nanopt import loading, rundirs
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
 
@@ -192,13 +192,13 @@ COMPILED = ["--train.compile=true", "--train.recompute=true", "--sample.num_samp
 
 @pytest.fixture(scope="module")
 def sharded_half(tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
-    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks with checkpoint.sharded: each rank wrote its own DCP shards. Compiled
+    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks: each rank wrote its own DCP shards. Compiled
     per block with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): one torchrun for the
     compiled test and the sharded-checkpoint tests, which resume it eager (compile and recompute keep the state, so a
     resume may switch them). Returns (the run directory, the torchrun)."""
     run_dir = tmp_path_factory.mktemp("sharded_half")
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", "--checkpoint.sharded=true", *COMPILED,
-                        f"--run.dir={run_dir}"], env={"TORCH_LOGS": "dynamo,recompiles"})
+    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", *COMPILED, f"--run.dir={run_dir}"],
+                    env={"TORCH_LOGS": "dynamo,recompiles"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -206,18 +206,17 @@ def sharded_half(tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.Complet
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(fsdp_reference, sharded_half,
                                                                                   tmp_path):
-    """checkpoint.sharded: the step-5 checkpoint holds no model.safetensors but both ranks' DCP shards, each listed
-    in COMPLETE; 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as shards) and save sharded
+    """The step-5 checkpoint holds both ranks' DCP shards, each listed in COMPLETE, and the whole weights for readers
+    (no optimizer.pt); 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as shards) and save
     again at 10; the losses, evaluations and final weights (read whole in this process,
     no process group, as `nanopt eval/sample/export` do) equal the one-rank run to 1e-5."""
     written, _ = sharded_half
     ckpt = written / "checkpoints" / "step_000005"
     listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
-    assert not (ckpt / "model.safetensors").exists() and not (ckpt / "optimizer.pt").exists()
+    assert "model.safetensors" in listed and not (ckpt / "optimizer.pt").exists()
     shutil.copytree(written, tmp_path / "run")
-    proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", "--checkpoint.sharded=true",
-                        f"--run.dir={tmp_path / 'run'}"])
+    proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={tmp_path / 'run'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr + proc.stdout
     records, expected = _records(tmp_path / "run"), _records(fsdp_reference)
@@ -226,7 +225,7 @@ def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(
         assert abs(records[step][0] - loss) < 1e-5, step
     for weights, name in (("model", "model.safetensors"), ("ema", "ema.safetensors")):
         loaded = loading.load(tmp_path / "run", weights=weights)
-        assert loaded.step == 10 and checkpoint.is_sharded(loaded.source)
+        assert loaded.step == 10 and (loaded.source / rundirs.DCP_METADATA).is_file()
         whole, own = _final_weights(fsdp_reference, name), loaded.model.state_dict()
         for key in whole:
             assert (whole[key] - own[key]).abs().max().item() < 1e-5, (name, key)
@@ -250,7 +249,7 @@ def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
 def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_path):
     """Muon under fsdp on 2 ranks, each orthogonalising only the matrices it owns (optim.OwnerSplit: the owner
     gathers a matrix's rows, the others get theirs back), equals one rank within 1e-3 in loss and grad norm over 10
-    fp32 steps: 1-5 from scratch, 6-10 resumed under fsdp, so the momentum went through optimizer.pt whole and came
+    fp32 steps: 1-5 from scratch, 6-10 resumed under fsdp, so the momentum went through the DCP shards and came
     back as shards. The weights get 5e-3: Newton-Schulz runs in bf16, where the fp32 gradients' other summation order
     flips roundings, and DDP's Muon (every rank orthogonalising everything, as before the split, or split: the same
     bits) ends 1.3e-3 from one rank here too; losses stay within 4e-5 (AMD EPYC, 2026-11-27)."""
