@@ -19,35 +19,32 @@ from nanopt.errors import ConfigError, path_problem
 from nanopt.io import is_int, is_number, read_bytes
 
 KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false", dict: "an object",
-         list: "a list", object: "a value"}
+         list: "a list"}
 
 
 @dataclass(frozen=True)
 class Field:
-    """A value's shape. `kind` int, float (finite; an int is one too), str, bool, dict, list, or object (any, for
-    `test` to judge). An object's `fields` are checked by name, other keys pass (a newer nanopt may add some); `items`
-    is the shape of each element of a list, or each value of an object (a map). `what` says in words what the value
-    is, where the kind and bounds do not."""
+    """A value's shape. `kind` int, float (finite; an int is one too), str, bool, dict, list, or object (any value,
+    for `test` to judge). An object's `fields` are checked by name, other keys pass (a newer nanopt may add some);
+    `items` is the shape of each element of a list, or of each value of an object (a map). `what` says in words what
+    the value is where its kind and bound do not."""
     kind: type
     required: bool = False
     null: bool = False  # None is allowed too (an unreached target's figures are null)
-    lo: Optional[float] = None
-    hi: Optional[float] = None
+    lo: Optional[int] = None
     fields: dict[str, "Field"] = field(default_factory=dict)
     items: Optional["Field"] = None
     test: Optional[Callable[[Any], bool]] = None
     what: str = ""
 
     def expected(self) -> str:
-        bounds = (f" in [{self.lo}, {self.hi}]" if self.lo is not None and self.hi is not None else
-                  f" >= {self.lo}" if self.lo is not None else f" <= {self.hi}" if self.hi is not None else "")
-        return (self.what or KINDS[self.kind] + bounds) + (" or null" if self.null else "")
+        bound = "" if self.lo is None else f" >= {self.lo}"
+        return (self.what or KINDS[self.kind] + bound) + (" or null" if self.null else "")
 
     def fits(self, value: Any) -> bool:
-        kind = (is_int(value) if self.kind is int else is_number(value) and math.isfinite(value) if self.kind is float
-                else isinstance(value, self.kind))
-        return kind and (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi) and (
-            self.test is None or self.test(value))
+        kind = {int: is_int, float: lambda v: is_number(v) and math.isfinite(v)}.get(
+            self.kind, lambda v: isinstance(v, self.kind))(value)
+        return kind and (self.lo is None or value >= self.lo) and (self.test is None or self.test(value))
 
 
 def shown(value: Any) -> str:
@@ -61,25 +58,22 @@ def shown(value: Any) -> str:
 
 
 def problem(value: Any, shape: Field, subject: str = "the file", where: str = "") -> Optional[str]:
-    """Why `value` is not of `shape` ("`where` is FOUND, not EXPECTED"; `subject` at the top), or None. The first
-    problem in declaration order, then in the value's own order."""
-    said = f"`{where}`" if where else subject
+    """Why `value` is not of `shape`, the first thing wrong in declaration order ("`where` is FOUND, not EXPECTED",
+    `where` a path like `shards[1].after.next_doc`; `subject` at the top), or None."""
     if value is None and shape.null:
         return None
     if not shape.fits(value):
-        return f"{said} is {shown(value)}, not {shape.expected()}"
-    inner = f"{where}." if where else ""
-    if isinstance(value, dict):
-        for name, f in shape.fields.items():
-            if name not in value:
-                if f.required:
-                    return f"`{inner}{name}` is missing"
-            elif why := problem(value[name], f, subject, f"{inner}{name}"):
-                return why
-    children = (value.items() if isinstance(value, dict) else
-                ((f"{where}[{i}]", v) for i, v in enumerate(value)) if isinstance(value, list) else ())
-    for key, item in children if shape.items else ():
-        if why := problem(item, shape.items, subject, key if isinstance(value, list) else f"{inner}{key}"):
+        return f"{f'`{where}`' if where else subject} is {shown(value)}, not {shape.expected()}"
+    at = (lambda key: f"{where}[{key}]") if isinstance(value, list) else (lambda key: f"{where}.{key}" if where else str(key))
+    for name, f in shape.fields.items():  # fields belong to objects
+        if name not in value:
+            if f.required:
+                return f"`{at(name)}` is missing"
+        elif why := problem(value[name], f, subject, at(name)):
+            return why
+    items = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else ()
+    for key, item in items if shape.items else ():
+        if why := problem(item, shape.items, subject, at(key)):
             return why
     return None
 

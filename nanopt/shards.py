@@ -243,7 +243,7 @@ POSITION = Field(dict, what="a resume position (an object)", fields={
 ENTRY = Field(dict, what="a shard entry (an object)", fields={
     "file": Field(str, required=True, test=is_shard_name,
                   what=f"a shard name `nanopt prepare` writes ({_NAME_FIX} inside the manifest's directory)"),
-    "split": Field(str, required=True), "tokens": _COUNT, "crc32": Field(int, lo=0, hi=2**32 - 1),
+    "split": Field(str, required=True), "tokens": _COUNT, "crc32": Field(int, lo=0),
     "after": POSITION})
 MANIFEST_SHAPE = Field(dict, what="a shard manifest (an object)", fields={
     "state": replace(POSITION, required=True), "shards": Field(list, required=True, items=ENTRY),

@@ -1,5 +1,5 @@
 """`nanopt eval` and its watch loop (nanopt/watch.py) on run directories written by hand: finished by the summary's
-rule, odd files named in one paragraph, a damaged checkpoint skipped, finite times, and a linked evals.jsonl refused
+rule (a damaged run file: test_schema.py), a damaged checkpoint skipped, finite times, and a linked evals.jsonl refused
 before anything is evaluated. Watching a real training run: e2e/test_plots_and_watch.py."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 
-from conftest import BAD_UTF8, USERS, damage, no_traceback, one_paragraph, read_out, users_file, write_fake_run
+from conftest import BAD_UTF8, USERS, no_traceback, one_paragraph, read_out, users_file, write_fake_run
 from nanopt import rundirs
 from nanopt.cli import run as cli
 
@@ -48,29 +48,7 @@ def test_watch_stops_by_the_finished_rule_not_by_file_times(tmp_path, capsys):
     assert "--timeout 0.3 s passed before the run finished" in read_out(capsys)[0]
 
 
-# ---------------------------------------------------------------- eval --watch on odd files and times
-
-
-@pytest.fixture
-def watched(tmp_path: Path) -> Path:
-    return write_fake_run(tmp_path / "run", summary={"steps": 2}, **{"train.max_steps": 8})
-
-
-@pytest.mark.parametrize("name, data, words", [
-    (rundirs.CONFIG_FILE, BAD_UTF8, "the file is not UTF-8 text"),
-    (rundirs.CONFIG_FILE, b"run: {seed: 1}\ntrain: {max_steps: many}\n", "`train.max_steps` is a string"),
-    (rundirs.SUMMARY_FILE, BAD_UTF8, "the file is not UTF-8 text"),
-    (rundirs.SUMMARY_FILE, b"[1, 2]", "the file is an array [1, 2], not a run summary"),
-    (rundirs.SUMMARY_FILE, b'{"steps": "two"}', '`steps` is a string "two", not an integer'),
-    (rundirs.EVALS_FILE, b'{"step": 2}\n' + BAD_UTF8 + b'\n{"step": 4}\n', "line 2 is not UTF-8"),
-    (rundirs.EVALS_FILE, b'{"step": 2}\n[2, 4]\n', "line 2 is an array"),
-])
-def test_watch_names_an_odd_file(watched, capsys, name, data, words):
-    path = damage(watched, name, data)
-    assert cli(["eval", str(watched), "--watch", "--interval", "0.05", "--timeout", "2"]) == 2
-    _, err = read_out(capsys)
-    assert err.startswith("nanopt eval: error: ") and str(path) in err and words in err, err
-    no_traceback(err)
+# ---------------------------------------------------------------- eval --watch on a damaged checkpoint, odd times
 
 
 def test_watch_skips_a_checkpoint_whose_state_is_damaged_naming_it(tmp_path, capsys):
