@@ -598,7 +598,7 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
             return None
         typ = next(a for a in typing.get_args(typ) if a is not type(None))
     if typing.get_origin(typ) is list:
-        if isinstance(value, str):
+        if isinstance(value, str) or value is None:  # YAML's `key:` with nothing after it is the empty list
             value = comma_list(value, sep)
         items = value if isinstance(value, list) else [value]
         return [_convert(item, typing.get_args(typ)[0], key, where, sep=":") for item in items]

@@ -269,6 +269,8 @@ def test_config_lists_are_yaml_lists_and_the_comma_form_still_loads(name, tmp_pa
     assert [getattr(getattr(cfg, section), key_name) for cfg in forms] == [value] * 3
     if name != "profile.ranks":  # refused empty: below
         assert getattr(getattr(load_config(None, parse_overrides([f"--{name}="])), section), key_name) == []
+        path.write_text(f"{section}:\n  {key_name}:\n")  # nothing after the key: YAML's null
+        assert getattr(getattr(load_config(path), section), key_name) == []
     old = forms[0].to_dict()
     old[section][key_name] = as_text  # a checkpoint's state.json or config.yaml from before lists
     assert config_from_dict(old, "state.json") == forms[0]
