@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from nanopt.config import Config
-from nanopt.mfu import ParamCounts, meta_model, param_counts
+from nanopt.mfu import meta_model, param_counts
 from nanopt.model import RESIDUAL_OUT
 from nanopt.plan import build_plan
 
@@ -77,22 +77,21 @@ def activation_bytes_per_token(block: nn.Module, precision: str) -> int:
     - each other Linear that does not write the residual stream (SwiGLU's w1 and w3, relu2's w1): its output and the
       elementwise result made of it, 2·out·s (SwiGLU: w1, w3, silu and the product; relu2: the relu and its square);
     - scalar parameters (residual_scalars): the block input (x0 is shared)."""
-    s, pure = _dtypes(precision)[1], precision == "bf16-pure"
+    s = _dtypes(precision)[1]
     total, in_attention = 0, set()
     for m in block.modules():
         if hasattr(m, "n_heads") and hasattr(m, "head_dim"):  # model.Attention, or a variant's
             q_dim, kv_dim = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
-            sdpa_kv = q_dim if precision == "fp32" and kv_dim != q_dim else kv_dim
+            sdpa_kv = q_dim if precision == "fp32" else kv_dim
             qk_norm = FP32 * (q_dim + kv_dim) if getattr(m, "qk_norm_eps", None) is not None else 0
             total += s * (2 * q_dim + 2 * sdpa_kv) + FP32 * m.n_heads + qk_norm
             in_attention |= {id(x) for x in m.modules()}
         elif "Norm" in type(m).__name__:
-            total += (4 + (2 * s if pure else s)) * m.weight.numel()
-    hidden = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in in_attention
-              and not getattr(m, RESIDUAL_OUT, False)]
+            total += (4 + (2 * s if precision == "bf16-pure" else s)) * m.weight.numel()
+        elif isinstance(m, nn.Linear) and id(m) not in in_attention and not getattr(m, RESIDUAL_OUT, False):
+            total += 2 * s * m.out_features
     scalars = any(p.numel() == 1 for p in block.parameters())
-    return total + 2 * s * sum(m.out_features for m in hidden) + (_residual_bytes(precision) * _dim(block)
-                                                                   if scalars else 0)
+    return total + (_residual_bytes(precision) * _dim(block) if scalars else 0)
 
 
 def _dim(model: nn.Module) -> int:
@@ -111,18 +110,9 @@ def activation_bytes(model: nn.Module, t: Training) -> int:
     the logits in s, their fp32 log-softmax and its gradient (s + 8 bytes per position and vocabulary entry)."""
     tokens, s, dim = t.micro_batch_size * t.seq_len, _dtypes(t.precision)[1], _dim(model)
     blocks = [activation_bytes_per_token(b, t.precision) * tokens for b in model.layers]
-    saved = (len(blocks) * _residual_bytes(t.precision) * dim * tokens + max(blocks) if t.recompute
-             else sum(blocks))
+    saved = len(blocks) * _residual_bytes(t.precision) * dim * tokens + max(blocks) if t.recompute else sum(blocks)
     positions = min(t.loss_chunk_tokens, tokens) if t.loss_chunk_tokens > 0 else tokens
     return saved + (4 + s) * dim * tokens + (s + 8) * positions * model.lm_head.out_features
-
-
-def _optimizer_bytes(counts: ParamCounts, t: Training, weight: int) -> int:
-    """AdamW: two moments per parameter; Muon: one momentum buffer per block matrix, AdamW's two for the rest.
-    Moments are stored like the weights (fp32, or bf16 under bf16-pure)."""
-    if t.optimizer == "muon":
-        return weight * (counts.block_matmuls + 2 * (counts.total - counts.block_matmuls))
-    return 2 * weight * counts.total
 
 
 def device_memory(model: nn.Module, t: Training, parallel: str, shard_ranks: int = 1) -> DeviceMemory:
@@ -137,25 +127,22 @@ def device_memory(model: nn.Module, t: Training, parallel: str, shard_ranks: int
     if parallel not in PARALLELISMS:
         raise ValueError(f"parallel is one of {PARALLELISMS}, not {parallel!r}")
     counts, (weight, compute) = param_counts(model), _dtypes(t.precision)
-    activations, optimizer = activation_bytes(model, t), _optimizer_bytes(counts, t, weight)
+    # AdamW: two moments per parameter, stored like the weights; Muon: one momentum buffer per block matrix instead.
+    optimizer = weight * (2 * counts.total - (counts.block_matmuls if t.optimizer == "muon" else 0))
+    activations = activation_bytes(model, t)
     if parallel == "ddp":
         copies = compute * (counts.block_matmuls + counts.lm_head) if t.precision == "bf16" else 0
         return DeviceMemory("ddp", 1, weight * counts.total + copies, weight * counts.total, optimizer, activations,
                             copies)
-    n = shard_ranks
-    block = max(sum(p.numel() for p in b.parameters()) for b in model.layers)
-    root = counts.total - sum(sum(p.numel() for p in b.parameters()) for b in model.layers)
+    n, blocks = shard_ranks, [sum(p.numel() for p in b.parameters()) for b in model.layers]
+    block, root = max(blocks), counts.total - sum(blocks)
     gathered = compute * (root + GATHERED_BLOCKS * block)
     # At the peak (backward's start) the head's whole gradient is out (the root reduces last), and one block's:
     # in the compute dtype, plus the fp32 copy its reduce-scatter takes.
     unreduced = compute * counts.lm_head + (compute + (FP32 if compute != FP32 else 0)) * block
-    return DeviceMemory(parallel, n, _ceil(weight * counts.total, n) + gathered,
-                        _ceil(weight * counts.total, n) + unreduced, _ceil(optimizer, n), activations,
+    shard = -(-weight * counts.total // n)  # ceil
+    return DeviceMemory(parallel, n, shard + gathered, shard + unreduced, -(-optimizer // n), activations,
                         gathered + unreduced)
-
-
-def _ceil(total: int, n: int) -> int:
-    return -(-total // n)
 
 
 def every_parallelism(m: nn.Module, t: Training, devices: int,
@@ -171,19 +158,12 @@ def every_parallelism(m: nn.Module, t: Training, devices: int,
     return rows
 
 
-def training(cfg: Config, seq_len: int, recompute: bool = False) -> Training:
-    """The Training of a config's stage (its seq_len); `recompute` as if train.recompute were on."""
-    t = cfg.train
-    return Training(t.precision, cfg.optim.name, t.micro_batch_size, seq_len, t.loss_chunk_tokens,
-                    recompute or t.recompute)
-
-
 def config_memory(cfg: Config, devices: int, shard_group_size: Optional[int] = None,
                   recompute: bool = False) -> list[DeviceMemory]:
     """every_parallelism for a config on `devices`, each at its most demanding stage of the plan (the longest
-    sequences)."""
-    stages = build_plan(cfg.train, devices).stages
-    model = meta_model(cfg.model)
-    per_stage = [every_parallelism(model, training(cfg, s.seq_len, recompute), devices,
-                                   shard_group_size) for s in stages]
+    sequences); `recompute` as if train.recompute were on."""
+    t, model = cfg.train, meta_model(cfg.model)
+    per_stage = [every_parallelism(model, Training(t.precision, cfg.optim.name, t.micro_batch_size, s.seq_len,
+                                                   t.loss_chunk_tokens, recompute or t.recompute),
+                                   devices, shard_group_size) for s in build_plan(t, devices).stages]
     return [max(rows, key=lambda r: r.total) for rows in zip(*per_stage)]

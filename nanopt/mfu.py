@@ -1,9 +1,7 @@
-"""MFU: the formula (`mfu`), the FLOPs per token it divides, counted from the model's own modules (a model on the
-meta device costs nothing, so adding a layer to model.py is the whole change), and the meter that feeds it the
-loop's timings. The peaks are hardware.py's.
-
-"Model" FLOPs are what the model needs per token whatever the implementation does, so MFU compares runs across
-kernels, batch shapes and hardware; HFU adds what nanopt recomputes."""
+"""MFU: the formula (`mfu`), the FLOPs per token it divides, counted from the model's own modules (a meta-device
+model costs nothing, so adding a layer to model.py is the whole change), and the meter that feeds it the loop's
+timings. "Model" FLOPs are what the model needs whatever the implementation does, so MFU compares kernels, batch
+shapes and hardware; HFU adds what nanopt recomputes. The peaks are hardware.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +60,12 @@ class ParamCounts:
         return self.block_matmuls + self.norms + self.scalars + self.lm_head
 
 
-def _is_attention(module: nn.Module) -> bool:
-    return hasattr(module, "n_heads") and hasattr(module, "head_dim")  # model.Attention, or a variant's
+def attention_flops(module: nn.Module, seq_len: int, causal_halving: bool = True) -> int:
+    """Training FLOPs per token of the attention modules in `module` (model.Attention or a variant's: those with
+    n_heads and head_dim, d = their product): 2·T·d for the scores Q·Kᵀ and 2·T·d for P·V forward, twice that
+    backward: 12·T·d, halved when causal (causal kernels skip the masked half)."""
+    d = sum(m.n_heads * m.head_dim for m in module.modules() if hasattr(m, "n_heads") and hasattr(m, "head_dim"))
+    return 12 * seq_len * d // (2 if causal_halving else 1)
 
 
 def param_counts(model: nn.Module) -> ParamCounts:
@@ -91,31 +93,26 @@ class TokenFlops:
     hardware: int  # model + what nanopt recomputes: `hfu`
 
     def summary(self) -> dict[str, int]:
-        return {"flops_per_token": self.model, "flops_per_token_6n": self.six_n,
-                "flops_per_token_full_attention": self.full_attention, "flops_per_token_hardware": self.hardware}
+        return dict(zip(("flops_per_token", "flops_per_token_6n", "flops_per_token_full_attention",
+                         "flops_per_token_hardware"), dataclasses.astuple(self)))
 
 
 def token_flops(model: nn.Module, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
                 loss_chunk_tokens: int = 0, recompute: bool = False) -> TokenFlops:
     """Every FLOPs-per-token figure of `model` training at `seq_len` (micro-batches of micro_batch_size rows).
-    Attention, per attention module (n_heads × head_dim = d) and token: 2·T·d for the scores Q·Kᵀ and 2·T·d for P·V
-    forward, twice that backward: 12·T·d, halved when causal. Recomputed (HFU only): the chunked loss
+    Recomputed (HFU only): the chunked loss
     (train.loss_chunk_tokens) runs the head forward again when a micro-batch holds more positions than a chunk;
     train.recompute runs every block's forward again (2 per weight, and attention's forward, a third of it) but for
     its last residual-output Linear (the MLP's down projection): no backward needs its output, so torch's checkpoint
     stops before it."""
     counts = param_counts(model)
     six_n = 6 * counts.n_6n
-    full = 12 * seq_len * sum(m.n_heads * m.head_dim for m in model.modules() if _is_attention(m))
-    attention = full // 2 if causal_halving else full
+    full, attention = attention_flops(model, seq_len, False), attention_flops(model, seq_len, causal_halving)
     again = 2 * counts.lm_head if 0 < loss_chunk_tokens < micro_batch_size * seq_len else 0
-    if recompute:
-        for block in model.layers:
-            weights = [p.numel() for m in block.modules() if not isinstance(m, nn.Embedding)
-                       for p in m.parameters(recurse=False)]
-            down = [m.weight.numel() for m in block.modules() if getattr(m, RESIDUAL_OUT, False)][-1:]
-            again += 2 * (sum(weights) - sum(down))
-        again += attention // 3
+    for block in model.layers if recompute else []:
+        weights = [p.numel() for m in block.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(False)]
+        down = [m.weight.numel() for m in block.modules() if getattr(m, RESIDUAL_OUT, False)][-1:]
+        again += 2 * (sum(weights) - sum(down)) + attention_flops(block, seq_len, causal_halving) // 3
     return TokenFlops(six_n + attention, six_n, six_n + full, six_n + attention + again)
 
 
@@ -131,8 +128,8 @@ class MFUMeter:
                  peak_label: str = "", basis: str = ""):
         self.per_token, self.peak_flops, self.world_size = per_token, peak_flops, world_size
         self.first_counted_step = start_step + warmup_steps + 1
-        self.peak_label = peak_label  # where the peak came from (spec sheet, measured, override)
-        self.basis = basis  # "bf16-equivalent" when FP8 matmuls are counted against the bf16 peak, else ""
+        # Where the peak came from (spec sheet, measured, override); "bf16-equivalent" when FP8 matmuls are counted.
+        self.peak_label, self.basis = peak_label, basis
         self.tokens_done, self.seconds_done, self.flops_done = 0.0, 0.0, [0.0] * len(CONVENTIONS)
         self.set_stage(tokens_per_step, seq_len)
 
@@ -146,10 +143,9 @@ class MFUMeter:
         (its compile, or a new seq_len's recompile) timed alone, in neither the figure nor the summary."""
         if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
             return dict.fromkeys((*CONVENTIONS, "tflops_per_device"))
-        tokens_per_s, seconds = self.tokens_per_step / step_seconds, window_steps * step_seconds
-        per_token = dataclasses.astuple(self.flops)
-        self.tokens_done += tokens_per_s * seconds
-        self.seconds_done += seconds
+        tokens_per_s, seconds, per_token = self.tokens_per_step / step_seconds, window_steps * step_seconds, \
+            dataclasses.astuple(self.flops)
+        self.tokens_done, self.seconds_done = self.tokens_done + tokens_per_s * seconds, self.seconds_done + seconds
         self.flops_done = [done + f * tokens_per_s * seconds for done, f in zip(self.flops_done, per_token)]
         return {**{name: mfu(f, tokens_per_s, self.peak_flops, self.world_size) for name, f in
                    zip(CONVENTIONS, per_token)},
@@ -164,9 +160,7 @@ class MFUMeter:
                 "mfu_basis": self.basis or None, **self.flops.summary(), **mean}
 
 
-@functools.cache  # once per process and message
-def warn_once(message: str) -> None:
-    log.warning(message)
+warn_once = functools.cache(log.warning)  # once per process and message
 
 
 def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
@@ -203,9 +197,9 @@ def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
                                   micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens,
                                   recompute=t.recompute)
     peak, where = run_peak(cfg, rt)
-    dense = matmul_precision(t.precision)
-    if dense == "tf32" and rt.backend.measures_peak and cfg.mfu.hardware == "auto":
-        dense = "fp32"  # the CPU's measured fp32 matmul, not a TF32 spec sheet
+    # FP8 matmuls count against the run precision's dense peak; a CPU's is its measured fp32 matmul, not TF32's.
+    measured = rt.backend.measures_peak and cfg.mfu.hardware == "auto"
+    dense = "fp32" if t.precision == "fp32" and measured else matmul_precision(t.precision)
     basis = f"{dense}-equivalent" if t.fp8 != "none" else ""
     f = per_token(t.seq_len)
     if rt.is_main:
