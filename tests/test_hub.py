@@ -5,10 +5,14 @@ prints: test_prepare.py, e2e/test_bad_task_input.py."""
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
+from conftest import REPO
 from nanopt import hub
 
 
@@ -121,3 +125,19 @@ def test_the_paragraph_names_what_why_and_the_fix(monkeypatch, online_env):
     assert "\n" not in text
     streamed = hub.not_cached("a stream", OSError("offline"), "Prepare elsewhere.", fetch=None)
     assert "cache here" not in streamed and streamed.endswith("Prepare elsewhere.")
+
+
+@pytest.mark.slow
+def test_a_dead_proxy_is_one_paragraph_at_once_naming_the_offline_fix(tmp_path):
+    """A real process behind HTTPS_PROXY=http://127.0.0.1:9 (nothing listens there) with an empty hub cache. Before,
+    the probe was skipped when a proxy was set: 51 s and 20 "Retrying in ..." lines, then the paragraph."""
+    env = {k: v for k, v in os.environ.items() if k not in hub.OFFLINE_ENV + hub.PROXY_ENV + ("HF_ENDPOINT",)}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "nanopt.cli", "train", "--data.tokenizer=gpt2",
+                           f"--run.dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=60)  # the libraries' retries alone took 51 s
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "Retry" not in proc.stderr
+    for words in ("`data.tokenizer` 'gpt2'", "the proxy 127.0.0.1:9 cannot be connected to", "HF_HUB_OFFLINE=1",
+                  "local directory"):
+        assert words in proc.stderr, proc.stderr
