@@ -39,8 +39,7 @@ def gains(recipe: str, in_features: int, out_features: int) -> bool:
 
 
 def converts(recipe: str, which: str, in_features: int, out_features: int) -> bool:
-    """train.fp8_filter's rule for one block Linear: `all` takes every shape torchao accepts, `auto` those that
-    gain."""
+    """train.fp8_filter's rule for one block Linear: `all` takes every shape torchao accepts, `auto` those gaining."""
     accepted = in_features % DIM_MULTIPLE == 0 and out_features % DIM_MULTIPLE == 0
     return accepted and (which == "all" or gains(recipe, in_features, out_features))
 
@@ -60,16 +59,15 @@ def flops_share(model: nn.Module, t: TrainConfig, seq_len: int, causal_halving: 
     if t.fp8 == "none":
         return 0.0
     keep = module_filter(t.fp8, t.fp8_filter)
-    fp8_weights = sum(m.weight.numel() for fqn, m in model.named_modules() if keep(m, fqn))
-    return 6 * fp8_weights / token_flops(model, seq_len, causal_halving).model
+    return 6 * sum(m.weight.numel() for fqn, m in model.named_modules() if keep(m, fqn)) / token_flops(
+        model, seq_len, causal_halving).model
 
 
 def _torchao_float8() -> ModuleType:
     """torchao.float8 (the `fp8` extra), imported on first use. Its import logs a warning for each torchao C++
     extension that does not load on this machine and one of torch's deprecations; float8 training uses none."""
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
+    levels = {q: q.level for q in map(logging.getLogger, ("torchao", "torch.utils._pytree"))}
+    for q in levels:
         q.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
@@ -77,7 +75,7 @@ def _torchao_float8() -> ModuleType:
         raise ConfigError(f"`train.fp8` needs torchao, which is not importable ({e}); install it with "
                           f"`pip install -e '.[fp8]'` or set `--train.fp8=none`.") from None
     finally:
-        for q, level in zip(quiet, levels):
+        for q, level in levels.items():
             q.setLevel(level)
     return float8
 
