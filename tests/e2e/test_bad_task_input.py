@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -65,70 +66,48 @@ def tasks(tmp_path_factory) -> Path:
     return root
 
 
-def _broken_bundle(tasks: Path, tmp_path: Path, old: str, new: str, name: str = "eval_meta_data.csv") -> Path:
-    bundle = tmp_path / "bundle"
-    shutil.copytree(tasks / "bundle", bundle)
-    path = bundle / name
-    path.write_text(path.read_text().replace(old, new, 1))
-    return bundle
+TASK = "{run} --tasks %s --include-path {tasks} --limit 4"
+# One row per damaged input: (a change to a copy of the bundle (file, old, new) or None, the `nanopt eval`
+# arguments, words its one paragraph holds).
+DAMAGED = {
+    "bad_json": (None, TASK % "bad_json", ["bad_json.jsonl", "JSON parse error", "in row 1"]),
+    "bad_empty": (None, TASK % "bad_empty", ["bad_empty.jsonl has no rows"]),
+    "bad_gold": (None, TASK % "bad_gold", ["bad_gold.jsonl row 3", "not one of its 4 choices"]),
+    "bad_gold_first": (None, TASK % "bad_gold_first", ["bad_gold_first.jsonl", "IndexError"]),
+    "bad_context": (None, TASK % "bad_context", ["bad_context.jsonl", "'context' is undefined"]),
+    "bad_row_context": (None, TASK % "bad_row_context", ["bad_row_context.jsonl row 2", "no context"]),
+    "bad_missing": (None, TASK % "bad_missing", ["bad_missing.yaml", "Unable to find", "bad_missing.jsonl"]),
+    "bad_fifo": (None, TASK % "bad_fifo", ["bad_fifo.jsonl", "Unable to find"]),
+    "bad_group": (None, TASK % "bad_group", ["task bad_group", "bad_json.jsonl", "JSON parse error"]),
+    # A random baseline of 100 divided by zero (each value outside [0, 100): test_core.py's BAD table).
+    "baseline 100": (("eval_meta_data.csv", "25.0", "100"), "{run} --core {bundle}",
+                     ["eval_meta_data.csv:2", "nanopt_line_end", "'100'"]),
+    "dataset_uri ..": (("core.yaml", "nanopt_line_end.jsonl", "../../elsewhere/x.jsonl"), "{run} --core {bundle}",
+                       ["core.yaml", "dataset_uri", "leaves the bundle"]),
+    "dataset_uri absolute": (("core.yaml", "nanopt_line_end.jsonl", "{elsewhere}"), "{run} --core {bundle}",
+                             ["core.yaml", "dataset_uri", "leaves the bundle"]),
+    "core.yaml": (("core.yaml", "icl_tasks", "icl_tasks: ["), "{run} --core {bundle}", ["core.yaml cannot be read"]),
+    "no run": (None, "{tmp}/nothing --tasks nanopt_mc --include-path {tasks}", ["does not exist"]),
+    "num_fewshot -1": (None, "{run} --tasks nanopt_mc --num-fewshot -1", ["--num-fewshot -1", "0 or more"]),
+    "tasks ,": (None, "{run} --tasks ,", ["--tasks ','", "names no task"]),
+    "tasks blank": (None, "{run} --tasks ' , ' --core x", ["names no task"]),
+}
 
 
-def _task(name: str):
-    return lambda run, tasks, tmp: [run, "--tasks", name, "--include-path", str(tasks), "--limit", "4"]
-
-
-def _bundle(old: str, new: str, name: str = "eval_meta_data.csv"):
-    return lambda run, tasks, tmp: [run, "--core", str(_broken_bundle(tasks, tmp, old, new, name))]
-
-
-def _outside(uri: str):
-    """A bundle whose dataset_uri leaves it for a good task file elsewhere, which it would read without the check."""
-    def args(run: str, tasks: Path, tmp: Path) -> list[str]:
-        elsewhere = tmp / "elsewhere" / "x.jsonl"
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.startswith("bad_") else c
+                                  for c in DAMAGED])  # slow: lm-eval indexes its tasks for seconds
+def test_damaged_task_input_is_one_paragraph_naming_the_file(case, tasks, run_dir, tmp_path, capsys):
+    damage, args, words = DAMAGED[case]
+    elsewhere = tmp_path / "elsewhere" / "x.jsonl"  # a good task file, but not the bundle's
+    names = {"run": run_dir, "tasks": tasks, "bundle": tmp_path / "bundle", "elsewhere": elsewhere, "tmp": tmp_path}
+    if damage:
+        (name, old, new), bundle = damage, shutil.copytree(tasks / "bundle", tmp_path / "bundle")
+        (bundle / name).write_text((bundle / name).read_text().replace(old, new.format(**names), 1))
+    if case.startswith("dataset_uri"):
         elsewhere.parent.mkdir()
         shutil.copy(tasks / "bundle" / "eval_data" / "nanopt_line_end.jsonl", elsewhere)
-        written = str(elsewhere) if uri == "ABSOLUTE" else uri
-        bundle = _broken_bundle(tasks, tmp, "nanopt_line_end.jsonl", written, "core.yaml")
-        assert (bundle / "eval_data" / written).resolve() == elsewhere.resolve()
-        return [run, "--core", str(bundle)]
-    return args
-
-
-def _flags(*flags: str):
-    return lambda run, tasks, tmp: [run, *flags]
-
-
-slow = pytest.mark.slow  # lm-eval indexes its tasks for seconds
-DAMAGED = [  # (id, `nanopt eval` arguments meeting the damaged input, words its one paragraph holds)
-    pytest.param(_task("bad_json"), ["bad_json.jsonl", "JSON parse error", "in row 1"], id="bad_json", marks=slow),
-    pytest.param(_task("bad_empty"), ["bad_empty.jsonl has no rows"], id="bad_empty", marks=slow),
-    pytest.param(_task("bad_gold"), ["bad_gold.jsonl row 3", "not one of its 4 choices"], id="bad_gold", marks=slow),
-    pytest.param(_task("bad_gold_first"), ["bad_gold_first.jsonl", "IndexError"], id="bad_gold_first", marks=slow),
-    pytest.param(_task("bad_context"), ["bad_context.jsonl", "'context' is undefined"], id="bad_context", marks=slow),
-    pytest.param(_task("bad_row_context"), ["bad_row_context.jsonl row 2", "no context"], id="bad_row_context",
-                 marks=slow),
-    pytest.param(_task("bad_missing"), ["bad_missing.yaml", "Unable to find", "bad_missing.jsonl"], id="bad_missing",
-                 marks=slow),
-    pytest.param(_task("bad_fifo"), ["bad_fifo.jsonl", "Unable to find"], id="bad_fifo", marks=slow),
-    pytest.param(_task("bad_group"), ["task bad_group", "bad_json.jsonl", "JSON parse error"], id="bad_group",
-                 marks=slow),
-    # A random baseline of 100 divided by zero (each value outside [0, 100): test_core.py's BAD table).
-    pytest.param(_bundle("25.0", "100"), ["eval_meta_data.csv:2", "nanopt_line_end", "'100'"], id="baseline 100"),
-    *[pytest.param(_outside(u), ["core.yaml", "dataset_uri", "leaves the bundle"], id=f"dataset_uri {u}")
-      for u in ("../../elsewhere/x.jsonl", "ABSOLUTE")],
-    pytest.param(_bundle("icl_tasks", "icl_tasks: [", "core.yaml"), ["core.yaml cannot be read"], id="core.yaml"),
-    pytest.param(lambda run, tasks, tmp: [str(tmp / "nothing"), "--tasks", "nanopt_mc", "--include-path",
-                                          str(tasks)], ["does not exist"], id="no run"),
-    pytest.param(_flags("--tasks", "nanopt_mc", "--num-fewshot", "-1"), ["--num-fewshot -1", "0 or more"],
-                 id="num_fewshot -1"),
-    pytest.param(_flags("--tasks", ","), ["--tasks ','", "names no task"], id="tasks ,"),
-    pytest.param(_flags("--tasks", " , ", "--core", "x"), ["names no task"], id="tasks blank"),
-]
-
-
-@pytest.mark.parametrize("args, words", DAMAGED)
-def test_damaged_task_input_is_one_paragraph_naming_the_file(args, words, tasks, run_dir, tmp_path, capsys):
-    assert cli(["eval", *args(str(run_dir), tasks, tmp_path)]) == 2
+        assert (bundle / "eval_data" / new.format(**names)).resolve() == elsewhere.resolve()  # read, unchecked
+    assert cli(["eval", *shlex.split(args.format(**names))]) == 2
     line = error_line(capsys.readouterr().err)
     for word in words:
         assert word in line, line
