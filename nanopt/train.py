@@ -33,7 +33,7 @@ from nanopt.model import build_model
 from nanopt.optim import apply_schedule, build_optimizer, lr_multiplier
 from nanopt.plan import Plan, Stage, build_plan
 from nanopt.runtime import Runtime, bf16_slowdown
-from nanopt.tokenizer import get_tokenizer
+from nanopt.tokenizer import Tokenizer, get_tokenizer
 
 log = logging.getLogger("nanopt")
 
@@ -92,16 +92,14 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
 
 
 class Trainer:
-    """One session of a run: __init__ sets up, train() loops, finish() ends. What the loop holds: the model as it
-    is saved, evaluated and sampled (`model`: sharded in place under fsdp), the model the step calls
-    (`train_model`: compiled, under DDP) and the step (`train_step`: one graph on XLA); the optimizer and the
-    averaged weights; the data (`plan`, `loader`); the run's counters (`state`); and the components, each deciding
-    for itself whether it acts at a step: `logger`, `evaluator` (with the speedrun clock), `tasks`, `ckpt`, `stop`
-    and `guard` (NaN/inf), and the profiler, open around the loop."""
+    """One session of a run: __init__ sets up (resumed from the newest checkpoint when there is one), train() loops,
+    finish() ends. What the loop holds: the model as it is saved, evaluated and sampled (`model`: sharded in place
+    under fsdp), the model the step calls (`train_model`: compiled, under DDP) and the step (`train_step`: one graph
+    on XLA); the optimizer and the averaged weights; the data (`plan`, `loader`); the run's counters (`state`); and
+    the components, each deciding for itself whether it acts at a step: `logger`, `evaluator` (with the speedrun
+    clock), `tasks`, `ckpt`, `stop` and `guard` (NaN/inf), and the profiler, open around the loop."""
 
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger):
-        """Data, model, optimizer, and the loop's components; resumed from the newest checkpoint when there is
-        one."""
         t = cfg.train
         self.cfg, self.rt, self.metrics = cfg, rt, metrics
         self.stop = faults.StopSignal(rt, cfg.run.time_limit_s)  # first: the time limit counts set-up too
@@ -118,10 +116,12 @@ class Trainer:
         self.tokenizer = get_tokenizer(cfg.data.tokenizer)
         self.plan = build_plan(t, rt.world_size)
         first = self.plan.stages[0]
-        # Each step asks the loader for its own stage's rows.
-        self.loader = build_loader(cfg, rt, train_windows, self.tokenizer.bos_id, data_seed, first.accum)
-        val_batches = data.eval_batches(val_windows, t.micro_batch_size, cfg.eval.batches, rt.rank, rt.world_size,
-                                        cfg.eval.seed)
+        # The training rows as data.packing cuts them (validation always reads windows, so val loss compares); each
+        # step asks for its own stage's rows. Packing's BOS index is cached by the shards' contents.
+        args = (t.micro_batch_size, rt.rank, rt.world_size, first.accum, data_seed)
+        self.loader = data.Loader(train_windows, *args) if cfg.data.packing == "windows" else packing.PackedLoader(
+            packing.Documents(train_windows.shards, self.tokenizer.bos_id, train_windows.infos), *args, t.seq_len,
+            cfg.data.pack_buffer)
         attention_name, kernel = choose(cfg.model.attention, rt.kind, t.precision, rt.hardware_name())
         model = build_model(cfg.model, rt.device, kernel=kernel, loss_chunk_tokens=t.loss_chunk_tokens,
                             dtype=rt.param_dtype, init_device=rt.backend.init_device)  # XLA: the host RNG's init
@@ -157,13 +157,12 @@ class Trainer:
                         "matmul (model.dim) measured %.0fx slower in bf16 than in fp32 here. Set "
                         "--train.precision=fp32 to train at this CPU's speed.", t.precision, rt.hardware_name(),
                         cfg.model.dim, bf16_slowdown(cfg.model.dim, rt.device))
-        self.guard = faults.FiniteGuard(rt, self.state.step)  # NaN/inf loss on any rank -> TrainingError, no per-step sync
+        self.guard = faults.FiniteGuard(rt, self.state.step)  # a NaN/inf loss on any rank, with no per-step sync
         self.logger = StepLogger(cfg, rt, metrics, self.guard, self.state.step, self.plan)
-        token_bytes = token_bytes_table(self.tokenizer, cfg.model.vocab_size, rt.device)
         self.train_model = step_model(model, t, rt, self.plan)
         # XLA: the whole step as one graph, compiled once per step shape (a schedule's stages may each bring one).
         self.train_step = rt.backend.compile_step(train_step, self.optimizer, shapes=len(self.plan.stages))
-        self.evaluator = Validator(cfg, rt, model, directory, val_batches, token_bytes, metrics, clock, self.ema)
+        self.evaluator = Validator(cfg, rt, model, directory, val_windows, self.tokenizer, metrics, clock, self.ema)
         self.tasks = TaskScorer(cfg, rt, model, self.tokenizer)
         self.started = time.perf_counter()  # this session's loop starts
 
@@ -377,10 +376,13 @@ class Validator:
     best loss, speedrun clock. Of the averaged weights under eval.weights=ema (swapped in for the measurement; each
     record says which)."""
 
-    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, directory: Path, batches: Batches,
-                 token_bytes: torch.Tensor, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
-        self.cfg, self.rt, self.model, self.directory, self.batches = cfg, rt, model, directory, batches
-        self.token_bytes, self.metrics, self.clock = token_bytes, metrics, clock
+    def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, directory: Path, windows: data.TokenWindows,
+                 tokenizer: Tokenizer, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
+        self.cfg, self.rt, self.model, self.directory, self.metrics = cfg, rt, model, directory, metrics
+        self.batches = data.eval_batches(windows, cfg.train.micro_batch_size, cfg.eval.batches, rt.rank,
+                                         rt.world_size, cfg.eval.seed)
+        self.token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
+        self.clock = clock
         self.ema = ema if cfg.eval.weights == "ema" else None
         self.last: dict[str, float] = {}
         self.last_step: Optional[int] = None  # this session's last evaluation
@@ -403,8 +405,8 @@ class Validator:
 
     def test(self, step: int) -> dict[str, float]:
         """The test split's loss and bpb after the final step ({} when off or when there are no test shards)."""
-        cfg = self.cfg
-        batches = split_batches(cfg, self.rt, self.directory, "test", cfg.eval.batches) if cfg.eval.test_at_end else None
+        e = self.cfg.eval
+        batches = split_batches(self.cfg, self.rt, self.directory, "test", e.batches) if e.test_at_end else None
         if batches is None:
             return {}
         loss, bpb = self._measure("test", batches, step)
@@ -436,17 +438,6 @@ def weights_digest(model: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(parallel.local_tensor(p).detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def build_loader(cfg: Config, rt: Runtime, windows: data.TokenWindows, bos: Optional[int],
-                 seed: int, accum: int) -> data.Loader | packing.PackedLoader:
-    """The training rows as data.packing cuts them (validation always reads windows, so val loss compares)."""
-    t = cfg.train
-    args = (t.micro_batch_size, rt.rank, rt.world_size, accum, seed)
-    if cfg.data.packing == "windows":
-        return data.Loader(windows, *args)
-    documents = packing.Documents(windows.shards, bos, windows.infos)  # the BOS index is cached by the shards' contents
-    return packing.PackedLoader(documents, *args, t.seq_len, cfg.data.pack_buffer)
 
 
 def step_model(model: torch.nn.Module, t: TrainConfig, rt: Runtime, plan: Plan) -> torch.nn.Module:
