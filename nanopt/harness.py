@@ -3,7 +3,9 @@ eval --tasks/--core`: score_checkpoint) and during it (TaskScorer), each score r
 nanopt models inside EleutherAI's lm-evaluation-harness: `lm_class()` is the harness model `nanopt` (any run
 directory, checkpoint or Hugging Face directory nanopt loads, every model option, on the runtime's device). The
 harness owns tasks, prompts, few-shot and metrics; nanopt answers its three requests with the continuation scorer
-(scoring.py) and the decode loop (generate.py). lm-eval is the optional `eval` extra and takes about a second to
+(scoring.py) and the decode loop (generate.py). lm-eval validates a task's YAML and data, and what it raises is
+bad input at one boundary here (load_tasks, evaluate_tasks: _task_error, naming the task and its files); nanopt
+checks only what it would score silently (_check_rows). lm-eval is the optional `eval` extra and takes about a second to
 import, so it is imported on first use and for lm-eval tasks only: a model loads (task_model) and CORE scores
 without it."""
 from __future__ import annotations
