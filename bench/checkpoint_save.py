@@ -2,7 +2,7 @@
 
 Four ways to write the same state (fp32 weights + AdamW moments, `--gib` GiB in all), alternately, medians:
   nanopt        checkpoint.save_resumable: DCP's shards of weights and moments, then the whole weights for
-                readers; each file's fsync and crc32 re-read run in threads while the next file is serialised
+                readers; each file fsynced and its crc32 re-read from the page cache
   write+reread  the previous save: write and fsync every file, then read each back for its crc32, in turn
   crc-in-write  crc32 summed as the bytes go through a Python file object (no re-read), each file fsynced
   bytes only    the same files written and fsynced with no checksum at all: the disk's floor

@@ -1,24 +1,18 @@
 """THE checkpoint format: one save path whatever the parallelism and world size, one verifier, the newest complete
 checkpoint, exact resume, and copies to a mirror (any fsspec URL). The file names are rundirs.py's.
 
-A checkpoint directory `checkpoints/step_NNNNNN/` holds
-  dcp/               what a resume loads: weights, optimizer state and averaged weights as every rank's own shards
-                     (torch.distributed.checkpoint: `.metadata` and `__RANK_N.distcp`), nothing gathered. DCP reshards
-                     on load, so any world size and parallelism (ddp, fsdp, hsdp, one process) resumes any other's.
-  model.safetensors  the whole weights for readers (eval, sample, export, average, load_model, any safetensors
-                     reader), gathered one tensor at a time onto rank 0; a tied LM head once, as embed.weight
-  ema.safetensors    the averaged weights (train.ema_decay), whole, fp32, once the average has started
-  rng.pt             every rank's host and device RNG states
-  state.json         step, each resumable component's state_dict(), the shards' identity, the config, versions
-  COMPLETE           written last: a JSON manifest of every file's size and crc32, dcp/'s included
-A checkpoint without dcp/ (nanopt average's) holds weights only: it is read like any other, and resume refuses it.
-Rank 0 makes `.tmp_step_NNNNNN/` anew (no file in it can be a link); every rank writes, fsyncs and sums its own DCP
-files, rank 0 the rest; the directory is renamed into place and `checkpoints/latest` updated last. The ranks must
-share the directory (one filesystem across nodes). A full disk removes the temp directory and is DiskFull (exit 1),
-every earlier checkpoint untouched. A reader takes the newest checkpoint that verifies (newest_checkpoint; a damaged
-one is left in place, named in a warning; on resume every rank reads its share of the files); when the run has
-trained but none is usable, every re-run refuses (exit 2) until the user decides (`checkpoint.start_over`): a
-transient failure never becomes a silent restart."""
+`checkpoints/step_NNNNNN/` holds
+  dcp/               what a resume loads: weights, optimizer state and average, every rank's own shards
+                     (torch.distributed.checkpoint), resharded on load for any world size and parallelism
+  model.safetensors  the whole weights for readers (eval, sample, export, average, load_model); a tied head once
+  ema.safetensors    the whole averaged weights (train.ema_decay), fp32, once the average has started
+  rng.pt, state.json every rank's RNG states; the step, each resumable component's state_dict(), data, config
+  COMPLETE           written last: every file's size and crc32
+nanopt average's checkpoints have no dcp/: read like any other, refused by resume. Rank 0 makes `.tmp_step_NNNNNN/`
+anew (no link in it), every rank writes, fsyncs and sums its own DCP files, rank 0 the rest; then the rename, then
+`checkpoints/latest`. The ranks share the directory (one filesystem). A full disk is DiskFull (exit 1), the temp
+directory removed. Readers take the newest checkpoint that verifies, naming each damaged one skipped (on resume each
+rank reads its share); a run that trained but has none usable is refused (exit 2) until `checkpoint.start_over`."""
 from __future__ import annotations
 
 import json
@@ -31,7 +25,6 @@ import shutil
 import threading
 import warnings
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -39,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from nanopt import optim, parallel, shards
 from nanopt.config import SECTIONS, Config, config_from_dict, resume_changes
@@ -97,23 +90,6 @@ def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     except SafetensorError as e:
         raise ConfigError(f"{path} is not a safetensors file ({e}); the checkpoint is damaged. Use an earlier "
                           f"checkpoint (its checkpoints/step_NNNNNN directory), or leave this one out.") from None
-
-
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's whole weights (model.safetensors, or ema.safetensors) into an unsharded model; ValueError
-    naming the first tensors of another shape, or missing or unexpected; ConfigError (weights_header) when the file
-    is no safetensors file."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    saved = {k: shape for k, (shape, _) in weights_header(path).items()}
-    wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
-             for k in saved if k in own and saved[k] != own[k]]
-    if wrong:
-        raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
-    tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 # ---------------------------------------------------------------- the resumable state: DCP, every rank its shards
@@ -223,6 +199,12 @@ def has_averaged_weights(ckpt: Path) -> bool:
     return (Path(ckpt) / EMA_FILE).is_file()
 
 
+def _writer(name: str) -> Optional[int]:
+    """The rank that wrote DCP shard file `name` (`__RANK_N.distcp`); None for any other file."""
+    match = re.search(r"(^|/)__(\d+)_\d+\.distcp$", name)
+    return int(match.group(2)) if match else None
+
+
 def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[list[str]]:
     """Which of a checkpoint's files (COMPLETE's entries) each of `world` ranks verifies: a DCP shard `__N_0.distcp`
     on rank N (the rank that wrote it, when the world size is unchanged), every other file, largest first, on the
@@ -231,10 +213,9 @@ def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[list[str
     load = [0] * world
     rest = []
     for name, entry in files.items():
-        owner = re.match(rf"{DCP_DIR}/__(\d+)_", name)
-        if owner and int(owner.group(1)) < world:
-            shares[int(owner.group(1))].append(name)
-            load[int(owner.group(1))] += entry["bytes"]
+        if (owner := _writer(name)) is not None and owner < world:
+            shares[owner].append(name)
+            load[owner] += entry["bytes"]
         else:
             rest.append(name)
     for name in sorted(rest, key=lambda n: -files[n]["bytes"]):  # stable: ties keep manifest order
@@ -352,40 +333,12 @@ def checkpoint_config(ckpt: Path) -> Config:
 
 
 # ---------------------------------------------------------------- writing
-class _Sealer:
-    """fsyncs each finished file and sums its crc32 in worker threads while the next file is serialised.
-    Measured (bench/checkpoint_save.py): the native writers then a re-read from the page cache beat summing the
-    crc32 through a Python file object; overlapping the fsync and re-read (zlib releases the GIL) with the next
-    file shortens a save that must fit a preemption's grace period."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nanopt-ckpt")
-        self.pending: dict[Path, tuple[Future, Future]] = {}
-
-    def write(self, path: Path, save: Callable[[Path], Any]) -> None:
-        """save(path), a full disk as DiskFull naming the file; then its fsync and crc32 start in the background."""
-        with writing(path):
-            save(path)
-        self.seal(path)
-
-    def seal(self, path: Path) -> None:
-        """A file already written (a rank's DCP shards): its fsync and crc32 in the background."""
-        self.pending[path] = (self.pool.submit(fsync, path), self.pool.submit(crc32_of, path))
-
-    def manifest(self) -> dict[str, dict[str, int]]:
-        """Every file's size and crc32, once all are durable."""
-        try:
-            out = {}
-            for path, (synced, crc) in sorted(self.pending.items()):
-                synced.result()
-                out[path.relative_to(self.root).as_posix()] = {"bytes": path.stat().st_size, "crc32": crc.result()}
-            return out
-        finally:
-            self.pool.shutdown(wait=True)
-
-    def abandon(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+def _sealed(path: Path) -> dict[str, int]:
+    """A written file fsynced (a full disk can show first there: DiskFull naming it), with the size and crc32
+    COMPLETE lists it under, read back from the page cache."""
+    with writing(path):
+        fsync(path)
+    return {"bytes": path.stat().st_size, "crc32": crc32_of(path)}
 
 
 def _remove(path: Path) -> None:
@@ -428,54 +381,42 @@ def seal_own_shards(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
     `.metadata`), fsynced, with the size and crc32 COMPLETE lists them under. Each rank reads back only its own
     shards, from its own node's page cache, all ranks at once: rank 0 alone would read the whole checkpoint again
     (configs/8b.yaml's weights and AdamW state: 96 GB) while every other rank waits for it."""
-    sealer = _Sealer(tmp)
-    try:
-        for path in sorted((tmp / DCP_DIR).iterdir()):
-            owner = re.match(r"__(\d+)_", path.name)
-            if (int(owner.group(1)) if owner else 0) == rank:
-                sealer.seal(path)
-    except BaseException:
-        sealer.abandon()
-        raise
-    with writing(tmp / DCP_DIR):
-        return sealer.manifest()
+    return {f"{DCP_DIR}/{p.name}": _sealed(p) for p in sorted((tmp / DCP_DIR).iterdir())
+            if (_writer(p.name) or 0) == rank}
 
 
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any], keep: int,
          rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None,
          shards: Optional[dict[str, dict[str, int]]] = None) -> Path:
-    """Rank 0: write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. `weights`: model_state()'s.
-    `shards`: the entries of the dcp/ files every rank has written into temp_dir() and sealed (Checkpointer.save);
-    None for a weights-only checkpoint, whose temp directory this makes. `rng` is every rank's Runtime.rng_state()
-    in rank order (default: this process's host states); `averaged`: EMA.full_weights() (None: the run keeps no
-    average, or it has not started). A full disk is DiskFull, with the temp directory removed (its space back) and
-    every earlier checkpoint as it was."""
+    """Rank 0: write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. `weights`: model_state()'s;
+    `shards`: the entries of the dcp/ files every rank has written into temp_dir() and sealed (save_resumable),
+    None for a weights-only checkpoint; `rng`: every rank's Runtime.rng_state() (default: this process's host
+    states); `averaged`: EMA.full_weights(), once started. A full disk is DiskFull, every earlier checkpoint intact."""
     final = ckpt_root / f"step_{step:06d}"
     tmp = temp_dir(ckpt_root, step, fresh=shards is None)
-    sealer = _Sealer(tmp)
+    files = dict(shards or {})
+
+    def put(name: str, write: Callable[[Path], Any]) -> None:
+        with writing(tmp / name):
+            write(tmp / name)
+        files[name] = _sealed(tmp / name)
+
     try:
         # One metadata entry only: safetensors writes a map, and its order is not stable across processes.
-        sealer.write(tmp / MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
+        put(MODEL_FILE, lambda p: save_file(weights, str(p), metadata={"format": "pt"}))
         fault_hook("kill-in-save", step)
         if averaged is not None:
-            sealer.write(tmp / EMA_FILE, lambda p: save_file(averaged, str(p), metadata={"format": "pt"}))
-        ranks = rng if rng is not None else [host_rng_state()]
-        sealer.write(tmp / RNG_FILE, lambda p: _torch_save({"ranks": ranks}, p))
+            put(EMA_FILE, lambda p: save_file(averaged, str(p), metadata={"format": "pt"}))
+        put(RNG_FILE, lambda p: _torch_save({"ranks": rng if rng is not None else [host_rng_state()]}, p))
         versions = {"torch": torch.__version__, "numpy": np.__version__}
-        sealer.write(tmp / STATE_FILE, lambda p: write_json(p, {**state, "step": step, "versions": versions}))
-        with writing(tmp):  # an fsync can be the first to hear of a full disk
-            files = {**(shards or {}), **sealer.manifest()}
-            if shards:
-                fsync(tmp / DCP_DIR)
+        put(STATE_FILE, lambda p: write_json(p, {**state, "step": step, "versions": versions}))
         write_json(tmp / COMPLETE_FILE, {"step": step, "files": files}, indent=1)
         with writing(tmp):
+            if shards:
+                fsync(tmp / DCP_DIR)
             fsync(tmp)
     except DiskFull:
-        sealer.abandon()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except BaseException:
-        sealer.abandon()
+        shutil.rmtree(tmp, ignore_errors=True)  # its space back
         raise
     _remove(final)  # same step saved again (e.g. final save right after a periodic one)
     os.replace(tmp, final)

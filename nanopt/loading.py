@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from nanopt import checkpoint, rundirs
 from nanopt.config import Config
@@ -55,7 +56,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     averaged = state.get("averaged_from") if isinstance(state.get("averaged_from"), dict) else None
     loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen, averaged)
     try:
-        checkpoint.load_model_weights(model, ckpt / loaded.weights_file)
+        load_weights(model, ckpt / loaded.weights_file)
     except ConfigError:  # no safetensors file (checkpoint.weights_header): already one paragraph
         raise
     except (ValueError, RuntimeError) as e:
@@ -63,6 +64,23 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     model.eval()
     loaded.run_dir = ckpt.parent.parent if ckpt.parent.name == rundirs.CHECKPOINTS_DIR else ckpt.parent
     return loaded
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load a checkpoint's whole weights (model.safetensors, or ema.safetensors) into an unsharded model; ValueError
+    naming the first tensors of another shape, or missing or unexpected; ConfigError (weights_header) when the file
+    is no safetensors file."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    saved = {k: shape for k, (shape, _) in checkpoint.weights_header(path).items()}
+    wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
+             for k in saved if k in own and saved[k] != own[k]]
+    if wrong:
+        raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def averaged_name(averaged_from: dict) -> str:

@@ -9,8 +9,8 @@ file, never a traceback. The layout:
   summary.json           written when the run ends (finished, or stopped at its target)
   profile_summary.json   when the run was profiled
   tb/                    TensorBoard events and profiler traces
-  checkpoints/step_NNNNNN/  {model.safetensors, optimizer.pt, rng.pt, state.json, COMPLETE, ema.safetensors
-                         when train.ema_decay keeps one}; checkpoints/latest
+  checkpoints/step_NNNNNN/  {dcp/, model.safetensors, rng.pt, state.json, COMPLETE, ema.safetensors when
+                         train.ema_decay keeps one}; checkpoints/latest
   lock.json              the lease of the trainer writing it now (absent when none is)
 
 Its files are the run's own: the appended ones (APPENDED_FILES, the lease) are opened so that a symbolic link is never
@@ -51,11 +51,10 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"  # checkpoints/latest: the newest checkpoint's name, written after its rename
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # The files of one checkpoint; COMPLETE, written last, is the manifest of the others' sizes and crc32s.
-MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = (
-    "model.safetensors", "optimizer.pt", "rng.pt", "state.json", "COMPLETE")
+MODEL_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = "model.safetensors", "rng.pt", "state.json", "COMPLETE"
 EMA_FILE = "ema.safetensors"  # the averaged weights (train.ema_decay), when the run keeps them
-# checkpoint.sharded: weights, optimizer state and average as torch.distributed.checkpoint shards (every rank's own
-# files), in place of the three files above; DCP_METADATA, DCP's index of them, marks such a checkpoint.
+# What a resume loads: weights, optimizer state and average as torch.distributed.checkpoint shards (every rank's own
+# files); DCP_METADATA, DCP's index of them, is absent from a weights-only checkpoint (nanopt average's).
 DCP_DIR = "dcp"
 DCP_METADATA = f"{DCP_DIR}/.metadata"
 # The files a run appends to: a link at one of them is refused before the run writes anything.

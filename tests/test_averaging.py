@@ -37,7 +37,7 @@ def test_the_average_is_the_mean_and_loads_evaluates_and_samples_like_any_checkp
     assert cli.run(["average", str(runs["run"]), "--steps", "2,6,4", "--out", str(out)]) == 0
     assert "averaged 3 checkpoints" in capsys.readouterr().out
     ckpt = _step(out, 6)  # named for the newest step averaged
-    assert checkpoint.verify_checkpoint(ckpt) is None and not (ckpt / rundirs.OPTIMIZER_FILE).exists()
+    assert checkpoint.verify_checkpoint(ckpt) is None and not (ckpt / rundirs.DCP_DIR).exists()
     sources = [load_file(str(_step(runs["run"], s) / rundirs.MODEL_FILE)) for s in (2, 4, 6)]
     loaded = loading.load(out)
     averaged_name = f"average of steps 2,4,6 of {runs['run'].resolve()}"
