@@ -3,6 +3,7 @@ switch and the seq_len schedule, and DDP's gradients stay bucket views. Whole ru
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -91,6 +92,27 @@ def test_a_run_stopped_at_its_target_continues_as_its_advice_says(tmp_path, caps
     assert run([*args, "--train.stop_at_target=false"]) == 0  # the advice, followed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 6 and not summary["stopped_at_target"]
+
+
+def test_the_loop_calls_the_step_one_call_below_train(tmp_path, monkeypatch):
+    """From train() to train_step the stack holds only the loop, Trainer.train (issue 51: there were five calls in
+    between, the last through a lambda), on every step."""
+    from nanopt.main import run
+
+    step, between = train.train_step, []
+
+    def recorded(*args):
+        frame, names = sys._getframe(1), []
+        while frame.f_code is not train.train.__code__:  # up to the module's train()
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        between.append(names)
+        return step(*args)
+
+    monkeypatch.setattr(train, "train_step", recorded)  # what the Trainer hands rt.backend.compile_step
+    args = small_overrides(**{"train.max_steps": 3, "log.tensorboard": "false", "eval.every": 0})
+    assert run([*args, f"--run.dir={tmp_path}"]) == 0
+    assert between == [["train"]] * 3
 
 
 def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(caplog):
