@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED = 0, 1, 2, 3, 75  # as the table above says
 
@@ -67,6 +66,16 @@ class Preempted(Exception):
                          f"{EXIT_PREEMPTED}).")
 
 
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """The error, then what it was raised from or during, each once (a cycle ends the walk)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def path_problem(error: OSError) -> Optional[str]:
     """An OSError about a path (a directory where a file belongs or the reverse, a link to nothing, permission
     denied, a read-only disk) as one paragraph naming the path and the fix; None when it names no path. The one
@@ -76,8 +85,7 @@ def path_problem(error: OSError) -> Optional[str]:
     path = Path(os.fsdecode(error.filename))
     other = f" (and {os.fsdecode(error.filename2)})" if error.filename2 is not None else ""
     # The first name along the path that is not a directory, or a link to nothing: what blocks the way.
-    blocker = next((p for p in reversed((path, *path.parents)) if os.path.lexists(p)
-                    and (not p.is_dir() or not p.exists())), None)
+    blocker = next((p for p in reversed((path, *path.parents)) if os.path.lexists(p) and not p.is_dir()), None)
     code, fix = error.errno, "Choose another path (or move what is there aside) and run the command again."
     if blocker is not None and blocker != path and code in (errno.ENOTDIR, errno.ENOENT, errno.EEXIST):
         what = "a symbolic link to nothing" if not blocker.exists() else "a file"
@@ -92,15 +100,7 @@ def path_problem(error: OSError) -> Optional[str]:
     elif code in (errno.EACCES, errno.EPERM):
         said = f"{path}{other}: permission denied"
         fix = "Give a path this user may read and write (or change its permissions) and run the command again."
-    elif code == errno.EROFS:
-        said = f"{path} is on a read-only file system"
-        fix = "Point the output at a writable directory and run the command again."
-    elif code == errno.ELOOP:
-        said = f"{path} is a symbolic link (or a loop of them), which nanopt does not follow there"
-        fix = "Replace the link with the file itself and run the command again."
-    elif os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode) and not path.is_dir():
-        said = f"{path} is not a regular file (a pipe, a device or a socket)"
-    else:
+    else:  # a read-only disk, a loop of links, ...: the system's words (a FIFO or device: nanopt.io refuses it)
         said = f"{path}{other}: {error.strerror or error}"
     return f"{said}. {fix}"
 

@@ -1,15 +1,14 @@
-"""The Hugging Face hub as this machine sees it: whether its host answers at all, offline mode when it does not, and
-the one paragraph that names the offline fix when something needed is not in the local cache.
+"""The Hugging Face hub as this machine sees it: whether its first hop answers at all, offline mode when it does
+not, and the one paragraph that names the offline fix when something needed is not in the local cache.
 
-Why: the hub libraries (huggingface_hub, under transformers, datasets and lm-eval) retry every file they cannot
-fetch for ~23 s (five retries, 1+2+4+8+8 s) before they look in their cache, and a tokenizer asks for two files:
-an unreachable hub cost `nanopt prepare` 48 s of retry lines before its error. A host whose name does not resolve,
-or that refuses the connection, will not answer a second later the way a busy server (a 5xx, a timeout) may; for
-those the libraries' offline mode is right: a cached file loads at once and a missing one fails at once. The
-libraries read HF_HUB_OFFLINE and HF_DATASETS_OFFLINE when they are imported, so offline_unless_reachable() runs
-before they load. What is probed is the first hop the libraries' client (httpx) takes: the proxy when one is set
-(HTTPS_PROXY, ALL_PROXY; not for a host in NO_PROXY), else the hub's host: a dead proxy cost 51 s of retries.
-Everything else (a 5xx, a timeout) keeps their retries. Torch-free."""
+Why: the hub libraries retry a refused connection five times per file (1+2+4+8+8 s; huggingface_hub 2.4's
+http_backoff, whose count no setting changes: HF_HUB_ETAG_TIMEOUT only shortens each try) before they look in
+their cache; a tokenizer asks for two files, so a dead proxy cost 51 s of retry lines per start. A host that does
+not resolve or refuses the connection will not answer a second later the way a busy one (a 5xx, a timeout) may, so
+for it offline mode is right: a cached file loads at once and a missing one fails at once. The libraries read
+HF_HUB_OFFLINE and HF_DATASETS_OFFLINE when imported, so offline_unless_reachable() runs before they load. The
+first hop is what httpx, their client, connects to: the proxy when one is set (HTTPS_PROXY, ALL_PROXY; not for a
+host in NO_PROXY), else the hub's host. Torch-free."""
 from __future__ import annotations
 
 import errno
@@ -19,6 +18,8 @@ import socket
 from typing import Optional
 from urllib.parse import urlsplit
 from urllib.request import getproxies_environment, proxy_bypass_environment
+
+from nanopt.errors import causes
 
 log = logging.getLogger("nanopt")
 
@@ -49,7 +50,7 @@ def unreachable(timeout_s: float = 5.0) -> Optional[str]:
     proxy, via = proxies.get(url.scheme) or proxies.get("all"), ""
     if proxy and not proxy_bypass_environment(url.hostname or "", proxies):
         url, via = urlsplit(proxy if "://" in proxy else f"http://{proxy}"), "the proxy "
-    host, port = url.hostname or "", url.port or {"http": 80, "https": 443}.get(url.scheme, 1080)  # 1080: SOCKS
+    host, port = url.hostname or "", url.port or {"http": 80, "https": 443}.get(url.scheme, 1080)  # else SOCKS
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return None
@@ -75,14 +76,7 @@ def offline_unless_reachable() -> Optional[str]:
 
 def is_unreachable_error(error: BaseException) -> bool:
     """Whether `error`, or an error it was raised from, is the hub libraries' "not reachable and not cached"."""
-    seen: set[int] = set()
-    e: Optional[BaseException] = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if any(type(e).__name__ == name for name in UNREACHABLE_ERRORS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(type(e).__name__ in UNREACHABLE_ERRORS for e in causes(error))
 
 
 def why_unreachable(error: BaseException) -> str:

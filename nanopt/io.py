@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from nanopt.errors import ConfigError, DiskFull
+from nanopt.errors import ConfigError, DiskFull, causes
 
 # Where O_NOFOLLOW exists (Linux, macOS), opening a symbolic link fails with ELOOP instead of opening its target.
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -44,17 +44,7 @@ def is_disk_full(error: BaseException) -> bool:
     """ENOSPC (or a quota) however a writer surfaced it: an OSError, or a library's own error around one
     (safetensors says "os error 28"; torch.save into a file object raises RuntimeError with the OSError as context)."""
     return any((isinstance(e, OSError) and e.errno in FULL_ERRNOS) or any(text in str(e) for text in FULL_TEXTS)
-               for e in _chain(error))
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    """The error, then what it was raised from or during, each once (a cycle ends the walk)."""
-    seen: set[int] = set()
-    current: Optional[BaseException] = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
+               for e in causes(error))
 
 
 def _device_of(path: Path) -> str:
@@ -84,7 +74,7 @@ def as_disk_full(error: BaseException, where: Path) -> Optional[DiskFull]:
     """`error` as DiskFull when it is a full disk (naming the file it names, else `where`); None when it is not."""
     if isinstance(error, DiskFull) or not is_disk_full(error):
         return error if isinstance(error, DiskFull) else None
-    named = next((e for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
+    named = next((e for e in causes(error) if isinstance(e, OSError) and e.filename), None)
     return disk_full(Path(named.filename) if isinstance(named, OSError) else where)
 
 

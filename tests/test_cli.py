@@ -2,6 +2,7 @@
 idle OpenMP threads spin before torch loads, unless the user chose a policy."""
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -53,6 +54,15 @@ def test_a_reader_that_left_ends_the_command_quietly():
     finally:
         os.close(write_end)
     assert proc.returncode == 1 and proc.stderr == ""
+
+
+def test_a_stdout_on_a_full_disk_is_one_line_and_exit_1():
+    """`nanopt runs > /dev/full`: before, an OSError traceback. (Every command: e2e/test_bad_input.py's table.)"""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "nanopt.cli", "--help"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == "nanopt: error: the output could not be written to stdout (No space left on device).\n"
 
 
 
@@ -116,3 +126,51 @@ def test_run_makes_idle_openmp_threads_spin_before_torch_loads():
 @pytest.mark.slow
 def test_run_keeps_a_user_chosen_openmp_wait_policy():
     assert _policy_after_run("PASSIVE") == "PASSIVE"
+
+
+# ---------------------------------------------------------------- an OSError about a path, wherever a command met it
+def _at(tmp_path, case: str) -> OSError:
+    """The OSError a command meets for `case`, with the file system set up for it."""
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    return {"below_a_file": NotADirectoryError(errno.ENOTDIR, "Not a directory", str(tmp_path / "file" / "x")),
+            "below_a_dangling_link": FileNotFoundError(errno.ENOENT, "No such file", str(tmp_path / "dangling" / "x")),
+            "a_dangling_link": FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "dangling")),
+            "a_file_for_a_directory": FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "file")),
+            "a_directory_for_a_file": IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path / "dir")),
+            "permission_denied": PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "dir" / "f")),
+            "read_only": OSError(errno.EROFS, "Read-only file system", str(tmp_path / "dir" / "f")),
+            "full_disk": OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "dir" / "f"))}[case]
+
+
+@pytest.mark.parametrize("case, code, words", [
+    ("below_a_file", 2, ["file is a file, where a directory belongs", "file/x below it"]),
+    ("below_a_dangling_link", 2, ["dangling is a symbolic link to nothing", "dangling/x below it"]),
+    ("a_dangling_link", 2, ["dangling is a symbolic link to", "nowhere, which does not exist", "Remove the link"]),
+    ("a_file_for_a_directory", 2, ["file is a file, where a directory belongs"]),
+    ("a_directory_for_a_file", 2, ["dir is a directory, where a file belongs"]),
+    ("permission_denied", 2, ["dir/f: permission denied", "change its permissions"]),
+    ("read_only", 2, ["dir/f: Read-only file system"]),
+    ("full_disk", 1, ["no space left on", "dir/f", "GiB free"]),
+])
+def test_an_oserror_about_a_path_is_one_paragraph_naming_it(tmp_path, monkeypatch, capsys, case, code, words):
+    """Handled once, in cli.run, for every command (and the trainer): exit 2 for bad input, 1 for a full disk."""
+    error = _at(tmp_path, case)
+
+    def command(argv):
+        raise error
+
+    monkeypatch.setattr("nanopt.commands.plot.main", command)
+    assert run(["plot", "x"]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt plot: error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
+    for word in words:
+        assert word in err, f"{word!r} missing from: {err}"
+
+
+def test_an_oserror_naming_no_path_is_no_bad_input(monkeypatch):
+    """A crash stays a crash (a traceback, exit 1): only a path makes it a paragraph."""
+    monkeypatch.setattr("nanopt.commands.plot.main", lambda argv: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
+    with pytest.raises(OSError):
+        run(["plot", "x"])
