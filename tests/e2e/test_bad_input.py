@@ -418,6 +418,7 @@ def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow  # a dozen real processes; the rule's quick rows: tests/test_io.py, tests/test_cli.py
 @pytest.mark.parametrize("case, setup, stdout, code, words", FILESYSTEM,
                          ids=[(c.values if hasattr(c, "marks") else c)[0] for c in FILESYSTEM])
 def test_a_path_that_is_not_what_nanopt_expects_is_one_paragraph_and_never_blocks(case, setup, stdout, code, words,
