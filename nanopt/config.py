@@ -899,8 +899,15 @@ def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None
     return cfg
 
 
+class _Dumper(yaml.SafeDumper):
+    """Lists on one line, as a config writes them: `batch_schedule: [[0, 8192], [300, 16384]]`."""
+
+
+_Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+
+
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False)
 
 
 def config_from_dict(data: Any, where: str) -> Config:
