@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from nanopt.config import Config
-from nanopt.mfu import meta_model, param_counts
+from nanopt.mfu import param_counts
 from nanopt.model import RESIDUAL_OUT
 from nanopt.plan import build_plan
 
@@ -158,11 +158,11 @@ def every_parallelism(m: nn.Module, t: Training, devices: int,
     return rows
 
 
-def config_memory(cfg: Config, devices: int, shard_group_size: Optional[int] = None,
+def config_memory(cfg: Config, model: nn.Module, devices: int, shard_group_size: Optional[int] = None,
                   recompute: bool = False) -> list[DeviceMemory]:
-    """every_parallelism for a config on `devices`, each at its most demanding stage of the plan (the longest
-    sequences); `recompute` as if train.recompute were on."""
-    t, model = cfg.train, meta_model(cfg.model)
+    """every_parallelism for a config's model (mfu.meta_model) on `devices`, each at its most demanding stage of the
+    plan (the longest sequences); `recompute` as if train.recompute were on."""
+    t = cfg.train
     per_stage = [every_parallelism(model, Training(t.precision, cfg.optim.name, t.micro_batch_size, s.seq_len,
                                                    t.loss_chunk_tokens, recompute or t.recompute),
                                    devices, shard_group_size) for s in build_plan(t, devices).stages]

@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     r["gpus_source"] = "--gpus" if given else "mfu.devices"
     # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
     r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
-    r["memory"] = _memory(cfg, args.hardware, args.gpus, group)
+    r["memory"] = _memory(cfg, model, args.hardware, args.gpus, group)
     print(json.dumps(r) if args.json else _text(cfg, r, stages, given))
     return 0
 
@@ -169,11 +169,11 @@ def _shard_group(given: int | None, gpus: int) -> int | None:
     return given
 
 
-def _memory(cfg, hardware: str, gpus: int, group: int | None) -> dict:
+def _memory(cfg, model: nn.Module, hardware: str, gpus: int, group: int | None) -> dict:
     """Per-GPU bytes under each parallelism and whether they fit `hardware`'s memory (nanopt/memory.py)."""
     capacity = PEAKS[hardware].memory_bytes
-    recomputed = config_memory(cfg, gpus, group, recompute=True)[0].activations
-    rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, gpus, group)]
+    recomputed = config_memory(cfg, model, gpus, group, recompute=True)[0].activations
+    rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, model, gpus, group)]
     return {"capacity_bytes": capacity, "rows": rows, "activations_with_block_recompute": recomputed,
             "config_parallel": cfg.runtime.parallel}
 
