@@ -69,6 +69,7 @@ def attention_flops(module: nn.Module, seq_len: int, causal_halving: bool = True
 
 
 def param_counts(model: nn.Module) -> ParamCounts:
+    """Count a model's parameters by kind from its modules (model.layers holds the blocks)."""
     in_blocks = {id(p) for p in model.layers.parameters()}
     seen: set[int] = set()
     counts = dict.fromkeys(("embedding", "lm_head", "block_matmuls", "norms", "scalars"), 0)
@@ -100,11 +101,10 @@ class TokenFlops:
 def token_flops(model: nn.Module, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
                 loss_chunk_tokens: int = 0, recompute: bool = False) -> TokenFlops:
     """Every FLOPs-per-token figure of `model` training at `seq_len` (micro-batches of micro_batch_size rows).
-    Recomputed (HFU only): the chunked loss
-    (train.loss_chunk_tokens) runs the head forward again when a micro-batch holds more positions than a chunk;
-    train.recompute runs every block's forward again (2 per weight, and attention's forward, a third of it) but for
-    its last residual-output Linear (the MLP's down projection): no backward needs its output, so torch's checkpoint
-    stops before it."""
+    Recomputed (HFU only): the chunked loss (train.loss_chunk_tokens) runs the head forward again when a micro-batch
+    holds more positions than a chunk; train.recompute runs every block's forward again (2 per weight, and attention's
+    forward, a third of it) but its last residual-output Linear (the MLP's down projection): no backward needs its
+    output, so torch's checkpoint stops before it."""
     counts = param_counts(model)
     six_n = 6 * counts.n_6n
     full, attention = attention_flops(model, seq_len, False), attention_flops(model, seq_len, causal_halving)
@@ -192,8 +192,8 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
 def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
     """The run's meter (measuring the CPU peak if needed), counting a meta-device twin of the run's model; logs
     what MFU is relative to."""
-    t = cfg.train
-    per_token = functools.partial(token_flops, meta_model(cfg.model), causal_halving=cfg.mfu.causal_halving,
+    t, halved = cfg.train, cfg.mfu.causal_halving
+    per_token = functools.partial(token_flops, meta_model(cfg.model), causal_halving=halved,
                                   micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens,
                                   recompute=t.recompute)
     peak, where = run_peak(cfg, rt)
@@ -201,15 +201,15 @@ def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
     measured = rt.backend.measures_peak and cfg.mfu.hardware == "auto"
     dense = "fp32" if t.precision == "fp32" and measured else matmul_precision(t.precision)
     basis = f"{dense}-equivalent" if t.fp8 != "none" else ""
-    f = per_token(t.seq_len)
-    if rt.is_main:
-        peak_text = "n/a" if peak is None else f"{peak / 1e12:.3f} TFLOP/s per device × {rt.num_devices}"
-        log.info("mfu: peak %s (%s); FLOPs/token %s (6N+attention, causal %s) | 6N %s | full attention %s | "
-                 "hardware %s", peak_text, where, f"{f.model:.4g}", "halved" if cfg.mfu.causal_halving else "full",
-                 f"{f.six_n:.4g}", f"{f.full_attention:.4g}", f"{f.hardware:.4g}")
-        if basis:
-            log.info("mfu: %s: train.fp8 runs the block matmuls in FP8, counted against the dense %s peak",
-                     basis, dense)
     # num_devices: ranks on CUDA/CPU, every chip one SPMD process drives on XLA.
-    return MFUMeter(per_token, t.seq_len, t.global_batch_tokens, peak, rt.num_devices, start_step,
-                    cfg.mfu.warmup_steps, where, basis)
+    meter = MFUMeter(per_token, t.seq_len, t.global_batch_tokens, peak, rt.num_devices, start_step,
+                     cfg.mfu.warmup_steps, where, basis)
+    if rt.is_main:
+        f = meter.flops
+        peak_text = "n/a" if peak is None else f"{peak / 1e12:.3f} TFLOP/s per device × {rt.num_devices}"
+        log.info(f"mfu: peak {peak_text} ({where}); FLOPs/token {f.model:.4g} (6N+attention, "
+                 f"causal {'halved' if halved else 'full'}) | 6N {f.six_n:.4g} | full attention "
+                 f"{f.full_attention:.4g} | hardware {f.hardware:.4g}")
+        if basis:
+            log.info(f"mfu: {basis}: train.fp8 runs the block matmuls in FP8, counted against the dense {dense} peak")
+    return meter

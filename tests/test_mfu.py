@@ -265,8 +265,9 @@ class FakeClock:
 def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
     micro_batch, seq = 4, 256
     m = load_config(REPO / "configs" / "tiny.yaml").model
-    meter = mfu.MFUMeter(functools.partial(mfu.token_flops, mfu.meta_model(m)), seq, tokens_per_step=micro_batch * seq * world * accum,
-                         peak_flops=1e12, world_size=world, warmup_steps=2)
+    meter = mfu.MFUMeter(functools.partial(mfu.token_flops, mfu.meta_model(m)), seq,
+                         tokens_per_step=micro_batch * seq * world * accum, peak_flops=1e12, world_size=world,
+                         warmup_steps=2)
     clock, out = FakeClock(micro_s), []
     window_start, window_step = clock.now, 0
     for step in range(1, steps + 1):
