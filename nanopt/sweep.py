@@ -26,7 +26,7 @@ from typing import IO, Any, Optional
 
 from tqdm import tqdm
 
-from nanopt import lock, rundirs
+from nanopt import lock, rundirs, schema
 from nanopt.config import Config, comma_list, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
 from nanopt.experiments import cell, table
@@ -110,8 +110,30 @@ def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
     return points
 
 
+# A list of points, each its own setting (`nanopt scaling plan` writes a ladder as one): not a product of --set values.
+POINTS = schema.Field(dict, fields={"points": schema.Field(list, required=True, items=schema.Field(dict, fields={
+    "name": schema.Field(str, required=True, test=lambda s: re.fullmatch(r"[A-Za-z0-9._+=,-]{1,200}", s) is not None,
+                         what="a directory name (letters, digits and ._+=,-)"),
+    "set": schema.Field(dict, required=True, items=schema.Field(
+        object, test=lambda v: isinstance(v, (str, int, float, bool)), what="a number, string or true/false"))}))})
+
+
+def listed(path: Path, seeds: list[int]) -> list[Point]:
+    """The points a --points file lists, once per seed (seeds vary slowest, as in grid())."""
+    fix = "Write it as `nanopt scaling plan` does: `points: [{name: NAME, set: {KEY: VALUE, ...}}, ...]`."
+    data = schema.read(path, POINTS, fix)
+    if data is None or not data["points"]:
+        raise ConfigError(f"--points {path}: {'no such file' if data is None else 'the list is empty'}. {fix}")
+    show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # YAML's true is the CLI's true
+    points = [Point(f"{p['name']},seed={seed}", {normal_key(k): show(v) for k, v in p["set"].items()}, seed)
+              for seed in seeds for p in data["points"]]
+    if len({p.name for p in points}) != len(points):
+        raise ConfigError(f"--points {path}: two points share a name; give each its own. {fix}")
+    return points
+
+
 def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list[str],
-         nproc: int = 1) -> tuple[list[Point], dict[str, Config]]:
+         nproc: int = 1, points_file: Optional[Path] = None) -> tuple[list[Point], dict[str, Config]]:
     """The points and each one's config by name, every config checked before anything starts (a typo found
     after ten runs is ten runs late)."""
     if seeds < 1:
@@ -125,7 +147,11 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
     if clash := {k for k, _ in base} & {k for k, _ in sets}:
         raise ConfigError(f"{', '.join(sorted(clash))} is both an override and a --set key; keep it in --set only.")
     base_seed = load_config(config, base).run.seed  # range-checked there; each point's seed below, per point
-    points = grid(sets, [base_seed + i for i in range(seeds)])
+    if points_file is not None and sets:
+        raise ConfigError("--points and --set both say which runs to make; give one (a listed point's own keys go "
+                          "in its `set`).")
+    seed_list = [base_seed + i for i in range(seeds)]
+    points = listed(points_file, seed_list) if points_file is not None else grid(sets, seed_list)
     configs = {}
     for p in points:
         try:

@@ -65,6 +65,36 @@ def test_plan_seeds_count_up_from_the_config_seed_and_checks_every_point():
         sweep.plan(TINY_CONFIG, ["optim.name=adamw,sgd"], 1, [])
 
 
+def test_a_points_file_lists_each_run_with_its_own_keys(tmp_path):
+    ladder = tmp_path / "ladder.yaml"
+    ladder.write_text("points:\n- {name: d2, set: {model.n_layers: 2, train.lr: 0.003, train.compile: false}}\n"
+                      "- {name: d3, set: {model.n_layers: 3, train.max_steps: 7}}\n")
+    points, configs = sweep.plan(TINY_CONFIG, [], 2, ["--run.seed=10"], points_file=ladder)
+    assert [p.name for p in points] == ["d2,seed=10", "d3,seed=10", "d2,seed=11", "d3,seed=11"]
+    assert points[0].values == {"model.n_layers": "2", "train.lr": "0.003", "train.compile": "false"}
+    assert configs["d2,seed=10"].model.n_layers == 2 and configs["d2,seed=10"].train.lr == 0.003
+    assert configs["d3,seed=11"].train.max_steps == 7 and configs["d3,seed=11"].run.seed == 11
+    with pytest.raises(ConfigError, match="give one"):
+        sweep.plan(TINY_CONFIG, ["train.lr=1,2"], 1, [], points_file=ladder)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("points: []\n", "the list is empty"),
+    ("points:\n- {name: a/b, set: {}}\n", "`points[0].name`"),
+    ("points:\n- {name: a, set: {train.lr: [1, 2]}}\n", "`points[0].set.train.lr`"),
+    ("points:\n- {name: a, set: {}}\n- {name: a, set: {}}\n", "share a name"),
+    ("runs: []\n", "`points` is missing"),
+])
+def test_a_points_file_it_cannot_use_is_one_paragraph(tmp_path, text, says):
+    ladder = tmp_path / "ladder.yaml"
+    ladder.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        sweep.plan(TINY_CONFIG, [], 1, [], points_file=ladder)
+    assert str(ladder) in str(e.value) and says in str(e.value) and "nanopt scaling plan" in str(e.value)
+    with pytest.raises(ConfigError, match="no such file"):
+        sweep.plan(TINY_CONFIG, [], 1, [], points_file=tmp_path / "absent.yaml")
+
+
 def test_place_fake_8_gpus_two_per_run():
     slots = sweep.place("cuda", [str(i) for i in range(8)], cores=64, nproc=2)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1", "2,3", "4,5", "6,7"]

@@ -33,11 +33,13 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str]) -> int:
     p = _Parser(prog="nanopt sweep", allow_abbrev=False, description=DESCRIPTION,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                usage="nanopt sweep [CONFIG] --set KEY=V1,V2 [--set ...] [--seeds N] [--name NAME | --dir DIR] "
+                usage="nanopt sweep [CONFIG] (--set KEY=V1,V2 [--set ...] | --points FILE) [--seeds N] [--name NAME | --dir DIR] "
                       "[--parallel K] [--nproc P] [--section.key=value ...]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
                    help="a config key and its values, comma-separated; repeat for more keys (the grid is their "
                         "product)")
+    p.add_argument("--points", type=Path, metavar="FILE", help="the runs a YAML file lists, each its own setting "
+                   "(`nanopt scaling plan` writes a ladder as one), instead of the product of --set values")
     p.add_argument("--seeds", type=int, default=1, help="runs per setting, seeds run.seed, run.seed+1, ... (default 1)")
     p.add_argument("--name", help="sweep name: the runs go under runs/NAME (default: CONFIG's name + '-sweep')")
     p.add_argument("--dir", help="where the runs go (default runs/NAME)")
@@ -48,16 +50,17 @@ def main(argv: list[str]) -> int:
     overrides = sweep.normal_overrides(raw_overrides)  # one spelling for plan's checks, the runs and sweep.json
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: the number of runs at a time; give 1 or more.")
-    if not args.set and args.seeds == 1:
+    if not args.set and args.points is None and args.seeds == 1:
         raise ConfigError("nothing to sweep: give --set KEY=V1,V2 (e.g. --set optim.name=adamw,muon) and/or "
                           "--seeds N with N > 1.")
-    points, configs = sweep.plan(config, args.set, args.seeds, overrides, args.nproc)
+    points, configs = sweep.plan(config, args.set, args.seeds, overrides, args.nproc, args.points)
     name = args.name or f"{Path(config).stem if config else DEFAULT_CONFIG}-sweep"
     if "/" in name or name in ("", ".", ".."):
         raise ConfigError(f"--name {name!r}: a sweep name is one directory name; use --dir DIR for a path.")
     root = Path(args.dir or f"runs/{name}")
     refuse_inside_checkpoints(root, "--dir")
     meta = {"name": name, "config": config, "command": ["nanopt", "sweep", *argv],
-            "set": dict(sweep.parse_set(s) for s in args.set), "seeds": sorted({pt.seed for pt in points}),
+            "set": dict(sweep.parse_set(s) for s in args.set), "points": str(args.points) if args.points else None,
+            "seeds": sorted({pt.seed for pt in points}),
             "overrides": overrides}
     return sweep.run_sweep(config, root, points, configs, overrides, args.nproc, args.parallel, meta)
