@@ -248,6 +248,17 @@ def test_run_peak_on_cpu_is_measured_at_every_start(monkeypatch):
     assert peak == 5e10 and "MEASURED on" in where and budgets == [hardware.PEAK_BUDGET_S] * 2
 
 
+def test_every_rank_measures_the_cpu_peak_at_once_and_their_mean_is_the_peak(monkeypatch):
+    """Ranks share the cores as they will in training, so they measure together; one alone would read high."""
+    rt = Runtime("cpu", torch.device("cpu"), 0, 0, 2, 2, "fp32")
+    calls = []
+    monkeypatch.setattr(rt, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(rt, "all_reduce_sum", lambda t: calls.append("sum") or t + 3e10)  # the other rank's 3e10
+    monkeypatch.setattr(mfu, "measure_matmul_flops", lambda *args: calls.append("measure") or 5e10)
+    peak, _ = mfu.run_peak(load_config(None, [("train.precision", "fp32")]), rt)
+    assert calls == ["barrier", "measure", "sum"] and peak == pytest.approx(4e10)
+
+
 # ---------------------------------------------------------------- the meter
 
 
