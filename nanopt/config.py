@@ -526,6 +526,21 @@ class ProfileConfig:
                               "(`--profile.ranks=0`), or all.")
 
 
+@section(safe=True, neutral=True)  # read by `nanopt scaling plan` alone: a run computes the same with any of them
+@dataclass
+class ScalingConfig:
+    """How `nanopt scaling plan` sizes a ladder from this config, its reference point (nanopt/scaling.py;
+    docs/scaling.md): the config's own batch, lr and weight decay are the tuned values the rules scale from."""
+    tokens_per_param: float = key(20.0, "Tokens per parameter at a budget's predicted optimum, where the plan "
+                                  "centres its sizes (Chinchilla's ~20).", gt=0, le=1e6)
+    batch_exponent: float = key(0.383, "Batch tokens ∝ (tokens / the config's tokens)^this (Power Lines, arXiv "
+                                "2505.13738); 0 keeps the config's batch.", ge=0, le=1)
+    lr_batch_exponent: float = key(0.5, "lr ∝ (batch / the config's batch)^this (0.5: the square-root rule).",
+                                   ge=0, le=1)
+    weight_decay: str = key("timescale", "timescale: AdamW's 1/(lr × wd) stays the config's fraction of the run "
+                            "(arXiv 2405.13698); fixed: the config's.", choices=("timescale", "fixed"))
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -541,6 +556,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     mfu: MfuConfig = field(default_factory=MfuConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
