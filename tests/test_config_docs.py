@@ -81,11 +81,11 @@ SAFE = {
     # Downstream tasks score the model outside the step and put the RNG states back (harness.score_model).
     "eval.tasks", "eval.core", "eval.tasks_every", "eval.tasks_limit", "eval.tasks_path",
 }
-SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu"}  # every key in them
+SAFE_SECTIONS = {"log", "sample", "runtime", "profile", "prepare", "mfu", "scaling"}  # every key in them
 # What does not change results: runs differing only in these (and run.seed) are repeats of one setting.
 NEUTRAL = {"run.name", "run.dir", "run.time_limit_s", "data.verify_checksum", "eval.test_at_end", "eval.at_start",
            "log.wandb_project", "eval.tasks", "eval.core", "eval.tasks_every", "eval.tasks_limit", "eval.tasks_path"}
-NEUTRAL_SECTIONS = {"checkpoint", "sample", "prepare", "mfu"}
+NEUTRAL_SECTIONS = {"checkpoint", "sample", "prepare", "mfu", "scaling"}  # scaling: read by the plan alone
 
 
 @pytest.mark.parametrize("derived, keys, sections", [(SAFE_KEYS, SAFE, SAFE_SECTIONS),
