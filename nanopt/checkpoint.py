@@ -542,13 +542,10 @@ class Mirror:
         """Download URL/<name>/** into the fresh directory `dest` (the caller verifies it and moves it into place)."""
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
-        remote = f"{self.root}/{name}"
-        for entry in self.fs.find(remote):
-            relative = str(entry).rstrip("/")[len(remote.rstrip("/")) + 1:]
-            if relative.startswith("/"):  # memory:// lists paths with a leading slash its root lacks
-                relative = relative[1:]
+        for entry in self.fs.find(f"{self.root}/{name}"):
+            relative = str(entry).rsplit(f"/{name}/", 1)[1]  # memory:// lists its root with a leading slash
             (dest / relative).parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(f"{remote}/{relative}", str(dest / relative))
+            self.fs.get_file(f"{self.root}/{name}/{relative}", str(dest / relative))
         return dest
 
 
