@@ -205,45 +205,37 @@ def _writer(name: str) -> Optional[int]:
     return int(match.group(2)) if match else None
 
 
-def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[list[str]]:
+def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[set[str]]:
     """Which of a checkpoint's files (COMPLETE's entries) each of `world` ranks verifies: a DCP shard `__N_0.distcp`
     on rank N (the rank that wrote it, when the world size is unchanged), every other file, largest first, on the
-    rank with the fewest bytes so far. Each rank's names in manifest order."""
-    shares: list[list[str]] = [[] for _ in range(world)]
+    rank with the fewest bytes so far."""
+    shares: list[set[str]] = [set() for _ in range(world)]
     load = [0] * world
-    rest = []
-    for name, entry in files.items():
-        if (owner := _writer(name)) is not None and owner < world:
-            shares[owner].append(name)
-            load[owner] += entry["bytes"]
-        else:
-            rest.append(name)
-    for name in sorted(rest, key=lambda n: -files[n]["bytes"]):  # stable: ties keep manifest order
-        rank = load.index(min(load))
-        shares[rank].append(name)
+    for name in sorted(files, key=lambda n: (_writer(n) is None or _writer(n) >= world, -files[n]["bytes"])):
+        writer = _writer(name)
+        rank = writer if writer is not None and writer < world else load.index(min(load))
+        shares[rank].add(name)
         load[rank] += files[name]["bytes"]
-    order = {name: i for i, name in enumerate(files)}
-    return [sorted(share, key=order.__getitem__) for share in shares]
+    return shares
 
 
 def _share_problem(ckpt: Path, files: dict[str, dict[str, int]], rank: int, world: int) -> Optional[tuple[int, str]]:
-    """Rank `rank`'s first problem among its share of `files` (verify_shares) as (its place in the manifest, why):
-    a file missing, of another size or failing its crc32."""
-    order = list(files)
-    for name in verify_shares(files, world)[rank]:
-        path, expected = ckpt / name, files[name]
+    """Rank `rank`'s first problem among its share of `files` (verify_shares), in manifest order, as (its place in
+    the manifest, why): a file missing, of another size or failing its crc32."""
+    mine = verify_shares(files, world)[rank]
+    for i, (name, expected) in enumerate(files.items()):
+        if name not in mine:
+            continue
+        path = ckpt / name
         try:
             if not path.is_file():
-                problem = f"{name} is missing"
-            elif (size := path.stat().st_size) != expected["bytes"]:
-                problem = f"{name} has {size} bytes, the manifest says {expected['bytes']}"
-            elif crc32_of(path) != expected["crc32"]:
-                problem = f"{name} fails its crc32 checksum (the file is corrupt)"
-            else:
-                continue
+                return i, f"{name} is missing"
+            if (size := path.stat().st_size) != expected["bytes"]:
+                return i, f"{name} has {size} bytes, the manifest says {expected['bytes']}"
+            if crc32_of(path) != expected["crc32"]:
+                return i, f"{name} fails its crc32 checksum (the file is corrupt)"
         except OSError as e:
-            problem = f"it cannot be read ({e})"
-        return order.index(name), problem
+            return i, f"it cannot be read ({e})"
     return None
 
 
