@@ -127,12 +127,59 @@ class ModelConfig:
     logit_softcap: float = key(0.0, "Speedrun: logits -> c * tanh(logits / c); 0 = off.", ge=1, zero="off")
     value_embeddings: bool = key(False, "Speedrun: each layer adds its own token embedding to the attention values.")
     residual_scalars: bool = key(False, "Speedrun: layer input a * x + b * x0 (x0: the embedding; a, b learned).")
+    # The family with one knob (nanochat's --depth): a ladder is one list of depths (docs/scaling.md).
+    depth: Optional[int] = key(None, "Model family: n_layers = depth, dim = depth × aspect_ratio rounded up to a "
+                               "multiple of depth_head_dim, n_heads = dim / depth_head_dim, n_kv_heads = n_heads "
+                               "(unless set), ffn_dim 8/3 dim (relu2: 4 dim) rounded up to that multiple.",
+                               gt=0, le=2**12, null="off")
+    aspect_ratio: int = key(64, "model.depth: width per layer.", gt=0, le=2**12)
+    depth_head_dim: int = key(64, "model.depth: the head width, fixed across the family; even (RoPE).",
+                              gt=0, le=2**10)
+    parametrization: str = key("sp", "sp: every width as configured; mup: µP's multipliers against "
+                               "model.mup_base_dim (hidden init and lr, the logits; docs/scaling.md), so an lr "
+                               "tuned at the base width transfers.", choices=("sp", "mup"))
+    mup_base_dim: int = key(256, "mup: the width the lr was tuned at (mup equals sp there).", gt=0, le=2**16)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def width_mult(self) -> float:
+        """µP's width multiplier dim / mup_base_dim (1.0 under sp): hidden init std × 1/√m, the logits × 1/m and
+        AdamW's hidden lr × 1/m (model.py, optim.py)."""
+        return self.dim / self.mup_base_dim if self.parametrization == "mup" else 1.0
+
+    def family_shape(self) -> dict[str, int]:
+        """The shape model.depth gives (docs/scaling.md); {} when depth is null. The MLP keeps Llama's 8/3 (a
+        SwiGLU of a 4x ReLU MLP's parameters; relu2 4x), rounded up to a multiple of the head width."""
+        if self.depth is None:
+            return {}
+        hd = self.depth_head_dim
+        dim = -(-self.depth * self.aspect_ratio // hd) * hd
+        ffn = 4 * dim if self.mlp == "relu2" else -(-8 * dim // (3 * hd)) * hd
+        return {"n_layers": self.depth, "dim": dim, "n_heads": dim // hd, "ffn_dim": ffn}
+
+    def apply_depth(self) -> None:
+        """Write family_shape() into the shape keys; a shape key set to something else (neither its default nor
+        the family's value) is refused, naming both keys. n_kv_heads left at its default becomes n_heads."""
+        shape = self.family_shape()
+        defaults = ModelConfig()
+        clash = [f"`model.{k}` is {getattr(self, k)}, the family's {v}" for k, v in shape.items()
+                 if getattr(self, k) not in (v, getattr(defaults, k))]
+        if clash:
+            raise ConfigError(f"`model.depth` ({self.depth}) sets the model's shape, but {'; '.join(clash)}. Drop "
+                              f"the explicit shape keys (or set them to the family's values), or set "
+                              f"`model.depth=null` to give the shape by hand.")
+        meta = {f.name: f.metadata for f in fields(self)}
+        for k, v in shape.items():
+            _check_key(f"model.{k}", v, meta[k])
+            setattr(self, k, v)
+        if shape and self.n_kv_heads == defaults.n_kv_heads:
+            self.n_kv_heads = shape["n_heads"]
+
     def check(self, cfg: Config) -> None:
+        self.apply_depth()  # first: the family's shape is checked as a hand-written one
         if self.dim % self.n_heads:
             raise ConfigError(f"`model.dim` ({self.dim}) must be divisible by `model.n_heads` ({self.n_heads}).")
         if self.n_heads % self.n_kv_heads:
@@ -842,6 +889,9 @@ SWITCHES: dict[str, tuple[str, str, Callable[[Config], bool]]] = {
     "eval.tasks_every": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
     "eval.tasks_limit": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
     "eval.tasks_path": ("eval.tasks", "a task list", lambda c: bool(c.eval.tasks)),
+    "model.aspect_ratio": ("model.depth", "set", lambda c: c.model.depth is not None),
+    "model.depth_head_dim": ("model.depth", "set", lambda c: c.model.depth is not None),
+    "model.mup_base_dim": ("model.parametrization", "mup", lambda c: c.model.parametrization == "mup"),
     "runtime.shard_group_size": ("runtime.parallel", "hsdp", lambda c: c.runtime.parallel == "hsdp"),
     "checkpoint.sharded": ("runtime.parallel", "fsdp or hsdp", lambda c: c.runtime.parallel != "ddp"),
     **{f"profile.{f.name}": ("profile.enabled", "true", lambda c: c.profile.enabled)

@@ -51,7 +51,7 @@ _ARCH_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim
 _LLAMA3_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
 # nanopt's opt-in architecture options and the value that means off: LlamaForCausalLM has none of them.
 _OPTIONS_OFF: dict[str, Any] = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeddings": False,
-                                "residual_scalars": False}
+                                "residual_scalars": False, "parametrization": "sp"}
 # A model's files in a Hugging Face directory: what export_model writes (config.json, model.safetensors, nanopt.json
 # and the tokenizer's files, whose names vary with the tokenizer's kind and transformers' version), and what
 # transformers' save_pretrained writes instead or beside them. Left beside another model's, any of them makes a

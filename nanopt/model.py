@@ -2,7 +2,9 @@
 
 Opt-in speedrun options (ModelConfig: qk_norm, mlp=relu2, logit_softcap, value_embeddings,
 residual_scalars) change the architecture; each is off by default, and with all off the modules, the
-state_dict keys, a seed's weights and the forward pass are those of the plain Llama that hf.py exports."""
+state_dict keys, a seed's weights and the forward pass are those of the plain Llama that hf.py exports.
+`parametrization: mup` (µP, docs/scaling.md) scales the hidden matrices' init and the logits by the width; under
+sp (the default) nothing is scaled."""
 from __future__ import annotations
 
 import functools
@@ -258,7 +260,7 @@ class Llama(nn.Module):
         done: set[int] = set()  # ids of initialised parameters; a tied head shares the embedding's
         for module in self.modules():
             if any(id(p) not in done for p in module.parameters(recurse=False)):
-                done.update(id(p) for p in _init_by_type(module, self.cfg))
+                done.update(id(p) for p in _init_by_type(module, self.cfg, readout=module is self.lm_head))
         missing = [f"{name}.{pname} ({type(m).__name__})" for name, m in self.named_modules()
                    for pname, p in m.named_parameters(recurse=False) if id(p) not in done]
         if missing:
@@ -296,7 +298,14 @@ class Llama(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of hidden states: B T C @ C V -> B T V, soft-capped (in fp32) when logit_softcap is set."""
-        return soft_cap(self.lm_head(h), self.cfg.logit_softcap)
+        return soft_cap(self.lm_head(self.readout_input(h)), self.cfg.logit_softcap)
+
+    def readout_input(self, h: torch.Tensor) -> torch.Tensor:
+        """h × µP's output multiplier 1/width_mult (B T C), which the logits then carry (it is linear): the head's
+        update, of Adam's size per entry, sums over `dim` aligned coordinates, so unscaled its logit change grows
+        with width. sp: h itself, not h × 1.0, so sp's results stay bit-identical."""
+        m = self.cfg.width_mult
+        return h if m == 1.0 else h / m
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
@@ -310,6 +319,7 @@ class Llama(nn.Module):
         """Mean cross-entropy without holding all B×T×V logits at once: each chunk's logits are recomputed in
         backward, so peak memory is one chunk's (at vocab 128256, 16k tokens' fp32 logits are 8.4 GB)."""
         B, T, _ = h.shape
+        h = self.readout_input(h)
         count = (targets != -100).sum().clamp(min=1)
         # Bound here: recompute (torch_xla's reentrant checkpoint on XLA) takes tensor arguments only.
         loss_sum = functools.partial(_chunk_loss_sum, softcap=self.cfg.logit_softcap)
@@ -347,14 +357,17 @@ def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, soft
     return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum")
 
 
-def _init_by_type(module: nn.Module, cfg: ModelConfig) -> list[nn.Parameter]:
-    """Initialise one module's own parameters by its type; returns those it set (none: no rule)."""
+def _init_by_type(module: nn.Module, cfg: ModelConfig, readout: bool = False) -> list[nn.Parameter]:
+    """Initialise one module's own parameters by its type; returns those it set (none: no rule). Under µP a hidden
+    Linear's std is init_std at the base width and falls as 1/sqrt(fan_in) (× 1/sqrt(width_mult)); embeddings and
+    the readout (`readout`: an untied LM head, whose logits carry the 1/width_mult multiplier) keep init_std."""
     if isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, 0.0, cfg.init_std)
         return [module.weight]
     if isinstance(module, nn.Linear):  # weight only: a bias would need a rule (init_weights reports it)
         depth_scale = 1 / math.sqrt(2 * cfg.n_layers) if getattr(module, RESIDUAL_OUT, False) else 1.0
-        nn.init.normal_(module.weight, 0.0, cfg.init_std * depth_scale)
+        fan_in_scale = 1.0 if readout else 1 / math.sqrt(cfg.width_mult)  # sp: exactly 1.0
+        nn.init.normal_(module.weight, 0.0, cfg.init_std * depth_scale * fan_in_scale)
         return [module.weight]
     if isinstance(module, RMSNorm):
         module.weight.fill_(1.0)

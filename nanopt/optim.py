@@ -1,6 +1,6 @@
 """Optimizer parameter groups by kind, the optimizers by name (adamw, muon) and the AdamW flags each device
 wants, Muon's orthogonalisation shared out across ranks, the learning-rate schedule as a multiplier (a pure function
-of step), and loading optimizer state."""
+of step), µP's per-kind lr factor, and loading optimizer state."""
 from __future__ import annotations
 
 import logging
@@ -59,9 +59,25 @@ def param_kind(p: torch.Tensor, embedding_ids: set[int], head_ids: set[int]) -> 
     return "matrix"
 
 
+def mup_lr_scale(kind: str, width_mult: float, optim: OptimConfig) -> float:
+    """µP's factor on a kind's base lr at width_mult = dim / model.mup_base_dim (docs/scaling.md): only hidden
+    matrices scale. AdamW: 1/m (Tensor Programs V: an update of lr per entry moves W x by ~lr × fan_in). Muon: its
+    orthogonalised update has spectral norm ~1, so `original`'s sqrt(max(1, rows/cols)) per shape already gives the
+    spectral condition ||dW|| ~ sqrt(fan_out/fan_in), width-free: 1; `match_rms_adamw` multiplies by
+    0.2 sqrt(max(rows, cols)), which grows as sqrt(m): 1/sqrt(m). 1.0 under sp (width_mult 1)."""
+    if kind != "matrix" or width_mult == 1.0:
+        return 1.0
+    if optim.name == MUON:
+        return 1 / math.sqrt(width_mult) if optim.muon_adjust_lr == "match_rms_adamw" else 1.0
+    return 1 / width_mult
+
+
 def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConfig] = None) -> list[dict]:
     """One group per non-empty kind, in KINDS order, with kind, base_lr, weight_decay and params; every
-    trainable parameter appears exactly once (model.parameters() yields a tied weight once)."""
+    trainable parameter appears exactly once (model.parameters() yields a tied weight once). A model with a
+    µP config (model.cfg.width_mult) gets mup_lr_scale on each kind's lr."""
+    optim = optim or OptimConfig()
+    width_mult = getattr(getattr(model, "cfg", None), "width_mult", 1.0)
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head = getattr(model, "lm_head", None)  # the model's output projection, when it has one
     head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
@@ -73,6 +89,8 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
     for kind, params in by_kind.items():
         if params:
             lr, wd = kind_hparams(kind, train, optim)
+            scale = mup_lr_scale(kind, width_mult, optim)
+            lr = lr if scale == 1.0 else lr * scale  # sp: the configured lr itself
             groups.append({"kind": kind, "base_lr": lr, "weight_decay": wd, "params": params})
     return groups
 

@@ -87,6 +87,8 @@ BAD = [
     (["--runtime.device=tpu"], "runtime.device"),
     (["--model.n_kv_heads=3"], "model.n_kv_heads"),
     (["--model.dim=100"], "model.dim"),
+    (["--model.depth=6", "--model.dim=512"], "model.depth"),
+    (["--model.parametrization=µP"], "model.parametrization"),
     (["--train.global_batch_tokens=1000"], "train.global_batch_tokens"),
     (["--train.grad_accum_steps=2"], "train.grad_accum_steps"),
     (["--train.max_steps"], "--train.max_steps"),
@@ -370,6 +372,9 @@ SWITCHED = [
     ("--profile.ranks=all", "profile.enabled", ["--profile.enabled=true"]),
     ("--runtime.shard_group_size=2", "runtime.parallel", ["--runtime.parallel=hsdp"]),
     ("--checkpoint.sharded=true", "runtime.parallel", ["--runtime.parallel=fsdp"]),
+    ("--model.aspect_ratio=32", "model.depth", ["--model.depth=4"]),
+    ("--model.depth_head_dim=32", "model.depth", ["--model.depth=4"]),
+    ("--model.mup_base_dim=64", "model.parametrization", ["--model.parametrization=mup"]),
 ]
 
 
