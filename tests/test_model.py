@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import nanopt.model
 from conftest import ALL_ON, OPTIONS_VOCAB, options_config, options_model
 from nanopt.attention import eager, sdpa
-from nanopt.config import ModelConfig, TrainConfig, configs_dir, load_config
+from nanopt.config import ModelConfig, TrainConfig, config_from_dict, configs_dir, load_config, parse_overrides
 from nanopt.errors import ConfigError
 from nanopt.generate import generate, generate_padded
 from nanopt.hf import export_model
@@ -669,3 +669,40 @@ def test_a_model_too_big_to_allocate_is_one_paragraph_naming_the_model_keys(dim)
     cfg = ModelConfig(vocab_size=257, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
     with pytest.raises(ConfigError, match=r"cannot be allocated on cpu .*model\.dim, model\.n_layers"):
         build_model(cfg)
+
+
+# ---------------------------------------------------------------- the model family (model.depth, docs/scaling.md)
+# depth, overrides -> (n_layers, dim, n_heads, n_kv_heads, ffn_dim)
+FAMILY = [
+    (4, [], (4, 256, 4, 4, 704)),
+    (6, [], (6, 384, 6, 6, 1024)),  # Llama's 8/3: 1024 exactly
+    (5, ["--model.aspect_ratio=50"], (5, 256, 4, 4, 704)),  # 250 rounds up to a whole head
+    (6, ["--model.depth_head_dim=32"], (6, 384, 12, 12, 1024)),
+    (6, ["--model.n_kv_heads=2"], (6, 384, 6, 2, 1024)),  # grouped-query attention when asked for
+    (3, ["--model.mlp=relu2"], (3, 192, 3, 3, 768)),  # relu2: 4x
+    (6, ["--model.dim=384", "--model.n_layers=6"], (6, 384, 6, 6, 1024)),  # explicit keys that agree
+]
+
+
+@pytest.mark.parametrize("depth, extra, shape", FAMILY, ids=[f"d{d}{''.join(e)}" for d, e, _ in FAMILY])
+def test_model_depth_sets_the_shape_of_the_family(depth, extra, shape):
+    m = load_config(None, parse_overrides([f"--model.depth={depth}", *extra])).model
+    assert (m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim) == shape
+    assert m.head_dim == m.dim // m.n_heads and m.ffn_dim % m.head_dim == 0
+    again = config_from_dict(load_config(None, parse_overrides([f"--model.depth={depth}", *extra])).to_dict(), "x")
+    assert again.model == m  # a saved config (its derived keys written out) reads back as the same model
+
+
+def test_a_ladder_is_a_list_of_depths_whose_parameters_grow():
+    counts = [build_model(load_config(None, parse_overrides([f"--model.depth={d}", "--model.vocab_size=64"])).model,
+                          "meta").num_params() for d in (1, 2, 3, 4)]
+    assert counts == sorted(counts) and len(set(counts)) == 4
+
+
+@pytest.mark.parametrize("extra, named", [(["--model.dim=512"], "`model.dim` is 512, the family's 384"),
+                                          (["--model.n_layers=3", "--model.ffn_dim=100"], "`model.ffn_dim` is 100")])
+def test_model_depth_refuses_shape_keys_that_disagree_naming_them(extra, named):
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, parse_overrides(["--model.depth=6", *extra]))
+    text = str(refused.value)
+    assert "`model.depth` (6) sets the model's shape" in text and named in text and "model.depth=null" in text
