@@ -434,17 +434,22 @@ def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer
     made = rt.on_main(lambda: temp_dir(ckpt_root, step), (ConfigError, DiskFull))  # rank 0's failure: every rank's
     tmp = made or temp_dir(ckpt_root, step, fresh=False)
     weights, optimizer_state = get_state_dict(model, optimizer)
-    with writing(tmp / DCP_DIR):
-        _dcp(tmp / DCP_DIR, {"model": weights, "optimizer": optimizer_state,
-                             **({"ema": ema.tensors()} if started else {})}, save=True)
     try:
-        mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = (seal_own_shards(tmp, rt.rank), None)
-    except OSError as e:  # gathered, so that every rank raises it rather than waiting for the failed one
-        mine = ({}, e)
-    parts = rt.gather_objects(mine)  # also the barrier: every rank's shards are on disk after it
-    for _, error in parts:
-        if error is not None:
-            raise error
+        with writing(tmp / DCP_DIR):  # DCP raises one rank's failure on every rank
+            _dcp(tmp / DCP_DIR, {"model": weights, "optimizer": optimizer_state,
+                                 **({"ema": ema.tensors()} if started else {})}, save=True)
+        try:
+            mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = (seal_own_shards(tmp, rt.rank), None)
+        except OSError as e:  # gathered, so that every rank raises it rather than waiting for the failed one
+            mine = ({}, e)
+        parts = rt.gather_objects(mine)  # also the barrier: every rank's shards are on disk after it
+        for _, error in parts:
+            if error is not None:
+                raise error
+    except DiskFull:
+        if rt.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # its space back
+        raise
     whole = model_state(model, keep=rt.is_main)
     averaged = ema.full_weights(keep=rt.is_main) if started else None
     if not rt.is_main:

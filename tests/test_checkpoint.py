@@ -440,3 +440,26 @@ def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkey
     assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]
     assert checkpoint.verify_checkpoint(root / "step_000002") is None
 
+
+
+def test_a_full_disk_sealing_the_shards_is_disk_full_naming_the_file_and_leaves_no_temp_directory(tmp_path,
+                                                                                                  monkeypatch):
+    """A full disk can first show at a shard's fsync: DiskFull (exit 1) naming the shard, on every rank, the temp
+    directory removed (its space back) and the previous checkpoint as it was."""
+    model, opt = _trained()
+    ckpt = _checkpointer(tmp_path)
+    ckpt.save(2, model, opt, {})
+    real = checkpoint.fsync
+
+    def full(path):
+        if Path(path).suffix == ".distcp":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "fsync", full)
+    with pytest.raises(DiskFull) as e:
+        ckpt.save(4, model, opt, {})
+    root = tmp_path / rundirs.CHECKPOINTS_DIR
+    assert f"writing {root / '.tmp_step_000004' / 'dcp' / '__0_0.distcp'}" in str(e.value)
+    assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]
+    assert checkpoint.verify_checkpoint(root / "step_000002") is None
