@@ -7,6 +7,7 @@ own smokes: tests/test_gpu_check.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -53,6 +54,7 @@ SMOKES: dict[str, Callable[[Path], list[str]]] = {
     "fsdp_memory": lambda d: ["--smoke"],
     "loss_memory": lambda d: ["--tokens", "64", "--vocab", "512", "--chunk", "16", "--dim", "32"],
     "sweep": lambda d: ["--smoke"],
+    "mup_transfer": lambda d: ["--smoke", "--json", str(d / "m.json"), "--plot", str(d / "m.png")],
 }
 
 
@@ -411,6 +413,30 @@ def test_sweep_runs(smokes):
     out = smokes.result("sweep")
     assert "| quiet | " in out.out and "(1.00x, n/a) |" in out.out
     assert "quiet, round 1/1: --parallel 2 swept 2 runs in " in out.err
+
+
+@pytest.mark.slow  # six toy training processes, 2 at a time (SMOKES): ~35 s on 2 loaded cores
+def test_mup_transfer_runs(smokes):
+    """Widths 32 and 64 at 2 lrs, sp and mup: 6 runs (mup at the base width is sp's run, the same bits), the table,
+    the moves of the best lr and the plot."""
+    out, err, where = smokes.result("mup_transfer")
+    runs = json.loads((where / "m.json").read_text())["runs"]
+    assert len(runs) == 6 and not any(k.startswith("mup 32 ") for k in runs)
+    assert all(0 < bpb < 20 for bpb in runs.values())
+    base = re.search(r"\n\| sp \| 32 \| [^|]+\| [^|]+\| (\d+\.\d+) \|", out)
+    assert base and f"| mup | 32 | " in out and out.count(f"| {base.group(1)} |") == 2, out  # the shared run
+    assert re.search(r"\nsp: the best lr moves [+-]\d\.\d\d grid steps", out), out
+    assert "[6/6] " in err and (where / "m.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_mup_transfer_finds_the_best_lr_between_grid_points():
+    """A parabola in log2(lr) through the grid's best and its neighbours: its vertex; at the grid's edge or next to
+    a diverged run, the grid point itself."""
+    best = bench("mup_transfer").best_log2_lr
+    lrs = [2.0 ** e for e in range(-10, -4)]
+    assert best(lrs, [(e + 7.3) ** 2 for e in range(-10, -4)]) == pytest.approx(-7.3)
+    assert best(lrs, [1, 2, 3, 4, 5, 6]) == -10
+    assert best(lrs, [5, 4, 3, 2, math.inf, 9]) == -7
 
 
 def test_vs_hf_runs(capsys):
