@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
+from nanopt.config import Config
 from nanopt.errors import ConfigError
-from nanopt.experiments import find_runs
+from nanopt.experiments import find_runs, load_run, table
 from nanopt.io import read_text
+from nanopt.mfu import meta_model, param_counts, token_flops
 
 HUBER_DELTA = 1e-3
 # Hoffmann et al.'s grid of starts (α, β over 0..2, e over -1..1.5, a and b over 0..25), searched whole at numpy speed;
@@ -237,6 +239,9 @@ def report_text(out: dict[str, Any], predictions: Sequence[dict[str, float]] = (
     for p in predictions:
         lines.append(f"predict at {p['flops']:.4g} FLOPs: N_opt {p['params']:.4g}, D_opt {p['tokens']:.4g} "
                      f"({p['tokens_per_param']:.1f} tokens/param), loss {p['loss']:.4f}")
+    for c in out.get("checks", []):
+        lines.append(f"held out {c['run']}: N {c['params']:,}, D {c['tokens']:,}: predicted {c['predicted']:.4f}, "
+                     f"measured {c['actual']:.4f} ({100 * c['error']:+.2f}%)")
     return "\n".join(lines)
 
 
@@ -266,3 +271,103 @@ def plot(p: Points, out: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------- the plan: an isoFLOP grid of runs
+KNOB = "model.depth"  # the model family's one size knob (config.py: width = depth × model.aspect_ratio)
+MAX_DEPTH = 256
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One run of a ladder: its budget, size and everything the transfer rules set for it."""
+    budget: float  # FLOPs, nanopt's own (6N + attention): tokens × flops_per_token ≈ budget
+    depth: int
+    params: int  # all parameters (summary.json's `params`)
+    n_6n: int  # those a token passes through (6N's N)
+    flops_per_token: int
+    batch_tokens: int
+    steps: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.batch_tokens
+
+    @property
+    def name(self) -> str:
+        return f"C={self.budget:.3g},depth={self.depth}"
+
+    def overrides(self) -> dict[str, Any]:
+        return {KNOB: self.depth, "train.global_batch_tokens": self.batch_tokens, "train.max_steps": self.steps,
+                "train.lr": float(f"{self.lr:.4g}"), "train.weight_decay": float(f"{self.weight_decay:.4g}"),
+                "train.warmup_steps": self.warmup_steps}
+
+
+def plan(config_for: Callable[[Optional[int]], Config], budgets: Sequence[float], sizes: int) -> list[Rung]:
+    """`sizes` depths per budget around the size the config's scaling.tokens_per_param predicts optimal there
+    (D = r·N at C = F(N)·D, with F nanopt's FLOPs per token), each run's tokens from its budget at its own
+    FLOPs per token, and its batch, lr, weight decay and warm-up by the config's transfer rules from the
+    config's own values (the reference run): docs/scaling.md. `config_for(depth)` is the config at a depth
+    (None: the reference)."""
+    ref = config_for(None)
+    t, rules = ref.train, ref.scaling
+    unit = t.micro_batch_size * t.seq_len  # a batch is whole micro-batches
+    ref_tokens = t.max_steps * t.global_batch_tokens
+    shapes: dict[int, tuple[int, int, int]] = {}
+
+    def shape(depth: int) -> tuple[int, int, int]:  # (params, n_6n, flops per token), a meta model each
+        if depth not in shapes:
+            model = meta_model(config_for(depth).model)
+            counts = param_counts(model)
+            shapes[depth] = (counts.total, counts.n_6n, token_flops(model, t.seq_len, ref.mfu.causal_halving).model)
+        return shapes[depth]
+
+    rungs = []
+    for budget in sorted(budgets):
+        # The predicted optimum: the depth whose compute at r tokens per parameter is closest to the budget.
+        gap = lambda d: abs(math.log(shape(d)[2] * rules.tokens_per_param * shape(d)[1] / budget))
+        centre = 1
+        while centre < MAX_DEPTH and gap(centre + 1) < gap(centre):
+            centre += 1
+        first = max(1, centre - (sizes - 1) // 2)  # an even count leans one size larger
+        for depth in range(first, first + sizes):
+            params, n_6n, per_token = shape(depth)
+            tokens = budget / per_token
+            batch = t.global_batch_tokens * (tokens / ref_tokens) ** rules.batch_exponent
+            batch = max(unit, unit * round(batch / unit))
+            steps = max(1, round(tokens / batch))
+            lr = t.lr * (batch / t.global_batch_tokens) ** rules.lr_batch_exponent
+            # AdamW's timescale 1/(lr·wd), in steps, stays the reference's fraction of the run.
+            wd = (t.weight_decay * t.lr * t.max_steps / (lr * steps) if rules.weight_decay == "timescale"
+                  else t.weight_decay)
+            warmup = min(steps - 1, round(t.warmup_steps * steps / t.max_steps))
+            rungs.append(Rung(budget, depth, params, n_6n, per_token, batch, steps, lr, wd, warmup))
+    return rungs
+
+
+def plan_text(rungs: Sequence[Rung]) -> str:
+    rows = [(f"{r.budget:.3g}", str(r.depth), f"{r.params:,}", f"{r.tokens:,}", f"{r.tokens / r.n_6n:.1f}",
+             str(r.steps), f"{r.batch_tokens:,}", f"{r.lr:.3g}", f"{r.weight_decay:.3g}", str(r.warmup_steps))
+            for r in rungs]
+    return table(("budget", "depth", "params", "tokens", "tokens/N", "steps", "batch", "lr", "wd", "warmup"), rows)
+
+
+def points_file(rungs: Sequence[Rung]) -> dict[str, Any]:
+    """The ladder as `nanopt sweep --points` reads it, with each rung's figures beside (for people and tools)."""
+    return {"points": [{"name": r.name, "set": r.overrides()} for r in rungs],
+            "rungs": [{**asdict(r), "tokens": r.tokens} for r in rungs]}
+
+
+def check(fit_out: dict[str, Any], run_dir: Path, metric: str, params_key: str = "params") -> dict[str, Any]:
+    """A run left out of the fit against what the fitted law predicts for its N and D."""
+    s = load_run(run_dir).summary
+    if not all(isinstance(s.get(k), (int, float)) for k in (params_key, "tokens_seen", metric)):
+        raise ConfigError(f"{run_dir}: summary.json lacks {params_key}, tokens_seen or {metric}; give a finished "
+                          f"run of the ladder's config.")
+    law_fit = {k: fit_out[k]["value"] for k in LAW_KEYS}
+    predicted = predict_loss(law_fit, s[params_key], s["tokens_seen"])
+    return {"run": str(run_dir), "params": s[params_key], "tokens": s["tokens_seen"], "actual": s[metric],
+            "predicted": predicted, "error": predicted / s[metric] - 1}

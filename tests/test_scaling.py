@@ -6,12 +6,15 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nanopt import scaling
+from nanopt import scaling, sweep
+from nanopt.config import load_config
 from nanopt.errors import ConfigError
+from nanopt.mfu import meta_model, token_flops
 
 # Hoffmann et al.'s fitted law (their eq. 10): the data below is drawn from it.
 TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
@@ -150,3 +153,66 @@ def test_the_command_exits_2_without_a_traceback(tmp_path):
 
 def test_too_few_runs_for_a_parabola_has_no_optimum():
     assert math.isnan(scaling._vertex(np.log([1e6, 1e6, 2e6]), np.array([3.0, 3.1, 2.9])))
+
+
+# ---------------------------------------------------------------- the plan
+LADDER = Path(__file__).resolve().parent.parent / "configs" / "ladder-cpu.yaml"
+
+
+def at_depth(*overrides: tuple[str, str]):
+    return lambda depth: load_config(LADDER, [*overrides, *([] if depth is None else [("model.depth", str(depth))])])
+
+
+def test_the_plan_spends_each_budget_at_each_runs_own_flops_by_the_configs_rules():
+    ref = at_depth()(None).train
+    rungs = scaling.plan(at_depth(), [1e12, 4e12], 4)
+    assert len(rungs) == 8 and len({r.name for r in rungs}) == 8
+    for r in rungs:
+        model = meta_model(at_depth()(r.depth).model)
+        assert (r.params, r.flops_per_token) == (model.num_params(), token_flops(model, ref.seq_len).model)
+        assert abs(r.tokens * r.flops_per_token - r.budget) <= r.batch_tokens * r.flops_per_token  # whole steps
+        assert r.batch_tokens % (ref.micro_batch_size * ref.seq_len) == 0
+        assert r.lr == pytest.approx(ref.lr * (r.batch_tokens / ref.global_batch_tokens) ** 0.5)  # the √ rule
+        # AdamW's timescale 1/(lr·wd) is the reference's share of the run.
+        assert r.lr * r.weight_decay * r.steps == pytest.approx(ref.lr * ref.weight_decay * ref.max_steps)
+        assert 0 <= r.warmup_steps < r.steps
+        assert r.overrides()["model.depth"] == r.depth and r.overrides()["train.max_steps"] == r.steps
+    for budget in (1e12, 4e12):  # consecutive depths either side of 20 tokens per parameter
+        here = [r for r in rungs if r.budget == budget]
+        assert [r.depth for r in here] == list(range(here[0].depth, here[0].depth + 4))
+        assert max(r.tokens / r.n_6n for r in here) > 20 > min(r.tokens / r.n_6n for r in here)
+    # The rules are config keys: no batch scaling and a fixed weight decay keep the reference's values.
+    for r in scaling.plan(at_depth(("scaling.batch_exponent", "0"), ("scaling.weight_decay", "fixed")), [1e12], 3):
+        assert (r.batch_tokens, r.lr, r.weight_decay) == (ref.global_batch_tokens, ref.lr, ref.weight_decay)
+
+
+def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "plan", str(LADDER), "--budgets", "1e12,2e12",
+                          "--sizes", "3", "--out", str(tmp_path / "ladder"), "--eval.batches=4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:5] == ["budget", "depth", "params", "tokens", "tokens/N"]
+    assert "nanopt sweep" in out.stdout and "--points" in out.stdout and "--eval.batches=4" in out.stdout
+    ladder = tmp_path / "ladder" / "ladder.yaml"
+    points, configs = sweep.plan(str(LADDER), [], 1, ["--eval.batches=4"], 1, ladder)
+    rungs = scaling.plan(at_depth(), [1e12, 2e12], 3)
+    assert [p.name for p in points] == [f"{r.name},seed=1337" for r in rungs]
+    for p, r in zip(points, rungs):
+        cfg = configs[p.name]
+        assert (cfg.model.depth, cfg.train.max_steps, cfg.train.global_batch_tokens) == (r.depth, r.steps,
+                                                                                         r.batch_tokens)
+        assert cfg.eval.batches == 4
+    bad = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "plan", str(LADDER), "--budgets", "1e12,x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budgets" in bad.stderr
+
+
+def test_a_held_out_run_is_checked_against_the_law(tmp_path, fitted):
+    _, out = fitted
+    run = tmp_path / "held-out"
+    run.mkdir()
+    n, d = 10**8, 3 * 10**9
+    (run / "summary.json").write_text(json.dumps({"steps": 5, "params": n, "tokens_seen": d,
+                                                  "final_val_bpb": 1.01 * scaling.predict_loss(TRUE, n, d)}))
+    got = scaling.check(out, run, "final_val_bpb")
+    assert got["error"] == pytest.approx(-0.01, abs=0.01)  # the fitted law is the true one, within its noise
