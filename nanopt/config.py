@@ -405,17 +405,9 @@ class CheckpointConfig:
                                    "`[train.lr]` (`train.lr,train.warmup_steps`).")
     start_over: bool = key(False, "When the run directory shows training but holds no usable checkpoint, a re-run "
                            "refuses (exit 2) rather than silently start over; true starts at step 0.")
-    sharded: bool = key(False, "fsdp/hsdp only: each rank writes its own shards of the weights, optimizer state and "
-                        "averaged weights (torch.distributed.checkpoint, a dcp/ directory in the checkpoint) instead "
-                        "of gathering them whole onto rank 0: for models too big for one host's memory. Needs a "
-                        "directory every rank sees; resumes at any world size and parallelism (docs/resume.md).")
 
     def check(self, cfg: Config) -> None:
-        """allow_changes names real keys: a typo would otherwise silently allow nothing. sharded needs shards."""
-        if self.sharded and self.mirror:
-            raise ConfigError(f"`checkpoint.sharded` is true and `checkpoint.mirror` is {self.mirror!r}: the mirror "
-                              f"copies whole checkpoints only, not a sharded one's dcp/ directory (not built yet). "
-                              f"Drop one of the two keys.")
+        """allow_changes names real keys: a typo would otherwise silently allow nothing."""
         for name in self.allow_changes:
             section_name, _, rest = name.partition(".")
             if section_name not in SECTIONS or rest not in {f.name for f in fields(SECTIONS[section_name])}:
@@ -893,7 +885,6 @@ SWITCHES: dict[str, tuple[str, str, Callable[[Config], bool]]] = {
     "model.depth_head_dim": ("model.depth", "set", lambda c: c.model.depth is not None),
     "model.mup_base_dim": ("model.parametrization", "mup", lambda c: c.model.parametrization == "mup"),
     "runtime.shard_group_size": ("runtime.parallel", "hsdp", lambda c: c.runtime.parallel == "hsdp"),
-    "checkpoint.sharded": ("runtime.parallel", "fsdp or hsdp", lambda c: c.runtime.parallel != "ddp"),
     **{f"profile.{f.name}": ("profile.enabled", "true", lambda c: c.profile.enabled)
        for f in fields(ProfileConfig) if f.name != "enabled"},
 }
@@ -939,10 +930,6 @@ def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None
     stage's batch in whole micro-batches, hsdp's shard groups tiling the ranks; fill in model.max_seq_len."""
     if cfg.runtime.parallel == "hsdp" and world_size > 1:
         cfg.runtime.hsdp_mesh(world_size, local_world_size or world_size)
-    if cfg.checkpoint.sharded and world_size == 1:
-        raise ConfigError(f"`checkpoint.sharded` is true but this is one process (runtime.parallel "
-                          f"{cfg.runtime.parallel} shards only across torchrun's ranks): nothing is sharded; "
-                          f"checkpoints are already whole. Drop the key, or launch 2 or more ranks with torchrun.")
     t = cfg.train
     scheduled = bool(t.batch_schedule or t.seq_len_schedule)
     for start, batch, seq_len in t.stages():

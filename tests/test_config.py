@@ -109,9 +109,6 @@ BAD = [
     (["--runtime.parallel=hsdp", "--runtime.shard_group_size=0"], "runtime.shard_group_size"),
     (["--runtime.parallel=hsdp", "--runtime.device=xla"], "runtime.device"),
     (["--runtime.parallel=fsdp", "--runtime.device=xla"], "runtime.device"),
-    (["--checkpoint.sharded=true"], "checkpoint.sharded"),  # under ddp: nothing is sharded
-    (["--runtime.parallel=fsdp", "--checkpoint.sharded=true"], "checkpoint.sharded"),  # one process: the same
-    (["--runtime.parallel=fsdp", "--checkpoint.sharded=true", "--checkpoint.mirror=/tmp/m"], "checkpoint.mirror"),
 ]
 
 
@@ -371,7 +368,6 @@ SWITCHED = [
     ("--profile.active=3", "profile.enabled", ["--profile.enabled=true"]),
     ("--profile.ranks=all", "profile.enabled", ["--profile.enabled=true"]),
     ("--runtime.shard_group_size=2", "runtime.parallel", ["--runtime.parallel=hsdp"]),
-    ("--checkpoint.sharded=true", "runtime.parallel", ["--runtime.parallel=fsdp"]),
     ("--model.aspect_ratio=32", "model.depth", ["--model.depth=4"]),
     ("--model.depth_head_dim=32", "model.depth", ["--model.depth=4"]),
     ("--model.mup_base_dim=64", "model.parametrization", ["--model.parametrization=mup"]),

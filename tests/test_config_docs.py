@@ -77,7 +77,7 @@ SAFE = {
     "train.compile_ddp_split", "train.recompute",
     "model.attention", "data.source", "data.dir", "data.verify_checksum",
     "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.mirror", "checkpoint.allow_changes",
-    "checkpoint.start_over", "checkpoint.sharded", "eval.every", "eval.at_start", "eval.test_at_end",
+    "checkpoint.start_over", "eval.every", "eval.at_start", "eval.test_at_end",
     # Downstream tasks score the model outside the step and put the RNG states back (harness.score_model).
     "eval.tasks", "eval.core", "eval.tasks_every", "eval.tasks_limit", "eval.tasks_path",
 }
