@@ -215,7 +215,7 @@ def plot(a: argparse.Namespace, best: dict[str, dict[int, dict]], out: Path) -> 
                 line, = ax.plot(*zip(*finite), marker="o", ms=3, label=f"width {w}")
                 ax.axvline(2 ** b["log2"], color=line.get_color(), ls=":", lw=1)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{p}: val bpb after {a.steps} steps (mean of {a.seeds} seed(s)); dotted: best lr")
+        ax.set_title(f"{p}: val bpb after {a.steps} steps (mean of {a.seeds} seed(s)); dotted: best lr", fontsize=10)
         ax.set_xlabel("peak lr (train.lr)")
         ax.legend(fontsize=8)
     axes[0].set_ylabel("final val bits per byte")
