@@ -18,8 +18,8 @@ and a plot (--plot) of val bpb against lr, one curve per width, a panel per para
 Size: 189 runs (widths 32-256 x 9 lrs x 3 seeds x sp and mup, the base width's shared), 200 steps of 1024 tokens
 (205k tokens: val bpb ~3.7 at a good lr, well past the bytes' unigram ~4.4). Measured one at a time on 2 cores that
 other work kept at load ~3.5 (Intel Xeon with AMX; fp32): a run takes ~7 s at width 32, 9 s at 64, ~17 s at 128 and
-37 s at 256 (~5 s of each is the process's start, data and evaluation), so one seed's 63 runs take ~1,800 s of one
-core and the whole bench, 2 at a time, about 3 × 1,800 / 2 s ≈ 30 minutes on 2 otherwise idle cores.
+37 s at 256 (~5 s of each is the process's start, data and evaluation), so one seed's 63 runs take ~1,200 s of one
+core (9 lrs × (7 + 2 × (9 + 17 + 37)) s) and the whole bench, 2 at a time, about 3 × 1,200 / 2 s ≈ 30 minutes.
 --smoke: 2 widths x 2 lrs x 1 seed at 2 steps (6 runs), 35 s on the same loaded machine.
 """
 from __future__ import annotations
