@@ -10,13 +10,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from nanopt.config import Config
-from nanopt.parallel import local_tensor, shard_like, whole
+from nanopt.parallel import local_tensor, whole
 
 
 class EMA:
     """ema = decay × ema + (1 - decay) × weights after each optimizer step at or past `start`; at `start` it is the
     weights themselves. Nothing is allocated before then. Its state_dict() is JSON; its tensors travel through
-    full_weights() / load_weights() (the checkpointer's ema.safetensors)."""
+    full_weights() (the checkpointer's ema.safetensors) and load_tensors() (its sharded reader)."""
 
     def __init__(self, model: torch.nn.Module, decay: float, start: int):
         if not 0 < decay < 1:
@@ -124,21 +124,3 @@ class EMA:
         tensors = {n: p.detach().to(torch.float32, copy=True) for n, p in zip(self.names, self.params)}
         fill(tensors)
         self.averaged = [tensors[n] for n in self.names]
-
-    @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Whole saved tensors (full_weights()'s) as the average, each taking its parameter's device and layout;
-        ValueError naming what does not match."""
-        missing = [n for n in self.names if n not in weights]
-        unexpected = [n for n in weights if n not in self.names]
-        wrong = [f"{n} {tuple(weights[n].shape)} vs {tuple(p.shape)}" for n, p in zip(self.names, self.params)
-                 if n in weights and weights[n].shape != p.shape]
-        if missing or unexpected or wrong:
-            raise ValueError(f"the averaged weights do not match the model: missing {missing[:5]}, unexpected "
-                             f"{unexpected[:5]}, other shapes {wrong[:3]}")
-        self.averaged = [self._like(p, weights[n]) for n, p in zip(self.names, self.params)]
-
-    @staticmethod
-    def _like(p: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
-        value = saved.to(device=local_tensor(p).device, dtype=torch.float32)
-        return shard_like(p, value.clone() if value is saved else value)

@@ -153,16 +153,6 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def shard_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A whole tensor laid out as `p`: this rank's shard of it when p is a DTensor (every rank holds the whole value,
-    read from a file, so each slices its own: src_data_rank=None, no communication), `value` otherwise."""
-    if not is_dtensor(p):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
-
-
 # ---------------------------------------------------------------- forwards outside the train step, on every rank
 class Broken(RuntimeError):
     """Another rank stopped its forwards under lockstep (its own error is the cause)."""
