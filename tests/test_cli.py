@@ -12,6 +12,7 @@ import pytest
 
 from conftest import REPO, run_module
 from nanopt.cli import COMMANDS, run
+from nanopt.errors import EXIT_STATUS_ENV
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -174,3 +175,14 @@ def test_an_oserror_naming_no_path_is_no_bad_input(monkeypatch):
     monkeypatch.setattr("nanopt.commands.plot.main", lambda argv: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
     with pytest.raises(OSError):
         run(["plot", "x"])
+
+
+@pytest.mark.parametrize("case, code", [("a_directory_for_a_file", 2), ("full_disk", 1)])
+def test_the_trainer_records_the_exit_status_of_an_oserror_about_a_path(tmp_path, monkeypatch, case, code):
+    """The status file a launcher reads (NANOPT_EXIT_STATUS_FILE) gets the code cli.run returns for it."""
+    error, status = _at(tmp_path, case), tmp_path / "status"
+    monkeypatch.setenv(EXIT_STATUS_ENV, str(status))
+    monkeypatch.setattr("nanopt.commands.train.load_config", lambda *a: (_ for _ in ()).throw(error))
+    with mock.patch.dict(os.environ):  # run() sets train's OpenMP environment
+        assert run(["train"]) == code
+    assert status.read_text() == f"0 {code}\n"

@@ -11,7 +11,7 @@ from nanopt.config import load_config, parse_overrides, resolve, split_args
 from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STATUS_ENV,
                            ConfigError, Preempted, ShardError, TrainingError, debug_enabled,
                            debug_traceback)
-from nanopt.io import as_disk_full
+from nanopt.io import as_disk_full, is_disk_full
 from nanopt.metrics import setup_logging
 from nanopt.train import train
 
@@ -30,11 +30,16 @@ SIGTERM/SIGINT or past run.time_limit_s (a checkpoint was saved; resumable).
 
 
 def main(argv: list[str]) -> int:
-    code = _run(argv)
-    path = os.environ.get(EXIT_STATUS_ENV)
-    if path:  # torchrun reports 1 for any failure; a launcher reads each worker's own code here
-        with open(path, "a") as f:
-            f.write(f"{os.environ.get('RANK', '0')} {code}\n")
+    code = EXIT_FAILED
+    try:
+        code = _run(argv)
+    except OSError as e:  # about a path: cli.run says it in one paragraph, exit 2 (a full disk: 1)
+        code = EXIT_FAILED if e.filename is None or is_disk_full(e) else EXIT_BAD_INPUT
+        raise
+    finally:
+        if path := os.environ.get(EXIT_STATUS_ENV):  # torchrun reports 1 for any failure; a launcher reads each
+            with open(path, "a") as f:  # worker's own code here
+                f.write(f"{os.environ.get('RANK', '0')} {code}\n")
     return code
 
 
