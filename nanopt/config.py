@@ -23,6 +23,8 @@ import yaml
 
 from nanopt.errors import ConfigError
 from nanopt.hardware import PEAKS
+from nanopt.io import read_bytes
+from nanopt.schema import parse
 
 DEFAULT_CONFIG = "tiny"  # the embedded default when no config file is given: configs/tiny.yaml
 SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
@@ -38,14 +40,16 @@ CONTEXT_LIMIT = 2**22  # model.max_seq_len, train.seq_len: 4M tokens, the longes
 
 def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[float] = None,
         ge: Optional[float] = None, lt: Optional[float] = None, le: Optional[float] = None, null: str = "",
-        zero: str = "", safe: Optional[bool] = None, neutral: Optional[bool] = None) -> Any:
-    """A config field and its rules. validate() enforces `choices` and the bounds (gt/ge/lt/le; on a list, on
-    every number in it); `null` says what null means for an Optional key (a one-word meaning, such as `all`, is
-    also a spelling of null); `zero`, what 0 means where it lies outside the bounds (an off switch). `safe`: a
+        zero: str = "", must: Optional[tuple[Callable[[Any], Any], str]] = None, safe: Optional[bool] = None,
+        neutral: Optional[bool] = None) -> Any:
+    """A config field and its rules. validate() enforces `choices`, the bounds (gt/ge/lt/le) and `must` (a test
+    and the paragraph, formatted with `value`, for a value failing it), on a list on every item in it; `null` says
+    what null means for an Optional key (a one-word meaning, such as `all`, is also a spelling of null); `zero`,
+    what 0 means where it lies outside the bounds (an off switch). `safe`: a
     resume may change it (it changes how long the run goes, what it logs or where things live, not the state the
     next step computes from). `neutral`: it does not change results, so `nanopt runs` groups runs differing only
     in neutral keys and the seed as repeats of one setting. Both left None take the section's default (`section`)."""
-    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, zero=zero, safe=safe,
+    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, zero=zero, must=must, safe=safe,
                 neutral=neutral)
     if isinstance(default, list):  # a dataclass field takes a mutable default only through a factory
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -67,7 +71,10 @@ def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], ty
 @dataclass
 class RunConfig:
     """What the run is called, where it lives, and the seed everything random flows from."""
-    name: str = key("tiny", "Run name: one directory name; the run goes to `runs/<name>`.")
+    name: str = key("tiny", "Run name: one directory name; the run goes to `runs/<name>`.", must=(
+        lambda v: v.strip() not in ("", ".", "..") and "/" not in v and "\\" not in v,
+        "`run.name` must be one directory name (not empty, '.' or '..', no '/'), got {value!r}: the run goes to "
+        "runs/<name>; use `run.dir` for a path."))
     dir: str = key("", "Output directory (a path); \"\" = `runs/<name>`.")
     seed: int = key(1337, "Seeds init, data order and dropout; numpy and the data order take 32-bit seeds.",
                     ge=0, lt=SEED_LIMIT, safe=False, neutral=False)
@@ -78,11 +85,6 @@ class RunConfig:
                                    null="run.seed", safe=False, neutral=False)
     time_limit_s: float = key(0.0, "Seconds this session may train, then it checkpoints and exits 75 like a "
                               "preemption, so a scheduler's hard timeout never kills it mid-run; 0 = no limit.", ge=0)
-
-    def check(self, cfg: Config) -> None:
-        if self.name.strip() in ("", ".", "..") or "/" in self.name or "\\" in self.name:
-            raise ConfigError(f"`run.name` must be one directory name (not empty, '.' or '..', no '/'), got "
-                              f"{self.name!r}: the run goes to runs/<name>; use `run.dir` for a path.")
 
     @property
     def seeds(self) -> tuple[int, int]:
@@ -171,9 +173,8 @@ class ModelConfig:
             raise ConfigError(f"`model.depth` ({self.depth}) sets the model's shape, but {'; '.join(clash)}. Drop "
                               f"the explicit shape keys (or set them to the family's values), or set "
                               f"`model.depth=null` to give the shape by hand.")
-        meta = {f.name: f.metadata for f in fields(self)}
         for k, v in shape.items():
-            _check_key(f"model.{k}", v, meta[k])
+            _check_key(f"model.{k}", v)
             setattr(self, k, v)
         if shape and self.n_kv_heads == defaults.n_kv_heads:
             self.n_kv_heads = shape["n_heads"]
@@ -253,7 +254,10 @@ class TrainConfig:
     target_val_bpb: Optional[float] = key(None, "The same in bits per byte, which recipes with different tokenizers "
                                           "can race to; set one of the two.", gt=0, null="no target", safe=True)
     stop_at_target: bool = key(False, "End the run (final eval, checkpoint, summary) at the target.", safe=True)
-    init_from: str = key("", "hf:DIR: start from a Hugging Face Llama directory's weights; \"\" = scratch.", safe=True)
+    init_from: str = key("", "hf:DIR: start from a Hugging Face Llama directory's weights; \"\" = scratch.", safe=True,
+                         must=(lambda v: not v or (v.startswith("hf:") and bool(v[3:].strip())),
+                               "`train.init_from` is {value!r}; it takes `hf:DIR`, a directory written by `nanopt "
+                               "export` or by transformers' save_pretrained (or \"\" to start from scratch)."))
     batch_schedule: list[list[int]] = key([], "Global batch by stage: [START, TOKENS] pairs, e.g. `[[0, 8192], "
                                           "[300, 16384]]` (on the command line `0:8192,300:16384`), START in "
                                           "train.schedule_unit from 0, TOKENS within train.global_batch_tokens' "
@@ -295,9 +299,6 @@ class TrainConfig:
         if self.stop_at_target and not cfg.eval.every:
             raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set "
                               "`eval.every` to a positive number of steps.")
-        if self.init_from and (not self.init_from.startswith("hf:") or not self.init_from[3:].strip()):
-            raise ConfigError(f"`train.init_from` is {self.init_from!r}; it takes `hf:DIR`, a directory written by "
-                              f"`nanopt export` or by transformers' save_pretrained (or \"\" to start from scratch).")
         for stage_start, length in check_stages(self.seq_len_schedule, "train.seq_len_schedule"):
             if length > self.seq_len:
                 raise ConfigError(f"`train.seq_len_schedule` has {length} tokens from {stage_start}, longer than "
@@ -370,27 +371,26 @@ class EvalConfig:
     tasks: list[str] = key([], "lm-eval tasks scored on the live model during training, e.g. `[hellaswag, arc_easy]` "
                            "(`hellaswag,arc_easy`; pip install -e '.[eval]'); [] = none. Outside the training clock; "
                            "docs/evaluation.md.", safe=True, neutral=True)
-    core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True)
+    # Task directories are checked before training, not found missing after the last step.
+    core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True,
+                    must=(lambda v: not v or Path(v).is_dir(), "`eval.core` is {value!r}, which is not a directory. "
+                          + "Give the directory (a CORE bundle); `nanopt eval --make-tasks DIR` writes demo ones."))
     tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
                            ge=0, safe=True, neutral=True)
     tasks_limit: int = key(100, "Documents per task (items per CORE task) scored during training; 0 = all.", ge=0,
                            safe=True, neutral=True)
     tasks_path: str = key("", "A directory of local lm-eval task YAMLs for eval.tasks (the harness's include_path).",
-                          safe=True, neutral=True)
+                          safe=True, neutral=True, must=(lambda v: not v or Path(v).is_dir(),
+                          "`eval.tasks_path` is {value!r}, which is not a directory. Give the directory (of task "
+                          "YAMLs); `nanopt eval --make-tasks DIR` writes demo ones."))
     weights: str = key("model", "Which weights validation, the test split, the speedrun clock and the end-of-run "
                        "samples use: the model's own, or the average kept by train.ema_decay (before "
                        "train.ema_start that is the model's, and the records say so).", choices=("model", "ema"))
 
     def check(self, cfg: Config) -> None:
-        """Task directories are checked before training, not found missing after the last step."""
         if self.weights == "ema" and not cfg.train.ema_decay:
             raise ConfigError("`eval.weights` is ema but `train.ema_decay` is 0, so no averaged weights are kept; "
                               "set `--train.ema_decay` (e.g. 0.99) or use `--eval.weights=model`.")
-        for name in ("core", "tasks_path"):
-            value = getattr(self, name)
-            if value and not Path(value).is_dir():
-                raise ConfigError(f"`eval.{name}` is {value!r}, which is not a directory. Give the directory (a CORE "
-                                  f"bundle, or task YAMLs); `nanopt eval --make-tasks DIR` writes demo ones.")
 
 
 @section(safe=True, neutral=True)  # saving is outside the training clock
@@ -401,19 +401,15 @@ class CheckpointConfig:
     keep: int = key(3, "How many checkpoints to keep.", gt=0)
     resume: bool = key(True, "Continue from the newest usable checkpoint; false: start fresh, into an empty dir.")
     mirror: str = key("", "fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to.")
+    # A typo would otherwise silently allow nothing.
     allow_changes: list[str] = key([], "Config keys allowed to differ from the checkpoint's on resume, e.g. "
-                                   "`[train.lr]` (`train.lr,train.warmup_steps`).")
+                                   "`[train.lr]` (`train.lr,train.warmup_steps`).", must=(
+                                       lambda v: v in KEYS,
+                                       "`checkpoint.allow_changes` names {value!r}, which is not a config key; list "
+                                       "`section.key` names separated by commas, e.g. "
+                                       "`--checkpoint.allow_changes=train.lr,train.warmup_steps`."))
     start_over: bool = key(False, "When the run directory shows training but holds no usable checkpoint, a re-run "
                            "refuses (exit 2) rather than silently start over; true starts at step 0.")
-
-    def check(self, cfg: Config) -> None:
-        """allow_changes names real keys: a typo would otherwise silently allow nothing."""
-        for name in self.allow_changes:
-            section_name, _, rest = name.partition(".")
-            if section_name not in SECTIONS or rest not in {f.name for f in fields(SECTIONS[section_name])}:
-                raise ConfigError(
-                    f"`checkpoint.allow_changes` names {name!r}, which is not a config key; list `section.key` "
-                    f"names separated by commas, e.g. `--checkpoint.allow_changes=train.lr,train.warmup_steps`.")
 
 
 @section(safe=True)
@@ -494,13 +490,15 @@ class PrepareConfig:
     that crosses its budget is cut."""
     dataset: str = key("embedded", "embedded (the Shakespeare plays), a datasets builder for local files (json, "
                        "parquet, text with data_files), or a Hugging Face hub dataset name; all go through "
-                       "load_dataset.")
+                       "load_dataset.", must=(str.strip, "`prepare.dataset` is empty; use embedded, json/parquet/text "
+                       "with `prepare.data_files`, or a Hugging Face dataset name such as HuggingFaceFW/fineweb-edu."))
     subset: str = key("", "The dataset's config name, e.g. sample-100BT.")
     revision: str = key("", "A hub dataset's commit or tag (pins the stream a resume re-reads); \"\" = main.")
     data_files: list[str] = key([], "Local files or globs for json/parquet/text, e.g. `[a.jsonl, \"b/*.jsonl\"]` "
                                 "(`a.jsonl,b/*.jsonl`).")
     split: str = key("train", "The source split to read (datasets slice syntax allowed: train[:10%]).")
-    text_field: str = key("text", "The column holding each document's text.")
+    text_field: str = key("text", "The column holding each document's text.", must=(
+        str.strip, "`prepare.text_field` must name the column holding each document's text (e.g. text)."))
     sample_by: str = key("", "text builder only: what one document is; \"\" = the builder's default.",
                          choices=("", "line", "paragraph", "document"))
     streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
@@ -521,11 +519,6 @@ class PrepareConfig:
                        "0 = stop at the first error.", ge=0)
 
     def check(self, cfg: Config) -> None:
-        if not self.text_field.strip():
-            raise ConfigError("`prepare.text_field` must name the column holding each document's text (e.g. text).")
-        if not self.dataset.strip():
-            raise ConfigError("`prepare.dataset` is empty; use embedded, json/parquet/text with "
-                              "`prepare.data_files`, or a Hugging Face dataset name such as HuggingFaceFW/fineweb-edu.")
         if self.dataset in ("json", "parquet", "text", "csv") and not self.data_files:
             raise ConfigError(f"`prepare.dataset` is {self.dataset!r}, a loader for local files, but "
                               f"`prepare.data_files` is empty; set it to a file or glob, e.g. "
@@ -607,13 +600,9 @@ class Config:
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
-
-def _keys(flag: str) -> frozenset[str]:
-    return frozenset(f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls) if f.metadata[flag])
-
-
-SAFE_KEYS = _keys("safe")  # what resume_changes lets differ from the checkpoint's config
-NEUTRAL_KEYS = _keys("neutral")  # what does not split a group of repeats in `nanopt runs`
+KEYS = {f"{s}.{f.name}": f.metadata for s, cls in SECTIONS.items() for f in fields(cls)}  # every key's rules
+SAFE_KEYS = frozenset(k for k, m in KEYS.items() if m["safe"])  # what resume_changes lets differ from a checkpoint
+NEUTRAL_KEYS = frozenset(k for k, m in KEYS.items() if m["neutral"])  # what does not split repeats in `nanopt runs`
 # A finished run is not trained again, so a re-run of its command may differ only in keys that change neither its
 # results nor what it measures or prints (the eval, sample and mfu sections): where it lives, how it checkpoints,
 # prepare's keys, and runtime.threads (a sweep sets it per machine). Any other change would be silently ignored.
@@ -629,6 +618,7 @@ def configs_dir() -> Path:
 # ---------------------------------------------------------------- parsing
 
 _BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _to_int(value: Any) -> Optional[int]:
@@ -670,8 +660,7 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
         if not is_utf8(out):  # a command line's undecodable bytes (or YAML's "\udcff"): no file or text can hold it
             raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
     if out is None:
-        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
-        raise ConfigError(f"{where}: `{key}` must be {kind}, got {_SHORT.repr(value)}.")
+        raise ConfigError(f"{where}: `{key}` must be {_KINDS[typ]}, got {_SHORT.repr(value)}.")
     return out
 
 
@@ -696,23 +685,39 @@ def is_utf8(text: str) -> bool:
 def _declared(key: str) -> tuple[Any, str]:
     """A known key's type and what null means for it (KeyError for an unknown one)."""
     section_name, _, name = key.partition(".")
-    f = {f.name: f for f in fields(SECTIONS[section_name])}[name]
-    return typing.get_type_hints(SECTIONS[section_name])[name], f.metadata["null"]
+    return typing.get_type_hints(SECTIONS[section_name])[name], KEYS[key]["null"]
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section_name, _, name = key.partition(".")
+    return getattr(getattr(cfg, section_name), name)
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
-    parts = key.split(".")
-    if len(parts) != 2:
+    section_name, _, name = key.partition(".")
+    if not name or "." in name:
         raise ConfigError(f"{where}: `{key}` is not a `section.key` name. Sections: {', '.join(SECTIONS)}.")
-    section_name, name = parts
     if section_name not in SECTIONS:
         raise ConfigError(f"{where}: unknown section `{section_name}` (in `{key}`). "
                           f"Valid sections: {', '.join(SECTIONS)}.")
-    valid = [f.name for f in fields(SECTIONS[section_name])]
-    if name not in valid:
-        raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {', '.join(valid)}.")
+    if key not in KEYS:
+        valid = ", ".join(f.name for f in fields(SECTIONS[section_name]))
+        raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {valid}.")
     typ, null = _declared(key)
     setattr(getattr(cfg, section_name), name, _convert(value, typ, key, where, null))
+
+
+def _apply_sections(cfg: Config, data: dict[str, Any], where: str, saved: bool = False) -> None:
+    """A file's sections into `cfg`; a `saved` config's RETIRED_KEYS are skipped."""
+    for section_name, values in data.items():
+        if section_name not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section `{section_name}`. Valid sections: {', '.join(SECTIONS)}.")
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"{where}: section `{section_name}` must be a mapping of keys, got "
+                              f"{_SHORT.repr(values)}.")
+        for name, value in (values or {}).items():
+            if not (saved and f"{section_name}.{name}" in RETIRED_KEYS):
+                _apply(cfg, f"{section_name}.{name}", value, where)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -723,14 +728,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
                 f"config file {path} does not exist. Pass a YAML file such as configs/tiny.yaml "
                 f"(shipped configs: {', '.join(sorted(p.stem for p in configs_dir().glob('*.yaml')))}).")
         path = shipped
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {path} is not valid YAML{at}: {getattr(e, 'problem', e)}.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} cannot be read: {e}.") from None
+    try:  # io refuses a FIFO or a directory unread
+        data, why = parse(read_bytes(path), f"config file {path}", as_yaml=True)
+    except (OSError, ConfigError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    if why:
+        raise ConfigError(f"{why}.")
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {path} must be a mapping of sections (run:, model:, train: ...), "
                           f"got a {type(data).__name__}.")
@@ -783,14 +786,7 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     """Read a YAML file (None -> the embedded default) and apply overrides. Not yet resolved."""
     cfg = Config()
     source = Path(path) if path is not None else configs_dir() / f"{DEFAULT_CONFIG}.yaml"
-    where = f"config file {source}"
-    for section_name, values in _read_yaml(source).items():
-        if section_name not in SECTIONS:
-            raise ConfigError(f"{where}: unknown section `{section_name}`. Valid sections: {', '.join(SECTIONS)}.")
-        if values is not None and not isinstance(values, dict):
-            raise ConfigError(f"{where}: section `{section_name}` must be a mapping of keys, got {values!r}.")
-        for name, value in (values or {}).items():
-            _apply(cfg, f"{section_name}.{name}", value, where)
+    _apply_sections(cfg, _read_yaml(source), f"config file {source}")
     for key, value in overrides or []:
         _apply(cfg, key, value, "command line")
     validate(cfg)
@@ -807,9 +803,7 @@ def check_stages(stages: list[list[int]], key: str) -> list[tuple[int, int]]:
                           f"train.schedule_unit) and positive integer values: `[[0, 8192], [300, 16384]]` in YAML, "
                           f"`0:8192,300:16384` on the command line.")
     if key == "train.batch_schedule":  # a stage's batch is a global batch: the same bound
-        meta = next(f.metadata for f in fields(TrainConfig) if f.name == "global_batch_tokens")
-        for _, tokens in stages:
-            _check_key(key, tokens, meta)
+        _check_key(key, [tokens for _, tokens in stages], KEYS["train.global_batch_tokens"])
     return [(start, value) for start, value in stages]
 
 
@@ -847,9 +841,10 @@ def choices_text(choices: tuple[str, ...]) -> str:
     return ", ".join(c for c in choices if c) + (', or "" (empty)' if "" in choices else "")
 
 
-def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
-    """One key against its own rules: choices and bounds (NaN fails every bound; infinity is refused; a list's
-    every number), and any integer against INT_LIMIT."""
+def _check_key(key: str, value: Any, meta: Optional[Mapping[str, Any]] = None) -> None:
+    """One key against its own rules (`meta`, default the key's): choices, `must`, bounds (NaN fails every bound;
+    infinity is refused; a list's every item), and any integer against INT_LIMIT."""
+    meta = meta or KEYS[key]
     if isinstance(value, list):
         for item in value:
             _check_key(key, item, meta)
@@ -858,6 +853,8 @@ def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
         raise ConfigError(f"`{key}` is {value!r}; valid values: {choices_text(meta['choices'])}. {meta['doc']}")
     if value is None or (meta["zero"] and value == 0):
         return
+    if meta["must"] and not meta["must"][0](value):
+        raise ConfigError(meta["must"][1].format(value=value))
     infinite = isinstance(value, float) and math.isinf(value)
     if bounds_text(meta) and (infinite or not all(meta[b] is None or op(value, meta[b]) for b, op in BOUNDS.items())):
         finite = "finite and " if value == math.inf else ""
@@ -870,37 +867,35 @@ def _check_key(key: str, value: Any, meta: Mapping[str, Any]) -> None:
 
 
 # The one rule for keys that act only behind a switch: such a key set away from its default while its switch is off
-# would be ignored, so it is refused (validate), naming the switch. key -> (the switch's key, what it must be, is
-# it so). A config that keeps presets for an optional feature (profile.*) states them as flags in a comment.
-SWITCHES: dict[str, tuple[str, str, Callable[[Config], bool]]] = {
-    "train.ema_start": ("train.ema_decay", "above 0", lambda c: c.train.ema_decay > 0),
-    "train.decay_fraction": ("train.schedule", "wsd", lambda c: c.train.schedule == "wsd"),
-    "train.batch_lr_rule": ("train.batch_schedule", "a schedule", lambda c: bool(c.train.batch_schedule)),
-    "train.schedule_unit": ("train.batch_schedule", "a schedule (or train.seq_len_schedule)",
-                            lambda c: bool(c.train.batch_schedule or c.train.seq_len_schedule)),
-    "eval.tasks_every": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
-    "eval.tasks_limit": ("eval.tasks", "a task list (or eval.core)", lambda c: bool(c.eval.tasks or c.eval.core)),
-    "eval.tasks_path": ("eval.tasks", "a task list", lambda c: bool(c.eval.tasks)),
-    "model.aspect_ratio": ("model.depth", "set", lambda c: c.model.depth is not None),
-    "model.depth_head_dim": ("model.depth", "set", lambda c: c.model.depth is not None),
-    "model.mup_base_dim": ("model.parametrization", "mup", lambda c: c.model.parametrization == "mup"),
-    "runtime.shard_group_size": ("runtime.parallel", "hsdp", lambda c: c.runtime.parallel == "hsdp"),
-    **{f"profile.{f.name}": ("profile.enabled", "true", lambda c: c.profile.enabled)
-       for f in fields(ProfileConfig) if f.name != "enabled"},
+# would be ignored, so it is refused (validate), naming the switch. key -> (the switch's key, or several that each
+# turn it on, and what one must be: a choice of it, such as wsd, or else set: true, above 0, a list, not null). A
+# config that keeps presets for an optional feature (profile.*) states them as flags in a comment.
+SWITCHES: dict[str, tuple[str, str]] = {
+    "train.ema_start": ("train.ema_decay", "above 0"),
+    "train.decay_fraction": ("train.schedule", "wsd"),
+    "train.batch_lr_rule": ("train.batch_schedule", "a schedule"),
+    "train.schedule_unit": ("train.batch_schedule train.seq_len_schedule", "a schedule (or train.seq_len_schedule)"),
+    "eval.tasks_every": ("eval.tasks eval.core", "a task list (or eval.core)"),
+    "eval.tasks_limit": ("eval.tasks eval.core", "a task list (or eval.core)"),
+    "eval.tasks_path": ("eval.tasks", "a task list"),
+    "model.aspect_ratio": ("model.depth", "set"),
+    "model.depth_head_dim": ("model.depth", "set"),
+    "model.mup_base_dim": ("model.parametrization", "mup"),
+    "runtime.shard_group_size": ("runtime.parallel", "hsdp"),
+    **{f"profile.{f.name}": ("profile.enabled", "true") for f in fields(ProfileConfig) if f.name != "enabled"},
 }
 
 
 def _refuse_ignored(cfg: Config) -> None:
     """ConfigError for the first key of SWITCHES set away from its default while its switch is off."""
-    for name, (switch, needs, on) in SWITCHES.items():
-        section, key_name = name.split(".")
-        value = getattr(getattr(cfg, section), key_name)
-        default = getattr(SECTIONS[section](), key_name)
-        if value != default and not on(cfg):
-            now = getattr(getattr(cfg, switch.split(".")[0]), switch.split(".")[1])
+    for name, (switches, needs) in SWITCHES.items():
+        value, default = _get(cfg, name), _get(Config(), name)
+        on = any(_get(cfg, s) == needs if KEYS[s]["choices"] else bool(_get(cfg, s)) for s in switches.split())
+        if value != default and not on:
+            switch = switches.split()[0]
             raise ConfigError(f"`{name}` is {_shown(value)}, but it acts only when `{switch}` is {needs} (it is "
-                              f"{_shown(now)}), so the key would be ignored. Set `{switch}`, or drop the key "
-                              f"(`--{name}={_shown(default)}`).")
+                              f"{_shown(_get(cfg, switch))}), so the key would be ignored. Set `{switch}`, or drop "
+                              f"the key (`--{name}={_shown(default)}`).")
 
 
 def _shown(value: Any, sep: str = ",") -> str:
@@ -914,12 +909,10 @@ def validate(cfg: Config, saved: bool = False) -> None:
     """Checks that need no knowledge of the world size: every key's own rules, then each section's check(), then
     the one rule for keys behind a switch (SWITCHES), except for a `saved` config (a checkpoint's, an export's):
     what a run was trained with loads as written, and a key it ignored changed nothing."""
-    sections = [(name, getattr(cfg, name)) for name in SECTIONS]
-    for name, values in sections:
-        for f in fields(values):
-            _check_key(f"{name}.{f.name}", getattr(values, f.name), f.metadata)
-    for _, values in sections:
-        if hasattr(values, "check"):
+    for name in KEYS:
+        _check_key(name, _get(cfg, name))
+    for name in SECTIONS:
+        if hasattr(values := getattr(cfg, name), "check"):
             values.check(cfg)
     if not saved:
         _refuse_ignored(cfg)
@@ -970,13 +963,7 @@ def config_from_dict(data: Any, where: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config is not a mapping of sections; the file is damaged.")
     cfg = Config()
-    for section_name, values in data.items():
-        if section_name not in SECTIONS or not isinstance(values, dict):
-            raise ConfigError(f"{where}: `{section_name}` is not a config section holding keys; the file is damaged "
-                              f"or was written by another nanopt version.")
-        for name, value in values.items():
-            if f"{section_name}.{name}" not in RETIRED_KEYS:
-                _apply(cfg, f"{section_name}.{name}", value, where)
+    _apply_sections(cfg, data, where, saved=True)
     validate(cfg, saved=True)  # its messages name the key; the caller's context names the file
     return cfg
 
@@ -985,12 +972,11 @@ def model_from_dict(values: dict[str, Any], where: str) -> ModelConfig:
     """A model section from another program's file (a Hugging Face config.json, its keys already mapped to ours)
     converted and checked as a config file's model keys are; ConfigError naming `where` and the key."""
     cfg = Config()
-    for name, value in values.items():
-        _apply(cfg, f"model.{name}", value, where)
+    _apply_sections(cfg, {"model": values}, where)
     cfg.train.seq_len = cfg.model.max_seq_len or cfg.train.seq_len  # no training run to fit: the model's own length
     try:
-        for f in fields(cfg.model):
-            _check_key(f"model.{f.name}", getattr(cfg.model, f.name), f.metadata)
+        for name in (k for k in KEYS if k.startswith("model.")):
+            _check_key(name, _get(cfg, name))
         cfg.model.check(cfg)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None

@@ -27,7 +27,7 @@ from nanopt.config import SECTIONS, SWITCHES, bounds_text, choices_text  # noqa:
 PAGE = REPO / "docs" / "configuration.md"
 COMMAND = "python scripts/config_docs.py --write"
 
-SWITCHED = "; ".join(f"`{name}` (`{switch}`: {needs})" for name, (switch, needs, _) in SWITCHES.items())
+SWITCHED = "; ".join(f"`{name}` (`{switch.split()[0]}`: {needs})" for name, (switch, needs) in SWITCHES.items())
 
 INTRO = f"""\
 # Configuration reference
