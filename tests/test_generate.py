@@ -79,7 +79,7 @@ def test_sample_text_slides_past_the_model_context():
         assert len(text) == 16 + 45
 
 
-def test_sample_cli_prints_seeded_continuations(tmp_path):
+def test_sample_cli_prints_seeded_continuations(tmp_path, capsys):
     from nanopt.cli import run
 
     cfg = Config()
@@ -101,4 +101,8 @@ def test_sample_cli_prints_seeded_continuations(tmp_path):
     assert first.count("Elementary, my dear") == 3  # the header line and two samples
     assert sample("--seed", "6") != first
     assert str(ckpt) in first
-    assert run(["sample", str(tmp_path / "run"), "--max-new-tokens", "0"]) == 2
+    # Each flag is bounded by its sample.* key's rules, and 0 samples or tokens asks for nothing.
+    for flag, value, words in [("--max-new-tokens", "0", "positive"), ("--temperature", "1e-320", ">= 0.0001"),
+                               ("--max-new-tokens", str(2**64), "[0, 2^16]"), ("-n", str(2**64), "[0, 1024]")]:
+        assert run(["sample", str(tmp_path / "run"), flag, value]) == 2
+        assert words in capsys.readouterr().err

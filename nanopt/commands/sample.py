@@ -2,14 +2,28 @@
 from __future__ import annotations
 
 import argparse
-import math
+from operator import attrgetter
+from typing import Any
 
 from nanopt import runtime
-from nanopt.config import DEVICES, SEED_LIMIT, is_utf8
+from nanopt.config import DEVICES, config_from_dict
 from nanopt.errors import ConfigError
 from nanopt.generate import sample_text
 from nanopt.loading import WEIGHTS, load
 from nanopt.tokenizer import get_tokenizer
+
+# Each flag takes what its config key takes (type, bounds, UTF-8); one left out is the run's own (checked on load).
+FLAGS = {"num_samples": "sample.num_samples", "max_new_tokens": "sample.max_new_tokens", "prompt": "sample.prompt",
+         "temperature": "sample.temperature", "top_k": "sample.top_k", "seed": "run.seed"}
+
+
+def _checked(flag: str, key: str, value: Any) -> Any:
+    """A flag's value under its config key's rules (types, bounds, UTF-8), so a flag takes what the key takes."""
+    section, name = key.split(".")
+    try:
+        return getattr(getattr(config_from_dict({section: {name: value}}, flag), section), name)
+    except ConfigError as e:
+        raise ConfigError(str(e) if str(e).startswith(flag) else f"{flag}: {e}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -26,9 +40,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--weights", choices=WEIGHTS, default="run", help="the weights the run evaluated (its "
                    "eval.weights, default), the model's own, or the averaged ones (train.ema_decay)")
     args = p.parse_args(argv)
-    for name in ("num_samples", "max_new_tokens"):
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}.")
+    given = {dest: _checked(f"--{dest.replace('_', '-')}", key, getattr(args, dest)) for dest, key in FLAGS.items()
+             if getattr(args, dest) is not None}
+    for dest in ("num_samples", "max_new_tokens"):  # the config's 0 (no samples at the end of a run) asks nothing
+        if given[dest] == 0:
+            raise ConfigError(f"--{dest.replace('_', '-')} must be positive, got 0.")
     rt = runtime.init(args.device, "fp32")  # a clear error when --device cuda has no GPU behind it
     loaded = load(args.path, rt.device, weights=args.weights)
     cfg = loaded.cfg
@@ -36,21 +52,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"{loaded.source} has no tokenizer files and no nanopt.json naming one, so its token ids "
                           f"cannot be turned into text; save the tokenizer into that directory.")
     tokenizer = get_tokenizer(cfg.data.tokenizer)
-    temperature = cfg.sample.temperature if args.temperature is None else args.temperature
-    top_k = cfg.sample.top_k if args.top_k is None else args.top_k
-    if not (0 <= temperature < math.inf and top_k >= 0):  # NaN fails too
-        raise ConfigError(f"--temperature and --top-k must be zero or positive, got {temperature} and {top_k}.")
-    prompt = cfg.sample.prompt if args.prompt is None else args.prompt
-    if not is_utf8(prompt):
-        raise ConfigError(f"--prompt {prompt!r} holds bytes that are no UTF-8 text; give the prompt as text.")
-    seed = cfg.run.seed if args.seed is None else args.seed
-    if not 0 <= seed < SEED_LIMIT:
-        raise ConfigError(f"--seed must be in [0, 2^32), as `run.seed` is; got {seed}.")
-    samples = sample_text(loaded.model, tokenizer, prompt, args.num_samples, args.max_new_tokens, temperature,
-                          top_k, seed, rt.device)
-    print(f"--- {len(samples)} samples from {loaded.source} ({loaded.weights} weights), prompt {prompt!r}, "
-          f"temperature {temperature}, "
-          f"top-k {top_k}, seed {seed} ---")
+    v = {dest: given.get(dest, attrgetter(key)(cfg)) for dest, key in FLAGS.items()}
+    samples = sample_text(loaded.model, tokenizer, v["prompt"], v["num_samples"], v["max_new_tokens"],
+                          v["temperature"], v["top_k"], v["seed"], rt.device)
+    print(f"--- {len(samples)} samples from {loaded.source} ({loaded.weights} weights), prompt {v['prompt']!r}, "
+          f"temperature {v['temperature']}, top-k {v['top_k']}, seed {v['seed']} ---")
     for s in samples:
         print(s.strip())
         print("---")
