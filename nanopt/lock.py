@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from nanopt.errors import ConfigError
-from nanopt.io import disk_full, is_disk_full, open_own, write_bytes
+from nanopt.io import open_own, write_bytes, writing
 from nanopt.rundirs import LOCK_FILE
 from nanopt.schema import Field, parse, problem
 
@@ -143,16 +143,15 @@ class DirLock:
         except FileExistsError:
             return False
         try:
-            record = self._record()
-            written = 0
-            while written < len(record):
+            record, written = self._record(), 0
+            while written < len(record):  # os.write: a short write happens only at the disk's end
                 written += os.write(fd, record[written:])
             os.fsync(fd)
         except BaseException:
-            os.close(fd)
             self.path.unlink(missing_ok=True)  # ours: created above with O_EXCL
             raise
-        os.close(fd)
+        finally:
+            os.close(fd)
         return True
 
     def _take_over(self, stale: Holder) -> None:
@@ -170,25 +169,15 @@ class DirLock:
 
     def acquire(self) -> "DirLock":
         """Take the lease or raise ConfigError naming who holds it (DiskFull when there is no space to write it)."""
-        flag = self.setting
         if self.dir.exists() and not self.dir.is_dir():
-            raise ConfigError(f"the {self.what} directory {self.dir} is a file; set {flag} to a directory (or remove "
-                              f"the file).")
-        try:
+            raise ConfigError(f"the {self.what} directory {self.dir} is a file; set {self.setting} to a directory (or "
+                              f"remove the file).")
+        # Any other OSError (no permission, a read-only mount) names its path: cli.run's one paragraph.
+        with writing(self.dir):
             self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a file in the way, no permission, a read-only mount, a full disk
-            if is_disk_full(e):
-                raise disk_full(self.dir) from None
-            raise ConfigError(f"cannot create the {self.what} directory {self.dir} ({e.strerror or e}); give a "
-                              f"writable directory ({flag}).") from None
         for _ in range(5):
-            try:
+            with writing(self.path):
                 created = self._create()
-            except OSError as e:
-                if is_disk_full(e):
-                    raise disk_full(self.path) from None
-                raise ConfigError(f"cannot write the lock {self.path} ({e.strerror or e}); the {self.what} directory "
-                                  f"must be writable.") from None
             if created:
                 self._thread = threading.Thread(target=self._beat, name="nanopt-lease", daemon=True)
                 self._thread.start()

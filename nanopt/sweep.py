@@ -30,7 +30,7 @@ from nanopt import lock, rundirs, schema
 from nanopt.config import Config, comma_list, load_config, parse_overrides, resolve, resume_changes
 from nanopt.errors import EXIT_PREEMPTED, ConfigError
 from nanopt.experiments import cell, table
-from nanopt.io import clean, open_append, refuse_link, write_json
+from nanopt.io import open_append, refuse_link, write_json
 
 SWEEP_FILE = "sweep.json"
 LOG_FILE = "stdout.log"  # each run's stdout and stderr, appended across sessions
@@ -271,21 +271,16 @@ def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[st
             why = " ".join(str(e).split())  # one paragraph: a YAML error's own text spans lines
             raise ConfigError(f"grid point {name}: {why} The sweep cannot tell what this point ran or whether it is "
                               f"done: restore the file, or remove {run_dir} to run the point afresh.") from None
-    if changed:
-        raise ConfigError(refusal(changed, where))
-    return states
-
-
-def refusal(changed: dict[str, list[str]], where: Path) -> str:
-    """The paragraph for points whose directories ran another config: which, how (old -> new), and the fix."""
-    listed = "; ".join(f"{name} ({', '.join(diff)})" for name, diff in changed.items())
+    if not changed:
+        return states
+    which = "; ".join(f"{name} ({', '.join(diff)})" for name, diff in changed.items())
     earlier = Path(where) / SWEEP_FILE
     hint = f" (the earlier command is in {earlier})" if earlier.is_file() else ""
-    return (f"{len(changed)} point(s) of this sweep already have a run directory under {where} that ran another "
-            f"config, so skipping or resuming them would record another config's runs as this sweep's: {listed}. "
-            f"Run the sweep with the same config file and overrides as before{hint}, give this one a new "
-            f"--name or --dir to run these points afresh, or accept the change with "
-            f"--checkpoint.allow_changes=KEY[,KEY...].")
+    raise ConfigError(f"{len(changed)} point(s) of this sweep already have a run directory under {where} that ran "
+                      f"another config, so skipping or resuming them would record another config's runs as this "
+                      f"sweep's: {which}. Run the sweep with the same config file and overrides as before{hint}, give "
+                      f"this one a new --name or --dir to run these points afresh, or accept the change with "
+                      f"--checkpoint.allow_changes=KEY[,KEY...].")
 
 
 def summary_or_empty(run_dir: Path) -> dict[str, Any]:
@@ -317,7 +312,7 @@ class Job:
         summary = summary_or_empty(self.dir) if self.status in ("done", "skipped") else {}
         return {"name": self.point.name, "dir": str(self.dir), "values": self.point.values, "seed": self.point.seed,
                 "status": self.status, "exit_code": self.exit_code, "steps": summary.get("steps"),
-                "final_val_loss": clean(summary.get("final_val_loss")), "wall_seconds": self.wall,
+                "final_val_loss": summary.get("final_val_loss"), "wall_seconds": self.wall,
                 "command": self.command}
 
 
@@ -354,7 +349,7 @@ class Progress:
             text += "  resumed" if job.resumed else ""
         elif job.status in ("done", "skipped"):
             val = summary_or_empty(job.dir).get("final_val_loss")
-            text += f"  val {val:.4f}" if isinstance(val, (int, float)) else ""
+            text += f"  val {val:.4f}" if val is not None else ""
         elif job.status in ("failed", "interrupted"):
             text += f"  exit {job.exit_code}, log {job.dir / LOG_FILE}"
         return text
@@ -395,7 +390,9 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
         pending = [j for j in jobs if j.status == "queued"]
         meta = {**(meta or {}), "nproc": nproc, "parallel": len(slots) or parallel}
 
-        def save() -> None:
+        def save(changed: Optional[Job] = None) -> None:
+            if changed is not None:  # a line for its new state
+                progress.note(progress.line(changed, slots))
             write_json(root / SWEEP_FILE, {**meta, "points": [j.record() for j in jobs]})
 
         # Signals received; the loop acts on them (a handler could miss a run being started). `acted`: how many.
@@ -419,8 +416,7 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
                     _start(job, config, overrides, nproc, slots[job.slot])
                     if job.status != "running":
                         free.append(job.slot)
-                    progress.note(progress.line(job, slots))
-                    save()
+                    save(job)
                 running = [j for j in jobs if j.status == "running"]
                 if not running and (not pending or stop):
                     break
@@ -428,8 +424,7 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
                     if j.proc is not None and j.proc.poll() is not None:
                         _ended(j)
                         free.append(j.slot)
-                        progress.note(progress.line(j, slots))
-                        save()
+                        save(j)
                 progress.redraw()
                 time.sleep(poll_s)
         finally:
@@ -470,11 +465,10 @@ def _report(jobs: list[Job], root: Path, out: IO[str], stopped: bool) -> int:
     checkpoints included; - when skipped)."""
     rows = []
     for j in jobs:
-        s = summary_or_empty(j.dir)
-        number = {k: v for k, v in s.items() if isinstance(v, (int, float))}
+        s = summary_or_empty(j.dir)  # its figures: numbers or None (rundirs.SUMMARY)
         status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
-        rows.append((j.point.name, status, cell(s.get("steps"), ""), cell(number.get("final_val_loss"), ".4f"),
-                     cell(number.get("train_seconds"), ".1f"), cell(j.wall, ".1f")))
+        rows.append((j.point.name, status, cell(s.get("steps"), ""), cell(s.get("final_val_loss"), ".4f"),
+                     cell(s.get("train_seconds"), ".1f"), cell(j.wall, ".1f")))
     print("\n" + table(("point", "status", "steps", "final val loss", "train (s)", "wall (s)"), rows), file=out)
     for j in jobs:
         if j.status == "failed":
