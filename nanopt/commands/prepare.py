@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from nanopt.config import load_config, parse_overrides, split_args
-from nanopt.errors import EXIT_FAILED, ConfigError, DiskFull, debug_enabled
+from nanopt.errors import EXIT_FAILED, ConfigError, debug_enabled
 from nanopt.io import as_disk_full
 from nanopt.metrics import setup_logging
 from nanopt.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
@@ -66,11 +66,8 @@ def main(argv: list[str]) -> int:
     try:
         stats = prepare_with_retries(cfg, not args.no_progress, args.verify)
     except (BrokenProcessPool, *transient_errors()) as e:
-        if debug_enabled():
+        if debug_enabled() or getattr(e, "filename", None) is not None:  # a path, or a full disk: cli.run's paragraph
             raise
-        if isinstance(e, DiskFull):  # the output's disk: one paragraph naming the file and the free space
-            print(f"nanopt prepare: error: {e}", file=sys.stderr)
-            return EXIT_FAILED
         if isinstance(e, BrokenProcessPool):
             what = "a tokenizer worker process died (killed for memory?)"
             hint = "with a lower `prepare.workers` or `prepare.batch_documents` if memory is short"

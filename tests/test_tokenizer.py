@@ -1,0 +1,140 @@
+"""The tokenizer (nanopt.tokenizer) and its tiktoken engine (nanopt.fastbpe): batch encoding gives transformers' ids
+for GPT-2- and Llama-3-shaped byte-level BPEs, an engine that disagrees is dropped, other tokenizers keep
+transformers', and a damaged tokenizer directory is one paragraph."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
+
+import numpy as np
+import pytest
+
+from conftest import PREPARE_DOCS
+from nanopt import shards
+from nanopt.config import ConfigError
+from nanopt.tokenizer import get_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    return get_tokenizer(str(tokenizer_dir))
+
+
+def test_encode_documents_matches_one_document_at_a_time(tok):
+    texts = ["", "a b", PREPARE_DOCS[3], "", "🦊"]
+    for bos, eos in ((None, None), (tok.bos_id, None), (None, tok.eos_id), (tok.bos_id, tok.eos_id)):
+        lengths, flat = shards.encode_documents(tok, texts, bos, eos)
+        ref = [([bos] if bos is not None else []) + tok.encode(t) + ([eos] if eos is not None else []) for t in texts]
+        assert lengths.tolist() == [len(r) for r in ref]
+        assert flat.tolist() == [i for r in ref for i in r]
+
+
+def test_batch_encode_on_tiktoken_gives_the_same_ids_as_transformers(tokenizer_dir):
+    tok = get_tokenizer(str(tokenizer_dir))  # a fresh one: its engine is chosen on the first batch
+    texts = [*PREPARE_DOCS, "a literal <s> and </s> inside text", "  leading spaces\n\n\ttabs  ", "'s 're 1234 🦊🦊"]
+    ids = tok.encode_batch(texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")  # the fast engine is really in use
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+    assert tok.encode_batch(texts[::-1]) == ids[::-1]  # and stays equal after the first-batch check
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_path):
+    """Llama-3's tokenizer.json shape: Split(regex, Isolated) + ByteLevel(use_regex=false), ignore_merges."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(ignore_merges=True))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(PREPARE_DOCS, trainers.BpeTrainer(vocab_size=500, special_tokens=["<|begin_of_text|>"],
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>").save_pretrained(tmp_path)
+    tok = get_tokenizer(str(tmp_path))
+    texts = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S"]
+    ids = tok.encode_batch(texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+
+
+@pytest.mark.parametrize("files, words", [
+    ({"tokenizer.json": "garbage"}, ["JSONDecodeError"]),
+    ({"tokenizer.json": "{}", "tokenizer_config.json": '{"x": 1}'}, ["KeyError", "added_tokens"]),  # was a traceback
+    ({}, ["Couldn't instantiate the backend tokenizer"]),  # transformers' message spans lines: one paragraph here
+])
+def test_a_damaged_tokenizer_directory_is_one_paragraph_naming_it(tmp_path, files, words):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as e:
+        get_tokenizer(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and f"`data.tokenizer` '{tmp_path}' cannot be loaded" in message, message
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_path):
+    """Llama-3's tokenizer.json came from tiktoken ranks through transformers' TikTokenConverter, which
+    writes one merge per split of each token, so merge results repeat; the engine must still be used."""
+    import base64
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from nanopt.fastbpe import byte_decoder
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(PREPARE_DOCS, trainers.BpeTrainer(vocab_size=400,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    to_byte = byte_decoder()
+    ranks = sorted((i, bytes(to_byte[c] for c in token)) for token, i in bpe.get_vocab().items())
+    (tmp_path / "ranks.tiktoken").write_text("".join(f"{base64.b64encode(b).decode()} {i}\n" for i, b in ranks))
+    converted = TikTokenConverter(vocab_file=str(tmp_path / "ranks.tiktoken"), pattern=LLAMA3_SPLIT,
+                                  extra_special_tokens=["<|begin_of_text|>"]).converted()
+    model = json.loads(converted.to_str())["model"]
+    results = [model["vocab"]["".join(m) if isinstance(m, list) else m.replace(" ", "")] for m in model["merges"]]
+    assert any(a == b for a, b in zip(results, results[1:]))  # the Llama-3 shape: repeated merge results
+    PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|begin_of_text|>").save_pretrained(tmp_path / "tok")
+    tok = get_tokenizer(str(tmp_path / "tok"))
+    texts = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S", "aaaa bbbbbb\n\n\t  ccc"]
+    ids = tok.encode_batch(texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, caplog):
+    tok = get_tokenizer(str(tokenizer_dir))
+
+    class Wrong:
+        def encode_to_numpy(self, text, allowed_special=()):
+            return np.full(len(text), 3, dtype=np.uint32)
+
+    tok._tiktoken = Wrong()
+    with caplog.at_level("WARNING", logger="nanopt"):
+        ids = tok.encode_batch(PREPARE_DOCS[:5])
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in PREPARE_DOCS[:5]]
+    assert tok._tiktoken is False and "disagrees" in caplog.text
+
+
+def test_tokenizers_that_are_not_plain_byte_level_bpe_keep_the_transformers_engine():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from nanopt.fastbpe import tiktoken_encoding
+
+    wl = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert tiktoken_encoding(wl.to_str()) is None
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.normalizer = normalizers.NFKC()  # tiktoken has no normaliser
+    assert tiktoken_encoding(bpe.to_str()) is None
