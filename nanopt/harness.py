@@ -1,13 +1,10 @@
-"""The tasks wing's top: a model scored on downstream tasks, lm-eval's and CORE's (core.py), after training (`nanopt
-eval --tasks/--core`: score_checkpoint) and during it (TaskScorer), each score recorded in the run directory; and
-nanopt models inside EleutherAI's lm-evaluation-harness: `lm_class()` is the harness model `nanopt` (any run
-directory, checkpoint or Hugging Face directory nanopt loads, every model option, on the runtime's device). The
-harness owns tasks, prompts, few-shot and metrics; nanopt answers its three requests with the continuation scorer
-(scoring.py) and the decode loop (generate.py). lm-eval validates a task's YAML and data, and what it raises is
-bad input at one boundary here (load_tasks, evaluate_tasks: _task_error, naming the task and its files); nanopt
-checks only what it would score silently (_check_rows). lm-eval is the optional `eval` extra and takes about a second to
-import, so it is imported on first use and for lm-eval tasks only: a model loads (task_model) and CORE scores
-without it."""
+"""Downstream tasks, lm-eval's and CORE's (core.py), scored after training (`nanopt eval --tasks/--core`:
+score_checkpoint) and during it (TaskScorer), each score recorded in the run directory; and `lm_class()`, the
+lm-evaluation-harness model `nanopt` (any run, checkpoint or Hugging Face directory nanopt loads). The harness owns
+tasks, prompts, few-shot and metrics; nanopt answers its requests with the continuation scorer (scoring.py) and the
+decode loop (generate.py). What lm-eval raises on a task's YAML or data is bad input at one boundary (_task_error);
+nanopt checks only what lm-eval would score silently (_check_rows). lm-eval (the `eval` extra, a second to import)
+is imported on first use: a model loads and CORE scores without it."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -76,8 +73,8 @@ def _define(lm_eval: Any) -> type:
             # max_batch_size: the harness passes it for its batch-size search, which nanopt does not need.
             # Any other model_args key is a TypeError naming it (a typo must not be ignored).
             super().__init__()
-            found = task_model(path, model, tokenizer, str(device or "auto").split(":")[0], precision, rt)  # cuda:0
-            self.model, self.tok, self.rt = found.model, found.tok, found.rt
+            self.model, self.tok, self.rt, _ = task_model(path, model, tokenizer, str(device or "auto").split(":")[0],
+                                                          precision, rt)  # cuda:0 -> cuda
             self.batch_size = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> 32
             self.add_bos = str(add_bos_token).lower() in ("true", "1") and self.tok.bos_id is not None
             self.max_gen_toks = int(max_gen_toks)
@@ -108,22 +105,11 @@ def _define(lm_eval: Any) -> type:
     return NanoptLM
 
 
-@dataclass
-class TaskModel:
-    """A model as the task scorers take it: on its runtime's device in eval mode, with its tokenizer, and the
-    Loaded it came from (None for a model given in memory)."""
-
-    model: Llama
-    tok: Tokenizer
-    rt: Runtime
-    loaded: Optional[Loaded]
-
-
 def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Optional[Tokenizer | str] = None,
                device: str = "auto", precision: str = "run", rt: Optional[Runtime] = None,
-               weights: str = "run") -> TaskModel:
-    """The model, tokenizer and runtime to score: loaded from `path` (no lm-eval needed), or given (training's
-    live model, a NanoptLM's model and tokenizer)."""
+               weights: str = "run") -> tuple[Llama, Tokenizer, Runtime, Optional[Loaded]]:
+    """(model in eval mode on the runtime's device, tokenizer, runtime, the Loaded it came from): loaded from
+    `path` (no lm-eval needed), or given (training's live model; Loaded None)."""
     loaded: Optional[Loaded] = None
     if model is None:
         if not path:
@@ -139,7 +125,7 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
     if rt is None:
         rt = runtime.init_to_evaluate(device, precision, loaded.cfg.train.precision if loaded else "fp32",
                                       loaded.cfg.runtime.threads if loaded else 0)
-    return TaskModel(model.to(rt.device).eval(), tok, rt, loaded)
+    return model.to(rt.device).eval(), tok, rt, loaded
 
 
 def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
@@ -203,17 +189,16 @@ def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
     todo = list(names)
     while todo:
         name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        entry = index.get(name) if isinstance(name, str) else None
-        kind = getattr(getattr(entry, "kind", None), "name", None)
-        if kind == "TASK":
-            continue
-        members = getattr(entry, "cfg", {}).get("task") if kind == "GROUP" else None
-        if not isinstance(members, list):
+        if not isinstance(name, str):  # an inline task config (a dict: unhashable too)
             return False
-        todo.extend(members)
+        entry = index.get(name)
+        kind = getattr(getattr(entry, "kind", None), "name", None)
+        members = getattr(entry, "cfg", {}).get("task") if kind == "GROUP" else None
+        if name not in seen and kind != "TASK":
+            if not isinstance(members, list):
+                return False
+            todo.extend(members)
+        seen.add(name)
     return True
 
 
@@ -404,10 +389,8 @@ def failure_cause(error: BaseException) -> str:
     return str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
 
 
-def failure_records(spec: TaskSpec, step: Optional[int], source: str,
-                    error: BaseException | str) -> list[dict[str, Any]]:
+def failure_records(spec: TaskSpec, step: Optional[int], source: str, cause: str) -> list[dict[str, Any]]:
     """One evals.jsonl record per task of `spec` whose scoring failed: its name and the cause, no scores."""
-    cause = error if isinstance(error, str) else failure_cause(error)
     return [{"step": step, "time": time.time(), "source": source, "task": name, "error": cause, "scores": {},
              "stderr": {}, "higher_is_better": {}, "samples": None} for name in spec.names()]
 
@@ -486,15 +469,13 @@ def core_records(result: dict[str, Any], step: Optional[int], source: str, **ext
 
 
 class TaskScorer:
-    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, each time
-    after that step's checkpoint is saved (loop, finish): scoring is an evaluation and never costs trained steps.
-    The harness runs in one process, on a one-process view of the runtime. A whole model: the main rank scores
-    while the others wait at a barrier. A sharded one (fsdp, hsdp): every rank runs the same scoring on the same
-    examples, since each forward gathers weights from all of them, in lockstep (parallel.lockstep: a rank that
-    stops early stops the others at their next forward), and the main rank records. A scoring failure (task data
-    removed during the run, a harness error, on any rank) is one warning and a record in evals.jsonl naming the
-    task and the cause, and training goes on; what can be checked before step 1 is (check_tasks, on every rank
-    that scores). The time is reported and, like validation, outside the training clock."""
+    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, after that
+    step's checkpoint is saved: scoring never costs trained steps, and its time is outside the training clock. The
+    harness runs on a one-process view of the runtime: for a whole model the main rank scores while the others wait
+    at a barrier; for a sharded one (fsdp, hsdp) every rank scores the same examples in lockstep (each forward
+    gathers weights from all; parallel.lockstep) and the main rank records. A scoring failure on any rank is one
+    warning and an evals.jsonl record naming the task and the cause, and training goes on; what can be checked
+    before step 1 is (check_tasks)."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
         e = cfg.eval
@@ -509,8 +490,12 @@ class TaskScorer:
         if not self.sharded:
             rt.on_main(lambda: check_tasks(self.spec))
             return
-        errors = rt.gather_objects(_config_error(lambda: check_tasks(self.spec)))
-        if error := next((e for e in errors if e is not None), None):
+        try:  # every rank checks and all raise alike: none is left waiting at a collective
+            check_tasks(self.spec)
+            mine = None
+        except ConfigError as e:
+            mine = e
+        if error := next((e for e in rt.gather_objects(mine) if e is not None), None):
             raise error
 
     def due(self, step: int) -> bool:
@@ -568,15 +553,6 @@ class TaskScorer:
         return text if rank == 0 else f"rank {rank}: {text}"
 
 
-def _config_error(check: Callable[[], None]) -> Optional[ConfigError]:
-    """The ConfigError check() raised, None when it passed."""
-    try:
-        check()
-    except ConfigError as e:
-        return e
-    return None
-
-
 def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", precision: str = "run",
                      weights: str = "run") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`nanopt eval PATH --tasks/--core`: load a run directory (its newest complete checkpoint), a checkpoint
@@ -584,13 +560,13 @@ def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", pre
     the records, and those of them the run's evals.jsonl already held from the same weights (not appended)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--tasks and --core run in one process; start `nanopt eval` without torchrun.")
-    found = task_model(str(path), device=device, precision=precision, weights=weights)  # lm-eval only if needed
-    loaded: Loaded = found.loaded  # type: ignore[assignment]
+    model, tok, rt, loaded = task_model(str(path), device=device, precision=precision, weights=weights)
+    assert loaded is not None  # loaded from path
     try:
-        records = score_model(found.model, found.tok, found.rt, spec, loaded.step, "nanopt eval",
+        records = score_model(model, tok, rt, spec, loaded.step, "nanopt eval",
                               checkpoint=str(loaded.source), weights=loaded.weights,
                               weights_crc32=weights_crc32(loaded.source, loaded.weights_file),
-                              limit=spec.limit, precision=found.rt.precision,
+                              limit=spec.limit, precision=rt.precision,
                               **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {}))
         held = record_tasks(loaded.run_dir, records)
     finally:
