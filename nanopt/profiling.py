@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch.autograd import DeviceType
@@ -76,29 +76,28 @@ def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, 
 
 
 @contextlib.contextmanager
-def kineto_markers_dropped(spool: IO[bytes]) -> Iterator[None]:
-    """Run the block with stderr (file descriptor 2, where kineto writes) going to `spool`, an empty temporary file,
-    then write back to stderr all it got but kineto's markers: a warning or a kineto error in the block comes out,
-    in order, as the block ends. Where stderr cannot be duplicated the block just runs."""
+def kineto_markers_dropped() -> Iterator[None]:
+    """Run the block with stderr (file descriptor 2, where kineto writes) going to a temporary file, then write back
+    to stderr all it got but kineto's markers: a warning or a kineto error in the block comes out, in order, as the
+    block ends. Where stderr cannot be duplicated the block just runs."""
     try:
         saved = os.dup(2)
     except OSError:
         yield
         return
     sys.stderr.flush()
-    os.dup2(spool.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        spool.seek(0)
-        kept = [line for line in spool.read().splitlines(keepends=True) if not KINETO_MARKER.fullmatch(line)]
-        spool.seek(0)
-        spool.truncate()
-        if kept:
-            os.write(2, b"".join(kept))
+    with tempfile.TemporaryFile() as spool:
+        os.dup2(spool.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            spool.seek(0)
+            kept = [line for line in spool.read().splitlines(keepends=True) if not KINETO_MARKER.fullmatch(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def worker_name(rank: int) -> str:
@@ -115,9 +114,9 @@ def profiler(cfg: Config, rt: Runtime, start_step: int = 0,
     if p.ranks is not None and max(p.ranks) >= rt.world_size:  # None: all
         raise ConfigError(f"`profile.ranks` is {p.ranks} but the run has {rt.world_size} rank(s) "
                           f"(0..{rt.world_size - 1}); list ranks that exist, or use all.")
+    activities = rt.backend.profiler_activities
     if p.ranks is not None and rt.rank not in p.ranks:
         return Off()
-    activities = rt.backend.profiler_activities
     if activities is None:
         if rt.is_main:
             log.warning("profile.enabled is on, but this profiler path does not support %s devices; no trace is "
@@ -144,7 +143,6 @@ class Profile:
         # A run of TensorBoard's pytorch_profiler plugin under <run>/tb/.
         self.dir = self.run_dir / TB_DIR / "plugins" / "profile" / f"step_{self.first_step:06d}"
         self.steps_done, self._prof, self._snapshot = 0, None, False
-        self._spool: Optional[IO[bytes]] = None  # stderr while the profiler starts, steps or stops
 
     def __enter__(self) -> "Profile":
         global _active
@@ -153,8 +151,7 @@ class Profile:
             activities=self.activities, on_trace_ready=self._on_trace_ready,
             schedule=torch.profiler.schedule(wait=self.wait, warmup=self.warmup, active=self.active, repeat=1),
             record_shapes=self.p.record_shapes, profile_memory=self.p.memory, with_stack=self.p.with_stack)
-        self._spool = tempfile.TemporaryFile()
-        with kineto_markers_dropped(self._spool):
+        with kineto_markers_dropped():
             self._prof.__enter__()
         _active = True
         if self.p.memory_snapshot:
@@ -169,7 +166,7 @@ class Profile:
         if self._prof is None:
             return
         self.steps_done += 1  # before .step(): the trace (and its summary) may be written inside it
-        with kineto_markers_dropped(self._spool):  # a step may start or stop the trace
+        with kineto_markers_dropped():  # a step may start or stop the trace
             self._prof.step()
         if self.steps_done >= self.wait + self.warmup + self.active:
             self.__exit__(None, None, None)
@@ -181,7 +178,7 @@ class Profile:
             return
         prof, self._prof = self._prof, None
         _active = False
-        with self._spool, kineto_markers_dropped(self._spool):
+        with kineto_markers_dropped():
             prof.__exit__(*exc)
         if self._snapshot:
             self._snapshot = False
@@ -222,10 +219,10 @@ class Profile:
                  "or ui.perfetto.dev", self.run_dir / name, self.dir, self.run_dir)
         writer = getattr(self.metrics, "writer", None)
         if writer is not None:
-            for key in ("host_overhead_share", "data_loader_share", "compute_share", "step_ms_mean"):
-                writer.add_scalar(f"profile/{key}", summary[key], step)
-            if summary["peak_memory_bytes"] is not None:
-                writer.add_scalar("profile/peak_memory_bytes", summary["peak_memory_bytes"], step)
+            for key in ("host_overhead_share", "data_loader_share", "compute_share", "step_ms_mean",
+                        "peak_memory_bytes"):
+                if summary[key] is not None:  # peak memory: None where the device cannot tell
+                    writer.add_scalar(f"profile/{key}", summary[key], step)
             writer.add_text("profile/summary", summary_markdown(summary), step)
             writer.flush()
 
