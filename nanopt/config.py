@@ -135,8 +135,7 @@ class ModelConfig:
                                "(unless set), ffn_dim 8/3 dim (relu2: 4 dim) rounded up to that multiple.",
                                gt=0, le=2**12, null="off")
     aspect_ratio: int = key(64, "model.depth: width per layer.", gt=0, le=2**12)
-    depth_head_dim: int = key(64, "model.depth: the head width, fixed across the family; even (RoPE).",
-                              gt=0, le=2**10)
+    depth_head_dim: int = key(64, "model.depth: the head width, fixed across the family; even (RoPE).", gt=0, le=2**10)
     parametrization: str = key("sp", "sp: every width as configured; mup: µP's multipliers against "
                                "model.mup_base_dim (hidden init and lr, the logits; docs/scaling.md), so an lr "
                                "tuned at the base width transfers.", choices=("sp", "mup"))
@@ -264,8 +263,7 @@ class TrainConfig:
                                           "bounds; [] = train.global_batch_tokens throughout.", ge=0)
     seq_len_schedule: list[list[int]] = key([], "Sequence length by stage: [START, SEQ_LEN] pairs, e.g. `[[0, 128], "
                                             "[300, 256]]` (`0:128,300:256`), each at most train.seq_len (the model's "
-                                            "context and the validation windows); [] = train.seq_len throughout.",
-                                            ge=0)
+                                            "context and the validation windows); [] = train.seq_len throughout.", ge=0)
     schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens seen.",
                              choices=("steps", "tokens"))
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
@@ -276,11 +274,10 @@ class TrainConfig:
     fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain from FP8 "
                           "by torchao's H100 measurements (small in/out features stay in bf16), all = every one "
                           "whose dims are multiples of 16 (docs/mfu.md).", choices=("auto", "all"))
-    compile_ddp_split: Optional[bool] = key(None, "Compiled under DDP: split the graph at DDP's gradient buckets so "
-                                            "their all-reduces overlap the backward (torch._dynamo's optimize_ddp); "
-                                            "false = one graph, no overlap; null = split unless train.fp8 is on (FP8 + "
-                                            "compile + the split is a known upstream failure, pytorch/pytorch#158936).",
-                                            safe=True)
+    compile_ddp_split: Optional[bool] = key(
+        None, "Compiled under DDP: split the graph at DDP's gradient buckets so their all-reduces overlap the "
+        "backward (torch._dynamo's optimize_ddp); false = one graph, no overlap; null = split unless train.fp8 is on "
+        "(FP8 + compile + the split is a known upstream failure, pytorch/pytorch#158936).", safe=True)
     ema_decay: float = key(0.0, "Keep an exponential moving average of the weights (fp32, on the device), updated "
                            "after every optimizer step: ema = decay × ema + (1 - decay) × weights; 0 = off "
                            "(docs/experiments.md).", ge=0, lt=1)
@@ -432,13 +429,12 @@ class RuntimeConfig:
     # this machine's count, so a config written here runs on a bigger host.
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0, le=1024)
     parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
-                        "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state "
-                        "sharded across ranks, gathered per block for forward and backward, compiled per block "
-                        "under `train.compile`) or hsdp (fsdp within each shard group of `runtime.shard_group_size` "
-                        "ranks, the groups replicas of each other: across nodes, only gradients cross the slow "
-                        "links); one process each without torchrun. "
-                        "Checkpoints are the same files, so a resume may switch (docs/resume.md).",
-                        choices=PARALLELISMS)
+                        "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state sharded "
+                        "across ranks, gathered per block for forward and backward, compiled per block under "
+                        "`train.compile`) or hsdp (fsdp within each shard group of `runtime.shard_group_size` ranks, "
+                        "the groups replicas of each other: across nodes, only gradients cross the slow links); one "
+                        "process each without torchrun. Checkpoints are the same files, so a resume may switch "
+                        "(docs/resume.md).", choices=PARALLELISMS)
     shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group (one sharded copy of the model "
                                           "each); divides the world size and is smaller than it. Checked under "
                                           "torchrun with 2 or more ranks.", ge=1,
@@ -672,13 +668,9 @@ _SHORT.maxstring = _SHORT.maxother = 120
 
 
 def is_utf8(text: str) -> bool:
-    """Whether a str is text UTF-8 can encode: not so when it holds lone surrogates (how Python keeps the bytes of
-    a command-line argument that do not decode)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    """Whether a str is text UTF-8 can encode: not so when it holds lone surrogates, the one thing it cannot encode
+    (how Python keeps the bytes of a command-line argument that do not decode)."""
+    return not any("\ud800" <= c <= "\udfff" for c in text)
 
 
 @functools.lru_cache(maxsize=None)  # `nanopt runs` converts every key of every run it reads

@@ -203,10 +203,7 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
     ax.set(xlabel=X_LABELS[x], ylabel=metric, title=f"{metric} against {x}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    try:
-        return write_bytes(out, _png(fig))
-    except OSError as e:  # not writable, the disk full, or the directory removed meanwhile
-        raise ConfigError(f"-o {out} cannot be written ({e.strerror or e}); write elsewhere.") from None
+    return write_bytes(out, _png(fig))  # an OSError (not writable, the disk full) is the CLI's paragraph naming it
 
 
 # ---------------------------------------------------------------- the offline profile page

@@ -3,6 +3,7 @@ run's evaluations (rundirs.EVALS_FILE), safe while the run trains. Once (also un
 every new complete checkpoint of a run until it finishes (rundirs.finished, with the run's own config)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -175,10 +176,9 @@ def _watch_lease(run_dir: Path) -> DirLock:
     try:
         return lease.acquire()
     except ConfigError as e:
-        try:
+        held = None
+        with contextlib.suppress(ConfigError):
             held = lease.holder()
-        except ConfigError:
-            held = None
         if held is None:
             raise e from None  # not another watcher: the lease could not be written
         raise ConfigError(f"{run_dir} is already watched by {held.describe()} ({lease.path} is its lease); one "
