@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from nanopt.errors import ConfigError, TrainingError
@@ -68,7 +69,6 @@ class XlaBackend:
         except ImportError as e:
             raise ConfigError(f"`runtime.device` is xla but torch_xla cannot be imported ({e}). Install it beside its "
                               "matching torch: `pip install -e \".[tpu]\"` (torch 2.9 + torch_xla 2.9).") from None
-        import numpy as np
         import torch_xla.core.xla_model as xm
         import torch_xla.debug.metrics as met
         import torch_xla.distributed.spmd as xs
@@ -257,15 +257,10 @@ def gce_metadata(key: str, timeout_s: float = 1.0) -> Optional[str]:
 def preemption_warning(mirror: str, fetch: Callable[[str], Optional[str]] = gce_metadata) -> Optional[str]:
     """A warning when this VM is spot or preemptible (as its metadata server says) and checkpoint.mirror is
     unset, else None: a preempted VM is recreated with a new boot disk, and local checkpoints are gone."""
-    if mirror:
+    spot = not mirror and (fetch("provisioning-model") or "").upper() == "SPOT"
+    if mirror or not spot and (fetch("preemptible") or "").upper() != "TRUE":
         return None
-    if (fetch("provisioning-model") or "").upper() == "SPOT":
-        kind = "a spot"
-    elif (fetch("preemptible") or "").upper() == "TRUE":
-        kind = "a preemptible"
-    else:
-        return None
-    return (f"this is {kind} TPU VM and checkpoint.mirror is unset: a preempted VM comes back with a new boot "
+    return (f"this is {'a spot' if spot else 'a preemptible'} TPU VM and checkpoint.mirror is unset: a preempted VM comes back with a new boot "
             f"disk, so its local checkpoints are lost and the run starts over. Set "
             f"`--checkpoint.mirror=gs://BUCKET/PATH` (gcsfs comes with the `tpu` extra) to resume from a copy.")
 
