@@ -15,16 +15,14 @@ directory removed. Readers take the newest checkpoint that verifies, naming each
 rank reads its share); a run that trained but has none usable is refused (exit 2) until `checkpoint.start_over`."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
-import queue
 import re
 import shutil
-import threading
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -35,24 +33,35 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from nanopt import optim, parallel, shards
-from nanopt.config import SECTIONS, Config, config_from_dict, resume_changes
+from nanopt.config import Config, config_from_dict, resume_changes
 from nanopt.ema import EMA
 from nanopt.errors import ConfigError, DiskFull, ShardError
 from nanopt.faults import fault_hook
-from nanopt.io import fsync, read_json, refuse_link, write_json, write_text, writing
-from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG_FILE, DCP_DIR, DCP_METADATA,
+from nanopt.io import fsync, not_a_file, refuse_link, write_json, write_text, writing
+from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG, CONFIG_FILE, DCP_DIR, DCP_METADATA,
                             EMA_FILE, LATEST_FILE, MODEL_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE,
-                            checkpoint_path, is_lease, read_config, read_summary)
+                            checkpoint_path, is_lease, read_summary)
 from nanopt.runtime import Runtime, host_rng_state
+from nanopt.schema import Field, parse, problem, raw, read
 
 log = logging.getLogger("nanopt")
-# What a COMPLETE manifest may list besides dcp/'s files, and must (ema.safetensors is absent from a run without
-# averaged weights, dcp/ from a weights-only checkpoint).
-CHECKPOINT_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE, EMA_FILE)
-REQUIRED_FILES = (MODEL_FILE, RNG_FILE, STATE_FILE)
-# DCP's metadata and each rank's shard files, one level down; a name that could climb out of the directory is no
-# checkpoint file.
+# The shapes of a checkpoint's own JSON files (schema.read). COMPLETE lists every file with its size and crc32: the
+# readers' weights, RNGs and state always, the average once started, and DCP's metadata and each rank's shard files
+# one level down (a name that could climb out of the directory is no checkpoint file).
 SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
+ENTRY = Field(dict, what="an object with integer `bytes` and `crc32`",
+              fields={k: Field(int, required=True, lo=0) for k in ("bytes", "crc32")})
+MANIFEST = Field(dict, what="a JSON object with a `files` map", fields={"files": Field(
+    dict, required=True, fields={name: Field(object, required=True) for name in (MODEL_FILE, RNG_FILE, STATE_FILE)},
+    items=ENTRY, test=lambda files: all(n in (MODEL_FILE, RNG_FILE, STATE_FILE, EMA_FILE) or SHARD_FILE.match(n)
+                                        for n in files),
+    what=f"a map of checkpoint files ({MODEL_FILE}, {RNG_FILE}, {STATE_FILE}, {EMA_FILE}, {DCP_DIR}/'s shards)")})
+STEP = Field(dict, what="a checkpoint state (a JSON object with an integer `step`)",
+             fields={"step": Field(int, required=True, lo=0)})
+# What readers and a resume read of state.json besides the step; each component's entry is its load_state_dict's.
+STATE = Field(dict, what=STEP.what, fields={**STEP.fields, "config": Field(dict), "data": Field(list, items=Field(dict)),
+                                            "ema": Field(dict), "averaged_from": Field(dict)})
+EARLIER = "Resume from an earlier checkpoint (move this one aside), or start a new run (a new `run.dir`)."
 # What reading a file whose bytes verified (its manifest may have been rewritten with it) raises when its content
 # is not what this version wrote: a pickle or safetensors file that is none, a JSON entry of another shape.
 DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
@@ -155,43 +164,42 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
-def read_state(ckpt: Path) -> dict[str, Any]:
-    """A checkpoint's state.json; ConfigError naming it when it is not a JSON object with an integer step."""
-    state = read_json(Path(ckpt) / STATE_FILE)
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise ConfigError(f"{Path(ckpt) / STATE_FILE} is not a checkpoint state (a JSON object with an integer "
-                          f"`step`); the checkpoint is damaged: use an earlier one.")
-    return state
-
-
-def _manifest_problem(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
-    """(why COMPLETE is not a usable manifest, its file entries)."""
-    marker = ckpt / COMPLETE_FILE
-    if not marker.is_file():
-        return "it has no COMPLETE marker (its write was interrupted)", {}
+def _own_file(path: Path, shape: Field, subject: str) -> tuple[Any, Optional[str]]:
+    """(the checkpoint's JSON file at `path`, None) when it is of `shape`, else (None, why, starting with `subject`):
+    schema's reader, as a verifier's reason rather than a refusal."""
     try:
-        manifest = json.loads(marker.read_bytes())
-    except (OSError, ValueError) as e:
-        return f"its COMPLETE manifest cannot be read ({e.__class__.__name__})", {}
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        return "its COMPLETE manifest is not a JSON object with a `files` map", {}
-    if missing := [name for name in REQUIRED_FILES if name not in files]:
-        return f"its COMPLETE manifest does not list {', '.join(missing)}", {}
-    for name, entry in files.items():
-        if name not in CHECKPOINT_FILES and not SHARD_FILE.match(name):
-            return f"its COMPLETE manifest lists {name!r}, which is no checkpoint file", {}
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("bytes", "crc32")):
-            return f"its COMPLETE manifest's entry for {name} has no integer bytes and crc32", {}
-    return None, files
+        data = raw(path)
+    except ConfigError as e:  # a directory or a FIFO at the name (io), a link to nothing
+        return None, str(e)
+    if data is None:
+        return None, f"{subject} is missing"
+    value, why = parse(data, subject)
+    if (why := why or problem(value, shape, subject)) and not why.startswith(subject):
+        why = f"{subject}'s {why}"  # a field's problem: "its COMPLETE manifest's `files.rng.pt` is missing"
+    return (None, why) if why else (value, None)
+
+
+def _manifest(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
+    """(why COMPLETE is not a usable manifest, its file entries)."""
+    if not os.path.lexists(Path(ckpt) / COMPLETE_FILE):
+        return "it has no COMPLETE marker (its write was interrupted)", {}
+    manifest, why = _own_file(Path(ckpt) / COMPLETE_FILE, MANIFEST, f"its {COMPLETE_FILE} manifest")
+    return why, manifest["files"] if manifest else {}
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    """A checkpoint's state.json; ConfigError naming it when it is missing or not of STATE's shape."""
+    if (state := read(Path(ckpt) / STATE_FILE, STATE, f"The checkpoint is damaged. {EARLIER}")) is None:
+        raise ConfigError(f"{Path(ckpt) / STATE_FILE} is missing; the checkpoint is damaged. {EARLIER}")
+    return state
 
 
 def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
     """Which weights a checkpoint holds: its model file's (or `name`'s: the averaged weights) crc32 as its COMPLETE
     manifest lists it (loading has checked the file against it). None for a Hugging Face directory, an unusable
     manifest or a file it does not list."""
-    problem, files = _manifest_problem(Path(ckpt))
-    return None if problem or name not in files else files[name]["crc32"]
+    problem_, files = _manifest(Path(ckpt))
+    return None if problem_ or name not in files else files[name]["crc32"]
 
 
 def has_averaged_weights(ckpt: Path) -> bool:
@@ -249,20 +257,17 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None, rt: Optional[Runti
     step = step_of(ckpt) if step is None else step
     if step is None or not ckpt.is_dir():
         return "it is not a step_NNNNNN directory"
-    problem, files = _manifest_problem(ckpt)
-    if problem:
-        return problem
+    problem_, files = _manifest(ckpt)
+    if problem_:
+        return problem_
     if rt is not None:
         rt.gather_objects((str(ckpt), files))  # what every rank verifies next
     mine = _share_problem(ckpt, files, rt.rank if rt else 0, rt.world_size if rt else 1)
-    found = [p for p in (rt.gather_objects(mine) if rt else [mine]) if p is not None]
-    if found:
+    if found := [p for p in (rt.gather_objects(mine) if rt else [mine]) if p is not None]:
         return min(found)[1]
-    try:
-        saved = read_state(ckpt)["step"]
-    except (OSError, ConfigError):
-        return "its state.json is not a JSON object with an integer step"
-    return None if saved == step else f"its state.json says step {saved}, its name step {step}"
+    state, why = _own_file(ckpt / STATE_FILE, STEP, f"its {STATE_FILE}")
+    return why or (None if state["step"] == step else f"its {STATE_FILE} says step {state['step']}, its name step "
+                                                      f"{step}")
 
 
 def _follow(rt: Runtime) -> None:
@@ -284,9 +289,9 @@ def newest_checkpoint(path: Path, newer_than: int = -1,
     for ckpt in reversed(checkpoint_dirs(path)):
         if step_of(ckpt) <= newer_than:
             break
-        if (problem := verify(ckpt)) is None:
+        if (problem_ := verify(ckpt)) is None:
             return ckpt, skipped
-        skipped.append(f"{ckpt.name}: {problem}")
+        skipped.append(f"{ckpt.name}: {problem_}")
     return None, skipped
 
 
@@ -298,8 +303,8 @@ def find_checkpoint(path: str | Path) -> Path:
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
                           f"(runs/<name>/checkpoints/step_NNNNNN).")
     if step_of(path) is not None and path.is_dir():
-        if problem := verify_checkpoint(path):
-            raise ConfigError(f"checkpoint {path} cannot be used: {problem}. Pick an earlier one in {path.parent}, "
+        if problem_ := verify_checkpoint(path):
+            raise ConfigError(f"checkpoint {path} cannot be used: {problem_}. Pick an earlier one in {path.parent}, "
                               f"or give the run directory to take its newest complete checkpoint.")
         return path
     ckpt, skipped = newest_checkpoint(path)
@@ -316,12 +321,10 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def checkpoint_config(ckpt: Path) -> Config:
     """The run config a checkpoint was trained with, checked like a YAML config before anything is built."""
-    state = read_state(ckpt)
-    where = str(ckpt / STATE_FILE)
-    if "config" not in state:
-        raise ConfigError(f"{where} has no `config` entry, so the model shape is unknown; it was not written by "
-                          f"this version of nanopt.")
-    return config_from_dict(state["config"], where)
+    if "config" not in (state := read_state(ckpt)):
+        raise ConfigError(f"{ckpt / STATE_FILE} has no `config` entry, so the model shape is unknown; it was not "
+                          f"written by this version of nanopt.")
+    return config_from_dict(state["config"], str(ckpt / STATE_FILE))
 
 
 # ---------------------------------------------------------------- writing
@@ -335,18 +338,11 @@ def _sealed(path: Path) -> dict[str, int]:
 
 def _remove(path: Path) -> None:
     """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to); a
-    file there is not ours to delete (ConfigError)."""
+    file there is not ours: rmtree's NotADirectoryError names it (cli.run's paragraph)."""
     if path.is_symlink():
         path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
     elif path.exists():
-        raise _not_a_directory(path)
-
-
-def _not_a_directory(path: Path) -> ConfigError:
-    return ConfigError(f"{path} is a file, where nanopt keeps a checkpoint directory; it was not written by nanopt "
-                       f"and is not deleted. Move it out of {path.parent} and run the command again.")
+        shutil.rmtree(path)
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -360,21 +356,11 @@ def temp_dir(ckpt_root: Path, step: int, fresh: bool = True) -> Path:
     """Where checkpoint `step` is written before its rename: made anew (fresh), or the one made before."""
     tmp = ckpt_root / f".tmp_step_{step:06d}"
     if fresh:
-        with writing(ckpt_root):
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-        _remove(tmp)
         with writing(tmp):
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            _remove(tmp)
             tmp.mkdir()
     return tmp
-
-
-def seal_own_shards(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
-    """The files in tmp/dcp that this rank wrote (DCP names them `__RANK_N.distcp`; rank 0 also takes the rest, its
-    `.metadata`), fsynced, with the size and crc32 COMPLETE lists them under. Each rank reads back only its own
-    shards, from its own node's page cache, all ranks at once: rank 0 alone would read the whole checkpoint again
-    (configs/8b.yaml's weights and AdamW state: 96 GB) while every other rank waits for it."""
-    return {f"{DCP_DIR}/{p.name}": _sealed(p) for p in sorted((tmp / DCP_DIR).iterdir())
-            if (_writer(p.name) or 0) == rank}
 
 
 def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any], keep: int,
@@ -425,13 +411,15 @@ def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer
                    state: dict[str, Any], keep: int, rt: Runtime, ema: Optional[EMA] = None) -> Path:
     """THE save, whatever the parallelism and world size; every rank calls it. Rank 0 makes the temp directory,
     every rank writes its own shards of the weights, optimizer state and average (`ema`, once started) into its
-    dcp/ and fsyncs and sums them (a rank's failure is raised on every rank), the whole weights and average are
-    gathered onto rank 0, which writes the rest (save(): `state` is its state.json). The checkpoint's path."""
+    dcp/, then fsyncs and sums the files it wrote (DCP names them `__RANK_N.distcp`; rank 0 also its `.metadata`),
+    all ranks at once from their own page cache: rank 0 alone would read configs/8b.yaml's 96 GB again while the
+    others wait. A rank's failure is raised on every rank. The whole weights and average are gathered onto rank 0,
+    which writes the rest (save(): `state` is its state.json). The checkpoint's path."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rngs = rt.gather_objects(rt.rng_state())
     started = ema is not None and ema.started
-    made = rt.on_main(lambda: temp_dir(ckpt_root, step), (ConfigError, DiskFull))  # rank 0's failure: every rank's
+    made = rt.on_main(lambda: temp_dir(ckpt_root, step), (ConfigError, OSError))  # rank 0's failure: every rank's
     tmp = made or temp_dir(ckpt_root, step, fresh=False)
     weights, optimizer_state = get_state_dict(model, optimizer)
     try:
@@ -439,13 +427,14 @@ def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer
             _dcp(tmp / DCP_DIR, {"model": weights, "optimizer": optimizer_state,
                                  **({"ema": ema.tensors()} if started else {})}, save=True)
         try:
-            mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = (seal_own_shards(tmp, rt.rank), None)
+            mine: tuple[dict[str, dict[str, int]], Optional[OSError]] = ({
+                f"{DCP_DIR}/{p.name}": _sealed(p) for p in sorted((tmp / DCP_DIR).iterdir())
+                if (_writer(p.name) or 0) == rt.rank}, None)
         except OSError as e:  # gathered, so that every rank raises it rather than waiting for the failed one
             mine = ({}, e)
         parts = rt.gather_objects(mine)  # also the barrier: every rank's shards are on disk after it
-        for _, error in parts:
-            if error is not None:
-                raise error
+        if errors := [error for _, error in parts if error is not None]:
+            raise errors[0]
     except DiskFull:
         if rt.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # its space back
@@ -473,11 +462,9 @@ class Mirror:
             raise ConfigError(f"`checkpoint.mirror` is {url!r}, which fsspec cannot open ({e}). Use a local path or "
                               "file://, or install the filesystem's package (gcsfs for gs://, s3fs for "
                               "s3://).") from None
-        self.url, self.keep = url, keep
-        self.root = self.root.rstrip("/")
+        self.url, self.keep, self.root = url, keep, self.root.rstrip("/")
         self.failures: list[str] = []
-        self._queue: "queue.Queue[Path]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanopt-mirror")
 
     def upload(self, ckpt: Path) -> None:
         """Queue a copy of `ckpt`; returns at once."""
@@ -489,27 +476,22 @@ class Mirror:
         except (OSError, shutil.Error):  # a filesystem without hard links
             shutil.rmtree(staging, ignore_errors=True)
             shutil.copytree(ckpt, staging)
-        self._queue.put(staging)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="nanopt-mirror", daemon=True)
-            self._thread.start()
+        self._pool.submit(self._copy, staging)
 
     def wait(self) -> None:
-        """Block until every queued copy is done (or failed with a warning)."""
-        if self._thread is not None:
-            self._queue.join()
+        """Block until every queued copy is done (or failed with a warning). No idle thread outlives it: a process
+        with one exits through sys.exit's slow teardown (cli.exit_process); a later upload starts a new one."""
+        self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanopt-mirror")
 
-    def _work(self) -> None:
-        while True:
-            staging = self._queue.get()
-            try:
-                self._put(staging)
-            except Exception as e:  # a remote hiccup must not kill training; the local checkpoint is intact
-                self.failures.append(f"{staging.name}: {e}")
-                log.warning("checkpoint mirror: copying %s to %s failed: %s", staging.name, self.url, e)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-                self._queue.task_done()
+    def _copy(self, staging: Path) -> None:
+        try:
+            self._put(staging)
+        except Exception as e:  # a remote hiccup must not kill training; the local checkpoint is intact
+            self.failures.append(f"{staging.name}: {e}")
+            log.warning("checkpoint mirror: copying %s to %s failed: %s", staging.name, self.url, e)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _put(self, staging: Path) -> None:
         remote = f"{self.root}/{staging.name}"
@@ -525,13 +507,11 @@ class Mirror:
         log.info("checkpoint mirror: %s copied to %s", staging.name, self.url)
 
     def names(self) -> list[str]:
-        """Names of the complete remote checkpoints (step_NNNNNN directories with a COMPLETE marker), oldest
-        first."""
+        """The complete remote checkpoints' names (step_NNNNNN with a COMPLETE marker), oldest first."""
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
-        names = [str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries]
         complete = [n for n in names if step_of(n) is not None and self.fs.exists(f"{self.root}/{n}/{COMPLETE_FILE}")]
         return sorted(complete, key=step_of)
 
@@ -561,24 +541,7 @@ def _reading(ckpt: Path, name: str) -> Iterator[None]:
 
 def _damaged(ckpt: Path, name: str, e: Exception) -> ConfigError:
     return ConfigError(f"checkpoint {ckpt}'s {name} cannot be restored ({e.__class__.__name__}: {e}); it is damaged "
-                       f"or was written by another nanopt version. Resume from an earlier checkpoint (move this one "
-                       f"aside), or start a new run (a new `run.dir`).")
-
-
-def _refuse_foreign_config(run_dir: Path) -> None:
-    """ConfigError when the run directory's config.yaml, which the run rewrites, is not a run config nanopt wrote
-    (damaged, or a file of the user's in a directory given as run.dir): replacing it would lose it."""
-    path = run_dir / CONFIG_FILE
-    fix = ("Training here would replace it with this run's config: move it aside (a damaged one of this run's may "
-           "be deleted), or set `run.dir` to another directory.")
-    try:
-        saved = read_config(run_dir)
-    except ConfigError as e:
-        raise ConfigError(f"{e} {fix}") from None
-    # Not a section of this version (an older one's may have been retired since): none that any version writes.
-    if saved and not set(saved) & set(SECTIONS):
-        raise ConfigError(f"{path} holds none of the sections a run config has ({', '.join(sorted(saved)[:5])}): it "
-                          f"is no run config. {fix}")
+                       f"or was written by another nanopt version. {EARLIER}")
 
 
 def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
@@ -614,21 +577,19 @@ class Checkpointer:
                 ema: Optional[EMA] = None) -> Optional[dict[str, Any]]:
         """Load the newest usable checkpoint into model, optimizer, states, the averaged weights (`ema`, when the
         run keeps them) and RNGs: its state.json, or None."""
-        rt = self.rt
         if not self.cfg.checkpoint.resume:
-            if rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
+            if self.rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
                 raise ConfigError(f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is "
                                   "not empty, and nanopt never overwrites a run. Pick a new `run.dir` (or `run.name`), "
                                   "delete the directory, or drop `--checkpoint.resume=false` to continue the run from "
                                   "its newest checkpoint.")
-            rt.barrier()  # every rank looks before rank 0 writes into the directory
+            self.rt.barrier()  # every rank looks before rank 0 writes into the directory
             return None
         if (chosen := self._agree()) is None:  # nothing was checkpointed and no earlier training shows
             return None
-        ckpt = self.root / chosen
+        self.latest = ckpt = self.root / chosen
         saved = self._load(ckpt, model, optimizer, states, ema)
-        self.latest = ckpt
-        if rt.is_main:
+        if self.rt.is_main:
             log.info("resuming from %s (step %d)", ckpt, saved["step"])
         return saved
 
@@ -641,7 +602,10 @@ class Checkpointer:
             try:
                 for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
                     refuse_link(self.run_dir / name)
-                _refuse_foreign_config(self.run_dir)
+                # config.yaml is rewritten by the run: one that is no run config (damaged, or the user's own file in a
+                # directory given as run.dir) would be lost.
+                read(self.run_dir / CONFIG_FILE, CONFIG, "Training here would replace it with this run's config: "
+                     "move it aside (a damaged one of this run's may be deleted), or set `run.dir` to another directory.")
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:
@@ -662,11 +626,13 @@ class Checkpointer:
         one; ConfigError when it did (`checkpoint.start_over`: fresh)."""
         ours = [p for p in self.root.iterdir() if p.name.startswith(".tmp_step_") or step_of(p) is not None] \
             if self.root.is_dir() else []
-        if strays := [p for p in ours if not p.is_dir() and not p.is_symlink()]:  # else taken for no checkpoint
-            raise _not_a_directory(strays[0])
-        if (latest := self.root / LATEST_FILE).is_dir() and not latest.is_symlink():  # else refused at the first save
-            raise ConfigError(f"{latest} is a directory, where nanopt writes the name of the newest checkpoint; move "
-                              f"it out of {self.root} and run the command again.")
+        # Refused now, not at the first save after training: a file where a checkpoint directory goes (else taken
+        # for no checkpoint), a directory where `latest` goes.
+        if strays := [p for p in ours if not p.is_dir() and not p.is_symlink()]:
+            raise ConfigError(f"{strays[0]} is a file, where nanopt keeps a checkpoint directory; it was not written "
+                              f"by nanopt and is not deleted. Move it out of {self.root} and run the command again.")
+        if (latest := self.root / LATEST_FILE).is_dir() and not latest.is_symlink():
+            raise not_a_file(latest, os.stat(latest).st_mode)
         for tmp in (p for p in ours if p.name.startswith(".tmp_step_")):
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             _remove(tmp)
@@ -678,13 +644,14 @@ class Checkpointer:
                 log.warning("resuming from %s, the newest complete checkpoint; the damaged ones were left in place",
                             found.name)
             return found
-        if self.mirror is not None:
-            for name in reversed(self.mirror.names()):
-                found = self._fetch(name)
-                if isinstance(found, Path):
-                    return found
-                problems.append(f"mirror {name}: {found}")
-        evidence = problems or self._earlier_training()
+        for name in reversed(self.mirror.names() if self.mirror else []):
+            if isinstance(found := self._fetch(name), Path):
+                return found
+            problems.append(f"mirror {name}: {found}")
+        # What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a summary.
+        # Metrics alone do not: a session killed before its first save is retried by re-running it.
+        evidence = problems + [f"{CHECKPOINTS_DIR}/{LATEST_FILE} names a checkpoint that is not there"] * \
+            (self.root / LATEST_FILE).is_file() + [f"{SUMMARY_FILE} is there"] * (read_summary(self.run_dir) is not None)
         if not evidence:
             return None
         if self.cfg.checkpoint.start_over:
@@ -698,27 +665,17 @@ class Checkpointer:
                           "metrics start over; damaged checkpoints are left in place and pruned as new ones are "
                           "saved), or set `run.dir` to a new directory.")
 
-    def _earlier_training(self) -> list[str]:
-        """What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a
-        summary. Metrics alone do not: a session killed before its first save is retried by re-running it."""
-        found = []
-        if (self.root / LATEST_FILE).is_file():
-            found.append(f"{CHECKPOINTS_DIR}/{LATEST_FILE} names a checkpoint that is not there")
-        if read_summary(self.run_dir) is not None:
-            found.append(f"{SUMMARY_FILE} is there")
-        return found
-
     def _fetch(self, name: str) -> Path | str:
         """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
         tmp = self.root / f".tmp_{name}"
         try:
-            problem = self._verify(self.mirror.fetch(name, tmp), step_of(name))
+            problem_ = self._verify(self.mirror.fetch(name, tmp), step_of(name))
         except OSError as e:
-            problem = str(e)
-        if problem:
+            problem_ = str(e)
+        if problem_:
             shutil.rmtree(tmp, ignore_errors=True)
-            log.warning("skipping mirror checkpoint %s in %s: %s", name, self.mirror.url, problem)
-            return problem
+            log.warning("skipping mirror checkpoint %s in %s: %s", name, self.mirror.url, problem_)
+            return problem_
         os.replace(tmp, self.root / name)
         log.info("no usable local checkpoint: fetched %s from the mirror %s", name, self.mirror.url)
         return self.root / name
@@ -727,7 +684,7 @@ class Checkpointer:
               states: dict[str, Stateful], ema: Optional[EMA]) -> dict[str, Any]:
         checkpoint_config(ckpt)  # checked like a YAML config before it is compared
         weights_header(ckpt / MODEL_FILE)  # not read to resume, but its readers' copy: damage there is damage
-        saved, where = read_state(ckpt), str(ckpt / STATE_FILE)
+        saved = read_state(ckpt)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
         if not (ckpt / DCP_METADATA).is_file():
@@ -735,14 +692,12 @@ class Checkpointer:
                               f"training cannot resume from it. Start a new run from its weights, or resume from a "
                               f"full checkpoint.")
         if missing := [name for name in states if not isinstance(saved.get(name), dict)]:
-            raise ConfigError(f"{where} has no state for {', '.join(missing)}; it was written by another nanopt "
-                              f"version. Resume with that version, or start a new run (a new `run.dir`).")
+            raise ConfigError(f"{ckpt / STATE_FILE} has no state for {', '.join(missing)}; it was written by another "
+                              f"nanopt version. Resume with that version, or start a new run (a new `run.dir`).")
         if changes := resume_changes(saved["config"], self.cfg):
             raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
                               f"{'; '.join(changes)}. {fix}")
-        with _reading(ckpt, f"{STATE_FILE} `data` entry"):
-            data_change = _describe_data_change(saved["data"], self.data) if "data" in saved else None
-        if data_change:
+        if "data" in saved and (data_change := _describe_data_change(saved["data"], self.data)):
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
                               f"`data.source` at the shards the run was trained on, or start a new run (a new "
                               f"`run.dir`).")
@@ -794,10 +749,9 @@ class Checkpointer:
 
         with _reading(ckpt, DCP_METADATA):
             metadata = FileSystemReader(str(ckpt / DCP_DIR)).read_metadata()
-            saved, placed = metadata.state_dict_metadata, list((metadata.storage_data or {}).values())
-            ends = {info.relative_path: info.offset + info.length for info in placed}
-            for info in placed:
-                ends[info.relative_path] = max(ends[info.relative_path], info.offset + info.length)
+            saved, ends = metadata.state_dict_metadata, {}
+            for info in (metadata.storage_data or {}).values():
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
         tensors = [(name, t) for key in state for name, t in _flat(key, state[key])]
         if wrong := [f"{name} {tuple(saved[name].size)} in the checkpoint vs {tuple(t.shape)} here" for name, t in
                      tensors if name in saved and tuple(getattr(saved[name], "size", t.shape)) != tuple(t.shape)]:
@@ -815,21 +769,19 @@ class Checkpointer:
     def _load_ema(self, ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
         """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at
         this resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
-        kept = saved.get("ema")
-        if not (isinstance(kept, dict) and kept.get("started")):
+        if not (saved.get("ema") or {}).get("started"):
             if ema.start < saved["step"]:
                 log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step "
                             "%d, not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
             return
         if not has_averaged_weights(ckpt):
             raise ConfigError(f"checkpoint {ckpt}'s {STATE_FILE} says the run kept averaged weights but it holds no "
-                              f"{EMA_FILE}; the checkpoint is damaged: resume from an earlier one (move this one "
-                              f"aside).")
+                              f"{EMA_FILE}; the checkpoint is damaged. {EARLIER}")
 
         def fill(tensors: dict[str, torch.Tensor]) -> None:
             if missing := self._read_shards(ckpt, {"ema": tensors}, ""):
                 raise ConfigError(f"checkpoint {ckpt}'s {DCP_DIR}/ holds no averaged {', '.join(missing[:3])}; "
-                                  f"the checkpoint is damaged: resume from an earlier one (move this one aside).")
+                                  f"the checkpoint is damaged. {EARLIER}")
 
         ema.load_tensors(fill)
 
@@ -843,9 +795,8 @@ class Checkpointer:
              states: dict[str, Stateful], ema: Optional[EMA] = None) -> Path:
         """Every rank calls this (save_resumable); rank 0 queues the mirror's copy. Returns the checkpoint path.
         `ema`: the run's averaged weights, saved once started."""
-        final = checkpoint_path(self.run_dir, step)
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
-            return final
+            return checkpoint_path(self.run_dir, step)
         state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
                  "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
         final = save_resumable(self.root, step, model, optimizer, state, self.cfg.checkpoint.keep, self.rt, ema)

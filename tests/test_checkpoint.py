@@ -53,12 +53,12 @@ def damaged_copy(tmp_path: Path, source: Path, marker: bytes | None) -> Path:
 
 
 @pytest.mark.parametrize("marker, why", [
-    (b"\xff\xfe not utf-8", "cannot be read"),
-    (None, "no COMPLETE marker"),  # a directory where the marker should be
-    (b"[1, 2]", "not a JSON object"),
-    (b'{"files": {}}', "does not list model.safetensors"),
-    (b"ok", "cannot be read"),  # the pre-manifest marker no longer passes
-    (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "does not list rng.pt"),
+    (b"\xff\xfe not utf-8", "its COMPLETE manifest is not UTF-8 text"),
+    (None, "is a directory, where nanopt expects a file"),  # refused unread (io)
+    (b"[1, 2]", "is an array [1, 2], not a JSON object"),
+    (b'{"files": {}}', "manifest's `files.model.safetensors` is missing"),
+    (b"ok", "is not JSON"),  # the pre-manifest marker no longer passes
+    (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "`files.rng.pt` is missing"),
 ])
 def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, two_checkpoints, marker, why):
     root = damaged_copy(tmp_path, two_checkpoints, marker)
@@ -75,8 +75,8 @@ def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_o
     read = []
     monkeypatch.setattr(checkpoint, "crc32_of", lambda path: read.append(path) or real_crc32(path))
     found, skipped = checkpoint.newest_checkpoint(tmp_path)
-    assert found == root / "step_000002" and skipped == ["step_000004: its COMPLETE manifest is not a JSON object "
-                                                         "with a `files` map"]
+    assert found == root / "step_000002" and skipped == ["step_000004: its COMPLETE manifest is an array [1, 2], "
+                                                         "not a JSON object with a `files` map"]
     assert checkpoint.newest_checkpoint(tmp_path, newer_than=2) == (None, skipped)  # Modal: progress since step 2?
     complete = rundirs.COMPLETE_FILE
     (root / "step_000004" / complete).write_bytes((two_checkpoints / "step_000004" / complete).read_bytes())
@@ -186,7 +186,7 @@ def test_dcp_files_are_listed_verified_and_fall_back_when_a_shard_is_torn_and_re
     assert torch.allclose(loading.load(run_dir).model.embed.weight, model.embed.weight - 1.0, atol=1e-6)
     files["dcp/../rng.pt"] = files["rng.pt"]
     (final / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": 4, "files": files}))
-    assert "no checkpoint file" in checkpoint.verify_checkpoint(final)
+    assert "not a map of checkpoint files" in checkpoint.verify_checkpoint(final)
 
 
 def _reseal(ckpt: Path) -> None:
