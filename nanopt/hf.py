@@ -39,10 +39,6 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "lm_head.weight": "lm_head.weight"}
-_FROM_HF_LAYER = {theirs: ours for ours, theirs in _LAYER_NAMES.items()}
-_FROM_HF_TOP = {theirs: ours for ours, theirs in _TOP_NAMES.items()}
-_NANOPT_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some transformers versions saved; they follow from the config.
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # Architecture keys that must agree between a run's config and a Hugging Face directory it starts from.
@@ -87,24 +83,20 @@ def check_exportable(m: ModelConfig) -> None:
                           f"use the nanopt checkpoint directly (`nanopt sample`, `nanopt eval`, `nanopt.load_model`).")
 
 
-def _rename(name: str, to_hf: bool) -> str:
-    """A weight's name on the other side (nanopt -> Hugging Face when to_hf); KeyError when it has none."""
-    layer, in_layer, top, prefix = ((_NANOPT_LAYER, _LAYER_NAMES, _TOP_NAMES, "model.layers") if to_hf
-                                    else (_HF_LAYER, _FROM_HF_LAYER, _FROM_HF_TOP, "layers"))
-    m = layer.match(name)
-    if m and m[2] in in_layer:
-        return f"{prefix}.{m[1]}.{in_layer[m[2]]}"
-    if name in top:
-        return top[name]
-    raise KeyError(f"no Hugging Face name for nanopt parameter {name!r}" if to_hf
-                   else f"no nanopt name for Hugging Face weight {name!r}")
+def _hf_name(name: str) -> str:
+    """A plain Llama's weight under its Hugging Face name (layers.3.mlp.w1.weight -> model.layers.3.mlp.gate_proj.weight);
+    KeyError for one it has no name for."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    _, i, rest = name.split(".", 2)
+    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
 
 
 def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
     check_exportable(model.cfg)
     tied = model.cfg.tie_embeddings
-    return {_rename(name, True): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
+    return {_hf_name(name): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
             if not (tied and name == "lm_head.weight")}
 
 
@@ -211,14 +203,12 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_hf_weights(model: Llama, directory: Path) -> None:
     """Copy a Hugging Face directory's weights into `model` (same shape), converting dtype; a sharded model (fsdp)
     keeps each rank's shard of them (every rank calls it and reads the files)."""
-    ours: dict[str, torch.Tensor] = {}
-    for name, t in read_hf_weights(directory).items():
-        if _HF_IGNORED.search(name):
-            continue
-        try:
-            ours[_rename(name, False)] = t
-        except KeyError as e:
-            raise ConfigError(f"{directory}: {e.args[0]}; only plain Llama weights can be imported.") from None
+    names = {_hf_name(name): name for name in model.state_dict()}  # theirs -> ours
+    theirs = {name: t for name, t in read_hf_weights(directory).items() if not _HF_IGNORED.search(name)}
+    if unknown := next((name for name in theirs if name not in names), None):
+        raise ConfigError(f"{directory}: no nanopt name for Hugging Face weight {unknown!r}; only plain Llama "
+                          f"weights can be imported.")
+    ours = {names[name]: t for name, t in theirs.items()}
     if model.cfg.tie_embeddings:
         ours.pop("lm_head.weight", None)  # transformers may store the tied head too; it is the embedding
     try:
@@ -231,14 +221,6 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
                           f"{missing[:5]}, unexpected {unexpected[:5]}.")
 
 
-def _saved_config(path: Path) -> Any:
-    """The `config` entry of an exported nanopt.json (ConfigError naming the file when it has none)."""
-    saved = read_json(path)
-    if not isinstance(saved, dict) or "config" not in saved:
-        raise ConfigError(f"{path} has no `config` entry; the file is damaged. Export the run again (nanopt export).")
-    return saved["config"]
-
-
 def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
     """(model in eval mode, config) from a Hugging Face Llama directory. The config is nanopt's own when
     nanopt exported the directory (nanopt.json), else the defaults; its model section always comes from
@@ -246,7 +228,12 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[
     directory = Path(directory)
     mcfg = model_config_from_hf(read_json(directory / "config.json"), directory)
     extra = directory / "nanopt.json"
-    cfg = config_from_dict(_saved_config(extra), str(extra)) if extra.is_file() else Config()
+    cfg = Config()
+    if extra.is_file():
+        if not isinstance(saved := read_json(extra), dict) or "config" not in saved:
+            raise ConfigError(f"{extra} has no `config` entry; the file is damaged. Export the run again (nanopt "
+                              f"export).")
+        cfg = config_from_dict(saved["config"], str(extra))
     cfg.model = mcfg
     if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         cfg.data.tokenizer = str(directory)
