@@ -54,14 +54,17 @@ def test_welch_matches_the_hand_computation():
     assert c["difference"] == pytest.approx(2 - 16 / 3)
     assert c["difference_ci95"] == pytest.approx([c["difference"] - half, c["difference"] + half])
     assert c["a_beats_b"] is True and c["alternative"] == "mean(A) < mean(B)"
-
-
-def test_welch_clear_win_and_clear_loss():
+    # A clear win and a clear loss.
     better, worse = [3.00, 3.01, 3.02, 2.99, 3.00], [3.10, 3.12, 3.11, 3.09, 3.13]
     win = welch(better, worse, "final_val_loss", 0.01)
     assert win["p"] < 0.01 and win["p"] == pytest.approx(_welch_by_hand(better, worse)[2]) and win["a_beats_b"]
     loss = welch(worse, better, "final_val_loss", 0.05)
     assert loss["p"] > 0.5 and loss["p"] == pytest.approx(1 - win["p"]) and loss["a_beats_b"] is False
+    # On a task score (higher is better) the test asks whether A is higher.
+    higher = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "task:mc/acc", 0.05, lower_is_better=False)
+    lower = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "final_val_loss", 0.05)
+    assert higher["a_beats_b"] and higher["alternative"] == "mean(A) > mean(B)"
+    assert not lower["a_beats_b"] and higher["p"] < 0.01 < lower["p"]
 
 
 def _power_by_hand(sd_a: float, sd_b: float, d: float, n: int, alpha: float) -> float:
@@ -174,6 +177,7 @@ def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):
                                f"{statistics.stdev(SECONDS['muon']):.2f}", *row.split()[-2:]]
     assert f"{muon['mean']:.4f}" in out and f"[{muon['ci95'][0]:.4f}, {muon['ci95'][1]:.4f}]" in out
     assert "skipped" in out and "seed=3: not finished" in out
+    assert "every group of several runs: spread from both init and data order" in out  # a run.seed sweep
 
     assert cli(["runs", str(sweep), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -280,14 +284,6 @@ def test_init_and_data_seeds_are_seeds_of_one_setting_and_say_where_the_spread_c
     assert spread["data_only"]["stats"]["final_val_loss"]["sd"] == pytest.approx(statistics.stdev(by_data))
 
 
-def test_a_run_seed_sweep_varies_both_in_every_group(sweep, capsys):
-    assert cli(["runs", str(sweep)]) == 0
-    assert "every group of several runs: spread from both init and data order" in capsys.readouterr().out
-
-
-# ---------------------------------------------------------------- run directories written by hand
-
-
 # ---------------------------------------------------------------- each (setting, seed) counted once
 
 
@@ -342,11 +338,3 @@ def test_runs_lists_a_run_and_the_runs_below_it(fake_sweep, capsys):
 def test_runs_compare_effect_must_be_finite_and_positive(effect, tmp_path, capsys):
     assert cli(["runs", str(tmp_path), "--compare", "a", "b", f"--effect={effect}"]) == 2
     assert f"--effect {float(effect)}" in error_line(capsys.readouterr().err, "runs")
-
-
-@pytest.mark.usefixtures("offline")
-def test_welch_on_a_task_score_asks_whether_a_is_higher():
-    higher = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "task:mc/acc", 0.05, lower_is_better=False)
-    lower = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "final_val_loss", 0.05)
-    assert higher["a_beats_b"] and higher["alternative"] == "mean(A) > mean(B)"
-    assert not lower["a_beats_b"] and higher["p"] < 0.01 < lower["p"]
