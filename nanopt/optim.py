@@ -1,6 +1,6 @@
-"""Optimizer parameter groups by kind, the optimizers by name (adamw, muon) and the AdamW flags each device
-wants, Muon's orthogonalisation shared out across ranks, the learning-rate schedule as a multiplier (a pure function
-of step), µP's per-kind lr factor, and loading optimizer state."""
+"""Optimizer parameter groups by kind (with µP's per-kind lr factor), the optimizers by name (adamw, muon), Muon's
+orthogonalisation batched and shared out across ranks, the learning-rate schedule as a multiplier (a pure function
+of step), and loading optimizer state."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim._muon import _adjust_lr
 
 from nanopt import xla
 from nanopt.config import OptimConfig, TrainConfig
@@ -30,14 +31,6 @@ RUN_KEYS = ("kind", "optimizer", "base_lr", "weight_decay")
 IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def adamw_options(device_type: str) -> dict[str, bool]:
-    """AdamW's implementation flags for this device: fused on CUDA and CPU (one kernel per step, a vectorised
-    loop on CPU), the XLA backend's choice there (torch would otherwise pick its per-parameter loop)."""
-    if device_type == "xla":
-        return dict(xla.ADAMW_OPTIONS)
-    return {"fused": device_type in ("cuda", "cpu")}
-
-
 def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = None) -> tuple[float, float]:
     """(base lr, weight decay) of one kind: optim.<kind>_lr and optim.<kind>_weight_decay, null meaning
     train.lr and train.weight_decay. Scalars (gains, residual scalars) never decay: pulling a gain toward zero
@@ -46,17 +39,6 @@ def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = N
     lr = getattr(optim, f"{kind}_lr")
     decay = 0.0 if kind == "scalar" else getattr(optim, f"{kind}_weight_decay")
     return (train.lr if lr is None else lr), (train.weight_decay if decay is None else decay)
-
-
-def param_kind(p: torch.Tensor, embedding_ids: set[int], head_ids: set[int]) -> str:
-    """A parameter's kind from where it sits in the model, not from its name."""
-    if p.ndim < 2:  # first, so no vector (a gain, a bias) ever decays, whichever module holds it
-        return "scalar"
-    if id(p) in embedding_ids:  # before head: a tied LM head is the embedding matrix, one param
-        return "embedding"
-    if id(p) in head_ids:
-        return "head"
-    return "matrix"
 
 
 def mup_lr_scale(kind: str, width_mult: float, optim: OptimConfig) -> float:
@@ -82,9 +64,13 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
     head = getattr(model, "lm_head", None)  # the model's output projection, when it has one
     head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
     by_kind: dict[str, list[nn.Parameter]] = {kind: [] for kind in KINDS}
-    for p in model.parameters():
+    for p in model.parameters():  # a kind from where the parameter sits in the model, not from its name
         if p.requires_grad:
-            by_kind[param_kind(p, embedding_ids, head_ids)].append(p)
+            # ndim first, so no vector (a gain, a bias) ever decays; embedding before head: a tied head is the
+            # embedding matrix, one parameter.
+            kind = ("scalar" if p.ndim < 2 else "embedding" if id(p) in embedding_ids else
+                    "head" if id(p) in head_ids else "matrix")
+            by_kind[kind].append(p)
     groups = []
     for kind, params in by_kind.items():
         if params:
@@ -108,33 +94,28 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, opti
     if optim.name == ADAMW:
         return _adamw(groups, train, device_kind)
     if optim.name == MUON:
-        if device_kind == "xla":
+        if device_kind == "xla":  # torch's per-matrix Muon: its XLA graphs were measured that way (tests/xla_jobs.py)
             log.warning("optim.name=muon on XLA: torch_xla does not lower the addmm(beta, alpha) of Muon's "
                         "Newton-Schulz iteration and runs it on the host, so the train step is cut into ~2 graphs "
                         "per matrix (compiled once, then reused) and is slow; adamw keeps it one graph.")
-        matrix = [g for g in groups if g["kind"] == "matrix"]
-        rest = [g for g in groups if g["kind"] != "matrix"]
-        # XLA keeps torch's per-matrix Muon: its graphs were measured that way (tests/xla_jobs.py).
-        if device_kind == "xla":
-            muon: torch.optim.Muon = _muon(torch.optim.Muon, matrix, optim)
+            muon_type, extra = torch.optim.Muon, {}
         else:
-            muon = _muon(BatchedMuon, matrix, optim, batch_max_numel=muon_batch_max_numel,
-                         process_group=process_group, ns_dtype=muon_dtype)
-        return MuonWithAdamW(muon, _adamw(rest, train, device_kind))
+            muon_type, extra = BatchedMuon, dict(batch_max_numel=muon_batch_max_numel, process_group=process_group,
+                                                 ns_dtype=muon_dtype)
+        # Each group brings its own lr and weight decay; Muon scales the lr per matrix shape (adjust_lr_fn).
+        muon = muon_type([dict(g, optimizer=MUON) for g in groups if g["kind"] == "matrix"],
+                         momentum=optim.muon_momentum, nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
+                         adjust_lr_fn=optim.muon_adjust_lr, **extra)
+        return MuonWithAdamW(muon, _adamw([g for g in groups if g["kind"] != "matrix"], train, device_kind))
     raise ValueError(f"unknown optimizer {optim.name!r}; expected {ADAMW!r} or {MUON!r}")
 
 
 def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.optim.AdamW:
+    # Fused on CUDA and CPU (one kernel per step, a vectorised loop on CPU); on XLA the backend's flags (torch would
+    # otherwise pick its per-parameter loop there).
+    flags = dict(xla.ADAMW_OPTIONS) if device_kind == "xla" else {"fused": device_kind in ("cuda", "cpu")}
     return torch.optim.AdamW([dict(g, optimizer=ADAMW) for g in groups], lr=train.lr,
-                             betas=(train.beta1, train.beta2), eps=train.eps, **adamw_options(device_kind))
-
-
-def _muon(muon_type: type[torch.optim.Muon], groups: list[dict], optim: OptimConfig,
-          **extra: Any) -> torch.optim.Muon:
-    # Each group brings its own lr and weight decay; Muon scales the lr per matrix shape (adjust_lr_fn).
-    return muon_type([dict(g, optimizer=MUON) for g in groups], momentum=optim.muon_momentum,
-                     nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps, adjust_lr_fn=optim.muon_adjust_lr,
-                     **extra)
+                             betas=(train.beta1, train.beta2), eps=train.eps, **flags)
 
 
 class BatchedMuon(torch.optim.Muon):
@@ -153,7 +134,9 @@ class BatchedMuon(torch.optim.Muon):
     (Backend.reduced_dtype). fp32 is the exact iteration that bf16 approximates: the updates agree to bf16's rounding.
 
     Across ranks (`process_group` of more than one rank, or FSDP2's DTensor parameters) each rank orthogonalises
-    only the matrices it owns (OwnerSplit) and receives the rest: about 1/world of the Newton-Schulz work each."""
+    only the matrices it owns (OwnerSplit) and receives the rest: about 1/world of the Newton-Schulz work each.
+    Momentum, weight decay and the update are elementwise, so each rank runs them on its own rows: the momentum
+    buffers keep the parameter's layout and the state_dict is torch Muon's; the per-shape lr reads the whole shape."""
 
     def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None,
                  process_group: Optional[dist.ProcessGroup] = None, ns_dtype: torch.dtype = torch.bfloat16,
@@ -186,40 +169,28 @@ class BatchedMuon(torch.optim.Muon):
             grads: list[torch.Tensor] = []
             bufs: list[torch.Tensor] = []
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
+            # Each buffer lerped toward its gradient in place; Newton-Schulz takes Nesterov's look-ahead or the buffer.
+            local, grads, bufs = ([_local(t) for t in ts] for ts in (params, grads, bufs))  # this rank's rows
+            torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+            updates = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
+            shapes = [p.shape for p in params]  # the whole matrices' (a DTensor's shape is its global one)
             split = OwnerSplit.of(params, self.process_group, self.ns_dtype)
-            if split is not None:
-                split.step(self, params, grads, bufs, group)
-                continue
-            for part in self.batches(params):
-                _muon_update([params[i] for i in part], [grads[i] for i in part], [bufs[i] for i in part], group,
-                             self.ns_dtype)
+            ortho = self.orthogonalize(updates, group) if split is None else split.orthogonalize(self, updates,
+                                                                                                 shapes, group)
+            torch._foreach_mul_(local, 1 - group["lr"] * group["weight_decay"])
+            for p, shape, update in zip(local, shapes, ortho):
+                p.add_(update.to(p.dtype), alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], shape))
         return loss
 
-
-def _muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor],
-                 group: dict[str, Any], dtype: torch.dtype) -> None:
-    """torch's per-matrix Muon step (torch.optim._muon._single_tensor_muon) for 1 or N matrices of one shape."""
-    updates = _momentum(grads, bufs, group)
-    ortho = _orthogonalize_batch(updates, group, dtype)
-    lr = muon_lr(group["lr"], group["adjust_lr_fn"], params[0].shape)
-    torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-    torch._foreach_add_(params, [t.to(params[0].dtype) for t in ortho], alpha=-lr)
-
-
-def _momentum(grads: list[torch.Tensor], bufs: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
-    """Each buffer lerped toward its gradient in place; the updates Newton-Schulz takes (Nesterov's look-ahead or
-    the buffers themselves). Elementwise, so a rank may run it on its rows of each matrix alone."""
-    momentum = group["momentum"]
-    torch._foreach_lerp_(bufs, grads, 1 - momentum)
-    return torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-
-
-def _orthogonalize_batch(updates: list[torch.Tensor], group: dict[str, Any],
-                         dtype: torch.dtype) -> list[torch.Tensor]:
-    """Newton-Schulz on 1 or N same-shaped matrices in one call: one result per matrix, in `dtype`."""
-    stacked = torch.stack(updates) if len(updates) > 1 else updates[0]  # N A B, or one A B
-    ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
-    return list(ortho.unbind(0)) if ortho.dim() == 3 else [ortho]
+    def orthogonalize(self, updates: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
+        """Every update orthogonalised, in ns_dtype, one Newton-Schulz call per batch of same-shaped ones."""
+        ortho = list(updates)
+        for part in self.batches(updates):
+            stacked = torch.stack([updates[i] for i in part]) if len(part) > 1 else updates[part[0]]  # N A B, or A B
+            result = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+            for i, matrix in zip(part, result.unbind(0) if result.dim() == 3 else [result]):
+                ortho[i] = matrix
+        return ortho
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -238,23 +209,12 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return x.mT if tall else x
 
 
-def muon_lr(lr: float, adjust_lr_fn: Optional[str], shape: torch.Size) -> float:
-    """Muon's per-shape lr (torch.optim._muon._adjust_lr): "original" sqrt(max(1, A/B)), "match_rms_adamw"
-    0.2 sqrt(max(A, B)), otherwise lr as it is."""
-    rows, cols = shape[:2]
-    if adjust_lr_fn in (None, "original"):
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
-
-
 # ---------------------------------------------------------------- Muon's orthogonalisation shared out across ranks
 def owners(shapes: list[torch.Size], world: int) -> list[int]:
     """The rank that orthogonalises each matrix: the least loaded one so far, largest Newton-Schulz cost first
-    (its matmuls' multiply-adds), the lowest rank on ties. Same-shaped matrices thus
-    go round-robin, so a few shapes still split evenly and each rank batches its share; every rank computes the
-    same answer, so none has to be told."""
+    (its matmuls' multiply-adds), the lowest rank on ties. Same-shaped matrices thus go round-robin, so a few
+    shapes still split evenly and each rank batches its share; every rank computes the same answer, so none has
+    to be told."""
     load = [0] * world
     out = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: -_ns_cost(shapes[i])):  # stable: ties keep their order
@@ -286,15 +246,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class OwnerSplit:
-    """Muon's step shared out across the ranks of `group` (the owner pattern of nanochat's and modded-nanogpt's
-    distributed Muon): each matrix has an owner rank (owners()), which holds the whole momentum update,
-    orthogonalises it with the other same-shaped matrices it owns (one batched Newton-Schulz) and sends every rank
-    the rows that rank holds. Replicas (`sharded` false, DDP: whole matrices, equal on every rank) need no gather and
-    take whole results, one all_gather; Shard(0) rows (FSDP2's DTensors) travel to the owner and back, one
-    all_to_all each way. Both carry `dtype` (BatchedMuon's ns_dtype), which Newton-Schulz casts to first and returns.
-
-    Momentum, weight decay and the update stay elementwise on each rank's own rows, so the momentum buffers keep the
-    parameter's layout and the state_dict is torch Muon's; the per-shape lr reads the whole matrix's shape."""
+    """Muon's orthogonalisation shared out across the ranks of `group` (the owner pattern of nanochat's and
+    modded-nanogpt's distributed Muon): each matrix has an owner rank (owners()), which holds the whole momentum
+    update, orthogonalises it with the other same-shaped matrices it owns (one batched Newton-Schulz) and sends
+    every rank the rows that rank holds, one all_to_all. Replicas (`sharded` false, DDP: whole matrices, equal on
+    every rank) need no gather; Shard(0) rows (FSDP2's DTensors) first travel to the owner, one all_to_all. The
+    messages carry `dtype` (BatchedMuon's ns_dtype), which Newton-Schulz casts to first and returns."""
     group: dist.ProcessGroup
     rank: int
     world: int
@@ -307,25 +264,23 @@ class OwnerSplit:
            dtype: torch.dtype = torch.bfloat16) -> Optional[OwnerSplit]:
         """The split for these parameters: over their mesh's Shard(0) dimension when they are DTensors (replicas
         along another dimension, HSDP's, each split the same way), over `process_group` when it has more than one
-        rank, else None: one process steps them all (BatchedMuon's own loop)."""
+        rank, else None: one process orthogonalises them all."""
         dtensor = _dtensor_type()
         if dtensor is not None and any(isinstance(p, dtensor) for p in params):
-            return cls._over_mesh(params, dtensor, dtype)
+            mesh, placements = params[0].device_mesh, params[0].placements
+            dims = [d for d, p in enumerate(placements) if p.is_shard(0)]
+            uniform = all(isinstance(p, dtensor) and p.device_mesh == mesh and p.placements == placements
+                          for p in params)
+            if not uniform or len(dims) != 1 or not all(p.is_shard(0) or p.is_replicate() for p in placements):
+                raise ValueError(f"Muon splits DTensor matrices that all share one mesh and are sharded by rows "
+                                 f"(Shard(0)) along one of its dimensions; these are "
+                                 f"{sorted({str(p.placements) for p in params})}")
+            return cls(mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), mesh.size(dims[0]), True,
+                       params[0].device, dtype)
         if process_group is None or dist.get_world_size(process_group) == 1:
             return None
         return cls(process_group, dist.get_rank(process_group), dist.get_world_size(process_group), False,
                    params[0].device, dtype)
-
-    @classmethod
-    def _over_mesh(cls, params: list[torch.Tensor], dtensor: type, dtype: torch.dtype) -> OwnerSplit:
-        mesh, placements = params[0].device_mesh, params[0].placements
-        dims = [d for d, p in enumerate(placements) if p.is_shard(0)]
-        uniform = all(isinstance(p, dtensor) and p.device_mesh == mesh and p.placements == placements for p in params)
-        if not uniform or len(dims) != 1 or not all(p.is_shard(0) or p.is_replicate() for p in placements):
-            raise ValueError(f"Muon splits DTensor matrices that all share one mesh and are sharded by rows (Shard(0)) "
-                             f"along one of its dimensions; these are {sorted({str(p.placements) for p in params})}")
-        return cls(mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), mesh.size(dims[0]), True, params[0].device,
-                   dtype)
 
     def spans(self, rows: int) -> list[tuple[int, int]]:
         """(start, stop) of a matrix's rows on each rank: torch.chunk's cut under Shard(0), as FSDP2 and DTensor cut
@@ -335,72 +290,34 @@ class OwnerSplit:
         size = -(-rows // self.world)
         return [(min(rows, r * size), min(rows, (r + 1) * size)) for r in range(self.world)]
 
-    def step(self, muon: BatchedMuon, params: list[torch.Tensor], grads: list[torch.Tensor],
-             bufs: list[torch.Tensor], group: dict[str, Any]) -> None:
-        """One Muon step of a param group, as _muon_update's, with this rank orthogonalising its own matrices."""
-        local = [_local(p) for p in params]
-        updates = _momentum([_local(g) for g in grads], [_local(b) for b in bufs], group)
-        shapes = [p.shape for p in params]  # the whole matrices' (a DTensor's shape is its global one)
-        self._check_rows(local, shapes)
-        owner = owners(shapes, self.world)
-        owned = [[i for i, o in enumerate(owner) if o == r] for r in range(self.world)]
-        mine = owned[self.rank]
-        whole = self._gather(updates, shapes, owned) if self.sharded else [updates[i] for i in mine]
-        ortho: list[torch.Tensor] = list(whole)
-        for part in muon.batches(whole):
-            for j, result in zip(part, _orthogonalize_batch([whole[j] for j in part], group, self.dtype)):
-                ortho[j] = result
-        rows = self._scatter(ortho, shapes, owned) if self.sharded else self._all_gather(ortho, shapes, owned)
-        torch._foreach_mul_(local, 1 - group["lr"] * group["weight_decay"])
-        for p, shape, update in zip(local, shapes, rows):
-            p.add_(update.to(p.dtype), alpha=-muon_lr(group["lr"], group["adjust_lr_fn"], shape))
-
-    def _check_rows(self, local: list[torch.Tensor], shapes: list[torch.Size]) -> None:
-        for t, shape in zip(local, shapes):
+    def orthogonalize(self, muon: BatchedMuon, updates: list[torch.Tensor], shapes: list[torch.Size],
+                      group: dict[str, Any]) -> list[torch.Tensor]:
+        """This rank's rows of every matrix's orthogonalised update (`updates`: its rows of each momentum update),
+        having orthogonalised only the matrices it owns."""
+        for t, shape in zip(updates, shapes):
             start, stop = self.spans(shape[0])[self.rank]
             if t.shape != (stop - start, *shape[1:]):
                 raise RuntimeError(f"rank {self.rank} of {self.world} holds a {tuple(t.shape)} part of a "
                                    f"{tuple(shape)} matrix, not rows {start}:{stop} (Shard(0) as torch.chunk cuts)")
-
-    def _gather(self, updates: list[torch.Tensor], shapes: list[torch.Size],
-                owned: list[list[int]]) -> list[torch.Tensor]:
-        """The whole update of each matrix this rank owns: every rank sends each owner its rows of the owner's."""
+        owner = owners(shapes, self.world)
+        owned = [[i for i, o in enumerate(owner) if o == r] for r in range(self.world)]
         mine = owned[self.rank]
-        sent = [[updates[i] for i in owned[r]] for r in range(self.world)]
-        counts = [[self._numel(shapes[i], s) for i in mine] for s in range(self.world)]
-        received = self._all_to_all(sent, counts)
-        return [torch.cat([received[s][j].view(-1, shapes[i][1]) for s in range(self.world)])
-                for j, i in enumerate(mine)]
-
-    def _scatter(self, ortho: list[torch.Tensor], shapes: list[torch.Size],
-                 owned: list[list[int]]) -> list[torch.Tensor]:
-        """This rank's rows of every matrix's result: each owner sends each rank its rows of the owner's."""
-        sent = [[ortho[j][slice(*self.spans(shapes[i][0])[r])] for j, i in enumerate(owned[self.rank])]
-                for r in range(self.world)]
-        counts = [[self._numel(shapes[i], self.rank) for i in owned[o]] for o in range(self.world)]
-        received = self._all_to_all(sent, counts)
+        if self.sharded:  # every rank sends each owner its rows of the owner's matrices
+            sent = [[updates[i] for i in owned[r]] for r in range(self.world)]
+            received = self._all_to_all(sent, [[self._numel(shapes[i], s) for i in mine] for s in range(self.world)])
+            whole = [torch.cat([received[s][j].view(-1, shapes[i][1]) for s in range(self.world)])
+                     for j, i in enumerate(mine)]
+        else:
+            whole = [updates[i] for i in mine]
+        ortho = muon.orthogonalize(whole, group)
+        # Each owner sends each rank its rows of the owner's results (a replica: the whole matrices).
+        sent = [[ortho[j][slice(*self.spans(shapes[i][0])[r])] for j, i in enumerate(mine)] for r in range(self.world)]
+        received = self._all_to_all(sent, [[self._numel(shapes[i], self.rank) for i in owned[o]]
+                                           for o in range(self.world)])
         out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
         for o in range(self.world):
             for k, i in enumerate(owned[o]):
                 out[i] = received[o][k].view(-1, shapes[i][1])
-        return out
-
-    def _all_gather(self, ortho: list[torch.Tensor], shapes: list[torch.Size],
-                    owned: list[list[int]]) -> list[torch.Tensor]:
-        """Every matrix's whole result on every replica: one all_gather of each owner's results, padded to the
-        largest owner's total (owners() keeps them close)."""
-        sizes = [sum(shapes[i].numel() for i in owned[r]) for r in range(self.world)]
-        width = max(sizes)
-        send = torch.zeros(width, dtype=self.dtype, device=self.device)
-        if ortho:
-            send[:sizes[self.rank]] = torch.cat([t.reshape(-1) for t in ortho])
-        received = send.new_empty(self.world * width)
-        dist.all_gather(list(received.chunk(self.world)), send, group=self.group)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
-        for r, start in zip(range(self.world), range(0, self.world * width, width)):
-            flat = received[start:start + sizes[r]].split([shapes[i].numel() for i in owned[r]])
-            for i, t in zip(owned[r], flat):
-                out[i] = t.view(shapes[i])
         return out
 
     def _numel(self, shape: torch.Size, rank: int) -> int:
@@ -437,9 +354,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for name, opt in self.optimizers.items():
             opt.param_groups = [g for g in self.param_groups if g.get("optimizer") == name]
             opt.state = self.state
-            if not opt.param_groups:
-                raise ValueError(f"no parameter group is marked for {name}; groups: "
-                                 f"{[g.get('optimizer') for g in self.param_groups]}")
 
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         loss = self.optimizers[MUON].step(closure)  # Muon evaluates the closure (with grad) before it steps
@@ -481,7 +395,8 @@ def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
 def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load a saved state_dict into `optimizer` (build_optimizer's, same model). The trajectory (moments, step
     counts, lr, betas, ...) comes from the checkpoint; RUN_KEYS and the implementation flags from this run, which
-    torch's load would replace with the saved groups'. Another optimizer's or other groups' state: ValueError."""
+    torch's load would take from the saved groups (and place the step counts by: fused and capturable AdamW read a
+    float32 tensor beside the parameter). Another optimizer's or other groups' state: ValueError."""
     current = [{k: g[k] for k in RUN_KEYS + IMPL_KEYS if k in g} for g in optimizer.param_groups]
     saved_name, name = optimizer_name(state["param_groups"]), optimizer_name(optimizer.param_groups)
     if saved_name != name:  # torch would load AdamW moments as Muon momentum (or fail halfway) without a word
@@ -496,38 +411,11 @@ def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
                          "a new run (a new `run.dir`)")
     if saved_kinds != kinds:  # torch would only compare group sizes, and could load moments into wrong params
         raise ValueError(f"the saved optimizer has parameter groups {saved_kinds}, this model has {kinds}")
-    _check_moment_shapes(optimizer, state["state"])
-    optimizer.load_state_dict(state)
-    for group, keys in zip(optimizer.param_groups, current):
-        group.update(keys)  # e.g. a CUDA checkpoint's fused=True would fail on XLA, an XLA one's foreach on CPU
-        _place_steps(optimizer, group)
-
-
-def _check_moment_shapes(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """ValueError when a saved moment is not shaped like its parameter: torch loads it as it is, and the first step
-    then fails, or (fused and foreach kernels) reads past the tensor and crashes the process."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for index, entry in saved.items():
-        if not (isinstance(index, int) and 0 <= index < len(params)) or not isinstance(entry, dict):
-            raise ValueError(f"its state names parameter {index!r}, and the model has {len(params)}")
-        for key, value in entry.items():  # a step count is a scalar; a moment has its parameter's shape
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape != params[index].shape:
-                raise ValueError(f"its `{key}` of parameter {index} has shape {tuple(value.shape)}, the parameter "
-                                 f"{tuple(params[index].shape)}")
+    # e.g. a CUDA checkpoint's fused=True would fail on XLA, an XLA one's foreach on CPU
+    groups = [dict(saved, **keys) for saved, keys in zip(state["param_groups"], current)]
+    optimizer.load_state_dict({**state, "param_groups": groups})
 
 
 def optimizer_name(groups: list[dict]) -> str:
     """optim.name of the optimizer these param groups (live or saved) belong to: muon when Muon steps any."""
     return MUON if any(g.get("optimizer") == MUON for g in groups) else ADAMW
-
-
-def _place_steps(optimizer: torch.optim.Optimizer, group: dict) -> None:
-    """Put each step count where this run's flags want it (torch's load follows the saved flags): fused and
-    capturable AdamW read a float32 tensor beside the param, the others a host one (no sync every step)."""
-    on_device = bool(group.get("fused") or group.get("capturable"))
-    for p in group["params"]:
-        step = optimizer.state.get(p, {}).get("step")
-        if isinstance(step, torch.Tensor):
-            want = p.device if on_device else torch.device("cpu")
-            if step.device != want or (on_device and step.dtype != torch.float32):
-                optimizer.state[p]["step"] = step.to(dtype=torch.float32 if on_device else step.dtype, device=want)
