@@ -128,17 +128,20 @@ class Attention(nn.Module):
         self.qk_norm_eps: Optional[float] = cfg.norm_eps if cfg.qk_norm else None
         # value_embeddings: this layer's own token -> value table, added to v. Registered only when on, so
         # a default model's state_dict (which hf.py exports) has no such key.
-        table = nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim) if cfg.value_embeddings else None
-        self.value_embed: Optional[nn.Embedding] = table
+        self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim) if cfg.value_embeddings else None
         self.kernel = kernel
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None,
-                start_pos: int = 0, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x: B T C; idx: the B T token ids of x's positions (needed only with value embeddings)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: torch.Tensor,
+                cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
+        """x: B T C; idx: the B T token ids of x's positions (read by value embeddings)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # B Hq T D
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
-        v = self.values(x, idx).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
+        v = self.wv(x)  # B T Hkv*D
+        if self.value_embed is not None:  # before the KV cache write: a cached position keeps its own token's
+            # The lookup is fp32 under autocast while wv's output is bf16: match it so q, k, v share a dtype.
+            v = v + self.value_embed(idx).to(v.dtype)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # B Hkv T D
         if self.qk_norm_eps is not None:  # before RoPE: the rotation keeps the norm, the scores stay bounded
             # Each head's vector, no gain, in fp32 like RMSNorm.
             q, k = (rms_normalize(t.float(), self.qk_norm_eps).to(t.dtype) for t in (q, k))  # B H T D each
@@ -149,17 +152,6 @@ class Attention(nn.Module):
             k, v = cache.k[:B, :, : start_pos + T], cache.v[:B, :, : start_pos + T]
         y = self.kernel(q, k, v, start_pos)  # B Hq T D
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def values(self, x: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
-        """wv(x), plus this layer's value embedding of the tokens when on: B T C -> B T Hkv*D. Computed before the
-        KV cache write, so a cached position keeps the embedding of its own token."""
-        v = self.wv(x)  # B T C @ C Hkv*D -> B T Hkv*D
-        if self.value_embed is None:
-            return v
-        if idx is None:
-            raise ValueError("this model has value embeddings (model.value_embeddings): pass the token ids as idx")
-        # The lookup is fp32 under autocast while wv's output is bf16: match it so q, k, v share a dtype.
-        return v + self.value_embed(idx).to(v.dtype)  # B T Hkv*D
 
 
 class MLP(nn.Module):
@@ -205,15 +197,12 @@ class Block(nn.Module):
         # Registered only when on, like the value embedding, so a default state_dict is unchanged.
         self.residual_scalars: Optional[ResidualScalars] = ResidualScalars() if cfg.residual_scalars else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Optional[KVCache] = None,
-                start_pos: int = 0, *, x0: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: torch.Tensor,
+                cache: Optional[KVCache] = None, start_pos: int = 0) -> torch.Tensor:
         """x, x0 (the embedding output, for residual scalars): B T C; idx: B T token ids (value embeddings)."""
         if self.residual_scalars is not None:
-            if x0 is None:
-                raise ValueError("this block has residual scalars (model.residual_scalars): pass the embedding as x0")
             x = self.residual_scalars(x, x0)
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos, idx)
+        x = x + self.attention(self.attention_norm(x), cos, sin, idx, cache, start_pos)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -291,9 +280,9 @@ class Llama(nn.Module):
             if training and self.recompute_blocks:
                 # x0 is an argument, not captured: XLA's reentrant checkpoint returns gradients to its inputs only;
                 # `layer` is bound now, since backward calls the function again after the loop has moved on.
-                x = recompute(lambda x, cos, sin, x0, layer=layer: layer(x, cos, sin, x0=x0, idx=idx), x, cos, sin, x0)
+                x = recompute(lambda x, x0, cos, sin, layer=layer: layer(x, x0, cos, sin, idx), x, x0, cos, sin)
             else:
-                x = layer(x, cos, sin, caches[i] if caches is not None else None, start_pos, x0=x0, idx=idx)
+                x = layer(x, x0, cos, sin, idx, caches[i] if caches is not None else None, start_pos)
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

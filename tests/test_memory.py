@@ -84,7 +84,7 @@ def _saved_bytes_per_token(m: ModelConfig, precision: str, batch: int = 2, seq: 
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, cos, sin)
+        block(x, x, cos, sin, None)  # x0: no residual scalars; idx: no value embeddings
     return sum(saved.values()) / (batch * seq)
 
 
