@@ -198,16 +198,26 @@ def from_csv(path: Path) -> Points:
     return _checked(Points(*map(np.array, zip(*values))) if values else None, str(path), fix)
 
 
+# Which parameters are N (`--params`), and the summary.json figure each is read from.
+PARAMS = {"params": "params", "n_6n": "flops_per_token_6n"}
+
+
+def count(summary: dict[str, Any], params_key: str) -> float:
+    """N of a run: all its parameters, or 6N's N (matrices, norms and head, not the lookup tables) = 6N FLOPs / 6."""
+    return summary["params"] if params_key == "params" else summary["flops_per_token_6n"] / 6
+
+
 def from_runs(root: Path, metric: str = "final_val_bpb", params_key: str = "params") -> Points:
     """Points from the finished runs below `root` (a sweep's directory): summary.json's `params_key`, tokens_seen,
     compute (tokens × the run's own flops_per_token) and `metric`."""
     runs, _ = find_runs(root)
-    keys = (params_key, "tokens_seen", "flops_per_token", metric)
-    usable = [r for r in runs if all(isinstance(r.summary.get(k), (int, float)) and r.summary[k] > 0 for k in keys)]
+    keys = (PARAMS[params_key], "tokens_seen", "flops_per_token", metric)
+    usable = [r.summary for r in runs if all(isinstance(r.summary.get(k), (int, float)) and r.summary[k] > 0
+                                             for k in keys)]
     fix = (f"Give the directory of a finished ladder (`nanopt scaling plan` writes one, `nanopt sweep` runs it), "
            f"or a CSV with --csv.")
-    values = [(r.summary[params_key], r.summary["tokens_seen"], r.summary["tokens_seen"] * r.summary["flops_per_token"],
-               r.summary[metric]) for r in usable]
+    values = [(count(s, params_key), s["tokens_seen"], s["tokens_seen"] * s["flops_per_token"], s[metric])
+              for s in usable]
     return _checked(Points(*map(np.array, zip(*values))) if values else None,
                     f"{root} ({len(usable)} of {len(runs)} finished runs have {', '.join(keys)})", fix)
 
@@ -240,7 +250,7 @@ def report_text(out: dict[str, Any], predictions: Sequence[dict[str, float]] = (
         lines.append(f"predict at {p['flops']:.4g} FLOPs: N_opt {p['params']:.4g}, D_opt {p['tokens']:.4g} "
                      f"({p['tokens_per_param']:.1f} tokens/param), loss {p['loss']:.4f}")
     for c in out.get("checks", []):
-        lines.append(f"held out {c['run']}: N {c['params']:,}, D {c['tokens']:,}: predicted {c['predicted']:.4f}, "
+        lines.append(f"held out {c['run']}: N {c['params']:,.0f}, D {c['tokens']:,}: predicted {c['predicted']:.4f}, "
                      f"measured {c['actual']:.4f} ({100 * c['error']:+.2f}%)")
     return "\n".join(lines)
 
@@ -364,10 +374,11 @@ def points_file(rungs: Sequence[Rung]) -> dict[str, Any]:
 def check(fit_out: dict[str, Any], run_dir: Path, metric: str, params_key: str = "params") -> dict[str, Any]:
     """A run left out of the fit against what the fitted law predicts for its N and D."""
     s = load_run(run_dir).summary
-    if not all(isinstance(s.get(k), (int, float)) for k in (params_key, "tokens_seen", metric)):
-        raise ConfigError(f"{run_dir}: summary.json lacks {params_key}, tokens_seen or {metric}; give a finished "
-                          f"run of the ladder's config.")
+    if not all(isinstance(s.get(k), (int, float)) for k in (PARAMS[params_key], "tokens_seen", metric)):
+        raise ConfigError(f"{run_dir}: summary.json lacks {PARAMS[params_key]}, tokens_seen or {metric}; give a "
+                          f"finished run of the ladder's config.")
     law_fit = {k: fit_out[k]["value"] for k in LAW_KEYS}
-    predicted = predict_loss(law_fit, s[params_key], s["tokens_seen"])
-    return {"run": str(run_dir), "params": s[params_key], "tokens": s["tokens_seen"], "actual": s[metric],
+    n = count(s, params_key)
+    predicted = predict_loss(law_fit, n, s["tokens_seen"])
+    return {"run": str(run_dir), "params": n, "tokens": s["tokens_seen"], "actual": s[metric],
             "predicted": predicted, "error": predicted / s[metric] - 1}

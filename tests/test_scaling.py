@@ -216,3 +216,8 @@ def test_a_held_out_run_is_checked_against_the_law(tmp_path, fitted):
                                                   "final_val_bpb": 1.01 * scaling.predict_loss(TRUE, n, d)}))
     got = scaling.check(out, run, "final_val_bpb")
     assert got["error"] == pytest.approx(-0.01, abs=0.01)  # the fitted law is the true one, within its noise
+
+
+def test_n_is_all_parameters_or_6ns(tmp_path):
+    summary = {"params": 1000, "flops_per_token_6n": 4800, "tokens_seen": 7}
+    assert scaling.count(summary, "params") == 1000 and scaling.count(summary, "n_6n") == 800

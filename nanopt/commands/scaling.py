@@ -36,7 +36,7 @@ def fit_main(argv: list[str]) -> int:
     p.add_argument("--csv", type=Path, help="columns params,tokens,loss (or params,flops,loss: D = C / 6N)")
     p.add_argument("--metric", default="final_val_bpb", help="summary.json figure fitted as L (default "
                    "final_val_bpb; final_val_loss)")
-    p.add_argument("--params", default="params", choices=("params", "n_6n"), help="which parameters count as N: "
+    p.add_argument("--params", default="params", choices=tuple(scaling.PARAMS), help="which parameters count as N: "
                    "all (summary.json `params`, embeddings included) or n_6n (those a token passes through: "
                    "matrices, norms and the head, not the lookup tables)")
     p.add_argument("--predict", type=_flops, action="append", default=[], metavar="FLOPS",
