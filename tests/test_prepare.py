@@ -131,11 +131,22 @@ def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_pat
     assert not (tmp_path / "never").exists()  # an estimate writes nothing
 
 
-def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenizer_dir, monkeypatch):
+RESUME_KEYS = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, tokenizer_dir) -> tuple[dict, dict[str, bytes]]:
+    """One uninterrupted preparation of PREPARE_DOCS at RESUME_KEYS: (its statistics, the bytes of its shards)."""
+    root = tmp_path_factory.mktemp("whole")
+    dataset, files, _ = write_source(root / "src", "jsonl", PREPARE_DOCS)
+    stats = prepare.prepare(prepare_config(root, tokenizer_dir, dataset, files, "whole", **RESUME_KEYS), progress=False)
+    assert sum(s["shards"] for s in stats["splits"].values()) >= 8
+    return stats, shard_bytes(root / "whole")
+
+
+def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenizer_dir, monkeypatch, whole_run):
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
-    keys = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
-    whole = prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
-    assert sum(s["shards"] for s in whole["splits"].values()) >= 8
+    keys, (whole, whole_bytes) = RESUME_KEYS, whole_run
 
     real_write = shards.write_shard
 
@@ -169,20 +180,19 @@ def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, tokenize
     # Third run finishes.
     monkeypatch.setattr(shards, "write_shard", real_write)
     final = prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
-    assert shard_bytes(resumed) == shard_bytes(tmp_path / "whole")
+    assert shard_bytes(resumed) == whole_bytes
     assert final["splits"] == whole["splits"]  # no document counted twice or lost in the statistics
     assert final["this_run"]["tokens"] < sum(keys[k] for k in ("val_tokens", "test_tokens", "train_tokens"))
 
     # A finished directory is left alone.
     again = prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "resumed", **keys), progress=False)
-    assert again["this_run"]["tokens"] == 0 and shard_bytes(resumed) == shard_bytes(tmp_path / "whole")
+    assert again["this_run"]["tokens"] == 0 and shard_bytes(resumed) == whole_bytes
 
 
 def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, tokenizer_dir, monkeypatch, caplog,
-                                                                      capsys):
+                                                                      capsys, whole_run):
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
-    keys = dict(val_tokens=400, test_tokens=350, train_tokens=2000, shard_tokens=170)
-    prepare.prepare(prepare_config(tmp_path, tokenizer_dir, dataset, files, "whole", **keys), progress=False)
+    keys, whole_bytes = RESUME_KEYS, whole_run[1]
     real_iter, failures, waits = prepare.iter_texts, [], []
 
     def flaky(ds, text_field, start=0):  # the stream breaks twice, each time a few documents past the start
@@ -199,7 +209,7 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
         stats = prepare.prepare_with_retries(cfg, progress=False)
     assert len(failures) == 2 and failures[1] > 0  # the second attempt resumed past the start
     assert waits == [prepare.RETRY_WAIT_S, 2 * prepare.RETRY_WAIT_S] and "retry 1 of 5" in caplog.text
-    assert shard_bytes(tmp_path / "flaky") == shard_bytes(tmp_path / "whole")
+    assert shard_bytes(tmp_path / "flaky") == whole_bytes
     assert stats["splits"]["train"]["tokens"] == 2000
 
     failures.clear()  # out of retries: one paragraph, exit 1, the committed shards stay
@@ -209,7 +219,7 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
     assert prepare_command.main(["--config", str(cfg_file), "--no-progress", "--prepare.retries=1"]) == 1
     err = capsys.readouterr().err
     assert "kept failing (ConnectionError: down) after 1 retries" in err and "run the same command again" in err
-    assert shard_bytes(tmp_path / "flaky") == shard_bytes(tmp_path / "whole")
+    assert shard_bytes(tmp_path / "flaky") == whole_bytes
 
 
 _REAL_ENCODE_TASK = prepare._encode_task
@@ -582,7 +592,7 @@ def test_resume_deletes_only_shard_and_temp_files_prepare_writes(byte_prepared, 
     assert "left" in caplog.text and "train_000001.bin.bak" in caplog.text
 
 
-def test_a_temp_shard_left_by_a_crash_is_removed_on_resume(tmp_path, monkeypatch):
+def test_a_temp_shard_left_by_a_crash_is_removed_on_resume(tmp_path, monkeypatch, byte_pristine):
     """Whatever name nanopt.io gives its temp files, the one a crash leaves on the way to a shard is prepare's own."""
     real_replace = os.replace
 
@@ -600,43 +610,12 @@ def test_a_temp_shard_left_by_a_crash_is_removed_on_resume(tmp_path, monkeypatch
     (left,) = [p for p in out.iterdir() if ".tmp" in p.name and "train_000002" in p.name]  # the crash left one
     left.rename(left.with_name(left.name.replace(f".{os.getpid()}.", ".1.")))  # as a resume in a new process sees it
     prepare.prepare(cfg, progress=False)
-    whole = tmp_path / "whole"
-    prepare.prepare(byte_config(tmp_path, "whole"), progress=False)
-    assert shard_bytes(out) == shard_bytes(whole)
+    _, whole, whole_bytes = byte_pristine
+    assert shard_bytes(out) == whole_bytes
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in whole.iterdir())  # no temp file left
 
 
 # ---------------------------------------------------------------- which manifests are followed
-
-
-@pytest.mark.parametrize("key,bad", [("shards", "absolute"), ("shards", "../victim.bin"),
-                                     ("shards", "train_000001.bin.bak"), ("rebuild", "../victim.bin")])
-def test_a_manifest_entry_naming_another_file_is_refused_and_nothing_is_deleted(byte_prepared, tmp_path, capsys, key,
-                                                                              bad):
-    """A manifest in a shared directory could make prepare delete (and training read) any file the user can write."""
-    cfg, out, whole = byte_prepared
-    victim = tmp_path / "victim.bin"
-    victim.write_text("a file of the user's, outside the data directory")
-    bad = str(victim) if bad == "absolute" else bad
-    if bad.endswith(".bak"):
-        (out / bad).write_text("a user's backup")
-    path = out / shards.MANIFEST
-    manifest = json.loads(path.read_text())
-    if key == "shards":
-        manifest["shards"][1]["file"] = bad
-    else:
-        manifest["rebuild"] = [dict(manifest["shards"][2], file=bad)]
-    path.write_text(json.dumps(manifest))
-    for check in (lambda: prepare.prepare(cfg, progress=False), lambda: shards.check_manifest(out)):
-        with pytest.raises(ConfigError) as e:
-            check()
-        message = str(e.value)
-        assert str(path) in message and f"`{key}[{1 if key == 'shards' else 0}].file`" in message
-        assert json.dumps(bad) in message and "not a shard name" in message and "Restore" in message
-    code, err = _cli_prepare(cfg, tmp_path, capsys)
-    assert code == 2 and "Traceback" not in err and str(path) in err
-    assert victim.exists() and shard_bytes(out) == whole
-    assert not bad.endswith(".bak") or (out / bad).exists()
 
 
 @pytest.mark.parametrize("builder, content, words", [
@@ -675,9 +654,15 @@ def _set(path: str, value):
     return edit
 
 
-# A damaged manifest: the bytes of the file, or edits of the one prepare wrote; the words its paragraph names; whether
-# the schema (so training's check_manifest too) refuses it, or only the resume, which knows the config's splits.
+# A damaged manifest: the bytes of the file, or edits of the one prepare wrote (VICTIM: a user's file beside the data
+# directory); the words its paragraph names; whether the schema (so training's check_manifest too) refuses it, or
+# only the resume, which knows the config's splits. An entry naming another file than a shard of its directory: a
+# manifest in a shared directory could make prepare delete (and training read) any file the user can write.
 DAMAGED_MANIFESTS = [
+    *(([_set(f"{key}.file", bad)], [f"`{where}.file`", json.dumps(bad), "not a shard name"], True)
+      for key, where, bad in (("shards.1", "shards[1]", "VICTIM"), ("shards.1", "shards[1]", "../victim.bin"),
+                              ("shards.1", "shards[1]", "train_000001.bin.bak"), ("rebuild.0", "rebuild[0]",
+                                                                                   "../victim.bin"))),
     *((content, [], True) for content in (
         b"[1, 2]", b'"shards"', b'{"shards": {}, "state": {}}', b'{"shards": [], "state": []}',
         b'{"shards": ["train_000000.bin"], "state": {}}', b'{"shards": [], "rebuild": 3, "state": {}}',
@@ -702,25 +687,29 @@ def test_a_damaged_manifest_is_one_paragraph_and_nothing_is_touched(byte_prepare
     """Before, a wrong type or range ended in a traceback (KeyError, islice's ValueError, IndexError) once prepare
     resumed."""
     cfg, out, whole = byte_prepared
-    path = out / shards.MANIFEST
+    path, victim = out / shards.MANIFEST, tmp_path / "victim.bin"
+    victim.write_text("a file of the user's, outside the data directory")
+    (out / "train_000001.bin.bak").write_text("a user's backup")
     if isinstance(damage, bytes):
         path.write_bytes(damage)
     else:
         manifest = json.loads(path.read_text())
+        manifest["rebuild"] = [dict(manifest["shards"][2])]  # a shard waiting to be rebuilt, as a resume leaves it
         for edit in damage:
             edit(manifest)
-        path.write_text(json.dumps(manifest))
+        path.write_text(json.dumps(manifest).replace("VICTIM", str(victim)))
     (out / shards.split_paths(out, "train")[-1].name).unlink()  # a lost shard: the resume rolls back and re-reads
     listing, before = sorted(p.name for p in out.iterdir()), path.read_bytes()
+    words = [word.replace("VICTIM", str(victim)) for word in [str(path), "cannot be used", "Restore", *words]]
     if schema:
         with pytest.raises(ConfigError) as e:
             shards.check_manifest(out)  # what training calls before it reads a shard
-        assert str(path) in str(e.value) and "cannot be used" in str(e.value) and "Restore" in str(e.value)
+        assert all(word in str(e.value) for word in words), str(e.value)
     code, err = _cli_prepare(cfg, tmp_path, capsys)
     assert code == 2 and "Traceback" not in err and err.strip().count("\n") == 0, err
-    for word in [str(path), "cannot be used", "Restore", *words]:
+    for word in words:
         assert word in err, f"{word!r} missing from: {err}"
-    assert sorted(p.name for p in out.iterdir()) == listing and path.read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == listing and path.read_bytes() == before and victim.exists()
 
 
 # ---------------------------------------------------------------- one prepare per directory, a full disk
@@ -745,7 +734,7 @@ def test_prepare_into_a_file_is_exit_2_at_once(tmp_path, capsys, no_waits):
     assert (tmp_path / "shards").read_text() == "a file, not a directory"
 
 
-def test_a_second_prepare_into_one_directory_is_exit_2_naming_the_holder(tmp_path, capsys, no_waits):
+def test_a_second_prepare_into_one_directory_is_exit_2_naming_the_holder(tmp_path, capsys, no_waits, byte_pristine):
     """Before: both exited 0, leaving doubled .doclens files and document counts."""
     cfg = byte_config(tmp_path)
     with DirLock(tmp_path / "shards", what="data"):  # a prepare running in this process, as the lease says
@@ -758,11 +747,11 @@ def test_a_second_prepare_into_one_directory_is_exit_2_naming_the_holder(tmp_pat
     code, _ = _cli_prepare(cfg, tmp_path, capsys)
     assert code == 0 and not (tmp_path / "shards" / rundirs.LOCK_FILE).exists()
     stats = json.loads((tmp_path / "shards" / prepare.STATS).read_text())
-    whole = prepare.prepare(byte_config(tmp_path, "whole"), progress=False)
-    assert stats["splits"] == whole["splits"]
+    assert stats["splits"] == json.loads((byte_pristine[1] / prepare.STATS).read_text())["splits"]
 
 
-def test_a_full_disk_in_prepare_is_exit_1_at_once_and_the_rerun_ends_identical(tmp_path, monkeypatch, capsys, no_waits):
+def test_a_full_disk_in_prepare_is_exit_1_at_once_and_the_rerun_ends_identical(tmp_path, monkeypatch, capsys, no_waits,
+                                                                               byte_pristine):
     """Before: ENOSPC was taken for a flaky source: retried 5 times over 15 minutes, then "the source kept failing"."""
     cfg = byte_config(tmp_path)
     full_disk_for(monkeypatch, "train_000002.bin", call="fsync")
@@ -775,9 +764,8 @@ def test_a_full_disk_in_prepare_is_exit_1_at_once_and_the_rerun_ends_identical(t
     assert not any(".tmp" in p.name for p in out.iterdir()) and not (out / rundirs.LOCK_FILE).exists()
     monkeypatch.undo()
     assert _cli_prepare(cfg, tmp_path, capsys)[0] == 0
-    prepare.prepare(byte_config(tmp_path, "whole"), progress=False)
-    whole = tmp_path / "whole"
-    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == {p.name: p.read_bytes() for p in whole.glob("*.bin")}
+    _, whole, whole_bytes = byte_pristine
+    assert shard_bytes(out) == whole_bytes
     assert json.loads((out / prepare.STATS).read_text())["splits"] == json.loads((whole / prepare.STATS).read_text())[
         "splits"]
 
@@ -801,11 +789,9 @@ def test_an_output_file_prepare_cannot_write_is_exit_2_at_once(tmp_path, monkeyp
     assert [s["file"] for s in shards.read_manifest(out)["shards"]] == ["train_000000.bin"]
 
 
-def test_a_doclens_file_that_is_a_link_is_refused_and_the_users_file_untouched(tmp_path):
+def test_a_doclens_file_that_is_a_link_is_refused_and_the_users_file_untouched(tmp_path, byte_prepared):
     """Before: the resume truncated the file the link pointed to, then appended to it."""
-    cfg = byte_config(tmp_path)
-    prepare.prepare(cfg, progress=False)
-    out = tmp_path / "shards"
+    cfg, out, _ = byte_prepared
     doclens = out / ".doclens-train.u32"
     mine = users_file(tmp_path)
     doclens.unlink()
