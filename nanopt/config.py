@@ -289,10 +289,6 @@ class TrainConfig:
             raise ConfigError(f"`train.target_val_loss` ({self.target_val_loss}) and `train.target_val_bpb` "
                               f"({self.target_val_bpb}) are both set; the speedrun clock races to one target: set "
                               f"the other to null.")
-        if self.stop_at_target and self.target_val_loss is None and self.target_val_bpb is None:
-            raise ConfigError("`train.stop_at_target` is true but no target is set; set `train.target_val_loss` "
-                              "(nats per token) or `train.target_val_bpb` (bits per byte), e.g. "
-                              "`--train.target_val_bpb=2.0 --train.stop_at_target=true`.")
         if self.stop_at_target and not cfg.eval.every:
             raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set "
                               "`eval.every` to a positive number of steps.")
@@ -383,11 +379,6 @@ class EvalConfig:
     weights: str = key("model", "Which weights validation, the test split, the speedrun clock and the end-of-run "
                        "samples use: the model's own, or the average kept by train.ema_decay (before "
                        "train.ema_start that is the model's, and the records say so).", choices=("model", "ema"))
-
-    def check(self, cfg: Config) -> None:
-        if self.weights == "ema" and not cfg.train.ema_decay:
-            raise ConfigError("`eval.weights` is ema but `train.ema_decay` is 0, so no averaged weights are kept; "
-                              "set `--train.ema_decay` (e.g. 0.99) or use `--eval.weights=model`.")
 
 
 @section(safe=True, neutral=True)  # saving is outside the training clock
@@ -864,6 +855,8 @@ def _check_key(key: str, value: Any, meta: Optional[Mapping[str, Any]] = None) -
 # config that keeps presets for an optional feature (profile.*) states them as flags in a comment.
 SWITCHES: dict[str, tuple[str, str]] = {
     "train.ema_start": ("train.ema_decay", "above 0"),
+    "eval.weights": ("train.ema_decay", "above 0"),  # ema: no averaged weights are kept at 0
+    "train.stop_at_target": ("train.target_val_bpb train.target_val_loss", "set (or train.target_val_loss)"),
     "train.decay_fraction": ("train.schedule", "wsd"),
     "train.batch_lr_rule": ("train.batch_schedule", "a schedule"),
     "train.schedule_unit": ("train.batch_schedule train.seq_len_schedule", "a schedule (or train.seq_len_schedule)"),
