@@ -108,24 +108,15 @@ UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla.flash_
 FLASH_MEASURED_FASTER: dict[str, str] = {}
 
 
-def flash_not_measured_reason(gpu: str) -> Optional[str]:
-    """Why `auto` does not pick flash-attn on this GPU (its device name), or None where it was measured faster."""
-    if detect_hardware(gpu, None) in FLASH_MEASURED_FASTER:
-        return None
-    return (f"bench/gpu_check.py has not measured flash-attn faster than SDPA on {gpu or 'this GPU'} "
-            f"(nanopt.attention.FLASH_MEASURED_FASTER)")
-
-
 def choose(name: str, device_type: str, precision: str = "bf16", gpu: str = "") -> tuple[str, AttentionFn]:
     """Resolve the configured backend for this device, precision and GPU (its name), logging any fallback and its
-    reason once."""
+    reason once. `auto` is flash-attn where it can run and is listed in FLASH_MEASURED_FASTER, else SDPA."""
     kernel = "flash" if name == "auto" else name
-    if kernel in UNAVAILABLE_REASON:
-        reason = UNAVAILABLE_REASON[kernel](device_type, precision)
-        if reason is None and name == "auto":
-            reason = flash_not_measured_reason(gpu)
-        if reason is None:
-            return kernel, BACKENDS[kernel]
+    reason = UNAVAILABLE_REASON[kernel](device_type, precision) if kernel in UNAVAILABLE_REASON else None
+    if reason is None and name == "auto" and detect_hardware(gpu, None) not in FLASH_MEASURED_FASTER:
+        reason = (f"bench/gpu_check.py has not measured flash-attn faster than SDPA on {gpu or 'this GPU'} "
+                  f"(nanopt.attention.FLASH_MEASURED_FASTER)")
+    if reason is not None:
         if name == "auto":
             log.info("attention: auto chose sdpa because %s", reason)
         else:

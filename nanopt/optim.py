@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -165,9 +164,7 @@ class BatchedMuon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            bufs: list[torch.Tensor] = []
+            params, grads, bufs = [], [], []  # of torch.Tensor
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
             # Each buffer lerped toward its gradient in place; Newton-Schulz takes Nesterov's look-ahead or the buffer.
             local, grads, bufs = ([_local(t) for t in ts] for ts in (params, grads, bufs))  # this rank's rows
@@ -231,17 +228,11 @@ def _ns_cost(shape: torch.Size) -> int:
     return r * r * (2 * c + r)
 
 
-def _dtensor_type() -> Optional[type]:
-    """DTensor when torch.distributed.tensor is loaded, else None: no parameter can be one then (importing it costs
-    seconds, which only an fsdp run pays, in parallel.shard)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a DTensor (its local tensor itself, so in-place ops write the DTensor), else `t`."""
-    dtensor = _dtensor_type()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    """This rank's rows of a DTensor (its local tensor itself, so in-place ops write the DTensor), else `t`. Asked by
+    duck type, DTensors alone having to_local: importing torch.distributed.tensor costs seconds, which only an fsdp
+    run pays (in parallel.shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
@@ -265,12 +256,10 @@ class OwnerSplit:
         """The split for these parameters: over their mesh's Shard(0) dimension when they are DTensors (replicas
         along another dimension, HSDP's, each split the same way), over `process_group` when it has more than one
         rank, else None: one process orthogonalises them all."""
-        dtensor = _dtensor_type()
-        if dtensor is not None and any(isinstance(p, dtensor) for p in params):
+        if any(hasattr(p, "to_local") for p in params):  # DTensors
             mesh, placements = params[0].device_mesh, params[0].placements
             dims = [d for d, p in enumerate(placements) if p.is_shard(0)]
-            uniform = all(isinstance(p, dtensor) and p.device_mesh == mesh and p.placements == placements
-                          for p in params)
+            uniform = all(getattr(p, "device_mesh", None) == mesh and p.placements == placements for p in params)
             if not uniform or len(dims) != 1 or not all(p.is_shard(0) or p.is_replicate() for p in placements):
                 raise ValueError(f"Muon splits DTensor matrices that all share one mesh and are sharded by rows "
                                  f"(Shard(0)) along one of its dimensions; these are "
