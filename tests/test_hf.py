@@ -4,11 +4,13 @@ e2e/test_eval_and_export.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import fork_ranks, hf_logits, hf_tokenizer, transformers_model
 from nanopt import parallel
@@ -99,6 +101,11 @@ def _index_instead(d: Path, text: str) -> None:
     (d / "model.safetensors.index.json").write_text(text)
 
 
+def _extra_weight(d: Path) -> None:  # a Llama variant's weight (qk-norm) that nanopt's plain Llama has no name for
+    weights = load_file(d / "model.safetensors")
+    save_file({**weights, "model.layers.0.self_attn.q_norm.weight": torch.ones(8)}, d / "model.safetensors")
+
+
 # (case id, what to do to an export, words the message must contain)
 DAMAGED_HF = [
     ("config_a_list", lambda d: (d / "config.json").write_text("[1]"), ["config.json is not a JSON object"]),
@@ -114,16 +121,24 @@ DAMAGED_HF = [
     ("index_without_map", lambda d: _index_instead(d, '{"x": 1}'), ["index.json has no `weight_map`"]),
     ("index_to_missing_shard", lambda d: _index_instead(d, '{"weight_map": {"embed_tokens": "gone.safetensors"}}'),
      ["gone.safetensors cannot be read"]),
+    ("a_foreign_weight", _extra_weight, ["no nanopt name for Hugging Face weight 'model.layers.0.self_attn.q_norm",
+                                         "only plain Llama weights"]),
 ]
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    export_model(build_model(INIT), out)
+    load_hf(out)  # whole, it loads
+    return out
+
+
 @pytest.mark.parametrize("case, damage, words", DAMAGED_HF, ids=[c[0] for c in DAMAGED_HF])
-def test_a_damaged_hugging_face_directory_is_one_paragraph_naming_the_file(case, damage, words, tmp_path):
+def test_a_damaged_hugging_face_directory_is_one_paragraph_naming_the_file(case, damage, words, exported, tmp_path):
     """Before, a config.json of another shape or type, or weights that are no safetensors file, escaped as a
     traceback from `nanopt sample/eval/export` and `train.init_from`."""
-    export_model(build_model(INIT), tmp_path / "hf")
-    load_hf(tmp_path / "hf")  # whole, it loads
-    damage(tmp_path / "hf")
+    damage(shutil.copytree(exported, tmp_path / "hf"))
     with pytest.raises(ConfigError) as raised:
         load_hf(tmp_path / "hf")
     for word in words:
