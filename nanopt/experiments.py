@@ -514,22 +514,15 @@ def _comparison_text(c: dict[str, Any]) -> str:
     lines.append(f"  {c['test']} (H1: {c['alternative']}): t = {c['t']:.3f}, df = {c['df']:.1f}, p = {c['p']:.3g}")
     verdict = "A beats B" if c["a_beats_b"] else "A does not beat B"
     lines.append(f"  {verdict} at alpha = {c['alpha']:g} (p {'<' if c['a_beats_b'] else '>='} {c['alpha']:g}).")
-    return "\n".join(lines + _seeds_lines(c.get("seeds"), spec))
-
-
-def _needed(n: Optional[int]) -> str:
-    return f"{n} seeds per group" if n else f"more than {MAX_SEEDS:,} seeds per group (or no difference)"
-
-
-def _seeds_lines(s: Optional[dict[str, Any]], spec: str) -> list[str]:
-    if not s:
-        return []
-    lines = [f"  seeds to show a difference at p < {s['alpha']:g} with {s['power']:.0%} power (Welch, the measured "
-             f"sds {format(s['sd_a'], spec)} and {format(s['sd_b'], spec)}):",
-             f"    the observed {format(s['observed_difference'], spec)}: {_needed(s['seeds_for_observed'])}"]
-    if "difference" in s:
-        lines.append(f"    a difference of {format(s['difference'], spec)}: {_needed(s['seeds_for_difference'])}")
-    return lines
+    if s := c.get("seeds"):
+        needed = {n: f"{n} seeds per group" if n else f"more than {MAX_SEEDS:,} seeds per group (or no difference)"
+                  for n in (s["seeds_for_observed"], s.get("seeds_for_difference"))}
+        lines += [f"  seeds to show a difference at p < {s['alpha']:g} with {s['power']:.0%} power (Welch, the measured "
+                  f"sds {format(s['sd_a'], spec)} and {format(s['sd_b'], spec)}):",
+                  f"    the observed {format(s['observed_difference'], spec)}: {needed[s['seeds_for_observed']]}"]
+        if "difference" in s:
+            lines.append(f"    a difference of {format(s['difference'], spec)}: {needed[s['seeds_for_difference']]}")
+    return "\n".join(lines)
 
 
 def _leaderboard_text(rows: list[dict[str, Any]]) -> str:
