@@ -233,6 +233,24 @@ def test_every_number_is_bounded_by_what_exists(name, value, rule, capsys, tmp_p
     assert not any(tmp_path.iterdir())
 
 
+# Each key's `must` rule (nanopt/config.py `key`): a value the key cannot mean, refused naming the key and the fix.
+MUST = [
+    ("run.name", "a/b", "`run.name` must be one directory name"), ("train.init_from", "weights.pt", "it takes `hf:DIR`"),
+    ("eval.core", "{tmp}/none", "`eval.core` is '{tmp}/none', which is not a directory"),
+    ("eval.tasks_path", "{tmp}/none", "which is not a directory. Give the directory (of task YAMLs)"),
+    ("checkpoint.allow_changes", "train.lr,train.lrr", "names 'train.lrr', which is not a config key"),
+    ("prepare.dataset", " ", "`prepare.dataset` is empty"), ("prepare.text_field", "", "must name the column"),
+]
+
+
+@pytest.mark.parametrize("name, value, message", MUST, ids=[row[0] for row in MUST])
+def test_a_keys_own_test_refuses_what_it_cannot_mean(name, value, message, tmp_path):
+    on = ["--eval.tasks=hellaswag"] if name == "eval.tasks_path" else []
+    with pytest.raises(ConfigError) as e:
+        load_config(None, parse_overrides([*on, f"--{name}={value.format(tmp=tmp_path)}"]))
+    assert message.format(tmp=tmp_path) in str(e.value)
+
+
 @pytest.mark.parametrize("key, value", [("sample.temperature", 0), ("model.logit_softcap", 0)])
 def test_zero_stays_the_off_switch_below_a_bound(key, value):
     load_config(None, parse_overrides([f"--{key}={value}"]))
