@@ -18,10 +18,8 @@ failure is.
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
-import importlib
 import itertools
 import json
 import logging
@@ -277,24 +275,20 @@ class ShardWriter:
         did not commit (nothing else), and roll back to before the first committed shard that is lost (missing,
         resized, replaced, or with verify corrupt): the stream is replayed from there, later shards checked."""
         path = self.out / shards.MANIFEST
-        if path.exists():
-            saved = shards.read_manifest(self.out)
-            unused = not saved["shards"] and not saved.get("rebuild") and not saved["state"]["next_doc"]
-            if saved.get("fingerprint") != self.manifest["fingerprint"] and unused:
-                # No shard was committed under the other configuration (a prepare that could not reach its
+        if (saved := shards.read_manifest(self.out)) is not None:
+            if saved.get("fingerprint") == self.manifest["fingerprint"]:
+                self.manifest, self.state = saved, saved["state"]
+                self._check_position()
+                self._roll_back_to_first_lost(verify)
+            elif saved["shards"] or saved.get("rebuild") or saved["state"]["next_doc"]:
+                raise ConfigError(f"{self.out} holds shards prepared with a different configuration ({path} records "
+                                  f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
+                                  f"`data.source` at a new directory, or delete {self.out} to start over.")
+            else:  # no shard was committed under the other configuration (a prepare that could not reach its
                 # source, say): there is nothing to mix, so this one starts afresh here.
                 log.info("prepare: %s holds no shards yet; its manifest, of another configuration, is replaced",
                          self.out)
                 path.unlink()
-            elif saved.get("fingerprint") != self.manifest["fingerprint"]:
-                raise ConfigError(f"{self.out} holds shards prepared with a different configuration ({path} records "
-                                  f"{json.dumps(saved.get('fingerprint'))}). Resuming would mix two datasets: point "
-                                  f"`data.source` at a new directory, or delete {self.out} to start over.")
-            else:
-                self.manifest = saved
-                self.state = saved["state"]
-                self._check_position()
-                self._roll_back_to_first_lost(verify)
         committed = {s["file"] for s in self.manifest["shards"]} | {s["file"] for s in self.manifest.get("rebuild", [])}
         present = [f for name, _ in self.budgets for f in sorted(self.out.glob(f"{name}_*.bin*"))]
         if present and not path.exists():
@@ -562,12 +556,13 @@ def _pour(writer: ShardWriter, stream: Iterable[Encoded], bar: tqdm) -> tuple[in
 
 
 def transient_errors() -> tuple[type[BaseException], ...]:
-    """What a flaky source raises mid-stream: OS and connection errors, and the HTTP errors of the hub clients."""
-    errors: list[type[BaseException]] = [OSError]
-    for module, name in (("huggingface_hub.errors", "HfHubHTTPError"), ("httpx", "HTTPError")):
-        with contextlib.suppress(ImportError, AttributeError):
-            errors.append(getattr(importlib.import_module(module), name))
-    return tuple(errors)
+    """What a flaky source raises mid-stream: OS and connection errors (huggingface_hub's HfHubHTTPError is an
+    OSError too), and httpx's HTTP errors, which are not."""
+    try:
+        import httpx
+    except ImportError:
+        return (OSError,)
+    return OSError, httpx.HTTPError
 
 
 def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
