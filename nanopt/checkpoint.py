@@ -59,8 +59,8 @@ MANIFEST = Field(dict, what="a JSON object with a `files` map", fields={"files":
 STEP = Field(dict, what="a checkpoint state (a JSON object with an integer `step`)",
              fields={"step": Field(int, required=True, lo=0)})
 # What readers and a resume read of state.json besides the step; each component's entry is its load_state_dict's.
-STATE = Field(dict, what=STEP.what, fields={**STEP.fields, "config": Field(dict), "data": Field(list, items=Field(dict)),
-                                            "ema": Field(dict), "averaged_from": Field(dict)})
+STATE = Field(dict, what=STEP.what, fields={**STEP.fields, "data": Field(list, items=Field(dict)),
+                                            **{k: Field(dict) for k in ("config", "ema", "averaged_from")}})
 EARLIER = "Resume from an earlier checkpoint (move this one aside), or start a new run (a new `run.dir`)."
 # What reading a file whose bytes verified (its manifest may have been rewritten with it) raises when its content
 # is not what this version wrote: a pickle or safetensors file that is none, a JSON entry of another shape.
@@ -120,10 +120,9 @@ def _flat(prefix: str, tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
-    """dcp.save of `state` into the directory `path` (every rank its own shards), or dcp.load into it in place (any
-    world size and layout: DCP reshards; tensors the files lack are left as they are, for the caller to name); in
-    one process without a process group too. DCP's own failures (a BaseException holding one traceback per rank)
-    are the OSError a rank met (a full disk), or RuntimeError in one line."""
+    """dcp.save of `state` into the directory `path` (every rank its own shards), or dcp.load into it in place (DCP
+    reshards; tensors the files lack are left as they are, for the caller to name); one process needs no process
+    group. DCP's failures (a traceback per rank) are the OSError a rank met (a full disk), or one-line RuntimeError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -195,16 +194,10 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 
 
 def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
-    """Which weights a checkpoint holds: its model file's (or `name`'s: the averaged weights) crc32 as its COMPLETE
-    manifest lists it (loading has checked the file against it). None for a Hugging Face directory, an unusable
-    manifest or a file it does not list."""
+    """Which weights a checkpoint holds: `name`'s crc32 as COMPLETE lists it (loading has checked the file against it);
+    None for a Hugging Face directory, an unusable manifest or a file it does not list."""
     problem_, files = _manifest(Path(ckpt))
     return None if problem_ or name not in files else files[name]["crc32"]
-
-
-def has_averaged_weights(ckpt: Path) -> bool:
-    """Whether a checkpoint holds the averaged weights (train.ema_decay, once the average started)."""
-    return (Path(ckpt) / EMA_FILE).is_file()
 
 
 def _writer(name: str) -> Optional[int]:
@@ -248,11 +241,10 @@ def _share_problem(ckpt: Path, files: dict[str, dict[str, int]], rank: int, worl
 
 
 def verify_checkpoint(ckpt: Path, step: Optional[int] = None, rt: Optional[Runtime] = None) -> Optional[str]:
-    """None when the checkpoint is whole, else why not (never raises): its name, COMPLETE, every listed file's
-    size and crc32, then state.json's step. `step`: the step it must hold (default: the one its name says; a
-    download being verified has a temporary name). `rt` (resume): rank 0 calls it while every other rank is in
-    _follow, and each rank reads its share of the files at once (verify_shares), the first problem in manifest
-    order winning as when one process reads all: configs/8b.yaml's 96 GB are read by 8 ranks, not by one."""
+    """None when the checkpoint is whole, else why not (never raises): its name, COMPLETE, every listed file's size
+    and crc32, then state.json's step. `step`: the step it must hold (default: its name's; a download has a temporary
+    name). `rt` (resume): rank 0 calls it while every other rank is in _follow, each rank reading its share at once
+    (verify_shares), the first problem in manifest order winning: configs/8b.yaml's 96 GB are read by 8 ranks."""
     ckpt = Path(ckpt)
     step = step_of(ckpt) if step is None else step
     if step is None or not ckpt.is_dir():
@@ -280,10 +272,9 @@ def _follow(rt: Runtime) -> None:
 
 def newest_checkpoint(path: Path, newer_than: int = -1,
                       verify: Optional[Callable[[Path], Optional[str]]] = None) -> tuple[Optional[Path], list[str]]:
-    """The newest complete checkpoint of a run (or checkpoints/) directory above step `newer_than`, and "name:
-    why" for each newer one skipped. Newest first, stopping at the first that verifies: verifying reads every byte
-    (15 GB for configs/1b.yaml), so older ones are left alone. The one answer for resume, eval, sample, Modal.
-    `verify`: verify_checkpoint (default), or a resume's, every rank reading its share."""
+    """The newest complete checkpoint of a run (or checkpoints/) directory above step `newer_than`, and "name: why"
+    for each newer one skipped; newest first, stopping at the first that verifies (verifying reads every byte: 15 GB
+    for configs/1b.yaml). The one answer for resume, eval, sample, Modal. `verify`: a resume's, every rank its share."""
     verify = verify or verify_checkpoint  # looked up now: a test may replace verify_checkpoint
     skipped: list[str] = []
     for ckpt in reversed(checkpoint_dirs(path)):
@@ -367,9 +358,8 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: di
          rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None,
          shards: Optional[dict[str, dict[str, int]]] = None) -> Path:
     """Rank 0: write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. `weights`: model_state()'s;
-    `shards`: the entries of the dcp/ files every rank has written into temp_dir() and sealed (save_resumable),
-    None for a weights-only checkpoint; `rng`: every rank's Runtime.rng_state() (default: this process's host
-    states); `averaged`: EMA.full_weights(), once started. A full disk is DiskFull, every earlier checkpoint intact."""
+    `shards`: the dcp/ files' entries (save_resumable), None for a weights-only checkpoint; `rng`: every rank's
+    Runtime.rng_state() (default: this process's); `averaged`: EMA.full_weights(). A full disk is DiskFull."""
     final = ckpt_root / f"step_{step:06d}"
     tmp = temp_dir(ckpt_root, step, fresh=shards is None)
     files = dict(shards or {})
@@ -409,12 +399,10 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: di
 
 def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    state: dict[str, Any], keep: int, rt: Runtime, ema: Optional[EMA] = None) -> Path:
-    """THE save, whatever the parallelism and world size; every rank calls it. Rank 0 makes the temp directory,
-    every rank writes its own shards of the weights, optimizer state and average (`ema`, once started) into its
-    dcp/, then fsyncs and sums the files it wrote (DCP names them `__RANK_N.distcp`; rank 0 also its `.metadata`),
-    all ranks at once from their own page cache: rank 0 alone would read configs/8b.yaml's 96 GB again while the
-    others wait. A rank's failure is raised on every rank. The whole weights and average are gathered onto rank 0,
-    which writes the rest (save(): `state` is its state.json). The checkpoint's path."""
+    """THE save, whatever the parallelism and world size; every rank calls it. Every rank writes its shards of the
+    weights, optimizer state and average (`ema`, once started) into dcp/, then fsyncs and sums the files it wrote
+    (`__RANK_N.distcp`; rank 0 also `.metadata`) from its own page cache: rank 0 alone would read configs/8b.yaml's
+    96 GB again. A rank's failure is every rank's. Rank 0 writes the rest (save(); `state`: its state.json)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rngs = rt.gather_objects(rt.rng_state())
@@ -544,16 +532,6 @@ def _damaged(ckpt: Path, name: str, e: Exception) -> ConfigError:
                        f"or was written by another nanopt version. {EARLIER}")
 
 
-def _describe_data_change(before: list[dict], now: list[dict]) -> Optional[str]:
-    if len(before) != len(now):
-        return f"the checkpoint was trained on {len(before)} shard(s), the data has {len(now)}"
-    for a, b in zip(before, now):
-        if a != b:
-            diff = ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
-            return f"shard {a.get('name')} differs ({diff})"
-    return None
-
-
 class Checkpointer:
     """Everything the training loop asks of checkpoints: restore at start, when to save and saving (all ranks),
     and on close waiting for the mirror's copies. Besides weights, optimizer and RNGs it saves `states`, named
@@ -604,8 +582,8 @@ class Checkpointer:
                     refuse_link(self.run_dir / name)
                 # config.yaml is rewritten by the run: one that is no run config (damaged, or the user's own file in a
                 # directory given as run.dir) would be lost.
-                read(self.run_dir / CONFIG_FILE, CONFIG, "Training here would replace it with this run's config: "
-                     "move it aside (a damaged one of this run's may be deleted), or set `run.dir` to another directory.")
+                read(self.run_dir / CONFIG_FILE, CONFIG, "Training here would replace it with this run's config: move "
+                     "it aside (a damaged one of this run's may be deleted), or set `run.dir` to another directory.")
                 found = self._choose()
                 chosen = found.name if found else None
             except ConfigError as e:
@@ -650,8 +628,9 @@ class Checkpointer:
             problems.append(f"mirror {name}: {found}")
         # What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a summary.
         # Metrics alone do not: a session killed before its first save is retried by re-running it.
-        evidence = problems + [f"{CHECKPOINTS_DIR}/{LATEST_FILE} names a checkpoint that is not there"] * \
-            (self.root / LATEST_FILE).is_file() + [f"{SUMMARY_FILE} is there"] * (read_summary(self.run_dir) is not None)
+        evidence = problems + [why for why, shows in (
+            (f"{CHECKPOINTS_DIR}/{LATEST_FILE} names no checkpoint that is there", (self.root / LATEST_FILE).is_file()),
+            (f"{SUMMARY_FILE} is there", read_summary(self.run_dir) is not None)) if shows]
         if not evidence:
             return None
         if self.cfg.checkpoint.start_over:
@@ -688,19 +667,20 @@ class Checkpointer:
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
                "`--checkpoint.allow_changes=KEY[,KEY...]` (the run will then differ from an uninterrupted one).")
         if not (ckpt / DCP_METADATA).is_file():
-            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {DCP_DIR}/ with the optimizer state), so "
-                              f"training cannot resume from it. Start a new run from its weights, or resume from a "
-                              f"full checkpoint.")
-        if missing := [name for name in states if not isinstance(saved.get(name), dict)]:
-            raise ConfigError(f"{ckpt / STATE_FILE} has no state for {', '.join(missing)}; it was written by another "
-                              f"nanopt version. Resume with that version, or start a new run (a new `run.dir`).")
+            raise ConfigError(f"checkpoint {ckpt} holds weights only (no {DCP_DIR}/ with the optimizer state): start a "
+                              f"new run from its weights, or resume from a full checkpoint.")
         if changes := resume_changes(saved["config"], self.cfg):
             raise ConfigError(f"the config differs from the one checkpoint {ckpt} was trained with: "
                               f"{'; '.join(changes)}. {fix}")
-        if "data" in saved and (data_change := _describe_data_change(saved["data"], self.data)):
-            raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {data_change}. Point "
-                              f"`data.source` at the shards the run was trained on, or start a new run (a new "
-                              f"`run.dir`).")
+        if (before := saved.get("data", self.data)) != self.data:
+            changed = f"the checkpoint was trained on {len(before)} shard(s), the data has {len(self.data)}"
+            for a, b in zip(before, self.data) if len(before) == len(self.data) else ():
+                if a != b:
+                    changed = f"shard {a.get('name')} differs: " + ", ".join(
+                        f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
+                    break
+            raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {changed}. Point `data.source` "
+                              f"at the shards the run was trained on, or start a new run (a new `run.dir`).")
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 
         # The template DCP fills in place: the model's own tensors, and the optimizer's state (initialised by a
@@ -740,11 +720,10 @@ class Checkpointer:
         return saved
 
     def _read_shards(self, ckpt: Path, state: dict[str, Any], fix: str) -> list[str]:
-        """The checkpoint's dcp/ into `state` (nested dicts of tensors, filled in place); the names of the tensors
-        it lacks (refused by the caller, after optim's clearer check of another optimizer's state). DCP's metadata is
-        read first: tensors saved in another shape are a config change (`fix`; DCP would read the overlap of the
-        two: a model of another width would load half-filled), and files that verified but cannot be read (damage
-        behind a rewritten manifest) are one paragraph naming the file: the metadata, a cut shard."""
+        """The checkpoint's dcp/ into `state` (nested dicts of tensors, filled in place); the names of the tensors it
+        lacks (the caller refuses them after optim's clearer check). Tensors of another shape are a config change
+        (`fix`; DCP would load the overlap: a wider model half-filled), and files that verified but cannot be read
+        (damage behind a rewritten manifest: the metadata, a cut shard) one paragraph naming the file."""
         from torch.distributed.checkpoint import FileSystemReader
 
         with _reading(ckpt, DCP_METADATA):
@@ -774,7 +753,7 @@ class Checkpointer:
                 log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step "
                             "%d, not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
             return
-        if not has_averaged_weights(ckpt):
+        if not (ckpt / EMA_FILE).is_file():
             raise ConfigError(f"checkpoint {ckpt}'s {STATE_FILE} says the run kept averaged weights but it holds no "
                               f"{EMA_FILE}; the checkpoint is damaged. {EARLIER}")
 

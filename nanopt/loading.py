@@ -51,10 +51,9 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     ckpt = path if verified else checkpoint.find_checkpoint(path)
     cfg = checkpoint.checkpoint_config(ckpt)
     model = build_model(cfg.model, device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
-    state = checkpoint.read_state(ckpt)
-    chosen = chosen_weights(ckpt, cfg, weights)
-    averaged = state.get("averaged_from") if isinstance(state.get("averaged_from"), dict) else None
-    loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen, averaged)
+    state = checkpoint.read_state(ckpt)  # its `averaged_from` and `ema` are objects where present (its STATE shape)
+    loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen_weights(ckpt, cfg, weights),
+                    state.get("averaged_from"))
     try:
         load_weights(model, ckpt / loaded.weights_file)
     except ConfigError:  # no safetensors file (checkpoint.weights_header): already one paragraph
@@ -98,14 +97,13 @@ def chosen_weights(ckpt: Path, cfg: Config, weights: str) -> str:
     if weights not in WEIGHTS:
         raise ValueError(f"weights is one of {WEIGHTS}, not {weights!r}")
     state = checkpoint.read_state(ckpt)
-    if isinstance(averaged := state.get("averaged_from"), dict):
+    if averaged := state.get("averaged_from"):
         if weights == "ema":
             raise ConfigError(f"checkpoint {ckpt} is an average of checkpoints ({averaged_name(averaged)}, written "
                               f"by nanopt average), which holds one set of weights, the mean of their "
                               f"{averaged.get('weights') or rundirs.MODEL_FILE}, and no EMA; drop `--weights ema`.")
         return averaged_name(averaged)
-    has_ema = checkpoint.has_averaged_weights(ckpt)
-    started = isinstance(state.get("ema"), dict) and state["ema"].get("started")
+    has_ema, started = (ckpt / rundirs.EMA_FILE).is_file(), (state.get("ema") or {}).get("started")
     if started and not has_ema and (weights == "ema" or (weights == "run" and cfg.eval.weights == "ema")):
         raise ConfigError(f"checkpoint {ckpt}'s {rundirs.STATE_FILE} says its run kept averaged weights, but "
                           f"{ckpt / rundirs.EMA_FILE} is missing; the checkpoint is damaged. Use an earlier "
