@@ -13,8 +13,8 @@ Output directory (= data.dir or data.source, exactly where training reads):
   lock.json              the lease of the `nanopt prepare` writing it now (lock.DirLock, as a trainer's run)
 
 One prepare at a time writes a directory (a second is refused, naming the holder). A full disk is DiskFull (exit 1)
-with every committed shard kept; an output that cannot be written is ConfigError; neither is retried as a source
-failure is.
+with every committed shard kept; an output file that cannot be written is an OSError naming it (cli.run: exit 2);
+neither is retried as a source failure is.
 """
 from __future__ import annotations
 

@@ -41,13 +41,22 @@ def _args(source: Path, run_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_packed_run_killed_mid_run_resumes_to_the_same_weights(tmp_path, line_corpus, capsys):
-    reference = tmp_path / "reference"
-    assert run(_args(line_corpus, reference)) == 0
-    summary = json.loads((reference / "summary.json").read_text())
-    records = [json.loads(x) for x in (reference / "metrics.jsonl").read_text().splitlines()]
-    shares = [r["cropped_share"] for r in records if "loss" in r]
-    assert len(shares) == STEPS and 0 < summary["packing_cropped_share"] == shares[-1] < 0.5
+def test_a_packed_run_started_again_reads_the_cache_and_one_killed_mid_run_resumes_to_the_same_weights(
+        tmp_path, line_corpus, scans, capsys):
+    """The first run scans for BOS; a second sees the same batches, the index read from the cache; a third, killed
+    mid-run (SIGKILL in step 5), resumes to the first's weights."""
+    seen = []
+    for name in ("first", "second"):
+        assert run(_args(line_corpus, tmp_path / name)) == 0
+        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        seen.append(([r["loss"] for r in records if "loss" in r], summary["weights_sha256_per_rank"]))
+        shares = [r["cropped_share"] for r in records if "loss" in r]
+        assert len(shares) == STEPS and 0 < summary["packing_cropped_share"] == shares[-1] < 0.5
+    assert seen[0] == seen[1] and len(seen[0][0]) == STEPS
+    assert len(scans) == 1  # the first run's; the second read the index from the cache
+    out = capsys.readouterr().out
+    assert "BOS index: 0 shards from cache, 1 scanned" in out and "BOS index: 1 shards from cache, 0 scanned" in out
 
     killed = tmp_path / "killed"
     env = {**os.environ, "NANOPT_TEST_HOOK": "kill-in-step:5", "OMP_NUM_THREADS": "1"}
@@ -59,18 +68,3 @@ def test_a_packed_run_killed_mid_run_resumes_to_the_same_weights(tmp_path, line_
     after = json.loads((killed / "summary.json").read_text())
     assert after["weights_sha256_per_rank"] == summary["weights_sha256_per_rank"]
     assert after["packing_cropped_share"] == summary["packing_cropped_share"]
-
-
-@pytest.mark.slow
-def test_a_packed_run_started_twice_sees_the_same_batches_the_second_from_the_cache(tmp_path, line_corpus, scans,
-                                                                                     capsys):
-    seen = []
-    for name in ("first", "second"):
-        assert run(_args(line_corpus, tmp_path / name)) == 0
-        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        summary = json.loads((tmp_path / name / "summary.json").read_text())
-        seen.append(([r["loss"] for r in records if "loss" in r], summary["weights_sha256_per_rank"]))
-    assert seen[0] == seen[1] and len(seen[0][0]) == STEPS
-    assert len(scans) == 1  # the first run's; the second read the index from the cache
-    out = capsys.readouterr().out
-    assert "BOS index: 0 shards from cache, 1 scanned" in out and "BOS index: 1 shards from cache, 0 scanned" in out
