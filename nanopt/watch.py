@@ -162,40 +162,14 @@ def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeo
     run_dir = Path(run_dir)
     _check_watch(run_dir, interval, timeout)
     lease = _watch_lease(run_dir)
-    try:
-        return _watch(run_dir, evaluator, interval, timeout)
-    finally:
-        lease.release()
-
-
-def _watch_lease(run_dir: Path) -> DirLock:
-    """The watcher's lease beside the trainer's (rundirs.WATCH_LOCK_FILE): a second watcher of the run would
-    evaluate every checkpoint again, so it is refused, naming the first. The lease's rules are the trainer's: a
-    dead watcher's (dead pid, or a heartbeat past its expiry) is taken over."""
-    lease = DirLock(run_dir, what="watched run", filename=WATCH_LOCK_FILE)
-    try:
-        return lease.acquire()
-    except ConfigError as e:
-        held = None
-        with contextlib.suppress(ConfigError):
-            held = lease.holder()
-        if held is None:
-            raise e from None  # not another watcher: the lease could not be written
-        raise ConfigError(f"{run_dir} is already watched by {held.describe()} ({lease.path} is its lease); one "
-                          f"watcher per run evaluates each checkpoint once. Let that watcher go on, or stop it and "
-                          f"start this one; if it is gone for good, its lease expires {lease.expires_s:.0f} s after "
-                          f"its last heartbeat (or delete {lease.path}).") from None
-
-
-def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float) -> int:
     setup_logging(True)
     deadline = time.monotonic() + timeout if timeout else None
-    done = evaluated(run_dir, evaluator.split, "ema" if evaluator.weights == "ema" else "model")
     handled: set[Path] = set()  # looked at in this session: evaluated, found done, or skipped
     count = 0
-    print(f"watching {run_dir} for complete checkpoints every {interval:g} s "
-          f"({len(done)} evaluation(s) already in {EVALS_FILE}; Ctrl-C to stop)", flush=True)
     try:
+        done = evaluated(run_dir, evaluator.split, "ema" if evaluator.weights == "ema" else "model")
+        print(f"watching {run_dir} for complete checkpoints every {interval:g} s "
+              f"({len(done)} evaluation(s) already in {EVALS_FILE}; Ctrl-C to stop)", flush=True)
         while True:
             for ckpt in [c for c in checkpoint_dirs(run_dir) if c not in handled]:
                 step = step_of(ckpt)
@@ -228,4 +202,25 @@ def _watch(run_dir: Path, evaluator: Evaluator, interval: float, timeout: float)
         print(f"stopped (Ctrl-C); {count} checkpoint(s) evaluated by this watcher", flush=True)
         return 0
     finally:
+        lease.release()
         runtime.teardown()
+
+
+def _watch_lease(run_dir: Path) -> DirLock:
+    """The watcher's lease beside the trainer's (rundirs.WATCH_LOCK_FILE): a second watcher of the run would
+    evaluate every checkpoint again, so it is refused, naming the first. The lease's rules are the trainer's: a
+    dead watcher's (dead pid, or a heartbeat past its expiry) is taken over."""
+    lease = DirLock(run_dir, what="watched run", filename=WATCH_LOCK_FILE)
+    try:
+        return lease.acquire()
+    except ConfigError as e:
+        held = None
+        with contextlib.suppress(ConfigError):
+            held = lease.holder()
+        if held is None:
+            raise e from None  # not another watcher: the lease could not be written
+        raise ConfigError(f"{run_dir} is already watched by {held.describe()} ({lease.path} is its lease); one "
+                          f"watcher per run evaluates each checkpoint once. Let that watcher go on, or stop it and "
+                          f"start this one; if it is gone for good, its lease expires {lease.expires_s:.0f} s after "
+                          f"its last heartbeat (or delete {lease.path}).") from None
+
