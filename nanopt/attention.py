@@ -19,12 +19,6 @@ log = logging.getLogger("nanopt")
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def _causal_mask(tq: int, tk: int, offset: int, device: torch.device) -> torch.Tensor:
-    q_pos = torch.arange(offset, offset + tq, device=device)[:, None]
-    k_pos = torch.arange(tk, device=device)[None, :]
-    return k_pos <= q_pos  # Tq Tk, True = may attend
-
-
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA without kernel support: each KV head repeated for the `groups` query heads it serves.
     k/v: B Hkv Tk D -> B Hq Tk D (unchanged when Hkv == Hq)."""
@@ -38,7 +32,7 @@ def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
     """The naive baseline: materialise the T×T score matrix, mask, softmax, weight the values."""
     k, v = repeat_kv(q, k, v)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # B H Tq D @ B H D Tk -> B H Tq Tk
-    mask = _causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(causal_offset)  # Tq Tk
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return probs @ v  # B H Tq Tk @ B H Tk D -> B H Tq D
@@ -52,7 +46,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int =
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q.shape[2] == 1:  # one new token attends to every cached position
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    mask = _causal_mask(q.shape[2], k.shape[2], causal_offset, q.device)
+    # Tq Tk, True = may attend: query i sits at position causal_offset + i
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(causal_offset)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -101,10 +96,9 @@ def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optio
 
 UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla.flash_unavailable_reason}
 
-# The GPUs (hardware.PEAKS keys) on which bench/gpu_check.py measured flash-attn training faster than SDPA, each with
-# the results file that shows it: `attention: auto` picks flash-attn there only. Empty: it has never been measured
-# (no flash-attn wheel exists for the torch gpu_check ran); on an H100 SDPA runs cuDNN's kernel, at the 51.3% MFU of
-# bench/results/gpu_check_h100_shipped.json.
+# The GPUs (hardware.PEAKS keys) where bench/gpu_check.py measured flash-attn training faster than SDPA, each with its
+# results file: `attention: auto` picks flash-attn there only. Never measured yet (no flash-attn wheel for gpu_check's
+# torch); on an H100 SDPA runs cuDNN's kernel, at the 51.3% MFU of bench/results/gpu_check_h100_shipped.json.
 FLASH_MEASURED_FASTER: dict[str, str] = {}
 
 

@@ -1,10 +1,8 @@
 """The Llama model: RMSNorm -> RoPE -> GQA attention -> SwiGLU MLP -> block -> Llama.
 
-Opt-in speedrun options (ModelConfig: qk_norm, mlp=relu2, logit_softcap, value_embeddings,
-residual_scalars) change the architecture; each is off by default, and with all off the modules, the
-state_dict keys, a seed's weights and the forward pass are those of the plain Llama that hf.py exports.
-`parametrization: mup` (µP, docs/scaling.md) scales the hidden matrices' init and the logits by the width; under
-sp (the default) nothing is scaled."""
+Opt-in speedrun options (ModelConfig: qk_norm, mlp=relu2, logit_softcap, value_embeddings, residual_scalars) are
+off by default; with all off the modules, state_dict keys, a seed's weights and the forward pass are the plain Llama
+that hf.py exports. `parametrization: mup` (µP, docs/scaling.md) scales the hidden init and the logits by the width."""
 from __future__ import annotations
 
 import functools
@@ -215,8 +213,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_head()
-        max_len = cfg.max_seq_len or 2048
-        cos, sin = rope_tables(cfg, max_len, device=self.embed.weight.device)
+        cos, sin = rope_tables(cfg, cfg.max_seq_len or 2048, device=self.embed.weight.device)
         # Computed once, not saved: they follow from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -254,9 +251,9 @@ class Llama(nn.Module):
                    for pname, p in m.named_parameters(recurse=False) if id(p) not in done]
         if missing:
             raise TypeError(f"init_weights has no rule for {', '.join(missing)}: add one to _init_by_type")
-        cos, sin = rope_tables(self.cfg, self.rope_cos.shape[0], device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)  # T D
-        self.rope_sin.copy_(sin)  # T D
+        cos, sin = rope_tables(self.cfg, self.rope_cos.shape[0], device=self.rope_cos.device)  # T D each
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (a tied head is counted once); exclude_embedding leaves out every lookup table
@@ -269,8 +266,7 @@ class Llama(nn.Module):
     def hidden(self, idx: torch.Tensor, caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
         """Final normalised hidden states, B T C."""
         T = idx.shape[1]
-        cos = self.rope_cos[start_pos : start_pos + T]
-        sin = self.rope_sin[start_pos : start_pos + T]
+        cos, sin = self.rope_cos[start_pos : start_pos + T], self.rope_sin[start_pos : start_pos + T]  # T D each
         x = x0 = self.embed(idx)  # B T C; x0 stays the embedding (residual scalars re-read it every layer)
         # A training forward (autograd on, no KV cache) may run compiled blocks; evaluation, scoring and decoding
         # (no_grad, caches, a growing start_pos) run the eager ones, so they never compile shapes of their own.
@@ -290,9 +286,8 @@ class Llama(nn.Module):
         return soft_cap(self.lm_head(self.readout_input(h)), self.cfg.logit_softcap)
 
     def readout_input(self, h: torch.Tensor) -> torch.Tensor:
-        """h × µP's output multiplier 1/width_mult (B T C), which the logits then carry (it is linear): the head's
-        update, of Adam's size per entry, sums over `dim` aligned coordinates, so unscaled its logit change grows
-        with width. sp: h itself, not h × 1.0, so sp's results stay bit-identical."""
+        """h (B T C) × µP's output multiplier 1/width_mult: the head's update, Adam-sized per entry, sums over `dim`
+        aligned coordinates, so unscaled its logit change grows with width. sp: h itself, bit-identical."""
         m = self.cfg.width_mult
         return h if m == 1.0 else h / m
 
@@ -320,11 +315,8 @@ class Llama(nn.Module):
         # Chunks run along the sequence and span the whole batch, so with the batch sharded over devices
         # (XLA SPMD) every chunk keeps every device busy.
         step = max(1, chunk // B)
-        total = h.new_zeros((), dtype=torch.float32)
-        for start in range(0, T, step):
-            total = total + recompute(loss_sum, h[:, start : start + step], targets[:, start : start + step],
-                                      self.lm_head.weight)
-        return total / count
+        return sum(recompute(loss_sum, h[:, s : s + step], targets[:, s : s + step], self.lm_head.weight)
+                   for s in range(0, T, step)) / count
 
     def new_caches(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> list[KVCache]:
         shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
@@ -348,8 +340,8 @@ def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, soft
 
 def _init_by_type(module: nn.Module, cfg: ModelConfig, readout: bool = False) -> list[nn.Parameter]:
     """Initialise one module's own parameters by its type; returns those it set (none: no rule). Under µP a hidden
-    Linear's std is init_std at the base width and falls as 1/sqrt(fan_in) (× 1/sqrt(width_mult)); embeddings and
-    the readout (`readout`: an untied LM head, whose logits carry the 1/width_mult multiplier) keep init_std."""
+    Linear's std falls as 1/sqrt(width_mult) from init_std at the base width; embeddings and the `readout` (an
+    untied LM head, whose logits carry the 1/width_mult multiplier) keep init_std."""
     if isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, 0.0, cfg.init_std)
         return [module.weight]

@@ -41,11 +41,11 @@ def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = N
 
 
 def mup_lr_scale(kind: str, width_mult: float, optim: OptimConfig) -> float:
-    """µP's factor on a kind's base lr at width_mult = dim / model.mup_base_dim (docs/scaling.md): only hidden
-    matrices scale. AdamW: 1/m (Tensor Programs V: an update of lr per entry moves W x by ~lr × fan_in). Muon: its
-    orthogonalised update has spectral norm ~1, so `original`'s sqrt(max(1, rows/cols)) per shape already gives the
-    spectral condition ||dW|| ~ sqrt(fan_out/fan_in), width-free: 1; `match_rms_adamw` multiplies by
-    0.2 sqrt(max(rows, cols)), which grows as sqrt(m): 1/sqrt(m). 1.0 under sp (width_mult 1)."""
+    """µP's factor on a kind's base lr at width_mult m = dim / model.mup_base_dim (docs/scaling.md; 1.0 under sp):
+    only hidden matrices scale. AdamW: 1/m (Tensor Programs V: an update of lr per entry moves W x by ~lr × fan_in).
+    Muon's orthogonalised update has spectral norm ~1, so `original`'s sqrt(max(1, rows/cols)) already meets the
+    spectral condition ||dW|| ~ sqrt(fan_out/fan_in): 1; `match_rms_adamw`'s 0.2 sqrt(max(rows, cols)) grows as
+    sqrt(m): 1/sqrt(m)."""
     if kind != "matrix" or width_mult == 1.0:
         return 1.0
     if optim.name == MUON:
@@ -73,21 +73,19 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
     groups = []
     for kind, params in by_kind.items():
         if params:
-            lr, wd = kind_hparams(kind, train, optim)
-            scale = mup_lr_scale(kind, width_mult, optim)
-            lr = lr if scale == 1.0 else lr * scale  # sp: the configured lr itself
-            groups.append({"kind": kind, "base_lr": lr, "weight_decay": wd, "params": params})
+            lr, wd = kind_hparams(kind, train, optim)  # sp: × exactly 1.0, the configured lr itself
+            groups.append({"kind": kind, "base_lr": lr * mup_lr_scale(kind, width_mult, optim), "weight_decay": wd,
+                           "params": params})
     return groups
 
 
 def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, optim: Optional[OptimConfig] = None,
                     muon_batch_max_numel: Optional[int] = None, process_group: Optional[dist.ProcessGroup] = None,
                     muon_dtype: torch.dtype = torch.bfloat16) -> torch.optim.Optimizer:
-    """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon
-    on the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW;
-    `muon_batch_max_numel` is BatchedMuon's cut-off and `muon_dtype` its Newton-Schulz dtype (the device backend's
-    reduced_dtype), `process_group` the ranks that share its orthogonalisation (Runtime.process_group: None in one
-    process)."""
+    """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon on
+    the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW, with
+    BatchedMuon's cut-off, Newton-Schulz dtype (the backend's reduced_dtype) and the ranks that share its
+    orthogonalisation (Runtime.process_group: None in one process)."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
@@ -118,32 +116,24 @@ def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.op
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch's Muon with one Newton-Schulz iteration per group of same-shaped matrices (batched matmuls) instead
-    of one per matrix. The update is torch's (the same iteration, momentum, decay and per-shape lr); its groups
-    and state are torch's, so checkpoints are interchangeable. Why: at the CPU speedrun's width 128 the 21
-    matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast (bench/muon_step.py,
-    docs/results.md).
+    """torch's Muon (the same iteration, momentum, decay, per-shape lr, groups and state: checkpoints are
+    interchangeable) with one Newton-Schulz call per group of same-shaped matrices, batched. At the CPU speedrun's
+    width 128 the 21 matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast
+    (bench/muon_step.py, docs/results.md).
 
-    `batch_max_numel`: matrices above this many elements go one at a time (None: every shape batches). Where
-    batching stops paying is the device's (its backend's muon_batch_max_numel, runtime.py): on 2 CPU cores a
-    batched bf16 matmul of 170m's matrices ran 0.69x single ones.
-
-    `ns_dtype`: the dtype Newton-Schulz computes and its messages travel in. torch's is bf16; a CPU without bf16
-    hardware (AVX2) emulates bf16 matmuls ~45x slower than fp32, so there the backend passes fp32
-    (Backend.reduced_dtype). fp32 is the exact iteration that bf16 approximates: the updates agree to bf16's rounding.
-
-    Across ranks (`process_group` of more than one rank, or FSDP2's DTensor parameters) each rank orthogonalises
-    only the matrices it owns (OwnerSplit) and receives the rest: about 1/world of the Newton-Schulz work each.
-    Momentum, weight decay and the update are elementwise, so each rank runs them on its own rows: the momentum
-    buffers keep the parameter's layout and the state_dict is torch Muon's; the per-shape lr reads the whole shape."""
+    `batch_max_numel`: matrices above this many elements go one at a time (None: every shape batches); the device
+    backend's muon_batch_max_numel, since on 2 CPU cores a batched bf16 matmul of 170m's matrices ran 0.69x single ones.
+    `ns_dtype`: what Newton-Schulz computes in and its messages carry: torch's bf16, or fp32 where bf16 matmuls are
+    emulated (~45x slower on an AVX2 CPU; Backend.reduced_dtype); fp32 is the exact iteration bf16 approximates.
+    Across ranks (`process_group` of more than one rank, or FSDP2's DTensors) each rank orthogonalises only the
+    matrices it owns (OwnerSplit): ~1/world of the work. Momentum, decay and the update are elementwise, so each rank
+    runs them on its own rows: the buffers keep the parameter's layout, the per-shape lr reads the whole shape."""
 
     def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None,
                  process_group: Optional[dist.ProcessGroup] = None, ns_dtype: torch.dtype = torch.bfloat16,
                  **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
-        self.batch_max_numel = batch_max_numel
-        self.process_group = process_group
-        self.ns_dtype = ns_dtype
+        self.batch_max_numel, self.process_group, self.ns_dtype = batch_max_numel, process_group, ns_dtype
 
     def batches(self, params: list[torch.Tensor]) -> list[list[int]]:
         """Indices into params, one list per Newton-Schulz call: same shapes together, large ones alone."""
@@ -363,12 +353,9 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return 1.0
-    if cfg.schedule == "wsd":
+    if cfg.schedule == "wsd":  # frac: the share of the decay steps done, 0 until they start
         decay_steps = max(1, int(round(cfg.max_steps * cfg.decay_fraction)))
-        decay_start = cfg.max_steps - decay_steps
-        if step < decay_start:
-            return 1.0
-        frac = min(1.0, (step - decay_start + 1) / decay_steps)
+        frac = min(1.0, max(0, step - (cfg.max_steps - decay_steps) + 1) / decay_steps)
         return 1.0 + (floor - 1.0) * frac
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     frac = min(1.0, (step - cfg.warmup_steps) / span)
