@@ -207,15 +207,7 @@ class CudaBackend(Backend):
         # Address the board by UUID: CUDA_VISIBLE_DEVICES renumbers devices, NVML and nvidia-smi do not.
         uuid = str(getattr(self.module.get_device_properties(self.device), "uuid", "") or "")
         nvml_id = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-        try:
-            import pynvml  # nvidia-ml-py, optional
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByUUID(nvml_id)
-            return pynvml.nvmlDeviceGetPowerManagementDefaultLimit(handle) / 1000.0  # milliwatts
-        except Exception:  # not installed, or NVML unavailable: ask nvidia-smi
-            pass
-        try:
+        try:  # nvidia-smi comes with the driver (NVML's Python binding is not a dependency); once per start
             out = subprocess.run(
                 ["nvidia-smi", "--query-gpu=power.default_limit", "--format=csv,noheader,nounits", "-i", nvml_id],
                 capture_output=True, text=True, timeout=10, check=True,
