@@ -23,7 +23,7 @@ import numpy as np
 
 from nanopt.errors import ConfigError, ShardError
 from nanopt.io import cache_dir, open_read, write_bytes, write_json
-from nanopt.schema import Field, damaged, problem, read
+from nanopt.schema import Field, damaged, read
 from nanopt.tokenizer import get_tokenizer
 
 log = logging.getLogger("nanopt")
@@ -258,9 +258,7 @@ def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
 
 def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) -> Optional[str]:
     """Why the committed shard `entry` is not on disk as committed (missing, resized, another shard, or with
-    verify corrupt), or None."""
-    if why := problem(entry, ENTRY, "an entry"):  # read_manifest refuses these already; never a name unchecked
-        raise manifest_error(directory, why)
+    verify corrupt), or None. `entry` is one read_manifest checked: its file is a shard name of `directory`."""
     path = directory / entry["file"]
     if not path.exists():
         return f"{entry['file']} is missing"
