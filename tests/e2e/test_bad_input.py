@@ -384,56 +384,61 @@ def _fifo_at_cpu_peak(f: dict[str, Path], run_dir: Path, tmp: Path) -> list[str]
     return _train_on(f, tmp)
 
 
-# (case id, setup(files, run with two checkpoints, tmp) -> argv, stdout, exit status, words its output must hold).
-# Each runs as a real process under a timeout: a FIFO read blocked for ever, and SIGTERM must end whatever blocks.
+# (case id, setup(files, run with two checkpoints, tmp) -> argv, where it runs, exit status, words its output must
+# hold). Where: "here" is cli.run in this process under an alarm (a FIFO read blocked for ever); a real process under
+# a timeout, SIGTERM then having to end whatever blocks, for a boundary only a process has: the dispatcher's
+# paragraph as the one line on the terminal, and stdout on a full disk ("/dev/full").
 FILESYSTEM = [
     ("average_out_dangling_link", lambda f, r, t: (t / "out").symlink_to(t / "nowhere") or
-     ["average", str(r), "--last", "2", "--out", str(t / "out")], None, 2, ["out is a symbolic link", "nowhere"]),
+     ["average", str(r), "--last", "2", "--out", str(t / "out")], "process", 2, ["out is a symbolic link", "nowhere"]),
     ("average_out_below_a_file", lambda f, r, t: (t / "file").write_text("mine") and
-     ["average", str(r), "--last", "2", "--out", str(t / "file" / "out")], None, 2, ["file is a file", "below it"]),
-    ("export_force_directory_at_config_json", _export_with_a_directory_at("config.json"), None, 2,
+     ["average", str(r), "--last", "2", "--out", str(t / "file" / "out")], "here", 2, ["file is a file", "below it"]),
+    ("export_force_directory_at_config_json", _export_with_a_directory_at("config.json"), "here", 2,
      ["config.json is a directory"]),
-    ("export_force_directory_at_weights", _export_with_a_directory_at("model.safetensors"), None, 2,
+    ("export_force_directory_at_weights", _export_with_a_directory_at("model.safetensors"), "here", 2,
      ["model.safetensors is a directory"]),
     ("runs_into_dev_full", lambda f, r, t: ["runs", str(r.parent)], "/dev/full", 1, ["stdout", "No space left"]),
     ("eval_into_dev_full", lambda f, r, t: ["eval", str(r), "--batches", "1"], "/dev/full", 1,
      ["stdout", "No space left"]),
     ("train_into_dev_full", lambda f, r, t: _train_on(f, t), "/dev/full", 0, ["console lines cannot be written"]),
-    ("fifo_at_lock_json", _fifo_at_lock, None, 2, ["lock.json is not a regular file but a named pipe"]),
-    ("fifo_at_a_shard", lambda f, r, t: _train_on(f, t, "train_000000.bin"), None, 2,
+    ("fifo_at_lock_json", _fifo_at_lock, "here", 2, ["lock.json is not a regular file but a named pipe"]),
+    ("fifo_at_a_shard", lambda f, r, t: _train_on(f, t, "train_000000.bin"), "here", 2,
      ["train_000000.bin is not a regular file but a named pipe"]),
-    ("fifo_at_manifest_json", lambda f, r, t: _train_on(f, t, "manifest.json"), None, 2,
+    ("fifo_at_manifest_json", lambda f, r, t: _train_on(f, t, "manifest.json"), "here", 2,
      ["manifest.json is not a regular file but a named pipe"]),
     # Caches: refused unread like any file, then rebuilt (a damaged cache never fails a start).
-    ("fifo_at_verified_json", lambda f, r, t: _train_on(f, t, ".verified.json"), None, 0,
+    ("fifo_at_verified_json", lambda f, r, t: _train_on(f, t, ".verified.json"), "here", 0,
      [".verified.json is not a regular file but a named pipe", "verified again"]),
-    ("fifo_at_cpu_peak_json", _fifo_at_cpu_peak, None, 0, []),
+    ("fifo_at_cpu_peak_json", _fifo_at_cpu_peak, "here", 0, []),
 ]
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("two") / "run"
-    assert run([*ARGS, "--checkpoint.every=1", "--checkpoint.keep=2", f"--run.dir={run_dir}"]) == 0
-    return run_dir
+class _Blocked(BaseException):
+    """The alarm's: raised inside whatever call blocks (a BaseException, so no handler of nanopt's catches it)."""
 
 
-@pytest.mark.slow  # a dozen real processes; the rule's quick rows: tests/test_io.py, tests/test_cli.py
-@pytest.mark.parametrize("case, setup, stdout, code, words", FILESYSTEM,
-                         ids=[(c.values if hasattr(c, "marks") else c)[0] for c in FILESYSTEM])
-def test_a_path_that_is_not_what_nanopt_expects_is_one_paragraph_and_never_blocks(case, setup, stdout, code, words,
-                                                                                   files, two_checkpoints, tmp_path):
-    """Before: tracebacks (an --out through a dangling link or below a file, stdout on a full disk), an export that
-    removed the old config.json and then failed, one "--- Logging error ---" block per console line, and a read of a
-    FIFO that blocked for ever, which SIGTERM did not end."""
-    argv = setup(files, two_checkpoints, tmp_path)
-    before = _snapshot(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if (tmp_path / "cache").exists():  # else the session's cache, which holds the embedded corpus
-        env["NANOPT_CACHE"] = str(tmp_path / "cache")
-    with open(stdout or tmp_path / "stdout", "w") as out:
+def _here(case: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    def blocked(signum, frame):
+        raise _Blocked
+
+    capsys.readouterr()  # what a setup's own commands printed
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(120)
+    try:
+        code = cli.run(argv)
+    except _Blocked:
+        pytest.fail(f"{case}: blocked for 120 s")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capsys.readouterr()
+    return code, err, out
+
+
+def _process(case: str, argv: list[str], stdout: Path, env: dict[str, str]) -> tuple[int, str, str]:
+    with open(stdout, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "nanopt.cli", *argv], stdout=out, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=REPO)
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, cwd=REPO)
         try:
             _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
@@ -445,9 +450,36 @@ def test_a_path_that_is_not_what_nanopt_expects_is_one_paragraph_and_never_block
                 proc.communicate()
                 pytest.fail(f"{case}: blocked, and SIGTERM did not end it")
             pytest.fail(f"{case}: blocked until SIGTERM ended it")
-    assert proc.returncode == code, err
+    return proc.returncode, err, "" if str(stdout) == "/dev/full" else stdout.read_text()
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("two") / "run"
+    assert run([*ARGS, "--checkpoint.every=1", "--checkpoint.keep=2", f"--run.dir={run_dir}"]) == 0
+    return run_dir
+
+
+@pytest.mark.slow  # a few real processes; the rule's quick rows: tests/test_io.py, tests/test_cli.py
+@pytest.mark.parametrize("case, setup, where, code, words", FILESYSTEM, ids=[c[0] for c in FILESYSTEM])
+def test_a_path_that_is_not_what_nanopt_expects_is_one_paragraph_and_never_blocks(case, setup, where, code, words,
+                                                                                   files, two_checkpoints, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Before: tracebacks (an --out through a dangling link or below a file, stdout on a full disk), an export that
+    removed the old config.json and then failed, one "--- Logging error ---" block per console line, and a read of a
+    FIFO that blocked for ever, which SIGTERM did not end."""
+    argv = setup(files, two_checkpoints, tmp_path)
+    before = _snapshot(tmp_path)
+    cache = {"NANOPT_CACHE": str(tmp_path / "cache")} if (tmp_path / "cache").exists() else {}  # else the session's
+    if where == "here":
+        for name, value in cache.items():
+            monkeypatch.setenv(name, value)
+        rc, err, out = _here(case, argv, capsys)
+    else:
+        rc, err, out = _process(case, argv, Path(where) if where != "process" else tmp_path / "stdout", cache)
+    assert rc == code, err
     assert "Traceback" not in err and "Logging error" not in err and err.strip().count("\n") == 0, err
-    said = err + ("" if stdout else (tmp_path / "stdout").read_text())  # a cache's warning is a console line
+    said = err + out  # a cache's warning is a console line
     for word in words:
         assert word in said, f"{word!r} missing from: {said}"
     if code:
