@@ -120,8 +120,6 @@ def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_pat
     assert e["documents_needed"] == math.ceil(110_000 / mean)
     assert e["documents_with_25pct_buffer"] == math.ceil(e["documents_needed"] * 1.25)
 
-    from nanopt import cli
-
     argv = ["prepare", "tiny", "--sample-documents", "10", f"--data.source={tmp_path / 'never'}", f"--data.tokenizer={tokenizer_dir}",
             f"--prepare.dataset={dataset}", f"--prepare.data_files={files}", "--prepare.shuffle_buffer=0",
             "--prepare.train_tokens=100000", "--prepare.val_tokens=5000", "--prepare.test_tokens=5000"]
@@ -413,8 +411,6 @@ def test_vocabularies_over_65536_ids_are_written_as_uint32(tmp_path):
 
 
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, tokenizer_dir, capsys):
-    from nanopt import cli
-
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS[:3])
     base = ["prepare", f"--data.tokenizer={tokenizer_dir}", "--no-progress", "--prepare.workers", "1"]
     cases = {
