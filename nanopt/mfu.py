@@ -101,10 +101,9 @@ class TokenFlops:
 def token_flops(model: nn.Module, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
                 loss_chunk_tokens: int = 0, recompute: bool = False) -> TokenFlops:
     """Every FLOPs-per-token figure of `model` training at `seq_len` (micro-batches of micro_batch_size rows).
-    Recomputed (HFU only): the chunked loss (train.loss_chunk_tokens) runs the head forward again when a micro-batch
-    holds more positions than a chunk; train.recompute runs every block's forward again (2 per weight, and attention's
-    forward, a third of it) but its last residual-output Linear (the MLP's down projection): no backward needs its
-    output, so torch's checkpoint stops before it."""
+    Recomputed (HFU only): the chunked loss runs the head forward again when a micro-batch holds more positions than
+    a chunk; train.recompute runs every block's forward again (2 per weight, and attention's forward, a third of it)
+    but its last residual-output Linear (MLP down): no backward needs that output, so the checkpoint stops before."""
     counts = param_counts(model)
     six_n = 6 * counts.n_6n
     full, attention = attention_flops(model, seq_len, False), attention_flops(model, seq_len, causal_halving)
@@ -138,9 +137,9 @@ class MFUMeter:
         self.tokens_per_step, self.flops = tokens_per_step, self.per_token(seq_len)
 
     def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
-        """MFU of the `window_steps` steps ending at `step`, `step_seconds` each; nulls for a window holding a
-        warm-up step (compilation, allocation, autotuning) and for a 0-step window: a session's or stage's first step
-        (its compile, or a new seq_len's recompile) timed alone, in neither the figure nor the summary."""
+        """MFU of the `window_steps` steps ending at `step`, `step_seconds` each; nulls for a window holding a warm-up
+        step (compilation, allocation, autotuning) and for a 0-step window: a session's or stage's first step (its
+        compile or recompile) timed alone, in neither the figure nor the summary."""
         if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
             return dict.fromkeys((*CONVENTIONS, "tflops_per_device"))
         tokens_per_s, seconds, per_token = self.tokens_per_step / step_seconds, window_steps * step_seconds, \

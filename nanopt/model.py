@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -99,12 +98,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin).to(x.dtype)
 
 
-@dataclass
-class KVCache:
-    """Per-layer key/value buffers for incremental decoding: B Hkv Tmax D each."""
-
-    k: torch.Tensor
-    v: torch.Tensor
+# One layer's key and value buffers for incremental decoding: B Hkv Tmax D each.
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def residual_linear(in_features: int, out_features: int) -> nn.Linear:
@@ -145,9 +140,9 @@ class Attention(nn.Module):
             q, k = (rms_normalize(t.float(), self.qk_norm_eps).to(t.dtype) for t in (q, k))  # B H T D each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            cache.k[:B, :, start_pos : start_pos + T] = k
-            cache.v[:B, :, start_pos : start_pos + T] = v
-            k, v = cache.k[:B, :, : start_pos + T], cache.v[:B, :, : start_pos + T]
+            for buffer, new in zip(cache, (k, v)):
+                buffer[:B, :, start_pos : start_pos + T] = new
+            k, v = (buffer[:B, :, : start_pos + T] for buffer in cache)  # B Hkv start_pos+T D each
         y = self.kernel(q, k, v, start_pos)  # B Hq T D
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -171,9 +166,8 @@ class MLP(nn.Module):
 
 
 class ResidualScalars(nn.Module):
-    """`residual_scalars`: a block's input becomes a * x + b * x0, x0 the embedding output, a and b learned
-    (1 and 0 at init: the plain residual stream); b lets every layer re-read the token embedding directly.
-    Shape (1,) each so the optimizer files them under the scalar kind."""
+    """`residual_scalars`: a block's input becomes a * x + b * x0, x0 the embedding output, a and b learned (1 and 0
+    at init: the plain residual stream; shape (1,): the scalar kind); b lets every layer re-read the embedding."""
 
     def __init__(self):
         super().__init__()
@@ -321,7 +315,7 @@ class Llama(nn.Module):
     def new_caches(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> list[KVCache]:
         shape = (batch, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
         new = functools.partial(torch.zeros, shape, device=device, dtype=dtype)
-        return [KVCache(new(), new()) for _ in self.layers]
+        return [(new(), new()) for _ in self.layers]
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:

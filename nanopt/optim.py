@@ -198,10 +198,9 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 # ---------------------------------------------------------------- Muon's orthogonalisation shared out across ranks
 def owners(shapes: list[torch.Size], world: int) -> list[int]:
-    """The rank that orthogonalises each matrix: the least loaded one so far, largest Newton-Schulz cost first
-    (its matmuls' multiply-adds), the lowest rank on ties. Same-shaped matrices thus go round-robin, so a few
-    shapes still split evenly and each rank batches its share; every rank computes the same answer, so none has
-    to be told."""
+    """The rank that orthogonalises each matrix: the least loaded so far, largest Newton-Schulz cost (multiply-adds)
+    first, the lowest rank on ties. Same-shaped matrices thus go round-robin, so a few shapes still split evenly and
+    each rank batches its share; every rank computes the same answer, so none has to be told."""
     load = [0] * world
     out = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: -_ns_cost(shapes[i])):  # stable: ties keep their order
@@ -227,12 +226,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class OwnerSplit:
-    """Muon's orthogonalisation shared out across the ranks of `group` (the owner pattern of nanochat's and
-    modded-nanogpt's distributed Muon): each matrix has an owner rank (owners()), which holds the whole momentum
-    update, orthogonalises it with the other same-shaped matrices it owns (one batched Newton-Schulz) and sends
-    every rank the rows that rank holds, one all_to_all. Replicas (`sharded` false, DDP: whole matrices, equal on
-    every rank) need no gather; Shard(0) rows (FSDP2's DTensors) first travel to the owner, one all_to_all. The
-    messages carry `dtype` (BatchedMuon's ns_dtype), which Newton-Schulz casts to first and returns."""
+    """Muon's orthogonalisation shared out across the ranks of `group` (nanochat's and modded-nanogpt's owner
+    pattern): each matrix's owner rank (owners()) holds its whole momentum update, orthogonalises it with the other
+    same-shaped ones it owns (one batched Newton-Schulz) and sends every rank the rows it holds, one all_to_all.
+    Replicas (`sharded` false, DDP: whole, equal matrices) need no gather; Shard(0) rows (FSDP2's DTensors) first
+    travel to the owner, one all_to_all. Messages carry `dtype` (ns_dtype), which Newton-Schulz casts to anyway."""
     group: dist.ProcessGroup
     rank: int
     world: int
@@ -315,11 +313,9 @@ class OwnerSplit:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon on the matrix group and AdamW on the others, stepped, scheduled and checkpointed as one optimizer.
-
-    This one holds the very group dicts and state the two step (shared, not copies), so param_groups is in
-    KINDS order, state_dict() is a single optimizer's (each group's "optimizer" key names its owner) and
-    torch's load_state_dict works unchanged; the two are re-pointed at the loaded groups and state after it."""
+    """Muon on the matrix group and AdamW on the others, stepped, scheduled and checkpointed as one optimizer: it
+    holds the very group dicts and state the two step, so param_groups is in KINDS order, state_dict() is one
+    optimizer's (each group's "optimizer" names its owner) and torch's load works, the two re-pointed after it."""
 
     def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
         self.optimizers = {MUON: muon, ADAMW: adamw}
