@@ -1,6 +1,6 @@
-"""Real torchrun processes (gloo on CPU): DDP equals one process (with AdamW and with Muon), two 'nodes' train
-together, and FSDP and HSDP equal them (with AdamW and with Muon; compiled per block too), their checkpoints
-resuming under any parallelism at any world size."""
+"""Real torchrun processes (gloo on CPU): DDP on two c10d 'nodes' equals one process (with Muon), and FSDP and HSDP
+equal it (with AdamW and with Muon; compiled per block too), their checkpoints resuming under any parallelism at any
+world size."""
 from __future__ import annotations
 
 import json
@@ -53,15 +53,31 @@ def _assert_same_run(a: Path, b: Path) -> None:
         assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
 
 
+# The averaged weights (train.ema_decay) ride along in the muon and fsdp comparisons: every rank keeps the same
+# average (ddp) or its shard of it (fsdp), evaluations swap it in on every rank, and it is saved whole.
+EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema", "--eval.every=2"]
+MUON_ARGS = [*ARGS, MUON_ARG, *EMA_ARGS]
+
+
 @pytest.mark.slow
-def test_two_ranks_match_one_rank(corpus_dir, tmp_path):
+def test_two_ranks_on_two_c10d_nodes_match_one_rank_with_muon(corpus_dir, tmp_path):
+    """MUON_ARGS under ddp on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line: c10d
+    numbers the nodes, no --node-rank) equal one rank trained in this process meanwhile, the averaged weights
+    included; the ranks end identical and each one's peak memory is reported. (AdamW under ddp equals one process
+    to the bit: tests/test_modal_app.py's preempted run and tests/e2e/test_resume.py.)"""
     one, two = tmp_path / "one", tmp_path / "two"
-    finished = torchrun_started(2, [*ARGS, f"--run.dir={two}"])
-    assert run([*ARGS, f"--run.dir={one}"]) == 0  # in this process meanwhile: the single-rank reference
-    proc = finished()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 ranks x 1 accum" in proc.stdout
+    port = free_port()
+    launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
+    nodes = [torchrun_started(1, [*MUON_ARGS, f"--run.dir={two}"], extra=launcher) for _ in (0, 1)]
+    assert run([*MUON_ARGS, f"--run.dir={one}"]) == 0  # the single-rank reference
+    procs = [finished() for finished in nodes]
+    for proc in procs:  # torchrun warned nothing about its arguments
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "torch/distributed/run.py" not in proc.stderr, proc.stderr[-3000:]
+    said = "".join(proc.stdout + proc.stderr for proc in procs)  # rank 0's lines, on either node
+    assert "name: muon" in (two / "config.yaml").read_text() and "2 ranks x 1 accum" in said
     _assert_same_run(one, two)
+    _assert_same_weights(one, two, "ema.safetensors")
     summary = json.loads((two / "summary.json").read_text())
     digests = summary["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
@@ -71,54 +87,7 @@ def test_two_ranks_match_one_rank(corpus_dir, tmp_path):
     logged = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in logged if "loss" in r]
     assert all(r["peak_memory_rank"] in (0, 1) and 0 < r["peak_memory_gib"] <= max(peaks) for r in logged)
-    assert f"GiB @rank {logged[-1]['peak_memory_rank']}" in proc.stdout + proc.stderr
-
-
-# ---------------------------------------------------------------- muon, on two nodes
-
-
-# The averaged weights (train.ema_decay) ride along in the muon and fsdp comparisons: every rank keeps the same
-# average (ddp) or its shard of it (fsdp), evaluations swap it in on every rank, and it is saved whole.
-EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema", "--eval.every=2"]
-MUON_ARGS = [*ARGS, MUON_ARG, *EMA_ARGS]
-
-
-@pytest.fixture(scope="module")
-def muon_on_two_nodes(tmp_path_factory, corpus_dir) -> tuple[Path, Path, list[subprocess.CompletedProcess]]:
-    """MUON_ARGS on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line: c10d numbers the
-    nodes, no --node-rank), and on one rank in this process meanwhile. One ddp run of 2 ranks for two tests: the
-    nodes' rendezvous, and Muon's (with the average) equality to one rank. Returns (one, two, each node's torchrun)."""
-    root = tmp_path_factory.mktemp("muon_two_nodes")
-    one, two = root / "one", root / "two"
-    port = free_port()
-    launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
-    nodes = [torchrun_started(1, [*MUON_ARGS, f"--run.dir={two}"], extra=launcher) for _ in (0, 1)]
-    assert run([*MUON_ARGS, f"--run.dir={one}"]) == 0  # the single-rank reference
-    return one, two, [finished() for finished in nodes]
-
-
-@pytest.mark.slow
-def test_two_nodes_over_c10d_rendezvous_match_one_rank(muon_on_two_nodes):
-    one, two, procs = muon_on_two_nodes
-    for proc in procs:  # torchrun warned nothing about its arguments
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "torch/distributed/run.py" not in proc.stderr, proc.stderr[-3000:]
-    _assert_same_run(one, two)
-    digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
-    assert len(digests) == 2 and digests[0] == digests[1]
-
-
-@pytest.mark.slow
-def test_two_ranks_match_one_rank_with_muon(muon_on_two_nodes):
-    """Muon under ddp on 2 ranks (here the two nodes above) equals one rank, its averaged weights included."""
-    one, two, procs = muon_on_two_nodes
-    assert all(proc.returncode == 0 for proc in procs), [proc.stderr[-3000:] for proc in procs]
-    assert "name: muon" in (two / "config.yaml").read_text()
-    assert "2 ranks x 1 accum" in "".join(proc.stdout for proc in procs)  # rank 0's line, on either node
-    _assert_same_run(one, two)
-    _assert_same_weights(one, two, "ema.safetensors")
-    digests = json.loads((two / "summary.json").read_text())["weights_sha256_per_rank"]
-    assert len(digests) == 2 and digests[0] == digests[1], "ranks ended with different weights"
+    assert f"GiB @rank {logged[-1]['peak_memory_rank']}" in said
 
 
 # ---------------------------------------------------------------- fsdp
@@ -163,21 +132,43 @@ def _assert_equals_reference(reference: Path, other: Path) -> None:
         assert abs(evaluated[step][0] - loss) < 1e-5 and evaluated[step][1] == weights, (other, step)
 
 
-@pytest.mark.slow
-def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(corpus_dir, request,
-                                                                                         tmp_path):
-    """FSDP on 2 gloo ranks equals one rank (what DDP is tested equal to above) to 1e-5 in loss, grad norm and
-    weights over 10 AdamW steps: steps 1-5 fsdp from scratch, then resumed under ddp on 1 rank; and 1-5 on 1 rank,
-    then resumed under fsdp on 2 ranks. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
-    (pytorch#162338): the logged grad norm would double from step 1 (AdamW's update hardly sees a gradient's scale,
-    so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
-    fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
-    finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", f"--run.dir={fsdp_first}"])
-    # In this process meanwhile (where no test has made them yet): the reference and the one-rank half.
-    fsdp_reference = request.getfixturevalue("fsdp_reference")
-    shutil.copytree(request.getfixturevalue("one_rank_half"), ddp_first)
+COMPILED = ["--train.compile=true", "--train.recompute=true", "--sample.num_samples=1", "--sample.max_new_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def sharded_half(request, tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks from scratch: each rank wrote its own DCP shards. Compiled per block
+    with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): one torchrun for the compiled test
+    and the sharded-checkpoint test, which resumes it eager (compile and recompute keep the state, so a resume may
+    switch them); the one-rank runs train in this process meanwhile. Returns (the run directory, the torchrun)."""
+    run_dir = tmp_path_factory.mktemp("sharded_half")
+    finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", *COMPILED, f"--run.dir={run_dir}"],
+                                env={"TORCH_LOGS": "dynamo,recompiles"})
+    request.getfixturevalue("fsdp_reference")
+    request.getfixturevalue("one_rank_half")
     proc = finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+@pytest.mark.slow
+def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(sharded_half, fsdp_reference,
+                                                                                         one_rank_half, tmp_path):
+    """FSDP on 2 gloo ranks equals one rank to 1e-5 in loss, grad norm and weights over 10 AdamW steps: steps 1-5
+    fsdp from scratch (sharded_half), then resumed in one process (no process group: DCP reshards the 2 ranks'
+    shards into the whole model, optimizer and average, and it saves whole); and 1-5 on 1 rank, then resumed under
+    fsdp on 2 ranks, which save sharded again at 10: read whole in this process, as `nanopt eval/sample/export`
+    do, they are the one-rank weights. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
+    (pytorch#162338): the logged grad norm would double from step 1 (AdamW's update hardly sees a gradient's scale,
+    so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
+    written, _ = sharded_half
+    ckpt = written / "checkpoints" / "step_000005"  # both ranks' DCP shards and the whole weights for readers
+    listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
+    assert "model.safetensors" in listed and not (ckpt / "optimizer.pt").exists()
+    fsdp_first, ddp_first = tmp_path / "fsdp_first", tmp_path / "ddp_first"
+    shutil.copytree(written, fsdp_first)
+    shutil.copytree(one_rank_half, ddp_first)
     finished = torchrun_started(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={ddp_first}"])
     assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={fsdp_first}"]) == 0  # 1 rank resumes it
     proc = finished()
@@ -185,59 +176,12 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     assert "resuming from" in proc.stderr + proc.stdout and "2 ranks x 2 accum" in proc.stdout
     for other in (fsdp_first, ddp_first):
         _assert_equals_reference(fsdp_reference, other)
-
-
-COMPILED = ["--train.compile=true", "--train.recompute=true", "--sample.num_samples=1", "--sample.max_new_tokens=4"]
-
-
-@pytest.fixture(scope="module")
-def sharded_half(tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
-    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks: each rank wrote its own DCP shards. Compiled
-    per block with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): one torchrun for the
-    compiled test and the sharded-checkpoint tests, which resume it eager (compile and recompute keep the state, so a
-    resume may switch them). Returns (the run directory, the torchrun)."""
-    run_dir = tmp_path_factory.mktemp("sharded_half")
-    proc = torchrun(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", *COMPILED, f"--run.dir={run_dir}"],
-                    env={"TORCH_LOGS": "dynamo,recompiles"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir, proc
-
-
-@pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_under_fsdp_and_loads_whole_in_one_process(fsdp_reference, sharded_half,
-                                                                                  tmp_path):
-    """The step-5 checkpoint holds both ranks' DCP shards, each listed in COMPLETE, and the whole weights for readers
-    (no optimizer.pt); 2 fsdp ranks resume it (weights, AdamW moments and the average loaded as shards) and save
-    again at 10; the losses, evaluations and final weights (read whole in this process,
-    no process group, as `nanopt eval/sample/export` do) equal the one-rank run to 1e-5."""
-    written, _ = sharded_half
-    ckpt = written / "checkpoints" / "step_000005"
-    listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
-    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
-    assert "model.safetensors" in listed and not (ckpt / "optimizer.pt").exists()
-    shutil.copytree(written, tmp_path / "run")
-    proc = torchrun(2, [*FSDP_ARGS, "--runtime.parallel=fsdp", f"--run.dir={tmp_path / 'run'}"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming from" in proc.stderr + proc.stdout
-    records, expected = _records(tmp_path / "run"), _records(fsdp_reference)
-    assert sorted(records) == list(range(1, 11))
-    for step, (loss, _) in expected.items():
-        assert abs(records[step][0] - loss) < 1e-5, step
     for weights, name in (("model", "model.safetensors"), ("ema", "ema.safetensors")):
-        loaded = loading.load(tmp_path / "run", weights=weights)
+        loaded = loading.load(ddp_first, weights=weights)
         assert loaded.step == 10 and (loaded.source / rundirs.DCP_METADATA).is_file()
         whole, own = _final_weights(fsdp_reference, name), loaded.model.state_dict()
         for key in whole:
             assert (whole[key] - own[key]).abs().max().item() < 1e-5, (name, key)
-
-
-@pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_at_world_size_one_under_ddp(fsdp_reference, sharded_half, tmp_path):
-    """DCP reshards on load: one process (no process group) resumes the 2 ranks' shards into the whole model,
-    optimizer and average, trains 6-10 and saves whole: equal to the one-rank run (about 5 s)."""
-    shutil.copytree(sharded_half[0], tmp_path / "run")
-    assert run([*FSDP_ARGS, "--runtime.parallel=ddp", f"--run.dir={tmp_path / 'run'}"]) == 0
-    _assert_equals_reference(fsdp_reference, tmp_path / "run")
 
 
 def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
@@ -306,15 +250,15 @@ def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(fsdp_reference,
-                                                                                                sharded_half):
+def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(sharded_half,
+                                                                                                fsdp_reference):
     """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks), each
     block recomputed in backward (train.recompute: the compiled block runs again, FSDP2 gathers its weights again):
     5 steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
     loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
     2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
     the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos).
-    The run is sharded_half's (it saves sharded, which the tests above resume eager)."""
+    The run is sharded_half's (it saves sharded, which the fsdp test above resumes eager)."""
     run_dir, proc = sharded_half
     traced = [(name, Path(path).parts[-2:])
               for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
