@@ -13,13 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, small_overrides, torchrun
+from conftest import REPO, small_overrides, torchrun_started
 from nanopt import cli
 from nanopt.main import run
 
 pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
-
-# ---------------------------------------------------------------- a run: learns, resumes, exports, DDP, compile
 
 STEPS = 8
 ARGS = small_overrides(**{"train.fp8": "tensorwise", "train.fp8_filter": "all", "train.max_steps": STEPS,
@@ -36,19 +34,27 @@ def weights(run_dir: Path) -> bytes:
 
 
 @pytest.mark.slow
-def test_an_fp8_run_learns_resumes_bit_exactly_and_exports_plain_weights(tmp_path):
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+def test_an_fp8_run_learns_resumes_bit_exactly_exports_plain_weights_compiles_and_keeps_ddp_replicas_identical(
+        tmp_path):
+    """One fp8 run, the reference for all of it: a run killed in step 5 resumes to its bits, compiled it gives the
+    same losses, and its checkpoint is a plain model's (export writes ordinary weights, a bf16 run resumes it);
+    two ranks (a torchrun meanwhile) end with identical replicas."""
+    reference, resumed, compiled, ddp = (tmp_path / name for name in ("reference", "resumed", "compiled", "ddp"))
+    ddp_finished = torchrun_started(2, [*ARGS, f"--run.dir={ddp}", "--train.max_steps=4"])
     assert run([*ARGS, f"--run.dir={reference}"]) == 0
-    curve = [loss for _, loss in losses(reference)]
-    assert curve[-1] < curve[0] - 0.5  # it learns
+    curve = losses(reference)
+    assert curve[-1][1] < curve[0][1] - 0.5  # it learns
     env = {**os.environ, "NANOPT_TEST_HOOK": "kill-in-step:5", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "nanopt.main", *ARGS, f"--run.dir={resumed}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert run([*ARGS, f"--run.dir={resumed}"]) == 0
-    assert weights(resumed) == weights(reference) and losses(resumed) == losses(reference)
+    assert weights(resumed) == weights(reference) and losses(resumed) == curve
 
-    # The checkpoint is a plain model's: export writes ordinary weights, and a bf16 run resumes from it.
+    assert run([*ARGS, f"--run.dir={compiled}", "--train.compile=true"]) == 0
+    for (_, a), (_, b) in zip(curve, losses(compiled), strict=True):
+        assert b == pytest.approx(a, rel=2e-3)
+
     assert cli.run(["export", str(reference), "--out", str(tmp_path / "hf")]) == 0
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     assert all(t.dtype == torch.float32 and "scale" not in k for k, t in exported.items())
@@ -57,19 +63,7 @@ def test_an_fp8_run_learns_resumes_bit_exactly_and_exports_plain_weights(tmp_pat
     assert run(plain) == 0
     assert json.loads((reference / "summary.json").read_text())["fp8"] == "none"
 
-
-@pytest.mark.slow
-def test_fp8_under_ddp_keeps_the_replicas_identical(tmp_path):
-    proc = torchrun(2, [*ARGS, f"--run.dir={tmp_path}", "--train.max_steps=4"])
+    proc = ddp_finished()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    digests = json.loads((tmp_path / "summary.json").read_text())["weights_sha256_per_rank"]
+    digests = json.loads((ddp / "summary.json").read_text())["weights_sha256_per_rank"]
     assert len(digests) == 2 and digests[0] == digests[1]
-
-
-@pytest.mark.slow
-def test_fp8_compiles_and_matches_eager(tmp_path):
-    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    assert run([*ARGS, f"--run.dir={eager}", "--train.max_steps=3"]) == 0
-    assert run([*ARGS, f"--run.dir={compiled}", "--train.max_steps=3", "--train.compile=true"]) == 0
-    for (_, a), (_, b) in zip(losses(eager), losses(compiled)):
-        assert b == pytest.approx(a, rel=2e-3)
