@@ -120,6 +120,20 @@ def killed(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Iterat
 
 
 @pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-step run (AdamW): the start of every test that resumes it changed; each takes its own copy."""
+    run_dir = tmp_path_factory.mktemp("two_steps")
+    assert train_here(run_dir, "--train.max_steps=2") == 0
+    return run_dir
+
+
+@pytest.fixture
+def copied(two_steps: Path, tmp_path: Path) -> Path:
+    shutil.copytree(two_steps, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted run: the bytes every interrupted run must end with."""
     run_dir = tmp_path_factory.mktemp("reference")
@@ -268,33 +282,24 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, referenc
     assert final_weights(run_dir) == final_weights(reference)
 
 
-def test_diverged_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
-    # Logging only every 100 steps: the NaN must still be caught before the next checkpoint save.
-    rc = run([*ARGS, f"--run.dir={tmp_path}", "--train.lr=1e30", "--checkpoint.every=1", "--log.every=100",
-              "--train.warmup_steps=0"])
-    err = capsys.readouterr().err
-    assert rc == errors.EXIT_DIVERGED == 3, err
-    assert "NaN/inf" in err and "train.lr" in err and "Traceback" not in err
-    kept = complete_checkpoints(tmp_path / "checkpoints")
-    for ckpt in kept:  # every checkpoint on disk holds finite weights
-        assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values()), ckpt
-    assert (f"{kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
-
-
-@pytest.mark.slow
-def test_a_diverged_run_closes_the_profiler_and_the_mirror_like_a_finished_one(tmp_path, capsys):
-    """TrainingError leaves through the same with/finally as a finished run: the profiler is stopped and its
-    trace written, and the mirror's queued copies are waited for."""
+def test_diverged_loss_stops_keeps_the_last_good_checkpoint_and_closes_the_profiler_and_mirror(tmp_path, capsys):
+    """Logging only every 100 steps: the NaN must still be caught before the next checkpoint save. TrainingError
+    leaves through the same with/finally as a finished run: the profiler is stopped and its trace written, and the
+    mirror's queued copies are waited for."""
     run_dir, mirror = tmp_path / "run", tmp_path / "mirror"
     rc = run([*ARGS, f"--run.dir={run_dir}", "--train.lr=1e30", "--checkpoint.every=1", "--log.every=100",
               "--train.warmup_steps=0", f"--checkpoint.mirror={mirror}", "--profile.enabled=true",
               "--profile.wait=0", "--profile.warmup=0", "--profile.active=6"])
     err = capsys.readouterr().err
-    assert rc == errors.EXIT_DIVERGED, err
+    assert rc == errors.EXIT_DIVERGED == 3, err
+    assert "NaN/inf" in err and "train.lr" in err and "Traceback" not in err
+    kept = complete_checkpoints(run_dir / "checkpoints")
+    for ckpt in kept:  # every checkpoint on disk holds finite weights
+        assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values()), ckpt
+    assert (f"{kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
     assert not profiling._active  # not left recording in this process
     assert list((run_dir / "tb" / "plugins" / "profile").rglob("*.pt.trace.json")), "no trace written"
-    kept = [p.name for p in complete_checkpoints(run_dir / "checkpoints")]
-    assert kept == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
+    assert [p.name for p in kept] == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
 
 
 @pytest.mark.slow
@@ -313,8 +318,8 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference,
 
 
 @pytest.mark.slow
-def test_no_usable_checkpoint_is_refused_every_time_until_start_over(tmp_path, capsys):
-    assert train_here(tmp_path, "--train.max_steps=2") == 0
+def test_no_usable_checkpoint_is_refused_every_time_until_start_over(copied, capsys):
+    tmp_path = copied
     (tmp_path / "checkpoints" / "step_000002" / "dcp" / "__0_0.distcp").write_bytes(b"garbage")
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     capsys.readouterr()
@@ -331,8 +336,8 @@ def test_no_usable_checkpoint_is_refused_every_time_until_start_over(tmp_path, c
 
 
 @pytest.mark.slow
-def test_changed_config_is_refused_unless_safe_or_allowed(tmp_path, capsys):
-    assert train_here(tmp_path, "--train.max_steps=2") == 0
+def test_changed_config_is_refused_unless_safe_or_allowed(copied, capsys):
+    tmp_path = copied
     assert train_here(tmp_path, "--train.max_steps=2", "--model.dim=32", "--train.lr=0.001") == 2
     err = capsys.readouterr().err
     assert "model.dim: 64 in the checkpoint, 32 now" in err and "train.lr" in err
@@ -470,8 +475,8 @@ def test_a_killed_muon_run_resumes_bitwise_identically(tmp_path, muon_reference,
     assert_same_as(muon_reference, tmp_path)  # weights, every logged loss, and Muon's and AdamW's state
 
 
-def test_switching_optimizer_on_resume_is_refused_even_when_allowed(tmp_path, capsys):
-    assert train_here(tmp_path, "--train.max_steps=2") == 0  # adamw
+def test_switching_optimizer_on_resume_is_refused_even_when_allowed(copied, capsys):
+    tmp_path = copied  # adamw
     assert train_here(tmp_path, "--train.max_steps=4", MUON_ARG) == 2
     assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in capsys.readouterr().err
     assert train_here(tmp_path, "--train.max_steps=4", MUON_ARG, "--checkpoint.allow_changes=optim.name") == 2
