@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import shutil
 import zlib
 from pathlib import Path
 
@@ -59,12 +60,17 @@ def damaged_copy(tmp_path: Path, source: Path, marker: bytes | None) -> Path:
     (b'{"files": {}}', "manifest's `files.model.safetensors` is missing"),
     (b"ok", "is not JSON"),  # the pre-manifest marker no longer passes
     (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "`files.rng.pt` is missing"),
+    ("renamed", "says step 2"),  # a whole manifest, but step 2's checkpoint under step 6's name
 ])
 def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, two_checkpoints, marker, why):
-    root = damaged_copy(tmp_path, two_checkpoints, marker)
-    assert why in checkpoint.verify_checkpoint(root / "step_000004")
-    assert checkpoint.verify_checkpoint(root / "step_000002") is None
-    assert checkpoint.find_checkpoint(tmp_path) == root / "step_000002"  # eval, sample and export read this
+    damaged, good = ("step_000006", "step_000004") if marker == "renamed" else ("step_000004", "step_000002")
+    root = damaged_copy(tmp_path, two_checkpoints, (two_checkpoints / good / "COMPLETE").read_bytes()
+                        if marker == "renamed" else marker)
+    if marker == "renamed":
+        (root / "step_000002").rename(root / "step_000006")
+    assert why in checkpoint.verify_checkpoint(root / damaged)
+    assert checkpoint.verify_checkpoint(root / good) is None
+    assert checkpoint.find_checkpoint(tmp_path) == root / good  # eval, sample and export read this
 
 
 def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_one(tmp_path, two_checkpoints,
@@ -85,13 +91,6 @@ def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_o
     assert checkpoint.newest_checkpoint(root) == (root / "step_000004", [])
     assert read and all(p.parent.name == "step_000004" for p in read)
     assert checkpoint.newest_checkpoint(root, newer_than=4) == (None, [])
-
-
-def test_a_manifest_that_lists_every_file_but_a_wrong_state_step_is_incomplete(tmp_path, two_checkpoints):
-    root = damaged_copy(tmp_path, two_checkpoints, (two_checkpoints / "step_000004" / "COMPLETE").read_bytes())
-    (root / "step_000002").rename(root / "step_000006")  # a checkpoint under another step's name
-    assert "says step 2" in checkpoint.verify_checkpoint(root / "step_000006")
-    assert checkpoint.find_checkpoint(tmp_path) == root / "step_000004"
 
 
 def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, two_checkpoints):
@@ -129,19 +128,35 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def test_save_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A run directory whose checkpointer saved steps 2 and 4 (the embedding moved by 1 between them), and the
+    model as saved at 4; a test that changes it takes a copy (copied)."""
+    model, opt = _trained()
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    _checkpointer(run_dir).save(2, model, opt, {})
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)
+    _checkpointer(run_dir).save(4, model, opt, {})
+    return run_dir, model
+
+
+def copied(saved: tuple[Path, torch.nn.Module], tmp_path: Path) -> Path:
+    shutil.copytree(saved[0], tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_save_manifest_lists_every_file_with_its_size_and_crc32(saved):
     """The COMPLETE manifest describes exactly the bytes on disk, the DCP files included, and no temp directory
     outlives the save. One save path for every parallelism: the dcp/ shards a resume loads, the whole weights for
     readers."""
-    model, opt = _trained()
-    final = _checkpointer(tmp_path).save(4, model, opt, {})
+    final = saved[0] / rundirs.CHECKPOINTS_DIR / "step_000004"
     files = json.loads((final / "COMPLETE").read_text())["files"]
     assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "model.safetensors", "rng.pt", "state.json"]
     for name, entry in files.items():
         raw = (final / name).read_bytes()
         assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
-    root = tmp_path / rundirs.CHECKPOINTS_DIR
-    assert checkpoint.verify_checkpoint(final) is None and not list(root.glob(".tmp_*"))
+    assert checkpoint.verify_checkpoint(final) is None and not list(final.parent.glob(".tmp_*"))
 
 
 def test_the_optimizer_state_dcp_gives_is_keyed_as_torch_saves_it():
@@ -164,17 +179,14 @@ def test_the_optimizer_state_dcp_gives_is_keyed_as_torch_saves_it():
             assert torch.equal(ours["state"][i][k], v), (i, k)
 
 
-def test_dcp_files_are_listed_verified_and_fall_back_when_a_shard_is_torn_and_readers_load_whole_weights(tmp_path):
+def test_dcp_files_are_listed_verified_and_fall_back_when_a_shard_is_torn_and_readers_load_whole_weights(saved,
+                                                                                                        tmp_path):
     """The DCP files count only as COMPLETE lists them: a truncated shard makes the checkpoint incomplete, and the
     reader takes the previous one, naming the file (the same rule as model.safetensors). Readers (eval, sample,
     export) load the whole weights, and a manifest entry that climbs out of dcp/ is no checkpoint file."""
-    model, opt = _trained()
-    run_dir = tmp_path / "run"
+    run_dir, model = copied(saved, tmp_path), saved[1]
     root = run_dir / rundirs.CHECKPOINTS_DIR
-    _checkpointer(run_dir).save(2, model, opt, {})
-    with torch.no_grad():
-        model.embed.weight.add_(1.0)
-    final = _checkpointer(run_dir).save(4, model, opt, {})
+    final = root / "step_000004"
     files = json.loads((final / rundirs.COMPLETE_FILE).read_text())["files"]
     assert checkpoint.verify_checkpoint(final) is None
     loaded = loading.load(run_dir)
@@ -203,13 +215,11 @@ def _reseal(ckpt: Path) -> None:
     (lambda c: (c / "dcp" / "__0_0.distcp").write_bytes((c / "dcp" / "__0_0.distcp").read_bytes()[:-100]),
      "dcp/__0_0.distcp"),  # a cut shard: was a message naming no file that advised a config change
 ])
-def test_dcp_files_damaged_behind_their_manifest_are_one_paragraph_naming_the_file(tmp_path, damage, named):
+def test_dcp_files_damaged_behind_their_manifest_are_one_paragraph_naming_the_file(saved, tmp_path, damage, named):
     """A resume refuses them naming the file and the way out (an earlier checkpoint); without the rewritten manifest
     it takes the previous checkpoint itself. Readers never read dcp/: eval, sample and export still load."""
-    model, opt = _trained()
-    run_dir = tmp_path / "run"
-    _checkpointer(run_dir).save(2, model, opt, {})
-    ckpt = _checkpointer(run_dir).save(4, model, opt, {})
+    run_dir = copied(saved, tmp_path)
+    ckpt = run_dir / rundirs.CHECKPOINTS_DIR / "step_000004"
     manifest = (ckpt / rundirs.COMPLETE_FILE).read_bytes()
     damage(ckpt)
     _reseal(ckpt)
