@@ -53,8 +53,7 @@ class _RMSNormalize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]  # ... 1
-        r = torch.rsqrt(ms + eps)  # ... 1
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)  # ... 1
         y = x * r
         ctx.save_for_backward(y, r)
         return y
@@ -87,8 +86,7 @@ def rope_tables(cfg: ModelConfig, seq_len: int,
     """cos and signed sin tables (seq_len, head_dim) in Hugging Face Llama's rotate-half layout; the sin table
     carries rotate-half's sign, [-sin, sin], so apply_rope needs a roll, not a negate and a cat."""
     inv_freq = rope_frequencies(cfg).to(device)
-    t = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # T D/2
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # T D/2
     return torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)  # T D each
 
 
@@ -211,12 +209,10 @@ class Llama(nn.Module):
         # Computed once, not saved: they follow from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Sequence chunk for the loss: bounds the live logits to chunk × vocab (see _chunked_loss); 0 = never
-        # chunk. A plain attribute, so tests and benches can change it on a built model.
+        # The loss's sequence chunk, bounding the live logits (_chunked_loss; 0 = never): a plain attribute.
         self.loss_chunk_tokens = loss_chunk_tokens
-        # The blocks a training forward calls in place of self.layers (train.compile_blocks sets torch.compile'd
-        # ones under fsdp); None = self.layers. A plain list, not registered modules: state_dict keys,
-        # checkpoints, parameters() and the FSDP tree stay those of the eager model.
+        # The blocks a training forward calls in place of self.layers (None): train.compile_blocks's compiled ones
+        # under fsdp. A plain list, so state_dict keys, checkpoints, parameters() and the FSDP tree stay eager's.
         self.training_blocks: Optional[list[nn.Module]] = None
         # train.recompute: a training forward keeps each block's input only and runs the block again in backward.
         # A plain attribute like loss_chunk_tokens; evaluation and decoding keep no activations anyway.
@@ -282,16 +278,13 @@ class Llama(nn.Module):
     def readout_input(self, h: torch.Tensor) -> torch.Tensor:
         """h (B T C) × µP's output multiplier 1/width_mult: the head's update, Adam-sized per entry, sums over `dim`
         aligned coordinates, so unscaled its logit change grows with width. sp: h itself, bit-identical."""
-        m = self.cfg.width_mult
-        return h if m == 1.0 else h / m
+        return h if self.cfg.width_mult == 1.0 else h / self.cfg.width_mult
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
                 caches: Optional[list[KVCache]] = None, start_pos: int = 0) -> torch.Tensor:
         """idx: B T token ids. Returns logits B T V, or the mean cross-entropy against targets (-100: ignored)."""
         h = self.hidden(idx, caches, start_pos)
-        if targets is None:
-            return self.logits(h)  # B T V
-        return self._chunked_loss(h, targets)
+        return self.logits(h) if targets is None else self._chunked_loss(h, targets)  # B T V, or a scalar
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy without holding all B×T×V logits at once: each chunk's logits are recomputed in
@@ -321,9 +314,7 @@ class Llama(nn.Module):
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(logits / cap) in fp32 (bf16 tanh near ±cap would flatten differences), or logits as they
     are when cap is 0 (off)."""
-    if cap <= 0:
-        return logits
-    return cap * torch.tanh(logits.float() / cap)  # B T V, fp32
+    return logits if cap <= 0 else cap * torch.tanh(logits.float() / cap)  # B T V, fp32 when capped
 
 
 def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
@@ -367,10 +358,9 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
     except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not any(why in str(e) for why in _TOO_BIG):
             raise
-        raise ConfigError(f"the model section's parameters cannot be "
-                          f"allocated on {init_device or device} ({' '.join(str(e).split()[:12])} ...). Check "
-                          f"model.dim, model.n_layers, model.ffn_dim and model.vocab_size (`nanopt estimate` sizes a "
-                          f"config's memory).") from None
+        raise ConfigError(f"the model section's parameters cannot be allocated on {init_device or device} "
+                          f"({' '.join(str(e).split()[:12])} ...). Check model.dim, model.n_layers, model.ffn_dim and "
+                          f"model.vocab_size (`nanopt estimate` sizes a config's memory).") from None
     model.tie_head()
     model.init_weights()
     model.to(device=device, dtype=dtype)  # a no-op unless moving (XLA) or casting (bf16-pure)

@@ -24,10 +24,9 @@ log = logging.getLogger("nanopt")
 KINDS = ("matrix", "embedding", "head", "scalar")
 # Every group names the torch optimizer that steps it, so a checkpoint says which update rule its state is for.
 ADAMW, MUON = "adamw", "muon"
-# Group keys that belong to this run's config and device rather than to the training trajectory: a resume
+# Group keys of this run's config and device (the implementation flags), not of the training trajectory: a resume
 # takes them from the freshly built optimizer, never from the checkpoint.
-RUN_KEYS = ("kind", "optimizer", "base_lr", "weight_decay")
-IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+RUN_KEYS = ("kind", "optimizer", "base_lr", "weight_decay", "fused", "foreach", "capturable", "differentiable")
 
 
 def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = None) -> tuple[float, float]:
@@ -54,9 +53,8 @@ def mup_lr_scale(kind: str, width_mult: float, optim: OptimConfig) -> float:
 
 
 def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConfig] = None) -> list[dict]:
-    """One group per non-empty kind, in KINDS order, with kind, base_lr, weight_decay and params; every
-    trainable parameter appears exactly once (model.parameters() yields a tied weight once). A model with a
-    µP config (model.cfg.width_mult) gets mup_lr_scale on each kind's lr."""
+    """One group per non-empty kind, in KINDS order, with kind, base_lr, weight_decay and params; every trainable
+    parameter exactly once (a tied weight too). A µP model's (model.cfg.width_mult) lrs take mup_lr_scale."""
     optim = optim or OptimConfig()
     width_mult = getattr(getattr(model, "cfg", None), "width_mult", 1.0)
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -108,8 +106,7 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, opti
 
 
 def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.optim.AdamW:
-    # Fused on CUDA and CPU (one kernel per step, a vectorised loop on CPU); on XLA the backend's flags (torch would
-    # otherwise pick its per-parameter loop there).
+    # Fused on CUDA and CPU (one kernel per step); on XLA the backend's flags (else torch picks its per-parameter loop).
     flags = dict(xla.ADAMW_OPTIONS) if device_kind == "xla" else {"fused": device_kind in ("cuda", "cpu")}
     return torch.optim.AdamW([dict(g, optimizer=ADAMW) for g in groups], lr=train.lr,
                              betas=(train.beta1, train.beta2), eps=train.eps, **flags)
@@ -149,10 +146,8 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         for group in self.param_groups:
             params, grads, bufs = [], [], []  # of torch.Tensor
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
@@ -218,9 +213,8 @@ def _ns_cost(shape: torch.Size) -> int:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a DTensor (its local tensor itself, so in-place ops write the DTensor), else `t`. Asked by
-    duck type, DTensors alone having to_local: importing torch.distributed.tensor costs seconds, which only an fsdp
-    run pays (in parallel.shard)."""
+    """This rank's rows of a DTensor (its local tensor itself: in-place ops write the DTensor), else `t`. DTensors
+    alone have to_local; asking isinstance would import torch.distributed.tensor, seconds only an fsdp run pays."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -353,8 +347,7 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
         decay_steps = max(1, int(round(cfg.max_steps * cfg.decay_fraction)))
         frac = min(1.0, max(0, step - (cfg.max_steps - decay_steps) + 1) / decay_steps)
         return 1.0 + (floor - 1.0) * frac
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return floor + 0.5 * (1.0 - floor) * (1 + math.cos(math.pi * frac))
 
 
@@ -366,17 +359,16 @@ def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
 
 def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load a saved state_dict into `optimizer` (build_optimizer's, same model). The trajectory (moments, step
-    counts, lr, betas, ...) comes from the checkpoint; RUN_KEYS and the implementation flags from this run, which
+    counts, lr, betas, ...) comes from the checkpoint; RUN_KEYS (the implementation flags too) from this run, which
     torch's load would take from the saved groups (and place the step counts by: fused and capturable AdamW read a
     float32 tensor beside the parameter). Another optimizer's or other groups' state: ValueError."""
-    current = [{k: g[k] for k in RUN_KEYS + IMPL_KEYS if k in g} for g in optimizer.param_groups]
+    current = [{k: g[k] for k in RUN_KEYS if k in g} for g in optimizer.param_groups]
     saved_name, name = optimizer_name(state["param_groups"]), optimizer_name(optimizer.param_groups)
     if saved_name != name:  # torch would load AdamW moments as Muon momentum (or fail halfway) without a word
         raise ValueError(f"the saved optimizer state is {saved_name}'s and this run's optimizer is {name} "
                          f"(optim.name): one's moments mean nothing to the other. Resume with "
                          f"`--optim.name={saved_name}`, or start a new run to train with {name}")
-    saved_kinds = [g.get("kind") for g in state["param_groups"]]
-    kinds = [g.get("kind") for g in current]
+    saved_kinds, kinds = ([g.get("kind") for g in groups] for groups in (state["param_groups"], current))
     if None in saved_kinds:
         raise ValueError("its parameter groups have no kind (the two-group layout nanopt wrote before parameter "
                          "kinds), which this version does not resume. Resume with the nanopt that wrote it, or start "
