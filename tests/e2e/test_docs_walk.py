@@ -41,6 +41,7 @@ import yaml
 
 from conftest import REPO, make_documents
 from nanopt import cli, main
+from nanopt.config import canonical
 
 # A 64-wide, 2-layer model on 32-token windows, 256 tokens a step, two validation batches.
 SHAPE = ("--model.dim=64 --model.n_layers=2 --model.n_heads=4 --model.n_kv_heads=2 --model.ffn_dim=128 "
@@ -57,9 +58,9 @@ MODAL = "needs a Modal account and the network"
 TPU = "a step of setting up and using a TPU VM"
 BENCH = "a bench: tests/test_bench.py runs each bench at toy size"
 SUITE = "the test suite itself"
-# Two gloo ranks cost ~11 CPU-s here; e2e/test_ddp.py::test_two_ranks_match_one_rank launches the same torchrun of
-# configs/tiny.yaml and checks its run against one rank's.
-DDP = "two CPU ranks: tests/e2e/test_ddp.py runs this torchrun of configs/tiny.yaml against one rank"
+# Two gloo ranks cost ~11 CPU-s here; e2e/test_ddp.py checks two ranks (ddp, fsdp) against one rank's run.
+DDP = "two CPU ranks: tests/e2e/test_ddp.py runs ddp and fsdp torchruns against one rank"
+LADDER = "trains a ladder of 12 runs: tests/test_scaling.py fits a ladder's summaries and loads the plan's points"
 PIP = "installs packages from the network (this venv has them)"
 SERVER = "a server that runs until stopped (tests/e2e/test_profiled_run.py reads a run through a real one)"
 
@@ -156,6 +157,11 @@ WALKS: dict[str, Page] = {
         Step("nanopt plot runs/a runs/b --metric val_bpb", run="nanopt plot runs/tiny runs/tiny-50 --metric val_bpb",
              prints=("plot_val_bpb_steps.png",), files=("plot_val_bpb_steps.png",)),
         Step("nanopt eval runs/a --watch", run="nanopt eval runs/tiny-50 --watch", files=("runs/tiny-50/evals.jsonl",)),
+        # Scaling laws
+        Step("nanopt scaling plan configs/ladder-cpu.yaml --budgets 1e12,2e12,4e12 --sizes 4 --out runs/ladder",
+             prints=("budget", "nanopt sweep"), files=("runs/ladder/ladder.yaml",)),
+        skip("nanopt sweep configs/ladder-cpu.yaml --points runs/ladder/ladder.yaml --dir runs/ladder", LADDER),
+        skip("nanopt scaling fit runs/ladder --predict 1.6e13 --plot fit.png", LADDER),
         # Evaluate, sample, export
         Step("nanopt eval runs/tiny --split test", prints=("test loss",), files=("runs/tiny/evals.jsonl",)),
         skip("nanopt eval runs/tiny --tasks hellaswag --limit 200", HUB),
@@ -383,7 +389,7 @@ def toy_won(run_dir: Path, toy: str) -> list[str]:
         key, eq, value = flag[2:].partition("=")
         if eq and "." in key:
             section, name = key.split(".", 1)
-            if config[section][name] != yaml.safe_load(value):
+            if canonical(key, config[section][name]) != canonical(key, value):  # `0:128,30:256` is a list
                 lost.append(f"{key}={config[section][name]!r}, the toy's {value}")
     return lost
 
