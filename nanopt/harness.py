@@ -234,10 +234,6 @@ def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None
 
 
 # ---------------------------------------------------------------- the boundary for lm-eval's task input
-TASK_HINT = ("Check the task YAML and its data_files: local paths must exist and hold one JSON object a line with "
-             "the fields the YAML's doc_to_text, doc_to_target and doc_to_choice use (hub datasets need the network).")
-
-
 def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
     """The harness's Task and Group objects for `tasks`, each built by lm-eval (its YAML and data read, its first
     row rendered) and its rows checked for what lm-eval accepts silently (_check_rows). Building reads only the
@@ -278,7 +274,9 @@ def _task_error(manager: Any, names: list[str], e: BaseException) -> ConfigError
     why += f" ({type(inner).__name__}: {inner})" if inner is not None and str(inner) not in why else ""
     why = f": {files} has no rows" if isinstance(e, StopIteration) else f" (data {files}): {why}"
     return ConfigError(f"lm-eval could not build or score task {', '.join(names)}"
-                       f"{' from ' + ', '.join(yamls) if yamls else ''}{why}. {TASK_HINT}")
+                       f"{' from ' + ', '.join(yamls) if yamls else ''}{why}. Check the task YAML and its data_files: "
+                       f"local paths must exist and hold one JSON object a line with the fields the YAML's "
+                       f"doc_to_text, doc_to_target and doc_to_choice use (hub datasets need the network).")
 
 
 def _configs(manager: Any, name: Any, seen: set[str]) -> list[dict[str, Any]]:
@@ -377,10 +375,9 @@ def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list
     from torch.utils.tensorboard import SummaryWriter  # its own events file beside the trainer's
 
     with SummaryWriter(log_dir=str(run_dir / TB_DIR), filename_suffix=".tasks") as writer:
-        for r in new:
+        for r in (r for r in new if r["step"] is not None):
             for metric, value in r["scores"].items():
-                if r["step"] is not None:
-                    writer.add_scalar(f"tasks/{r['task']}/{metric}", value, r["step"])
+                writer.add_scalar(f"tasks/{r['task']}/{metric}", value, r["step"])
     return held
 
 
