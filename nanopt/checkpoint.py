@@ -596,9 +596,6 @@ class Checkpointer:
             raise ConfigError(error if rt.is_main else f"rank 0 could not resume from {self.root}: {error}")
         return chosen
 
-    def _verify(self, ckpt: Path, step: Optional[int] = None) -> Optional[str]:
-        return verify_checkpoint(ckpt, step, self.rt)
-
     def _choose(self) -> Optional[Path]:
         """Rank 0: the newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved
         one; ConfigError when it did (`checkpoint.start_over`: fresh)."""
@@ -614,7 +611,7 @@ class Checkpointer:
         for tmp in (p for p in ours if p.name.startswith(".tmp_step_")):
             log.warning("removing %s: a checkpoint write that was interrupted", tmp)  # ours: the lock is held
             _remove(tmp)
-        found, problems = newest_checkpoint(self.root, verify=self._verify)
+        found, problems = newest_checkpoint(self.root, verify=lambda c: verify_checkpoint(c, rt=self.rt))
         for line in problems:
             log.warning("skipping checkpoint %s", line)
         if found:
@@ -648,7 +645,7 @@ class Checkpointer:
         """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
         tmp = self.root / f".tmp_{name}"
         try:
-            problem_ = self._verify(self.mirror.fetch(name, tmp), step_of(name))
+            problem_ = verify_checkpoint(self.mirror.fetch(name, tmp), step_of(name), self.rt)
         except OSError as e:
             problem_ = str(e)
         if problem_:
