@@ -13,19 +13,14 @@ from nanopt import attention
 from nanopt.attention import choose, flash_unavailable_reason, sdpa
 
 
-def test_auto_on_cpu_picks_sdpa_and_logs_why(caplog):
+@pytest.mark.parametrize("name, level, said", [
+    ("auto", logging.INFO, "auto chose sdpa because flash-attn needs a CUDA device (this run is on cpu)"),
+    ("flash", logging.WARNING, "flash requested but flash-attn needs a CUDA device")])
+def test_on_cpu_flash_falls_back_to_sdpa_and_logs_why(name, level, said, caplog):
     with caplog.at_level(logging.INFO, logger="nanopt"):
-        name, fn = choose("auto", "cpu")
-    assert (name, fn) == ("sdpa", sdpa)
-    assert "auto chose sdpa because flash-attn needs a CUDA device (this run is on cpu)" in caplog.text
-
-
-def test_flash_requested_on_cpu_falls_back_with_a_warning(caplog):
-    with caplog.at_level(logging.INFO, logger="nanopt"):
-        name, fn = choose("flash", "cpu")
-    assert (name, fn) == ("sdpa", sdpa)
-    [record] = [r for r in caplog.records if "flash requested" in r.getMessage()]
-    assert record.levelno == logging.WARNING and "needs a CUDA device" in record.getMessage()
+        assert choose(name, "cpu") == ("sdpa", sdpa)
+    [record] = [r for r in caplog.records if said in r.getMessage()]
+    assert record.levelno == level  # asked for flash by name: a warning; `auto`'s choice: information
 
 
 def test_on_cuda_without_the_package_the_reason_names_the_install(monkeypatch, caplog):

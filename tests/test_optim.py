@@ -81,27 +81,22 @@ def test_apply_schedule_scales_each_groups_own_base_lr():
     assert all(g["lr"] == pytest.approx(0.5) for g in opt.param_groups[1:])
 
 
-def test_cosine_warms_up_linearly_then_decays_to_the_floor():
-    cfg = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1, schedule="cosine")
-    assert lr_at(0, cfg) == pytest.approx(0.1)
-    assert lr_at(9, cfg) == pytest.approx(1.0)
-    assert lr_at(10, cfg) == pytest.approx(1.0)
-    assert lr_at(60, cfg) == pytest.approx(0.55)  # half way: the mean of peak and floor
-    assert lr_at(110, cfg) == pytest.approx(0.1)
-    values = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+COSINE = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1, schedule="cosine")
 
 
-def test_wsd_is_flat_then_decays_over_the_last_fraction():
-    cfg = TrainConfig(lr=2.0, warmup_steps=0, max_steps=100, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
-    assert lr_at(0, cfg) == 2.0 and lr_at(79, cfg) == 2.0
-    assert lr_at(80, cfg) == pytest.approx(2.0 - 2.0 / 20)
-    assert lr_at(99, cfg) == pytest.approx(0.0)
-
-
-def test_constant_schedule():
-    cfg = TrainConfig(lr=0.5, warmup_steps=4, schedule="constant")
-    assert [lr_at(s, cfg) for s in (0, 3, 4, 1000)] == [0.125, 0.5, 0.5, 0.5]
+@pytest.mark.parametrize("cfg, want", [
+    # cosine: a linear warm-up, then half a cosine to the floor; half way it is the mean of peak and floor
+    (COSINE, {0: 0.1, 9: 1.0, 10: 1.0, 60: 0.55, 110: 0.1}),
+    # wsd: flat, then a linear decay over the last decay_fraction of the steps
+    (TrainConfig(lr=2.0, warmup_steps=0, max_steps=100, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2),
+     {0: 2.0, 79: 2.0, 80: 2.0 - 2.0 / 20, 99: 0.0}),
+    (TrainConfig(lr=0.5, warmup_steps=4, schedule="constant"), {0: 0.125, 3: 0.5, 4: 0.5, 1000: 0.5}),
+], ids=["cosine", "wsd", "constant"])
+def test_each_schedule_warms_up_then_follows_its_shape(cfg, want):
+    assert {s: lr_at(s, cfg) for s in want} == pytest.approx(want, abs=1e-12)
+    if cfg is COSINE:  # and never rises after the warm-up
+        values = [lr_at(s, cfg) for s in range(10, 111)]
+        assert all(a >= b for a, b in zip(values, values[1:]))
 
 
 def test_the_multiplier_is_the_schedule_relative_to_the_peak():
