@@ -213,10 +213,15 @@ class Gate(torch.nn.Module):
         self.gain = torch.nn.Parameter(torch.empty(dim))
 
 
-def test_init_raises_on_a_module_type_without_a_rule():
+@pytest.mark.parametrize("add, named", [
+    (lambda m: setattr(m.layers[1], "gate", Gate(64)), r"layers\.1\.gate\.gain \(Gate\)"),
+    (lambda m: setattr(m.layers[0].mlp.w1, "bias", torch.nn.Parameter(torch.empty(160))),
+     r"layers\.0\.mlp\.w1\.bias \(Linear\)"),
+], ids=["module-type", "linear-bias"])
+def test_init_raises_naming_a_parameter_without_a_rule(add, named):
     model = build_model(small())
-    model.layers[1].gate = Gate(64)
-    with pytest.raises(TypeError, match=r"layers\.1\.gate\.gain \(Gate\)"):
+    add(model)
+    with pytest.raises(TypeError, match=named):
         model.init_weights()
 
 
@@ -230,13 +235,6 @@ def test_build_model_raises_on_a_bare_parameter_without_a_rule(monkeypatch):
     monkeypatch.setattr(Block, "__init__", with_scalar)
     with pytest.raises(TypeError, match=r"layers\.0\.scale \(Block\)"):
         build_model(small())
-
-
-def test_init_rejects_a_linear_bias():
-    model = build_model(small())
-    model.layers[0].mlp.w1.bias = torch.nn.Parameter(torch.empty(160))
-    with pytest.raises(TypeError, match=r"layers\.0\.mlp\.w1\.bias \(Linear\)"):
-        model.init_weights()
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
