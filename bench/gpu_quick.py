@@ -471,7 +471,7 @@ def check_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     base = out["bf16"]
     for name in ("tensorwise", "rowwise"):
         r, c = out[name], cfgs[name]
-        r["fp8_flops_share"] = fp8.flops_share(c.model, c.train, t, c.mfu.causal_halving)
+        r["fp8_flops_share"] = fp8.flops_share(meta_model(c.model), c.train, t, c.mfu.causal_halving)
         if "error" not in r and "error" not in base:
             r["speedup"], r["loss_gap"] = base["step_ms"] / r["step_ms"], abs(r["loss"] - base["loss"])
     ref = json.loads(SHIPPED.read_text())["1b"]["default"]
