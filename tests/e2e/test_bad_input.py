@@ -380,12 +380,6 @@ def _fifo_at_lock(f: dict[str, Path], run_dir: Path, tmp: Path) -> list[str]:
     return _train_on(f, tmp, run_dir=tmp / "run")
 
 
-def _fifo_at_cpu_peak(f: dict[str, Path], run_dir: Path, tmp: Path) -> list[str]:
-    (tmp / "cache").mkdir()
-    _fifo(tmp / "cache" / "cpu_peak.json")
-    return _train_on(f, tmp)
-
-
 # (case id, setup(files, run with two checkpoints, tmp) -> argv, where it runs, exit status, words its output must
 # hold). Where: "here" is cli.run in this process under an alarm (a FIFO read blocked for ever); a real process under
 # a timeout, SIGTERM then having to end whatever blocks, for a boundary only a process has: the dispatcher's
@@ -411,7 +405,6 @@ FILESYSTEM = [
     # Caches: refused unread like any file, then rebuilt (a damaged cache never fails a start).
     ("fifo_at_verified_json", lambda f, r, t: _train_on(f, t, ".verified.json"), "here", 0,
      [".verified.json is not a regular file but a named pipe", "verified again"]),
-    ("fifo_at_cpu_peak_json", _fifo_at_cpu_peak, "here", 0, []),
 ]
 
 
