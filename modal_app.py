@@ -25,8 +25,7 @@ from typing import Any, Iterator, Optional
 
 import modal
 
-from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED,  # stdlib only: cheap at import
-                           EXIT_STATUS_ENV)
+from nanopt.errors import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_STATUS_ENV  # stdlib only: cheap at import
 
 REPO = Path(__file__).resolve().parent
 APP_NAME = "nanopt"
@@ -86,7 +85,7 @@ PIP_PACKAGES = [
     "packaging",
 ]
 # flash-attn is left out: it publishes no wheel for torch 2.11, and gpu_check never measured it, so `attention:
-# auto` picks SDPA anyway (nanopt.attention.FLASH_MEASURED_FASTER). To measure it, build the image with a wheel
+# auto` picks SDPA anyway (nanopt.recipe.attention.FLASH_MEASURED_FASTER). To measure it, build the image with a wheel
 # made for this torch, CUDA and Python: NANOPT_MODAL_FLASH_ATTN_WHEEL=URL modal run modal_app.py::bench ...
 FLASH_ATTN_WHEEL = os.environ.get("NANOPT_MODAL_FLASH_ATTN_WHEEL", "")
 
@@ -429,8 +428,8 @@ def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_ran
            master_addr: str = "", timeout_s: float = TRAIN_TIMEOUT_S) -> dict[str, Any]:
     import tempfile
 
-    from nanopt.checkpoint import newest_checkpoint, step_of
     from nanopt.config import load_config
+    from nanopt.training.checkpoint import newest_checkpoint, step_of
 
     started = time.monotonic()  # Modal's timeout runs from here (near enough: the margin covers the rest)
     config_path = write_run_config(config_yaml, run_name)
@@ -651,7 +650,7 @@ def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> t
     sweep`'s grid of `config` x `sets` ("KEY=V1,V2;KEY2=..." ) x `seeds`, each point checked for `gpus` GPUs
     before any GPU is paid for. Raises nanopt's ConfigError."""
     from nanopt.config import ConfigError, load_config, parse_overrides, to_yaml
-    from nanopt.sweep import plan
+    from nanopt.lab.sweep import plan
 
     set_args = [s.strip() for s in sets.split(";") if s.strip()]
     if not set_args and seeds == 1:
@@ -672,7 +671,7 @@ def sweep_states(sweep_name: str, runs: list[tuple[str, str, Any]]) -> dict[str,
     """done / resume / new for each run name, from its directory on the Volume, by nanopt sweep's own rules
     (rundirs.finished: max_steps, or stopped at the target). Raises nanopt's ConfigError when a point's
     directory ran another config or holds a damaged file."""
-    from nanopt.sweep import point_states
+    from nanopt.lab.sweep import point_states
 
     volume_root = Path(VOLUME_PATH)
     return point_states([(run_name, volume_root / run_dir_for(run_name), cfg) for run_name, _, cfg in runs],

@@ -39,7 +39,7 @@ TOY_RECIPE = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--mo
 
 def cpu_model() -> str:
     """The CPU as nanopt's runtime names it: model, best matmul ISA, native or emulated bf16, torch's kernels."""
-    from nanopt.runtime import CpuBackend
+    from nanopt.distributed.runtime import CpuBackend
 
     return CpuBackend(torch.device("cpu")).hardware_name()
 
@@ -177,12 +177,12 @@ def peak_flops(dtype: torch.dtype, device: torch.device = torch.device("cpu"), b
 
 
 def spec_peak(device: torch.device, precision: str) -> Optional[float]:
-    """The dense spec-sheet peak of a GPU nanopt.hardware knows (as training reports MFU), else None (CPU or
+    """The dense spec-sheet peak of a GPU nanopt.distributed.hardware knows (as training reports MFU), else None (CPU or
     unknown)."""
     if device.type != "cuda":
         return None
-    from nanopt.hardware import detect_hardware, table_peak
-    from nanopt.runtime import Runtime
+    from nanopt.distributed.hardware import detect_hardware, table_peak
+    from nanopt.distributed.runtime import Runtime
 
     rt = Runtime("cuda", device, 0, 0, 1, 1, precision)
     key = detect_hardware(rt.hardware_name(), rt.backend.power_limit_watts())
@@ -209,13 +209,13 @@ def model_config(a, **extra):
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token exactly as the training loop counts them (nanopt.mfu): 6N + attention.
+    """Training FLOPs per token exactly as the training loop counts them (nanopt.recipe.mfu): 6N + attention.
 
     6 = 2 (multiply + add) × 3 (forward, backward for activations, backward for weights); N includes
     the LM head even when tied (a real matmul; the embedding lookup is not). Attention counts only the
     unmasked causal half of the score/value matmuls, 6·L·T·D.
     """
-    from nanopt.mfu import meta_model, token_flops
+    from nanopt.recipe.mfu import meta_model, token_flops
 
     return float(token_flops(meta_model(cfg), seq_len).model)
 
@@ -223,7 +223,7 @@ def flops_per_token(cfg, seq_len: int) -> float:
 def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):
     """The same step for both models: autocast forward, backward, clip 1.0, fused AdamW, zero_grad."""
     from nanopt.config import TrainConfig
-    from nanopt.optim import build_optimizer
+    from nanopt.recipe.optim import build_optimizer
 
     opt = build_optimizer(model, TrainConfig(lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), device.type)
 

@@ -20,14 +20,18 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from nanopt import fp8, hardware, parallel, rundirs, shards, train  # noqa: E402
-from nanopt.config import ModelConfig, load_config  # noqa: E402
-from nanopt.generate import generate  # noqa: E402
-from nanopt.model import build_model  # noqa: E402
-from nanopt.optim import build_optimizer  # noqa: E402
-from nanopt.plan import build_plan  # noqa: E402
-from nanopt.runtime import Runtime  # noqa: E402
-from nanopt.scoring import continuation_scores  # noqa: E402
+from nanopt import rundirs  # noqa: E402
+from nanopt.config import load_config, ModelConfig  # noqa: E402
+from nanopt.data import shards  # noqa: E402
+from nanopt.distributed import hardware, parallel  # noqa: E402
+from nanopt.distributed.runtime import Runtime  # noqa: E402
+from nanopt.evals.generate import generate  # noqa: E402
+from nanopt.evals.scoring import continuation_scores  # noqa: E402
+from nanopt.recipe import fp8  # noqa: E402
+from nanopt.recipe.model import build_model  # noqa: E402
+from nanopt.recipe.optim import build_optimizer  # noqa: E402
+from nanopt.training import train  # noqa: E402
+from nanopt.training.plan import build_plan  # noqa: E402
 
 
 def model_config(path: Optional[str]) -> ModelConfig:
@@ -307,7 +311,7 @@ def md_sample(r: dict[str, Any]) -> list[str]:
 
 
 def md_tasks(tasks: dict[str, Any]) -> list[str]:
-    return ["## Downstream scoring (HellaSwag-sized, nanopt.scoring)", "",
+    return ["## Downstream scoring (HellaSwag-sized, nanopt.evals.scoring)", "",
             f"{tasks['items']:,} items x 4 = {tasks['requests']:,} requests ({tasks['tokens']:,} tokens), batch "
             f"{tasks['batch']}: **{tasks['seconds']:.1f} s** ({tasks['requests_per_s']:,.0f} requests/s; goal "
             f"< {tasks['goal_s']} s); batched vs one-by-one max |Δ| {tasks['batched_vs_alone_max_abs']:.1e}"]

@@ -41,11 +41,11 @@ from typing import Any, Optional
 
 import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
 
-from nanopt import checkpoint  # noqa: E402
-from nanopt.averaging import average_checkpoints  # noqa: E402
 from nanopt.config import load_config, parse_overrides  # noqa: E402
-from nanopt.experiments import RECORD_ALPHA, seeds_needed, welch  # noqa: E402
-from nanopt.watch import Evaluator, evaluate_checkpoint  # noqa: E402
+from nanopt.evals.checkpoint_eval import evaluate_checkpoint, Evaluator  # noqa: E402
+from nanopt.lab.averaging import average_checkpoints  # noqa: E402
+from nanopt.lab.runs import RECORD_ALPHA, seeds_needed, welch  # noqa: E402
+from nanopt.training import checkpoint  # noqa: E402
 
 ARMS = {"cosine": [], "constant": ["--train.schedule=constant"], "wsd": ["--train.schedule=wsd"]}
 # --smoke: the recipe at toy width for 4 steps, a checkpoint every 2, one validation batch: the whole path in seconds.

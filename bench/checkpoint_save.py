@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import save_file
 
 from _common import REPO, alternate, banner, command, median, parser, spread
-from nanopt import checkpoint
+from nanopt.distributed.runtime import Runtime
 from nanopt.io import fsync, write_json
-from nanopt.runtime import Runtime
+from nanopt.training import checkpoint
 
 ONE_PROCESS = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
 

@@ -3,7 +3,7 @@
     git -C <nanochat checkout> show HEAD:nanochat/core_eval.py > /tmp/core_eval.py
     python bench/core_parity.py --nanochat-core-eval /tmp/core_eval.py [--steps 60] [--n 60] [--json]
 
-The bundle is nanopt.taskgen.write_bundle over the embedded corpus's test texts; the model a small byte-level nanopt
+The bundle is nanopt.evals.taskgen.write_bundle over the embedded corpus's test texts; the model a small byte-level nanopt
 Llama trained --steps AdamW steps on the train texts (so it scores above chance), fp32 on CPU (CUDA when present),
 with a context short enough that few-shot prompts are cropped. nanochat's file is imported from its path, never
 copied. Each task is scored as the bundle says and again with every task 1-shot (the bundle's multiple-choice
@@ -23,11 +23,12 @@ from _common import bad_input, banner, command, parser
 
 import torch  # noqa: E402  (after _common puts the repo on sys.path)
 
-from nanopt import core, shards, taskgen  # noqa: E402
 from nanopt.config import ModelConfig  # noqa: E402
-from nanopt.model import build_model  # noqa: E402
-from nanopt.runtime import Runtime  # noqa: E402
-from nanopt.tokenizer import ByteTokenizer  # noqa: E402
+from nanopt.data import shards  # noqa: E402
+from nanopt.data.tokenizer import ByteTokenizer  # noqa: E402
+from nanopt.distributed.runtime import Runtime  # noqa: E402
+from nanopt.evals import core_benchmark as core, taskgen  # noqa: E402
+from nanopt.recipe.model import build_model  # noqa: E402
 
 
 class NanochatTokenizer:
@@ -135,7 +136,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.json:
         print(json.dumps({"ok": ok, "train_loss": loss if a.steps else None, "steps": a.steps, "rows": rows}, indent=2))
         return 0 if ok else 1
-    banner("CORE parity: nanopt.core vs nanochat core_eval.py", {
+    banner("CORE parity: nanopt.evals.core_benchmark vs nanochat core_eval.py", {
         "model": f"{model.num_params():,} params, byte vocab, context {a.max_seq_len}, {a.steps} steps "
                  f"(last loss {loss:.3f}), fp32 on {device.type}",
         "bundle": f"{a.bundle} ({a.n} items per task; *_1shot: the same items 1-shot)",

@@ -49,11 +49,11 @@ def worker(rank: int, world: int, ports: "mp.Queue", a: argparse.Namespace, out:
     store = C.join_group(rank, world, ports)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nanopt import runtime
+    from nanopt.distributed import runtime
     from nanopt.config import TrainConfig
-    from nanopt.model import build_model
-    from nanopt.optim import build_optimizer
-    from nanopt.train import train_step
+    from nanopt.recipe.model import build_model
+    from nanopt.recipe.optim import build_optimizer
+    from nanopt.training.train import train_step
 
     rt = runtime.init("cpu", a.precision, threads=1)  # finds the gloo group
     single_rt = dataclasses.replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
@@ -128,7 +128,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}",
         "batch": f"global {a.micro_batch * world} sequences = {tokens} tokens/step; micro-batch {a.micro_batch}; "
                  f"1 proc accumulates {world} micro-steps; {a.precision}; compile={a.compile}",
-        "step": "nanopt.train.train_step (no_sync on non-final micro-steps, clip 1.0, fused AdamW) + loss all-reduce",
+        "step": "nanopt.training.train.train_step (no_sync on non-final micro-steps, clip 1.0, fused AdamW) + loss all-reduce",
     }, C.command(__file__, argv))
     result = C.spawn_ranks(worker, world, (a,), "the DDP bench")
     times, losses = result["times"], result["losses"]

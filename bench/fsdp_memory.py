@@ -1,5 +1,5 @@
 """Per-rank parameter, gradient and optimizer-state bytes, and step time: DDP against FSDP (runtime.parallel) at
-1, 2 and 4 gloo ranks on CPU, one thread per rank, with the bytes nanopt/memory.py's model predicts beside them.
+1, 2 and 4 gloo ranks on CPU, one thread per rank, with the bytes nanopt/distributed/memory.py's model predicts beside them.
 
 At each world size the same spawned processes hold both set-ups (the same initial weights) and alternate their
 steps round by round after warm-up. Bytes are summed over this rank's tensors (a DTensor's local shard): the
@@ -24,8 +24,8 @@ import torch
 import torch.multiprocessing as mp
 
 from nanopt.config import load_config, parse_overrides
-from nanopt.memory import Training, device_memory
-from nanopt.mfu import meta_model
+from nanopt.distributed.memory import device_memory, Training
+from nanopt.recipe.mfu import meta_model
 
 SMOKE = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.ffn_dim=64",
          "--model.vocab_size=64", "--train.seq_len=16", "--train.micro_batch_size=2", "--train.precision=fp32"]
@@ -51,7 +51,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def local_bytes(tensors: Any) -> int:
     """Bytes of this rank's part of each tensor (a DTensor's local shard), each once. By address, not storage:
     DDP's gradients are views of its buckets, FSDP2's of one reduce-scatter output."""
-    from nanopt.parallel import local_tensor
+    from nanopt.distributed.parallel import local_tensor
 
     seen: dict[tuple[int, int], int] = {}
     for t in tensors:
@@ -63,10 +63,11 @@ def local_bytes(tensors: Any) -> int:
 
 def worker(rank: int, world: int, ports: "mp.Queue", a: argparse.Namespace, out: "mp.Queue") -> None:
     C.join_group(rank, world, ports)
-    from nanopt import parallel, runtime
-    from nanopt.model import build_model
-    from nanopt.optim import build_optimizer
-    from nanopt.train import train_step
+    from nanopt.distributed import parallel
+    from nanopt.distributed import runtime
+    from nanopt.recipe.model import build_model
+    from nanopt.recipe.optim import build_optimizer
+    from nanopt.training.train import train_step
 
     base = load_config(a.config, parse_overrides(a.overrides))
     t = base.train
@@ -144,7 +145,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"{b['optimizer'] / 1e6:8.2f} | {totals[s] / 1e6:8.2f} | {totals[s] / totals['ddp']:5.2f} | "
                   f"{modelled / 1e6:8.2f} | {1000 * medians[s]:7.1f} | {C.spread(r['times'][s]):>6}")
         ratios[world] = (totals["fsdp"] / totals["ddp"], medians["ddp"] / medians["fsdp"])
-    print("\n'model MB': nanopt/memory.py's resident bytes (params + grads + optimizer between steps) for the same "
+    print("\n'model MB': nanopt/distributed/memory.py's resident bytes (params + grads + optimizer between steps) for the same "
           "config; 'x ddp': total bytes over DDP's at the same ranks.")
     for world, (memory, speed) in ratios.items():
         goal = {2: 0.55, 4: 0.3}.get(world)

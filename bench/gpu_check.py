@@ -20,7 +20,7 @@ Sections (docs/results.md "GPU: one H100"; issue 16's findings in brackets):
   sample     KV-cache sampling: tokens/s with and without the cache, and the cache's logits against one full forward
   resume     a short run killed in a step and resumed on this device, against an uninterrupted one
   tasks      downstream scoring speed: a HellaSwag-sized synthetic set (10,042 items x 4 endings, ~100 tokens
-             each) scored by nanopt.scoring (lm-eval's `nanopt` model) on the 1B config in bf16; goal < 60 s
+             each) scored by nanopt.evals.scoring (lm-eval's `nanopt` model) on the 1B config in bf16; goal < 60 s
   fp8        train.fp8 (torchao, tensorwise): 1b and 170m tokens/s against bf16 compiled, and the loss gap after
              200 steps of the 170m model on real text (--text: shards of the embedded corpus by default; the GPU
              machine has no network, so carry them)
@@ -60,11 +60,14 @@ from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_samp
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from nanopt import attention, experiments, io, rundirs, shards  # noqa: E402
+from nanopt import io, rundirs  # noqa: E402
 from nanopt.config import load_config, parse_overrides  # noqa: E402
-from nanopt.model import build_model  # noqa: E402
-from nanopt.runtime import Runtime  # noqa: E402
-from nanopt.parallel import no_forward_buffer_sync  # noqa: E402
+from nanopt.data import shards  # noqa: E402
+from nanopt.distributed.parallel import no_forward_buffer_sync  # noqa: E402
+from nanopt.distributed.runtime import Runtime  # noqa: E402
+from nanopt.lab import runs as experiments  # noqa: E402
+from nanopt.recipe import attention  # noqa: E402
+from nanopt.recipe.model import build_model  # noqa: E402
 
 SECTIONS = ("env", "attention", "ddp", "ranks2", "sample", "resume", "tasks", "fp8", "speedrun", "170m", "1b")
 
@@ -372,13 +375,13 @@ def check_speedrun(spec: dict[str, Any], work: Path, steps: int, shards: Path, t
 # NCCL refuses two ranks on one GPU, so these ranks' process group is gloo (it carries CUDA tensors through the
 # host); the rest is nanopt's own `python -m nanopt.main`.
 GLOO_DRIVER = """import sys
-from nanopt import runtime
+from nanopt.distributed import runtime  # noqa: E402
 start = runtime.CudaBackend.__init__
 def gloo(self, device):
     start(self, device)
     self.process_group_options = {"backend": "gloo"}
 runtime.CudaBackend.__init__ = gloo
-from nanopt.main import run
+from nanopt.main import run  # noqa: E402
 sys.exit(run(sys.argv[1:]))
 """
 

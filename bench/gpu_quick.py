@@ -28,7 +28,7 @@ Sections, in the order they run: by what they decide, most first (PLAN below: ea
   decode_fp8  KV-cache greedy decoding of an FP8-converted model (tensorwise and rowwise): tokens/s, cached logits
               against one full forward
   sample      the same for the 1B model in fp32 (TF32 on), judged by the logits, not by greedy tokens
-  harness     lm-eval's `nanopt` model on this device against nanopt.scoring (lm-eval from a carried wheel)
+  harness     lm-eval's `nanopt` model on this device against nanopt.evals.scoring (lm-eval from a carried wheel)
 """
 from __future__ import annotations
 
@@ -49,16 +49,18 @@ from _gpu import (LOGIT_TOLERANCE, QUIET, REPO, WorldOfOne, _fmt, check_env, che
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from nanopt import fp8, shards, train  # noqa: E402
 from nanopt.config import Config, load_config, parse_overrides  # noqa: E402
-from nanopt.harness import lm_class  # noqa: E402
-from nanopt.mfu import meta_model  # noqa: E402
-from nanopt.model import build_model  # noqa: E402
-from nanopt.optim import BatchedMuon  # noqa: E402
-from nanopt.plan import build_plan  # noqa: E402
-from nanopt.runtime import Runtime  # noqa: E402
-from nanopt.scoring import continuation_scores  # noqa: E402
-from nanopt.tokenizer import get_tokenizer  # noqa: E402
+from nanopt.data import shards  # noqa: E402
+from nanopt.data.tokenizer import get_tokenizer  # noqa: E402
+from nanopt.distributed.runtime import Runtime  # noqa: E402
+from nanopt.evals.scoring import continuation_scores  # noqa: E402
+from nanopt.evals.tasks import lm_class  # noqa: E402
+from nanopt.recipe import fp8  # noqa: E402
+from nanopt.recipe.mfu import meta_model  # noqa: E402
+from nanopt.recipe.model import build_model  # noqa: E402
+from nanopt.recipe.optim import BatchedMuon  # noqa: E402
+from nanopt.training import train  # noqa: E402
+from nanopt.training.plan import build_plan  # noqa: E402
 
 # Each section's part (0: both parts) and budget in seconds: on the H200, from the H100's compile times (35-44 s for
 # a 12- or 16-block model, ~10 s of it fixed; docs/results.md) plus its steps; as --cpu-smoke, its time measured on
@@ -297,7 +299,7 @@ def fp8_rounding(model: torch.nn.Module, plain: torch.nn.Module, spec: dict[str,
 
 def check_harness(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     """lm-eval's `nanopt` model built from a live model on this device (as training's task scorer builds it): its
-    loglikelihoods against nanopt.scoring one request at a time, and one greedy generate_until."""
+    loglikelihoods against nanopt.evals.scoring one request at a time, and one greedy generate_until."""
     if reason := skip_reason("lm_eval", f"the harness model needs lm-eval: {CARRY}"):
         return {"skipped": reason}
     from lm_eval.api.instance import Instance

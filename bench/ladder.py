@@ -1,5 +1,5 @@
 """The optimisation ladder on this machine: each rung's tokens/s and MFU against the matmul peak
-measured in the same alternating rounds (on a GPU nanopt.hardware knows, its spec-sheet peak, as in training).
+measured in the same alternating rounds (on a GPU nanopt.distributed.hardware knows, its spec-sheet peak, as in training).
 
     python bench/ladder.py                     # dim 512, 4 layers, seq 256
     python bench/ladder.py --repeats 5 --no-compile
@@ -60,8 +60,8 @@ def rungs(a: argparse.Namespace) -> list[Rung]:
 
 
 def make_step(r: Rung, cfg, a: argparse.Namespace, device: torch.device):
-    from nanopt.attention import BACKENDS
-    from nanopt.model import build_model
+    from nanopt.recipe.attention import BACKENDS
+    from nanopt.recipe.model import build_model
 
     torch.manual_seed(0)
     model = build_model(cfg, device).train()
@@ -83,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     side = a.peak_n or (8192 if device.type == "cuda" else 2048)
     C.banner("optimisation ladder", {
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}"
-                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.mfu convention)",
+                 f" ({fpt / 1e6:.1f} MFLOP/token, nanopt.recipe.mfu convention)",
         "peak": f"best {side}^2 matmul FLOP/s per precision, measured inside the same alternating rounds",
     }, C.command(__file__, argv))
     ladder = rungs(a)

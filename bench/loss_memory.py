@@ -22,7 +22,7 @@ import _common as C  # importing _common puts REPO on sys.path: nanopt from this
 import torch
 
 from nanopt.config import ModelConfig  # noqa: E402
-from nanopt.model import build_model  # noqa: E402
+from nanopt.recipe.model import build_model  # noqa: E402
 
 
 def _rss_bytes() -> int:

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanopt import optim
 from nanopt.config import load_config
-from nanopt.model import build_model
-from nanopt.runtime import CpuBackend
+from nanopt.distributed.runtime import CpuBackend
+from nanopt.recipe import optim
+from nanopt.recipe.model import build_model
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -27,9 +27,9 @@ import torch
 
 from nanopt import rundirs
 from nanopt.config import load_config
-from nanopt.model import build_model
-from nanopt.optim import BatchedMuon, orthogonalize, param_groups
-from nanopt.runtime import CpuBackend
+from nanopt.distributed.runtime import CpuBackend
+from nanopt.recipe.model import build_model
+from nanopt.recipe.optim import BatchedMuon, orthogonalize, param_groups
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 A synthetic corpus with realistic document lengths (lognormal, mean ~1000 tokens, a GPT-2-sized vocabulary,
 a BOS before each document) is written as shards with shards.write_shard to a temp dir; the packed loader
-(nanopt/packing.py) then serves steps of micro_batch x (seq_len + 1) rows on one thread: the plan (best fit from
+(nanopt/training/packing.py) then serves steps of micro_batch x (seq_len + 1) rows on one thread: the plan (best fit from
 the buffer by bisection) and the rows' tokens read from the memmapped shards. Medians of alternating repeats.
 It is a benchmark, not a test. The goal is >= 1M tokens/s per core (a GPU step of ~0.5M tokens takes ~0.2 s).
 
@@ -24,7 +24,8 @@ import _common as C  # importing _common puts REPO on sys.path: nanopt from this
 import numpy as np
 import torch
 
-from nanopt import packing, shards  # noqa: E402
+from nanopt.data import shards  # noqa: E402
+from nanopt.training import packing  # noqa: E402
 
 VOCAB, BOS = 50257, 50256
 

@@ -5,7 +5,7 @@ here on the embedded Shakespeare corpus with `tokenizers`, loaded through transf
 tokenizer is reachable offline), frame documents with BOS, and write token shards; they are checked to
 produce identical tokens. The naive side calls the Hugging Face tokenizer once per document in one
 process; prepare batches documents over worker processes and runs the same BPE on tiktoken when it is
-installed (nanopt/fastbpe.py), so the ratio has two factors: tokens per CPU-second and cores used. Alternating
+installed (nanopt/data/fastbpe.py), so the ratio has two factors: tokens per CPU-second and cores used. Alternating
 repeats after a warm-up; medians and the ratio are printed. It is a benchmark, not a test.
 
     python bench/prepare.py [--repeats 3] [--doc-chars 4000] [--copies 4] [--vocab 8192] [--workers N]
@@ -28,10 +28,10 @@ from typing import Optional
 import _common as C  # importing _common puts REPO on sys.path: nanopt from this checkout
 import numpy as np
 
-from nanopt import prepare, shards  # noqa: E402
 from nanopt.config import load_config  # noqa: E402
+from nanopt.data import prepare, shards  # noqa: E402
+from nanopt.data.tokenizer import get_tokenizer  # noqa: E402
 from nanopt.io import cache_dir  # noqa: E402
-from nanopt.tokenizer import get_tokenizer  # noqa: E402
 
 
 def corpus_documents(doc_chars: int) -> list[str]:

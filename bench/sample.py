@@ -15,8 +15,8 @@ from _common import alternate, banner, command, median, parser, spread
 import torch  # noqa: E402  (after _common puts the repo on sys.path)
 
 from nanopt.config import load_config  # noqa: E402
-from nanopt.generate import generate  # noqa: E402
-from nanopt.model import build_model  # noqa: E402
+from nanopt.evals.generate import generate  # noqa: E402
+from nanopt.recipe.model import build_model  # noqa: E402
 
 
 @torch.no_grad()

@@ -77,7 +77,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         torch.set_num_threads(a.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from nanopt.model import build_model
+    from nanopt.recipe.model import build_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = C.model_config(a, tie_embeddings=True, attention="sdpa")

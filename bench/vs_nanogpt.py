@@ -41,7 +41,7 @@ import _common as C
 import numpy as np
 
 from nanopt import rundirs
-from nanopt.shards import corpus_documents, fetch_sdist
+from nanopt.data.shards import corpus_documents, fetch_sdist
 from nanopt.io import cache_dir
 
 PEER = C.REPO.parent / "shared" / "peers" / "nanoGPT"

@@ -21,15 +21,15 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from nanopt.distributed.hardware import PEAKS
 from nanopt.errors import ConfigError
-from nanopt.hardware import PEAKS
 from nanopt.io import read_bytes
 from nanopt.schema import parse
 
 DEFAULT_CONFIG = "tiny"  # the embedded default when no config file is given: configs/tiny.yaml
 SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed, which must stay in 64 bits
 DEVICES = ("auto", "cpu", "cuda", "xla")  # every device nanopt runs on; `nanopt eval` and `sample` offer the same
-PARALLELISMS = ("ddp", "fsdp", "hsdp")  # runtime.parallel: how ranks share the model (nanopt/parallel.py)
+PARALLELISMS = ("ddp", "fsdp", "hsdp")  # runtime.parallel: how ranks share the model (nanopt/distributed/parallel.py)
 BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
 # Every integer key is below this unless its own rules say less: torch, numpy and C hold integers as int64, and a
 # larger one is an OverflowError wherever it lands. Keys whose size allocates or loops (a batch, a context, a
@@ -321,7 +321,7 @@ class TrainConfig:
 @section()
 @dataclass
 class OptimConfig:
-    """Which optimizer updates which kind of parameter (nanopt/optim.py; docs/speedrun.md). Kinds: matrix (the
+    """Which optimizer updates which kind of parameter (nanopt/recipe/optim.py; docs/speedrun.md). Kinds: matrix (the
     hidden 2-D weights), embedding (token and value embeddings), head (an untied LM head), scalar (norm gains,
     residual scalars); scalars never decay. train.schedule scales every kind's lr alike."""
     name: str = key("adamw", "muon: Muon on the matrix kind, AdamW with train.beta1/beta2 on the rest.",
@@ -414,7 +414,7 @@ class LogConfig:
 @section(safe=True)
 @dataclass
 class RuntimeConfig:
-    """The device and its threads (nanopt/runtime.py)."""
+    """The device and its threads (nanopt/distributed/runtime.py)."""
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
     # More threads than any host has cores (the largest hold a few hundred) only oversubscribe; a fixed bound, not
     # this machine's count, so a config written here runs on a bigger host.
@@ -515,7 +515,7 @@ class PrepareConfig:
 @section(safe=True, neutral=True)  # how MFU is reported, not how fast the run is
 @dataclass
 class MfuConfig:
-    """What MFU is measured against (nanopt/mfu.py; docs/mfu.md)."""
+    """What MFU is measured against (nanopt/recipe/mfu.py; docs/mfu.md)."""
     hardware: str = key("auto", "auto detects the accelerator (CPU: a measured matmul peak); a peak-table name "
                         "forces that device's dense spec-sheet peak.", choices=("auto", *PEAKS))
     warmup_steps: int = key(1, "Steps (from the start or a resume) kept out of the MFU average.", ge=0)
@@ -527,7 +527,7 @@ class MfuConfig:
 @section(safe=True)
 @dataclass
 class ProfileConfig:
-    """torch.profiler around the training loop (nanopt/profiling.py; docs/profiling.md); off costs nothing. The
+    """torch.profiler around the training loop (nanopt/training/profiling.py; docs/profiling.md); off costs nothing. The
     schedule, in optimizer steps, shrinks to fit a run (or what is left of it on resume) shorter than its sum."""
     enabled: bool = key(False, "Profile the training loop.")
     wait: int = key(10, "Steps skipped before profiling.", ge=0)
@@ -548,7 +548,7 @@ class ProfileConfig:
 @section(safe=True, neutral=True)  # read by `nanopt scaling plan` alone: a run computes the same with any of them
 @dataclass
 class ScalingConfig:
-    """How `nanopt scaling plan` sizes a ladder from this config, its reference point (nanopt/scaling.py;
+    """How `nanopt scaling plan` sizes a ladder from this config, its reference point (nanopt/lab/scaling.py;
     docs/scaling.md): the config's own batch, lr and weight decay are the tuned values the rules scale from."""
     tokens_per_param: float = key(20.0, "Tokens per parameter at a budget's predicted optimum, where the plan "
                                   "centres its sizes (Chinchilla's ~20).", gt=0, le=1e6)

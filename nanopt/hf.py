@@ -20,12 +20,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanopt import parallel, rundirs
+from nanopt import rundirs
 from nanopt.config import Config, ModelConfig, config_from_dict, model_from_dict
+from nanopt.data.tokenizer import get_tokenizer
+from nanopt.distributed import parallel
 from nanopt.errors import ConfigError
 from nanopt.io import as_disk_full, disk_full, fsync, read_json, refuse_link, write_json, writing
-from nanopt.model import Llama, build_model
-from nanopt.tokenizer import get_tokenizer
+from nanopt.recipe.model import Llama, build_model
 
 log = logging.getLogger("nanopt")
 

@@ -10,11 +10,12 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from nanopt import checkpoint, rundirs
+from nanopt import rundirs
 from nanopt.config import Config
 from nanopt.errors import ConfigError
 from nanopt.hf import load_hf
-from nanopt.model import Llama, build_model
+from nanopt.recipe.model import Llama, build_model
+from nanopt.training import checkpoint
 
 # What `--weights` takes: the weights the run evaluated (its eval.weights), the model's own, or the averaged ones.
 WEIGHTS = ("run", "model", "ema")

@@ -35,7 +35,7 @@ METRICS_FILE = "metrics.jsonl"
 # `nanopt eval`'s own file: the trainer owns metrics.jsonl (a resume trims it, and on a Modal Volume the
 # trainer's commit of it would drop lines another container wrote), so evaluations there could be lost.
 EVALS_FILE = "evals.jsonl"
-PROFILE_FILE = "profile_summary.json"  # nanopt.profiling.SUMMARY_FILE (that module imports torch; a test ties them)
+PROFILE_FILE = "profile_summary.json"  # nanopt.training.profiling.SUMMARY_FILE (that module imports torch; a test ties them)
 CURVES_FILE = "curves.png"
 TB_DIR = "tb"
 LOCK_FILE = "lock.json"

@@ -64,7 +64,7 @@ A run is configured by one YAML file of sections (`run:`, `model:`, `train:`, ..
   {SWITCHED}. A config keeps presets for an optional feature as flags in a comment (the `profile:` of
   `configs/1b.yaml`). A saved config (a checkpoint's, an export's) loads as written: the key changed nothing.
 - **Derived values.** At start-up a `model.max_seq_len` of 0 becomes `train.seq_len`. The stage plan
-  (nanopt/plan.py) derives each stage's steps, tokens and micro-steps per optimizer step (batch tokens /
+  (nanopt/training/plan.py) derives each stage's steps, tokens and micro-steps per optimizer step (batch tokens /
   (micro_batch_size × seq_len × world size)) from the config and the world size; a run logs each stage as it
   enters it, and [`nanopt estimate`](mfu.md#time-to-train-nanopt-estimate) prints them all.
 - **`config.yaml` in a run directory** is the resolved config of the newest session: the file, the overrides

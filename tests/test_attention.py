@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from nanopt import attention
-from nanopt.attention import choose, flash_unavailable_reason, sdpa
+from nanopt.recipe import attention
+from nanopt.recipe.attention import choose, flash_unavailable_reason, sdpa
 
 
 @pytest.mark.parametrize("name, level, said", [

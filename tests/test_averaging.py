@@ -1,4 +1,4 @@
-"""`nanopt average` (nanopt/averaging.py): the mean of a run's checkpoints, summed in fp32 and saved in each tensor's
+"""`nanopt average` (nanopt/lab/averaging.py): the mean of a run's checkpoints, summed in fp32 and saved in each tensor's
 dtype, is a checkpoint that eval and sample load like any other; every bad input is one paragraph, exit 2, and
 nothing written."""
 from __future__ import annotations
@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_overrides
 from safetensors.torch import load_file, save_file
 
-from conftest import small_overrides
-from nanopt import averaging, checkpoint, cli, loading, rundirs
+from nanopt import cli, loading, rundirs
+from nanopt.lab import averaging
 from nanopt.main import run
+from nanopt.training import checkpoint
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 6, "checkpoint.every": 2,
                           "log.tensorboard": "false"})

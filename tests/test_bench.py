@@ -19,9 +19,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import pytest
 import torch
-
-from conftest import BENCH
-from conftest import bench_module as bench
+from conftest import BENCH, bench_module as bench
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a bench finds a peer kept outside the project (bench/vs_nanogpt.py's default): beside the checkout. The peers
@@ -252,11 +250,11 @@ def test_omp_policy_refuses_an_unknown_shape(capsys):
     assert exit.value.code == 2 and "--shapes names huge; the shapes are tiny, nanogpt." in capsys.readouterr().err
 
 
-# nanochat's core_eval.py as bench/core_parity.py calls it, answered by nanopt.core: the harness (its adapters,
+# nanochat's core_eval.py as bench/core_parity.py calls it, answered by nanopt.evals.core_benchmark: the harness (its adapters,
 # nanopt at batch 1 and batch N, the per-item comparison, the table) runs where the peer is absent.
 NANOCHAT_STAND_IN = '''
-from nanopt import core
-from nanopt.runtime import Runtime
+from nanopt.evals import core_benchmark as core
+from nanopt.distributed.runtime import Runtime
 
 
 def render_prompts_mc(item, delimiter, shots):

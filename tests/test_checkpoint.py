@@ -1,4 +1,4 @@
-"""THE checkpoint format (nanopt/checkpoint.py): a save's COMPLETE manifest lists every file with its size and crc32,
+"""THE checkpoint format (nanopt/training/checkpoint.py): a save's COMPLETE manifest lists every file with its size and crc32,
 any damage falls back to the previous checkpoint (newest first, reading no older one), a checkpoint's config is
 validated before anything is built, a save never writes through a link and a full disk is DiskFull naming the file,
 and a failed mirror copy is reported once."""
@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CPU, SHORT_ARGS, fork_ranks
-from nanopt import checkpoint, loading, parallel, rundirs, runtime
+
+from nanopt import loading, rundirs
 from nanopt.config import load_config, parse_overrides
+from nanopt.distributed import parallel, runtime
 from nanopt.errors import ConfigError, DiskFull
-from nanopt.model import build_model
-from nanopt.optim import build_optimizer
+from nanopt.recipe.model import build_model
+from nanopt.recipe.optim import build_optimizer
+from nanopt.training import checkpoint
 
 real_crc32 = checkpoint.crc32_of
 

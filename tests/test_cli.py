@@ -9,8 +9,8 @@ import sys
 from unittest import mock
 
 import pytest
-
 from conftest import REPO, run_module
+
 from nanopt.cli import COMMANDS, run
 from nanopt.errors import EXIT_STATUS_ENV
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from conftest import run_module
+
 from nanopt.config import (Config, ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
                            resume_changes, to_yaml)
 from nanopt.main import run
-from nanopt.plan import build_plan
+from nanopt.training.plan import build_plan
 
 
 @pytest.mark.parametrize("path", sorted(configs_dir().glob("*.yaml")), ids=lambda p: p.name)
@@ -358,7 +358,7 @@ def test_integers_are_parsed_exactly():
 @pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
 def test_fsdp_and_hsdp_accept_init_from_and_task_scoring(parallel, tmp_path):
     """train.init_from loads into the shards and eval.tasks / eval.core score on every rank in lockstep under a
-    sharded model (tests/test_hf.py, tests/test_harness.py), so neither is refused."""
+    sharded model (tests/test_hf.py, tests/test_tasks.py), so neither is refused."""
     cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", f"--train.init_from=hf:{tmp_path}",
                                              "--eval.tasks=hellaswag", f"--eval.core={tmp_path}"]))
     cfg.runtime.check(cfg)

@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from test_layers import LAYERS
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The averaged weights (nanopt/ema.py): the update from train.ema_start, the exact swap in and back, the whole
+"""The averaged weights (nanopt/training/ema.py): the update from train.ema_start, the exact swap in and back, the whole
 tensors a checkpoint holds; and in a run: training untouched by it, evaluations that name it, its file in every
 checkpoint from ema_start on."""
 from __future__ import annotations
@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_overrides
 from safetensors.torch import load_file
 
-from conftest import small_overrides
-from nanopt import checkpoint, rundirs
-from nanopt.ema import EMA
+from nanopt import rundirs
 from nanopt.main import run
+from nanopt.training import checkpoint
+from nanopt.training.ema import EMA
 
 
 def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:

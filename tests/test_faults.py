@@ -1,10 +1,11 @@
-"""Stopping (nanopt/faults.py): the time limit is read on every step, and a second signal exits at once."""
+"""Stopping (nanopt/training/faults.py): the time limit is read on every step, and a second signal exits at once."""
 from __future__ import annotations
 
 import os
 import signal
 
-from nanopt import faults, runtime
+from nanopt.distributed import runtime
+from nanopt.training import faults
 
 
 def test_time_limit_is_read_on_every_step(monkeypatch):

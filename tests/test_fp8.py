@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import REPO, small_overrides
-from nanopt import fp8
+
 from nanopt.config import ConfigError, ModelConfig, TrainConfig, load_config, parse_overrides
+from nanopt.distributed.runtime import Backend, Runtime
 from nanopt.main import run
-from nanopt.mfu import meta_model, param_counts, token_flops
-from nanopt.model import build_model
-from nanopt.runtime import Backend, Runtime
+from nanopt.recipe import fp8
+from nanopt.recipe.mfu import meta_model, param_counts, token_flops
+from nanopt.recipe.model import build_model
 
 pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

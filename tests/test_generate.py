@@ -8,11 +8,11 @@ import io
 import pytest
 import torch
 
-from nanopt import checkpoint
-from nanopt.attention import eager, sdpa
 from nanopt.config import Config, ModelConfig
-from nanopt.generate import generate, sample_text
-from nanopt.model import build_model
+from nanopt.evals.generate import generate, sample_text
+from nanopt.recipe.attention import eager, sdpa
+from nanopt.recipe.model import build_model
+from nanopt.training import checkpoint
 
 torch.set_num_threads(1)
 

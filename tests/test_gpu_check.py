@@ -16,7 +16,6 @@ from typing import Iterator, Optional
 
 import pytest
 import torch
-
 from conftest import BENCH, REPO, bench_module
 
 # Every full section a test below reads, in two checks side by side (the CI machine's 2 cores; each training run

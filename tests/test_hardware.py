@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nanopt import hardware
+from nanopt.distributed import hardware
 
 
 def test_the_real_benchmark_gives_a_plausible_peak_within_its_budget():

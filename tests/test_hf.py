@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fork_ranks, hf_logits, hf_tokenizer, transformers_model
 from safetensors.torch import load_file, save_file
 
-from conftest import fork_ranks, hf_logits, hf_tokenizer, transformers_model
-from nanopt import parallel
 from nanopt.config import ModelConfig, load_config, parse_overrides
+from nanopt.distributed import parallel
+from nanopt.distributed.runtime import Runtime
 from nanopt.errors import ConfigError
 from nanopt.hf import export_model, init_from, load_hf
-from nanopt.model import build_model
-from nanopt.runtime import Runtime
+from nanopt.recipe.model import build_model
 
 torch.set_num_threads(1)
 

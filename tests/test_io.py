@@ -10,8 +10,8 @@ import sys
 import threading
 
 import pytest
-
 from conftest import REPO, USERS, full_disk_for, linked_run, users_file
+
 from nanopt import io, rundirs
 from nanopt.errors import ConfigError, DiskFull
 

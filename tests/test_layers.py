@@ -19,16 +19,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("hardware", "schema"),                               # peak table, detection, CPU peak; THE reader of own files
     ("config", "tokenizer", "rundirs"),                   # typed config; tokenizers; reading run directories
     ("plan",),                                            # the stage plan: steps, batch, seq_len, tokens per stage
-    ("xla", "plots", "experiments", "shards", "lock"),    # XLA; pictures; runs; shards; the lease
+    ("xla", "plots", "runs", "shards", "lock"),           # XLA; pictures; many runs; shards; the lease
     ("runtime",),                                         # THE device module
     ("attention", "optim"),                               # kernels and optimizers, each with what the device offers
-    ("model", "data", "packing", "faults", "metrics"),
+    ("model", "loader", "packing", "faults", "metrics"),
     ("mfu", "parallel"),                                  # FLOPs from the model's modules, MFU; DDP / FSDP2
-    ("fp8", "memory", "profiling", "evaluation", "generate", "hf", "taskgen", "ema"),
+    ("fp8", "memory", "profiling", "validation", "generate", "hf", "taskgen", "ema"),
     ("checkpoint", "scoring"),                            # the format; THE continuation scorer
-    ("loading", "core", "averaging"),                     # a model from a run; CORE; checkpoints averaged
-    ("harness",),                                         # the tasks wing: scoring a model, lm-eval's adapter
-    ("train", "prepare", "sweep", "comparison", "watch", "scaling"),  # the logic that commands call
+    ("loading", "core_benchmark", "averaging"),           # a model from a run; CORE; checkpoints averaged
+    ("tasks",),                                           # the tasks wing: scoring a model, lm-eval's adapter
+    ("train", "prepare", "sweep", "compare", "checkpoint_eval", "scaling"),  # the logic that commands call
     ("commands",),                                        # nanopt/commands/*: one module per subcommand
     ("cli",),
     ("main",),
@@ -39,7 +39,8 @@ ALLOWED_LAZY = {("__init__", "nanopt.loading")}
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(PACKAGE).with_suffix("")
-    return "commands" if rel.parts[0] == "commands" else ".".join(rel.parts)
+    # A module is named by its file, whichever folder holds it (names are unique across the folders).
+    return "commands" if rel.parts[0] == "commands" else rel.parts[-1]
 
 
 def _imported(node: ast.AST) -> list[str]:
@@ -47,15 +48,15 @@ def _imported(node: ast.AST) -> list[str]:
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name.split(".")[0] == "nanopt"]
     if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "nanopt":
-        if node.module == "nanopt":
-            return [f"nanopt.{a.name}" for a in node.names]
+        if node.module == "nanopt" or (PACKAGE / node.module.split(".", 1)[1].replace(".", "/")).is_dir():
+            return [f"{node.module}.{a.name}" for a in node.names]  # modules of the package or of a folder
         return [node.module]
     return []
 
 
 def _target_layer(dotted: str) -> tuple[str, int | None]:
     parts = dotted.split(".")[1:]
-    name = "commands" if parts and parts[0] == "commands" else (parts[0] if parts else "__init__")
+    name = "commands" if parts and parts[0] == "commands" else (parts[-1] if parts else "__init__")
     return name, LAYER.get(name)
 
 
@@ -100,7 +101,7 @@ def test_the_check_finds_an_upward_and_a_hidden_import(tmp_path, monkeypatch):
     """The checker itself: a config module importing train, and a function-local import, are both reported."""
     fake = tmp_path / "nanopt"
     fake.mkdir()
-    (fake / "config.py").write_text("from nanopt.train import train\n")
+    (fake / "config.py").write_text("from nanopt.training.train import train\n")
     (fake / "model.py").write_text("def f():\n    from nanopt import data\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     found = violations()
@@ -108,7 +109,7 @@ def test_the_check_finds_an_upward_and_a_hidden_import(tmp_path, monkeypatch):
     assert any("nanopt/model.py:2" in v and "function-local" in v for v in found), found
 
 
-@pytest.mark.parametrize("module", ["nanopt", "nanopt.config", "nanopt.plan", "nanopt.hardware", "nanopt.cli",
+@pytest.mark.parametrize("module", ["nanopt", "nanopt.config", "nanopt.training.plan", "nanopt.distributed.hardware", "nanopt.cli",
                                    "nanopt.main"])
 def test_light_modules_do_not_load_torch(module):
     """Layers 0-4 and the dispatcher stay torch-free (Modal's config check; `nanopt estimate` counts a meta-device

@@ -9,8 +9,8 @@ import socket
 import time
 
 import pytest
-
 from conftest import USERS, dead_pid, full_disk_for, linked_run
+
 from nanopt import rundirs
 from nanopt.errors import ConfigError, DiskFull
 from nanopt.io import write_json

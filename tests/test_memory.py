@@ -1,4 +1,4 @@
-"""The per-GPU memory model (nanopt/memory.py): hand arithmetic for a small config under each parallelism, and
+"""The per-GPU memory model (nanopt/distributed/memory.py): hand arithmetic for a small config under each parallelism, and
 the activation formula against the tensors autograd really saves in model.py's block."""
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from nanopt.config import ModelConfig
-from nanopt.memory import Training, activation_bytes, activation_bytes_per_token, device_memory, every_parallelism
-from nanopt.mfu import meta_model
-from nanopt.model import Block, rope_tables
+from nanopt.distributed.memory import (Training, activation_bytes, activation_bytes_per_token, device_memory,
+                                       every_parallelism)
+from nanopt.recipe.mfu import meta_model
+from nanopt.recipe.model import Block, rope_tables
 
 # 4 layers of dim 64 (4 heads of 16, 2 KV heads), SwiGLU 128, vocabulary 100, tied head.
 SMALL = meta_model(ModelConfig(vocab_size=100, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128))

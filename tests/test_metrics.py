@@ -1,4 +1,4 @@
-"""The metrics logger (nanopt/metrics.py): it refuses a metrics.jsonl that is a link, and a resume trims only the
+"""The metrics logger (nanopt/training/metrics.py): it refuses a metrics.jsonl that is a link, and a resume trims only the
 records past its step; the console prints a library's line once; the step line names the busiest rank."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import io
 import logging
 
 import pytest
-
 from conftest import USERS, users_file
+
 from nanopt import rundirs
 from nanopt.errors import ConfigError
-from nanopt.metrics import MetricsLogger, setup_logging, step_line
+from nanopt.training.metrics import MetricsLogger, setup_logging, step_line
 
 
 def test_the_metrics_logger_and_the_trim_refuse_a_link(tmp_path):

@@ -8,15 +8,17 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-
-import nanopt.model
 from conftest import REPO
-from nanopt import cli, hardware, mfu
-from nanopt.attention import eager
+
+import nanopt.recipe.model
+from nanopt import cli
 from nanopt.config import ConfigError, ModelConfig, load_config
-from nanopt.memory import Training, activation_bytes_per_token, device_memory
-from nanopt.model import Block, build_model, residual_linear
-from nanopt.runtime import Backend, Runtime
+from nanopt.distributed import hardware
+from nanopt.distributed.memory import Training, activation_bytes_per_token, device_memory
+from nanopt.distributed.runtime import Backend, Runtime
+from nanopt.recipe import mfu
+from nanopt.recipe.attention import eager
+from nanopt.recipe.model import Block, build_model, residual_linear
 
 # ---------------------------------------------------------------- FLOPs per token, by hand
 
@@ -179,7 +181,7 @@ def test_peak_table_holds_each_devices_spec_sheet_memory():
     ("TPU v5p", None, "tpu-v5p"),
     ("TPU v6 lite", None, "tpu-v6e"),
     ("TPU v3", None, None),
-    # torch_xla's accelerator types, as nanopt/xla.py reports them
+    # torch_xla's accelerator types, as nanopt/distributed/xla.py reports them
     ("TPU v4-8", None, "tpu-v4"), ("TPU v5litepod-16", None, "tpu-v5e"), ("TPU v5p-8", None, "tpu-v5p"),
     ("TPU v6e-8", None, "tpu-v6e"), ("TPU", None, None),
 ])
@@ -468,7 +470,7 @@ def test_hfu_counts_recomputation_on_top_of_mfu():
 
 
 def test_estimate_shows_8b_fits_80gb_under_fsdp_on_8_and_not_under_ddp(capsys):
-    """configs/8b.yaml's recipe rests on this (nanopt/memory.py): ~193 GB per GPU replicated, ~71 GB sharded."""
+    """configs/8b.yaml's recipe rests on this (nanopt/distributed/memory.py): ~193 GB per GPU replicated, ~71 GB sharded."""
     assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["params"] == 8_030_261_248 and got["gpus"] == 8  # Llama-3-8B, on the config's 8 GPUs
@@ -522,11 +524,10 @@ class GeluMLPWithAnExtraLinear(torch.nn.Module):
 
 
 def test_a_variant_defined_only_here_gets_its_flops_counts_memory_and_mfu(monkeypatch):
+    from test_memory import _saved_bytes_per_token
     from torch.utils.flop_counter import FlopCounterMode
 
-    from test_memory import _saved_bytes_per_token
-
-    monkeypatch.setattr(nanopt.model, "MLP", GeluMLPWithAnExtraLinear)
+    monkeypatch.setattr(nanopt.recipe.model, "MLP", GeluMLPWithAnExtraLinear)
     m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
     torch.manual_seed(0)
     model = build_model(m)

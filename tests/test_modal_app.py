@@ -20,9 +20,9 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from conftest import REPO, SMALL
 
 import modal_app  # modal is in the dev extra: a missing one fails these tests, it does not skip them
-from conftest import REPO, SMALL
 from nanopt.config import load_config, parse_overrides, to_yaml
 from nanopt.errors import ConfigError
 from nanopt.main import run

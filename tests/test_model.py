@@ -1,4 +1,4 @@
-"""The Llama model (nanopt/model.py): shapes, init, parameter count, causality, attention backends agree, the chunked
+"""The Llama model (nanopt/recipe/model.py): shapes, init, parameter count, causality, attention backends agree, the chunked
 loss equals the full logits path, torch.compile gives eager's loss and gradients, and the opt-in options (qk_norm,
 mlp=relu2, logit_softcap, value_embeddings, residual_scalars) each change the forward pass as their config comment
 says; with every option off the model is the plain Llama, key for key and bit for bit."""
@@ -11,18 +11,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import nanopt.model
 from conftest import ALL_ON, OPTIONS_VOCAB, options_config, options_model
-from nanopt.attention import eager, sdpa
+
+import nanopt.recipe.model
 from nanopt.config import ModelConfig, TrainConfig, config_from_dict, configs_dir, load_config, parse_overrides
 from nanopt.errors import ConfigError
-from nanopt.generate import generate, generate_padded
+from nanopt.evals.generate import generate, generate_padded
 from nanopt.hf import export_model
-from nanopt.mfu import meta_model, token_flops
-from nanopt.mfu import param_counts as module_counts
-from nanopt.model import Block, Llama, apply_rope, build_model, rms_normalize, rope_frequencies, rope_tables
-from nanopt.optim import param_groups
+from nanopt.recipe.attention import eager, sdpa
+from nanopt.recipe.mfu import meta_model, param_counts as module_counts, token_flops
+from nanopt.recipe.model import Block, Llama, apply_rope, build_model, rms_normalize, rope_frequencies, rope_tables
+from nanopt.recipe.optim import param_groups
 
 torch.set_num_threads(1)
 
@@ -132,9 +131,9 @@ def test_evaluation_chunks_the_loss_even_when_training_does_not(monkeypatch):
     model = build_model(small(), loss_chunk_tokens=0)
     idx, tgt = torch.randint(0, 97, (2, 40)), torch.randint(0, 97, (2, 40))
     sizes = []
-    real = nanopt.model._chunk_loss_sum
-    monkeypatch.setattr(nanopt.model, "_chunk_loss_sum", lambda h, *a, **k: (sizes.append(h.shape[1]), real(h, *a, **k))[1])
-    monkeypatch.setattr(nanopt.model, "NO_GRAD_CHUNK_TOKENS", 20)  # 80 positions -> 4 chunks of 10 per row
+    real = nanopt.recipe.model._chunk_loss_sum
+    monkeypatch.setattr(nanopt.recipe.model, "_chunk_loss_sum", lambda h, *a, **k: (sizes.append(h.shape[1]), real(h, *a, **k))[1])
+    monkeypatch.setattr(nanopt.recipe.model, "NO_GRAD_CHUNK_TOKENS", 20)  # 80 positions -> 4 chunks of 10 per row
     train_loss = model(idx, tgt)
     assert sizes == [40]  # with autograd: one piece, as configured
     with torch.no_grad():
@@ -185,7 +184,7 @@ def test_rmsnorm_under_autocast_casts_once_and_changes_no_value():
     loss, grads = loss_and_grads()
     fp32_output = lambda self, x: self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(nanopt.model.RMSNorm, "forward", fp32_output)
+        mp.setattr(nanopt.recipe.model.RMSNorm, "forward", fp32_output)
         ref_loss, ref_grads = loss_and_grads()
     assert torch.equal(loss, ref_loss)
     for g, r in zip(grads, ref_grads):
@@ -574,7 +573,7 @@ def test_training_blocks_run_only_in_a_training_forward_and_leave_the_state_dict
 def test_recompute_blocks_gives_the_same_loss_and_gradients_and_keeps_only_each_blocks_input():
     """train.recompute: a training forward keeps each block's input only and runs the block again in backward, with
     the loss and every gradient of the plain model (the embedding's too, through x0 and the value embeddings). What
-    autograd keeps falls, as nanopt/memory.py counts it; evaluation (no_grad) is untouched."""
+    autograd keeps falls, as nanopt/distributed/memory.py counts it; evaluation (no_grad) is untouched."""
     model = options_model(**ALL_ON)  # residual scalars re-read x0, value embeddings read idx: both reach the blocks
     idx = tokens(2, 16)
 

@@ -10,8 +10,8 @@ import torch
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.errors import ConfigError
 from nanopt.hf import check_exportable
-from nanopt.model import build_model
-from nanopt.optim import build_optimizer, param_groups
+from nanopt.recipe.model import build_model
+from nanopt.recipe.optim import build_optimizer, param_groups
 
 WIDTHS = (32, 64, 128, 256)  # 8x, base 32: the model family at depth 2 with 16-wide heads (1 to 16 heads)
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import fork_ranks
-from nanopt import optim as optim_module
+
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
-from nanopt.model import build_model
-from nanopt.optim import (BatchedMuon, MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams, load_state_dict,
-                          lr_multiplier, owners, param_groups)
-from nanopt.runtime import CpuBackend, CudaBackend
+from nanopt.distributed.runtime import CpuBackend, CudaBackend
+from nanopt.recipe import optim as optim_module
+from nanopt.recipe.model import build_model
+from nanopt.recipe.optim import (BatchedMuon, MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams,
+                                 load_state_dict, lr_multiplier, owners, param_groups)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -1,4 +1,4 @@
-"""data.packing: bos_bestfit (nanopt/packing.py): rows start at a BOS, every token is in a row or counted as
+"""data.packing: bos_bestfit (nanopt/training/packing.py): rows start at a BOS, every token is in a row or counted as
 cropped, the rows do not depend on the world size, the plan resumes bit-exactly in a loader, and the BOS index is
 cached. In a run: e2e/test_packed_run.py."""
 from __future__ import annotations
@@ -13,11 +13,12 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-
 from conftest import BOS, small_overrides
-from nanopt import packing, shards
+
+from nanopt.data import shards
 from nanopt.errors import ConfigError
 from nanopt.main import run
+from nanopt.training import packing
 
 pytestmark = pytest.mark.usefixtures("bos_cache")  # conftest: the BOS index cache is never the user's
 

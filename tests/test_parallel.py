@@ -1,4 +1,4 @@
-"""The parallelism (nanopt/parallel.py): without torchrun fsdp and hsdp leave the model whole; across forked ranks
+"""The parallelism (nanopt/distributed/parallel.py): without torchrun fsdp and hsdp leave the model whole; across forked ranks
 accumulation keeps gradients sharded. Checkpoints of every parallelism: test_checkpoint.py, e2e/test_ddp.py."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import CPU
-from nanopt import parallel
+
 from nanopt.config import ModelConfig, load_config, parse_overrides
-from nanopt.model import build_model
-from nanopt.runtime import Runtime
+from nanopt.distributed import parallel
+from nanopt.distributed.runtime import Runtime
+from nanopt.recipe.model import build_model
 
 TINY = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 

@@ -1,14 +1,14 @@
-"""The stage plan (nanopt/plan.py): train.batch_schedule / seq_len_schedule give each step its stage, its lr factor
+"""The stage plan (nanopt/training/plan.py): train.batch_schedule / seq_len_schedule give each step its stage, its lr factor
 and its tokens, in steps or in tokens, within max_steps."""
 from __future__ import annotations
 
 import math
 
 import pytest
-
 from conftest import REPO, small_overrides
+
 from nanopt.config import load_config, parse_overrides, resolve
-from nanopt.plan import Plan, build_plan
+from nanopt.training.plan import Plan, build_plan
 
 
 def _schedule(world: int = 1, **keys: object) -> Plan:

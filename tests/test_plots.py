@@ -1,4 +1,4 @@
-"""Pictures (nanopt/plots.py) of run directories written by hand: `nanopt plot` names a damaged metrics line, leaves
+"""Pictures (nanopt/lab/plots.py) of run directories written by hand: `nanopt plot` names a damaged metrics line, leaves
 out a value of the wrong type and refuses an output that is not a file; a picture that cannot be drawn is a
 warning; an existing PNG is kept without --force. Real runs drawn: e2e/test_plots_and_watch.py."""
 from __future__ import annotations
@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import FAKE_METRICS, ODD_METRICS, damage, no_traceback, read_out, write_fake_run
-from nanopt import plots, rundirs
+
+from nanopt import rundirs
 from nanopt.cli import run as cli
+from nanopt.lab import plots
 
 
 @pytest.fixture

@@ -17,14 +17,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import numpy as np
 import pytest
-
 from conftest import (PREPARE_DOCS, REPO, USERS, full_disk_for, make_documents, one_paragraph, prepare_config,
                       shard_bytes, users_file, write_source)
-from nanopt import cli, data, io, prepare, rundirs, shards
+
+from nanopt import cli, io, rundirs
 from nanopt.commands import prepare as prepare_command
 from nanopt.config import ConfigError, load_config, to_yaml
+from nanopt.data import prepare, shards
+from nanopt.data.tokenizer import get_tokenizer
 from nanopt.lock import DirLock
-from nanopt.tokenizer import get_tokenizer
+from nanopt.training import loader as data
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The profiler's pieces (nanopt/profiling.py): its schedule, the top ops, bad keys, the no-op profiler and a window
+"""The profiler's pieces (nanopt/training/profiling.py): its schedule, the top ops, bad keys, the no-op profiler and a window
 cut short. Profiled runs: e2e/test_profiled_run.py."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
-
 from conftest import resolved_small_config, stub_runtime, trace_files
-from nanopt import profiling
+
 from nanopt.config import ConfigError
+from nanopt.training import profiling
 
 # ------------------------------------------------------------------ pure pieces
 

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import error_line, small_overrides
+
 from nanopt import cli, rundirs
 from nanopt.main import run
 

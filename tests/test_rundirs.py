@@ -6,16 +6,18 @@ import ast
 import json
 
 import pytest
-
 from conftest import FAKE_METRICS, REPO, write_fake_run
-from nanopt import experiments, plots, profiling, rundirs
+
+from nanopt import rundirs
+from nanopt.lab import plots, runs as experiments
+from nanopt.training import profiling
 
 # ---------------------------------------------------------------- one rule each, from rundirs
 
 # The files whose run-directory file names come from rundirs; a literal name here would be a second owner.
-READERS = ["nanopt/plots.py", "nanopt/commands/plot.py", "nanopt/commands/eval.py", "nanopt/commands/runs.py",
-           "nanopt/commands/compare.py", "nanopt/experiments.py", "nanopt/comparison.py", "nanopt/watch.py",
-           "nanopt/sweep.py", "bench/ablation.py", "bench/gpu_check.py", "bench/vs_nanogpt.py",
+READERS = ["nanopt/lab/plots.py", "nanopt/commands/plot.py", "nanopt/commands/eval.py", "nanopt/commands/runs.py",
+           "nanopt/commands/compare.py", "nanopt/lab/runs.py", "nanopt/lab/compare.py", "nanopt/evals/checkpoint_eval.py",
+           "nanopt/lab/sweep.py", "bench/ablation.py", "bench/gpu_check.py", "bench/vs_nanogpt.py",
            "bench/omp_policy.py"]
 NAMES = (rundirs.CONFIG_FILE, rundirs.SUMMARY_FILE, rundirs.METRICS_FILE, rundirs.EVALS_FILE, rundirs.PROFILE_FILE)
 

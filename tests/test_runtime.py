@@ -8,16 +8,16 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
-from nanopt import runtime
+
+from nanopt.distributed import runtime
 
 # 8 activation-sized tensors (2048 x 344 fp32, 2.8 MB each) made and freed 30 times, as steps do, with minor page
 # faults counted before and after. glibc's thresholds move with what the process freed before (imports can raise
 # them), so the "before" sets its documented defaults, 128 KiB, explicitly.
 FAULTS = """
 import ctypes, ctypes.util, resource, torch
-from nanopt.runtime import keep_freed_memory
+from nanopt.distributed.runtime import keep_freed_memory
 
 mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
 mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanopt import scaling, sweep
 from nanopt.config import load_config
 from nanopt.errors import ConfigError
-from nanopt.mfu import meta_model, token_flops
+from nanopt.lab import scaling, sweep
+from nanopt.recipe.mfu import meta_model, token_flops
 
 # Hoffmann et al.'s fitted law (their eq. 10): the data below is drawn from it.
 TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}

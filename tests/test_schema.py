@@ -11,11 +11,13 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from conftest import BAD_UTF8, FAKE_METRICS, ODD_METRICS, no_traceback, read_out, write_fake_run
-from nanopt import experiments, rundirs, shards
+
+from nanopt import rundirs
 from nanopt.cli import run as cli
+from nanopt.data import shards
 from nanopt.errors import ConfigError
+from nanopt.lab import runs as experiments
 from nanopt.lock import DirLock
 from nanopt.schema import Field, problem
 

@@ -1,4 +1,4 @@
-"""Token shards on disk (nanopt/shards.py): the format round trip, bad shards refused naming the file, the names
+"""Token shards on disk (nanopt/data/shards.py): the format round trip, bad shards refused naming the file, the names
 prepare writes, the embedded corpus, and the verified-checksum record (checked once per version; a copy is verified
 again, a damaged record is ignored, progress is kept shard by shard)."""
 from __future__ import annotations
@@ -11,9 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from nanopt import data, shards
 from nanopt.config import Config, ConfigError
-from nanopt.tokenizer import ByteTokenizer
+from nanopt.data import shards
+from nanopt.data.tokenizer import ByteTokenizer
+from nanopt.training import loader as data
 
 
 def test_shard_round_trip_uint16_and_uint32(tmp_path):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 import io
 import json
-import shutil
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,11 +21,12 @@ from typing import Any, Optional
 from unittest import mock
 
 import pytest
-
 from conftest import REPO, TINY_CONFIG, dead_pid
-from nanopt import cli, rundirs, sweep
+
+from nanopt import cli, rundirs
 from nanopt.config import load_config, to_yaml
 from nanopt.errors import ConfigError
+from nanopt.lab import sweep
 from nanopt.lock import DirLock
 
 # ---------------------------------------------------------------- pure functions
@@ -473,7 +474,7 @@ def test_seeds_are_exact_integers_and_range_checked_before_anything_starts():
 DRIVER = r'''
 import sys
 from pathlib import Path
-from nanopt import sweep
+from nanopt.lab import sweep
 from nanopt.config import load_config, parse_overrides, resolve
 root, script, config = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 sweep.launch_command = lambda config, job, overrides, nproc, slot: [sys.executable, script, str(job.dir), "signals"]

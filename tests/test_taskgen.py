@@ -1,4 +1,4 @@
-"""nanopt.taskgen: generated lm-evaluation-harness tasks from local files, loaded and run by the harness offline."""
+"""nanopt.evals.taskgen: generated lm-evaluation-harness tasks from local files, loaded and run by the harness offline."""
 from __future__ import annotations
 
 import collections
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nanopt.errors import ConfigError, path_problem
-from nanopt.taskgen import BUNDLE_DIR, MAX_ITEM_BYTES, make_tasks, write_bundle
+from nanopt.evals.taskgen import BUNDLE_DIR, MAX_ITEM_BYTES, make_tasks, write_bundle
 
 NOUNS = ["king", "raven", "castle", "river", "lantern", "soldier", "garden", "letter", "storm", "bell"]
 VERBS = ["watches", "remembers", "follows", "forgets", "answers", "carries", "praises", "fears"]

@@ -1,4 +1,4 @@
-"""The tokenizer (nanopt.tokenizer) and its tiktoken engine (nanopt.fastbpe): batch encoding gives transformers' ids
+"""The tokenizer (nanopt.data.tokenizer) and its tiktoken engine (nanopt.data.fastbpe): batch encoding gives transformers' ids
 for GPT-2- and Llama-3-shaped byte-level BPEs, an engine that disagrees is dropped, other tokenizers keep
 transformers', and a damaged tokenizer directory is one paragraph."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 
 import numpy as np
 import pytest
-
 from conftest import PREPARE_DOCS
-from nanopt import shards
+
 from nanopt.config import ConfigError
-from nanopt.tokenizer import get_tokenizer
+from nanopt.data import shards
+from nanopt.data.tokenizer import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_pa
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from nanopt.fastbpe import byte_decoder
+    from nanopt.data.fastbpe import byte_decoder
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -129,7 +129,7 @@ def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, cap
 def test_tokenizers_that_are_not_plain_byte_level_bpe_keep_the_transformers_engine():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-    from nanopt.fastbpe import tiktoken_encoding
+    from nanopt.data.fastbpe import tiktoken_encoding
 
     wl = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
     wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -1,4 +1,4 @@
-"""The training loop's pieces (nanopt/train.py): each component decides when it acts, compiling follows the DDP split
+"""The training loop's pieces (nanopt/training/train.py): each component decides when it acts, compiling follows the DDP split
 switch and the seq_len schedule, and DDP's gradients stay bucket views. Whole runs: e2e/test_training_run.py."""
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import free_port, small_overrides
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import free_port, small_overrides
-from nanopt import parallel, runtime, train
 from nanopt.config import ModelConfig, TrainConfig, load_config, parse_overrides, to_yaml
+from nanopt.distributed import parallel, runtime
 from nanopt.errors import ConfigError
-from nanopt.model import build_model
-from nanopt.plan import build_plan
-from nanopt.train import train_step
+from nanopt.recipe.model import build_model
+from nanopt.training import train
+from nanopt.training.plan import build_plan
+from nanopt.training.train import train_step
 
 
 def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
@@ -25,10 +26,10 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     (the last step's of both come from finish()), and the step before any of them is timed to the end."""
     from types import SimpleNamespace
 
-    from nanopt.checkpoint import Checkpointer
     from nanopt.config import parse_overrides
-    from nanopt.harness import TaskSpec
-    from nanopt.train import TaskScorer, Trainer, Validator
+    from nanopt.evals.tasks import TaskSpec
+    from nanopt.training.checkpoint import Checkpointer
+    from nanopt.training.train import TaskScorer, Trainer, Validator
 
     cfg = load_config(None, parse_overrides(small_overrides(
         **{"train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3, "eval.tasks": "t",

@@ -1,4 +1,4 @@
-"""The XLA backend's pieces that need no torch_xla (nanopt/xla.py): xla_flash off XLA, the TPU config's step graph,
+"""The XLA backend's pieces that need no torch_xla (nanopt/distributed/xla.py): xla_flash off XLA, the TPU config's step graph,
 TPU detection, peak memory from tpu-info, and the spot-VM warning. Runs on torch_xla's CPU device:
 e2e/test_xla_runs.py."""
 from __future__ import annotations
@@ -11,13 +11,13 @@ from collections import namedtuple
 
 import pytest
 
-from nanopt import xla
 from nanopt.config import configs_dir, load_config, resolve
-from nanopt.plan import build_plan
+from nanopt.distributed import xla
+from nanopt.training.plan import build_plan
 
 
 def test_xla_flash_off_xla_falls_back_to_sdpa_with_the_reason(caplog):
-    from nanopt.attention import choose, sdpa
+    from nanopt.recipe.attention import choose, sdpa
 
     with caplog.at_level("WARNING", logger="nanopt"):
         name, kernel = choose("xla_flash", "cpu")

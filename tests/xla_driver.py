@@ -4,8 +4,8 @@
 (load_config -> runtime.init -> train) on the XLA device, then samples greedily from a freshly initialised
 model on XLA and on the host, and prints one JSON line with what the tests check: the train step's
 compilation counts, sampling's compilations and whether its tokens equal the CPU reference's.
-`python tests/xla_driver.py score` scores continuations (nanopt.scoring) and generates greedily until a stop
-(nanopt.generate): what lm-eval's `nanopt` model asks, on XLA and on the host with the same weights.
+`python tests/xla_driver.py score` scores continuations (nanopt.evals.scoring) and generates greedily until a stop
+(nanopt.evals.generate): what lm-eval's `nanopt` model asks, on XLA and on the host with the same weights.
 `python tests/xla_driver.py guard` feeds the compiled-step wrapper a new shape on every call and reports
 whether the recompile guard stopped it.
 """
@@ -18,13 +18,13 @@ import torch
 
 
 def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) -> dict:
-    from nanopt import runtime
     from nanopt.config import load_config, parse_overrides, resolve
-    from nanopt.generate import generate
-    from nanopt.metrics import setup_logging
-    from nanopt.model import build_model
-    from nanopt.optim import build_optimizer
-    from nanopt.train import train
+    from nanopt.distributed import runtime
+    from nanopt.evals.generate import generate
+    from nanopt.recipe.model import build_model
+    from nanopt.recipe.optim import build_optimizer
+    from nanopt.training.metrics import setup_logging
+    from nanopt.training.train import train
 
     setup_logging(True)
     cfg = load_config(None, parse_overrides([*overrides, "--runtime.device=xla", f"--run.dir={run_dir}"]))
@@ -59,9 +59,9 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
 
 
 def recompile_guard() -> dict:
-    from nanopt import runtime
+    from nanopt.distributed import runtime
+    from nanopt.distributed.xla import MAX_RECOMPILES, WARMUP_STEP_COMPILES
     from nanopt.errors import TrainingError
-    from nanopt.xla import MAX_RECOMPILES, WARMUP_STEP_COMPILES
 
     rt = runtime.init("xla", "fp32", 1)
     weight = torch.nn.Parameter(torch.ones(3, device=rt.device))
@@ -86,11 +86,11 @@ def recompile_guard() -> dict:
 def score() -> dict:
     import torch_xla.debug.metrics as met
 
-    from nanopt import runtime
     from nanopt.config import ModelConfig
-    from nanopt.model import build_model
-    from nanopt.generate import generate
-    from nanopt.scoring import continuation_scores
+    from nanopt.distributed import runtime
+    from nanopt.evals.generate import generate
+    from nanopt.evals.scoring import continuation_scores
+    from nanopt.recipe.model import build_model
 
     rt = runtime.init("xla", "fp32", 1)
     cpu = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")

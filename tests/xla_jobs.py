@@ -204,7 +204,7 @@ def start() -> Background:
     """Start the runs (once per session)."""
     global _background
     if _background is None:
-        from nanopt.shards import embedded_shards
+        from nanopt.data.shards import embedded_shards
 
         embedded_shards("byte")  # the corpus cache, built once here rather than raced for by the runs
         _background = Background()

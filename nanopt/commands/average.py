@@ -1,11 +1,11 @@
 """`nanopt average RUN (--last K | --steps a,b,c) --out DIR`: a checkpoint whose weights are the mean of some of a
-run's checkpoints (nanopt/averaging.py)."""
+run's checkpoints (nanopt/lab/averaging.py)."""
 from __future__ import annotations
 
 import argparse
 
-from nanopt.averaging import average_checkpoints, parse_steps
-from nanopt.checkpoint import read_state
+from nanopt.lab.averaging import average_checkpoints, parse_steps
+from nanopt.training.checkpoint import read_state
 
 
 def main(argv: list[str]) -> int:

@@ -1,10 +1,10 @@
-"""`nanopt compare RUN_A RUN_B`: where the difference between two runs comes from (nanopt/comparison.py)."""
+"""`nanopt compare RUN_A RUN_B`: where the difference between two runs comes from (nanopt/lab/compare.py)."""
 from __future__ import annotations
 
 import argparse
 
-from nanopt import comparison
-from nanopt.experiments import load_run, to_json
+from nanopt.lab import compare as comparison
+from nanopt.lab.runs import load_run, to_json
 
 
 def main(argv: list[str]) -> int:

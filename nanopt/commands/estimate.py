@@ -1,6 +1,6 @@
 """`nanopt estimate CONFIG [--hardware KEY] [--gpus N] [--mfu F] [--tokens T]`: time, GPU-hours and cost to
 train a config's stage plan at an assumed MFU, and the memory each GPU needs under each parallelism, before renting
-anything. It counts a meta-device model (nanopt/mfu.py): ~2.5 s on 2 cores, most of it importing torch."""
+anything. It counts a meta-device model (nanopt/recipe/mfu.py): ~2.5 s on 2 cores, most of it importing torch."""
 from __future__ import annotations
 
 import argparse
@@ -12,11 +12,11 @@ from typing import Any, Optional, Sequence
 import torch.nn as nn
 
 from nanopt.config import load_config, parse_overrides, split_args
+from nanopt.distributed.hardware import PEAKS, matmul_precision, table_peak
+from nanopt.distributed.memory import DeviceMemory, config_memory
 from nanopt.errors import ConfigError
-from nanopt.hardware import PEAKS, matmul_precision, table_peak
-from nanopt.memory import DeviceMemory, config_memory
-from nanopt.mfu import meta_model, param_counts, token_flops
-from nanopt.plan import build_plan
+from nanopt.recipe.mfu import meta_model, param_counts, token_flops
+from nanopt.training.plan import build_plan
 
 
 def estimate(model: nn.Module, stages: Sequence[tuple[int, int]], hardware: str, gpus: int, mfu: float,
@@ -170,7 +170,7 @@ def _shard_group(given: int | None, gpus: int) -> int | None:
 
 
 def _memory(cfg, model: nn.Module, hardware: str, gpus: int, group: int | None) -> dict:
-    """Per-GPU bytes under each parallelism and whether they fit `hardware`'s memory (nanopt/memory.py)."""
+    """Per-GPU bytes under each parallelism and whether they fit `hardware`'s memory (nanopt/distributed/memory.py)."""
     capacity = PEAKS[hardware].memory_bytes
     recomputed = config_memory(cfg, model, gpus, group, recompute=True)[0].activations
     rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, model, gpus, group)]

@@ -1,7 +1,7 @@
 """`nanopt eval RUN_OR_CHECKPOINT [--split val|test] [--batches N] [--watch]`: out-of-band evaluation, also
-under torchrun, appended to the run's evaluations file (nanopt/watch.py); with `--tasks`/`--core`, downstream
-task scores through lm-evaluation-harness and the CORE bundle (nanopt/harness.py); `--make-tasks DIR` writes
-the generated demo tasks (nanopt/taskgen.py)."""
+under torchrun, appended to the run's evaluations file (nanopt/evals/checkpoint_eval.py); with `--tasks`/`--core`, downstream
+task scores through lm-evaluation-harness and the CORE bundle (nanopt/evals/tasks.py); `--make-tasks DIR` writes
+the generated demo tasks (nanopt/evals/taskgen.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 from nanopt.config import DEVICES, comma_list
-from nanopt.shards import corpus_documents, fetch_sdist
+from nanopt.data.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
-from nanopt.harness import TaskSpec, score_checkpoint, task_lines
+from nanopt.evals.checkpoint_eval import Evaluator, evaluate_checkpoint, watch_run
+from nanopt.evals.taskgen import BUNDLE_DIR, make_tasks, write_bundle
+from nanopt.evals.tasks import TaskSpec, score_checkpoint, task_lines
 from nanopt.io import refuse_link
 from nanopt.loading import WEIGHTS
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run
-from nanopt.taskgen import BUNDLE_DIR, make_tasks, write_bundle
-from nanopt.watch import Evaluator, evaluate_checkpoint, watch_run
 
 
 def main(argv: list[str]) -> int:

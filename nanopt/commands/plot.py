@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanopt import plots
+from nanopt.lab import plots
 from nanopt.rundirs import METRICS_FILE
 
 

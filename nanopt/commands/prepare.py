@@ -1,5 +1,5 @@
 """`nanopt prepare [CONFIG] [--sample-documents N] [--no-progress] [--section.key=value ...]`: documents ->
-tokenizer -> token shards (nanopt/prepare.py), resumable."""
+tokenizer -> token shards (nanopt/data/prepare.py), resumable."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from nanopt.config import load_config, parse_overrides, split_args
+from nanopt.data.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
 from nanopt.errors import EXIT_FAILED, ConfigError, debug_enabled
 from nanopt.io import as_disk_full
-from nanopt.metrics import setup_logging
-from nanopt.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
+from nanopt.training.metrics import setup_logging
 
 USAGE = """usage: nanopt prepare [CONFIG.yaml | --config CONFIG.yaml] [--sample-documents N] [--verify] [--no-progress]
                       [--section.key=value ...]

@@ -1,12 +1,12 @@
 """`nanopt runs [DIR]`: finished runs below DIR grouped by seed, with statistics, a Welch test of one group
-against another, or the leaderboard (nanopt/experiments.py)."""
+against another, or the leaderboard (nanopt/lab/runs.py)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from nanopt import experiments
 from nanopt.errors import ConfigError
+from nanopt.lab import runs as experiments
 from nanopt.rundirs import SUMMARY_FILE
 
 

@@ -5,12 +5,12 @@ import argparse
 from operator import attrgetter
 from typing import Any
 
-from nanopt import runtime
 from nanopt.config import DEVICES, config_from_dict
+from nanopt.data.tokenizer import get_tokenizer
+from nanopt.distributed import runtime
 from nanopt.errors import ConfigError
-from nanopt.generate import sample_text
+from nanopt.evals.generate import sample_text
 from nanopt.loading import WEIGHTS, load
-from nanopt.tokenizer import get_tokenizer
 
 # Each flag takes what its config key takes (type, bounds, UTF-8); one left out is the run's own (checked on load).
 FLAGS = {"num_samples": "sample.num_samples", "max_new_tokens": "sample.max_new_tokens", "prompt": "sample.prompt",

@@ -1,6 +1,6 @@
 """`nanopt scaling plan CONFIG --budgets C1,C2 --sizes K`: an isoFLOP ladder written as a sweep; `nanopt scaling fit
 RUNS_DIR | --csv FILE`: Chinchilla's approaches 2 and 3 fitted to it, with bootstrap intervals and predictions at
-new budgets (nanopt/scaling.py)."""
+new budgets (nanopt/lab/scaling.py)."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +11,10 @@ from typing import Optional
 
 import yaml
 
-from nanopt import scaling, sweep
 from nanopt.config import Config, load_config, parse_overrides, split_args
 from nanopt.errors import ConfigError
 from nanopt.io import write_text
+from nanopt.lab import scaling, sweep
 
 
 def _flops(text: str) -> float:

@@ -1,14 +1,14 @@
 """`nanopt sweep [CONFIG] --set KEY=V1,V2 [--set ...] [--seeds N] [--name NAME | --dir DIR] [--parallel K]
-[--nproc P] [--section.key=value ...]`: a grid of runs under runs/NAME/, one per device slot (nanopt/sweep.py)."""
+[--nproc P] [--section.key=value ...]`: a grid of runs under runs/NAME/, one per device slot (nanopt/lab/sweep.py)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from nanopt import sweep
 from nanopt.config import DEFAULT_CONFIG, split_args
 from nanopt.errors import ConfigError
+from nanopt.lab import sweep
 from nanopt.rundirs import refuse_inside_checkpoints
 
 DESCRIPTION = """\

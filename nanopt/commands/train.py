@@ -6,14 +6,14 @@ import os
 import sys
 from pathlib import Path
 
-from nanopt import faults, runtime
 from nanopt.config import load_config, parse_overrides, resolve, split_args
+from nanopt.distributed import runtime
 from nanopt.errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_STATUS_ENV,
-                           ConfigError, Preempted, ShardError, TrainingError, debug_enabled,
-                           debug_traceback)
+                           ConfigError, Preempted, ShardError, TrainingError, debug_enabled, debug_traceback)
 from nanopt.io import as_disk_full, is_disk_full
-from nanopt.metrics import setup_logging
-from nanopt.train import train
+from nanopt.training import faults
+from nanopt.training.metrics import setup_logging
+from nanopt.training.train import train
 
 USAGE = """usage: python -m nanopt.main [CONFIG.yaml | --config CONFIG.yaml] [--section.key=value ...] [--debug]
 

@@ -18,11 +18,11 @@ from typing import Optional
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO, run_module, small_overrides
+
 from nanopt import cli
+from nanopt.data.shards import HEADER, HEADER_BYTES, MAGIC, VERSION, open_shard, write_shard
 from nanopt.main import run
-from nanopt.shards import HEADER, HEADER_BYTES, MAGIC, VERSION, open_shard, write_shard
 
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.tensorboard": "false"})
 

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from conftest import TASK_TEXTS, error_line, small_overrides
-from nanopt import harness
+
 from nanopt.cli import run as cli
 from nanopt.errors import ConfigError
+from nanopt.evals import tasks as harness
+from nanopt.evals.taskgen import make_tasks, write_bundle
 from nanopt.main import run as main_run
-from nanopt.taskgen import make_tasks, write_bundle
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from conftest import small_overrides
+
 from nanopt.cli import run as cli
 from nanopt.main import run as main_run
 

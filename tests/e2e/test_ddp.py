@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MUON_ARG, free_port, small_overrides, torchrun, torchrun_started
 from safetensors.torch import load_file
 
-from conftest import MUON_ARG, free_port, small_overrides, torchrun, torchrun_started
 from nanopt import loading, rundirs
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run

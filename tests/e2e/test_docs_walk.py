@@ -38,8 +38,8 @@ from typing import Iterator, Optional
 
 import pytest
 import yaml
-
 from conftest import REPO, make_documents
+
 from nanopt import cli, main
 from nanopt.config import canonical
 

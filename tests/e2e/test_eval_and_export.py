@@ -11,19 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import (ALL_ON, CPU, hf_logits, hf_tokenizer, options_model, run_module, small_overrides,
                       transformers_model)
-from nanopt import checkpoint, cli, data, hf, shards
-from nanopt.checkpoint import newest_checkpoint
+
+from nanopt import cli, hf
 from nanopt.commands import export as export_command
 from nanopt.config import ModelConfig, configs_dir
+from nanopt.data import shards
 from nanopt.errors import ConfigError
-from nanopt.evaluation import evaluate
+from nanopt.evals.checkpoint_eval import Evaluator, evaluate_checkpoint
 from nanopt.hf import check_export_target, export_model
 from nanopt.main import run
-from nanopt.model import build_model
-from nanopt.watch import Evaluator, evaluate_checkpoint
+from nanopt.recipe.model import build_model
+from nanopt.training import checkpoint, loader as data
+from nanopt.training.checkpoint import newest_checkpoint
+from nanopt.training.validation import evaluate
 
 torch.set_num_threads(1)
 

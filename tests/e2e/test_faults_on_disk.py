@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from conftest import REPO, USERS, full_disk_for, one_paragraph, train_short, users_file
 from safetensors import SafetensorError
 
-from conftest import REPO, USERS, full_disk_for, one_paragraph, train_short, users_file
-from nanopt import checkpoint, rundirs
+from nanopt import rundirs
+from nanopt.training import checkpoint
 
 # ---------------------------------------------------------------- links where run files should be
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, small_overrides, torchrun_started
 from safetensors.torch import load_file
 
-from conftest import REPO, small_overrides, torchrun_started
 from nanopt import cli
 from nanopt.main import run
 

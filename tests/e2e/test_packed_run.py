@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import BOS, REPO, small_overrides
-from nanopt import shards
+
+from nanopt.data import shards
 from nanopt.main import run
 
 pytestmark = pytest.mark.usefixtures("bos_cache")  # conftest: the BOS index cache is never the user's

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, small_overrides
 from matplotlib import image
 
-from conftest import REPO, small_overrides
-from nanopt import plots, watch
 from nanopt.cli import run as cli
+from nanopt.evals import checkpoint_eval as watch
+from nanopt.lab import plots
 from nanopt.lock import DirLock
 from nanopt.main import run as main_run
 from nanopt.rundirs import WATCH_LOCK_FILE

@@ -9,9 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub; 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
-
 from conftest import PREPARE_DOCS, prepare_config, run_module, small_overrides, write_source
-from nanopt import prepare
+
+from nanopt.data import prepare
 
 
 def _train_exit(out, tokenizer_dir, run_dir, capsys) -> tuple[int, str]:

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, resolved_small_config, small_overrides, stub_runtime, torchrun, trace_files
-from nanopt import profiling
+
+from nanopt.training import profiling
 
 
 def _train(tmp: Path, **changes: object) -> int:

@@ -2,7 +2,7 @@
 rerun never restarts silently and a finished run stays finished; and a muon run resumes exactly too.
 
 Runs are CPU, fp32, the SMALL model. Crashes are real processes killed with SIGKILL at precise points
-through the NANOPT_TEST_HOOK test hook (nanopt/faults.py); resumes run in-process through nanopt.main.run
+through the NANOPT_TEST_HOOK test hook (nanopt/training/faults.py); resumes run in-process through nanopt.main.run
 (same code, no interpreter start-up), and every result is compared byte for byte with one uninterrupted
 reference run.
 """
@@ -23,11 +23,12 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
+from conftest import MUON_ARG, REPO, small_overrides, torchrun_started, train_short
 from safetensors.torch import load_file
 
-from conftest import MUON_ARG, REPO, small_overrides, torchrun_started, train_short
-from nanopt import checkpoint, errors, profiling, rundirs
+from nanopt import errors, rundirs
 from nanopt.main import run
+from nanopt.training import checkpoint, profiling
 
 STEPS = 8
 ARGS = small_overrides(**{
@@ -354,7 +355,7 @@ def test_changed_config_is_refused_unless_safe_or_allowed(copied, capsys):
 
 
 def test_shards_that_differ_from_the_checkpoint_are_refused(tmp_path, corpus_dir, capsys):
-    from nanopt.shards import open_shard, write_shard
+    from nanopt.data.shards import open_shard, write_shard
 
     shards = tmp_path / "shards"
     for name in ("train_000000.bin", "val_000000.bin"):

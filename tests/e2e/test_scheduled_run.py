@@ -11,11 +11,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, small_overrides
+
 from nanopt.config import load_config
 from nanopt.main import run
-from nanopt.optim import lr_multiplier
+from nanopt.recipe.optim import lr_multiplier
 
 # ---------------------------------------------------------------- real runs
 STEPS = 8

@@ -16,9 +16,9 @@ from typing import IO, Any, Iterator
 
 import pytest
 import yaml
-
 from conftest import TINY_CONFIG, small_overrides
-from nanopt import sweep
+
+from nanopt.lab import sweep
 
 # ---------------------------------------------------------------- real sweeps
 

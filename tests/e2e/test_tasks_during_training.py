@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import pytest
-
 from conftest import REPO, TASK_TEXTS, small_overrides, torchrun_started
-from nanopt import core, harness
+
 from nanopt.cli import run as cli
-from nanopt.experiments import runs_report
+from nanopt.evals import core_benchmark as core, tasks as harness
+from nanopt.evals.taskgen import make_tasks
+from nanopt.lab.runs import runs_report
 from nanopt.main import run as main_run
-from nanopt.taskgen import make_tasks
 
 pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 
@@ -273,7 +273,7 @@ HARNESS_CLI = "test_the_harness_own_cli_runs_model_nanopt"
 
 @pytest.fixture(scope="module", autouse=True)
 def harness_cli(request, tmp_path_factory, task_dir) -> Iterator[Optional[Callable[[], subprocess.CompletedProcess]]]:
-    """`python -m nanopt.harness run --model nanopt ...` on a run trained here, started with the module when its
+    """`python -m nanopt.evals.tasks run --model nanopt ...` on a run trained here, started with the module when its
     test is selected (else None): the process (torch, lm-eval and the index of its ~14,000 task YAMLs, about 11 s
     of one core) runs on the second core beside this module's in-process tests, and its test waits for it. What
     this gives waits for the command's result (or names the training that failed before it could start)."""
@@ -285,7 +285,7 @@ def harness_cli(request, tmp_path_factory, task_dir) -> Iterator[Optional[Callab
     if trained != 0:
         yield lambda: subprocess.CompletedProcess([], trained, "", f"training {run_dir} exited {trained}")
         return
-    cmd = [sys.executable, "-m", "nanopt.harness", "run", "--model", "nanopt", "--model_args",
+    cmd = [sys.executable, "-m", "nanopt.evals.tasks", "run", "--model", "nanopt", "--model_args",
            f"path={run_dir},precision=fp32", "--tasks", "nanopt_mc", "--include_path", str(task_dir), "--limit", "6",
            "--batch_size", "4"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -305,7 +305,7 @@ def harness_cli(request, tmp_path_factory, task_dir) -> Iterator[Optional[Callab
 
 @pytest.mark.slow
 def test_the_harness_own_cli_runs_model_nanopt(harness_cli):
-    """`--model nanopt` in lm-eval's own command line (python -m nanopt.harness registers it first), on a run
+    """`--model nanopt` in lm-eval's own command line (python -m nanopt.evals.tasks registers it first), on a run
     trained for it; the process started with the module (harness_cli) and is waited for here."""
     proc = harness_cli()
     assert proc.returncode == 0, proc.stderr[-3000:]

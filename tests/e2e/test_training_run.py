@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
+from conftest import small_overrides
 from safetensors.torch import load_file
 
-from conftest import small_overrides
-from nanopt import runtime
 from nanopt.config import load_config
+from nanopt.distributed import runtime
 from nanopt.main import run
 
 

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 import xla_jobs
 from conftest import run_module, small_overrides
-from nanopt import xla
+
+from nanopt.distributed import xla
 
 
 def _losses(run_dir: Path) -> list[float]:

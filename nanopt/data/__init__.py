@@ -1,0 +1,1 @@
+"""Data: documents -> tokenizer -> token shards."""

@@ -1,0 +1,582 @@
+"""Downstream tasks, lm-eval's and CORE's (core.py), scored after training (`nanopt eval --tasks/--core`:
+score_checkpoint) and during it (TaskScorer), each score recorded in the run directory; and `lm_class()`, the
+lm-evaluation-harness model `nanopt` (any run, checkpoint or Hugging Face directory nanopt loads). The harness owns
+tasks, prompts, few-shot and metrics; nanopt answers its requests with the continuation scorer (scoring.py) and the
+decode loop (generate.py). What lm-eval raises on a task's YAML or data is bad input at one boundary (_task_error);
+nanopt checks only what lm-eval would score silently (_check_rows). lm-eval (the `eval` extra, a second to import)
+is imported on first use: a model loads and CORE scores without it."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from nanopt import hub
+from nanopt.config import Config
+from nanopt.data.tokenizer import Tokenizer, get_tokenizer
+from nanopt.distributed import parallel, runtime
+from nanopt.distributed.runtime import Runtime
+from nanopt.errors import ConfigError
+from nanopt.evals import core_benchmark as core
+from nanopt.evals.generate import generate
+from nanopt.evals.scoring import continuation_scores
+from nanopt.io import append_jsonl, is_number
+from nanopt.loading import Loaded, load
+from nanopt.recipe.model import Llama
+from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded
+from nanopt.training.checkpoint import weights_crc32
+
+log = logging.getLogger("nanopt")
+_LM: Optional[type] = None
+_MANAGERS: dict[Optional[str], Any] = {}
+
+
+def _lm_eval() -> Any:
+    try:
+        import lm_eval  # optional dependency: the `eval` extra
+        import lm_eval.api.model
+        import lm_eval.api.registry
+        import lm_eval.utils
+    except ImportError:
+        raise ConfigError("downstream tasks need lm-evaluation-harness: pip install -e '.[eval]' "
+                          "(it brings lm-eval; nanopt train needs none of it).") from None
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-task INFO lines would bury nanopt's
+    logging.getLogger("datasets").setLevel(logging.CRITICAL)  # what it logs on a task's data it raises: named once
+    return lm_eval
+
+
+def lm_class() -> type:
+    """NanoptLM, registered with the harness as `nanopt` on first call: `simple_evaluate(model="nanopt",
+    model_args="path=runs/x")`, or an object: `simple_evaluate(model=lm_class()(path="runs/x"), ...)`."""
+    global _LM
+    if _LM is None:
+        _LM = _define(_lm_eval())
+    return _LM
+
+
+def _define(lm_eval: Any) -> type:
+    @lm_eval.api.registry.register_model("nanopt")
+    class NanoptLM(lm_eval.api.model.TemplateLM):
+        """path: a run directory, checkpoint or Hugging Face directory; or model + tokenizer (+ rt) in memory,
+        as training passes them. add_bos_token: start every context with BOS, as nanopt's shards start each
+        document (off where the tokenizer has none)."""
+
+        def __init__(self, path: Optional[str] = None, model: Optional[Llama] = None,
+                     tokenizer: Optional[Tokenizer | str] = None, device: str = "auto", precision: str = "run",
+                     batch_size: int | str = 32, add_bos_token: bool | str = True, max_gen_toks: int | str = 256,
+                     rt: Optional[Runtime] = None, max_batch_size: Any = None) -> None:
+            # max_batch_size: the harness passes it for its batch-size search, which nanopt does not need.
+            # Any other model_args key is a TypeError naming it (a typo must not be ignored).
+            super().__init__()
+            self.model, self.tok, self.rt, _ = task_model(path, model, tokenizer, str(device or "auto").split(":")[0],
+                                                          precision, rt)  # cuda:0 -> cuda
+            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 32  # "auto" -> 32
+            self.add_bos = str(add_bos_token).lower() in ("true", "1") and self.tok.bos_id is not None
+            self.max_gen_toks = int(max_gen_toks)
+
+        eot_token_id = property(lambda self: self.tok.eos_id if self.tok.eos_id is not None else self.tok.bos_id)
+        prefix_token_id = property(lambda self: self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id)
+        device = property(lambda self: self.rt.device)
+
+        def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kw: Any) -> list[int]:
+            ids = self.tok.encode(string)
+            return [self.tok.bos_id] + ids if self.add_bos and add_special_tokens is not False else ids
+
+        def tok_decode(self, ids: list[int], **kw: Any) -> str:
+            return self.tok.decode(ids)
+
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kw: Any) -> list:
+            scores = continuation_scores(self.model, [(c, x) for _, c, x in requests], self.rt, self.batch_size)
+            for (key, _, _), score in zip(requests, scores):
+                self.cache_hook.add_partial("loglikelihood", key, score)
+            return scores
+
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+            return _rolling(self, lm_eval.utils, [r.args[0] for r in requests])
+
+        def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+            return [_generate(self, *r.args) for r in requests]
+
+    return NanoptLM
+
+
+def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Optional[Tokenizer | str] = None,
+               device: str = "auto", precision: str = "run", rt: Optional[Runtime] = None,
+               weights: str = "run") -> tuple[Llama, Tokenizer, Runtime, Optional[Loaded]]:
+    """(model in eval mode on the runtime's device, tokenizer, runtime, the Loaded it came from): loaded from
+    `path` (no lm-eval needed), or given (training's live model; Loaded None)."""
+    loaded: Optional[Loaded] = None
+    if model is None:
+        if not path:
+            raise ConfigError("the nanopt harness model needs path=<run directory, checkpoint or Hugging Face "
+                              "directory>, e.g. --model_args path=runs/speedrun.")
+        loaded = load(path, weights=weights)
+        model = loaded.model
+    name = tokenizer if tokenizer is not None else (loaded.cfg.data.tokenizer if loaded else "byte")
+    if not name:
+        raise ConfigError(f"{path} has no tokenizer files and no nanopt config naming one; give tokenizer=NAME "
+                          f"(a Hugging Face tokenizer directory or `byte`) in --model_args.")
+    tok = get_tokenizer(name) if isinstance(name, str) else name
+    if rt is None:
+        rt = runtime.init_to_evaluate(device, precision, loaded.cfg.train.precision if loaded else "fp32",
+                                      loaded.cfg.runtime.threads if loaded else 0)
+    return model.to(rt.device).eval(), tok, rt, loaded
+
+
+def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
+    """Whole-text log-likelihoods (perplexity tasks): the harness's disjoint windows of the model's context,
+    each window scored as one continuation; the windows of all texts are batched together."""
+    max_len = lm.model.rope_cos.shape[0]
+    spans, windows = [], []
+    for text in texts:
+        pieces = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
+            token_list=lm.tok.encode(text), prefix_token=lm.prefix_token_id, max_seq_len=max_len, context_len=1)]
+        spans.append(len(pieces))
+        windows += pieces
+    scores = iter(continuation_scores(lm.model, windows, lm.rt, lm.batch_size))
+    return [sum(next(scores)[0] for _ in range(n)) for n in spans]
+
+
+def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
+    """Greedy text after `context` until one of the `until` strings (cut before it) or max_gen_toks."""
+    until = gen_kwargs.get("until") or []
+    until = [s for s in ([until] if isinstance(until, str) else until) if s]
+    eos = lm.tok.eos_id  # ends generation as a token (its text may decode to nothing)
+    stop = (lambda ids: ids[-1] == eos or any(s in lm.tok.decode(ids) for s in until))
+    max_len = lm.model.rope_cos.shape[0]
+    max_new = max(1, min(int(gen_kwargs.get("max_gen_toks", lm.max_gen_toks)), max_len - 1))
+    prompt = lm.tok_encode(context)[-(max_len - max_new):]  # cropped on the left to leave room for the answer
+    with lm.rt.autocast():
+        ids = generate(lm.model, torch.tensor([prompt], device=lm.rt.device), max_new, 0, stop=stop)[0, len(prompt):]
+    text = lm.tok.decode([i for i in ids.tolist() if i != eos])
+    for s in until:
+        text = text.split(s)[0]
+    return text
+
+
+def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
+    """lm-eval's TaskManager with the user's task YAMLs; ConfigError naming any task it does not know."""
+    _lm_eval()  # the one paragraph when lm-eval is missing
+    hub.offline_unless_reachable()  # before lm-eval's task module loads datasets, which reads the offline switch
+    from lm_eval.tasks import TaskManager
+
+    if include_path and not Path(include_path).is_dir():
+        raise ConfigError(f"--include-path {include_path} is not a directory; give the directory that holds your "
+                          f"task YAMLs (e.g. the one `nanopt eval --make-tasks DIR` wrote).")
+    manager = _MANAGERS.get(include_path)
+    if manager is None and include_path:  # the user's YAMLs alone index in milliseconds
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        manager = own if _self_contained(own.task_index, tasks) else None
+    if manager is None:  # indexing lm-eval's ~15,000 task YAMLs takes seconds: once per process
+        manager = _MANAGERS[include_path] = TaskManager(include_path=include_path)
+    if unknown := [t for t in tasks if not manager.match_tasks([t])]:
+        raise ConfigError(f"unknown lm-eval task(s): {', '.join(unknown)}. Give task or group names the harness "
+                          f"knows (`lm-eval ls tasks` lists them) or YAMLs in --include-path; a YAML that does "
+                          f"not parse is not listed (check it with `lm-eval validate --tasks NAME "
+                          f"--include_path DIR`).")
+    return manager
+
+
+def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
+    """Whether every task, and every member of every group, named is in `index` (the user's YAMLs): then lm-eval's
+    own tasks need not be indexed. Anything unexpected (an inline task config, a newer index format) says no."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if not isinstance(name, str):  # an inline task config (a dict: unhashable too)
+            return False
+        entry = index.get(name)
+        kind = getattr(getattr(entry, "kind", None), "name", None)
+        members = getattr(entry, "cfg", {}).get("task") if kind == "GROUP" else None
+        if name not in seen and kind != "TASK":
+            if not isinstance(members, list):
+                return False
+            todo.extend(members)
+        seen.add(name)
+    return True
+
+
+def check_tasks(spec: TaskSpec) -> None:
+    """ConfigError now when lm-eval is missing, a task is unknown or its YAML, data or rows are unusable
+    (load_tasks), or the CORE bundle does not read: what training finds before its first step."""
+    if spec.tasks:
+        load_tasks(_task_manager(spec.tasks, spec.include_path), spec.tasks)
+    if spec.core_dir:
+        core.read_bundle(spec.core_dir, spec.limit or 0)
+
+
+def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None, limit: Optional[float] = None,
+                   num_fewshot: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """lm-eval's simple_evaluate on an lm_class() object: its results dict on the main rank, None elsewhere. The
+    tasks are built first (load_tasks); what the harness raises on a task's YAML or data while it scores is bad
+    input (_task_error); a model or device failure (a RuntimeError) passes as it is."""
+    lm_eval = _lm_eval()
+    import datasets.exceptions  # both come with lm-eval
+    import jinja2
+
+    manager = _task_manager(tasks, include_path)
+    built = load_tasks(manager, tasks)  # handed to the harness as objects: each task's data is read once
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return lm_eval.simple_evaluate(model=lm, tasks=built, task_manager=manager, limit=limit,
+                                       num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=1000)
+    except ConfigError:
+        raise
+    except (ValueError, LookupError, FileNotFoundError, StopIteration, datasets.exceptions.DatasetsError,
+            jinja2.TemplateError) as e:
+        raise _task_error(manager, tasks, e) from None
+
+
+# ---------------------------------------------------------------- the boundary for lm-eval's task input
+def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
+    """The harness's Task and Group objects for `tasks`, each built by lm-eval (its YAML and data read, its first
+    row rendered) and its rows checked for what lm-eval accepts silently (_check_rows). Building reads only the
+    task's own files, so whatever lm-eval, datasets or jinja2 raise here is bad input (_task_error)."""
+    built: list[Any] = []
+    for name in tasks:
+        try:
+            loaded = manager.load([name])
+            for task in loaded["tasks"].values():
+                _check_rows(task)
+        except ConfigError:
+            raise
+        except Exception as e:  # the boundary: lm-eval validates its inputs, nanopt names them
+            raise _task_error(manager, [name], e) from None
+        top = loaded["groups"].get(name, loaded["tasks"].get(name))
+        built += [top] if top is not None else list(loaded["tasks"].values())  # a tag: its tasks
+    return built
+
+
+def _task_error(manager: Any, names: list[str], e: BaseException) -> ConfigError:
+    """The one paragraph for task input the harness refused: the task(s), their YAMLs and data files, and the
+    cause (with the reader's own error, which datasets wraps: "JSON parse error ... in row 1"); a hub dataset that
+    cannot be reached and is not cached gets the offline fix."""
+    configs = [c for name in names for c in _configs(manager, name, set())]
+    if hub.is_unreachable_error(e):
+        paths = list(dict.fromkeys(c["dataset_path"] for c in configs if isinstance(c.get("dataset_path"), str)))
+        data = f" (its data: {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''})" if paths else ""
+        return ConfigError(hub.not_cached(
+            f"lm-eval task {', '.join(names)}{data}", e, "Or score local tasks: `nanopt eval --make-tasks tasks/` "
+            "writes demo tasks, nanopt_mc and nanopt_rolling from `--include-path tasks/` (in training "
+            "`eval.tasks_path`), and a CORE bundle, tasks/core for `--core` (`eval.core`); docs/evaluation.md, "
+            "Downstream tasks.", f"score it once (`nanopt eval RUN --tasks {', '.join(names)} --limit 1`)"))
+    yamls = [str(p) for n in names if (p := getattr(manager.task_index.get(n), "yaml_path", None))]
+    files = ", ".join(dict.fromkeys(str(f) for c in configs for f in _local_files(c.get("dataset_kwargs"))))
+    files = files or "its data"
+    inner = e.__cause__ or e.__context__
+    why = f"{type(e).__name__}: {e}"
+    why += f" ({type(inner).__name__}: {inner})" if inner is not None and str(inner) not in why else ""
+    why = f": {files} has no rows" if isinstance(e, StopIteration) else f" (data {files}): {why}"
+    return ConfigError(f"lm-eval could not build or score task {', '.join(names)}"
+                       f"{' from ' + ', '.join(yamls) if yamls else ''}{why}. Check the task YAML and its data_files: "
+                       f"local paths must exist and hold one JSON object a line with the fields the YAML's "
+                       f"doc_to_text, doc_to_target and doc_to_choice use (hub datasets need the network).")
+
+
+def _configs(manager: Any, name: Any, seen: set[str]) -> list[dict[str, Any]]:
+    """The YAML config of a task and those of a group's tasks (inline ones too), as lm-eval's index holds them."""
+    if isinstance(name, dict):
+        return [name]
+    if not isinstance(name, str) or name in seen:
+        return []
+    seen.add(name)
+    cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
+    members = cfg.get("task") if "group" in cfg else None
+    return [cfg] + [c for m in (members if isinstance(members, list) else []) for c in _configs(manager, m, seen)]
+
+
+def _local_files(dataset_kwargs: Any, split: Optional[str] = None) -> list[Path]:
+    """The local paths in a YAML's dataset_kwargs.data_files (a path, a list, or a map of split to either), those
+    of `split` when given."""
+    data = dataset_kwargs.get("data_files") if isinstance(dataset_kwargs, dict) else None
+    if isinstance(data, dict):
+        data = data.get(split) if split else [v for vs in data.values() for v in (vs if isinstance(vs, list) else [vs])]
+    return [Path(v) for v in (data if isinstance(data, list) else [data]) if isinstance(v, str) and "://" not in v]
+
+
+def _check_rows(task: Any) -> None:
+    """What lm-eval accepts silently, in a task whose data is local files (what a user wrote; the harness's own
+    hub tasks are its to keep): a row without a field the templates use (datasets fills it with null, which
+    renders as "None") and a multiple-choice gold outside its choices (only a warning, scored wrong).
+    ConfigError naming the row of the evaluation split."""
+    config = task.config
+    split = config.test_split if task.has_test_docs() else config.validation_split
+    files = _local_files(config.dataset_kwargs, split)
+    if not files:
+        return
+    used = _fields_used(task)
+    for row, doc in enumerate(task.eval_docs, 1):
+        missing = sorted(f for f in used if f in doc and doc[f] is None)
+        if problem := f"it has no {', '.join(missing)}" if missing else _gold_problem(task, doc):
+            raise ConfigError(f"lm-eval task {config.task}: {', '.join(map(str, files))} row {row} of its {split} "
+                              f"split: {problem}. Every row needs the fields its YAML's doc_to_text, doc_to_target "
+                              f"and doc_to_choice use, and a multiple-choice gold inside its choices; mend or "
+                              f"remove that row.")
+
+
+def _fields_used(task: Any) -> set[str]:
+    """The data fields the YAML's doc_to_text, doc_to_target and doc_to_choice read: a field's name, or a Jinja
+    template's variables (lm-eval has parsed each template: the first row rendered)."""
+    import jinja2.meta
+
+    used: set[str] = set()
+    for value in (task.config.doc_to_text, task.config.doc_to_target, task.config.doc_to_choice):
+        if isinstance(value, str):
+            used |= {value} | jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(value))
+    return used & set(getattr(task, "features", None) or [])
+
+
+def _gold_problem(task: Any, doc: Any) -> Optional[str]:
+    """Why a multiple-choice row's gold is none of its choices (lm-eval's rule: an int indexes the choices, a
+    string is one of them; a list holds several), or None."""
+    if task.OUTPUT_TYPE != "multiple_choice":
+        return None
+    text, target, choices = task.doc_to_text(doc), task.doc_to_target(doc), task.doc_to_choice(doc)
+    gold = text if isinstance(text, int) else target  # several contexts (winogrande): the text is the gold index
+    for g in gold if isinstance(gold, list) else [gold]:
+        if not (0 <= g < len(choices) if isinstance(g, int) else g in choices):
+            return f"its gold {g!r} is not one of its {len(choices)} choices (an index 0-{len(choices) - 1}, or " \
+                   f"one of the choice strings)"
+    return None
+
+
+def task_records(results: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
+    """One evals.jsonl record per task (groups too) from simple_evaluate's results: every metric's value and the
+    harness's stderr, which direction is better, and how many documents were scored."""
+    out = []
+    for task, row in results["results"].items():
+        numbers = {k.split(",")[0]: v for k, v in row.items() if k not in ("alias", "sample_len") and is_number(v)}
+        scores = {m: v for m, v in numbers.items() if not m.endswith("_stderr")}
+        stderr = {m.removesuffix("_stderr"): v for m, v in numbers.items() if m.endswith("_stderr")}
+        better = results.get("higher_is_better", {}).get(task, {})
+        samples = results.get("n-samples", {}).get(task, {}).get("effective")
+        out.append({"step": step, "time": time.time(), "source": source, "task": task, "scores": scores,
+                    "stderr": stderr, "higher_is_better": {m: better.get(m) for m in scores}, "samples": samples,
+                    "num_fewshot": results.get("n-shot", {}).get(task), **extra})
+    return out
+
+
+def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Append to the run's evals.jsonl and TensorBoard (tasks/<task>/<metric>) the records it does not hold yet
+    (evaluation_key: each checkpoint's task once); return those it already held."""
+    if run_dir is None:
+        return []
+    done = recorded(run_dir)
+    held = [r for r in records if "error" not in r and evaluation_key(r) in done]
+    new = [r for r in records if "error" in r or evaluation_key(r) not in done]
+    for record in new:
+        append_jsonl(run_dir / EVALS_FILE, record)
+    from torch.utils.tensorboard import SummaryWriter  # its own events file beside the trainer's
+
+    with SummaryWriter(log_dir=str(run_dir / TB_DIR), filename_suffix=".tasks") as writer:
+        for r in (r for r in new if r["step"] is not None):
+            for metric, value in r["scores"].items():
+                writer.add_scalar(f"tasks/{r['task']}/{metric}", value, r["step"])
+    return held
+
+
+def failure_cause(error: BaseException) -> str:
+    """A scoring failure in one line of evals.jsonl: a ConfigError's paragraph, else the exception's type and text."""
+    return str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+
+
+def failure_records(spec: TaskSpec, step: Optional[int], source: str, cause: str) -> list[dict[str, Any]]:
+    """One evals.jsonl record per task of `spec` whose scoring failed: its name and the cause, no scores."""
+    return [{"step": step, "time": time.time(), "source": source, "task": name, "error": cause, "scores": {},
+             "stderr": {}, "higher_is_better": {}, "samples": None} for name in spec.names()]
+
+
+def task_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per task: each metric with its stderr, or why its scoring failed."""
+    lines = []
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['task']} (step {r['step']}): not scored: {r['error']}")
+            continue
+        parts = [f"{m} {v:.4f}" + (f" ± {r['stderr'][m]:.4f}" if isinstance(r["stderr"].get(m), float) else "")
+                 for m, v in r["scores"].items()]
+        lines.append(f"{r['task']} (step {r['step']}, {r['samples']} docs): " + ", ".join(parts))
+    return lines
+
+
+@dataclass
+class TaskSpec:
+    """What to score: lm-eval tasks (names, groups, or YAMLs in include_path) and/or a CORE bundle."""
+
+    tasks: list[str] = field(default_factory=list)
+    include_path: Optional[str] = None
+    limit: Optional[int] = None  # documents per task (and items per CORE task); None: all
+    num_fewshot: Optional[int] = None  # None: each task's own
+    core_dir: Optional[str] = None
+    batch_size: int = 32
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks or self.core_dir)
+
+    def parts(self) -> list[TaskSpec]:
+        """The lm-eval tasks and the CORE bundle as two specs, so one failing in training keeps the other's scores."""
+        return [part for part in (replace(self, core_dir=None), replace(self, tasks=[])) if part]
+
+    def names(self) -> list[str]:
+        """The tasks as evals.jsonl names them: each lm-eval task or group given, and `core` for the bundle."""
+        return self.tasks + (["core"] if self.core_dir else [])
+
+
+def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec, step: Optional[int], source: str,
+                **extra: Any) -> list[dict[str, Any]]:
+    """Every task of `spec` on one model (eval mode while scored): evals.jsonl records, the CORE ones as
+    `core/<task>` (accuracy, centered) and `core` (the centered mean). The bundle is read first, so a broken one
+    stops before the lm-eval tasks take their time. The RNG states are put back afterwards (the harness seeds
+    Python's, numpy's and torch's): scoring during training leaves the run's results alone."""
+    bundle = core.read_bundle(spec.core_dir, spec.limit or 0) if spec.core_dir else None
+    was_training, rng = model.training, rt.rng_state()
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        records = []
+        if spec.tasks:
+            lm = lm_class()(model=model, tokenizer=tokenizer, rt=rt, batch_size=spec.batch_size)
+            results = evaluate_tasks(lm, spec.tasks, spec.include_path, spec.limit, spec.num_fewshot)
+            records += task_records(results, step, source, **extra)
+        if bundle is not None:
+            result = core.evaluate_core(model, tokenizer, bundle, rt, batch_size=spec.batch_size)
+            records += core_records(result, step, source, **extra)
+    finally:
+        model.train(was_training)
+        rt.set_rng_state(rng)
+    for r in records:
+        r["seconds"] = time.perf_counter() - t0  # the whole scoring pass, outside any training clock
+    return records
+
+
+def core_records(result: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
+    base = {"step": step, "time": time.time(), "source": source, **extra}
+    out = [{**base, "task": f"core/{label}", "scores": {"acc": t["accuracy"], "centered": t["centered"]},
+            "stderr": {}, "higher_is_better": {"acc": True, "centered": True}, "samples": t["n"],
+            "random_baseline": t["random_baseline"]} for label, t in result["tasks"].items()]
+    out.append({**base, "task": "core", "scores": {"core": result["core"]}, "stderr": {},
+                "higher_is_better": {"core": True}, "samples": sum(t["n"] for t in result["tasks"].values())})
+    return out
+
+
+class TaskScorer:
+    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, after that
+    step's checkpoint is saved: scoring never costs trained steps, and its time is outside the training clock. The
+    harness runs on a one-process view of the runtime: for a whole model the main rank scores while the others wait
+    at a barrier; for a sharded one (fsdp, hsdp) every rank scores the same examples in lockstep (each forward
+    gathers weights from all; parallel.lockstep) and the main rank records. A scoring failure on any rank is one
+    warning and an evals.jsonl record naming the task and the cause, and training goes on; what can be checked
+    before step 1 is (check_tasks)."""
+
+    def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
+        e = cfg.eval
+        self.spec = TaskSpec(list(e.tasks), e.tasks_path or None, e.tasks_limit or None, None, e.core or None)
+        self.cfg, self.rt, self.model, self.tokenizer = cfg, rt, model, tokenizer
+        self.solo = replace(rt, rank=0, local_rank=0, world_size=1, local_world_size=1)
+        self.sharded = parallel.is_sharded(model)
+        self.seconds, self.last_step = 0.0, None
+        if not self.spec:  # every rank reads the same config: no collective for a run without tasks
+            return
+        # An unknown task, unusable task data or a broken bundle is refused before the first step.
+        if not self.sharded:
+            rt.on_main(lambda: check_tasks(self.spec))
+            return
+        try:  # every rank checks and all raise alike: none is left waiting at a collective
+            check_tasks(self.spec)
+            mine = None
+        except ConfigError as e:
+            mine = e
+        if error := next((e for e in rt.gather_objects(mine) if e is not None), None):
+            raise error
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.tasks_every
+        return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
+
+    def run(self, step: int, weights: Optional[contextlib.AbstractContextManager[str]] = None) -> None:
+        """Score at `step` with `weights` in the model (the validator's: the weights validation uses, swapped in
+        on every rank; it yields their name, which every record carries); the model's own when None."""
+        t0 = time.perf_counter()
+        with weights or contextlib.nullcontext("model") as name:
+            if self.rt.is_main or self.sharded:
+                self._score(step, name)
+        self.rt.barrier()
+        self.seconds += time.perf_counter() - t0
+        self.last_step = step
+
+    def _score(self, step: int, weights: str) -> None:
+        """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
+        failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
+        records = [{**r, "weights": weights} for part in self.spec.parts() for r in self._score_part(part, step)]
+        if not self.rt.is_main:
+            return
+        try:
+            record_tasks(self.cfg.run_dir, records)
+        except Exception as e:  # e.g. evals.jsonl replaced by a link, or damaged, during the run
+            log.warning("step %6d | task scores not recorded in %s: %s", step, EVALS_FILE, e)
+        for line in task_lines(records):
+            log.info("step %6d | %s", step, line)
+
+    def _score_part(self, part: TaskSpec, step: int) -> list[dict[str, Any]]:
+        records, error = [], None
+        try:
+            with parallel.lockstep(self.model, self.rt):
+                records = score_model(self.model, self.tokenizer, self.solo, part, step, "train")
+        except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
+            error = e
+        if (cause := self._agreed_cause(error)) is None:
+            return records
+        failed = failure_records(part, step, "train", cause)
+        if self.rt.is_main:
+            log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()), cause)
+        return failed
+
+    def _agreed_cause(self, error: Optional[Exception]) -> Optional[str]:
+        """Why the part failed, on every rank alike: under a sharded model a failure on any rank fails it (its
+        scores may have been cut short), named by the first rank whose own error (not Broken) it was."""
+        mine = None if error is None else (isinstance(error, parallel.Broken), failure_cause(error))
+        if not self.sharded:
+            return None if mine is None else mine[1]
+        causes = [(c[0], rank, c[1]) for rank, c in enumerate(self.rt.gather_objects(mine)) if c is not None]
+        if not causes:
+            return None
+        _, rank, text = min(causes)  # an own error before a Broken one, then the lowest rank
+        return text if rank == 0 else f"rank {rank}: {text}"
+
+
+def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", precision: str = "run",
+                     weights: str = "run") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`nanopt eval PATH --tasks/--core`: load a run directory (its newest complete checkpoint), a checkpoint
+    or a Hugging Face directory, score it, and record the results in its run directory (if it has one). Returns
+    the records, and those of them the run's evals.jsonl already held from the same weights (not appended)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ConfigError("--tasks and --core run in one process; start `nanopt eval` without torchrun.")
+    model, tok, rt, loaded = task_model(str(path), device=device, precision=precision, weights=weights)
+    assert loaded is not None  # loaded from path
+    try:
+        records = score_model(model, tok, rt, spec, loaded.step, "nanopt eval",
+                              checkpoint=str(loaded.source), weights=loaded.weights,
+                              weights_crc32=weights_crc32(loaded.source, loaded.weights_file),
+                              limit=spec.limit, precision=rt.precision,
+                              **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {}))
+        held = record_tasks(loaded.run_dir, records)
+    finally:
+        runtime.teardown()
+    return records, held
+
+
+if __name__ == "__main__":  # lm-eval's own CLI with `nanopt` registered: python -m nanopt.evals.tasks run --model nanopt
+    lm_class()
+    if sys.argv[1:2] == ["run"] and not any(a.startswith("--device") for a in sys.argv):
+        sys.argv += ["--device", "auto"]  # the harness's default is cuda:0; nanopt picks what this machine has
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()

@@ -1,0 +1,1 @@
+"""Many runs: sweeps, seeds and statistics, comparisons, plots, eval --watch, averaging."""

@@ -1,0 +1,556 @@
+"""Many finished runs: found below a directory, grouped into settings that differ only in their seed, described
+(mean, sd, Student-t interval), tested against each other (Welch) and ranked: `nanopt runs`' logic, and the one
+table renderer. Torch-free; scipy.stats (0.7 s to import) is imported by the two functions that need it, so the
+sweep driver, which prints its table with this module, starts at once."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path, PurePosixPath
+from typing import Any, Optional
+
+from nanopt.config import NEUTRAL_KEYS, canonical  # runs differing only in these and the seed repeat one setting
+from nanopt.errors import ConfigError
+from nanopt.io import clean, finite, is_number
+from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE, flatten,
+                            format_value, is_run, read_config, read_metrics, read_records, read_summary, walk_runs)
+from nanopt.schema import Field, read
+
+SEED_KEY = "run.seed"
+# Runs differing only in these are seeds of one setting; init and data seeds are each null = run.seed.
+SEED_KEYS = (SEED_KEY, "run.init_seed", "run.data_seed")
+# Summary fields that split groups too: the same config on another machine or world size is another race.
+HARDWARE_KEYS = ("hardware", "world_size")
+NAME_KEYS = 3  # a group is named by at most this many keys; more (other configs) are named by directory
+MISSING = "<missing>"  # a key one run's config lacks (written by another nanopt version)
+# The figures a group of seeds is summarised by (those its runs have), each lower-is-better: label, format.
+GROUP_FIGURES: dict[str, tuple[str, str]] = {
+    "train_seconds_to_target": ("time to target (s)", ".2f"),
+    "step_to_target": ("steps to target", ".1f"),
+    "tokens_to_target": ("tokens to target", ",.0f"),
+    "final_val_loss": ("final val loss", ".4f"),
+    "final_val_bpb": ("final val bpb", ".4f"),
+}
+# Where a group's spread comes from (spread()), as `nanopt runs` says it.
+SOURCES = {"init": "init only", "data": "data order only", "both": "both init and data order",
+           "init_only": "init alone", "data_only": "data order alone"}
+FIXED = {"init_only": "data_seed", "data_only": "init_seed"}  # the seed each part of a "both" group holds fixed
+CONFIDENCE = 0.95
+RECORD_ALPHA, POWER = 0.01, 0.8  # how many seeds: to show a difference at p < 0.01 four times in five
+MAX_SEEDS = 10_000
+TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (evals.jsonl, harness.py)
+
+
+# ---------------------------------------------------------------- reading finished runs
+# What the profiler writes (profiling.py), with the entries `compare` computes with.
+PROFILE = Field(dict, what="a profile summary (an object)", fields={
+    "profiled_steps": Field(int, required=True, lo=0), "first_step": Field(int, null=True),
+    "last_step": Field(int, null=True), "step_ms_mean": Field(float, required=True),
+    "label_ms": Field(dict, items=Field(float)),
+    "top_ops": Field(list, items=Field(dict, fields={k: Field(str if k == "name" else float, required=True)
+                                                     for k in ("name", "calls", "self_ms")}))})
+
+
+def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
+    """profile_summary.json, None when the run was not profiled; ConfigError naming it when it is damaged."""
+    return read(Path(run_dir) / PROFILE_FILE, PROFILE, "The file is damaged: remove it (the run's other figures "
+                "stay usable) or profile the run again.")
+
+
+@dataclass
+class FinishedRun:
+    """One finished run directory (it has its summary.json). `records` (metrics.jsonl) and `profile` are read
+    on first use, so listing many runs reads neither, and a damaged one stops only a command that needs it."""
+
+    dir: Path
+    config: dict[str, Any]  # flattened: {"optim.name": "muon", ...}; {} when config.yaml is missing
+    summary: dict[str, Any]
+    name: str = ""  # how reports call it: the path below the directory searched
+
+    @cached_property
+    def records(self) -> list[dict[str, Any]]:
+        return read_metrics(self.dir)
+
+    @cached_property
+    def profile(self) -> Optional[dict[str, Any]]:
+        return read_profile(self.dir)
+
+    @cached_property
+    def tasks(self) -> dict[str, tuple[float, bool]]:
+        """Downstream scores at the run's last step, from evals.jsonl (training's and `nanopt eval`'s; the newest
+        per task and metric): {"task:<task>/<metric>": (value, higher is better)}."""
+        out = {}
+        for r in read_records(self.dir / EVALS_FILE):
+            scores, task, better = r.get("scores"), r.get("task"), r.get("higher_is_better")
+            better = better if isinstance(better, dict) else {}
+            if r.get("step") == self.summary.get("steps") and isinstance(task, str) and isinstance(scores, dict):
+                out.update({f"{TASK_PREFIX}{task}/{metric}": (float(value), better.get(metric) is True)
+                            for metric, value in scores.items() if is_number(value)})
+        return out
+
+    def figure(self, key: str) -> Any:
+        """A summary figure, or a task score (TASK_PREFIX)."""
+        return self.tasks.get(key, (None,))[0] if key.startswith(TASK_PREFIX) else self.summary.get(key)
+
+    @property
+    def seed(self) -> Any:
+        return self.config.get(SEED_KEY)
+
+    @property
+    def seeds(self) -> tuple[Any, Any]:
+        """(init seed, data seed) the run trained with: what makes it another sample of its setting."""
+        return tuple(self.seed if self.config.get(k) is None else self.config[k] for k in SEED_KEYS[1:])
+
+    def setting(self) -> tuple[tuple[str, str], ...]:
+        """What the run computes, as sorted (key, value) pairs: the config without the seeds and the neutral
+        keys, plus the hardware. Runs with the same setting are seeds of one experiment."""
+        if not self.config:  # no config.yaml: nothing to match on, so the run stands alone
+            return (("run.dir", str(self.dir)),)
+        items = {k: v for k, v in self.config.items() if k not in SEED_KEYS and k not in NEUTRAL_KEYS}
+        items.update({k: self.summary.get(k) for k in HARDWARE_KEYS})
+        return tuple(sorted((k, format_value(v)) for k, v in items.items()))
+
+
+def load_run(path: Path, name: str = "") -> FinishedRun:
+    """The finished run in `path`; ConfigError saying what is missing or damaged and what to give instead."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory. Give a run directory (runs/<name>, the one holding "
+                          f"{CONFIG_FILE} and {SUMMARY_FILE}).")
+    if not is_run(path):
+        raise ConfigError(f"{path} is not a run directory: it holds none of {CONFIG_FILE}, {SUMMARY_FILE}, "
+                          f"{METRICS_FILE}, {CHECKPOINTS_DIR}/. Give a run directory (runs/<name>); "
+                          f"`nanopt runs {path}` lists the runs below it.")
+    summary = read_summary(path)
+    if summary is None:
+        raise ConfigError(f"{path} has no {SUMMARY_FILE}: the run has not finished (a run writes it when it "
+                          f"ends). Wait for it, resume it with the same command, or give a finished run.")
+    # As this version holds each value (a list older versions wrote as text), so old and new runs still group.
+    config = {k: canonical(k, v) for k, v in flatten(read_config(path) or {}).items()}
+    return FinishedRun(path, config, summary, name or path.name)
+
+
+def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
+    """Every finished run at or below `root` (rundirs.walk_runs), sorted by path, and a line for each run
+    directory left out (unfinished, or a file of it damaged: the line names it)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory; give the directory that holds the runs (default runs/) "
+                          f"or a sweep's directory (runs/<sweep>).")
+    runs, skipped = [], []
+    for path in walk_runs(root):
+        name = path.relative_to(root).as_posix() if path != root else path.name
+        if not (path / SUMMARY_FILE).is_file():
+            skipped.append(f"{path}: not finished (no {SUMMARY_FILE})")
+            continue
+        try:
+            runs.append(load_run(path, name))
+        except ConfigError as e:
+            skipped.append(str(e))
+    return runs, skipped
+
+
+@dataclass
+class Repeat:
+    """A run with the setting and seeds of an earlier one (a sweep copied, or run twice): it measures nothing
+    new, so statistics count the pair once."""
+
+    run: FinishedRun  # left out
+    first: FinishedRun  # counted
+
+    def describe(self) -> str:
+        init, data = self.run.seeds
+        return (f"{self.run.dir} repeats {self.first.dir} (the same setting, init seed {format_value(init)} and "
+                f"data seed {format_value(data)}): counted once, as {self.first.name}")
+
+
+def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
+    """The runs with each (setting, init and data seed) once, the first in path order kept, and the repeats. Two
+    copies of one run counted as two seeds would halve the standard error and make any difference look significant."""
+    keys = [(run.setting(), *map(format_value, run.seeds)) for run in runs]
+    first: dict[tuple, FinishedRun] = {}
+    for key, run in zip(keys, runs):
+        first.setdefault(key, run)
+    return list(first.values()), [Repeat(run, first[key]) for key, run in zip(keys, runs) if first[key] is not run]
+
+
+@dataclass
+class Group:
+    """Runs with one setting, each seed once; `name` is the keys that vary between the groups found together (or
+    its directory: group_runs)."""
+
+    name: str
+    runs: list[FinishedRun] = field(default_factory=list)
+    values: dict[str, str] = field(default_factory=dict)  # the varying keys' values, as in the name
+    repeats: list[Repeat] = field(default_factory=list)  # runs left out as repeats of one in `runs`
+
+    @property
+    def seeds(self) -> list[Any]:
+        return [r.seed for r in self.runs]
+
+
+def group_runs(runs: list[FinishedRun]) -> list[Group]:
+    """Runs grouped by setting, in order of first appearance, repeats counted once (each group lists its own).
+    A group is named by the keys whose value differs between groups (`optim.name=muon`), or `all`; where more
+    than NAME_KEYS differ (runs of other configs beside a sweep), by directory (_names_by_directory)."""
+    kept, repeats = split_repeats(runs)
+    by_setting: dict[tuple, list[FinishedRun]] = {}
+    for run in kept:
+        by_setting.setdefault(run.setting(), []).append(run)
+    # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
+    order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
+    keys = _differing(list(by_setting), order)
+    if len(keys) > NAME_KEYS:
+        names = _names_by_directory(by_setting, order)
+    else:
+        names = {s: _key_name("", {k: dict(s).get(k, MISSING) for k in keys}) or ("all", {}) for s in by_setting}
+    return [Group(names[setting][0], members, names[setting][1], [r for r in repeats if r.first.setting() == setting])
+            for setting, members in by_setting.items()]
+
+
+def _differing(settings: list[tuple], order: dict[str, int]) -> list[str]:
+    """The keys whose value differs between these settings, in config order."""
+    dicts = [dict(s) for s in settings]
+    keys = [k for k in dict.fromkeys(k for d in dicts for k in d) if len({d.get(k, MISSING) for d in dicts}) > 1]
+    return sorted(keys, key=lambda k: order.get(k, len(order)))
+
+
+def _key_name(directory: str, values: dict[str, str]) -> Optional[tuple[str, dict[str, str]]]:
+    """(`directory/key=value,...`, values), None without values."""
+    if not values:
+        return None
+    return f"{directory}/" * bool(directory) + ",".join(f"{k}={v}" for k, v in values.items()), values
+
+
+def _names_by_directory(by_setting: dict[tuple, list[FinishedRun]],
+                        order: dict[str, int]) -> dict[tuple, tuple[str, dict[str, str]]]:
+    """(name, values) per setting when the groups differ in too many keys to be named by them: the directory
+    below DIR holding a group's runs and the keys that differ between the groups there (`tiny-sweep/optim.name=
+    muon`: a sweep's points by their grid); the directory alone when it holds one setting; else (too many keys
+    there too) the group's first run's name. Each name once: a clash falls back to the first run's name."""
+    where = {s: _directory(members) for s, members in by_setting.items()}
+    names = {}
+    for s, members in by_setting.items():
+        keys = _differing([t for t in by_setting if where[t] == where[s]], order)
+        named = _key_name(where[s], {k: dict(s).get(k, MISSING) for k in keys}) if len(keys) <= NAME_KEYS else None
+        names[s] = named or ((where[s], {}) if not keys and where[s] else (members[0].name, {}))
+    taken = [name for name, _ in names.values()]
+    return {s: (by_setting[s][0].name, {}) if taken.count(name) > 1 else (name, values)
+            for s, (name, values) in names.items()}
+
+
+def _directory(runs: list[FinishedRun]) -> str:
+    """The directory below DIR that a group's runs share ("" for DIR itself)."""
+    shared = os.path.commonpath([PurePosixPath(r.name).parent.as_posix() for r in runs])
+    return "" if shared in ("", ".") else shared
+
+
+# ---------------------------------------------------------------- statistics over seeds
+def describe(values: list[float]) -> dict[str, Any]:
+    """n, mean, sample standard deviation and the 95% Student-t confidence interval of the mean (sd and
+    interval are None below 2 values; identical values give a zero-width interval)."""
+    from scipy import stats  # heavy: see the module docstring
+
+    n = len(values)
+    out: dict[str, Any] = {"n": n, "mean": statistics.fmean(values) if n else None, "sd": None, "ci95": None}
+    if n >= 2:
+        out["sd"] = statistics.stdev(values)
+        out["ci95"] = [out["mean"]] * 2 if out["sd"] == 0 else [  # scipy returns nan for a zero scale
+            float(v) for v in stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))]
+    return out
+
+
+def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
+    """The metric from each run that has it (a run that never reached its target has no time to target)."""
+    return [value for r in runs if (value := finite(r.figure(metric))) is not None]
+
+
+def higher_is_better(runs: list[FinishedRun], metric: str) -> bool:
+    return any(r.tasks.get(metric, (None, False))[1] for r in runs)
+
+
+def figure_stats(runs: list[FinishedRun]) -> dict[str, dict[str, Any]]:
+    """describe() of each group figure and task score that the runs have."""
+    tasks = sorted({k for r in runs for k in r.tasks})
+    return {m: describe(v) for m in [*GROUP_FIGURES, *tasks] if (v := values_of(runs, m))}
+
+
+def spread(runs: list[FinishedRun]) -> dict[str, Any]:
+    """Where a group's spread comes from: "init" (one data seed, `data_seed`), "data" (one `init_seed`), "both",
+    or None (one run). For "both": the most runs sharing a data seed (`init_only`) and the most sharing an init
+    seed (`data_only`), 2 or more, with their figures: a sweep of each, read together, says which source dominates."""
+    if len(runs) < 2:
+        return {"from": None}
+    out: dict[str, Any] = {"from": "both"}
+    for source, varied, fixed, i in (("init", "init_only", "data_seed", 1), ("data", "data_only", "init_seed", 0)):
+        by_fixed: dict[str, list[FinishedRun]] = {}
+        for r in runs:
+            by_fixed.setdefault(format_value(r.seeds[i]), []).append(r)
+        if len(by_fixed) == 1:  # every run shares this seed: the spread is the other's alone
+            return {"from": source, fixed: runs[0].seeds[i]}
+        subset = max(by_fixed.values(), key=len)
+        if len(subset) >= 2:
+            out[varied] = {fixed: subset[0].seeds[i], "runs": [r.name for r in subset], "stats": figure_stats(subset)}
+    return out
+
+
+def group_stats(group: Group) -> dict[str, Any]:
+    return {"name": group.name, "values": group.values, "n": len(group.runs), "seeds": group.seeds,
+            "seed_pairs": [list(r.seeds) for r in group.runs], "runs": [r.name for r in group.runs],
+            "stats": figure_stats(group.runs), "spread": spread(group.runs)}
+
+
+def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tuple[str, str] = ("A", "B"),
+          lower_is_better: bool = True) -> dict[str, Any]:
+    """Is A better than B (a lower mean, or a higher one for a task score)? Welch's t-test (unequal variances),
+    one-sided, and the two-sided 95% interval of mean(A) - mean(B). `testable` is False, with the reason, where
+    the test cannot be done."""
+    from scipy import stats  # heavy: see the module docstring
+
+    out: dict[str, Any] = {
+        "metric": metric, "lower_is_better": lower_is_better, "alpha": alpha, "test": "Welch's t-test, one-sided",
+        "alternative": "mean(A) < mean(B)" if lower_is_better else "mean(A) > mean(B)",
+        "a": {"name": names[0], **describe(a)}, "b": {"name": names[1], **describe(b)},
+        "difference": statistics.fmean(a) - statistics.fmean(b) if a and b else None,
+        "difference_ci95": None, "t": None, "df": None, "p": None, "testable": False, "a_beats_b": None,
+    }
+    if len(a) < 2 or len(b) < 2:
+        out["reason"] = (f"n is too small to test: A has {len(a)} and B has {len(b)} run(s) with {metric}; "
+                         f"Welch's t-test needs at least 2 per group (more seeds: nanopt sweep ... --seeds N)")
+        return out
+    if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
+        out["reason"] = "no spread within either group (every run gave the same value): the t-test is undefined"
+        return out
+    one_sided = stats.ttest_ind(a, b, equal_var=False, alternative="less" if lower_is_better else "greater")
+    low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(CONFIDENCE)
+    out.update(t=float(one_sided.statistic), df=float(one_sided.df), p=float(one_sided.pvalue),
+               difference_ci95=[float(low), float(high)], testable=True, a_beats_b=bool(one_sided.pvalue < alpha))
+    return out
+
+
+def seeds_needed(sd_a: float, sd_b: float, difference: float, alpha: float = RECORD_ALPHA,
+                 power: float = POWER) -> Optional[int]:
+    """Seeds per group for Welch's one-sided test at `alpha` to detect a true difference of means `difference`
+    with probability `power`, the per-seed standard deviations being sd_a and sd_b: the least n (both groups n)
+    whose power, from the noncentral t with Welch-Satterthwaite degrees of freedom, reaches `power`. None when
+    the difference is 0 or more than MAX_SEEDS would be needed."""
+    from scipy import stats  # heavy: see the module docstring
+
+    if difference == 0 or not (sd_a > 0 or sd_b > 0):
+        return None if difference == 0 else 2  # no spread: any difference shows (the t-test needs 2 a side)
+    for n in range(2, MAX_SEEDS + 1):
+        va, vb = sd_a ** 2 / n, sd_b ** 2 / n
+        df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (n - 1))
+        if stats.nct.sf(stats.t.ppf(1 - alpha, df), df, abs(difference) / math.sqrt(va + vb)) >= power:
+            return n
+    return None
+
+
+def _power(a: list[float], b: list[float], effect: Optional[float]) -> dict[str, Any]:
+    """How many seeds per group a claim needs at p < 0.01 with 80% power, from the measured sds: for the observed
+    difference, and for `effect` (a difference the user names) when given."""
+    sd_a, sd_b = statistics.stdev(a), statistics.stdev(b)
+    observed = statistics.fmean(a) - statistics.fmean(b)
+    out = {"alpha": RECORD_ALPHA, "power": POWER, "sd_a": sd_a, "sd_b": sd_b, "observed_difference": observed,
+           "seeds_for_observed": seeds_needed(sd_a, sd_b, observed)}
+    if effect is not None:
+        out.update(difference=effect, seeds_for_difference=seeds_needed(sd_a, sd_b, effect))
+    return out
+
+
+def resolve(spec: str, groups: list[Group], root: Path) -> Group:
+    """A --compare side: a group by exact name, a directory of one setting's seeds, or a unique part of a name."""
+    names = [g.name for g in groups]
+    if spec in names:
+        return groups[names.index(spec)]
+    if Path(spec).is_dir():
+        found = group_runs(find_runs(Path(spec))[0])
+        if len(found) != 1:
+            listing = "; ".join(f"{g.name} ({len(g.runs)} runs)" for g in found) or "no finished runs"
+            raise ConfigError(f"--compare {spec}: the directory holds {len(found)} settings, not one ({listing}). "
+                              f"Give a group name or a directory whose runs differ only in their seed.")
+        return Group(spec, found[0].runs, found[0].values, found[0].repeats)
+    matches = [g for g in groups if spec in g.name]
+    if len(matches) == 1:
+        return matches[0]
+    listing = "\n  ".join(names)
+    if matches:
+        raise ConfigError(f"--compare {spec}: matches {len(matches)} groups ({', '.join(g.name for g in matches)}); "
+                          f"give more of the name. The groups in {root}:\n  {listing}")
+    raise ConfigError(f"--compare {spec}: no group name contains {spec!r} and it is not a directory. Give a group "
+                      f"name (or part of one) or a run directory. The groups in {root}:\n  {listing}")
+
+
+def _target(r: dict[str, Any]) -> str:
+    """The run's target with its unit (runs may race to a loss or to bits per byte)."""
+    if r.get("target_val_bpb") is not None:
+        return f"{r['target_val_bpb']:.3f} bpb"
+    return "-" if r.get("target_val_loss") is None else f"{r['target_val_loss']:.3f} nats"
+
+
+def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
+    """One row per run (named by its directory below DIR), fastest to target first, then by final val loss."""
+    rows = [{**r.summary, **{k: v for k, (v, _) in r.tasks.items()}, "run": r.name} for r in runs]
+    reached = sorted((r for r in rows if r.get("train_seconds_to_target") is not None),
+                     key=lambda r: (_target(r), r["train_seconds_to_target"]))
+    rest = sorted((r for r in rows if r.get("train_seconds_to_target") is None),
+                  key=lambda r: (r.get("final_val_loss") is None, r.get("final_val_loss") or 0))
+    return reached + rest
+
+
+def check_test_options(alpha: float, effect: Optional[float]) -> None:
+    """ConfigError for a significance level outside (0, 1) or an effect size that is not a finite positive number."""
+    if not 0 < alpha < 1:
+        raise ConfigError(f"--alpha {alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
+    if effect is not None and not (math.isfinite(effect) and effect > 0):
+        raise ConfigError(f"--effect {effect}: give the difference to detect as a finite number above 0, in the "
+                          f"metric's unit (e.g. --effect 0.01 for final_val_loss).")
+
+
+def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
+                alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
+    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
+    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
+    check_test_options(alpha, effect)
+    found, skipped = find_runs(root)
+    runs, repeats = split_repeats(found)
+    groups = group_runs(runs)
+    comparison = None
+    if compare:
+        a, b = (resolve(spec, groups, root) for spec in compare)
+        repeats += [r for g in (a, b) for r in g.repeats]  # a directory given to --compare may hold its own
+        va, vb = values_of(a.runs, metric), values_of(b.runs, metric)
+        if not va and not vb:
+            present = sorted({k for r in a.runs + b.runs for k, v in r.summary.items() if is_number(v)}
+                             | {k for r in a.runs + b.runs for k in r.tasks})
+            raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
+                              f"Their numeric figures: {', '.join(present)}.")
+        comparison = welch(va, vb, metric, alpha, (a.name, b.name), not higher_is_better(a.runs + b.runs, metric))
+        if len(va) >= 2 and len(vb) >= 2:
+            comparison["seeds"] = _power(va, vb, effect)
+    return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
+            "comparison": comparison, "skipped": skipped,
+            "warnings": list(dict.fromkeys(r.describe() for r in repeats))}  # each once
+
+
+# ---------------------------------------------------------------- text
+def table(header: tuple[str, ...] | list[str], rows: list, markdown: bool = False) -> str:
+    """Rows under a header: columns padded to their widest cell with a dashed rule (a terminal), or Markdown."""
+    if markdown:
+        return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cell(value: Any, spec: str, sign: bool = False) -> str:
+    """A figure formatted, "-" when there is none."""
+    return "-" if value is None else format(value, ("+" if sign else "") + spec)
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """A report as JSON, NaN/inf as null (io.clean)."""
+    return json.dumps(clean(report), indent=2)
+
+
+def _spec(metric: str) -> str:
+    return GROUP_FIGURES[metric][1] if metric in GROUP_FIGURES else ".4g"
+
+
+def _groups_text(summaries: list[dict[str, Any]]) -> str:
+    rows = []
+    for g in summaries:
+        for i, (metric, s) in enumerate(g["stats"].items()):
+            spec = _spec(metric)
+            ci = "-" if s["ci95"] is None else f"[{format(s['ci95'][0], spec)}, {format(s['ci95'][1], spec)}]"
+            label = GROUP_FIGURES.get(metric, (metric.removeprefix(TASK_PREFIX),))[0]
+            rows.append((g["name"] if i == 0 else "", str(g["n"]) if i == 0 else "", label,
+                         str(s["n"]), format(s["mean"], spec), cell(s["sd"], spec), ci))
+        if not g["stats"]:  # a group whose runs have none of the figures
+            rows.append((g["name"], str(g["n"]), "-", "0", "-", "-", "-"))
+    return table(("group", "runs", "figure", "n", "mean", "sd", "95% CI"), rows)
+
+
+def _spread_text(s: dict[str, Any]) -> list[str]:
+    """One group's spread(): its source, then for "both" each source's sd alone, per figure."""
+    fixed = {"init": f" (data seed {s.get('data_seed')} fixed)", "data": f" (init seed {s.get('init_seed')} fixed)"}
+    lines = [f"spread from {SOURCES[s['from']]}{fixed.get(s['from'], '')}"]
+    parts = {k: s[k] for k in FIXED if k in s}
+    for metric in dict.fromkeys(m for part in parts.values() for m in part["stats"]):
+        sds = [f"{SOURCES[k]} {cell(p['stats'][metric]['sd'], _spec(metric))} ({len(p['runs'])} runs, "
+               f"{FIXED[k].replace('_', ' ')} {p[FIXED[k]]})" for k, p in parts.items() if metric in p["stats"]]
+        lines.append(f"  {GROUP_FIGURES.get(metric, (metric,))[0]} sd: {'; '.join(sds)}")
+    return lines
+
+
+def _spread_lines(summaries: list[dict[str, Any]]) -> list[str]:
+    """Each group's spread (groups of several runs); one "every group" when all read the same (a run.seed sweep)."""
+    said = {g["name"]: _spread_text(g["spread"]) for g in summaries if g["spread"]["from"]}
+    if len(said) > 1 and len({tuple(lines) for lines in said.values()}) == 1:
+        said = {"every group of several runs": next(iter(said.values()))}
+    return [line for name, (first, *rest) in said.items() for line in (f"{name}: {first}", *rest)]
+
+
+def _comparison_text(c: dict[str, Any]) -> str:
+    spec = _spec(c["metric"])
+    label = GROUP_FIGURES.get(c["metric"], (c["metric"],))[0]
+    better = "lower" if c["lower_is_better"] else "higher"
+    lines = [f"A = {c['a']['name']}", f"B = {c['b']['name']}", f"{label} ({c['metric']}), {better} is better:"]
+    for side, s in (("A", c["a"]), ("B", c["b"])):
+        lines.append(f"  {side}: n={s['n']}, mean {cell(s['mean'], spec)}, sd {cell(s['sd'], spec)}")
+    if c["difference"] is not None:
+        ci = "" if c["difference_ci95"] is None else \
+            f", 95% CI [{format(c['difference_ci95'][0], spec)}, {format(c['difference_ci95'][1], spec)}] (Welch)"
+        lines.append(f"  mean(A) - mean(B) = {format(c['difference'], spec)}{ci}")
+    if not c["testable"]:
+        lines.append(f"  no test: {c['reason']}.")
+        return "\n".join(lines)
+    lines.append(f"  {c['test']} (H1: {c['alternative']}): t = {c['t']:.3f}, df = {c['df']:.1f}, p = {c['p']:.3g}")
+    verdict = "A beats B" if c["a_beats_b"] else "A does not beat B"
+    lines.append(f"  {verdict} at alpha = {c['alpha']:g} (p {'<' if c['a_beats_b'] else '>='} {c['alpha']:g}).")
+    if s := c.get("seeds"):
+        needed = {n: f"{n} seeds per group" if n else f"more than {MAX_SEEDS:,} seeds per group (or no difference)"
+                  for n in (s["seeds_for_observed"], s.get("seeds_for_difference"))}
+        lines += [f"  seeds to show a difference at p < {s['alpha']:g} with {s['power']:.0%} power (Welch, the measured "
+                  f"sds {format(s['sd_a'], spec)} and {format(s['sd_b'], spec)}):",
+                  f"    the observed {format(s['observed_difference'], spec)}: {needed[s['seeds_for_observed']]}"]
+        if "difference" in s:
+            lines.append(f"    a difference of {format(s['difference'], spec)}: {needed[s['seeds_for_difference']]}")
+    return "\n".join(lines)
+
+
+def _leaderboard_text(rows: list[dict[str, Any]]) -> str:
+    tasks = sorted({k for r in rows for k in r if k.startswith(TASK_PREFIX)})
+    header = ("run", "target", "to target (s)", "steps", "tokens", "final val", "val bpb", "test bpb",
+              "train (s)", "tokens seen", "params", "hardware", *(k.removeprefix(TASK_PREFIX) for k in tasks))
+    return table(header, [(
+        r["run"], _target(r), cell(r.get("train_seconds_to_target"), ".1f"),
+        cell(r.get("step_to_target"), "d"), cell(r.get("tokens_to_target"), ","),
+        cell(r.get("final_val_loss"), ".4f"), cell(r.get("final_val_bpb"), ".4f"), cell(r.get("test_bpb"), ".4f"),
+        cell(r.get("train_seconds"), ".1f"), cell(r.get("tokens_seen"), ","), cell(r.get("params"), ","),
+        f"{r.get('world_size', '?')}x {r.get('hardware') or r.get('device') or '?'}",
+        *(cell(r.get(k), ".4f") for k in tasks),
+    ) for r in rows])
+
+
+def runs_text(report: dict[str, Any], per_run: bool = False) -> str:
+    """runs_report() for a terminal: the groups' statistics when some group has several seeds (unless
+    `per_run`), else the leaderboard; then the comparison, warnings and skipped runs."""
+    groups, runs = report["groups"], report["runs"]
+    if not runs:
+        lines = [f"no finished runs in {report['dir']} (a run writes {SUMMARY_FILE} when it ends)"]
+    elif any(g["n"] > 1 for g in groups) and not per_run:
+        lines = [f"{len(runs)} runs in {len(groups)} group(s) of seeds, named by the config keys that differ between "
+                 f"groups (or directories)", "n: runs with the figure; 95% CI of the mean (Student t)",
+                 _groups_text(groups), *_spread_lines(groups)]
+    else:
+        lines = [_leaderboard_text(runs)]
+    if report["comparison"] is not None:
+        lines += ["", _comparison_text(report["comparison"])]
+    return "\n".join(lines + [f"warning: {w}" for w in report["warnings"]]
+                     + [f"skipped {s}" for s in report["skipped"]])

@@ -1,0 +1,1 @@
+"""Training: the stage plan, the data loaders, the loop, checkpoints, metrics, the profiler."""

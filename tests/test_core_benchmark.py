@@ -1,0 +1,250 @@
+"""nanopt.evals.core_benchmark: DCLM's eval bundle read, prompts rendered and scored as nanochat's core_eval.py does, the CORE
+arithmetic, and the generated bundle (nanopt.evals.taskgen.write_bundle). Per-example parity with nanochat itself:
+bench/core_parity.py."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BOS
+
+from nanopt.config import ModelConfig
+from nanopt.data.tokenizer import ByteTokenizer
+from nanopt.distributed.runtime import Runtime
+from nanopt.errors import ConfigError
+from nanopt.evals import core_benchmark as core, taskgen
+from nanopt.recipe.model import build_model
+
+TEXTS = ["\n".join(f"Line {i} of text {t}: the wonderful quietness of evening settles" for i in range(30))
+         for t in range(3)]
+
+
+def rt(rank: int = 0, world: int = 1) -> Runtime:
+    return Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
+
+
+class Bigram(torch.nn.Module):
+    """Logits that depend on the current token only: row t of a V×V table. The length of rope_cos, as a Llama's,
+    is what the scorer crops to."""
+
+    def __init__(self, max_seq_len: int = 64):
+        super().__init__()
+        self.table = torch.zeros(257, 257)
+        self.rope_cos = torch.zeros(max_seq_len, 1)
+
+    def set(self, after: str, token: str, logit: float) -> None:
+        self.table[ord(after) if len(after) == 1 else BOS, ord(token)] = logit
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:  # the scorer's forward: hidden states, then logits
+        assert idx.shape[1] <= self.rope_cos.shape[0]
+        return self.table[idx]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def task(kind: str, items: list[dict], delimiter: str = " ", shots: int = 0, baseline: float = 0.0) -> core.CoreTask:
+    return core.CoreTask(f"t_{kind}", kind, shots, delimiter, baseline, items)
+
+
+def score(model: torch.nn.Module, tasks: list[core.CoreTask], batch_size: int = 8) -> dict:
+    return core.evaluate_core(model, ByteTokenizer(), tasks, rt(), batch_size=batch_size)
+
+
+# --- prompts -------------------------------------------------------------------------------------------------------
+
+def test_multiple_choice_prompts_one_per_choice_after_the_examples():
+    shot = {"query": "Q1", "choices": ["A", "B"], "gold": 1}
+    item = {"query": "Q", "choices": ["x", "y"], "gold": 0}
+    assert core.render_prompts("multiple_choice", item, ": ", [shot, shot]) == [
+        "Q1: B\n\nQ1: B\n\nQ: x", "Q1: B\n\nQ1: B\n\nQ: y"]
+
+
+def test_schema_prompts_one_per_context_with_the_shared_continuation():
+    shot = {"context_options": ["C1", "C2"], "continuation": "K1", "gold": 0}
+    item = {"context_options": ["c", "d"], "continuation": "k", "gold": 1}
+    assert core.render_prompts("schema", item, " ", [shot]) == ["C1 K1\n\nc k", "C1 K1\n\nd k"]
+
+
+def test_language_modeling_prompts_without_and_with_the_continuation_contexts_trimmed():
+    shot = {"context": "  Ctx1 ", "continuation": "x1"}
+    item = {"context": "ctx \n", "continuation": " cont"}
+    assert core.render_prompts("language_modeling", item, " ", [shot]) == ["Ctx1 x1\n\nctx", "Ctx1 x1\n\nctx  cont"]
+    assert core.render_prompts("language_modeling", item, " ", []) == ["ctx", "ctx  cont"]
+
+
+def test_fewshot_examples_are_drawn_as_nanochat_draws_them():
+    t = task("language_modeling", [{"context": str(i), "continuation": "x"} for i in range(40)], shots=5)
+    for idx in (0, 7, 39):
+        others = [i for i in range(40) if i != idx]
+        expected = [t.items[i] for i in random.Random(1234 + idx).sample(others, 5)]
+        assert core.fewshot(t, idx) == expected
+
+
+# --- scoring, hand-checked -----------------------------------------------------------------------------------------
+
+def test_multiple_choice_picks_the_lowest_mean_loss_not_the_sum():
+    """' '->b loses 5.574, b->b 0.012 (mean 2.79); ' '->c loses 3.574. The mean picks "bb", a sum would pick "c"."""
+    m = Bigram()
+    m.set(" ", "c", 2.0)
+    m.set("b", "b", 10.0)
+    items = [{"query": "q", "choices": ["bb", "c"], "gold": 0}, {"query": "q", "choices": ["bb", "c"], "gold": 1}]
+    assert score(m, [task("multiple_choice", items)])["examples"]["t_multiple_choice"] == [True, False]
+
+
+def test_schema_scores_only_the_shared_continuation():
+    """BOS strongly predicts "y", but the options themselves are not scored: x->' ' decides for option 0."""
+    m = Bigram()
+    m.set("BOS", "y", 50.0)
+    m.set("x", " ", 5.0)
+    items = [{"context_options": ["x", "y"], "continuation": "z", "gold": 0},
+             {"context_options": ["y", "x"], "continuation": "z", "gold": 0}]
+    assert score(m, [task("schema", items)])["examples"]["t_schema"] == [True, False]
+
+
+def test_language_modeling_needs_every_continuation_token_greedy():
+    m = Bigram()
+    m.set("b", "c", 1.0)
+    m.set("c", "d", 1.0)
+    items = [{"context": " ab ", "continuation": "cd"}, {"context": "ab", "continuation": "ce"},
+             {"context": "a", "continuation": "bcd"}]
+    assert score(m, [task("language_modeling", items, delimiter="")])["examples"]["t_language_modeling"] == [
+        True, False, False]  # the last: a->b is not greedy (all logits of a are 0: argmax is token 0)
+
+
+def test_centered_accuracy_and_core_arithmetic():
+    m = Bigram()
+    m.set("b", "c", 1.0)
+    lm = task("language_modeling", [{"context": "b", "continuation": c} for c in "ccxx"], delimiter="")
+    mc = dataclasses.replace(lm, label="mc4", type="multiple_choice", random_baseline=25.0, items=[
+        {"query": "b", "choices": ["c", "x", "y", "z"], "gold": g} for g in (0, 0, 0, 1)])
+    out = score(m, [lm, mc])
+    assert out["tasks"]["t_language_modeling"] == {"accuracy": 0.5, "centered": 0.5, "random_baseline": 0.0, "n": 4}
+    assert out["tasks"]["mc4"]["accuracy"] == 0.75
+    assert out["tasks"]["mc4"]["centered"] == pytest.approx((0.75 - 0.25) / 0.75)
+    assert out["core"] == pytest.approx((0.5 + 2 / 3) / 2)
+
+
+def test_left_crop_to_the_model_context_shifts_the_scored_span():
+    t = task("language_modeling", [{"context": "abcdefgh", "continuation": "ij"}], delimiter="")
+    assert core.sequences(t, 0, ByteTokenizer(), 64) == [([BOS, *b"abcdefghij"], 9)]
+    assert core.sequences(t, 0, ByteTokenizer(), 6) == [(list(b"efghij"), 4)]
+    mc = task("multiple_choice", [{"query": "q", "choices": ["long answer", "other one"], "gold": 0}])
+    # The answers themselves reach past the crop: scored from position 1, the first with a prediction.
+    assert core.sequences(mc, 0, ByteTokenizer(), 5) == [(list(b"nswer"), 1), (list(b"r one"), 1)]
+    m = Bigram(max_seq_len=6)  # asserts every forward fits
+    m.set("h", "i", 1.0)
+    m.set("i", "j", 1.0)
+    assert score(m, [t])["examples"]["t_language_modeling"] == [True]
+
+
+# --- the bundle ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> Path:
+    return taskgen.write_bundle(tmp_path / "bundle", TEXTS, seed=3, n=12)
+
+
+def test_write_then_read_round_trip(bundle: Path):
+    tasks = core.read_bundle(bundle)
+    assert [(t.label, t.type, t.num_fewshot, t.random_baseline, len(t.items)) for t in tasks] == [
+        ("nanopt_line_end", "multiple_choice", 0, 25.0, 12), ("nanopt_line_start", "schema", 2, 50.0, 12),
+        ("nanopt_word_end", "language_modeling", 2, 0.0, 12)]
+    for t in tasks:
+        lines = (bundle / "eval_data" / f"{t.label}.jsonl").read_text().splitlines()
+        in_file = [json.loads(line) for line in lines]
+        random.Random(1337).shuffle(in_file)  # nanochat's base_eval shuffles every task so
+        assert t.items == in_file and t.continuation_delimiter == ""
+    again = taskgen.write_bundle(bundle.parent / "again", TEXTS, seed=3, n=12)  # the same texts and seed: same files
+    for name in ("core.yaml", "eval_meta_data.csv", "eval_data/nanopt_word_end.jsonl"):
+        assert (again / name).read_text() == (bundle / name).read_text()
+
+
+def test_generated_items_are_what_they_claim(bundle: Path):
+    mc, schema, lm = core.read_bundle(bundle)
+    for item in mc.items:  # the right rest continues the cut line of the passage
+        line = item["query"].split("\n")[-1] + item["choices"][item["gold"]]
+        assert len(item["choices"]) == 4 and any(line in text for text in TEXTS)
+    for item in schema.items:
+        assert any(item["context_options"][item["gold"]] + item["continuation"] in text for text in TEXTS)
+    for item in lm.items:
+        assert item["continuation"].isalpha() and any(item["context"] + item["continuation"] in t for t in TEXTS)
+
+
+def test_limit_keeps_the_first_items_of_the_full_order(bundle: Path):
+    full, limited = core.read_bundle(bundle), core.read_bundle(bundle, limit=5)
+    for f, t in zip(full, limited):
+        assert t.items == f.items[:5]
+        assert all(shot in t.items for i in range(5) for shot in core.fewshot(t, i))  # drawn from the kept ones
+
+
+def test_batching_and_ranks_do_not_change_the_examples(bundle: Path):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=96)).eval()
+    tasks, tok = core.read_bundle(bundle, limit=8), ByteTokenizer()
+    one = core.evaluate_core(model, tok, tasks, rt(), batch_size=1)
+
+    class TwoRanks(Runtime):  # each rank's share, as gather_objects would bring it from two processes
+        def gather_objects(self, obj: object) -> list:
+            return [[core._score_task(model, tok, t, rt(r, 2), 8) for t in tasks] for r in (0, 1)]
+
+    two = core.evaluate_core(model, tok, tasks, TwoRanks("cpu", torch.device("cpu"), 0, 0, 2, 2, "fp32"))
+    assert core.evaluate_core(model, tok, tasks, rt(), batch_size=8) == one == two
+    assert sorted(core._score_task(model, tok, tasks[0], rt(1, 2), 8)) == [1, 3, 5, 7]
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    path.write_text(path.read_text().replace(old, new, 1))
+
+
+BAD = {  # what is broken -> (how, the file the message names)
+    "no bundle": (lambda b: (b / "core.yaml").unlink(), "core.yaml"),
+    "a FIFO for a task file": (lambda b: (os.remove(b / "eval_data" / "nanopt_line_end.jsonl"),  # refused unread
+                                          os.mkfifo(b / "eval_data" / "nanopt_line_end.jsonl")), "named pipe"),
+    "no task list": (lambda b: (b / "core.yaml").write_text("tasks: []\n"), "core.yaml"),
+    "task without a type": (lambda b: _edit(b / "core.yaml", "icl_task_type", "type"), "core.yaml"),
+    "unknown type": (lambda b: _edit(b / "core.yaml", "schema", "generative"), "core.yaml"),
+    "no baselines": (lambda b: (b / "eval_meta_data.csv").unlink(), "eval_meta_data.csv"),
+    "no baseline column": (lambda b: _edit(b / "eval_meta_data.csv", "Random baseline", "Chance"),
+                           "eval_meta_data.csv"),
+    "baseline not a number": (lambda b: _edit(b / "eval_meta_data.csv", "25.0", "a quarter"), "eval_meta_data.csv"),
+    "no row for a task": (lambda b: _edit(b / "eval_meta_data.csv", "nanopt_word_end", "other"), "eval_meta_data.csv"),
+    "no data file": (lambda b: (b / "eval_data" / "nanopt_line_start.jsonl").unlink(), "nanopt_line_start.jsonl"),
+    "line not JSON": (lambda b: _edit(b / "eval_data" / "nanopt_line_end.jsonl", "\n", "\n{oops\n"),
+                      "nanopt_line_end.jsonl:2"),
+    "item lacks a field": (lambda b: _edit(b / "eval_data" / "nanopt_word_end.jsonl", '"continuation"', '"cont"'),
+                           "nanopt_word_end.jsonl:1"),
+    "gold out of range": (lambda b: _edit(b / "eval_data" / "nanopt_line_start.jsonl", '"gold": ', '"gold": 9'),
+                          "nanopt_line_start.jsonl:1"),
+    "too few items for the shots": (lambda b: _edit(b / "core.yaml", "[2]", "[12]"), "core.yaml"),
+    "empty data file": (lambda b: (b / "eval_data" / "nanopt_word_end.jsonl").write_text("\n"),
+                        "nanopt_word_end.jsonl holds no items"),
+    # A random baseline of 100 divided by zero; NaN, 150 and -10 gave a meaningless CORE.
+    **{f"baseline {v or 'empty'}": (lambda b, v=v: _edit(b / "eval_meta_data.csv", "50.0", v),
+                                    f"eval_meta_data.csv:3: task nanopt_line_start's `Random baseline` is {v!r}")
+       for v in ("100", "100.0", "nan", "150", "-10", "inf", "")},
+    # A bundle names files inside itself: no way out of it, by `..` or an absolute path.
+    "dataset_uri out of the bundle": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "../../x.jsonl"),
+                                      "core.yaml: task nanopt_line_end's dataset_uri '../../x.jsonl' leaves"),
+    "absolute dataset_uri": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "/etc/hostname"),
+                             "core.yaml: task nanopt_line_end's dataset_uri '/etc/hostname' leaves"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_bundle_raises_config_error_naming_the_file(bundle: Path, case: str):
+    breaks, named = BAD[case]
+    breaks(bundle)
+    with pytest.raises(ConfigError) as e:
+        core.read_bundle(bundle)
+    assert f"{named}" in str(e.value) and str(bundle) in str(e.value), str(e.value)
+
+
+def test_write_bundle_refuses_texts_too_small(tmp_path: Path):
+    with pytest.raises(ConfigError, match="write_bundle"):
+        taskgen.write_bundle(tmp_path, ["too short\nlines"])
