@@ -4,10 +4,9 @@ timings. "Model" FLOPs are what the model needs whatever the implementation does
 shapes and hardware; HFU adds what nanopt recomputes. The peaks are hardware.py's."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -96,7 +95,7 @@ class TokenFlops:
 
     def summary(self) -> dict[str, int]:
         return dict(zip(("flops_per_token", "flops_per_token_6n", "flops_per_token_full_attention",
-                         "flops_per_token_hardware"), dataclasses.astuple(self)))
+                         "flops_per_token_hardware"), astuple(self)))
 
 
 def token_flops(model: nn.Module, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
@@ -144,7 +143,7 @@ class MFUMeter:
         if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
             return dict.fromkeys((*CONVENTIONS, "tflops_per_device"))
         tokens_per_s, seconds, per_token = self.tokens_per_step / step_seconds, window_steps * step_seconds, \
-            dataclasses.astuple(self.flops)
+            astuple(self.flops)
         self.tokens_done, self.seconds_done = self.tokens_done + tokens_per_s * seconds, self.seconds_done + seconds
         self.flops_done = [done + f * tokens_per_s * seconds for done, f in zip(self.flops_done, per_token)]
         return {**{name: mfu(f, tokens_per_s, self.peak_flops, self.world_size) for name, f in
