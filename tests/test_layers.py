@@ -109,8 +109,8 @@ def test_the_check_finds_an_upward_and_a_hidden_import(tmp_path, monkeypatch):
     assert any("nanopt/model.py:2" in v and "function-local" in v for v in found), found
 
 
-@pytest.mark.parametrize("module", ["nanopt", "nanopt.config", "nanopt.training.plan", "nanopt.distributed.hardware", "nanopt.cli",
-                                   "nanopt.main"])
+@pytest.mark.parametrize("module", ["nanopt", "nanopt.config", "nanopt.training.plan", "nanopt.distributed.hardware",
+                                    "nanopt.cli", "nanopt.main"])
 def test_light_modules_do_not_load_torch(module):
     """Layers 0-4 and the dispatcher stay torch-free (Modal's config check; `nanopt estimate` counts a meta-device
     model, so it loads torch)."""

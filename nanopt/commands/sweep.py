@@ -33,8 +33,8 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str]) -> int:
     p = _Parser(prog="nanopt sweep", allow_abbrev=False, description=DESCRIPTION,
                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                usage="nanopt sweep [CONFIG] (--set KEY=V1,V2 [--set ...] | --points FILE) [--seeds N] [--name NAME | --dir DIR] "
-                      "[--parallel K] [--nproc P] [--section.key=value ...]")
+                usage="nanopt sweep [CONFIG] (--set KEY=V1,V2 [--set ...] | --points FILE) [--seeds N] "
+                      "[--name NAME | --dir DIR] [--parallel K] [--nproc P] [--section.key=value ...]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
                    help="a config key and its values, comma-separated; repeat for more keys (the grid is their "
                         "product)")

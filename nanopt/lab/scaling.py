@@ -26,7 +26,7 @@ from nanopt.lab.runs import find_runs, load_run, table
 from nanopt.recipe.mfu import meta_model, param_counts, token_flops
 
 HUBER_DELTA = 1e-3
-# Hoffmann et al.'s grid of starts (α, β over 0..2, e over -1..1.5, a and b over 0..25), searched whole at numpy speed;
+# Hoffmann et al.'s grid of starts (α, β over 0..2, e over -1..1.5, a and b over 0..25), searched whole (numpy);
 # L-BFGS refines the best few. Besiroglu et al. found the fit sensitive to the start: one start is not enough.
 _GRID = np.array(np.meshgrid(np.arange(0, 26, 5.0), np.arange(0, 26, 5.0), np.arange(-1, 1.6, 0.5),
                              np.arange(0, 2.01, 0.5), np.arange(0, 2.01, 0.5), indexing="ij")).reshape(5, -1).T
@@ -223,7 +223,7 @@ def from_runs(root: Path, metric: str = "final_val_bpb", params_key: str = "para
 
 
 def _checked(p: Optional[Points], where: str, fix: str) -> Points:
-    """Enough points for both approaches: ≥ 2 budgets of ≥ 3 sizes each, and ≥ 5 runs for the five-parameter law."""
+    """Enough points for both approaches: ≥ 2 budgets of ≥ 3 sizes, and ≥ 5 runs for the five-parameter law."""
     sizes = [len(np.unique(p.params[g])) for g in p.budgets()] if p is not None else []
     if p is None or len(sizes) < 2 or min(sizes) < 3 or len(p.loss) < 5:
         raise ConfigError(f"{where}: {len(sizes)} compute budget(s) with {sizes or 'no'} distinct sizes; a fit needs "

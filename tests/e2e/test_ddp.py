@@ -262,7 +262,7 @@ def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_witho
     run_dir, proc = sharded_half
     traced = [(name, Path(path).parts[-2:])
               for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
-    assert traced == [("forward", ("nanopt", "model.py"))] * 2, traced  # Block.forward, once per rank
+    assert traced == [("forward", ("recipe", "model.py"))] * 2, traced  # Block.forward, once per rank
     assert "Recompiling" not in proc.stderr
     assert "--- 1 samples from step 5" in proc.stdout
     records, expected = _records(run_dir), _records(fsdp_reference)
