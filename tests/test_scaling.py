@@ -41,6 +41,7 @@ def fitted():
     return points, scaling.fit(points, bootstrap=20)
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_approach_3_recovers_the_law_from_noisy_data(fitted):
     _, out = fitted
     for key, tolerance in (("E", 0.03), ("alpha", 0.05), ("beta", 0.05), ("A", 0.3), ("B", 0.3)):
@@ -53,6 +54,7 @@ def test_approach_3_recovers_the_law_from_noisy_data(fitted):
     assert out["approach3_b"] == pytest.approx(1 - a, abs=0.02)
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_approach_2_finds_each_budgets_optimum_and_the_exponents(fitted):
     points, out = fitted
     a = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])
@@ -78,6 +80,7 @@ def test_the_optimum_is_the_closed_form_under_6nd():
     assert other["tokens"] * other["params"] * 8 == pytest.approx(c) and other["loss"] > got["loss"]
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_a_csv_of_flops_or_tokens_fits_the_same(tmp_path, fitted):
     points, _ = fitted
     by_tokens, by_flops = tmp_path / "tokens.csv", tmp_path / "flops.csv"
@@ -91,6 +94,7 @@ def test_a_csv_of_flops_or_tokens_fits_the_same(tmp_path, fitted):
     assert len(a.budgets()) == 5
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_the_command_prints_json_predicts_and_plots(tmp_path, fitted):
     points, _ = fitted
     csv = tmp_path / "ladder.csv"
@@ -109,6 +113,7 @@ def test_the_command_prints_json_predicts_and_plots(tmp_path, fitted):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_a_ladder_directory_is_read_from_its_summaries(tmp_path, fitted):
     points, _ = fitted
     for i, (n, d, l) in enumerate(zip(points.params, points.tokens, points.loss)):
@@ -186,6 +191,7 @@ def test_the_plan_spends_each_budget_at_each_runs_own_flops_by_the_configs_rules
         assert (r.batch_tokens, r.lr, r.weight_decay) == (ref.global_batch_tokens, ref.lr, ref.weight_decay)
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(tmp_path):
     out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "plan", str(LADDER), "--budgets", "1e12,2e12",
                           "--sizes", "3", "--out", str(tmp_path / "ladder"), "--eval.batches=4"],
@@ -207,6 +213,7 @@ def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(t
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budgets" in bad.stderr
 
 
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
 def test_a_held_out_run_is_checked_against_the_law(tmp_path, fitted):
     _, out = fitted
     run = tmp_path / "held-out"
