@@ -112,7 +112,7 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(full):
     assert not result["env"]["torchao"].startswith("not importable") and result["env"]["nanopt_fp8"] == "emulated"
     run = result["1b"]["eager"]
     assert run["rc"] == 0 and run["tokens_per_s"] > 0 and run["steps_timed"] == [3, 4, 5, 10]
-    assert run["profile"]["compute_share"] > 0.5 and run["top_ops"], run
+    assert 0 < run["profile"]["compute_share"] <= 1 and run["top_ops"], run  # its size is the load's, not a test
     assert run["top_ops_share_sum"] <= 1.0
     assert result["fp8"]["1b"]["eager"] == run  # the fp8 section's bf16 baseline is the same run, run once
     for title in ("## DDP gradients", "## nanopt's DDP path", "## Sampling with the KV cache", "## Training 1b",
