@@ -12,12 +12,12 @@ from nanopt.rundirs import SUMMARY_FILE
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="nanopt runs", description=(
-        "Finished runs below DIR, recursively. Runs whose configs differ only in run.seed, run.init_seed and "
-        "run.data_seed (and names, paths, checkpointing, sampling) form a group, named by the config keys that "
-        "differ between groups (where more than 3 differ: by directory, then the keys that differ there), with n, "
-        "mean, sd and a 95% Student-t interval of time/steps/tokens to target and final val loss/bpb, and where its "
-        "spread comes from (init seeds, data order or both; for both, each one's sd alone). When no two runs group, or with --runs, one leaderboard row per run. A run repeating the "
-        "setting and the init and data seeds of another (a sweep copied twice) is counted once, with a warning."))
+        "Finished runs below DIR, recursively. Runs whose configs differ only in run.seed, run.init_seed, "
+        "run.data_seed and neutral keys (names, paths, checkpointing, sampling) form a group, named by the keys that "
+        "differ between groups (more than 3: by directory, then the keys there), with n, mean, sd and a 95% "
+        "Student-t interval of time/steps/tokens to target and final val loss/bpb, and where its spread comes from "
+        "(init, data order or both, each one's sd alone). When no two runs group, or with --runs, a leaderboard "
+        "row per run. A run repeating another's setting and seeds (a copied sweep) counts once, with a warning."))
     p.add_argument("dir", nargs="?", default="runs")
     p.add_argument("--runs", action="store_true", help="the per-run leaderboard even when runs group")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),

@@ -31,7 +31,7 @@ def fit_main(argv: list[str]) -> int:
     """a law fitted to a ladder's runs or a CSV, with intervals and predictions. """
     p = argparse.ArgumentParser(prog="nanopt scaling fit", description=(
         "Fit L(N, D) = E + A/N^alpha + B/D^beta (approach 3) and the isoFLOP optima N_opt ~ C^a, D_opt ~ C^b "
-        "(approach 2) to the finished runs below RUNS_DIR, or to a CSV; 95%% bootstrap intervals."))
+        "(approach 2) to the finished runs below RUNS_DIR, or to a CSV; 95% bootstrap intervals."))
     p.add_argument("runs_dir", nargs="?", type=Path, help="a ladder's directory (finished runs below it)")
     p.add_argument("--csv", type=Path, help="columns params,tokens,loss (or params,flops,loss: D = C / 6N)")
     p.add_argument("--metric", default="final_val_bpb", help="summary.json figure fitted as L (default "
@@ -83,6 +83,7 @@ def plan_main(argv: list[str]) -> int:
     args, raw = p.parse_known_args(rest)
     if not 1 <= args.sizes <= 32:
         raise ConfigError(f"--sizes {args.sizes}: the model sizes per budget; give 1 to 32 (3 or more to fit).")
+    out = sweep.sweep_dir(args.out, f"{Path(config).stem if config else 'tiny'}-ladder", "--out")
     overrides = sweep.normal_overrides(raw)
     base = parse_overrides(overrides)
 
@@ -90,7 +91,6 @@ def plan_main(argv: list[str]) -> int:
         return load_config(config, base + ([] if depth is None else [(scaling.KNOB, str(depth))]))
 
     rungs = scaling.plan(config_for, args.budgets, args.sizes)
-    out = args.out or Path(f"runs/{Path(config).stem if config else 'tiny'}-ladder")
     ladder = out / "ladder.yaml"
     out.mkdir(parents=True, exist_ok=True)
     write_text(ladder, yaml.safe_dump(scaling.points_file(rungs), sort_keys=False))

@@ -9,7 +9,6 @@ from typing import NoReturn
 from nanopt.config import DEFAULT_CONFIG, split_args
 from nanopt.errors import ConfigError
 from nanopt.lab import sweep
-from nanopt.rundirs import refuse_inside_checkpoints
 
 DESCRIPTION = """\
 Run every combination of the --set values, once per seed (S, S+1, ... from the config's run.seed or
@@ -57,8 +56,7 @@ def main(argv: list[str]) -> int:
     name = args.name or f"{Path(config).stem if config else DEFAULT_CONFIG}-sweep"
     if "/" in name or name in ("", ".", ".."):
         raise ConfigError(f"--name {name!r}: a sweep name is one directory name; use --dir DIR for a path.")
-    root = Path(args.dir or f"runs/{name}")
-    refuse_inside_checkpoints(root, "--dir")
+    root = sweep.sweep_dir(args.dir, name, "--dir")
     meta = {"name": name, "config": config, "command": ["nanopt", "sweep", *argv],
             "set": dict(sweep.parse_set(s) for s in args.set), "points": str(args.points) if args.points else None,
             "seeds": sorted({pt.seed for pt in points}),

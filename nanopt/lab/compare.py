@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from nanopt.io import finite, is_int
+from nanopt.io import finite
 from nanopt.lab.plots import series
 from nanopt.lab.runs import HARDWARE_KEYS, SEED_KEYS, TASK_PREFIX, FinishedRun, cell, table
 from nanopt.rundirs import format_value
@@ -37,7 +37,7 @@ def figures(run: FinishedRun) -> dict[str, Optional[float]]:
     """FIGURES of one run; speed as the median over the logged steps after the MFU warm-up (start-up), which a few
     slow steps (a profiled window, a checkpoint write) do not move."""
     warmup = run.config.get("mfu.warmup_steps", 1)  # an integer: rundirs.CONFIG
-    steps = [r for r in run.records if "loss" in r and is_int(r.get("step")) and r["step"] > warmup]
+    steps = [r for r in run.records if "loss" in r and r["step"] > warmup]
     out = {key: finite(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED}
     for key in SPEED:
         values = [v for r in steps if (v := finite(r.get(key))) is not None]
@@ -48,10 +48,9 @@ def figures(run: FinishedRun) -> dict[str, Optional[float]]:
 def val_curve(run: FinishedRun, unit: str) -> tuple[list[float], list[float]]:
     """(budget spent, val loss) at each of the run's evaluations. FLOPs: tokens × the run's flops_per_token
     (summary.json). Seconds as `nanopt plot --x seconds` sums them: evaluation records carry no clock."""
-    records = [r for r in run.records if is_int(r.get("step"))]
     if unit != "flops":
-        return series(records, "val_loss", unit)
-    tokens, losses = series(records, "val_loss", "tokens")
+        return series(run.records, "val_loss", unit)
+    tokens, losses = series(run.records, "val_loss", "tokens")
     per_token = finite(run.summary.get("flops_per_token"))
     return ([t * per_token for t in tokens], losses) if per_token else ([], [])
 
@@ -65,15 +64,13 @@ def equal_budgets(a: FinishedRun, b: FinishedRun) -> list[dict[str, Any]]:
         budget = min(max(xs) for xs, _ in curves) if all(xs for xs, _ in curves) else None
         la, lb = (float(np.interp(budget, xs, ys)) if budget is not None and xs[0] <= budget else None
                   for xs, ys in curves)
-        rows.append({"unit": unit, "label": label, "budget": budget, "a": la, "b": lb, "delta": _delta(la, lb)[0]})
+        rows.append({"unit": unit, "label": label, "budget": budget, "a": la, "b": lb, "delta": _delta(la, lb)})
     return rows
 
 
-def _delta(a: Optional[float], b: Optional[float]) -> tuple[Optional[float], Optional[float]]:
-    """B - A and B / A (None where a side is missing, or A is 0 for the ratio)."""
-    if a is None or b is None:
-        return None, None
-    return b - a, (b / a if a else None)
+def _delta(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """B - A, None where a side is missing."""
+    return None if a is None or b is None else b - a
 
 
 def config_changes(a: FinishedRun, b: FinishedRun) -> list[dict[str, str]]:
@@ -109,7 +106,7 @@ def profile_parts(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]
                      "a_share": None, "b_share": None,
                      "a_ms": _per_step(pa, labels_a.get(key)), "b_ms": _per_step(pb, labels_b.get(key))})
     for row in rows:
-        row["delta_ms"] = _delta(row["a_ms"], row["b_ms"])[0]
+        row["delta_ms"] = _delta(row["a_ms"], row["b_ms"])
     return rows
 
 
@@ -123,7 +120,7 @@ def top_ops(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
         a, b = ops_a.get(name, {}), ops_b.get(name, {})  # _per_step(p, None) is None: not in that run's list
         a_ms, b_ms = _per_step(pa, a.get("self_ms")), _per_step(pb, b.get("self_ms"))
         rows.append({"name": name, "a_ms": a_ms, "b_ms": b_ms, "a_calls": _per_step(pa, a.get("calls")),
-                     "b_calls": _per_step(pb, b.get("calls")), "delta_ms": _delta(a_ms, b_ms)[0]})
+                     "b_calls": _per_step(pb, b.get("calls")), "delta_ms": _delta(a_ms, b_ms)})
     return sorted(rows, key=lambda r: (r["delta_ms"] is None, -abs(r["delta_ms"] if r["delta_ms"] is not None
                                                                   else max(r["a_ms"] or 0, r["b_ms"] or 0))))
 
@@ -134,10 +131,10 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
     rows = []
     tasks = [(k, k.removeprefix(TASK_PREFIX), ".4f") for k in sorted({*a.tasks, *b.tasks})]
     for key, label, _ in FIGURES + tasks:
-        if fa.get(key) is not None or fb.get(key) is not None:
-            delta, ratio = _delta(fa.get(key), fb.get(key))
-            rows.append({"key": key, "label": label, "a": fa.get(key), "b": fb.get(key), "delta": delta,
-                         "ratio": ratio})
+        a_value, b_value = fa.get(key), fb.get(key)
+        if a_value is not None or b_value is not None:
+            rows.append({"key": key, "label": label, "a": a_value, "b": b_value, "delta": _delta(a_value, b_value),
+                         "ratio": b_value / a_value if a_value and b_value is not None else None})
     out: dict[str, Any] = {"a": str(a.dir), "b": str(b.dir), "config_changes": config_changes(a, b),
                            "figures": rows, "equal_budgets": equal_budgets(a, b), "profile": None, "notes": []}
     for key in HARDWARE_KEYS:
@@ -159,7 +156,6 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
 
 
 def markdown(c: dict[str, Any]) -> str:
-    """comparison() as a Markdown report."""
     spec = {**{r["key"]: ".4f" for r in c["figures"]}, **{key: s for key, _, s in FIGURES}}
     md = functools.partial(table, markdown=True)
     lines = ["# nanopt compare", "", f"- A: `{c['a']}`", f"- B: `{c['b']}`", "", "## Config (B vs A)", ""]

@@ -1,15 +1,15 @@
-"""Pictures of runs, from their files: curves.png at the end of every run, `nanopt plot`'s overlays, and the
-profiled run's offline profile.html.
+"""Pictures of runs, from their files: curves.png at the end of every run, `nanopt plot`'s overlays, the profiled
+run's offline profile.html, and (figure()) the scaling fit's.
 
-matplotlib is imported inside the drawing functions (the XLA test environment does not install it), through
-its object API with the Agg canvas only: nothing here touches pyplot's global state or an interactive backend.
-Callers inside a training run use the *_quietly helpers: a picture that cannot be drawn is a log line, never a
-failed run.
+matplotlib is imported inside figure() (the XLA test environment does not install it), through its object API
+with the Agg canvas only: nothing here touches pyplot's global state. Inside a training run the *_quietly helpers
+draw: a picture that cannot be drawn is a log line, never a failed run.
 """
 from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import logging
 import os
@@ -37,12 +37,11 @@ Record = dict[str, Any]
 
 # ---------------------------------------------------------------- reading runs
 def stepped_records(run_dir: Path) -> list[Record]:
-    """The run's metrics records that carry an integer step (rundirs.read_metrics)."""
     return [r for r in rundirs.read_metrics(run_dir) if is_int(r.get("step"))]
 
 
 def runs_to_plot(paths: list[str | Path]) -> list[Path]:
-    """Run directories at or below each path (rundirs.walk_runs), in order, each once."""
+    """Run directories at or below each path, in order, each once."""
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():
@@ -81,7 +80,6 @@ def _seconds_axis(records: list[Record]) -> tuple[list[float], list[float]]:
 
 
 def series(records: list[Record], metric: str, x: str) -> tuple[list[float], list[float]]:
-    """(x values, metric values) of the records that carry the metric; x is steps, tokens or seconds."""
     if x not in X_AXES:
         raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}.")
     tokens_per_step = next((tokens / r["step"] for r in records
@@ -107,25 +105,24 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
 
 # ---------------------------------------------------------------- matplotlib, lazily
 def have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("matplotlib") is not None
 
 
-def _figure(width: float, height: float) -> Any:
-    """A Figure on the Agg canvas, not registered with pyplot (no global state, no GUI, freed when dropped).
-    Margins are set by hand: constrained layout doubled the drawing time at the end of every run."""
+def figure(width: float, height: float, *grid: int, margins: dict[str, float], **kw: Any) -> tuple[Any, Any]:
+    """A Figure on the Agg canvas, not registered with pyplot (no global state, no GUI, freed when dropped), and
+    its axes (fig.subplots(*grid)). Margins are set by hand: constrained layout doubled the drawing time at the
+    end of every run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
-    return fig
+    axes = fig.subplots(*grid, **kw)
+    fig.subplots_adjust(**margins)
+    return fig, axes
 
 
-def _png(fig: Any) -> bytes:
+def png(fig: Any) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
@@ -144,9 +141,8 @@ def curves_png(run_dir: Path) -> Path:
     records = stepped_records(run_dir)
     if not records:
         raise ConfigError(f"{run_dir / METRICS_FILE} has no records to plot; train the run first.")
-    fig = _figure(15, 8)
-    axes = fig.subplots(2, 3)
-    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.07, top=0.93, wspace=0.22, hspace=0.25)
+    fig, axes = figure(15, 8, 2, 3, margins=dict(left=0.05, right=0.99, bottom=0.07, top=0.93, wspace=0.22,
+                                                  hspace=0.25))
     for ax, x in zip(axes[0], X_AXES):
         _plot(ax, *series(records, "loss", x), "train loss", color="tab:blue")
         _plot(ax, *series(records, "val_loss", x), "val loss", eval_line=True, color="tab:orange")
@@ -167,14 +163,14 @@ def curves_png(run_dir: Path) -> Path:
     final = next((r for r in reversed(records) if is_number(r.get("val_loss"))), None)
     fig.suptitle(run_dir.resolve().name + (f"  |  final val loss {final['val_loss']:.4f} at step {final['step']}"
                                            if final else ""))
-    return write_bytes(run_dir / CURVES_FILE, _png(fig))
+    return write_bytes(run_dir / CURVES_FILE, png(fig))
 
 
 # ---------------------------------------------------------------- nanopt plot: runs overlaid
 def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: str = "steps",
               force: bool = False) -> Path:
-    """`nanopt plot`: a line per run at or below `paths`, in the PNG `out` (checked before any run is read; an
-    existing file is replaced only with `force`: the default name is the same for every plot of a metric)."""
+    """`nanopt plot`: a line per run at or below `paths`, in the PNG `out` (checked before any run is read; replaced
+    only with `force`: the default name is the same for every plot of a metric)."""
     out = Path(out)
     if not have_matplotlib():
         raise ConfigError("nanopt plot draws with matplotlib, which is not installed; pip install matplotlib.")
@@ -194,16 +190,14 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
         available = sorted({k for records in per_run for r in records for k, v in r.items()
                             if is_number(v) and k not in ("step", "time")})
         raise ConfigError(f"no run logged {metric!r}; pick --metric from: {', '.join(available) or '(none)'}.")
-    fig = _figure(10, 6)
-    ax = fig.subplots()
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.94)
+    fig, ax = figure(10, 6, margins=dict(left=0.08, right=0.98, bottom=0.09, top=0.94))
     for records, label in zip(per_run, run_labels(runs)):
         xs, ys = series(records, metric, x)
         _plot(ax, xs, ys, label, eval_line=len(xs) < 30)
     ax.set(xlabel=X_LABELS[x], ylabel=metric, title=f"{metric} against {x}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return write_bytes(out, _png(fig))  # an OSError (not writable, the disk full) is the CLI's paragraph naming it
+    return write_bytes(out, png(fig))  # an OSError (not writable, the disk full) is the CLI's paragraph naming it
 
 
 # ---------------------------------------------------------------- the offline profile page
@@ -213,9 +207,8 @@ _SHARES = (("compute_share", "compute", "#4c72b0"), ("data_loader_share", "data 
 
 def profile_png(summary: dict) -> bytes:
     """The step breakdown (one stacked bar of the three shares) above the top ops' self ms per step."""
-    fig = _figure(10, 6)
-    top, bottom = fig.subplots(2, 1, height_ratios=(1, 4))
-    fig.subplots_adjust(left=0.36, right=0.97, bottom=0.09, top=0.86, hspace=0.6)
+    fig, (top, bottom) = figure(10, 6, 2, 1, height_ratios=(1, 4),
+                                 margins=dict(left=0.36, right=0.97, bottom=0.09, top=0.86, hspace=0.6))
     start = 0.0
     for key, name, colour in _SHARES:
         share = summary[key]
@@ -232,11 +225,10 @@ def profile_png(summary: dict) -> bytes:
     bottom.barh(rows, [op["self_ms"] / steps for op in ops], color="#4c72b0")
     bottom.set(yticks=rows, yticklabels=names, xlabel="self ms per step", title="top ops by self time")
     bottom.tick_params(axis="y", labelsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def mib(n: Optional[int]) -> str:
-    """Bytes in MiB, "n/a" where the device could not tell."""
     return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
 
 
@@ -282,7 +274,7 @@ Chrome's chrome://tracing.</p>
 
 
 def profile_page(summary: dict, out: Path) -> Path:
-    """Write profile.html for a profile summary (the picture left out, with a line, without matplotlib)."""
+    """profile.html for a profile summary (without matplotlib: no picture, a line saying so)."""
     return write_text(Path(out), profile_html(summary, profile_png(summary) if have_matplotlib() else None))
 
 
@@ -299,10 +291,8 @@ def _quietly(what: str, needs_matplotlib: bool, draw: Callable[[], Path]) -> Opt
 
 
 def curves_quietly(run_dir: Path) -> Optional[Path]:
-    """curves.png for a finished run, or a log line saying why not."""
     return _quietly(CURVES_FILE, True, lambda: curves_png(run_dir))
 
 
 def profile_page_quietly(summary: dict, run_dir: Path) -> Optional[Path]:
-    """profile.html beside the profile summary, or a warning."""
     return _quietly(PROFILE_PAGE, False, lambda: profile_page(summary, Path(run_dir) / PROFILE_PAGE))

@@ -1,21 +1,20 @@
 """Many finished runs: found below a directory, grouped into settings that differ only in their seed, described
-(mean, sd, Student-t interval), tested against each other (Welch) and ranked: `nanopt runs`' logic, and the one
-table renderer. Torch-free; scipy.stats (0.7 s to import) is imported by the two functions that need it, so the
-sweep driver, which prints its table with this module, starts at once."""
+(mean, sd, Student-t interval), tested against each other (Welch) and ranked; and the one table renderer.
+Torch-free; scipy.stats (0.7 s to import) is imported where needed, so the sweep driver starts at once."""
 from __future__ import annotations
 
 import json
 import math
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from nanopt.config import NEUTRAL_KEYS, canonical  # runs differing only in these and the seed repeat one setting
 from nanopt.errors import ConfigError
-from nanopt.io import clean, finite, is_number
+from nanopt.io import clean, finite, is_int, is_number
 from nanopt.rundirs import (CHECKPOINTS_DIR, CONFIG_FILE, EVALS_FILE, METRICS_FILE, PROFILE_FILE, SUMMARY_FILE, flatten,
                             format_value, is_run, read_config, read_metrics, read_records, read_summary, walk_runs)
 from nanopt.schema import Field, read
@@ -63,8 +62,8 @@ def read_profile(run_dir: Path) -> Optional[dict[str, Any]]:
 
 @dataclass
 class FinishedRun:
-    """One finished run directory (it has its summary.json). `records` (metrics.jsonl) and `profile` are read
-    on first use, so listing many runs reads neither, and a damaged one stops only a command that needs it."""
+    """A finished run directory. `records` and `profile` are read on first use: listing many runs reads neither,
+    and a damaged one stops only a command that needs it."""
 
     dir: Path
     config: dict[str, Any]  # flattened: {"optim.name": "muon", ...}; {} when config.yaml is missing
@@ -73,7 +72,8 @@ class FinishedRun:
 
     @cached_property
     def records(self) -> list[dict[str, Any]]:
-        return read_metrics(self.dir)
+        """metrics.jsonl's records that carry an integer step."""
+        return [r for r in read_metrics(self.dir) if is_int(r.get("step"))]
 
     @cached_property
     def profile(self) -> Optional[dict[str, Any]]:
@@ -97,17 +97,12 @@ class FinishedRun:
         return self.tasks.get(key, (None,))[0] if key.startswith(TASK_PREFIX) else self.summary.get(key)
 
     @property
-    def seed(self) -> Any:
-        return self.config.get(SEED_KEY)
-
-    @property
     def seeds(self) -> tuple[Any, Any]:
         """(init seed, data seed) the run trained with: what makes it another sample of its setting."""
-        return tuple(self.seed if self.config.get(k) is None else self.config[k] for k in SEED_KEYS[1:])
+        return tuple(self.config.get(SEED_KEY) if self.config.get(k) is None else self.config[k] for k in SEED_KEYS[1:])
 
     def setting(self) -> tuple[tuple[str, str], ...]:
-        """What the run computes, as sorted (key, value) pairs: the config without the seeds and the neutral
-        keys, plus the hardware. Runs with the same setting are seeds of one experiment."""
+        """Sorted (key, value) pairs: the config without the seeds and neutral keys, plus the hardware."""
         if not self.config:  # no config.yaml: nothing to match on, so the run stands alone
             return (("run.dir", str(self.dir)),)
         items = {k: v for k, v in self.config.items() if k not in SEED_KEYS and k not in NEUTRAL_KEYS}
@@ -135,8 +130,7 @@ def load_run(path: Path, name: str = "") -> FinishedRun:
 
 
 def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
-    """Every finished run at or below `root` (rundirs.walk_runs), sorted by path, and a line for each run
-    directory left out (unfinished, or a file of it damaged: the line names it)."""
+    """Every finished run at or below `root`, by path, and a line for each run left out (unfinished, damaged)."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root} is not a directory; give the directory that holds the runs (default runs/) "
@@ -156,8 +150,7 @@ def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
 
 @dataclass
 class Repeat:
-    """A run with the setting and seeds of an earlier one (a sweep copied, or run twice): it measures nothing
-    new, so statistics count the pair once."""
+    """A run with the setting and seeds of an earlier one (a sweep copied): statistics count the pair once."""
 
     run: FinishedRun  # left out
     first: FinishedRun  # counted
@@ -169,8 +162,8 @@ class Repeat:
 
 
 def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repeat]]:
-    """The runs with each (setting, init and data seed) once, the first in path order kept, and the repeats. Two
-    copies of one run counted as two seeds would halve the standard error and make any difference look significant."""
+    """Each (setting, init and data seed) once, the first by path kept, and the repeats: two copies counted as two
+    seeds would halve the standard error and make any difference look significant."""
     keys = [(run.setting(), *map(format_value, run.seeds)) for run in runs]
     first: dict[tuple, FinishedRun] = {}
     for key, run in zip(keys, runs):
@@ -180,17 +173,12 @@ def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repe
 
 @dataclass
 class Group:
-    """Runs with one setting, each seed once; `name` is the keys that vary between the groups found together (or
-    its directory: group_runs)."""
+    """Runs with one setting, each seed once, named by group_runs."""
 
     name: str
     runs: list[FinishedRun] = field(default_factory=list)
     values: dict[str, str] = field(default_factory=dict)  # the varying keys' values, as in the name
     repeats: list[Repeat] = field(default_factory=list)  # runs left out as repeats of one in `runs`
-
-    @property
-    def seeds(self) -> list[Any]:
-        return [r.seed for r in self.runs]
 
 
 def group_runs(runs: list[FinishedRun]) -> list[Group]:
@@ -213,14 +201,12 @@ def group_runs(runs: list[FinishedRun]) -> list[Group]:
 
 
 def _differing(settings: list[tuple], order: dict[str, int]) -> list[str]:
-    """The keys whose value differs between these settings, in config order."""
     dicts = [dict(s) for s in settings]
     keys = [k for k in dict.fromkeys(k for d in dicts for k in d) if len({d.get(k, MISSING) for d in dicts}) > 1]
     return sorted(keys, key=lambda k: order.get(k, len(order)))
 
 
 def _key_name(directory: str, values: dict[str, str]) -> Optional[tuple[str, dict[str, str]]]:
-    """(`directory/key=value,...`, values), None without values."""
     if not values:
         return None
     return f"{directory}/" * bool(directory) + ",".join(f"{k}={v}" for k, v in values.items()), values
@@ -244,15 +230,13 @@ def _names_by_directory(by_setting: dict[tuple, list[FinishedRun]],
 
 
 def _directory(runs: list[FinishedRun]) -> str:
-    """The directory below DIR that a group's runs share ("" for DIR itself)."""
     shared = os.path.commonpath([PurePosixPath(r.name).parent.as_posix() for r in runs])
     return "" if shared in ("", ".") else shared
 
 
 # ---------------------------------------------------------------- statistics over seeds
 def describe(values: list[float]) -> dict[str, Any]:
-    """n, mean, sample standard deviation and the 95% Student-t confidence interval of the mean (sd and
-    interval are None below 2 values; identical values give a zero-width interval)."""
+    """n, mean, sample sd and the 95% Student-t interval of the mean (None below 2 values)."""
     from scipy import stats  # heavy: see the module docstring
 
     n = len(values)
@@ -265,16 +249,10 @@ def describe(values: list[float]) -> dict[str, Any]:
 
 
 def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
-    """The metric from each run that has it (a run that never reached its target has no time to target)."""
     return [value for r in runs if (value := finite(r.figure(metric))) is not None]
 
 
-def higher_is_better(runs: list[FinishedRun], metric: str) -> bool:
-    return any(r.tasks.get(metric, (None, False))[1] for r in runs)
-
-
 def figure_stats(runs: list[FinishedRun]) -> dict[str, dict[str, Any]]:
-    """describe() of each group figure and task score that the runs have."""
     tasks = sorted({k for r in runs for k in r.tasks})
     return {m: describe(v) for m in [*GROUP_FIGURES, *tasks] if (v := values_of(runs, m))}
 
@@ -299,7 +277,8 @@ def spread(runs: list[FinishedRun]) -> dict[str, Any]:
 
 
 def group_stats(group: Group) -> dict[str, Any]:
-    return {"name": group.name, "values": group.values, "n": len(group.runs), "seeds": group.seeds,
+    return {"name": group.name, "values": group.values, "n": len(group.runs),
+            "seeds": [r.config.get(SEED_KEY) for r in group.runs],
             "seed_pairs": [list(r.seeds) for r in group.runs], "runs": [r.name for r in group.runs],
             "stats": figure_stats(group.runs), "spread": spread(group.runs)}
 
@@ -373,7 +352,7 @@ def resolve(spec: str, groups: list[Group], root: Path) -> Group:
             listing = "; ".join(f"{g.name} ({len(g.runs)} runs)" for g in found) or "no finished runs"
             raise ConfigError(f"--compare {spec}: the directory holds {len(found)} settings, not one ({listing}). "
                               f"Give a group name or a directory whose runs differ only in their seed.")
-        return Group(spec, found[0].runs, found[0].values, found[0].repeats)
+        return replace(found[0], name=spec)
     matches = [g for g in groups if spec in g.name]
     if len(matches) == 1:
         return matches[0]
@@ -429,7 +408,8 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
                              | {k for r in a.runs + b.runs for k in r.tasks})
             raise ConfigError(f"--metric {metric}: neither {a.name} nor {b.name} has it in {SUMMARY_FILE}. "
                               f"Their numeric figures: {', '.join(present)}.")
-        comparison = welch(va, vb, metric, alpha, (a.name, b.name), not higher_is_better(a.runs + b.runs, metric))
+        higher = any(r.tasks.get(metric, (None, False))[1] for r in a.runs + b.runs)
+        comparison = welch(va, vb, metric, alpha, (a.name, b.name), not higher)
         if len(va) >= 2 and len(vb) >= 2:
             comparison["seeds"] = _power(va, vb, effect)
     return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
@@ -439,7 +419,7 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
 
 # ---------------------------------------------------------------- text
 def table(header: tuple[str, ...] | list[str], rows: list, markdown: bool = False) -> str:
-    """Rows under a header: columns padded to their widest cell with a dashed rule (a terminal), or Markdown."""
+    """Rows under a header: padded columns and a dashed rule, or Markdown."""
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -449,12 +429,10 @@ def table(header: tuple[str, ...] | list[str], rows: list, markdown: bool = Fals
 
 
 def cell(value: Any, spec: str, sign: bool = False) -> str:
-    """A figure formatted, "-" when there is none."""
     return "-" if value is None else format(value, ("+" if sign else "") + spec)
 
 
 def to_json(report: dict[str, Any]) -> str:
-    """A report as JSON, NaN/inf as null (io.clean)."""
     return json.dumps(clean(report), indent=2)
 
 

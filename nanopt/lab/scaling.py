@@ -21,7 +21,8 @@ from scipy.optimize import minimize, minimize_scalar
 
 from nanopt.config import Config
 from nanopt.errors import ConfigError
-from nanopt.io import read_text
+from nanopt.io import read_text, write_bytes
+from nanopt.lab import plots
 from nanopt.lab.runs import find_runs, load_run, table
 from nanopt.recipe.mfu import meta_model, param_counts, token_flops
 
@@ -36,7 +37,7 @@ LAW_KEYS = ("E", "A", "B", "alpha", "beta")
 
 @dataclass(frozen=True)
 class Points:
-    """The runs a law is fitted to, one entry per run: parameters, tokens, compute (FLOPs) and loss."""
+    """The runs a law is fitted to, one entry per run."""
     params: np.ndarray
     tokens: np.ndarray
     flops: np.ndarray
@@ -46,8 +47,8 @@ class Points:
         return Points(self.params[index], self.tokens[index], self.flops[index], self.loss[index])
 
     def budgets(self, rtol: float = 0.05) -> list[np.ndarray]:
-        """Indices of the runs at each compute budget, smallest budget first: runs within rtol of a budget's first
-        run share it (a planned grid's runs differ by their rounding to whole steps)."""
+        """Indices of the runs at each compute budget, smallest first; runs within rtol of a budget's first run share
+        it (a planned grid's runs differ by their rounding to whole steps)."""
         order = np.argsort(self.flops)
         groups: list[list[int]] = []
         for i in order:
@@ -120,7 +121,6 @@ def law(theta: np.ndarray) -> dict[str, float]:
 
 
 def predict_loss(fit: dict[str, float], params: float, tokens: float) -> float:
-    """L(N, D) of approach 3's law."""
     return fit["E"] + fit["A"] / params ** fit["alpha"] + fit["B"] / tokens ** fit["beta"]
 
 
@@ -144,18 +144,17 @@ def _interval(samples: Sequence[float], level: float = 0.95) -> Optional[list[fl
 
 
 def fit(p: Points, bootstrap: int = 200, seed: int = 0) -> dict[str, Any]:
-    """Both approaches, each figure with its 95% bootstrap interval: {"E": {"value", "ci"}, ..., "a", "b"}, the
-    isoFLOP vertices, and the compute-optimal tokens per parameter at each budget."""
+    """Both approaches, each figure {"value", "ci"} with its 95% bootstrap interval, the isoFLOP vertices, and the
+    compute-optimal tokens per parameter at each budget."""
     budgets = p.budgets()
     two = _approach2(p, budgets)
     theta = _approach3(p)
     rng = np.random.default_rng(seed)
     draws: dict[str, list[float]] = {k: [] for k in (*LAW_KEYS, "a", "b")}
     for _ in range(bootstrap):
-        groups = [rng.choice(g, size=len(g)) for g in budgets]
-        sample = p.take(np.concatenate(groups))
-        resampled = _approach2(sample, [np.arange(sum(len(g) for g in groups[:i]),
-                                                  sum(len(g) for g in groups[:i + 1])) for i in range(len(groups))])
+        ends = np.cumsum([len(g) for g in budgets])
+        sample = p.take(np.concatenate([rng.choice(g, size=len(g)) for g in budgets]))
+        resampled = _approach2(sample, np.split(np.arange(ends[-1]), ends[:-1]))
         draws["a"].append(resampled["a"])
         draws["b"].append(resampled["b"])
         for key, value in law(_approach3(sample, starts=theta[None, :])).items():  # refits start at the fit
@@ -208,8 +207,7 @@ def count(summary: dict[str, Any], params_key: str) -> float:
 
 
 def from_runs(root: Path, metric: str = "final_val_bpb", params_key: str = "params") -> Points:
-    """Points from the finished runs below `root` (a sweep's directory): summary.json's `params_key`, tokens_seen,
-    compute (tokens × the run's own flops_per_token) and `metric`."""
+    """Points from the finished runs below `root`: N, tokens_seen, tokens × flops_per_token and `metric`."""
     runs, _ = find_runs(root)
     keys = (PARAMS[params_key], "tokens_seen", "flops_per_token", metric)
     usable = [r.summary for r in runs if all(isinstance(r.summary.get(k), (int, float)) and r.summary[k] > 0
@@ -233,7 +231,6 @@ def _checked(p: Optional[Points], where: str, fix: str) -> Points:
 
 
 def report_text(out: dict[str, Any], predictions: Sequence[dict[str, float]] = ()) -> str:
-    """The fit for a person: each figure with its interval, the isoFLOP optima, and any predictions."""
     def fig(key: str) -> str:
         v, ci = out[key]["value"], out[key]["ci"]
         return f"{key:<6} {v:.4g}" + (f"  [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else "  [no interval]")
@@ -258,12 +255,7 @@ def report_text(out: dict[str, Any], predictions: Sequence[dict[str, float]] = (
 def plot(p: Points, out: dict[str, Any], path: Path) -> Path:
     """isoFLOP curves (loss against N at each budget, the runs and their parabola) with approach 2's optima and
     approach 3's frontier."""
-    import matplotlib  # lazy: only `--plot` draws
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plots.figure(7, 4.5, margins=dict(left=0.1, right=0.97, bottom=0.12, top=0.92))
     law_fit = {k: out[k]["value"] for k in LAW_KEYS}
     for g, c in zip(p.budgets(), out["isoflop"]["budgets"]):
         x = np.log(p.params[g])
@@ -277,10 +269,7 @@ def plot(p: Points, out: dict[str, Any], path: Path) -> Path:
             zip(out["isoflop"]["params_opt"], out["isoflop"]["tokens_opt"])], "k*", ms=10, label="isoFLOP minima")
     ax.set(xscale="log", xlabel="parameters N", ylabel="loss", title="isoFLOP curves and the fitted frontier")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return write_bytes(path, plots.png(fig))
 
 
 # ---------------------------------------------------------------- the plan: an isoFLOP grid of runs
@@ -366,7 +355,7 @@ def plan_text(rungs: Sequence[Rung]) -> str:
 
 
 def points_file(rungs: Sequence[Rung]) -> dict[str, Any]:
-    """The ladder as `nanopt sweep --points` reads it, with each rung's figures beside (for people and tools)."""
+    """The ladder as `nanopt sweep --points` reads it, each rung's figures beside."""
     return {"points": [{"name": r.name, "set": r.overrides()} for r in rungs],
             "rungs": [{**asdict(r), "tokens": r.tokens} for r in rungs]}
 

@@ -1,7 +1,6 @@
 """`nanopt sweep`: a grid of ordinary runs (every --set value × seeds), each its own process, at most one per
-device slot. Run again, it skips finished runs and resumes interrupted ones, and refuses up front a point whose
-directory ran another config. Torch-free, so the driver costs the runs nothing; Modal's launcher reuses plan()
-and point_states().
+device slot; run again, it skips finished runs and resumes interrupted ones. Torch-free, so the driver costs the
+runs nothing; Modal's launcher reuses plan() and point_states().
 
 One writer per sweep directory: run_sweep holds DIR/lock.json for its life. Each run starts in its own session,
 so a terminal's Ctrl-C reaches only the sweep, which passes one SIGTERM to each run (a run takes a second signal
@@ -22,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, Optional
 
 from tqdm import tqdm
 
@@ -45,7 +44,6 @@ THREADS_PER_CPU_RUN = 1
 @dataclass(frozen=True)
 class Point:
     """One run of the grid: its directory name, its --set values (as written) and its seed."""
-
     name: str
     values: dict[str, str]
     seed: int
@@ -61,13 +59,12 @@ def normal_key(key: str) -> str:
 
 
 def normal_overrides(overrides: list[str]) -> list[str]:
-    """The common overrides as `--section.key=value`, keys normalised, so plan()'s checks and every run see one
-    spelling (`--run.seed 5`, `--run.seed =5` -> `--run.seed=5`). Values stay as written (never via float())."""
+    """`--run.seed 5`, `--run.seed =5` -> `--run.seed=5`: one spelling for plan()'s checks and every run; values
+    stay as written."""
     return [f"--{normal_key(key)}={value}" for key, value in parse_overrides(overrides)]
 
 
 def parse_set(text: str) -> tuple[str, list[str]]:
-    """`KEY=V1,V2,...` -> (KEY, [V1, V2, ...]); ConfigError naming the flag when it does not read."""
     raw_key, sep, values = text.partition("=")
     key = normal_key(raw_key)
     items = [v.strip() for v in values.split(",")]
@@ -84,30 +81,35 @@ def parse_set(text: str) -> tuple[str, list[str]]:
     return key, items
 
 
-def point_name(values: dict[str, str], seed: int) -> str:
-    """`train.lr=1e-3,optim.name=muon,seed=1337`: one directory level; each value keeps only the characters a
-    shell and a file system both take as they are."""
-    safe = {k: re.sub(r"[^A-Za-z0-9._+-]", "_", v) or "_" for k, v in values.items()}
-    return ",".join([f"{k}={v}" for k, v in safe.items()] + [f"seed={seed}"])
+def point_name(values: dict[str, str]) -> str:
+    """`train.lr=1e-3,optim.name=muon` (a seed is added): one directory level; each value keeps only the characters
+    a shell and a file system both take as they are."""
+    return ",".join(f"{k}={re.sub(r'[^A-Za-z0-9._+-]', '_', v) or '_'}" for k, v in values.items())
 
 
-def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
-    """The cartesian product of every --set, once per seed. Seeds vary slowest, so the first K runs
-    launched cover different settings: a sweep stopped early has compared every setting once."""
-    keys = [k for k, _ in sets]
-    if len(set(keys)) != len(keys):
-        raise ConfigError(f"--set names a key twice ({', '.join(keys)}); give each key once with all its values.")
-    points = [Point(point_name(dict(zip(keys, combo)), seed), dict(zip(keys, combo)), seed)
-              for seed in seeds for combo in itertools.product(*(vals for _, vals in sets))]
+def _seeded(settings: list[tuple[str, dict[str, str]]], seeds: list[int], clash: Callable[[str], str]) -> list[Point]:
+    """Each (name, values) once per seed. Seeds vary slowest, so the first K runs launched cover different
+    settings: a sweep stopped early has compared every setting once. `clash`: the refusal of a repeated name."""
+    points = [Point(",".join(filter(None, (name, f"seed={seed}"))), values, seed)
+              for seed in seeds for name, values in settings]
     names = [p.name for p in points]
     if too_long := next((n for n in names if len(n.encode()) > 255), None):  # the file system's limit for a name
         raise ConfigError(f"grid point {too_long[:60]}... makes a directory name over 255 bytes; sweep fewer keys "
                           f"at once or use shorter values.")
     if len(set(names)) != len(names):
-        raise ConfigError(f"two grid points get the same directory name once their values are made filesystem-safe "
-                          f"({', '.join(sorted({n for n in names if names.count(n) > 1}))}); use values that differ "
-                          f"in letters, digits or '._+-'.")
+        raise ConfigError(clash(", ".join(sorted({n for n in names if names.count(n) > 1}))))
     return points
+
+
+def grid(sets: list[tuple[str, list[str]]], seeds: list[int]) -> list[Point]:
+    """The cartesian product of every --set, once per seed."""
+    keys = [k for k, _ in sets]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"--set names a key twice ({', '.join(keys)}); give each key once with all its values.")
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(vals for _, vals in sets))]
+    return _seeded([(point_name(c), c) for c in combos], seeds, lambda names: (
+        f"two grid points get the same directory name once their values are made filesystem-safe ({names}); use "
+        f"values that differ in letters, digits or '._+-'."))
 
 
 # A list of points, each its own setting (`nanopt scaling plan` writes a ladder as one): not a product of --set values.
@@ -125,17 +127,14 @@ def listed(path: Path, seeds: list[int]) -> list[Point]:
     if data is None or not data["points"]:
         raise ConfigError(f"--points {path}: {'no such file' if data is None else 'the list is empty'}. {fix}")
     show = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # YAML's true is the CLI's true
-    points = [Point(f"{p['name']},seed={seed}", {normal_key(k): show(v) for k, v in p["set"].items()}, seed)
-              for seed in seeds for p in data["points"]]
-    if len({p.name for p in points}) != len(points):
-        raise ConfigError(f"--points {path}: two points share a name; give each its own. {fix}")
-    return points
+    return _seeded([(p["name"], {normal_key(k): show(v) for k, v in p["set"].items()}) for p in data["points"]],
+                   seeds, lambda names: f"--points {path}: two points share a name ({names}); give each its own. {fix}")
 
 
 def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list[str],
          nproc: int = 1, points_file: Optional[Path] = None) -> tuple[list[Point], dict[str, Config]]:
-    """The points and each one's config by name, every config checked before anything starts (a typo found
-    after ten runs is ten runs late)."""
+    """The points and each one's config by name, all checked before anything starts (a typo found after ten runs
+    is ten runs late)."""
     if seeds < 1:
         raise ConfigError(f"--seeds {seeds}: give the number of seeds per setting, 1 or more.")
     if nproc < 1:
@@ -171,7 +170,6 @@ def plan(config: Optional[str], set_args: list[str], seeds: int, overrides: list
 @dataclass(frozen=True)
 class Slot:
     """Where one run goes: environment for its process and overrides for its config."""
-
     label: str
     env: dict[str, str] = field(default_factory=dict)
     overrides: tuple[str, ...] = ()
@@ -224,15 +222,22 @@ def discover(device: str) -> tuple[str, list[str]]:
 
 
 def visible_ids(count: int, visible: Optional[str]) -> list[str]:
-    """What to put in each run's CUDA_VISIBLE_DEVICES for torch's devices 0..count-1. Under
-    CUDA_VISIBLE_DEVICES=3,5 torch's devices 0, 1 are GPUs 3, 5: a run must be given "3", not "0"."""
+    """Each run's CUDA_VISIBLE_DEVICES for torch's devices 0..count-1: under CUDA_VISIBLE_DEVICES=3,5 torch's
+    device 0 is GPU 3, so a run must be given "3", not "0"."""
     return (comma_list(visible) or [str(i) for i in range(count)])[:count]
 
 
 # ---------------------------------------------------------------- run directories
+def sweep_dir(given: Optional[str | Path], default: str, flag: str) -> Path:
+    """Where a sweep's runs go (`nanopt sweep --dir`, `nanopt scaling plan --out`): `given`, else runs/<default>;
+    never inside a run's checkpoints, which that run prunes as its own."""
+    root = Path(given or f"runs/{default}")
+    rundirs.refuse_inside_checkpoints(root, flag)
+    return root
+
+
 def point_state(run_dir: Path, cfg: Config) -> str:
-    """done (rundirs.finished), resume (a checkpoint to resume from) or new; ConfigError naming a damaged
-    summary.json. Says nothing about whose config it ran: see resume_diff."""
+    """done (rundirs.finished), resume (a checkpoint) or new; whose config it ran: resume_diff."""
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"{run_dir} is a file, where the sweep keeps this point's run directory.")
     if rundirs.finished(run_dir, cfg.train.max_steps, cfg.train.stop_at_target) is not None:
@@ -242,9 +247,8 @@ def point_state(run_dir: Path, cfg: Config) -> str:
 
 
 def resume_diff(run_dir: Path, cfg: Config, finished: bool = False) -> list[str]:
-    """How the run directory's config.yaml differs from `cfg` in the keys a resume (or, `finished`, a re-run of a
-    finished run) may not change (config.resume_changes), each as "key: old -> new"; [] when they agree or there
-    is none."""
+    """The keys a resume (or re-run of a `finished` run) may not change (config.resume_changes) in which the run
+    directory's config.yaml differs from `cfg`, each as "key: old -> new"."""
     saved = rundirs.read_config(run_dir)
     if saved is None:
         return []
@@ -255,9 +259,8 @@ def resume_diff(run_dir: Path, cfg: Config, finished: bool = False) -> list[str]
 
 
 def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[str, str]:
-    """Each point's state by name, from (name, run directory, the config this sweep would run there). Refuses
-    (one paragraph) when any directory ran another config: skipping it would report another config's result
-    under this sweep's name, resuming it would continue another config's run."""
+    """Each point's state by name, from (name, run directory, config). Refuses when a directory ran another
+    config: skipping it would report another config's result under this sweep's name."""
     states: dict[str, str] = {}
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
@@ -284,7 +287,6 @@ def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[st
 
 
 def summary_or_empty(run_dir: Path) -> dict[str, Any]:
-    """summary.json for display, {} when there is none or it is damaged (a table must not die on it)."""
     try:
         return rundirs.read_summary(run_dir) or {}
     except ConfigError:
@@ -306,7 +308,6 @@ class Job:
     wall: Optional[float] = None
     resumed: bool = False  # it had a checkpoint when this session started it
     log: Optional[IO[bytes]] = None
-    signalled: bool = False  # sent its one SIGTERM: a second signal would make it exit without a checkpoint
 
     def record(self) -> dict[str, Any]:
         summary = summary_or_empty(self.dir) if self.status in ("done", "skipped") else {}
@@ -323,7 +324,7 @@ def _die_with_parent() -> None:
 
 
 def launch_command(config: Optional[str], job: Job, overrides: list[str], nproc: int, slot: Slot) -> list[str]:
-    """`python -m nanopt.main CONFIG ...`, or torchrun for DDP (--standalone: each run its own rendezvous)."""
+    """`python -m nanopt.main CONFIG ...`, or torchrun (--standalone: each run its own rendezvous)."""
     launcher = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
                                   if nproc > 1 else [])]
     return [*launcher, "-m", "nanopt.main", *([config] if config else []), *overrides, *job.point.overrides(),
@@ -380,10 +381,8 @@ class Progress:
 def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: dict[str, Config],
               overrides: list[str], nproc: int = 1, parallel: Optional[int] = None,
               meta: Optional[dict[str, Any]] = None, out: Optional[IO[str]] = None, poll_s: float = 0.5) -> int:
-    """Run every point not yet done, at most one per slot at a time: 0 when all are done, 1 when any failed,
-    75 when stopped by SIGTERM/SIGINT (the runs checkpointed; run it again to go on). ConfigError before
-    anything starts when another sweep holds DIR/lock.json, or a point's directory ran another config. `out`:
-    sys.stdout at the call, not at import (a caller may have replaced and closed that one since)."""
+    """Run every point not yet done, one per slot at a time: 0 all done, 1 any failed, 75 stopped by a signal.
+    `out`: sys.stdout at the call, not at import (a caller may have replaced and closed that one since)."""
     out = out or sys.stdout
     with lock.DirLock(root, what="sweep"):
         jobs, slots = _jobs(root, points, configs, overrides, nproc, parallel)
@@ -408,9 +407,9 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
         free = list(range(len(slots)))
         try:
             while True:
-                if len(stop) > acted:
+                if len(stop) > acted:  # no run starts after the first, so each running run is sent one SIGTERM
+                    _stop_runs(jobs, progress, repeated=acted > 0)
                     acted = len(stop)
-                    _stop_runs(jobs, progress, repeated=acted > 1)
                 while free and pending and not stop:
                     job, job.slot = pending.pop(0), free.pop(0)
                     _start(job, config, overrides, nproc, slots[job.slot])
@@ -439,7 +438,6 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
 
 def _jobs(root: Path, points: list[Point], configs: dict[str, Config], overrides: list[str], nproc: int,
           parallel: Optional[int]) -> tuple[list[Job], list[Slot]]:
-    """A job per point (finished ones skipped; point_states may refuse) and the slots for the others."""
     jobs = [Job(p, root / p.name, configs[p.name]) for p in points]
     states = point_states([(j.point.name, j.dir, j.cfg) for j in jobs], root)
     for j in jobs:
@@ -460,9 +458,8 @@ def _jobs(root: Path, points: list[Point], configs: dict[str, Config], overrides
 
 
 def _report(jobs: list[Job], root: Path, out: IO[str], stopped: bool) -> int:
-    """The final table and each failed run's log tail; the sweep's exit status. Per point: training seconds (the
-    run's own, from summary.json) and the wall seconds this session spent on it (start-up, evaluation and
-    checkpoints included; - when skipped)."""
+    """The final table (training seconds from summary.json, wall seconds of this session) and each failed run's
+    log tail; the sweep's exit status."""
     rows = []
     for j in jobs:
         s = summary_or_empty(j.dir)  # its figures: numbers or None (rundirs.SUMMARY)
@@ -484,10 +481,8 @@ def _stop_runs(jobs: list[Job], progress: Progress, repeated: bool) -> None:
     """On SIGINT/SIGTERM: launch nothing more and send each running run one SIGTERM, its cue to checkpoint and
     exit 75. Never a second, also not on a repeated Ctrl-C: a run takes that as "exit now", without a checkpoint."""
     running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
-    for j in running:
-        if not j.signalled:
-            j.proc.send_signal(signal.SIGTERM)
-            j.signalled = True
+    for j in [] if repeated else running:
+        j.proc.send_signal(signal.SIGTERM)
     progress.note(f"nanopt sweep: already stopping; waiting for {len(running)} run(s) to save a checkpoint and exit "
                   f"(each was sent one SIGTERM; `kill -9 {os.getpid()}` abandons them)." if repeated else
                   f"nanopt sweep: stopping: no new runs; {len(running)} running run(s) sent SIGTERM to save a "
@@ -517,8 +512,8 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
 
 
 def _ended(job: Job) -> None:
-    """Its process ended: done (exit 0 and rundirs.finished), interrupted or failed. A damaged summary.json fails
-    the run, the reason at the end of its log (where the report looks), not a traceback abandoning the others."""
+    """Its process ended: done (exit 0 and rundirs.finished), interrupted or failed (a damaged summary.json too,
+    the reason at the end of its log, where the report looks)."""
     assert job.proc is not None and job.log is not None
     job.exit_code = job.proc.returncode
     job.wall = time.monotonic() - job.started
