@@ -11,8 +11,6 @@ from conftest import write_config_run
 from nanopt.cli import run as cli
 
 # ---------------------------------------------------------------- compare at equal budgets
-
-
 def write_curve(path: Path, step_ms: float, tokens_per_step: int, evals: dict[int, float]) -> None:
     """metrics.jsonl: a step record every 10 steps (each step `step_ms`) and evaluations {step: val loss}."""
     last = max(evals)

@@ -66,8 +66,6 @@ def test_plot_keeps_an_existing_png_unless_forced(plotted, tmp_path, capsys, mon
 
 
 # ---------------------------------------------------------------- curves.png
-
-
 def test_a_picture_that_cannot_be_drawn_is_a_warning_not_an_error(tmp_path, caplog):
     (tmp_path / "metrics.jsonl").write_text("")
     with caplog.at_level("WARNING", logger="nanopt"):

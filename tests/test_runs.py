@@ -1,7 +1,6 @@
-"""`nanopt runs` (nanopt/lab/runs.py): statistics against hand computations (textbook formulas, scipy only for
-the t distribution's quantiles and CDF), runs grouped by setting with each (setting, seed) counted once, where a
-group's spread comes from (a run with a damaged file skipped naming it: test_schema.py). The runs are written by
-hand (conftest)."""
+"""`nanopt runs` (nanopt/lab/runs.py): statistics against hand computations (scipy only for the t distribution's
+quantiles and CDF), runs grouped by setting with each (setting, seed) counted once, where a group's spread comes
+from (a damaged file: test_schema.py). The runs are written by hand (conftest)."""
 from __future__ import annotations
 
 import json
@@ -21,8 +20,6 @@ from nanopt.lab import runs as experiments
 from nanopt.lab.runs import describe, seeds_needed, welch
 
 # ---------------------------------------------------------------- statistics against known samples
-
-
 def test_describe_is_mean_sample_sd_and_student_t_interval():
     values = [4.10, 4.12, 4.15, 4.11]
     d = describe(values)
@@ -65,6 +62,11 @@ def test_welch_matches_the_hand_computation():
     lower = welch([0.5, 0.52, 0.51], [0.3, 0.31, 0.29], "final_val_loss", 0.05)
     assert higher["a_beats_b"] and higher["alternative"] == "mean(A) > mean(B)"
     assert not lower["a_beats_b"] and higher["p"] < 0.01 < lower["p"]
+    # Too few runs, or no spread: no test, and why.
+    c = welch([1.0], [2.0, 3.0], "final_val_loss", 0.05)
+    assert not c["testable"] and c["p"] is None and "n is too small" in c["reason"] and "A has 1" in c["reason"]
+    c = welch([1.0, 1.0], [2.0, 2.0], "step_to_target", 0.05)
+    assert not c["testable"] and "no spread" in c["reason"] and c["difference"] == -1.0
 
 
 def _power_by_hand(sd_a: float, sd_b: float, d: float, n: int, alpha: float) -> float:
@@ -86,23 +88,16 @@ def test_seeds_needed_is_the_least_n_whose_power_reaches_80_percent(sd_a, sd_b, 
     assert seeds_needed(1.0, 1.0, 0.0) is None and seeds_needed(0.0, 0.0, 0.1) == 2
 
 
-def test_welch_says_when_n_is_too_small_or_there_is_no_spread():
-    c = welch([1.0], [2.0, 3.0], "final_val_loss", 0.05)
-    assert not c["testable"] and c["p"] is None and "n is too small" in c["reason"] and "A has 1" in c["reason"]
-    c = welch([1.0, 1.0], [2.0, 2.0], "step_to_target", 0.05)
-    assert not c["testable"] and "no spread" in c["reason"] and c["difference"] == -1.0
-
-
 ADAMW = [4.52, 4.50, 4.55]
 MUON = [4.31, 4.30, 4.33]
 SECONDS = {"adamw": [12.0, 12.5, 11.8], "muon": [9.1, 9.4, 9.0]}
 
 
-@pytest.fixture
-def sweep(tmp_path: Path) -> Path:
-    """runs/sw/<point>/: 3 seeds each of adamw and muon; seeds also differ in neutral keys (checkpointing,
-    sampling); one adamw run with another max_steps; one unfinished run."""
-    root = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """runs/sw/<point>/: 3 seeds each of adamw and muon, also differing in neutral keys (checkpointing, sampling);
+    one adamw run with another max_steps; one unfinished run. Read only."""
+    root = tmp_path_factory.mktemp("runs")
     for opt, losses in (("adamw", ADAMW), ("muon", MUON)):
         for i, loss in enumerate(losses):
             write_config_run(root / "sw" / f"optim.name={opt},seed={i}", 1337 + i,
@@ -125,7 +120,7 @@ def test_runs_group_by_setting_and_split_on_a_result_changing_key(sweep):
     # and sample.num_samples do not split a group; train.max_steps does.
     assert set(groups) == {"train.max_steps=200,optim.name=adamw", "train.max_steps=200,optim.name=muon",
                            "train.max_steps=100,optim.name=adamw"}
-    assert groups["train.max_steps=200,optim.name=muon"].seeds == [1337, 1338, 1339]
+    assert [r.config["run.seed"] for r in groups["train.max_steps=200,optim.name=muon"].runs] == [1337, 1338, 1339]
     assert groups["train.max_steps=100,optim.name=adamw"].values == {"train.max_steps": "100", "optim.name": "adamw"}
     assert [r.name for r in groups["train.max_steps=200,optim.name=adamw"].runs] == [
         f"sw/optim.name=adamw,seed={i}" for i in range(3)]
@@ -134,7 +129,6 @@ def test_runs_group_by_setting_and_split_on_a_result_changing_key(sweep):
 
 
 def _config_run(path: Path, config: Any, seed: int, loss: float, *overrides: str) -> None:
-    """A finished run of a shipped config (None: the embedded default) with overrides, as the trainer writes it."""
     cfg = load_config(config, parse_overrides([*overrides, f"--run.seed={seed}"]))
     cfg.run.name, cfg.run.dir = path.name, str(path)
     path.mkdir(parents=True)
@@ -144,8 +138,8 @@ def _config_run(path: Path, config: Any, seed: int, loss: float, *overrides: str
 
 
 def test_a_sweep_beside_runs_of_other_configs_is_named_by_its_one_grid_key(tmp_path, capsys):
-    """Before: the README's run, speedrun.md's and a sweep of two settings named every group by the ~30 keys
-    that differ between tiny.yaml and speedrun-cpu.yaml, a 567-column table."""
+    """Before: the README's run, speedrun.md's and a sweep of two settings were named by the ~30 keys that differ
+    between tiny.yaml and speedrun-cpu.yaml, a 567-column table."""
     root = tmp_path / "runs"
     _config_run(root / "tiny", None, 1337, 2.2)
     _config_run(root / "sdpa", configs_dir() / "speedrun-cpu.yaml", 1337, 2.0, "--train.target_val_loss=1.6")
@@ -168,7 +162,7 @@ def test_a_sweep_beside_runs_of_other_configs_is_named_by_its_one_grid_key(tmp_p
     assert [g.name for g in experiments.group_runs(experiments.find_runs(root)[0])] == ["sdpa", "tiny", "tiny-sweep"]
 
 
-def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):
+def test_runs_cli_prints_group_statistics_json_or_the_leaderboard(sweep, capsys):
     assert cli(["runs", str(sweep)]) == 0
     out = capsys.readouterr().out
     muon = describe(MUON)
@@ -189,6 +183,13 @@ def test_runs_cli_prints_group_statistics_and_json(sweep, capsys):
     short = next(g for g in data["groups"] if g["name"].startswith("train.max_steps=100"))
     assert set(short["stats"]) == {"final_val_loss"}  # only the figures its run has
     assert len(data["runs"]) == 7 and data["comparison"] is None
+    # The leaderboard when runs do not group (a run directory itself is a DIR with one run), or with --runs.
+    assert cli(["runs", str(sweep / "short")]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split()[:3] == ["run", "target", "to"]
+    assert cli(["runs", str(sweep), "--runs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["run", "target", "to"]
+    assert lines[2].startswith("sw/optim.name=muon,seed=2 ")  # fastest to target first
 
 
 def test_runs_compare_says_whether_a_beats_b(sweep, capsys):
@@ -219,15 +220,6 @@ def test_runs_compare_says_whether_a_beats_b(sweep, capsys):
     assert "no test: n is too small to test: A has 1 and B has 3" in out
 
 
-def test_runs_leaderboard_when_runs_do_not_group(sweep, capsys):
-    assert cli(["runs", str(sweep / "short")]) == 0  # a run directory itself is a DIR with one run
-    assert capsys.readouterr().out.splitlines()[0].split()[:3] == ["run", "target", "to"]
-    assert cli(["runs", str(sweep), "--runs"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["run", "target", "to"]
-    assert lines[2].startswith("sw/optim.name=muon,seed=2 ")  # fastest to target first
-
-
 @pytest.mark.parametrize("args, words", [
     (["runs", "{root}/nowhere"], ["nowhere is not a directory"]),
     (["runs", "{root}", "--compare", "lion", "muon"], ["no group name contains 'lion'", "optim.name=muon"]),
@@ -251,11 +243,8 @@ def test_bad_input_exits_2_naming_it(sweep, capsys, args, words):
 
 
 # ---------------------------------------------------------------- where a group's spread comes from
-
-
 def test_init_and_data_seeds_are_seeds_of_one_setting_and_say_where_the_spread_comes_from(tmp_path, capsys):
-    """A sweep over run.init_seed (data seed fixed) and one over run.data_seed (init seed fixed), as
-    `nanopt sweep --set run.init_seed=1,2,3` and `--set run.data_seed=1,2,3` make them."""
+    """A sweep over run.init_seed (data seed fixed) and one over run.data_seed (init seed fixed)."""
     root = tmp_path / "runs"
     by_init, by_data = [3.50, 3.52, 3.47], [3.490, 3.500, 3.495]
     for k in range(3):
@@ -285,8 +274,6 @@ def test_init_and_data_seeds_are_seeds_of_one_setting_and_say_where_the_spread_c
 
 
 # ---------------------------------------------------------------- each (setting, seed) counted once
-
-
 def _comparison(root: Path, capsys) -> dict[str, Any]:
     assert cli(["runs", str(root), "--compare", "muon", "adamw", "--json"]) == 0
     return json.loads(read_out(capsys)[0])
@@ -321,8 +308,6 @@ def test_group_runs_keeps_the_first_of_a_repeat_by_path_order(fake_sweep):
 
 
 # ---------------------------------------------------------------- a run that holds runs
-
-
 def test_runs_lists_a_run_and_the_runs_below_it(fake_sweep, capsys):
     holder = write_fake_run(fake_sweep / "sw", 7, {"final_val_loss": 4.9}, **{"train.max_steps": 100})
     assert cli(["runs", str(holder), "--json"]) == 0
@@ -331,8 +316,6 @@ def test_runs_lists_a_run_and_the_runs_below_it(fake_sweep, capsys):
 
 
 # ---------------------------------------------------------------- task scores and flags
-
-
 @pytest.mark.parametrize("effect", ["nan", "inf", "-inf", "0", "-0.5"])
 @pytest.mark.usefixtures("offline")
 def test_runs_compare_effect_must_be_finite_and_positive(effect, tmp_path, capsys):

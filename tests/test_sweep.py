@@ -1,7 +1,7 @@
 """`nanopt sweep`: the grid, its names and device placement as pure functions, and bad flags; then, with fake runs (a
 tiny child script stands in for `python -m nanopt.main`): one sweep per directory, "finished" by rundirs' one rule
-(locally and on Modal), a point skipped or resumed only when it ran this config, keys normalised before the reserved
-check, and Ctrl-C reaching each run as exactly one SIGTERM. Real sweeps: e2e/test_sweep_runs.py."""
+(locally and on Modal), a point skipped or resumed only when it ran this config, and Ctrl-C reaching each run as
+exactly one SIGTERM. Real sweeps: e2e/test_sweep_runs.py."""
 from __future__ import annotations
 
 import copy
@@ -21,7 +21,7 @@ from typing import Any, Optional
 from unittest import mock
 
 import pytest
-from conftest import REPO, TINY_CONFIG, dead_pid
+from conftest import REPO, TINY_CONFIG, dead_pid, one_paragraph
 
 from nanopt import cli, rundirs
 from nanopt.config import load_config, to_yaml
@@ -30,8 +30,6 @@ from nanopt.lab import sweep
 from nanopt.lock import DirLock
 
 # ---------------------------------------------------------------- pure functions
-
-
 def test_grid_is_the_product_times_seeds_with_seeds_slowest():
     points = sweep.grid([("train.lr", ["1e-3", "2e-3"]), ("optim.name", ["adamw", "muon"])], [7, 8])
     assert len(points) == 8
@@ -40,11 +38,8 @@ def test_grid_is_the_product_times_seeds_with_seeds_slowest():
     assert points[3].values == {"train.lr": "2e-3", "optim.name": "muon"}
     assert points[3].overrides() == ["--train.lr=2e-3", "--optim.name=muon", "--run.seed=7"]
     assert len({p.name for p in points}) == 8
-
-
-def test_point_names_are_one_safe_path_component():
-    assert sweep.point_name({"data.source": "/data/my shards"}, 0) == "data.source=_data_my_shards,seed=0"
-    with pytest.raises(ConfigError, match="same directory name"):
+    assert sweep.grid([("data.source", ["/data/my shards"])], [0])[0].name == "data.source=_data_my_shards,seed=0"
+    with pytest.raises(ConfigError, match="same directory name"):  # names are one safe path component
         sweep.grid([("data.source", ["a/b", "a_b"])], [0])
 
 
@@ -60,13 +55,18 @@ def test_parse_set_refuses_what_it_cannot_read(text, match):
         sweep.parse_set(text)
 
 
-def test_plan_seeds_count_up_from_the_config_seed_and_checks_every_point():
+def test_plan_seeds_are_exact_integers_counting_up_from_the_config_seed_and_it_checks_every_point():
     points, configs = sweep.plan(TINY_CONFIG, ["optim.name=adamw,muon"], 2, ["--run.seed=10"])
     assert sorted({p.seed for p in points}) == [10, 11]
-    assert configs["optim.name=muon,seed=11"].optim.name == "muon"
-    assert configs["optim.name=muon,seed=11"].run.seed == 11
+    assert configs["optim.name=muon,seed=11"].optim.name == "muon" and configs["optim.name=muon,seed=11"].run.seed == 11
     with pytest.raises(ConfigError, match=r"grid point optim.name=sgd,seed=1337: .*optim.name"):
         sweep.plan(TINY_CONFIG, ["optim.name=adamw,sgd"], 1, [])
+    points, configs = sweep.plan(TINY_CONFIG, [], 2, ["--run.seed=4294967294"])
+    assert [p.seed for p in points] == [4294967294, 4294967295]
+    assert [configs[p.name].run.seed for p in points] == [4294967294, 4294967295]
+    for seed in (4294967295, 2**40):  # the second seed is 2^32; or the first beyond it
+        with pytest.raises(ConfigError, match=r"run\.seed"):
+            sweep.plan(TINY_CONFIG, [], 2, [f"--run.seed={seed}"])
 
 
 def test_a_points_file_lists_each_run_with_its_own_keys(tmp_path):
@@ -99,25 +99,20 @@ def test_a_points_file_it_cannot_use_is_one_paragraph(tmp_path, text, says):
         sweep.plan(TINY_CONFIG, [], 1, [], points_file=tmp_path / "absent.yaml")
 
 
-def test_place_fake_8_gpus_two_per_run():
-    slots = sweep.place("cuda", [str(i) for i in range(8)], cores=64, nproc=2)
+def test_place_fake_8_gpus_two_per_run_following_cuda_visible_devices():
+    gpus = [str(i) for i in range(8)]
+    slots = sweep.place("cuda", gpus, cores=64, nproc=2)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1", "2,3", "4,5", "6,7"]
     assert all(s.overrides == () for s in slots)  # GPUs: no thread override
-    assert len(sweep.place("cuda", [str(i) for i in range(8)], 64, nproc=1, parallel=3)) == 3
-    assert len(sweep.place("cuda", [str(i) for i in range(8)], 64, nproc=1, runs=2)) == 2  # no idle slots
-    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in sweep.place("cuda", [str(i) for i in range(8)], 64, nproc=3)] \
-        == ["0,1,2", "3,4,5"]
+    assert len(sweep.place("cuda", gpus, 64, nproc=1, parallel=3)) == 3
+    assert len(sweep.place("cuda", gpus, 64, nproc=1, runs=2)) == 2  # no idle slots
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in sweep.place("cuda", gpus, 64, nproc=3)] == ["0,1,2", "3,4,5"]
     with pytest.raises(ConfigError, match="--parallel 5"):
-        sweep.place("cuda", [str(i) for i in range(8)], 64, nproc=2, parallel=5)
+        sweep.place("cuda", gpus, 64, nproc=2, parallel=5)
     with pytest.raises(ConfigError, match="--nproc 4"):
         sweep.place("cuda", ["0", "1"], 64, nproc=4)
-
-
-def test_visible_ids_follow_cuda_visible_devices():
-    assert sweep.visible_ids(2, "3,5") == ["3", "5"]
-    assert sweep.visible_ids(2, "GPU-aa, GPU-bb") == ["GPU-aa", "GPU-bb"]
-    assert sweep.visible_ids(3, None) == ["0", "1", "2"]
-    assert sweep.visible_ids(1, "") == ["0"]
+    assert sweep.visible_ids(2, "3,5") == ["3", "5"] and sweep.visible_ids(1, "") == ["0"]
+    assert sweep.visible_ids(2, "GPU-aa, GPU-bb") == ["GPU-aa", "GPU-bb"] and sweep.visible_ids(3, None) == ["0", "1", "2"]
 
 
 def test_place_cpu_splits_the_cores():
@@ -140,11 +135,9 @@ def test_point_state_reads_the_run_directory(tmp_path):
     assert sweep.point_state(tmp_path, cfg) == "new"
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_000002\n")
-    assert sweep.point_state(tmp_path, cfg) == "resume"
-    (tmp_path / "summary.json").write_text(json.dumps({"steps": 3}))  # max_steps raised since: go on
-    assert sweep.point_state(tmp_path, cfg) == "resume"
-    (tmp_path / "summary.json").write_text(json.dumps({"steps": 5}))
-    assert sweep.point_state(tmp_path, cfg) == "done"
+    for steps, state in ((3, "resume"), (5, "done")):  # 3: max_steps raised since, go on
+        (tmp_path / "summary.json").write_text(json.dumps({"steps": steps}))
+        assert sweep.point_state(tmp_path, cfg) == state
 
 
 def test_progress_is_bars_on_a_terminal_and_plain_lines_otherwise(tmp_path):
@@ -199,8 +192,6 @@ def test_bad_input_is_one_paragraph_and_exit_2_before_anything_starts(args, matc
 
 
 # ---------------------------------------------------------------- fake runs: the sweep owns its directory
-
-
 GRID = ["--set", "train.lr=1e-3,2e-3"]
 POINTS = ["train.lr=1e-3,seed=1337", "train.lr=2e-3,seed=1337"]
 
@@ -268,9 +259,16 @@ def _planned(*overrides: str) -> dict[str, Any]:
     return sweep.plan(TINY_CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--runtime.device=cpu", *overrides])[1]
 
 
+def _states(root: Path, *overrides: str) -> dict[str, str]:
+    return sweep.point_states([(n, root / n, cfg) for n, cfg in _planned(*overrides).items()], root)
+
+
+def _done_points(root: Path) -> None:
+    for name, cfg in _planned().items():
+        _finished_point(root, name, cfg, cfg.train.max_steps)
+
+
 # ---------------------------------------------------------------- one writer per sweep directory
-
-
 def test_a_second_sweep_on_the_same_directory_exits_2_naming_the_holder(tmp_path, fake_runs, capsys):
     root = tmp_path / "sw"
     with DirLock(root, what="sweep"):  # a sweep running in this process, as far as the lock says
@@ -282,28 +280,34 @@ def test_a_second_sweep_on_the_same_directory_exits_2_naming_the_holder(tmp_path
     assert not (root / sweep.SWEEP_FILE).exists()
 
 
-@pytest.mark.slow
-def test_a_killed_sweeps_lock_is_taken_over_held_for_the_sweeps_life_and_released(tmp_path, fake_runs):
+def test_a_sweep_takes_over_a_killed_sweeps_lock_normalises_its_overrides_and_prints_to_the_calls_stdout(
+        tmp_path, fake_runs, capsys):
+    assert sweep.normal_overrides(["--run.seed", "5", "--train.lr =1e-3", "-- eval.every= 3"]) == [
+        "--run.seed=5", "--train.lr=1e-3", "--eval.every= 3"]
+    with pytest.raises(ConfigError, match="--run.dir"):
+        sweep.plan(TINY_CONFIG, ["train.lr=1,2"], 1, ["--run.dir =x"])
+    with pytest.raises(ConfigError, match="both an override and a --set key"):
+        sweep.plan(TINY_CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--train.lr =1e-2"])
     root = tmp_path / "sw"
     root.mkdir()
     stale = {"host": socket.gethostname(), "pid": dead_pid(), "started": time.time() - 60,
              "heartbeat": time.time() - 60, "token": "killed-sweep"}
     (root / rundirs.LOCK_FILE).write_text(json.dumps(stale))
-    assert _cli(root) == 0
+    assert _cli(root, "--train.max_steps =3") == 0  # the spaced key reaches every run spelled as the config's
+    assert all("--train.max_steps=3" in c for c in fake_runs) and len(fake_runs) == 2
+    assert json.loads((root / sweep.SWEEP_FILE).read_text())["overrides"][-1] == "--train.max_steps=3"
     for name in POINTS:  # each run saw the lock held by this sweep (this process), not the killed one
         held = json.loads((root / name / "held_lock.json").read_text())
         assert held["pid"] == os.getpid() and held["token"] != "killed-sweep"
     assert not (root / rundirs.LOCK_FILE).exists()  # released at the end
+    # A default bound at import wrote to whatever sys.stdout was then: a stream a test's capture had closed since.
+    out = capsys.readouterr().out
+    assert "sweep " in out and "2 to run" in out and "sweep.json describes the sweep" in out
 
 
 # ---------------------------------------------------------------- finished: one rule
-
-
 @pytest.mark.parametrize("summary", [
-    {"steps": 5},
-    {"steps": 7},
-    {"steps": 3},
-    {"steps": 3, "step_to_target": 3, "stopped_at_target": True},
+    {"steps": 5}, {"steps": 7}, {"steps": 3}, {"steps": 3, "step_to_target": 3, "stopped_at_target": True},
     {"steps": 3, "step_to_target": 2, "stopped_at_target": False},  # saw the target, went on, then was stopped
 ])
 def test_point_state_is_rundirs_finished(tmp_path, summary):
@@ -316,21 +320,25 @@ def test_point_state_is_rundirs_finished(tmp_path, summary):
 
 @pytest.mark.parametrize("where, text", [
     (rundirs.SUMMARY_FILE, '{"steps": 150'),  # cut short
-    (rundirs.SUMMARY_FILE, "[150]"),
-    (rundirs.SUMMARY_FILE, '{"steps": "150"}'),
-    (rundirs.CONFIG_FILE, "train: {lr: [\n"),
-    (rundirs.CONFIG_FILE, "- just\n- a list\n"),
+    (rundirs.SUMMARY_FILE, "[150]"), (rundirs.SUMMARY_FILE, '{"steps": "150"}'),
+    (rundirs.CONFIG_FILE, "train: {lr: [\n"), (rundirs.CONFIG_FILE, "- just\n- a list\n"),
     ("point", None), (rundirs.SUMMARY_FILE, None), (rundirs.CONFIG_FILE, None), (sweep.SWEEP_FILE, None),
+    (sweep.LOG_FILE, "a link"),
 ])
 def test_a_damaged_or_misplaced_file_is_one_paragraph_and_nothing_starts(tmp_path, fake_runs, capsys, where, text):
-    """A damaged file, or (text None) a file or directory in the wrong place. Before: a file at a point's directory
-    was a FileExistsError traceback, a directory at sweep.json an IsADirectoryError one, and a directory at a
-    point's summary.json or config.yaml read as absent (the point was run again, or skipped unchecked)."""
-    root = tmp_path / "sw"
+    """A damaged file, or (text None) a file or directory in the wrong place, or a run's log that is a link. Before:
+    a file at a point's directory was a FileExistsError traceback, a directory at sweep.json an IsADirectoryError
+    one, a directory at a point's summary.json or config.yaml read as absent (the point was run again, or skipped
+    unchecked), and the sweep appended the run's output to the file a log's link pointed to."""
+    root, mine = tmp_path / "sw", tmp_path / "mine.log"
     cfg = _planned()[POINTS[0]]
     run_dir = _finished_point(root, POINTS[0], cfg, cfg.train.max_steps)
     named = run_dir if where == "point" else root / where if where == sweep.SWEEP_FILE else run_dir / where
-    if text is not None:
+    if where == sweep.LOG_FILE:  # an unfinished point, so that its run would start
+        (run_dir / rundirs.SUMMARY_FILE).unlink()
+        mine.write_text("the user's log\n")
+        named.symlink_to(mine)
+    elif text is not None:
         named.write_text(text)
     elif where == "point":
         shutil.rmtree(run_dir)
@@ -341,7 +349,10 @@ def test_a_damaged_or_misplaced_file_is_one_paragraph_and_nothing_starts(tmp_pat
     assert _cli(root) == 2
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err
-    if text is not None:
+    if where == sweep.LOG_FILE:
+        assert str(named) in err and "symbolic link" in err and "Remove the link" in err
+        assert mine.read_text() == "the user's log\n"
+    elif text is not None:
         assert err.startswith(f"nanopt sweep: error: grid point {POINTS[0]}: ")
         assert str(named) in err and "restore the file, or remove" in err
     else:
@@ -349,29 +360,20 @@ def test_a_damaged_or_misplaced_file_is_one_paragraph_and_nothing_starts(tmp_pat
     assert fake_runs == [] and not (root / rundirs.LOCK_FILE).exists()
 
 
-def test_a_runs_log_that_is_a_link_is_refused_before_anything_starts(tmp_path, fake_runs, capsys):
-    """Before: the sweep appended its header and the run's output to the file the link pointed to."""
-    root = tmp_path / "sw"
-    mine = tmp_path / "mine.log"
-    mine.write_text("the user's log\n")
-    (root / POINTS[0]).mkdir(parents=True)
-    (root / POINTS[0] / sweep.LOG_FILE).symlink_to(mine)
-    assert _cli(root) == 2
-    err = capsys.readouterr().err
-    assert err.strip().count("\n") == 0 and "Traceback" not in err
-    assert str(root / POINTS[0] / sweep.LOG_FILE) in err and "symbolic link" in err and "Remove the link" in err
-    assert fake_runs == [] and mine.read_text() == "the user's log\n"
-    assert not (root / rundirs.LOCK_FILE).exists()
+@pytest.mark.parametrize("command", [["sweep", TINY_CONFIG, "--set", "train.lr=1e-3,2e-3", "--dir"],
+                                     ["scaling", "plan", TINY_CONFIG, "--budgets", "1e12", "--out"]])
+def test_a_sweeps_directory_inside_a_runs_checkpoints_is_refused(tmp_path, capsys, command):
+    """The run prunes its checkpoints as its own: `nanopt scaling plan --out` went there unchecked."""
+    inside = tmp_path / "run" / rundirs.CHECKPOINTS_DIR / "step_000002" / "sw"
+    assert cli.run([*command, str(inside)]) == 2
+    assert f"{command[-1]} {inside} is inside" in one_paragraph(capsys.readouterr().err)
+    assert not inside.exists()
 
 
 # ---------------------------------------------------------------- a point is what it says
-
-
 def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_path, fake_runs, capsys):
     root = tmp_path / "sw"
-    before = _planned()
-    for name in POINTS:
-        _finished_point(root, name, before[name], before[name].train.max_steps)
+    _done_points(root)
     (root / sweep.SWEEP_FILE).write_text('{"overrides": ["--runtime.device=cpu"]}')
     assert _cli(root, "--train.weight_decay=0.0", "--optim.name=muon") == 2
     err = capsys.readouterr().err
@@ -382,7 +384,6 @@ def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_p
     assert fake_runs == []
     assert (root / sweep.SWEEP_FILE).read_text() == '{"overrides": ["--runtime.device=cpu"]}'  # not rewritten
     assert not (root / rundirs.LOCK_FILE).exists()  # released on the refusal too
-
     # An edited config file is the same refusal (only the point whose directory differs is named).
     edited = tmp_path / "edited.yaml"
     edited.write_text(Path(TINY_CONFIG).read_text().replace("warmup_steps: 15", "warmup_steps: 20"))
@@ -394,40 +395,30 @@ def test_a_point_that_ran_another_config_is_refused_before_anything_starts(tmp_p
 
 def test_a_finished_point_refuses_a_changed_result_key_an_unfinished_one_resumes_with_it(tmp_path):
     """Before, a done point was skipped under a new target (or corpus, profiling, tasks) that it never ran: the
-    sweep's table would report the old runs as the new setting's. The same rule as `nanopt train` (and Modal's
-    sweep, which calls point_states)."""
+    sweep's table would report the old runs as the new setting's. The rule of `nanopt train` (and Modal's sweep)."""
     root = tmp_path / "sw"
-    before = _planned()
+    _done_points(root)
     done, going = POINTS
-    _finished_point(root, done, before[done], before[done].train.max_steps)
-    _finished_point(root, going, before[going], before[going].train.max_steps - 1)  # interrupted
+    (root / going / rundirs.SUMMARY_FILE).write_text(json.dumps({"steps": 149}))  # interrupted
     (root / going / rundirs.CHECKPOINTS_DIR).mkdir()
     (root / going / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).write_text("step_000100\n")
-    target = _planned("--train.target_val_loss=1.6")
     with pytest.raises(ConfigError, match=rf"1 point\(s\) .*{re.escape(done)} \(train\.target_val_loss: null -> 1\.6\)"
                        r".*--checkpoint\.allow_changes=KEY") as refused:
-        sweep.point_states([(n, root / n, cfg) for n, cfg in target.items()], root)
+        _states(root, "--train.target_val_loss=1.6")
     assert going not in str(refused.value)
-    allowed = _planned("--train.target_val_loss=1.6", "--checkpoint.allow_changes=train.target_val_loss")
-    assert sweep.point_states([(n, root / n, cfg) for n, cfg in allowed.items()], root) == {
+    assert _states(root, "--train.target_val_loss=1.6", "--checkpoint.allow_changes=train.target_val_loss") == {
         done: "done", going: "resume"}
 
 
 @pytest.mark.slow
 def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, capsys):
     root = tmp_path / "sw"
-    before = _planned()
-    for name in POINTS:
-        _finished_point(root, name, before[name], before[name].train.max_steps)
-    # runtime.* changes nothing a run computes: both points stay done.
-    states = sweep.point_states([(n, root / n, cfg) for n, cfg in _planned("--runtime.threads=3").items()], root)
-    assert states == {n: "done" for n in POINTS}
+    _done_points(root)
+    assert _states(root, "--runtime.threads=3") == {n: "done" for n in POINTS}  # runtime.* changes no result
     # A longer max_steps: a done point trains on from its checkpoint.
     (root / POINTS[0] / rundirs.CHECKPOINTS_DIR).mkdir()
     (root / POINTS[0] / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).write_text("step_000150\n")
-    longer = _planned("--train.max_steps=300")
-    assert sweep.point_states([(n, root / n, cfg) for n, cfg in longer.items()], root) == {
-        POINTS[0]: "resume", POINTS[1]: "new"}
+    assert _states(root, "--train.max_steps=300") == {POINTS[0]: "resume", POINTS[1]: "new"}
     assert _cli(root, "--train.max_steps=300") == 0
     meta = json.loads((root / sweep.SWEEP_FILE).read_text())
     assert meta["overrides"] == ["--runtime.device=cpu", "--train.max_steps=300"]  # what the runs now ran
@@ -435,42 +426,7 @@ def test_keys_a_resume_may_change_keep_skip_and_resume(tmp_path, fake_runs, caps
     assert all("--train.max_steps=300" in c for c in fake_runs) and len(fake_runs) == 2
 
 
-def test_lines_go_to_the_stdout_of_the_call_not_of_import(tmp_path, fake_runs, capsys):
-    # A default bound at import wrote to whatever sys.stdout was then: a stream a test's capture had closed since.
-    assert _cli(tmp_path / "sw") == 0
-    out = capsys.readouterr().out
-    assert "sweep " in out and "2 to run" in out and "sweep.json describes the sweep" in out
-
-
-# ---------------------------------------------------------------- keys normalised, integers exact
-
-
-@pytest.mark.slow
-def test_common_overrides_are_normalised_before_the_checks_and_for_the_runs(tmp_path, fake_runs):
-    assert sweep.normal_overrides(["--run.seed", "5", "--train.lr =1e-3", "-- eval.every= 3"]) == [
-        "--run.seed=5", "--train.lr=1e-3", "--eval.every= 3"]
-    with pytest.raises(ConfigError, match="--run.dir"):
-        sweep.plan(TINY_CONFIG, ["train.lr=1,2"], 1, ["--run.dir =x"])
-    with pytest.raises(ConfigError, match="both an override and a --set key"):
-        sweep.plan(TINY_CONFIG, ["train.lr=1e-3,2e-3"], 1, ["--train.lr =1e-2"])
-    root = tmp_path / "sw"
-    assert _cli(root, "--train.max_steps =3") == 0  # the spaced key reaches every run spelled as the config's
-    assert all("--train.max_steps=3" in c for c in fake_runs) and len(fake_runs) == 2
-    assert json.loads((root / sweep.SWEEP_FILE).read_text())["overrides"][-1] == "--train.max_steps=3"
-
-
-def test_seeds_are_exact_integers_and_range_checked_before_anything_starts():
-    points, configs = sweep.plan(TINY_CONFIG, [], 2, ["--run.seed=4294967294"])
-    assert [p.seed for p in points] == [4294967294, 4294967295]
-    assert [configs[p.name].run.seed for p in points] == [4294967294, 4294967295]
-    with pytest.raises(ConfigError, match=r"run\.seed"):
-        sweep.plan(TINY_CONFIG, [], 2, ["--run.seed=4294967295"])  # the second seed is 2^32
-    with pytest.raises(ConfigError, match=r"run\.seed"):
-        sweep.plan(TINY_CONFIG, [], 2, [f"--run.seed={2**40}"])
-
-
 # ---------------------------------------------------------------- Ctrl-C: one signal per run
-
 DRIVER = r'''
 import sys
 from pathlib import Path
@@ -522,8 +478,6 @@ def test_ctrl_c_twice_reaches_each_run_as_exactly_one_sigterm(tmp_path, target):
 
 
 # ---------------------------------------------------------------- the Modal driver, offline
-
-
 def _modal_sweep(monkeypatch, tmp_path: Path, train: mock.MagicMock, **kwargs: Any) -> None:
     """modal_app.sweep.local(**kwargs) with `train` (a mock) as the training function and tmp_path/vol as the
     Volume (test_modal_app.run_sweep_driver, without importing that module's Modal-only setup)."""

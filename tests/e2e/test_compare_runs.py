@@ -15,8 +15,6 @@ from nanopt.cli import run as cli
 from nanopt.main import run as main_run
 
 # ---------------------------------------------------------------- nanopt compare on real runs
-
-
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory) -> tuple[Path, Path]:
     """Two real tiny profiled runs: AdamW and Muon (5 steps, profile 1 wait / 1 warm-up / 2 recorded), trained in

@@ -67,16 +67,15 @@ def records(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
-    """A directory of two real runs (different learning rates), validation and checkpoints every 2 steps."""
+    """A directory of two real runs (different learning rates), validation and checkpoints every 2 steps; lr_high
+    profiled (6 steps: the schedule shrinks to 1/1/4)."""
     root = tmp_path_factory.mktemp("sweep")
-    for name, lr in (("lr_low", 0.001), ("lr_high", 0.004)):
-        train(root / name, **{"train.lr": lr, "eval.every": 2, "checkpoint.every": 2})
+    for name, lr, profiled in (("lr_low", 0.001, "false"), ("lr_high", 0.004, "true")):
+        train(root / name, **{"train.lr": lr, "eval.every": 2, "checkpoint.every": 2, "profile.enabled": profiled})
     return root
 
 
 # ---------------------------------------------------------------- curves.png
-
-
 @pytest.mark.slow
 def test_every_run_writes_its_curves(sweep):
     for run_dir in (sweep / "lr_low", sweep / "lr_high"):
@@ -108,8 +107,6 @@ def test_without_matplotlib_a_run_skips_the_picture_with_one_line(sweep, tmp_pat
 
 
 # ---------------------------------------------------------------- nanopt plot
-
-
 def test_plot_overlays_a_sweeps_runs(sweep, tmp_path, monkeypatch, capsys):
     assert plots.runs_to_plot([sweep]) == [sweep / "lr_high", sweep / "lr_low"]
     assert plots.run_labels(plots.runs_to_plot([sweep])) == ["lr_high", "lr_low"]
@@ -135,13 +132,9 @@ def test_plot_refuses_what_is_not_a_run(sweep, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- the offline profile page
-
-
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("profiled")
-    train(run_dir, **{"profile.enabled": "true"})  # 6 steps: the schedule shrinks to 1/1/4
-    return run_dir
+def profiled(sweep) -> Path:
+    return sweep / "lr_high"
 
 
 @pytest.mark.slow
@@ -167,8 +160,6 @@ def test_the_profile_page_without_matplotlib_still_has_the_table(profiled, tmp_p
 
 
 # ---------------------------------------------------------------- nanopt eval --watch
-
-
 def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir / "evals.jsonl")]
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Iterator
 
 import pytest
 import yaml
@@ -21,16 +21,13 @@ from conftest import TINY_CONFIG, small_overrides
 from nanopt.lab import sweep
 
 # ---------------------------------------------------------------- real sweeps
-
-
 def _sweep_cmd(root: Path, *args: str, device: str = "cpu", **small: object) -> list[str]:
     return [sys.executable, "-m", "nanopt.cli", "sweep", TINY_CONFIG, "--dir", str(root), *args,
             *small_overrides(**{"train.max_steps": 4, "runtime.device": device, **small})]
 
 
-def _run(cmd: list[str], tmp_path: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def _sessions(run_dir: Path) -> int:
@@ -80,53 +77,49 @@ class Started:
     out: IO[str]
     err: IO[str]
 
-    def output(self) -> tuple[str, str]:
-        self.out.seek(0), self.err.seek(0)
-        return self.out.read(), self.err.read()
-
     def ended(self, timeout: float = 300) -> tuple[int, str, str]:
         self.proc.wait(timeout=timeout)
         return (self.proc.returncode, *self.output())
 
+    def output(self) -> tuple[str, str]:
+        self.out.seek(0), self.err.seek(0)
+        return self.out.read(), self.err.read()
 
-def _killed_sweep(root: Path) -> tuple[list[str], dict[str, Any]]:
+
+def _killed_sweep(root: Path) -> list[str]:
     # The 5-step run checkpoints at step 2, then waits after step 3 (test hook) until the whole sweep is killed.
     cmd = _sweep_cmd(root, "--set", "train.max_steps=2,5", "--parallel", "2", **{"checkpoint.every": 2})
-    return [a for a in cmd if a != "--train.max_steps=4"], {"hook": "pause:3", "start_new_session": True}
+    return [a for a in cmd if a != "--train.max_steps=4"]
 
 
-def _paused_sweep(root: Path) -> tuple[list[str], dict[str, Any]]:
+def _paused_sweep(root: Path) -> list[str]:
     # Two seeds, one run at a time; the first run waits after step 3 (test hook) for a signal.
-    return _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5}), {"hook": "pause:3"}
+    return _sweep_cmd(root, "--seeds", "2", "--parallel", "1", **{"train.max_steps": 5})
 
 
-def _failing_sweep(root: Path) -> tuple[list[str], dict[str, Any]]:
-    return _sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), {}
-
-
+# test name -> (its sweep's command, the test hook, a session of its own)
 STARTED_TOGETHER = {
-    "test_a_killed_sweep_resumes_and_does_not_redo_finished_runs": _killed_sweep,
-    "test_sigterm_stops_the_sweep_with_every_run_checkpointed": _paused_sweep,
-    "test_a_run_outlives_its_killed_sweep_only_to_checkpoint": _paused_sweep,
-    "test_a_failing_run_is_reported_and_the_others_finish": _failing_sweep,
+    "test_a_killed_sweep_resumes_and_does_not_redo_finished_runs": (_killed_sweep, "pause:3", True),
+    "test_sigterm_stops_the_sweep_with_every_run_checkpointed": (_paused_sweep, "pause:3", False),
+    "test_a_run_outlives_its_killed_sweep_only_to_checkpoint": (_paused_sweep, "pause:3", False),
+    "test_a_failing_run_is_reported_and_the_others_finish":
+        (lambda root: _sweep_cmd(root, "--set", "data.source=embedded,/nonexistent/shards"), "", False),
 }
 
 
 @pytest.fixture(scope="module")
 def sweeps(request, tmp_path_factory) -> Iterator[dict[str, Started]]:
     """The sweeps of the tests in STARTED_TOGETHER (those selected), all started when the first of those tests asks:
-    test name -> its sweep. Their runs (six, a process each, three of which then wait for a signal) start side by side
-    on the 2 cores instead of one test after another, each test then acting on and asserting about its own sweep."""
+    their runs (six, a process each, three of which then wait for a signal) start side by side on the 2 cores
+    instead of one test after another, each test then acting on and asserting about its own sweep."""
     selected = {item.name for item in request.session.items if item.path == request.path}
     started = {}
-    for test, sweep_for in STARTED_TOGETHER.items():
+    for test, (sweep_for, hook, own_session) in STARTED_TOGETHER.items():
         if test in selected:
             cwd = tmp_path_factory.mktemp("sweep")
-            cmd, how = sweep_for(cwd / "sw")
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            env = {**os.environ, **({"NANOPT_TEST_HOOK": how["hook"]} if "hook" in how else {})}
-            proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True, env=env,
-                                    start_new_session=how.get("start_new_session", False))
+            cmd, out, err = sweep_for(cwd / "sw"), tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, text=True, start_new_session=own_session,
+                                    env={**os.environ, **({"NANOPT_TEST_HOOK": hook} if hook else {})})
             started[test] = Started(proc, cwd / "sw", cmd, out, err)
     yield started
     for each in started.values():
