@@ -1,16 +1,16 @@
 """The scaling-law fitter: it recovers a known law from noisy isoFLOP data, predicts the optimum the closed form
-gives, reads CSVs and ladders, and refuses a CSV it cannot use with one paragraph (exit 2)."""
+gives, reads CSVs and ladders, and refuses a CSV it cannot use with one paragraph (exit 2); the plan."""
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import one_paragraph
 
+from nanopt import cli
 from nanopt.config import load_config
 from nanopt.errors import ConfigError
 from nanopt.lab import scaling, sweep
@@ -41,25 +41,17 @@ def fitted():
     return points, scaling.fit(points, bootstrap=20)
 
 
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
-def test_approach_3_recovers_the_law_from_noisy_data(fitted):
-    _, out = fitted
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared)
+def test_approach_3_recovers_the_law_and_approach_2_each_budgets_optimum_from_noisy_data(fitted):
+    points, out = fitted
     for key, tolerance in (("E", 0.03), ("alpha", 0.05), ("beta", 0.05), ("A", 0.3), ("B", 0.3)):
         assert out[key]["value"] == pytest.approx(TRUE[key], rel=tolerance), key
         lo, hi = out[key]["ci"]
         assert lo <= out[key]["value"] <= hi
-    # The exponents the law implies for the optimal allocation under C = 6ND.
+    # The exponents the law implies for the optimal allocation under C = 6ND, from either approach.
     a = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])
-    assert out["approach3_a"] == pytest.approx(a, abs=0.02)
-    assert out["approach3_b"] == pytest.approx(1 - a, abs=0.02)
-
-
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
-def test_approach_2_finds_each_budgets_optimum_and_the_exponents(fitted):
-    points, out = fitted
-    a = TRUE["beta"] / (TRUE["alpha"] + TRUE["beta"])
-    assert out["a"]["value"] == pytest.approx(a, abs=0.03)
-    assert out["b"]["value"] == pytest.approx(1 - a, abs=0.03)
+    assert out["approach3_a"] == pytest.approx(a, abs=0.02) and out["approach3_b"] == pytest.approx(1 - a, abs=0.02)
+    assert out["a"]["value"] == pytest.approx(a, abs=0.03) and out["b"]["value"] == pytest.approx(1 - a, abs=0.03)
     assert out["a"]["value"] + out["b"]["value"] == pytest.approx(1, abs=1e-6)  # C = 6ND: exponents sum to 1
     assert out["budget_count"] == 5 and out["runs"] == len(points.loss) == 35
     for c, n in zip(out["isoflop"]["budgets"], out["isoflop"]["params_opt"]):
@@ -80,10 +72,11 @@ def test_the_optimum_is_the_closed_form_under_6nd():
     assert other["tokens"] * other["params"] * 8 == pytest.approx(c) and other["loss"] > got["loss"]
 
 
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
-def test_a_csv_of_flops_or_tokens_fits_the_same(tmp_path, fitted):
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared)
+def test_a_csv_of_flops_or_tokens_fits_the_same_and_the_command_prints_json_predicts_and_plots(tmp_path, fitted,
+                                                                                               capsys):
     points, _ = fitted
-    by_tokens, by_flops = tmp_path / "tokens.csv", tmp_path / "flops.csv"
+    by_tokens, by_flops, png = tmp_path / "tokens.csv", tmp_path / "flops.csv", tmp_path / "fit.png"
     by_tokens.write_text("params,tokens,loss,extra\n" + "".join(
         f"{n},{d},{l},x\n" for n, d, l in zip(points.params, points.tokens, points.loss)))
     by_flops.write_text("loss,params,flops\n" + "".join(
@@ -92,20 +85,9 @@ def test_a_csv_of_flops_or_tokens_fits_the_same(tmp_path, fitted):
     np.testing.assert_allclose(a.tokens, b.tokens, rtol=1e-9)
     np.testing.assert_allclose(a.flops, points.flops, rtol=1e-9)
     assert len(a.budgets()) == 5
-
-
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
-def test_the_command_prints_json_predicts_and_plots(tmp_path, fitted):
-    points, _ = fitted
-    csv = tmp_path / "ladder.csv"
-    csv.write_text("params,tokens,loss\n" + "".join(f"{n},{d},{l}\n" for n, d, l in
-                                                    zip(points.params, points.tokens, points.loss)))
-    png = tmp_path / "fit.png"
-    out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "fit", "--csv", str(csv), "--json",
-                          "--bootstrap", "5", "--predict", "1e22", "--plot", str(png)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    assert cli.run(["scaling", "fit", "--csv", str(by_tokens), "--json", "--bootstrap", "5", "--predict", "1e22",
+                    "--plot", str(png)]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert set(scaling.LAW_KEYS) | {"a", "b"} <= set(result)
     assert all(isinstance(result[k]["value"], float) and len(result[k]["ci"]) == 2 for k in ("E", "alpha", "a"))
     (prediction,) = result["predictions"]
@@ -113,7 +95,7 @@ def test_the_command_prints_json_predicts_and_plots(tmp_path, fitted):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared)
 def test_a_ladder_directory_is_read_from_its_summaries(tmp_path, fitted):
     points, _ = fitted
     for i, (n, d, l) in enumerate(zip(points.params, points.tokens, points.loss)):
@@ -139,21 +121,15 @@ BAD_CSVS = [
 
 
 @pytest.mark.parametrize("text, says", BAD_CSVS)
-def test_a_csv_it_cannot_use_is_one_paragraph(tmp_path, text, says):
+def test_a_csv_it_cannot_use_is_one_paragraph_and_exit_2(tmp_path, capsys, text, says):
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
         scaling.from_csv(path)
     assert str(path) in str(e.value) and says in str(e.value) and "params,tokens,loss" in str(e.value)
-
-
-def test_the_command_exits_2_without_a_traceback(tmp_path):
-    path = tmp_path / "bad.csv"
-    path.write_text("params,tokens,loss\n1e6,2e7,abc\n")
-    out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "fit", "--csv", str(path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"{path}, line 2" in out.stderr
+    assert cli.run(["scaling", "fit", "--csv", str(path)]) == 2
+    err = one_paragraph(capsys.readouterr().err)
+    assert says in err and str(path) in err
 
 
 def test_too_few_runs_for_a_parabola_has_no_optimum():
@@ -191,14 +167,12 @@ def test_the_plan_spends_each_budget_at_each_runs_own_flops_by_the_configs_rules
         assert (r.batch_tokens, r.lr, r.weight_decay) == (ref.global_batch_tokens, ref.lr, ref.weight_decay)
 
 
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
-def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "plan", str(LADDER), "--budgets", "1e12,2e12",
-                          "--sizes", "3", "--out", str(tmp_path / "ladder"), "--eval.batches=4"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[:5] == ["budget", "depth", "params", "tokens", "tokens/N"]
-    assert "nanopt sweep" in out.stdout and "--points" in out.stdout and "--eval.batches=4" in out.stdout
+def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(tmp_path, capsys):
+    assert cli.run(["scaling", "plan", str(LADDER), "--budgets", "1e12,2e12", "--sizes", "3", "--out",
+                    str(tmp_path / "ladder"), "--eval.batches=4"]) == 0
+    out = capsys.readouterr().out
+    assert out.split()[:5] == ["budget", "depth", "params", "tokens", "tokens/N"]
+    assert "nanopt sweep" in out and "--points" in out and "--eval.batches=4" in out
     ladder = tmp_path / "ladder" / "ladder.yaml"
     points, configs = sweep.plan(str(LADDER), [], 1, ["--eval.batches=4"], 1, ladder)
     rungs = scaling.plan(at_depth(), [1e12, 2e12], 3)
@@ -208,13 +182,14 @@ def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(t
         assert (cfg.model.depth, cfg.train.max_steps, cfg.train.global_batch_tokens) == (r.depth, r.steps,
                                                                                          r.batch_tokens)
         assert cfg.eval.batches == 4
-    bad = subprocess.run([sys.executable, "-m", "nanopt.cli", "scaling", "plan", str(LADDER), "--budgets", "1e12,x"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--budgets" in bad.stderr
+    with pytest.raises(SystemExit, match="^2$"):  # argparse's exit 2, with its usage
+        cli.run(["scaling", "plan", str(LADDER), "--budgets", "1e12,x"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--budgets" in err
 
 
-@pytest.mark.slow  # the fit's bootstrap (~8 s, shared) or a process importing torch
-def test_a_held_out_run_is_checked_against_the_law(tmp_path, fitted):
+@pytest.mark.slow  # the fit's bootstrap (~8 s, shared)
+def test_a_held_out_run_is_checked_against_the_law_its_n_all_parameters_or_6ns(tmp_path, fitted):
     _, out = fitted
     run = tmp_path / "held-out"
     run.mkdir()
@@ -223,8 +198,5 @@ def test_a_held_out_run_is_checked_against_the_law(tmp_path, fitted):
                                                   "final_val_bpb": 1.01 * scaling.predict_loss(TRUE, n, d)}))
     got = scaling.check(out, run, "final_val_bpb")
     assert got["error"] == pytest.approx(-0.01, abs=0.01)  # the fitted law is the true one, within its noise
-
-
-def test_n_is_all_parameters_or_6ns(tmp_path):
     summary = {"params": 1000, "flops_per_token_6n": 4800, "tokens_seen": 7}
     assert scaling.count(summary, "params") == 1000 and scaling.count(summary, "n_6n") == 800

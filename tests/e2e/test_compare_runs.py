@@ -28,13 +28,8 @@ def two_runs(tmp_path_factory) -> tuple[Path, Path]:
     return root / "adamw", root / "muon"
 
 
-def _median_speed(run_dir: Path, key: str) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r[key] for r in records if "loss" in r and r["step"] > 1)  # mfu.warmup_steps = 1
-
-
 @pytest.mark.slow
-def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
+def test_compare_real_runs_json_deltas_are_the_differences_and_markdown(two_runs, tmp_path, capsys):
     a, b = two_runs
     assert cli(["compare", str(a), str(b), "--json"]) == 0
     c = json.loads(capsys.readouterr().out)
@@ -42,8 +37,10 @@ def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
     figures = {f["key"]: f for f in c["figures"]}
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
     for key in ("tokens_per_s", "step_ms", "mfu"):
-        assert figures[key]["a"] == pytest.approx(_median_speed(a, key))
-        assert figures[key]["b"] == pytest.approx(_median_speed(b, key))
+        for side, run_dir in (("a", a), ("b", b)):
+            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            median = statistics.median(r[key] for r in records if "loss" in r and r["step"] > 1)  # mfu.warmup_steps 1
+            assert figures[key][side] == pytest.approx(median)
     for key in ("train_seconds", "final_val_loss", "final_val_bpb"):
         assert (figures[key]["a"], figures[key]["b"]) == (sa[key], sb[key])
     for f in figures.values():
@@ -72,10 +69,7 @@ def test_compare_real_runs_json_deltas_are_the_differences(two_runs, capsys):
     assert matched == sorted(matched, reverse=True) and len(matched) >= 2
     assert all(op["delta_ms"] is None for op in ops[len(matched):])  # ops in one top list only come last
 
-
-@pytest.mark.slow  # its fixture trains two runs
-def test_compare_real_runs_markdown_and_one_profile_missing(two_runs, tmp_path, capsys):
-    a, b = two_runs
+    # Markdown, and one profile missing.
     assert cli(["compare", str(a), str(b)]) == 0
     md = capsys.readouterr().out
     for row in ("| `optim.name` | adamw | muon |", "| tokens/s (median step) |", "| MFU (median step) |",

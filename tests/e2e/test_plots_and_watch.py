@@ -1,5 +1,5 @@
-"""Pictures and evaluation while training, on real runs: every run's curves.png, `nanopt plot` overlays, a
-profiled run's offline profile.html, and `nanopt eval --watch` beside a real training process."""
+"""Pictures and evaluation while training, on real runs: every run's curves.png, `nanopt plot` overlays, a profiled
+run's offline profile.html, and `nanopt eval --watch` beside a real training process."""
 from __future__ import annotations
 
 import base64
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, small_overrides
+from conftest import REPO, dead_pid, small_overrides
 from matplotlib import image
 
 from nanopt.cli import run as cli
@@ -76,16 +76,11 @@ def sweep(tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------- curves.png
-@pytest.mark.slow
-def test_every_run_writes_its_curves(sweep):
+def test_every_run_writes_its_curves_whose_axes_are_the_runs_own_numbers(sweep):
     for run_dir in (sweep / "lr_low", sweep / "lr_high"):
         assert_drawn(decode(run_dir / plots.CURVES_FILE), 1500, 800, (BLUE, ORANGE, GREEN))
-
-
-def test_the_axes_are_the_runs_own_numbers(sweep):
-    run_dir = sweep / "lr_low"
-    recs = plots.stepped_records(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    recs = plots.stepped_records(sweep / "lr_low")
+    summary = json.loads((sweep / "lr_low" / "summary.json").read_text())
     xs, ys = plots.series(recs, "val_loss", "tokens")
     assert xs == [0, 512, 1024, 1536]  # eval at steps 0, 2, 4, 6 of 256 tokens
     assert ys[-1] == pytest.approx(summary["final_val_loss"])
@@ -96,67 +91,55 @@ def test_the_axes_are_the_runs_own_numbers(sweep):
     assert seconds == sorted(seconds) and seconds[-1] == pytest.approx(summary["train_seconds"], rel=0.5)
 
 
-def test_without_matplotlib_a_run_skips_the_picture_with_one_line(sweep, tmp_path, monkeypatch, caplog):
+def test_without_matplotlib_no_picture_is_drawn_but_the_profile_page_has_its_table(sweep, tmp_path, monkeypatch,
+                                                                                   caplog):
     shutil.copy(sweep / "lr_low" / "metrics.jsonl", tmp_path)
+    summary = json.loads((sweep / "lr_high" / "profile_summary.json").read_text())
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
     with caplog.at_level("INFO", logger="nanopt"):
         assert plots.curves_quietly(tmp_path) is None
     assert "curves.png skipped: matplotlib is not installed" in caplog.text
     assert not (tmp_path / plots.CURVES_FILE).exists()
     assert cli(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
+    page = plots.profile_page(summary, tmp_path / "p.html").read_text()
+    assert "matplotlib is not installed" in page and "<img" not in page
+    assert all(html.escape(op["name"]) in page for op in summary["top_ops"])
 
 
 # ---------------------------------------------------------------- nanopt plot
-def test_plot_overlays_a_sweeps_runs(sweep, tmp_path, monkeypatch, capsys):
+def test_plot_overlays_a_sweeps_runs_and_refuses_what_is_not_a_run(sweep, tmp_path, monkeypatch, capsys):
     assert plots.runs_to_plot([sweep]) == [sweep / "lr_high", sweep / "lr_low"]
     assert plots.run_labels(plots.runs_to_plot([sweep])) == ["lr_high", "lr_low"]
     out = tmp_path / "overlay.png"
     assert cli(["plot", str(sweep), "-o", str(out), "--x", "tokens", "--metric", "val_loss"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert_drawn(decode(out), 1000, 600, (BLUE, ORANGE))  # one line per run
-    # Runs named one by one, training loss against seconds, the default file name.
-    monkeypatch.chdir(tmp_path)
-    assert cli(["plot", str(sweep / "lr_low"), str(sweep / "lr_high"), "--metric", "loss", "--x", "seconds"]) == 0
-    assert_drawn(decode(tmp_path / "plot_loss_seconds.png"), 1000, 600, (BLUE, ORANGE))
-
-
-def test_plot_refuses_what_is_not_a_run(sweep, tmp_path, capsys):
-    assert cli(["plot", str(tmp_path / "missing")]) == 2
-    assert "is not a directory" in capsys.readouterr().err
-    assert cli(["plot", str(tmp_path)]) == 2
-    assert "holds no run" in capsys.readouterr().err
     assert cli(["plot", str(sweep), "--metric", "val_losss", "-o", str(tmp_path / "p.png")]) == 2
     err = capsys.readouterr().err
     assert "no run logged 'val_losss'" in err and "val_loss" in err and "tokens_per_s" in err
     assert not (tmp_path / "p.png").exists()
+    # Runs named one by one, training loss against seconds, the default file name.
+    monkeypatch.chdir(tmp_path)
+    assert cli(["plot", str(sweep / "lr_low"), str(sweep / "lr_high"), "--metric", "loss", "--x", "seconds"]) == 0
+    assert_drawn(decode(tmp_path / "plot_loss_seconds.png"), 1000, 600, (BLUE, ORANGE))
+    (tmp_path / "empty").mkdir()
+    for path, says in (("missing", "is not a directory"), ("empty", "holds no run")):
+        assert cli(["plot", str(tmp_path / path)]) == 2
+        assert says in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the offline profile page
-@pytest.fixture(scope="module")
-def profiled(sweep) -> Path:
-    return sweep / "lr_high"
-
-
-@pytest.mark.slow
-def test_a_profiled_run_writes_a_page_that_needs_no_network(profiled):
-    page = (profiled / plots.PROFILE_PAGE).read_text()
-    summary = json.loads((profiled / "profile_summary.json").read_text())
+def test_a_profiled_run_writes_a_page_that_needs_no_network(sweep):
+    page = (sweep / "lr_high" / plots.PROFILE_PAGE).read_text()
+    summary = json.loads((sweep / "lr_high" / "profile_summary.json").read_text())
     assert "http://" not in page and "https://" not in page  # nothing to fetch: no CDN, no fonts, no charts API
     assert "<script" not in page and "<link" not in page
-    assert re.findall(r'src="([^"]*)"', page) and all(s.startswith("data:image/png;base64,")
-                                                      for s in re.findall(r'src="([^"]*)"', page))
+    sources = re.findall(r'src="([^"]*)"', page)
+    assert sources and all(s.startswith("data:image/png;base64,") for s in sources)
     assert summary["top_ops"] and all(html.escape(op["name"]) in page for op in summary["top_ops"])
     assert f"{100 * summary['host_overhead_share']:.1f}%" in page
     [embedded] = re.findall(r'src="data:image/png;base64,([^"]*)"', page)
     assert_drawn(decode(base64.b64decode(embedded)), 1000, 600, ("#4c72b0", "#c44e52"))  # compute, overhead
-
-
-def test_the_profile_page_without_matplotlib_still_has_the_table(profiled, tmp_path, monkeypatch):
-    summary = json.loads((profiled / "profile_summary.json").read_text())
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    page = plots.profile_page(summary, tmp_path / "p.html").read_text()
-    assert "matplotlib is not installed" in page and "<img" not in page
-    assert all(html.escape(op["name"]) in page for op in summary["top_ops"])
 
 
 # ---------------------------------------------------------------- nanopt eval --watch
@@ -175,47 +158,37 @@ def _wait_for(condition, what: str, *procs: subprocess.Popen, timeout: float = 1
         time.sleep(0.1)
 
 
-def _train_beside(watcher: subprocess.Popen, run_dir: Path) -> None:
-    """Train the run (a process paused after step 4 until the watcher has caught up, preempted; then resumed in
-    this process) and check the watcher's end."""
-    overrides = small_overrides(**{"run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10,
-                                   "train.max_steps": 8})
-    train_cmd = [sys.executable, "-m", "nanopt.main", *overrides]
-    # The trainer waits after step 4 (a test hook) until the watcher has evaluated checkpoints 2 and 4: the
-    # evaluations happen while the run is still training, not after it.
-    trainer = subprocess.Popen(train_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               env={**ENV, "NANOPT_TEST_HOOK": "pause:4"})
-    try:
-        _wait_for(lambda: _steps(run_dir) == [2, 4], "checkpoints 2 and 4 evaluated", trainer, watcher)
-        assert not (run_dir / "summary.json").exists()
-        trainer.send_signal(signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
-        assert trainer.wait(timeout=120) == 75, trainer.stderr.read()[-3000:]
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-        trainer.communicate()
-    with contextlib.redirect_stdout(io.StringIO()) as log:  # a process of its own would pay torch's import again
-        assert main_run(overrides) == 0, log.getvalue()[-3000:]
-    assert f"resuming from {run_dir / 'checkpoints' / 'step_000004'}" in log.getvalue()
-    out, err = watcher.communicate(timeout=300)
-    assert watcher.returncode == 0, err[-3000:]
-    assert out.strip().splitlines()[-1] == "the run finished at step 8; 4 checkpoint(s) evaluated by this watcher"
-    assert _steps(run_dir) == [2, 4, 6, 8]  # one line per checkpoint, in order, none twice
-
-
 @pytest.mark.slow
 def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path, capsys):
+    """The watcher beside a training process paused after step 4 until the watcher has caught up, preempted, then
+    resumed in this process: the evaluations happen while the run is still training, not after it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # an empty directory: the watcher may start before the run does
     watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch",
                                 "--interval", "0.2", "--timeout", "300"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    overrides = small_overrides(**{"run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10,
+                                   "train.max_steps": 8})
+    trainer = subprocess.Popen([sys.executable, "-m", "nanopt.main", *overrides], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO, env={**ENV, "NANOPT_TEST_HOOK": "pause:4"})
     try:
-        _train_beside(watcher, run_dir)
+        _wait_for(lambda: _steps(run_dir) == [2, 4], "checkpoints 2 and 4 evaluated", trainer, watcher)
+        assert not (run_dir / "summary.json").exists()
+        trainer.send_signal(signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
+        assert trainer.wait(timeout=120) == 75, trainer.stderr.read()[-3000:]
+        trainer.communicate()
+        with contextlib.redirect_stdout(io.StringIO()) as log:  # a process of its own would pay torch's import again
+            assert main_run(overrides) == 0, log.getvalue()[-3000:]
+        assert f"resuming from {run_dir / 'checkpoints' / 'step_000004'}" in log.getvalue()
+        out, err = watcher.communicate(timeout=300)
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.communicate()
+        for proc in (trainer, watcher):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert watcher.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == "the run finished at step 8; 4 checkpoint(s) evaluated by this watcher"
+    assert _steps(run_dir) == [2, 4, 6, 8]  # one line per checkpoint, in order, none twice
     last = records(run_dir / "evals.jsonl")[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert last["source"] == "nanopt eval" and last["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
@@ -246,20 +219,14 @@ def test_watch_skips_a_checkpoint_pruned_while_it_is_read(sweep, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_watch_stops_at_the_timeout_when_the_run_does_not_finish(sweep, tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    shutil.copytree(sweep / "lr_high", run_dir)
-    (run_dir / "summary.json").unlink()  # as if still training
-    assert cli(["eval", str(run_dir), "--watch", "--interval", "0.2", "--timeout", "1"]) == 0
+def test_watch_of_an_unfinished_run_stops_at_the_timeout_or_on_ctrl_c_with_one_line(sweep, tmp_path, capsys):
+    for name in ("timeout", "ctrl-c"):
+        shutil.copytree(sweep / "lr_high", tmp_path / name)
+        (tmp_path / name / "summary.json").unlink()  # as if still training
+    assert cli(["eval", str(tmp_path / "timeout"), "--watch", "--interval", "0.2", "--timeout", "1"]) == 0
     assert "--timeout 1 s passed before the run finished; 3 checkpoint(s) evaluated" in capsys.readouterr().out
-    assert _steps(run_dir) == [2, 4, 6]
-
-
-@pytest.mark.slow
-def test_watch_ends_on_ctrl_c_with_one_line(sweep, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(sweep / "lr_high", run_dir)
-    (run_dir / "summary.json").unlink()  # as if still training
+    assert _steps(tmp_path / "timeout") == [2, 4, 6]
+    run_dir = tmp_path / "ctrl-c"
     watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch", "--interval", "0.2"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
     try:
@@ -305,10 +272,9 @@ def test_a_second_watcher_is_refused_naming_the_first(sweep, tmp_path, capsys):
         assert not (run_dir / "evals.jsonl").exists()
     finally:
         first.release()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     now = time.time()
     (run_dir / WATCH_LOCK_FILE).write_text(json.dumps({
-        "host": socket.gethostname(), "pid": int(dead.stdout), "started": now, "heartbeat": now, "token": "gone",
+        "host": socket.gethostname(), "pid": dead_pid(), "started": now, "heartbeat": now, "token": "gone",
         "owner": "", "command": "nanopt eval --watch"}))  # a watcher killed with kill -9
     assert cli(["eval", str(run_dir), "--watch", "--interval", "0.1"]) == 0
     assert _steps(run_dir) == [2, 4, 6] and not (run_dir / WATCH_LOCK_FILE).exists()
