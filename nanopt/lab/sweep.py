@@ -2,11 +2,9 @@
 device slot; run again, it skips finished runs and resumes interrupted ones. Torch-free, so the driver costs the
 runs nothing; Modal's launcher reuses plan() and point_states().
 
-One writer per sweep directory: run_sweep holds DIR/lock.json for its life. Each run starts in its own session,
-so a terminal's Ctrl-C reaches only the sweep, which passes one SIGTERM to each run (a run takes a second signal
-as "exit now, without a checkpoint"). DIR/sweep.json, rewritten on every change, holds the command's meta and
-each point's Job.record(), its status one of queued | running | done | skipped (done before this session) |
-failed | interrupted | not started.
+One writer per sweep directory: run_sweep holds DIR/lock.json for its life. Each run has its own session, so a
+terminal's Ctrl-C reaches only the sweep, which passes one SIGTERM to each run (a second signal means "exit now,
+without a checkpoint"). DIR/sweep.json, rewritten on every change, holds the meta and each point's Job.record().
 """
 from __future__ import annotations
 
@@ -178,9 +176,8 @@ class Slot:
 def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: Optional[int] = None,
           runs: Optional[int] = None, threads: int = 0) -> list[Slot]:
     """Device slots for concurrent runs, never more than `runs`. CUDA: `nproc` GPUs per slot, at most `parallel`.
-    CPU: `parallel` runs (default: one per THREADS_PER_CPU_RUN cores) share the cores, each with cores //
-    (parallel × nproc) threads per rank (at least 1), or the user's runtime.threads (`threads`). XLA: one
-    process drives every chip, so one run at a time. plan() and the command check nproc, parallel >= 1."""
+    CPU: `parallel` runs share the cores, each with cores // (parallel × nproc) threads per rank, or the user's
+    runtime.threads (`threads`). XLA: one process drives every chip, so one run at a time."""
     if kind == "cuda":
         groups = [devices[i:i + nproc] for i in range(0, len(devices) - nproc + 1, nproc)]
         if not groups:
@@ -197,8 +194,7 @@ def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: O
     k = min(k, runs) if runs else k
     n = threads or max(1, cores // (k * nproc))
     # Spinning idle OpenMP threads (train's default ACTIVE) steal the cores of the runs beside them: 1.4-10x
-    # slower steps (docs/mfu.md "Speed and memory settings"). One thread per run never spins, so PASSIVE costs
-    # it nothing.
+    # slower steps (docs/mfu.md). One thread per run never spins, so PASSIVE costs it nothing.
     env = {"OMP_NUM_THREADS": str(n), **({"OMP_WAIT_POLICY": "PASSIVE"} if k > 1 else {})}
     label = f"cpu: {n} thread{'s' if n > 1 else ''}" + (f" x {nproc} ranks" if nproc > 1 else "")
     return [Slot(label, env, (f"--runtime.threads={n}",))] * k
