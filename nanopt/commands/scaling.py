@@ -1,6 +1,5 @@
 """`nanopt scaling plan CONFIG --budgets C1,C2 --sizes K`: an isoFLOP ladder written as a sweep; `nanopt scaling fit
-RUNS_DIR | --csv FILE`: Chinchilla's approaches 2 and 3 fitted to it, with bootstrap intervals and predictions at
-new budgets (nanopt/lab/scaling.py)."""
+RUNS_DIR | --csv FILE`: Chinchilla's approaches 2 and 3 fitted to it (nanopt/lab/scaling.py)."""
 from __future__ import annotations
 
 import argparse
@@ -34,8 +33,7 @@ def fit_main(argv: list[str]) -> int:
         "(approach 2) to the finished runs below RUNS_DIR, or to a CSV; 95% bootstrap intervals."))
     p.add_argument("runs_dir", nargs="?", type=Path, help="a ladder's directory (finished runs below it)")
     p.add_argument("--csv", type=Path, help="columns params,tokens,loss (or params,flops,loss: D = C / 6N)")
-    p.add_argument("--metric", default="final_val_bpb", help="summary.json figure fitted as L (default "
-                   "final_val_bpb; final_val_loss)")
+    p.add_argument("--metric", default="final_val_bpb", help="summary.json figure fitted as L (default %(default)s)")
     p.add_argument("--params", default="params", choices=tuple(scaling.PARAMS), help="which parameters count as N: "
                    "all (summary.json `params`, embeddings included) or n_6n (those a token passes through: "
                    "matrices, norms and the head, not the lookup tables)")

@@ -84,17 +84,16 @@ def config_changes(a: FinishedRun, b: FinishedRun) -> list[dict[str, str]]:
     return [{"key": k, "a": sa.get(k, "-"), "b": sb.get(k, "-")} for k in keys if sa.get(k) != sb.get(k)]
 
 
-def _per_step(profile: dict[str, Any], total_ms: Any) -> Optional[float]:
-    steps = profile.get("profiled_steps") or 0
-    value = finite(total_ms)
-    return value / steps if value is not None and steps else None
+def _per_step(profile: dict[str, Any], total: Optional[float]) -> Optional[float]:
+    """Per profiled step; the values are finite where present (runs.PROFILE)."""
+    return total / profile["profiled_steps"] if total is not None and profile["profiled_steps"] else None
 
 
 def profile_parts(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
     """The profiled step and its shares (compute, data loader, host overhead: each share × mean step time),
     then the host time inside each label (forward, backward, ...), all in ms per step."""
     rows = [{"key": "step_ms_mean", "label": "profiled step", "a_share": 1.0, "b_share": 1.0,
-             "a_ms": finite(pa.get("step_ms_mean")), "b_ms": finite(pb.get("step_ms_mean"))}]
+             "a_ms": pa["step_ms_mean"], "b_ms": pb["step_ms_mean"]}]
     shares = [k for k in pa if k.endswith("_share") and finite(pa[k]) is not None and finite(pb.get(k)) is not None]
     for key in shares:
         rows.append({"key": key, "label": key.removesuffix("_share").replace("_", " "),

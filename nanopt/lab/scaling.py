@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from scipy.optimize import minimize, minimize_scalar
+from scipy.special import huber, logsumexp, softmax
 
 from nanopt.config import Config
 from nanopt.errors import ConfigError
@@ -83,17 +84,12 @@ def _huber_objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray,
     """Σ Huber(predicted ln L − observed ln L) and its gradient in θ = (a, b, e, α, β)."""
     a, b, e, alpha, beta = theta
     z = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # 3 × runs
-    top = z.max(axis=0)
-    w = np.exp(z - top)
-    pred = top + np.log(w.sum(axis=0))
-    w /= w.sum(axis=0)  # softmax: d pred / d z
-    r = pred - log_l
-    small = np.abs(r) <= HUBER_DELTA
-    loss = np.where(small, 0.5 * r**2, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum()
-    g = np.where(small, r, HUBER_DELTA * np.sign(r))
+    r = logsumexp(z, axis=0) - log_l
+    w = softmax(z, axis=0)  # d pred / d z
+    g = np.clip(r, -HUBER_DELTA, HUBER_DELTA)  # d Huber / d r
     grad = np.array([(g * w[0]).sum(), (g * w[1]).sum(), (g * w[2]).sum(),
                      -(g * w[0] * log_n).sum(), -(g * w[1] * log_d).sum()])
-    return float(loss), grad
+    return float(huber(HUBER_DELTA, r).sum()), grad
 
 
 def _approach3(p: Points, starts: Optional[np.ndarray] = None) -> np.ndarray:
@@ -102,9 +98,8 @@ def _approach3(p: Points, starts: Optional[np.ndarray] = None) -> np.ndarray:
     if starts is None:
         a, b, e, alpha, beta = (_GRID[:, i:i + 1] for i in range(5))  # grid × 1, broadcast over runs
         z = np.stack(np.broadcast_arrays(a - alpha * log_n, b - beta * log_d, e))
-        r = np.logaddexp.reduce(z, axis=0) - log_l
-        huber = np.where(np.abs(r) <= HUBER_DELTA, 0.5 * r**2, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA))
-        starts = _GRID[np.argsort(huber.sum(axis=1))[:_REFINED_STARTS]]
+        r = logsumexp(z, axis=0) - log_l
+        starts = _GRID[np.argsort(huber(HUBER_DELTA, r).sum(axis=1))[:_REFINED_STARTS]]
     best = None
     for start in starts:
         fit = minimize(_huber_objective, start, args=(log_n, log_d, log_l), jac=True, method="L-BFGS-B",
