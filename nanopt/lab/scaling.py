@@ -11,6 +11,7 @@ resampled with replacement (within each budget for approach 2, so every budget k
 from __future__ import annotations
 
 import csv
+import functools
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -310,14 +311,12 @@ def plan(config_for: Callable[[Optional[int]], Config], budgets: Sequence[float]
     t, rules = ref.train, ref.scaling
     unit = t.micro_batch_size * t.seq_len  # a batch is whole micro-batches
     ref_tokens = t.max_steps * t.global_batch_tokens
-    shapes: dict[int, tuple[int, int, int]] = {}
 
+    @functools.cache
     def shape(depth: int) -> tuple[int, int, int]:  # (params, n_6n, flops per token), a meta model each
-        if depth not in shapes:
-            model = meta_model(config_for(depth).model)
-            counts = param_counts(model)
-            shapes[depth] = (counts.total, counts.n_6n, token_flops(model, t.seq_len, ref.mfu.causal_halving).model)
-        return shapes[depth]
+        model = meta_model(config_for(depth).model)
+        counts = param_counts(model)
+        return counts.total, counts.n_6n, token_flops(model, t.seq_len, ref.mfu.causal_halving).model
 
     rungs = []
     for budget in sorted(budgets):
