@@ -41,7 +41,7 @@ def test_plot_leaves_out_a_value_of_the_wrong_type(plotted, tmp_path, capsys):
     assert xs == [256, 512, 768, 1024, 1280, 1536]  # step 3 from the tokens per step of the others
 
 
-def test_plot_output_must_be_a_file_in_an_existing_directory(plotted, tmp_path, capsys):
+def test_plot_output_must_be_a_new_file_in_an_existing_directory(plotted, tmp_path, capsys, monkeypatch):
     (tmp_path / "taken.png").mkdir()
     assert cli(["plot", str(plotted), "-o", str(tmp_path / "taken.png")]) == 2
     _, err = read_out(capsys)
@@ -49,10 +49,8 @@ def test_plot_output_must_be_a_file_in_an_existing_directory(plotted, tmp_path, 
     no_traceback(err)
     assert cli(["plot", str(plotted), "-o", str(tmp_path / "nowhere" / "p.png")]) == 2
     assert "does not exist" in read_out(capsys)[1]
-
-
-def test_plot_keeps_an_existing_png_unless_forced(plotted, tmp_path, capsys, monkeypatch):
-    """Before, a second `nanopt plot` silently replaced plot_<metric>_<x>.png (every plot of a metric has that name)."""
+    # An existing PNG is kept unless forced. Before, a second `nanopt plot` silently replaced plot_<metric>_<x>.png
+    # (every plot of a metric has that name).
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "plot_loss_steps.png"
     out.write_bytes(b"an earlier plot")
@@ -65,7 +63,6 @@ def test_plot_keeps_an_existing_png_unless_forced(plotted, tmp_path, capsys, mon
     assert read_out(capsys)[0] == "plot_loss_steps.png\n" and out.read_bytes()[:4] == b"\x89PNG"
 
 
-# ---------------------------------------------------------------- curves.png
 def test_a_picture_that_cannot_be_drawn_is_a_warning_not_an_error(tmp_path, caplog):
     (tmp_path / "metrics.jsonl").write_text("")
     with caplog.at_level("WARNING", logger="nanopt"):
