@@ -434,11 +434,9 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
 
 def _jobs(root: Path, points: list[Point], configs: dict[str, Config], overrides: list[str], nproc: int,
           parallel: Optional[int]) -> tuple[list[Job], list[Slot]]:
-    jobs = [Job(p, root / p.name, configs[p.name]) for p in points]
-    states = point_states([(j.point.name, j.dir, j.cfg) for j in jobs], root)
-    for j in jobs:
-        j.status = "skipped" if states[j.point.name] == "done" else "queued"
-        j.resumed = states[j.point.name] == "resume"
+    states = point_states([(p.name, root / p.name, configs[p.name]) for p in points], root)
+    jobs = [Job(p, root / p.name, configs[p.name], "skipped" if states[p.name] == "done" else "queued",
+                resumed=states[p.name] == "resume") for p in points]
     pending = [j for j in jobs if j.status == "queued"]
     for j in pending:  # each run's log is appended to: never a file elsewhere through a link (refused up front)
         refuse_link(j.dir / LOG_FILE)
@@ -503,7 +501,6 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
     except OSError as e:  # the launcher itself is missing: this run fails, the others may still go
         job.log.write(f"nanopt sweep: cannot start the run: {e}\n".encode())
         job.log.close()
-        job.proc = None
         job.status, job.exit_code, job.wall = "failed", 127, 0.0
 
 
