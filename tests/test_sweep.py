@@ -86,7 +86,7 @@ def test_a_points_file_it_cannot_use_is_one_paragraph(tmp_path, text, says):
     assert str(ladder) in str(e.value) and says in str(e.value) and "nanopt scaling plan" in str(e.value)
 
 
-def test_place_fake_8_gpus_two_per_run_following_cuda_visible_devices():
+def test_place_fake_8_gpus_two_per_run_following_cuda_visible_devices_and_cpu_runs_splitting_the_cores():
     gpus = [str(i) for i in range(8)]
     slots = sweep.place("cuda", gpus, cores=64, nproc=2)
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1", "2,3", "4,5", "6,7"]
@@ -99,10 +99,9 @@ def test_place_fake_8_gpus_two_per_run_following_cuda_visible_devices():
     with pytest.raises(ConfigError, match="--nproc 4"):
         sweep.place("cuda", ["0", "1"], 64, nproc=4)
     assert sweep.visible_ids(2, "3,5") == ["3", "5"] and sweep.visible_ids(1, "") == ["0"]
-    assert sweep.visible_ids(2, "GPU-aa, GPU-bb") == ["GPU-aa", "GPU-bb"] and sweep.visible_ids(3, None) == ["0", "1", "2"]
-
-
-def test_place_cpu_splits_the_cores():
+    assert sweep.visible_ids(2, "GPU-aa, GPU-bb") == ["GPU-aa", "GPU-bb"]
+    assert sweep.visible_ids(3, None) == ["0", "1", "2"]
+    # CPU: the runs split the cores.
     two = sweep.place("cpu", [], cores=2, parallel=2)
     assert len(two) == 2
     assert all(s.env == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"} for s in two)
