@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import html
-import importlib.util
 import io
 import logging
 import os
@@ -105,7 +104,11 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
 
 # ---------------------------------------------------------------- matplotlib, lazily
 def have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
+    try:  # an import, not find_spec: a matplotlib that is installed but broken counts as absent
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def figure(width: float, height: float, *grid: int, margins: dict[str, float], **kw: Any) -> tuple[Any, Any]:
