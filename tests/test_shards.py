@@ -17,19 +17,13 @@ from nanopt.data.tokenizer import ByteTokenizer
 from nanopt.training import loader as data
 
 
-def test_shard_round_trip_uint16_and_uint32(tmp_path):
-    small = np.arange(1000) % 257
-    big = np.array([0, 70000, 128255, 5])
-    shards.write_shard(tmp_path / "a.bin", small, vocab_size=257)
-    shards.write_shard(tmp_path / "b.bin", big, vocab_size=128256)
-    a, b = shards.open_shard(tmp_path / "a.bin"), shards.open_shard(tmp_path / "b.bin")
-    assert a.dtype == np.uint16 and np.array_equal(a, small)
-    assert b.dtype == np.uint32 and np.array_equal(b, big)
-    assert shards.read_header(tmp_path / "b.bin").vocab_size == 128256
-
-
-def test_token_out_of_vocab_is_refused_at_write(tmp_path):
-    with pytest.raises(ValueError, match="token ids"):
+@pytest.mark.parametrize("tokens, vocab, dtype", [(np.arange(1000) % 257, 257, np.uint16),
+                                                  (np.array([0, 70000, 128255, 5]), 128256, np.uint32)])
+def test_shard_round_trip_uint16_and_uint32(tmp_path, tokens, vocab, dtype):
+    got = shards.open_shard(shards.write_shard(tmp_path / "a.bin", tokens, vocab_size=vocab))
+    assert got.dtype == dtype and np.array_equal(got, tokens)
+    assert shards.read_header(tmp_path / "a.bin").vocab_size == vocab
+    with pytest.raises(ValueError, match="token ids"):  # out of the vocabulary: refused at write
         shards.write_shard(tmp_path / "x.bin", [1, 2, 300], vocab_size=257)
 
 
@@ -58,48 +52,13 @@ def test_a_damaged_shard_is_refused_naming_the_file(tmp_path, words):
         assert len(shards.open_shard(path, verify=False)) == 100  # the escape hatch still reads it
 
 
-def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, monkeypatch):
-    """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
-    cfg = Config()
-    cfg.train.seq_len = 8
-    for i in range(2):
-        shards.write_shard(tmp_path / f"train_00000{i}.bin", np.arange(100) % 257, vocab_size=257)
-    data.open_split(tmp_path, "train", cfg)
-    assert not (tmp_path / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
-    for path in tmp_path.glob("train_*.bin"):
-        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # written 10 s ago
-    passes = []
-    real_open = shards.open_shard
-    monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and passes.append(p.name),
-                                                                     real_open(p, verify))[1])
-    data.open_split(tmp_path, "train", cfg)
-    assert passes == ["train_000000.bin", "train_000001.bin"]
-    data.open_split(tmp_path, "train", cfg)  # a resume, a retry: nothing changed, nothing re-read
-    data.open_split(tmp_path, "train", cfg, verify=False)  # another rank of the node
-    assert len(passes) == 2
-    path = tmp_path / "train_000001.bin"  # corrupted after its pass: it is written anew, so its stamp changes
-    raw = bytearray(path.read_bytes())
-    raw[shards.HEADER_BYTES + 3] ^= 0xFF
-    path.write_bytes(bytes(raw))
-    with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
-        data.open_split(tmp_path, "train", cfg)
-    assert passes[2:] == ["train_000001.bin"]
-    (tmp_path / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
-    shards.write_shard(path, np.arange(100) % 257, vocab_size=257)
-    os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
-    data.open_split(tmp_path, "train", cfg)
-    assert passes[3:] == ["train_000000.bin", "train_000001.bin"]
-
-
 def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
     tok = ByteTokenizer()
     train = shards.open_shard(shards.split_paths(corpus_dir, "train")[0])
     val = shards.open_shard(shards.split_paths(corpus_dir, "val")[0])
     assert len(train) > 4_000_000 and len(val) > 100_000
-    val_text = tok.decode(val[:200000].tolist())
-    assert "HAMLET" in val_text.upper()
-    train_text = tok.decode(train[:2_000_000].tolist())
-    assert "Hamlet, Prince of Denmark" not in train_text
+    assert "HAMLET" in tok.decode(val[:200000].tolist()).upper()
+    assert "Hamlet, Prince of Denmark" not in tok.decode(train[:2_000_000].tolist())
     assert train[0] == tok.bos_id
 
 
@@ -118,8 +77,6 @@ def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path
 
 
 # ---------------------------------------------------------------- the shard names prepare writes
-
-
 @pytest.mark.parametrize("name,ours", [
     ("train_000001.bin", True), ("val_000000.bin", True), ("train_1234567.bin", True),
     ("train_000001.bin.bak", False), ("train_00001.bin", False), ("train_0000001.bin", False),
@@ -131,27 +88,25 @@ def test_shard_names_are_exactly_those_prepare_writes(name, ours):
 
 
 # ---------------------------------------------------------------- the verification record
-
-
-def _shards(directory, n: int = 2) -> list:
-    """n small train shards written 10 s ago (old enough to be recorded: see the racy rule in verify_shards)."""
-    paths = [shards.write_shard(directory / f"train_{i:06d}.bin", (np.arange(100) + i) % 257, 257) for i in range(n)]
-    for path in paths:
+def _age(*paths) -> None:
+    for path in paths:  # written 10 s ago: old enough to be recorded (see the racy rule in verify_shards)
         os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
+
+
+def _shards(directory, n: int = 2, aged: bool = True) -> list:
+    paths = [shards.write_shard(directory / f"train_{i:06d}.bin", (np.arange(100) + i) % 257, 257) for i in range(n)]
+    if aged:
+        _age(*paths)
     return paths
 
 
-def _cfg() -> Config:
-    cfg = Config()
-    cfg.train.seq_len = 8
-    return cfg
+CFG, BOTH = Config(), ["train_000000.bin", "train_000001.bin"]  # what open_split reads; what _shards writes
+CFG.train.seq_len = 8
 
 
 def _damage_keeping_size_and_mtime(path) -> None:
     st = path.stat()
-    raw = bytearray(path.read_bytes())
-    raw[shards.HEADER_BYTES + 5] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    path.write_bytes(_flip(shards.HEADER_BYTES + 5)(path.read_bytes()))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
@@ -165,19 +120,40 @@ def passes(monkeypatch) -> list[str]:
     return seen
 
 
+def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, passes):
+    """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
+    paths = _shards(tmp_path, aged=False)
+    data.open_split(tmp_path, "train", CFG)
+    assert not (tmp_path / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
+    _age(*paths)
+    data.open_split(tmp_path, "train", CFG)
+    assert passes == BOTH * 2
+    data.open_split(tmp_path, "train", CFG)  # a resume, a retry: nothing changed, nothing re-read
+    data.open_split(tmp_path, "train", CFG, verify=False)  # another rank of the node
+    assert len(passes) == 4
+    paths[1].write_bytes(_flip(shards.HEADER_BYTES + 3)(paths[1].read_bytes()))  # written anew: a new stamp
+    with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
+        data.open_split(tmp_path, "train", CFG)
+    assert passes[4:] == ["train_000001.bin"]
+    (tmp_path / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
+    _shards(tmp_path)
+    data.open_split(tmp_path, "train", CFG)
+    assert passes[5:] == BOTH
+
+
 def test_a_copied_shard_is_verified_again_though_it_keeps_size_and_mtime(tmp_path, passes):
     """cp -a / rsync -a / tar carry mtimes and the record along: a shard damaged in transit was never read."""
     src, copy = tmp_path / "src", tmp_path / "copy"
     src.mkdir()
     _shards(src)
-    data.open_split(src, "train", _cfg())
-    data.open_split(src, "train", _cfg())
-    assert passes == ["train_000000.bin", "train_000001.bin"]  # recorded, then trusted
+    data.open_split(src, "train", CFG)
+    data.open_split(src, "train", CFG)
+    assert passes == BOTH  # recorded, then trusted
     shutil.copytree(src, copy)  # copy2: times preserved, .verified.json included
     _damage_keeping_size_and_mtime(copy / "train_000001.bin")
     with pytest.raises(ConfigError, match="train_000001.bin fails its checksum"):
-        data.open_split(copy, "train", _cfg())
-    assert passes[2:] == ["train_000000.bin", "train_000001.bin"]
+        data.open_split(copy, "train", CFG)
+    assert passes[2:] == BOTH
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'"stamps"', b"\xff\xfe{}", b"[" * 100_000,
@@ -186,8 +162,8 @@ def test_a_damaged_verification_record_is_ignored_with_a_warning(tmp_path, passe
     _shards(tmp_path)
     (tmp_path / shards.VERIFIED).write_bytes(content)
     with caplog.at_level("WARNING", logger="nanopt"):
-        data.open_split(tmp_path, "train", _cfg())
-    assert passes == ["train_000000.bin", "train_000001.bin"]
+        data.open_split(tmp_path, "train", CFG)
+    assert passes == BOTH
     assert shards.VERIFIED in caplog.text and "verified again" in caplog.text
     assert sorted(json.loads((tmp_path / shards.VERIFIED).read_text())) == passes  # written afresh
 
@@ -197,9 +173,9 @@ def test_stamps_are_recorded_shard_by_shard(tmp_path):
     _shards(tmp_path, 3)
     _damage_keeping_size_and_mtime(tmp_path / "train_000002.bin")
     with pytest.raises(ConfigError, match="train_000002.bin fails its checksum"):
-        data.open_split(tmp_path, "train", _cfg())
+        data.open_split(tmp_path, "train", CFG)
     stamps = json.loads((tmp_path / shards.VERIFIED).read_text())
-    assert sorted(stamps) == ["train_000000.bin", "train_000001.bin"]
+    assert sorted(stamps) == BOTH
     st = (tmp_path / "train_000000.bin").stat()
     assert stamps["train_000000.bin"][:4] == [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
@@ -209,6 +185,6 @@ def test_a_directory_at_the_verification_record_is_a_cache_that_cannot_be_writte
     (io.write_bytes refuses to replace a directory with ConfigError; the cache's writer takes that as unwritable)."""
     _shards(tmp_path)
     (tmp_path / shards.VERIFIED).mkdir()
-    data.open_split(tmp_path, "train", _cfg())
-    data.open_split(tmp_path, "train", _cfg())
-    assert passes == ["train_000000.bin", "train_000001.bin"] * 2 and (tmp_path / shards.VERIFIED).is_dir()
+    data.open_split(tmp_path, "train", CFG)
+    data.open_split(tmp_path, "train", CFG)
+    assert passes == BOTH * 2 and (tmp_path / shards.VERIFIED).is_dir()

@@ -1,6 +1,5 @@
-"""The tokenizer (nanopt.data.tokenizer) and its tiktoken engine (nanopt.data.fastbpe): batch encoding gives transformers' ids
-for GPT-2- and Llama-3-shaped byte-level BPEs, an engine that disagrees is dropped, other tokenizers keep
-transformers', and a damaged tokenizer directory is one paragraph."""
+"""The tokenizer and its tiktoken engine (fastbpe): batch encoding gives transformers' ids for GPT-2- and Llama-3-shaped
+byte-level BPEs, an engine that disagrees is dropped, others keep transformers', a damaged directory is one paragraph."""
 from __future__ import annotations
 
 import os
@@ -16,13 +15,8 @@ from nanopt.data import shards
 from nanopt.data.tokenizer import get_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    return get_tokenizer(str(tokenizer_dir))
-
-
-def test_encode_documents_matches_one_document_at_a_time(tok):
-    texts = ["", "a b", PREPARE_DOCS[3], "", "🦊"]
+def test_encode_documents_matches_one_document_at_a_time(tokenizer_dir):
+    tok, texts = get_tokenizer(str(tokenizer_dir)), ["", "a b", PREPARE_DOCS[3], "", "🦊"]
     for bos, eos in ((None, None), (tok.bos_id, None), (None, tok.eos_id), (tok.bos_id, tok.eos_id)):
         lengths, flat = shards.encode_documents(tok, texts, bos, eos)
         ref = [([bos] if bos is not None else []) + tok.encode(t) + ([eos] if eos is not None else []) for t in texts]
@@ -30,17 +24,27 @@ def test_encode_documents_matches_one_document_at_a_time(tok):
         assert flat.tolist() == [i for r in ref for i in r]
 
 
+def _batch(tok, texts: list[str]) -> list[list[int]]:
+    return [a.tolist() for a in tok.encode_batch_arrays(texts)]
+
+
+def _same_ids_on_tiktoken(tok, texts: list[str]) -> list[list[int]]:
+    ids = _batch(tok, texts)
+    assert type(tok._tiktoken).__module__.startswith("tiktoken")  # the fast engine is really in use
+    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+    return ids
+
+
 def test_batch_encode_on_tiktoken_gives_the_same_ids_as_transformers(tokenizer_dir):
     tok = get_tokenizer(str(tokenizer_dir))  # a fresh one: its engine is chosen on the first batch
     texts = [*PREPARE_DOCS, "a literal <s> and </s> inside text", "  leading spaces\n\n\ttabs  ", "'s 're 1234 🦊🦊"]
-    ids = tok.encode_batch(texts)
-    assert type(tok._tiktoken).__module__.startswith("tiktoken")  # the fast engine is really in use
-    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
-    assert tok.encode_batch(texts[::-1]) == ids[::-1]  # and stays equal after the first-batch check
+    ids = _same_ids_on_tiktoken(tok, texts)
+    assert _batch(tok, texts[::-1]) == ids[::-1]  # and stays equal after the first-batch check
 
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_TEXTS = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S"]
 
 
 def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_path):
@@ -57,11 +61,7 @@ def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_p
     bpe.train_from_iterator(PREPARE_DOCS, trainers.BpeTrainer(vocab_size=500, special_tokens=["<|begin_of_text|>"],
                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>").save_pretrained(tmp_path)
-    tok = get_tokenizer(str(tmp_path))
-    texts = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S"]
-    ids = tok.encode_batch(texts)
-    assert type(tok._tiktoken).__module__.startswith("tiktoken")
-    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+    _same_ids_on_tiktoken(get_tokenizer(str(tmp_path)), LLAMA3_TEXTS)
 
 
 @pytest.mark.parametrize("files, words", [
@@ -105,11 +105,7 @@ def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_pa
     results = [model["vocab"]["".join(m) if isinstance(m, list) else m.replace(" ", "")] for m in model["merges"]]
     assert any(a == b for a, b in zip(results, results[1:]))  # the Llama-3 shape: repeated merge results
     PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|begin_of_text|>").save_pretrained(tmp_path / "tok")
-    tok = get_tokenizer(str(tmp_path / "tok"))
-    texts = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "DON'T 'S", "aaaa bbbbbb\n\n\t  ccc"]
-    ids = tok.encode_batch(texts)
-    assert type(tok._tiktoken).__module__.startswith("tiktoken")
-    assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in texts]
+    _same_ids_on_tiktoken(get_tokenizer(str(tmp_path / "tok")), LLAMA3_TEXTS + ["aaaa bbbbbb\n\n\t  ccc"])
 
 
 def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, caplog):
@@ -121,7 +117,7 @@ def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, cap
 
     tok._tiktoken = Wrong()
     with caplog.at_level("WARNING", logger="nanopt"):
-        ids = tok.encode_batch(PREPARE_DOCS[:5])
+        ids = _batch(tok, PREPARE_DOCS[:5])
     assert ids == [tok.hf.encode(t, add_special_tokens=False) for t in PREPARE_DOCS[:5]]
     assert tok._tiktoken is False and "disagrees" in caplog.text
 

@@ -21,7 +21,6 @@ def byte_decoder() -> dict[str, int]:
 
 
 def split_pattern(pre: Optional[dict[str, Any]]) -> Optional[str]:
-    """The regex a supported pre-tokenizer splits with, or None."""
     pre = pre or {}
     if pre.get("type") == "ByteLevel":
         return GPT2_PATTERN if pre.get("use_regex", True) and not pre.get("add_prefix_space") else None

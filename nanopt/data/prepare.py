@@ -1,20 +1,10 @@
-"""`nanopt prepare`: a document source -> the configured tokenizer (batched, in worker processes) -> token shards.
-
-The source is what `datasets.load_dataset` returns for `prepare.dataset` (a hub name, or the json/parquet/text
-builders for local files), or the embedded corpus. Documents are read in order from the (shuffled) stream and
-poured into the splits val -> test -> train by token budget, each cut into shards of `prepare.shard_tokens`.
-After every shard the manifest records where in the stream it ended: a resume loses and repeats no document.
-
-Output directory (= data.dir or data.source, exactly where training reads):
-  {split}_NNNNNN.bin     token shards (nanopt.data.shards format; uint32 when the vocabulary exceeds 65536)
-  manifest.json          the configuration fingerprint, committed shards, resume position
-  .doclens-{split}.u32   tokens per document, for the statistics (committed prefix named in the manifest)
-  stats.json             documents, tokens, mean and median tokens per document, per split
-  lock.json              the lease of the `nanopt prepare` writing it now (lock.DirLock, as a trainer's run)
-
-One prepare at a time writes a directory (a second is refused, naming the holder). A full disk is DiskFull (exit 1)
-with every committed shard kept; an output file that cannot be written is an OSError naming it (cli.run: exit 2);
-neither is retried as a source failure is.
+"""`nanopt prepare`: `datasets.load_dataset(prepare.dataset)` (or the embedded corpus) -> the tokenizer, in worker
+processes -> token shards. Documents fill the splits val -> test -> train by token budget, each cut into shards of
+`prepare.shard_tokens`; after every shard the manifest records where in the stream it ended, so a resume loses and
+repeats no document. The output directory (data.dir or data.source) holds {split}_NNNNNN.bin, manifest.json (the
+fingerprint, committed shards, resume position), .doclens-{split}.u32 (tokens per document), stats.json and the
+lease lock.json (one prepare at a time). A full disk (DiskFull, exit 1) or an unwritable output file (exit 2) is
+never retried as a source failure is.
 """
 from __future__ import annotations
 
@@ -62,7 +52,6 @@ Encoded = tuple[int, np.ndarray, np.ndarray]
 
 # ---------------------------------------------------------------- the document source
 def output_dir(cfg: Config) -> Path:
-    """Where the shards go: the directory training reads (data.dir, else data.source)."""
     if cfg.data.source == "embedded" and not cfg.data.dir:
         raise ConfigError("`data.source` is `embedded`, so training would not read prepared shards. Set `data.source` "
                           "to the directory to write them to, e.g. `--data.source=data/fineweb-edu-llama3`.")
@@ -70,8 +59,7 @@ def output_dir(cfg: Config) -> Path:
 
 
 def load_documents(p: PrepareConfig):
-    """The configured dataset, shuffled as configured: a datasets.Dataset or IterableDataset of rows (streaming
-    reads the hub lazily, and its shuffle is a seeded buffer of `shuffle_buffer` documents)."""
+    """The configured dataset's rows, shuffled as configured (streamed: a seeded buffer of `shuffle_buffer`)."""
     if p.dataset not in ("embedded", *LOCAL_BUILDERS) and not os.path.exists(p.dataset):
         hub.offline_unless_reachable()  # before datasets loads: it reads the offline switch then
     try:
@@ -109,9 +97,7 @@ def load_documents(p: PrepareConfig):
 
 
 def _local_rows(ds: Any, p: PrepareConfig) -> Iterator[dict[str, Any]]:
-    """The rows of a dataset of local files (prepare.data_files). A file its builder cannot parse (not JSON, not
-    UTF-8 text) is bad input, ConfigError naming the builder and files, not a source failure to retry; it surfaces
-    only when the stream reaches it."""
+    """The rows of local files: one its builder cannot parse is bad input (ConfigError), not a failure to retry."""
     try:
         yield from ds
     except OSError:  # the disk, as for any source: retried, or a full disk
@@ -123,14 +109,13 @@ def _local_rows(ds: Any, p: PrepareConfig) -> Iterator[dict[str, Any]]:
 
 
 def _builder_error(e: BaseException) -> str:
-    """`Type: message` on one line, of the error datasets' DatasetGenerationError wraps when it is one."""
+    """`Type: message` on one line, of the error a DatasetGenerationError wraps."""
     if type(e).__name__ == "DatasetGenerationError" and (e.__cause__ or e.__context__) is not None:
         e = e.__cause__ or e.__context__
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def _hub_dataset_problem(p: PrepareConfig, error: BaseException) -> str:
-    """The paragraph for a hub dataset that cannot be reached from here: prepare elsewhere, or from local files."""
     streamed = ("With `prepare.streaming: true` it is read from the hub while it is tokenised, so no cache holds it: "
                 "prepare where there is network and copy the shards (`data.source`) here, or") if p.streaming else "Or"
     return hub.not_cached(f"`prepare.dataset` {p.dataset!r} (subset {p.subset or '-'}, split {p.split!r})", error,
@@ -141,7 +126,7 @@ def _hub_dataset_problem(p: PrepareConfig, error: BaseException) -> str:
 
 def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:
     """datasets fails on an empty local file unhelpfully (StopIteration for json, a generation error for text) or
-    reads blank lines as documents: name the empty files instead (only_if_all: the check before loading)."""
+    reads blank lines as documents: name the empty files (only_if_all: before loading, when all are)."""
     matched = [Path(m) for f in p.data_files for m in sorted(glob.glob(os.path.expanduser(f)))]
     empty = [m for m in matched if m.is_file() and not _has_content(m)]
     if empty and (not only_if_all or len(empty) == len(matched)):
@@ -152,16 +137,11 @@ def _refuse_empty_files(p: PrepareConfig, only_if_all: bool = False) -> None:
 
 
 def _has_content(path: Path) -> bool:
-    """False for a file of zero bytes or whitespace only (what a failed export or a truncated copy leaves)."""
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 16):
-            if chunk.strip():
-                return True
-    return False
+        return any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
 
 
 def iter_texts(ds, text_field: str, start: int = 0) -> Iterator[str]:
-    """Document texts from index `start` on (earlier rows are read but not tokenised)."""
     for i, row in enumerate(itertools.islice(iter(ds), start, None), start):
         if text_field not in row:
             raise ConfigError(f"document {i} has no `{text_field}` field (its fields: {', '.join(row)}); "
@@ -171,11 +151,9 @@ def iter_texts(ds, text_field: str, start: int = 0) -> Iterator[str]:
 
 
 def batched(texts: Iterable[str], size: int, first: int = 0) -> Iterator[tuple[int, list[str]]]:
-    """(index of the batch's first document, up to `size` texts)."""
+    """(index of the batch's first document, up to `size` texts): only the last batch is short."""
     it = iter(texts)
-    while batch := list(itertools.islice(it, size)):
-        yield first, batch
-        first += len(batch)
+    return zip(itertools.count(first, size), iter(lambda: list(itertools.islice(it, size)), []))
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -198,8 +176,8 @@ def _encode_task(batch: tuple[int, list[str]]) -> Encoded:
 
 def encode_stream(batches: Iterable[tuple[int, list[str]]], tokenizer, bos: Optional[int], eos: Optional[int],
                   workers: int) -> Iterator[Encoded]:
-    """Encoded batches in source order. workers > 1: a process pool with at most 2 batches per worker in
-    flight (the source is streamed, so it must not be read ahead without bound)."""
+    """Encoded batches in source order; workers > 1: a pool with at most 2 batches per worker in flight (the
+    source is streamed: it must not be read ahead without bound)."""
     # Forked workers inherit the loaded tokenizer (and its fast engine) instead of building them again.
     if hasattr(tokenizer, "fast_engine"):
         tokenizer.fast_engine()
@@ -225,7 +203,7 @@ def encode_stream(batches: Iterable[tuple[int, list[str]]], tokenizer, bos: Opti
 
 # ---------------------------------------------------------------- splits, shards, manifest
 def split_budgets(p: PrepareConfig) -> list[tuple[str, Optional[int]]]:
-    """The splits in filling order with their token budgets (None = until the source ends)."""
+    """The splits in filling order with their token budgets (None: until the source ends)."""
     held_out = [(name, n) for name, n in (("val", p.val_tokens), ("test", p.test_tokens)) if n]
     return [*held_out, ("train", p.train_tokens or None)]
 
@@ -246,8 +224,7 @@ _TEMP_FILE = re.compile(r"\.(?P<hidden>.+)\.[0-9]+\.[0-9]+\.tmp|(?P<plain>.+)\.t
 
 
 def _remove_if_ours(path: Path) -> None:
-    """Delete an uncommitted file that prepare itself writes: a shard name, or a temp file on the way to one. A
-    shared directory may hold a user's own files under similar names (train_000001.bin.bak, .gz): those stay."""
+    """Delete an uncommitted shard or temp file of prepare's; a user's similar names (train_000001.bin.bak) stay."""
     m = _TEMP_FILE.fullmatch(path.name)
     if shards.is_shard_name((m["hidden"] or m["plain"]) if m else path.name):
         path.unlink(missing_ok=True)
@@ -310,9 +287,8 @@ class ShardWriter:
                 os.truncate(f, count * 4)
 
     def _check_position(self) -> None:
-        """ConfigError when the adopted resume position cannot be this config's (read_manifest checked its types):
-        a split beyond the budgets, a document index no stream reaches, or more documents than their lengths file
-        holds (it would be zero-filled)."""
+        """Refuse a resume position that cannot be this config's (read_manifest checked its types); a lengths file
+        shorter than its count would be zero-filled."""
         state, names = self.state, [name for name, _ in self.budgets]
         problem = None
         if state["split_index"] > len(names) - (not state["complete"]):
@@ -363,7 +339,7 @@ class ShardWriter:
         return self.budgets[self.state["split_index"]][1]
 
     def add_document(self, index: int, tokens: np.ndarray) -> int:
-        """Write document `index` (all of its tokens); returns how many tokens went into shards."""
+        """Write document `index`; returns how many of its tokens went into shards."""
         st = self.state
         start = st["next_offset"] if index == st["next_doc"] else 0
         budget = self._budget()
@@ -387,7 +363,7 @@ class ShardWriter:
         return end - start
 
     def finish(self) -> None:
-        """The source is exhausted: write what is buffered and mark the preparation complete."""
+        """The source is exhausted: commit what is buffered, and the preparation is complete."""
         if self.buffer_tokens:
             self._commit(self.state["next_doc"], 0)
         self._save_doclens()  # documents of zero tokens after the last shard, if any
@@ -427,8 +403,8 @@ class ShardWriter:
         write_json(self.out / shards.MANIFEST, self.manifest)  # last: the commit point
 
     def _write_or_check(self, file: str, tokens: np.ndarray) -> None:
-        """Write the shard; a shard being rebuilt must come out as the bytes it had (else the source changed,
-        and mixing old and new shards would be a third dataset): an intact copy on disk is kept as it is."""
+        """Write the shard; one being rebuilt must come out as the bytes it had (else mixing old and new shards
+        would be a third dataset), and an intact copy on disk is kept."""
         old = next((e for e in self.manifest.get("rebuild", []) if e["file"] == file), None)
         if old is not None:
             crc = shards.shard_crc32(tokens, self.vocab_size)
@@ -458,8 +434,8 @@ class ShardWriter:
 
 
 def _per_document(lengths: np.ndarray) -> dict[str, float]:
-    return {"mean_tokens_per_document": float(lengths.mean()) if len(lengths) else 0.0,
-            "median_tokens_per_document": float(np.median(lengths)) if len(lengths) else 0.0}
+    mean, median = (float(lengths.mean()), float(np.median(lengths))) if len(lengths) else (0.0, 0.0)
+    return {"mean_tokens_per_document": mean, "median_tokens_per_document": median}
 
 
 # ---------------------------------------------------------------- the command
@@ -474,10 +450,9 @@ def _special_ids(cfg: Config, tokenizer) -> tuple[Optional[int], Optional[int]]:
 
 
 def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
-    """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run
-    committed and rebuilding committed shards that were lost (with verify: also corrupt ones, which reads
-    every byte); returns the statistics also written to stats.json. Holds the directory's lease throughout (a
-    trainer's kind, lock.DirLock: ConfigError naming the holder while another prepare writes, or for a file)."""
+    """Tokenise the configured source into shards under output_dir(cfg), resuming what a previous run committed
+    and rebuilding committed shards that were lost (with verify: also corrupt ones, reading every byte), under the
+    directory's lease; returns the statistics also written to stats.json."""
     out, setting = output_dir(cfg), "`data.dir`" if cfg.data.dir else "`data.source`"
     with lock.DirLock(out, what="data", setting=setting):
         p, tokenizer = cfg.prepare, get_tokenizer(cfg.data.tokenizer)
@@ -506,8 +481,8 @@ def prepare(cfg: Config, progress: bool = True, verify: bool = False) -> dict[st
 
 def _tokenise(cfg: Config, tokenizer, special: tuple[Optional[int], Optional[int]], writer: ShardWriter,
               progress: bool) -> tuple[int, int]:
-    """Stream documents from where the writer stands into it until its budgets are full or the source ends:
-    (tokens, documents) written by this run."""
+    """Stream documents into the writer from where it stands until it is done or the source ends: (tokens,
+    documents) written by this run."""
     p, out, st = cfg.prepare, writer.out, writer.state
     if st["next_doc"]:
         log.info("resuming %s at document %d (+%d tokens), %d shards already written",
@@ -543,7 +518,6 @@ def _tokenise(cfg: Config, tokenizer, special: tuple[Optional[int], Optional[int
 
 
 def _pour(writer: ShardWriter, stream: Iterable[Encoded], bar: tqdm) -> tuple[int, int]:
-    """Hand the encoded documents to the writer until it is done or the stream ends: (tokens, documents)."""
     tokens = documents = 0
     for first, lengths, flat in stream:
         for j, end in enumerate(np.cumsum(lengths)):
@@ -567,10 +541,8 @@ def transient_errors() -> tuple[type[BaseException], ...]:
 
 
 def prepare_with_retries(cfg: Config, progress: bool = True, verify: bool = False) -> dict[str, Any]:
-    """prepare(), started again from the last committed shard after a transient source error (resume is
-    exact, so the output is the same bytes), up to `prepare.retries` times. An OSError naming a path (a file of the
-    output that cannot be written, a local source file) and a full disk are raised at once: no wait mends them, and
-    cli.run words them (exit 2, or DiskFull's exit 1)."""
+    """prepare(), resumed (to the same bytes) after a transient source error, up to `prepare.retries` times. An
+    OSError naming a path and a full disk are raised at once: no wait mends them (cli.run: exit 2, DiskFull 1)."""
     for attempt in range(cfg.prepare.retries + 1):
         try:
             return prepare(cfg, progress, verify)

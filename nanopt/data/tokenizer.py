@@ -74,20 +74,16 @@ class HFTokenizer:
                               f"a local directory with tokenizer files or a hub name you have access to.") from None
         self.name, self.vocab_size = name, len(self.hf)
         self.bos_id, self.eos_id = self.hf.bos_token_id, self.hf.eos_token_id
-        self._tiktoken = None  # None: not built yet; False: not usable for this tokenizer (see encode_batch)
+        self._tiktoken = None  # None: not built yet; False: not usable for this tokenizer
         self._tiktoken_checked = False
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many documents in one call, with the same ids as `encode` on each (tests/test_prepare.py checks)."""
-        return [a.tolist() for a in self.encode_batch_arrays(texts)]
-
     def encode_batch_arrays(self, texts: list[str]) -> list[np.ndarray]:
-        """encode_batch as one uint32 array per document, the form nanopt prepare writes. Byte-level BPE runs
-        on tiktoken where it can (fastbpe.py: no Python int per token); the first batch is encoded by both
-        engines and any difference keeps the Hugging Face one for good."""
+        """One uint32 array per document, the ids `encode` gives. Byte-level BPE runs on tiktoken where it can
+        (fastbpe.py: no Python int per token); the first batch is encoded by both engines, and any difference
+        keeps the Hugging Face one for good."""
         if self.fast_engine() is None:
             return [np.array(ids, dtype=np.uint32) for ids in self._encode_batch_hf(texts)]
         arrays = [self._tiktoken.encode_to_numpy(t, allowed_special="all") for t in texts]
@@ -102,8 +98,8 @@ class HFTokenizer:
         return arrays
 
     def fast_engine(self):
-        """The tiktoken engine for this tokenizer (built once; nanopt prepare builds it before forking its
-        workers so they share it), or None when it is not installed or not equivalent."""
+        """The tiktoken engine (built once, before prepare forks its workers), or None: not installed or not
+        equivalent."""
         if self._tiktoken is None:
             self._tiktoken = (tiktoken_encoding(self.definition()) if self.hf.is_fast else None) or False
             if self._tiktoken is False:  # say so: the Hugging Face engine is several times slower per core
@@ -120,7 +116,7 @@ class HFTokenizer:
         return self.hf(texts, add_special_tokens=False)["input_ids"]
 
     def definition(self) -> str:
-        """The tokenizer's full definition (tokenizer.json for fast tokenizers), for fingerprints."""
+        """The full definition (tokenizer.json for fast tokenizers), for fingerprints."""
         return self.hf.backend_tokenizer.to_str() if self.hf.is_fast else repr(sorted(self.hf.get_vocab().items()))
 
     def decode(self, ids: list[int]) -> str:

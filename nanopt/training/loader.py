@@ -1,5 +1,4 @@
-"""The batches read from token shards (shards.py): windows, the seeded rank-disjoint loader, evaluation batches,
-and a run's data directory and splits."""
+"""Batches from token shards: windows, the seeded rank-disjoint loader, evaluation batches, a run's splits."""
 from __future__ import annotations
 
 import copy
@@ -37,7 +36,6 @@ class TokenWindows:
                              f"tokens; lower `train.seq_len` or prepare more data")
 
     def regrid(self, seq_len: int) -> TokenWindows:
-        """The same shards (no reopening) cut into windows of another length."""
         other = copy.copy(self)
         other._cut(seq_len)
         return other
@@ -51,7 +49,7 @@ class TokenWindows:
         return np.asarray(self.shards[shard][start : start + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) of these windows, each B T int64: y is x shifted by one token."""
+        """(x, y), each B T int64: y is x shifted by one token."""
         t = torch.from_numpy(np.stack([self.get(int(i)) for i in indices]))
         return t[:, :-1], t[:, 1:]
 
@@ -85,8 +83,7 @@ class Loader:
 
     def micro_batches(self, accum: Optional[int] = None,
                       seq_len: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches (x, y) for the next optimizer step, each B T int64; accum and seq_len are the
-        step's stage's (default: the constructor's accum, the current grid)."""
+        """This rank's micro-batches (x, y) for the next step, each B T int64, at the stage's accum and seq_len."""
         accum = accum or self.accum
         if seq_len and seq_len != self.seq_len:
             # A seq_len schedule's new grid continues past the tokens consumed, at sample ceil(tokens / seq_len) of
@@ -116,9 +113,8 @@ class Loader:
 
 def eval_batches(windows: TokenWindows, micro_batch: int, batches: int, rank: int, world: int,
                  seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed evaluation set: the first batches × micro_batch windows of a permutation of the whole split
-    drawn from `seed` alone (eval.seed, not run.seed), so every evaluation of every run with the same seq_len,
-    micro_batch and batches, on any world size, sees the same tokens. Batch b goes to rank b mod world."""
+    """The fixed evaluation set: the first batches × micro_batch windows of a permutation drawn from `seed` alone
+    (eval.seed), the same for every run on any world size. Batch b goes to rank b mod world."""
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).numpy()
     rows = np.arange(micro_batch)
     return [windows.batch(order[(b * micro_batch + rows) % len(windows)]) for b in range(rank, batches, world)]
@@ -126,8 +122,7 @@ def eval_batches(windows: TokenWindows, micro_batch: int, batches: int, rank: in
 
 # ---------------------------------------------------------------- a run's data
 def data_dir(cfg: Config, rt: Runtime) -> Path:
-    """The run's shard directory: the embedded corpus (rank 0 builds the cache, the others wait for it),
-    or `data.dir` / `data.source` as `nanopt prepare` wrote it."""
+    """The embedded corpus (rank 0 builds the cache, the others wait), or `data.dir` / `data.source`."""
     if cfg.data.source == "embedded":
         if rt.is_main:
             embedded_shards(cfg.data.tokenizer)
@@ -142,8 +137,8 @@ def data_dir(cfg: Config, rt: Runtime) -> Path:
 
 
 def open_split(directory: Path, split: str, cfg: Config, verify: bool = True) -> TokenWindows:
-    """The split's shards as windows of train.seq_len + 1 tokens, checked against the model's vocabulary; with
-    `verify` (and `data.verify_checksum`) checksummed by verify_shards (training: on one rank per node)."""
+    """The split as windows of train.seq_len + 1 tokens, checked against the model's vocabulary; with `verify`
+    and `data.verify_checksum`, checksummed (training: on one rank per node)."""
     paths = split_paths(directory, split)
     if not paths:
         raise ConfigError(f"no `{split}_*.bin` token shards in {directory}; run `nanopt prepare` for this config.")

@@ -26,11 +26,9 @@ log = logging.getLogger("nanopt")
 
 CROP_WARNING_SHARE = 0.5
 Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each B T int64
-# A cached BOS index: a header naming the shard it indexes and how many BOS tokens the scan found there, then the
-# positions, little-endian. The header: magic | bytes per position u32 | the shard's crc32 u32 | its token count u64 |
-# the BOS id u32 | the BOS count u64 | crc32 of the header's other fields and the positions u32. The count makes an
-# entry complete by construction: a list shorter or longer than the count the scan wrote is refused. (Proving it
-# against the shard would take a pass over every token, which is what the cache is there to save.)
+# A cached BOS index: magic | bytes per position u32 | the shard's crc32 u32 | its token count u64 | the BOS id u32 |
+# the BOS count u64 | crc32 of the header's other fields and the positions u32, then the positions, little-endian.
+# The count makes an entry complete by construction (proving it against the shard would read every token).
 INDEX_MAGIC = b"NANOPTB2"
 INDEX_HEADER = struct.Struct("<8sIIQIQI")
 
@@ -48,7 +46,6 @@ def _scan(shard: np.ndarray, bos: int) -> np.ndarray:
 
 
 def _entry(positions: np.ndarray, info: ShardInfo, bos: int) -> tuple[bytes, bytes]:
-    """(header, body) of the cache entry holding a scan's `positions` of the shard `info` describes."""
     body = positions.tobytes()
     fields = (INDEX_MAGIC, positions.itemsize, info.crc32, info.count, bos, len(positions))
     unsigned = INDEX_HEADER.pack(*fields, 0)[:-4]
@@ -85,9 +82,8 @@ def _cached(path: Path, shard: np.ndarray, bos: int, info: ShardInfo) -> Optiona
 
 
 def bos_index(shards: Sequence[np.ndarray], bos: int, ids: Optional[Sequence[ShardInfo]] = None) -> list[np.ndarray]:
-    """Each shard's BOS positions, exactly as a scan finds them: read from the cache when `ids` name the shards'
-    contents, else scanned (and cached). The cache is only a cache: a damaged entry is rescanned and rewritten,
-    one that cannot be written costs a warning. Ranks writing one entry at once write the same bytes, atomically."""
+    """Each shard's BOS positions as a scan finds them, from the cache when `ids` name the shards' contents. A
+    damaged entry is rescanned and rewritten, an unwritable cache costs a warning; ranks write the same bytes."""
     t0, found, cached, unwritten = time.perf_counter(), [], 0, None
     for k, shard in enumerate(shards):
         path = index_path(ids[k], bos) if ids is not None else None
@@ -111,8 +107,7 @@ def bos_index(shards: Sequence[np.ndarray], bos: int, ids: Optional[Sequence[Sha
 
 class Documents:
     """The shards as one stream; document i is stream[starts[i] : starts[i] + lengths[i]], from a BOS up to the
-    next BOS or the stream's end (a document may continue into the next shard, as `nanopt prepare` cuts them).
-    `ids` (each shard's header) lets the BOS index come from the cache (bos_index)."""
+    next BOS or the stream's end (across a shard's end too). `ids` (the shards' headers) let bos_index cache."""
 
     def __init__(self, shards: list[np.ndarray], bos: Optional[int], ids: Optional[Sequence[ShardInfo]] = None):
         self.shards = shards
@@ -133,7 +128,7 @@ class Documents:
         return len(self.starts)
 
     def fill(self, out: np.ndarray, pieces: list[tuple[int, int]]) -> None:
-        """Write the pieces (document, tokens from its start) into `out` back to back."""
+        """Write the (document, tokens from its start) pieces into `out` back to back."""
         pos = 0
         for doc, take in pieces:
             start = int(self.starts[doc])
@@ -211,7 +206,7 @@ class PackedLoader:
         self.step, self.warned = 0, False
 
     def micro_batches(self, accum: Optional[int] = None, seq_len: Optional[int] = None) -> list[Batch]:
-        """This rank's micro-batches (x, y) for the next step (default: the constructor's accum and seq_len)."""
+        """This rank's micro-batches (x, y) for the next step."""
         accum, seq_len = accum or self.accum, seq_len or self.seq_len
         rows = [self.packer.row(seq_len + 1) for _ in range(accum * self.world * self.micro_batch)]
         out = []
