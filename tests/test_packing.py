@@ -26,12 +26,15 @@ pytestmark = pytest.mark.usefixtures("bos_cache")  # conftest: the BOS index cac
 def _corpus(tmp_path: Path, docs: int = 300, mean: float = 40, n_shards: int = 2, seed: int = 0) -> list[np.ndarray]:
     """Shards of byte documents, each a BOS then lognormal-many bytes, cut into shards mid-document."""
     rng = np.random.default_rng(seed)
-    pieces = [np.concatenate([[BOS], rng.integers(0, 256, max(1, int(n)))])
-              for n in rng.lognormal(np.log(mean), 0.8, docs)]
-    stream = np.concatenate(pieces)
-    cuts = np.array_split(stream, n_shards)
-    paths = [shards.write_shard(tmp_path / f"train_{i:06d}.bin", c, 257) for i, c in enumerate(cuts)]
-    return [shards.open_shard(p) for p in paths]
+    stream = np.concatenate([np.concatenate([[BOS], rng.integers(0, 256, max(1, int(n)))])
+                             for n in rng.lognormal(np.log(mean), 0.8, docs)])
+    return [shards.open_shard(shards.write_shard(tmp_path / f"train_{i:06d}.bin", c, 257))
+            for i, c in enumerate(np.array_split(stream, n_shards))]
+
+
+def _documents(tmp_path: Path, tokens) -> packing.Documents:
+    """One shard of these tokens, as documents."""
+    return packing.Documents([shards.open_shard(shards.write_shard(tmp_path / "train_000000.bin", tokens, 257))], BOS)
 
 
 def _rows(loader: packing.PackedLoader, steps: int, seq_len: int | None = None) -> list[tuple[int, ...]]:
@@ -45,17 +48,16 @@ def _rows(loader: packing.PackedLoader, steps: int, seq_len: int | None = None) 
 
 def test_every_row_starts_with_bos_and_holds_whole_documents_but_the_last(tmp_path):
     docs = packing.Documents(_corpus(tmp_path), BOS)
-    packer = packing.Packer(docs.lengths, buffer=50, seed=1)
+    packer, stream = packing.Packer(docs.lengths, buffer=50, seed=1), np.concatenate(docs.shards)
     for _ in range(200):
-        pieces = packer.row(33)
-        row = np.empty(33, dtype=np.int64)
+        pieces, row = packer.row(33), np.empty(33, dtype=np.int64)
         docs.fill(row, pieces)
         assert row[0] == BOS and (row == BOS).sum() == len(pieces)  # each piece starts at its document's BOS
         assert sum(take for _, take in pieces) == 33
         assert all(take == docs.lengths[d] for d, take in pieces[:-1])  # only the last piece may be cropped
         for d, take in pieces:  # a piece is its document's first tokens, across a shard's end too
             start = int(docs.starts[d])
-            assert np.array_equal(row[:take], np.concatenate([s for s in docs.shards])[start : start + take])
+            assert np.array_equal(row[:take], stream[start : start + take])
             row = row[take:]
 
 
@@ -74,13 +76,17 @@ def test_no_token_is_lost_silently_across_epochs(tmp_path):
     assert packer.epoch >= 2 and 0 < packer.cropped_share < 1
 
 
-def test_a_document_longer_than_a_row_is_cropped_to_the_row(tmp_path):
-    path = shards.write_shard(tmp_path / "train_000000.bin", [BOS, *range(100)], 257)
-    docs = packing.Documents([shards.open_shard(path)], BOS)
-    loader = packing.PackedLoader(docs, micro_batch=1, rank=0, world=1, accum=1, seed=0, seq_len=15, buffer=10)
-    x, y = loader.micro_batches()[0]
-    assert x[0].tolist() == [BOS, *range(14)] and y[0, -1] == 14
-    assert loader.metrics()["cropped_share"] == pytest.approx((101 - 16) / 101)
+def test_a_document_longer_than_a_row_is_cropped_to_the_row_and_a_crop_share_over_half_is_warned_once(tmp_path,
+                                                                                                       caplog):
+    loader = packing.PackedLoader(_documents(tmp_path, [BOS, *range(100)]), micro_batch=1, rank=0, world=1, accum=1,
+                                  seed=0, seq_len=15, buffer=10)
+    with caplog.at_level(logging.WARNING, logger="nanopt"):
+        x, y = loader.micro_batches()[0]
+        assert x[0].tolist() == [BOS, *range(14)] and y[0, -1] == 14
+        assert loader.metrics()["cropped_share"] == pytest.approx((101 - 16) / 101)
+        _rows(loader, 3)
+    warnings = [r.getMessage() for r in caplog.records if "cropped" in r.getMessage()]
+    assert len(warnings) == 1 and "sample_by=paragraph" in warnings[0]
 
 
 def test_rows_are_the_same_for_one_rank_and_for_two(tmp_path):
@@ -120,20 +126,10 @@ def test_a_new_seq_len_continues_the_plan_with_longer_rows(tmp_path):
 
 
 def test_no_bos_in_the_data_is_a_config_error_naming_the_key_and_the_fix(tmp_path):
-    path = shards.write_shard(tmp_path / "train_000000.bin", np.arange(200) % 256, 257)
     with pytest.raises(ConfigError, match="data.packing.*no BOS.*token id 256.*--data.packing=windows"):
-        packing.Documents([shards.open_shard(path)], BOS)
+        _documents(tmp_path, np.arange(200) % 256)
     with pytest.raises(ConfigError, match="the tokenizer has none"):
-        packing.Documents([shards.open_shard(path)], None)
-
-
-def test_a_crop_share_over_half_is_warned_once(tmp_path, caplog):
-    path = shards.write_shard(tmp_path / "train_000000.bin", np.tile([BOS, *range(99)], 20), 257)
-    loader = packing.PackedLoader(packing.Documents([shards.open_shard(path)], BOS), 2, 0, 1, 1, 0, 15, 5)
-    with caplog.at_level(logging.WARNING, logger="nanopt"):
-        _rows(loader, 3)
-    warnings = [r.getMessage() for r in caplog.records if "cropped" in r.getMessage()]
-    assert len(warnings) == 1 and "sample_by=paragraph" in warnings[0]
+        packing.Documents([shards.open_shard(tmp_path / "train_000000.bin")], None)
 
 
 # ---------------------------------------------------------------- the cached BOS index
@@ -151,7 +147,8 @@ def _expect_same(got: packing.Documents, want: packing.Documents) -> None:
     assert got.starts.dtype == want.starts.dtype == np.int64 and got.orphans == want.orphans
 
 
-def test_a_second_documents_reads_the_bos_index_from_the_cache(tmp_path, bos_cache, scans, caplog):
+def test_a_second_documents_reads_the_bos_index_from_the_cache_and_a_changed_shard_gets_its_own(tmp_path, bos_cache,
+                                                                                                scans, caplog):
     arrays = _corpus(tmp_path, n_shards=3)
     plain = packing.Documents(arrays, BOS)  # no ids: scanned, nothing cached
     assert len(scans) == 3 and not bos_cache.exists()
@@ -166,14 +163,9 @@ def test_a_second_documents_reads_the_bos_index_from_the_cache(tmp_path, bos_cac
     _expect_same(second, plain)
     assert len(scans) == 6 and len(list(bos_cache.iterdir())) == 3
     assert _said(caplog, logging.INFO, "BOS index") == ["BOS index: 3 shards from cache, 0 scanned"]
-
-
-def test_a_changed_shard_under_the_same_name_does_not_use_the_old_entry(tmp_path, bos_cache, scans):
-    old = _corpus(tmp_path, n_shards=1)
-    packing.Documents(old, BOS, _ids(old))
     new = _corpus(tmp_path, n_shards=1, seed=1)  # rewrites train_000000.bin
     _expect_same(packing.Documents(new, BOS, _ids(new)), packing.Documents(new, BOS))
-    assert len(scans) == 3 and len(list(bos_cache.iterdir())) == 2  # another crc32, another entry
+    assert len(scans) == 8 and len(list(bos_cache.iterdir())) == 4  # another crc32, another entry
 
 
 HEADER = packing.INDEX_HEADER.size
@@ -260,12 +252,12 @@ def test_a_cache_that_cannot_be_written_costs_one_warning(tmp_path, monkeypatch,
 def test_a_packing_change_the_user_allows_resumes_a_sound_checkpoint(before, after, tmp_path, capsys):
     """Before: the other loader's state was restored into this one (KeyError 'plan'), reported as a loader entry
     "damaged or written by another nanopt version" with advice to move a sound checkpoint aside."""
-    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 2,
+    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "checkpoint.every": 2,
                                 "log.tensorboard": "false", "data.packing": before}), f"--run.dir={tmp_path}"]
     assert run(args) == 0
-    assert run([*args, "--train.max_steps=6", f"--data.packing={after}"]) == 2  # refused, naming the way on
+    assert run([*args, "--train.max_steps=3", f"--data.packing={after}"]) == 2  # refused, naming the way on
     assert "--checkpoint.allow_changes=KEY" in capsys.readouterr().err
-    assert run([*args, "--train.max_steps=6", f"--data.packing={after}", "--checkpoint.allow_changes=data.packing"]) == 0
+    assert run([*args, "--train.max_steps=3", f"--data.packing={after}", "--checkpoint.allow_changes=data.packing"]) == 0
     out = capsys.readouterr()
     assert "damaged" not in out.err + out.out
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
