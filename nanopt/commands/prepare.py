@@ -1,5 +1,4 @@
-"""`nanopt prepare [CONFIG] [--sample-documents N] [--no-progress] [--section.key=value ...]`: documents ->
-tokenizer -> token shards (nanopt/data/prepare.py), resumable."""
+"""`nanopt prepare`: documents -> tokenizer -> token shards (nanopt/data/prepare.py), resumable."""
 from __future__ import annotations
 
 import argparse
@@ -99,9 +98,7 @@ def verified_line(verified: Optional[dict[str, Any]], out: Path) -> str:
     """What --verify checked: every shard committed before this run, read whole against its crc32."""
     if not verified or not verified["shards"]:
         return f"verify: no shards were committed in {out} before this run; those written now carry their checksums"
-    head = f"verify: {verified['shards']} shards ({verified['tokens']:,} tokens) in {out} read whole against " \
-           f"their crc32"
     rebuilt = verified["rebuilt"]
-    if not rebuilt:
-        return f"{head}: all OK"
-    return f"{head}: {len(rebuilt)} lost or corrupt ({', '.join(rebuilt)}), rebuilt from the source to identical bytes"
+    return (f"verify: {verified['shards']} shards ({verified['tokens']:,} tokens) in {out} read whole against their "
+            f"crc32: " + (f"{len(rebuilt)} lost or corrupt ({', '.join(rebuilt)}), rebuilt from the source to identical "
+                          f"bytes" if rebuilt else "all OK"))

