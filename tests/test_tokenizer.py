@@ -2,6 +2,8 @@
 byte-level BPEs, an engine that disagrees is dropped, others keep transformers', a damaged directory is one paragraph."""
 from __future__ import annotations
 
+import base64
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
@@ -9,9 +11,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the hub
 import numpy as np
 import pytest
 from conftest import PREPARE_DOCS
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from nanopt.config import ConfigError
 from nanopt.data import shards
+from nanopt.data.fastbpe import byte_decoder, tiktoken_encoding
 from nanopt.data.tokenizer import get_tokenizer
 
 
@@ -49,7 +53,6 @@ LLAMA3_TEXTS = PREPARE_DOCS + ["12345 numbers\r\nCRLF  <|begin_of_text|>  x", "D
 
 def test_a_llama3_shaped_tokenizer_also_runs_on_tiktoken_with_the_same_ids(tmp_path):
     """Llama-3's tokenizer.json shape: Split(regex, Isolated) + ByteLevel(use_regex=false), ignore_merges."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE(ignore_merges=True))
@@ -76,21 +79,14 @@ def test_a_damaged_tokenizer_directory_is_one_paragraph_naming_it(tmp_path, file
         get_tokenizer(str(tmp_path))
     message = str(e.value)
     assert "\n" not in message and f"`data.tokenizer` '{tmp_path}' cannot be loaded" in message, message
-    for word in words:
-        assert word in message, f"{word!r} missing from: {message}"
+    assert all(word in message for word in words), message
 
 
 def test_a_tokenizer_converted_from_tiktoken_like_llama3_runs_on_tiktoken(tmp_path):
     """Llama-3's tokenizer.json came from tiktoken ranks through transformers' TikTokenConverter, which
     writes one merge per split of each token, so merge results repeat; the engine must still be used."""
-    import base64
-    import json
-
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    from nanopt.data.fastbpe import byte_decoder
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -123,10 +119,6 @@ def test_an_engine_that_disagrees_is_dropped_for_transformers(tokenizer_dir, cap
 
 
 def test_tokenizers_that_are_not_plain_byte_level_bpe_keep_the_transformers_engine():
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-
-    from nanopt.data.fastbpe import tiktoken_encoding
-
     wl = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
     wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     assert tiktoken_encoding(wl.to_str()) is None
