@@ -4,10 +4,12 @@ disk or an unwritable file as one paragraph. Training on prepared shards: e2e/te
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import json
 import logging
 import math
+import operator
 import os
 import shutil
 import socket
@@ -56,7 +58,7 @@ def pristine(tmp_path_factory, config):
 
 @pytest.fixture
 def prepared(pristine, config, tmp_path):
-    """(config, output directory, the bytes of every shard, statistics): a copy of the pristine preparation to damage."""
+    """(config, output directory, the bytes of every shard, statistics): a copy of the pristine one, to damage."""
     out, whole, stats = pristine
     shutil.copytree(out, tmp_path / "shards")
     return config(tmp_path, **PREPARED_KEYS), tmp_path / "shards", whole, stats
@@ -531,13 +533,8 @@ def test_resume_deletes_only_shard_and_temp_files_prepare_writes(prepared, caplo
 # ---------------------------------------------------------------- which manifests are followed
 def _set(path: str, value):
     """An edit of manifest.json: the value at a path like "state.next_doc" or "shards.1.after"."""
-    def edit(manifest: dict) -> None:
-        *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
-        target = manifest
-        for p in parents:
-            target = target[p]
-        target[last] = value
-    return edit
+    *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+    return lambda manifest: functools.reduce(operator.getitem, parents, manifest).__setitem__(last, value)
 
 
 # A damaged manifest: the bytes of the file, or edits of the one prepare wrote (VICTIM: a user's file beside the data

@@ -1,5 +1,5 @@
 """The tokenizer and its tiktoken engine (fastbpe): batch encoding gives transformers' ids for GPT-2- and Llama-3-shaped
-byte-level BPEs, an engine that disagrees is dropped, others keep transformers', a damaged directory is one paragraph."""
+byte-level BPEs, an engine that disagrees is dropped, others keep transformers', a damaged directory: one paragraph."""
 from __future__ import annotations
 
 import base64

@@ -99,6 +99,6 @@ def verified_line(verified: Optional[dict[str, Any]], out: Path) -> str:
     if not verified or not verified["shards"]:
         return f"verify: no shards were committed in {out} before this run; those written now carry their checksums"
     rebuilt = verified["rebuilt"]
+    found = f"{len(rebuilt)} lost or corrupt ({', '.join(rebuilt)}), rebuilt from the source to identical bytes"
     return (f"verify: {verified['shards']} shards ({verified['tokens']:,} tokens) in {out} read whole against their "
-            f"crc32: " + (f"{len(rebuilt)} lost or corrupt ({', '.join(rebuilt)}), rebuilt from the source to identical "
-                          f"bytes" if rebuilt else "all OK"))
+            f"crc32: {found if rebuilt else 'all OK'}")
