@@ -142,18 +142,13 @@ def test_splits_honour_the_token_budgets_and_stats_are_right(pristine, tok):
 
 
 def test_estimate_only_sizes_the_document_count_with_a_25_percent_buffer(tmp_path, config, tok, capsys):
-    budgets = dict(train_tokens=100_000, val_tokens=5000, test_tokens=5000)
-    cfg = config(tmp_path, "never", **budgets)
+    cfg = config(tmp_path, "never", train_tokens=100_000, val_tokens=5000, test_tokens=5000)
     e = prepare.sample_documents(cfg, 10)
     mean = np.mean([len(x) for x in framed(tok, PREPARE_DOCS[:10])])
     assert e["mean_tokens_per_document"] == pytest.approx(mean)
     assert e["documents_needed"] == math.ceil(110_000 / mean)
     assert e["documents_with_25pct_buffer"] == math.ceil(e["documents_needed"] * 1.25)
-    argv = ["prepare", "tiny", "--sample-documents", "10", f"--data.source={tmp_path / 'never'}",
-            f"--data.tokenizer={cfg.data.tokenizer}", "--prepare.dataset=json",
-            f"--prepare.data_files={cfg.prepare.data_files[0]}", "--prepare.shuffle_buffer=0",
-            *(f"--prepare.{k}={v}" for k, v in budgets.items())]
-    assert cli.run(argv) == 0
+    assert _cli_prepare(cfg, tmp_path, capsys, "--sample-documents", "10")[0] == 0
     printed = capsys.readouterr().out
     assert f"{e['documents_with_25pct_buffer']:,}" in printed and f"{mean:.1f} tokens/document" in printed
     assert not (tmp_path / "never").exists()  # an estimate writes nothing

@@ -16,13 +16,13 @@ from nanopt.errors import ConfigError, ShardError
 
 # ---------------------------------------------------------------- loader
 class TokenWindows:
-    """Non-overlapping windows of seq_len+1 tokens over a list of shards, addressed by a flat index."""
+    """Non-overlapping windows of seq_len+1 tokens over shards (checksummed by verify_shards), by a flat index."""
 
-    def __init__(self, paths: list[Path], seq_len: int, verify: bool = True):
+    def __init__(self, paths: list[Path], seq_len: int):
         if not paths:
             raise ShardError("no token shards given")
         self.paths = paths
-        self.shards = [open_shard(p, verify) for p in paths]
+        self.shards = [open_shard(p, verify=False) for p in paths]
         self.infos = [read_header(p) for p in paths]  # what names each shard's content (the BOS index cache's key)
         self.vocab_size = max(info.vocab_size for info in self.infos)
         self._cut(seq_len)
@@ -145,7 +145,7 @@ def open_split(directory: Path, split: str, cfg: Config, verify: bool = True) ->
     try:
         if verify and cfg.data.verify_checksum:
             verify_shards(directory, paths)
-        windows = TokenWindows(paths, cfg.train.seq_len, verify=False)
+        windows = TokenWindows(paths, cfg.train.seq_len)
     except ShardError as e:
         raise ConfigError(str(e)) from None
     if windows.vocab_size > cfg.model.vocab_size:
