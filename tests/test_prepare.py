@@ -554,7 +554,7 @@ DAMAGED_MANIFESTS = [
     ([_set("shards.1.after", {"split_index": "x"})], ["`shards[1].after.split_index`"], True),
     ([_set("state.split_index", 99), _set("state.complete", False)], ["split number 99"], False),
     ([_set("state.next_doc", 10**30), _set("state.complete", False), _set("state.split_index", 0)],
-     ["beyond any stream"], False),
+     ["`state.next_doc`", "beyond any stream"], True),
     ([_set("state.doclens.train", 10**6)], ["1000000 train documents", ".doclens-train.u32 holds fewer"], False),
 ]
 

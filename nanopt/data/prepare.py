@@ -283,20 +283,17 @@ class ShardWriter:
                 os.truncate(f, count * 4)
 
     def _check_position(self) -> None:
-        """Refuse a resume position that cannot be this config's (read_manifest checked its types); a lengths file
+        """Refuse a resume position that cannot be this config's (read_manifest checked its shape); a lengths file
         shorter than its count would be zero-filled."""
         state, names = self.state, [name for name, _ in self.budgets]
-        problem = None
         if state["split_index"] > len(names) - (not state["complete"]):
-            problem = f"its `state` is in split number {state['split_index']}, and there are {len(names)}"
-        elif state["next_doc"] > sys.maxsize:
-            problem = f"its `state` resumes at document {state['next_doc']}, beyond any stream"
+            raise shards.manifest_error(self.out, f"its `state` is in split number {state['split_index']}, and there "
+                                                  f"are {len(names)}")
         for name, count in state["doclens"].items():
             lengths = self.out / f".doclens-{name}.u32"
-            if problem is None and name in names and count * 4 > (lengths.stat().st_size if lengths.is_file() else 0):
-                problem = f"its `state` counts {count} {name} documents, and {lengths.name} holds fewer"
-        if problem:
-            raise shards.manifest_error(self.out, problem)
+            if name in names and count * 4 > (lengths.stat().st_size if lengths.is_file() else 0):
+                raise shards.manifest_error(self.out, f"its `state` counts {count} {name} documents, and "
+                                                      f"{lengths.name} holds fewer")
 
     def _roll_back_to_first_lost(self, verify: bool) -> None:
         entries = self.manifest["shards"]

@@ -227,7 +227,9 @@ def manifest_error(directory: Path, why: str) -> ConfigError:
 # other file), its split, token count and crc32.
 _COUNT = Field(int, required=True, lo=0)
 POSITION = Field(dict, what="a resume position (an object)", fields={
-    **{k: _COUNT for k in ("split_index", "shard_index", "split_tokens", "next_doc", "next_offset")},
+    **{k: _COUNT for k in ("split_index", "shard_index", "split_tokens", "next_offset")},
+    # a stream index islice can reach (a resume skips that many documents)
+    "next_doc": replace(_COUNT, test=lambda n: n <= sys.maxsize, what="a document index >= 0, not beyond any stream"),
     "doclens": Field(dict, required=True, items=Field(int, lo=0), what="a map of splits to counts"),
     "complete": Field(bool, required=True)})
 ENTRY = Field(dict, what="a shard entry (an object)", fields={
