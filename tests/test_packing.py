@@ -239,12 +239,12 @@ def test_a_cache_that_cannot_be_written_costs_one_warning(tmp_path, monkeypatch,
 def test_a_packing_change_the_user_allows_resumes_a_sound_checkpoint(before, after, tmp_path, capsys):
     """Before: the other loader's state was restored into this one (KeyError 'plan'), reported as a loader entry
     "damaged or written by another nanopt version" with advice to move a sound checkpoint aside."""
-    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "checkpoint.every": 2,
+    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 1, "checkpoint.every": 1,
                                 "log.tensorboard": "false", "data.packing": before}), f"--run.dir={tmp_path}"]
     assert run(args) == 0
-    assert run([*args, "--train.max_steps=3", f"--data.packing={after}"]) == 2  # refused, naming the way on
+    assert run([*args, "--train.max_steps=2", f"--data.packing={after}"]) == 2  # refused, naming the way on
     assert "--checkpoint.allow_changes=KEY" in capsys.readouterr().err
-    assert run([*args, "--train.max_steps=3", f"--data.packing={after}", "--checkpoint.allow_changes=data.packing"]) == 0
+    assert run([*args, "--train.max_steps=2", f"--data.packing={after}", "--checkpoint.allow_changes=data.packing"]) == 0
     out = capsys.readouterr()
     assert "damaged" not in out.err + out.out
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2

@@ -329,15 +329,6 @@ def test_prepare_rebuilds_lost_and_resized_shards_to_identical_bytes_or_says_why
         prepare.prepare(cfg, progress=False)
 
 
-@pytest.mark.parametrize("content", ["", "\n\n  \n"])
-@pytest.mark.parametrize("builder,suffix", [("json", "jsonl"), ("text", "txt")])
-def test_an_empty_data_file_is_named_as_empty(tmp_path, tokenizer_dir, content, builder, suffix):
-    (tmp_path / f"docs.{suffix}").write_text(content)
-    cfg = prepare_config(tmp_path, tokenizer_dir, builder, str(tmp_path / f"docs.{suffix}"))
-    with pytest.raises(ConfigError, match=r"names 1 empty file\(s\): .*docs\." + suffix):
-        prepare.prepare(cfg, progress=False)
-
-
 # ---------------------------------------------------------------- the hub path, offline
 def test_hub_dataset_is_streamed_and_shuffled_as_configured(tmp_path, tokenizer_dir, tok, monkeypatch):
     """configs/1b.yaml's source, with datasets.load_dataset patched to serve local rows: the same functions run, and
@@ -455,9 +446,10 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, config, capsys):
 @pytest.mark.parametrize("builder, content, words", [
     ("json", b'{"text": "a fox"}\nnot json\n', ["'json'", "ArrowInvalid: JSON parse error"]),
     ("text", b"a fox\n\xff\xfe\x00 binary\n", ["'text'", "UnicodeDecodeError"]),
+    *((builder, empty, ["names 1 empty file(s): "]) for builder in ("json", "text") for empty in (b"", b"\n\n  \n")),
 ])
 @pytest.mark.parametrize("streaming", [True, False])
-def test_a_local_file_its_builder_cannot_parse_is_bad_input_not_a_source_failure(tmp_path, config, capsys, no_waits,
+def test_a_local_file_its_builder_cannot_parse_or_an_empty_one_is_bad_input_not_a_source_failure(tmp_path, config, capsys, no_waits,
                                                                                  builder, content, words, streaming,
                                                                                  monkeypatch):
     """Once, streamed: a traceback, exit 1, as if the source were flaky (and retried first); loaded whole: exit 2,
