@@ -207,8 +207,19 @@ def test_interrupt_and_resume_give_the_same_shards_as_one_run(tmp_path, config, 
     assert again["this_run"]["tokens"] == 0 and shard_bytes(resumed) == whole_bytes
 
 
-def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, config, monkeypatch, caplog, capsys,
-                                                                      pristine, no_waits):
+_REAL_ENCODE_TASK = prepare._encode_task
+
+
+def _encode_task_then_die(batch):
+    """A worker task (module level, so the pool can pickle it) that kills its process at document 20, as the OOM
+    killer would."""
+    if batch[0] >= 20:
+        os._exit(9)
+    return _REAL_ENCODE_TASK(batch)
+
+
+def test_a_source_that_fails_or_a_worker_that_dies_is_exit_1_keeping_the_shards_and_resumes_to_the_same(
+        tmp_path, config, monkeypatch, caplog, capsys, pristine, no_waits):
     whole_bytes, real_iter, failures = pristine[1], prepare.iter_texts, []
 
     def flaky(ds, text_field, start=0):  # the stream breaks twice, each time a few documents past the start
@@ -233,30 +244,18 @@ def test_a_source_that_fails_mid_stream_is_resumed_to_the_same_shards(tmp_path, 
     err = capsys.readouterr().err
     assert "kept failing (ConnectionError: down) after 1 retries" in err and "run the same command again" in err
     assert shard_bytes(tmp_path / "flaky") == whole_bytes
-
-
-_REAL_ENCODE_TASK = prepare._encode_task
-
-
-def _encode_task_then_die(batch):
-    """A worker task (module level, so the pool can pickle it) that kills its process at document 20, as the OOM
-    killer would."""
-    if batch[0] >= 20:
-        os._exit(9)
-    return _REAL_ENCODE_TASK(batch)
-
-
-def test_a_worker_that_dies_stops_prepare_with_an_error_not_a_hang(tmp_path, config, monkeypatch, capsys):
-    cfg_file = tmp_path / "cfg.yaml"
-    cfg_file.write_text(to_yaml(config(tmp_path, "dies", workers=2, shard_tokens=100, train_tokens=2000)))
+    # A worker that dies (the OOM killer) stops prepare with an error, not a hang.
+    monkeypatch.undo()
+    (tmp_path / "dies.yaml").write_text(to_yaml(config(tmp_path, "dies", workers=2, **PREPARED_KEYS)))
     monkeypatch.setattr(prepare, "_encode_task", _encode_task_then_die)
-    assert prepare_command.main(["--config", str(cfg_file), "--no-progress"]) == 1
+    assert prepare_command.main(["--config", str(tmp_path / "dies.yaml"), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "worker process died" in err and "run the same command again" in err
     manifest = json.loads((tmp_path / "dies" / "manifest.json").read_text())
     assert manifest["shards"] and not manifest["state"]["complete"]  # what was committed stays, resumable
     monkeypatch.setattr(prepare, "_encode_task", _REAL_ENCODE_TASK)
-    assert prepare_command.main(["--config", str(cfg_file), "--no-progress"]) == 0  # and it resumes to the end
+    assert prepare_command.main(["--config", str(tmp_path / "dies.yaml"), "--no-progress"]) == 0  # to the end
+    assert shard_bytes(tmp_path / "dies") == whole_bytes
 
 
 def test_resume_refuses_a_directory_prepared_differently(prepared, tmp_path, tokenizer_dir, config):
@@ -582,19 +581,16 @@ def test_a_damaged_manifest_is_one_paragraph_and_nothing_is_touched(prepared, tm
 
 
 # ---------------------------------------------------------------- one prepare per directory, a full disk
-def test_prepare_into_a_file_is_exit_2_at_once(tmp_path, config, capsys, no_waits):
-    """The FileExistsError was once taken for a flaky source and retried for minutes."""
-    (tmp_path / "shards").write_text("a file, not a directory")
-    code, err = _cli_prepare(config(tmp_path), tmp_path, capsys)
+def test_prepare_into_a_file_or_a_directory_another_prepare_holds_is_exit_2_at_once(tmp_path, config, capsys,
+                                                                                    no_waits, pristine):
+    """A file: the FileExistsError was once taken for a flaky source and retried for minutes. A second prepare: both
+    once exited 0, leaving doubled .doclens files and document counts."""
+    (tmp_path / "file").write_text("a file, not a directory")
+    code, err = _cli_prepare(config(tmp_path, "file"), tmp_path, capsys)
     assert code == 2 and no_waits == []
     err = one_paragraph(err)
-    assert str(tmp_path / "shards") in err and "is a file" in err and "`data.source`" in err
-    assert (tmp_path / "shards").read_text() == "a file, not a directory"
-
-
-def test_a_second_prepare_into_one_directory_is_exit_2_naming_the_holder(tmp_path, config, capsys, no_waits,
-                                                                         pristine):
-    """Both once exited 0, leaving doubled .doclens files and document counts."""
+    assert str(tmp_path / "file") in err and "is a file" in err and "`data.source`" in err
+    assert (tmp_path / "file").read_text() == "a file, not a directory"
     cfg, out = config(tmp_path, **PREPARED_KEYS), tmp_path / "shards"
     with DirLock(out, what="data"):  # a prepare running in this process, as the lease says
         code, err = _cli_prepare(cfg, tmp_path, capsys)

@@ -120,40 +120,34 @@ def passes(monkeypatch) -> list[str]:
     return seen
 
 
-def test_shards_are_checksummed_once_per_version_not_at_every_start(tmp_path, passes):
+def test_shards_are_checksummed_once_per_version_not_at_every_start_and_a_copy_is_verified_again(tmp_path, passes):
     """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
-    paths = _shards(tmp_path, aged=False)
-    data.open_split(tmp_path, "train", CFG)
-    assert not (tmp_path / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
+    src, copy = tmp_path / "src", tmp_path / "copy"
+    src.mkdir()
+    paths = _shards(src, aged=False)
+    data.open_split(src, "train", CFG)
+    assert not (src / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
     _age(*paths)
-    data.open_split(tmp_path, "train", CFG)
+    data.open_split(src, "train", CFG)
     assert passes == BOTH * 2
-    data.open_split(tmp_path, "train", CFG)  # a resume, a retry: nothing changed, nothing re-read
-    data.open_split(tmp_path, "train", CFG, verify=False)  # another rank of the node
+    data.open_split(src, "train", CFG)  # a resume, a retry: nothing changed, nothing re-read
+    data.open_split(src, "train", CFG, verify=False)  # another rank of the node
     assert len(passes) == 4
     paths[1].write_bytes(_flip(shards.HEADER_BYTES + 3)(paths[1].read_bytes()))  # written anew: a new stamp
     with pytest.raises(data.ConfigError, match="train_000001.bin fails its checksum"):
-        data.open_split(tmp_path, "train", CFG)
+        data.open_split(src, "train", CFG)
     assert passes[4:] == ["train_000001.bin"]
-    (tmp_path / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
-    _shards(tmp_path)
-    data.open_split(tmp_path, "train", CFG)
-    assert passes[5:] == BOTH
-
-
-def test_a_copied_shard_is_verified_again_though_it_keeps_size_and_mtime(tmp_path, passes):
-    """cp -a / rsync -a / tar carry mtimes and the record along: a shard damaged in transit was never read."""
-    src, copy = tmp_path / "src", tmp_path / "copy"
-    src.mkdir()
+    (src / shards.VERIFIED).write_text("{not json")  # a damaged record: verify everything again
     _shards(src)
     data.open_split(src, "train", CFG)
     data.open_split(src, "train", CFG)
-    assert passes == BOTH  # recorded, then trusted
+    assert passes[5:] == BOTH  # recorded, then trusted
+    # cp -a / rsync -a / tar carry mtimes and the record along: a shard damaged in transit was never read.
     shutil.copytree(src, copy)  # copy2: times preserved, .verified.json included
     _damage_keeping_size_and_mtime(copy / "train_000001.bin")
     with pytest.raises(ConfigError, match="train_000001.bin fails its checksum"):
         data.open_split(copy, "train", CFG)
-    assert passes[2:] == BOTH
+    assert passes[7:] == BOTH
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'"stamps"', b"\xff\xfe{}", b"[" * 100_000,
