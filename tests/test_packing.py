@@ -242,9 +242,10 @@ def test_a_packing_change_the_user_allows_resumes_a_sound_checkpoint(before, aft
     args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 1, "checkpoint.every": 1,
                                 "log.tensorboard": "false", "data.packing": before}), f"--run.dir={tmp_path}"]
     assert run(args) == 0
-    assert run([*args, "--train.max_steps=2", f"--data.packing={after}"]) == 2  # refused, naming the way on
+    changed = [*args, "--train.max_steps=2", f"--data.packing={after}"]
+    assert run(changed) == 2  # refused, naming the way on
     assert "--checkpoint.allow_changes=KEY" in capsys.readouterr().err
-    assert run([*args, "--train.max_steps=2", f"--data.packing={after}", "--checkpoint.allow_changes=data.packing"]) == 0
+    assert run([*changed, "--checkpoint.allow_changes=data.packing"]) == 0
     out = capsys.readouterr()
     assert "damaged" not in out.err + out.out
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2

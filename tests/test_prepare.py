@@ -448,9 +448,8 @@ def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, config, capsys):
     *((builder, empty, ["names 1 empty file(s): "]) for builder in ("json", "text") for empty in (b"", b"\n\n  \n")),
 ])
 @pytest.mark.parametrize("streaming", [True, False])
-def test_a_local_file_its_builder_cannot_parse_or_an_empty_one_is_bad_input_not_a_source_failure(tmp_path, config, capsys, no_waits,
-                                                                                 builder, content, words, streaming,
-                                                                                 monkeypatch):
+def test_a_local_file_its_builder_cannot_parse_or_an_empty_one_is_bad_input_not_a_source_failure(
+        tmp_path, config, capsys, no_waits, builder, content, words, streaming, monkeypatch):
     """Once, streamed: a traceback, exit 1, as if the source were flaky (and retried first); loaded whole: exit 2,
     naming only datasets' wrapper, not the parse error."""
     # datasets logs the parse error itself first, through a handler bound to the stderr of an earlier test's capture
