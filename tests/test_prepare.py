@@ -53,7 +53,7 @@ def pristine(tmp_path_factory, config):
     root = tmp_path_factory.mktemp("pristine")
     stats = prepare.prepare(config(root, **PREPARED_KEYS), progress=False)
     assert len(shards.split_paths(root / "shards", "train")) == 6
-    assert [s["shards"] for s in stats["splits"].values()] == [2, 2, 6]  # enough for the resume test's 4 crashes
+    assert [s["shards"] for s in stats["splits"].values()] == [2, 2, 6]  # enough for the resume test's three crashes
     return root / "shards", shard_bytes(root / "shards"), stats
 
 
