@@ -89,7 +89,7 @@ def test_a_document_longer_than_a_row_is_cropped_to_the_row_and_a_crop_share_ove
     assert len(warnings) == 1 and "sample_by=paragraph" in warnings[0]
 
 
-def test_rows_are_the_same_for_one_rank_and_for_two(tmp_path):
+def test_rows_are_the_same_for_one_rank_and_for_two_and_a_new_seq_len_continues_the_plan(tmp_path):
     docs = packing.Documents(_corpus(tmp_path), BOS)
     one = packing.PackedLoader(docs, 2, 0, 1, 4, seed=5, seq_len=16, buffer=30)
     ranks = [packing.PackedLoader(docs, 2, r, 2, 2, seed=5, seq_len=16, buffer=30) for r in range(2)]
@@ -98,31 +98,23 @@ def test_rows_are_the_same_for_one_rank_and_for_two(tmp_path):
         b, c = ([x for x, _ in r.micro_batches()] for r in ranks)
         # rank r's micro-step m holds global rows (m·world + r)·micro_batch onwards
         assert torch.equal(torch.cat(a), torch.cat([b[0], c[0], b[1], c[1]]))
+    loader = packing.PackedLoader(docs, 2, 0, 1, 1, seed=2, seq_len=16, buffer=30)
+    short, long = _rows(loader, 3, seq_len=16), _rows(loader, 3, seq_len=32)
+    assert {len(r) for r in short} == {17} and {len(r) for r in long} == {33}
+    assert loader.packer.rows == 12 and loader.packer.placed == 6 * 17 + 6 * 33
 
 
 @pytest.mark.parametrize("first_steps", [3, 40])  # mid-epoch; past an epoch boundary (100 documents)
 def test_the_plan_resumes_bit_exactly_from_its_state(tmp_path, first_steps):
     docs = packing.Documents(_corpus(tmp_path, docs=100), BOS)
     make = (lambda seed: packing.PackedLoader(docs, 2, 0, 1, 2, seed=seed, seq_len=24, buffer=40))  # noqa: E731
-    straight = make(9)
-    want = _rows(straight, 60)
-    first = make(9)
-    got = _rows(first, first_steps)
+    straight, first, resumed = (make(seed) for seed in (9, 9, 0))
+    want, got = _rows(straight, 60), _rows(first, first_steps)
     assert (first.packer.epoch > 0) == (first_steps == 40)
-    resumed = make(0)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as state.json holds it
     got += _rows(resumed, 60 - first_steps)
     assert got == want
     assert resumed.state_dict() == straight.state_dict()
-
-
-def test_a_new_seq_len_continues_the_plan_with_longer_rows(tmp_path):
-    docs = packing.Documents(_corpus(tmp_path), BOS)
-    loader = packing.PackedLoader(docs, 2, 0, 1, 1, seed=2, seq_len=16, buffer=30)
-    short = _rows(loader, 3, seq_len=16)
-    long = _rows(loader, 3, seq_len=32)
-    assert {len(r) for r in short} == {17} and {len(r) for r in long} == {33}
-    assert loader.packer.rows == 12 and loader.packer.placed == 6 * 17 + 6 * 33
 
 
 def test_no_bos_in_the_data_is_a_config_error_naming_the_key_and_the_fix(tmp_path):
