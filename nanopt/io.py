@@ -1,7 +1,6 @@
-"""Files that are never torn and never written through a link: atomic writes (temp file + fsync + rename), JSON
-lines appends, the cache dir, and the disk-full error that names the file and the free space. Every open here,
-read or write, refuses what is not a regular file (a FIFO, a device, a socket, a directory) before reading or
-writing a byte: a read from a FIFO waits for a writer for ever, and one from /dev/zero never ends."""
+"""Files that are never torn and never written through a link: atomic writes, JSON lines appends, the cache dir, and
+the disk-full error naming the file and the free space. Every open here refuses what is not a regular file before a
+byte moves: a read from a FIFO waits for a writer for ever, and one from /dev/zero never ends."""
 from __future__ import annotations
 
 import contextlib
@@ -41,14 +40,13 @@ def fsync(path: Path) -> None:
 
 # ---------------------------------------------------------------- a full disk
 def is_disk_full(error: BaseException) -> bool:
-    """ENOSPC (or a quota) however a writer surfaced it: an OSError, or a library's own error around one
-    (safetensors says "os error 28"; torch.save into a file object raises RuntimeError with the OSError as context)."""
+    """ENOSPC (or a quota) however a writer surfaced it: an OSError, or a library's error around one or saying so."""
     return any((isinstance(e, OSError) and e.errno in FULL_ERRNOS) or any(text in str(e) for text in FULL_TEXTS)
                for e in causes(error))
 
 
 def _device_of(path: Path) -> str:
-    """The mount holding `path`, named with its device as /proc/mounts has it: "DEVICE (mounted at MOUNT)"."""
+    """The mount holding `path`: "DEVICE (mounted at MOUNT)" as /proc/mounts has it."""
     mount = Path(os.path.abspath(path))
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
@@ -84,7 +82,7 @@ def writing(path: Path) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if is_disk_full(e) and not isinstance(e, DiskFull):
+        if not isinstance(e, DiskFull) and is_disk_full(e):
             raise disk_full(path) from e
         raise
 
@@ -124,8 +122,8 @@ def _checked(fd: int, path: Path) -> int:
 
 
 def refuse_link(path: Path) -> None:
-    """ConfigError when `path` is a symbolic link (dangling or not) or anything but a regular file (a directory, a
-    FIFO) where nanopt writes or replaces a file of its own; an lstat, for a check before the work starts."""
+    """ConfigError when `path` is a symbolic link (dangling or not) or anything but a regular file where nanopt
+    writes a file of its own; an lstat, for a check before the work starts."""
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         mode = os.lstat(path).st_mode
         if stat.S_ISLNK(mode):
@@ -135,9 +133,8 @@ def refuse_link(path: Path) -> None:
 
 
 def open_own(path: Path, flags: int, mode: int = 0o644) -> int:
-    """os.open of a file nanopt writes (metrics.jsonl, evals.jsonl, a lease, a log) that never follows a symbolic
-    link out: a link there is ConfigError, a dangling one included (O_CREAT would create its target); so is anything
-    but a regular file, found before a byte is read or written."""
+    """os.open of a file nanopt writes that never follows a link: a link there is ConfigError, a dangling one
+    included (O_CREAT would create its target); so is anything but a regular file."""
     try:
         return _checked(os.open(path, flags | NOFOLLOW | NONBLOCK, mode), path)
     except OSError as e:
@@ -150,13 +147,13 @@ def open_own(path: Path, flags: int, mode: int = 0o644) -> int:
 
 
 def open_read(path: Path) -> int:
-    """A file descriptor reading `path` (a link is followed: a user may point at one), or ConfigError naming it when
-    it is not a regular file. Every reader of a file nanopt expects goes through here or read_bytes."""
+    """A file descriptor reading `path` (a link is followed: a user may point at one); ConfigError naming it when
+    it is not a regular file."""
     return _checked(os.open(path, os.O_RDONLY | NONBLOCK), path)
 
 
 def read_bytes(path: Path) -> bytes:
-    """`path`'s bytes, refused unread when it is not a regular file (open_read); other OSErrors pass unchanged."""
+    """`path`'s bytes, refused unread when it is not a regular file (open_read)."""
     with os.fdopen(open_read(path), "rb") as f:
         return f.read()
 
@@ -175,26 +172,24 @@ def append_bytes(fd: int, data: bytes, path: Path) -> None:
     """Append `data` with one write() (O_APPEND: concurrent writers never interleave). A full disk is DiskFull, and
     the part it wrote is cut off again when no other writer appended since: the file keeps every whole line."""
     before, written = os.fstat(fd).st_size, 0
-    try:
-        while written < len(data):  # a short write happens only at the disk's end; the next one raises
-            written += os.write(fd, data[written:])
-    except OSError as e:
-        if written and os.fstat(fd).st_size == before + written:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, before)
-        if is_disk_full(e):
-            raise disk_full(path) from e
-        raise
+    with writing(path):
+        try:
+            while written < len(data):  # a short write happens only at the disk's end; the next one raises
+                written += os.write(fd, data[written:])
+        except OSError:
+            if written and os.fstat(fd).st_size == before + written:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+            raise
 
 
 # ---------------------------------------------------------------- atomic writes
 def write_bytes(path: Path, *chunks: bytes) -> Path:
-    """Write `path` so that it holds either its old content or all of `chunks`, even across a crash. Never
-    through a link: the temp file is created anew (O_EXCL), and the rename replaces a link at `path` with the file
-    instead of writing its target. A full disk is DiskFull naming `path`; the old content stays."""
+    """Write `path` so that it holds either its old content or all of `chunks`, even across a crash. Never through
+    a link: the temp file is created anew (O_EXCL), and the rename replaces a link at `path`. A full disk is
+    DiskFull naming `path`; the old content stays."""
     path = Path(path)
-    # A name of this writer's own: two processes replacing one file (a lease's heartbeat and its takeover, a
-    # sweep's state) must never write into, or rename, each other's half-written temp file.
+    # Of this writer's own: two processes replacing one file must never write into each other's temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     if path.is_dir() and not path.is_symlink():  # the rename would fail (IsADirectoryError) after the work
         raise not_a_file(path, stat.S_IFDIR)
@@ -250,8 +245,7 @@ def json_line(record: dict[str, Any]) -> bytes:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line with one O_APPEND write(): concurrent writers (`nanopt eval`s) never interleave; never
-    through a link (ConfigError naming it); a full disk is DiskFull and leaves the earlier lines whole."""
+    """Append one JSON line (append_bytes), never through a link (ConfigError naming it)."""
     fd = open_append(path)
     try:
         append_bytes(fd, json_line(record), path)
@@ -260,8 +254,7 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file a user pointed at (a config.json, a manifest); ConfigError naming it when unreadable
-    (missing, not UTF-8, not JSON: UnicodeDecodeError is a ValueError but no JSONDecodeError)."""
+    """A JSON file a user pointed at; ConfigError naming it when unreadable (missing, not UTF-8, not JSON)."""
     try:
         return json.loads(read_text(path))
     except ConfigError:

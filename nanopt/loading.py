@@ -1,6 +1,5 @@
-"""Loading a trained model from a run directory, a checkpoint (its whole weights, model.safetensors, whatever world
-size and parallelism wrote it), or a Hugging Face Llama directory; a checkpoint's own weights or its averaged ones
-(train.ema_decay's ema.safetensors)."""
+"""Loading a trained model from a run directory, a checkpoint (its whole model.safetensors or ema.safetensors), or a
+Hugging Face Llama directory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +27,7 @@ class Loaded:
     source: Path  # the checkpoint directory or the Hugging Face directory
     step: Optional[int]  # optimizer steps behind these weights, when known
     run_dir: Optional[Path]  # the run directory; None for a bare Hugging Face directory
-    # Which weights the model holds: "model" (the checkpoint's own), "ema" (its averaged ones), or, for a checkpoint
-    # `nanopt average` wrote, "average of steps a,b,c of RUN" (averaged_from: its state.json's record of them).
+    # "model" (the checkpoint's own), "ema" (its averaged ones), or nanopt average's averaged_name.
     weights: str = "model"
     averaged_from: Optional[dict] = None
 
@@ -40,8 +38,7 @@ class Loaded:
 
 def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = False, weights: str = "run") -> Loaded:
     """Weights and config from a run directory, a checkpoint or a Hugging Face directory, in eval mode.
-    verified: `path` is a checkpoint find_checkpoint just chose (verifying reads every byte: once is enough).
-    weights: WEIGHTS (chosen_weights)."""
+    verified: `path` is a checkpoint find_checkpoint just chose (verifying reads every byte). weights: WEIGHTS."""
     path = Path(path)
     if (path / "config.json").is_file() and not (path / rundirs.STATE_FILE).is_file():  # a Hugging Face directory
         if weights == "ema":
@@ -52,8 +49,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     ckpt = path if verified else checkpoint.find_checkpoint(path)
     cfg = checkpoint.checkpoint_config(ckpt)
     model = build_model(cfg.model, device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
-    state = checkpoint.read_state(ckpt)  # its `averaged_from` and `ema` are objects where present (its STATE shape)
-    loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen_weights(ckpt, cfg, weights),
+    state = checkpoint.read_state(ckpt)
+    loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen_weights(ckpt, state, cfg, weights),
                     state.get("averaged_from"))
     try:
         load_weights(model, ckpt / loaded.weights_file)
@@ -67,9 +64,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's whole weights (model.safetensors, or ema.safetensors) into an unsharded model; ValueError
-    naming the first tensors of another shape, or missing or unexpected; ConfigError (weights_header) when the file
-    is no safetensors file."""
+    """Load a checkpoint's whole weights into an unsharded model; ValueError naming the first tensors of another
+    shape, or missing or unexpected; ConfigError (weights_header) when the file is no safetensors file."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     saved = {k: shape for k, (shape, _) in checkpoint.weights_header(path).items()}
     wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
@@ -89,15 +85,12 @@ def averaged_name(averaged_from: dict) -> str:
     return f"average of steps {','.join(map(str, steps))} of {averaged_from.get('run')}"
 
 
-def chosen_weights(ckpt: Path, cfg: Config, weights: str) -> str:
-    """The name of the weights `--weights` (WEIGHTS) loads from a checkpoint, as loaded (never as configured):
-    run = the run's eval.weights, whose averaged weights before train.ema_start are the model's own (as the run's
-    own records say); ema = the averaged weights. A checkpoint of `nanopt average` holds one set, named
-    averaged_name. ConfigError when `ema` is asked of a checkpoint that holds none, and when a checkpoint whose
-    state.json says the average had started lacks it (damage, not the model's weights in its place)."""
+def chosen_weights(ckpt: Path, state: dict, cfg: Config, weights: str) -> str:
+    """The name of the weights `--weights` (WEIGHTS) loads from a checkpoint (its `state`), as loaded: run = the
+    run's eval.weights (the model's own before train.ema_start), ema = the averaged ones, an average's one set by
+    averaged_name. ConfigError when `ema` is asked of a checkpoint that holds none, or one that should is lacking."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights is one of {WEIGHTS}, not {weights!r}")
-    state = checkpoint.read_state(ckpt)
     if averaged := state.get("averaged_from"):
         if weights == "ema":
             raise ConfigError(f"checkpoint {ckpt} is an average of checkpoints ({averaged_name(averaged)}, written "

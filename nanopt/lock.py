@@ -29,7 +29,6 @@ LOCK_EXPIRES_ENV = "NANOPT_LOCK_EXPIRES_S"
 @dataclass
 class Holder:
     """Who holds a lock: host, pid, when it started and its last heartbeat (time.time())."""
-
     host: str
     pid: int
     started: float
@@ -55,8 +54,7 @@ LEASE = Field(dict, fields={**{k: Field(str, required=True) for k in ("host", "t
 
 
 def _cut_holder(data: bytes, mtime: float) -> Holder:
-    """What an unreadable lease still tells (a write cut short keeps its first fields, host and pid): its holder,
-    token "", as old as the file itself."""
+    """What an unreadable lease still tells (a write cut short keeps host and pid): token "", as old as the file."""
     host = re.search(rb'"host": "([^"\\]*)"', data)
     pid = re.search(rb'"pid": (\d{1,10})[,}]', data)
     return Holder(host.group(1).decode(errors="replace") if host else "?", int(pid.group(1)) if pid else -1,
@@ -77,13 +75,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirLock:
-    """One writer at a time for a run (or sweep) directory: a lease file with the owner's host, pid and a
-    heartbeat a thread renews every `heartbeat_s` seconds (flock means nothing across machines: a Modal Volume,
-    NFS). It is taken over only when its holder is gone: on this host when its pid is dead (a `kill -9` is
-    recovered at once), elsewhere when its heartbeat is older than `expires_s`. Taking over renames the stale
-    file aside first, so of two racing processes exactly one wins. Where heartbeats arrive late (a Modal Volume
-    shows them at each commit) the launcher sets LOCK_EXPIRES_ENV above that delay, and LOCK_OWNER_ENV to a job
-    id its retries share, so a retry takes over its dead predecessor's lease at once."""
+    """One writer at a time for a run (or sweep) directory: a lease file with the owner's host, pid and a heartbeat
+    a thread renews every `heartbeat_s` seconds (flock means nothing across machines: a Modal Volume, NFS). It is
+    taken over only when its holder is gone: on this host when its pid is dead, elsewhere when its heartbeat is older
+    than `expires_s`; the stale file is renamed aside first, so of two racing processes one wins. Where heartbeats
+    arrive late (a Modal Volume) the launcher sets LOCK_EXPIRES_ENV above that delay, and LOCK_OWNER_ENV to a job id
+    its retries share, so a retry takes over its dead predecessor's lease at once."""
 
     def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
                  heartbeat_s: float = 15.0, filename: str = LOCK_FILE, setting: str = ""):
@@ -101,9 +98,9 @@ class DirLock:
 
     def holder(self, path: Optional[Path] = None) -> Optional[Holder]:
         """The holder of the lease (or of the one at `path`); None when there is none; token "" when unreadable;
-        ConfigError when it is a symbolic link (never read, or replaced, through one)."""
+        ConfigError when it is a symbolic link or a FIFO (never taken for a damaged lease)."""
         path = path or self.path
-        try:  # a link, a FIFO: ConfigError, never taken for a damaged lease
+        try:
             with os.fdopen(open_own(path, os.O_RDONLY), "rb") as f:
                 data, mtime = f.read(1 << 16), os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
@@ -121,7 +118,7 @@ class DirLock:
     def _expired(self, h: Holder) -> bool:
         """Stale: an earlier attempt of this job; on this host, a dead pid; a live pid's readable lease never; else
         (another host, or an unreadable lease whose pid is unknown or alive) a heartbeat older than expires_s."""
-        if self.owner and h.owner == self.owner:  # an earlier attempt of this same job: its scheduler ended it
+        if self.owner and h.owner == self.owner:
             return True
         if h.host == socket.gethostname() and h.pid > 0:
             if not _pid_alive(h.pid):

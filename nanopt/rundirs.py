@@ -1,21 +1,7 @@
 """THE run directory: every file name in it, what every command asks of one (is it a run, finished, its latest
 figures and records), the runs below a directory; torch-free (the checkpoint format is checkpoint.py's, the lease
 lock.py's). Its files may be damaged or being written: a reader gets a value, None, or ConfigError naming the
-file, never a traceback. The layout:
-
-  config.yaml            the resolved config of the newest session
-  metrics.jsonl          one JSON object per logged step (trimmed back to the checkpoint on resume: metrics.py)
-  evals.jsonl            `nanopt eval`'s results, appended
-  summary.json           written when the run ends (finished, or stopped at its target)
-  profile_summary.json   when the run was profiled
-  tb/                    TensorBoard events and profiler traces
-  checkpoints/step_NNNNNN/  {dcp/, model.safetensors, rng.pt, state.json, COMPLETE, ema.safetensors when
-                         train.ema_decay keeps one}; checkpoints/latest
-  lock.json              the lease of the trainer writing it now (absent when none is)
-
-Its files are the run's own: the appended ones (APPENDED_FILES, the lease) are opened so that a symbolic link is never
-followed (a link there is ConfigError naming it), and the replaced ones are written to a new temp file and renamed
-over the name, which replaces a link rather than writing its target (nanopt.io).
+file, never a traceback. Appended files are never opened through a link, replaced ones are renamed over (nanopt.io).
 """
 from __future__ import annotations
 
@@ -29,16 +15,16 @@ from nanopt.errors import ConfigError
 from nanopt.io import open_read
 from nanopt.schema import Field, damaged, parse, problem, raw, read
 
-CONFIG_FILE = "config.yaml"
-SUMMARY_FILE = "summary.json"
-METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"  # the resolved config of the newest session
+SUMMARY_FILE = "summary.json"  # written when the run ends (finished, or stopped at its target)
+METRICS_FILE = "metrics.jsonl"  # one object per logged step, trimmed back to the checkpoint on resume
 # `nanopt eval`'s own file: the trainer owns metrics.jsonl (a resume trims it, and on a Modal Volume the
 # trainer's commit of it would drop lines another container wrote), so evaluations there could be lost.
 EVALS_FILE = "evals.jsonl"
-PROFILE_FILE = "profile_summary.json"  # nanopt.training.profiling.SUMMARY_FILE (that module imports torch; a test ties them)
+PROFILE_FILE = "profile_summary.json"
 CURVES_FILE = "curves.png"
-TB_DIR = "tb"
-LOCK_FILE = "lock.json"
+TB_DIR = "tb"  # TensorBoard events and profiler traces
+LOCK_FILE = "lock.json"  # the lease of the trainer writing it now
 WATCH_LOCK_FILE = "watch.lock.json"  # `nanopt eval --watch`'s lease, beside the trainer's: one watcher per run
 
 
@@ -75,9 +61,8 @@ def format_value(value: Any) -> str:
 
 
 # ---------------------------------------------------------------- reading one run directory
-# The shapes of the run's files (schema.read checks them): the summary's figures that reports do arithmetic on, by
-# the type the trainer writes (null allowed: an unreached target's figures are null; anything else is shown as it
-# is); a config of sections of plain values (a string, number, bool, null or a list of them); one object per line.
+# The shapes of the run's files (schema's): the summary's figures that reports do arithmetic on (null: an unreached
+# target's), a config of sections of plain values, one object per line.
 SUMMARY = Field(dict, what="a run summary (an object)", fields={
     "stopped_at_target": Field(bool, null=True),
     **{k: Field(int, null=True) for k in ("steps", "tokens_seen", "params", "world_size", "step_to_target",
@@ -115,9 +100,8 @@ def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file a run appends to (metrics.jsonl, evals.jsonl); [] when there is
-    none. A cut last line (being appended, or its writer killed) is left out; any other line that is not a JSON
-    object is damage: ConfigError naming the file and line, never a record quietly dropped from a figure."""
+    """The JSON objects of a JSON-lines file a run appends to; [] when there is none. A cut last line (being
+    appended, or its writer killed) is left out; any other line that is no object is ConfigError naming it."""
     lines = (raw(path) or b"").splitlines()
     last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
     out = []
@@ -195,18 +179,13 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- checkpoint and evaluation names
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR
-
-
 def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return checkpoints_dir(run_dir) / f"step_{step:06d}"
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:06d}"
 
 
 def refuse_inside_checkpoints(out: Path, flag: str = "--out") -> None:
-    """ConfigError when the output path `out` is a checkpoint of a run's checkpoints/ (a step_NNNNNN or a
-    temporary .tmp_ name) or below one: the run replaces, prunes (checkpoint.keep) or removes such a directory as
-    its own, so whatever nanopt wrote there would be lost (and read by the run as a checkpoint of its own)."""
+    """ConfigError when the output path `out` is (or is below) a step_NNNNNN or .tmp_ directory of a run's
+    checkpoints/: the run replaces, prunes or removes it as its own, so what nanopt wrote there would be lost."""
     out = Path(out).resolve()  # a link into a run's checkpoints/ is inside them too
     for here in (out, *out.parents):
         if here.parent.name == CHECKPOINTS_DIR and (STEP_DIR.match(here.name) or here.name.startswith(".tmp_")):
@@ -218,9 +197,8 @@ def refuse_inside_checkpoints(out: Path, flag: str = "--out") -> None:
 
 
 def evaluation_key(record: dict[str, Any]) -> tuple:
-    """What makes two evals.jsonl records one evaluation: who made it, of which weights (step, and the checkpoint's
-    weights_crc32 where known), and what was measured: a task with its limit and shots, or a split with its
-    batches and precision. A record without a field has None there."""
+    """What makes two evals.jsonl records one evaluation: who made it, of which weights (step, weights_crc32), and
+    what was measured (a task with its limit and shots, or a split with its batches and precision)."""
     measured = record.get("task") or next((k for k in ("val_loss", "test_loss") if k in record), None)
     key = tuple(record.get(k) for k in ("source", "step", "weights_crc32", "limit", "num_fewshot", "eval_batches",
                                         "precision")) + (measured,)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+from types import SimpleNamespace
 
 import pytest
 from conftest import FAKE_METRICS, REPO, write_fake_run
@@ -51,8 +52,15 @@ def test_plot_and_runs_find_runs_with_one_walker(tmp_path):
     assert [r.dir for r in experiments.find_runs(tmp_path)[0]] == [outer, inner]
 
 
-def test_profile_file_name_is_the_profilers():
-    assert rundirs.PROFILE_FILE == profiling.SUMMARY_FILE
+def test_the_profilers_summary_is_where_the_run_readers_read_it(tmp_path):
+    """Rank 0's profile summary is the file `nanopt runs` and compare read (read_profile), not a name of its own."""
+    summary = {"profiled_steps": 2, "first_step": 4, "last_step": 5, "step_ms_mean": 10.0, "top_ops": [],
+               "host_overhead_share": 0.1, "data_loader_share": 0.1, "compute_share": 0.8, "mode": "cpu",
+               "peak_memory_bytes": None}
+    rank0 = SimpleNamespace(rt=SimpleNamespace(is_main=True, rank=0), run_dir=tmp_path, dir=tmp_path / "tb",
+                            metrics=None)
+    profiling.Profile._publish(rank0, summary, 5)
+    assert experiments.read_profile(tmp_path) == summary
 
 
 def test_an_evals_record_with_a_list_or_object_where_a_key_field_goes_matches_no_evaluation(tmp_path):

@@ -1,8 +1,6 @@
-"""`nanopt average`'s logic: a checkpoint whose weights are the mean of some of one run's checkpoints (LAWA,
-checkpoint merging). The sum is taken in fp32 and each tensor saved in its own dtype, in the checkpoint format
-(checkpoint.save, weights only: no optimizer state, so nothing resumes from it), so eval, sample and export load it
-as any checkpoint; its state.json says which checkpoints it averaged. Nothing is written unless every named
-checkpoint is whole and of one model."""
+"""`nanopt average`: a checkpoint whose weights are the mean of some of one run's checkpoints (LAWA), summed in fp32,
+each tensor saved in its dtype, weights only (checkpoint.save: nothing resumes from it); its state.json says which
+checkpoints it averaged. Nothing is written unless every named checkpoint is whole and of one model."""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -60,10 +58,6 @@ def choose(run: Path, last: Optional[int], steps: Optional[list[int]]) -> list[P
     return chosen
 
 
-def _shapes(ckpt: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    return checkpoint.weights_header(ckpt / MODEL_FILE)
-
-
 def check_same_model(chosen: list[Path]) -> None:
     """ConfigError naming the first pair of checkpoints whose model keys, tokenizer, tensors, shapes or dtypes
     differ: an average of two different models is no model."""
@@ -72,14 +66,15 @@ def check_same_model(chosen: list[Path]) -> None:
         keys = {f"model.{k}": v for k, v in asdict(cfg.model).items() if k != "attention"}  # a kernel, not a shape
         return {**keys, "data.tokenizer": cfg.data.tokenizer}
 
-    first, first_keys, first_shapes = chosen[0], describe(chosen[0]), _shapes(chosen[0])
+    first = chosen[0]
+    first_keys, first_shapes = describe(first), checkpoint.weights_header(first / MODEL_FILE)
     for ckpt in chosen[1:]:
         keys = describe(ckpt)
         changed = [f"{k}: {first_keys[k]!r} vs {keys.get(k)!r}" for k in first_keys if keys.get(k) != first_keys[k]]
         if changed:
             raise ConfigError(f"checkpoints {first} and {ckpt} come from different configs ({'; '.join(changed)}), "
                               f"so their weights cannot be averaged; name checkpoints of one model.")
-        shapes = _shapes(ckpt)
+        shapes = checkpoint.weights_header(ckpt / MODEL_FILE)
         if wrong := sorted(k for k in first_shapes.keys() | shapes.keys() if first_shapes.get(k) != shapes.get(k)):
             name = wrong[0]
             raise ConfigError(f"checkpoints {first} and {ckpt} hold different tensors ({len(wrong)} differ, e.g. "
@@ -88,8 +83,7 @@ def check_same_model(chosen: list[Path]) -> None:
 
 
 def mean_weights(chosen: list[Path]) -> dict[str, torch.Tensor]:
-    """The mean of the checkpoints' model weights: summed in fp32 one checkpoint at a time, each tensor returned in
-    its saved dtype."""
+    """The mean of the checkpoints' weights, summed in fp32 one at a time, each tensor in its saved dtype."""
     sums: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for ckpt in chosen:

@@ -1,18 +1,13 @@
 """THE checkpoint format: one save path whatever the parallelism and world size, one verifier, the newest complete
 checkpoint, exact resume, and copies to a mirror (any fsspec URL). The file names are rundirs.py's.
 
-`checkpoints/step_NNNNNN/` holds
-  dcp/               what a resume loads: weights, optimizer state and average, every rank's own shards
-                     (torch.distributed.checkpoint), resharded on load for any world size and parallelism
-  model.safetensors  the whole weights for readers (eval, sample, export, average, load_model); a tied head once
-  ema.safetensors    the whole averaged weights (train.ema_decay), fp32, once the average has started
-  rng.pt, state.json every rank's RNG states; the step, each resumable component's state_dict(), data, config
-  COMPLETE           written last: every file's size and crc32
-nanopt average's checkpoints have no dcp/: read like any other, refused by resume. Rank 0 makes `.tmp_step_NNNNNN/`
-anew (no link in it), every rank writes, fsyncs and sums its own DCP files, rank 0 the rest; then the rename, then
-`checkpoints/latest`. The ranks share the directory (one filesystem). A full disk is DiskFull (exit 1), the temp
-directory removed. Readers take the newest checkpoint that verifies, naming each damaged one skipped (on resume each
-rank reads its share); a run that trained but has none usable is refused (exit 2) until `checkpoint.start_over`."""
+`checkpoints/step_NNNNNN/` holds dcp/ (what a resume loads: every rank's own DCP shards of weights, optimizer state
+and average, resharded on load), model.safetensors and ema.safetensors (the whole weights for readers), rng.pt
+(every rank's RNG states), state.json (the step, each resumable component's state_dict(), data, config) and
+COMPLETE, written last: every file's size and crc32. nanopt average's checkpoints have no dcp/: read like any other,
+refused by resume. Every rank writes into `.tmp_step_NNNNNN/` (one filesystem), then rank 0 renames it and writes
+`checkpoints/latest`; a full disk is DiskFull (exit 1), the temp directory removed. Readers take the newest
+checkpoint that verifies, naming each one skipped; a run that trained but has none usable is refused (exit 2)."""
 from __future__ import annotations
 
 import logging
@@ -47,9 +42,8 @@ from nanopt.training.ema import EMA
 from nanopt.training.faults import fault_hook
 
 log = logging.getLogger("nanopt")
-# The shapes of a checkpoint's own JSON files (schema.read). COMPLETE lists every file with its size and crc32: the
-# readers' weights, RNGs and state always, the average once started, and DCP's metadata and each rank's shard files
-# one level down (a name that could climb out of the directory is no checkpoint file).
+# The shapes of a checkpoint's own JSON files (schema's). A COMPLETE entry that could climb out of the directory is no
+# checkpoint file.
 SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
 ENTRY = Field(dict, what="an object with integer `bytes` and `crc32`",
               fields={k: Field(int, required=True, lo=0) for k in ("bytes", "crc32")})
@@ -64,8 +58,8 @@ STEP = Field(dict, what="a checkpoint state (a JSON object with an integer `step
 STATE = Field(dict, what=STEP.what, fields={**STEP.fields, "data": Field(list, items=Field(dict)),
                                             **{k: Field(dict) for k in ("config", "ema", "averaged_from")}})
 EARLIER = "Resume from an earlier checkpoint (move this one aside), or start a new run (a new `run.dir`)."
-# What reading a file whose bytes verified (its manifest may have been rewritten with it) raises when its content
-# is not what this version wrote: a pickle or safetensors file that is none, a JSON entry of another shape.
+# What reading a file whose bytes verified (behind a rewritten manifest) raises when its content is not what this
+# version wrote.
 DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
                    pickle.UnpicklingError, SafetensorError)
 
@@ -79,9 +73,8 @@ class Stateful(Protocol):
 
 
 def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The whole weights as contiguous CPU tensors, a tied parameter once, under its first name (embed.weight).
-    Every rank calls it: a sharded tensor is gathered one at a time; ranks that do not write (keep=False) get {}."""
-    # named_parameters() lists a tied parameter once; XLA tensors have no data_ptr to compare instead.
+    """The whole weights as contiguous CPU tensors, a tied parameter once (named_parameters() lists it once; XLA
+    tensors have no data_ptr to compare). Every rank calls it (sharded tensors are gathered); keep=False gets {}."""
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
     out = {}
     for name, t in model.state_dict().items():
@@ -93,8 +86,7 @@ def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Te
 
 
 def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """A checkpoint's safetensors file's tensors as name -> (shape, dtype), from its header before any tensor is
-    read; ConfigError naming the file when it is none (its bytes may still verify: a manifest rewritten with it)."""
+    """A safetensors file's tensors as name -> (shape, dtype), from its header; ConfigError naming it when it is none."""
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
@@ -105,8 +97,7 @@ def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 # ---------------------------------------------------------------- the resumable state: DCP, every rank its shards
 def _indexed(by_name: dict[str, Any]) -> dict[str, Any]:
-    """torch.distributed.checkpoint's optimizer state (keyed by parameter name) keyed by position across the
-    groups, as Optimizer.state_dict() numbers them, for optim's checked load."""
+    """DCP's optimizer state (keyed by parameter name) keyed by position, as Optimizer.state_dict() numbers them."""
     position = {name: i for i, name in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
     return {"state": {position[name]: s for name, s in by_name["state"].items()},
             "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in by_name["param_groups"]]}
@@ -122,9 +113,8 @@ def _flat(prefix: str, tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
-    """dcp.save of `state` into the directory `path` (every rank its own shards), or dcp.load into it in place (DCP
-    reshards; tensors the files lack are left as they are, for the caller to name); one process needs no process
-    group. DCP's failures (a traceback per rank) are the OSError a rank met (a full disk), or one-line RuntimeError."""
+    """dcp.save of `state` into `path`, or dcp.load into it in place (tensors the files lack are left as they are);
+    one process needs no process group. DCP's failures are the OSError a rank met (a full disk), or a RuntimeError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -166,8 +156,7 @@ def crc32_of(path: Path) -> int:
 
 
 def _own_file(path: Path, shape: Field, subject: str) -> tuple[Any, Optional[str]]:
-    """(the checkpoint's JSON file at `path`, None) when it is of `shape`, else (None, why, starting with `subject`):
-    schema's reader, as a verifier's reason rather than a refusal."""
+    """(the JSON file at `path`, None) when it is of `shape`, else (None, why): schema's reader, as a reason."""
     try:
         data = raw(path)
     except ConfigError as e:  # a directory or a FIFO at the name (io), a link to nothing
@@ -196,35 +185,32 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 
 
 def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
-    """Which weights a checkpoint holds: `name`'s crc32 as COMPLETE lists it (loading has checked the file against it);
-    None for a Hugging Face directory, an unusable manifest or a file it does not list."""
+    """Which weights a checkpoint holds: `name`'s crc32 as COMPLETE lists it; None where it lists none."""
     problem_, files = _manifest(Path(ckpt))
     return None if problem_ or name not in files else files[name]["crc32"]
 
 
-def _writer(name: str) -> Optional[int]:
-    """The rank that wrote DCP shard file `name` (`__RANK_N.distcp`); None for any other file."""
+def _writer(name: str, world: int = 1 << 30) -> Optional[int]:
+    """The rank below `world` that wrote DCP shard file `name` (`__RANK_N.distcp`); None for any other file."""
     match = re.search(r"(^|/)__(\d+)_\d+\.distcp$", name)
-    return int(match.group(2)) if match else None
+    return int(match.group(2)) if match and int(match.group(2)) < world else None
 
 
 def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[set[str]]:
-    """Which of a checkpoint's files (COMPLETE's entries) each of `world` ranks verifies: a DCP shard `__N_0.distcp`
-    on rank N (the rank that wrote it, when the world size is unchanged), every other file, largest first, on the
-    rank with the fewest bytes so far."""
+    """Which of COMPLETE's files each of `world` ranks verifies: shard `__N_0.distcp` on rank N, the one that wrote
+    it (at 8B one rank alone would read 96 GB); every other file, largest first, on the rank with the fewest bytes."""
     shares: list[set[str]] = [set() for _ in range(world)]
     load = [0] * world
-    for name in sorted(files, key=lambda n: (_writer(n) is None or _writer(n) >= world, -files[n]["bytes"])):
-        writer = _writer(name)
-        rank = writer if writer is not None and writer < world else load.index(min(load))
+    for name in sorted(files, key=lambda n: (_writer(n, world) is None, -files[n]["bytes"])):
+        rank = _writer(name, world)
+        rank = load.index(min(load)) if rank is None else rank
         shares[rank].add(name)
         load[rank] += files[name]["bytes"]
     return shares
 
 
 def _share_problem(ckpt: Path, files: dict[str, dict[str, int]], rank: int, world: int) -> Optional[tuple[int, str]]:
-    """Rank `rank`'s first problem among its share of `files` (verify_shares), in manifest order, as (its place in
-    the manifest, why): a file missing, of another size or failing its crc32."""
+    """Rank `rank`'s first problem in its share of `files`, as (its place in the manifest, why)."""
     mine = verify_shares(files, world)[rank]
     for i, (name, expected) in enumerate(files.items()):
         if name not in mine:
@@ -244,9 +230,8 @@ def _share_problem(ckpt: Path, files: dict[str, dict[str, int]], rank: int, worl
 
 def verify_checkpoint(ckpt: Path, step: Optional[int] = None, rt: Optional[Runtime] = None) -> Optional[str]:
     """None when the checkpoint is whole, else why not (never raises): its name, COMPLETE, every listed file's size
-    and crc32, then state.json's step. `step`: the step it must hold (default: its name's; a download has a temporary
-    name). `rt` (resume): rank 0 calls it while every other rank is in _follow, each rank reading its share at once
-    (verify_shares), the first problem in manifest order winning: configs/8b.yaml's 96 GB are read by 8 ranks."""
+    and crc32, then state.json's step. `step`: the step it must hold (default: its name's; a download's is temporary).
+    `rt` (resume): rank 0 calls it while the other ranks _follow, each rank verifying its share."""
     ckpt = Path(ckpt)
     step = step_of(ckpt) if step is None else step
     if step is None or not ckpt.is_dir():
@@ -265,8 +250,7 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None, rt: Optional[Runti
 
 
 def _follow(rt: Runtime) -> None:
-    """Every rank but 0 while rank 0 chooses a checkpoint: verify this rank's share of each candidate rank 0 names
-    (verify_checkpoint with rt), until rank 0 says it has chosen (None). It reads; it never writes or logs."""
+    """Every rank but 0 while rank 0 chooses: verify this rank's share of each candidate, until rank 0 sends None."""
     while (candidate := rt.gather_objects(None)[0]) is not None:
         path, files = candidate
         rt.gather_objects(_share_problem(Path(path), files, rt.rank, rt.world_size))
@@ -275,8 +259,7 @@ def _follow(rt: Runtime) -> None:
 def newest_checkpoint(path: Path, newer_than: int = -1,
                       verify: Optional[Callable[[Path], Optional[str]]] = None) -> tuple[Optional[Path], list[str]]:
     """The newest complete checkpoint of a run (or checkpoints/) directory above step `newer_than`, and "name: why"
-    for each newer one skipped; newest first, stopping at the first that verifies (verifying reads every byte: 15 GB
-    for configs/1b.yaml). The one answer for resume, eval, sample, Modal. `verify`: a resume's, every rank its share."""
+    for each newer one skipped; no older one is read (verifying reads every byte). `verify`: a resume's."""
     verify = verify or verify_checkpoint  # looked up now: a test may replace verify_checkpoint
     skipped: list[str] = []
     for ckpt in reversed(checkpoint_dirs(path)):
@@ -289,8 +272,8 @@ def newest_checkpoint(path: Path, newer_than: int = -1,
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a run directory (its newest complete checkpoint, damaged ones skipped with a
-    warning naming each and why), a checkpoints/ directory, or a checkpoint itself; ConfigError when none is."""
+    """A checkpoint directory from a run or checkpoints/ directory (its newest complete one, each skipped one
+    named), or a checkpoint itself; ConfigError when none is."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a run directory (runs/<name>) or a checkpoint directory "
@@ -322,16 +305,15 @@ def checkpoint_config(ckpt: Path) -> Config:
 
 # ---------------------------------------------------------------- writing
 def _sealed(path: Path) -> dict[str, int]:
-    """A written file fsynced (a full disk can show first there: DiskFull naming it), with the size and crc32
-    COMPLETE lists it under, read back from the page cache."""
+    """A written file fsynced (a full disk can show first there), with its COMPLETE entry."""
     with writing(path):
         fsync(path)
     return {"bytes": path.stat().st_size, "crc32": crc32_of(path)}
 
 
 def _remove(path: Path) -> None:
-    """Remove a directory of ours, or a symbolic link in its place (the link only, never what it points to); a
-    file there is not ours: rmtree's NotADirectoryError names it (cli.run's paragraph)."""
+    """Remove a directory of ours, or a symbolic link in its place (never what it points to); a file there is not
+    ours: rmtree's NotADirectoryError names it."""
     if path.is_symlink():
         path.unlink()
     elif path.exists():
@@ -345,8 +327,8 @@ def _torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
-def temp_dir(ckpt_root: Path, step: int, fresh: bool = True) -> Path:
-    """Where checkpoint `step` is written before its rename: made anew (fresh), or the one made before."""
+def _temp_dir(ckpt_root: Path, step: int, fresh: bool) -> Path:
+    """Where checkpoint `step` is written before its rename; `fresh`: made anew (rank 0, before any rank writes)."""
     tmp = ckpt_root / f".tmp_step_{step:06d}"
     if fresh:
         with writing(tmp):
@@ -360,10 +342,10 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: di
          rng: Optional[list[dict[str, Any]]] = None, averaged: Optional[dict[str, torch.Tensor]] = None,
          shards: Optional[dict[str, dict[str, int]]] = None) -> Path:
     """Rank 0: write checkpoints/step_NNNNNN atomically and prune to the newest `keep`. `weights`: model_state()'s;
-    `shards`: the dcp/ files' entries (save_resumable), None for a weights-only checkpoint; `rng`: every rank's
-    Runtime.rng_state() (default: this process's); `averaged`: EMA.full_weights(). A full disk is DiskFull."""
+    `shards`: save_resumable's dcp/ entries (None: weights only); `rng`: every rank's (default: this process's);
+    `averaged`: EMA.full_weights(). A full disk is DiskFull."""
     final = ckpt_root / f"step_{step:06d}"
-    tmp = temp_dir(ckpt_root, step, fresh=shards is None)
+    tmp = _temp_dir(ckpt_root, step, fresh=shards is None)
     files = dict(shards or {})
 
     def put(name: str, write: Callable[[Path], Any]) -> None:
@@ -401,16 +383,15 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: di
 
 def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    state: dict[str, Any], keep: int, rt: Runtime, ema: Optional[EMA] = None) -> Path:
-    """THE save, whatever the parallelism and world size; every rank calls it. Every rank writes its shards of the
-    weights, optimizer state and average (`ema`, once started) into dcp/, then fsyncs and sums the files it wrote
-    (`__RANK_N.distcp`; rank 0 also `.metadata`) from its own page cache: rank 0 alone would read configs/8b.yaml's
-    96 GB again. A rank's failure is every rank's. Rank 0 writes the rest (save(); `state`: its state.json)."""
+    """THE save; every rank calls it. Every rank writes its DCP shards of the weights, optimizer state and average
+    (`ema`, once started), then fsyncs and sums the files it wrote from its own page cache (rank 0 alone would read
+    configs/8b.yaml's 96 GB again); a rank's failure is every rank's. Rank 0 writes the rest (save(); `state`)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rngs = rt.gather_objects(rt.rng_state())
     started = ema is not None and ema.started
-    made = rt.on_main(lambda: temp_dir(ckpt_root, step), (ConfigError, OSError))  # rank 0's failure: every rank's
-    tmp = made or temp_dir(ckpt_root, step, fresh=False)
+    made = rt.on_main(lambda: _temp_dir(ckpt_root, step, True), (ConfigError, OSError))  # rank 0's failure: all's
+    tmp = made or _temp_dir(ckpt_root, step, False)
     weights, optimizer_state = get_state_dict(model, optimizer)
     try:
         with writing(tmp / DCP_DIR):  # DCP raises one rank's failure on every rank
@@ -439,9 +420,8 @@ def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer
 
 # ---------------------------------------------------------------- copies to a mirror
 class Mirror:
-    """The remote layout matches the local one: URL/step_NNNNNN/<files> (dcp/ included) with COMPLETE uploaded last
-    (object stores have no atomic rename), then URL/latest. Uploads read from hard-linked snapshots, so pruning the
-    local directory never races an upload."""
+    """URL/step_NNNNNN/<files> as locally, COMPLETE uploaded last (object stores have no atomic rename), then
+    URL/latest. Uploads read hard-linked snapshots, so pruning the local directory never races an upload."""
 
     def __init__(self, url: str, keep: int):
         try:
@@ -469,8 +449,7 @@ class Mirror:
         self._pool.submit(self._copy, staging)
 
     def wait(self) -> None:
-        """Block until every queued copy is done (or failed with a warning). No idle thread outlives it: a process
-        with one exits through sys.exit's slow teardown (cli.exit_process); a later upload starts a new one."""
+        """Block until every queued copy is done; no idle thread outlives it (it would slow the exit)."""
         self._pool.shutdown(wait=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanopt-mirror")
 
@@ -519,8 +498,7 @@ class Mirror:
 # ---------------------------------------------------------------- exact resume and the training loop's checkpointer
 @contextmanager
 def _reading(ckpt: Path, name: str) -> Iterator[None]:
-    """Restoring from checkpoint file `name`: content that verified but this version cannot use (DAMAGED_CONTENT)
-    is ConfigError naming the file and the way out, never a traceback. Nothing on disk has been changed by then."""
+    """Restoring from checkpoint file `name`: content this version cannot use is ConfigError naming the file."""
     try:
         yield
     except (ConfigError, ShardError):  # already one paragraph (both are ValueErrors)
@@ -535,9 +513,8 @@ def _damaged(ckpt: Path, name: str, e: Exception) -> ConfigError:
 
 
 class Checkpointer:
-    """Everything the training loop asks of checkpoints: restore at start, when to save and saving (all ranks),
-    and on close waiting for the mirror's copies. Besides weights, optimizer and RNGs it saves `states`, named
-    Stateful components (run state, loader, speedrun clock): adding resumable state is adding an entry."""
+    """What the training loop asks of checkpoints: restore, when to save, saving (all ranks), and on close waiting
+    for the mirror. Besides weights, optimizer and RNGs it saves `states`, named Stateful components."""
 
     def __init__(self, cfg: Config, rt: Runtime, data_paths: list[Path]):
         self.cfg, self.rt, self.run_dir = cfg, rt, cfg.run_dir  # made and locked (lock.DirLock) before this
@@ -555,8 +532,7 @@ class Checkpointer:
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, states: dict[str, Stateful],
                 ema: Optional[EMA] = None) -> Optional[dict[str, Any]]:
-        """Load the newest usable checkpoint into model, optimizer, states, the averaged weights (`ema`, when the
-        run keeps them) and RNGs: its state.json, or None."""
+        """Load the newest usable checkpoint into model, optimizer, states, `ema` and RNGs: its state.json, or None."""
         if not self.cfg.checkpoint.resume:
             if self.rt.is_main and any(not is_lease(p.name) for p in self.run_dir.iterdir()):
                 raise ConfigError(f"`checkpoint.resume` is false (start fresh) but the run directory {self.run_dir} is "
@@ -574,9 +550,8 @@ class Checkpointer:
         return saved
 
     def _agree(self) -> Optional[str]:
-        """The name of the checkpoint every rank resumes from, or None (fresh). Rank 0 chooses (and, when needed,
-        downloads) it, alone writing and logging, while every rank verifies its share of each candidate's files;
-        what rank 0 refuses (ConfigError) every rank raises."""
+        """The checkpoint every rank resumes from, or None (fresh). Rank 0 chooses (and downloads) it, alone writing
+        and logging, while every rank verifies its share of each candidate; rank 0's refusal is every rank's."""
         rt, chosen, error = self.rt, None, None
         if rt.is_main:
             try:
@@ -599,8 +574,8 @@ class Checkpointer:
         return chosen
 
     def _choose(self) -> Optional[Path]:
-        """Rank 0: the newest verified local checkpoint, else the mirror's, else None (fresh) when the run never saved
-        one; ConfigError when it did (`checkpoint.start_over`: fresh)."""
+        """Rank 0: the newest verified local checkpoint, else the mirror's, else None when the run never saved one;
+        ConfigError when it did (`checkpoint.start_over`: None)."""
         ours = [p for p in self.root.iterdir() if p.name.startswith(".tmp_step_") or step_of(p) is not None] \
             if self.root.is_dir() else []
         # Refused now, not at the first save after training: a file where a checkpoint directory goes (else taken
@@ -719,10 +694,8 @@ class Checkpointer:
         return saved
 
     def _read_shards(self, ckpt: Path, state: dict[str, Any], fix: str) -> list[str]:
-        """The checkpoint's dcp/ into `state` (nested dicts of tensors, filled in place); the names of the tensors it
-        lacks (the caller refuses them after optim's clearer check). Tensors of another shape are a config change
-        (`fix`; DCP would load the overlap: a wider model half-filled), and files that verified but cannot be read
-        (damage behind a rewritten manifest: the metadata, a cut shard) one paragraph naming the file."""
+        """The checkpoint's dcp/ into `state` in place; the names of the tensors it lacks. Tensors of another shape
+        are a config change (`fix`; DCP would load the overlap), a cut shard or metadata damage names the file."""
         from torch.distributed.checkpoint import FileSystemReader
 
         with _reading(ckpt, DCP_METADATA):
@@ -745,8 +718,7 @@ class Checkpointer:
         return [name for name, _ in tensors if name not in saved]
 
     def _load_ema(self, ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
-        """The averaged weights a checkpoint holds into `ema`. A checkpoint whose run kept none (EMA turned on at
-        this resume, an allowed change) leaves it unstarted: it starts at this step or at train.ema_start."""
+        """The checkpoint's averaged weights into `ema`; none kept (EMA turned on at this resume) leaves it unstarted."""
         if not (saved.get("ema") or {}).get("started"):
             if ema.start < saved["step"]:
                 log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step "
@@ -764,15 +736,13 @@ class Checkpointer:
         ema.load_tensors(fill)
 
     def should_save(self, step: int) -> bool:
-        """A periodic save after this step: every checkpoint.every steps, except the last (finish() saves it
-        after the final evaluation)."""
+        """A periodic save after this step; not the last, which finish() saves after the final evaluation."""
         every = self.cfg.checkpoint.every
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful], ema: Optional[EMA] = None) -> Path:
-        """Every rank calls this (save_resumable); rank 0 queues the mirror's copy. Returns the checkpoint path.
-        `ema`: the run's averaged weights, saved once started."""
+        """Every rank calls this; rank 0 queues the mirror's copy. Returns the checkpoint path."""
         if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
             return checkpoint_path(self.run_dir, step)
         state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,

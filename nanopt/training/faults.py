@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from nanopt.distributed.runtime import Runtime
 from nanopt.errors import TrainingError
+from nanopt.io import write_text
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # signals this process got while preemption_handlers() was active
@@ -62,9 +63,8 @@ def preemption_handlers() -> Iterator[None]:
 
 class StopSignal:
     """All ranks agree after every step whether any was signalled or ran past `run.time_limit_s`, so they stop
-    (checkpoint, exit 75) after the same step: torchrun signals each worker separately, and each rank reads its
-    own clock. The sum runs on a CPU (gloo) group, never waiting for the accelerator's queue. The limit counts
-    from set-up (this object is made first), like a scheduler's timeout."""
+    (checkpoint, exit 75) after the same step: torchrun signals each worker separately. The sum runs on a CPU (gloo)
+    group, never waiting for the accelerator's queue. The limit counts from set-up, like a scheduler's timeout."""
 
     def __init__(self, rt: Runtime, time_limit_s: float = 0.0):
         self.rt, self.time_limit_s = rt, time_limit_s
@@ -95,9 +95,8 @@ class StopSignal:
 
 
 class FiniteGuard:
-    """Notices a non-finite loss on any rank without a host sync per step: update() folds each loss into a
-    device-side flag; check() reads it, summed over ranks, on logging steps and before every save, when it also
-    checks the weights (an update that overflowed shows only there): a checkpoint never holds a diverged model."""
+    """Notices a non-finite loss on any rank without a host sync per step: update() folds each loss into a device
+    flag; check() reads it, summed over ranks, on logging steps and before every save, with the weights."""
 
     def __init__(self, rt: Runtime, start_step: int):
         self.rt, self.checked_step = rt, start_step
@@ -137,27 +136,16 @@ class FiniteGuard:
 # Under torchrun --max-restarts the hook fires only in the first attempt (TORCHELASTIC_RESTART_COUNT=0).
 
 
-def _hook_matches(point: str, step: int, rank: int) -> bool:
-    spec = os.environ.get("NANOPT_TEST_HOOK", "")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
-        return False
-    parts = spec.split(":")
-    if parts[0] != point or len(parts) < 2 or int(parts[1]) != step:
-        return False
-    return len(parts) < 3 or int(parts[2]) == rank
-
-
 def fault_hook(point: str, step: int, rank: int = 0, run_dir: Optional[Path] = None) -> None:
-    if not _hook_matches(point, step, rank):
+    parts = os.environ.get("NANOPT_TEST_HOOK", "").split(":")
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0") or parts[:2] != [point, str(step)] \
+            or parts[2:3] not in ([], [str(rank)]):
         return
     if point.startswith("kill"):
         print(f"nanopt: test hook {point}:{step}: SIGKILL", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "pause" and run_dir is not None:
-        marker = run_dir / f".test_paused.rank{rank}"
-        tmp = marker.with_name(marker.name + ".tmp")
-        tmp.write_text(str(os.getpid()))
-        os.replace(tmp, marker)  # atomic: the test never reads a half-written pid
+        marker = write_text(run_dir / f".test_paused.rank{rank}", str(os.getpid()))  # atomic: never half a pid
         deadline = time.monotonic() + 300
         while signalled() is None and time.monotonic() < deadline:
             time.sleep(0.02)
