@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CPU, SHORT_ARGS, fork_ranks
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from nanopt import loading, rundirs
 from nanopt.config import load_config, parse_overrides
@@ -25,102 +26,15 @@ from nanopt.training import checkpoint
 
 real_crc32 = checkpoint.crc32_of
 
-# ---------------------------------------------------------------- checkpoints fall back
 
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("ckpts")
-    cfg = load_config(None, parse_overrides(SHORT_ARGS))
-    model = build_model(cfg.model, "cpu")
-    for step in (2, 4):
-        checkpoint.save(root, step, checkpoint.model_state(model), {"config": cfg.to_dict()}, keep=3)
-    return root
-
-
-def damaged_copy(tmp_path: Path, source: Path, marker: bytes | None) -> Path:
-    """The two checkpoints copied, step 4's COMPLETE replaced by `marker` (None: made a directory)."""
-    root = tmp_path / "checkpoints"
-    for ckpt in source.iterdir():
-        if ckpt.is_dir():
-            (root / ckpt.name).mkdir(parents=True)
-            for f in ckpt.iterdir():
-                (root / ckpt.name / f.name).write_bytes(f.read_bytes())
-    complete = root / "step_000004" / rundirs.COMPLETE_FILE
-    complete.unlink()
-    if marker is None:
-        complete.mkdir()
-    else:
-        complete.write_bytes(marker)
-    return root
-
-
-@pytest.mark.parametrize("marker, why", [
-    (b"\xff\xfe not utf-8", "its COMPLETE manifest is not UTF-8 text"),
-    (None, "is a directory, where nanopt expects a file"),  # refused unread (io)
-    (b"[1, 2]", "is an array [1, 2], not a JSON object"),
-    (b'{"files": {}}', "manifest's `files.model.safetensors` is missing"),
-    (b"ok", "is not JSON"),  # the pre-manifest marker no longer passes
-    (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "`files.rng.pt` is missing"),
-    ("renamed", "says step 2"),  # a whole manifest, but step 2's checkpoint under step 6's name
-])
-def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, two_checkpoints, marker, why):
-    damaged, good = ("step_000006", "step_000004") if marker == "renamed" else ("step_000004", "step_000002")
-    root = damaged_copy(tmp_path, two_checkpoints, (two_checkpoints / good / "COMPLETE").read_bytes()
-                        if marker == "renamed" else marker)
-    if marker == "renamed":
-        (root / "step_000002").rename(root / "step_000006")
-    assert why in checkpoint.verify_checkpoint(root / damaged)
-    assert checkpoint.verify_checkpoint(root / good) is None
-    assert checkpoint.find_checkpoint(tmp_path) == root / good  # eval, sample and export read this
-
-
-def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_one(tmp_path, two_checkpoints,
-                                                                                     monkeypatch):
-    """newest_checkpoint (resume, eval, sample, export, Modal): the first that verifies, newest first, naming each
-    newer one skipped; an older one is never read (verifying reads every byte), so its damage goes unseen."""
-    root = damaged_copy(tmp_path, two_checkpoints, b"[1, 2]")  # step 4's manifest damaged, step 2 whole
-    read = []
-    monkeypatch.setattr(checkpoint, "crc32_of", lambda path: read.append(path) or real_crc32(path))
-    found, skipped = checkpoint.newest_checkpoint(tmp_path)
-    assert found == root / "step_000002" and skipped == ["step_000004: its COMPLETE manifest is an array [1, 2], "
-                                                         "not a JSON object with a `files` map"]
-    assert checkpoint.newest_checkpoint(tmp_path, newer_than=2) == (None, skipped)  # Modal: progress since step 2?
-    complete = rundirs.COMPLETE_FILE
-    (root / "step_000004" / complete).write_bytes((two_checkpoints / "step_000004" / complete).read_bytes())
-    (root / "step_000002" / rundirs.MODEL_FILE).write_bytes(b"damaged")  # older: never read
-    read.clear()
-    assert checkpoint.newest_checkpoint(root) == (root / "step_000004", [])
-    assert read and all(p.parent.name == "step_000004" for p in read)
-    assert checkpoint.newest_checkpoint(root, newer_than=4) == (None, [])
-
-
-def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, two_checkpoints):
-    root = damaged_copy(tmp_path, two_checkpoints, (two_checkpoints / "step_000004" / "COMPLETE").read_bytes())
-    ckpt = root / "step_000004"
-    state = json.loads((ckpt / "state.json").read_text())
-    state["config"]["model"]["dim"] = 10**9  # would size a huge model
-    state["config"]["model"]["n_heads"] = "four"
-    (ckpt / "state.json").write_text(json.dumps(state))
-    raw = (ckpt / "state.json").read_bytes()
-    manifest = json.loads((ckpt / "COMPLETE").read_text())
-    manifest["files"]["state.json"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
-    (ckpt / "COMPLETE").write_text(json.dumps(manifest))
-    with pytest.raises(ConfigError, match=r"state\.json.*model\.n_heads"):
-        loading.load(ckpt)
-
-
-# ---------------------------------------------------------------- the manifest and the mirror
-
-
-def _checkpointer(run_dir: Path, *args: str) -> checkpoint.Checkpointer:
-    """The training loop's checkpointer of a SHORT_ARGS run in `run_dir`, as the one rank of no process group."""
-    cfg = load_config(None, parse_overrides([*SHORT_ARGS, f"--run.dir={run_dir}", *args]))
-    return checkpoint.Checkpointer(cfg, CPU, [])
+def _checkpointer(run_dir: Path, *args: str, rt: runtime.Runtime = CPU) -> checkpoint.Checkpointer:
+    """The training loop's checkpointer of a SHORT_ARGS run in `run_dir` (default: the one rank, no process group)."""
+    return checkpoint.Checkpointer(load_config(None, parse_overrides([*SHORT_ARGS, f"--run.dir={run_dir}", *args])),
+                                   rt, [])
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The SHORT_ARGS model and its optimizer after one step (moments to save)."""
+    """The SHORT_ARGS model (AdamW) and its optimizer after one step (moments to save)."""
     cfg = load_config(None, parse_overrides(SHORT_ARGS))
     model = build_model(cfg.model, "cpu")
     opt = build_optimizer(model, cfg.train, "cpu", cfg.optim)
@@ -143,54 +57,95 @@ def saved(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return run_dir, model
 
 
-def copied(saved: tuple[Path, torch.nn.Module], tmp_path: Path) -> Path:
-    shutil.copytree(saved[0], tmp_path / "run")
-    return tmp_path / "run"
+def copied(saved: tuple[Path, torch.nn.Module], tmp_path: Path, complete: bytes | None = b"") -> Path:
+    """The saved run copied, step 4's COMPLETE replaced by `complete` (None: made a directory; b"": kept)."""
+    run_dir = shutil.copytree(saved[0], tmp_path / "run")
+    if complete != b"":
+        (marker := run_dir / rundirs.CHECKPOINTS_DIR / "step_000004" / rundirs.COMPLETE_FILE).unlink()
+        marker.mkdir() if complete is None else marker.write_bytes(complete)
+    return run_dir
 
 
-def test_save_manifest_lists_every_file_with_its_size_and_crc32(saved):
+def _reseal(ckpt: Path) -> None:
+    """COMPLETE rewritten for the files as they now are: damage the checksums cannot see."""
+    manifest = json.loads((ckpt / rundirs.COMPLETE_FILE).read_text())
+    for name in manifest["files"]:
+        raw = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    (ckpt / rundirs.COMPLETE_FILE).write_text(json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- checkpoints fall back
+
+
+@pytest.mark.parametrize("marker, why", [
+    (b"\xff\xfe not utf-8", "its COMPLETE manifest is not UTF-8 text"),
+    (None, "is a directory, where nanopt expects a file"),  # refused unread (io)
+    (b"[1, 2]", "is an array [1, 2], not a JSON object"),
+    (b'{"files": {}}', "manifest's `files.model.safetensors` is missing"),
+    (b"ok", "is not JSON"),  # the pre-manifest marker no longer passes
+    (b'{"files": {"model.safetensors": {"bytes": "1", "crc32": 0}}}', "`files.rng.pt` is missing"),
+    ("renamed", "says step 2"),  # a whole manifest, but step 2's checkpoint under step 6's name
+])
+def test_any_damage_to_complete_falls_back_to_the_previous_checkpoint(tmp_path, saved, marker, why):
+    damaged, good = ("step_000006", "step_000004") if marker == "renamed" else ("step_000004", "step_000002")
+    run_dir = copied(saved, tmp_path, b"" if marker == "renamed" else marker)
+    root = run_dir / rundirs.CHECKPOINTS_DIR
+    if marker == "renamed":
+        (root / "step_000002").rename(root / "step_000006")
+    assert why in checkpoint.verify_checkpoint(root / damaged)
+    assert checkpoint.verify_checkpoint(root / good) is None
+    assert checkpoint.find_checkpoint(run_dir) == root / good  # eval, sample and export read this
+
+
+def test_the_newest_complete_checkpoint_is_found_newest_first_reading_no_older_one(tmp_path, saved, monkeypatch):
+    """newest_checkpoint (resume, eval, sample, export, Modal): the first that verifies, newest first, naming each
+    newer one skipped; an older one is never read (verifying reads every byte), so its damage goes unseen."""
+    run_dir = copied(saved, tmp_path, b"[1, 2]")  # step 4's manifest damaged, step 2 whole
+    root = run_dir / rundirs.CHECKPOINTS_DIR
+    read = []
+    monkeypatch.setattr(checkpoint, "crc32_of", lambda path: read.append(path) or real_crc32(path))
+    found, skipped = checkpoint.newest_checkpoint(run_dir)
+    assert found == root / "step_000002" and skipped == ["step_000004: its COMPLETE manifest is an array [1, 2], "
+                                                         "not a JSON object with a `files` map"]
+    assert checkpoint.newest_checkpoint(run_dir, newer_than=2) == (None, skipped)  # Modal: progress since step 2?
+    complete = rundirs.COMPLETE_FILE
+    (root / "step_000004" / complete).write_bytes((saved[0] / "checkpoints" / "step_000004" / complete).read_bytes())
+    (root / "step_000002" / rundirs.MODEL_FILE).write_bytes(b"damaged")  # older: never read
+    read.clear()
+    assert checkpoint.newest_checkpoint(root) == (root / "step_000004", [])
+    assert read and all("step_000004" in Path(p).parts for p in read)
+    assert checkpoint.newest_checkpoint(root, newer_than=4) == (None, [])
+
+
+def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, saved):
+    ckpt = copied(saved, tmp_path) / rundirs.CHECKPOINTS_DIR / "step_000004"
+    state = json.loads((ckpt / "state.json").read_text())
+    state["config"]["model"]["dim"] = 10**9  # would size a huge model
+    state["config"]["model"]["n_heads"] = "four"
+    (ckpt / "state.json").write_text(json.dumps(state))
+    _reseal(ckpt)
+    with pytest.raises(ConfigError, match=r"state\.json.*model\.n_heads"):
+        loading.load(ckpt)
+
+
+# ---------------------------------------------------------------- the manifest and DCP's files
+
+
+def test_the_manifest_lists_every_file_a_torn_shard_falls_back_and_readers_load_whole_weights(saved, tmp_path):
     """The COMPLETE manifest describes exactly the bytes on disk, the DCP files included, and no temp directory
-    outlives the save. One save path for every parallelism: the dcp/ shards a resume loads, the whole weights for
-    readers."""
-    final = saved[0] / rundirs.CHECKPOINTS_DIR / "step_000004"
-    files = json.loads((final / "COMPLETE").read_text())["files"]
-    assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "model.safetensors", "rng.pt", "state.json"]
-    for name, entry in files.items():
-        raw = (final / name).read_bytes()
-        assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
-    assert checkpoint.verify_checkpoint(final) is None and not list(final.parent.glob(".tmp_*"))
-
-
-def test_the_optimizer_state_dcp_gives_is_keyed_as_torch_saves_it():
-    """What a resume hands optim's checked load (checkpoint._indexed of DCP's name-keyed state) is what
-    optimizer.state_dict() gives: the same positions, groups and tensors (a tied embedding once)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    cfg = load_config(None, parse_overrides([*SHORT_ARGS, "--optim.name=adamw"]))
-    model = build_model(cfg.model, "cpu")
-    optimizer = build_optimizer(model, cfg.train, "cpu", cfg.optim)
-    x = torch.randint(0, cfg.model.vocab_size, (2, 8))
-    model(x, x).backward()
-    optimizer.step()
-    ours, torchs = checkpoint._indexed(get_optimizer_state_dict(model, optimizer)), optimizer.state_dict()
-    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in torchs["param_groups"]]
-    assert ours["param_groups"] == torchs["param_groups"]
-    assert ours["state"].keys() == torchs["state"].keys()
-    for i, state in torchs["state"].items():
-        for k, v in state.items():
-            assert torch.equal(ours["state"][i][k], v), (i, k)
-
-
-def test_dcp_files_are_listed_verified_and_fall_back_when_a_shard_is_torn_and_readers_load_whole_weights(saved,
-                                                                                                        tmp_path):
-    """The DCP files count only as COMPLETE lists them: a truncated shard makes the checkpoint incomplete, and the
-    reader takes the previous one, naming the file (the same rule as model.safetensors). Readers (eval, sample,
-    export) load the whole weights, and a manifest entry that climbs out of dcp/ is no checkpoint file."""
+    outlives the save: the dcp/ shards a resume loads, the whole weights for readers (eval, sample, export). A
+    truncated shard makes the checkpoint incomplete and the reader takes the previous one, naming the file; a
+    manifest entry that climbs out of dcp/ is no checkpoint file."""
     run_dir, model = copied(saved, tmp_path), saved[1]
     root = run_dir / rundirs.CHECKPOINTS_DIR
     final = root / "step_000004"
     files = json.loads((final / rundirs.COMPLETE_FILE).read_text())["files"]
-    assert checkpoint.verify_checkpoint(final) is None
+    assert sorted(files) == ["dcp/.metadata", "dcp/__0_0.distcp", "model.safetensors", "rng.pt", "state.json"]
+    for name, entry in files.items():
+        raw = (final / name).read_bytes()
+        assert entry == {"bytes": len(raw), "crc32": zlib.crc32(raw)}, name
+    assert checkpoint.verify_checkpoint(final) is None and not list(root.glob(".tmp_*"))
     loaded = loading.load(run_dir)
     assert loaded.step == 4 and torch.equal(loaded.model.embed.weight, model.embed.weight)
     shard = final / "dcp" / "__0_0.distcp"
@@ -203,13 +158,17 @@ def test_dcp_files_are_listed_verified_and_fall_back_when_a_shard_is_torn_and_re
     assert "not a map of checkpoint files" in checkpoint.verify_checkpoint(final)
 
 
-def _reseal(ckpt: Path) -> None:
-    """COMPLETE rewritten for the files as they now are: damage the checksums cannot see."""
-    manifest = json.loads((ckpt / rundirs.COMPLETE_FILE).read_text())
-    for name in manifest["files"]:
-        raw = (ckpt / name).read_bytes()
-        manifest["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
-    (ckpt / rundirs.COMPLETE_FILE).write_text(json.dumps(manifest))
+def test_the_optimizer_state_dcp_gives_is_keyed_as_torch_saves_it():
+    """What a resume hands optim's checked load (checkpoint._indexed of DCP's name-keyed state) is what
+    optimizer.state_dict() gives: the same positions, groups and tensors (a tied embedding once)."""
+    model, optimizer = _trained()
+    ours, torchs = checkpoint._indexed(get_optimizer_state_dict(model, optimizer)), optimizer.state_dict()
+    assert [g["params"] for g in ours["param_groups"]] == [g["params"] for g in torchs["param_groups"]]
+    assert ours["param_groups"] == torchs["param_groups"]
+    assert ours["state"].keys() == torchs["state"].keys()
+    for i, state in torchs["state"].items():
+        for k, v in state.items():
+            assert torch.equal(ours["state"][i][k], v), (i, k)
 
 
 @pytest.mark.parametrize("damage, named", [
@@ -235,23 +194,26 @@ def test_dcp_files_damaged_behind_their_manifest_are_one_paragraph_naming_the_fi
     assert _checkpointer(run_dir).restore(fresh, fresh_opt, {})["step"] == 2
 
 
-def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
-    """One gloo rank of a 2-rank fsdp model: Checkpointer.save (every rank writes its DCP shards and fsyncs and sums
-    its own), recording which files this rank read back; then a save where rank 1's fsync fails."""
+# ---------------------------------------------------------------- every rank its share
+
+
+def _rank(rank: int, world: int, store: str) -> runtime.Runtime:
+    """This forked process as gloo rank `rank` of `world`."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    rt = runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
-    cfg = load_config(None, parse_overrides([*SHORT_ARGS, "--runtime.parallel=fsdp", f"--run.dir={root}"]))
-    model = build_model(cfg.model, "cpu")
-    parallel.shard(model, cfg, rt)
+    return runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
+
+
+def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
+    """A 2-rank fsdp model: Checkpointer.save (every rank writes its DCP shards and fsyncs and sums its own),
+    recording which files this rank read back; then a save where rank 1's fsync fails."""
+    rt = _rank(rank, world, store)
+    ckpt = _checkpointer(Path(root), "--runtime.parallel=fsdp", rt=rt)
+    model = build_model(ckpt.cfg.model, "cpu")
+    parallel.shard(model, ckpt.cfg, rt)
     opt = torch.optim.AdamW(model.parameters())
-    ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only save()'s collaborators are needed
-    ckpt.cfg, ckpt.rt, ckpt.root, ckpt.run_dir, ckpt.data, ckpt.mirror = cfg, rt, Path(root) / "checkpoints", \
-        Path(root), {}, None
-    ckpt.latest, ckpt.last_saved_step = None, None
     read: list[str] = []
-    summed = checkpoint.crc32_of
-    checkpoint.crc32_of = lambda path: read.append(Path(path).name) or summed(path)
+    checkpoint.crc32_of = lambda path: read.append(Path(path).name) or real_crc32(path)
     ckpt.save(2, model, opt, {})
     (Path(root) / f"read{rank}.json").write_text(json.dumps(read))
     real_fsync = checkpoint.fsync
@@ -291,15 +253,14 @@ def _synthetic(root: Path, step: int, sharded: bool = True, first: tuple[str, ..
     """checkpoints/step_NNNNNN with random bytes under a 2-rank checkpoint's names (DCP files) or a weights-only one's
     and a true COMPLETE, listing `first` first: verifying reads sizes and crc32s, never the contents."""
     ckpt = root / f"step_{step:06d}"
-    names = ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "model.safetensors"] if sharded else \
-        ["model.safetensors", "ema.safetensors"]
-    sizes = dict(zip(names, (300, 40_000, 40_000, 20_000) if sharded else (40_000, 30_000)))
+    sizes = {"dcp/.metadata": 300, "dcp/__0_0.distcp": 40_000, "dcp/__1_0.distcp": 40_000,
+             "model.safetensors": 20_000} if sharded else {"model.safetensors": 40_000, "ema.safetensors": 30_000}
     (ckpt / "dcp" if sharded else ckpt).mkdir(parents=True)
-    for name in names:
-        (ckpt / name).write_bytes(torch.randint(0, 256, (sizes[name],), dtype=torch.uint8).numpy().tobytes())
+    for name, size in sizes.items():
+        (ckpt / name).write_bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
     (ckpt / "rng.pt").write_bytes(b"rng" * 500)
     (ckpt / "state.json").write_text(json.dumps({"step": step}))
-    listed = [*first, *[n for n in [*names, "rng.pt", "state.json"] if n not in first]]
+    listed = [*first, *[n for n in [*sizes, "rng.pt", "state.json"] if n not in first]]
     files = {n: {"bytes": (ckpt / n).stat().st_size, "crc32": zlib.crc32((ckpt / n).read_bytes())} for n in listed}
     (ckpt / "COMPLETE").write_text(json.dumps({"step": step, "files": files}))
     return ckpt
@@ -333,22 +294,18 @@ def _resume_scenarios(runs: Path) -> None:
 def _choose_worker(rank: int, world: int, store: str, runs: str) -> None:
     """One gloo rank resuming each scenario run: the checkpoint Checkpointer.restore would load on this rank (or
     the refusal), the files this rank summed and the warnings it logged."""
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    rt = runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
+    rt = _rank(rank, world, store)
     read, warned, out = [], [], {}
-    summed = checkpoint.crc32_of
-    checkpoint.crc32_of = lambda path: read.append(str(path)) or summed(path)
+    checkpoint.crc32_of = lambda path: read.append(str(path)) or real_crc32(path)
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warned.append(record.getMessage())
     logging.getLogger("nanopt").addHandler(handler)
     for run in sorted(Path(runs).iterdir()):
-        mirror = [f"--checkpoint.mirror={run / 'remote'}"] if run.name == "mirror" else []
-        cfg = load_config(None, parse_overrides([*SHORT_ARGS, f"--run.dir={run}", *mirror]))
+        ckpt = _checkpointer(run, *([f"--checkpoint.mirror={run / 'remote'}"] if run.name == "mirror" else []), rt=rt)
         read.clear()
         warned.clear()
         try:
-            chosen = checkpoint.Checkpointer(cfg, rt, [])._agree()
+            chosen = ckpt._agree()
         except ConfigError as e:
             chosen = f"refused: {e}"
         out[run.name] = {"chosen": chosen, "read": [str(Path(p).relative_to(run)) for p in read], "warned": warned[:]}
@@ -397,9 +354,7 @@ def test_ranks_verify_their_own_share_of_a_checkpoint_on_resume_and_choose_what_
 
 def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp_path, caplog):
     """finish() waits for the mirror before the summary and the run's cleanup closes again: one warning."""
-    ckpt = checkpoint.Checkpointer.__new__(checkpoint.Checkpointer)  # only close()'s collaborators are needed
-    ckpt.rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
-    ckpt.mirror = checkpoint.Mirror(str(tmp_path / "mirror"), 1)
+    ckpt = _checkpointer(tmp_path / "run", f"--checkpoint.mirror={tmp_path / 'mirror'}")
     ckpt.mirror.failures.append("step_000001: no space left on device")
     with caplog.at_level(logging.WARNING, logger="nanopt"):
         ckpt.close()
@@ -420,58 +375,48 @@ def test_a_checkpoint_save_removes_links_in_its_way_never_what_they_point_to(tmp
     root.mkdir(parents=True)
     (root / ".tmp_step_000002").symlink_to(mine)
     (root / "step_000002").symlink_to(mine)
-    cfg = load_config(None, parse_overrides(SHORT_ARGS))
-    model = build_model(cfg.model, "cpu")
-    final = checkpoint.save(root, 2, checkpoint.model_state(model), {}, keep=3)
+    final = checkpoint.save(root, 2, checkpoint.model_state(_trained()[0]), {}, keep=3)
     assert not final.is_symlink() and checkpoint.verify_checkpoint(final) is None
     assert [p.name for p in mine.iterdir()] == ["precious"] and (mine / "precious").read_text() == "the user's"
 
 
-def test_a_full_disk_in_torch_save_is_disk_full_naming_the_file(tmp_path, monkeypatch):
-    """torch.save's own writer reports ENOSPC as a bare RuntimeError ("unexpected pos"); written through a file
-    object, the OSError is its context, and the save removes its temp directory."""
-    cfg = load_config(None, parse_overrides(SHORT_ARGS))
-    model = build_model(cfg.model, "cpu")
-    root = tmp_path / rundirs.CHECKPOINTS_DIR
-    checkpoint.save(root, 2, checkpoint.model_state(model), {}, keep=3)
-    real = torch.save
-
-    def full(obj, f, *args, **kwargs):
-        if isinstance(f, (str, Path)):
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
-        try:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-
-    monkeypatch.setattr(checkpoint.torch, "save", full)
-    with pytest.raises(DiskFull) as e:
-        checkpoint.save(root, 4, checkpoint.model_state(model), {}, keep=3)
-    monkeypatch.setattr(checkpoint.torch, "save", real)
-    assert f"writing {root / '.tmp_step_000004' / rundirs.RNG_FILE}" in str(e.value)
-    assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]
-    assert checkpoint.verify_checkpoint(root / "step_000002") is None
+def _full_torch_save(obj, f, *args, **kwargs):
+    """torch.save on a full disk: its own writer's bare RuntimeError ("unexpected pos"); through a file object, the
+    same with the OSError as its context."""
+    if isinstance(f, (str, Path)):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
 
-
-def test_a_full_disk_sealing_the_shards_is_disk_full_naming_the_file_and_leaves_no_temp_directory(tmp_path,
-                                                                                                  monkeypatch):
-    """A full disk can first show at a shard's fsync: DiskFull (exit 1) naming the shard, on every rank, the temp
-    directory removed (its space back) and the previous checkpoint as it was."""
-    model, opt = _trained()
-    ckpt = _checkpointer(tmp_path)
-    ckpt.save(2, model, opt, {})
-    real = checkpoint.fsync
-
-    def full(path):
+def _full_fsync(real):
+    def fsync(path):
         if Path(path).suffix == ".distcp":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path)
+    return fsync
 
-    monkeypatch.setattr(checkpoint, "fsync", full)
+
+@pytest.mark.parametrize("where", ["rng.pt", "dcp/__0_0.distcp"])
+def test_a_full_disk_in_a_save_is_disk_full_naming_the_file_and_leaves_no_temp_directory(tmp_path, monkeypatch,
+                                                                                         where):
+    """A full disk in torch.save (of a weights-only save; written through a file object, so the OSError is seen) or
+    first at a shard's fsync: DiskFull (exit 1) naming the file, the temp directory removed (its space back) and the
+    previous checkpoint as it was."""
+    model, opt = _trained()
+    root, ckpt = tmp_path / rundirs.CHECKPOINTS_DIR, _checkpointer(tmp_path)
+    if where == "rng.pt":
+        save, full = lambda step: checkpoint.save(root, step, checkpoint.model_state(model), {}, keep=3), \
+            (checkpoint.torch, "save", _full_torch_save)
+    else:
+        save, full = lambda step: ckpt.save(step, model, opt, {}), (checkpoint, "fsync", _full_fsync(checkpoint.fsync))
+    save(2)
+    monkeypatch.setattr(*full)
     with pytest.raises(DiskFull) as e:
-        ckpt.save(4, model, opt, {})
-    root = tmp_path / rundirs.CHECKPOINTS_DIR
-    assert f"writing {root / '.tmp_step_000004' / 'dcp' / '__0_0.distcp'}" in str(e.value)
+        save(4)
+    monkeypatch.undo()
+    assert f"writing {root / '.tmp_step_000004' / where}" in str(e.value)
     assert sorted(p.name for p in root.iterdir()) == [rundirs.LATEST_FILE, "step_000002"]
     assert checkpoint.verify_checkpoint(root / "step_000002") is None

@@ -1,10 +1,9 @@
 """Exact resume: a run killed, preempted or crashed anywhere ends bitwise identical to one that never stopped; a
-rerun never restarts silently and a finished run stays finished; and a muon run resumes exactly too.
+rerun never restarts silently and a finished run stays finished; a muon run keeping averaged weights resumes exactly.
 
-Runs are CPU, fp32, the SMALL model. Crashes are real processes killed with SIGKILL at precise points
-through the NANOPT_TEST_HOOK test hook (nanopt/training/faults.py); resumes run in-process through nanopt.main.run
-(same code, no interpreter start-up), and every result is compared byte for byte with one uninterrupted
-reference run.
+Runs are CPU, fp32, the SMALL model. Crashes are real processes killed with SIGKILL at precise points through the
+NANOPT_TEST_HOOK test hook (nanopt/training/faults.py); resumes run in-process through nanopt.main.run, and every
+result is compared byte for byte with an uninterrupted reference run (module-scoped, shared by the tests).
 """
 from __future__ import annotations
 
@@ -21,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import fsspec
 import pytest
 import torch
-from conftest import MUON_ARG, REPO, small_overrides, torchrun_started, train_short
+from conftest import MUON_ARG, REPO, small_overrides, torchrun_started
 from safetensors.torch import load_file
 
 from nanopt import errors, rundirs
@@ -34,15 +34,26 @@ STEPS = 8
 ARGS = small_overrides(**{
     "train.precision": "fp32", "train.max_steps": STEPS, "checkpoint.every": 2, "log.tensorboard": "false",
 })
+# A muon run that keeps averaged weights: the average starts at step 3, so the kill at step 5 resumes from step 4's
+# checkpoint, whose ema.safetensors carries it; the evaluations (every 2 steps) are of the average.
+MUON_EMA = (MUON_ARG, "--train.ema_decay=0.9", "--train.ema_start=3", "--eval.weights=ema", "--eval.every=2")
+MEMORY_MIRROR = "memory://nanopt-test-muon-ema"  # the muon reference's mirror (fsspec's memory is per process)
+# The runs killed through a hook, by name: (hook, extra arguments).
+KILLED = {"kill-in-save:4": ("kill-in-save:4", ()), "kill-after-save:6": ("kill-after-save:6", ()),
+          "muon-ema": ("kill-in-step:5", MUON_EMA)}
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """The checkpoints that verify, oldest first."""
-    return [c for c in checkpoint.checkpoint_dirs(root) if checkpoint.verify_checkpoint(c) is None]
+def step_dir(run_dir: Path, step: int = STEPS) -> Path:
+    return run_dir / rundirs.CHECKPOINTS_DIR / f"step_{step:06d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[str]:
+    """The names of the checkpoints that verify, oldest first."""
+    return [c.name for c in checkpoint.checkpoint_dirs(run_dir) if checkpoint.verify_checkpoint(c) is None]
 
 
 def final_weights(run_dir: Path, step: int = STEPS) -> bytes:
-    return (run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors").read_bytes()
+    return (step_dir(run_dir, step) / rundirs.MODEL_FILE).read_bytes()
 
 
 def resumable_state(ckpt: Path) -> dict[str, Any]:
@@ -54,77 +65,70 @@ def resumable_state(ckpt: Path) -> dict[str, Any]:
         return torch.load(Path(tmp) / "state.pt", weights_only=False)
 
 
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, training loss) of every logged step: a resumed run's log must read like the uninterrupted one."""
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out.append((record["step"], record["loss"]))
-    return out
+def logged(run_dir: Path, key: str = "loss") -> list[tuple]:
+    """(step, value) of every record with `key` (a resumed run's log must read like the uninterrupted one); for
+    val_loss also which weights were evaluated."""
+    records = rundirs.read_metrics(run_dir)
+    return [(r["step"], r[key], *([r["weights"]] if key == "val_loss" else [])) for r in records if key in r]
 
 
 def train_here(run_dir: Path, *extra: str) -> int:
     return run([*ARGS, f"--run.dir={run_dir}", *extra])
 
 
-def train_started(run_dir: Path, hook: str, *extra: str) -> Callable[[], subprocess.CompletedProcess]:
-    """A run in a process of its own with NANOPT_TEST_HOOK=hook, started: call what this returns to wait for it."""
+def train_started(run_dir: Path, hook: str, *extra: str) -> tuple[subprocess.Popen, Callable[[], Any]]:
+    """A run in a process of its own with NANOPT_TEST_HOOK=hook, started, and what waits for it (its stderr)."""
     env = {**os.environ, "NANOPT_TEST_HOOK": hook, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "nanopt.main", *ARGS, f"--run.dir={run_dir}", *extra]
     err = tempfile.TemporaryFile("w+")  # a file, which never fills up as an unread pipe does
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "nanopt.main", *ARGS, f"--run.dir={run_dir}", *extra],
+                            stdout=subprocess.DEVNULL, stderr=err, text=True, env=env, cwd=REPO)
 
     def finished() -> subprocess.CompletedProcess:
         try:
-            proc.wait(timeout=300)
+            proc.wait(timeout=300)  # only stops a hung run; speed is not asserted
         finally:
             proc.kill()  # a no-op once it has exited
         err.seek(0)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, "", err.read())
-        err.close()
-        return done
+        return subprocess.CompletedProcess(proc.args, proc.returncode, "", err.read())
 
-    return finished
+    return proc, finished
 
 
-# A run that keeps averaged weights (at the end of this file): the average starts at step 3, so the kill at step 5
-# resumes from step 4's checkpoint, whose ema.safetensors carries it; the evaluations (every 2 steps) are of the
-# average.
-EMA_ARGS = ("--train.ema_decay=0.9", "--train.ema_start=3", "--eval.weights=ema", "--eval.every=2")
-# The runs the tests below kill through a hook, by name: (hook, extra arguments).
-KILLED = {"kill-in-step:5": ("kill-in-step:5", ()), "kill-in-save:4": ("kill-in-save:4", ()),
-          "kill-after-save:6": ("kill-after-save:6", ()), "muon": ("kill-in-step:5", (MUON_ARG,)),
-          "ema": ("kill-in-step:5", EMA_ARGS)}
+def wait_for(marker: Path, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Whether the pause hook's `marker` appeared (while `alive`, within 120 s)."""
+    deadline = time.monotonic() + 120
+    while not marker.exists() and alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return marker.exists()
 
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Iterator[Callable[..., Any]]:
-    """Every KILLED run, each a process of its own, all started together the first time a test asks for one: each
-    trains on one thread, so on 2 cores they run two at a time (and beside this process's references) instead of
-    one after the other. killed(name, run_dir) waits for that run and copies what it left (a test resumes its own
-    copy: two tests share kill-after-save:6), returning its process."""
+    """Every KILLED run, each a process of its own, all started together the first time a test asks for one (on 2
+    cores they run beside this process's references). killed(name, run_dir) waits for that run and copies what it
+    left (a test resumes its own copy: two tests share kill-after-save:6), returning its process."""
     dirs = {name: tmp_path_factory.mktemp("killed") for name in KILLED}
     started = {name: train_started(dirs[name], hook, *extra) for name, (hook, extra) in KILLED.items()}
     done: dict[str, subprocess.CompletedProcess] = {}
 
     def copy(name: str, run_dir: Path) -> subprocess.CompletedProcess:
         if name not in done:
-            done[name] = started[name]()
+            done[name] = started[name][1]()
         shutil.copytree(dirs[name], run_dir, dirs_exist_ok=True)
         return done[name]
 
     yield copy
-    for name, finished in started.items():  # a run no selected test waited for
+    for name, (_, finished) in started.items():  # a run no selected test waited for
         if name not in done:
             finished()
 
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 2-step run (AdamW): the start of every test that resumes it changed; each takes its own copy."""
+    """A finished 2-step run (AdamW, started with checkpoint.resume=false): the start of every test that resumes it
+    changed; each takes its own copy."""
     run_dir = tmp_path_factory.mktemp("two_steps")
-    assert train_here(run_dir, "--train.max_steps=2") == 0
+    assert train_here(run_dir, "--train.max_steps=2", "--checkpoint.resume=false") == 0
     return run_dir
 
 
@@ -136,17 +140,26 @@ def copied(two_steps: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One uninterrupted run: the bytes every interrupted run must end with."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    assert train_here(run_dir) == 0
+    """One uninterrupted run: the bytes every interrupted run must end with. Its mirror (beside it) is the mirror
+    test's, local case."""
+    root = tmp_path_factory.mktemp("reference")
+    assert train_here(root / "run", f"--checkpoint.mirror=file://{root / 'mirror'}") == 0
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def muon_ema_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted MUON_EMA run, mirrored to MEMORY_MIRROR (the mirror test's memory case)."""
+    run_dir = tmp_path_factory.mktemp("muon_ema_reference")
+    assert train_here(run_dir, *MUON_EMA, f"--checkpoint.mirror={MEMORY_MIRROR}") == 0
     return run_dir
 
 
 def assert_same_as(reference: Path, run_dir: Path) -> None:
     assert final_weights(run_dir) == final_weights(reference)
-    assert losses(run_dir) == losses(reference)
-    assert len(losses(run_dir)) == STEPS  # each step logged once: the rows after the checkpoint were trimmed
-    ref_opt, opt = (resumable_state(d / "checkpoints" / f"step_{STEPS:06d}")["optimizer"] for d in (reference, run_dir))
+    assert logged(run_dir) == logged(reference)
+    assert len(logged(run_dir)) == STEPS  # each step logged once: the rows after the checkpoint were trimmed
+    ref_opt, opt = (resumable_state(step_dir(d))["optimizer"] for d in (reference, run_dir))
     assert ref_opt["state"] and ref_opt["state"].keys() == opt["state"].keys()
     for key, state in ref_opt["state"].items():
         for name, value in state.items():
@@ -154,7 +167,6 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("hook, resumes_from", [
-    ("kill-in-step:5", 4),      # mid-step: the work since step 4 is lost and redone
     ("kill-in-save:4", 2),      # mid-write: the half-written step 4 is discarded, step 2 is used
     ("kill-after-save:6", 6),   # after the rename, before `latest` moved: the directory scan still finds 6
 ])
@@ -162,70 +174,82 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
 def test_sigkill_anywhere_then_resume_is_bitwise_identical(killed, reference, tmp_path, hook, resumes_from, capsys):
     proc = killed(hook, tmp_path)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    complete = [p.name for p in complete_checkpoints(tmp_path / "checkpoints")]
-    assert complete[-1] == f"step_{resumes_from:06d}"
+    assert complete_checkpoints(tmp_path)[-1] == f"step_{resumes_from:06d}"
     if hook.startswith("kill-in-save"):
         assert (tmp_path / "checkpoints" / ".tmp_step_000004").is_dir()  # the interrupted write is really there
     assert train_here(tmp_path) == 0
-    assert f"resuming from {tmp_path / 'checkpoints' / f'step_{resumes_from:06d}'}" in capsys.readouterr().out
+    assert f"resuming from {step_dir(tmp_path, resumes_from)}" in capsys.readouterr().out
     assert_same_as(reference, tmp_path)
 
 
 @pytest.mark.slow
+def test_a_killed_muon_run_with_averaged_weights_resumes_bitwise_identically(tmp_path, muon_ema_reference, killed,
+                                                                            capsys):
+    """Killed mid-step 5 (the work since step 4 is lost and redone): weights, every logged loss, Muon's and AdamW's
+    state, the average and every evaluation of it end as in the uninterrupted run, which lowered the loss."""
+    values = [loss for _, loss in logged(muon_ema_reference)]
+    assert values[-1] < values[0] - 0.5, values
+    assert "name: muon" in (muon_ema_reference / "config.yaml").read_text()
+    proc = killed("muon-ema", tmp_path)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert complete_checkpoints(tmp_path)[-1] == "step_000004"
+    assert train_here(tmp_path, *MUON_EMA) == 0
+    assert f"resuming from {step_dir(tmp_path, 4)}" in capsys.readouterr().out
+    assert_same_as(muon_ema_reference, tmp_path)
+    averaged = [step_dir(d) / rundirs.EMA_FILE for d in (muon_ema_reference, tmp_path)]
+    assert averaged[0].read_bytes() == averaged[1].read_bytes()
+    assert logged(tmp_path, "val_loss") == logged(muon_ema_reference, "val_loss")
+    assert [w for _, _, w in logged(tmp_path, "val_loss")] == ["model", "model", "ema", "ema", "ema"]  # 0 2 4 6 8
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, killed, capsys):
+    proc = killed("kill-after-save:6", tmp_path)  # checkpoints 2, 4, 6, then SIGKILL (its lock left behind)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    newest = step_dir(tmp_path, 6) / rundirs.MODEL_FILE
+    data = bytearray(newest.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte in the weights
+    newest.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert train_here(tmp_path) == 0
+    out = capsys.readouterr().out  # nanopt logs to stdout
+    assert "skipping checkpoint step_000006" in out and "crc32" in out and "resuming from" in out
+    assert_same_as(reference, tmp_path)  # resumed from step 4 and redid steps 5-8
+
+
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_exits_75_and_says_resumable(tmp_path, reference):
-    env = {**os.environ, "NANOPT_TEST_HOOK": "pause:3", "OMP_NUM_THREADS": "1"}
-    err = open(tmp_path / "stderr.txt", "w+")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "nanopt.main", *ARGS, f"--run.dir={run_dir}"],
-                            stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO)
-    marker = run_dir / ".test_paused.rank0"
-    deadline = time.monotonic() + 120
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), "the run never reached step 3"
+    proc, finished = train_started(run_dir, "pause:3")
+    assert wait_for(run_dir / ".test_paused.rank0", lambda: proc.poll() is None), "the run never reached step 3"
     proc.send_signal(signal.SIGTERM)
-    returncode = proc.wait(timeout=60)  # only stops a hung run; speed is not asserted
-    err.seek(0)
-    stderr = err.read()
-    assert returncode == errors.EXIT_PREEMPTED == 75, stderr
+    stderr = finished().stderr
+    assert proc.returncode == errors.EXIT_PREEMPTED == 75, stderr
     assert "received SIGTERM" in stderr and "resumable" in stderr and "step 3" in stderr
     # At once: step 3 (not a periodic save) is checkpointed and no further step is trained.
-    assert complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
-    assert max(step for step, _ in losses(run_dir)) <= 3
+    assert complete_checkpoints(run_dir)[-1] == "step_000003"
+    assert max(step for step, _ in logged(run_dir)) <= 3
     assert train_here(run_dir) == 0
     assert_same_as(reference, run_dir)
 
 
 @pytest.mark.slow
-def test_time_limit_checkpoints_exits_75_and_resumes(tmp_path, reference, capsys):
-    """run.time_limit_s: past it, the run checkpoints after the current step and exits 75 like a preemption
-    (a scheduler's hard timeout would otherwise kill it and lose the steps since the last checkpoint)."""
+def test_time_limit_and_sigint_checkpoint_exit_75_and_resume(tmp_path, reference, monkeypatch, capsys):
+    """run.time_limit_s: past it, the run checkpoints after the current step and exits 75 like a preemption (a
+    scheduler's hard timeout would otherwise lose the steps since the last checkpoint). Modal preempts with SIGINT:
+    the same, here through nanopt.main.run in this very process."""
     assert train_here(tmp_path, "--run.time_limit_s=1e-6") == errors.EXIT_PREEMPTED  # over at once: step 1
     err = capsys.readouterr().err
     assert "preempted by the time limit (run.time_limit_s = 1e-06 s of wall time) after step 1" in err
-    assert checkpoint.verify_checkpoint(tmp_path / "checkpoints" / "step_000001") is None  # not a periodic save
-    assert train_here(tmp_path, "--run.time_limit_s=0") == 0  # a safe change on resume
-    assert_same_as(reference, tmp_path)
-
-
-@pytest.mark.slow
-def test_sigint_in_process_checkpoints_and_resumes(tmp_path, reference, monkeypatch, capsys):
-    """Modal preempts with SIGINT: same behaviour, here through nanopt.main.run in this very process."""
+    assert checkpoint.verify_checkpoint(step_dir(tmp_path, 1)) is None  # not a periodic save
     monkeypatch.setenv("NANOPT_TEST_HOOK", "pause:5")
     marker = tmp_path / ".test_paused.rank0"
-
-    def interrupt_when_paused() -> None:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt_when_paused, daemon=True).start()
-    assert train_here(tmp_path) == errors.EXIT_PREEMPTED
+    threading.Thread(target=lambda: (wait_for(marker), os.kill(os.getpid(), signal.SIGINT)), daemon=True).start()
+    assert train_here(tmp_path, "--run.time_limit_s=0") == errors.EXIT_PREEMPTED  # a safe change on resume
     assert "preempted by SIGINT after step 5" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers are restored
     monkeypatch.delenv("NANOPT_TEST_HOOK")
-    assert train_here(tmp_path) == 0
+    assert train_here(tmp_path, "--run.time_limit_s=0") == 0
     assert_same_as(reference, tmp_path)
 
 
@@ -257,27 +281,19 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, referenc
     """torchrun workers hear a signal at different moments: here only rank 1 gets SIGTERM, while paused
     after step 3. The all-reduced flag makes rank 0 stop after the same step; both save one checkpoint."""
     run_dir = tmp_path / "run"
-    out = open(tmp_path / "out.txt", "w+")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.main",
-           *ARGS, f"--run.dir={run_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NANOPT_TEST_HOOK": "pause:3:1"}
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    finished = torchrun_started(2, [*ARGS, f"--run.dir={run_dir}"], env={"NANOPT_TEST_HOOK": "pause:3:1"})
     marker = run_dir / ".test_paused.rank1"
-    deadline = time.monotonic() + 120
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), "rank 1 never reached step 3"
+    assert wait_for(marker), "rank 1 never reached step 3"
     os.kill(int(marker.read_text()), signal.SIGTERM)  # rank 1 only; torchrun and rank 0 hear nothing
-    proc.wait(timeout=60)
-    out.seek(0)
-    log = out.read()
+    proc = finished(60)
+    log = proc.stdout + proc.stderr
     assert "preempted by SIGTERM after step 3" in log  # rank 1
     assert "preempted by a signal to another rank after step 3" in log  # rank 0, same step
     # torchrun's report: both workers said "preempted, resumable". Seen once (1 in ~10): a worker aborted (SIGABRT)
     # after both had logged the preemption; the tail shows where, next time.
     assert "exitcode  : 75" in log, log[-4000:]
-    assert complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_000003"
-    rngs = torch.load(run_dir / "checkpoints" / "step_000003" / "rng.pt", weights_only=True)["ranks"]
+    assert complete_checkpoints(run_dir)[-1] == "step_000003"
+    rngs = torch.load(step_dir(run_dir, 3) / rundirs.RNG_FILE, weights_only=True)["ranks"]
     assert len(rngs) == 2  # every rank's RNG state was saved
     assert train_here(run_dir) == 0  # resumed on one process
     assert final_weights(run_dir) == final_weights(reference)
@@ -294,64 +310,56 @@ def test_diverged_loss_stops_keeps_the_last_good_checkpoint_and_closes_the_profi
     err = capsys.readouterr().err
     assert rc == errors.EXIT_DIVERGED == 3, err
     assert "NaN/inf" in err and "train.lr" in err and "Traceback" not in err
-    kept = complete_checkpoints(run_dir / "checkpoints")
-    for ckpt in kept:  # every checkpoint on disk holds finite weights
-        assert all(torch.isfinite(t).all() for t in load_file(ckpt / "model.safetensors").values()), ckpt
-    assert (f"{kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
+    kept = complete_checkpoints(run_dir)
+    for name in kept:  # every checkpoint on disk holds finite weights
+        weights = load_file(run_dir / "checkpoints" / name / rundirs.MODEL_FILE).values()
+        assert all(torch.isfinite(t).all() for t in weights), name
+    assert (f"{run_dir / 'checkpoints' / kept[-1]}" in err) if kept else ("No checkpoint was written" in err)
     assert not profiling._active  # not left recording in this process
     assert list((run_dir / "tb" / "plugins" / "profile").rglob("*.pt.trace.json")), "no trace written"
-    assert [p.name for p in kept] == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
-
-
-@pytest.mark.slow
-def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, killed, capsys):
-    proc = killed("kill-after-save:6", tmp_path)  # checkpoints 2, 4, 6, then SIGKILL (its lock left behind)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    newest = tmp_path / "checkpoints" / "step_000006" / "model.safetensors"
-    data = bytearray(newest.read_bytes())
-    data[-100] ^= 0xFF  # one flipped byte in the weights
-    newest.write_bytes(bytes(data))
-    capsys.readouterr()
-    assert train_here(tmp_path) == 0
-    out = capsys.readouterr().out  # nanopt logs to stdout
-    assert "skipping checkpoint step_000006" in out and "crc32" in out and "resuming from" in out
-    assert_same_as(reference, tmp_path)  # resumed from step 4 and redid steps 5-8
+    assert kept == sorted(p.name for p in mirror.glob("step_*") if (p / "COMPLETE").exists())
 
 
 @pytest.mark.slow
 def test_no_usable_checkpoint_is_refused_every_time_until_start_over(copied, capsys):
-    tmp_path = copied
-    (tmp_path / "checkpoints" / "step_000002" / "dcp" / "__0_0.distcp").write_bytes(b"garbage")
-    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    (step_dir(copied, 2) / "dcp" / "__0_0.distcp").write_bytes(b"garbage")
+    metrics = (copied / "metrics.jsonl").read_bytes()
     capsys.readouterr()
     for _ in range(2):  # the same paragraph every time: nothing is set aside, nothing restarts
-        assert train_here(tmp_path, "--train.max_steps=3") == 2
+        assert train_here(copied, "--train.max_steps=3") == 2
         err = capsys.readouterr().err
         assert "no usable checkpoint" in err and "dcp/__0_0.distcp" in err and "start_over" in err
         assert "Traceback" not in err
-        assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
-        assert (tmp_path / "checkpoints" / "step_000002").is_dir()
-    assert train_here(tmp_path, "--train.max_steps=3", "--checkpoint.start_over=true") == 0
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert (copied / "metrics.jsonl").read_bytes() == metrics
+        assert step_dir(copied, 2).is_dir()
+    assert train_here(copied, "--train.max_steps=3", "--checkpoint.start_over=true") == 0
+    steps = [json.loads(line)["step"] for line in (copied / "metrics.jsonl").read_text().splitlines()]
     assert steps[0] in (0, 1) and steps[-1] == 3 and steps == sorted(steps)  # one run from step 0, not appended
 
 
 @pytest.mark.slow
 def test_changed_config_is_refused_unless_safe_or_allowed(copied, capsys):
-    tmp_path = copied
-    assert train_here(tmp_path, "--train.max_steps=2", "--model.dim=32", "--train.lr=0.001") == 2
+    assert train_here(copied, "--train.max_steps=2", "--model.dim=32", "--train.lr=0.001") == 2
     err = capsys.readouterr().err
     assert "model.dim: 64 in the checkpoint, 32 now" in err and "train.lr" in err
     assert "checkpoint.allow_changes" in err
     # The validation windows are part of the run: another eval.seed would measure different tokens.
-    assert train_here(tmp_path, "--train.max_steps=2", "--eval.seed=7") == 2
+    assert train_here(copied, "--train.max_steps=2", "--eval.seed=7") == 2
     assert "eval.seed: 0 in the checkpoint, 7 now" in capsys.readouterr().err
     # Known-safe keys (length, cadence, logging) resume without complaint.
-    assert train_here(tmp_path, "--train.max_steps=3", "--checkpoint.every=3", "--log.every=2",
-                      "--eval.every=3") == 0
-    assert complete_checkpoints(tmp_path / "checkpoints")[-1].name == "step_000003"
+    assert train_here(copied, "--train.max_steps=3", "--checkpoint.every=3", "--log.every=2", "--eval.every=3") == 0
+    assert complete_checkpoints(copied)[-1] == "step_000003"
     # An explicitly allowed change is accepted.
-    assert train_here(tmp_path, "--train.max_steps=4", "--train.lr=0.001", "--checkpoint.allow_changes=train.lr") == 0
+    assert train_here(copied, "--train.max_steps=4", "--train.lr=0.001", "--checkpoint.allow_changes=train.lr") == 0
+
+
+def test_switching_optimizer_on_resume_is_refused_even_when_allowed(copied, capsys):
+    assert train_here(copied, "--train.max_steps=4", MUON_ARG) == 2  # the checkpoint is adamw's
+    assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in capsys.readouterr().err
+    assert train_here(copied, "--train.max_steps=4", MUON_ARG, "--checkpoint.allow_changes=optim.name") == 2
+    err = capsys.readouterr().err
+    assert "optimizer state does not fit this run" in err and "--optim.name=adamw" in err
+    assert "Traceback" not in err
 
 
 def test_shards_that_differ_from_the_checkpoint_are_refused(tmp_path, corpus_dir, capsys):
@@ -368,75 +376,77 @@ def test_shards_that_differ_from_the_checkpoint_are_refused(tmp_path, corpus_dir
     assert "training shards do not match" in err and "train_000000.bin" in err
 
 
-def test_resume_false_never_overwrites(tmp_path, capsys):
-    assert train_here(tmp_path / "fresh", "--train.max_steps=2", "--checkpoint.resume=false") == 0
-    assert train_here(tmp_path / "fresh", "--train.max_steps=2", "--checkpoint.resume=false") == 2
+def test_resume_false_never_overwrites(copied, capsys):
+    """two_steps trained a fresh directory with checkpoint.resume=false; in a run directory that is not empty it
+    refuses."""
+    assert train_here(copied, "--train.max_steps=2", "--checkpoint.resume=false") == 2
     assert "not empty" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["memory", "local"])
-def test_mirror_copy_is_used_when_the_local_directory_is_gone(tmp_path, reference, scheme, capsys):
-    import fsspec
-
-    url = f"memory://nanopt-test-{tmp_path.name}" if scheme == "memory" else f"file://{tmp_path / 'mirror'}"
-    run_dir = tmp_path / "run"
-    assert train_here(run_dir, f"--checkpoint.mirror={url}") == 0
+def test_mirror_copy_is_used_when_the_local_directory_is_gone(tmp_path, request, scheme, capsys):
+    """The reference runs' mirrors: a new machine (an empty run directory) resumes from the mirror's newest complete
+    checkpoint."""
+    if scheme == "memory":
+        ref, url, extra = request.getfixturevalue("muon_ema_reference"), MEMORY_MIRROR, MUON_EMA
+    else:
+        ref, extra = request.getfixturevalue("reference"), ()
+        url = f"file://{ref.parent / 'mirror'}"
     fs, root = fsspec.core.url_to_fs(url)
     assert fs.cat(f"{root}/latest").decode().strip() == "step_000008"
     remote = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
     assert remote == ["latest", "step_000004", "step_000006", "step_000008"]  # keep=3, like the local directory
-    assert fs.cat(f"{root}/step_000008/model.safetensors") == final_weights(reference)
-    shutil.rmtree(run_dir)  # the machine is gone; the mirror is not ...
-    fs.rm(f"{root}/step_000008/COMPLETE")  # ... and the machine vanished before the last upload finished
+    assert fs.cat(f"{root}/step_000008/model.safetensors") == final_weights(ref)
+    fs.rm(f"{root}/step_000008/COMPLETE")  # the machine vanished before the last upload finished
     capsys.readouterr()
-    assert train_here(run_dir, f"--checkpoint.mirror={url}") == 0
+    run_dir = tmp_path / "run"  # the machine is gone; the mirror is not
+    assert train_here(run_dir, *extra, f"--checkpoint.mirror={url}") == 0
     assert "fetched step_000006 from the mirror" in capsys.readouterr().out
-    assert final_weights(run_dir) == final_weights(reference)
-    assert [s for s, _ in losses(run_dir)] == [7, 8]  # the log of steps 1-6 stayed on the lost machine
-    assert dict(losses(run_dir)) == {s: v for s, v in losses(reference) if s > 6}
-    assert not math.isnan(losses(run_dir)[-1][1])
+    assert final_weights(run_dir) == final_weights(ref)
+    assert [s for s, _ in logged(run_dir)] == [7, 8]  # the log of steps 1-6 stayed on the lost machine
+    assert dict(logged(run_dir)) == {s: v for s, v in logged(ref) if s > 6}
+    assert not math.isnan(logged(run_dir)[-1][1])
 
 
 # ---------------------------------------------------------------- no restart nobody asked for
 
 
-def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(tmp_path, capsys):
+def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(copied, capsys):
     """A checkpoints/ directory not yet synced (or deleted) must not turn into a silent restart."""
-    assert train_short(tmp_path, "--train.max_steps=2") == 0
-    os.rename(tmp_path / "checkpoints", tmp_path / "elsewhere")
-    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    os.rename(copied / "checkpoints", copied / "elsewhere")
+    metrics = (copied / "metrics.jsonl").read_bytes()
     for _ in range(2):
-        assert train_short(tmp_path, "--train.max_steps=3") == 2
+        assert train_here(copied, "--train.max_steps=3") == 2
         err = capsys.readouterr().err
         assert "shows saved training but holds no usable checkpoint" in err and "start_over" in err
-        assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+        assert (copied / "metrics.jsonl").read_bytes() == metrics
 
 
 # ---------------------------------------------------------------- a finished run is finished
 
 
 @pytest.mark.slow
-def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(tmp_path, capsys):
-    assert train_short(tmp_path) == 0
+def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(tmp_path, reference, capsys):
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
     files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     capsys.readouterr()
-    assert train_short(tmp_path) == 0
+    assert train_here(tmp_path) == 0
     out = capsys.readouterr().out
-    assert "is finished; nothing to train" in out and "4 steps" in out and "step      1/4" not in out
+    assert "is finished; nothing to train" in out and f"{STEPS} steps" in out and f"step      1/{STEPS}" not in out
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
     # Another config on the finished run is refused, naming the key.
-    assert train_short(tmp_path, "--train.lr=0.001") == 2
+    assert train_here(tmp_path, "--train.lr=0.001") == 2
     assert "finished run of another config" in capsys.readouterr().err
     # So is a resume-safe key that changes results: the re-run would have ignored it (exit 0, before).
-    assert train_short(tmp_path, "--train.target_val_loss=1.6") == 2
+    assert train_here(tmp_path, "--train.target_val_loss=1.6") == 2
     assert "train.target_val_loss: None in the checkpoint, 1.6 now" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
 
 
 def test_a_run_stopped_at_its_target_is_finished(tmp_path, capsys):
     target = ["--train.target_val_loss=100", "--train.stop_at_target=true", "--eval.every=2", "--train.max_steps=6"]
-    assert train_short(tmp_path, *target) == 0
+    assert train_here(tmp_path, *target) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     # The clock saw the target at the step-0 evaluation; the loop stops at the next one.
     assert summary["stopped_at_target"] is True and summary["steps"] == 2 and summary["step_to_target"] == 0
@@ -444,71 +454,6 @@ def test_a_run_stopped_at_its_target_is_finished(tmp_path, capsys):
     assert rundirs.finished(tmp_path, 6, False) is None  # without stop_at_target it would train on to 6
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     capsys.readouterr()
-    assert train_short(tmp_path, *target) == 0
+    assert train_here(tmp_path, *target) == 0
     assert "is finished" in capsys.readouterr().out
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
-
-
-# ---------------------------------------------------------------- a muon run
-
-@pytest.fixture(scope="module")
-def muon_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted muon run (the reference's 8 fp32 steps, a checkpoint every 2)."""
-    run_dir = tmp_path_factory.mktemp("muon_reference")
-    assert train_here(run_dir, MUON_ARG) == 0
-    return run_dir
-
-
-@pytest.mark.slow
-def test_a_muon_run_lowers_the_loss(muon_reference):
-    values = [loss for _, loss in losses(muon_reference)]
-    assert values[-1] < values[0] - 0.5, values
-    config = (muon_reference / "config.yaml").read_text()
-    assert "name: muon" in config
-
-
-@pytest.mark.slow
-def test_a_killed_muon_run_resumes_bitwise_identically(tmp_path, muon_reference, killed, capsys):
-    proc = killed("muon", tmp_path)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert train_here(tmp_path, MUON_ARG) == 0
-    assert f"resuming from {tmp_path / 'checkpoints' / 'step_000004'}" in capsys.readouterr().out
-    assert_same_as(muon_reference, tmp_path)  # weights, every logged loss, and Muon's and AdamW's state
-
-
-def test_switching_optimizer_on_resume_is_refused_even_when_allowed(copied, capsys):
-    tmp_path = copied  # adamw
-    assert train_here(tmp_path, "--train.max_steps=4", MUON_ARG) == 2
-    assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in capsys.readouterr().err
-    assert train_here(tmp_path, "--train.max_steps=4", MUON_ARG, "--checkpoint.allow_changes=optim.name") == 2
-    err = capsys.readouterr().err
-    assert "optimizer state does not fit this run" in err and "--optim.name=adamw" in err
-    assert "Traceback" not in err
-
-
-# ---------------------------------------------------------------- a run that keeps averaged weights
-
-
-@pytest.fixture(scope="module")
-def ema_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ema_reference")
-    assert train_here(run_dir, *EMA_ARGS) == 0
-    return run_dir
-
-
-def evaluations(run_dir: Path) -> list[tuple[int, float, str]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["val_loss"], r["weights"]) for r in records if "val_loss" in r]
-
-
-@pytest.mark.slow
-def test_a_killed_run_with_averaged_weights_resumes_bitwise_identically(tmp_path, ema_reference, killed, capsys):
-    proc = killed("ema", tmp_path)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert train_here(tmp_path, *EMA_ARGS) == 0
-    assert f"resuming from {tmp_path / 'checkpoints' / 'step_000004'}" in capsys.readouterr().out
-    assert_same_as(ema_reference, tmp_path)
-    averaged = [d / "checkpoints" / f"step_{STEPS:06d}" / rundirs.EMA_FILE for d in (ema_reference, tmp_path)]
-    assert averaged[0].read_bytes() == averaged[1].read_bytes()
-    assert evaluations(tmp_path) == evaluations(ema_reference)
-    assert [w for _, _, w in evaluations(tmp_path)] == ["model", "model", "ema", "ema", "ema"]  # steps 0 2 4 6 8
