@@ -73,18 +73,6 @@ def test_the_sum_is_fp32_and_each_tensor_keeps_its_dtype(tmp_path):
     assert mean["w"][0].item() == torch.tensor(expected).to(torch.bfloat16).item()
 
 
-def _with_foreign_checkpoint(runs: dict[str, Path], root: Path) -> Path:
-    """A copy of the run whose newest checkpoint (step 8) is the wider model's."""
-    copy = root / "mixed"
-    shutil.copytree(runs["run"], copy)
-    shutil.copytree(_step(runs["wider"], 2), _step(copy, 8))
-    state = json.loads((_step(copy, 8) / rundirs.STATE_FILE).read_text())
-    state["step"] = 8  # its name and its state agree: only the model differs
-    (_step(copy, 8) / rundirs.STATE_FILE).write_text(json.dumps(state))
-    _reseal(_step(copy, 8))
-    return copy
-
-
 def _reseal(ckpt: Path) -> None:
     """Rewrite COMPLETE for the files as they now are (a checkpoint that verifies)."""
     files = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "crc32": checkpoint.crc32_of(p)}
@@ -92,37 +80,36 @@ def _reseal(ckpt: Path) -> None:
     (ckpt / rundirs.COMPLETE_FILE).write_text(json.dumps({"step": checkpoint.step_of(ckpt), "files": files}))
 
 
-def _with_other_tensors(runs: dict[str, Path], root: Path) -> Path:
-    """A copy of the run whose step 6 lacks one tensor (same config)."""
-    copy = root / "dropped"
-    shutil.copytree(runs["run"], copy)
-    weights = load_file(str(_step(copy, 6) / rundirs.MODEL_FILE))
+def _foreign(runs: dict[str, Path], ckpt: Path) -> None:
+    """The wider model's checkpoint as step 8: its name and its state agree, only the model differs."""
+    shutil.copytree(_step(runs["wider"], 2), ckpt)
+    state = json.loads((ckpt / rundirs.STATE_FILE).read_text())
+    (ckpt / rundirs.STATE_FILE).write_text(json.dumps({**state, "step": 8}))
+
+
+def _one_tensor_less(runs: dict[str, Path], ckpt: Path) -> None:
+    weights = load_file(str(ckpt / rundirs.MODEL_FILE))
     weights.pop(sorted(weights)[0])
-    save_file(weights, str(_step(copy, 6) / rundirs.MODEL_FILE), metadata={"format": "pt"})
-    _reseal(_step(copy, 6))
-    return copy
+    save_file(weights, str(ckpt / rundirs.MODEL_FILE), metadata={"format": "pt"})
 
 
-def _with_no_safetensors(runs: dict[str, Path], root: Path, step: int) -> Path:
-    """A copy of the run whose step `step` holds weights that are no safetensors file, listed in its manifest."""
-    copy = root / "garbage"
-    shutil.copytree(runs["run"], copy)
-    (_step(copy, step) / rundirs.MODEL_FILE).write_bytes(b"hello")
-    _reseal(_step(copy, step))
-    return copy
-
-
-def _with_incomplete(runs: dict[str, Path], root: Path) -> Path:
-    copy = root / "incomplete"
-    shutil.copytree(runs["run"], copy)
-    (_step(copy, 6) / rundirs.COMPLETE_FILE).unlink()
-    return copy
+def _variant(runs: dict[str, Path], root: Path, step: int, change, reseal: bool = True) -> str:
+    """A copy of the run whose checkpoint of `step` is `change`d, then resealed (COMPLETE rewritten to match)."""
+    copy = shutil.copytree(runs["run"], root / "variant")
+    change(runs, _step(copy, step))
+    if reseal:
+        _reseal(_step(copy, step))
+    return str(copy)
 
 
 def _nonempty_out(root: Path) -> Path:
     (root / "taken").mkdir()
     (root / "taken" / "notes.txt").write_text("someone's files")
     return root / "taken"
+
+
+def _no_safetensors(runs: dict[str, Path], ckpt: Path) -> None:
+    (ckpt / rundirs.MODEL_FILE).write_bytes(b"hello")
 
 
 # (case id, argv builder (runs, scratch root) -> argv after `average`, words the message must contain)
@@ -135,16 +122,16 @@ CASES = [
     ("not_a_run", lambda r, t: [str(t), "--last", "2"], ["holds no checkpoints"]),
     ("out_not_empty", lambda r, t: [str(r["run"]), "--last", "2", "--out", str(_nonempty_out(t))],
      ["taken", "not empty", "never overwrites"]),
-    ("other_config", lambda r, t: [str(_with_foreign_checkpoint(r, t)), "--last", "2"],
+    ("other_config", lambda r, t: [_variant(r, t, 8, _foreign), "--last", "2"],
      ["different configs", "model.dim: 64 vs 32", "step_000008"]),
-    ("other_tensors", lambda r, t: [str(_with_other_tensors(r, t)), "--steps", "4,6"],
+    ("other_tensors", lambda r, t: [_variant(r, t, 6, _one_tensor_less), "--steps", "4,6"],
      ["hold different tensors", "1 differ"]),
-    ("first_no_safetensors", lambda r, t: [str(_with_no_safetensors(r, t, 4)), "--steps", "4,6"],
+    ("first_no_safetensors", lambda r, t: [_variant(r, t, 4, _no_safetensors), "--steps", "4,6"],
      ["step_000004/model.safetensors is not a safetensors file"]),
-    ("second_no_safetensors", lambda r, t: [str(_with_no_safetensors(r, t, 6)), "--steps", "4,6"],
+    ("second_no_safetensors", lambda r, t: [_variant(r, t, 6, _no_safetensors), "--steps", "4,6"],
      ["step_000006/model.safetensors is not a safetensors file"]),
-    ("incomplete", lambda r, t: [str(_with_incomplete(r, t)), "--last", "2"],
-     ["step_000006 cannot be averaged", "COMPLETE"]),
+    ("incomplete", lambda r, t: [_variant(r, t, 6, lambda _, c: (c / rundirs.COMPLETE_FILE).unlink(), False),
+                                 "--last", "2"], ["step_000006 cannot be averaged", "COMPLETE"]),
 ]
 
 

@@ -20,7 +20,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONF
 from nanopt.schema import Field, parse, problem, raw, read
 from nanopt.training.ema import EMA
 from nanopt.training.faults import fault_hook
+
+if TYPE_CHECKING:  # what the checkpointer saves besides weights and optimizer: a JSON-able state_dict()
+    from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger("nanopt")
 # The shapes of a checkpoint's own JSON files (schema's). A COMPLETE entry that could climb out of the directory is no
@@ -62,14 +65,6 @@ EARLIER = "Resume from an earlier checkpoint (move this one aside), or start a n
 # version wrote.
 DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
                    pickle.UnpicklingError, SafetensorError)
-
-
-class Stateful(Protocol):
-    """What the checkpointer saves besides weights and optimizer: anything with a JSON-able state_dict()."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -648,11 +643,10 @@ class Checkpointer:
                               f"{'; '.join(changes)}. {fix}")
         if (before := saved.get("data", self.data)) != self.data:
             changed = f"the checkpoint was trained on {len(before)} shard(s), the data has {len(self.data)}"
-            for a, b in zip(before, self.data) if len(before) == len(self.data) else ():
-                if a != b:
-                    changed = f"shard {a.get('name')} differs: " + ", ".join(
-                        f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
-                    break
+            if len(before) == len(self.data):
+                a, b = next((a, b) for a, b in zip(before, self.data) if a != b)
+                changed = f"shard {a.get('name')} differs: " + ", ".join(
+                    f"{k} {a.get(k)} -> {b.get(k)}" for k in a if a.get(k) != b.get(k))
             raise ConfigError(f"the training shards do not match checkpoint {ckpt}: {changed}. Point `data.source` "
                               f"at the shards the run was trained on, or start a new run (a new `run.dir`).")
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict

@@ -3,14 +3,14 @@ metrics.jsonl is refused with nothing written outside the run, a full disk at th
 while logging is exit 1 and the rerun goes on, and a second trainer is refused while another holds the run."""
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
 
 import pytest
-from conftest import REPO, USERS, full_disk_for, one_paragraph, train_short, users_file
+from conftest import REPO, USERS, full_disk_for, linked_run, one_paragraph, train_short
 from safetensors import SafetensorError
 
 from nanopt import rundirs
@@ -20,88 +20,71 @@ from nanopt.training import checkpoint
 
 
 @pytest.mark.slow
-def test_metrics_jsonl_linked_to_a_users_file_is_refused_and_nothing_is_copied(tmp_path, capsys):
-    """Before: the resume's trim read the user's lines and wrote them into the run, and training appended after them."""
-    mine = users_file(tmp_path)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / rundirs.METRICS_FILE).symlink_to(mine)
+@pytest.mark.parametrize("name, dangling", [(rundirs.METRICS_FILE, False), (rundirs.METRICS_FILE, True),
+                                            (rundirs.EVALS_FILE, True)])
+def test_a_run_file_linked_outside_is_refused_and_nothing_is_written_there(tmp_path, capsys, name, dangling):
+    """Before: the resume's trim read the user's lines and wrote them into the run, and training appended after them;
+    a dangling metrics.jsonl link made the logger create the user's file outside the run."""
+    run_dir, mine = linked_run(tmp_path, name, dangling)
     assert train_short(run_dir) == 2
     err = one_paragraph(capsys.readouterr().err)
-    assert str(run_dir / rundirs.METRICS_FILE) in err and "symbolic link" in err and "Remove the link" in err
-    assert mine.read_bytes() == USERS and (run_dir / rundirs.METRICS_FILE).is_symlink()
-    assert not rundirs.checkpoints_dir(run_dir).exists() and not (run_dir / rundirs.LOCK_FILE).exists()
+    for word in (str(run_dir / name), str(mine), "symbolic link", "Remove the link"):
+        assert word in err, err
+    assert (run_dir / name).is_symlink() and ((not mine.exists()) if dangling else mine.read_bytes() == USERS)
+    assert list(mine.parent.iterdir()) == ([] if dangling else [mine])
+    assert not (run_dir / rundirs.CHECKPOINTS_DIR).exists() and not (run_dir / rundirs.LOCK_FILE).exists()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [rundirs.METRICS_FILE, rundirs.EVALS_FILE])
-def test_a_dangling_link_in_a_run_creates_nothing_outside(tmp_path, capsys, name):
-    """Before: metrics.jsonl's dangling link made the logger create the user's file outside the run."""
-    target = tmp_path / "outside" / "created.jsonl"
-    target.parent.mkdir()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / name).symlink_to(target)
-    assert train_short(run_dir) == 2
-    err = one_paragraph(capsys.readouterr().err)
-    assert str(run_dir / name) in err and str(target) in err and "symbolic link" in err
-    assert not target.exists() and list(target.parent.iterdir()) == []
+# ---------------------------------------------------------------- a full disk
 
 
-@pytest.mark.slow
-def test_a_full_disk_at_the_start_of_training_is_exit_1_and_the_rerun_trains(tmp_path, monkeypatch, capsys):
-    full_disk_for(monkeypatch, rundirs.LOCK_FILE)
-    assert train_short(tmp_path) == 1
-    err = one_paragraph(capsys.readouterr().err)
-    assert str(tmp_path / rundirs.LOCK_FILE) in err and "no space left" in err and "GiB free" in err
-    monkeypatch.undo()
-    assert train_short(tmp_path) == 0
+def _full_in_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = checkpoint.save_file
 
-
-def _safetensors_full(real: Callable) -> Callable:
     def save_file(tensors, filename, metadata=None):
         if ".tmp_step_000004" in str(filename):  # what safetensors raises on ENOSPC (checked on a 64 KiB tmpfs)
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return real(tensors, filename, metadata=metadata)
 
-    return save_file
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+
+
+def _full_past_step_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    writes = itertools.count(1)
+    full_disk_for(monkeypatch, rundirs.METRICS_FILE, when=lambda: next(writes) > 2)
+
+
+FULL = {  # where the disk fills up: (make it full, the words of the paragraph)
+    "start": (lambda mp: full_disk_for(mp, rundirs.LOCK_FILE),
+              lambda run: [str(run / rundirs.LOCK_FILE), "no space left", "GiB free"]),
+    "save": (_full_in_save, lambda run: [f"writing {run / 'checkpoints' / '.tmp_step_000004' / rundirs.MODEL_FILE}",
+                                         "GiB free", "run the same command again"]),
+    "logging": (_full_past_step_2, lambda run: [str(run / rundirs.METRICS_FILE), "GiB free"]),
+}
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_checkpoint_save_is_exit_1_and_the_previous_checkpoint_resumes(tmp_path, monkeypatch,
-                                                                                           capsys):
-    """Before: a SafetensorError traceback. Now one paragraph, the half-written checkpoint removed, step 2 kept."""
-    monkeypatch.setattr(checkpoint, "save_file", _safetensors_full(checkpoint.save_file))
+@pytest.mark.parametrize("where", FULL)
+def test_a_full_disk_is_exit_1_in_one_paragraph_and_the_rerun_trains_on(tmp_path, monkeypatch, capsys, where):
+    """Before: a SafetensorError traceback in a save. Now one paragraph; a save's half-written checkpoint is removed
+    and step 2 kept; a log keeps every whole line."""
+    make_full, words = FULL[where]
+    make_full(monkeypatch)
     assert train_short(tmp_path) == 1
     err = one_paragraph(capsys.readouterr().err)
-    model_file = rundirs.checkpoints_dir(tmp_path) / ".tmp_step_000004" / rundirs.MODEL_FILE
-    assert f"writing {model_file}" in err and "GiB free" in err and "run the same command again" in err
-    newest, skipped = checkpoint.newest_checkpoint(tmp_path)
-    assert [p.name for p in checkpoint.checkpoint_dirs(rundirs.checkpoints_dir(tmp_path))] == ["step_000002"]
-    assert newest.name == "step_000002" and skipped == []
-    assert not (rundirs.checkpoints_dir(tmp_path) / ".tmp_step_000004").exists()
-    assert not (tmp_path / rundirs.LOCK_FILE).exists()
+    for word in words(tmp_path):
+        assert word in err, err
     monkeypatch.undo()  # space freed
+    if where == "save":
+        newest, skipped = checkpoint.newest_checkpoint(tmp_path)
+        assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step_000002"]
+        assert newest.name == "step_000002" and skipped == []
+        assert not (tmp_path / "checkpoints" / ".tmp_step_000004").exists()
+        assert not (tmp_path / rundirs.LOCK_FILE).exists()
+    if where == "logging":
+        assert [r["step"] for r in rundirs.read_metrics(tmp_path)] == [1, 2]  # no half line left
     assert train_short(tmp_path) == 0
-    assert "resuming from" in capsys.readouterr().out
-    assert [r["step"] for r in rundirs.read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
-
-
-@pytest.mark.slow
-def test_a_full_disk_while_logging_metrics_is_exit_1_and_keeps_every_whole_line(tmp_path, monkeypatch, capsys):
-    logged = {"n": 0}
-
-    def past_step_2() -> bool:
-        logged["n"] += 1
-        return logged["n"] > 2
-
-    full_disk_for(monkeypatch, rundirs.METRICS_FILE, when=past_step_2)
-    assert train_short(tmp_path) == 1
-    err = one_paragraph(capsys.readouterr().err)
-    assert str(tmp_path / rundirs.METRICS_FILE) in err and "GiB free" in err
-    monkeypatch.undo()
-    assert [r["step"] for r in rundirs.read_metrics(tmp_path)] == [1, 2]  # no half line left
-    assert train_short(tmp_path) == 0
+    assert where != "save" or "resuming from" in capsys.readouterr().out
     assert [r["step"] for r in rundirs.read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
 
 
