@@ -256,13 +256,9 @@ def test_time_limit_and_sigint_checkpoint_exit_75_and_resume(tmp_path, reference
 @pytest.mark.slow
 def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
     """Rank 1 of 2 fsdp ranks is SIGKILLed in step 5; torchrun --max-restarts restarts both, which resume from the
-    step-4 checkpoint (DCP's shards, read into each rank's) and end byte for byte as an uninterrupted
-    run, weights, losses and AdamW state. Without gradient clipping (train.grad_clip=0) that is the one-process run,
-    trained here meanwhile: the loader gives every step the same sequences at any world size, fsdp averages the two
-    ranks' gradients as exactly as one process accumulates them (halving a sum is exact), and only clipping reads
-    the gradient norm, whose shards' squares fsdp adds in another order (with clipping, fsdp equals one rank to
-    rounding: tests/e2e/test_ddp.py). Under ddp, 2 ranks equal one process to the bit with clipping too, which
-    test_signal_to_one_rank_... below and tests/test_modal_app.py's preempted run assert."""
+    step-4 checkpoint (DCP's shards) and end byte for byte as the one-process run trained here meanwhile. Without
+    gradient clipping (train.grad_clip=0): fsdp averages the ranks' gradients exactly (halving a sum is exact), but
+    adds the shards' squares of the gradient norm in another order (tests/e2e/test_ddp.py)."""
     unclipped, killed = tmp_path / "unclipped", tmp_path / "killed"
     finished = torchrun_started(2, [*ARGS, "--runtime.parallel=fsdp", "--train.grad_clip=0", f"--run.dir={killed}"],
                                 extra=["--standalone", "--max-restarts=1"],
@@ -337,29 +333,34 @@ def test_no_usable_checkpoint_is_refused_every_time_until_start_over(copied, cap
     assert steps[0] in (0, 1) and steps[-1] == 3 and steps == sorted(steps)  # one run from step 0, not appended
 
 
-@pytest.mark.slow
-def test_changed_config_is_refused_unless_safe_or_allowed(copied, capsys):
-    assert train_here(copied, "--train.max_steps=2", "--model.dim=32", "--train.lr=0.001") == 2
-    err = capsys.readouterr().err
-    assert "model.dim: 64 in the checkpoint, 32 now" in err and "train.lr" in err
-    assert "checkpoint.allow_changes" in err
+# (id, the resume's arguments on the 2-step AdamW run, words its one-paragraph refusal holds)
+REFUSED = [
+    ("model_and_lr", ("--train.max_steps=2", "--model.dim=32", "--train.lr=0.001"),
+     ["model.dim: 64 in the checkpoint, 32 now", "train.lr", "checkpoint.allow_changes"]),
     # The validation windows are part of the run: another eval.seed would measure different tokens.
-    assert train_here(copied, "--train.max_steps=2", "--eval.seed=7") == 2
-    assert "eval.seed: 0 in the checkpoint, 7 now" in capsys.readouterr().err
+    ("eval_seed", ("--train.max_steps=2", "--eval.seed=7"), ["eval.seed: 0 in the checkpoint, 7 now"]),
+    ("optimizer", ("--train.max_steps=4", MUON_ARG), ["optim.name: 'adamw' in the checkpoint, 'muon' now"]),
+    ("optimizer_allowed", ("--train.max_steps=4", MUON_ARG, "--checkpoint.allow_changes=optim.name"),
+     ["optimizer state does not fit this run", "--optim.name=adamw"]),
+    # two_steps trained a fresh directory with checkpoint.resume=false; in one that is not empty it refuses.
+    ("resume_false", ("--train.max_steps=2", "--checkpoint.resume=false"), ["not empty"]),
+]
+
+
+@pytest.mark.parametrize("extra, words", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_a_resume_that_would_not_be_exact_is_refused_in_one_paragraph(copied, capsys, extra, words):
+    assert train_here(copied, *extra) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(word in err for word in words), err
+
+
+@pytest.mark.slow
+def test_safe_and_allowed_config_changes_resume(copied, capsys):
     # Known-safe keys (length, cadence, logging) resume without complaint.
     assert train_here(copied, "--train.max_steps=3", "--checkpoint.every=3", "--log.every=2", "--eval.every=3") == 0
     assert complete_checkpoints(copied)[-1] == "step_000003"
     # An explicitly allowed change is accepted.
     assert train_here(copied, "--train.max_steps=4", "--train.lr=0.001", "--checkpoint.allow_changes=train.lr") == 0
-
-
-def test_switching_optimizer_on_resume_is_refused_even_when_allowed(copied, capsys):
-    assert train_here(copied, "--train.max_steps=4", MUON_ARG) == 2  # the checkpoint is adamw's
-    assert "optim.name: 'adamw' in the checkpoint, 'muon' now" in capsys.readouterr().err
-    assert train_here(copied, "--train.max_steps=4", MUON_ARG, "--checkpoint.allow_changes=optim.name") == 2
-    err = capsys.readouterr().err
-    assert "optimizer state does not fit this run" in err and "--optim.name=adamw" in err
-    assert "Traceback" not in err
 
 
 def test_shards_that_differ_from_the_checkpoint_are_refused(tmp_path, corpus_dir, capsys):
@@ -374,13 +375,6 @@ def test_shards_that_differ_from_the_checkpoint_are_refused(tmp_path, corpus_dir
     assert train_here(run_dir, "--train.max_steps=4", f"--data.source={shards}") == 2
     err = capsys.readouterr().err
     assert "training shards do not match" in err and "train_000000.bin" in err
-
-
-def test_resume_false_never_overwrites(copied, capsys):
-    """two_steps trained a fresh directory with checkpoint.resume=false; in a run directory that is not empty it
-    refuses."""
-    assert train_here(copied, "--train.max_steps=2", "--checkpoint.resume=false") == 2
-    assert "not empty" in capsys.readouterr().err
 
 
 @pytest.mark.slow
