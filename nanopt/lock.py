@@ -53,14 +53,6 @@ LEASE = Field(dict, fields={**{k: Field(str, required=True) for k in ("host", "t
                             "pid": Field(int, required=True), "command": Field(str), "owner": Field(str)})
 
 
-def _cut_holder(data: bytes, mtime: float) -> Holder:
-    """What an unreadable lease still tells (a write cut short keeps host and pid): token "", as old as the file."""
-    host = re.search(rb'"host": "([^"\\]*)"', data)
-    pid = re.search(rb'"pid": (\d{1,10})[,}]', data)
-    return Holder(host.group(1).decode(errors="replace") if host else "?", int(pid.group(1)) if pid else -1,
-                  mtime, mtime, "")
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -113,7 +105,11 @@ class DirLock:
         record, why = parse(data)
         if why is None and problem(record, LEASE) is None:
             return Holder(**{k: record[k] for k in LEASE.fields if k in record})
-        return _cut_holder(data, mtime)  # cut short (a crash or a full disk between create and write), or damaged
+        # Cut short (a crash or a full disk between create and write) or damaged: what it still tells (a cut write
+        # keeps host and pid), token "", as old as the file.
+        host, pid = re.search(rb'"host": "([^"\\]*)"', data), re.search(rb'"pid": (\d{1,10})[,}]', data)
+        return Holder(host.group(1).decode(errors="replace") if host else "?", int(pid.group(1)) if pid else -1,
+                      mtime, mtime, "")
 
     def _expired(self, h: Holder) -> bool:
         """Stale: an earlier attempt of this job; on this host, a dead pid; a live pid's readable lease never; else

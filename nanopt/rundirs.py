@@ -167,13 +167,12 @@ def latest_figures(run_dir: Path) -> dict[str, Any]:
     """The newest train step and loss, and val loss, from the tail of metrics.jsonl ({} before the first log)."""
     out: dict[str, Any] = {}
     for line in reversed(tail_lines(Path(run_dir) / METRICS_FILE, 8192)):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # the first, cut line of the tail, or one being written
-        if isinstance(record, dict) and isinstance(record.get("loss"), (int, float)) and "loss" not in out:
+        record = parse(line.encode())[0]  # None for the tail's first, cut line, or one being written
+        if not isinstance(record, dict):
+            continue
+        if isinstance(record.get("loss"), (int, float)) and "loss" not in out:
             out.update(step=record.get("step"), loss=record["loss"])
-        if isinstance(record, dict) and isinstance(record.get("val_loss"), (int, float)):
+        if isinstance(record.get("val_loss"), (int, float)):
             out.setdefault("val_loss", record["val_loss"])
     return out
 

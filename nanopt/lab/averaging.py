@@ -40,10 +40,8 @@ def choose(run: Path, last: Optional[int], steps: Optional[list[int]]) -> list[P
     if steps is None:
         if last < 2 or last > len(found):
             raise ConfigError(f"--last {last}: {run} has {len(found)} checkpoint(s) (steps {have}), and an average "
-                              f"takes 2 or more of them; use --last 2 to --last {len(found)}."
-                              if len(found) >= 2 else
-                              f"--last {last}: {run} has {len(found)} checkpoint (step {have}), and an average takes "
-                              f"2 or more; save more often (checkpoint.every) or keep more (checkpoint.keep).")
+                              "takes 2 or more of them; " + (f"use --last 2 to --last {len(found)}." if len(found) > 1
+                              else "save more often (checkpoint.every) or keep more (checkpoint.keep)."))
         chosen = found[-last:]
     else:
         by_step = {checkpoint.step_of(c): c for c in found}

@@ -127,8 +127,7 @@ class FiniteGuard:
 
 
 # ---------------------------------------------------------------- test hooks
-# NANOPT_TEST_HOOK=POINT:STEP[:RANK] makes a run fail at a precise place, for the fault-tolerance tests
-# (tests/e2e/test_resume.py). It is a test hook, never set it in real runs. Points:
+# NANOPT_TEST_HOOK=POINT:STEP[:RANK] makes a run fail at a precise place (tests/e2e/test_resume.py); never in real runs:
 #   kill-in-step:K    SIGKILL itself in step K, after its optimizer update, before its bookkeeping and logs
 #   kill-in-save:K    SIGKILL while writing checkpoint K (weights written, COMPLETE not yet)
 #   kill-after-save:K SIGKILL after checkpoint K is renamed into place but before `latest` is updated
