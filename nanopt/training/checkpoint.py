@@ -444,31 +444,33 @@ class Mirror:
         self._pool.submit(self._copy, staging)
 
     def wait(self) -> None:
-        """Block until every queued copy is done; no idle thread outlives it (it would slow the exit)."""
+        """Block until every queued copy is done, then warn once about any that failed. No idle thread outlives it
+        (it would slow the exit)."""
         self._pool.shutdown(wait=True)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="nanopt-mirror")
+        if self.failures:
+            log.warning("checkpoint mirror %s: %d copy(ies) failed: %s", self.url, len(self.failures),
+                        "; ".join(self.failures))
+            self.failures.clear()
 
     def _copy(self, staging: Path) -> None:
+        remote = f"{self.root}/{staging.name}"
         try:
-            self._put(staging)
+            if self.fs.exists(remote):
+                self.fs.rm(remote, recursive=True)
+            names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+            for name in sorted(names, key=lambda n: n == COMPLETE_FILE):  # COMPLETE last
+                self.fs.makedirs(f"{remote}/{name}".rsplit("/", 1)[0], exist_ok=True)
+                self.fs.put_file(str(staging / name), f"{remote}/{name}")
+            self.fs.pipe_file(f"{self.root}/{LATEST_FILE}", (staging.name + "\n").encode())
+            for name in self.names()[:-self.keep]:
+                self.fs.rm(f"{self.root}/{name}", recursive=True)
+            log.info("checkpoint mirror: %s copied to %s", staging.name, self.url)
         except Exception as e:  # a remote hiccup must not kill training; the local checkpoint is intact
             self.failures.append(f"{staging.name}: {e}")
             log.warning("checkpoint mirror: copying %s to %s failed: %s", staging.name, self.url, e)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-
-    def _put(self, staging: Path) -> None:
-        remote = f"{self.root}/{staging.name}"
-        if self.fs.exists(remote):
-            self.fs.rm(remote, recursive=True)
-        names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
-        for name in sorted(names, key=lambda n: n == COMPLETE_FILE):  # COMPLETE last
-            self.fs.makedirs(f"{remote}/{name}".rsplit("/", 1)[0], exist_ok=True)
-            self.fs.put_file(str(staging / name), f"{remote}/{name}")
-        self.fs.pipe_file(f"{self.root}/{LATEST_FILE}", (staging.name + "\n").encode())
-        for name in self.names()[:-self.keep]:
-            self.fs.rm(f"{self.root}/{name}", recursive=True)
-        log.info("checkpoint mirror: %s copied to %s", staging.name, self.url)
 
     def names(self) -> list[str]:
         """The complete remote checkpoints' names (step_NNNNNN with a COMPLETE marker), oldest first."""
@@ -483,10 +485,7 @@ class Mirror:
         """Download URL/<name>/** into the fresh directory `dest` (the caller verifies it and moves it into place)."""
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
-        for entry in self.fs.find(f"{self.root}/{name}"):
-            relative = str(entry).rsplit(f"/{name}/", 1)[1]  # memory:// lists its root with a leading slash
-            (dest / relative).parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(f"{self.root}/{name}/{relative}", str(dest / relative))
+        self.fs.get(f"{self.root}/{name}/", f"{dest}/", recursive=True)  # the slashes: its contents into dest
         return dest
 
 
@@ -749,10 +748,6 @@ class Checkpointer:
         return final
 
     def close(self) -> None:
-        """Wait for queued mirror copies; warn once about any that failed. Safe to call again."""
+        """Wait for queued mirror copies (Mirror.wait). Safe to call again."""
         if self.mirror is not None and self.rt.is_main:
             self.mirror.wait()
-            if self.mirror.failures:
-                log.warning("checkpoint mirror %s: %d copy(ies) failed: %s", self.mirror.url,
-                            len(self.mirror.failures), "; ".join(self.mirror.failures))
-                self.mirror.failures.clear()
