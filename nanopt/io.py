@@ -1,6 +1,5 @@
-"""Files that are never torn and never written through a link: atomic writes, JSON lines appends, the cache dir, and
-the disk-full error naming the file and the free space. Every open here refuses what is not a regular file before a
-byte moves: a read from a FIFO waits for a writer for ever, and one from /dev/zero never ends."""
+"""Files never torn nor written through a link: atomic writes, JSON lines appends, the cache dir, the disk-full error
+naming the file and the free space. Every open refuses what is no regular file (a FIFO would block) unread."""
 from __future__ import annotations
 
 import contextlib

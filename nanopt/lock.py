@@ -67,12 +67,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirLock:
-    """One writer at a time for a run (or sweep) directory: a lease file with the owner's host, pid and a heartbeat
-    a thread renews every `heartbeat_s` seconds (flock means nothing across machines: a Modal Volume, NFS). It is
-    taken over only when its holder is gone: on this host when its pid is dead, elsewhere when its heartbeat is older
-    than `expires_s`; the stale file is renamed aside first, so of two racing processes one wins. Where heartbeats
-    arrive late (a Modal Volume) the launcher sets LOCK_EXPIRES_ENV above that delay, and LOCK_OWNER_ENV to a job id
-    its retries share, so a retry takes over its dead predecessor's lease at once."""
+    """One writer at a time for a directory: a lease file with the owner's host, pid and a heartbeat a thread renews
+    (flock means nothing across machines: a Modal Volume, NFS), taken over only when its holder is gone: on this host
+    a dead pid, elsewhere a heartbeat older than `expires_s` (LOCK_EXPIRES_ENV where heartbeats arrive late), or an
+    earlier attempt of this job (LOCK_OWNER_ENV). The stale file is renamed aside first: of two racers one wins."""
 
     def __init__(self, directory: Path, what: str = "run", expires_s: Optional[float] = None,
                  heartbeat_s: float = 15.0, filename: str = LOCK_FILE, setting: str = ""):

@@ -39,8 +39,7 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # The files of one checkpoint; COMPLETE, written last, is the manifest of the others' sizes and crc32s.
 MODEL_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = "model.safetensors", "rng.pt", "state.json", "COMPLETE"
 EMA_FILE = "ema.safetensors"  # the averaged weights (train.ema_decay), when the run keeps them
-# What a resume loads: weights, optimizer state and average as torch.distributed.checkpoint shards (every rank's own
-# files); DCP_METADATA, DCP's index of them, is absent from a weights-only checkpoint (nanopt average's).
+# What a resume loads (every rank's DCP shards); DCP_METADATA is absent from a weights-only checkpoint (an average's).
 DCP_DIR = "dcp"
 DCP_METADATA = f"{DCP_DIR}/.metadata"
 # The files a run appends to: a link at one of them is refused before the run writes anything.
@@ -134,8 +133,7 @@ def walk_runs(root: Path) -> list[Path]:
     for here, subdirs, _ in os.walk(root):
         path = Path(here)
         run = is_run(path)
-        # Sorted in place: os.walk then visits in path order, and never enters what is removed here. Below a
-        # run's own checkpoints/ and tb/ is the run's, never another run.
+        # Sorted in place: os.walk visits in path order and never enters what is removed (a run's own dirs).
         own = (CHECKPOINTS_DIR, TB_DIR) if run else ()
         subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in own)
         if run:

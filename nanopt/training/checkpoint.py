@@ -1,13 +1,9 @@
-"""THE checkpoint format: one save path whatever the parallelism and world size, one verifier, the newest complete
-checkpoint, exact resume, and copies to a mirror (any fsspec URL). The file names are rundirs.py's.
-
-`checkpoints/step_NNNNNN/` holds dcp/ (what a resume loads: every rank's own DCP shards of weights, optimizer state
-and average, resharded on load), model.safetensors and ema.safetensors (the whole weights for readers), rng.pt
-(every rank's RNG states), state.json (the step, each resumable component's state_dict(), data, config) and
-COMPLETE, written last: every file's size and crc32. nanopt average's checkpoints have no dcp/: read like any other,
-refused by resume. Every rank writes into `.tmp_step_NNNNNN/` (one filesystem), then rank 0 renames it and writes
-`checkpoints/latest`; a full disk is DiskFull (exit 1), the temp directory removed. Readers take the newest
-checkpoint that verifies, naming each one skipped; a run that trained but has none usable is refused (exit 2)."""
+"""THE checkpoint format (file names: rundirs.py): one save path whatever the parallelism and world size, one
+verifier, the newest complete checkpoint, exact resume, copies to a mirror (any fsspec URL). `step_NNNNNN/` holds
+dcp/ (what a resume loads: every rank's DCP shards of weights, optimizer state and average), model.safetensors and
+ema.safetensors (the whole weights for readers; nanopt average's checkpoints have only these), rng.pt, state.json and
+COMPLETE, written last: every file's size and crc32. Every rank writes into `.tmp_step_NNNNNN/`, then rank 0 renames
+it; a full disk is DiskFull (exit 1). Readers take the newest checkpoint that verifies, naming each one skipped."""
 from __future__ import annotations
 
 import logging
@@ -45,8 +41,7 @@ if TYPE_CHECKING:  # what the checkpointer saves besides weights and optimizer: 
     from torch.distributed.checkpoint.stateful import Stateful
 
 log = logging.getLogger("nanopt")
-# The shapes of a checkpoint's own JSON files (schema's). A COMPLETE entry that could climb out of the directory is no
-# checkpoint file.
+# The shapes of a checkpoint's own JSON files (schema's); a COMPLETE entry that could climb out is no checkpoint file.
 SHARD_FILE = re.compile(rf"^{DCP_DIR}/(\.metadata|__\d+_\d+\.distcp)$")
 ENTRY = Field(dict, what="an object with integer `bytes` and `crc32`",
               fields={k: Field(int, required=True, lo=0) for k in ("bytes", "crc32")})
@@ -61,8 +56,7 @@ STEP = Field(dict, what="a checkpoint state (a JSON object with an integer `step
 STATE = Field(dict, what=STEP.what, fields={**STEP.fields, "data": Field(list, items=Field(dict)),
                                             **{k: Field(dict) for k in ("config", "ema", "averaged_from")}})
 EARLIER = "Resume from an earlier checkpoint (move this one aside), or start a new run (a new `run.dir`)."
-# What reading a file whose bytes verified (behind a rewritten manifest) raises when its content is not what this
-# version wrote.
+# What reading a file whose bytes verified (behind a rewritten manifest) raises when this version did not write it.
 DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
                    pickle.UnpicklingError, SafetensorError)
 
@@ -81,7 +75,7 @@ def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Te
 
 
 def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """A safetensors file's tensors as name -> (shape, dtype), from its header; ConfigError naming it when it is none."""
+    """A safetensors file's tensors as name -> (shape, dtype), from its header; ConfigError when it is none."""
     try:
         with safe_open(str(path), framework="pt") as f:
             return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
@@ -316,8 +310,7 @@ def _remove(path: Path) -> None:
 
 
 def _torch_save(obj: Any, path: Path) -> None:
-    # Through a file object: a full disk then surfaces as the OSError (torch's own writer raises a bare
-    # RuntimeError, "unexpected pos"), and the file is new in a new directory.
+    # Through a file object: a full disk surfaces as the OSError (torch's writer raises a bare RuntimeError).
     with open(path, "xb") as f:
         torch.save(obj, f)
 
@@ -551,8 +544,7 @@ class Checkpointer:
             try:
                 for name in APPENDED_FILES:  # before anything is read or written; every rank learns it
                     refuse_link(self.run_dir / name)
-                # config.yaml is rewritten by the run: one that is no run config (damaged, or the user's own file in a
-                # directory given as run.dir) would be lost.
+                # config.yaml is rewritten by the run: one that is no run config (the user's own file) would be lost.
                 read(self.run_dir / CONFIG_FILE, CONFIG, "Training here would replace it with this run's config: move "
                      "it aside (a damaged one of this run's may be deleted), or set `run.dir` to another directory.")
                 found = self._choose()
@@ -572,8 +564,7 @@ class Checkpointer:
         ConfigError when it did (`checkpoint.start_over`: None)."""
         ours = [p for p in self.root.iterdir() if p.name.startswith(".tmp_step_") or step_of(p) is not None] \
             if self.root.is_dir() else []
-        # Refused now, not at the first save after training: a file where a checkpoint directory goes (else taken
-        # for no checkpoint), a directory where `latest` goes.
+        # Refused now, not at the first save after training: a file where a checkpoint goes, a directory at `latest`.
         if strays := [p for p in ours if not p.is_dir() and not p.is_symlink()]:
             raise ConfigError(f"{strays[0]} is a file, where nanopt keeps a checkpoint directory; it was not written "
                               f"by nanopt and is not deleted. Move it out of {self.root} and run the command again.")
@@ -594,8 +585,8 @@ class Checkpointer:
             if isinstance(found := self._fetch(name), Path):
                 return found
             problems.append(f"mirror {name}: {found}")
-        # What shows that this run saved a checkpoint before, though none remains: a `latest` pointer or a summary.
-        # Metrics alone do not: a session killed before its first save is retried by re-running it.
+        # What shows that this run saved a checkpoint, though none remains (not metrics: a session killed before its
+        # first save is retried by re-running it).
         evidence = problems + [why for why, shows in (
             (f"{CHECKPOINTS_DIR}/{LATEST_FILE} names no checkpoint that is there", (self.root / LATEST_FILE).is_file()),
             (f"{SUMMARY_FILE} is there", read_summary(self.run_dir) is not None)) if shows]
@@ -650,8 +641,7 @@ class Checkpointer:
                               f"at the shards the run was trained on, or start a new run (a new `run.dir`).")
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 
-        # The template DCP fills in place: the model's own tensors, and the optimizer's state (initialised by a
-        # zero-learning-rate step where it is empty, which get_state_dict does and which changes no weight).
+        # The template DCP fills in place (get_state_dict initialises an empty optimizer state, changing no weight).
         weights, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": weights, "optimizer": optimizer_state}
         missing = self._read_shards(ckpt, state, fix)
@@ -670,8 +660,7 @@ class Checkpointer:
         packing = (saved["config"].get("data") or {}).get("packing", "windows")
         for name, component in states.items():
             if name == "loader" and packing != self.cfg.data.packing:
-                # An allowed data.packing change: the other loader's position means nothing to this one, which
-                # reads the shards from its own start (the checkpoint is sound; the data order differs).
+                # An allowed data.packing change: the other loader's position means nothing to this one.
                 log.warning("data.packing changed from %s to %s (checkpoint.allow_changes): the loader starts at "
                             "its first batch, not at the checkpoint's position", packing, self.cfg.data.packing)
                 continue
@@ -711,7 +700,7 @@ class Checkpointer:
         return [name for name, _ in tensors if name not in saved]
 
     def _load_ema(self, ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
-        """The checkpoint's averaged weights into `ema`; none kept (EMA turned on at this resume) leaves it unstarted."""
+        """The checkpoint's averaged weights into `ema`; none kept (EMA turned on at resume) leaves it unstarted."""
         if not (saved.get("ema") or {}).get("started"):
             if ema.start < saved["step"]:
                 log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step "
