@@ -52,31 +52,25 @@ def load(path: str | Path, device: str | torch.device = "cpu", verified: bool = 
     state = checkpoint.read_state(ckpt)
     loaded = Loaded(model, cfg, ckpt, state["step"], None, chosen_weights(ckpt, state, cfg, weights),
                     state.get("averaged_from"))
-    try:
-        load_weights(model, ckpt / loaded.weights_file)
-    except ConfigError:  # no safetensors file (checkpoint.weights_header): already one paragraph
-        raise
-    except (ValueError, RuntimeError) as e:
-        raise ConfigError(f"the weights in {ckpt} do not fit the model its state.json describes: {e}") from None
+    load_weights(model, ckpt / loaded.weights_file)
     model.eval()
     loaded.run_dir = ckpt.parent.parent if ckpt.parent.name == rundirs.CHECKPOINTS_DIR else ckpt.parent
     return loaded
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load a checkpoint's whole weights into an unsharded model; ValueError naming the first tensors of another
-    shape, or missing or unexpected; ConfigError (weights_header) when the file is no safetensors file."""
+    """Load a checkpoint's whole weights into an unsharded model; ConfigError naming the first tensors of another
+    shape, missing or unexpected, or (weights_header) a file that is no safetensors file."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     saved = {k: shape for k, (shape, _) in checkpoint.weights_header(path).items()}
-    wrong = [f"{k} {saved[k]} in the checkpoint vs {own[k]} in the model"
-             for k in saved if k in own and saved[k] != own[k]]
-    if wrong:
-        raise ValueError(f"{path} holds weights of other shapes: {'; '.join(wrong[:3])}")
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
-    tied = {"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    wrong = [f"{k} {shape} in the checkpoint vs {own[k]} in the model" for k, shape in saved.items()
+             if shape != own.get(k, shape)]
+    missing, unexpected = ([], []) if wrong else model.load_state_dict(load_file(str(path)), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and getattr(model.cfg, "tie_embeddings", False))]
+    if wrong or missing or unexpected:
+        why = (f"holds weights of other shapes: {'; '.join(wrong[:3])}" if wrong else
+               f"does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ConfigError(f"the weights in {path.parent} do not fit the model its state.json describes: {path} {why}")
 
 
 def averaged_name(averaged_from: dict) -> str:
