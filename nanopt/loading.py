@@ -75,8 +75,8 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 
 def averaged_name(averaged_from: dict) -> str:
     """An averaged checkpoint's weights as its records name them: "average of steps 4,6,8 of RUN"."""
-    steps = [c.get("step") for c in averaged_from.get("checkpoints") or [] if isinstance(c, dict)]
-    return f"average of steps {','.join(map(str, steps))} of {averaged_from.get('run')}"
+    steps = ",".join(str(c["step"]) for c in averaged_from["checkpoints"])  # its shape: checkpoint.STATE
+    return f"average of steps {steps} of {averaged_from['run']}"
 
 
 def chosen_weights(ckpt: Path, state: dict, cfg: Config, weights: str) -> str:
@@ -91,7 +91,7 @@ def chosen_weights(ckpt: Path, state: dict, cfg: Config, weights: str) -> str:
                               f"by nanopt average), which holds one set of weights, the mean of their "
                               f"{averaged.get('weights') or rundirs.MODEL_FILE}, and no EMA; drop `--weights ema`.")
         return averaged_name(averaged)
-    has_ema, started = (ckpt / rundirs.EMA_FILE).is_file(), (state.get("ema") or {}).get("started")
+    has_ema, started = (ckpt / rundirs.EMA_FILE).is_file(), state.get("ema", {}).get("started")
     if started and not has_ema and (weights == "ema" or (weights == "run" and cfg.eval.weights == "ema")):
         raise ConfigError(f"checkpoint {ckpt}'s {rundirs.STATE_FILE} says its run kept averaged weights, but "
                           f"{ckpt / rundirs.EMA_FILE} is missing; the checkpoint is damaged. Use an earlier "

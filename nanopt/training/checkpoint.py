@@ -53,8 +53,11 @@ MANIFEST = Field(dict, what="a JSON object with a `files` map", fields={"files":
 STEP = Field(dict, what="a checkpoint state (a JSON object with an integer `step`)",
              fields={"step": Field(int, required=True, lo=0)})
 # What readers and a resume read of state.json besides the step; each component's entry is its load_state_dict's.
-STATE = Field(dict, what=STEP.what, fields={**STEP.fields, "data": Field(list, items=Field(dict)),
-                                            **{k: Field(dict) for k in ("config", "ema", "averaged_from")}})
+STATE = Field(dict, what=STEP.what, fields={
+    **STEP.fields, "data": Field(list, items=Field(dict)), "config": Field(dict),
+    "ema": Field(dict, fields={"started": Field(bool)}), "averaged_from": Field(dict, fields={
+        "run": Field(str, required=True), "weights": Field(str),
+        "checkpoints": Field(list, required=True, items=Field(dict, fields={"step": Field(int, required=True)}))})})
 EARLIER = "Resume from an earlier checkpoint (move this one aside), or start a new run (a new `run.dir`)."
 # What reading a file whose bytes verified (behind a rewritten manifest) raises when this version did not write it.
 DAMAGED_CONTENT = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, EOFError,
@@ -620,7 +623,7 @@ class Checkpointer:
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               states: dict[str, Stateful], ema: Optional[EMA]) -> dict[str, Any]:
-        checkpoint_config(ckpt)  # checked like a YAML config before it is compared
+        trained = checkpoint_config(ckpt)  # checked like a YAML config before it is compared
         weights_header(ckpt / MODEL_FILE)  # not read to resume, but its readers' copy: damage there is damage
         saved = read_state(ckpt)
         fix = ("Resume with the checkpoint's values, start a new run (a new `run.dir`), or accept the change with "
@@ -657,7 +660,7 @@ class Checkpointer:
                               f"no {', '.join(missing[:3])}. {fix}")
         if ema is not None:
             self._load_ema(ckpt, saved, ema)
-        packing = (saved["config"].get("data") or {}).get("packing", "windows")
+        packing = trained.data.packing
         for name, component in states.items():
             if name == "loader" and packing != self.cfg.data.packing:
                 # An allowed data.packing change: the other loader's position means nothing to this one.
@@ -701,7 +704,7 @@ class Checkpointer:
 
     def _load_ema(self, ckpt: Path, saved: dict[str, Any], ema: EMA) -> None:
         """The checkpoint's averaged weights into `ema`; none kept (EMA turned on at resume) leaves it unstarted."""
-        if not (saved.get("ema") or {}).get("started"):
+        if not saved.get("ema", {}).get("started"):
             if ema.start < saved["step"]:
                 log.warning("checkpoint %s holds no averaged weights: the average starts from its weights at step "
                             "%d, not at train.ema_start (%d)", ckpt, saved["step"], ema.start)
