@@ -144,11 +144,9 @@ def walk_runs(root: Path) -> list[Path]:
 def finished(run_dir: Path, max_steps: int, stop_at_target: bool) -> Optional[dict[str, Any]]:
     """The run's summary when its last session trained to `max_steps`, or stopped at its target with
     `stop_at_target` on; else None. The one rule for train (no training on), sweep, Modal and `eval --watch`."""
-    summary = read_summary(run_dir, FINISHED)
-    # `stopped_at_target`: the run ended early because the clock saw its target.
-    if summary is None or not (summary["steps"] >= max_steps or (stop_at_target and summary.get("stopped_at_target"))):
-        return None
-    return summary
+    summary = read_summary(run_dir, FINISHED)  # `stopped_at_target`: the clock saw its target and ended the run
+    done = summary and (summary["steps"] >= max_steps or stop_at_target and summary.get("stopped_at_target"))
+    return summary if done else None
 
 
 def tail_lines(path: Path, nbytes: int) -> list[str]:

@@ -584,10 +584,19 @@ class Checkpointer:
                 log.warning("resuming from %s, the newest complete checkpoint; the damaged ones were left in place",
                             found.name)
             return found
-        for name in reversed(self.mirror.names() if self.mirror else []):
-            if isinstance(found := self._fetch(name), Path):
-                return found
-            problems.append(f"mirror {name}: {found}")
+        for name in reversed(self.mirror.names() if self.mirror else []):  # downloaded and verified into place
+            try:
+                problem_ = verify_checkpoint(self.mirror.fetch(name, tmp := self.root / f".tmp_{name}"), step_of(name),
+                                             self.rt)
+            except OSError as e:
+                problem_ = str(e)
+            if not problem_:
+                os.replace(tmp, self.root / name)
+                log.info("no usable local checkpoint: fetched %s from the mirror %s", name, self.mirror.url)
+                return self.root / name
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("skipping mirror checkpoint %s in %s: %s", name, self.mirror.url, problem_)
+            problems.append(f"mirror {name}: {problem_}")
         # What shows that this run saved a checkpoint, though none remains (not metrics: a session killed before its
         # first save is retried by re-running it).
         evidence = problems + [why for why, shows in (
@@ -605,21 +614,6 @@ class Checkpointer:
                           "again. To train this run from step 0 instead, add `--checkpoint.start_over=true` (its "
                           "metrics start over; damaged checkpoints are left in place and pruned as new ones are "
                           "saved), or set `run.dir` to a new directory.")
-
-    def _fetch(self, name: str) -> Path | str:
-        """The mirror's checkpoint `name`, downloaded and verified into place, or why it could not be used."""
-        tmp = self.root / f".tmp_{name}"
-        try:
-            problem_ = verify_checkpoint(self.mirror.fetch(name, tmp), step_of(name), self.rt)
-        except OSError as e:
-            problem_ = str(e)
-        if problem_:
-            shutil.rmtree(tmp, ignore_errors=True)
-            log.warning("skipping mirror checkpoint %s in %s: %s", name, self.mirror.url, problem_)
-            return problem_
-        os.replace(tmp, self.root / name)
-        log.info("no usable local checkpoint: fetched %s from the mirror %s", name, self.mirror.url)
-        return self.root / name
 
     def _load(self, ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               states: dict[str, Stateful], ema: Optional[EMA]) -> dict[str, Any]:
