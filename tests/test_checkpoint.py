@@ -76,8 +76,6 @@ def _reseal(ckpt: Path) -> None:
 
 
 # ---------------------------------------------------------------- checkpoints fall back
-
-
 @pytest.mark.parametrize("marker, why", [
     (b"\xff\xfe not utf-8", "its COMPLETE manifest is not UTF-8 text"),
     (None, "is a directory, where nanopt expects a file"),  # refused unread (io)
@@ -130,8 +128,6 @@ def test_a_checkpoint_config_is_validated_before_anything_is_built(tmp_path, sav
 
 
 # ---------------------------------------------------------------- the manifest and DCP's files
-
-
 def test_the_manifest_lists_every_file_a_torn_shard_falls_back_and_readers_load_whole_weights(saved, tmp_path):
     """The COMPLETE manifest describes exactly the bytes on disk, the DCP files included, and no temp directory
     outlives the save: the dcp/ shards a resume loads, the whole weights for readers (eval, sample, export). A
@@ -195,8 +191,6 @@ def test_dcp_files_damaged_behind_their_manifest_are_one_paragraph_naming_the_fi
 
 
 # ---------------------------------------------------------------- every rank its share
-
-
 def _rank(rank: int, world: int, store: str) -> runtime.Runtime:
     """This forked process as gloo rank `rank` of `world`."""
     torch.set_num_threads(1)
@@ -364,8 +358,6 @@ def test_a_failed_mirror_copy_is_reported_once_however_often_close_is_called(tmp
 
 
 # ---------------------------------------------------------------- links and a full disk
-
-
 def test_a_checkpoint_save_removes_links_in_its_way_never_what_they_point_to(tmp_path):
     """Before: a link at .tmp_step_NNNNNN made rmtree raise (a traceback) and one at step_NNNNNN the same."""
     mine = tmp_path / "outside"

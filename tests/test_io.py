@@ -16,8 +16,6 @@ from nanopt import io, rundirs
 from nanopt.errors import ConfigError, DiskFull
 
 # ---------------------------------------------------------------- links
-
-
 @pytest.mark.parametrize("dangling", [False, True])
 def test_evals_jsonl_as_a_link_is_never_appended_through(tmp_path, dangling):
     """Before: `nanopt eval`, `--core` and `--watch` appended to the user's file, or created one outside."""
@@ -45,8 +43,6 @@ def test_an_atomic_write_replaces_a_link_and_never_writes_through_its_temp_file(
 
 
 # ---------------------------------------------------------------- a full disk while saving
-
-
 def test_a_short_write_on_a_full_disk_is_cut_off_and_the_earlier_lines_stay_whole(tmp_path, monkeypatch):
     """Before: the OSError escaped raw and half a line stayed, which the next append would have joined."""
     path = tmp_path / rundirs.EVALS_FILE
@@ -62,8 +58,6 @@ def test_a_short_write_on_a_full_disk_is_cut_off_and_the_earlier_lines_stay_whol
 
 
 # ---------------------------------------------------------------- two writers, a failed write
-
-
 def test_concurrent_replacements_of_one_file_never_share_a_temp_file(tmp_path):
     """Two writers of one file (a heartbeat and a takeover; a sweep's state) each write their own temp file."""
     script = ("import sys\nfrom nanopt.io import write_text\n"

@@ -14,7 +14,6 @@ from nanopt.lab import plots, runs as experiments
 from nanopt.training import profiling
 
 # ---------------------------------------------------------------- one rule each, from rundirs
-
 # The files whose run-directory file names come from rundirs; a literal name here would be a second owner.
 READERS = ["nanopt/lab/plots.py", "nanopt/commands/plot.py", "nanopt/commands/eval.py", "nanopt/commands/runs.py",
            "nanopt/commands/compare.py", "nanopt/lab/runs.py", "nanopt/lab/compare.py", "nanopt/evals/checkpoint_eval.py",

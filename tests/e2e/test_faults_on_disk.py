@@ -17,8 +17,6 @@ from nanopt import rundirs
 from nanopt.training import checkpoint
 
 # ---------------------------------------------------------------- links where run files should be
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dangling", [(rundirs.METRICS_FILE, False), (rundirs.METRICS_FILE, True),
                                             (rundirs.EVALS_FILE, True)])
@@ -36,8 +34,6 @@ def test_a_run_file_linked_outside_is_refused_and_nothing_is_written_there(tmp_p
 
 
 # ---------------------------------------------------------------- a full disk
-
-
 def _full_in_save(monkeypatch: pytest.MonkeyPatch) -> None:
     real = checkpoint.save_file
 
@@ -89,7 +85,6 @@ def test_a_full_disk_is_exit_1_in_one_paragraph_and_the_rerun_trains_on(tmp_path
 
 
 # ---------------------------------------------------------------- one writer at a time
-
 HOLD = """
 import sys, time
 from nanopt.lock import DirLock

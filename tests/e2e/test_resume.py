@@ -404,8 +404,6 @@ def test_mirror_copy_is_used_when_the_local_directory_is_gone(tmp_path, request,
 
 
 # ---------------------------------------------------------------- no restart nobody asked for
-
-
 def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(copied, capsys):
     """A checkpoints/ directory not yet synced (or deleted) must not turn into a silent restart."""
     os.rename(copied / "checkpoints", copied / "elsewhere")
@@ -418,8 +416,6 @@ def test_every_rerun_refuses_when_the_run_trained_but_no_checkpoint_remains(copi
 
 
 # ---------------------------------------------------------------- a finished run is finished
-
-
 @pytest.mark.slow
 def test_rerunning_a_finished_run_prints_its_summary_and_changes_nothing(tmp_path, reference, capsys):
     shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
