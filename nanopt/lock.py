@@ -22,8 +22,7 @@ from nanopt.schema import Field, parse, problem
 
 log = logging.getLogger("nanopt")
 
-LOCK_OWNER_ENV = "NANOPT_LOCK_OWNER"
-LOCK_EXPIRES_ENV = "NANOPT_LOCK_EXPIRES_S"
+LOCK_OWNER_ENV, LOCK_EXPIRES_ENV = "NANOPT_LOCK_OWNER", "NANOPT_LOCK_EXPIRES_S"
 
 
 @dataclass

@@ -40,8 +40,7 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE, RNG_FILE, STATE_FILE, COMPLETE_FILE = "model.safetensors", "rng.pt", "state.json", "COMPLETE"
 EMA_FILE = "ema.safetensors"  # the averaged weights (train.ema_decay), when the run keeps them
 # What a resume loads (every rank's DCP shards); DCP_METADATA is absent from a weights-only checkpoint (an average's).
-DCP_DIR = "dcp"
-DCP_METADATA = f"{DCP_DIR}/.metadata"
+DCP_DIR, DCP_METADATA = "dcp", "dcp/.metadata"
 # The files a run appends to: a link at one of them is refused before the run writes anything.
 APPENDED_FILES = (METRICS_FILE, EVALS_FILE)
 
@@ -131,13 +130,10 @@ def walk_runs(root: Path) -> list[Path]:
     """Every run directory at or below `root` (a run may hold a sweep), in path order; hidden ones left out."""
     found = []
     for here, subdirs, _ in os.walk(root):
-        path = Path(here)
-        run = is_run(path)
+        run = is_run(Path(here))
         # Sorted in place: os.walk visits in path order and never enters what is removed (a run's own dirs).
-        own = (CHECKPOINTS_DIR, TB_DIR) if run else ()
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d not in own)
-        if run:
-            found.append(path)
+        subdirs[:] = sorted(d for d in subdirs if not (d.startswith(".") or run and d in (CHECKPOINTS_DIR, TB_DIR)))
+        found += [Path(here)] if run else []
     return found
 
 

@@ -15,6 +15,7 @@ from conftest import REPO, USERS, full_disk_for, linked_run, users_file
 from nanopt import io, rundirs
 from nanopt.errors import ConfigError, DiskFull
 
+
 # ---------------------------------------------------------------- links
 @pytest.mark.parametrize("dangling", [False, True])
 def test_evals_jsonl_as_a_link_is_never_appended_through(tmp_path, dangling):

@@ -13,6 +13,7 @@ from nanopt import rundirs
 from nanopt.lab import plots, runs as experiments
 from nanopt.training import profiling
 
+
 # ---------------------------------------------------------------- one rule each, from rundirs
 # The files whose run-directory file names come from rundirs; a literal name here would be a second owner.
 READERS = ["nanopt/lab/plots.py", "nanopt/commands/plot.py", "nanopt/commands/eval.py", "nanopt/commands/runs.py",

@@ -204,10 +204,8 @@ def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[set[str]
 def _share_problem(ckpt: Path, files: dict[str, dict[str, int]], rank: int, world: int) -> Optional[tuple[int, str]]:
     """Rank `rank`'s first problem in its share of `files`, as (its place in the manifest, why)."""
     mine = verify_shares(files, world)[rank]
-    for i, (name, expected) in enumerate(files.items()):
-        if name not in mine:
-            continue
-        path = ckpt / name
+    for i, name in ((i, name) for i, name in enumerate(files) if name in mine):
+        path, expected = ckpt / name, files[name]
         try:
             if not path.is_file():
                 return i, f"{name} is missing"
@@ -304,8 +302,7 @@ def _sealed(path: Path) -> dict[str, int]:
 
 
 def _remove(path: Path) -> None:
-    """Remove a directory of ours, or a symbolic link in its place (never what it points to); a file there is not
-    ours: rmtree's NotADirectoryError names it."""
+    """Remove a directory of ours, or a link in its place (never its target); at a file rmtree's error names it."""
     if path.is_symlink():
         path.unlink()
     elif path.exists():
@@ -511,8 +508,7 @@ class Checkpointer:
         self.root = self.run_dir / CHECKPOINTS_DIR
         self.data = shards.identity(data_paths)
         self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep) if cfg.checkpoint.mirror else None
-        self.latest: Optional[Path] = None  # the newest good checkpoint of this run
-        self.last_saved_step = -1
+        self.latest, self.last_saved_step = None, -1  # the newest good checkpoint of this run, and its step
         if rt.is_main and self.mirror is not None:  # fail now, in one paragraph, rather than at the first checkpoint
             try:
                 self.mirror.fs.makedirs(self.mirror.root, exist_ok=True)

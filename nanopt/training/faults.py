@@ -47,8 +47,8 @@ def _handle(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def preemption_handlers() -> Iterator[None]:
-    """SIGTERM / SIGINT set a flag that the training loop turns into checkpoint-and-exit; restored afterwards.
-    The train command owns the process's signals, so train() called as a library keeps the defaults."""
+    """SIGTERM / SIGINT set a flag that the training loop turns into checkpoint-and-exit; restored afterwards (the
+    train command owns the process's signals: train() called as a library keeps the defaults)."""
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only the main thread may install handlers
         previous = {sig: signal.signal(sig, _handle) for sig in SIGNALS}
@@ -70,9 +70,8 @@ class StopSignal:
         self.rt, self.time_limit_s = rt, time_limit_s
         self.deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
         self.timed_out = False  # on any rank, as of the last should_stop()
-        self._group = None
-        if rt.distributed and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # a collective: every rank builds it, in the same order
+        # A collective: every rank builds it, in the same order.
+        self._group = dist.new_group(backend="gloo") if rt.distributed and dist.get_backend() != "gloo" else None
 
     @property
     def signame(self) -> str:
@@ -83,8 +82,7 @@ class StopSignal:
         return "a signal to another rank"
 
     def should_stop(self) -> bool:
-        """True on every rank when any rank has been signalled or is past the deadline. A collective: call it
-        on all ranks each step."""
+        """True on every rank when any rank was signalled or is past the deadline; a collective, every step."""
         late = self.deadline is not None and time.monotonic() >= self.deadline
         flags = torch.tensor([1 if signalled() else 0, 1 if late else 0], dtype=torch.int32)
         if self.rt.distributed:
@@ -121,8 +119,7 @@ class FiniteGuard:
             raise TrainingError(
                 f"the loss or the weights became NaN/inf {where}: training diverged, so nothing was saved. {kept}. "
                 f"Lower the learning rate (e.g. --train.lr=<smaller> --checkpoint.allow_changes=train.lr to keep "
-                f"the checkpoint), or raise `train.warmup_steps`, or set `train.grad_clip`."
-            )
+                f"the checkpoint), or raise `train.warmup_steps`, or set `train.grad_clip`.")
         self.checked_step = step
 
 

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from nanopt import rundirs
 from nanopt.training import checkpoint
 
+
 # ---------------------------------------------------------------- links where run files should be
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dangling", [(rundirs.METRICS_FILE, False), (rundirs.METRICS_FILE, True),

@@ -166,55 +166,41 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
             assert torch.equal(value, opt["state"][key][name]), (key, name)
 
 
-@pytest.mark.parametrize("hook, resumes_from", [
-    ("kill-in-save:4", 2),      # mid-write: the half-written step 4 is discarded, step 2 is used
-    ("kill-after-save:6", 6),   # after the rename, before `latest` moved: the directory scan still finds 6
+@pytest.mark.parametrize("name, corrupt, resumes_from", [
+    ("kill-in-save:4", False, 2),     # mid-write: the half-written step 4 is discarded, step 2 is used
+    ("kill-after-save:6", False, 6),  # after the rename, before `latest` moved: the directory scan still finds 6
+    ("kill-after-save:6", True, 4),   # and one flipped byte in step 6's weights: skipped for the previous one
+    ("muon-ema", False, 4),           # mid-step 5: the work since step 4 is lost and redone
 ])
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_is_bitwise_identical(killed, reference, tmp_path, hook, resumes_from, capsys):
-    proc = killed(hook, tmp_path)
+def test_sigkill_anywhere_then_resume_is_bitwise_identical(killed, request, tmp_path, name, corrupt, resumes_from,
+                                                          capsys):
+    """Weights, every logged loss and the optimizer's state (Muon's and AdamW's) end as in the uninterrupted run;
+    with averaged weights, the average and every evaluation of it too."""
+    muon = name == "muon-ema"
+    reference = request.getfixturevalue("muon_ema_reference" if muon else "reference")
+    proc = killed(name, tmp_path)  # the killed run's lock is left behind
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    if corrupt:
+        data = bytearray((newest := step_dir(tmp_path, 6) / rundirs.MODEL_FILE).read_bytes())
+        data[-100] ^= 0xFF
+        newest.write_bytes(bytes(data))
     assert complete_checkpoints(tmp_path)[-1] == f"step_{resumes_from:06d}"
-    if hook.startswith("kill-in-save"):
+    if name.startswith("kill-in-save"):
         assert (tmp_path / "checkpoints" / ".tmp_step_000004").is_dir()  # the interrupted write is really there
-    assert train_here(tmp_path) == 0
-    assert f"resuming from {step_dir(tmp_path, resumes_from)}" in capsys.readouterr().out
-    assert_same_as(reference, tmp_path)
-
-
-@pytest.mark.slow
-def test_a_killed_muon_run_with_averaged_weights_resumes_bitwise_identically(tmp_path, muon_ema_reference, killed,
-                                                                            capsys):
-    """Killed mid-step 5 (the work since step 4 is lost and redone): weights, every logged loss, Muon's and AdamW's
-    state, the average and every evaluation of it end as in the uninterrupted run, which lowered the loss."""
-    values = [loss for _, loss in logged(muon_ema_reference)]
-    assert values[-1] < values[0] - 0.5, values
-    assert "name: muon" in (muon_ema_reference / "config.yaml").read_text()
-    proc = killed("muon-ema", tmp_path)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert complete_checkpoints(tmp_path)[-1] == "step_000004"
-    assert train_here(tmp_path, *MUON_EMA) == 0
-    assert f"resuming from {step_dir(tmp_path, 4)}" in capsys.readouterr().out
-    assert_same_as(muon_ema_reference, tmp_path)
-    averaged = [step_dir(d) / rundirs.EMA_FILE for d in (muon_ema_reference, tmp_path)]
-    assert averaged[0].read_bytes() == averaged[1].read_bytes()
-    assert logged(tmp_path, "val_loss") == logged(muon_ema_reference, "val_loss")
-    assert [w for _, _, w in logged(tmp_path, "val_loss")] == ["model", "model", "ema", "ema", "ema"]  # 0 2 4 6 8
-
-
-@pytest.mark.slow
-def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path, reference, killed, capsys):
-    proc = killed("kill-after-save:6", tmp_path)  # checkpoints 2, 4, 6, then SIGKILL (its lock left behind)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    newest = step_dir(tmp_path, 6) / rundirs.MODEL_FILE
-    data = bytearray(newest.read_bytes())
-    data[-100] ^= 0xFF  # one flipped byte in the weights
-    newest.write_bytes(bytes(data))
     capsys.readouterr()
-    assert train_here(tmp_path) == 0
+    assert train_here(tmp_path, *(MUON_EMA if muon else ())) == 0
     out = capsys.readouterr().out  # nanopt logs to stdout
-    assert "skipping checkpoint step_000006" in out and "crc32" in out and "resuming from" in out
-    assert_same_as(reference, tmp_path)  # resumed from step 4 and redid steps 5-8
+    assert f"resuming from {step_dir(tmp_path, resumes_from)}" in out
+    assert not corrupt or ("skipping checkpoint step_000006" in out and "crc32" in out)
+    assert_same_as(reference, tmp_path)
+    if muon:  # the uninterrupted muon run lowered the loss
+        values = [loss for _, loss in logged(reference)]
+        assert values[-1] < values[0] - 0.5 and "name: muon" in (reference / "config.yaml").read_text(), values
+        averaged = [step_dir(d) / rundirs.EMA_FILE for d in (reference, tmp_path)]
+        assert averaged[0].read_bytes() == averaged[1].read_bytes()
+        assert logged(tmp_path, "val_loss") == logged(reference, "val_loss")
+        assert [w for _, _, w in logged(tmp_path, "val_loss")] == ["model", "model", "ema", "ema", "ema"]  # 0 2 4 6 8
 
 
 @pytest.mark.slow
