@@ -50,9 +50,8 @@ def _device_of(path: Path) -> str:
     while not os.path.ismount(mount) and mount != mount.parent:
         mount = mount.parent
     with contextlib.suppress(OSError):
-        for line in Path("/proc/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 1 and fields[1] == str(mount):
+        for fields in map(str.split, Path("/proc/mounts").read_text().splitlines()):
+            if fields[1:2] == [str(mount)]:
                 return f"{fields[0]} (mounted at {mount})"
     return str(mount)
 

@@ -101,9 +101,7 @@ def chosen_weights(ckpt: Path, state: dict, cfg: Config, weights: str) -> str:
                f"it is from before train.ema_start ({cfg.train.ema_start})")
         raise ConfigError(f"checkpoint {ckpt} holds no averaged weights ({rundirs.EMA_FILE}): {why}. Use "
                           f"`--weights model`, or a later checkpoint of a run trained with `train.ema_decay` > 0.")
-    if weights == "run":
-        return "ema" if cfg.eval.weights == "ema" and has_ema else "model"
-    return weights
+    return ("ema" if cfg.eval.weights == "ema" and has_ema else "model") if weights == "run" else weights
 
 
 def load_model(path: str | Path) -> Llama:

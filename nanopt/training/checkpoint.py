@@ -178,8 +178,7 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 
 def weights_crc32(ckpt: Path, name: str = MODEL_FILE) -> Optional[int]:
     """Which weights a checkpoint holds: `name`'s crc32 as COMPLETE lists it; None where it lists none."""
-    problem_, files = _manifest(Path(ckpt))
-    return None if problem_ or name not in files else files[name]["crc32"]
+    return _manifest(Path(ckpt))[1].get(name, {}).get("crc32")  # no entries when COMPLETE is unusable
 
 
 def _writer(name: str, world: int = 1 << 30) -> Optional[int]:
@@ -229,10 +228,9 @@ def verify_checkpoint(ckpt: Path, step: Optional[int] = None, rt: Optional[Runti
     problem_, files = _manifest(ckpt)
     if problem_:
         return problem_
-    if rt is not None:
-        rt.gather_objects((str(ckpt), files))  # what every rank verifies next
-    mine = _share_problem(ckpt, files, rt.rank if rt else 0, rt.world_size if rt else 1)
-    if found := [p for p in (rt.gather_objects(mine) if rt else [mine]) if p is not None]:
+    gather = rt.gather_objects if rt else (lambda mine: [mine])
+    gather((str(ckpt), files))  # what every rank verifies next
+    if found := [p for p in gather(_share_problem(ckpt, files, rt.rank if rt else 0, rt.world_size if rt else 1)) if p]:
         return min(found)[1]
     state, why = _own_file(ckpt / STATE_FILE, STEP, f"its {STATE_FILE}")
     return why or (None if state["step"] == step else f"its {STATE_FILE} says step {state['step']}, its name step "
