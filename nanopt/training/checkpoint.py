@@ -633,8 +633,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
 
         # The template DCP fills in place (get_state_dict initialises an empty optimizer state, changing no weight).
-        weights, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": weights, "optimizer": optimizer_state}
+        state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))
         missing = self._read_shards(ckpt, state, fix)
         set_model_state_dict(model, state["model"])
         try:
