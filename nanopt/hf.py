@@ -45,7 +45,16 @@ _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # Architecture keys that must agree between a run's config and a Hugging Face directory it starts from.
 _ARCH_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "norm_eps", "rope_theta",
               "rope_scaling", "tie_embeddings")
-_LLAMA3_KEYS = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+# nanopt's model keys under config.json's names, one table both ways (hf_config, model_config_from_hf); the llama3
+# factors under rope_parameters' names; transformers' LlamaConfig defaults, for keys a config.json leaves out.
+_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "ffn_dim": "intermediate_size", "n_layers":
+         "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "max_seq_len":
+         "max_position_embeddings", "norm_eps": "rms_norm_eps", "init_std": "initializer_range",
+         "tie_embeddings": "tie_word_embeddings"}
+_LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor", "rope_high_freq_factor":
+                "high_freq_factor", "rope_original_max_seq_len": "original_max_position_embeddings"}
+_HF_DEFAULTS = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+                "tie_word_embeddings": False, "rope_theta": 10000.0}
 # nanopt's opt-in architecture options and the value that means off: LlamaForCausalLM has none of them.
 _OPTIONS_OFF: dict[str, Any] = {"qk_norm": False, "mlp": "swiglu", "logit_softcap": 0.0, "value_embeddings": False,
                                 "residual_scalars": False, "parametrization": "sp"}
@@ -101,28 +110,19 @@ def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, t
             if not (tied and name == "lm_head.weight")}
 
 
-def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
-    if m.rope_scaling == "llama3":
-        return {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
-                "high_freq_factor": m.rope_high_freq_factor,
-                "original_max_position_embeddings": m.rope_original_max_seq_len}
-    return {"rope_type": "default"}
-
-
 def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtype: str = "float32") -> dict[str, Any]:
     """config.json for LlamaForCausalLM. Both spellings of RoPE settings are written: `rope_theta` +
     `rope_scaling` (transformers 4.x) and `rope_parameters` (transformers 5.x)."""
-    rope = _rope_parameters(m)
+    llama3 = m.rope_scaling == "llama3"
+    rope = {"rope_type": "llama3", **{hf: getattr(m, k) for k, hf in _LLAMA3_KEYS.items()}} if llama3 else \
+        {"rope_type": "default"}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
-        "hidden_size": m.dim, "intermediate_size": m.ffn_dim, "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": m.max_seq_len or 2048, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_scaling": rope if m.rope_scaling == "llama3" else None,
-        "rope_parameters": {**rope, "rope_theta": m.rope_theta}, "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": m.init_std,
-        "pretraining_tp": 1, "use_cache": True, "bos_token_id": bos_id, "eos_token_id": eos_id,
-        "pad_token_id": None, "torch_dtype": dtype,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **{hf: getattr(m, k) for k, hf in _KEYS.items()},
+        "head_dim": m.head_dim, "hidden_act": "silu", "max_position_embeddings": m.max_seq_len or 2048,
+        "rope_theta": m.rope_theta, "rope_scaling": rope if llama3 else None,
+        "rope_parameters": {**rope, "rope_theta": m.rope_theta}, "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "pretraining_tp": 1, "use_cache": True, "bos_token_id": bos_id,
+        "eos_token_id": eos_id, "pad_token_id": None, "torch_dtype": dtype,
     }
 
 
@@ -140,7 +140,9 @@ def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
         raise ConfigError(f"{where}/config.json uses hidden_act={hf.get('hidden_act')!r}, attention_bias="
                           f"{hf.get('attention_bias')}, mlp_bias={hf.get('mlp_bias')}; nanopt's Llama is SwiGLU "
                           f"(silu) without biases.")
-    hf = {k: v for k, v in hf.items() if v is not None}  # a null is the default, as transformers reads it
+    # A missing key or a null is transformers' LlamaConfig default.
+    hf = {**_HF_DEFAULTS, "num_key_value_heads": hf.get("num_attention_heads"),
+          **{k: v for k, v in hf.items() if v is not None}}
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}/config.json: `rope_parameters` / `rope_scaling` is {rope!r}, not an object.")
@@ -148,17 +150,10 @@ def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}/config.json uses RoPE scaling {rope_type!r}; nanopt implements `default` and "
                           f"`llama3` only.")
-    g = hf.get
-    model = {"vocab_size": g("vocab_size"), "dim": g("hidden_size"), "n_heads": g("num_attention_heads"),
-             "n_layers": g("num_hidden_layers"), "n_kv_heads": g("num_key_value_heads", g("num_attention_heads")),
-             "ffn_dim": g("intermediate_size"), "max_seq_len": g("max_position_embeddings", 2048),
-             "norm_eps": g("rms_norm_eps", 1e-6), "init_std": g("initializer_range", 0.02),
-             "rope_theta": rope.get("rope_theta", g("rope_theta", 10000.0)),
-             "tie_embeddings": bool(g("tie_word_embeddings", False))}
-    if rope_type == "llama3":  # the inverse of _rope_parameters
-        model.update(rope_scaling="llama3", rope_factor=rope.get("factor"), rope_low_freq_factor=rope.get(
-            "low_freq_factor"), rope_high_freq_factor=rope.get("high_freq_factor"),
-            rope_original_max_seq_len=rope.get("original_max_position_embeddings"))
+    model = {k: hf.get(name) for k, name in _KEYS.items()}
+    model.update(rope_theta=rope.get("rope_theta", hf["rope_theta"]), tie_embeddings=bool(model["tie_embeddings"]))
+    if rope_type == "llama3":
+        model.update(rope_scaling="llama3", **{k: rope.get(name) for k, name in _LLAMA3_KEYS.items()})
     m = model_from_dict(model, f"{where}/config.json (read as nanopt's model section)")
     if hf.get("head_dim", m.head_dim) != m.head_dim:
         raise ConfigError(f"{where}/config.json has head_dim {hf['head_dim']!r} with {m.n_heads} heads and "
@@ -261,7 +256,7 @@ def init_from(model: Llama, spec: str) -> None:
                           f"the run's model config sets {text}, which that architecture does not have; "
                           f"start from it with them off ({offs}) or train from scratch (train.init_from=\"\").")
     # The llama3 factors only matter when both sides use llama3 scaling.
-    keys = _ARCH_KEYS + (_LLAMA3_KEYS if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
+    keys = _ARCH_KEYS + (tuple(_LLAMA3_KEYS) if ours.rope_scaling == theirs.rope_scaling == "llama3" else ())
     if differ := [k for k in keys if getattr(ours, k) != getattr(theirs, k)]:
         fixes = " ".join(f"--model.{k}={_value(getattr(theirs, k))}" for k in differ)
         raise ConfigError(f"`train.init_from` {directory} has a different architecture from the run's model config "

@@ -66,7 +66,7 @@ def test_watch_skips_a_checkpoint_whose_state_is_damaged_naming_it(tmp_path, cap
 def test_watch_times_must_be_finite(tmp_path, capsys, flag, value):
     assert cli(["eval", str(tmp_path), "--watch", flag, value]) == 2
     _, err = read_out(capsys)
-    assert err.startswith("nanopt eval: error: --interval must be") and value in err
+    assert err.startswith(f"nanopt eval: error: {flag} {value} must be")
     no_traceback(err)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from nanopt.config import DEVICES, comma_list
 from nanopt.data.shards import corpus_documents, fetch_sdist
@@ -20,14 +22,26 @@ from nanopt.loading import WEIGHTS
 from nanopt.rundirs import CONFIG_FILE, EVALS_FILE, SUMMARY_FILE, is_run
 
 
+def _bounded(cast: type, rule: str, low: float, above: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a finite number at least `low` (above it when `above`), else the flag's one paragraph."""
+    def parse(text: str) -> Any:
+        value = cast(text)
+        if not (math.isfinite(value) and (value > low if above else value >= low)):
+            raise argparse.ArgumentTypeError(f"{text} must be {rule}")
+        return value
+    parse.__name__ = cast.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="nanopt eval", description=(
+    p = argparse.ArgumentParser(prog="nanopt eval", exit_on_error=False, description=(
         f"Evaluate a checkpoint on the run's fixed val (or test) set and append the result to the run's {EVALS_FILE}; "
         "safe while the run trains; under torchrun the ranks share the batches."))
     p.add_argument("path", nargs="?", help="a run directory (its newest complete checkpoint) or a checkpoint "
                    "directory; with --tasks/--core also a Hugging Face directory")
     p.add_argument("--split", choices=("val", "test"), default="val")
-    p.add_argument("--batches", type=int, default=0, help="micro-batches in the evaluation set (default: eval.batches)")
+    p.add_argument("--batches", type=_bounded(int, "0 or more", 0), default=0,
+                   help="micro-batches in the evaluation set (default: eval.batches)")
     p.add_argument("--device", choices=DEVICES, default="auto")
     p.add_argument("--precision", choices=("run", "fp32", "bf16"), default="run",
                    help="autocast as the run trained (default) or force one")
@@ -37,22 +51,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--watch", action="store_true",
                    help=f"evaluate each new complete checkpoint of the run directory until the run has finished (its "
                         f"{SUMMARY_FILE} says so for its {CONFIG_FILE}) and its last checkpoint is evaluated")
-    p.add_argument("--interval", type=float, default=30.0, help="with --watch: seconds between looks (default 30)")
-    p.add_argument("--timeout", type=float, default=0.0, help="with --watch: stop after this many seconds (0 = never)")
+    p.add_argument("--interval", type=_bounded(float, "a finite number of seconds above 0", 0, above=True),
+                   default=30.0, help="with --watch: seconds between looks (default 30)")
+    p.add_argument("--timeout", type=_bounded(float, "a finite number of seconds, 0 or more", 0), default=0.0,
+                   help="with --watch: stop after this many seconds (0 = never)")
     tasks = p.add_argument_group("downstream tasks (--tasks needs pip install -e '.[eval]')")
     tasks.add_argument("--tasks", default="", help="comma list of lm-eval task or group names (or of YAMLs' names "
                        f"in --include-path); scores go to the run's {EVALS_FILE} and TensorBoard")
     tasks.add_argument("--include-path", default=None, help="a directory of local lm-eval task YAMLs")
     tasks.add_argument("--core", default=None, metavar="DIR", help="a CORE bundle (core.yaml, eval_data/, "
                        "eval_meta_data.csv): each task's accuracy and the centered mean")
-    tasks.add_argument("--limit", type=int, default=None, help="score only the first N documents of each task")
-    tasks.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    tasks.add_argument("--batch-size", type=int, default=32, help="requests per forward pass (default 32)")
+    tasks.add_argument("--limit", type=_bounded(int, "1 or more", 1), default=None, help="score only the first N documents of each task")
+    tasks.add_argument("--num-fewshot", type=_bounded(int, "0 or more (or left out for each task's own)", 0),
+                       default=None, help="few-shot examples (default: each task's own)")
+    tasks.add_argument("--batch-size", type=_bounded(int, "1 or more", 1), default=32, help="requests per forward pass (default 32)")
     tasks.add_argument("--json", action="store_true", help="print the records as JSON")
     tasks.add_argument("--make-tasks", default=None, metavar="DIR", help="write the generated demo tasks (an lm-eval "
                        "multiple-choice and a perplexity task, and a CORE bundle in DIR/core) from held-out text "
                        "of the embedded corpus; PATH is not read")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except argparse.ArgumentError as e:  # a flag's value its type refused: bad input, one paragraph
+        raise ConfigError(f"{e.argument_name} {e.message}") from None
     if args.make_tasks:
         return _make(args.make_tasks)
     if not args.path:
@@ -108,11 +128,6 @@ def _make(out: str) -> int:
 def _tasks(args: argparse.Namespace) -> int:
     if args.watch:
         raise ConfigError("--watch evaluates val/test loss only; run --tasks/--core on a checkpoint or run directory.")
-    if (args.limit is not None and args.limit < 1) or args.batch_size < 1:
-        raise ConfigError(f"--limit ({args.limit}) and --batch-size ({args.batch_size}) must be at least 1.")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise ConfigError(f"--num-fewshot {args.num_fewshot}: give the few-shot examples per question, 0 or more "
-                          f"(or leave it out for each task's own).")
     names = comma_list(args.tasks)
     if args.tasks and not names:
         raise ConfigError(f"--tasks {args.tasks!r} names no task; give a comma list of lm-eval task or group names, "

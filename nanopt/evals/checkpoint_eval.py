@@ -4,7 +4,6 @@ every new complete checkpoint of a run until it finishes (rundirs.finished, with
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,10 +42,6 @@ class Evaluator:
     rt: Optional[Runtime] = None
     sets: dict[int, Any] = field(default_factory=dict)  # batch count -> this rank's evaluation batches
     token_bytes: Optional[torch.Tensor] = None
-
-    def __post_init__(self) -> None:
-        if self.batches < 0:
-            raise ConfigError(f"--batches must be positive, got {self.batches}.")
 
     def precision_for(self, cfg: Config) -> str:
         """What the evaluation computes in: as asked, or as the run trained; fp32 where the runtime refused
@@ -136,14 +131,10 @@ def finished_at(run_dir: Path) -> Optional[int]:
     return None if summary is None else summary["steps"]
 
 
-def _check_watch(run_dir: Path, interval: float, timeout: float) -> None:
+def _check_watch(run_dir: Path) -> None:
     """A run's directory, or one a run is about to start in: empty, or holding only the lock a starting trainer
     takes before it writes anything else (the watcher may start first; CI caught it in that moment), and maybe a
-    watcher's lease (_watch_lease names that watcher); finite times (time.sleep(nan) and sleep(inf) raise, a nan
-    deadline is never reached), the interval above 0."""
-    if not (math.isfinite(interval) and interval > 0) or not (math.isfinite(timeout) and timeout >= 0):
-        raise ConfigError(f"--interval must be a number of seconds above 0 and --timeout one at least 0 (0 = never), "
-                          f"got {interval} and {timeout}; e.g. --interval 30 --timeout 3600.")
+    watcher's lease (_watch_lease names that watcher). The CLI's flag types keep the times finite."""
     if (run_dir / STATE_FILE).is_file():
         raise ConfigError(f"{run_dir} is a checkpoint; --watch takes its run directory ({run_dir.parent.parent}).")
     starting = run_dir.is_dir() and all(is_lease(p.name) for p in run_dir.iterdir())
@@ -161,7 +152,7 @@ def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeo
     load() verifies each checkpoint, and one damaged, or pruned while read, is skipped with a line saying why.
     What the run's evaluations already hold is not done again: a restarted watcher goes on where one stopped."""
     run_dir = Path(run_dir)
-    _check_watch(run_dir, interval, timeout)
+    _check_watch(run_dir)
     lease = _watch_lease(run_dir)
     setup_logging(True)
     deadline = time.monotonic() + timeout if timeout else None

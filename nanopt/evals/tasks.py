@@ -1,10 +1,8 @@
-"""Downstream tasks, lm-eval's and CORE's (core.py), scored after training (`nanopt eval --tasks/--core`:
-score_checkpoint) and during it (TaskScorer), each score recorded in the run directory; and `lm_class()`, the
-lm-evaluation-harness model `nanopt` (any run, checkpoint or Hugging Face directory nanopt loads). The harness owns
-tasks, prompts, few-shot and metrics; nanopt answers its requests with the continuation scorer (scoring.py) and the
-decode loop (generate.py). What lm-eval raises on a task's YAML or data is bad input at one boundary (_task_error);
-nanopt checks only what lm-eval would score silently (_check_rows). lm-eval (the `eval` extra, a second to import)
-is imported on first use: a model loads and CORE scores without it."""
+"""Downstream tasks, lm-eval's and CORE's, scored after training (score_checkpoint) and during it (TaskScorer) into
+the run directory; and `lm_class()`, the lm-evaluation-harness model `nanopt`. The harness owns tasks, prompts,
+few-shot and metrics; nanopt answers its requests with the continuation scorer and the decode loop. What lm-eval
+raises on a task's input is bad input at one boundary (_task_input); nanopt checks only what lm-eval would score
+silently (_check_rows). lm-eval (the `eval` extra, a second to import) is imported on first use."""
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +51,7 @@ def _lm_eval() -> Any:
 
 
 def lm_class() -> type:
-    """NanoptLM, registered with the harness as `nanopt` on first call: `simple_evaluate(model="nanopt",
-    model_args="path=runs/x")`, or an object: `simple_evaluate(model=lm_class()(path="runs/x"), ...)`."""
+    """NanoptLM, registered with the harness as `nanopt` on first call (model="nanopt", model_args="path=runs/x")."""
     global _LM
     if _LM is None:
         _LM = _define(_lm_eval())
@@ -64,9 +61,8 @@ def lm_class() -> type:
 def _define(lm_eval: Any) -> type:
     @lm_eval.api.registry.register_model("nanopt")
     class NanoptLM(lm_eval.api.model.TemplateLM):
-        """path: a run directory, checkpoint or Hugging Face directory; or model + tokenizer (+ rt) in memory,
-        as training passes them. add_bos_token: start every context with BOS, as nanopt's shards start each
-        document (off where the tokenizer has none)."""
+        """path: a run, checkpoint or Hugging Face directory; or model + tokenizer (+ rt), as training passes them.
+        add_bos_token: BOS first, as nanopt's shards start each document (off where the tokenizer has none)."""
 
         def __init__(self, path: Optional[str] = None, model: Optional[Llama] = None,
                      tokenizer: Optional[Tokenizer | str] = None, device: str = "auto", precision: str = "run",
@@ -110,8 +106,7 @@ def _define(lm_eval: Any) -> type:
 def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Optional[Tokenizer | str] = None,
                device: str = "auto", precision: str = "run", rt: Optional[Runtime] = None,
                weights: str = "run") -> tuple[Llama, Tokenizer, Runtime, Optional[Loaded]]:
-    """(model in eval mode on the runtime's device, tokenizer, runtime, the Loaded it came from): loaded from
-    `path` (no lm-eval needed), or given (training's live model; Loaded None)."""
+    """(model in eval mode on the runtime's device, tokenizer, runtime, its Loaded): loaded from `path`, or given."""
     loaded: Optional[Loaded] = None
     if model is None:
         if not path:
@@ -131,8 +126,7 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
 
 
 def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
-    """Whole-text log-likelihoods (perplexity tasks): the harness's disjoint windows of the model's context,
-    each window scored as one continuation; the windows of all texts are batched together."""
+    """Whole-text log-likelihoods: the harness's disjoint windows, each scored as one continuation, all batched."""
     max_len = lm.model.rope_cos.shape[0]
     spans, windows = [], []
     for text in texts:
@@ -185,8 +179,8 @@ def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
 
 
 def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
-    """Whether every task, and every member of every group, named is in `index` (the user's YAMLs): then lm-eval's
-    own tasks need not be indexed. Anything unexpected (an inline task config, a newer index format) says no."""
+    """Whether every task and group member named is in `index` (the user's YAMLs), so lm-eval's own need no index.
+    Anything unexpected (an inline task config, a newer index format) says no."""
     seen: set[str] = set()
     todo = list(names)
     while todo:
@@ -205,8 +199,8 @@ def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
 
 
 def check_tasks(spec: TaskSpec) -> None:
-    """ConfigError now when lm-eval is missing, a task is unknown or its YAML, data or rows are unusable
-    (load_tasks), or the CORE bundle does not read: what training finds before its first step."""
+    """ConfigError now for what scoring would trip over (lm-eval missing, a task unknown or unusable, a bundle that
+    does not read): what training finds before its first step."""
     if spec.tasks:
         load_tasks(_task_manager(spec.tasks, spec.include_path), spec.tasks)
     if spec.core_dir:
@@ -215,9 +209,8 @@ def check_tasks(spec: TaskSpec) -> None:
 
 def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None, limit: Optional[float] = None,
                    num_fewshot: Optional[int] = None) -> Optional[dict[str, Any]]:
-    """lm-eval's simple_evaluate on an lm_class() object: its results dict on the main rank, None elsewhere. The
-    tasks are built first (load_tasks); what the harness raises on a task's YAML or data while it scores is bad
-    input (_task_error); a model or device failure (a RuntimeError) passes as it is."""
+    """lm-eval's simple_evaluate on an lm_class() object: its results on the main rank, None elsewhere. What the
+    harness raises on task data while it scores is bad input; a model or device failure (RuntimeError) passes."""
     lm_eval = _lm_eval()
     import datasets.exceptions  # both come with lm-eval
     import jinja2
@@ -225,40 +218,40 @@ def evaluate_tasks(lm: Any, tasks: list[str], include_path: Optional[str] = None
     manager = _task_manager(tasks, include_path)
     built = load_tasks(manager, tasks)  # handed to the harness as objects: each task's data is read once
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    with _task_input(manager, tasks, (ValueError, LookupError, FileNotFoundError, StopIteration,
+                                      datasets.exceptions.DatasetsError, jinja2.TemplateError)):
         return lm_eval.simple_evaluate(model=lm, tasks=built, task_manager=manager, limit=limit,
                                        num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=1000)
-    except ConfigError:
-        raise
-    except (ValueError, LookupError, FileNotFoundError, StopIteration, datasets.exceptions.DatasetsError,
-            jinja2.TemplateError) as e:
-        raise _task_error(manager, tasks, e) from None
 
 
 # ---------------------------------------------------------------- the boundary for lm-eval's task input
 def load_tasks(manager: Any, tasks: list[str]) -> list[Any]:
-    """The harness's Task and Group objects for `tasks`, each built by lm-eval (its YAML and data read, its first
-    row rendered) and its rows checked for what lm-eval accepts silently (_check_rows). Building reads only the
-    task's own files, so whatever lm-eval, datasets or jinja2 raise here is bad input (_task_error)."""
+    """The harness's Task and Group objects for `tasks`, built by lm-eval, their rows checked (_check_rows)."""
     built: list[Any] = []
     for name in tasks:
-        try:
+        with _task_input(manager, [name]):  # building reads only the task's own files: any failure is its input's
             loaded = manager.load([name])
             for task in loaded["tasks"].values():
                 _check_rows(task)
-        except ConfigError:
-            raise
-        except Exception as e:  # the boundary: lm-eval validates its inputs, nanopt names them
-            raise _task_error(manager, [name], e) from None
         top = loaded["groups"].get(name, loaded["tasks"].get(name))
         built += [top] if top is not None else list(loaded["tasks"].values())  # a tag: its tasks
     return built
 
 
+@contextlib.contextmanager
+def _task_input(manager: Any, names: list[str], errors: tuple[type[BaseException], ...] = (Exception,)) -> Any:
+    """The boundary: what lm-eval (or datasets, jinja2) raises on the tasks' input is one ConfigError naming them."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except errors as e:
+        raise _task_error(manager, names, e) from None
+
+
 def _task_error(manager: Any, names: list[str], e: BaseException) -> ConfigError:
-    """The one paragraph for task input the harness refused: the task(s), their YAMLs and data files, and the
-    cause (with the reader's own error, which datasets wraps: "JSON parse error ... in row 1"); a hub dataset that
-    cannot be reached and is not cached gets the offline fix."""
+    """The one paragraph for refused task input: the tasks, their YAMLs and data files, the cause (with the reader's
+    error datasets wraps: "JSON parse error ... in row 1"); an unreachable, uncached hub dataset gets the offline fix."""
     configs = [c for name in names for c in _configs(manager, name, set())]
     if hub.is_unreachable_error(e):
         paths = list(dict.fromkeys(c["dataset_path"] for c in configs if isinstance(c.get("dataset_path"), str)))
@@ -294,8 +287,7 @@ def _configs(manager: Any, name: Any, seen: set[str]) -> list[dict[str, Any]]:
 
 
 def _local_files(dataset_kwargs: Any, split: Optional[str] = None) -> list[Path]:
-    """The local paths in a YAML's dataset_kwargs.data_files (a path, a list, or a map of split to either), those
-    of `split` when given."""
+    """The local paths in a YAML's dataset_kwargs.data_files (a path, a list, or a map of split to either)."""
     data = dataset_kwargs.get("data_files") if isinstance(dataset_kwargs, dict) else None
     if isinstance(data, dict):
         data = data.get(split) if split else [v for vs in data.values() for v in (vs if isinstance(vs, list) else [vs])]
@@ -303,10 +295,9 @@ def _local_files(dataset_kwargs: Any, split: Optional[str] = None) -> list[Path]
 
 
 def _check_rows(task: Any) -> None:
-    """What lm-eval accepts silently, in a task whose data is local files (what a user wrote; the harness's own
-    hub tasks are its to keep): a row without a field the templates use (datasets fills it with null, which
-    renders as "None") and a multiple-choice gold outside its choices (only a warning, scored wrong).
-    ConfigError naming the row of the evaluation split."""
+    """What lm-eval accepts silently in a task on local files (the harness's hub tasks are its own): a row without a
+    field the templates use (datasets fills in null, rendered "None") and a gold outside its choices (a warning,
+    scored wrong). ConfigError naming the row."""
     config = task.config
     split = config.test_split if task.has_test_docs() else config.validation_split
     files = _local_files(config.dataset_kwargs, split)
@@ -323,8 +314,7 @@ def _check_rows(task: Any) -> None:
 
 
 def _fields_used(task: Any) -> set[str]:
-    """The data fields the YAML's doc_to_text, doc_to_target and doc_to_choice read: a field's name, or a Jinja
-    template's variables (lm-eval has parsed each template: the first row rendered)."""
+    """The data fields doc_to_text, doc_to_target and doc_to_choice read: a field's name, or a template's variables."""
     import jinja2.meta
 
     used: set[str] = set()
@@ -335,8 +325,7 @@ def _fields_used(task: Any) -> set[str]:
 
 
 def _gold_problem(task: Any, doc: Any) -> Optional[str]:
-    """Why a multiple-choice row's gold is none of its choices (lm-eval's rule: an int indexes the choices, a
-    string is one of them; a list holds several), or None."""
+    """Why a multiple-choice row's gold is none of its choices (an int indexes them, a string is one), or None."""
     if task.OUTPUT_TYPE != "multiple_choice":
         return None
     text, target, choices = task.doc_to_text(doc), task.doc_to_target(doc), task.doc_to_choice(doc)
@@ -349,24 +338,28 @@ def _gold_problem(task: Any, doc: Any) -> Optional[str]:
 
 
 def task_records(results: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
-    """One evals.jsonl record per task (groups too) from simple_evaluate's results: every metric's value and the
-    harness's stderr, which direction is better, and how many documents were scored."""
+    """One evals.jsonl record per task (groups too) from simple_evaluate's results."""
     out = []
     for task, row in results["results"].items():
         numbers = {k.split(",")[0]: v for k, v in row.items() if k not in ("alias", "sample_len") and is_number(v)}
         scores = {m: v for m, v in numbers.items() if not m.endswith("_stderr")}
-        stderr = {m.removesuffix("_stderr"): v for m, v in numbers.items() if m.endswith("_stderr")}
         better = results.get("higher_is_better", {}).get(task, {})
-        samples = results.get("n-samples", {}).get(task, {}).get("effective")
-        out.append({"step": step, "time": time.time(), "source": source, "task": task, "scores": scores,
-                    "stderr": stderr, "higher_is_better": {m: better.get(m) for m in scores}, "samples": samples,
-                    "num_fewshot": results.get("n-shot", {}).get(task), **extra})
+        out.append(_record(step, source, task, scores, results.get("n-samples", {}).get(task, {}).get("effective"),
+                           {m.removesuffix("_stderr"): v for m, v in numbers.items() if m.endswith("_stderr")},
+                           {m: better.get(m) for m in scores}, num_fewshot=results.get("n-shot", {}).get(task),
+                           **extra))
     return out
 
 
+def _record(step: Optional[int], source: str, task: str, scores: dict[str, float], samples: Optional[int],
+            stderr: Optional[dict] = None, better: Optional[dict] = None, **extra: Any) -> dict[str, Any]:
+    return {"step": step, "time": time.time(), "source": source, "task": task, "scores": scores,
+            "stderr": stderr or {}, "higher_is_better": better or {}, "samples": samples, **extra}
+
+
 def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Append to the run's evals.jsonl and TensorBoard (tasks/<task>/<metric>) the records it does not hold yet
-    (evaluation_key: each checkpoint's task once); return those it already held."""
+    """Append to evals.jsonl and TensorBoard (tasks/<task>/<metric>) the records the run does not hold yet
+    (evaluation_key); return those it held."""
     if run_dir is None:
         return []
     done = recorded(run_dir)
@@ -384,14 +377,11 @@ def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list
 
 
 def failure_cause(error: BaseException) -> str:
-    """A scoring failure in one line of evals.jsonl: a ConfigError's paragraph, else the exception's type and text."""
     return str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
 
 
 def failure_records(spec: TaskSpec, step: Optional[int], source: str, cause: str) -> list[dict[str, Any]]:
-    """One evals.jsonl record per task of `spec` whose scoring failed: its name and the cause, no scores."""
-    return [{"step": step, "time": time.time(), "source": source, "task": name, "error": cause, "scores": {},
-             "stderr": {}, "higher_is_better": {}, "samples": None} for name in spec.names()]
+    return [_record(step, source, name, {}, None, error=cause) for name in spec.names()]
 
 
 def task_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -432,10 +422,9 @@ class TaskSpec:
 
 def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec, step: Optional[int], source: str,
                 **extra: Any) -> list[dict[str, Any]]:
-    """Every task of `spec` on one model (eval mode while scored): evals.jsonl records, the CORE ones as
-    `core/<task>` (accuracy, centered) and `core` (the centered mean). The bundle is read first, so a broken one
-    stops before the lm-eval tasks take their time. The RNG states are put back afterwards (the harness seeds
-    Python's, numpy's and torch's): scoring during training leaves the run's results alone."""
+    """Every task of `spec` on one model: evals.jsonl records, CORE's as `core/<task>` and `core` (the centered mean).
+    The bundle is read first: a broken one stops before the lm-eval tasks take their time. The RNG states are put
+    back (the harness seeds Python's, numpy's and torch's): scoring during training leaves the run alone."""
     bundle = core.read_bundle(spec.core_dir, spec.limit or 0) if spec.core_dir else None
     was_training, rng = model.training, rt.rng_state()
     model.eval()
@@ -458,23 +447,18 @@ def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec,
 
 
 def core_records(result: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
-    base = {"step": step, "time": time.time(), "source": source, **extra}
-    out = [{**base, "task": f"core/{label}", "scores": {"acc": t["accuracy"], "centered": t["centered"]},
-            "stderr": {}, "higher_is_better": {"acc": True, "centered": True}, "samples": t["n"],
-            "random_baseline": t["random_baseline"]} for label, t in result["tasks"].items()]
-    out.append({**base, "task": "core", "scores": {"core": result["core"]}, "stderr": {},
-                "higher_is_better": {"core": True}, "samples": sum(t["n"] for t in result["tasks"].values())})
-    return out
+    out = [_record(step, source, f"core/{label}", {"acc": t["accuracy"], "centered": t["centered"]}, t["n"],
+                   better={"acc": True, "centered": True}, random_baseline=t["random_baseline"], **extra)
+           for label, t in result["tasks"].items()]
+    return out + [_record(step, source, "core", {"core": result["core"]}, sum(t["n"] for t in result["tasks"].values()),
+                          better={"core": True}, **extra)]
 
 
 class TaskScorer:
-    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last one, after that
-    step's checkpoint is saved: scoring never costs trained steps, and its time is outside the training clock. The
-    harness runs on a one-process view of the runtime: for a whole model the main rank scores while the others wait
-    at a barrier; for a sharded one (fsdp, hsdp) every rank scores the same examples in lockstep (each forward
-    gathers weights from all; parallel.lockstep) and the main rank records. A scoring failure on any rank is one
-    warning and an evals.jsonl record naming the task and the cause, and training goes on; what can be checked
-    before step 1 is (check_tasks)."""
+    """eval.tasks and eval.core on the live model every eval.tasks_every steps and after the last, once that step's
+    checkpoint is saved, outside the training clock. On a one-process view of the runtime: a whole model is scored
+    by the main rank while the others wait; a sharded one by every rank in lockstep (parallel.lockstep), the main
+    rank recording. A failure on any rank is a warning and a record naming the task and cause; training goes on."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: Llama, tokenizer: Tokenizer):
         e = cfg.eval
@@ -485,15 +469,13 @@ class TaskScorer:
         self.seconds, self.last_step = 0.0, None
         if not self.spec:  # every rank reads the same config: no collective for a run without tasks
             return
-        # An unknown task, unusable task data or a broken bundle is refused before the first step.
-        if not self.sharded:
-            rt.on_main(lambda: check_tasks(self.spec))
-            return
-        try:  # every rank checks and all raise alike: none is left waiting at a collective
-            check_tasks(self.spec)
-            mine = None
-        except ConfigError as e:
-            mine = e
+        # Refused before the first step by every rank that scores; all raise alike: none waits at a collective.
+        mine = None
+        if rt.is_main or self.sharded:
+            try:
+                check_tasks(self.spec)
+            except ConfigError as e:
+                mine = e
         if error := next((e for e in rt.gather_objects(mine) if e is not None), None):
             raise error
 
@@ -502,8 +484,7 @@ class TaskScorer:
         return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
 
     def run(self, step: int, weights: Optional[contextlib.AbstractContextManager[str]] = None) -> None:
-        """Score at `step` with `weights` in the model (the validator's: the weights validation uses, swapped in
-        on every rank; it yields their name, which every record carries); the model's own when None."""
+        """Score at `step` with `weights` swapped in (the validator's; it yields their name); the model's own if None."""
         t0 = time.perf_counter()
         with weights or contextlib.nullcontext("model") as name:
             if self.rt.is_main or self.sharded:
@@ -513,8 +494,8 @@ class TaskScorer:
         self.last_step = step
 
     def _score(self, step: int, weights: str) -> None:
-        """Score each part (the lm-eval tasks, the CORE bundle) and record it; a part that fails is recorded as
-        failed. Nothing raised here may reach the loop: the other ranks wait at the barrier after it."""
+        """Score and record each part (lm-eval tasks, CORE bundle). Nothing raised here may reach the loop: the
+        other ranks wait at the barrier after it."""
         records = [{**r, "weights": weights} for part in self.spec.parts() for r in self._score_part(part, step)]
         if not self.rt.is_main:
             return
@@ -540,8 +521,8 @@ class TaskScorer:
         return failed
 
     def _agreed_cause(self, error: Optional[Exception]) -> Optional[str]:
-        """Why the part failed, on every rank alike: under a sharded model a failure on any rank fails it (its
-        scores may have been cut short), named by the first rank whose own error (not Broken) it was."""
+        """Why the part failed, alike on every rank: sharded, a failure on any rank fails it, named by the first
+        rank whose own error (not Broken) it was."""
         mine = None if error is None else (isinstance(error, parallel.Broken), failure_cause(error))
         if not self.sharded:
             return None if mine is None else mine[1]
@@ -554,9 +535,8 @@ class TaskScorer:
 
 def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", precision: str = "run",
                      weights: str = "run") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """`nanopt eval PATH --tasks/--core`: load a run directory (its newest complete checkpoint), a checkpoint
-    or a Hugging Face directory, score it, and record the results in its run directory (if it has one). Returns
-    the records, and those of them the run's evals.jsonl already held from the same weights (not appended)."""
+    """`nanopt eval PATH --tasks/--core`: load, score, and record in its run directory (if any). Returns the records
+    and those the run's evals.jsonl already held from the same weights (not appended)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ConfigError("--tasks and --core run in one process; start `nanopt eval` without torchrun.")
     model, tok, rt, loaded = task_model(str(path), device=device, precision=precision, weights=weights)
