@@ -1,6 +1,5 @@
-"""nanopt.evals.core_benchmark: DCLM's eval bundle read, prompts rendered and scored as nanochat's core_eval.py does, the CORE
-arithmetic, and the generated bundle (nanopt.evals.taskgen.write_bundle). Per-example parity with nanochat itself:
-bench/core_parity.py."""
+"""nanopt.evals.core_benchmark: DCLM's eval bundle read, prompts rendered and scored as nanochat's core_eval.py does,
+the CORE arithmetic, and the generated bundle (taskgen.write_bundle). Parity with nanochat itself: bench/core_parity.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,25 +56,22 @@ def score(model: torch.nn.Module, tasks: list[core.CoreTask], batch_size: int = 
 
 
 # --- prompts -------------------------------------------------------------------------------------------------------
-
-def test_multiple_choice_prompts_one_per_choice_after_the_examples():
-    shot = {"query": "Q1", "choices": ["A", "B"], "gold": 1}
-    item = {"query": "Q", "choices": ["x", "y"], "gold": 0}
-    assert core.render_prompts("multiple_choice", item, ": ", [shot, shot]) == [
-        "Q1: B\n\nQ1: B\n\nQ: x", "Q1: B\n\nQ1: B\n\nQ: y"]
-
-
-def test_schema_prompts_one_per_context_with_the_shared_continuation():
-    shot = {"context_options": ["C1", "C2"], "continuation": "K1", "gold": 0}
-    item = {"context_options": ["c", "d"], "continuation": "k", "gold": 1}
-    assert core.render_prompts("schema", item, " ", [shot]) == ["C1 K1\n\nc k", "C1 K1\n\nd k"]
+PROMPTS = {  # kind -> (item, delimiter, shots, the prompts: one per choice or context, or without and with the answer)
+    "multiple_choice": ({"query": "Q", "choices": ["x", "y"], "gold": 0}, ": ",
+                        [{"query": "Q1", "choices": ["A", "B"], "gold": 1}] * 2,
+                        ["Q1: B\n\nQ1: B\n\nQ: x", "Q1: B\n\nQ1: B\n\nQ: y"]),
+    "schema": ({"context_options": ["c", "d"], "continuation": "k", "gold": 1}, " ",
+               [{"context_options": ["C1", "C2"], "continuation": "K1", "gold": 0}], ["C1 K1\n\nc k", "C1 K1\n\nd k"]),
+    "language_modeling": ({"context": "ctx \n", "continuation": " cont"}, " ", [{"context": "  Ctx1 ", "continuation": "x1"}],
+                          ["Ctx1 x1\n\nctx", "Ctx1 x1\n\nctx  cont"]),  # contexts trimmed
+    "language_modeling, no shots": ({"context": "ctx \n", "continuation": " cont"}, " ", [], ["ctx", "ctx  cont"]),
+}
 
 
-def test_language_modeling_prompts_without_and_with_the_continuation_contexts_trimmed():
-    shot = {"context": "  Ctx1 ", "continuation": "x1"}
-    item = {"context": "ctx \n", "continuation": " cont"}
-    assert core.render_prompts("language_modeling", item, " ", [shot]) == ["Ctx1 x1\n\nctx", "Ctx1 x1\n\nctx  cont"]
-    assert core.render_prompts("language_modeling", item, " ", []) == ["ctx", "ctx  cont"]
+@pytest.mark.parametrize("kind", list(PROMPTS))
+def test_prompts_are_rendered_as_nanochats_templates_render_them(kind):
+    item, delimiter, shots, prompts = PROMPTS[kind]
+    assert core.render_prompts(kind.split(",")[0], item, delimiter, shots) == prompts
 
 
 def test_fewshot_examples_are_drawn_as_nanochat_draws_them():
@@ -87,34 +83,26 @@ def test_fewshot_examples_are_drawn_as_nanochat_draws_them():
 
 
 # --- scoring, hand-checked -----------------------------------------------------------------------------------------
+SCORED = {  # kind -> (Bigram logits (after, token, logit), items, delimiter, which items are answered right)
+    # ' '->b loses 5.574, b->b 0.012 (mean 2.79); ' '->c loses 3.574. The lowest mean loss picks "bb", a sum "c".
+    "multiple_choice": ([(" ", "c", 2.0), ("b", "b", 10.0)],
+                        [{"query": "q", "choices": ["bb", "c"], "gold": g} for g in (0, 1)], " ", [True, False]),
+    # Only the shared continuation is scored: BOS strongly predicts "y", but x->' ' decides for option 0.
+    "schema": ([("BOS", "y", 50.0), ("x", " ", 5.0)], [{"context_options": options, "continuation": "z", "gold": 0}
+                                                      for options in (["x", "y"], ["y", "x"])], " ", [True, False]),
+    # Every continuation token must be greedy; the last: a->b is not (all logits of a are 0: argmax is token 0).
+    "language_modeling": ([("b", "c", 1.0), ("c", "d", 1.0)], [{"context": " ab ", "continuation": "cd"}, {
+        "context": "ab", "continuation": "ce"}, {"context": "a", "continuation": "bcd"}], "", [True, False, False]),
+}
 
-def test_multiple_choice_picks_the_lowest_mean_loss_not_the_sum():
-    """' '->b loses 5.574, b->b 0.012 (mean 2.79); ' '->c loses 3.574. The mean picks "bb", a sum would pick "c"."""
+
+@pytest.mark.parametrize("kind", list(SCORED))
+def test_each_task_type_is_answered_as_nanochat_answers_it(kind):
+    logits, items, delimiter, right = SCORED[kind]
     m = Bigram()
-    m.set(" ", "c", 2.0)
-    m.set("b", "b", 10.0)
-    items = [{"query": "q", "choices": ["bb", "c"], "gold": 0}, {"query": "q", "choices": ["bb", "c"], "gold": 1}]
-    assert score(m, [task("multiple_choice", items)])["examples"]["t_multiple_choice"] == [True, False]
-
-
-def test_schema_scores_only_the_shared_continuation():
-    """BOS strongly predicts "y", but the options themselves are not scored: x->' ' decides for option 0."""
-    m = Bigram()
-    m.set("BOS", "y", 50.0)
-    m.set("x", " ", 5.0)
-    items = [{"context_options": ["x", "y"], "continuation": "z", "gold": 0},
-             {"context_options": ["y", "x"], "continuation": "z", "gold": 0}]
-    assert score(m, [task("schema", items)])["examples"]["t_schema"] == [True, False]
-
-
-def test_language_modeling_needs_every_continuation_token_greedy():
-    m = Bigram()
-    m.set("b", "c", 1.0)
-    m.set("c", "d", 1.0)
-    items = [{"context": " ab ", "continuation": "cd"}, {"context": "ab", "continuation": "ce"},
-             {"context": "a", "continuation": "bcd"}]
-    assert score(m, [task("language_modeling", items, delimiter="")])["examples"]["t_language_modeling"] == [
-        True, False, False]  # the last: a->b is not greedy (all logits of a are 0: argmax is token 0)
+    for after, token, logit in logits:
+        m.set(after, token, logit)
+    assert score(m, [task(kind, items, delimiter)])["examples"][f"t_{kind}"] == right
 
 
 def test_centered_accuracy_and_core_arithmetic():

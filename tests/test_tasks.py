@@ -65,31 +65,27 @@ def instances(kind: str, args: list[tuple]) -> list:
 
 
 @pytest.fixture(scope="module")
-def hf_lm(exported):
+def both(exported) -> tuple:
+    """nanopt's model and the harness's own `hf` model on the same export."""
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=str(exported), device="cpu", batch_size=3, dtype="float32")
+    return (lm_class()(path=str(exported), device="cpu", precision="fp32", add_bos_token=False, batch_size=2),
+            HFLM(pretrained=str(exported), device="cpu", batch_size=3, dtype="float32"))
 
 
-def test_loglikelihoods_equal_the_harness_hf_model_request_by_request(exported, hf_lm):
-    ours = lm_class()(path=str(exported), device="cpu", precision="fp32", add_bos_token=False, batch_size=2)
-    a = ours.loglikelihood(instances("loglikelihood", PAIRS))
-    b = hf_lm.loglikelihood(instances("loglikelihood", PAIRS))
+def test_loglikelihoods_equal_the_harness_hf_model_request_by_request(both):
+    a, b = (lm.loglikelihood(instances("loglikelihood", PAIRS)) for lm in both)
     assert [g for _, g in a] == [g for _, g in b]
     assert max(abs(x - y) for (x, _), (y, _) in zip(a, b)) <= 1e-4
     assert len({round(x, 3) for x, _ in a}) == len(PAIRS)  # distinct figures: the comparison is not vacuous
-    # The last pair crosses the 64-token context? No: long contexts are cropped on the left like the harness.
-    long = [("word " * 80, " end")]
-    (x, _), = ours.loglikelihood(instances("loglikelihood", long))
-    (y, _), = hf_lm.loglikelihood(instances("loglikelihood", long))
+    # Contexts past the 64-token context are cropped on the left like the harness crops them.
+    (x, _), (y, _) = (lm.loglikelihood(instances("loglikelihood", [("word " * 80, " end")]))[0] for lm in both)
     assert abs(x - y) <= 1e-4
 
 
-def test_rolling_loglikelihoods_equal_the_harness_hf_model(exported, hf_lm):
-    ours = lm_class()(path=str(exported), device="cpu", precision="fp32", add_bos_token=False)
+def test_rolling_loglikelihoods_equal_the_harness_hf_model(both):
     texts = [(TEXT[:90],), (TEXT,), ("short",)]  # TEXT spans several 64-token windows
-    a = ours.loglikelihood_rolling(instances("loglikelihood_rolling", texts))
-    b = hf_lm.loglikelihood_rolling(instances("loglikelihood_rolling", texts))
+    a, b = (lm.loglikelihood_rolling(instances("loglikelihood_rolling", texts)) for lm in both)
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-3 and all(x < 0 for x in a)
 
 
@@ -143,10 +139,15 @@ def test_records_land_in_the_run_directory_and_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("tasks/mc/acc")] == [(8, 0.5)]
 
 
+@pytest.fixture(scope="module")
+def tiny_lm():
+    return lm_class()(model=build_model(ModelConfig(vocab_size=257, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                    ffn_dim=32, max_seq_len=64)), tokenizer="byte", rt=CPU)
+
+
 @pytest.mark.slow  # lm-eval indexes its tasks for seconds
-def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path):
-    lm = lm_class()(model=build_model(ModelConfig(vocab_size=257, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                                                  ffn_dim=32, max_seq_len=16)), tokenizer="byte", rt=CPU)
+def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path, tiny_lm):
+    lm = tiny_lm
     with pytest.raises(ConfigError, match="unknown lm-eval task.*no_such_task"):
         evaluate_tasks(lm, ["no_such_task"], include_path=str(tmp_path))
     with pytest.raises(ConfigError, match="not a directory"):
@@ -155,24 +156,22 @@ def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path):
         lm_class()(path=str(tmp_path / "nothing"))
 
 
-def test_a_harness_failure_on_task_data_while_scoring_is_caught_at_the_boundary(task_dir, monkeypatch):
+@pytest.mark.parametrize("error, raised, words", [
+    ("DatasetGenerationError", ConfigError, r"nanopt_mc.*nanopt_mc\.jsonl.*DatasetGenerationError"),
+    (StopIteration(), ConfigError, "no rows"), (RuntimeError("CUDA error"), RuntimeError, "CUDA error")])
+def test_a_harness_failure_on_task_data_while_scoring_is_caught_at_the_boundary(task_dir, monkeypatch, tiny_lm, error,
+                                                                                raised, words):
     """What the harness raises on data while it scores is bad input naming the task and its file (the damaged
-    inputs themselves: e2e/test_bad_task_input.py); a failure of the model or device (a RuntimeError) is not, and
-    passes unchanged."""
+    inputs: e2e/test_bad_task_input.py); a failure of the model or device (RuntimeError) passes unchanged."""
     import datasets.exceptions
     import lm_eval
 
-    lm = lm_class()(model=build_model(ModelConfig(vocab_size=257, dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                                                  ffn_dim=32, max_seq_len=64)), tokenizer="byte", rt=CPU)
-    for error, raised, words in [
-            (datasets.exceptions.DatasetGenerationError("generation"), ConfigError,
-             r"nanopt_mc.*nanopt_mc\.jsonl.*DatasetGenerationError"),
-            (StopIteration(), ConfigError, "no rows"), (RuntimeError("CUDA error"), RuntimeError, "CUDA error")]:
-        def simple_evaluate(error=error, **kwargs):
-            raise error
-        monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
-        with pytest.raises(raised, match=words):
-            evaluate_tasks(lm, ["nanopt_mc"], str(task_dir))
+    error = datasets.exceptions.DatasetGenerationError("generation") if isinstance(error, str) else error
+    def simple_evaluate(**kwargs):
+        raise error
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    with pytest.raises(raised, match=words):
+        evaluate_tasks(tiny_lm, ["nanopt_mc"], str(task_dir))
 
 
 def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(tmp_path, monkeypatch):

@@ -41,10 +41,15 @@ def _row(line: int, old: str, new: str):
     return edit
 
 
-BROKEN = {  # a copy of nanopt_mc reading damaged data (None: no data file)
-    "bad_json": _row(2, "{", "{oops "), "bad_empty": lambda t: "", "bad_gold": _row(3, '"gold": ', '"gold": 9'),
-    "bad_gold_first": _row(1, '"gold": ', '"gold": 9'), "bad_context": lambda t: t.replace('"context"', '"ctx"'),
-    "bad_row_context": _row(2, '"context"', '"ctx"'), "bad_missing": None, "bad_fifo": None,
+BROKEN = {  # a copy of nanopt_mc reading damaged data (None: no data file) -> words of its one paragraph
+    "bad_json": (_row(2, "{", "{oops "), ["bad_json.jsonl", "JSON parse error", "in row 1"]),
+    "bad_empty": (lambda t: "", ["bad_empty.jsonl has no rows"]),
+    "bad_gold": (_row(3, '"gold": ', '"gold": 9'), ["bad_gold.jsonl row 3", "not one of its 4 choices"]),
+    "bad_gold_first": (_row(1, '"gold": ', '"gold": 9'), ["bad_gold_first.jsonl", "IndexError"]),
+    "bad_context": (lambda t: t.replace('"context"', '"ctx"'), ["bad_context.jsonl", "'context' is undefined"]),
+    "bad_row_context": (_row(2, '"context"', '"ctx"'), ["bad_row_context.jsonl row 2", "no context"]),
+    "bad_missing": (None, ["bad_missing.yaml", "Unable to find", "bad_missing.jsonl"]),
+    "bad_fifo": (None, ["bad_fifo.jsonl", "Unable to find"]),
 }
 
 
@@ -54,7 +59,7 @@ def tasks(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tasks")
     make_tasks(root, TASK_TEXTS, n=12)
     good, spec = (root / "nanopt_mc.jsonl").read_text(), yaml.safe_load((root / "nanopt_mc.yaml").read_text())
-    for name, breaks in BROKEN.items():
+    for name, (breaks, _) in BROKEN.items():
         data = {"data_files": {"test": str(root / f"{name}.jsonl")}}
         (root / f"{name}.yaml").write_text(yaml.safe_dump({**spec, "task": name, "dataset_kwargs": data}))
         if breaks:
@@ -66,19 +71,13 @@ def tasks(tmp_path_factory) -> Path:
     return root
 
 
-TASK = "{run} --tasks %s --include-path {tasks} --limit 4"
 # One row per damaged input: (a change to a copy of the bundle (file, old, new) or None, the `nanopt eval`
 # arguments, words its one paragraph holds).
 DAMAGED = {
-    "bad_json": (None, TASK % "bad_json", ["bad_json.jsonl", "JSON parse error", "in row 1"]),
-    "bad_empty": (None, TASK % "bad_empty", ["bad_empty.jsonl has no rows"]),
-    "bad_gold": (None, TASK % "bad_gold", ["bad_gold.jsonl row 3", "not one of its 4 choices"]),
-    "bad_gold_first": (None, TASK % "bad_gold_first", ["bad_gold_first.jsonl", "IndexError"]),
-    "bad_context": (None, TASK % "bad_context", ["bad_context.jsonl", "'context' is undefined"]),
-    "bad_row_context": (None, TASK % "bad_row_context", ["bad_row_context.jsonl row 2", "no context"]),
-    "bad_missing": (None, TASK % "bad_missing", ["bad_missing.yaml", "Unable to find", "bad_missing.jsonl"]),
-    "bad_fifo": (None, TASK % "bad_fifo", ["bad_fifo.jsonl", "Unable to find"]),
-    "bad_group": (None, TASK % "bad_group", ["task bad_group", "bad_json.jsonl", "JSON parse error"]),
+    **{name: (None, f"{{run}} --tasks {name} --include-path {{tasks}} --limit 4", words)
+       for name, (_, words) in BROKEN.items()},
+    "bad_group": (None, "{run} --tasks bad_group --include-path {tasks} --limit 4",
+                  ["task bad_group", "bad_json.jsonl", "JSON parse error"]),
     # A random baseline of 100 divided by zero (each value outside [0, 100): test_core.py's BAD table).
     "baseline 100": (("eval_meta_data.csv", "25.0", "100"), "{run} --core {bundle}",
                      ["eval_meta_data.csv:2", "nanopt_line_end", "'100'"]),
@@ -152,13 +151,19 @@ def test_a_hub_task_without_network_is_one_paragraph_naming_the_offline_fix(unre
 
 
 # ---------------------------------------------------------------- each (checkpoint, task) once
-
-
-def test_eval_writes_each_checkpoint_task_once(tasks, run_dir, tmp_path, capsys):
-    run = tmp_path / "run"
-    shutil.copytree(run_dir, run)
-    bundle = str(tasks / "bundle")
-    assert cli(["eval", str(run), "--core", bundle, "--limit", "6"]) == 0
+def test_eval_core_needs_no_lm_eval_and_writes_each_checkpoint_task_once(tasks, run_dir, tmp_path, monkeypatch,
+                                                                          capsys):
+    """CORE never uses lm-eval: `nanopt eval RUN --core DIR` loads and scores the model with lm_eval unimportable;
+    only --tasks asks for it (one paragraph, exit 2). The same evaluation again is not appended."""
+    run, bundle = shutil.copytree(run_dir, tmp_path / "run"), str(tasks / "bundle")
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` (and lm_eval.anything) raises ImportError
+        patch.setattr(harness, "_LM", None)  # the NanoptLM class an earlier test made is lm-eval's subclass
+        assert cli(["eval", str(run), "--core", bundle, "--limit", "6"]) == 0
+        records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+        assert {r["task"] for r in records} >= {"core"} and all("error" not in r for r in records)
+        assert cli(["eval", str(run), "--tasks", "nanopt_mc", "--include-path", str(tasks)]) == 2
+        assert "need lm-evaluation-harness" in error_line(capsys.readouterr().err)
     first = (run / "evals.jsonl").read_text()
     assert cli(["eval", str(run), "--core", bundle, "--limit", "6"]) == 0  # the same weights, tasks and limit
     assert "already in evals.jsonl from the same weights; not appended again" in capsys.readouterr().out
@@ -169,17 +174,3 @@ def test_eval_writes_each_checkpoint_task_once(tasks, run_dir, tmp_path, capsys)
     records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
     assert sorted({(r["task"], r["limit"]) for r in records if r["task"] == "core"}) == [("core", 6), ("core", 8)]
     assert len(records) == 2 * 4 and all(isinstance(r["weights_crc32"], int) for r in records)
-
-
-def test_eval_core_needs_no_lm_eval(tasks, run_dir, tmp_path, monkeypatch, capsys):
-    """CORE never uses lm-eval: `nanopt eval RUN --core DIR` loads and scores the model with lm_eval unimportable;
-    only --tasks asks for it (one paragraph, exit 2)."""
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` (and lm_eval.anything) raises ImportError
-    monkeypatch.setattr(harness, "_LM", None)  # the NanoptLM class an earlier test made is lm-eval's subclass
-    run = tmp_path / "run"
-    shutil.copytree(run_dir, run)
-    assert cli(["eval", str(run), "--core", str(tasks / "bundle"), "--limit", "6"]) == 0
-    records = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
-    assert {r["task"] for r in records} >= {"core"} and all("error" not in r for r in records)
-    assert cli(["eval", str(run), "--tasks", "nanopt_mc", "--include-path", str(tasks)]) == 2
-    assert "need lm-evaluation-harness" in error_line(capsys.readouterr().err)

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import (ALL_ON, CPU, hf_logits, hf_tokenizer, options_model, run_module, small_overrides,
+from conftest import (ALL_ON, CPU, hf_logits, hf_tokenizer, one_paragraph, options_model, run_module, small_overrides,
                       transformers_model)
+from safetensors import SafetensorError
 
-from nanopt import cli, hf
+from nanopt import hf, load_model
+from nanopt.cli import run as cli
 from nanopt.commands import export as export_command
 from nanopt.config import ModelConfig, configs_dir
 from nanopt.data import shards
@@ -29,29 +31,25 @@ from nanopt.training.validation import evaluate
 
 torch.set_num_threads(1)
 
-ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
-
 
 def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
 
 
-def evals(run_dir: Path) -> list[dict]:
-    """What `nanopt eval` appended: its own file, never the trainer's metrics.jsonl."""
-    return records(run_dir, "evals.jsonl")
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
 
 
 def train(run_dir: Path, **changes) -> int:
     """A real training run, in this process (a subprocess would pay torch's import again)."""
-    from nanopt.main import run
-
     return run(small_overrides(**{"run.dir": run_dir, **changes}))
 
 
-def nanopt_cli(*args: str) -> None:
-    from nanopt.cli import run
-
-    assert run(list(map(str, args))) == 0
+def cli_code(capsys, *args: object) -> tuple[int, str]:
+    """`nanopt ARGS...` in this process: (exit status, stderr)."""
+    capsys.readouterr()
+    code = cli(list(map(str, args)))
+    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -63,126 +61,98 @@ def trained_run(tmp_path_factory, corpus_dir) -> Path:
 
 
 @pytest.mark.slow
-def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_run):
+def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_run, monkeypatch):
     before = (trained_run / "metrics.jsonl").read_bytes()
-    nanopt_cli("eval", trained_run)
-    # The same checkpoint again, named another way: evaluated and printed, but its record is already there.
+    assert cli(["eval", str(trained_run)]) == 0
+    # The same checkpoint again, named another way: evaluated and printed, but its record is already there. And
+    # verifying reads every byte: find_checkpoint's choice is not verified again by load().
+    verified, real = [], checkpoint.verify_checkpoint
+    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda ckpt, *a: verified.append(Path(ckpt).name) or real(ckpt, *a))
     again = evaluate_checkpoint(trained_run / "checkpoints", Evaluator())
+    assert again["step"] == 8 and verified == ["step_000008"]
     assert (trained_run / "metrics.jsonl").read_bytes() == before  # the trainer's log is left alone
-    out_of_band = [r for r in evals(trained_run) if r.get("source") == "nanopt eval"]
+    out_of_band = [r for r in records(trained_run, "evals.jsonl") if r.get("source") == "nanopt eval"]
     assert len(out_of_band) == 1 and out_of_band[0]["step"] == 8
     assert out_of_band[0]["val_loss"] == again["val_loss"] and out_of_band[0]["val_bpb"] == again["val_bpb"]
     # Same checkpoint, same fixed batches, same precision: the number the run logged at its last step.
-    summary = json.loads((trained_run / "summary.json").read_text())
+    summary = summary_of(trained_run)
     assert out_of_band[0]["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
-    nanopt_cli("eval", trained_run, "--split", "test")
-    test_record = evals(trained_run)[-1]
-    assert test_record["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-6)
-
-
-@pytest.mark.slow
-def test_eval_reads_the_checkpoint_it_chose_once(trained_run, monkeypatch):
-    # Verifying reads every byte of a checkpoint: find_checkpoint's choice is not verified again by load().
-    verified, real = [], checkpoint.verify_checkpoint
-    monkeypatch.setattr(checkpoint, "verify_checkpoint",
-                        lambda ckpt, *a: verified.append(Path(ckpt).name) or real(ckpt, *a))
-    record = evaluate_checkpoint(trained_run, Evaluator())
-    assert record["step"] == 8 and verified == ["step_000008"]
+    assert cli(["eval", str(trained_run), "--split", "test"]) == 0
+    assert records(trained_run, "evals.jsonl")[-1]["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-6)
 
 
 @pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(trained_run):
     proc = run_module(["torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli", "eval",
-                       str(trained_run), "--batches", "4"], env=ENV)
-    # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception",
-    # not reproduced in 157 runs here), and the last 3,000 characters held only torchrun's summary.
+                       str(trained_run), "--batches", "4"], env={"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception").
     assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
-    two = evals(trained_run)[-1]
+    two = records(trained_run, "evals.jsonl")[-1]
     one = evaluate_checkpoint(trained_run, Evaluator(batches=4))  # the same evaluation: not appended again
-    assert (one["world_size"], two["world_size"]) == (1, 2) and evals(trained_run)[-1] == two
+    assert (one["world_size"], two["world_size"]) == (1, 2) and records(trained_run, "evals.jsonl")[-1] == two
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-9)
     assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-9)
-    assert sum(r.get("world_size") == 2 for r in evals(trained_run)) == 1  # rank 0 alone appends
+    assert sum(r.get("world_size") == 2 for r in records(trained_run, "evals.jsonl")) == 1  # rank 0 alone appends
 
 
 # ---------------------------------------------------------------- the speedrun clock
-
-
-def test_target_is_recorded_and_the_run_stops_when_asked(trained_run, tmp_path, capsys):
-    summary = json.loads((trained_run / "summary.json").read_text())
+def test_a_target_reached_without_stop_at_target_is_recorded(trained_run):
+    summary = summary_of(trained_run)
     assert summary["steps"] == 8  # reached but not asked to stop
     assert summary["target_reached"] and summary["step_to_target"] in (4, 8)
     assert 0 < summary["train_seconds_to_target"] <= summary["train_seconds"]
     assert "test_bpb" in summary
 
+
+@pytest.mark.parametrize("metric, target", [("val_loss", 4.5), ("val_bpb", 6.5)])
+def test_a_target_stops_the_run_where_it_is_reached(tmp_path, capsys, metric, target):
+    """train.target_val_bpb races to bits per byte (the same target for any tokenizer), target_val_loss to loss."""
     run_dir = tmp_path / "stop"
-    assert train(run_dir, **{"train.max_steps": 60, "eval.every": 2, "train.target_val_loss": 4.5,
+    assert train(run_dir, **{"train.max_steps": 60, "eval.every": 2, f"train.target_{metric}": target,
                              "train.stop_at_target": "true"}) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    lines = records(run_dir)
-    hit = next(r for r in lines if r.get("val_loss") is not None and r["val_loss"] <= 4.5)
-    assert summary["step_to_target"] == hit["step"] == summary["steps"] < 60
+    summary, lines = summary_of(run_dir), records(run_dir)
+    hit = next(r for r in lines if r.get(metric) is not None and r[metric] <= target)
+    assert summary["target_reached"] and summary["step_to_target"] == hit["step"] == summary["steps"] < 60
     assert summary["tokens_to_target"] == summary["steps"] * 256 == summary["tokens_seen"]
     assert summary["train_seconds_to_target"] == summary["train_seconds"] > 0
     assert max(r["step"] for r in lines if "loss" in r) == summary["steps"]  # no step after the target
-    assert all(r["val_loss"] > 4.5 for r in lines if r.get("val_loss") is not None and r["step"] < hit["step"])
-
+    assert all(r[metric] > target for r in lines if r.get(metric) is not None and r["step"] < hit["step"])
     capsys.readouterr()
-    nanopt_cli("runs", tmp_path)
+    assert cli(["runs", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["run", "target", "to"]
     row = next(line for line in table if line.startswith("stop "))
-    assert f"{summary['train_seconds_to_target']:.1f}" in row and f"{summary['final_val_loss']:.4f}" in row
-
-
-def test_bits_per_byte_target_stops_the_run(tmp_path, capsys):
-    """train.target_val_bpb races to bits per byte (the same target for any tokenizer)."""
-    run_dir = tmp_path / "bpb"
-    assert train(run_dir, **{"train.max_steps": 60, "eval.every": 2, "train.target_val_bpb": 6.5,
-                             "train.stop_at_target": "true"}) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    lines = [r for r in records(run_dir) if r.get("val_bpb") is not None]
-    hit = next(r for r in lines if r["val_bpb"] <= 6.5)
-    assert summary["target_val_bpb"] == 6.5 and "target_val_loss" not in summary
-    assert summary["target_reached"] and summary["step_to_target"] == hit["step"] == summary["steps"] < 60
-    assert all(r["val_bpb"] > 6.5 for r in lines if r["step"] < hit["step"])
-    capsys.readouterr()
-    nanopt_cli("runs", tmp_path)
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("bpb "))
-    assert "6.500 bpb" in row
-
-
-UNREACHABLE = {"train.max_steps": 2, "eval.every": 1, "train.target_val_loss": 0.5, "train.stop_at_target": "true"}
+    if metric == "val_bpb":
+        assert summary["target_val_bpb"] == 6.5 and "target_val_loss" not in summary and "6.500 bpb" in row
+    else:
+        assert f"{summary['train_seconds_to_target']:.1f}" in row and f"{summary['final_val_loss']:.4f}" in row
 
 
 def test_a_target_not_reached_is_said_at_the_end_and_in_the_summary(tmp_path, capsys):
     """Before, a run that could not reach its target (docs/speedrun.md's clock example) ran to max_steps and
     ended exactly like one that did."""
-    assert train(tmp_path, **UNREACHABLE) == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    unreachable = {"train.max_steps": 2, "eval.every": 1, "train.target_val_loss": 0.5, "train.stop_at_target": "true"}
+    assert train(tmp_path, **unreachable) == 0
+    summary = summary_of(tmp_path)
     assert summary["target_reached"] is False and summary["steps"] == 2 and not summary["stopped_at_target"]
     assert summary["best_val_loss"] == summary["final_val_loss"] and summary["best_val_bpb"] == summary["final_val_bpb"]
     out = capsys.readouterr().out
     assert (f"target val loss 0.5000 not reached in 2 steps (best val loss {summary['best_val_loss']:.4f}, val bpb "
             f"{summary['best_val_bpb']:.4f})") in out
-    assert train(tmp_path, **UNREACHABLE) == 0
+    assert train(tmp_path, **unreachable) == 0
     assert "nothing to train" in (out := capsys.readouterr().out) and "target not reached" in out
 
 
 @pytest.mark.slow
 def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, corpus_dir):
-    """configs/speedrun-cpu.yaml as docs/speedrun.md runs it (Muon, QK-norm, softcap, untied) on a prepared
-    directory: the val bpb falls below an easy target well before max_steps, and the run stops there."""
-    from nanopt.main import run
-
+    """configs/speedrun-cpu.yaml (Muon, QK-norm, softcap, untied) on a prepared directory: the val bpb falls below an
+    easy target well before max_steps, and the run stops there."""
     run_dir = tmp_path / "speedrun"
-    args = ["--config", str(configs_dir() / "speedrun-cpu.yaml"), f"--run.dir={run_dir}", f"--data.source={corpus_dir}",
-            "--train.target_val_bpb=4.5", "--train.stop_at_target=true", "--eval.every=5", "--eval.batches=2",
-            "--log.tensorboard=false", "--checkpoint.resume=false",
-            "--eval.at_start=true"]  # the recipe skips the untrained weights' loss; this test checks it
-    assert run(args) == 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert run(["--config", str(configs_dir() / "speedrun-cpu.yaml"), f"--run.dir={run_dir}",
+                f"--data.source={corpus_dir}", "--train.target_val_bpb=4.5", "--train.stop_at_target=true",
+                "--eval.every=5", "--eval.batches=2", "--log.tensorboard=false", "--checkpoint.resume=false",
+                "--eval.at_start=true"]) == 0  # the recipe skips the untrained weights' loss; this test checks it
+    summary, config = summary_of(run_dir), yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["optim"]["name"] == "muon" and config["model"]["qk_norm"] and config["model"]["logit_softcap"] > 0
     assert summary["target_reached"] and summary["steps"] == summary["step_to_target"] < 100
     first = next(r["val_bpb"] for r in records(run_dir) if r.get("val_bpb") is not None)
@@ -190,49 +160,30 @@ def test_the_speedrun_config_races_to_a_bpb_target_with_its_recipe(tmp_path, cor
 
 
 def test_init_from_hf_trains_from_those_weights(tmp_path, corpus_dir, capsys):
-    from nanopt import load_model
-
     directory = transformers_model(tmp_path / "hf", tied=True, vocab=257, rope_theta=10000.0)
     run_dir = tmp_path / "run"
     assert train(run_dir, **{"train.init_from": f"hf:{directory}", "train.max_steps": 1, "eval.every": 100,
                              "train.precision": "fp32"}) == 0
     step0 = next(r for r in records(run_dir) if r["step"] == 0 and "val_loss" in r)
-    windows = data.TokenWindows(shards.split_paths(corpus_dir, "val"), 32)
-    batches = data.eval_batches(windows, 4, 2, 0, 1, seed=0)
-    token_bytes = torch.tensor([1] * 256 + [0])
-    expected, _ = evaluate(load_model(directory), batches, token_bytes, CPU)
+    batches = data.eval_batches(data.TokenWindows(shards.split_paths(corpus_dir, "val"), 32), 4, 2, 0, 1, seed=0)
+    expected, _ = evaluate(load_model(directory), batches, torch.tensor([1] * 256 + [0]), CPU)
     assert step0["val_loss"] == pytest.approx(expected, abs=1e-5)
     assert abs(expected - math.log(257)) > 0.01  # not what a fresh model would score
-
     capsys.readouterr()
     assert train(tmp_path / "bad", **{"model.dim": 32, "train.init_from": f"hf:{directory}"}) == 2
     err = capsys.readouterr().err
     assert "model.dim: 32 vs 64" in err and "--model.dim=64" in err
 
 
-def test_export_cli_round_trip_of_a_trained_run(trained_run, tmp_path):
-    from nanopt import load_model
-
-    nanopt_cli("export", trained_run, "--out", tmp_path / "hf")
-    idx = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(4))
-    ours = load_model(trained_run)
-    with torch.no_grad():
-        expected = ours(idx)
-    assert (expected - hf_logits(tmp_path / "hf", idx)).abs().max().item() <= 1e-4
-    back = load_model(tmp_path / "hf")  # and nanopt reads its own export
-    with torch.no_grad():
-        assert torch.allclose(back(idx), expected, atol=1e-6)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 256
-
-
 # ---------------------------------------------------------------- export: a complete model or a refusal
-def cli_code(capsys, *args: object) -> tuple[int, str]:
-    """`nanopt ARGS...` in this process: (exit status, stderr)."""
-    from nanopt.cli import run
-
-    capsys.readouterr()
-    code = run(list(map(str, args)))
-    return code, capsys.readouterr().err
+def test_export_cli_round_trip_of_a_trained_run(trained_run, tmp_path):
+    assert cli(["export", str(trained_run), "--out", str(tmp_path / "hf")]) == 0
+    idx = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = load_model(trained_run)(idx)
+        assert (expected - hf_logits(tmp_path / "hf", idx)).abs().max().item() <= 1e-4
+        assert torch.allclose(load_model(tmp_path / "hf")(idx), expected, atol=1e-6)  # nanopt reads its own export
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 256
 
 
 def _other_model(directory: Path, tmp_path: Path) -> dict[str, bytes]:
@@ -244,24 +195,16 @@ def _other_model(directory: Path, tmp_path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
-def _one_paragraph(err: str) -> None:
-    assert "Traceback" not in err and err.strip().count("\n") == 0
-
-
 def test_export_over_another_model_names_its_files_and_force_replaces_the_whole_set(trained_run, tmp_path, capsys):
-    from nanopt import load_model
-
     out = tmp_path / "hf"
     before = _other_model(out, tmp_path)
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors", "config.json"} <= set(before)
     code, err = cli_code(capsys, "export", trained_run, "--out", out)
     assert code == 2 and err.startswith(f"nanopt export: error: {out} already holds another model's files (")
-    _one_paragraph(err)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert name in err
+    one_paragraph(err)
+    assert all(name in err for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"))
     assert "NOTES.md" not in err and "--force" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused: nothing changed
-
     code, err = cli_code(capsys, "export", trained_run, "--out", out, "--force")
     assert code == 0, err
     # The byte-level run's export: its three files, nothing of the old model's tokenizer; the user's file kept.
@@ -272,18 +215,16 @@ def test_export_over_another_model_names_its_files_and_force_replaces_the_whole_
         assert torch.allclose(load_model(out)(idx), load_model(trained_run)(idx), atol=1e-6)
 
 
-@pytest.mark.parametrize("where", ["a file", "below a file", "a dangling link"])
+@pytest.mark.parametrize("out, blocker", [("FILE", "FILE"), ("FILE/sub", "FILE"), ("gone", "gone")],
+                         ids=["a file", "below a file", "a dangling link"])
 def test_export_out_that_cannot_be_a_directory_is_exit_2_before_loading(trained_run, tmp_path, capsys, monkeypatch,
-                                                                        where):
+                                                                        out, blocker):
     (tmp_path / "FILE").write_text("a user's file\n")
     (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
-    out, blocker = {"a file": (tmp_path / "FILE", tmp_path / "FILE"),
-                    "below a file": (tmp_path / "FILE" / "sub", tmp_path / "FILE"),
-                    "a dangling link": (tmp_path / "gone", tmp_path / "gone")}[where]
     monkeypatch.setattr(export_command, "load", lambda path: pytest.fail("the checkpoint was loaded before --out was checked"))
-    code, err = cli_code(capsys, "export", trained_run, "--out", out)
-    assert code == 2 and err.startswith(f"nanopt export: error: {blocker}") and "--out" in err
-    _one_paragraph(err)
+    code, err = cli_code(capsys, "export", trained_run, "--out", tmp_path / out)
+    assert code == 2 and err.startswith(f"nanopt export: error: {tmp_path / blocker}") and "--out" in err
+    one_paragraph(err)
     assert (tmp_path / "FILE").read_text() == "a user's file\n" and not (tmp_path / "nowhere").exists()
 
 
@@ -296,19 +237,8 @@ def test_export_never_writes_through_a_link_even_with_force(trained_run, tmp_pat
     for force in ([], ["--force"]):
         code, err = cli_code(capsys, "export", trained_run, "--out", out, *force)
         assert code == 2 and "is a symbolic link" in err and str(out) in err
-        _one_paragraph(err)
+        one_paragraph(err)
     assert victim.read_bytes() == b"the user's own weights" and not (tmp_path / "dangling.json").exists()
-
-
-def _fill_the_disk(monkeypatch) -> None:
-    """safetensors meets a full disk halfway through the weights, as its Rust writer reports it."""
-    from safetensors import SafetensorError
-
-    def save_file(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"\0" * 4096)
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
-                              'left on device" })')
-    monkeypatch.setattr(hf, "save_file", save_file)
 
 
 @pytest.mark.parametrize("over", ["a new directory", "another model, --force"])
@@ -316,11 +246,16 @@ def test_a_full_disk_during_export_is_one_paragraph_exit_1_and_leaves_no_half_mo
                                                                                     monkeypatch, over):
     out = tmp_path / "hf"
     before = _other_model(out, tmp_path) if over.startswith("another") else {}
-    _fill_the_disk(monkeypatch)
+
+    def save_file(tensors, filename, metadata=None):  # a full disk halfway through, as safetensors' writer says it
+        Path(filename).write_bytes(b"\0" * 4096)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
+    monkeypatch.setattr(hf, "save_file", save_file)
     code, err = cli_code(capsys, "export", trained_run, "--out", out, *(["--force"] if before else []))
     assert code == 1 and err.startswith("nanopt export: error: no space left on ")
     assert f"writing {out / 'model.safetensors'} (" in err and "GiB free; the weights need about " in err
-    _one_paragraph(err)
+    one_paragraph(err)
     # Exactly what was there: the old model whole, or nothing (no hidden folder, no partial weights).
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
@@ -329,30 +264,20 @@ def test_export_refuses_a_checkpoint_directory_even_with_force(trained_run, tmp_
     ckpt, _ = newest_checkpoint(trained_run)
     with pytest.raises(ConfigError, match="a checkpoint of the run"):  # inside its run: the run would prune it
         check_export_target(ckpt, force=True)
-    elsewhere = tmp_path / "copied"
-    shutil.copytree(ckpt, elsewhere)
     with pytest.raises(ConfigError, match="is a nanopt checkpoint directory"):
-        check_export_target(elsewhere, force=True)
-
-
-# ---------------------------------------------------------------- the opt-in model options
+        check_export_target(shutil.copytree(ckpt, tmp_path / "copied"), force=True)
 
 
 def test_cli_export_and_init_from_refuse_options_with_exit_2(tmp_path, corpus_dir, capsys):
     options = {f"model.{k}": str(v).lower() for k, v in ALL_ON.items()}
-    run_dir = tmp_path / "run"
-    assert run(small_overrides(**{"run.dir": run_dir, "train.max_steps": 2, "train.precision": "fp32",
-                                  "log.tensorboard": "false", **options})) == 0
-    capsys.readouterr()
-    assert cli.run(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("nanopt export: error: this model cannot be exported") and "Traceback" not in err
-    assert err.strip().count("\n") == 0  # one paragraph
+    assert train(tmp_path / "run", **{"train.max_steps": 2, "train.precision": "fp32", "log.tensorboard": "false",
+                                      **options}) == 0
+    code, err = cli_code(capsys, "export", tmp_path / "run", "--out", tmp_path / "hf")
+    assert code == 2 and err.startswith("nanopt export: error: this model cannot be exported")
+    one_paragraph(err)
     assert "model.value_embeddings=true" in err and "nanopt checkpoint directly" in err
-
     export_model(options_model(vocab_size=257, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128), tmp_path / "plain",
                  tokenizer="")
-    assert run(small_overrides(**{"run.dir": tmp_path / "warm", "train.init_from": f"hf:{tmp_path / 'plain'}",
-                                  "model.qk_norm": "true"})) == 2
+    assert train(tmp_path / "warm", **{"train.init_from": f"hf:{tmp_path / 'plain'}", "model.qk_norm": "true"}) == 2
     err = capsys.readouterr().err
     assert "model.qk_norm=true" in err and "--model.qk_norm=false" in err

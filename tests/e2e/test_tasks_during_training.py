@@ -9,11 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable
 
 import pytest
 from conftest import REPO, TASK_TEXTS, small_overrides, torchrun_started
@@ -61,32 +60,34 @@ def test_tasks_are_scored_at_their_cadence_outside_the_training_clock(tmp_path, 
         summary["weights_sha256_per_rank"]
 
 
-@pytest.mark.slow  # lm-eval indexes its tasks for seconds
-def test_an_unknown_task_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
-    run_dir = tmp_path / "run"
-    assert main_run(small_overrides(**{"run.dir": run_dir, "eval.tasks": "nanopt_mc,no_such_task",
-                                       "eval.tasks_path": task_dir})) == 2
-    assert "no_such_task" in capsys.readouterr().err
-    assert not (run_dir / "checkpoints").exists()
-    assert main_run(small_overrides(**{"run.dir": tmp_path / "r2", "eval.core": tmp_path / "missing"})) == 2
-    assert "`eval.core`" in capsys.readouterr().err
+def _empty_task_file(tmp_path: Path, task_dir: Path) -> dict:
+    make_tasks(tmp_path / "tasks", TASK_TEXTS, n=12)
+    (tmp_path / "tasks" / "nanopt_mc.jsonl").write_text("")
+    return {"eval.tasks": "nanopt_mc", "eval.tasks_path": tmp_path / "tasks"}
 
 
-@pytest.mark.slow
-def test_task_data_or_a_bundle_that_cannot_be_scored_is_refused_before_the_first_step(tmp_path, task_dir, capsys):
-    """What scoring would trip over at the end is found at the start: an empty task file, a baseline of 100."""
-    tasks = tmp_path / "tasks"
-    make_tasks(tasks, TASK_TEXTS, n=12)
-    (tasks / "nanopt_mc.jsonl").write_text("")
-    assert main_run(small_overrides(**{"run.dir": tmp_path / "r1", "eval.tasks": "nanopt_mc",
-                                       "eval.tasks_path": tasks})) == 2
-    assert "nanopt_mc.jsonl has no rows" in capsys.readouterr().err
-    bundle = tmp_path / "bundle"
-    shutil.copytree(task_dir / "core", bundle)
+def _baseline_100(tmp_path: Path, task_dir: Path) -> dict:
+    bundle = shutil.copytree(task_dir / "core", tmp_path / "bundle")
     (bundle / "eval_meta_data.csv").write_text((bundle / "eval_meta_data.csv").read_text().replace("25.0", "100"))
-    assert main_run(small_overrides(**{"run.dir": tmp_path / "r2", "eval.core": bundle})) == 2
-    assert "eval_meta_data.csv:2" in capsys.readouterr().err
-    assert not (tmp_path / "r1" / "checkpoints").exists() and not (tmp_path / "r2" / "checkpoints").exists()
+    return {"eval.core": bundle}
+
+
+REFUSED = {  # what scoring would trip over at the end, found at the start: (the run's task keys, words of its error)
+    "unknown task": (lambda tmp, tasks: {"eval.tasks": "nanopt_mc,no_such_task", "eval.tasks_path": tasks},
+                     "no_such_task"),
+    "missing bundle": (lambda tmp, tasks: {"eval.core": tmp / "missing"}, "`eval.core`"),
+    "empty task file": (_empty_task_file, "nanopt_mc.jsonl has no rows"),
+    "baseline 100": (_baseline_100, "eval_meta_data.csv:2"),
+}
+
+
+@pytest.mark.slow  # lm-eval indexes its tasks for seconds
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_tasks_that_cannot_be_scored_are_refused_before_the_first_step(tmp_path, task_dir, capsys, case):
+    keys, words = REFUSED[case]
+    assert main_run(small_overrides(**{"run.dir": tmp_path / "run", **keys(tmp_path, task_dir)})) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.slow
@@ -137,26 +138,29 @@ def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, c
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
-@pytest.mark.slow
-def test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure(two_rank_runs):
-    """Under torchrun the main rank scores alone while the others wait: CORE (which gathers over ranks when all
-    of them score) must not wait for ranks that are not scoring, and a failing task must not leave them waiting."""
-    run_dir, records = two_rank_runs["ddp"]()
-    assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
-    assert sorted(r["step"] for r in records if r["task"] == "core" and "error" not in r) == [20, 40]
-    assert {p.name for p in (run_dir / "checkpoints").glob("step_*")} == {"step_000020", "step_000040"}
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # what `offline` sets, for processes started before it
 
 
 @pytest.mark.slow
-def test_fsdp_ranks_score_together_as_one_process_scores_the_checkpoint_and_survive_a_scoring_failure(tmp_path,
-                                                                                                      two_rank_runs,
-                                                                                                      task_dir):
-    """Under fsdp every rank scores (each forward gathers weights from both) and the main rank records: the task
-    data removed during the run fails nanopt_mc on every rank alike, recorded once per scoring, and CORE goes on;
-    its step-40 scores are those `nanopt eval` computes in one process from the step-40 checkpoint. No hang: a
-    deadline on the run."""
-    run_dir, records = two_rank_runs["fsdp"]()
-    assert sorted((r["step"], r["task"]) for r in records if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
+def test_two_ranks_score_and_survive_a_scoring_failure_under_ddp_and_fsdp(tmp_path, task_dir):
+    """Under ddp the main rank scores alone while the other waits: CORE (which gathers over ranks when all of them
+    score) must not wait for ranks that are not scoring, and a failing task must not leave them waiting. Under fsdp
+    every rank scores (each forward gathers weights from both) and the main rank records: the task data removed
+    during the run fails nanopt_mc on every rank alike, recorded once per scoring, and CORE goes on; its step-40
+    scores are those `nanopt eval` computes in one process from the step-40 checkpoint. The two runs go side by
+    side (a torchrun keeps about 1.4 of the 2 cores busy), each with a deadline: no hang."""
+    ends = [_two_ranks_losing_their_task_data(tmp_path / name, task_dir, **extra) for name, extra in (
+        ("ddp", {}), ("fsdp", {"runtime.parallel": "fsdp", "train.precision": "fp32"}))]
+    try:
+        (ddp_dir, ddp), (run_dir, records) = [ended() for ended in ends]
+    finally:  # a run not waited for (an assertion failed first) is killed, not left running
+        for ended in ends:
+            with contextlib.suppress(Exception):
+                ended(timeout=0)
+    for rows in (ddp, records):
+        assert sorted((r["step"], r["task"]) for r in rows if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
+        assert sorted(r["step"] for r in rows if r["task"] == "core" and "error" not in r) == [20, 40]
+    assert {p.name for p in (ddp_dir / "checkpoints").glob("step_*")} == {"step_000020", "step_000040"}
     assert all("nanopt_mc.jsonl" in r["error"] and "Unable to find" in r["error"] for r in records if "error" in r)
     trained = {r["task"]: r["scores"] for r in records if r["step"] == 40 and r["task"].startswith("core")}
     assert len(trained) > 1 and sorted(r["step"] for r in records if r["task"] == "core") == [20, 40]
@@ -165,29 +169,7 @@ def test_fsdp_ranks_score_together_as_one_process_scores_the_checkpoint_and_surv
     assert {r["task"]: r["scores"] for r in scored} == trained
 
 
-RunEnd = Callable[..., tuple[Path, list[dict]]]  # waits for a run started in the background: its directory, evals
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # what `offline` sets, for processes started before it
-TWO_RANK_RUNS = {"ddp": ("test_two_ranks_score_on_the_main_rank_and_survive_a_scoring_failure", {}),
-                 "fsdp": ("test_fsdp_ranks_score_together_as_one_process_scores_the_checkpoint_and_survive_a_scoring_"
-                          "failure", {"runtime.parallel": "fsdp", "train.precision": "fp32"})}
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(request, tmp_path_factory, task_dir) -> Iterator[dict[str, RunEnd]]:
-    """The ddp and the fsdp run of _two_ranks_losing_their_task_data, both started when the first of their tests
-    (those selected) asks: a torchrun keeps about 1.4 of the 2 cores busy, so side by side they end sooner than one
-    after the other. Each test waits for its own run and asserts on it alone."""
-    selected = {item.name for item in request.session.items if item.path == request.path}
-    runs = {name: _two_ranks_losing_their_task_data(tmp_path_factory.mktemp(name), task_dir, **extra)
-            for name, (test, extra) in TWO_RANK_RUNS.items() if test in selected}
-    yield runs
-    for ended in runs.values():  # a run no test waited for (-x after a failure) is killed, not left running
-        with contextlib.suppress(Exception):
-            ended(timeout=0)
-
-
-def _two_ranks_losing_their_task_data(tmp_path: Path, task_dir: Path,
-                                      **extra) -> RunEnd:
+def _two_ranks_losing_their_task_data(tmp_path: Path, task_dir: Path, **extra) -> Callable[..., tuple[Path, list]]:
     """A 2-rank torchrun of 40 steps scoring nanopt_mc and CORE every 20, whose nanopt_mc data is removed after its
     first step, started in the background; what it returns waits for the run, which must end 0 within a deadline,
     and gives its run directory and evals.jsonl records."""
@@ -214,34 +196,45 @@ def _two_ranks_losing_their_task_data(tmp_path: Path, task_dir: Path,
 
 def _remove_after_the_first_step(run_dir: Path, tasks: Path) -> None:
     """The task data goes away while the run trains."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and '"loss"' not in _text(run_dir / "metrics.jsonl"):
+    deadline, metrics = time.monotonic() + 240, run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and not (metrics.is_file() and '"loss"' in metrics.read_text()):
         time.sleep(0.05)
     (tasks / "nanopt_mc.jsonl").unlink()
 
 
-def _text(path: Path) -> str:
-    return path.read_text() if path.is_file() else ""
-
-
 @pytest.mark.slow
-def test_eval_tasks_on_runs_then_runs_and_compare_show_them_over_seeds(tmp_path, task_dir, capsys):
-    for seed in (1, 2):
-        assert main_run(small_overrides(**{"run.dir": tmp_path / "sweep" / f"s{seed}", "run.seed": seed})) == 0
-        capsys.readouterr()  # the training log
-        assert cli(["eval", str(tmp_path / "sweep" / f"s{seed}"), "--tasks", "nanopt_mc", "--include-path",
-                    str(task_dir), "--core", str(task_dir / "core"), "--limit", "6", "--json"]) == 0
-        out = capsys.readouterr().out  # log lines first when an earlier run in this process set up logging
-        printed = json.loads(out[out.index("[\n"):])
-        assert {r["task"] for r in printed} >= {"nanopt_mc", "core"} and printed[0]["step"] == 6
-        assert [r["task"] for r in evals(tmp_path / "sweep" / f"s{seed}")] == [r["task"] for r in printed]
-    report = runs_report(tmp_path / "sweep")
-    (group,) = report["groups"]
-    assert group["stats"]["task:nanopt_mc/acc"]["n"] == 2 and "task:core/core" in group["stats"]
-    assert cli(["runs", str(tmp_path / "sweep")]) == 0
-    assert "nanopt_mc/acc" in capsys.readouterr().out
-    assert cli(["compare", str(tmp_path / "sweep" / "s1"), str(tmp_path / "sweep" / "s2")]) == 0
-    assert "nanopt_mc/acc" in capsys.readouterr().out
+def test_eval_tasks_on_runs_then_runs_and_compare_show_them_and_lm_evals_own_cli_runs_model_nanopt(tmp_path, task_dir,
+                                                                                                    capsys):
+    """Two seeds scored by `nanopt eval`, then `nanopt runs` and `compare`; meanwhile `--model nanopt` in lm-eval's own
+    command line (python -m nanopt.evals.tasks registers it first) on the first run, in a process beside the rest
+    (torch, lm-eval and the index of its ~14,000 task YAMLs: about 11 s of one core)."""
+    runs = [tmp_path / "sweep" / f"s{seed}" for seed in (1, 2)]
+    assert main_run(small_overrides(**{"run.dir": runs[0], "run.seed": 1})) == 0
+    with (tmp_path / "out").open("w") as out, (tmp_path / "err").open("w") as err:
+        lm_eval_cli = subprocess.Popen([
+            sys.executable, "-m", "nanopt.evals.tasks", "run", "--model", "nanopt", "--model_args",
+            f"path={runs[0]},precision=fp32", "--tasks", "nanopt_mc", "--include_path", str(task_dir), "--limit", "6",
+            "--batch_size", "4"], stdout=out, stderr=err, text=True, cwd=REPO, env={**os.environ, **OFFLINE})
+    try:
+        assert main_run(small_overrides(**{"run.dir": runs[1], "run.seed": 2})) == 0
+        for run_dir in runs:
+            capsys.readouterr()  # the training log
+            assert cli(["eval", str(run_dir), "--tasks", "nanopt_mc", "--include-path", str(task_dir), "--core",
+                        str(task_dir / "core"), "--limit", "6", "--json"]) == 0
+            out = capsys.readouterr().out  # log lines first when an earlier run in this process set up logging
+            printed = json.loads(out[out.index("[\n"):])
+            assert {r["task"] for r in printed} >= {"nanopt_mc", "core"} and printed[0]["step"] == 6
+            assert [r["task"] for r in evals(run_dir)] == [r["task"] for r in printed]
+        (group,) = runs_report(tmp_path / "sweep")["groups"]
+        assert group["stats"]["task:nanopt_mc/acc"]["n"] == 2 and "task:core/core" in group["stats"]
+        for command in (["runs", str(tmp_path / "sweep")], ["compare", *map(str, runs)]):
+            assert cli(command) == 0
+            assert "nanopt_mc/acc" in capsys.readouterr().out
+        assert lm_eval_cli.wait(timeout=300) == 0, (tmp_path / "err").read_text()[-3000:]
+    finally:
+        lm_eval_cli.kill()  # a no-op once it has exited
+        lm_eval_cli.wait()
+    assert "nanopt_mc" in (out := (tmp_path / "out").read_text()) and "acc" in out
 
 
 @pytest.mark.slow
@@ -266,47 +259,3 @@ def test_the_cpu_speedrun_learns_the_generated_task(tmp_path, capsys):
     (early, _), (final, stderr) = scores[20], scores[40]
     assert final - 1.96 * stderr > 0.25, scores
     assert final > early, scores
-
-
-HARNESS_CLI = "test_the_harness_own_cli_runs_model_nanopt"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def harness_cli(request, tmp_path_factory, task_dir) -> Iterator[Optional[Callable[[], subprocess.CompletedProcess]]]:
-    """`python -m nanopt.evals.tasks run --model nanopt ...` on a run trained here, started with the module when its
-    test is selected (else None): the process (torch, lm-eval and the index of its ~14,000 task YAMLs, about 11 s
-    of one core) runs on the second core beside this module's in-process tests, and its test waits for it. What
-    this gives waits for the command's result (or names the training that failed before it could start)."""
-    if not any(item.name == HARNESS_CLI and item.path == request.path for item in request.session.items):
-        yield None
-        return
-    run_dir = tmp_path_factory.mktemp("harness") / "run"
-    trained = main_run(small_overrides(**{"run.dir": run_dir}))
-    if trained != 0:
-        yield lambda: subprocess.CompletedProcess([], trained, "", f"training {run_dir} exited {trained}")
-        return
-    cmd = [sys.executable, "-m", "nanopt.evals.tasks", "run", "--model", "nanopt", "--model_args",
-           f"path={run_dir},precision=fp32", "--tasks", "nanopt_mc", "--include_path", str(task_dir), "--limit", "6",
-           "--batch_size", "4"]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env={**os.environ, **OFFLINE})
-
-        def ended() -> subprocess.CompletedProcess:
-            proc.wait(timeout=300)
-            out.seek(0), err.seek(0)
-            return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-
-        try:
-            yield ended
-        finally:
-            proc.kill()  # a no-op once it has exited
-            proc.wait()
-
-
-@pytest.mark.slow
-def test_the_harness_own_cli_runs_model_nanopt(harness_cli):
-    """`--model nanopt` in lm-eval's own command line (python -m nanopt.evals.tasks registers it first), on a run
-    trained for it; the process started with the module (harness_cli) and is waited for here."""
-    proc = harness_cli()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "nanopt_mc" in proc.stdout and "acc" in proc.stdout
