@@ -1,9 +1,6 @@
-"""To and from Hugging Face transformers' LlamaForCausalLM: config.json + safetensors (+ tokenizer files).
-
-nanopt's Llama already uses Hugging Face's rotate-half RoPE layout, so conversion is renaming only (no q/k
-permutation). `nanopt export` writes a directory `AutoModelForCausalLM.from_pretrained` loads;
-`train.init_from=hf:DIR` and `load_model(DIR)` read one back, whether nanopt or transformers wrote it.
-"""
+"""To and from Hugging Face transformers' LlamaForCausalLM: config.json + safetensors (+ tokenizer files). nanopt's
+Llama already uses Hugging Face's rotate-half RoPE layout, so conversion is renaming only (no q/k permutation).
+`nanopt export` writes a directory transformers loads; `train.init_from=hf:DIR` and `load_model(DIR)` read one back."""
 from __future__ import annotations
 
 import json
@@ -20,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from nanopt import rundirs
+from nanopt import rundirs, schema
 from nanopt.config import Config, ModelConfig, config_from_dict, model_from_dict
 from nanopt.data.tokenizer import get_tokenizer
 from nanopt.distributed import parallel
@@ -68,6 +65,8 @@ MODEL_FILES = frozenset({
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
     "spiece.model", "vocab.json", "vocab.txt", "merges.txt"})
 _WEIGHT_SHARD = re.compile(r"^(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
+# nanopt.json, beside an export's config.json: what nanopt reads back of the run (its config).
+NANOPT_JSON = schema.Field(dict, fields={"config": schema.Field(dict, required=True)})
 
 
 def _value(v: Any) -> str:
@@ -94,8 +93,7 @@ def check_exportable(m: ModelConfig) -> None:
 
 
 def _hf_name(name: str) -> str:
-    """A plain Llama's weight under its Hugging Face name (layers.3.mlp.w1.weight -> model.layers.3.mlp.gate_proj.weight);
-    KeyError for one it has no name for."""
+    """A plain Llama's weight under its Hugging Face name; KeyError for one it has no name for."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     _, i, rest = name.split(".", 2)
@@ -162,29 +160,25 @@ def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
 
 
 def read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin;
-    ConfigError naming a file that is none of these."""
-    if (directory / "model.safetensors").is_file():
-        return _read_weights(directory / "model.safetensors")
+    """Every tensor in a Hugging Face directory: model.safetensors, sharded safetensors, or pytorch_model.bin."""
+    files = [directory / n for n in ("model.safetensors", "pytorch_model.bin") if (directory / n).is_file()][:1]
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
+    if index.is_file() and not (directory / "model.safetensors").is_file():
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v
-                                                       for v in weight_map.values()):
+                                                       for v in weight_map.values()):  # a shard inside directory
             raise ConfigError(f"{index} has no `weight_map` of tensor names to shard file names in {directory}; "
                               f"the file is damaged.")
-        shards = sorted(set(weight_map.values()))
-        return {name: t for shard in shards for name, t in _read_weights(directory / shard).items()}
-    if (directory / "pytorch_model.bin").is_file():
-        return _read_weights(directory / "pytorch_model.bin")
-    raise ConfigError(f"{directory} has a config.json but no weights (model.safetensors, "
-                      f"model.safetensors.index.json or pytorch_model.bin).")
+        files = [directory / shard for shard in sorted(set(weight_map.values()))]
+    elif not files:
+        raise ConfigError(f"{directory} has a config.json but no weights (model.safetensors, "
+                          f"model.safetensors.index.json or pytorch_model.bin).")
+    return {name: t for path in files for name, t in _read_weights(path).items()}
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors (or a pytorch_model.bin's, weights only); ConfigError naming it when it is
-    missing, unreadable or no such file."""
+    """A safetensors file's tensors (or a pytorch_model.bin's, weights only); ConfigError naming it if it is none."""
     try:
         weights = (load_file(str(path)) if path.suffix == ".safetensors" else
                    torch.load(path, map_location="cpu", weights_only=True))
@@ -197,8 +191,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_weights(model: Llama, directory: Path) -> None:
-    """Copy a Hugging Face directory's weights into `model` (same shape), converting dtype; a sharded model (fsdp)
-    keeps each rank's shard of them (every rank calls it and reads the files)."""
+    """Copy a Hugging Face directory's weights into `model`, converting dtype; a sharded model keeps each rank's
+    shard (every rank calls it)."""
     names = {_hf_name(name): name for name in model.state_dict()}  # theirs -> ours
     theirs = {name: t for name, t in read_hf_weights(directory).items() if not _HF_IGNORED.search(name)}
     if unknown := next((name for name in theirs if name not in names), None):
@@ -218,22 +212,18 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
 
 
 def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, Config]:
-    """(model in eval mode, config) from a Hugging Face Llama directory. The config is nanopt's own when
-    nanopt exported the directory (nanopt.json), else the defaults; its model section always comes from
-    config.json and data.tokenizer is the directory itself when it holds tokenizer files ("" if none)."""
+    """(model in eval mode, config) from a Hugging Face Llama directory: nanopt's own config when nanopt exported it
+    (nanopt.json), else the defaults; the model section from config.json, data.tokenizer the directory when it holds
+    tokenizer files ("" if none)."""
     directory = Path(directory)
     mcfg = model_config_from_hf(read_json(directory / "config.json"), directory)
     extra = directory / "nanopt.json"
-    cfg = Config()
-    if extra.is_file():
-        if not isinstance(saved := read_json(extra), dict) or "config" not in saved:
-            raise ConfigError(f"{extra} has no `config` entry; the file is damaged. Export the run again (nanopt "
-                              f"export).")
-        cfg = config_from_dict(saved["config"], str(extra))
+    saved = schema.read(extra, NANOPT_JSON, "Export the run again (nanopt export).")
+    cfg = Config() if saved is None else config_from_dict(saved["config"], str(extra))
     cfg.model = mcfg
     if any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         cfg.data.tokenizer = str(directory)
-    elif not extra.is_file():
+    elif saved is None:
         cfg.data.tokenizer = ""
     model = build_model(mcfg, device)
     load_hf_weights(model, directory)
@@ -242,8 +232,7 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu") -> tuple[
 
 
 def init_from(model: Llama, spec: str) -> None:
-    """`train.init_from=hf:DIR`: copy DIR's weights into the freshly built model, after checking that the
-    run's model config has the same architecture (the error lists the overrides that would make it so)."""
+    """`train.init_from=hf:DIR`: DIR's weights into the fresh model, once the run's architecture matches DIR's."""
     directory = Path(spec[3:])
     if not (directory / "config.json").is_file():
         raise ConfigError(f"`train.init_from` is {spec!r} but {directory}/config.json does not exist; point it at a "
@@ -314,10 +303,9 @@ def check_export_target(out: str | Path, force: bool = False) -> None:
 def export_model(model: Llama, out: str | Path, tokenizer: str = "byte", nanopt_cfg: Optional[Config] = None,
                  dtype: torch.dtype = torch.float32, meta: Optional[dict[str, Any]] = None,
                  force: bool = False) -> Path:
-    """Write `model` as a Hugging Face LlamaForCausalLM directory (tokenizer files too for an HF tokenizer), or
-    raise ConfigError before writing anything (check_exportable, check_export_target). The files are written into
-    a hidden folder inside `out` and moved in at the end, so `out` holds the whole new model or, after a failure
-    (a full disk: DiskFull naming the file), what it held before."""
+    """Write `model` as a Hugging Face LlamaForCausalLM directory (tokenizer files too for an HF tokenizer), or raise
+    ConfigError before writing anything. The files are staged in a hidden folder inside `out` and moved in at the
+    end: `out` holds the whole new model or, after a failure (a full disk: DiskFull), what it held before."""
     check_exportable(model.cfg)
     out = Path(out)
     check_export_target(out, force)

@@ -1,4 +1,4 @@
-"""nanopt.evals.taskgen: generated lm-evaluation-harness tasks from local files, loaded and run by the harness offline."""
+"""nanopt.evals.taskgen: generated lm-evaluation-harness tasks on local files, loaded and run by the harness offline."""
 from __future__ import annotations
 
 import collections
@@ -28,24 +28,27 @@ def english(doc: int, lines: int = 60) -> str:
 
 
 TEXTS = [english(d) for d in range(3)]
+pytestmark = pytest.mark.usefixtures("offline")  # conftest: no hub
 
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """12 items and passages of each task (read only): the directory and the YAML paths make_tasks returned."""
+    out = tmp_path_factory.mktemp("t")
+    return out, make_tasks(out, TEXTS, n=12)
 
 
-def test_writes_the_tasks_the_group_and_their_data(tmp_path):
-    paths = make_tasks(tmp_path / "t", TEXTS, n=12)
+def test_writes_the_tasks_the_group_and_their_data(made):
+    out, paths = made
     assert [p.name for p in paths] == ["nanopt_mc.yaml", "nanopt_rolling.yaml", "nanopt_tasks.yaml"]
-    mc = (tmp_path / "t" / "nanopt_mc.yaml").read_text()
-    assert f"test: {(tmp_path / 't' / 'nanopt_mc.jsonl').resolve()}" in mc  # absolute: any cwd works
+    mc = (out / "nanopt_mc.yaml").read_text()
+    assert f"test: {(out / 'nanopt_mc.jsonl').resolve()}" in mc  # absolute: any cwd works
     assert "target_delimiter: ''" in mc
-    assert len(rows(tmp_path / "t" / "nanopt_mc.jsonl")) == len(rows(tmp_path / "t" / "nanopt_rolling.jsonl")) == 12
+    assert len(rows(out / "nanopt_mc.jsonl")) == len(rows(out / "nanopt_rolling.jsonl")) == 12
 
 
 def test_the_same_seed_gives_the_same_bytes(tmp_path):
@@ -76,18 +79,16 @@ def test_items_are_true_continuations_among_four_of_one_length_with_the_gold_spr
     assert sum(1 / len(item["choices"]) for item in items) / len(items) == 0.25  # chance
 
 
-def test_rolling_passages_are_a_few_hundred_bytes_of_the_text(tmp_path):
-    make_tasks(tmp_path, TEXTS, n=8)
-    passages = [row["text"] for row in rows(tmp_path / "nanopt_rolling.jsonl")]
-    assert len(passages) == len(set(passages)) == 8
+def test_rolling_passages_are_a_few_hundred_bytes_of_the_text(made):
+    passages = [row["text"] for row in rows(made[0] / "nanopt_rolling.jsonl")]
+    assert len(passages) == len(set(passages)) == 12
     assert all(256 <= len(p.encode()) <= 512 and any(p in text for text in TEXTS) for p in passages)
 
 
-def test_lm_eval_loads_the_tasks_offline(tmp_path, monkeypatch):
-    offline(monkeypatch)
+def test_lm_eval_loads_the_tasks_offline(made):
     import lm_eval.tasks as lm_eval_tasks
 
-    make_tasks(tmp_path, TEXTS, n=12)
+    tmp_path = made[0]
     manager = lm_eval_tasks.TaskManager(include_path=str(tmp_path), include_defaults=False)
     loaded = manager.load(["nanopt_tasks"])
     assert loaded["group_map"] == {"nanopt_tasks": ["nanopt_mc", "nanopt_rolling"]}
@@ -107,12 +108,11 @@ def test_lm_eval_loads_the_tasks_offline(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_harness_dummy_model_runs_both_tasks_offline(tmp_path, monkeypatch):
+def test_the_harness_dummy_model_runs_both_tasks_offline(made):
     """The harness's own `dummy` model (random scores), with the built-in tasks indexed too (~6 s): no name clash."""
-    offline(monkeypatch)
     import lm_eval.tasks
-    make_tasks(tmp_path, TEXTS, n=12)
-    manager = lm_eval.tasks.TaskManager(include_path=str(tmp_path))
+
+    manager = lm_eval.tasks.TaskManager(include_path=str(made[0]))
     out = lm_eval.simple_evaluate(model="dummy", tasks=["nanopt_mc", "nanopt_rolling"], task_manager=manager,
                                   limit=10)
     assert 0 <= out["results"]["nanopt_mc"]["acc,none"] <= 1
@@ -133,16 +133,13 @@ def test_the_default_texts_are_the_held_out_test_plays(tmp_path):
 @pytest.mark.parametrize("case, match", [
     ("file", "is a file"), ("foreign", "did not write"), ("small_n", "n >= 4"), ("short", "fewer than n=50")])
 def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
-    out, texts, n = tmp_path / "tasks", TEXTS, 10
+    out = tmp_path / "tasks"
     if case == "file":
         out.write_text("not a directory")
     elif case == "foreign":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-    elif case == "small_n":
-        n = 3
-    else:
-        texts, n = [english(0, lines=20)], 50  # 20 distinct lines make 20 items
+    texts, n = {"small_n": (TEXTS, 3), "short": ([english(0, lines=20)], 50)}.get(case, (TEXTS, 10))  # 20 lines: 20 items
     with pytest.raises(OSError if case == "file" else ConfigError) as raised:
         make_tasks(out, texts, n=n)
     assert re.search(match, path_problem(raised.value) if case == "file" else str(raised.value))
