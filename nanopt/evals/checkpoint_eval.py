@@ -31,8 +31,8 @@ from nanopt.training.validation import evaluate, split_batches, token_bytes_tabl
 
 @dataclass
 class Evaluator:
-    """`nanopt eval`'s options, and the evaluator of one run's checkpoints on one split. The runtime starts with
-    the first checkpoint (its config's precision and threads); the evaluation set is built once per batch count."""
+    """`nanopt eval`'s options, and the evaluator of a run's checkpoints on one split: the runtime starts with the
+    first checkpoint, the evaluation set is built once per batch count."""
 
     split: str = "val"
     batches: int = 0  # micro-batches in the evaluation set; 0: the run's eval.batches
@@ -44,8 +44,7 @@ class Evaluator:
     token_bytes: Optional[torch.Tensor] = None
 
     def precision_for(self, cfg: Config) -> str:
-        """What the evaluation computes in: as asked, or as the run trained; fp32 where the runtime refused
-        emulated bf16 (runtime.init_to_evaluate)."""
+        """As asked, or as the run trained; fp32 where the runtime refused emulated bf16 (init_to_evaluate)."""
         asked = cfg.train.precision if self.precision == "run" else self.precision
         return "fp32" if asked == "bf16" and self.rt is not None and self.rt.precision == "fp32" else asked
 
@@ -83,8 +82,7 @@ class Evaluator:
                   **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {})}
         if rt.is_main:
             evals = loaded.run_dir / EVALS_FILE
-            # One record per evaluation (harness.evaluation_key): the same weights, split, batches and precision
-            # evaluated again add nothing.
+            # One record per evaluation (evaluation_key): the same one again adds nothing.
             fresh = evaluation_key(record) not in recorded(loaded.run_dir)
             if fresh:
                 append_jsonl(evals, record)
@@ -113,8 +111,8 @@ def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any
 
 # ---------------------------------------------------------------- watching a training run
 def evaluated(run_dir: Path, split: str, weights: str = "model") -> set[tuple[int, int]]:
-    """(step, eval batches) already in the run's evaluations for this split and weights ("model" or "ema"; a record
-    without the field is of the model's): what a restarted watcher skips."""
+    """(step, eval batches) already in the run's evaluations for this split and weights (a record without the field
+    is the model's): what a restarted watcher skips."""
     return {(r["step"], r["eval_batches"]) for r in read_records(run_dir / EVALS_FILE)
             if r.get(f"{split}_loss") is not None and r.get("source") == "nanopt eval"
             and r.get("weights", "model") == weights
@@ -122,8 +120,8 @@ def evaluated(run_dir: Path, split: str, weights: str = "model") -> set[tuple[in
 
 
 def finished_at(run_dir: Path) -> Optional[int]:
-    """The step the run finished at, or None while it trains: rundirs.finished with the run's own config (a
-    run resumed with more steps has a config that says so, so its earlier summary no longer counts)."""
+    """The step the run finished at, or None while it trains (rundirs.finished with the run's own config: a resumed
+    run's earlier summary no longer counts)."""
     config = read_config(run_dir)
     if config is None:
         return None  # not started yet
@@ -147,10 +145,9 @@ def _check_watch(run_dir: Path) -> None:
 
 
 def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeout: float = 0.0) -> int:
-    """Evaluate every new complete checkpoint of a run directory as it appears, until the run finishes and its
-    last checkpoint is looked at, `timeout` seconds pass (0: never), or Ctrl-C; a last line says which. Read-only;
-    load() verifies each checkpoint, and one damaged, or pruned while read, is skipped with a line saying why.
-    What the run's evaluations already hold is not done again: a restarted watcher goes on where one stopped."""
+    """Evaluate each new complete checkpoint of a run directory until the run finishes and its last checkpoint is
+    looked at, `timeout` seconds pass (0: never), or Ctrl-C; a last line says which. A damaged checkpoint, or one
+    pruned while read, is skipped with a line saying why; what the evaluations hold is not done again."""
     run_dir = Path(run_dir)
     _check_watch(run_dir)
     lease = _watch_lease(run_dir)
@@ -199,9 +196,8 @@ def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeo
 
 
 def _watch_lease(run_dir: Path) -> DirLock:
-    """The watcher's lease beside the trainer's (rundirs.WATCH_LOCK_FILE): a second watcher of the run would
-    evaluate every checkpoint again, so it is refused, naming the first. The lease's rules are the trainer's: a
-    dead watcher's (dead pid, or a heartbeat past its expiry) is taken over."""
+    """The watcher's lease beside the trainer's: a second watcher would evaluate every checkpoint again, so it is
+    refused, naming the first; a dead watcher's lease (the trainer's rules) is taken over."""
     lease = DirLock(run_dir, what="watched run", filename=WATCH_LOCK_FILE)
     try:
         return lease.acquire()

@@ -1,9 +1,8 @@
-"""nanochat's CORE score on DCLM's eval bundle (core.yaml, eval_data/*.jsonl, eval_meta_data.csv), example by
-example as nanochat's core_eval.py and base_eval.py score it (bench/core_parity.py checks): items shuffled with
-seed 1337, then cut to `limit`; few-shot examples drawn from the kept items; BOS first; prompts cropped on the
-left to the model's context; multiple_choice and schema pick the option of lowest mean loss where the options
-differ; language_modeling needs every continuation token to be the greedy prediction. The tokens are scored by
-the one continuation scorer (scoring.py), as lm-eval's are."""
+"""nanochat's CORE score on DCLM's eval bundle (core.yaml, eval_data/*.jsonl, eval_meta_data.csv), example by example
+as nanochat's core_eval.py and base_eval.py score it (bench/core_parity.py checks): items shuffled with seed 1337, cut
+to `limit`; few-shot examples from the kept items; BOS first; prompts cropped on the left; multiple_choice and schema
+pick the option of lowest mean loss where the options differ; language_modeling needs every continuation token
+greedy. The one continuation scorer (scoring.py) scores the tokens, as lm-eval's."""
 from __future__ import annotations
 
 import contextlib
@@ -47,11 +46,10 @@ class CoreTask:
 
 
 def read_bundle(directory: str | Path, limit: int = 0) -> list[CoreTask]:
-    """Every task core.yaml lists, with its items and random baseline; `limit` > 0 keeps that many per task. All of
-    it is read before any scoring by the libraries of its formats (yaml, csv, json), each item rendered once as
-    scoring renders it: what they raise is one ConfigError naming the file and line (_reading). nanopt checks what
-    they would accept: a dataset_uri that leaves the bundle, a baseline outside [0, 100), a gold outside its
-    options, a task without items or with too few for its shots."""
+    """Every task core.yaml lists, with its items and random baseline; `limit` > 0 keeps that many per task. All of it
+    is read before any scoring by its formats' libraries (yaml, csv, json), each item rendered once: what they raise
+    is one ConfigError naming the file and line (_reading). nanopt checks what they would accept: a dataset_uri
+    leaving the bundle, a baseline outside [0, 100), a gold outside its options, too few items for the shots."""
     root, table = Path(directory), Path(directory) / "eval_meta_data.csv"
     with _reading(root / "core.yaml", f"an `icl_tasks` list whose tasks have label, icl_task_type (one of "
                   f"{', '.join(FIELDS)}), dataset_uri and num_fewshot"):
@@ -67,8 +65,7 @@ def read_bundle(directory: str | Path, limit: int = 0) -> list[CoreTask]:
 
 @contextlib.contextmanager
 def _reading(where: str | Path, what: str) -> Iterator[None]:
-    """What a format's library (or a missing key, a wrong type) raises on a bundle's file, as one ConfigError
-    naming the file (and line) and what it must hold."""
+    """What a format's library (or a missing key, a wrong type) raises on a bundle's file: one ConfigError."""
     try:
         yield
     except ConfigError:
@@ -79,15 +76,12 @@ def _reading(where: str | Path, what: str) -> Iterator[None]:
 
 def _baseline(path: Path, label: str, written: Any, line: int) -> float:
     """A task's random baseline in percent: finite and in [0, 100), since centering divides by 100 minus it."""
-    try:
-        value = float(written)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value < 100):
-        raise ConfigError(f"{path}:{line}: task {label}'s `Random baseline` is {written!r}; it must be a number of "
-                          f"percent from 0 up to, not including, 100 (the accuracy of guessing: 25 for four "
-                          f"choices, 0 for language modeling). Mend that line. {HINT}.")
-    return value
+    with contextlib.suppress(TypeError, ValueError):
+        if math.isfinite(value := float(written)) and 0 <= value < 100:
+            return value
+    raise ConfigError(f"{path}:{line}: task {label}'s `Random baseline` is {written!r}; it must be a number of "
+                      f"percent from 0 up to, not including, 100 (the accuracy of guessing: 25 for four "
+                      f"choices, 0 for language modeling). Mend that line. {HINT}.")
 
 
 def _read_task(root: Path, spec: tuple, baseline: float, limit: int) -> CoreTask:
@@ -128,8 +122,8 @@ def _read_items(path: Path, kind: str, fields: tuple[str, ...]) -> list[dict]:
 
 
 def render_prompts(kind: str, item: dict, delimiter: str, shots: list[dict]) -> list[str]:
-    """The prompts nanochat's templates render for one item: one per choice (multiple_choice), one per context
-    option (schema), or the prompt without and with its continuation (language_modeling)."""
+    """nanochat's prompts for one item: one per choice or context option, or (language_modeling) the prompt without
+    and with its continuation."""
     d = delimiter
     if kind == "multiple_choice":
         head = "".join(f"{s['query']}{d}{s['choices'][s['gold']]}\n\n" for s in shots)
@@ -143,8 +137,8 @@ def render_prompts(kind: str, item: dict, delimiter: str, shots: list[dict]) -> 
 
 
 def fewshot(task: CoreTask, idx: int) -> list[dict]:
-    """Item idx's examples: Random(1234 + idx).sample over the other items, as nanochat draws them (sampling a
-    range of the same length picks the same positions, without building the list of the others)."""
+    """Item idx's examples: Random(1234 + idx).sample over the other items, as nanochat draws them (a range of the
+    same length gives the same picks, without building the list)."""
     picks = random.Random(FEWSHOT_SEED + idx).sample(range(len(task.items) - 1), task.num_fewshot)
     return [task.items[i + (i >= idx)] for i in picks]
 
@@ -167,8 +161,8 @@ def sequences(task: CoreTask, idx: int, tokenizer: Tokenizer, max_len: int) -> l
 
 def evaluate_core(model: Llama, tokenizer: Tokenizer, tasks: list[CoreTask], rt: Runtime,
                   batch_size: int = 8) -> dict[str, Any]:
-    """{"core", "tasks": {label: {accuracy, centered, random_baseline, n}}, "examples": {label: [bool]}}, the
-    same on every rank. Rank r scores items r, r + world, ...; batch_size bounds the prompts per forward."""
+    """{"core", "tasks": {label: {accuracy, centered, random_baseline, n}}, "examples": {label: [bool]}} on every
+    rank; rank r scores items r, r + world, ...; batch_size bounds the prompts per forward."""
     parts = rt.gather_objects([_score_task(model, tokenizer, t, rt, batch_size) for t in tasks])
     out: dict[str, Any] = {"tasks": {}, "examples": {}}
     for k, t in enumerate(tasks):

@@ -40,11 +40,9 @@ def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperatur
 @torch.no_grad()
 def generate_padded(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                     top_k: int = 0, generator: Optional[torch.Generator] = None, stop: Stop = None) -> torch.Tensor:
-    """Static-shape sampling for compiled devices (XLA): every forward sees the same B×L input, a host buffer of
-    prompt + new tokens rounded up to a power of two (capped at max_seq_len), zero-padded on the right (causal
-    attention hides the padding). Each token re-runs it (no KV cache: O(L²) per token) and reads the last real
-    position through a device index tensor: one compiled graph serves every token and prompt length in the bucket.
-    """
+    """Static-shape sampling for compiled devices (XLA): every forward sees one B×L input, prompt + new tokens
+    rounded up to a power of two, zero-padded on the right (causal attention hides it). Each token re-runs it (no KV
+    cache) and reads the last real position through a device index: one graph serves the whole bucket."""
     B, T = prompt.shape
     total = _fits(model, T + max_new_tokens)
     length = padded_length(total, model.rope_cos.shape[0])

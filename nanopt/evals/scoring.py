@@ -1,7 +1,6 @@
-"""THE continuation scorer: each continuation token's log-probability given its context, and whether it is the
-greedy prediction (batched by length, logits computed only where a continuation's tokens are scored), as
-nanochat's core_eval.py forward_model serves every task type. lm-eval's requests (harness.py) sum them, CORE
-(core.py) takes their mean; generation is generate.py's decode loop."""
+"""THE continuation scorer: each continuation token's log-probability given its context and whether it is the greedy
+prediction (batched by length, logits only where scored), as nanochat's forward_model serves every task type.
+lm-eval's requests (tasks.py) sum them, CORE (core_benchmark.py) takes their mean."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,15 +17,14 @@ TokenScores = tuple[torch.Tensor, torch.Tensor]  # a continuation's tokens: log-
 
 
 def _windows(requests: list[Request], max_len: int) -> list[tuple[list[int], int]]:
-    """Each request as (context + continuation cropped on the left to max_len + 1 tokens, the number of its last
-    tokens scored): the model reads all but the last token (as the harness crops, the continuation's tail wins)."""
+    """Each request as (context + continuation cropped on the left to max_len + 1 tokens, how many last tokens are
+    scored): the model reads all but the last token (as the harness crops)."""
     wholes = [((context + continuation)[-(max_len + 1):], len(continuation)) for context, continuation in requests]
     return [(whole, min(n, len(whole) - 1)) for whole, n in wholes]
 
 
 def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int) -> list[list[int]]:
-    """Requests, longest first, in batches of at most batch_size rows and max_tokens padded tokens: sorted, a
-    batch's rows differ little in length, so padding stays small."""
+    """Requests, longest first (little padding), in batches of at most batch_size rows and max_tokens tokens."""
     out: list[list[int]] = []
     for i in order:
         if out and len(out[-1]) < batch_size and lengths[out[-1][0]] * (len(out[-1]) + 1) <= max_tokens:

@@ -1,7 +1,6 @@
-"""THE demo-task writer: small tasks generated from held-out text, with their data as local JSONL files, so
-`nanopt eval --tasks/--core` can be tried and tested offline. make_tasks writes lm-evaluation-harness tasks:
-`nanopt_mc` (pick the true continuation of a passage among four) and `nanopt_rolling` (perplexity of short
-passages), and the group `nanopt_tasks` holding both; write_bundle a CORE bundle in DCLM's layout."""
+"""THE demo-task writer: small tasks from held-out text, their data local JSONL files, so `nanopt eval --tasks/--core`
+can be tried and tested offline. make_tasks writes lm-eval tasks `nanopt_mc` (the true continuation among four),
+`nanopt_rolling` (perplexity of short passages) and their group `nanopt_tasks`; write_bundle a CORE bundle."""
 from __future__ import annotations
 
 import json
@@ -29,14 +28,6 @@ MAX_ITEM_BYTES = CONTEXT_BYTES + CHOICE_BYTES
 PASSAGE_BYTES = 256  # a rolling passage is whole lines, at least this long
 
 
-class _Dumper(yaml.SafeDumper):
-    """Strings holding a newline (the target delimiter) double-quoted and escaped, not folded over two lines."""
-
-
-_Dumper.add_representer(str, lambda dumper, s: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", s, style='"' if "\n" in s else None))
-
-
 def _check_out_dir(out_dir: Path) -> None:
     """Write only where nothing but our own earlier output would be replaced."""
     refuse_inside_checkpoints(out_dir, "--make-tasks")  # a file at out_dir: mkdir's OSError, named by the CLI
@@ -48,10 +39,9 @@ def _check_out_dir(out_dir: Path) -> None:
 
 
 def _mc_items(texts: list[str], n: int, rng: random.Random) -> list[dict]:
-    """n items from distinct lines (ASCII, so characters are bytes), gold placed at random. The context stops
-    inside a word and every choice finishes a word and starts two more: spelling is what a small model learns
-    first, and a choice holding two word starts cannot merge away into the context's last token under a BPE
-    tokenizer (the harness's hf model refuses an empty continuation)."""
+    """n items from distinct ASCII lines, gold placed at random. The context stops inside a word and each choice
+    finishes it and starts two more: spelling is what a small model learns first, and two word starts cannot merge
+    into the context's last token under BPE (the harness's hf model refuses an empty continuation)."""
     lines = list(dict.fromkeys(line.strip() for text in texts for line in text.splitlines()
                                if len(line.strip()) >= MIN_LINE_BYTES and line.isascii()))  # ordered: seeded
     starts = {line: [i for i in range(1, len(line) - CHOICE_BYTES + 1) if line[i - 1:i + 1].isalpha()
@@ -100,14 +90,12 @@ def _task_yaml(name: str, data: Path, output_type: str, fields: dict, metrics: l
 
 def _write_task(out_dir: Path, spec: dict, rows: list[dict]) -> Path:
     write_text(out_dir / f"{spec['task']}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    return write_text(out_dir / f"{spec['task']}.yaml", yaml.dump(spec, Dumper=_Dumper, sort_keys=False))
+    return write_text(out_dir / f"{spec['task']}.yaml", yaml.safe_dump(spec, sort_keys=False))
 
 
 def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 200, seed: int = 0) -> list[Path]:
-    """Write `nanopt_mc`, `nanopt_rolling` and the group `nanopt_tasks` into `out_dir` (new, empty, or holding
-    only an earlier make_tasks output) from `texts` (default: the embedded corpus's held-out test plays);
-    return the YAML paths. The same texts, n and seed give the same bytes. Use with
-    `lm_eval.tasks.TaskManager(include_path=out_dir)`."""
+    """Write `nanopt_mc`, `nanopt_rolling` and `nanopt_tasks` into `out_dir` (new, empty, or an earlier output) from
+    `texts` (default: the embedded corpus's held-out test plays); return the YAML paths. Same inputs, same bytes."""
     out_dir = Path(out_dir)
     if n < 4:
         raise ConfigError(f"make_tasks needs n >= 4 items per task (got n={n}): fewer cannot tell a model from "
@@ -133,7 +121,7 @@ def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 
             ("bits_per_byte", "bits_per_byte"))])
     paths = [_write_task(out_dir, mc, items), _write_task(out_dir, rolling, passages)]
     group = {"group": GROUP, "task": [MC, ROLLING], "metadata": {"version": 1.0}}
-    paths.append(write_text(out_dir / f"{GROUP}.yaml", yaml.dump(group, Dumper=_Dumper, sort_keys=False)))
+    paths.append(write_text(out_dir / f"{GROUP}.yaml", yaml.safe_dump(group, sort_keys=False)))
     write_json(out_dir / TASKS_FILE, {"made_by": "nanopt.evals.taskgen.make_tasks", "source": source, "n": n,
                                     "seed": seed, "tasks": [MC, ROLLING], "group": GROUP})
     return paths
@@ -149,8 +137,7 @@ BUNDLE_FILES = {"core.yaml", "eval_meta_data.csv", "eval_data"}
 
 
 def _bundle_problem(root: Path) -> Optional[str]:
-    """Why `root` is neither absent, empty, nor an earlier write_bundle's output (what it would replace or mix
-    with), or None."""
+    """Why `root` is neither absent, empty, nor an earlier write_bundle's output, or None."""
     if not root.exists():
         return None
     others = [p.name for p in root.iterdir() if p.name not in BUNDLE_FILES]
@@ -161,8 +148,8 @@ def _bundle_problem(root: Path) -> Optional[str]:
 
 
 def write_bundle(out_dir: str | Path, texts: list[str], seed: int = 0, n: int = 60) -> Path:
-    """A small bundle in DCLM's layout from held-out texts: n items per GENERATED task (see _generated_item), into
-    a new or empty directory or over an earlier bundle (ConfigError where it would replace anything else)."""
+    """A small bundle in DCLM's layout from held-out texts, n items per GENERATED task, into a new or empty directory
+    or over an earlier bundle."""
     if problem := _bundle_problem(Path(out_dir)):
         raise ConfigError(f"{out_dir} {problem}, which it will not mix with its bundle. Pass a new or empty "
                           f"directory, or one that holds only an earlier generated bundle.")
