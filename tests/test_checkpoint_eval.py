@@ -1,6 +1,5 @@
-"""`nanopt eval` and its watch loop (nanopt/evals/checkpoint_eval.py) on run directories written by hand: finished by the summary's
-rule (a damaged run file: test_schema.py), a damaged checkpoint skipped, finite times, and a linked evals.jsonl refused
-before anything is evaluated. Watching a real training run: e2e/test_plots_and_watch.py."""
+"""`nanopt eval --watch` (nanopt/evals/checkpoint_eval.py) on hand-written run directories: finished by the summary's
+rule, a damaged checkpoint skipped, finite times, a linked evals.jsonl refused first. A real run: test_plots_and_watch."""
 from __future__ import annotations
 
 import json

@@ -2,12 +2,10 @@
 `nanopt sample` prints continuations of the prompt."""
 from __future__ import annotations
 
-import contextlib
-import io
-
 import pytest
 import torch
 
+from nanopt.cli import run
 from nanopt.config import Config, ModelConfig
 from nanopt.evals.generate import generate, sample_text
 from nanopt.recipe.attention import eager, sdpa
@@ -80,8 +78,6 @@ def test_sample_text_slides_past_the_model_context():
 
 
 def test_sample_cli_prints_seeded_continuations(tmp_path, capsys):
-    from nanopt.cli import run
-
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     cfg.train.seq_len = 64  # a checkpoint's config is validated like a YAML one: max_seq_len >= seq_len
@@ -90,11 +86,10 @@ def test_sample_cli_prints_seeded_continuations(tmp_path, capsys):
                            {"config": cfg.to_dict()}, keep=1)
 
     def sample(*extra: str) -> str:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert run(["sample", str(tmp_path / "run"), "--prompt", "Elementary, my dear", "-n", "2",
-                        "--max-new-tokens", "12", *extra]) == 0
-        return out.getvalue()
+        capsys.readouterr()
+        assert run(["sample", str(tmp_path / "run"), "--prompt", "Elementary, my dear", "-n", "2", "--max-new-tokens",
+                    "12", *extra]) == 0
+        return capsys.readouterr().out
 
     first, again = sample("--seed", "5"), sample("--seed", "5")
     assert first == again

@@ -1,6 +1,5 @@
-"""Hugging Face conversion (nanopt/hf.py): an export loads in transformers with matching logits, a transformers model
-loads into nanopt with matching logits, and the tokenizer's files go along. Exports of trained runs:
-e2e/test_eval_and_export.py."""
+"""Hugging Face conversion (nanopt/hf.py): exports load in transformers and transformers' models in nanopt with matching
+logits, the tokenizer's files go along, a damaged directory is one paragraph. Trained runs: e2e/test_eval_and_export."""
 from __future__ import annotations
 
 import json
@@ -136,8 +135,7 @@ def exported(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case, damage, words", DAMAGED_HF, ids=[c[0] for c in DAMAGED_HF])
 def test_a_damaged_hugging_face_directory_is_one_paragraph_naming_the_file(case, damage, words, exported, tmp_path):
-    """Before, a config.json of another shape or type, or weights that are no safetensors file, escaped as a
-    traceback from `nanopt sample/eval/export` and `train.init_from`."""
+    """Before, a config.json of another shape or type, or weights that are no safetensors file, were a traceback."""
     damage(shutil.copytree(exported, tmp_path / "hf"))
     with pytest.raises(ConfigError) as raised:
         load_hf(tmp_path / "hf")
@@ -150,8 +148,8 @@ INIT = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, f
 
 
 def _init_from_worker(rank: int, world: int, store: str, exported: str, out: str) -> None:
-    """One gloo rank: a tied and an untied model, each sharded (fsdp, then hsdp 2x2 for the untied one at 4
-    ranks) from its own seed, then initialised from the export; saves the gathered weights."""
+    """One gloo rank: a tied model under fsdp and an untied one under hsdp 2x2, each from its own seed, initialised
+    from the export; saves the gathered weights."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rt = Runtime(kind="cpu", device=torch.device("cpu"), rank=rank, local_rank=rank, world_size=world,
@@ -169,9 +167,8 @@ def _init_from_worker(rank: int, world: int, store: str, exported: str, out: str
 
 
 def test_init_from_loads_an_export_into_fsdp_and_hsdp_shards_as_one_process_loads_it(tmp_path):
-    """train.init_from=hf:DIR under fsdp (tied head) and hsdp 2x2 (untied) on 4 forked gloo ranks: each rank
-    keeps its shard of the exported weights (saved in bf16, converted to the model's fp32), and the gathered
-    model is the one a single process loads from the same directory, whatever each rank had built."""
+    """train.init_from=hf:DIR under fsdp (tied) and hsdp 2x2 (untied) on 4 forked ranks: each rank keeps its shard of
+    the bf16 export (converted to fp32), and the gathered model is the one a single process loads."""
     import torch.distributed.fsdp  # noqa: F401 (here, not in each of the 4 forks: seconds of import)
 
     expected = {}

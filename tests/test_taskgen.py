@@ -42,13 +42,16 @@ def made(tmp_path_factory) -> tuple[Path, list[Path]]:
     return out, make_tasks(out, TEXTS, n=12)
 
 
-def test_writes_the_tasks_the_group_and_their_data(made):
+def test_writes_the_tasks_the_group_and_their_data_whole_passages_of_the_text(made):
     out, paths = made
     assert [p.name for p in paths] == ["nanopt_mc.yaml", "nanopt_rolling.yaml", "nanopt_tasks.yaml"]
     mc = (out / "nanopt_mc.yaml").read_text()
     assert f"test: {(out / 'nanopt_mc.jsonl').resolve()}" in mc  # absolute: any cwd works
     assert "target_delimiter: ''" in mc
     assert len(rows(out / "nanopt_mc.jsonl")) == len(rows(out / "nanopt_rolling.jsonl")) == 12
+    passages = [row["text"] for row in rows(out / "nanopt_rolling.jsonl")]  # a few hundred bytes of the text each
+    assert len(passages) == len(set(passages)) == 12
+    assert all(256 <= len(p.encode()) <= 512 and any(p in text for text in TEXTS) for p in passages)
 
 
 def test_the_same_seed_gives_the_same_bytes(tmp_path):
@@ -77,12 +80,6 @@ def test_items_are_true_continuations_among_four_of_one_length_with_the_gold_spr
     spread = collections.Counter(item["gold"] for item in items)
     assert sorted(spread) == [0, 1, 2, 3] and min(spread.values()) >= 40 // 10, spread
     assert sum(1 / len(item["choices"]) for item in items) / len(items) == 0.25  # chance
-
-
-def test_rolling_passages_are_a_few_hundred_bytes_of_the_text(made):
-    passages = [row["text"] for row in rows(made[0] / "nanopt_rolling.jsonl")]
-    assert len(passages) == len(set(passages)) == 12
-    assert all(256 <= len(p.encode()) <= 512 and any(p in text for text in TEXTS) for p in passages)
 
 
 def test_lm_eval_loads_the_tasks_offline(made):

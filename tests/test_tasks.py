@@ -1,6 +1,5 @@
-"""nanopt models inside lm-evaluation-harness: per-request parity with the harness's own `hf` model on an export
-(loglikelihood, rolling, accuracy on a local task), the run directory equal to its export, greedy generation
-equal to sampling at temperature 0, and what goes into the run directory."""
+"""nanopt models inside lm-evaluation-harness: per-request parity with the harness's own `hf` model on an export,
+greedy generation equal to sampling at temperature 0, the boundary for task input, and what a run directory gets."""
 from __future__ import annotations
 
 import json
@@ -8,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU, TASK_TEXTS, fork_ranks
+from conftest import CPU, fork_ranks
 
 from nanopt.config import Config, ModelConfig, load_config, parse_overrides
 from nanopt.data.tokenizer import get_tokenizer
@@ -18,7 +17,7 @@ from nanopt.errors import ConfigError
 from nanopt.evals import core_benchmark as core
 from nanopt.evals.generate import generate
 from nanopt.evals.scoring import continuation_scores
-from nanopt.evals.taskgen import make_tasks, write_bundle
+from nanopt.evals.taskgen import make_tasks
 from nanopt.evals.tasks import (TaskScorer, _self_contained, _task_manager, evaluate_tasks, lm_class, record_tasks,
                                 task_records)
 from nanopt.hf import export_model
@@ -108,7 +107,7 @@ def test_batching_does_not_change_scores():
     assert continuation_scores(model, [([1, 2, 3], []), ([4, 5], [6])], CPU)[0] == (0.0, True)
 
 
-def test_generate_until_is_greedy_sampling_cut_at_the_stop_string(tmp_path):
+def test_generate_until_is_greedy_sampling_cut_at_the_stop_string():
     torch.manual_seed(2)
     model = build_model(ModelConfig(vocab_size=257, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64,
                                     max_seq_len=64))
@@ -192,15 +191,14 @@ def test_tasks_all_in_the_include_path_skip_indexing_lm_evals_own(tmp_path, monk
 
 
 # ---------------------------------------------------------------- eval.core / eval.tasks during a sharded run
-SCORED = ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=256)
-MODEL_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+SCORED = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 256}
 
 
 def _scorer_config(bundle: Path, run_dir: Path, parallel: str = "fsdp") -> Config:
     run_dir.mkdir(exist_ok=True)
     return load_config(None, parse_overrides([
         f"--runtime.parallel={parallel}", f"--eval.core={bundle}", "--eval.tasks_limit=4", f"--run.dir={run_dir}",
-        "--train.precision=fp32", *(f"--model.{k}={getattr(SCORED, k)}" for k in MODEL_KEYS)]))
+        "--train.precision=fp32", *(f"--model.{k}={v}" for k, v in SCORED.items())]))
 
 
 def _sharded_scorer_worker(rank: int, world: int, store: str, bundle: str, run_dir: str) -> None:
@@ -230,15 +228,15 @@ def _sharded_scorer_worker(rank: int, world: int, store: str, bundle: str, run_d
     torch.distributed.destroy_process_group()
 
 
-def test_a_sharded_model_is_scored_on_every_rank_as_one_process_scores_it_and_survives_one_rank_failing(tmp_path):
+def test_a_sharded_model_is_scored_on_every_rank_as_one_process_scores_it_and_survives_one_rank_failing(tmp_path,
+                                                                                                       task_dir):
     """eval.core under fsdp on 2 forked gloo ranks: every rank runs the same forwards in lockstep (each gathers
     weights from both), the main rank records. A failure on rank 1 alone, mid-scoring, fails the part on both
     (no hang: the fork has a deadline), recorded once with rank 1's cause; the next scoring is whole and records
     what one process scores on the same weights."""
     import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
 
-    bundle = tmp_path / "core"
-    write_bundle(bundle, TASK_TEXTS, n=12)
+    bundle = task_dir / "core"
     cfg = _scorer_config(bundle, tmp_path / "one", parallel="ddp")
     torch.manual_seed(0)
     TaskScorer(cfg, CPU, build_model(cfg.model), get_tokenizer("byte")).run(4)  # first: the forks inherit its imports
