@@ -14,49 +14,40 @@ Stop = Optional[Callable[[list[int]], bool]]  # stop(row 0's new ids) true: the 
 
 @torch.no_grad()
 def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None) -> torch.Tensor:
+             generator: Optional[torch.Generator] = None, use_cache: bool = True, stop: Stop = None,
+             padded: Optional[bool] = None) -> torch.Tensor:
     """prompt: B T ids -> B (T + max_new_tokens) ids, fewer where stop turns true first. temperature 0 = greedy.
-    use_cache=False recomputes the whole context every token (the reference the cache must match)."""
-    if use_cache and static_shapes(prompt.device):  # XLA: a KV cache growing by one is a new graph per token
-        return generate_padded(model, prompt, max_new_tokens, temperature, top_k, generator, stop)
+    use_cache=False recomputes the whole context every token (the reference the cache must match). padded (the
+    default on XLA, where a cache growing by one is a new graph per token): every forward sees one B×L host buffer,
+    prompt + new tokens rounded up to a power of two, zero-padded on the right (causal attention hides it), and
+    reads the last real position through a device index: one compiled graph serves the whole bucket."""
     B, T = prompt.shape
     total = _fits(model, T + max_new_tokens)
-    device = prompt.device
-    out = torch.empty(B, total, dtype=torch.long, device=device)
+    padded = use_cache and static_shapes(prompt.device) if padded is None else padded
+    device = model.embed.weight.device if padded else prompt.device
+    out = torch.zeros(B, padded_length(total, model.rope_cos.shape[0]) if padded else total, dtype=torch.long,
+                      device="cpu" if padded else device)  # B L
     out[:, :T] = prompt
-    caches = model.new_caches(B, total, device, model.embed.weight.dtype) if use_cache else None
-    logits = model(prompt, caches=caches, start_pos=0)[:, -1]  # B V
+    caches = model.new_caches(B, total, device, model.embed.weight.dtype) if use_cache and not padded else None
     for pos in range(T, total):
-        out[:, pos] = _pick(logits, temperature, top_k, generator)
-        if pos + 1 == total or stop is not None and stop(out[0, T : pos + 1].tolist()):
-            return out[:, : pos + 1]
-        if use_cache:
-            logits = model(out[:, pos : pos + 1], caches=caches, start_pos=pos)[:, -1]
+        if padded:  # B L C -> B 1 C at the position whose logits predict token `pos`
+            h = model.hidden(out.to(device)).index_select(1, torch.tensor([pos - 1]).to(device))
+            logits = model.logits(h)[:, 0].cpu()
+        elif caches is not None:  # the prompt prefilled once, then one token a step
+            last = (prompt, 0) if pos == T else (out[:, pos - 1 : pos], pos - 1)
+            logits = model(last[0], caches=caches, start_pos=last[1])[:, -1]  # B V
         else:
-            logits = model(out[:, : pos + 1])[:, -1]
-    return out
+            logits = model(out[:, :pos])[:, -1]
+        out[:, pos] = _pick(logits, temperature, top_k, generator)
+        if stop is not None and stop(out[0, T : pos + 1].tolist()):
+            return out[:, : pos + 1].to(prompt.device)
+    return out[:, :total].to(prompt.device)
 
 
-@torch.no_grad()
 def generate_padded(model: Llama, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                     top_k: int = 0, generator: Optional[torch.Generator] = None, stop: Stop = None) -> torch.Tensor:
-    """Static-shape sampling for compiled devices (XLA): every forward sees one B×L input, prompt + new tokens
-    rounded up to a power of two, zero-padded on the right (causal attention hides it). Each token re-runs it (no KV
-    cache) and reads the last real position through a device index: one graph serves the whole bucket."""
-    B, T = prompt.shape
-    total = _fits(model, T + max_new_tokens)
-    length = padded_length(total, model.rope_cos.shape[0])
-    device = model.embed.weight.device
-    buf = torch.zeros(B, length, dtype=torch.long)  # B L, on the host
-    buf[:, :T] = prompt.cpu()
-    for pos in range(T, total):
-        last = torch.tensor([pos - 1])  # the position whose logits predict token `pos`
-        h = model.hidden(buf.to(device)).index_select(1, last.to(device))  # B L C -> B 1 C
-        logits = model.logits(h)[:, 0].cpu()  # B 1 C @ C V -> B V (soft-capped when the model caps)
-        buf[:, pos] = _pick(logits, temperature, top_k, generator)
-        if stop is not None and stop(buf[0, T : pos + 1].tolist()):
-            return buf[:, : pos + 1].to(prompt.device)
-    return buf[:, :total].to(prompt.device)
+    """generate's static-shape path on any device (how XLA's is checked on a CPU)."""
+    return generate(model, prompt, max_new_tokens, temperature, top_k, generator, stop=stop, padded=True)
 
 
 def padded_length(n: int, limit: int) -> int:
