@@ -75,16 +75,14 @@ def _value(v: Any) -> str:
 
 
 def _options_on(m: ModelConfig) -> Optional[tuple[str, str]]:
-    """None for a plain Llama, else for error messages what is set and the overrides that turn it off:
-    ("model.qk_norm=true, model.mlp=relu2", "--model.qk_norm=false --model.mlp=swiglu")."""
+    """None for a plain Llama, else what is set and the overrides that turn it off, for error messages."""
     on = [k for k, off in _OPTIONS_OFF.items() if getattr(m, k) != off]
     return (", ".join(f"model.{k}={_value(getattr(m, k))}" for k in on),
             " ".join(f"--model.{k}={_value(_OPTIONS_OFF[k])}" for k in on)) if on else None
 
 
 def check_exportable(m: ModelConfig) -> None:
-    """Raise ConfigError when the model uses an option LlamaForCausalLM cannot represent: its export would
-    load in transformers and compute something else (qk_norm, softcap) or fail (extra weights)."""
+    """ConfigError for an option LlamaForCausalLM cannot represent (it would compute something else, or fail)."""
     if options := _options_on(m):
         text, offs = options
         raise ConfigError(f"this model cannot be exported to Hugging Face: it sets {text}, which transformers' "
@@ -98,14 +96,6 @@ def _hf_name(name: str) -> str:
         return _TOP_NAMES[name]
     _, i, rest = name.split(".", 2)
     return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
-
-
-def to_hf_state(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors under Hugging Face names; a tied head is stored once (as the embedding)."""
-    check_exportable(model.cfg)
-    tied = model.cfg.tie_embeddings
-    return {_hf_name(name): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
-            if not (tied and name == "lm_head.weight")}
 
 
 def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtype: str = "float32") -> dict[str, Any]:
@@ -125,8 +115,7 @@ def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtyp
 
 
 def model_config_from_hf(hf: Any, where: Path) -> ModelConfig:
-    """A nanopt ModelConfig from a Hugging Face Llama config.json, its values checked as a config file's model keys
-    are (model_from_dict: the file is someone else's), or ConfigError naming what nanopt's Llama cannot be."""
+    """A ModelConfig from a Hugging Face Llama config.json, checked as a config file's model keys are."""
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}/config.json is not a JSON object; a Hugging Face model's config.json maps "
                           f"hidden_size, num_attention_heads, ... to their values.")
@@ -333,8 +322,11 @@ def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Con
         with writing(staging):
             tok.hf.save_pretrained(str(staging))
     bos, eos = (tok.bos_id, tok.eos_id) if tok is not None else (None, None)
+    tied = model.cfg.tie_embeddings  # a tied head is stored once, as the embedding
+    state = {_hf_name(name): t.detach().to("cpu", dtype).contiguous() for name, t in model.state_dict().items()
+             if not (tied and name == "lm_head.weight")}
     with writing(staging / "model.safetensors"):
-        save_file(to_hf_state(model, dtype), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
     write_json(staging / "config.json", hf_config(model.cfg, bos, eos, str(dtype).removeprefix("torch.")))
     if nanopt_cfg is not None:
         # Not read by transformers: lets nanopt recover the tokenizer and sequence length it trained with.
@@ -344,9 +336,8 @@ def _write_files(staging: Path, model: Llama, tok: Any, nanopt_cfg: Optional[Con
 
 
 def _install(staging: Path, out: Path, force: bool) -> None:
-    """Move the staged files into `out`, which never holds two models' files at once: the old config.json goes
-    first (a directory without one is no model to any loader), then the old model's other files, then the new
-    files, the new config.json last. Renames and removals only: no space needed, nothing written through a link."""
+    """Move the staged files into `out`, which never holds two models' files at once: the old config.json goes first
+    (without one a directory is no model), the new one last. Renames and removals only: nothing written via a link."""
     new = sorted(os.listdir(staging), key=lambda name: name == "config.json")
     # A file the tokenizer wrote that is not on MODEL_FILES but has a user's file's name: that is the user's.
     taken = [name for name in new if not is_model_file(name) and os.path.lexists(out / name)]

@@ -1,7 +1,6 @@
-"""`nanopt eval RUN_OR_CHECKPOINT [--split val|test] [--batches N] [--watch]`: out-of-band evaluation, also
-under torchrun, appended to the run's evaluations file (nanopt/evals/checkpoint_eval.py); with `--tasks`/`--core`, downstream
-task scores through lm-evaluation-harness and the CORE bundle (nanopt/evals/tasks.py); `--make-tasks DIR` writes
-the generated demo tasks (nanopt/evals/taskgen.py)."""
+"""`nanopt eval RUN_OR_CHECKPOINT [--split val|test] [--batches N] [--watch]`: out-of-band evaluation, also under
+torchrun, appended to the run's evaluations (evals/checkpoint_eval.py); `--tasks`/`--core`: downstream task scores
+(evals/tasks.py); `--make-tasks DIR`: the generated demo tasks (evals/taskgen.py)."""
 from __future__ import annotations
 
 import argparse

@@ -111,8 +111,7 @@ def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any
 
 # ---------------------------------------------------------------- watching a training run
 def evaluated(run_dir: Path, split: str, weights: str = "model") -> set[tuple[int, int]]:
-    """(step, eval batches) already in the run's evaluations for this split and weights (a record without the field
-    is the model's): what a restarted watcher skips."""
+    """(step, eval batches) already in the run's evaluations for this split and weights: what a watcher skips."""
     return {(r["step"], r["eval_batches"]) for r in read_records(run_dir / EVALS_FILE)
             if r.get(f"{split}_loss") is not None and r.get("source") == "nanopt eval"
             and r.get("weights", "model") == weights

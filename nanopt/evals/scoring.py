@@ -17,8 +17,7 @@ TokenScores = tuple[torch.Tensor, torch.Tensor]  # a continuation's tokens: log-
 
 
 def _windows(requests: list[Request], max_len: int) -> list[tuple[list[int], int]]:
-    """Each request as (context + continuation cropped on the left to max_len + 1 tokens, how many last tokens are
-    scored): the model reads all but the last token (as the harness crops)."""
+    """Each request as (context + continuation cropped on the left to max_len + 1 tokens, its last n scored)."""
     wholes = [((context + continuation)[-(max_len + 1):], len(continuation)) for context, continuation in requests]
     return [(whole, min(n, len(whole) - 1)) for whole, n in wholes]
 

@@ -81,16 +81,12 @@ def _passages(texts: list[str], n: int, rng: random.Random) -> list[dict]:
     return [{"text": chunks[k]} for k in picked]
 
 
-def _task_yaml(name: str, data: Path, output_type: str, fields: dict, metrics: list[dict]) -> dict:
-    return {"task": name, "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},  # absolute: lm-eval runs from any cwd
-            "test_split": "test", "output_type": output_type, **fields, "metric_list": metrics,
-            "metadata": {"version": 1.0}}
-
-
-def _write_task(out_dir: Path, spec: dict, rows: list[dict]) -> Path:
-    write_text(out_dir / f"{spec['task']}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
-    return write_text(out_dir / f"{spec['task']}.yaml", yaml.safe_dump(spec, sort_keys=False))
+def _write_task(out_dir: Path, name: str, rows: list[dict], output_type: str, fields: dict, metrics: list) -> Path:
+    data = write_text(out_dir / f"{name}.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    return write_text(out_dir / f"{name}.yaml", yaml.safe_dump({
+        "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data.resolve())}},
+        "test_split": "test", "output_type": output_type, **fields, "metric_list": metrics,  # absolute: any cwd
+        "metadata": {"version": 1.0}}, sort_keys=False))
 
 
 def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 200, seed: int = 0) -> list[Path]:
@@ -110,16 +106,15 @@ def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 
                           f"multiple-choice items and {len(passages)} passages, fewer than n={n}. Pass more "
                           f"text (distinct ASCII lines of at least {MIN_LINE_BYTES} bytes) or a smaller n.")
     out_dir.mkdir(parents=True, exist_ok=True)
-    mc = _task_yaml(MC, out_dir / f"{MC}.jsonl", "multiple_choice", {
+    paths = [_write_task(out_dir, MC, items, "multiple_choice", {
         "doc_to_text": "{{context}}", "doc_to_choice": "choices", "doc_to_target": "gold",
         "target_delimiter": ""},  # a choice goes on where the context stops, inside a word
-        [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")])
-    rolling = _task_yaml(ROLLING, out_dir / f"{ROLLING}.jsonl", "loglikelihood_rolling", {
-        "doc_to_text": "", "doc_to_target": "text"},  # the harness's own aggregations, said so it does not warn
-        [{"metric": m, "aggregation": agg, "higher_is_better": False} for m, agg in (
-            ("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
-            ("bits_per_byte", "bits_per_byte"))])
-    paths = [_write_task(out_dir, mc, items), _write_task(out_dir, rolling, passages)]
+        [{"metric": m, "aggregation": "mean", "higher_is_better": True} for m in ("acc", "acc_norm")]),
+        _write_task(out_dir, ROLLING, passages, "loglikelihood_rolling", {
+            "doc_to_text": "", "doc_to_target": "text"},  # the harness's own aggregations, said so it does not warn
+            [{"metric": m, "aggregation": agg, "higher_is_better": False} for m, agg in (
+                ("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+                ("bits_per_byte", "bits_per_byte"))])]
     group = {"group": GROUP, "task": [MC, ROLLING], "metadata": {"version": 1.0}}
     paths.append(write_text(out_dir / f"{GROUP}.yaml", yaml.safe_dump(group, sort_keys=False)))
     write_json(out_dir / TASKS_FILE, {"made_by": "nanopt.evals.taskgen.make_tasks", "source": source, "n": n,

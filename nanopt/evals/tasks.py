@@ -179,8 +179,7 @@ def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
 
 
 def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
-    """Whether every task and group member named is in `index` (the user's YAMLs), so lm-eval's own need no index.
-    Anything unexpected (an inline task config, a newer index format) says no."""
+    """Whether every task and group member named is in `index` (the user's YAMLs); anything unexpected says no."""
     seen: set[str] = set()
     todo = list(names)
     while todo:
@@ -358,8 +357,7 @@ def _record(step: Optional[int], source: str, task: str, scores: dict[str, float
 
 
 def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Append to evals.jsonl and TensorBoard (tasks/<task>/<metric>) the records the run does not hold yet
-    (evaluation_key); return those it held."""
+    """Append to evals.jsonl and TensorBoard the records the run does not hold yet; return those it held."""
     if run_dir is None:
         return []
     done = recorded(run_dir)
@@ -374,14 +372,6 @@ def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list
             for metric, value in r["scores"].items():
                 writer.add_scalar(f"tasks/{r['task']}/{metric}", value, r["step"])
     return held
-
-
-def failure_cause(error: BaseException) -> str:
-    return str(error) if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
-
-
-def failure_records(spec: TaskSpec, step: Optional[int], source: str, cause: str) -> list[dict[str, Any]]:
-    return [_record(step, source, name, {}, None, error=cause) for name in spec.names()]
 
 
 def task_lines(records: list[dict[str, Any]]) -> list[str]:
@@ -437,21 +427,17 @@ def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec,
             records += task_records(results, step, source, **extra)
         if bundle is not None:
             result = core.evaluate_core(model, tokenizer, bundle, rt, batch_size=spec.batch_size)
-            records += core_records(result, step, source, **extra)
+            records += [_record(step, source, f"core/{label}", {"acc": t["accuracy"], "centered": t["centered"]},
+                                t["n"], better={"acc": True, "centered": True}, random_baseline=t["random_baseline"],
+                                **extra) for label, t in result["tasks"].items()]
+            records.append(_record(step, source, "core", {"core": result["core"]}, sum(
+                t["n"] for t in result["tasks"].values()), better={"core": True}, **extra))
     finally:
         model.train(was_training)
         rt.set_rng_state(rng)
     for r in records:
         r["seconds"] = time.perf_counter() - t0  # the whole scoring pass, outside any training clock
     return records
-
-
-def core_records(result: dict[str, Any], step: Optional[int], source: str, **extra: Any) -> list[dict[str, Any]]:
-    out = [_record(step, source, f"core/{label}", {"acc": t["accuracy"], "centered": t["centered"]}, t["n"],
-                   better={"acc": True, "centered": True}, random_baseline=t["random_baseline"], **extra)
-           for label, t in result["tasks"].items()]
-    return out + [_record(step, source, "core", {"core": result["core"]}, sum(t["n"] for t in result["tasks"].values()),
-                          better={"core": True}, **extra)]
 
 
 class TaskScorer:
@@ -494,8 +480,7 @@ class TaskScorer:
         self.last_step = step
 
     def _score(self, step: int, weights: str) -> None:
-        """Score and record each part (lm-eval tasks, CORE bundle). Nothing raised here may reach the loop: the
-        other ranks wait at the barrier after it."""
+        """Score and record each part. Nothing raised here may reach the loop: the other ranks wait at the barrier."""
         records = [{**r, "weights": weights} for part in self.spec.parts() for r in self._score_part(part, step)]
         if not self.rt.is_main:
             return
@@ -515,15 +500,15 @@ class TaskScorer:
             error = e
         if (cause := self._agreed_cause(error)) is None:
             return records
-        failed = failure_records(part, step, "train", cause)
         if self.rt.is_main:
             log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()), cause)
-        return failed
+        return [_record(step, "train", name, {}, None, error=cause) for name in part.names()]
 
     def _agreed_cause(self, error: Optional[Exception]) -> Optional[str]:
         """Why the part failed, alike on every rank: sharded, a failure on any rank fails it, named by the first
         rank whose own error (not Broken) it was."""
-        mine = None if error is None else (isinstance(error, parallel.Broken), failure_cause(error))
+        mine = None if error is None else (isinstance(error, parallel.Broken), str(error) if isinstance(
+            error, ConfigError) else f"{type(error).__name__}: {error}")  # a ConfigError is its paragraph
         if not self.sharded:
             return None if mine is None else mine[1]
         causes = [(c[0], rank, c[1]) for rank, c in enumerate(self.rt.gather_objects(mine)) if c is not None]
