@@ -1,5 +1,5 @@
 """`nanopt eval --watch` (nanopt/evals/checkpoint_eval.py) on hand-written run directories: finished by the summary's
-rule, a damaged checkpoint skipped, finite times, a linked evals.jsonl refused first. A real run: test_plots_and_watch."""
+rule, a damaged checkpoint skipped, finite times, a linked evals.jsonl refused first (real runs: e2e/test_plots_*)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """nanopt.evals.core_benchmark: DCLM's eval bundle read, prompts rendered and scored as nanochat's core_eval.py does,
-the CORE arithmetic, and the generated bundle (taskgen.write_bundle). Parity with nanochat itself: bench/core_parity.py."""
+the CORE arithmetic, and the generated bundle (taskgen.write_bundle). Parity with nanochat: bench/core_parity.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +62,8 @@ PROMPTS = {  # kind -> (item, delimiter, shots, the prompts: one per choice or c
                         ["Q1: B\n\nQ1: B\n\nQ: x", "Q1: B\n\nQ1: B\n\nQ: y"]),
     "schema": ({"context_options": ["c", "d"], "continuation": "k", "gold": 1}, " ",
                [{"context_options": ["C1", "C2"], "continuation": "K1", "gold": 0}], ["C1 K1\n\nc k", "C1 K1\n\nd k"]),
-    "language_modeling": ({"context": "ctx \n", "continuation": " cont"}, " ", [{"context": "  Ctx1 ", "continuation": "x1"}],
-                          ["Ctx1 x1\n\nctx", "Ctx1 x1\n\nctx  cont"]),  # contexts trimmed
+    "language_modeling": ({"context": "ctx \n", "continuation": " cont"}, " ",  # contexts trimmed
+                          [{"context": "  Ctx1 ", "continuation": "x1"}], ["Ctx1 x1\n\nctx", "Ctx1 x1\n\nctx  cont"]),
     "language_modeling, no shots": ({"context": "ctx \n", "continuation": " cont"}, " ", [], ["ctx", "ctx  cont"]),
 }
 

@@ -136,7 +136,7 @@ def test_bad_input_is_one_clear_config_error(tmp_path, case, match):
     elif case == "foreign":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-    texts, n = {"small_n": (TEXTS, 3), "short": ([english(0, lines=20)], 50)}.get(case, (TEXTS, 10))  # 20 lines: 20 items
+    texts, n = {"small_n": (TEXTS, 3), "short": ([english(0, lines=20)], 50)}.get(case, (TEXTS, 10))  # 20 items
     with pytest.raises(OSError if case == "file" else ConfigError) as raised:
         make_tasks(out, texts, n=n)
     assert re.search(match, path_problem(raised.value) if case == "file" else str(raised.value))

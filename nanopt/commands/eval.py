@@ -60,10 +60,12 @@ def main(argv: list[str]) -> int:
     tasks.add_argument("--include-path", default=None, help="a directory of local lm-eval task YAMLs")
     tasks.add_argument("--core", default=None, metavar="DIR", help="a CORE bundle (core.yaml, eval_data/, "
                        "eval_meta_data.csv): each task's accuracy and the centered mean")
-    tasks.add_argument("--limit", type=_bounded(int, "1 or more", 1), default=None, help="score only the first N documents of each task")
+    tasks.add_argument("--limit", type=_bounded(int, "1 or more", 1), default=None,
+                       help="score only the first N documents of each task")
     tasks.add_argument("--num-fewshot", type=_bounded(int, "0 or more (or left out for each task's own)", 0),
                        default=None, help="few-shot examples (default: each task's own)")
-    tasks.add_argument("--batch-size", type=_bounded(int, "1 or more", 1), default=32, help="requests per forward pass (default 32)")
+    tasks.add_argument("--batch-size", type=_bounded(int, "1 or more", 1), default=32,
+                       help="requests per forward pass (default 32)")
     tasks.add_argument("--json", action="store_true", help="print the records as JSON")
     tasks.add_argument("--make-tasks", default=None, metavar="DIR", help="write the generated demo tasks (an lm-eval "
                        "multiple-choice and a perplexity task, and a CORE bundle in DIR/core) from held-out text "

@@ -250,7 +250,7 @@ def _task_input(manager: Any, names: list[str], errors: tuple[type[BaseException
 
 def _task_error(manager: Any, names: list[str], e: BaseException) -> ConfigError:
     """The one paragraph for refused task input: the tasks, their YAMLs and data files, the cause (with the reader's
-    error datasets wraps: "JSON parse error ... in row 1"); an unreachable, uncached hub dataset gets the offline fix."""
+    error datasets wraps: "JSON parse error ... in row 1"); an unreachable, uncached hub dataset: the offline fix."""
     configs = [c for name in names for c in _configs(manager, name, set())]
     if hub.is_unreachable_error(e):
         paths = list(dict.fromkeys(c["dataset_path"] for c in configs if isinstance(c.get("dataset_path"), str)))
@@ -470,7 +470,7 @@ class TaskScorer:
         return bool(self.spec) and bool(every) and step % every == 0 and 0 < step < self.cfg.train.max_steps
 
     def run(self, step: int, weights: Optional[contextlib.AbstractContextManager[str]] = None) -> None:
-        """Score at `step` with `weights` swapped in (the validator's; it yields their name); the model's own if None."""
+        """Score at `step` with `weights` swapped in (the validator's, yielding their name), else the model's own."""
         t0 = time.perf_counter()
         with weights or contextlib.nullcontext("model") as name:
             if self.rt.is_main or self.sharded:
@@ -538,7 +538,7 @@ def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", pre
     return records, held
 
 
-if __name__ == "__main__":  # lm-eval's own CLI with `nanopt` registered: python -m nanopt.evals.tasks run --model nanopt
+if __name__ == "__main__":  # lm-eval's own CLI, `nanopt` registered: python -m nanopt.evals.tasks run --model nanopt
     lm_class()
     if sys.argv[1:2] == ["run"] and not any(a.startswith("--device") for a in sys.argv):
         sys.argv += ["--device", "auto"]  # the harness's default is cuda:0; nanopt picks what this machine has

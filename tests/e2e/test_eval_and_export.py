@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
     # The same checkpoint again, named another way: evaluated and printed, but its record is already there. And
     # verifying reads every byte: find_checkpoint's choice is not verified again by load().
     verified, real = [], checkpoint.verify_checkpoint
-    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda ckpt, *a: verified.append(Path(ckpt).name) or real(ckpt, *a))
+    monkeypatch.setattr(checkpoint, "verify_checkpoint",
+                        lambda ckpt, *a: verified.append(Path(ckpt).name) or real(ckpt, *a))
     again = evaluate_checkpoint(trained_run / "checkpoints", Evaluator())
     assert again["step"] == 8 and verified == ["step_000008"]
     assert (trained_run / "metrics.jsonl").read_bytes() == before  # the trainer's log is left alone
@@ -84,7 +86,8 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
 @pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(trained_run):
     proc = run_module(["torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli", "eval",
-                       str(trained_run), "--batches", "4"], env={"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+                       str(trained_run), "--batches", "4"], env={"OMP_NUM_THREADS": "1",
+                                                                 "TRANSFORMERS_VERBOSITY": "error"})
     # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception").
     assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
     two = records(trained_run, "evals.jsonl")[-1]
@@ -195,16 +198,53 @@ def _other_model(directory: Path, tmp_path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
-def test_export_over_another_model_names_its_files_and_force_replaces_the_whole_set(trained_run, tmp_path, capsys):
+def _links(tmp: Path) -> Path:
+    """An --out whose model files are links: to the user's own weights, and to nothing."""
+    (tmp / "victim.bin").write_bytes(b"the user's own weights")
+    (tmp / "hf").mkdir()
+    (tmp / "hf" / "model.safetensors").symlink_to(tmp / "victim.bin")
+    (tmp / "hf" / "config.json").symlink_to(tmp / "dangling.json")
+    return tmp / "hf"
+
+
+def _snapshot(root: Path) -> dict[str, object]:
+    """Every path below root (links not followed): a file's bytes, a link's target, a directory's None."""
+    paths = [os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files]
+    return {p: os.readlink(p) if os.path.islink(p) else Path(p).read_bytes() if os.path.isfile(p) else None
+            for p in paths}
+
+
+REFUSED = {  # what --out is -> (made by, flags, the start of its one paragraph, words in it, words not in it)
+    "a file": (lambda t: t / "FILE", [], "{tmp}/FILE", ["--out"], []),
+    "below a file": (lambda t: t / "FILE" / "sub", [], "{tmp}/FILE", ["--out"], []),
+    "a dangling link": (lambda t: t / "gone", [], "{tmp}/gone", ["--out"], []),
+    "model files that are links": (_links, [], "", ["is a symbolic link", "{tmp}/hf"], []),
+    "model files that are links, --force": (_links, ["--force"], "", ["is a symbolic link", "{tmp}/hf"], []),
+    "another model's files": (lambda t: _other_model(t / "hf", t) and t / "hf", [], "{tmp}/hf already holds another "
+                              "model's files (", ["config.json", "model.safetensors", "tokenizer.json",
+                                                  "tokenizer_config.json", "--force"], ["NOTES.md"]),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_an_out_that_cannot_take_the_export_is_exit_2_before_loading_and_nothing_changes(trained_run, tmp_path, capsys,
+                                                                                         monkeypatch, case):
+    made, flags, start, words, absent = REFUSED[case]
+    (tmp_path / "FILE").write_text("a user's file\n")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    out, before = made(tmp_path), _snapshot(tmp_path)
+    monkeypatch.setattr(export_command, "load", lambda *a, **k: pytest.fail("the checkpoint was loaded before --out"))
+    code, err = cli_code(capsys, "export", trained_run, "--out", out, *flags)
+    assert code == 2 and err.startswith("nanopt export: error: " + start.format(tmp=tmp_path))
+    one_paragraph(err)
+    assert all(w.format(tmp=tmp_path) in err for w in words) and not any(w in err for w in absent)
+    assert _snapshot(tmp_path) == before  # refused: nothing written, removed, or written through a link
+
+
+def test_export_with_force_replaces_another_models_whole_set(trained_run, tmp_path, capsys):
     out = tmp_path / "hf"
     before = _other_model(out, tmp_path)
     assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors", "config.json"} <= set(before)
-    code, err = cli_code(capsys, "export", trained_run, "--out", out)
-    assert code == 2 and err.startswith(f"nanopt export: error: {out} already holds another model's files (")
-    one_paragraph(err)
-    assert all(name in err for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"))
-    assert "NOTES.md" not in err and "--force" in err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # refused: nothing changed
     code, err = cli_code(capsys, "export", trained_run, "--out", out, "--force")
     assert code == 0, err
     # The byte-level run's export: its three files, nothing of the old model's tokenizer; the user's file kept.
@@ -213,32 +253,6 @@ def test_export_over_another_model_names_its_files_and_force_replaces_the_whole_
     idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert torch.allclose(load_model(out)(idx), load_model(trained_run)(idx), atol=1e-6)
-
-
-@pytest.mark.parametrize("out, blocker", [("FILE", "FILE"), ("FILE/sub", "FILE"), ("gone", "gone")],
-                         ids=["a file", "below a file", "a dangling link"])
-def test_export_out_that_cannot_be_a_directory_is_exit_2_before_loading(trained_run, tmp_path, capsys, monkeypatch,
-                                                                        out, blocker):
-    (tmp_path / "FILE").write_text("a user's file\n")
-    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
-    monkeypatch.setattr(export_command, "load", lambda path: pytest.fail("the checkpoint was loaded before --out was checked"))
-    code, err = cli_code(capsys, "export", trained_run, "--out", tmp_path / out)
-    assert code == 2 and err.startswith(f"nanopt export: error: {tmp_path / blocker}") and "--out" in err
-    one_paragraph(err)
-    assert (tmp_path / "FILE").read_text() == "a user's file\n" and not (tmp_path / "nowhere").exists()
-
-
-def test_export_never_writes_through_a_link_even_with_force(trained_run, tmp_path, capsys):
-    out, victim = tmp_path / "hf", tmp_path / "victim.bin"
-    victim.write_bytes(b"the user's own weights")
-    out.mkdir()
-    (out / "model.safetensors").symlink_to(victim)
-    (out / "config.json").symlink_to(tmp_path / "dangling.json")
-    for force in ([], ["--force"]):
-        code, err = cli_code(capsys, "export", trained_run, "--out", out, *force)
-        assert code == 2 and "is a symbolic link" in err and str(out) in err
-        one_paragraph(err)
-    assert victim.read_bytes() == b"the user's own weights" and not (tmp_path / "dangling.json").exists()
 
 
 @pytest.mark.parametrize("over", ["a new directory", "another model, --force"])
