@@ -250,22 +250,7 @@ def is_model_file(name: str) -> bool:
 
 def model_files(directory: Path) -> list[str]:
     """The names in `directory` that are a model's files (links included: they are refused, never followed)."""
-    try:
-        return sorted(entry.name for entry in os.scandir(directory) if is_model_file(entry.name))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _not_a_directory(out: Path) -> Optional[ConfigError]:
-    """The refusal of an --out that cannot be a directory: it, or a folder above it, is a file or a dangling link."""
-    blocker = next(p for p in (out, *out.parents) if os.path.lexists(p))
-    if blocker.is_dir():
-        return None
-    what = "a symbolic link to nothing" if blocker.is_symlink() and not blocker.exists() else "a file"
-    below = "" if blocker == out else f", so --out {out} below it cannot be a directory"
-    return ConfigError(f"{blocker} is {what}{below}; `nanopt export --out` names a directory to write the model's "
-                       f"files into (config.json, model.safetensors, ...). Choose an --out that is a directory or "
-                       f"does not exist yet; nothing was written.")
+    return sorted(e.name for e in os.scandir(directory) if is_model_file(e.name)) if directory.is_dir() else []
 
 
 def check_export_target(out: str | Path, force: bool = False) -> None:
@@ -274,8 +259,12 @@ def check_export_target(out: str | Path, force: bool = False) -> None:
     removed blind); or, without `force`, it holds another model's files, which an export would mix with its own."""
     out = Path(out)
     rundirs.refuse_inside_checkpoints(out)
-    if refused := _not_a_directory(out):
-        raise refused
+    if not (blocker := next(p for p in (out, *out.parents) if os.path.lexists(p))).is_dir():  # a file, a dangling link
+        what = "a symbolic link to nothing" if blocker.is_symlink() and not blocker.exists() else "a file"
+        below = "" if blocker == out else f", so --out {out} below it cannot be a directory"
+        raise ConfigError(f"{blocker} is {what}{below}; `nanopt export --out` names a directory to write the model's "
+                          f"files into (config.json, model.safetensors, ...). Choose an --out that is a directory or "
+                          f"does not exist yet; nothing was written.")
     if any((out / name).exists() for name in (rundirs.COMPLETE_FILE, rundirs.STATE_FILE)):
         raise ConfigError(f"{out} is a nanopt checkpoint directory; an export there would replace its "
                           f"{rundirs.MODEL_FILE}. Export to a directory of its own: --out {out.parent / 'hf'}.")

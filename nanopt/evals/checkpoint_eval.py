@@ -119,13 +119,11 @@ def evaluated(run_dir: Path, split: str, weights: str = "model") -> set[tuple[in
 
 
 def finished_at(run_dir: Path) -> Optional[int]:
-    """The step the run finished at, or None while it trains (rundirs.finished with the run's own config: a resumed
-    run's earlier summary no longer counts)."""
-    config = read_config(run_dir)
-    if config is None:
-        return None  # not started yet
-    summary = finished(run_dir, config["train"]["max_steps"], config["train"].get("stop_at_target", False))
-    return None if summary is None else summary["steps"]
+    """The step the run finished at, or None before and while it trains (rundirs.finished with the run's own config:
+    a resumed run's earlier summary no longer counts)."""
+    train = (read_config(run_dir) or {}).get("train")
+    summary = train and finished(run_dir, train["max_steps"], train.get("stop_at_target", False))
+    return summary["steps"] if summary else None
 
 
 def _check_watch(run_dir: Path) -> None:

