@@ -2,22 +2,20 @@
 
     modal run modal_app.py --config configs/1b.yaml [--gpus 8] [--gpu-type H100] [--run-name NAME] [--prepare]
 
-No training logic lives here. The training function writes the config into the run directory on the
-Volume and launches `torchrun --standalone --nproc-per-node=<n> -m nanopt.main --config <that file>`
-from the Volume root, so every relative path in the config (run.dir, data.dir) lands on the Volume.
-Re-running the same run name resumes from the newest complete checkpoint, which is what Modal's
-retries do after a preemption, a time limit, or a crash that saved a newer checkpoint; a failure that
-would only repeat itself (bad input, divergence, a crash with no progress) is reported, not retried,
-and `modal run` exits with its code.
-"""
+No training logic lives here. The training function writes the config into the run directory on the Volume and
+launches torchrun from the Volume root, so every relative path in the config (run.dir, data.dir) lands on the Volume.
+Modal's retries resume from the newest complete checkpoint; a failure that would only repeat itself (bad input,
+divergence, a crash with no progress) is reported, not retried, and `modal run` exits with its code."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,9 +31,8 @@ VOLUME_NAME = "nanopt"
 VOLUME_PATH = "/vol"  # where the Volume is mounted in every container; tests point it at a tmp dir
 RUN_CONFIG_NAME = "modal_config.yaml"  # nanopt itself writes the resolved config.yaml next to it
 
-# Training may be served an H200 for an "H100" request (same price, faster memory): only faster, and its MFU
-# stays honest because nanopt takes the peak from the device it detects (the H200's dense bf16 peak is the
-# H100 SXM's). Benches report H100 numbers, so they ask for exactly an H100 ("!": no upgrade).
+# Training may be served an H200 for an "H100" (same price; MFU stays honest: the peak is the detected device's).
+# Benches report H100 numbers, so they ask for exactly an H100 ("!": no upgrade).
 TRAIN_GPU = "H100"
 TRAIN_GPUS = 8
 EVAL_GPU = "L40S"  # 48 GB: enough to evaluate the 1B model in bf16, at a fraction of an H100's price
@@ -45,60 +42,41 @@ GPU_BENCHES = ("vs_hf", "ladder", "gpu_check")  # gpu_check: the CUDA path verif
 PREPARE_CPUS = 32.0
 DAY_S = 24 * 60 * 60  # Modal's longest function timeout
 TRAIN_TIMEOUT_S = DAY_S
-# The trainer is told to stop (checkpoint, exit 75) this long before the function's timeout, so the timeout
-# never kills it between checkpoints. The margin holds the step in progress, the final checkpoint (14.8 GB
-# for configs/1b.yaml: ~5 min even at 50 MB/s), torchrun's shutdown and the Volume commit of that checkpoint.
-# It costs at most 1% of a 24 h attempt.
+# The trainer is told to stop (checkpoint, exit 75) this long before the function's timeout: the step in progress,
+# the final checkpoint (14.8 GB for configs/1b.yaml: ~5 min at 50 MB/s), torchrun's shutdown and the Volume commit.
 TIME_LIMIT_MARGIN_S = 15 * 60
 COMMIT_EVERY_S = 10 * 60  # make checkpoints and metrics visible to other containers while training runs
 MASTER_PORT = 29500
-# Multi-node (experimental): NANOPT_MODAL_NODES=2 modal run modal_app.py ... makes a cluster of that many
-# containers, each with the requested GPUs. The cluster size is fixed when the function is decorated.
+# Multi-node (experimental): NANOPT_MODAL_NODES=2 modal run modal_app.py ... makes a cluster of that many containers,
+# each with the requested GPUs (the size is fixed when the function is decorated).
 NODES = int(os.environ.get("NANOPT_MODAL_NODES", "1") or 1)
 
 # The stack bench/gpu_check.py measured on an H100 SXM (bench/results/gpu_check_h100_shipped.json: Python 3.12.3,
 # torch 2.11.0+cu130, cuDNN 9.19, NCCL 2.28.9): configs/1b.yaml at 51.3% MFU with SDPA's cuDNN attention.
 PYTHON_VERSION = "3.12"
 TORCH_VERSION = "2.11.0"
-# torch comes from PyPI, whose 2.11.0 Linux wheel is that CUDA 13.0 build (it requires cuda-toolkit 13.0.2, cuDNN
-# 9.19.0.56 and NCCL 2.28.9). Not from PyTorch's cu130 index: an index_url replaces PyPI for the whole install, and
-# that index lacks cuda-bindings>=13.0.3, which torch 2.11.0 requires (pytorch/pytorch#172926), so the image would
-# not build.
+# torch from PyPI, whose 2.11.0 Linux wheel is that CUDA 13.0 build. Not from PyTorch's cu130 index: an index_url
+# replaces PyPI for the whole install, and that index lacks cuda-bindings>=13.0.3 (pytorch/pytorch#172926).
 TORCH_PACKAGE = f"torch=={TORCH_VERSION}"
 TORCHAO_VERSION = "0.18.0"  # train.fp8 (torchao's float8 training); made for torch >= 2.11
 PIP_PACKAGES = [
-    f"torchao=={TORCHAO_VERSION}",
-    "numpy>=1.24",
-    "pyyaml>=6",
-    "safetensors>=0.4",
-    "matplotlib>=3.7",  # curves.png after every run
-    "scipy>=1.10",
-    "tqdm>=4.60",
-    "tensorboard>=2.14",
-    "torch-tb-profiler>=0.4",
-    "datasets>=2.19",
-    "transformers>=4.44",
-    "tokenizers>=0.19",
-    "tiktoken>=0.7",
-    "lm-eval>=0.4.13",  # downstream tasks (`nanopt eval --tasks`, eval.tasks) and gpu_check --quick's harness section
-    "wandb",
-    "packaging",
+    f"torchao=={TORCHAO_VERSION}", "numpy>=1.24", "pyyaml>=6", "safetensors>=0.4", "matplotlib>=3.7", "scipy>=1.10",
+    "tqdm>=4.60", "tensorboard>=2.14", "torch-tb-profiler>=0.4", "datasets>=2.19", "transformers>=4.44",
+    "tokenizers>=0.19", "tiktoken>=0.7", "wandb", "packaging",
+    "lm-eval>=0.4.13",  # downstream tasks (`nanopt eval --tasks`) and gpu_check --quick's harness section
 ]
-# flash-attn is left out: it publishes no wheel for torch 2.11, and gpu_check never measured it, so `attention:
-# auto` picks SDPA anyway (nanopt.recipe.attention.FLASH_MEASURED_FASTER). To measure it, build the image with a wheel
-# made for this torch, CUDA and Python: NANOPT_MODAL_FLASH_ATTN_WHEEL=URL modal run modal_app.py::bench ...
+# flash-attn is left out: no wheel for torch 2.11, and `attention: auto` picks SDPA anyway (never measured). To
+# measure it, build the image with a wheel for this torch, CUDA and Python: NANOPT_MODAL_FLASH_ATTN_WHEEL=URL.
 FLASH_ATTN_WHEEL = os.environ.get("NANOPT_MODAL_FLASH_ATTN_WHEEL", "")
 
-# NCCL's InfiniBand/RoCE transport dlopens libibverbs and needs the verbs provider for the NIC (mlx5 is in
-# ibverbs-providers); without them a multi-node run silently falls back to TCP sockets. A single node uses
-# NVLink and never needs them; they are a few MB, so one image serves both. gcc: Triton builds its kernel
-# launchers with the host's C compiler (torch.compile, on in the GPU configs).
+# NCCL's InfiniBand/RoCE transport dlopens libibverbs and the NIC's verbs provider (mlx5: ibverbs-providers); without
+# them a multi-node run silently falls back to TCP. gcc: Triton builds its kernel launchers with it (torch.compile).
 APT_PACKAGES = ["libibverbs1", "ibverbs-providers", "gcc"]
 
 
 def pip_layers(flash_attn_wheel: str = "") -> list[list[str]]:
-    """The image's pip installs in order, one layer each, every one a plain `pip install PACKAGES` from PyPI (no
-    index_url: see TORCH_PACKAGE). torch is a layer of its own, so its gigabytes stay cached when the rest changes."""
+    """The image's pip installs, one layer each, plain PyPI (see TORCH_PACKAGE); torch alone first, so its
+    gigabytes stay cached when the rest changes."""
     layers = [[TORCH_PACKAGE], list(PIP_PACKAGES)]
     return layers + [[flash_attn_wheel]] if flash_attn_wheel else layers
 
@@ -124,13 +102,11 @@ app = modal.App(APP_NAME, image=image)
 volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 hf_secret = modal.Secret.from_name("huggingface", required_keys=["HF_TOKEN"])
 wandb_secret = modal.Secret.from_name("wandb", required_keys=["WANDB_API_KEY"])  # added when log.wandb is on
-# Modal retries an attempt when the function raises; `finish` raises only for an attempt that was
-# preempted or saved a newer checkpoint, and nanopt resumes from the newest complete one on the Volume.
+# Modal retries when the function raises, which `finish` does only for an attempt preempted or with progress.
 retries = modal.Retries(max_retries=10, initial_delay=0.0, backoff_coefficient=1.0)
 
-# Host resources reserved per GPU (one rank each): the rank's Python loop, its data loader and, at start-up,
-# inductor's compile workers; memory for each process (CUDA context, pinned batches) plus, once, rank 0's host copy of
-# a checkpoint (15 GB for configs/1b.yaml). Without a reservation Modal guarantees a fraction of one core.
+# Host reserved per GPU (a rank's loop, data loader, compile workers, CUDA context, pinned batches) plus, once, rank 0's
+# host copy of a checkpoint (15 GB for 1b). Unreserved, Modal guarantees a fraction of a core.
 CPU_PER_GPU = 4.0
 MEMORY_PER_GPU_MIB = 12 * 1024
 MEMORY_BASE_MIB = 16 * 1024
@@ -149,9 +125,8 @@ TRAIN_OPTIONS: dict[str, Any] = dict(
     timeout=TRAIN_TIMEOUT_S,
     retries=retries,
 )
-# One GPU, one process, but more host than a training rank: its many short runs each compile (inductor's workers
-# share these cores, and the quick check has minutes), and its 1B runs hold a 15 GB host copy of their checkpoint
-# while writing it to scratch. The Volume keeps what the bench writes (gpu_check.json).
+# One GPU, but more host than a training rank: its many short runs each compile, and its 1B runs hold a 15 GB host
+# copy of their checkpoint. The Volume keeps what the bench writes (gpu_check.json).
 BENCH_CPUS = 16.0
 BENCH_OPTIONS: dict[str, Any] = dict(
     gpu=BENCH_GPU,
@@ -165,8 +140,6 @@ BENCHES_WITH_OUT = ("gpu_check",)  # the benches that take `--out DIR` and write
 
 
 # ---------------------------------------------------------------- pure helpers (tested offline)
-
-
 def torchrun_command(config_path: str, nproc: int, nnodes: int = 1, node_rank: int = 0,
                      master_addr: str = "") -> list[str]:
     """The launch command, exactly as a user would type it on one machine (or on each node of a cluster)."""
@@ -211,14 +184,8 @@ def run_dir_for(run_name: str) -> str:
 
 
 def check_config(path: str, world_size: int, run_name: str = "", nodes: int = 1) -> tuple[str, Any]:
-    """Load and validate a config as nanopt will, for this world size over `nodes` nodes; return (YAML for the
-    Volume, Config).
-
-    Raises nanopt's ConfigError. The YAML is the full config with run.name and run.dir pointing at the
-    run directory on the Volume, and fsdp across nodes made hsdp (sharded_across_nodes).
-    """
-    import copy
-
+    """(YAML for the Volume, Config): the config loaded and validated as nanopt will for this world over `nodes`,
+    run.dir on the Volume, fsdp across nodes made hsdp. Raises nanopt's ConfigError."""
     from nanopt.config import ConfigError, load_config, resolve, to_yaml, validate
 
     if world_size < 1:
@@ -235,11 +202,10 @@ def check_config(path: str, world_size: int, run_name: str = "", nodes: int = 1)
 
 
 def sharded_across_nodes(cfg: Any, nodes: int, gpus: int) -> None:
-    """runtime.parallel=fsdp on several nodes of several GPUs each becomes hsdp with one shard group per node
-    (runtime.shard_group_size = its GPUs), said in one line. FSDP across nodes gathers every block's weights over
-    the network (tens of GB/s) for each forward and backward; HSDP gathers them over NVLink inside the node and
-    sends only one all-reduce of the gradient shards across nodes per step. The price is memory: each node holds a
-    whole copy, sharded over its GPUs. A config that asks for hsdp itself is passed through as it is."""
+    """runtime.parallel=fsdp on several nodes of several GPUs becomes hsdp with a shard group per node, said in one
+    line: FSDP across nodes would gather every block's weights over the network for each forward and backward; HSDP
+    gathers over NVLink and sends one all-reduce of the gradient shards across nodes per step (for memory: a whole
+    copy per node)."""
     if nodes < 2 or gpus < 2 or cfg.runtime.parallel != "fsdp":
         return
     cfg.runtime.parallel, cfg.runtime.shard_group_size = "hsdp", gpus
@@ -258,15 +224,9 @@ def write_run_config(config_yaml: str, run_name: str) -> str:
 
 
 def rank_thread_env(cpus_per_rank: int) -> dict[str, str]:
-    """Thread settings for each rank's process, sized to the cores the container reserves per rank (CPU_PER_GPU), so
-    that the ranks do not oversubscribe the cores their Python loops and data loaders need (8 ranks share 32).
-
-    OMP_WAIT_POLICY=PASSIVE: nanopt's train command makes idle OpenMP threads spin (ACTIVE, right for a CPU run on a
-    quiet machine); a GPU rank's host threads mostly wait for the GPU, and spinning would steal those cores.
-    TORCHINDUCTOR_COMPILE_THREADS: inductor otherwise starts min(32, cores it sees) compile workers in every rank,
-    and os.cpu_count() in a container can report the host's cores. OMP_NUM_THREADS: torchrun sets 1 only for
-    several ranks; a single process (one GPU, a bench) would size its pool by the cores it sees.
-    """
+    """Thread settings per rank, sized to the cores reserved per rank, so ranks do not oversubscribe them. PASSIVE:
+    nanopt's train makes idle OpenMP threads spin, but a GPU rank's host threads mostly wait. Inductor's compile
+    workers and a lone process's OpenMP pool would otherwise size themselves by os.cpu_count(), the host's cores."""
     cores = str(max(1, cpus_per_rank))
     return {"OMP_NUM_THREADS": cores, "OMP_WAIT_POLICY": "PASSIVE", "TORCHINDUCTOR_COMPILE_THREADS": cores}
 
@@ -296,11 +256,8 @@ def lock_env() -> dict[str, str]:
 
 
 def run_forwarding_signals(cmd: list[str], cwd: str, env: Optional[dict[str, str]] = None) -> tuple[int, Optional[int]]:
-    """Run cmd to completion, passing SIGINT/SIGTERM on to it; return (exit code, forwarded signal or None).
-
-    Modal preempts a container with SIGINT and ~30 s of grace. torchrun hands the signal to its workers,
-    which is nanopt's cue to checkpoint. The child gets its own session so it hears each signal once.
-    """
+    """Run cmd to completion, passing SIGINT/SIGTERM on (Modal preempts with SIGINT and ~30 s of grace: nanopt's cue
+    to checkpoint); return (exit code, forwarded signal or None). Its own session: it hears each signal once."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
     forwarded: list[int] = []
 
@@ -348,10 +305,8 @@ def committing(every_s: float) -> Iterator[None]:
 
 
 class RetryAttempt(RuntimeError):
-    """Raised out of the training function so that Modal runs another attempt (which nanopt resumes).
-
-    `exit_code` is what `modal run` exits with if this was the last attempt Modal allowed.
-    """
+    """Raised out of the training function so that Modal runs another attempt (which nanopt resumes); `exit_code`
+    is what `modal run` exits with if this was the last attempt Modal allowed."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -362,11 +317,8 @@ class RetryAttempt(RuntimeError):
 
 
 def time_limit_args(user_limit_s: float, timeout_s: float, elapsed_s: float) -> list[str]:
-    """`--run.time_limit_s=...` so the trainer checkpoints and exits 75 before Modal's timeout kills it.
-
-    The budget is the timeout less TIME_LIMIT_MARGIN_S and the time this attempt already spent; a smaller
-    limit the config sets stands (nothing is added), a larger one could not be honoured and is lowered.
-    """
+    """`--run.time_limit_s=...` so the trainer checkpoints and exits 75 before Modal's timeout: the timeout less the
+    margin and the time already spent. A smaller limit of the config's stands; a larger one is lowered."""
     budget = max(timeout_s - TIME_LIMIT_MARGIN_S - elapsed_s, 60.0)  # a limit <= 0 would mean "none"
     if 0 < user_limit_s <= budget:
         return []
@@ -383,16 +335,12 @@ def worker_exit_codes(path: Path) -> list[int]:
 
 def finish(what: str, run_name: str, code: int, forwarded: Optional[int], worker_codes: tuple[int, ...] = (),
            nproc: int = 1, progressed: bool = False) -> dict[str, Any]:
-    """Turn an attempt's outcome into a result (not retried) or a RetryAttempt (Modal retries, nanopt resumes).
+    """An attempt's outcome as a result (not retried) or a RetryAttempt (Modal retries, nanopt resumes).
 
-    `code` is the launched command's (torchrun says 1 for any failed worker); `worker_codes` are what
-    nanopt's own processes recorded: a crashed worker records nothing, the ones torchrun then stops record
-    75, so "preempted" needs all `nproc` local workers to say 75. `progressed`: a newer complete checkpoint
-    exists than when the attempt started. Retried: a preemption (a signal reached this function, or every
-    worker stopped resumably, e.g. at run.time_limit_s) and a crash after progress. Not retried: bad input
-    (2), divergence (3), and a crash without progress (an OOM at step 0, a broken NCCL setup), which
-    would only repeat, each time re-reading the data and the checkpoint on every GPU.
-    """
+    `code`: torchrun's (1 for any failed worker); `worker_codes`: what nanopt's workers recorded (a crashed one
+    nothing, the ones torchrun then stops 75, so "preempted" needs all `nproc` to say 75). `progressed`: a newer
+    complete checkpoint exists. Retried: a preemption and a crash after progress. Not retried: bad input (2),
+    divergence (3) and a crash without progress (an OOM at step 0, broken NCCL), which would only repeat."""
     result = {"run_dir": f"{VOLUME_PATH}/{run_dir_for(run_name)}", "exit_code": code}
     if forwarded is not None:  # the container is being preempted: this attempt must not count as done
         raise RetryAttempt(f"{what} was interrupted by signal {forwarded}; the next attempt resumes from the "
@@ -422,12 +370,8 @@ def finish(what: str, run_name: str, code: int, forwarded: Optional[int], worker
 
 
 # ---------------------------------------------------------------- Modal functions
-
-
 def _train(config_yaml: str, run_name: str, gpus: int, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "", timeout_s: float = TRAIN_TIMEOUT_S) -> dict[str, Any]:
-    import tempfile
-
     from nanopt.config import load_config
     from nanopt.training.checkpoint import newest_checkpoint, step_of
 
@@ -537,19 +481,14 @@ def prepare_then_train(config_yaml: str, run_name: str, gpus: int, gpu_spec: str
 
 
 def tensorboard_wsgi(logdir: str, reload_every_s: float = 30.0) -> Any:
-    """TensorBoard (scalars + every installed plugin, including the PyTorch Profiler) as a WSGI app.
-
-    Page loads reload the Volume, at most every `reload_every_s`, so new events from training show up.
-    """
-    import time
-
+    """TensorBoard (every installed plugin, the PyTorch Profiler's included) as a WSGI app; page loads reload the
+    Volume, at most every `reload_every_s`, so new events from training show up."""
     from tensorboard import program
     from tensorboard.backend import application
 
     board = program.TensorBoard()  # default plugins = TensorBoard's own + entry points (torch_tb_profiler)
     board.configure(logdir=logdir, reload_interval=30, load_fast="false")  # in-process reader, no data server
-    # TensorBoard has no public "give me the WSGI app" call; this is what its own server does (and what
-    # Modal's TensorBoard example does).
+    # No public "give me the WSGI app" call: this is what its own server (and Modal's example) does.
     data_provider, multiplexer = board._make_data_provider()
     tb_app = application.TensorBoardWSGIApp(board.flags, board.plugin_loaders, data_provider,
                                             board.assets_zip_provider, multiplexer)
@@ -576,8 +515,6 @@ def tensorboard_app() -> Any:
 
 
 # ---------------------------------------------------------------- local entrypoint
-
-
 def web_url(function: Any) -> str:
     try:
         return function.get_web_url() or "(not available)"
@@ -625,18 +562,14 @@ def main(config: str, gpus: int = TRAIN_GPUS, gpu_type: str = TRAIN_GPU, run_nam
 
 
 # ---------------------------------------------------------------- sweeps: one container per grid point
-# `sweep` is a remote driver (a Function, not a second local entrypoint): `modal run modal_app.py --config ...`
-# stays unambiguous (Modal picks the one local entrypoint when no function is named), `--detach` keeps a sweep
-# going after the laptop disconnects, and the driver reads the Volume directly to skip finished points.
-
-
+# `sweep` is a remote driver, not a second local entrypoint: `modal run modal_app.py --config ...` stays unambiguous,
+# `--detach` keeps a sweep going after the laptop disconnects, and it reads the Volume directly to skip finished points.
 class SweepError(RuntimeError):
     """Raised by the sweep driver: `modal run` then prints the message and exits 1."""
 
 
 def sweep_config_path(config: str) -> str:
-    """The config inside the container: a relative path is taken from the repository root, where the image
-    has configs/ (a path on the caller's laptop is not visible to a Modal function)."""
+    """The config inside the container: a relative path from the repository root, where the image has configs/."""
     path = Path(config) if Path(config).is_absolute() else REPO / config
     if not path.is_file():
         raise SweepError(f"--config {config}: no such file in the image. The sweep runs on Modal's side, which sees "
@@ -694,26 +627,22 @@ def collect(calls: dict[str, Any], codes: dict[str, int]) -> None:
 @app.function(volumes={VOLUME_PATH: volume}, timeout=DAY_S)  # no GPU: it spawns the trainings and waits
 def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int = 1,
           gpu_type: str = TRAIN_GPU) -> dict[str, int]:
-    """`modal run modal_app.py::sweep --config configs/C.yaml --sets 'optim.name=adamw,muon' --seeds 3`: every
-    grid point trains in its own container (`gpus` GPUs each) at the same time, under runs/NAME/POINT/ on the
-    Volume. A finished point (max_steps, or stopped at its target) is skipped; an interrupted one resumes; a
-    failed one is reported and the rest go on. A point whose directory ran another config is refused, as by
-    `nanopt sweep`, before any GPU starts. Returns {run name: exit code}; raises SweepError (modal run exits
-    1) on a bad grid, a refused point or a failed run."""
+    """`modal run modal_app.py::sweep --config configs/C.yaml --sets 'optim.name=adamw,muon' --seeds 3`: every grid
+    point trains in its own container at once, under runs/NAME/POINT/ on the Volume. Finished points are skipped,
+    interrupted ones resume, failed ones are reported while the rest go on; a point whose directory ran another
+    config is refused before any GPU starts. Returns {run name: exit code}; raises SweepError (exit 1) on a bad
+    grid, a refused point or a failed run."""
     from nanopt.config import ConfigError
 
     try:
         sweep_name, runs = sweep_configs(sweep_config_path(config), sets, seeds, name, gpus)
+        volume.reload()  # see runs that other containers finished since this one started
+        states = sweep_states(sweep_name, runs)
     except ConfigError as e:
         raise SweepError(f"the sweep was refused before any GPU started: {e}") from None
     gpu_spec = f"{gpu_type}:{gpus}"
     print(f"sweep {sweep_name}: {len(runs)} runs on {gpu_spec} each; results on Volume '{VOLUME_NAME}', "
           f"{run_dir_for(sweep_name)}/ (then `nanopt runs {run_dir_for(sweep_name)}`)", flush=True)
-    volume.reload()  # see runs that other containers finished since this one started
-    try:
-        states = sweep_states(sweep_name, runs)
-    except ConfigError as e:
-        raise SweepError(f"the sweep was refused before any GPU started: {e}") from None
     calls, codes = {}, {}
     for run_name, config_yaml, _ in runs:
         if states[run_name] == "done":
