@@ -1,8 +1,7 @@
 """THE device module: torchrun ranks, the process group, autocast, sync, memory, RNG, activation recompute.
 
 What differs between device types sits behind one small backend per type (CpuBackend, CudaBackend, xla.py's
-XlaBackend), chosen once by init(): Runtime delegates instead of branching, so adding a device is adding a
-backend. Which kernels and optimizer flags a device supports is answered beside them (attention.py, optim.py)."""
+XlaBackend), chosen once by init(): Runtime delegates instead of branching, so adding a device is adding a backend."""
 from __future__ import annotations
 
 import contextlib
@@ -34,17 +33,13 @@ class Backend:
     """One device type's answers. These defaults are those of a device that has none of the thing asked about."""
 
     num_devices = 1  # devices this process drives
-    # True where MFU is measured against a matmul benchmark at start-up rather than a spec sheet.
-    measures_peak = False
+    measures_peak = False  # MFU against a matmul benchmark at start-up rather than a spec sheet
     profiler_activities: Optional[list] = None  # None where torch.profiler does not drive the device
     process_group_options: dict[str, Any] = {"backend": "gloo"}
     ddp_device_ids: Optional[list[int]] = None
-    # How FP8 matmuls run (train.fp8): "native" on FP8 tensor cores, "emulated" (torchao's emulate: the numerics,
-    # no speed), None where neither is offered.
-    fp8: Optional[str] = None
-    # optim.BatchedMuon's cut-off: matrices above this many elements are orthogonalised one at a time, the rest one
-    # batched Newton-Schulz per shape; None batches every shape. Where batching stops paying is the device's.
-    muon_batch_max_numel: Optional[int] = None
+    fp8: Optional[str] = None  # train.fp8: "native" (FP8 tensor cores), "emulated" (torchao: the numerics), None
+    # optim.BatchedMuon's cut-off: larger matrices are orthogonalised one at a time, the rest batched per shape.
+    muon_batch_max_numel: Optional[int] = None  # None: every shape batches
     native_bf16 = False  # bf16 matmuls run in hardware; False where torch would emulate them through fp32
 
     def __init__(self, device: torch.device) -> None:
@@ -116,10 +111,8 @@ class CpuBackend(Backend):
 
     @property
     def muon_batch_max_numel(self) -> Optional[int]:  # type: ignore[override]
-        """Where batching stops paying depends on the dtype Newton-Schulz runs in (bench/muon_step.py --cut-off, 6
-        matrices, 2 cores). bf16 on an AVX512-BF16 EPYC: 2.6x faster at 128x128, 1.2x at 256x688, even at 384x384,
-        0.97x at 512x512, 0.69x at 170m's shapes. fp32 on an AVX2 EPYC: 1.2x at 128x128 and 128x344, 0.87-0.97x
-        from 147k elements up. The CPU speedrun's matrices are 16-44k elements."""
+        """bench/muon_step.py --cut-off (6 matrices, 2 cores): batched bf16 pays up to 384x384 on an AVX512-BF16
+        EPYC (2.6x at 128x128, 0.97x at 512x512); fp32 on an AVX2 EPYC up to ~128x344 (0.87-0.97x from 147k up)."""
         return 3 * 2**16 if self.native_bf16 else 2**16
 
     @classmethod
@@ -139,10 +132,9 @@ class CpuBackend(Backend):
 
 
 def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep freed blocks up to 32 MiB for reuse instead of returning them to the kernel. By
-    default a block above its mmap threshold is a fresh mapping, so every step's activations (2.8 MB for one
-    2048 x 344 SwiGLU tensor) are new pages the kernel must fault in and zero: ~5% of the CPU speedrun's training
-    time (docs/results.md). The peak memory is the same; it is held until exit. False where there is no glibc."""
+    """Have glibc's malloc keep freed blocks up to 32 MiB instead of unmapping them: otherwise every step's activations
+    are fresh pages the kernel faults in and zeroes, ~5% of the CPU speedrun's time (docs/results.md). The peak is
+    the same, held until exit. False where there is no glibc."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
     except (OSError, AttributeError, TypeError):  # musl, macOS: no such knob
@@ -155,10 +147,8 @@ class CudaBackend(Backend):
     """One GPU per rank, through its torch device module (torch.cuda)."""
 
     profiler_activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    # Every shape batches: at the speedrun's 768-wide matrices one Newton-Schulz per matrix is a few hundred small
-    # kernel launches. Not yet measured: bench/gpu_check.py --quick's `muon` section times both ways per shape and
-    # says which cut-off to set here.
-    muon_batch_max_numel = None
+    # muon_batch_max_numel None: every shape batches (one Newton-Schulz per matrix is hundreds of small launches);
+    # bench/gpu_check.py --quick's `muon` section measures the cut-off to set here.
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CudaBackend:
@@ -175,8 +165,7 @@ class CudaBackend(Backend):
         self.ddp_device_ids = [device.index]
 
     @property
-    def fp8(self) -> Optional[str]:
-        # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later.
+    def fp8(self) -> Optional[str]:  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and later
         return "native" if self.module.get_device_capability(self.device) >= (8, 9) else None
 
     @property
@@ -227,16 +216,7 @@ class CudaBackend(Backend):
 
 
 class SpmdXlaBackend(xla.XlaBackend, Backend):
-    """xla.py's backend (one process drives every local chip through SPMD), with Backend's answers where XLA
-    has nothing of its own: torch.profiler (XLA's is a separate server), allocator history, power limit."""
-
-    native_bf16 = True  # TPUs' matrix units are bf16; XLA's CPU device (the tests) runs what the TPU would
-
-    @classmethod
-    def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> SpmdXlaBackend:
-        backend = cls(precision)
-        log.info("xla: SPMD over %d %s device(s), mesh ('data',)", backend.num_devices, backend.pjrt_device)
-        return backend
+    """xla.py's backend, with Backend's answers where XLA has none of its own (torch.profiler, allocator history)."""
 
 
 BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "cuda": CudaBackend, "xla": SpmdXlaBackend}

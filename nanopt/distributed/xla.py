@@ -18,16 +18,12 @@ from nanopt.io import cache_dir
 
 log = logging.getLogger("nanopt")
 
-# Compilations one train step may cost before it counts as a recompile: step 0 traces the optimizer's
-# state initialisation, step 1 the steady-state graph that every later step reuses. A stage of
-# train.batch_schedule / seq_len_schedule may bring a new step shape (micro-steps x micro-batch shape): the first
-# calls of up to that many shapes compile like warm-up; a shape beyond them is a recompile.
+# Compilations per step shape before one counts as a recompile: step 0 traces the optimizer's state initialisation,
+# step 1 the steady-state graph. Each stage of a batch / seq_len schedule may bring one new step shape.
 WARMUP_STEP_COMPILES = 2
-# Recompiles after warm-up that a run tolerates before it is stopped (each one stalls every chip).
-MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))
-# AdamW on XLA: torch picks foreach only on CUDA-like devices; its per-parameter loop traces a dozen ops per
-# parameter every step. foreach cannot be capturable here nor take a tensor lr, so its step counts stay on the
-# host and lr a Python float, a graph input under XLA_NO_SPECIAL_SCALARS: no recompiles either way.
+MAX_RECOMPILES = int(os.environ.get("NANOPT_XLA_MAX_RECOMPILES", "3"))  # tolerated after warm-up: each stalls the chips
+# AdamW: torch picks foreach only on CUDA-like devices, and its per-parameter loop traces a dozen ops per parameter.
+# foreach keeps step counts on the host and lr a Python float, a graph input under XLA_NO_SPECIAL_SCALARS.
 ADAMW_OPTIONS = {"foreach": True}
 
 
@@ -55,9 +51,15 @@ def _select_pjrt_device() -> str:
 class XlaBackend:
     """One process drives every local chip through SPMD: parameters replicated, batches sharded on 'data'."""
 
-    # Weights are initialised on the host: RNG on the XLA device differs from (and with torch.Generator
-    # crashes on) the CPU's.
+    # Weights are initialised on the host: RNG on the XLA device differs from (with a Generator, crashes on) the CPU's.
     init_device = torch.device("cpu")
+    native_bf16 = True  # TPUs' matrix units are bf16; XLA's CPU device (the tests) runs what the TPU would
+
+    @classmethod
+    def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> XlaBackend:
+        backend = cls(precision)
+        log.info("xla: SPMD over %d %s device(s), mesh ('data',)", backend.num_devices, backend.pjrt_device)
+        return backend
 
     def __init__(self, precision: str = "bf16") -> None:
         # Python scalars (lr, loss scale, ...) become graph inputs instead of constants: no recompiles.
@@ -94,7 +96,9 @@ class XlaBackend:
         self.mesh = xs.Mesh(np.arange(self.num_devices), (self.num_devices,), ("data",))
         xs.set_global_mesh(self.mesh)
         self.device = torch_xla.device()
-        self._peak_memory = PeakMemory([("PJRT memory info", self._pjrt_peak_bytes), ("tpu-info", tpu_info_hbm_bytes)])
+        # The busiest chip's peak, from the first source that answers.
+        self.peak_memory_bytes = PeakMemory([("PJRT memory info", self._pjrt_peak_bytes),
+                                             ("tpu-info", tpu_info_hbm_bytes)])
         self.step_calls = self.step_compiles = 0  # train-step calls, and the compilations charged to them
         self.shape_calls: dict[tuple, int] = {}  # train-step calls per step shape (a schedule's stages)
         self.expected_shapes = 1  # step shapes the run's schedule brings (compile_step's `shapes`)
@@ -116,9 +120,6 @@ class XlaBackend:
                 log.warning("xla: cannot tell the TPU generation (%s)", e)
                 return "TPU"
         return f"XLA {self.pjrt_device}"
-
-    def peak_memory_bytes(self) -> Optional[int]:
-        return self._peak_memory()  # the busiest chip's, from the first source that answers
 
     def _pjrt_peak_bytes(self) -> int:
         real = self._torch_xla.real_devices()[0]
@@ -147,8 +148,7 @@ class XlaBackend:
 
     def compile_step(self, step_fn: Callable, optimizer: torch.optim.Optimizer, shapes: int = 1) -> Callable:
         """train_step(model, optimizer, micro_batches, rt, grad_clip) as one reusable XLA graph. Micro-batches are
-        sharded outside it; each group's lr is a device tensor for the call, so a changing schedule keeps the
-        graph. foreach groups (ADAMW_OPTIONS) keep host lr and step: torch refuses both for them on XLA."""
+        sharded outside it; a non-foreach group's lr is a device tensor for the call, so a schedule keeps the graph."""
         for group in (optimizer.defaults, *optimizer.param_groups):  # defaults: for groups added later
             if "capturable" in group and not group.get("foreach"):  # only optimizers that define the flag
                 group["capturable"] = True  # step count on the device: bias corrections need no .item()
@@ -201,11 +201,9 @@ class XlaBackend:
 
 
 class PeakMemory:
-    """Peak device bytes from the first source that answers, each a callable that returns bytes or raises.
-
-    PJRT's memory info has a true peak but refuses SPMD's virtual device (how nanopt always runs); tpu-info
-    (with torch_xla[tpu]) reads the HBM in use from libtpu's metrics server, so its peak is the highest use
-    seen at the calls so far. A source that fails is not asked again; with none left: None and one warning."""
+    """Peak device bytes from the first source (a callable returning bytes or raising) that answers. PJRT's memory
+    info has a true peak but refuses SPMD's virtual device; tpu-info reads the HBM in use, so its peak is the highest
+    seen so far. A source that fails is not asked again; with none left: None and one warning."""
 
     def __init__(self, sources: list[tuple[str, Callable[[], int]]]) -> None:
         self.sources = list(sources)
@@ -260,9 +258,9 @@ def preemption_warning(mirror: str, fetch: Callable[[str], Optional[str]] = gce_
     spot = not mirror and (fetch("provisioning-model") or "").upper() == "SPOT"
     if mirror or not spot and (fetch("preemptible") or "").upper() != "TRUE":
         return None
-    return (f"this is {'a spot' if spot else 'a preemptible'} TPU VM and checkpoint.mirror is unset: a preempted VM comes back with a new boot "
-            f"disk, so its local checkpoints are lost and the run starts over. Set "
-            f"`--checkpoint.mirror=gs://BUCKET/PATH` (gcsfs comes with the `tpu` extra) to resume from a copy.")
+    return (f"this is {'a spot' if spot else 'a preemptible'} TPU VM and checkpoint.mirror is unset: a preempted VM "
+            "comes back with a new boot disk, so its local checkpoints are lost and the run starts over. Set "
+            "`--checkpoint.mirror=gs://BUCKET/PATH` (gcsfs comes with the `tpu` extra) to resume from a copy.")
 
 
 def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
