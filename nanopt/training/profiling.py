@@ -1,7 +1,6 @@
-"""The profiler around the training loop: nothing when off; when on, a torch.profiler schedule, per-rank
-traces where TensorBoard's PyTorch Profiler plugin finds them, and a summary of where the time went (see
-summarize). The loop enters `profiler(...)`, labels its steps' parts (`label(DATA)`, ...) and calls `.step()`
-once per optimizer step. The number to make go down is `host_overhead_share`."""
+"""The profiler around the training loop: nothing when off; when on, a torch.profiler schedule, per-rank traces where
+TensorBoard's PyTorch Profiler plugin finds them, and a summary of where the time went (summarize). The loop enters
+`profiler(...)`, labels its steps' parts (`label(DATA)`, ...) and calls `.step()` once per optimizer step."""
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +35,8 @@ OPTIMIZER = "nanopt/optimizer"
 COMPUTE_LABELS = (FORWARD, BACKWARD, OPTIMIZER)
 TOP_OPS = 10
 
-# kineto (torch 2.13) writes a marker for tracing tools to stderr at each trace start and stop, "USDT:<date> <time>
-# <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and profiler_stop), at a severity above its
-# ERROR: no KINETO_LOG_LEVEL hides them but not kineto's errors too. Those two lines alone are dropped.
+# kineto (torch 2.13) writes "USDT:<date> <time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start" (and
+# _stop) to stderr at each trace start and stop, above its ERROR severity: no KINETO_LOG_LEVEL hides them alone.
 KINETO_MARKER = re.compile(rb"USDT:[^\n]*\] profiler_(start|stop)\r?\n?")
 
 # True only while a profile is running, so label() costs one global read when profiling is off.
@@ -77,9 +75,8 @@ def fit_schedule(wait: int, warmup: int, active: int, steps: int) -> tuple[int, 
 
 @contextlib.contextmanager
 def kineto_markers_dropped() -> Iterator[None]:
-    """Run the block with stderr (file descriptor 2, where kineto writes) going to a temporary file, then write back
-    to stderr all it got but kineto's markers: a warning or a kineto error in the block comes out, in order, as the
-    block ends. Where stderr cannot be duplicated the block just runs."""
+    """Run the block with stderr (fd 2, where kineto writes) spooled to a temporary file, then write back all it got
+    but kineto's markers, in order, as the block ends. Where stderr cannot be duplicated the block just runs."""
     try:
         saved = os.dup(2)
     except OSError:
@@ -268,30 +265,25 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
     `steps_recorded` keeps only the first that many steps: when the profiler is stopped mid-window, the last
     ProfilerStep range holds whatever ran after the final .step() (evaluation, saving), not a step."""
     events = prof.events()
-    by_label: dict[str, list[Interval]] = {}
-    device_busy: list[Interval] = []
+    spans: dict[str, list[Interval]] = {name: [] for name in ("step", "device", DATA, *COMPUTE_LABELS)}
     for e in events:
         span = (e.time_range.start, e.time_range.end)  # microseconds
         if e.device_type != DeviceType.CPU:
             if not e.is_user_annotation:  # kernels, copies, memsets; not the device echo of our labels
-                device_busy.append(span)
+                spans["device"].append(span)
         elif e.name.startswith("ProfilerStep"):
-            by_label.setdefault("step", []).append(span)
+            spans["step"].append(span)
         elif e.name in (DATA, *COMPUTE_LABELS):
-            by_label.setdefault(e.name, []).append(span)
-    step_spans = sorted(by_label.get("step", []))[:steps_recorded]
+            spans[e.name].append(span)
+    step_spans = sorted(spans.pop("step"))[:steps_recorded]
     steps = _merge(step_spans)
     total_us = _length(steps)
     if total_us <= 0:
         raise ValueError("no ProfilerStep ranges in the profile (was .step() called during the active window?)")
-    in_steps = {name: _merge(_intersect(_merge(spans), steps)) for name, spans in by_label.items() if name != "step"}
-    if device_mode:
-        busy = _intersect(_merge(device_busy), steps)
-    else:
-        busy = _merge([i for name in COMPUTE_LABELS for i in in_steps.get(name, [])])
+    in_steps = {name: _intersect(_merge(s), steps) for name, s in spans.items()}  # merged, as both sides are
+    busy = in_steps["device"] if device_mode else _merge([i for name in COMPUTE_LABELS for i in in_steps[name]])
     busy_us = _length(busy)
-    data = in_steps.get(DATA, [])
-    data_us = _length(data) - _length(_intersect(data, busy))
+    data_us = _length(in_steps[DATA]) - _length(_intersect(in_steps[DATA], busy))
     overhead_us = max(0.0, total_us - busy_us - data_us)
 
     return {
@@ -303,7 +295,7 @@ def summarize(prof: Any, device_mode: bool, steps_recorded: Optional[int] = None
         "data_loader_share": data_us / total_us,
         "compute_share": busy_us / total_us,
         # Host time inside each label, for orientation (on GPU these are launch times, not device time).
-        "label_ms": {key: _length(in_steps.get(name, [])) / 1e3 for key, name in (
+        "label_ms": {key: _length(in_steps[name]) / 1e3 for key, name in (
             ("data_loader", DATA), ("forward", FORWARD), ("backward", BACKWARD), ("optimizer", OPTIMIZER))},
         "top_ops": top_ops(events, device_mode, total_us),
     }
