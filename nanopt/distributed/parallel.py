@@ -1,10 +1,9 @@
 """THE parallelism (runtime.parallel): DDP replicas, FSDP2 shards on a 1-D DeviceMesh, or HSDP (FSDP2 on a 2-D
-(replicate, shard) mesh); what the train step asks of each (micro-step sync, gradient clipping, zeroing), and whole
-weights loaded into any of them (train.init_from). Checkpoints need nothing here: DCP reshards (checkpoint.py).
+(replicate, shard) mesh); what the train step asks of each (micro-step sync, clipping, zeroing), and whole weights
+loaded into any of them. Checkpoints need nothing here: DCP reshards (checkpoint.py).
 
-Everything else sees one model object: under ddp the unwrapped model (DDP wraps a view of it for the step), under
-fsdp and hsdp the model itself, sharded in place by fully_shard (its parameters become DTensors, forward gathers
-them). Without torchrun (world size 1) all three mean one process and the model is left as it is."""
+Everything else sees one model object: under ddp the unwrapped model (DDP wraps it for the step), under fsdp and
+hsdp the model itself, sharded in place by fully_shard. Without torchrun all three leave the model as it is."""
 from __future__ import annotations
 
 import contextlib
@@ -26,13 +25,6 @@ PRECISION_DTYPES: dict[str, tuple[Optional[torch.dtype], Optional[torch.dtype]]]
     "bf16": (torch.bfloat16, torch.float32), "bf16-pure": (None, torch.float32), "fp32": (None, None)}
 
 
-def _dtensor_type() -> Optional[type]:
-    """DTensor when torch.distributed.tensor is loaded, else None: nothing can be one then. Importing it costs
-    0.6-1.8 s, so only an fsdp run loads it (in shard())."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
 def is_sharded(model: nn.Module) -> bool:
     """Whether `model` holds DTensor parameters (fsdp across ranks): every rank must then run its forward passes
     (sampling, evaluation) together, and its state is gathered to be saved."""
@@ -40,9 +32,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
-    """runtime.parallel=fsdp or hsdp across ranks: fully_shard each transformer block, then the root (embedding,
-    head, final norm), on the mesh, in place. Before the optimizer is built: it must hold the sharded parameters.
-    Otherwise (ddp, or one process) nothing."""
+    """fsdp or hsdp across ranks: fully_shard each block, then the root (embedding, head, final norm), in place,
+    before the optimizer is built (it must hold the sharded parameters). Otherwise (ddp, one process) nothing."""
     if cfg.runtime.parallel == "ddp" or not rt.distributed:
         return
     # Lazy: torch.distributed.fsdp loads torch.distributed.tensor (seconds at import), which no ddp run should pay.
@@ -57,18 +48,16 @@ def shard(model: nn.Module, cfg: Config, rt: Runtime) -> None:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if dist.get_backend() == "gloo":
-        # Gloo's reduce-scatter once took ReduceOp.AVG for a SUM (pytorch#162338): the ranks' gradients were summed,
-        # not averaged. SUM plus FSDP2's own division is right on every torch; the extra division costs nothing.
-        # The setting is per FSDP module (it does not recurse).
+        # Gloo's reduce-scatter once took AVG for SUM (pytorch#162338): the gradients were summed, not averaged. SUM
+        # plus FSDP2's own division is right on every torch. The setting is per FSDP module (it does not recurse).
         for module in (*model.layers, model):
             module.set_force_sum_reduction_for_comms(True)
 
 
 def _mesh(cfg: Config, rt: Runtime) -> Any:
-    """fsdp: a 1-D mesh over every rank. hsdp: a 2-D (replicate, shard) mesh whose rows are the shard groups of
-    consecutive ranks (one node's under the default), so the parameter all-gathers and gradient reduce-scatters
-    stay inside a group and only the all-reduce of each shard's gradient crosses groups. fully_shard reads a 2-D
-    mesh as HSDP; parameters are DTensors placed (Replicate(), Shard(0))."""
+    """fsdp: a 1-D mesh over every rank. hsdp: a 2-D (replicate, shard) mesh whose rows are shard groups of
+    consecutive ranks (one node's by default): all-gathers and reduce-scatters stay inside a group, and only the
+    all-reduce of each shard's gradient crosses groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if cfg.runtime.parallel == "fsdp":
@@ -78,10 +67,8 @@ def _mesh(cfg: Config, rt: Runtime) -> Any:
 
 
 def no_forward_buffer_sync() -> dict[str, bool]:
-    """DDP's keyword for "no buffer broadcast before each forward". The only buffers are the RoPE tables, computed
-    identically on every rank, and DDP's default would send them from rank 0 every micro-step. torch 2.13 names it
-    forward_sync_buffers (the old broadcast_buffers warns once per rank there; the new one still syncs them once at
-    construction, which is harmless for identical tables); torch 2.9, the floor, knows only broadcast_buffers."""
+    """DDP's keyword for "no buffer broadcast before each forward" (the only buffers, the RoPE tables, are the same on
+    every rank): forward_sync_buffers on torch 2.13, where broadcast_buffers warns; the floor, 2.9, knows only that."""
     renamed = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     return {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
 
@@ -95,25 +82,18 @@ def wrap(model: nn.Module, rt: Runtime) -> nn.Module:
 
 
 def accumulating(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """Around one micro-step's forward and backward. DDP: no_sync() until the last micro-step, which all-reduces
-    the sum once. FSDP: every micro-step reduce-scatters its gradients into the shards, so a rank never holds more
-    than its shard of them between micro-steps; skipping it (set_requires_gradient_sync(False)) would save
-    accum - 1 reduce-scatters but keep every whole gradient in fp32 on every rank, 4 bytes per parameter (32 GB at
-    8B), which is the memory fsdp is chosen to save. HSDP: the same inside each shard group, and the all-reduce
-    across the replicas (the traffic between nodes) only on the last micro-step: that one pays, for no memory."""
+    """Around one micro-step's forward and backward. DDP: no_sync() until the last micro-step. FSDP: every
+    micro-step reduce-scatters into the shards; skipping it would keep every whole fp32 gradient on every rank
+    (32 GB at 8B), the memory fsdp is chosen to save. HSDP: the same inside each shard group, and the all-reduce
+    across replicas (between nodes) only on the last micro-step: that saving costs no memory."""
     if last:
         return contextlib.nullcontext()
     if isinstance(model, DDP):
         return model.no_sync()
-    if _replicated(model):
+    p = next(model.parameters(), None)
+    if is_dtensor(p) and p.device_mesh.ndim == 2:  # hsdp
         return _hsdp_no_all_reduce(model)
     return contextlib.nullcontext()
-
-
-def _replicated(model: nn.Module) -> bool:
-    """Whether `model` is sharded on a 2-D (replicate, shard) mesh: hsdp."""
-    p = next(model.parameters(), None)
-    return is_dtensor(p) and p.device_mesh.ndim == 2
 
 
 @contextlib.contextmanager
@@ -138,9 +118,10 @@ def grads_in_buckets(model: nn.Module) -> bool:
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether `t` is a DTensor (a parameter, moment or average of a sharded model)."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and isinstance(t, dtensor)
+    """Whether `t` is a DTensor (a parameter, moment or average of a sharded model). Importing
+    torch.distributed.tensor costs 0.6-1.8 s, so only an fsdp run loads it (shard()): otherwise nothing is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -180,14 +161,12 @@ class _Vote:
 
 @contextlib.contextmanager
 def lockstep(model: nn.Module, rt: Runtime) -> Iterator[None]:
-    """Around forwards every rank runs apart from the train step (task scoring), each rank the same ones: a sharded
-    model's forward is a collective (each block gathers its weights from every rank), so a rank that fails before
-    its last forward would leave the others waiting forever. Each forward (its embedding, the first thing a forward
-    or model.hidden runs) starts with a vote: when a rank has stopped, the others' forward raises Broken and they
-    stop too; on the way out every rank votes "stopped" until all have. A failure inside a forward, between two
-    collectives, still hangs, as it does in training. The root's own weights (embedding, final norm, head) stay
-    gathered throughout, since the scorers call model.hidden and model.logits, which FSDP's forward hooks do not
-    see; the blocks gather theirs in their own calls. Not sharded: nothing."""
+    """Around forwards every rank runs apart from the train step (task scoring): a sharded model's forward is a
+    collective, so a rank that fails before its last forward would leave the others waiting forever. Each forward
+    (its embedding) starts with a vote: when a rank has stopped, the others' forward raises Broken; on the way out
+    every rank votes "stopped" until all have (a failure between two collectives still hangs, as in training). The
+    root's weights stay gathered throughout: the scorers call model.hidden and model.logits, which FSDP's hooks do
+    not see. Not sharded: nothing."""
     if not is_sharded(model):
         yield
         return
