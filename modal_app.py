@@ -86,11 +86,8 @@ def build_image() -> modal.Image:
     built = modal.Image.debian_slim(python_version=PYTHON_VERSION).apt_install(*APT_PACKAGES)
     for packages in pip_layers(FLASH_ATTN_WHEEL):
         built = built.pip_install(*packages)
-    env = {
-        "HF_HOME": f"{VOLUME_PATH}/hf",  # downloaded tokenizers and datasets persist across runs
-        "NANOPT_CACHE": f"{VOLUME_PATH}/cache/nanopt",  # the embedded corpus shards
-        "PYTHONUNBUFFERED": "1",
-    }
+    # Downloaded tokenizers and datasets, and the embedded corpus's shards, persist across runs.
+    env = {"HF_HOME": f"{VOLUME_PATH}/hf", "NANOPT_CACHE": f"{VOLUME_PATH}/cache/nanopt", "PYTHONUNBUFFERED": "1"}
     # Last: local sources are mounted at container start, so editing nanopt never rebuilds the image.
     return (built.env(env).add_local_python_source("nanopt")
             .add_local_dir(REPO / "configs", "/root/configs")
@@ -117,24 +114,14 @@ def train_resources(gpus: int) -> dict[str, Any]:
     return {"cpu": CPU_PER_GPU * gpus, "memory": MEMORY_BASE_MIB + MEMORY_PER_GPU_MIB * gpus}
 
 
-TRAIN_OPTIONS: dict[str, Any] = dict(
-    gpu=f"{TRAIN_GPU}:{TRAIN_GPUS}",
-    **train_resources(TRAIN_GPUS),
-    volumes={VOLUME_PATH: volume},
-    secrets=[hf_secret],
-    timeout=TRAIN_TIMEOUT_S,
-    retries=retries,
-)
+TRAIN_OPTIONS: dict[str, Any] = dict(gpu=f"{TRAIN_GPU}:{TRAIN_GPUS}", **train_resources(TRAIN_GPUS),
+                                     volumes={VOLUME_PATH: volume}, secrets=[hf_secret], timeout=TRAIN_TIMEOUT_S,
+                                     retries=retries)
 # One GPU, but more host than a training rank: its many short runs each compile, and its 1B runs hold a 15 GB host
 # copy of their checkpoint. The Volume keeps what the bench writes (gpu_check.json).
 BENCH_CPUS = 16.0
-BENCH_OPTIONS: dict[str, Any] = dict(
-    gpu=BENCH_GPU,
-    cpu=BENCH_CPUS,
-    memory=64 * 1024,
-    volumes={VOLUME_PATH: volume},
-    timeout=2 * 60 * 60,
-)
+BENCH_OPTIONS: dict[str, Any] = dict(gpu=BENCH_GPU, cpu=BENCH_CPUS, memory=64 * 1024, volumes={VOLUME_PATH: volume},
+                                     timeout=2 * 60 * 60)
 BENCH_RESULTS_DIR = "bench"  # on the Volume: bench/<name>-<UTC time>/
 BENCHES_WITH_OUT = ("gpu_check",)  # the benches that take `--out DIR` and write their results there
 
@@ -600,30 +587,6 @@ def sweep_configs(config: str, sets: str, seeds: int, name: str, gpus: int) -> t
     return sweep, out
 
 
-def sweep_states(sweep_name: str, runs: list[tuple[str, str, Any]]) -> dict[str, str]:
-    """done / resume / new for each run name, from its directory on the Volume, by nanopt sweep's own rules
-    (rundirs.finished: max_steps, or stopped at the target). Raises nanopt's ConfigError when a point's
-    directory ran another config or holds a damaged file."""
-    from nanopt.lab.sweep import point_states
-
-    volume_root = Path(VOLUME_PATH)
-    return point_states([(run_name, volume_root / run_dir_for(run_name), cfg) for run_name, _, cfg in runs],
-                        volume_root / run_dir_for(sweep_name))
-
-
-def collect(calls: dict[str, Any], codes: dict[str, int]) -> None:
-    """Wait for each spawned training call in grid order, print one line per run, record its exit code."""
-    for run_name, call in calls.items():
-        try:
-            result = call.get()
-            codes[run_name] = result["exit_code"]
-            line = "done" if result["exit_code"] == 0 else f"failed: {result['error']}"
-        except Exception as e:  # out of retries, or Modal itself failed
-            codes[run_name] = getattr(e, "exit_code", 1)
-            line = f"failed: {type(e).__name__}: {e}"
-        print(f"  {run_name}: {line}", flush=True)
-
-
 @app.function(volumes={VOLUME_PATH: volume}, timeout=DAY_S)  # no GPU: it spawns the trainings and waits
 def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int = 1,
           gpu_type: str = TRAIN_GPU) -> dict[str, int]:
@@ -633,11 +596,15 @@ def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int
     config is refused before any GPU starts. Returns {run name: exit code}; raises SweepError (exit 1) on a bad
     grid, a refused point or a failed run."""
     from nanopt.config import ConfigError
+    from nanopt.lab.sweep import point_states
 
     try:
         sweep_name, runs = sweep_configs(sweep_config_path(config), sets, seeds, name, gpus)
         volume.reload()  # see runs that other containers finished since this one started
-        states = sweep_states(sweep_name, runs)
+        # done / resume / new by nanopt sweep's own rules; refused where a point's directory ran another config
+        root = Path(VOLUME_PATH)
+        states = point_states([(run, root / run_dir_for(run), cfg) for run, _, cfg in runs],
+                              root / run_dir_for(sweep_name))
     except ConfigError as e:
         raise SweepError(f"the sweep was refused before any GPU started: {e}") from None
     gpu_spec = f"{gpu_type}:{gpus}"
@@ -650,7 +617,15 @@ def sweep(config: str, sets: str = "", seeds: int = 1, name: str = "", gpus: int
             codes[run_name] = 0
             continue
         calls[run_name] = train.with_options(gpu=gpu_spec, **train_resources(gpus)).spawn(config_yaml, run_name, gpus)
-    collect(calls, codes)
+    for run_name, call in calls.items():  # in grid order, one line per run
+        try:
+            result = call.get()
+            codes[run_name] = result["exit_code"]
+            line = "done" if result["exit_code"] == 0 else f"failed: {result['error']}"
+        except Exception as e:  # out of retries, or Modal itself failed
+            codes[run_name] = getattr(e, "exit_code", 1)
+            line = f"failed: {type(e).__name__}: {e}"
+        print(f"  {run_name}: {line}", flush=True)
     failed = [n for n, c in codes.items() if c != 0]
     print(f"sweep {sweep_name}: {len(codes) - len(failed)} of {len(codes)} runs finished", flush=True)
     if failed:
