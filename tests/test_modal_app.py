@@ -1,21 +1,21 @@
-"""modal_app.py, offline: Modal's servers are never contacted and no token is needed.
-
-Nothing here runs on Modal itself. The training function's body runs locally with a temporary directory
-standing in for the Volume and launches real torchrun on CPU.
-"""
+"""modal_app.py, offline: Modal's servers are never contacted and no token is needed. Nothing here runs on Modal
+itself: the training function's body runs locally, a temporary directory standing in for the Volume, and launches
+real torchrun on CPU."""
 from __future__ import annotations
 
 import ast
 import json
 import os
+import pickle
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import warnings
-from dataclasses import dataclass
+import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -27,198 +27,150 @@ from nanopt.config import load_config, parse_overrides, to_yaml
 from nanopt.errors import ConfigError
 from nanopt.main import run
 
-
-def offline_env(tmp_path: Path) -> dict[str, str]:
-    """No token anywhere, and a server address nothing listens on: any network attempt would fail."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
-    env.update(MODAL_CONFIG_PATH=str(tmp_path / "no-modal.toml"), MODAL_SERVER_URL="http://127.0.0.1:9",
-               HOME=str(tmp_path), PYTHONPATH=str(REPO))
-    return env
+# .local() warns that the function "is executing locally and will not have access to the mounted Volume".
+pytestmark = pytest.mark.filterwarnings("ignore:.*executing locally:UserWarning")
+TINY = str(REPO / "configs" / "tiny.yaml")
+THREAD_KEYS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHINDUCTOR_COMPILE_THREADS")
 
 
-class FakeVolume:
-    """Stands in for the modal.Volume inside a container: counts commits and reloads."""
-
-    def __init__(self) -> None:
-        self.commits = 0
-        self.reloads = 0
-
-    def commit(self) -> None:
-        self.commits += 1
-
-    def reload(self) -> None:
-        self.reloads += 1
+def offline(tmp_path: Path, *args: str, **env: str) -> str:
+    """`python ARGS` in a fresh process, offline: no token anywhere, and a server address nothing listens on, so any
+    network attempt would fail. Its stdout; it must exit 0."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MODAL_")}
+    clean.update(MODAL_CONFIG_PATH=str(tmp_path / "no-modal.toml"), MODAL_SERVER_URL="http://127.0.0.1:9",
+                 HOME=str(tmp_path), PYTHONPATH=str(REPO), **env)
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=clean, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
-def small_config(tmp_path: Path) -> Path:
+def config_file(tmp_path: Path, *overrides: str) -> Path:
+    """The tiny config with SMALL and `overrides`, as a file."""
     path = tmp_path / "small.yaml"
-    path.write_text(to_yaml(load_config(REPO / "configs" / "tiny.yaml", parse_overrides(SMALL))))
+    path.write_text(to_yaml(load_config(TINY, parse_overrides([*SMALL, *overrides]))))
     return path
 
 
+@pytest.fixture
+def vol(monkeypatch, tmp_path) -> SimpleNamespace:
+    """tmp_path/vol as the Volume's mount (`dir`) and a mock as the Volume (`volume`: it counts commits)."""
+    fake = SimpleNamespace(dir=tmp_path / "vol", volume=mock.MagicMock(name="volume"))
+    monkeypatch.setattr(modal_app, "volume", fake.volume)
+    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(fake.dir))
+    return fake
+
+
+@pytest.fixture
+def no_thread_env(monkeypatch) -> None:
+    for key in THREAD_KEYS:
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture
+def launched(vol, no_thread_env, monkeypatch) -> mock.MagicMock:
+    """run_forwarding_signals replaced by a mock that succeeds, with no thread settings in the environment."""
+    fake = mock.MagicMock(name="run_forwarding_signals", return_value=(0, None))
+    monkeypatch.setattr(modal_app, "run_forwarding_signals", fake)
+    return fake
+
+
 # ---------------------------------------------------------------- import and CLI, in fresh processes
-
-
-def import_offline(tmp_path: Path, **env: str) -> dict[str, Any]:
-    """Import modal_app in a fresh process, offline (offline_env plus `env`), spying on modal.Image's pip_install and
-    apt_install. Returns {"warnings": the deprecation-like warnings the import raised, "app": the app's name, "pip":
-    (packages, keyword arguments) of each pip_install call in order, "apt": every apt package asked for, "cluster":
-    train_multinode's (cluster size, rdma, gpus, max_retries), None where it is not defined}."""
-    code = (
-        "import warnings\n"
-        "import modal\n"
-        "pip, apt = [], []\n"
-        "real_pip, real_apt = modal.Image.pip_install, modal.Image.apt_install\n"
-        "def pip_spy(self, *packages, **kw):\n"
-        "    pip.append((packages, kw))\n"
-        "    return real_pip(self, *packages, **kw)\n"
-        "def apt_spy(self, *packages, **kw):\n"
-        "    apt.extend(packages)\n"
-        "    return real_apt(self, *packages, **kw)\n"
-        "modal.Image.pip_install, modal.Image.apt_install = pip_spy, apt_spy\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import modal_app\n"
-        "from modal.exception import DeprecationError, InternalAPIWarning\n"
-        "bad = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, DeprecationError, InternalAPIWarning)\n"
-        "found = [f'{w.category.__name__}: {w.message}' for w in caught if issubclass(w.category, bad)]\n"
-        "info = modal_app.train_multinode.info() if hasattr(modal_app, 'train_multinode') else None\n"
-        "cluster = info and (info.cluster_info.size, info.cluster_info.rdma, info.gpus, info.max_retries)\n"
-        "print(repr({'warnings': found, 'app': modal_app.app.name, 'pip': pip, 'apt': apt, 'cluster': cluster}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env={**offline_env(tmp_path), **env}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return ast.literal_eval(out.stdout.strip().splitlines()[-1])  # our own repr of strings, tuples, lists, dicts
-
-
+SPY = """
+import warnings
+import modal
+pip, apt = [], []
+real_pip, real_apt = modal.Image.pip_install, modal.Image.apt_install
+def pip_spy(self, *packages, **kw):
+    pip.append((packages, kw))
+    return real_pip(self, *packages, **kw)
+def apt_spy(self, *packages, **kw):
+    apt.extend(packages)
+    return real_apt(self, *packages, **kw)
+modal.Image.pip_install, modal.Image.apt_install = pip_spy, apt_spy
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    import modal_app
+from modal.exception import DeprecationError, InternalAPIWarning
+bad = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, DeprecationError, InternalAPIWarning)
+found = [f'{w.category.__name__}: {w.message}' for w in caught if issubclass(w.category, bad)]
+info = modal_app.train_multinode.info() if hasattr(modal_app, 'train_multinode') else None
+cluster = info and (info.cluster_info.size, info.cluster_info.rdma, info.gpus, info.max_retries)
+print(repr({'warnings': found, 'app': modal_app.app.name, 'pip': pip, 'apt': apt, 'cluster': cluster}))
+"""
 WHEEL = "https://example.invalid/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl"
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory) -> dict[str, Any]:
-    """import_offline() as a user's laptop runs it: no options in the environment."""
-    return import_offline(tmp_path_factory.mktemp("imported"))
+def import_offline(tmp_path: Path, **env: str) -> dict[str, Any]:
+    """Import modal_app offline (with `env`), spying on modal.Image's pip_install and apt_install: the deprecation-like
+    warnings it raised, the app's name, each pip_install's (packages, keywords), the apt packages, and
+    train_multinode's (cluster size, rdma, gpus, max_retries) or None where it is not defined."""
+    out = offline(tmp_path, "-c", SPY, **env)
+    return ast.literal_eval(out.strip().splitlines()[-1])  # our own repr of strings, tuples, lists, dicts
 
 
-@pytest.fixture(scope="module")
-def imported_with_options(tmp_path_factory) -> dict[str, Any]:
-    """import_offline() with the environment's two image and launch options set: 2 nodes and a flash-attn wheel."""
-    return import_offline(tmp_path_factory.mktemp("imported"), NANOPT_MODAL_NODES="2",
-                          NANOPT_MODAL_FLASH_ATTN_WHEEL=WHEEL)
-
-
-def test_import_needs_no_token_or_network_and_warns_nothing_deprecated(imported):
+def test_import_needs_no_token_or_network_and_installs_torch_from_pypi(tmp_path):
+    """No deprecation warning, no cluster unless asked for, and torch in its own pinned layer from PyPI with no
+    index_url (it would replace PyPI for the whole install, and PyTorch's cu130 index lacks cuda-bindings>=13.0.3,
+    which torch 2.11.0 requires). Without libibverbs and the mlx5 provider, NCCL across nodes would use TCP."""
+    imported = import_offline(tmp_path)
     assert not imported["warnings"], imported["warnings"]
     assert imported["app"] == "nanopt"
-
-
-@pytest.mark.slow
-def test_modal_run_help_works_offline_and_shows_config(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "modal", "run", "modal_app.py", "--help"], capture_output=True,
-                         text=True, cwd=REPO, env=offline_env(tmp_path), timeout=120)
-    assert out.returncode == 0, out.stderr
-    for flag in ("--config", "--gpus", "--gpu-type", "--run-name", "--prepare"):
-        assert flag in out.stdout
-
-
-# ---------------------------------------------------------------- function specs
-
-
-def test_training_function_spec():
-    info = modal_app.train.info()
-    assert info.gpus == [("H100", 8)]
-    assert info.timeout == 24 * 60 * 60
-    assert info.max_retries == 10
-    assert list(info.volumes) == [modal_app.VOLUME_PATH]
-    assert info.volumes[modal_app.VOLUME_PATH].name == "nanopt"
-    assert any("huggingface" in s for s in info.secrets)
-    assert info.cluster_info is None
-    assert not hasattr(modal_app, "train_multinode")  # only defined when multi-node is asked for
-    # Host resources for 8 ranks: 4 cores each; 12 GiB each plus 16 GiB for rank 0's host copy of a checkpoint.
-    assert (info.cpu, info.memory_mib) == (32.0, (16 + 8 * 12) * 1024)
-
-
-def test_gpu_type_and_count_are_overridable():
-    info = modal_app.train.with_options(gpu="A100-80GB:4").info()
-    assert info.gpus == [("A100-80GB", 4)]
-    assert info.max_retries == 10  # the rest of the spec is kept
-
-
-def test_other_functions_spec():
-    evaluate, prepare = modal_app.evaluate.info(), modal_app.prepare_data.info()
-    assert evaluate.gpus and evaluate.gpus[0][0] == modal_app.EVAL_GPU and evaluate.gpus[0][1] == 1
-    assert prepare.gpus == [] and prepare.cpu == modal_app.PREPARE_CPUS
-    # --prepare's driver holds no GPU while prepare runs, and waits as long as prepare may take.
-    driver = modal_app.prepare_then_train.info()
-    assert driver.gpus == [] and driver.timeout == prepare.timeout == 24 * 60 * 60
-    for info in (evaluate, prepare, modal_app.tensorboard_app.info()):
-        assert info.volumes[modal_app.VOLUME_PATH].name == "nanopt"
-    assert modal_app.tensorboard_app.info().web_info is not None
-
-
-def test_bench_function_spec():
-    info = modal_app.bench.info()
-    assert info.gpus == [("H100!", 1)]  # "!": its timings are H100 timings, never an H200's
-    # Reserved host: cores for its runs' compile workers, memory for a 1B checkpoint's host copy; the Volume for
-    # gpu_check's files.
-    assert (info.cpu, info.memory_mib) == (modal_app.BENCH_CPUS, 64 * 1024) and modal_app.BENCH_CPUS >= 8
-    assert 64 * 1024 > modal_app.train_resources(1)["memory"]
-    assert info.volumes[modal_app.VOLUME_PATH].name == "nanopt"
-
-
-@pytest.mark.slow
-def test_bench_function_runs_a_real_bench(capfd, tmp_path):
-    with pytest.raises(ValueError, match="vs_hf, ladder"):
-        modal_app.bench_command("ddp")  # a CPU-only bench is refused, naming the ones that make sense
-    # .local() runs the real bench script (here on CPU, at a toy shape) and passes its exit code on.
-    args = ("--dim 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --vocab 64 --seq 16 --batch 2 --repeats 1 "
-            "--profile-rounds 1 --precisions fp32 --no-compile")
-    (tmp_path / "vol").mkdir()
-    with mock.patch.object(modal_app, "volume", FakeVolume()), \
-            mock.patch.object(modal_app, "VOLUME_PATH", str(tmp_path / "vol")), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
-        assert modal_app.bench.local("vs_hf", args) == 0
-    out = capfd.readouterr().out
-    assert "RATIO fp32: nanopt/HF" in out and "CEILING fp32" in out
-
-
-def test_multinode_is_a_cluster_when_asked_for(imported, imported_with_options):
-    assert imported_with_options["cluster"] == (2, True, [("H100", 8)], 10)
     assert imported["cluster"] is None  # only defined when multi-node is asked for
-
-
-def test_image_installs_every_runtime_dependency_of_the_package():
-    import tomllib
-
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["data"] + \
-        project["optional-dependencies"]["profile"]
-    packages = [modal_app.TORCH_PACKAGE, *modal_app.PIP_PACKAGES]
-    names = {p.split("=")[0].split(">")[0].split("<")[0].strip().lower() for p in packages}
-    for requirement in wanted:
-        name = requirement.split("=")[0].split(">")[0].split("<")[0].strip().lower()
-        assert name in names, f"{name} (pyproject) is not installed in the Modal image"
-
-
-def test_image_installs_torch_from_pypi_without_an_index_that_replaces_it(imported):
-    """An index_url replaces PyPI for the whole install: PyTorch's cu130 index lacks cuda-bindings>=13.0.3, which
-    torch 2.11.0 requires, so the image could not build. PyPI's torch 2.11.0 is the CUDA 13.0 build."""
     calls = imported["pip"]
     assert [list(packages) for packages, _ in calls] == modal_app.pip_layers()
     assert calls[0][0] == ("torch==2.11.0",)  # its own layer, pinned
     assert all(kw == {} for _, kw in calls), calls  # no index_url, extra_index_url, find_links or pip options
-
-
-def test_image_has_the_verbs_libraries_nccl_needs_for_rdma(imported):
-    """Without libibverbs and the mlx5 provider, NCCL across nodes falls back to TCP sockets."""
     assert {"libibverbs1", "ibverbs-providers"} <= set(imported["apt"])
 
 
-# ---------------------------------------------------------------- commands
+def test_multinode_is_a_cluster_and_a_flash_attn_wheel_a_layer_when_asked_for(tmp_path):
+    imported = import_offline(tmp_path, NANOPT_MODAL_NODES="2", NANOPT_MODAL_FLASH_ATTN_WHEEL=WHEEL)
+    assert imported["cluster"] == (2, True, [("H100", 8)], 10)
+    calls = imported["pip"]
+    assert [list(packages) for packages, _ in calls] == modal_app.pip_layers(WHEEL)
+    assert calls[0] == (("torch==2.11.0",), {}) and calls[-1] == ((WHEEL,), {})
 
 
-def test_the_image_is_the_stack_gpu_check_measured():
+@pytest.mark.slow
+@pytest.mark.parametrize("target, flags", [
+    ("modal_app.py", ("--config", "--gpus", "--gpu-type", "--run-name", "--prepare")),
+    # `::sweep` must not be a second local entrypoint: `modal run modal_app.py --config ...` would then be ambiguous
+    ("modal_app.py::sweep", ("--config", "--sets", "--seeds", "--name", "--gpus", "--gpu-type")),
+])
+def test_modal_run_help_works_offline_and_shows_the_flags(tmp_path, target, flags):
+    out = offline(tmp_path, "-m", "modal", "run", target, "--help")
+    for flag in flags:
+        assert flag in out
+
+
+# ---------------------------------------------------------------- function specs and the image
+def test_function_specs():
+    info = modal_app.train.info()
+    assert info.gpus == [("H100", 8)] and info.timeout == 24 * 60 * 60 and info.max_retries == 10
+    assert list(info.volumes) == [modal_app.VOLUME_PATH]
+    assert any("huggingface" in s for s in info.secrets)
+    assert info.cluster_info is None and not hasattr(modal_app, "train_multinode")  # multi-node only when asked
+    # Host resources for 8 ranks: 4 cores each; 12 GiB each plus 16 GiB for rank 0's host copy of a checkpoint.
+    assert (info.cpu, info.memory_mib) == (32.0, (16 + 8 * 12) * 1024)
+    other = modal_app.train.with_options(gpu="A100-80GB:4").info()
+    assert other.gpus == [("A100-80GB", 4)] and other.max_retries == 10  # the rest of the spec is kept
+    evaluate, prepare, driver, board, bench = (f.info() for f in (
+        modal_app.evaluate, modal_app.prepare_data, modal_app.prepare_then_train, modal_app.tensorboard_app,
+        modal_app.bench))
+    assert evaluate.gpus and evaluate.gpus[0][0] == modal_app.EVAL_GPU and evaluate.gpus[0][1] == 1
+    assert prepare.gpus == [] and prepare.cpu == modal_app.PREPARE_CPUS
+    # --prepare's driver holds no GPU while prepare runs, and waits as long as prepare may take.
+    assert driver.gpus == [] and driver.timeout == prepare.timeout == 24 * 60 * 60
+    assert board.web_info is not None
+    assert bench.gpus == [("H100!", 1)]  # "!": its timings are H100 timings, never an H200's
+    # Reserved host: cores for its runs' compile workers, memory for a 1B checkpoint's host copy.
+    assert (bench.cpu, bench.memory_mib) == (modal_app.BENCH_CPUS, 64 * 1024) and modal_app.BENCH_CPUS >= 8
+    assert 64 * 1024 > modal_app.train_resources(1)["memory"]
+    for spec in (info, evaluate, prepare, board, bench):  # bench: the Volume keeps gpu_check's files
+        assert spec.volumes[modal_app.VOLUME_PATH].name == "nanopt"
+
+
+def test_the_image_is_the_stack_gpu_check_measured_with_every_dependency_of_the_package():
     """Python, torch and its CUDA build as bench/gpu_check.py recorded them for the 51.3% MFU run; torchao for
     train.fp8; no flash-attn unless a wheel is given (gpu_check never measured it: `auto` picks SDPA)."""
     env = json.loads((REPO / "bench" / "results" / "gpu_check_h100_shipped.json").read_text())["env"]
@@ -229,30 +181,30 @@ def test_the_image_is_the_stack_gpu_check_measured():
     assert "lm-eval>=0.4.13" in modal_app.PIP_PACKAGES  # --quick's harness section runs, not skipped
     assert "gcc" in modal_app.APT_PACKAGES  # Triton's launchers, under torch.compile
     assert modal_app.FLASH_ATTN_WHEEL == "" and not any("flash" in p for p in modal_app.PIP_PACKAGES)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    installed = {re.split("[=<>]", p)[0].strip().lower() for p in [modal_app.TORCH_PACKAGE, *modal_app.PIP_PACKAGES]}
+    for requirement in project["dependencies"] + extras["data"] + extras["profile"]:
+        name = re.split("[=<>]", requirement)[0].strip().lower()
+        assert name in installed, f"{name} (pyproject) is not installed in the Modal image"
 
 
-def test_a_flash_attn_wheel_can_be_added_to_the_image(imported_with_options):
-    calls = imported_with_options["pip"]
-    assert [list(packages) for packages, _ in calls] == modal_app.pip_layers(WHEEL)
-    assert calls[0] == (("torch==2.11.0",), {}) and calls[-1] == ((WHEEL,), {})
-
-
-def test_torchrun_command_is_what_the_modal_page_says():
-    readme = (REPO / "docs" / "modal.md").read_text()
+# ---------------------------------------------------------------- commands
+def test_torchrun_eval_prepare_and_bench_commands():
+    readme = (REPO / "docs" / "modal.md").read_text()  # what the Modal page says
     config = f"{modal_app.VOLUME_PATH}/runs/<name>/{modal_app.RUN_CONFIG_NAME}"
     single = modal_app.torchrun_command(config, "<n>")
     assert single == ["torchrun", "--standalone", "--nproc-per-node=<n>", "-m", "nanopt.main", "--config", config]
     assert " ".join(single) in readme
-    multi = modal_app.torchrun_command(config, "<n>", "<nodes>", "<rank>", "<container 0>")
-    assert " ".join(multi) in readme
+    assert " ".join(modal_app.torchrun_command(config, "<n>", "<nodes>", "<rank>", "<container 0>")) in readme
     assert modal_app.torchrun_command("c.yaml", 8) == \
         ["torchrun", "--standalone", "--nproc-per-node=8", "-m", "nanopt.main", "--config", "c.yaml"]
-
-
-def test_bench_command_writes_gpu_check_results_under_bench_on_the_volume():
-    script = str(REPO / "bench" / "gpu_check.py")
+    assert modal_app.eval_command("runs/1b", "val")[1:] == ["-m", "nanopt.cli", "eval", "runs/1b", "--split", "val"]
+    assert modal_app.prepare_command("c.yaml")[1:] == ["-m", "nanopt.cli", "prepare", "--config", "c.yaml"]
+    assert modal_app.prepare_command("c.yaml", 32)[-1] == "--prepare.workers=32"
+    # gpu_check's results go under bench/ on the Volume.
     assert modal_app.bench_command("gpu_check", "--quick", "/vol/bench/gpu_check-T")[1:] == \
-        [script, "--quick", "--out", "/vol/bench/gpu_check-T"]
+        [str(REPO / "bench" / "gpu_check.py"), "--quick", "--out", "/vol/bench/gpu_check-T"]
     assert modal_app.bench_command("vs_hf", "--repeats 7")[1:] == [str(REPO / "bench" / "vs_hf.py"), "--repeats", "7"]
     assert modal_app.bench_out_dir("gpu_check", "--quick", "20250101T000000Z") == "bench/gpu_check-20250101T000000Z"
     # Your own --out wins (either spelling); a bench without --out gets none.
@@ -261,28 +213,28 @@ def test_bench_command_writes_gpu_check_results_under_bench_on_the_volume():
     assert modal_app.bench_out_dir("vs_hf", "--repeats 7", "T") == ""
 
 
-def test_rank_thread_env_gives_each_rank_its_share_of_cores_unless_the_environment_says_otherwise(monkeypatch):
+def test_rank_thread_env_gives_each_rank_its_share_of_cores_unless_the_environment_says_otherwise(no_thread_env,
+                                                                                                   monkeypatch):
     assert modal_app.rank_thread_env(4) == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE",
                                             "TORCHINDUCTOR_COMPILE_THREADS": "4"}
-    for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHINDUCTOR_COMPILE_THREADS"):
-        monkeypatch.delenv(key, raising=False)
     assert "TORCHINDUCTOR_COMPILE_THREADS" not in modal_app.launch_env()  # eval and prepare: left alone
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # e.g. set in the image or a Secret: it wins
     env = modal_app.launch_env(4)
-    assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"], env["TORCHINDUCTOR_COMPILE_THREADS"]) == \
-        ("4", "ACTIVE", "4")
+    assert tuple(env[k] for k in THREAD_KEYS) == ("4", "ACTIVE", "4")
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
 
 
-def parallel_config(tmp_path: Path, *overrides: str) -> str:
-    """SMALL with a batch that splits over 16 ranks and these overrides, as a config file."""
-    path = tmp_path / "parallel.yaml"
-    args = [*SMALL, "--train.global_batch_tokens=2048", *overrides]
-    path.write_text(to_yaml(load_config(REPO / "configs" / "tiny.yaml", parse_overrides(args))))
-    return str(path)
+def test_training_launches_its_ranks_with_their_share_of_threads(vol, launched):
+    """The training function's torchrun gets CPU_PER_GPU threads per rank (run_forwarding_signals is replaced)."""
+    config_yaml, cfg = modal_app.check_config(TINY, 2, "threads")
+    assert modal_app.train.local(config_yaml, cfg.run.name, 2)["exit_code"] == 0
+    cmd, cwd, env = launched.call_args.args
+    assert cmd[:3] == ["torchrun", "--standalone", "--nproc-per-node=2"] and cwd == str(vol.dir)
+    cores = str(int(modal_app.CPU_PER_GPU))
+    assert tuple(env[k] for k in THREAD_KEYS) == (cores, "PASSIVE", cores)
 
 
-@pytest.mark.parametrize("overrides, world, nodes, launched", [
+@pytest.mark.parametrize("overrides, world, nodes, launched_as", [
     (["--runtime.parallel=fsdp"], 16, 2, ("hsdp", 8)),  # across nodes: a shard group per node, the nodes replicas
     (["--runtime.parallel=fsdp"], 8, 1, ("fsdp", None)),  # one node: fsdp as asked
     (["--runtime.parallel=fsdp"], 2, 2, ("fsdp", None)),  # one GPU per node: only fsdp shards at all
@@ -291,93 +243,61 @@ def parallel_config(tmp_path: Path, *overrides: str) -> str:
     ([], 16, 2, ("ddp", None)),
 ])
 def test_fsdp_across_nodes_runs_as_hsdp_with_a_shard_group_per_node(tmp_path, capsys, overrides, world, nodes,
-                                                                     launched):
-    config_yaml, cfg = modal_app.check_config(parallel_config(tmp_path, *overrides), world, "p", nodes)
-    assert (cfg.runtime.parallel, cfg.runtime.shard_group_size) == launched
-    assert f"parallel: {launched[0]}" in config_yaml  # what the Volume's config, so every node, runs
+                                                                     launched_as):
+    path = str(config_file(tmp_path, "--train.global_batch_tokens=2048", *overrides))  # splits over 16 ranks
+    config_yaml, cfg = modal_app.check_config(path, world, "p", nodes)
+    assert (cfg.runtime.parallel, cfg.runtime.shard_group_size) == launched_as
+    assert f"parallel: {launched_as[0]}" in config_yaml  # what the Volume's config, so every node, runs
     said = "modal_app: runtime.parallel fsdp on 2 nodes runs as hsdp: each node's 8 GPUs shard the model"
-    assert (said in capsys.readouterr().out) == (launched == ("hsdp", 8) and "fsdp" in overrides[0])
+    assert (said in capsys.readouterr().out) == (launched_as == ("hsdp", 8) and "fsdp" in overrides[0])
 
 
 def test_hsdp_whose_groups_do_not_tile_the_world_is_refused_before_paying(tmp_path):
-    path = parallel_config(tmp_path, "--runtime.parallel=hsdp", "--runtime.shard_group_size=5")
+    path = config_file(tmp_path, "--train.global_batch_tokens=2048", "--runtime.parallel=hsdp",
+                       "--runtime.shard_group_size=5")
     with pytest.raises(ConfigError) as e:
-        modal_app.check_config(path, 16, "p", 2)
+        modal_app.check_config(str(path), 16, "p", 2)
     assert "`runtime.shard_group_size` is 5, which does not divide the world of 16 ranks" in str(e.value)
 
 
-def test_training_launches_its_ranks_with_their_share_of_threads(tmp_path, monkeypatch):
-    """The training function's torchrun gets CPU_PER_GPU threads per rank (run_forwarding_signals is replaced)."""
-    for key in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "TORCHINDUCTOR_COMPILE_THREADS"):
-        monkeypatch.delenv(key, raising=False)
-    launched = mock.MagicMock(return_value=(0, None))
-    monkeypatch.setattr(modal_app, "run_forwarding_signals", launched)
-    monkeypatch.setattr(modal_app, "volume", FakeVolume())
-    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
-    config_yaml, cfg = modal_app.check_config(str(REPO / "configs" / "tiny.yaml"), 2, "threads")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
-        assert modal_app.train.local(config_yaml, cfg.run.name, 2)["exit_code"] == 0
-    cmd, cwd, env = launched.call_args.args
-    assert cmd[:3] == ["torchrun", "--standalone", "--nproc-per-node=2"] and cwd == str(tmp_path / "vol")
-    cores = str(int(modal_app.CPU_PER_GPU))
-    assert (env["OMP_NUM_THREADS"], env["OMP_WAIT_POLICY"], env["TORCHINDUCTOR_COMPILE_THREADS"]) == \
-        (cores, "PASSIVE", cores)
-
-
-def run_bench_local(monkeypatch, tmp_path, launched, **kwargs: str) -> FakeVolume:
-    """bench.local(**kwargs) with `launched` as run_forwarding_signals and tmp_path/vol as the Volume."""
-    fake = FakeVolume()
-    monkeypatch.setattr(modal_app, "run_forwarding_signals", launched)
-    monkeypatch.setattr(modal_app, "volume", fake)
-    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
-        launched.return_value = (0, None)
-        assert modal_app.bench.local(**kwargs) == 0
-    return fake
-
-
-def test_bench_runs_the_quick_gpu_check_into_the_volume_and_commits_it(monkeypatch, tmp_path, capsys):
+def test_bench_runs_the_quick_gpu_check_into_the_volume_and_commits_it_even_when_it_fails(vol, launched, capsys):
     """`modal run modal_app.py::bench --args "--quick"`: gpu_check, its files under bench/ on the Volume, committed,
-    and the command that fetches them printed; run from the Volume root with one rank's threads."""
-    launched = mock.MagicMock(name="run_forwarding_signals")
-    fake = run_bench_local(monkeypatch, tmp_path, launched, args="--quick")  # gpu_check is the default
-    assert fake.commits == 1
+    and the command that fetches them printed; run from the Volume root with one rank's threads. A failed check's
+    partial files are the ones worth reading: committed whether it exits 1 or the launch raises."""
+    assert modal_app.bench.local(args="--quick") == 0  # gpu_check is the default
+    assert vol.volume.commit.call_count == 1
     cmd, cwd, env = launched.call_args.args
-    assert cmd[1:3] == [str(REPO / "bench" / "gpu_check.py"), "--quick"] and cwd == str(tmp_path / "vol")
-    assert cmd[3] == "--out" and Path(cmd[4]).parent == tmp_path / "vol" / "bench"
+    assert cmd[1:3] == [str(REPO / "bench" / "gpu_check.py"), "--quick"] and cwd == str(vol.dir)
+    assert cmd[3] == "--out" and Path(cmd[4]).parent == vol.dir / "bench"
     assert Path(cmd[4]).name.startswith("gpu_check-") and Path(cmd[4]).name.endswith("Z")  # a UTC time stamp
     assert env["TORCHINDUCTOR_COMPILE_THREADS"] == str(int(modal_app.BENCH_CPUS))
     assert f"modal volume get nanopt bench/{Path(cmd[4]).name}" in capsys.readouterr().out
     # Your own --out is kept and nothing is added.
-    run_bench_local(monkeypatch, tmp_path, launched, name="gpu_check", args="--quick --out runs/mine")
+    assert modal_app.bench.local(name="gpu_check", args="--quick --out runs/mine") == 0
     assert launched.call_args.args[0][2:] == ["--quick", "--out", "runs/mine"]
+    launched.return_value = (1, None)
+    assert modal_app.bench.local("gpu_check", "--quick") == 1  # the bench's exit code is passed on
+    assert vol.volume.commit.call_count == 3
+    launched.side_effect = RuntimeError("lost the GPU")
+    with pytest.raises(RuntimeError, match="lost the GPU"):
+        modal_app.bench.local("gpu_check", "--quick")
+    assert vol.volume.commit.call_count == 4
 
 
-def test_bench_commits_the_volume_even_when_the_bench_fails(monkeypatch, tmp_path):
-    """A failed check's partial files are the ones worth reading: committed whether it exits 1 or the launch raises."""
-    fake = FakeVolume()
-    launched = mock.MagicMock(return_value=(1, None))
-    monkeypatch.setattr(modal_app, "run_forwarding_signals", launched)
-    monkeypatch.setattr(modal_app, "volume", fake)
-    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
-        assert modal_app.bench.local("gpu_check", "--quick") == 1  # the bench's exit code is passed on
-        assert fake.commits == 1
-        launched.side_effect = RuntimeError("lost the GPU")
-        with pytest.raises(RuntimeError, match="lost the GPU"):
-            modal_app.bench.local("gpu_check", "--quick")
-    assert fake.commits == 2
+@pytest.mark.slow
+def test_bench_function_runs_a_real_bench(vol, capfd):
+    with pytest.raises(ValueError, match="vs_hf, ladder"):
+        modal_app.bench_command("ddp")  # a CPU-only bench is refused, naming the ones that make sense
+    # .local() runs the real bench script (here on CPU, at a toy shape) and passes its exit code on.
+    args = ("--dim 32 --layers 1 --heads 2 --kv-heads 1 --ffn 64 --vocab 64 --seq 16 --batch 2 --repeats 1 "
+            "--profile-rounds 1 --precisions fp32 --no-compile")
+    vol.dir.mkdir()
+    assert modal_app.bench.local("vs_hf", args) == 0
+    out = capfd.readouterr().out
+    assert "RATIO fp32: nanopt/HF" in out and "CEILING fp32" in out
 
 
-def test_eval_and_prepare_commands_call_the_nanopt_cli():
-    assert modal_app.eval_command("runs/1b", "val")[1:] == ["-m", "nanopt.cli", "eval", "runs/1b", "--split", "val"]
-    assert modal_app.prepare_command("c.yaml")[1:] == ["-m", "nanopt.cli", "prepare", "--config", "c.yaml"]
-    assert modal_app.prepare_command("c.yaml", 32)[-1] == "--prepare.workers=32"
-
-
+# ---------------------------------------------------------------- outcomes
 def test_finish_retries_preemptions_and_progress_but_not_what_would_repeat():
     finish, Retry = modal_app.finish, modal_app.RetryAttempt
     assert finish("training", "r", 0, None)["exit_code"] == 0
@@ -401,12 +321,7 @@ def test_finish_retries_preemptions_and_progress_but_not_what_would_repeat():
     with pytest.raises(Retry, match="newer checkpoint") as progressed:
         finish("training", "r", 1, None, (75,), 2, progressed=True)
     assert progressed.value.exit_code == 1
-
-
-def test_retry_attempt_survives_the_trip_back_to_the_caller():
-    """Modal pickles the last attempt's exception to the entrypoint, which exits with its code."""
-    import pickle
-
+    # Modal pickles the last attempt's exception to the entrypoint, which exits with its code.
     back = pickle.loads(pickle.dumps(modal_app.RetryAttempt("preempted", 75)))
     assert isinstance(back, modal_app.RetryAttempt) and (str(back), back.exit_code) == ("preempted", 75)
 
@@ -445,45 +360,45 @@ def test_sigint_is_forwarded_to_the_launched_process(tmp_path):
 
 
 # ---------------------------------------------------------------- the function body, locally
+def run_train_local(volume_dir: Path, config_path: Path, run_name: str, volume: Any = None,
+                    **overrides: object) -> dict:
+    """train.local() on 2 CPU ranks with `volume_dir` as the Volume (`volume` its stand-in, a new mock if None);
+    overrides are `section.key: value`."""
+    with mock.patch.object(modal_app, "volume", volume or mock.MagicMock()), \
+            mock.patch.object(modal_app, "VOLUME_PATH", str(volume_dir)):
+        _, cfg = modal_app.check_config(str(config_path), 2, run_name)  # where the run directory goes
+        cfg_yaml = to_yaml(load_config(config_path, parse_overrides(
+            [f"--run.name={run_name}", f"--run.dir={cfg.run.dir}", *(f"--{k}={v}" for k, v in overrides.items())])))
+        return modal_app.train.local(cfg_yaml, run_name, 2)
 
 
-@dataclass
-class Attempts:
-    """The training function's two attempts on one run, as the `trained` fixture made them."""
-    volume_dir: Path  # the Volume's stand-in
-    first: object  # what the preempted attempt raised (RetryAttempt: Modal's cue to retry) or returned
-    launched: list[subprocess.Popen]  # the processes the first attempt started (its torchrun)
-    checkpoints: list[str]  # the complete checkpoints it left
-    result: dict  # what the second attempt returned
-    fake: FakeVolume  # the second attempt's Volume
-
-    @property
-    def run_dir(self) -> Path:
-        return self.volume_dir / "runs" / "modal-smoke"
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Attempts:
+def trained(tmp_path_factory) -> SimpleNamespace:
     """train.local(): real torchrun (2 CPU ranks) on the tiny config + SMALL, a tmp dir as the Volume, twice on one
     run. The first attempt is preempted: SIGINT to torchrun's process group while its ranks are paused after step 3
-    (what it did is the sigint test's to check). The second, the one Modal's retry runs, resumes and finishes the
-    run that the other tests read."""
+    (`first`: what it raised or returned, `launched`: its processes, `checkpoints`: the complete ones it left). The
+    second (`result`, `volume`), the one Modal's retry runs, resumes and finishes the run the other tests read."""
     tmp = tmp_path_factory.mktemp("modal")
-    attempts = Attempts(tmp / "vol", None, [], [], {}, FakeVolume())
+    t = SimpleNamespace(volume_dir=tmp / "vol", run_dir=tmp / "vol" / "runs" / "modal-smoke", launched=[],
+                        volume=mock.MagicMock(name="volume"))
     real_popen, this_thread = subprocess.Popen, threading.get_ident()
 
     def popen(*args: object, **kwargs: object) -> subprocess.Popen:
         proc = real_popen(*args, **kwargs)
         if threading.get_ident() == this_thread:  # process-wide: tests/xla_jobs.py's threads start runs too
-            attempts.launched.append(proc)
+            t.launched.append(proc)
         return proc
 
     def interrupt_when_paused() -> None:
-        markers = [attempts.run_dir / f".test_paused.rank{r}" for r in (0, 1)]
+        markers = [t.run_dir / f".test_paused.rank{r}" for r in (0, 1)]
         deadline = time.monotonic() + 120
         while not all(m.exists() for m in markers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.killpg(attempts.launched[0].pid, signal.SIGINT)  # torchrun runs in its own session: this is its group
+        os.killpg(t.launched[0].pid, signal.SIGINT)  # torchrun runs in its own session: this is its group
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("NANOPT_TEST_HOOK", "pause:3")
@@ -491,92 +406,28 @@ def trained(tmp_path_factory) -> Attempts:
         threading.Thread(target=interrupt_when_paused, daemon=True).start()
         with mock.patch.object(subprocess, "Popen", popen):
             try:
-                attempts.first = run_train_local(attempts.volume_dir, small_config(tmp), "modal-smoke")
+                t.first = run_train_local(t.volume_dir, config_file(tmp), "modal-smoke")
             except Exception as e:  # RetryAttempt, as it should; anything else is the sigint test's failure
-                attempts.first = e
-        attempts.checkpoints = sorted(p.name for p in (attempts.run_dir / "checkpoints").glob("step_*")
-                                      if (p / "COMPLETE").exists())
+                t.first = e
+        t.checkpoints = sorted(p.name for p in (t.run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
         env.delenv("NANOPT_TEST_HOOK")
-        attempts.result = run_train_local(attempts.volume_dir, small_config(tmp), "modal-smoke", attempts.fake)
-    return attempts
-
-
-@pytest.mark.slow
-def test_bad_data_under_torchrun_is_reported_not_retried(tmp_path, capfd):
-    """Real torchrun (2 CPU ranks) on a config whose shards do not exist: torchrun exits 1, the workers
-    record 2, and the function returns the error instead of raising (which would make Modal retry)."""
-    fake = FakeVolume()
-    with mock.patch.object(modal_app, "volume", fake), \
-            mock.patch.object(modal_app, "VOLUME_PATH", str(tmp_path / "vol")):
-        (tmp_path / "vol" / "empty").mkdir(parents=True)
-        config_yaml, cfg = modal_app.check_config(str(small_config(tmp_path)), 2, "no-data")
-        config_yaml = config_yaml.replace("source: embedded", "source: empty")
-        assert "source: empty" in config_yaml
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = modal_app.train.local(config_yaml, cfg.run.name, 2)
-    assert result["exit_code"] == 2 and "Not retried" in result["error"], result
-    assert "train_*.bin" in capfd.readouterr().err  # nanopt's own one-paragraph error reached the log
+        t.result = run_train_local(t.volume_dir, config_file(tmp), "modal-smoke", t.volume)
+    return t
 
 
 @pytest.mark.slow
 def test_training_function_launches_torchrun_and_writes_the_run_directory(trained):
-    run_dir, fake = trained.run_dir, trained.fake
+    run_dir = trained.run_dir
     assert trained.result == {"run_dir": str(run_dir), "exit_code": 0}
     assert (run_dir / modal_app.RUN_CONFIG_NAME).exists()
     assert load_config(run_dir / modal_app.RUN_CONFIG_NAME).run.dir == "runs/modal-smoke"
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert max(line["step"] for line in lines) == 6
+    assert max(line["step"] for line in records(run_dir)) == 6
     assert (run_dir / "checkpoints" / "step_000006" / "COMPLETE").exists()
     assert any((run_dir / "tb").iterdir())
     # The trainer was told to stop before Modal's 24 h timeout, leaving the margin for the last checkpoint.
     limit = load_config(run_dir / "config.yaml").run.time_limit_s
     assert 24 * 60 * 60 - modal_app.TIME_LIMIT_MARGIN_S - 60 < limit <= 24 * 60 * 60 - modal_app.TIME_LIMIT_MARGIN_S
-    assert fake.commits >= 2  # after writing the config, and after torchrun exited
-
-
-@pytest.mark.slow
-def test_tensorboard_serves_the_runs_with_the_profiler_plugin(trained, tmp_path):
-    volume_dir = trained.volume_dir
-    code = (
-        "import json, time, modal_app\n"
-        "from werkzeug.test import Client\n"
-        "class FakeVolume:\n    reloads = 0\n    def reload(self): self.reloads += 1\n"
-        "modal_app.volume = FakeVolume()\n"
-        f"client = Client(modal_app.tensorboard_wsgi({str(volume_dir / 'runs')!r}))\n"
-        "assert client.get('/').status_code == 200 and modal_app.volume.reloads == 1\n"
-        "plugins = json.loads(client.get('/data/plugins_listing').data)\n"
-        "for _ in range(100):\n"
-        "    runs = json.loads(client.get('/data/runs').data)\n"
-        "    if runs: break\n"
-        "    time.sleep(0.1)\n"
-        "print(json.dumps({'plugins': sorted(plugins), 'runs': runs}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env=offline_env(tmp_path), timeout=120)
-    assert out.returncode == 0, out.stderr
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "scalars" in seen["plugins"] and "pytorch_profiler" in seen["plugins"]
-    assert seen["runs"] == ["modal-smoke/tb"]
-
-
-def run_train_local(volume_dir: Path, config_path: Path, run_name: str, volume: FakeVolume | None = None,
-                    **overrides: object) -> dict:
-    """train.local() on 2 CPU ranks with `volume_dir` as the Volume (`volume` its stand-in, a new one if None);
-    overrides are `section.key: value`."""
-    with mock.patch.object(modal_app, "volume", volume or FakeVolume()), \
-            mock.patch.object(modal_app, "VOLUME_PATH", str(volume_dir)):
-        _, cfg = modal_app.check_config(str(config_path), 2, run_name)  # where the run directory goes
-        cfg_yaml = to_yaml(load_config(config_path, parse_overrides(
-            [f"--run.name={run_name}", f"--run.dir={cfg.run.dir}", *(f"--{k}={v}" for k, v in overrides.items())])))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return modal_app.train.local(cfg_yaml, run_name, 2)
-
-
-def run_losses(run_dir: Path) -> list[tuple[int, float]]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(line["step"], line["loss"]) for line in lines if "loss" in line]
+    assert trained.volume.commit.call_count >= 2  # after writing the config, and after torchrun exited
 
 
 @pytest.mark.slow
@@ -591,13 +442,49 @@ def test_sigint_to_torchrun_is_a_retried_preemption_and_the_retry_finishes_the_s
     assert attempt.exit_code == 75 and "resumably" in str(attempt)
     assert len(trained.launched) == 1 and trained.launched[0].poll() is not None
     assert trained.checkpoints == ["step_000003"]
-
     assert trained.result["exit_code"] == 0
     reference = tmp_path / "reference"
-    assert run(["--config", str(small_config(tmp_path)), f"--run.dir={reference}"]) == 0
+    assert run(["--config", str(config_file(tmp_path)), f"--run.dir={reference}"]) == 0
     final = Path("checkpoints") / "step_000006" / "model.safetensors"
     assert (trained.run_dir / final).read_bytes() == (reference / final).read_bytes()
-    assert run_losses(trained.run_dir) == run_losses(reference)
+    losses = [[(r["step"], r["loss"]) for r in records(d) if "loss" in r] for d in (trained.run_dir, reference)]
+    assert losses[0] == losses[1]
+
+
+TENSORBOARD = """
+import json, sys, time, modal_app
+from unittest import mock
+from werkzeug.test import Client
+modal_app.volume = mock.MagicMock()
+client = Client(modal_app.tensorboard_wsgi(sys.argv[1]))
+assert client.get('/').status_code == 200 and modal_app.volume.reload.call_count == 1
+plugins = json.loads(client.get('/data/plugins_listing').data)
+for _ in range(100):
+    runs = json.loads(client.get('/data/runs').data)
+    if runs: break
+    time.sleep(0.1)
+print(json.dumps({'plugins': sorted(plugins), 'runs': runs}))
+"""
+
+
+@pytest.mark.slow
+def test_tensorboard_serves_the_runs_with_the_profiler_plugin(trained, tmp_path):
+    seen = json.loads(offline(tmp_path, "-c", TENSORBOARD, str(trained.volume_dir / "runs")).strip().splitlines()[-1])
+    assert "scalars" in seen["plugins"] and "pytorch_profiler" in seen["plugins"]
+    assert seen["runs"] == ["modal-smoke/tb"]
+
+
+@pytest.mark.slow
+def test_bad_data_under_torchrun_is_reported_not_retried(vol, capfd):
+    """Real torchrun (2 CPU ranks) on a config whose shards do not exist: torchrun exits 1, the workers
+    record 2, and the function returns the error instead of raising (which would make Modal retry)."""
+    (vol.dir / "empty").mkdir(parents=True)
+    config_yaml, cfg = modal_app.check_config(str(config_file(vol.dir.parent)), 2, "no-data")
+    config_yaml = config_yaml.replace("source: embedded", "source: empty")
+    assert "source: empty" in config_yaml
+    result = modal_app.train.local(config_yaml, cfg.run.name, 2)
+    assert result["exit_code"] == 2 and "Not retried" in result["error"], result
+    assert "train_*.bin" in capfd.readouterr().err  # nanopt's own one-paragraph error reached the log
 
 
 @pytest.mark.slow
@@ -608,16 +495,14 @@ def test_a_crash_without_progress_is_reported_and_one_after_progress_is_retried(
     monkeypatch.setenv("NANOPT_TEST_HOOK", "kill-in-step:5")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     volume_dir = tmp_path / "vol"
-    result = run_train_local(volume_dir, small_config(tmp_path), "crash")
+    result = run_train_local(volume_dir, config_file(tmp_path), "crash")
     assert result["exit_code"] == 1 and "without saving a newer checkpoint" in result["error"], result
     with pytest.raises(modal_app.RetryAttempt, match="newer checkpoint"):
-        run_train_local(volume_dir, small_config(tmp_path), "crash", **{"checkpoint.every": 2})
+        run_train_local(volume_dir, config_file(tmp_path), "crash", **{"checkpoint.every": 2})
     assert (volume_dir / "runs" / "crash" / "checkpoints" / "step_000004" / "COMPLETE").exists()
 
 
 # ---------------------------------------------------------------- the local entrypoint
-
-
 @pytest.fixture
 def remote_calls(monkeypatch):
     """Replace every Modal function the entrypoint could call; nothing may reach Modal. Training succeeds
@@ -630,27 +515,20 @@ def remote_calls(monkeypatch):
     return fakes
 
 
-def test_entrypoint_rejects_a_bad_config_before_any_remote_call(remote_calls, tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("train:\n  max_stepz: 5\n")
+@pytest.mark.parametrize("bad, gpus, words", [("train:\n  max_stepz: 5\n", 8, "max_stepz"),
+                                              (None, 3, "global_batch_tokens")])  # a batch 3 GPUs do not divide
+def test_entrypoint_rejects_bad_input_before_any_remote_call(remote_calls, tmp_path, capsys, bad, gpus, words):
+    (tmp_path / "bad.yaml").write_text(bad or "")
     with pytest.raises(SystemExit) as exit_info:
-        modal_app.main(config=str(bad))
+        modal_app.main(config=str(tmp_path / "bad.yaml") if bad else TINY, gpus=gpus)
     assert exit_info.value.code == 2
-    assert "max_stepz" in capsys.readouterr().err
+    assert words in capsys.readouterr().err
     for fake in remote_calls.values():
         assert not fake.mock_calls
 
 
-def test_entrypoint_rejects_a_batch_that_does_not_divide_over_the_gpus(remote_calls, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=3)
-    assert exit_info.value.code == 2
-    assert "global_batch_tokens" in capsys.readouterr().err
-    assert not remote_calls["train"].mock_calls and not remote_calls["prepare_data"].mock_calls
-
-
 def test_entrypoint_sends_the_validated_config_to_the_training_function(remote_calls, capsys):
-    modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, gpu_type="A100", run_name="t1")
+    modal_app.main(config=TINY, gpus=2, gpu_type="A100", run_name="t1")
     train = remote_calls["train"]
     assert train.with_options.call_args.kwargs["gpu"] == "A100:2"
     assert train.with_options.call_args.kwargs["cpu"] == 8.0  # host resources follow the GPU count
@@ -667,8 +545,7 @@ def test_entrypoint_prepare_hands_the_whole_sequence_to_modal(remote_calls):
     during prepare still trains; the entrypoint only waits for the training call it started."""
     remote_calls["prepare_then_train"].remote.return_value = {"call_id": "fc-123"}
     remote_calls["wait_for_call"].return_value = {"run_dir": "/vol/runs/t1", "exit_code": 0}
-    modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, gpu_type="A100", run_name="t1",
-                   prepare=True)
+    modal_app.main(config=TINY, gpus=2, gpu_type="A100", run_name="t1", prepare=True)
     config_yaml, name, gpus, gpu_spec, wandb, nodes = remote_calls["prepare_then_train"].remote.call_args.args
     assert (name, gpus, gpu_spec, wandb, nodes) == ("t1", 2, "A100:2", False, 1) and "dir: runs/t1" in config_yaml
     remote_calls["wait_for_call"].assert_called_once_with("fc-123")
@@ -680,81 +557,61 @@ def test_prepare_then_train_prepares_on_cpu_then_spawns_training_on_the_gpus(mon
     remote_calls = {name: mock.MagicMock(name=name) for name in ("train", "prepare_data")}
     for name, fake in remote_calls.items():
         monkeypatch.setattr(modal_app, name, fake)
+    prepare, spawn = remote_calls["prepare_data"].remote, remote_calls["train"].with_options.return_value.spawn
     order = mock.Mock()
-    order.attach_mock(remote_calls["prepare_data"].remote, "prepare")
-    order.attach_mock(remote_calls["train"].with_options.return_value.spawn, "spawn")
-    remote_calls["prepare_data"].remote.return_value = 0
-    remote_calls["train"].with_options.return_value.spawn.return_value.object_id = "fc-9"
+    order.attach_mock(prepare, "prepare")
+    order.attach_mock(spawn, "spawn")
+    prepare.return_value, spawn.return_value.object_id = 0, "fc-9"
     assert modal_app.prepare_then_train.local("YAML", "t1", 2, "H100:2") == {"call_id": "fc-9"}
     assert [c[0] for c in order.mock_calls] == ["prepare", "spawn"]
     assert order.mock_calls[1].args == ("YAML", "t1", 2)
     assert remote_calls["train"].with_options.call_args.kwargs["gpu"] == "H100:2"
     # prepare failed: no GPUs are started, and the entrypoint gets prepare's exit code.
-    remote_calls["prepare_data"].remote.return_value = 2
-    remote_calls["train"].with_options.return_value.spawn.reset_mock()
+    prepare.return_value = 2
+    spawn.reset_mock()
     result = modal_app.prepare_then_train.local("YAML", "t1", 2, "H100:2")
     assert result["exit_code"] == 2 and "not started" in result["error"]
-    assert not remote_calls["train"].with_options.return_value.spawn.mock_calls
+    assert not spawn.mock_calls
 
 
-@pytest.mark.parametrize("code, words", [(2, "rejected its config"), (3, "non-finite loss")])
-def test_entrypoint_exits_with_the_status_of_training_that_is_not_retried(remote_calls, capsys, code, words):
-    """`modal run` must not exit 0 when training refused its input (2) or diverged (3)."""
+@pytest.mark.parametrize("outcome, code, words", [
+    # `modal run` must not exit 0 when training refused its input (2) or diverged (3), ...
+    (modal_app.finish("training", "t1", 1, None, (2, 75), 2), 2, "rejected its config"),
+    (modal_app.finish("training", "t1", 1, None, (3, 75), 2), 3, "non-finite loss"),
+    # ... and exits with the code of the last attempt Modal allowed, or 1 for anything else Modal raises.
+    (modal_app.RetryAttempt("training stopped resumably (exit code 75)", 75), 75, "stopped resumably"),
+    (ConnectionError("lost the connection"), 1, "lost the connection"),
+])
+def test_entrypoint_exits_with_the_status_of_training_that_failed(remote_calls, capsys, outcome, code, words):
     remote = remote_calls["train"].with_options.return_value.remote
-    remote.return_value = modal_app.finish("training", "t1", 1, None, (code, 75), 2)
+    if isinstance(outcome, Exception):
+        remote.side_effect = outcome
+    else:
+        remote.return_value = outcome
     with pytest.raises(SystemExit) as exit_info:
-        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
+        modal_app.main(config=TINY, gpus=2, run_name="t1")
     assert exit_info.value.code == code
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0] and err[0].startswith("modal_app: error:")
 
 
-def test_entrypoint_exits_with_the_code_of_the_last_attempt_modal_allowed(remote_calls, capsys):
-    remote = remote_calls["train"].with_options.return_value.remote
-    remote.side_effect = modal_app.RetryAttempt("training stopped resumably (exit code 75)", 75)
-    with pytest.raises(SystemExit) as exit_info:
-        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
-    assert exit_info.value.code == 75
-    assert "stopped resumably" in capsys.readouterr().err
-    remote.side_effect = ConnectionError("lost the connection")  # anything else Modal raises: 1, one line
-    with pytest.raises(SystemExit) as exit_info:
-        modal_app.main(config=str(REPO / "configs" / "tiny.yaml"), gpus=2, run_name="t1")
-    assert exit_info.value.code == 1 and "lost the connection" in capsys.readouterr().err
-
-
 # ---------------------------------------------------------------- sweeps
-
-
-def run_sweep_driver(monkeypatch, tmp_path, train, **kwargs):
-    """modal_app.sweep.local(**kwargs) with `train` (a mock) as the training function, tmp_path/vol as the Volume."""
-    monkeypatch.setattr(modal_app, "train", train)
-    monkeypatch.setattr(modal_app, "VOLUME_PATH", str(tmp_path / "vol"))
-    monkeypatch.setattr(modal_app.volume, "reload", lambda: None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # .local() warns that the Volume is not mounted
-        return modal_app.sweep.local(**kwargs)
-
-
-def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(monkeypatch, tmp_path, capsys):
+def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(vol, monkeypatch, capsys):
     """`modal run modal_app.py::sweep`: nanopt sweep's grid, each point its own training call on the Volume
     under runs/NAME/POINT; a point whose summary.json shows max_steps is not paid for again; a failed point is
     reported, the others finish, and the driver raises so that `modal run` exits 1."""
-    from nanopt.config import load_config
-
-    max_steps = load_config(str(REPO / "configs" / "tiny.yaml")).train.max_steps
-    done = tmp_path / "vol" / "runs" / "s" / "optim.name=muon,seed=1337"
-    done.mkdir(parents=True)
-    (done / "summary.json").write_text(json.dumps({"steps": max_steps}))
-    half = tmp_path / "vol" / "runs" / "s" / "optim.name=adamw,seed=1338"  # stopped early: run again (resumes)
-    half.mkdir(parents=True)
-    (half / "summary.json").write_text(json.dumps({"steps": max_steps - 1}))
+    max_steps = load_config(TINY).train.max_steps
+    for point, steps in (("optim.name=muon,seed=1337", max_steps), ("optim.name=adamw,seed=1338", max_steps - 1)):
+        (vol.dir / "runs" / "s" / point).mkdir(parents=True)  # the second stopped early: run again (resumes)
+        (vol.dir / "runs" / "s" / point / "summary.json").write_text(json.dumps({"steps": steps}))
     train = mock.MagicMock(name="train")
+    monkeypatch.setattr(modal_app, "train", train)
     spawned = train.with_options.return_value.spawn
     spawned.return_value.get.side_effect = [{"exit_code": 0}, {"exit_code": 3, "error": "diverged"},
                                             {"exit_code": 0}]
     with pytest.raises(modal_app.SweepError, match="1 of 4 runs failed: s/optim.name=adamw,seed=1338"):
-        run_sweep_driver(monkeypatch, tmp_path, train, config="configs/tiny.yaml", sets="optim.name=adamw,muon",
-                         seeds=2, name="s", gpus=1, gpu_type="A10G")
+        modal_app.sweep.local(config="configs/tiny.yaml", sets="optim.name=adamw,muon", seeds=2, name="s", gpus=1,
+                              gpu_type="A10G")
     assert train.with_options.call_args.kwargs["gpu"] == "A10G:1"
     names = [c.args[1] for c in spawned.call_args_list]
     assert names == ["s/optim.name=adamw,seed=1337", "s/optim.name=adamw,seed=1338", "s/optim.name=muon,seed=1338"]
@@ -765,22 +622,13 @@ def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(monke
     assert "3 of 4 runs finished" in out
 
 
-def test_sweep_rejects_a_bad_grid_before_any_container_starts(monkeypatch, tmp_path):
-    for kwargs, words in [(dict(config="configs/tiny.yaml", sets="optim.nmae=adamw,muon"), "optim.nmae"),
-                          (dict(config="/home/me/my.yaml", sets="optim.name=adamw,muon"), "configs/ directory"),
-                          (dict(config="configs/tiny.yaml"), "nothing to sweep")]:
-        train = mock.MagicMock(name="train")
-        with pytest.raises(modal_app.SweepError, match=words):
-            run_sweep_driver(monkeypatch, tmp_path, train, **kwargs)
-        assert not train.mock_calls
-
-
-@pytest.mark.slow
-def test_modal_run_sweep_help_works_offline_next_to_the_default_entrypoint(tmp_path):
-    """`::sweep` must not be a second local entrypoint: `modal run modal_app.py --config ...` would then be
-    ambiguous and refused (test_modal_run_help_works_offline_and_shows_config checks that the default still resolves)."""
-    out = subprocess.run([sys.executable, "-m", "modal", "run", "modal_app.py::sweep", "--help"], capture_output=True,
-                         text=True, cwd=REPO, env=offline_env(tmp_path), timeout=120)
-    assert out.returncode == 0, out.stderr
-    for flag in ("--config", "--sets", "--seeds", "--name", "--gpus", "--gpu-type"):
-        assert flag in out.stdout
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(config="configs/tiny.yaml", sets="optim.nmae=adamw,muon"), "optim.nmae"),
+    (dict(config="/home/me/my.yaml", sets="optim.name=adamw,muon"), "configs/ directory"),
+    (dict(config="configs/tiny.yaml"), "nothing to sweep")])
+def test_sweep_rejects_a_bad_grid_before_any_container_starts(vol, monkeypatch, kwargs, words):
+    train = mock.MagicMock(name="train")
+    monkeypatch.setattr(modal_app, "train", train)
+    with pytest.raises(modal_app.SweepError, match=words):
+        modal_app.sweep.local(**kwargs)
+    assert not train.mock_calls

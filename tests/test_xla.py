@@ -1,6 +1,5 @@
-"""The XLA backend's pieces that need no torch_xla (nanopt/distributed/xla.py): xla_flash off XLA, the TPU config's step graph,
-TPU detection, peak memory from tpu-info, and the spot-VM warning. Runs on torch_xla's CPU device:
-e2e/test_xla_runs.py."""
+"""The XLA backend's pieces that need no torch_xla (nanopt/distributed/xla.py): xla_flash off XLA, the TPU config's
+step graph, TPU detection, peak memory, the spot-VM warning. On torch_xla's CPU device: e2e/test_xla_runs.py."""
 from __future__ import annotations
 
 import socket
@@ -48,28 +47,24 @@ def test_a_tpu_is_seen_as_accel_or_vfio_chips(tmp_path, files, attached):
     assert xla.tpu_attached(tmp_path) is attached
 
 
-def test_peak_memory_falls_back_to_tpu_info_and_keeps_the_highest_use(caplog):
-    def spmd_refuses() -> int:
-        raise RuntimeError("Invalid device SPMD:0")
+def refuses(error: Exception):
+    def read() -> int:
+        raise error
+    return read
 
+
+def test_peak_memory_falls_back_to_tpu_info_keeps_the_highest_use_and_without_a_source_is_null(caplog):
+    spmd_refuses = refuses(RuntimeError("Invalid device SPMD:0"))
     uses = iter([5 * 2**30, 9 * 2**30, 7 * 2**30])
     peak = xla.PeakMemory([("PJRT memory info", spmd_refuses), ("tpu-info", lambda: next(uses))])
     with caplog.at_level("WARNING", logger="nanopt"):
         assert [peak(), peak(), peak()] == [5 * 2**30, 9 * 2**30, 9 * 2**30]  # a peak, not the current use
     assert "unavailable" not in caplog.text
-
-
-def test_peak_memory_without_a_source_is_null_with_one_warning_saying_why(caplog):
-    def spmd_refuses() -> int:
-        raise RuntimeError("Invalid device SPMD:0")
-
-    def no_tpu_info() -> int:
-        raise ImportError("No module named 'tpu_info'")
-
-    peak = xla.PeakMemory([("PJRT memory info", spmd_refuses), ("tpu-info", no_tpu_info)])
+    peak = xla.PeakMemory([("PJRT memory info", spmd_refuses),
+                           ("tpu-info", refuses(ImportError("No module named 'tpu_info'")))])
     with caplog.at_level("WARNING", logger="nanopt"):
         assert [peak(), peak(), peak()] == [None, None, None]
-    assert caplog.text.count("peak memory unavailable on this device") == 1
+    assert caplog.text.count("peak memory unavailable on this device") == 1  # one warning, saying why
     assert "SPMD:0" in caplog.text and "tpu_info" in caplog.text
 
 
@@ -105,10 +100,8 @@ def test_a_spot_or_preemptible_tpu_vm_without_a_mirror_is_warned(metadata, warne
         return metadata.get(key)
 
     message = xla.preemption_warning("", fetch)
-    if warned is None:
-        assert message is None
-    else:
-        assert message.startswith(f"this is {warned} TPU VM") and "--checkpoint.mirror=gs://" in message
+    assert message is None if warned is None else \
+        message.startswith(f"this is {warned} TPU VM") and "--checkpoint.mirror=gs://" in message
     assert set(asked) <= {"provisioning-model", "preemptible"}
     assert xla.preemption_warning("gs://bucket/run", fetch) is None  # a mirror keeps the checkpoints
 

@@ -1,14 +1,10 @@
-"""Runs inside the torch_xla venv (scripts/xla_venv.sh), driven by tests/e2e/test_xla_runs.py with PJRT_DEVICE=CPU.
+"""Runs inside the torch_xla venv (scripts/xla_venv.sh), driven by tests/xla_jobs.py with PJRT_DEVICE=CPU; prints
+one `XLA_RESULT {json}` line with what the tests check.
 
-`python tests/xla_driver.py train RUN_DIR [--k.v=x ...]` trains through nanopt's own entry points
-(load_config -> runtime.init -> train) on the XLA device, then samples greedily from a freshly initialised
-model on XLA and on the host, and prints one JSON line with what the tests check: the train step's
-compilation counts, sampling's compilations and whether its tokens equal the CPU reference's.
-`python tests/xla_driver.py score` scores continuations (nanopt.evals.scoring) and generates greedily until a stop
-(nanopt.evals.generate): what lm-eval's `nanopt` model asks, on XLA and on the host with the same weights.
-`python tests/xla_driver.py guard` feeds the compiled-step wrapper a new shape on every call and reports
-whether the recompile guard stopped it.
-"""
+`train RUN_DIR [--k.v=x ...]` trains through nanopt's own entry points on the XLA device (compilation counts), then
+samples greedily on XLA and on the host (`train-only` skips that). `score` scores continuations and generates until a
+stop, as lm-eval's `nanopt` model asks, on XLA and on the host. `guard` feeds the compiled step a new shape on every
+call: does the recompile guard stop it?"""
 from __future__ import annotations
 
 import json

@@ -1,14 +1,8 @@
-"""The training runs behind tests/e2e/test_xla_runs.py, started in the background as soon as the session is collected.
-
-They are mostly XLA compile time on one thread each (~2 minutes of both cores if run at the end). Most of
-the suite runs one thread at a time, so conftest.py starts them when collection ends, at the lowest CPU
-priority (nice 19): they fill the core the other tests leave idle and never slow those down much.
-test_xla_runs.py's `runs` fixture waits for them, and starts them itself when conftest did not.
-
-torch_xla 2.9 runs only beside torch 2.9, so scripts/xla_venv.sh builds (once, cached outside the repo) a
-venv with both and this checkout on its path; tests/xla_driver.py runs there. A venv that cannot be built
-fails the tests (in CI and outside it): only absent hardware may skip, and this needs none (PyPI only).
-"""
+"""The training runs behind tests/e2e/test_xla_runs.py: mostly XLA compile time on one thread each, so conftest.py
+starts them when collection ends, at nice 19, to fill the core the rest of the suite leaves idle; the `runs`
+fixture waits for them (and starts them when conftest did not). torch_xla 2.9 runs only beside torch 2.9, so
+scripts/xla_venv.sh builds (once, cached outside the repo) a venv with both; tests/xla_driver.py runs there. A venv
+that cannot be built fails the tests: only absent hardware may skip, and this needs none (PyPI only)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +23,7 @@ VENV_BUILD_TIMEOUT_S = 1800  # cold: ~7 GB of wheels; minutes on a good link
 RUN_TIMEOUT_S = 1200  # one process, at nice 19 beside the rest of the suite
 DRIVER = str(REPO / "tests" / "xla_driver.py")
 
-# fp32 so XLA and CPU agree to float rounding (measured: within 1e-6); 12 steps of warmup + cosine: the LR changes every step.
+# fp32 so XLA and CPU agree to float rounding (measured: within 1e-6); 12 steps of warmup + cosine: a new LR each step.
 OVERRIDES = small_overrides(**{
     "train.max_steps": 12, "train.warmup_steps": 3, "train.precision": "fp32", "eval.every": 0,
 })
@@ -51,12 +45,15 @@ def venv_python(out: str) -> str:
     return str(Path(out.strip().splitlines()[-1]) / "bin" / "python")
 
 
+def venv_env(**env: str) -> dict[str, str]:
+    """This environment less any XLA, PJRT or TPU settings, one thread, this checkout on the path, and `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
+    return {**clean, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+
+
 def xla_env(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
-    env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), OMP_NUM_THREADS="1",
-               XLA_FLAGS="--xla_backend_optimization_level=0",  # compiles ~3x faster; the numbers don't change
-               PYTHONPATH=str(REPO))
-    return env
+    return venv_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
+                    XLA_FLAGS="--xla_backend_optimization_level=0")  # compiles ~3x faster; the numbers don't change
 
 
 def phase(device: str, run_dir: Path, args: list[str], python: str, kill_in_step: int = 0,
@@ -113,9 +110,8 @@ def floor_step(python: str, run_dir: Path, ranks: int) -> Step:
     """nanopt.main with the venv's torch (2.9) on the plain CPU device: one process, or fsdp under torchrun (gloo)."""
     launch = ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m"] if ranks > 1 else []
     fsdp = ["--runtime.parallel=fsdp"] if ranks > 1 else []
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
-    cmd = [python, "-m", *launch, "nanopt.main", *FLOOR_ARGS, *fsdp, f"--run.dir={run_dir}"]
-    return cmd, {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, 0
+    return [python, "-m", *launch, "nanopt.main", *FLOOR_ARGS, *fsdp, f"--run.dir={run_dir}"], venv_env(), 0
+
 
 class Background:
     """The venv build and every chain, in threads; each process at nice 19 and killed if the session ends first."""
@@ -153,11 +149,9 @@ class Background:
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err = self._wait("scripts/xla_venv.sh", proc, VENV_BUILD_TIMEOUT_S)
+            assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
         except AssertionError as e:
             raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv ({e})") from None
-        if proc.returncode != 0:
-            raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv (exit {proc.returncode}):\n"
-                             f"{err[-3000:]}")
         return venv_python(out)
 
     def _run(self, name: str, step: Step) -> str:

@@ -22,13 +22,17 @@ from nanopt.main import run
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "train.global_batch_tokens": 256})
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
+def _logged(run_dir: Path, key: str = "loss") -> list[dict]:
+    """The metrics.jsonl records that have `key`."""
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in _logged(run_dir)}
+
+
+def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
+    return {r["step"]: (r["val_loss"], r["weights"]) for r in _logged(run_dir, "val_loss")}
 
 
 def _final_weights(run_dir: Path, name: str = "model.safetensors") -> dict:
@@ -36,21 +40,16 @@ def _final_weights(run_dir: Path, name: str = "model.safetensors") -> dict:
     return load_file(str(run_dir / "checkpoints" / latest / name))
 
 
-def _assert_same_weights(a: Path, b: Path, name: str = "model.safetensors") -> None:
+def _assert_close_weights(want: dict, got: dict, name: str, tolerance: float = 1e-5) -> None:
+    assert want.keys() <= got.keys()
+    for key in want:
+        assert (want[key] - got[key]).abs().max().item() < tolerance, (name, key)
+
+
+def _assert_same_weights(a: Path, b: Path, name: str = "model.safetensors", tolerance: float = 1e-5) -> None:
     wa, wb = _final_weights(a, name), _final_weights(b, name)
     assert wa.keys() == wb.keys()
-    for key in wa:
-        assert (wa[key] - wb[key]).abs().max().item() < 1e-5, (name, key)
-
-
-def _assert_same_run(a: Path, b: Path) -> None:
-    la, lb = _losses(a), _losses(b)
-    assert la.keys() == lb.keys() and len(la) == 4
-    for step in la:
-        assert abs(la[step] - lb[step]) < 1e-5, (step, la[step], lb[step])
-    wa, wb = _final_weights(a), _final_weights(b)
-    for name in wa:
-        assert (wa[name] - wb[name]).abs().max().item() < 1e-5, name
+    _assert_close_weights(wa, wb, name, tolerance)
 
 
 # The averaged weights (train.ema_decay) ride along in the muon and fsdp comparisons: every rank keeps the same
@@ -76,7 +75,11 @@ def test_two_ranks_on_two_c10d_nodes_match_one_rank_with_muon(corpus_dir, tmp_pa
         assert "torch/distributed/run.py" not in proc.stderr, proc.stderr[-3000:]
     said = "".join(proc.stdout + proc.stderr for proc in procs)  # rank 0's lines, on either node
     assert "name: muon" in (two / "config.yaml").read_text() and "2 ranks x 1 accum" in said
-    _assert_same_run(one, two)
+    la, lb = ({step: loss for step, (loss, _) in _records(d).items()} for d in (one, two))
+    assert la.keys() == lb.keys() and len(la) == 4
+    for step in la:
+        assert abs(la[step] - lb[step]) < 1e-5, (step, la[step], lb[step])
+    _assert_same_weights(one, two)
     _assert_same_weights(one, two, "ema.safetensors")
     summary = json.loads((two / "summary.json").read_text())
     digests = summary["weights_sha256_per_rank"]
@@ -84,8 +87,7 @@ def test_two_ranks_on_two_c10d_nodes_match_one_rank_with_muon(corpus_dir, tmp_pa
     # Every rank's peak memory: the summary lists both, each logged step the busiest and which rank it is.
     peaks = summary["peak_memory_gib_per_rank"]
     assert len(peaks) == 2 and all(p > 0 for p in peaks) and summary["peak_reserved_gib_per_rank"] is None
-    logged = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in logged if "loss" in r]
+    logged = _logged(two)
     assert all(r["peak_memory_rank"] in (0, 1) and 0 < r["peak_memory_gib"] <= max(peaks) for r in logged)
     assert f"GiB @rank {logged[-1]['peak_memory_rank']}" in said
 
@@ -179,14 +181,7 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     for weights, name in (("model", "model.safetensors"), ("ema", "ema.safetensors")):
         loaded = loading.load(ddp_first, weights=weights)
         assert loaded.step == 10 and (loaded.source / rundirs.DCP_METADATA).is_file()
-        whole, own = _final_weights(fsdp_reference, name), loaded.model.state_dict()
-        for key in whole:
-            assert (whole[key] - own[key]).abs().max().item() < 1e-5, (name, key)
-
-
-def _val(run_dir: Path) -> dict[int, tuple[float, str]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: (r["val_loss"], r["weights"]) for r in records if "val_loss" in r}
+        _assert_close_weights(_final_weights(fsdp_reference, name), loaded.model.state_dict(), name)
 
 
 @pytest.mark.slow
@@ -210,10 +205,7 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
     assert sorted(records) == list(range(1, 11))
     for step, (loss, norm) in reference.items():
         assert abs(records[step][0] - loss) < 1e-3 and abs(records[step][1] - norm) < 1e-3, (step, records[step])
-    wa, wb = _final_weights(one), _final_weights(two)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert (wa[name] - wb[name]).abs().max().item() < 5e-3, name
+    _assert_same_weights(one, two, tolerance=5e-3)
 
 
 @pytest.mark.slow
@@ -269,22 +261,12 @@ def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_witho
     assert sorted(records) == list(range(1, 6))
     for step, (loss, norm) in records.items():
         assert abs(expected[step][0] - loss) < 1e-5 and abs(expected[step][1] - norm) < 5e-5 * norm, (step, norm)
-    timed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in timed if r.get("mfu")]
+    timed = [r for r in _logged(run_dir, "mfu") if r["mfu"]]
     # hfu counts the blocks' second forward (without train.recompute it equals mfu here: no chunked loss)
     assert timed and all(r["hfu"] > 1.1 * r["mfu"] for r in timed), [r["hfu"] / r["mfu"] for r in timed]
     evaluated, reference = _val(run_dir), _val(fsdp_reference)
     for step in (0, 2, 4):
         assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
-
-
-def _records(run_dir: Path) -> dict[int, tuple[float, float]]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = (rec["loss"], rec["grad_norm"])
-    return out
 
 
 @pytest.mark.slow

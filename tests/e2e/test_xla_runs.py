@@ -1,10 +1,6 @@
-"""The XLA device path, on torch_xla's CPU device (PJRT_DEVICE=CPU) in its own venv (tests/xla_jobs.py), and the
-errors a user sees without it.
-
-The reference is the same config trained by the system torch on the plain CPU device. Cold: ~4 minutes for
-the venv; warm: about two minutes of both cores for the XLA runs, mostly hidden behind the rest of the suite.
-A venv that cannot be built fails the tests (in CI and outside it); they never skip.
-"""
+"""The XLA device path, on torch_xla's CPU device (PJRT_DEVICE=CPU) in its own venv (tests/xla_jobs.py), against the
+same config trained by the system torch on the plain CPU device, and the errors a user sees without it. A venv that
+cannot be built fails the tests (in CI and outside it); they never skip."""
 from __future__ import annotations
 
 import json
@@ -18,14 +14,11 @@ from conftest import run_module, small_overrides
 from nanopt.distributed import xla
 
 
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def _lrs(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["lr"] for r in rows if "lr" in r]
+def _logged(run_dir: Path, *keys: str) -> list:
+    """`keys` (loss by default) of every metrics.jsonl record that has the first: values, or tuples of several."""
+    keys = keys or ("loss",)
+    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if keys[0] in r]
+    return [r[keys[0]] if len(keys) == 1 else tuple(r[k] for k in keys) for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -38,45 +31,48 @@ def runs() -> dict:
 
 
 @pytest.mark.slow
-def test_xla_training_matches_cpu_losses(runs):
-    cpu, xla = _losses(runs["root"] / "cpu"), _losses(runs["root"] / "xla1")
+def test_xla_training_matches_cpu_losses_compiling_twice_with_foreach_adamw(runs):
+    cpu, xla = _logged(runs["root"] / "cpu"), _logged(runs["root"] / "xla1")
     assert len(cpu) == len(xla) == 12
     assert xla == pytest.approx(cpu, abs=5e-5), f"cpu {cpu}\nxla {xla}"
     assert xla[-1] < xla[0] - 0.5  # and it actually trained
+    lrs = _logged(runs["root"] / "xla1", "lr")
+    assert len(set(lrs)) >= 10, lrs  # a new learning rate nearly every step...
+    r = runs["xla1"]
+    assert r["step_calls"] == 12
+    assert r["step_compiles"] == 2, r  # ...yet only step 0 (optimizer state init) and step 1 compiled
+    assert r["recompiles"] == 0
+    assert r["hardware"] == "XLA CPU"
+    # torch picks foreach only on CUDA-like devices; the XLA backend asks for it (one traced op per tensor
+    # list, not a Python loop over parameters), and the run still matches the CPU one.
+    assert r["adamw_foreach"] is True
 
 
 @pytest.mark.slow
 def test_xla_training_with_muon_matches_cpu_losses(runs):
     # torch.optim.Muon orthogonalises in bf16 (_zeropower_via_newtonschulz casts the update), and XLA's bf16
     # matmuls round differently from oneDNN's, so the two drift apart by ~1e-3 per step, not fp32's 1e-6.
-    cpu, xla = _losses(runs["root"] / "cpu-muon"), _losses(runs["root"] / "xla1-muon")
+    cpu, xla = _logged(runs["root"] / "cpu-muon"), _logged(runs["root"] / "xla1-muon")
     assert len(cpu) == len(xla) == 6
     assert xla == pytest.approx(cpu, abs=2e-2), f"cpu {cpu}\nxla {xla}"
-    assert xla[-1] < xla[0] - 0.3 and cpu[0] != _losses(runs["root"] / "cpu")[0]  # it trained, with Muon, one layer
-
-
-@pytest.mark.slow
-def test_adamw_on_xla_is_foreach(runs):
-    # torch picks foreach only on CUDA-like devices; the XLA backend asks for it (one traced op per tensor
-    # list, not a Python loop over parameters), and the run still matches the CPU one (above).
-    assert runs["xla1"]["adamw_foreach"] is True
+    assert xla[-1] < xla[0] - 0.3 and cpu[0] != _logged(runs["root"] / "cpu")[0]  # it trained, with Muon, one layer
 
 
 @pytest.mark.slow
 def test_xla_in_bf16_matches_cpu_losses(runs):
     # bf16 autocast on both: XLA's and oneDNN's bf16 matmuls round differently (measured: within 2e-3). Steps 5-12
     # of cpu-xla-bf16 ran on XLA (resumed from a CPU checkpoint), so they are the XLA path in bf16.
-    cpu, xla = _losses(runs["root"] / "cpu-bf16"), _losses(runs["root"] / "cpu-xla-bf16")
+    cpu, xla = _logged(runs["root"] / "cpu-bf16"), _logged(runs["root"] / "cpu-xla-bf16")
     assert len(cpu) == len(xla) == 12
     assert xla == pytest.approx(cpu, abs=1e-2), f"cpu {cpu}\nxla {xla}"
-    assert xla[-1] < xla[0] - 0.5 and cpu != _losses(runs["root"] / "cpu")  # it trained, and in bf16
+    assert xla[-1] < xla[0] - 0.5 and cpu != _logged(runs["root"] / "cpu")  # it trained, and in bf16
     assert runs["cpu-xla-bf16"]["precision"] == "bf16"
     assert runs["cpu-xla-bf16"]["step_compiles"] == 2 and runs["cpu-xla-bf16"]["recompiles"] == 0
 
 
 @pytest.mark.slow
 def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):
-    assert _losses(runs["root"] / "xla-xla") == _losses(runs["root"] / "xla1")
+    assert _logged(runs["root"] / "xla-xla") == _logged(runs["root"] / "xla1")
     r = runs["xla-xla"]
     assert "resuming from" in r["log"] and "step_000004" in r["log"]
     assert r["step_calls"] == 8 and r["step_compiles"] == 2 and r["recompiles"] == 0  # steps 5..12, one graph
@@ -88,7 +84,7 @@ def test_an_interrupted_xla_run_resumes_bitwise_on_xla(runs):
 def test_a_run_resumes_on_the_other_device_type(runs, name, reference, tolerance):
     # runtime.* may change on resume: the optimizer's implementation (fused on CPU, foreach on XLA) comes
     # from the new run, its moments and step counts from the checkpoint.
-    got, want = _losses(runs["root"] / name), _losses(runs["root"] / reference)
+    got, want = _logged(runs["root"] / name), _logged(runs["root"] / reference)
     assert len(got) == len(want) == 12
     assert got == pytest.approx(want, abs=tolerance), f"{reference} {want}\n{name} {got}"
     assert "resuming from" in runs[name]["log"] and "step_000004" in runs[name]["log"]
@@ -97,30 +93,14 @@ def test_a_run_resumes_on_the_other_device_type(runs, name, reference, tolerance
 
 
 @pytest.mark.slow
-def test_train_step_compiles_twice_then_reuses_while_lr_changes(runs):
-    lrs = _lrs(runs["root"] / "xla1")
-    assert len(set(lrs)) >= 10, lrs  # a new learning rate nearly every step...
-    r = runs["xla1"]
-    assert r["step_calls"] == 12
-    assert r["step_compiles"] == 2, r  # ...yet only step 0 (optimizer state init) and step 1 compiled
-    assert r["recompiles"] == 0
-    assert r["hardware"] == "XLA CPU"
-
-
-@pytest.mark.slow
-def test_spmd_over_four_devices_matches_cpu(runs):
+def test_spmd_over_four_devices_matches_cpu_and_xla_flash_falls_back_to_sdpa_off_tpu(runs):
     r = runs["xla4"]
     assert r["num_devices"] == 4
     assert "SPMD over 4 CPU device(s)" in r["log"]
-    assert _losses(runs["root"] / "xla4") == pytest.approx(_losses(runs["root"] / "cpu"), abs=5e-5)
+    assert _logged(runs["root"] / "xla4") == pytest.approx(_logged(runs["root"] / "cpu"), abs=5e-5)
     assert r["step_compiles"] == 2 and r["recompiles"] == 0
-
-
-@pytest.mark.slow
-def test_xla_flash_falls_back_to_sdpa_off_tpu_with_the_reason(runs):
-    log = runs["xla4"]["log"]
-    assert "xla_flash requested but Pallas kernels run only on TPU (PJRT_DEVICE=CPU)" in log
-    assert "attention sdpa" in log
+    assert "xla_flash requested but Pallas kernels run only on TPU (PJRT_DEVICE=CPU)" in r["log"]
+    assert "attention sdpa" in r["log"]
 
 
 @pytest.mark.slow
@@ -180,9 +160,7 @@ def test_fsdp_on_the_torch_floor_averages_the_ranks_gradients(runs):
     """torch 2.9 (the floor, in the XLA venv), fsdp on 2 gloo ranks with accumulation equals one rank: gloo's
     FSDP2 once summed the ranks' gradients instead of averaging them (pytorch#162338), which would double the
     logged grad norm from step 1. nanopt also forces SUM reductions plus FSDP2's division under gloo."""
-    rows = {name: [json.loads(line) for line in (runs["root"] / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("torch29-one", "torch29-fsdp")}
-    one, two = ([(r["loss"], r["grad_norm"]) for r in rows[name] if "loss" in r] for name in rows)
+    one, two = (_logged(runs["root"] / name, "loss", "grad_norm") for name in ("torch29-one", "torch29-fsdp"))
     assert len(one) == len(two) == 12
     for (loss_a, norm_a), (loss_b, norm_b) in zip(one, two):
         assert abs(loss_a - loss_b) < 1e-5 and abs(norm_a - norm_b) < 5e-5 * norm_a, (one, two)
