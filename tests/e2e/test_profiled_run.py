@@ -15,58 +15,39 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, free_port, resolved_small_config, small_overrides, stub_runtime, torchrun, trace_files
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from nanopt.main import run
 from nanopt.training import profiling
 
 
-def _train(tmp: Path, **changes: object) -> int:
-    """One in-process training run of the SMALL config into `tmp` (faster than a fresh interpreter)."""
-    from nanopt.main import run
-
-    return run(small_overrides(**{"run.dir": str(tmp), **changes}))
-
-
-# ------------------------------------------------------------------ off
-
-
 def test_off_is_a_nullcontext_and_leaves_no_trace(tmp_path):
-    cfg = resolved_small_config(f"--run.dir={tmp_path}")
-    prof = profiling.profiler(cfg, stub_runtime(world=1))
+    prof = profiling.profiler(resolved_small_config(f"--run.dir={tmp_path}"), stub_runtime(world=1))
     assert isinstance(prof, contextlib.nullcontext)
     with prof as entered:
         entered.step()
         assert profiling.label(profiling.FORWARD) is profiling.label(profiling.DATA)  # the shared no-op
-    assert _train(tmp_path) == 0
+    assert run(small_overrides(**{"run.dir": str(tmp_path), "train.max_steps": 2})) == 0  # in-process: faster
     assert (tmp_path / "summary.json").exists()
     assert not (tmp_path / "tb" / "plugins").exists()
     assert not (tmp_path / "profile_summary.json").exists()
 
 
-# ------------------------------------------------------------------ on (one real run shared by the tests below)
-
-
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> tuple[Path, str]:
-    """(run directory, console output) of a 6-step run with the profiler on."""
-    run_dir = tmp_path_factory.mktemp("profiled")
-    out = io.StringIO()
+    """(run directory, console output) of a 6-step run with the profiler on: the default 10/5/20 schedule shrinks to
+    wait 1, warmup 1, active 4 (steps 3-6)."""
+    run_dir, out = tmp_path_factory.mktemp("profiled"), io.StringIO()
     with contextlib.redirect_stdout(out):  # nanopt logs to stdout
-        # 6 steps: the default 10/5/20 schedule shrinks to wait 1, warmup 1, active 4 (steps 3-6).
-        assert _train(run_dir, **{"profile.enabled": "true", "profile.memory_snapshot": "true"}) == 0
+        changes = {"run.dir": str(run_dir), "profile.enabled": "true", "profile.memory_snapshot": "true"}
+        assert run(small_overrides(**changes)) == 0
     return run_dir, out.getvalue()
 
 
-@pytest.fixture
-def profiled_run(profiled) -> Path:
-    return profiled[0]
-
-
 @pytest.mark.slow
-def test_trace_is_chrome_json_in_the_plugin_layout(profiled_run):
-    traces = trace_files(profiled_run)
-    assert len(traces) == 1
-    trace = traces[0]
-    assert trace.parent == profiled_run / "tb" / "plugins" / "profile" / "step_000003"
+def test_trace_is_chrome_json_in_the_plugin_layout(profiled):
+    [trace] = trace_files(profiled[0])
+    assert trace.parent == profiled[0] / "tb" / "plugins" / "profile" / "step_000003"
     assert re.fullmatch(re.escape(socket.gethostname()) + r"_0\.\d+\.pt\.trace\.json", trace.name)
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
@@ -75,8 +56,9 @@ def test_trace_is_chrome_json_in_the_plugin_layout(profiled_run):
     assert any(e.get("ph") == "X" and str(e.get("name", "")).startswith("aten::") for e in events)
 
 
-def test_summary_shares_add_up(profiled_run):
-    s = json.loads((profiled_run / "profile_summary.json").read_text())
+def test_summary_shares_add_up_and_go_to_the_console_and_tensorboard(profiled):
+    run_dir, output = profiled
+    s = json.loads((run_dir / "profile_summary.json").read_text())
     assert (s["first_step"], s["last_step"], s["profiled_steps"]) == (3, 6, 4)
     assert s["schedule"] == {"wait": 1, "warmup": 1, "active": 4}
     assert s["mode"] == "cpu-labels"
@@ -98,97 +80,66 @@ def test_summary_shares_add_up(profiled_run):
     assert any(op["name"] in ("aten::mm", "aten::addmm", "aten::bmm") for op in top)
     assert sum(op["self_ms"] for op in top) <= s["step_ms_total"]
     assert s["peak_memory_bytes"] > 0
-    assert Path(s["trace_file"]) == trace_files(profiled_run)[0]
-
-
-def test_summary_goes_to_tensorboard(profiled_run):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(profiled_run / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    assert Path(s["trace_file"]) == trace_files(run_dir)[0]
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    s = json.loads((profiled_run / "profile_summary.json").read_text())
     [point] = acc.Scalars("profile/host_overhead_share")
     assert point.step == 6 and point.value == pytest.approx(s["host_overhead_share"], rel=1e-5)
     [text] = acc.Tensors("profile/summary/text_summary")
     assert "host overhead" in text.tensor_proto.string_val[0].decode()
-
-
-def test_summary_is_printed_and_memory_snapshot_skipped_off_cuda(profiled):
-    run_dir, output = profiled
     assert "schedule shrunk from wait/warmup/active 10/5/20 to 1/1/4" in output
     assert re.search(r"profile: steps 3-6 \(4 steps, [\d.]+ ms/step\) \| host overhead [\d.]+%", output)
     assert "profile: top ops by self time: aten::" in output
-    assert "memory_snapshot is on but needs a CUDA device" in output
+    assert "memory_snapshot is on but needs a CUDA device" in output  # and skipped off CUDA
     assert not list(run_dir.rglob("*.memory_snapshot.pickle"))
 
 
-# ------------------------------------------------------------------ the real viewer
-
-
-def _get_json(url: str) -> object:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        assert r.status == 200
-        return json.loads(r.read())
-
-
 @pytest.mark.slow
-def test_tensorboard_profiler_plugin_serves_the_run(profiled_run):
+def test_tensorboard_profiler_plugin_serves_the_run(profiled):
     port = free_port()
     base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(profiled_run / "tb"),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-    )
-    try:
-        runs, deadline = None, time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                runs = _get_json(f"{base}/runs")
-            except OSError:
-                runs = None  # not listening yet
-            if runs and runs["runs"] and not runs["loading"]:
-                break
-            time.sleep(0.5)
-        assert runs and runs["runs"] == ["plugins/profile/step_000003"], runs
-        q = {"run": runs["runs"][0]}
-        assert "Overview" in _get_json(f"{base}/views?" + urllib.parse.urlencode(q))
-        [worker] = _get_json(f"{base}/workers?" + urllib.parse.urlencode({**q, "view": "Overview"}))
-        assert worker == f"{socket.gethostname()}_0"
-        [span] = _get_json(f"{base}/spans?" + urllib.parse.urlencode({**q, "worker": worker}))
-        overview = _get_json(f"{base}/overview?" + urllib.parse.urlencode({**q, "worker": worker, "span": span}))
-        steps = overview["steps"]
-        columns = [c["name"] for c in steps["columns"] if "name" in c]
-        assert columns[0] == "Step" and "CPU Exec" in columns
-        # One row per profiled step, in the plugin's own numbering (ProfilerStep#2..#5 = optimizer steps 3..6).
-        assert [row[0] for row in steps["rows"]] == ["2", "3", "4", "5"]
-        exec_col = [c.get("name") for c in steps["columns"]].index("CPU Exec")
-        assert all(row[exec_col] > 0 for row in steps["rows"])
-        assert overview["environments"][1] == {"title": "Device Type", "value": "CPU"}
-        assert "performance" in overview and "recommendations" in overview
-    finally:
-        server.terminate()
+
+    def get(path: str, **query: str) -> object:
+        with urllib.request.urlopen(f"{base}/{path}?" + urllib.parse.urlencode(query), timeout=10) as r:
+            assert r.status == 200
+            return json.loads(r.read())
+
+    with subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(profiled[0] / "tb"), "--host",
+                           "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=REPO) as server:
         try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            runs, deadline = None, time.monotonic() + 90
+            while time.monotonic() < deadline and not (runs and runs["runs"] and not runs["loading"]):
+                assert server.poll() is None, server.stdout.read()
+                with contextlib.suppress(OSError):  # not listening yet
+                    runs = get("runs")
+                time.sleep(0.5)
+            assert runs and runs["runs"] == ["plugins/profile/step_000003"], runs
+            q = {"run": runs["runs"][0]}
+            assert "Overview" in get("views", **q)
+            [worker] = get("workers", **q, view="Overview")
+            assert worker == f"{socket.gethostname()}_0"
+            [span] = get("spans", **q, worker=worker)
+            overview = get("overview", **q, worker=worker, span=span)
+            steps = overview["steps"]
+            columns = [c.get("name") for c in steps["columns"]]
+            assert [c for c in columns if c][0] == "Step" and "CPU Exec" in columns
+            # One row per profiled step, in the plugin's own numbering (ProfilerStep#2..#5 = optimizer steps 3..6).
+            assert [row[0] for row in steps["rows"]] == ["2", "3", "4", "5"]
+            assert all(row[columns.index("CPU Exec")] > 0 for row in steps["rows"])
+            assert overview["environments"][1] == {"title": "Device Type", "value": "CPU"}
+            assert "performance" in overview and "recommendations" in overview
+        finally:
             server.kill()
-            server.wait()
-        server.stdout.close()
-
-
-# ------------------------------------------------------------------ two ranks
 
 
 @pytest.mark.slow
 def test_every_listed_rank_writes_its_own_trace(tmp_path):
-    proc = torchrun(2, small_overrides(**{
-        "run.dir": str(tmp_path), "profile.enabled": "true", "profile.ranks": "all",
-    }))
+    changes = {"run.dir": str(tmp_path), "profile.enabled": "true", "profile.ranks": "all", "train.max_steps": 3}
+    proc = torchrun(2, small_overrides(**changes))  # 3 steps: wait 1, warmup 1, active 1
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(re.sub(r"\.\d+\.pt\.trace\.json$", "", p.name) for p in trace_files(tmp_path))
-    host = socket.gethostname()
-    assert names == [f"{host}_0", f"{host}_1"]
+    assert names == [f"{socket.gethostname()}_{rank}" for rank in (0, 1)]
     for name in ("profile_summary.json", "profile_summary_rank1.json"):
         s = json.loads((tmp_path / name).read_text())
         assert sum((s["host_overhead_share"], s["data_loader_share"], s["compute_share"])) == pytest.approx(1.0)
