@@ -77,25 +77,20 @@ def launched(vol, no_thread_env, monkeypatch) -> mock.MagicMock:
 # ---------------------------------------------------------------- import and CLI, in fresh processes
 SPY = """
 import warnings
+from unittest import mock
 import modal
-pip, apt = [], []
-real_pip, real_apt = modal.Image.pip_install, modal.Image.apt_install
-def pip_spy(self, *packages, **kw):
-    pip.append((packages, kw))
-    return real_pip(self, *packages, **kw)
-def apt_spy(self, *packages, **kw):
-    apt.extend(packages)
-    return real_apt(self, *packages, **kw)
-modal.Image.pip_install, modal.Image.apt_install = pip_spy, apt_spy
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter('always')
-    import modal_app
 from modal.exception import DeprecationError, InternalAPIWarning
+spy = {n: mock.patch.object(modal.Image, n, autospec=True, side_effect=getattr(modal.Image, n)).start()
+       for n in ("pip_install", "apt_install")}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import modal_app
 bad = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, DeprecationError, InternalAPIWarning)
-found = [f'{w.category.__name__}: {w.message}' for w in caught if issubclass(w.category, bad)]
-info = modal_app.train_multinode.info() if hasattr(modal_app, 'train_multinode') else None
-cluster = info and (info.cluster_info.size, info.cluster_info.rdma, info.gpus, info.max_retries)
-print(repr({'warnings': found, 'app': modal_app.app.name, 'pip': pip, 'apt': apt, 'cluster': cluster}))
+info = modal_app.train_multinode.info() if hasattr(modal_app, "train_multinode") else None
+print(repr({"warnings": [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, bad)],
+            "app": modal_app.app.name, "pip": [(c.args[1:], c.kwargs) for c in spy["pip_install"].call_args_list],
+            "apt": [p for c in spy["apt_install"].call_args_list for p in c.args[1:]],
+            "cluster": info and (info.cluster_info.size, info.cluster_info.rdma, info.gpus, info.max_retries)}))
 """
 WHEEL = "https://example.invalid/flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl"
 
@@ -378,10 +373,9 @@ def records(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> SimpleNamespace:
-    """train.local(): real torchrun (2 CPU ranks) on the tiny config + SMALL, a tmp dir as the Volume, twice on one
-    run. The first attempt is preempted: SIGINT to torchrun's process group while its ranks are paused after step 3
-    (`first`: what it raised or returned, `launched`: its processes, `checkpoints`: the complete ones it left). The
-    second (`result`, `volume`), the one Modal's retry runs, resumes and finishes the run the other tests read."""
+    """train.local(), real torchrun (2 CPU ranks) on the tiny config + SMALL, twice on one run. The first attempt is
+    preempted while its ranks are paused after step 3 (`first`: what it raised or returned, `launched`: its
+    processes, `checkpoints`: the complete ones it left); the second (`result`, `volume`) resumes and finishes it."""
     tmp = tmp_path_factory.mktemp("modal")
     t = SimpleNamespace(volume_dir=tmp / "vol", run_dir=tmp / "vol" / "runs" / "modal-smoke", launched=[],
                         volume=mock.MagicMock(name="volume"))
@@ -416,7 +410,16 @@ def trained(tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.mark.slow
-def test_training_function_launches_torchrun_and_writes_the_run_directory(trained):
+def test_training_function_resumes_a_preempted_attempt_to_the_uninterrupted_runs_weights(trained, tmp_path):
+    """Real torchrun (2 CPU ranks) under the training function, SIGINT to its process group while the ranks are
+    paused after step 3: the attempt raises RetryAttempt (Modal retries it), step 3's checkpoint is complete, and the
+    next attempt resumes and ends with the uninterrupted run's weights and losses. That run is one process, trained
+    here: two ddp ranks average their gradients as exactly as one process accumulates them (e2e/test_resume.py)."""
+    attempt = trained.first
+    assert isinstance(attempt, modal_app.RetryAttempt), attempt
+    assert attempt.exit_code == 75 and "resumably" in str(attempt)
+    assert len(trained.launched) == 1 and trained.launched[0].poll() is not None
+    assert trained.checkpoints == ["step_000003"]
     run_dir = trained.run_dir
     assert trained.result == {"run_dir": str(run_dir), "exit_code": 0}
     assert (run_dir / modal_app.RUN_CONFIG_NAME).exists()
@@ -428,21 +431,6 @@ def test_training_function_launches_torchrun_and_writes_the_run_directory(traine
     limit = load_config(run_dir / "config.yaml").run.time_limit_s
     assert 24 * 60 * 60 - modal_app.TIME_LIMIT_MARGIN_S - 60 < limit <= 24 * 60 * 60 - modal_app.TIME_LIMIT_MARGIN_S
     assert trained.volume.commit.call_count >= 2  # after writing the config, and after torchrun exited
-
-
-@pytest.mark.slow
-def test_sigint_to_torchrun_is_a_retried_preemption_and_the_retry_finishes_the_same_run(trained, tmp_path):
-    """Real torchrun (2 CPU ranks) under the training function, SIGINT to its process group while the ranks
-    are paused after step 3 (the `trained` fixture's first attempt): the attempt raises RetryAttempt (Modal retries
-    it), step 3's checkpoint is complete, and the next attempt resumes and ends with the uninterrupted run's weights
-    and losses. The uninterrupted run is one process, trained here: two ddp ranks average their gradients as exactly
-    as one process accumulates them (tests/e2e/test_resume.py), so it is the 2-rank run's to the bit."""
-    attempt = trained.first
-    assert isinstance(attempt, modal_app.RetryAttempt), attempt
-    assert attempt.exit_code == 75 and "resumably" in str(attempt)
-    assert len(trained.launched) == 1 and trained.launched[0].poll() is not None
-    assert trained.checkpoints == ["step_000003"]
-    assert trained.result["exit_code"] == 0
     reference = tmp_path / "reference"
     assert run(["--config", str(config_file(tmp_path)), f"--run.dir={reference}"]) == 0
     final = Path("checkpoints") / "step_000006" / "model.safetensors"

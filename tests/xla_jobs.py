@@ -40,11 +40,6 @@ class SetupError(RuntimeError):
     """The torch_xla venv could not be built: the tests fail with this message."""
 
 
-def venv_python(out: str) -> str:
-    """The venv's python from scripts/xla_venv.sh's output (its last line is the venv's path)."""
-    return str(Path(out.strip().splitlines()[-1]) / "bin" / "python")
-
-
 def venv_env(**env: str) -> dict[str, str]:
     """This environment less any XLA, PJRT or TPU settings, one thread, this checkout on the path, and `env`."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "PJRT_", "TPU_"))}
@@ -125,39 +120,23 @@ class Background:
         self.started = time.perf_counter()
         self.future: Future = ThreadPoolExecutor(max_workers=1).submit(self._all)
 
-    def _start(self, name: str, cmd: list[str], **kwargs) -> subprocess.Popen:
+    def _run(self, name: str, step: Step, timeout: float = RUN_TIMEOUT_S) -> str:
+        """One process's output (stdout and stderr); it must exit as the step expects."""
+        cmd, env, expected = step
         with self.lock:
             if self.stopped:
                 raise AssertionError(f"{name}: the session ended before it ran")
-            proc = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=REPO, text=True, **kwargs)
+            proc = subprocess.Popen(["nice", "-n", "19", *cmd], cwd=REPO, text=True, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT)
             self.procs.add(proc)
-            return proc
-
-    def _wait(self, name: str, proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         try:
-            return proc.communicate(timeout=timeout)
+            out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise AssertionError(f"{name} timed out after {timeout} s:\n{str(proc.communicate()[0])[-4000:]}") from None
+            raise AssertionError(f"{name} timed out after {timeout} s:\n{proc.communicate()[0][-4000:]}") from None
         finally:
             with self.lock:
                 self.procs.discard(proc)
-
-    def _build_venv(self) -> str:
-        """The venv's python, built on first use (the session's end kills a build in progress)."""
-        proc = self._start("scripts/xla_venv.sh", ["bash", str(REPO / "scripts" / "xla_venv.sh")],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            out, err = self._wait("scripts/xla_venv.sh", proc, VENV_BUILD_TIMEOUT_S)
-            assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
-        except AssertionError as e:
-            raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv ({e})") from None
-        return venv_python(out)
-
-    def _run(self, name: str, step: Step) -> str:
-        cmd, env, expected = step
-        proc = self._start(name, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        out, _ = self._wait(name, proc, RUN_TIMEOUT_S)
         assert proc.returncode == expected, f"{name} exited {proc.returncode}, not {expected}:\n{out[-4000:]}"
         return out
 
@@ -171,9 +150,13 @@ class Background:
         return {"log": text, "seconds": time.perf_counter() - t0, **result}
 
     def _all(self) -> dict:
-        python = self._build_venv()
+        try:  # the venv, built on first use (the session's end kills a build in progress)
+            out = self._run("scripts/xla_venv.sh", (["bash", str(REPO / "scripts" / "xla_venv.sh")], None, 0),
+                            VENV_BUILD_TIMEOUT_S)
+        except AssertionError as e:
+            raise SetupError(f"scripts/xla_venv.sh could not build the torch_xla venv ({e})") from None
         venv_s = time.perf_counter() - self.started
-        chains = jobs(self.root, python)
+        chains = jobs(self.root, str(Path(out.strip().splitlines()[-1]) / "bin" / "python"))  # its last line: the venv
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             futures = {name: pool.submit(self._chain, name, steps) for name, steps in chains.items()}
             out = {"root": self.root, **{name: f.result() for name, f in futures.items()}}

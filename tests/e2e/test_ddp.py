@@ -60,10 +60,9 @@ MUON_ARGS = [*ARGS, MUON_ARG, *EMA_ARGS]
 
 @pytest.mark.slow
 def test_two_ranks_on_two_c10d_nodes_match_one_rank_with_muon(corpus_dir, tmp_path):
-    """MUON_ARGS under ddp on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line: c10d
-    numbers the nodes, no --node-rank) equal one rank trained in this process meanwhile, the averaged weights
-    included; the ranks end identical and each one's peak memory is reported. (AdamW under ddp equals one process
-    to the bit: tests/test_modal_app.py's preempted run and tests/e2e/test_resume.py.)"""
+    """MUON_ARGS under ddp on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line) equal one
+    rank trained in this process meanwhile, averaged weights included; the ranks end identical and report their
+    peak memory. (AdamW under ddp equals one process to the bit: test_modal_app.py, e2e/test_resume.py.)"""
     one, two = tmp_path / "one", tmp_path / "two"
     port = free_port()
     launcher = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanopt-test"]
@@ -93,10 +92,9 @@ def test_two_ranks_on_two_c10d_nodes_match_one_rank_with_muon(corpus_dir, tmp_pa
 
 
 # ---------------------------------------------------------------- fsdp
-# Global batch 512 = 4 micro-steps at one rank, 2 per rank at two: accumulation runs under no_sync and under
-# set_requires_gradient_sync(False). A constant lr makes a 5-step run plus its resume to 10 one 10-step run. Three
-# evaluation batches do not divide over 2 or 4 ranks: a sharded model's forward is a collective, so the rank with
-# fewer must still run as many (evaluation._forwards_short), or the final evaluation hangs.
+# Global batch 512 = 4 micro-steps at one rank, 2 per rank at two. A constant lr makes a 5-step run plus its resume
+# to 10 one 10-step run. Three evaluation batches do not divide over 2 or 4 ranks: a sharded model's forward is a
+# collective, so the rank with fewer must still run as many, or the final evaluation hangs.
 FSDP_ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 10, "train.global_batch_tokens": 512,
                                "train.schedule": "constant", "log.tensorboard": "false", "eval.batches": 3}) + EMA_ARGS
 HALF = "--train.max_steps=5"
@@ -112,17 +110,15 @@ def fsdp_reference(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_rank_half(tmp_path_factory) -> Path:
-    """FSDP_ARGS' steps 1-5 on one rank, in this process: the checkpoint that fsdp and hsdp resume below (each a
-    copy)."""
+    """FSDP_ARGS' steps 1-5 on one rank, in this process: the checkpoint fsdp and hsdp resume below (copies)."""
     run_dir = tmp_path_factory.mktemp("one_rank_half")
     assert run([*FSDP_ARGS, HALF, f"--run.dir={run_dir}"]) == 0
     return run_dir
 
 
 def _assert_equals_reference(reference: Path, other: Path) -> None:
-    """Loss at every one of the 10 steps, the evaluations and the weights to 1e-5; the grad norm to 5e-5 of itself:
-    fsdp reduce-scatters each micro-step's gradients (parallel.accumulating), another fp32 summation order, and a
-    late step's norm (~2) amplifies it to ~1e-5 (AMD EPYC, 2026-11-27). A summed gradient would be 100% off."""
+    """Loss at each of the 10 steps, the evaluations and the weights to 1e-5; the grad norm to 5e-5 of itself (fsdp's
+    per-micro-step reduce-scatter sums in another order, ~1e-5 of a late norm of ~2). A summed gradient: 100% off."""
     records, expected = _records(other), _records(reference)
     assert sorted(records) == list(range(1, 11))
     for step, (loss, norm) in expected.items():
@@ -139,10 +135,9 @@ COMPILED = ["--train.compile=true", "--train.recompute=true", "--sample.num_samp
 
 @pytest.fixture(scope="module")
 def sharded_half(request, tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
-    """FSDP_ARGS' steps 1-5 on 2 fsdp ranks from scratch: each rank wrote its own DCP shards. Compiled per block
-    with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): one torchrun for the compiled test
-    and the sharded-checkpoint test, which resumes it eager (compile and recompute keep the state, so a resume may
-    switch them); the one-rank runs train in this process meanwhile. Returns (the run directory, the torchrun)."""
+    """(run directory, torchrun) of FSDP_ARGS' steps 1-5 on 2 fsdp ranks from scratch, each writing its DCP shards,
+    compiled per block with recompute and a 4-token sample at the end (COMPILED, dynamo's logs on): for the compiled
+    test and the sharded-checkpoint test, which resumes it eager. The one-rank runs train in this process meanwhile."""
     run_dir = tmp_path_factory.mktemp("sharded_half")
     finished = torchrun_started(2, [*FSDP_ARGS, HALF, "--runtime.parallel=fsdp", *COMPILED, f"--run.dir={run_dir}"],
                                 env={"TORCH_LOGS": "dynamo,recompiles"})
@@ -156,13 +151,10 @@ def sharded_half(request, tmp_path_factory, corpus_dir) -> tuple[Path, subproces
 @pytest.mark.slow
 def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(sharded_half, fsdp_reference,
                                                                                          one_rank_half, tmp_path):
-    """FSDP on 2 gloo ranks equals one rank to 1e-5 in loss, grad norm and weights over 10 AdamW steps: steps 1-5
-    fsdp from scratch (sharded_half), then resumed in one process (no process group: DCP reshards the 2 ranks'
-    shards into the whole model, optimizer and average, and it saves whole); and 1-5 on 1 rank, then resumed under
-    fsdp on 2 ranks, which save sharded again at 10: read whole in this process, as `nanopt eval/sample/export`
-    do, they are the one-rank weights. Gloo's FSDP2 once summed the ranks' gradients instead of averaging them
-    (pytorch#162338): the logged grad norm would double from step 1 (AdamW's update hardly sees a gradient's scale,
-    so the loss alone would barely show it; doubling the gradients in clip_grad_norm fails this test)."""
+    """FSDP on 2 gloo ranks equals one rank over 10 AdamW steps: 1-5 fsdp from scratch, resumed in one process (DCP
+    reshards the shards into the whole model, optimizer and average); and 1-5 on 1 rank, resumed under fsdp, which
+    saves sharded at 10: read whole here, as `nanopt eval/sample/export` do, the one-rank weights. Gloo's FSDP2 once
+    summed the ranks' gradients (pytorch#162338): the logged grad norm would double from step 1."""
     written, _ = sharded_half
     ckpt = written / "checkpoints" / "step_000005"  # both ranks' DCP shards and the whole weights for readers
     listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
@@ -186,12 +178,10 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
 
 @pytest.mark.slow
 def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_path):
-    """Muon under fsdp on 2 ranks, each orthogonalising only the matrices it owns (optim.OwnerSplit: the owner
-    gathers a matrix's rows, the others get theirs back), equals one rank within 1e-3 in loss and grad norm over 10
-    fp32 steps: 1-5 from scratch, 6-10 resumed under fsdp, so the momentum went through the DCP shards and came
-    back as shards. The weights get 5e-3: Newton-Schulz runs in bf16, where the fp32 gradients' other summation order
-    flips roundings, and DDP's Muon (every rank orthogonalising everything, as before the split, or split: the same
-    bits) ends 1.3e-3 from one rank here too; losses stay within 4e-5 (AMD EPYC, 2026-11-27)."""
+    """Muon under fsdp on 2 ranks, each orthogonalising the matrices it owns (optim.OwnerSplit), equals one rank
+    within 1e-3 in loss and grad norm over 10 fp32 steps, 6-10 resumed under fsdp (the momentum through the DCP
+    shards). The weights get 5e-3: Newton-Schulz runs in bf16, where another summation order flips roundings (DDP's
+    Muon ends 1.3e-3 from one rank too; losses within 4e-5, AMD EPYC, 2026-11-27)."""
     args = [*FSDP_ARGS, MUON_ARG]
     one, two = tmp_path / "one", tmp_path / "two"
     finished = torchrun_started(2, [*args, HALF, "--runtime.parallel=fsdp", f"--run.dir={two}"])
@@ -210,10 +200,9 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
 
 @pytest.mark.slow
 def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, one_rank_half, tmp_path):
-    """HSDP on 4 gloo ranks as 2 replicas x shard groups of 2 (a 2-D mesh: parameters placed (Replicate(),
-    Shard(0))) resumes a one-rank checkpoint at step 5 (the whole weights and AdamW state cut to 2-D shards), trains
-    to 10 and saves (gathered from 2-D shards): equal to the one-rank run, which FSDP and DDP equal above, to 1e-5.
-    A gradient summed instead of averaged over either mesh dimension would double the logged grad norm."""
+    """HSDP on 4 gloo ranks as 2 replicas x shard groups of 2 resumes a one-rank checkpoint at step 5 (cut to 2-D
+    shards), trains to 10 and saves (gathered): equal to the one-rank run to 1e-5. A gradient summed instead of
+    averaged over either mesh dimension would double the logged grad norm."""
     shutil.copytree(one_rank_half, tmp_path, dirs_exist_ok=True)
     hsdp = ["--runtime.parallel=hsdp", "--runtime.shard_group_size=2"]
     proc = torchrun(4, [*FSDP_ARGS, *hsdp, f"--run.dir={tmp_path}"])
@@ -224,10 +213,9 @@ def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_refe
 
 @pytest.mark.slow
 def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
-    """train.precision=bf16 under fsdp on 2 gloo ranks: FSDP2's MixedPrecisionPolicy gathers bf16 weights and
-    computes in them, and reduces fp32 gradients into the fp32 shards AdamW steps. Steps 1-4 train on one rank in
-    this process; 5-8 resume step 4's checkpoint under fsdp (its whole fp32 weights and AdamW state cut into the
-    shards). The loss falls over the 8 steps and over fsdp's own 4, and fsdp saves the weights whole in fp32."""
+    """train.precision=bf16 under fsdp on 2 gloo ranks (FSDP2 gathers bf16 weights, reduces fp32 gradients into the
+    fp32 shards): steps 1-4 on one rank here, 5-8 resumed under fsdp. The loss falls over the 8 steps and over
+    fsdp's own 4, and fsdp saves the weights whole in fp32."""
     args = small_overrides(**{"train.precision": "bf16", "train.max_steps": 8, "checkpoint.every": 4,
                               "log.tensorboard": "false", "run.dir": tmp_path})
     assert run([*args, "--train.max_steps=4"]) == 0
@@ -244,13 +232,10 @@ def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
 @pytest.mark.slow
 def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(sharded_half,
                                                                                                 fsdp_reference):
-    """train.compile under fsdp (train.compile_blocks; about 30 s, mostly inductor's C++ compile on 2 ranks), each
-    block recomputed in backward (train.recompute: the compiled block runs again, FSDP2 gathers its weights again):
-    5 steps on 2 ranks, 2 micro-steps each, equal the eager one-rank run (which eager fsdp equals to 1e-5, above) in
-    loss, grad norm and the averaged weights' evaluations. Dynamo traces Block.forward once per rank: one graph the
-    2 blocks share, and no recompile, so the evaluations (no_grad), the final test loss and the KV-cache sample at
-    the end ran the eager blocks; through the compiled ones each would recompile (grad mode, then T=1 and start_pos).
-    The run is sharded_half's (it saves sharded, which the fsdp test above resumes eager)."""
+    """train.compile under fsdp (per block), each block recomputed in backward: 5 steps on 2 ranks, 2 micro-steps
+    each, equal the eager one-rank run in loss, grad norm and the averaged weights' evaluations. Dynamo traces
+    Block.forward once per rank and never recompiles, so the evaluations, the final test loss and the KV-cache sample
+    ran the eager blocks (through the compiled ones each would recompile). The run is sharded_half's."""
     run_dir, proc = sharded_half
     traced = [(name, Path(path).parts[-2:])
               for name, path in re.findall(r"torchdynamo start tracing (\w+) (\S+):\d+", proc.stderr)]
@@ -271,15 +256,14 @@ def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_witho
 
 @pytest.mark.slow
 def test_hsdp_whose_one_shard_group_is_the_whole_world_is_refused_before_any_step(tmp_path):
-    """shard_group_size null = the ranks per node: on one node of 2 ranks that is one group and no replicas (fsdp).
-    Known only once torchrun says the world size: each rank refuses it, exit 2, before the run directory exists."""
+    """shard_group_size null = the ranks per node: on one node of 2 ranks, one group and no replicas (fsdp). Known
+    only once torchrun says the world size: each rank refuses it, exit 2, before the run directory exists."""
     status = tmp_path / "codes"
     proc = torchrun(2, [*ARGS, "--runtime.parallel=hsdp", f"--run.dir={tmp_path / 'run'}"],
                     env={EXIT_STATUS_ENV: str(status)})
     assert proc.returncode != 0
     assert "`runtime.shard_group_size` is null, the ranks per node (2), the whole world of 2 ranks" in proc.stderr
-    # "rank code" per line. Every rank refuses, but torchrun stops the others once the first exits 2, so a rank may
-    # be gone before it writes its line: every line written says 2.
+    # "rank code" per line: torchrun stops the others once the first exits 2, so every line written says 2.
     codes = dict(line.split() for line in status.read_text().splitlines())
     assert codes and set(codes) <= {"0", "1"} and set(codes.values()) == {"2"}, codes
     assert not (tmp_path / "run").exists()
