@@ -18,6 +18,8 @@ from nanopt import loading, rundirs
 from nanopt.errors import EXIT_STATUS_ENV
 from nanopt.main import run
 
+pytestmark = pytest.mark.slow  # every test here trains or launches processes
+
 # fp32 so the comparison is about the algorithm, not bf16 rounding; 8 sequences per step.
 ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "train.global_batch_tokens": 256})
 
@@ -58,7 +60,6 @@ EMA_ARGS = ["--train.ema_decay=0.8", "--train.ema_start=2", "--eval.weights=ema"
 MUON_ARGS = [*ARGS, MUON_ARG, *EMA_ARGS]
 
 
-@pytest.mark.slow
 def test_two_ranks_on_two_c10d_nodes_match_one_rank_with_muon(corpus_dir, tmp_path):
     """MUON_ARGS under ddp on two c10d 'nodes' of one rank each (a torchrun per node, as the README's line) equal one
     rank trained in this process meanwhile, averaged weights included; the ranks end identical and report their
@@ -148,7 +149,6 @@ def sharded_half(request, tmp_path_factory, corpus_dir) -> tuple[Path, subproces
     return run_dir, proc
 
 
-@pytest.mark.slow
 def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_world_size(sharded_half, fsdp_reference,
                                                                                          one_rank_half, tmp_path):
     """FSDP on 2 gloo ranks equals one rank over 10 AdamW steps: 1-5 fsdp from scratch, resumed in one process (DCP
@@ -176,7 +176,6 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
         _assert_close_weights(_final_weights(fsdp_reference, name), loaded.model.state_dict(), name)
 
 
-@pytest.mark.slow
 def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_path):
     """Muon under fsdp on 2 ranks, each orthogonalising the matrices it owns (optim.OwnerSplit), equals one rank
     within 1e-3 in loss and grad norm over 10 fp32 steps, 6-10 resumed under fsdp (the momentum through the DCP
@@ -198,7 +197,6 @@ def test_fsdp_with_muon_matches_one_rank_and_resumes_its_sharded_momentum(tmp_pa
     _assert_same_weights(one, two, tolerance=5e-3)
 
 
-@pytest.mark.slow
 def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_reference, one_rank_half, tmp_path):
     """HSDP on 4 gloo ranks as 2 replicas x shard groups of 2 resumes a one-rank checkpoint at step 5 (cut to 2-D
     shards), trains to 10 and saves (gathered): equal to the one-rank run to 1e-5. A gradient summed instead of
@@ -211,7 +209,6 @@ def test_hsdp_two_by_two_trains_as_one_rank_from_a_one_rank_checkpoint(fsdp_refe
     _assert_equals_reference(fsdp_reference, tmp_path)
 
 
-@pytest.mark.slow
 def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
     """train.precision=bf16 under fsdp on 2 gloo ranks (FSDP2 gathers bf16 weights, reduces fp32 gradients into the
     fp32 shards): steps 1-4 on one rank here, 5-8 resumed under fsdp. The loss falls over the 8 steps and over
@@ -229,7 +226,6 @@ def test_fsdp_in_bf16_learns_and_resumes(tmp_path):
     assert losses[8] < losses[1] - 0.5 and losses[8] < losses[5], losses
 
 
-@pytest.mark.slow
 def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_without_recompiling(sharded_half,
                                                                                                 fsdp_reference):
     """train.compile under fsdp (per block), each block recomputed in backward: 5 steps on 2 ranks, 2 micro-steps
@@ -254,7 +250,6 @@ def test_fsdp_compiled_per_block_trains_as_eager_and_evaluates_and_samples_witho
         assert abs(evaluated[step][0] - reference[step][0]) < 1e-5 and evaluated[step][1] == reference[step][1]
 
 
-@pytest.mark.slow
 def test_hsdp_whose_one_shard_group_is_the_whole_world_is_refused_before_any_step(tmp_path):
     """shard_group_size null = the ranks per node: on one node of 2 ranks, one group and no replicas (fsdp). Known
     only once torchrun says the world size: each rank refuses it, exit 2, before the run directory exists."""
