@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import CPU, REPO
 
 from nanopt.distributed import runtime
 
@@ -48,8 +48,6 @@ def test_the_cpu_backend_keeps_freed_activations_instead_of_faulting_them_in_aga
 
 
 # ---------------------------------------------------------------- RNG state in a checkpoint
-
-
 def test_every_rng_round_trips_through_a_weights_only_checkpoint(tmp_path):
     """Nothing in today's step draws random numbers, so the weights cannot show a lost RNG: check it here."""
     import random
@@ -82,8 +80,7 @@ def test_a_gpu_rank_saves_and_restores_only_its_own_generator(monkeypatch):
 
 
 def test_one_process_reports_its_own_peak_memory_as_the_only_rank():
-    rt = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
-    allocated, reserved = rt.peak_memory_by_rank()
+    allocated, reserved = CPU.peak_memory_by_rank()
     assert len(allocated) == 1 and allocated[0] > 0 and reserved is None  # CPU: resident set, no allocator cache
 
 

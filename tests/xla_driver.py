@@ -12,16 +12,19 @@ import sys
 
 import torch
 
+from nanopt.config import ModelConfig, load_config, parse_overrides, resolve
+from nanopt.distributed import runtime
+from nanopt.distributed.xla import MAX_RECOMPILES, WARMUP_STEP_COMPILES
+from nanopt.errors import TrainingError
+from nanopt.evals.generate import generate
+from nanopt.evals.scoring import continuation_scores
+from nanopt.recipe.model import build_model
+from nanopt.recipe.optim import build_optimizer
+from nanopt.training.metrics import setup_logging
+from nanopt.training.train import train
+
 
 def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) -> dict:
-    from nanopt.config import load_config, parse_overrides, resolve
-    from nanopt.distributed import runtime
-    from nanopt.evals.generate import generate
-    from nanopt.recipe.model import build_model
-    from nanopt.recipe.optim import build_optimizer
-    from nanopt.training.metrics import setup_logging
-    from nanopt.training.train import train
-
     setup_logging(True)
     cfg = load_config(None, parse_overrides([*overrides, "--runtime.device=xla", f"--run.dir={run_dir}"]))
     rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
@@ -55,10 +58,6 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
 
 
 def recompile_guard() -> dict:
-    from nanopt.distributed import runtime
-    from nanopt.distributed.xla import MAX_RECOMPILES, WARMUP_STEP_COMPILES
-    from nanopt.errors import TrainingError
-
     rt = runtime.init("xla", "fp32", 1)
     weight = torch.nn.Parameter(torch.ones(3, device=rt.device))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -80,13 +79,7 @@ def recompile_guard() -> dict:
 
 
 def score() -> dict:
-    import torch_xla.debug.metrics as met
-
-    from nanopt.config import ModelConfig
-    from nanopt.distributed import runtime
-    from nanopt.evals.generate import generate
-    from nanopt.evals.scoring import continuation_scores
-    from nanopt.recipe.model import build_model
+    import torch_xla.debug.metrics as met  # only in the venv, and only here: the other modes set XLA up first
 
     rt = runtime.init("xla", "fp32", 1)
     cpu = runtime.Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
