@@ -133,11 +133,6 @@ def cpu_model_name() -> str:
     return _cpuinfo("model name") or platform.processor() or "cpu"
 
 
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags (x86 `flags`, Arm `Features`): the same name may hide another ISA."""
-    return _cpuinfo("flags", "Features") or ""
-
-
 # What a CPU's vector units compute natively, best first: (name, the /proc/cpuinfo flags that mean it, native bf16).
 # Without bf16 hardware torch emulates bf16 matmuls through fp32 and conversions: on 2-core AVX2 AMD EPYCs a batched
 # matmul of the CPU speedrun's width ran 45-59x slower in bf16 than in fp32 (docs/results.md, "CPU kinds").
@@ -146,9 +141,10 @@ CPU_ISAS = (("AMX", ("amx_bf16",), True), ("AVX512-BF16", ("avx512_bf16",), True
 
 
 def cpu_isa(flags: Optional[str] = None) -> tuple[str, bool]:
-    """(the best matmul ISA this CPU has, whether it computes bf16 in hardware), from its flags: ("AVX2", False)
-    on an AVX2-only EPYC, ("AMX", True) on a Sapphire Rapids Xeon; ("other", False) where none is known."""
-    have = set((cpu_flags() if flags is None else flags).split())
+    """(the best matmul ISA this CPU has, whether it computes bf16 in hardware), from its instruction-set flags (x86
+    `flags`, Arm `Features`; the same model name may hide another ISA): ("AVX2", False) on an AVX2-only EPYC, ("AMX",
+    True) on a Sapphire Rapids Xeon; ("other", False) where none is known."""
+    have = set(((_cpuinfo("flags", "Features") or "") if flags is None else flags).split())
     for name, needs, native_bf16 in CPU_ISAS:
         if have.issuperset(needs):
             return name, native_bf16
