@@ -265,9 +265,8 @@ class Runtime:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast for matmuls (weights stay fp32) or nothing for fp32 / pure bf16."""
-        if self.precision != "bf16":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.kind, dtype=torch.bfloat16)
+        bf16 = self.precision == "bf16"
+        return torch.autocast(device_type=self.kind, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
         return self.backend.batch_to_device(t)
@@ -374,8 +373,8 @@ def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Run
 
 
 def init_to_evaluate(device: str, asked: str, trained: str, threads: int = 0) -> Runtime:
-    """The runtime that evaluates a run: `asked` (fp32 | bf16) as given, or "run": autocast as the run trained
-    (bf16-pure: fp32), except in fp32 on a device that would emulate bf16 (~45x slower on an AVX2 CPU), said once."""
+    """The runtime that evaluates a run: `asked` (fp32 | bf16), or "run": as it trained (bf16-pure: fp32), except in
+    fp32 on a device that would emulate bf16 (~45x slower on an AVX2 CPU), said once."""
     precision = trained if asked == "run" else asked
     rt = init(device, "bf16" if precision == "bf16" else "fp32", threads)
     if asked == "run" and rt.precision == "bf16" and not rt.backend.native_bf16:
@@ -392,9 +391,9 @@ def bf16_slowdown(width: int, device: torch.device) -> float:
 
 
 def _restart_store(timeout: datetime.timedelta) -> dict:
-    """After a torchrun --max-restarts restart, a store namespaced by the attempt (else {}: torch's default):
-    torchrun's agent keeps one store across restarts, so a restarted group would read the dead attempt's peer
-    addresses and fail to connect (seen with gloo on torch 2.13; pytorch/pytorch#167288)."""
+    """After a torchrun --max-restarts restart, a store namespaced by the attempt (else {}: torch's default): the
+    agent keeps one store across restarts, where a restarted group would read the dead attempt's peer addresses
+    (gloo on torch 2.13; pytorch/pytorch#167288)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
     if attempt == "0":
         return {}
@@ -431,9 +430,9 @@ def recompute(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
 
 
 def teardown(wait_for_peers: bool = False) -> None:
-    """Leave the process group, if any. wait_for_peers (a successful exit): a rank that drops its gloo links while
-    a peer still writes files can abort it ("terminate called without an active exception"). On an error path
-    do not wait: the peers may never arrive, and torchrun stops them when this rank exits non-zero."""
+    """Leave the process group, if any. wait_for_peers (a successful exit): a rank that drops its gloo links while a
+    peer still writes files can abort it ("terminate called without an active exception"). On an error path the
+    peers may never arrive (torchrun stops them)."""
     if dist.is_available() and dist.is_initialized():
         if wait_for_peers:
             dist.barrier()
