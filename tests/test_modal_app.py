@@ -61,14 +61,10 @@ def vol(monkeypatch, tmp_path) -> SimpleNamespace:
 
 
 @pytest.fixture
-def no_thread_env(monkeypatch) -> None:
+def launched(vol, monkeypatch) -> mock.MagicMock:
+    """run_forwarding_signals replaced by a mock that succeeds, with no thread settings in the environment."""
     for key in THREAD_KEYS:
         monkeypatch.delenv(key, raising=False)
-
-
-@pytest.fixture
-def launched(vol, no_thread_env, monkeypatch) -> mock.MagicMock:
-    """run_forwarding_signals replaced by a mock that succeeds, with no thread settings in the environment."""
     fake = mock.MagicMock(name="run_forwarding_signals", return_value=(0, None))
     monkeypatch.setattr(modal_app, "run_forwarding_signals", fake)
     return fake
@@ -104,9 +100,9 @@ def import_offline(tmp_path: Path, **env: str) -> dict[str, Any]:
 
 
 def test_import_needs_no_token_or_network_and_installs_torch_from_pypi(tmp_path):
-    """No deprecation warning, no cluster unless asked for, and torch in its own pinned layer from PyPI with no
-    index_url (it would replace PyPI for the whole install, and PyTorch's cu130 index lacks cuda-bindings>=13.0.3,
-    which torch 2.11.0 requires). Without libibverbs and the mlx5 provider, NCCL across nodes would use TCP."""
+    """No deprecation warning, no cluster unless asked for (then one, and a flash-attn wheel as a layer), and torch
+    in its own pinned layer from PyPI with no index_url (it would replace PyPI for the whole install, and PyTorch's
+    cu130 index lacks cuda-bindings>=13.0.3). Without libibverbs and the mlx5 provider NCCL across nodes uses TCP."""
     imported = import_offline(tmp_path)
     assert not imported["warnings"], imported["warnings"]
     assert imported["app"] == "nanopt"
@@ -116,9 +112,6 @@ def test_import_needs_no_token_or_network_and_installs_torch_from_pypi(tmp_path)
     assert calls[0][0] == ("torch==2.11.0",)  # its own layer, pinned
     assert all(kw == {} for _, kw in calls), calls  # no index_url, extra_index_url, find_links or pip options
     assert {"libibverbs1", "ibverbs-providers"} <= set(imported["apt"])
-
-
-def test_multinode_is_a_cluster_and_a_flash_attn_wheel_a_layer_when_asked_for(tmp_path):
     imported = import_offline(tmp_path, NANOPT_MODAL_NODES="2", NANOPT_MODAL_FLASH_ATTN_WHEEL=WHEEL)
     assert imported["cluster"] == (2, True, [("H100", 8)], 10)
     calls = imported["pip"]
@@ -208,18 +201,7 @@ def test_torchrun_eval_prepare_and_bench_commands():
     assert modal_app.bench_out_dir("vs_hf", "--repeats 7", "T") == ""
 
 
-def test_rank_thread_env_gives_each_rank_its_share_of_cores_unless_the_environment_says_otherwise(no_thread_env,
-                                                                                                   monkeypatch):
-    assert modal_app.rank_thread_env(4) == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE",
-                                            "TORCHINDUCTOR_COMPILE_THREADS": "4"}
-    assert "TORCHINDUCTOR_COMPILE_THREADS" not in modal_app.launch_env()  # eval and prepare: left alone
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # e.g. set in the image or a Secret: it wins
-    env = modal_app.launch_env(4)
-    assert tuple(env[k] for k in THREAD_KEYS) == ("4", "ACTIVE", "4")
-    assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
-
-
-def test_training_launches_its_ranks_with_their_share_of_threads(vol, launched):
+def test_each_rank_gets_its_share_of_cores_unless_the_environment_says_otherwise(vol, launched, monkeypatch):
     """The training function's torchrun gets CPU_PER_GPU threads per rank (run_forwarding_signals is replaced)."""
     config_yaml, cfg = modal_app.check_config(TINY, 2, "threads")
     assert modal_app.train.local(config_yaml, cfg.run.name, 2)["exit_code"] == 0
@@ -227,6 +209,13 @@ def test_training_launches_its_ranks_with_their_share_of_threads(vol, launched):
     assert cmd[:3] == ["torchrun", "--standalone", "--nproc-per-node=2"] and cwd == str(vol.dir)
     cores = str(int(modal_app.CPU_PER_GPU))
     assert tuple(env[k] for k in THREAD_KEYS) == (cores, "PASSIVE", cores)
+    assert modal_app.rank_thread_env(4) == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE",
+                                            "TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in modal_app.launch_env()  # eval and prepare: left alone
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # e.g. set in the image or a Secret: it wins
+    env = modal_app.launch_env(4)
+    assert tuple(env[k] for k in THREAD_KEYS) == ("4", "ACTIVE", "4")
+    assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
 
 
 @pytest.mark.parametrize("overrides, world, nodes, launched_as", [
