@@ -466,17 +466,17 @@ def test_bad_data_under_torchrun_is_reported_not_retried(vol, capfd):
 
 @pytest.mark.slow
 def test_a_crash_without_progress_is_reported_and_one_after_progress_is_retried(tmp_path, monkeypatch):
-    """Every rank SIGKILLs itself in step 5 (NANOPT_TEST_HOOK), like a CUDA OOM or an NCCL abort: torchrun
+    """Every rank SIGKILLs itself in step 3 (NANOPT_TEST_HOOK), like a CUDA OOM or an NCCL abort: torchrun
     exits 1 and no worker records a code. With no checkpoint saved in the attempt, retrying would repeat the
-    crash: the result says so and `modal run` exits 1. With checkpoint.every=2 it saved step 4 first: retried."""
-    monkeypatch.setenv("NANOPT_TEST_HOOK", "kill-in-step:5")
+    crash: the result says so and `modal run` exits 1. With checkpoint.every=2 it saved step 2 first: retried."""
+    monkeypatch.setenv("NANOPT_TEST_HOOK", "kill-in-step:3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     volume_dir = tmp_path / "vol"
     result = run_train_local(volume_dir, config_file(tmp_path), "crash")
     assert result["exit_code"] == 1 and "without saving a newer checkpoint" in result["error"], result
     with pytest.raises(modal_app.RetryAttempt, match="newer checkpoint"):
         run_train_local(volume_dir, config_file(tmp_path), "crash", **{"checkpoint.every": 2})
-    assert (volume_dir / "runs" / "crash" / "checkpoints" / "step_000004" / "COMPLETE").exists()
+    assert (volume_dir / "runs" / "crash" / "checkpoints" / "step_000002" / "COMPLETE").exists()
 
 
 # ---------------------------------------------------------------- the local entrypoint
