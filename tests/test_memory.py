@@ -1,5 +1,5 @@
-"""The per-GPU memory model (nanopt/distributed/memory.py): hand arithmetic for a small config under each parallelism, and
-the activation formula against the tensors autograd really saves in model.py's block."""
+"""The per-GPU memory model (nanopt/distributed/memory.py): hand arithmetic for a small config under each parallelism,
+and the activation formula against the tensors autograd really saves in model.py's block."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
-"""The parallelism (nanopt/distributed/parallel.py): without torchrun fsdp and hsdp leave the model whole; across forked ranks
-accumulation keeps gradients sharded. Checkpoints of every parallelism: test_checkpoint.py, e2e/test_ddp.py."""
+"""The parallelism (nanopt/distributed/parallel.py): without torchrun fsdp and hsdp leave the model whole; across forked
+ranks accumulation keeps gradients sharded. Checkpoints of every parallelism: test_checkpoint.py, e2e/test_ddp.py."""
 from __future__ import annotations
 
 from pathlib import Path
