@@ -1,5 +1,5 @@
-"""The profiler's pieces (nanopt/training/profiling.py): its schedule, the top ops, bad keys, the no-op profiler and a window
-cut short. Profiled runs: e2e/test_profiled_run.py."""
+"""The profiler's pieces (nanopt/training/profiling.py): its schedule, the top ops, bad keys, the no-op profiler and a
+window cut short. Profiled runs: e2e/test_profiled_run.py."""
 from __future__ import annotations
 
 import json
