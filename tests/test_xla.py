@@ -7,6 +7,7 @@ import sys
 import types
 import urllib.request
 from collections import namedtuple
+from typing import Callable
 
 import pytest
 
@@ -47,7 +48,7 @@ def test_a_tpu_is_seen_as_accel_or_vfio_chips(tmp_path, files, attached):
     assert xla.tpu_attached(tmp_path) is attached
 
 
-def refuses(error: Exception):
+def refuses(error: Exception) -> Callable[[], int]:
     def read() -> int:
         raise error
     return read
