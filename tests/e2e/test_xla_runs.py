@@ -120,25 +120,19 @@ def test_downstream_scoring_on_xla_equals_the_host(runs):
 # ---- without the venv: the errors a user sees before torch_xla is ever imported
 
 
-def test_xla_without_pjrt_device_is_a_clean_error():
-    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
-    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"], env=env)
-    if xla.tpu_attached():
+@pytest.mark.parametrize("hide_torch_xla, words", [(False, "PJRT_DEVICE"), (True, 'pip install -e ".[tpu]"')])
+def test_xla_without_pjrt_device_or_torch_xla_is_a_clean_error(tmp_path, monkeypatch, hide_torch_xla, words):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    if hide_torch_xla:  # a stand-in that fails to import, first on the path, whether or not torch_xla is here
+        (tmp_path / "torch_xla").mkdir()
+        (tmp_path / "torch_xla" / "__init__.py").write_text("raise ImportError('No module named torch_xla (hidden)')\n")
+        monkeypatch.setenv("PJRT_DEVICE", "CPU")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    elif xla.tpu_attached():
         pytest.skip("a TPU is visible here: PJRT_DEVICE defaults to TPU with a warning instead")
+    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"])
     assert proc.returncode == 2, proc.stderr
-    assert "PJRT_DEVICE" in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_xla_without_torch_xla_is_a_clean_error(tmp_path):
-    # A stand-in package that fails to import, first on the path: the test runs whether or not this
-    # interpreter has the real torch_xla.
-    (tmp_path / "torch_xla").mkdir()
-    (tmp_path / "torch_xla" / "__init__.py").write_text("raise ImportError('No module named torch_xla (hidden)')\n")
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"],
-                      env={"PJRT_DEVICE": "CPU", "PYTHONPATH": path})
-    assert proc.returncode == 2, proc.stderr
-    assert 'pip install -e ".[tpu]"' in proc.stderr and "Traceback" not in proc.stderr
+    assert words in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_fsdp_on_the_torch_floor_averages_the_ranks_gradients(runs):
