@@ -127,7 +127,8 @@ def test_xla_without_pjrt_device_or_torch_xla_is_a_clean_error(tmp_path, monkeyp
         (tmp_path / "torch_xla").mkdir()
         (tmp_path / "torch_xla" / "__init__.py").write_text("raise ImportError('No module named torch_xla (hidden)')\n")
         monkeypatch.setenv("PJRT_DEVICE", "CPU")
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        path = os.environ.get("PYTHONPATH")
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), path]) if path else str(tmp_path))
     elif xla.tpu_attached():
         pytest.skip("a TPU is visible here: PJRT_DEVICE defaults to TPU with a warning instead")
     proc = run_module(["nanopt.main", *small_overrides(), "--runtime.device=xla"])
