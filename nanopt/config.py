@@ -42,13 +42,11 @@ def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[f
         ge: Optional[float] = None, lt: Optional[float] = None, le: Optional[float] = None, null: str = "",
         zero: str = "", must: Optional[tuple[Callable[[Any], Any], str]] = None, safe: Optional[bool] = None,
         neutral: Optional[bool] = None) -> Any:
-    """A config field and its rules. validate() enforces `choices`, the bounds (gt/ge/lt/le) and `must` (a test
-    and the paragraph, formatted with `value`, for a value failing it), on a list on every item in it; `null` says
-    what null means for an Optional key (a one-word meaning, such as `all`, is also a spelling of null); `zero`,
-    what 0 means where it lies outside the bounds (an off switch). `safe`: a
-    resume may change it (it changes how long the run goes, what it logs or where things live, not the state the
-    next step computes from). `neutral`: it does not change results, so `nanopt runs` groups runs differing only
-    in neutral keys and the seed as repeats of one setting. Both left None take the section's default (`section`)."""
+    """A config field and its rules, which validate() enforces (on a list, on every item): `choices`, the bounds
+    gt/ge/lt/le, and `must` (a test, and the paragraph for a failing `value`). `null`: what null means for an Optional
+    key (a one-word meaning such as `all` is also a spelling of null); `zero`: what 0 means outside the bounds (an
+    off switch). `safe`: a resume may change it (not the state the next step computes from). `neutral`: it does not
+    change results (`nanopt runs` groups runs differing only in these and the seed). None: the `section`'s default."""
     meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, zero=zero, must=must, safe=safe,
                 neutral=neutral)
     if isinstance(default, list):  # a dataclass field takes a mutable default only through a factory

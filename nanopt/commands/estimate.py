@@ -11,9 +11,9 @@ from typing import Any, Optional, Sequence
 
 import torch.nn as nn
 
-from nanopt.config import load_config, parse_overrides, split_args
+from nanopt.config import Config, load_config, parse_overrides, split_args
 from nanopt.distributed.hardware import PEAKS, matmul_precision, table_peak
-from nanopt.distributed.memory import DeviceMemory, config_memory
+from nanopt.distributed.memory import config_memory
 from nanopt.errors import ConfigError
 from nanopt.recipe.mfu import meta_model, param_counts, token_flops
 from nanopt.training.plan import build_plan
@@ -28,8 +28,7 @@ def estimate(model: nn.Module, stages: Sequence[tuple[int, int]], hardware: str,
     per_stage = [(n, token_flops(model, seq_len, causal_halving)) for n, seq_len in stages]
     tokens = sum(n for n, _ in per_stage)
     total_flops, full = sum(n * f.model for n, f in per_stage), sum(n * f.full_attention for n, f in per_stage)
-    six_n = 6 * counts.n_6n
-    peak = table_peak(hardware, precision)
+    six_n, peak = 6 * counts.n_6n, table_peak(hardware, precision)
     hours = total_flops / (gpus * peak * mfu) / 3600
     return {
         "params": counts.total, "n_6n": counts.n_6n,
@@ -46,13 +45,12 @@ def estimate(model: nn.Module, stages: Sequence[tuple[int, int]], hardware: str,
     }
 
 
-_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_SCALE = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
 def parse_tokens(text: str, params: int) -> int:
     """`24714985472`, `2.5e10`, `25B` / `300M` / `1.2T`, or `20x` (tokens per parameter)."""
-    s = text.strip().lower().replace("_", "").replace(",", "")
-    scale = {**_SUFFIX, "x": params}
+    s, scale = text.strip().lower().replace("_", "").replace(",", ""), {**_SCALE, "x": params}
     try:
         value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
     except ValueError:
@@ -61,12 +59,6 @@ def parse_tokens(text: str, params: int) -> int:
         raise ConfigError(f"`--tokens {text}` is not a token count; write e.g. 25000000000, 2.5e10, 25B or "
                           f"20x (tokens per parameter).")
     return int(round(value))
-
-
-def _hours_text(hours: float) -> str:
-    if hours >= 1:
-        return f"{hours:,.1f} h ({hours / 24:,.1f} days)"
-    return f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.2f} s"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,104 +86,83 @@ def main(argv: list[str]) -> int:
     args, rest = _parser().parse_known_args(argv)
     path, rest = split_args(rest)  # the config path, positional or --config, as `nanopt train` reads it
     cfg = load_config(path, parse_overrides(rest))
-    given = args.gpus is not None
-    if not given:
-        args.gpus = cfg.mfu.devices
-    _check(args, cfg)
-    group = _shard_group(args.shard_group_size, args.gpus)
-    t, plan = cfg.train, build_plan(cfg.train, args.gpus)
+    t, given = cfg.train, args.gpus is not None
+    gpus = args.gpus if given else cfg.mfu.devices
+    price = args.price_per_gpu_hour
+    for bad, why in ((args.hardware not in PEAKS,
+                      f"`--hardware {args.hardware}` is not in the peak table; valid: {', '.join(PEAKS)}."),
+                     (gpus <= 0, f"`--gpus` must be positive, got {gpus}."),
+                     (not 0 < args.mfu <= 1, f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}."),
+                     (price is not None and not 0 <= price < math.inf,  # NaN fails too
+                      f"`--price-per-gpu-hour` must be zero or positive, got {price}.")):
+        if bad:
+            raise ConfigError(why)
+    if table_peak(args.hardware, t.precision) is None:
+        raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(t.precision)} "
+                          f"peak; estimate a bf16 run (--train.precision=bf16).")
+    group = args.shard_group_size
+    if group is None:  # one node of 8 when the GPUs are a larger multiple of 8, else no hsdp row
+        group = 8 if gpus > 8 and gpus % 8 == 0 else None
+    elif group < 1 or gpus % group:
+        raise ConfigError(f"`--shard-group-size {group}` must be a positive divisor of the {gpus} GPUs: hsdp shards "
+                          f"each tensor over a group of that many and replicates it across the groups.")
+    plan, model = build_plan(t, gpus), meta_model(cfg.model)
     stages, source = [(s.tokens, s.seq_len) for s in plan.stages], f"the config's plan: {t.max_steps:,} steps"
-    model = meta_model(cfg.model)
     if args.tokens is not None:
         stages = [(parse_tokens(args.tokens, param_counts(model).total), t.seq_len)]
         source = f"--tokens {args.tokens}, all at seq {t.seq_len}"
-    r = estimate(model, stages, args.hardware, args.gpus, args.mfu, t.precision, args.price_per_gpu_hour,
-                 cfg.mfu.causal_halving)
-    r["tokens_source"] = source
-    r["gpus_source"] = "--gpus" if given else "mfu.devices"
+    r = estimate(model, stages, args.hardware, gpus, args.mfu, t.precision, price, cfg.mfu.causal_halving)
+    r["tokens_source"], r["gpus_source"] = source, "--gpus" if given else "mfu.devices"
     # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
     r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
-    r["memory"] = _memory(cfg, model, args.hardware, args.gpus, group)
+    capacity = PEAKS[args.hardware].memory_bytes  # per GPU under each parallelism (nanopt/distributed/memory.py)
+    rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, model, gpus, group)]
+    recomputed = config_memory(cfg, model, gpus, group, recompute=True)[0].activations
+    r["memory"] = {"capacity_bytes": capacity, "rows": rows, "activations_with_block_recompute": recomputed,
+                   "config_parallel": cfg.runtime.parallel}
     print(json.dumps(r) if args.json else _text(cfg, r, stages, given))
     return 0
 
 
-def _check(args: argparse.Namespace, cfg) -> None:
-    """ConfigError for an option out of range, or a precision the hardware has no published peak for."""
-    if args.hardware not in PEAKS:
-        raise ConfigError(f"`--hardware {args.hardware}` is not in the peak table; valid: {', '.join(PEAKS)}.")
-    if args.gpus <= 0:
-        raise ConfigError(f"`--gpus` must be positive, got {args.gpus}.")
-    if not 0 < args.mfu <= 1:
-        raise ConfigError(f"`--mfu` is a fraction in (0, 1], e.g. 0.4 for 40%; got {args.mfu}.")
-    if args.price_per_gpu_hour is not None and not 0 <= args.price_per_gpu_hour < math.inf:  # NaN fails too
-        raise ConfigError(f"`--price-per-gpu-hour` must be zero or positive, got {args.price_per_gpu_hour}.")
-    if table_peak(args.hardware, cfg.train.precision) is None:
-        raise ConfigError(f"{PEAKS[args.hardware].name} has no published dense {matmul_precision(cfg.train.precision)} "
-                          f"peak; estimate a bf16 run (--train.precision=bf16).")
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"  # decimal GB, as the spec sheets give memory
 
 
-def _text(cfg, r: dict, stages: list[tuple[int, int]], given: bool) -> str:
+def _text(cfg: Config, r: dict, stages: list[tuple[int, int]], given: bool) -> str:
     """The estimate as the terminal shows it."""
-    attention = "causal" if r["causal_halving"] else "full"
+    t, memory, hours = cfg.train, r["memory"], r["hours"]
     at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "averaged over the stages' seq_len"
+    wall = (f"{hours:,.1f} h ({hours / 24:,.1f} days)" if hours >= 1 else
+            f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.2f} s")
+    devices = "--gpus" if given else "the config's mfu.devices; --gpus N for another count"
     cost = (f"${r['cost_usd']:,.2f} at ${r['price_per_gpu_hour']:.2f}/GPU-hour" if r["cost_usd"] is not None
             else "pass --price-per-gpu-hour for a cost")
-    devices_source = "--gpus" if given else "the config's mfu.devices; --gpus N for another count"
-    return "\n".join([
+    lines = [
         f"{cfg.run.name}: {r['gpus']} × {PEAKS[r['hardware']].name} "
         f"({r['peak_flops_per_gpu'] / 1e12:.1f} TFLOP/s dense {r['precision']} each) at {100 * r['mfu']:.0f}% MFU",
-        f"  devices        {r['gpus']} ({devices_source})",
+        f"  devices        {r['gpus']} ({devices})",
         f"  parameters     {r['params']:,} (N for 6N: {r['n_6n']:,})",
-        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + {attention} attention {at}); 6N alone "
-        f"{r['flops_per_token_6n']:.4g}; full attention {r['flops_per_token_full_attention']:.4g}",
+        f"  FLOPs/token    {r['flops_per_token']:.4g} (6N + {'causal' if r['causal_halving'] else 'full'} attention "
+        f"{at}); 6N alone {r['flops_per_token_6n']:.4g}; full attention {r['flops_per_token_full_attention']:.4g}",
         f"  same speed     {100 * r['mfu']:.1f}% MFU here = {100 * r['mfu_6n']:.1f}% in 6N alone (the blog) = "
         f"{100 * r['mfu_full_attention']:.1f}% with full attention (nanochat, torchtitan)",
         f"  tokens         {r['tokens']:,} ({r['tokens_source']}; {r['tokens_per_param']:.1f} tokens/parameter)",
         *(f"  stage {s['number']:<8} from step {s['first_step']:,}: {s['steps']:,} steps × {s['batch_tokens']:,} "
           f"tokens at seq {s['seq_len']} = {s['tokens']:,} tokens" for s in r["stages"] or []),
         f"  total FLOPs    {r['total_flops']:.3g}",
-        f"  wall time      {_hours_text(r['hours'])}",
+        f"  wall time      {wall}",
         f"  GPU-hours      {r['gpu_hours']:,.{1 if r['gpu_hours'] >= 10 else 3}f}",
         f"  cost           {cost}",
-        *_memory_lines(cfg, r["memory"]),
-    ])
-
-
-def _shard_group(given: int | None, gpus: int) -> int | None:
-    """The hsdp shard group for the memory table: --shard-group-size (it must divide --gpus), else one node of 8
-    when the GPUs are a larger multiple of 8, else none (no hsdp row)."""
-    if given is None:
-        return 8 if gpus > 8 and gpus % 8 == 0 else None
-    if given < 1 or gpus % given:
-        raise ConfigError(f"`--shard-group-size {given}` must be a positive divisor of the {gpus} GPUs: hsdp shards "
-                          f"each tensor over a group of that many and replicates it across the groups.")
-    return given
-
-
-def _memory(cfg, model: nn.Module, hardware: str, gpus: int, group: int | None) -> dict:
-    """Per-GPU bytes under each parallelism and whether they fit `hardware`'s memory (nanopt/distributed/memory.py)."""
-    capacity = PEAKS[hardware].memory_bytes
-    recomputed = config_memory(cfg, model, gpus, group, recompute=True)[0].activations
-    rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, model, gpus, group)]
-    return {"capacity_bytes": capacity, "rows": rows, "activations_with_block_recompute": recomputed,
-            "config_parallel": cfg.runtime.parallel}
-
-
-def _memory_lines(cfg, memory: dict) -> list[str]:
-    gb = lambda n: f"{n / 1e9:,.1f} GB"  # noqa: E731  decimal GB, as the spec sheets give memory
-    t, capacity = cfg.train, memory["capacity_bytes"]
-    lines = [f"  memory per GPU (eager step at micro-batch {t.micro_batch_size} × seq {t.seq_len}, {t.precision}, "
-             f"{cfg.optim.name}; {gb(capacity)} each; docs/mfu.md)",
-             f"    {'parallel':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}{'total':>11}  fits"]
-    for row in memory["rows"]:
-        m = DeviceMemory(**{k: v for k, v in row.items() if k not in ("total", "resident", "fits")})
-        name = m.parallel if m.parallel == "ddp" else f"{m.parallel} over {m.shard_ranks}"
-        fits = f"yes ({100 * m.total / capacity:.0f}%)" if row["fits"] else "NO"
-        mark = "  <- runtime.parallel" if m.parallel == memory["config_parallel"] else ""
-        lines.append(f"    {name:<14}{gb(m.params):>10}{gb(m.grads):>10}{gb(m.optimizer):>11}{gb(m.activations):>13}"
-                     f"{gb(m.total):>11}  {fits}{mark}")
-    if not cfg.train.recompute:
+        f"  memory per GPU (eager step at micro-batch {t.micro_batch_size} × seq {t.seq_len}, {t.precision}, "
+        f"{cfg.optim.name}; {_gb(memory['capacity_bytes'])} each; docs/mfu.md)",
+        f"    {'parallel':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}{'total':>11}  fits"]
+    for m in memory["rows"]:
+        name = m["parallel"] if m["parallel"] == "ddp" else f"{m['parallel']} over {m['shard_ranks']}"
+        fits = f"yes ({100 * m['total'] / memory['capacity_bytes']:.0f}%)" if m["fits"] else "NO"
+        mark = "  <- runtime.parallel" if m["parallel"] == memory["config_parallel"] else ""
+        lines.append(f"    {name:<14}" + "".join(f"{_gb(m[k]):>{w}}" for k, w in (
+            ("params", 10), ("grads", 10), ("optimizer", 11), ("activations", 13), ("total", 11))) + f"  {fits}{mark}")
+    if not t.recompute:
         lines.append(f"    activations with per-block recompute (--train.recompute=true): "
-                     f"{gb(memory['activations_with_block_recompute'])}")
-    return lines
+                     f"{_gb(memory['activations_with_block_recompute'])}")
+    return "\n".join(lines)
