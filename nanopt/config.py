@@ -128,15 +128,14 @@ class ModelConfig:
     value_embeddings: bool = key(False, "Speedrun: each layer adds its own token embedding to the attention values.")
     residual_scalars: bool = key(False, "Speedrun: layer input a * x + b * x0 (x0: the embedding; a, b learned).")
     # The family with one knob (nanochat's --depth): a ladder is one list of depths (docs/scaling.md).
-    depth: Optional[int] = key(None, "Model family: n_layers = depth, dim = depth × aspect_ratio rounded up to a "
-                               "multiple of depth_head_dim, n_heads = dim / depth_head_dim, n_kv_heads = n_heads "
-                               "(unless set), ffn_dim 8/3 dim (relu2: 4 dim) rounded up to that multiple.",
-                               gt=0, le=2**12, null="off")
+    depth: Optional[int] = key(None, "Model family: n_layers = depth, dim = depth × aspect_ratio and ffn_dim = 8/3 dim "
+                               "(relu2: 4 dim), each rounded up to a multiple of depth_head_dim, n_heads = n_kv_heads "
+                               "(unless set) = dim / depth_head_dim.", gt=0, le=2**12, null="off")
     aspect_ratio: int = key(64, "model.depth: width per layer.", gt=0, le=2**12)
     depth_head_dim: int = key(64, "model.depth: the head width, fixed across the family; even (RoPE).", gt=0, le=2**10)
-    parametrization: str = key("sp", "sp: every width as configured; mup: µP's multipliers against "
-                               "model.mup_base_dim (hidden init and lr, the logits; docs/scaling.md), so an lr "
-                               "tuned at the base width transfers.", choices=("sp", "mup"))
+    parametrization: str = key("sp", "sp: widths as configured; mup: µP's multipliers against model.mup_base_dim "
+                               "(hidden init and lr, the logits), so a tuned lr transfers (docs/scaling.md).",
+                               choices=("sp", "mup"))
     mup_base_dim: int = key(256, "mup: the width the lr was tuned at (mup equals sp there).", gt=0, le=2**16)
 
     @property
@@ -203,9 +202,8 @@ class DataConfig:
     dir: str = key("", "Shard directory for prepared data; \"\" = the embedded cache.", safe=True)
     tokenizer: str = key("byte", "byte, or a Hugging Face tokenizer name or local path.")
     verify_checksum: bool = key(True, "Read each shard whole once to check its crc32.", safe=True, neutral=True)
-    packing: str = key("windows", "How training rows are cut: windows (contiguous windows of the token stream, "
-                       "rows start mid-document) or bos_bestfit (every row starts at a document's BOS, filled "
-                       "best-fit from a buffer of documents, only the last one cropped); docs/data.md.",
+    packing: str = key("windows", "Training rows: windows of the token stream (rows start mid-document) or "
+                       "bos_bestfit (each row starts at a BOS, filled best-fit from a document buffer).",
                        choices=("windows", "bos_bestfit"))
     # Best fit gains nothing past a few thousand documents; a larger buffer only holds the corpus in memory.
     pack_buffer: int = key(1000, "bos_bestfit: documents held to choose each best fit from.", gt=0, le=2**20)
@@ -235,17 +233,14 @@ class TrainConfig:
     beta2: float = key(0.95, "AdamW beta2.", ge=0, lt=1)
     eps: float = key(1e-8, "AdamW epsilon.", ge=0)
     grad_clip: float = key(1.0, "Gradient-norm clipping threshold; 0 = no clipping.", ge=0)
-    compile: bool = key(False, "torch.compile the training forward: the whole model, or each transformer block "
-                        "under fsdp and hsdp (FSDP2's hooks stay eager between them); evaluation, task scoring and "
-                        "sampling run eager. The same state, so a resume may switch.", safe=True)
-    recompute: bool = key(False, "Activation recompute (checkpointing) per transformer block: a training forward "
-                          "keeps only each block's input and runs the block again in backward, a third more FLOPs "
-                          "(counted in hfu, not mfu) for the activation memory of one block instead of all; "
-                          "`nanopt estimate` shows both. Composes with train.compile, ddp, fsdp and hsdp. The same "
-                          "state, so a resume may switch.", safe=True)
-    loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing each chunk's "
-                                 "logits in backward, so at most chunk × vocab fp32 logits are live; lower it when "
-                                 "they dominate memory; 0 = never chunk (fastest when they fit).", ge=0, safe=True)
+    compile: bool = key(False, "torch.compile the training forward: the whole model, or each block under fsdp and "
+                        "hsdp (FSDP2's hooks stay eager between them); evaluation and sampling run eager.", safe=True)
+    recompute: bool = key(False, "Activation recompute per transformer block: forward keeps each block's input, "
+                          "backward runs the block again: a third more FLOPs (in hfu, not mfu) for one block's "
+                          "activations instead of all (`nanopt estimate` shows both).", safe=True)
+    loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing their logits "
+                                 "in backward: at most chunk × vocab fp32 logits live; 0 = never chunk.", ge=0,
+                                 safe=True)
     target_val_loss: Optional[float] = key(None, "Speedrun clock: record step, tokens and train seconds when "
                                            "val loss (nats/token) first reaches it.", gt=0, null="no target", safe=True)
     target_val_bpb: Optional[float] = key(None, "The same in bits per byte, which recipes with different tokenizers "
@@ -255,32 +250,26 @@ class TrainConfig:
                          must=(lambda v: not v or (v.startswith("hf:") and bool(v[3:].strip())),
                                "`train.init_from` is {value!r}; it takes `hf:DIR`, a directory written by `nanopt "
                                "export` or by transformers' save_pretrained (or \"\" to start from scratch)."))
-    batch_schedule: list[list[int]] = key([], "Global batch by stage: [START, TOKENS] pairs, e.g. `[[0, 8192], "
-                                          "[300, 16384]]` (on the command line `0:8192,300:16384`), START in "
-                                          "train.schedule_unit from 0, TOKENS within train.global_batch_tokens' "
-                                          "bounds; [] = train.global_batch_tokens throughout.", ge=0)
-    seq_len_schedule: list[list[int]] = key([], "Sequence length by stage: [START, SEQ_LEN] pairs, e.g. `[[0, 128], "
-                                            "[300, 256]]` (`0:128,300:256`), each at most train.seq_len (the model's "
-                                            "context and the validation windows); [] = train.seq_len throughout.", ge=0)
+    batch_schedule: list[list[int]] = key([], "Global batch by stage: [START, TOKENS] pairs, `[[0, 8192], [300, "
+                                          "16384]]` (`0:8192,300:16384`), START in train.schedule_unit from 0; [] = "
+                                          "train.global_batch_tokens throughout.", ge=0)
+    seq_len_schedule: list[list[int]] = key([], "Sequence length by stage: [START, SEQ_LEN] pairs (`0:128,300:256`), "
+                                            "each at most train.seq_len; [] = train.seq_len throughout.", ge=0)
     schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens seen.",
                              choices=("steps", "tokens"))
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
                              "sqrt (p = 1/2), linear (p = 1) or none.", choices=("sqrt", "linear", "none"))
-    fp8: str = key("none", "FP8 matmuls in the transformer blocks' Linears through torchao's float8 training (an H100 "
-                   "or newer GPU; emulated on CPU, for tests): tensorwise or rowwise scaling; none = bf16 "
-                   "(docs/mfu.md).", choices=("none", "tensorwise", "rowwise"))
-    fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain from FP8 "
-                          "by torchao's H100 measurements (small in/out features stay in bf16), all = every one "
-                          "whose dims are multiples of 16 (docs/mfu.md).", choices=("auto", "all"))
+    fp8: str = key("none", "FP8 matmuls in the blocks' Linears (torchao float8 training; H100 or newer, emulated on "
+                   "CPU): tensorwise or rowwise scaling; none = bf16 (docs/mfu.md).",
+                   choices=("none", "tensorwise", "rowwise"))
+    fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain by torchao's "
+                          "H100 measurements, all = every one with dims in multiples of 16.", choices=("auto", "all"))
     compile_ddp_split: Optional[bool] = key(
-        None, "Compiled under DDP: split the graph at DDP's gradient buckets so their all-reduces overlap the "
-        "backward (torch._dynamo's optimize_ddp); false = one graph, no overlap; null = split unless train.fp8 is on "
-        "(FP8 + compile + the split is a known upstream failure, pytorch/pytorch#158936).", safe=True)
-    ema_decay: float = key(0.0, "Keep an exponential moving average of the weights (fp32, on the device), updated "
-                           "after every optimizer step: ema = decay × ema + (1 - decay) × weights; 0 = off "
-                           "(docs/experiments.md).", ge=0, lt=1)
-    ema_start: int = key(0, "The step the average starts at: the weights after this many optimizer steps are its "
-                         "first value.", ge=0)
+        None, "Compiled under DDP: split the graph at DDP's buckets so their all-reduces overlap backward (dynamo's "
+        "optimize_ddp); false = one graph; null = split unless train.fp8 is on (pytorch/pytorch#158936).", safe=True)
+    ema_decay: float = key(0.0, "An fp32 moving average of the weights after each optimizer step: ema = decay × ema "
+                           "+ (1 - decay) × weights; 0 = off (docs/experiments.md).", ge=0, lt=1)
+    ema_start: int = key(0, "The optimizer steps after which the weights are the average's first value.", ge=0)
 
     def check(self, cfg: Config) -> None:
         if self.target_val_loss is not None and self.target_val_bpb is not None:
@@ -335,13 +324,18 @@ class OptimConfig:
     muon_nesterov: bool = key(True, "Nesterov momentum in Muon.")
     # Newton-Schulz converges in about 5; each iteration is three matmuls per matrix per step.
     muon_ns_steps: int = key(5, "Newton-Schulz iterations per Muon update.", gt=0, le=100)
-    muon_dtype: str = key("auto", "The dtype Newton-Schulz computes in (nanopt's batched Muon): auto = bf16 where the "
-                          "device computes bf16 in hardware (CUDA, XLA, AVX512-BF16 and AMX CPUs), fp32 where bf16 "
-                          "would be emulated (AVX2 CPUs: ~45x slower); XLA's torch Muon is always bf16.",
+    muon_dtype: str = key("auto", "Newton-Schulz's dtype (batched Muon): auto = bf16 where the device has bf16 "
+                          "hardware (CUDA, XLA, AMX CPUs), else fp32 (emulated bf16 is ~45x slower).",
                           choices=("auto", "bf16", "fp32"))
     muon_adjust_lr: str = key("match_rms_adamw", "match_rms_adamw scales each matrix's update to AdamW's typical "
                               "RMS, so a matrix_lr of AdamW's size works; original is Keller Jordan's "
                               "sqrt(max(1, rows/cols)) (lr ~0.02).", choices=("match_rms_adamw", "original"))
+
+
+def _a_directory(key: str, what: str) -> tuple[Callable[[Any], bool], str]:
+    """A `must` rule for a directory checked before training, not found missing after the last step."""
+    return (lambda v: not v or Path(v).is_dir(), f"`{key}` is {{value!r}}, which is not a directory. Give the "
+            f"directory ({what}); `nanopt eval --make-tasks DIR` writes demo ones.")
 
 
 @section()
@@ -359,24 +353,19 @@ class EvalConfig:
                     "measured on the same tokens.", ge=0, lt=SEED_LIMIT)
     test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
                             neutral=True)
-    tasks: list[str] = key([], "lm-eval tasks scored on the live model during training, e.g. `[hellaswag, arc_easy]` "
-                           "(`hellaswag,arc_easy`; pip install -e '.[eval]'); [] = none. Outside the training clock; "
-                           "docs/evaluation.md.", safe=True, neutral=True)
-    # Task directories are checked before training, not found missing after the last step.
+    tasks: list[str] = key([], "lm-eval tasks scored on the live model during training, outside its clock, e.g. "
+                           "`[hellaswag, arc_easy]` (pip install -e '.[eval]'; docs/evaluation.md).", safe=True,
+                           neutral=True)
     core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True,
-                    must=(lambda v: not v or Path(v).is_dir(), "`eval.core` is {value!r}, which is not a directory. "
-                          + "Give the directory (a CORE bundle); `nanopt eval --make-tasks DIR` writes demo ones."))
+                    must=_a_directory("eval.core", "a CORE bundle"))
     tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
                            ge=0, safe=True, neutral=True)
     tasks_limit: int = key(100, "Documents per task (items per CORE task) scored during training; 0 = all.", ge=0,
                            safe=True, neutral=True)
     tasks_path: str = key("", "A directory of local lm-eval task YAMLs for eval.tasks (the harness's include_path).",
-                          safe=True, neutral=True, must=(lambda v: not v or Path(v).is_dir(),
-                          "`eval.tasks_path` is {value!r}, which is not a directory. Give the directory (of task "
-                          "YAMLs); `nanopt eval --make-tasks DIR` writes demo ones."))
-    weights: str = key("model", "Which weights validation, the test split, the speedrun clock and the end-of-run "
-                       "samples use: the model's own, or the average kept by train.ema_decay (before "
-                       "train.ema_start that is the model's, and the records say so).", choices=("model", "ema"))
+                          safe=True, neutral=True, must=_a_directory("eval.tasks_path", "of task YAMLs"))
+    weights: str = key("model", "The weights validation, the speedrun clock and the samples use: the model's, or "
+                       "train.ema_decay's average (the model's before train.ema_start).", choices=("model", "ema"))
 
 
 @section(safe=True, neutral=True)  # saving is outside the training clock
@@ -417,16 +406,13 @@ class RuntimeConfig:
     # More threads than any host has cores (the largest hold a few hundred) only oversubscribe; a fixed bound, not
     # this machine's count, so a config written here runs on a bigger host.
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0, le=1024)
-    parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a full replica per rank, gradients "
-                        "all-reduced), fsdp (FSDP2: each block's parameters, gradients and optimizer state sharded "
-                        "across ranks, gathered per block for forward and backward, compiled per block under "
-                        "`train.compile`) or hsdp (fsdp within each shard group of `runtime.shard_group_size` ranks, "
-                        "the groups replicas of each other: across nodes, only gradients cross the slow links); one "
-                        "process each without torchrun. Checkpoints are the same files, so a resume may switch "
-                        "(docs/resume.md).", choices=PARALLELISMS)
-    shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group (one sharded copy of the model "
-                                          "each); divides the world size and is smaller than it. Checked under "
-                                          "torchrun with 2 or more ranks.", ge=1,
+    parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a replica per rank, gradients "
+                        "all-reduced), fsdp (FSDP2: parameters, gradients and optimizer state sharded, gathered per "
+                        "block) or hsdp (fsdp within shard groups of `runtime.shard_group_size` ranks that replicate "
+                        "each other: only gradients cross nodes); the same checkpoint files (docs/resume.md).",
+                        choices=PARALLELISMS)
+    shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group; divides the world size and is "
+                                          "smaller than it (checked under torchrun).", ge=1,
                                           null="the ranks per node, torchrun's LOCAL_WORLD_SIZE")
 
     def check(self, cfg: Config) -> None:
@@ -642,7 +628,7 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
             out = float(value)
     elif typ is str and not isinstance(value, (dict, list)):
         out = "" if value is None else str(value)
-        if not is_utf8(out):  # a command line's undecodable bytes (or YAML's "\udcff"): no file or text can hold it
+        if any("\ud800" <= c <= "\udfff" for c in out):  # a command line's undecodable bytes, YAML's "\udcff"
             raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
     if out is None:
         raise ConfigError(f"{where}: `{key}` must be {_KINDS[typ]}, got {_SHORT.repr(value)}.")
@@ -654,12 +640,6 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
 _SHORT = reprlib.Repr()
 _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
 _SHORT.maxstring = _SHORT.maxother = 120
-
-
-def is_utf8(text: str) -> bool:
-    """Whether a str is text UTF-8 can encode: not so when it holds lone surrogates, the one thing it cannot encode
-    (how Python keeps the bytes of a command-line argument that do not decode)."""
-    return not any("\ud800" <= c <= "\udfff" for c in text)
 
 
 @functools.lru_cache(maxsize=None)  # `nanopt runs` converts every key of every run it reads
@@ -958,9 +938,7 @@ def model_from_dict(values: dict[str, Any], where: str) -> ModelConfig:
     _apply_sections(cfg, {"model": values}, where)
     cfg.train.seq_len = cfg.model.max_seq_len or cfg.train.seq_len  # no training run to fit: the model's own length
     try:
-        for name in (k for k in KEYS if k.startswith("model.")):
-            _check_key(name, _get(cfg, name))
-        cfg.model.check(cfg)
+        validate(cfg, saved=True)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     return cfg.model
