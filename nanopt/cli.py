@@ -29,12 +29,9 @@ COMMANDS: dict[str, str] = {
     "average": "a checkpoint whose weights are the mean of a run's --last K (or --steps a,b,c) checkpoints",
     "scaling": "scaling laws: `fit` a ladder's runs (or a CSV): isoFLOP optima, L(N, D), predictions",
 }
-# Defaults set before a command's module is imported. Idle OpenMP threads spin instead of sleeping: on a quiet
-# machine PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape) and libgomp's default (spin,
-# then sleep) is 3-10x slower when another job shares the cores; ACTIVE is never far from the best
-# (bench/omp_policy.py, docs/mfu.md "Speed and memory settings"). On a shared machine set
-# OMP_WAIT_POLICY=PASSIVE. libgomp reads it when torch loads. The sweep never loads torch; it sets each run's
-# (PASSIVE when runs share cores).
+# Defaults set before a command's module is imported (libgomp reads them when torch loads). Idle OpenMP threads spin:
+# PASSIVE costs a wake-up per small op (2x slower steps at nanoGPT's shape), libgomp's spin-then-sleep is 3-10x slower
+# beside another job; ACTIVE is never far from the best (bench/omp_policy.py, docs/mfu.md). A sweep sets each run's.
 COMMAND_ENV: dict[str, dict[str, str]] = {"train": {"OMP_WAIT_POLICY": "ACTIVE"}}
 
 
@@ -99,14 +96,11 @@ def main(argv: Optional[list[str]] = None) -> NoReturn:
     exit_process(code)
 
 
-
 def exit_process(code: int) -> NoReturn:
-    """sys.exit(code) without the interpreter's teardown: freeing every object of the ~2,000 modules a training
-    process imports (torch's among them) takes ~0.9 s on a 2-core EPYC, 5% of the CPU race, for memory the kernel
-    takes back at once. What an exit does that matters still happens first: the atexit handlers (logging's flush,
-    multiprocessing's children, weakref finalizers such as temporary directories), then the standard streams'
-    flush. It is sys.exit while another thread runs (a writer the interpreter would wait for) or a profiler,
-    tracer or debugger watches (`python -m cProfile` writes its file once the command has returned)."""
+    """sys.exit(code) without the interpreter's teardown, which frees every object of a training process's ~2,000
+    modules (~0.9 s on a 2-core EPYC, 5% of the CPU race) for memory the kernel takes back at once. The atexit
+    handlers (logging, multiprocessing's children, temporary directories) and the streams' flush still run first.
+    It is sys.exit while another thread runs (a writer to wait for) or a profiler, tracer or debugger watches."""
     if threading.active_count() > 1 or _watched():
         sys.exit(code)
     atexit._run_exitfuncs()  # what the interpreter runs at exit (CPython; not in the documented API)
@@ -116,7 +110,6 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe or stream: the interpreter would ignore it too
             pass
     os._exit(code)
-
 
 
 def _watched() -> bool:

@@ -723,15 +723,12 @@ def split_args(argv: list[str]) -> tuple[Optional[str], list[str]]:
     """Find the config path (positional or --config) and leave the rest (overrides, other flags)."""
     path: Optional[str] = None
     rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
+    args = iter(argv)
+    for arg in args:
         if arg == "--config" or arg.startswith("--config="):
-            _, eq, value = arg.partition("=")
-            if not eq:
-                if i + 1 == len(argv):
-                    raise ConfigError("command line: `--config` needs a file, e.g. `--config configs/tiny.yaml`.")
-                i, value = i + 1, argv[i + 1]
+            value = arg.partition("=")[2] if "=" in arg else next(args, None)
+            if value is None:
+                raise ConfigError("command line: `--config` needs a file, e.g. `--config configs/tiny.yaml`.")
             if path is not None:
                 raise ConfigError(f"command line: two config files given ({path} and {value}); pass one.")
             path = value
@@ -739,7 +736,6 @@ def split_args(argv: list[str]) -> tuple[Optional[str], list[str]]:
             path = arg
         else:
             rest.append(arg)
-        i += 1
     return path, rest
 
 

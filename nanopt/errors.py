@@ -2,12 +2,10 @@
 
 Exit statuses (python -m nanopt.main / nanopt train; modal_app.py reads them):
   0   finished
-  1   failed: a crash, or a full disk (DiskFull: one paragraph naming the file and the free space; what was written
-      before it is kept, so freeing space and re-running resumes)
+  1   failed: a crash, or a full disk (DiskFull: one paragraph; what was written before it is kept)
   2   bad input (config, override, flag, path, shard, checkpoint): one paragraph says what and how to fix
   3   training stopped (loss became NaN/inf); the last good checkpoint is kept
-  75  preempted (SIGTERM/SIGINT, or run.time_limit_s reached): a checkpoint was saved; re-run the same command to resume
-      (75 is EX_TEMPFAIL in sysexits.h, "temporary failure, try again")
+  75  preempted (SIGTERM/SIGINT, run.time_limit_s): a checkpoint was saved; re-run to resume (sysexits.h EX_TEMPFAIL)
 """
 from __future__ import annotations
 

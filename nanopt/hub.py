@@ -1,14 +1,11 @@
-"""The Hugging Face hub as this machine sees it: whether its first hop answers at all, offline mode when it does
-not, and the one paragraph that names the offline fix when something needed is not in the local cache.
+"""The Hugging Face hub as this machine sees it: whether its first hop (the proxy httpx would use, else the hub's
+host) answers at all, offline mode when it does not, and the one paragraph naming the offline fix when something
+needed is not in the local cache. Torch-free.
 
-Why: the hub libraries retry a refused connection five times per file (1+2+4+8+8 s; huggingface_hub 2.4's
-http_backoff, whose count no setting changes: HF_HUB_ETAG_TIMEOUT only shortens each try) before they look in
-their cache; a tokenizer asks for two files, so a dead proxy cost 51 s of retry lines per start. A host that does
-not resolve or refuses the connection will not answer a second later the way a busy one (a 5xx, a timeout) may, so
-for it offline mode is right: a cached file loads at once and a missing one fails at once. The libraries read
-HF_HUB_OFFLINE and HF_DATASETS_OFFLINE when imported, so offline_unless_reachable() runs before they load. The
-first hop is what httpx, their client, connects to: the proxy when one is set (HTTPS_PROXY, ALL_PROXY; not for a
-host in NO_PROXY), else the hub's host. Torch-free."""
+Why: the hub libraries retry a refused connection five times per file (1+2+4+8+8 s, huggingface_hub's http_backoff;
+no setting changes the count) before they look in their cache: a dead proxy cost 51 s per start. A host that does not
+resolve or refuses will not answer a second later as a busy one may, so offline mode is right for it. The libraries
+read HF_HUB_OFFLINE when imported, so offline_unless_reachable() runs before they load."""
 from __future__ import annotations
 
 import errno

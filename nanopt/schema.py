@@ -1,9 +1,7 @@
-"""The one reader of nanopt's own files. Each kind of file declares its shape once, beside the code that writes it (a
-run's summary, config and records in rundirs, a shard directory's manifest and verification record in shards, the
-profile summary in experiments, the lease in lock), as Fields: kinds, bounds, what an object and a list hold. `read`
-parses a file (YAML by its suffix, else JSON) through io, which refuses what is not a regular file unread, and
-checks it; a damaged file is one paragraph, "FILE: WHERE is FOUND, not EXPECTED. FIX" (ConfigError: exit 2). A
-cache reads the same paragraph and rebuilds instead of refusing."""
+"""The one reader of nanopt's own files. Each kind of file declares its shape once as Fields, beside the code that
+writes it (rundirs, shards, lab.runs, lock). `read` parses a file (YAML by its suffix, else JSON) through io, which
+refuses what is no regular file unread, and checks it: a damaged file is one paragraph, "FILE: WHERE is FOUND, not
+EXPECTED. FIX" (ConfigError: exit 2). A cache reads the same paragraph and rebuilds instead of refusing."""
 from __future__ import annotations
 
 import json
