@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import run_module
 
 from nanopt.config import (Config, ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
                            resume_changes, to_yaml)
@@ -13,7 +12,7 @@ from nanopt.training.plan import build_plan
 
 @pytest.mark.parametrize("path", sorted(configs_dir().glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_resolves(path):
-    cfg = load_config(path)
+    cfg = load_config(path)  # and sets no key its switch leaves ignored
     world = 8 if path.stem in ("1b", "8b") else 1
     resolve(cfg, world)
     assert all(stage.accum >= 1 for stage in build_plan(cfg.train, world).stages)
@@ -74,50 +73,136 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     assert again == cfg
 
 
-BAD = [
-    (["--train.max_step=5"], "train.max_step"),
-    (["--trian.max_steps=5"], "trian"),
-    (["--train.max_steps=five"], "train.max_steps"),
-    (["--train.max_steps=-3"], "train.max_steps"),
-    (["--model.tie_embeddings=maybe"], "model.tie_embeddings"),
-    (["--train.precision=fp8"], "train.precision"),
-    (["--model.attention=magic"], "model.attention"),
-    (["--runtime.device=tpu"], "runtime.device"),
-    (["--model.n_kv_heads=3"], "model.n_kv_heads"),
-    (["--model.dim=100"], "model.dim"),
-    (["--model.depth=6", "--model.dim=512"], "model.depth"),
-    (["--model.parametrization=µP"], "model.parametrization"),
-    (["--train.global_batch_tokens=1000"], "train.global_batch_tokens"),
-    (["--train.grad_accum_steps=2"], "train.grad_accum_steps"),
-    (["--train.max_steps"], "--train.max_steps"),
-    (["--model.mlp=gelu"], "model.mlp"),
-    (["--model.logit_softcap=-1"], "model.logit_softcap"),
-    (["--optim.name=sgd"], "optim.name"),
-    (["--optim.matrix_lr=0"], "optim.matrix_lr"),
-    (["--optim.muon_momentum=1.5"], "optim.muon_momentum"),
-    (["--train.target_val_bpb=2", "--train.target_val_loss=1.5"], "train.target_val_bpb"),
-    (["--train.stop_at_target=true"], "train.target_val_bpb"),
-    (["stray"], "stray"),
-    (["--train.lr=nan"], "train.lr"),
-    (["--run.seed=-1"], "run.seed"),
-    (["--prepare.sample_by=word"], "prepare.sample_by"),
-    (["--mfu.hardware=h1000"], "mfu.hardware"),
-    (["--runtime.parallel=zero3"], "runtime.parallel"),
-    (["--runtime.shard_group_size=2"], "runtime.shard_group_size"),  # under ddp: it would be ignored
-    (["--runtime.parallel=hsdp", "--runtime.shard_group_size=0"], "runtime.shard_group_size"),
-    (["--runtime.parallel=hsdp", "--runtime.device=xla"], "runtime.device"),
-    (["--runtime.parallel=fsdp", "--runtime.device=xla"], "runtime.device"),
+# Bad input on the command line or in a config file: exit 2, one paragraph naming the key and what is valid, nothing
+# written. Rows: (args, words the paragraph holds); "{tmp}" is the test's directory. Choices, bounds and `must` rules
+# are declared on each field (nanopt/config.py `key`) and one checker words them all.
+SCHEDULE = "`[[0, 8192], [300, 16384]]` in YAML, `0:8192,300:16384` on the command line"
+LLAMA3 = "--model.rope_scaling=llama3"
+HUGE = 2**64
+REFUSED = [
+    (["--train.max_step=5"], ["train.max_step"]), (["--trian.max_steps=5"], ["trian", "unknown section"]),
+    (["--train.learning_rate=0.1"], ["train.learning_rate", "unknown key"]),
+    (["--lr=0.1"], ["--lr=0.1", "--train.max_steps=50"]), (["stray"], ["stray"]),
+    (["--train.max_steps"], ["--train.max_steps", "no value"]),
+    (["--config", "configs/tiny.yaml", "--config=configs/tiny.yaml"], ["two config files"]),
+    (["--train.max_steps=five"], ["train.max_steps"]), (["--model.dim=wide"], ["model.dim", "integer"]),
+    (["--train.lr=fast"], ["train.lr", "number"]), (["--checkpoint.resume=maybe"], ["checkpoint.resume", "true or false"]),
+    (["--model.tie_embeddings=maybe"], ["model.tie_embeddings"]),
+    (["--train.max_steps=-3"], ["train.max_steps"]), (["--train.max_steps=-5"], ["train.max_steps", "positive"]),
+    (["--train.micro_batch_size=0"], ["train.micro_batch_size", "positive"]),
+    (["--checkpoint.keep=0"], ["checkpoint.keep", "positive"]),
+    (["--train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens", "zero or positive"]),
+    (["--train.precision=fp8"], ["`train.precision` is 'fp8'; valid values: bf16, bf16-pure, fp32. bf16: autocast"]),
+    (["--prepare.sample_by=word"], ["prepare.sample_by", 'valid values: line, paragraph, document, or "" (empty).']),
+    (["--model.attention=magic"], ["model.attention"]), (["--runtime.device=tpu"], ["runtime.device"]),
+    (["--model.mlp=gelu"], ["model.mlp"]), (["--optim.name=sgd"], ["optim.name"]),
+    (["--model.parametrization=µP"], ["model.parametrization"]), (["--mfu.hardware=h1000"], ["mfu.hardware"]),
+    (["--runtime.parallel=zero3"], ["runtime.parallel"]),
+    (["--model.n_kv_heads=3"], ["model.n_kv_heads"]), (["--model.dim=100"], ["model.dim"]),
+    (["--model.n_heads=3"], ["model.dim", "n_heads"]), (["--model.depth=6", "--model.dim=512"], ["model.depth"]),
+    (["--train.global_batch_tokens=1000"], ["train.global_batch_tokens"]),
+    (["--train.global_batch_tokens=100"], ["train.global_batch_tokens", "multiple"]),
+    (["--train.grad_accum_steps=2"], ["train.grad_accum_steps"]),
+    (["--model.logit_softcap=-1"], ["model.logit_softcap"]),
+    (["--optim.matrix_lr=0"], ["`optim.matrix_lr` must be positive (or null for train.lr), got 0.0."]),
+    (["--optim.muon_momentum=1.5"], ["optim.muon_momentum"]),
+    (["--train.beta2=1"], ["`train.beta2` must be in [0, 1), got 1.0."]),
+    (["--train.lr=nan"], ["train.lr"]), (["--train.lr=inf"], ["`train.lr` must be finite and positive, got inf."]),
+    (["--train.eps=nan"], ["`train.eps` must be zero or positive"]),  # was torch.optim.AdamW's ValueError traceback
+    (["--train.ema_decay=1"], ["train.ema_decay", "in [0, 1)"]),
+    (["--eval.weights=ema"], ["eval.weights", "train.ema_decay", "is 0"]),
+    (["--train.target_val_bpb=2", "--train.target_val_loss=1.5"], ["train.target_val_bpb"]),
+    (["--train.stop_at_target=true"], ["train.target_val_bpb"]),
+    (["--runtime.shard_group_size=2"], ["runtime.shard_group_size"]),  # under ddp: it would be ignored
+    (["--runtime.parallel=hsdp", "--runtime.shard_group_size=0"], ["runtime.shard_group_size"]),
+    (["--runtime.parallel=hsdp", "--runtime.device=xla"], ["runtime.device"]),
+    (["--runtime.parallel=fsdp", "--runtime.device=xla"], ["runtime.device"]),
+    # names and seeds that would escape the runs directory or overflow
+    (["--run.name=.."], ["one directory name"]), (["--run.name=."], ["one directory name"]),
+    (["--run.seed=-1"], ["`run.seed` must be in [0, 2^32), got -1."]), (["--run.seed=4294967296"], ["run.seed"]),
+    (["--eval.seed=99999999999999999999999"], ["`eval.seed` must be in [0, 2^32)"]),  # was an OverflowError
+    (["--prepare.shuffle_seed=-1"], ["`prepare.shuffle_seed` must be zero or positive"]),  # was numpy's ValueError
+    # llama3 scaling; before: NaN or 0 "diverged" (exit 3), a low factor of 0 a ZeroDivisionError, the others ran
+    ([LLAMA3, "--model.rope_factor=nan"], ["`model.rope_factor` must be positive, got nan"]),
+    ([LLAMA3, "--model.rope_factor=0"], ["`model.rope_factor` must be positive"]),
+    ([LLAMA3, "--model.rope_low_freq_factor=0"], ["`model.rope_low_freq_factor` must be positive"]),
+    ([LLAMA3, "--model.rope_original_max_seq_len=0"], ["`model.rope_original_max_seq_len` must be positive"]),
+    ([LLAMA3, "--model.rope_low_freq_factor=4", "--model.rope_high_freq_factor=4"], ["must be above `model.rope_low_freq"]),
+    # a schedule that is no list of rising pairs names both forms
+    *(([f"--train.batch_schedule={text}"], ["`train.batch_schedule` is ", SCHEDULE])
+      for text in ("0:4096,3", "3:4096", "0:4096,0:8192", "0:0", "0:4096:5")),
+    (["--profile.enabled=true", "--profile.ranks="], ["`profile.ranks` is empty"]),
+    # A command-line byte that does not decode reaches Python as a lone surrogate; it was accepted, then the
+    # tokenizer's UnicodeEncodeError ended the run with a traceback after training.
+    (["--sample.prompt=caf\udcff"], ["`sample.prompt` is 'caf\\udcff', which holds bytes that are no UTF-8"]),
+    # Each key's `must` rule: a value the key cannot mean, refused naming the key and the fix.
+    (["--run.name=a/b"], ["`run.name` must be one directory name"]),
+    (["--train.init_from=weights.pt"], ["it takes `hf:DIR`"]),
+    (["--eval.core={tmp}/none"], ["`eval.core` is '{tmp}/none', which is not a directory"]),
+    (["--eval.tasks=hellaswag", "--eval.tasks_path={tmp}/none"],
+     ["which is not a directory. Give the directory (of task YAMLs)"]),
+    (["--checkpoint.allow_changes=train.lr,train.lrr"], ["names 'train.lrr', which is not a config key"]),
+    (["--checkpoint.allow_changes=train.lrr"], ["checkpoint.allow_changes", "train.lrr"]),
+    (["--prepare.dataset= "], ["`prepare.dataset` is empty"]), (["--prepare.text_field="], ["must name the column"]),
+    # Every number is bounded by what exists (the bound's reason is a comment on its key); before, each of these
+    # allocated until memory ran out, decoded for ever, was a traceback, or ended as "diverged ... lower the lr".
+    *(([*(["--profile.enabled=true"] if name.startswith("profile.") else []), f"--{name}={value}"],
+       [f"`{name}` must be {rule}"]) for name, value, rule in [
+        ("eval.batches", HUGE, "in (0, 16384]"), ("train.global_batch_tokens", HUGE, "in (0, 2^30]"),
+        ("sample.max_new_tokens", HUGE, "in [0, 2^16]"), ("runtime.threads", HUGE, "in [0, 1024]"),
+        ("model.max_seq_len", HUGE, "in [0, 2^22]"), ("train.seq_len", HUGE, "in (0, 2^22]"),
+        ("sample.num_samples", HUGE, "in [0, 1024]"), ("sample.temperature", 1e-320, "0 (greedy) or >= 0.0001"),
+        ("model.rope_theta", 1e-320, "> 1"), ("model.init_std", 1e308, "in (0, 1]"),
+        ("model.logit_softcap", 1e-320, "0 (off) or >= 1"), ("model.norm_eps", 1e308, "in (0, 1]"),
+        ("model.vocab_size", HUGE, "in (0, 2^32]"), ("model.dim", HUGE, "in (0, 2^16]"),
+        ("optim.muon_ns_steps", HUGE, "in (0, 100]"), ("data.pack_buffer", HUGE, "in (0, 2^20]"),
+        ("prepare.shuffle_buffer", HUGE, "in [0, 2^20]"), ("prepare.workers", HUGE, "in [0, 1024]"),
+        ("prepare.shard_tokens", HUGE, "in (0, 2^32]"), ("prepare.batch_documents", HUGE, "in (0, 2^20]"),
+        ("train.max_steps", HUGE, "below 2^63"), ("checkpoint.keep", HUGE, "below 2^63"),  # the default bound
+        ("train.batch_schedule", f"0:4096,3:{2**40}", "in (0, 2^30]"),  # a stage's batch: the batch's bound
+        ("profile.ranks", f"0,{HUGE}", "below 2^63")]),  # a list's every number
+]
+# Config files (None: a directory at the name; "": no file), given positionally or with --config: the paragraph
+# names the file.
+YAML = [
+    ("broken.yaml", "train:\n  max_steps: [1,\n", [], ""),
+    ("invalid.yaml", "train:\n  lr: [1, 2\n", ["not valid YAML", "line"], "--config"),
+    ("unknown.yaml", "train:\n  max_stepz: 3\n", [], ""),
+    ("key.yaml", "train:\n  learning_rate: 0.1\n", ["learning_rate"], "--config"),
+    ("section.yaml", "trainer:\n  max_steps: 3\n", [], ""), ("trian.yaml", "trian:\n  lr: 0.1\n", ["trian"], "--config"),
+    ("list.yaml", "- 1\n- 2\n", [], ""), ("names.yaml", "- train\n- model\n", ["mapping"], "--config"),
+    ("scalar_section.yaml", "train: 5\n", ["train"], "--config"),
+    ("a_dir.yaml", None, ["cannot be read"], "--config"),
+    ("missing.yaml", "", ["does not exist"], ""), ("nope.yaml", "", ["does not exist"], "--config"),
+    ("prompt.yaml", 'sample:\n  prompt: "caf\\udcff"\n', ["`sample.prompt` is 'caf\\udcff', which holds bytes that are "
+                                                      "no UTF-8"], ""),  # YAML's lone surrogate
 ]
 
 
-@pytest.mark.parametrize("args,named", BAD, ids=[a[0][0] for a in BAD])
-def test_bad_input_exits_2_with_a_message_naming_the_key(args, named, capsys, tmp_path):
-    code = run([*args, f"--run.dir={tmp_path}"])
+def test_at_least_twenty_bad_inputs_are_covered():
+    assert len(REFUSED) + len(YAML) >= 20
+
+
+@pytest.mark.parametrize("args, words", REFUSED, ids=[" ".join(row[0])[:60] for row in REFUSED])
+def test_bad_input_exits_2_with_a_paragraph_naming_the_key(args, words, capsys, tmp_path):
+    code = run([*(a.format(tmp=tmp_path) for a in args), f"--run.dir={tmp_path}"])
     err = capsys.readouterr().err
-    assert code == 2
-    assert named in err
-    assert "Traceback" not in err
+    assert code == 2, err
+    assert err.startswith("nanopt: error: ") and "Traceback" not in err and err.strip().count("\n") == 0, err
+    for word in words:
+        assert word.format(tmp=tmp_path) in err, f"{word!r} missing from: {err}"
     assert not any(tmp_path.iterdir()), "a refused config must not write anything"
+
+
+@pytest.mark.parametrize("name, text, words, via", YAML, ids=[row[0] for row in YAML])
+def test_bad_yaml_files_name_the_file(name, text, words, via, tmp_path, capsys):
+    path = tmp_path / name
+    path.mkdir() if text is None else path.write_text(text) if text else None
+    assert run([*([via] if via else []), str(path), f"--run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nanopt: error: ") and "Traceback" not in err and err.strip().count("\n") == 0, err
+    for word in [str(path), *words]:
+        assert word in err, f"{word!r} missing from: {err}"
 
 
 def hsdp(group: str = "null") -> Config:
@@ -163,94 +248,6 @@ def test_hsdp_at_world_size_one_is_one_process_whatever_its_group_size():
         resolve(hsdp(group), 1)
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("--run.seed=-1", "`run.seed` must be in [0, 2^32), got -1."),
-    ("--train.beta2=1", "`train.beta2` must be in [0, 1), got 1.0."),
-    ("--optim.matrix_lr=0", "`optim.matrix_lr` must be positive (or null for train.lr), got 0.0."),
-    ("--train.lr=inf", "`train.lr` must be finite and positive, got inf."),
-    ("--train.precision=fp8", "`train.precision` is 'fp8'; valid values: bf16, bf16-pure, fp32. bf16: autocast"),
-    ("--prepare.sample_by=word", 'valid values: line, paragraph, document, or "" (empty).'),
-])
-def test_a_key_s_own_rules_give_messages_naming_the_key_the_value_and_what_is_valid(arg, message):
-    """Choices and bounds are declared on each field (nanopt/config.py `key`); one checker words them all."""
-    with pytest.raises(ConfigError) as e:
-        load_config(None, parse_overrides([arg]))
-    assert message in str(e.value)
-
-
-def test_bad_yaml_files_name_the_file(tmp_path, capsys):
-    cases = {
-        "broken.yaml": "train:\n  max_steps: [1,\n",
-        "unknown.yaml": "train:\n  max_stepz: 3\n",
-        "section.yaml": "trainer:\n  max_steps: 3\n",
-        "list.yaml": "- 1\n- 2\n",
-    }
-    for name, text in cases.items():
-        path = tmp_path / name
-        path.write_text(text)
-        assert run([str(path)]) == 2
-        err = capsys.readouterr().err
-        assert str(path) in err, err
-    assert run([str(tmp_path / "missing.yaml")]) == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arg", ["--train.max_steps=abc", f"--eval.batches={2**64}"])
-def test_cli_error_has_no_traceback_in_a_real_process(arg, tmp_path):
-    proc = run_module(["nanopt.main", arg, f"--run.dir={tmp_path}"])
-    assert proc.returncode == 2
-    assert arg[2:].split("=")[0] in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one paragraph
-
-
-# Every number is bounded by what exists (the bound's reason is a comment on its key); before, each of these
-# allocated until memory ran out, decoded for ever, was a traceback, or ended as "diverged ... lower the lr".
-HUGE = 2**64
-BOUNDED = [
-    ("eval.batches", HUGE, "in (0, 16384]"), ("train.global_batch_tokens", HUGE, "in (0, 2^30]"),
-    ("sample.max_new_tokens", HUGE, "in [0, 2^16]"), ("runtime.threads", HUGE, "in [0, 1024]"),
-    ("model.max_seq_len", HUGE, "in [0, 2^22]"), ("train.seq_len", HUGE, "in (0, 2^22]"),
-    ("sample.num_samples", HUGE, "in [0, 1024]"), ("sample.temperature", 1e-320, "0 (greedy) or >= 0.0001"),
-    ("model.rope_theta", 1e-320, "> 1"), ("model.init_std", 1e308, "in (0, 1]"),
-    ("model.logit_softcap", 1e-320, "0 (off) or >= 1"), ("model.norm_eps", 1e308, "in (0, 1]"),
-    ("model.vocab_size", HUGE, "in (0, 2^32]"), ("model.dim", HUGE, "in (0, 2^16]"),
-    ("optim.muon_ns_steps", HUGE, "in (0, 100]"), ("data.pack_buffer", HUGE, "in (0, 2^20]"),
-    ("prepare.shuffle_buffer", HUGE, "in [0, 2^20]"), ("prepare.workers", HUGE, "in [0, 1024]"),
-    ("prepare.shard_tokens", HUGE, "in (0, 2^32]"), ("prepare.batch_documents", HUGE, "in (0, 2^20]"),
-    ("train.max_steps", HUGE, "below 2^63"), ("checkpoint.keep", HUGE, "below 2^63"),  # the default bound
-    ("train.batch_schedule", f"0:4096,3:{2**40}", "in (0, 2^30]"),  # a stage's batch: the batch's bound
-    ("profile.ranks", f"0,{HUGE}", "below 2^63"),  # a list's every number
-]
-
-
-@pytest.mark.parametrize("name, value, rule", BOUNDED, ids=[row[0] for row in BOUNDED])
-def test_every_number_is_bounded_by_what_exists(name, value, rule, capsys, tmp_path):
-    on = ["--profile.enabled=true"] if name.startswith("profile.") else []
-    assert run([*on, f"--{name}={value}", f"--run.dir={tmp_path}"]) == 2
-    err = capsys.readouterr().err
-    assert f"`{name}` must be {rule}" in err and "Traceback" not in err, err
-    assert not any(tmp_path.iterdir())
-
-
-# Each key's `must` rule (nanopt/config.py `key`): a value the key cannot mean, refused naming the key and the fix.
-MUST = [
-    ("run.name", "a/b", "`run.name` must be one directory name"), ("train.init_from", "weights.pt", "it takes `hf:DIR`"),
-    ("eval.core", "{tmp}/none", "`eval.core` is '{tmp}/none', which is not a directory"),
-    ("eval.tasks_path", "{tmp}/none", "which is not a directory. Give the directory (of task YAMLs)"),
-    ("checkpoint.allow_changes", "train.lr,train.lrr", "names 'train.lrr', which is not a config key"),
-    ("prepare.dataset", " ", "`prepare.dataset` is empty"), ("prepare.text_field", "", "must name the column"),
-]
-
-
-@pytest.mark.parametrize("name, value, message", MUST, ids=[row[0] for row in MUST])
-def test_a_keys_own_test_refuses_what_it_cannot_mean(name, value, message, tmp_path):
-    on = ["--eval.tasks=hellaswag"] if name == "eval.tasks_path" else []
-    with pytest.raises(ConfigError) as e:
-        load_config(None, parse_overrides([*on, f"--{name}={value.format(tmp=tmp_path)}"]))
-    assert message.format(tmp=tmp_path) in str(e.value)
-
-
 @pytest.mark.parametrize("key, value", [("sample.temperature", 0), ("model.logit_softcap", 0)])
 def test_zero_stays_the_off_switch_below_a_bound(key, value):
     load_config(None, parse_overrides([f"--{key}={value}"]))
@@ -292,60 +289,9 @@ def test_config_lists_are_yaml_lists_and_the_comma_form_still_loads(name, tmp_pa
     assert resume_changes(old, forms[0]) == [] and resume_changes(old, forms[0], finished=True) == []
 
 
-def test_profile_ranks_all_is_null_and_an_empty_list_is_refused():
+def test_profile_ranks_all_is_null():  # and an empty list is refused: REFUSED
     cfg = load_config(None, parse_overrides(["--profile.enabled=true", "--profile.ranks=all"]))
     assert cfg.profile.ranks is None and yaml.safe_load(to_yaml(cfg))["profile"]["ranks"] is None
-    with pytest.raises(ConfigError, match="`profile.ranks` is empty"):
-        load_config(None, parse_overrides(["--profile.enabled=true", "--profile.ranks="]))
-
-
-@pytest.mark.parametrize("text", ["0:4096,3", "3:4096", "0:4096,0:8192", "0:0", "0:4096:5"])
-def test_a_schedule_that_is_no_list_of_rising_pairs_is_refused_naming_both_forms(text):
-    with pytest.raises(ConfigError, match=r"`train.batch_schedule` is .*\[\[0, 8192\], \[300, 16384\]\]` in YAML, "
-                                          r"`0:8192,300:16384` on the command line"):
-        load_config(None, parse_overrides([f"--train.batch_schedule={text}"]))
-
-
-# ---------------------------------------------------------------- config keys that name runs
-
-
-@pytest.mark.parametrize("override, message", [
-    ("--run.name=..", "one directory name"),
-    ("--run.name=.", "one directory name"),
-    ("--run.seed=4294967296", "run.seed"),  # -1: its whole message in the key-rules test above
-    ("--eval.seed=99999999999999999999999", r"eval\.seed.*2\^32"),  # was an OverflowError traceback at the first eval
-    ("--prepare.shuffle_seed=-1", r"prepare\.shuffle_seed.*zero or positive"),  # was numpy's ValueError traceback
-    ("--train.eps=nan", r"train\.eps.*zero or positive"),  # was torch.optim.AdamW's ValueError traceback
-])
-def test_run_names_and_seeds_that_would_escape_or_overflow_are_refused(override, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, parse_overrides([override]))
-
-
-@pytest.mark.parametrize("overrides, message", [
-    # before: NaN or 0 "diverged" (exit 3), a low factor of 0 a ZeroDivisionError traceback, the others ran
-    (["--model.rope_factor=nan"], r"`model\.rope_factor` must be positive, got nan"),
-    (["--model.rope_factor=0"], r"`model\.rope_factor` must be positive"),
-    (["--model.rope_low_freq_factor=0"], r"`model\.rope_low_freq_factor` must be positive"),
-    (["--model.rope_original_max_seq_len=0"], r"`model\.rope_original_max_seq_len` must be positive"),
-    (["--model.rope_low_freq_factor=4", "--model.rope_high_freq_factor=4"], r"must be above `model\.rope_low_freq"),
-])
-def test_llama3_rope_scaling_keys_out_of_range_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, parse_overrides(["--model.rope_scaling=llama3", *overrides]))
-
-
-@pytest.mark.parametrize("where", ["command line", "yaml"])
-def test_a_string_key_holding_bytes_that_are_no_utf8_is_refused_naming_the_key(where, tmp_path):
-    """A command-line byte that does not decode reaches Python as a lone surrogate (as does YAML's "\\udcff"); it
-    was accepted, then the tokenizer's UnicodeEncodeError ended the run with a traceback after training."""
-    if where == "command line":
-        make = lambda: load_config(None, parse_overrides(["--sample.prompt=caf\udcff"]))
-    else:
-        (tmp_path / "c.yaml").write_text('sample:\n  prompt: "caf\\udcff"\n')
-        make = lambda: load_config(tmp_path / "c.yaml")
-    with pytest.raises(ConfigError, match=r"`sample\.prompt` is 'caf\\udcff', which holds bytes that are no UTF-8"):
-        make()
 
 
 def test_integers_are_parsed_exactly():
@@ -411,8 +357,3 @@ def test_a_saved_config_with_a_key_its_switch_ignored_still_loads():
     data["profile"]["wait"], data["train"]["ema_start"] = 5, 7
     cfg = config_from_dict(data, "state.json")
     assert (cfg.profile.wait, cfg.train.ema_start) == (5, 7)
-
-
-def test_every_shipped_config_sets_no_key_its_switch_leaves_ignored():
-    for path in sorted(configs_dir().glob("*.yaml")):
-        load_config(str(path), [])

@@ -32,16 +32,6 @@ def files(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[st
     """Broken configs and shard directories, each with exactly one thing wrong."""
     root = tmp_path_factory.mktemp("bad")
     out: dict[str, Path] = {}
-    (root / "invalid.yaml").write_text("train:\n  lr: [1, 2\n")
-    (root / "list.yaml").write_text("- train\n- model\n")
-    (root / "section.yaml").write_text("trian:\n  lr: 0.1\n")
-    (root / "scalar_section.yaml").write_text("train: 5\n")
-    (root / "key.yaml").write_text("train:\n  learning_rate: 0.1\n")
-    for name in ("invalid", "list", "section", "scalar_section", "key"):
-        out[name] = root / f"{name}.yaml"
-    (root / "a_dir.yaml").mkdir()
-    out["a_dir"] = root / "a_dir.yaml"
-
     good_train = open_shard(corpus_dir / "train_000000.bin")[:20000]
     good_val = open_shard(corpus_dir / "val_000000.bin")[:5000]
 
@@ -80,60 +70,31 @@ def files(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[st
     return out
 
 
-# (case id, argv builder, words the message must contain)
+# Bad input that reaches the data, the run directory or the runtime (the config's own rules: tests/test_config.py).
+# (case id, argv with "{name}" for a path of `files`, words the message must contain)
 CASES = [
-    ("int_type", lambda f: ["--model.dim=wide"], ["model.dim", "integer"]),
-    ("float_type", lambda f: ["--train.lr=fast"], ["train.lr", "number"]),
-    ("bool_type", lambda f: ["--checkpoint.resume=maybe"], ["checkpoint.resume", "true or false"]),
-    ("unknown_key", lambda f: ["--train.learning_rate=0.1"], ["train.learning_rate", "unknown key"]),
-    ("unknown_section", lambda f: ["--trian.lr=0.1"], ["trian", "unknown section"]),
-    ("not_dotted", lambda f: ["--lr=0.1"], ["--lr=0.1", "--train.max_steps=50"]),
-    ("no_value", lambda f: ["--train.max_steps"], ["--train.max_steps", "no value"]),
-    ("negative_steps", lambda f: ["--train.max_steps=-5"], ["train.max_steps", "positive"]),
-    ("zero_batch", lambda f: ["--train.micro_batch_size=0"], ["train.micro_batch_size", "positive"]),
-    ("zero_keep", lambda f: ["--checkpoint.keep=0"], ["checkpoint.keep", "positive"]),
-    ("bad_choice", lambda f: ["--train.precision=fp8"], ["train.precision", "bf16"]),
-    ("heads_divide", lambda f: ["--model.n_heads=3"], ["model.dim", "n_heads"]),
-    ("batch_divide", lambda f: ["--train.global_batch_tokens=100"], ["train.global_batch_tokens", "multiple"]),
-    ("missing_config", lambda f: ["--config", str(f["root"] / "nope.yaml")], ["nope.yaml", "does not exist"]),
-    ("invalid_yaml", lambda f: ["--config", str(f["invalid"])], ["invalid.yaml", "not valid YAML", "line"]),
-    ("yaml_list", lambda f: ["--config", str(f["list"])], ["list.yaml", "mapping"]),
-    ("yaml_section", lambda f: ["--config", str(f["section"])], ["section.yaml", "trian"]),
-    ("yaml_scalar_section", lambda f: ["--config", str(f["scalar_section"])], ["scalar_section.yaml", "train"]),
-    ("yaml_key", lambda f: ["--config", str(f["key"])], ["key.yaml", "learning_rate"]),
-    ("config_is_dir", lambda f: ["--config", str(f["a_dir"])], ["a_dir.yaml", "cannot be read"]),
-    ("two_configs", lambda f: ["--config", "configs/tiny.yaml", "--config=configs/tiny.yaml"], ["two config files"]),
-    ("data_missing", lambda f: [f"--data.source={f['root'] / 'no_such_dir'}"], ["no_such_dir", "nanopt prepare"]),
-    ("shard_checksum", lambda f: [f"--data.source={f['flipped']}"], ["train_000000.bin", "checksum"]),
-    ("shard_truncated", lambda f: [f"--data.source={f['truncated']}"], ["train_000000.bin", "truncated"]),
-    ("shard_magic", lambda f: [f"--data.source={f['not_a_shard']}"], ["train_000000.bin", "not a nanopt token shard"]),
-    ("shard_none", lambda f: [f"--data.source={f['no_train']}"], ["train_*.bin", "nanopt prepare"]),
-    ("shard_vocab", lambda f: [f"--data.source={f['big_vocab']}"], ["50000", "model.vocab_size"]),
-    ("shard_too_short", lambda f: [f"--data.source={f['tiny']}"], ["train.seq_len", "fewer than"]),
-    ("shard_token_past_vocab", lambda f: [f"--data.source={f['past_vocab']}"],  # was an IndexError in the embedding
+    ("data_missing", ["--data.source={root}/no_such_dir"], ["no_such_dir", "nanopt prepare"]),
+    ("shard_checksum", ["--data.source={flipped}"], ["train_000000.bin", "checksum"]),
+    ("shard_truncated", ["--data.source={truncated}"], ["train_000000.bin", "truncated"]),
+    ("shard_magic", ["--data.source={not_a_shard}"], ["train_000000.bin", "not a nanopt token shard"]),
+    ("shard_none", ["--data.source={no_train}"], ["train_*.bin", "nanopt prepare"]),
+    ("shard_vocab", ["--data.source={big_vocab}"], ["50000", "model.vocab_size"]),
+    ("shard_too_short", ["--data.source={tiny}"], ["train.seq_len", "fewer than"]),
+    ("shard_token_past_vocab", ["--data.source={past_vocab}"],  # was an IndexError in the embedding
      ["train_000000.bin", "holds token id", "vocabulary of 257"]),
-    ("run_dir_is_file", lambda f: [f"--run.dir={f['a_file']}"], ["a_file", "is a file", "run.dir"]),
-    ("resume_false_nonempty", lambda f: [f"--run.dir={f['nonempty_run']}", "--checkpoint.resume=false"],
+    ("run_dir_is_file", ["--run.dir={a_file}"], ["a_file", "is a file", "run.dir"]),
+    ("resume_false_nonempty", ["--run.dir={nonempty_run}", "--checkpoint.resume=false"],
      ["nonempty_run", "not empty", "run.dir"]),
-    ("mirror_protocol", lambda f: ["--checkpoint.mirror=nosuchfs://bucket/run"], ["checkpoint.mirror", "nosuchfs"]),
-    ("loss_chunk_negative", lambda f: ["--train.loss_chunk_tokens=-1"],
-     ["train.loss_chunk_tokens", "zero or positive"]),
-    ("allow_changes_typo", lambda f: ["--checkpoint.allow_changes=train.lrr"],
-     ["checkpoint.allow_changes", "train.lrr"]),
-    ("no_cuda", lambda f: ["--runtime.device=cuda"], ["runtime.device", "cpu"]),
-    ("ema_weights_without_ema", lambda f: ["--eval.weights=ema"], ["eval.weights", "train.ema_decay", "is 0"]),
-    ("ema_decay_one", lambda f: ["--train.ema_decay=1"], ["train.ema_decay", "in [0, 1)"]),
+    ("mirror_protocol", ["--checkpoint.mirror=nosuchfs://bucket/run"], ["checkpoint.mirror", "nosuchfs"]),
+    ("no_cuda", ["--runtime.device=cuda"], ["runtime.device", "cpu"]),
 ]
 
 
 @pytest.mark.parametrize("case, argv, words", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_exits_2_with_a_paragraph_naming_it(case, argv, words, files, tmp_path, capsys):
-    if case == "no_cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("this machine has a GPU, so --runtime.device=cuda is valid here")
-    extra = argv(files)
+    if case == "no_cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU, so --runtime.device=cuda is valid here")
+    extra = [a.format(**files) for a in argv]
     run_dir = [] if any(a.startswith("--run.dir") for a in extra) else [f"--run.dir={tmp_path / 'run'}"]
     rc = run([*ARGS, *extra, *run_dir])  # the case's own flags come last, so they win
     err = capsys.readouterr().err
@@ -144,13 +105,7 @@ def test_bad_input_exits_2_with_a_paragraph_naming_it(case, argv, words, files, 
         assert word in err, f"{word!r} missing from: {err}"
 
 
-def test_at_least_twenty_bad_inputs_are_covered():
-    assert len(CASES) >= 20
-
-
-def test_unknown_subcommand_and_bad_flags_through_the_cli(capsys):
-    assert cli.run(["trian"]) == 2
-    assert "unknown command 'trian'" in capsys.readouterr().err
+def test_bad_flags_through_the_cli(capsys):  # an unknown command: tests/test_cli.py
     assert cli.run(["train", "--model.dim=wide"]) == 2
     err = capsys.readouterr().err
     assert "model.dim" in err and "Traceback" not in err
@@ -174,10 +129,18 @@ def test_debug_flag_shows_the_traceback_and_keeps_exit_2(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_real_processes_print_one_paragraph_and_no_traceback(files, tmp_path):
-    bad_override = run_module(["nanopt.main", "--train.max_steps=-1"])
-    assert bad_override.returncode == 2
-    assert bad_override.stderr.strip() == "nanopt: error: `train.max_steps` must be positive, got -1."
+@pytest.mark.parametrize("arg, said", [
+    ("--train.max_steps=-1", "nanopt: error: `train.max_steps` must be positive, got -1."),
+    ("--train.max_steps=abc", "train.max_steps"), (f"--eval.batches={2**64}", "eval.batches")])
+def test_real_processes_print_one_paragraph_and_no_traceback(arg, said, tmp_path):
+    proc = run_module(["nanopt.main", arg, f"--run.dir={tmp_path}"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one paragraph
+    assert proc.stderr.strip() == said if said.startswith("nanopt: ") else said in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_in_a_real_process_is_one_paragraph(files, tmp_path):
     corrupt = run_module(["nanopt.cli", "train", *ARGS, f"--data.source={files['flipped']}",
                           f"--run.dir={tmp_path / 'run'}"], env={"OMP_NUM_THREADS": "1"})
     assert corrupt.returncode == 2, corrupt.stderr
@@ -200,7 +163,7 @@ def _edit_state(ckpt: Path, edit) -> None:
     (ckpt / "state.json").write_text(json.dumps(state))
 
 
-# (case id, what to do to the newest checkpoint, words the message must contain)
+# (case id, what to do to the newest checkpoint `c`, which is then resealed, words the message must contain)
 SEALED_DAMAGE = [
     ("weights_not_safetensors", lambda c: (c / "model.safetensors").write_bytes(b"hello"), ["model.safetensors"]),
     ("dcp_metadata_not_pickle", lambda c: (c / "dcp" / ".metadata").write_bytes(b"hello"), ["dcp/.metadata"]),
@@ -213,9 +176,14 @@ SEALED_DAMAGE = [
     ("data_not_a_list", lambda c: _edit_state(c, lambda s: s.update(data=5)), ["`data`"]),
     ("speedrun_wrong_type", lambda c: _edit_state(c, lambda s: s.update(speedrun={"hit": "x"})), ["`speedrun`"]),
 ]
-SEALED_DAMAGE = [(case, damage, [*words, "earlier checkpoint"]) for case, damage, words in SEALED_DAMAGE] + [
+SEALED_DAMAGE = [(case, damage, ["{ckpt}", *words, "earlier checkpoint"]) for case, damage, words in SEALED_DAMAGE] + [
     # torch loads moments of another shape as they are; the fused/foreach step then crashed the process (SIGSEGV)
-    ("moments_of_another_shape", lambda c: _shrink_moments(c), ["optimizer state does not fit", "exp_avg"]),
+    ("moments_of_another_shape", lambda c: _shrink_moments(c), ["{ckpt}", "optimizer state does not fit", "exp_avg"]),
+    # A file where a checkpoint directory goes. Before: skipped as no checkpoint, the run trained, and saving step 3
+    # ended in a NotADirectoryError traceback from rmtree. A directory where a file goes: refused at the first save.
+    *((name, lambda c, name=name: (c.parent / name).write_text("the user's notes"), [f"{{checkpoints}}/{name} is a "])
+      for name in ("step_000003", ".tmp_step_000003")),
+    ("latest", lambda c: ((c.parent / "latest").unlink(), (c.parent / "latest").mkdir()), ["{checkpoints}/latest is a "]),
 ]
 
 
@@ -248,72 +216,40 @@ def _snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"<dir>" for p in root.rglob("*")}
 
 
+def _damaged_copy(trained: Path, tmp_path: Path, damage) -> tuple[Path, Path]:
+    """A copy of the trained run whose newest checkpoint `damage` changed, its manifest rewritten to match."""
+    shutil.copytree(trained, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    damage(ckpt)
+    _reseal(ckpt)
+    return tmp_path / "run", ckpt
+
+
 @pytest.mark.parametrize("case, damage, words", SEALED_DAMAGE, ids=[c[0] for c in SEALED_DAMAGE])
 def test_a_resume_from_a_checkpoint_damaged_behind_its_manifest_is_refused_naming_the_file(
         case, damage, words, trained, tmp_path, capsys):
     """Before, each of these escaped as a traceback (exit 1) from torch.load, safetensors or a component's
     load_state_dict; the run directory must stay byte-identical."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    ckpt = run_dir / "checkpoints" / "step_000002"
-    damage(ckpt)
-    _reseal(ckpt)
+    run_dir, ckpt = _damaged_copy(trained, tmp_path, damage)
     before = _snapshot(run_dir)
     assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nanopt: error: ") and "Traceback" not in err and err.strip().count("\n") == 0, err
-    for word in [str(ckpt), *words]:
-        assert word in err, f"{word!r} missing from: {err}"
+    for word in words:
+        assert word.format(ckpt=ckpt, checkpoints=ckpt.parent) in err, f"{word!r} missing from: {err}"
     assert _snapshot(run_dir) == before
 
 
 @pytest.mark.parametrize("command", ["eval", "sample", "export"])
 def test_weights_that_are_no_safetensors_file_behind_their_manifest_are_one_paragraph(command, trained, tmp_path,
                                                                                        capsys):
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    ckpt = run_dir / "checkpoints" / "step_000002"
-    (ckpt / "model.safetensors").write_bytes(b"hello")
-    _reseal(ckpt)
+    run_dir, ckpt = _damaged_copy(trained, tmp_path, lambda c: (c / "model.safetensors").write_bytes(b"hello"))
     extra = {"eval": ["--batches", "1"], "sample": ["-n", "1", "--max-new-tokens", "2"],
              "export": ["--out", str(tmp_path / "hf")]}[command]
     assert cli.run([command, str(run_dir), *extra]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"{ckpt / 'model.safetensors'} is not a safetensors file" in err, err
     assert not (tmp_path / "hf").exists()
-
-
-@pytest.mark.parametrize("flags, words", [
-    (["--temperature", "nan"], ["--temperature", "got nan"]),  # was torch.multinomial's RuntimeError
-    (["--temperature", "inf"], ["--temperature", "got inf"]),
-    (["--seed", str(2**70)], ["--seed", "[0, 2^32)"]),  # was an OverflowError from manual_seed
-    (["--prompt", "caf\udcff"], ["--prompt", "no UTF-8 text"]),  # a command-line byte that does not decode
-])
-def test_sample_flags_out_of_range_are_one_paragraph(flags, words, trained, capsys):
-    assert cli.run(["sample", str(trained), "-n", "1", "--max-new-tokens", "2", *flags]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("nanopt sample: error: ") and "Traceback" not in err, err
-    for word in words:
-        assert word in err, f"{word!r} missing from: {err}"
-
-
-@pytest.mark.parametrize("name", ["step_000003", ".tmp_step_000003", "latest"])
-def test_a_file_where_a_checkpoint_directory_goes_is_refused_before_training_and_kept(name, trained, tmp_path,
-                                                                                      capsys):
-    """Before: the file was skipped as no checkpoint, the run trained, and saving step 3 ended in a
-    NotADirectoryError traceback from rmtree."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained, run_dir)
-    if name == "latest":  # a directory where a file goes: refused at the first save, after training, before
-        (run_dir / "checkpoints" / name).unlink()
-        (run_dir / "checkpoints" / name).mkdir()
-    else:
-        (run_dir / "checkpoints" / name).write_text("the user's notes")
-    before = _snapshot(run_dir)
-    assert run([*ARGS, "--checkpoint.every=2", "--train.max_steps=3", f"--run.dir={run_dir}"]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and f"{run_dir / 'checkpoints' / name} is a " in err, err
-    assert _snapshot(run_dir) == before
 
 
 @pytest.mark.parametrize("text", ["my: own\nsettings: [1, 2]\n", "database:\n  host: db.local\n", "run:\n  seed: [\n"])
@@ -330,19 +266,25 @@ def test_a_config_yaml_that_is_no_run_config_is_never_replaced(text, tmp_path, c
     assert (tmp_path / "mine" / "config.yaml").read_text() == text
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--limit", "5"], ["--limit applies only with --tasks or --core"]),
-    (["--json"], ["--json applies only with --tasks or --core"]),
-    (["--interval", "5"], ["--interval applies only with --watch"]),
-    (["--tasks", "nanopt_mc", "--batches", "3"], ["--batches sets the val/test loss evaluation"]),
-    (["--core", "bundle", "--split", "test"], ["--split sets the val/test loss evaluation"]),
+@pytest.mark.parametrize("command, flags, words", [
+    ("sample", ["--temperature", "nan"], ["--temperature", "got nan"]),  # was torch.multinomial's RuntimeError
+    ("sample", ["--temperature", "inf"], ["--temperature", "got inf"]),
+    ("sample", ["--seed", str(2**70)], ["--seed", "[0, 2^32)"]),  # was an OverflowError from manual_seed
+    ("sample", ["--prompt", "caf\udcff"], ["--prompt", "no UTF-8 text"]),  # a command-line byte that does not decode
+    # Before, each of these was silently ignored: a loss evaluation took no --limit, task scoring no --split.
+    ("eval", ["--limit", "5"], ["--limit applies only with --tasks or --core"]),
+    ("eval", ["--json"], ["--json applies only with --tasks or --core"]),
+    ("eval", ["--interval", "5"], ["--interval applies only with --watch"]),
+    ("eval", ["--tasks", "nanopt_mc", "--batches", "3"], ["--batches sets the val/test loss evaluation"]),
+    ("eval", ["--core", "bundle", "--split", "test"], ["--split sets the val/test loss evaluation"]),
 ])
-def test_an_eval_flag_that_would_be_ignored_is_refused(flags, words, trained, capsys):
-    """Before, each was silently ignored: a loss evaluation took no --limit, task scoring no --split."""
+def test_a_sample_or_eval_flag_out_of_range_or_ignored_is_one_paragraph(command, flags, words, trained, capsys):
     before = _snapshot(trained)
-    assert cli.run(["eval", str(trained), *flags]) == 2
+    short = ["-n", "1", "--max-new-tokens", "2"] if command == "sample" else []
+    assert cli.run([command, str(trained), *short, *flags]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("nanopt eval: error: ") and err.strip().count("\n") == 0, err
+    assert err.startswith(f"nanopt {command}: error: ") and "Traceback" not in err, err
+    assert err.strip().count("\n") == 0, err
     for word in words:
         assert word in err, f"{word!r} missing from: {err}"
     assert _snapshot(trained) == before
