@@ -9,17 +9,10 @@ import sys
 from unittest import mock
 
 import pytest
-from conftest import REPO, run_module
+from conftest import REPO
 
 from nanopt.cli import COMMANDS, run
 from nanopt.errors import EXIT_STATUS_ENV
-
-
-def test_help_lists_every_subcommand(capsys):
-    assert run(["--help"]) == 0
-    out = capsys.readouterr().out
-    for name in COMMANDS:
-        assert name in out
 
 
 def test_unknown_subcommand_exits_2(capsys):
@@ -27,7 +20,10 @@ def test_unknown_subcommand_exits_2(capsys):
     assert "unknown command 'trian'" in capsys.readouterr().err
 
 
-def test_every_subcommand_answers_help(capsys):
+def test_help_lists_every_subcommand_and_each_answers_help(capsys):
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS), out
     for name in COMMANDS:
         with mock.patch.dict(os.environ):  # run() sets train's OpenMP environment
             try:
@@ -36,13 +32,6 @@ def test_every_subcommand_answers_help(capsys):
                 code = e.code
         assert code == 0, (name, capsys.readouterr().err[-2000:])
         assert "usage" in capsys.readouterr().out.lower(), name
-
-
-@pytest.mark.slow
-def test_the_console_script_answers_help_in_a_real_process():
-    proc = run_module(["nanopt.cli", "train", "--help"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout.lower()
 
 
 def test_a_reader_that_left_ends_the_command_quietly():
@@ -64,7 +53,6 @@ def test_a_stdout_on_a_full_disk_is_one_line_and_exit_1():
                               text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr == "nanopt: error: the output could not be written to stdout (No space left on device).\n"
-
 
 
 # ---------------------------------------------------------------- the exit without the interpreter's teardown
@@ -100,33 +88,30 @@ def test_a_profiled_command_exits_through_the_profiler_which_writes_its_file(tmp
     assert (tmp_path / "p.prof").stat().st_size > 0
 
 # ---------------------------------------------------------------- OpenMP's wait policy, set before torch loads
+CONSOLE = """
+import atexit, os, sys
+from nanopt import cli
+assert 'torch' not in sys.modules, 'torch imported before run(): too late to set OMP_WAIT_POLICY'
+atexit.register(lambda: print('POLICY=' + os.environ['OMP_WAIT_POLICY']))  # as torch, loaded by `train`, saw it
+sys.argv = ['nanopt', 'train', '--help']
+cli.main()
+"""
 
 
-def _policy_after_run(env_policy: str | None) -> str:
-    """OMP_WAIT_POLICY as torch will see it after `nanopt.main.run`, in a fresh interpreter."""
-    code = (
-        "import os, sys, nanopt.main as m\n"
-        "assert 'torch' not in sys.modules, 'torch imported before run(): too late to set OMP_WAIT_POLICY'\n"
-        "m.run(['--help'])\n"
-        "import torch\n"
-        "print('POLICY=' + os.environ['OMP_WAIT_POLICY'])\n"
-    )
+@pytest.mark.slow
+def test_the_console_script_answers_help_and_makes_idle_openmp_threads_spin_before_torch_loads():
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if env_policy is not None:
-        env["OMP_WAIT_POLICY"] = env_policy
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.rsplit("POLICY=", 1)[1].strip()
+    proc = subprocess.run([sys.executable, "-c", CONSOLE], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout.lower()
+    assert proc.stdout.rsplit("POLICY=", 1)[1].strip() == "ACTIVE"
 
 
-@pytest.mark.slow
-def test_run_makes_idle_openmp_threads_spin_before_torch_loads():
-    assert _policy_after_run(None) == "ACTIVE"
-
-
-@pytest.mark.slow
-def test_run_keeps_a_user_chosen_openmp_wait_policy():
-    assert _policy_after_run("PASSIVE") == "PASSIVE"
+def test_run_keeps_a_user_chosen_openmp_wait_policy(monkeypatch, capsys):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert run(["train", "--help"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 # ---------------------------------------------------------------- an OSError about a path, wherever a command met it
