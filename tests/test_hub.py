@@ -36,16 +36,23 @@ def online_env(monkeypatch):
     monkeypatch.setattr(hub, "_probe", {})
 
 
-@pytest.mark.parametrize("error, words", [
-    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), ["huggingface.co does not resolve",
-                                                                       "Name or service not known"]),
-    (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), ["huggingface.co:443", "Connection refused"]),
-    (OSError(errno.ENETUNREACH, "Network is unreachable"), ["Network is unreachable"]),
+NO_NAME = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+
+@pytest.mark.parametrize("endpoint, error, probed, words", [
+    ("", NO_NAME, ("huggingface.co", 443), ["huggingface.co does not resolve", "Name or service not known"]),
+    ("", ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), ("huggingface.co", 443),
+     ["huggingface.co:443", "Connection refused"]),
+    ("", OSError(errno.ENETUNREACH, "Network is unreachable"), ("huggingface.co", 443), ["Network is unreachable"]),
+    ("http://mirror.example:8080/", NO_NAME, ("mirror.example", 8080), ["mirror.example does not resolve"]),
 ])
-def test_a_host_that_does_not_resolve_or_refuses_is_unreachable(monkeypatch, online_env, error, words):
+def test_a_host_that_does_not_resolve_or_refuses_is_unreachable(monkeypatch, online_env, endpoint, error, probed,
+                                                                 words):
+    if endpoint:  # HF_ENDPOINT is the host probed
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
     calls = _connect_raises(monkeypatch, error)
     reason = hub.unreachable()
-    assert calls == [("huggingface.co", 443)]
+    assert calls == [probed]
     assert reason is not None and all(w in reason for w in words), reason
 
 
@@ -58,15 +65,8 @@ def test_a_slow_host_keeps_the_libraries_retries(monkeypatch, online_env, error)
     assert "HF_HUB_OFFLINE" not in hub.os.environ
 
 
-def test_hf_endpoint_is_the_host_probed(monkeypatch, online_env):
-    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080/")
-    calls = _connect_raises(monkeypatch, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
-    assert "mirror.example does not resolve" in hub.unreachable()
-    assert calls == [("mirror.example", 8080)]
-
-
 def test_an_unreachable_hub_turns_on_offline_mode_once(monkeypatch, online_env):
-    calls = _connect_raises(monkeypatch, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
+    calls = _connect_raises(monkeypatch, NO_NAME)
     first = hub.offline_unless_reachable()
     assert first and "does not resolve" in first
     assert hub.os.environ["HF_HUB_OFFLINE"] == "1" and hub.os.environ["HF_DATASETS_OFFLINE"] == "1"
