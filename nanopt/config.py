@@ -76,9 +76,8 @@ class RunConfig:
     dir: str = key("", "Output directory (a path); \"\" = `runs/<name>`.")
     seed: int = key(1337, "Seeds init, data order and dropout; numpy and the data order take 32-bit seeds.",
                     ge=0, lt=SEED_LIMIT, safe=False, neutral=False)
-    init_seed: Optional[int] = key(None, "Seeds the initial weights alone (vary it with data_seed fixed to see how "
-                                   "much of a result's spread is init).", ge=0, lt=SEED_LIMIT, null="run.seed",
-                                   safe=False, neutral=False)
+    init_seed: Optional[int] = key(None, "Seeds the initial weights alone (vary it with data_seed fixed: the spread "
+                                   "from init).", ge=0, lt=SEED_LIMIT, null="run.seed", safe=False, neutral=False)
     data_seed: Optional[int] = key(None, "Seeds the training data order alone.", ge=0, lt=SEED_LIMIT,
                                    null="run.seed", safe=False, neutral=False)
     time_limit_s: float = key(0.0, "Seconds this session may train, then it checkpoints and exits 75 like a "
@@ -108,34 +107,32 @@ class ModelConfig:
     # RoPE's frequencies theta^(-2i/d) fall across the head only for a base above 1; below it they grow, and a base
     # near 0 overflows them to inf (the run "diverged").
     rope_theta: float = key(10000.0, "RoPE base.", gt=1)
-    rope_scaling: str = key("none", "Llama-3 frequency scaling (llama3, tuned by the model.rope_* keys) or "
-                            "plain RoPE (none).", choices=("none", "llama3"))
+    rope_scaling: str = key("none", "llama3: Llama-3 frequency scaling (the model.rope_* keys); none: plain RoPE.",
+                            choices=("none", "llama3"))
     rope_factor: float = key(32.0, "llama3 scaling: the factor.", gt=0)
     rope_low_freq_factor: float = key(1.0, "llama3 scaling: the low-frequency factor.", gt=0)
     rope_high_freq_factor: float = key(4.0, "llama3 scaling: the high-frequency factor (above the low one).", gt=0)
     rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context length the scaling starts from.", gt=0)
     max_seq_len: int = key(0, "Longest sequence the model takes; 0 = train.seq_len.", ge=0, le=CONTEXT_LIMIT)
     tie_embeddings: bool = key(True, "The LM head shares the token embedding's weights.")
-    attention: str = key("sdpa", "Attention kernel (xla_flash: Pallas, TPU); the same numbers, so a resume may "
-                         "switch.", choices=("sdpa", "eager", "flash", "auto", "xla_flash"), safe=True)
+    attention: str = key("sdpa", "Attention kernel (xla_flash: Pallas, TPU); each computes the same numbers.",
+                         choices=("sdpa", "eager", "flash", "auto", "xla_flash"), safe=True)
     # Weights of std above 1 grow a Llama's activations layer by layer until the first step overflows ("diverged").
     init_std: float = key(0.02, "Standard deviation of the initial weights.", gt=0, le=1)
     qk_norm: bool = key(False, "Speedrun: RMS-normalise queries and keys per head (no gain) before RoPE.")
-    mlp: str = key("swiglu", "swiglu: w2(silu(w1 x) * w3 x); relu2: w2(relu(w1 x)^2), no w3.",
-                   choices=("swiglu", "relu2"))
+    mlp: str = key("swiglu", "swiglu: w2(silu(w1 x) * w3 x); relu2: w2(relu(w1 x)^2).", choices=("swiglu", "relu2"))
     # A cap below 1 squashes every logit into (-1, 1); near 0, logits / c overflow and the backward is NaN.
     logit_softcap: float = key(0.0, "Speedrun: logits -> c * tanh(logits / c); 0 = off.", ge=1, zero="off")
     value_embeddings: bool = key(False, "Speedrun: each layer adds its own token embedding to the attention values.")
     residual_scalars: bool = key(False, "Speedrun: layer input a * x + b * x0 (x0: the embedding; a, b learned).")
     # The family with one knob (nanochat's --depth): a ladder is one list of depths (docs/scaling.md).
-    depth: Optional[int] = key(None, "Model family: n_layers = depth, dim = depth × aspect_ratio and ffn_dim = 8/3 dim "
-                               "(relu2: 4 dim), each rounded up to a multiple of depth_head_dim, n_heads = n_kv_heads "
-                               "(unless set) = dim / depth_head_dim.", gt=0, le=2**12, null="off")
+    depth: Optional[int] = key(None, "Model family: n_layers = depth, dim = depth × aspect_ratio and ffn_dim = 8/3 "
+                               "dim (relu2: 4 dim), each rounded up to a multiple of depth_head_dim, n_heads = "
+                               "n_kv_heads (unless set) = dim / depth_head_dim.", gt=0, le=2**12, null="off")
     aspect_ratio: int = key(64, "model.depth: width per layer.", gt=0, le=2**12)
     depth_head_dim: int = key(64, "model.depth: the head width, fixed across the family; even (RoPE).", gt=0, le=2**10)
-    parametrization: str = key("sp", "sp: widths as configured; mup: µP's multipliers against model.mup_base_dim "
-                               "(hidden init and lr, the logits), so a tuned lr transfers (docs/scaling.md).",
-                               choices=("sp", "mup"))
+    parametrization: str = key("sp", "sp: widths as configured; mup: µP's multipliers against model.mup_base_dim, "
+                               "so a tuned lr transfers (docs/scaling.md).", choices=("sp", "mup"))
     mup_base_dim: int = key(256, "mup: the width the lr was tuned at (mup equals sp there).", gt=0, le=2**16)
 
     @property
@@ -202,9 +199,8 @@ class DataConfig:
     dir: str = key("", "Shard directory for prepared data; \"\" = the embedded cache.", safe=True)
     tokenizer: str = key("byte", "byte, or a Hugging Face tokenizer name or local path.")
     verify_checksum: bool = key(True, "Read each shard whole once to check its crc32.", safe=True, neutral=True)
-    packing: str = key("windows", "Training rows: windows of the token stream (rows start mid-document) or "
-                       "bos_bestfit (each row starts at a BOS, filled best-fit from a document buffer).",
-                       choices=("windows", "bos_bestfit"))
+    packing: str = key("windows", "Training rows: windows of the token stream, or bos_bestfit (each starts at a BOS, "
+                       "filled best-fit from a document buffer).", choices=("windows", "bos_bestfit"))
     # Best fit gains nothing past a few thousand documents; a larger buffer only holds the corpus in memory.
     pack_buffer: int = key(1000, "bos_bestfit: documents held to choose each best fit from.", gt=0, le=2**20)
 
@@ -225,7 +221,7 @@ class TrainConfig:
     lr: float = key(3e-3, "Peak learning rate.", gt=0)
     min_lr_ratio: float = key(0.1, "The schedule's final lr as a fraction of train.lr.", ge=0, le=1)
     warmup_steps: int = key(20, "Linear warmup steps.", ge=0)
-    schedule: str = key("cosine", "The lr after warmup: cosine decay, wsd (warmup-stable-decay) or constant.",
+    schedule: str = key("cosine", "The lr after warmup: cosine, wsd (warmup-stable-decay) or constant.",
                         choices=("cosine", "wsd", "constant"))
     decay_fraction: float = key(0.2, "wsd only: the share of steps spent decaying.", gt=0, le=1)
     weight_decay: float = key(0.1, "AdamW weight decay (scalars never decay).", ge=0)
@@ -239,8 +235,7 @@ class TrainConfig:
                           "backward runs the block again: a third more FLOPs (in hfu, not mfu) for one block's "
                           "activations instead of all (`nanopt estimate` shows both).", safe=True)
     loss_chunk_tokens: int = key(8192, "The loss runs over chunks of this many positions, recomputing their logits "
-                                 "in backward: at most chunk × vocab fp32 logits live; 0 = never chunk.", ge=0,
-                                 safe=True)
+                                 "in backward (chunk × vocab fp32 logits live); 0 = never chunk.", ge=0, safe=True)
     target_val_loss: Optional[float] = key(None, "Speedrun clock: record step, tokens and train seconds when "
                                            "val loss (nats/token) first reaches it.", gt=0, null="no target", safe=True)
     target_val_bpb: Optional[float] = key(None, "The same in bits per byte, which recipes with different tokenizers "
@@ -255,13 +250,12 @@ class TrainConfig:
                                           "train.global_batch_tokens throughout.", ge=0)
     seq_len_schedule: list[list[int]] = key([], "Sequence length by stage: [START, SEQ_LEN] pairs (`0:128,300:256`), "
                                             "each at most train.seq_len; [] = train.seq_len throughout.", ge=0)
-    schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens seen.",
+    schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens.",
                              choices=("steps", "tokens"))
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
                              "sqrt (p = 1/2), linear (p = 1) or none.", choices=("sqrt", "linear", "none"))
-    fp8: str = key("none", "FP8 matmuls in the blocks' Linears (torchao float8 training; H100 or newer, emulated on "
-                   "CPU): tensorwise or rowwise scaling; none = bf16 (docs/mfu.md).",
-                   choices=("none", "tensorwise", "rowwise"))
+    fp8: str = key("none", "FP8 matmuls in the blocks' Linears (torchao; H100 or newer, emulated on CPU): tensorwise "
+                   "or rowwise scaling; none = bf16 (docs/mfu.md).", choices=("none", "tensorwise", "rowwise"))
     fp8_filter: str = key("auto", "Which block Linears train.fp8 converts: auto = those whose shapes gain by torchao's "
                           "H100 measurements, all = every one with dims in multiples of 16.", choices=("auto", "all"))
     compile_ddp_split: Optional[bool] = key(
@@ -311,8 +305,7 @@ class OptimConfig:
     """Which optimizer updates which kind of parameter (nanopt/recipe/optim.py; docs/speedrun.md). Kinds: matrix (the
     hidden 2-D weights), embedding (token and value embeddings), head (an untied LM head), scalar (norm gains,
     residual scalars); scalars never decay. train.schedule scales every kind's lr alike."""
-    name: str = key("adamw", "muon: Muon on the matrix kind, AdamW with train.beta1/beta2 on the rest.",
-                    choices=("adamw", "muon"))
+    name: str = key("adamw", "muon: Muon on the matrix kind, AdamW on the rest.", choices=("adamw", "muon"))
     matrix_lr: Optional[float] = key(None, "The matrix kind's lr.", gt=0, null="train.lr")
     embedding_lr: Optional[float] = key(None, "The embedding kind's lr.", gt=0, null="train.lr")
     head_lr: Optional[float] = key(None, "The head kind's lr.", gt=0, null="train.lr")
@@ -324,12 +317,11 @@ class OptimConfig:
     muon_nesterov: bool = key(True, "Nesterov momentum in Muon.")
     # Newton-Schulz converges in about 5; each iteration is three matmuls per matrix per step.
     muon_ns_steps: int = key(5, "Newton-Schulz iterations per Muon update.", gt=0, le=100)
-    muon_dtype: str = key("auto", "Newton-Schulz's dtype (batched Muon): auto = bf16 where the device has bf16 "
-                          "hardware (CUDA, XLA, AMX CPUs), else fp32 (emulated bf16 is ~45x slower).",
-                          choices=("auto", "bf16", "fp32"))
-    muon_adjust_lr: str = key("match_rms_adamw", "match_rms_adamw scales each matrix's update to AdamW's typical "
-                              "RMS, so a matrix_lr of AdamW's size works; original is Keller Jordan's "
-                              "sqrt(max(1, rows/cols)) (lr ~0.02).", choices=("match_rms_adamw", "original"))
+    muon_dtype: str = key("auto", "Newton-Schulz's dtype: auto = bf16 where the device has bf16 hardware, else fp32 "
+                          "(emulated bf16 is ~45x slower).", choices=("auto", "bf16", "fp32"))
+    muon_adjust_lr: str = key("match_rms_adamw", "match_rms_adamw: updates at AdamW's RMS (an AdamW-sized lr); "
+                              "original: Keller Jordan's sqrt(max(1, rows/cols)) (lr ~0.02).",
+                              choices=("match_rms_adamw", "original"))
 
 
 def _a_directory(key: str, what: str) -> tuple[Callable[[Any], bool], str]:
@@ -351,17 +343,15 @@ class EvalConfig:
     batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0, le=2**14)
     seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
                     "measured on the same tokens.", ge=0, lt=SEED_LIMIT)
-    test_at_end: bool = key(True, "Evaluate the test split (if it has shards) after the last step.", safe=True,
-                            neutral=True)
-    tasks: list[str] = key([], "lm-eval tasks scored on the live model during training, outside its clock, e.g. "
-                           "`[hellaswag, arc_easy]` (pip install -e '.[eval]'; docs/evaluation.md).", safe=True,
-                           neutral=True)
+    test_at_end: bool = key(True, "Evaluate the test split (if any) after the last step.", safe=True, neutral=True)
+    tasks: list[str] = key([], "lm-eval tasks scored during training, outside its clock, e.g. `[hellaswag, arc_easy]` "
+                           "(docs/evaluation.md).", safe=True, neutral=True)
     core: str = key("", "A CORE bundle directory scored like eval.tasks; \"\" = none.", safe=True, neutral=True,
                     must=_a_directory("eval.core", "a CORE bundle"))
     tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
                            ge=0, safe=True, neutral=True)
-    tasks_limit: int = key(100, "Documents per task (items per CORE task) scored during training; 0 = all.", ge=0,
-                           safe=True, neutral=True)
+    tasks_limit: int = key(100, "Documents (CORE: items) per task scored in training; 0 = all.", ge=0, safe=True,
+                           neutral=True)
     tasks_path: str = key("", "A directory of local lm-eval task YAMLs for eval.tasks (the harness's include_path).",
                           safe=True, neutral=True, must=_a_directory("eval.tasks_path", "of task YAMLs"))
     weights: str = key("model", "The weights validation, the speedrun clock and the samples use: the model's, or "
@@ -378,11 +368,9 @@ class CheckpointConfig:
     mirror: str = key("", "fsspec URL (gs://, s3://, file://, a path) each completed checkpoint is copied to.")
     # A typo would otherwise silently allow nothing.
     allow_changes: list[str] = key([], "Config keys allowed to differ from the checkpoint's on resume, e.g. "
-                                   "`[train.lr]` (`train.lr,train.warmup_steps`).", must=(
-                                       lambda v: v in KEYS,
-                                       "`checkpoint.allow_changes` names {value!r}, which is not a config key; list "
-                                       "`section.key` names separated by commas, e.g. "
-                                       "`--checkpoint.allow_changes=train.lr,train.warmup_steps`."))
+                                   "`[train.lr]`.", must=(lambda v: v in KEYS, "`checkpoint.allow_changes` names "
+                                   "{value!r}, which is not a config key; list `section.key` names separated by "
+                                   "commas, e.g. `--checkpoint.allow_changes=train.lr,train.warmup_steps`."))
     start_over: bool = key(False, "When the run directory shows training but holds no usable checkpoint, a re-run "
                            "refuses (exit 2) rather than silently start over; true starts at step 0.")
 
@@ -411,9 +399,8 @@ class RuntimeConfig:
                         "block) or hsdp (fsdp within shard groups of `runtime.shard_group_size` ranks that replicate "
                         "each other: only gradients cross nodes); the same checkpoint files (docs/resume.md).",
                         choices=PARALLELISMS)
-    shard_group_size: Optional[int] = key(None, "hsdp only: ranks per shard group; divides the world size and is "
-                                          "smaller than it (checked under torchrun).", ge=1,
-                                          null="the ranks per node, torchrun's LOCAL_WORLD_SIZE")
+    shard_group_size: Optional[int] = key(None, "hsdp: ranks per shard group; divides the world size, smaller than it.",
+                                          ge=1, null="the ranks per node, torchrun's LOCAL_WORLD_SIZE")
 
     def check(self, cfg: Config) -> None:
         """What the parallelism cannot do: each is refused before anything is built."""
@@ -465,12 +452,11 @@ class PrepareConfig:
                        "with `prepare.data_files`, or a Hugging Face dataset name such as HuggingFaceFW/fineweb-edu."))
     subset: str = key("", "The dataset's config name, e.g. sample-100BT.")
     revision: str = key("", "A hub dataset's commit or tag (pins the stream a resume re-reads); \"\" = main.")
-    data_files: list[str] = key([], "Local files or globs for json/parquet/text, e.g. `[a.jsonl, \"b/*.jsonl\"]` "
-                                "(`a.jsonl,b/*.jsonl`).")
+    data_files: list[str] = key([], "Local files or globs for json/parquet/text, e.g. `[a.jsonl, \"b/*.jsonl\"]`.")
     split: str = key("train", "The source split to read (datasets slice syntax allowed: train[:10%]).")
     text_field: str = key("text", "The column holding each document's text.", must=(
         str.strip, "`prepare.text_field` must name the column holding each document's text (e.g. text)."))
-    sample_by: str = key("", "text builder only: what one document is; \"\" = the builder's default.",
+    sample_by: str = key("", "text builder: what one document is; \"\" = its default.",
                          choices=("", "line", "paragraph", "document"))
     streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
     # The buffer's documents are held in memory: 2^20 of web text are GBs already.
@@ -485,9 +471,8 @@ class PrepareConfig:
     shard_tokens: int = key(100_000_000, "Tokens per shard file.", gt=0, le=2**32)
     workers: int = key(0, "Tokenizer processes; 0 = one per CPU core.", ge=0, le=1024)  # as runtime.threads
     batch_documents: int = key(128, "Documents per worker task.", gt=0, le=2**20)
-    retries: int = key(5, "A source error mid-stream (a hub outage longer than datasets' own retries) restarts "
-                       "the stream from the last committed shard this many times, waiting 1, 2, 3... minutes; "
-                       "0 = stop at the first error.", ge=0)
+    retries: int = key(5, "Restarts of the stream from the last committed shard after a source error (a hub outage), "
+                       "waiting 1, 2, 3... minutes; 0 = stop at the first.", ge=0)
 
     def check(self, cfg: Config) -> None:
         if self.dataset in ("json", "parquet", "text", "csv") and not self.data_files:
@@ -538,8 +523,8 @@ class ScalingConfig:
                                   "centres its sizes (Chinchilla's ~20).", gt=0, le=1e6)
     batch_exponent: float = key(0.383, "Batch tokens ∝ (tokens / the config's tokens)^this (Power Lines, arXiv "
                                 "2505.13738); 0 keeps the config's batch.", ge=0, le=1)
-    lr_batch_exponent: float = key(0.5, "lr ∝ (batch / the config's batch)^this (0.5: the square-root rule).",
-                                   ge=0, le=1)
+    lr_batch_exponent: float = key(0.5, "lr ∝ (batch / the config's batch)^this (0.5: square-root rule).", ge=0,
+                                   le=1)
     weight_decay: str = key("timescale", "timescale: AdamW's 1/(lr × wd) stays the config's fraction of the run "
                             "(arXiv 2405.13698); fixed: the config's.", choices=("timescale", "fixed"))
 
