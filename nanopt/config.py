@@ -31,9 +31,8 @@ SEED_LIMIT = 2**32  # numpy's seeds are 32-bit; data.Loader multiplies the seed,
 DEVICES = ("auto", "cpu", "cuda", "xla")  # every device nanopt runs on; `nanopt eval` and `sample` offer the same
 PARALLELISMS = ("ddp", "fsdp", "hsdp")  # runtime.parallel: how ranks share the model (nanopt/distributed/parallel.py)
 BOUNDS = {"gt": operator.gt, "ge": operator.ge, "lt": operator.lt, "le": operator.le}
-# Every integer key is below this unless its own rules say less: torch, numpy and C hold integers as int64, and a
-# larger one is an OverflowError wherever it lands. Keys whose size allocates or loops (a batch, a context, a
-# sample's length) have tighter bounds of their own, each from what exists.
+# Every integer key is below this (torch, numpy and C hold int64; a larger one is an OverflowError where it lands);
+# keys whose size allocates or loops (a batch, a context, a sample's length) have tighter bounds from what exists.
 INT_LIMIT = 2**63
 CONTEXT_LIMIT = 2**22  # model.max_seq_len, train.seq_len: 4M tokens, the longest Llama checkpoints published have
 
@@ -104,8 +103,7 @@ class ModelConfig:
     ffn_dim: int = key(768, "Hidden width of the MLP.", gt=0, le=2**18)
     # An epsilon of 1 or more outweighs the mean square of unit-scale activations: the norm would no longer normalise.
     norm_eps: float = key(1e-5, "RMSNorm epsilon.", gt=0, le=1)
-    # RoPE's frequencies theta^(-2i/d) fall across the head only for a base above 1; below it they grow, and a base
-    # near 0 overflows them to inf (the run "diverged").
+    # RoPE's frequencies theta^(-2i/d) fall across the head only for a base above 1; near 0 they overflow to inf.
     rope_theta: float = key(10000.0, "RoPE base.", gt=1)
     rope_scaling: str = key("none", "llama3: Llama-3 frequency scaling (the model.rope_* keys); none: plain RoPE.",
                             choices=("none", "llama3"))
@@ -212,8 +210,7 @@ class TrainConfig:
     max_steps: int = key(200, "Optimizer steps (a resume may change it; the LR schedule follows).", gt=0, safe=True)
     seq_len: int = key(256, "Tokens per training sequence.", gt=0, le=CONTEXT_LIMIT)
     micro_batch_size: int = key(16, "Sequences per rank per micro-step.", gt=0)
-    # A billion tokens a step, ~60x the largest published batches (Llama 3: 16M): its micro-steps run one after
-    # another, so a larger batch is a step that never ends, not a bigger machine's.
+    # A billion tokens a step, ~60x the largest published batches (Llama 3: 16M); its micro-steps run in sequence.
     global_batch_tokens: int = key(8192, "Tokens per optimizer step, all ranks and micro-steps; a multiple of "
                                    "micro_batch_size × seq_len × world size.", gt=0, le=2**30)
     precision: str = key("bf16", "bf16: autocast, fp32 weights; bf16-pure: bf16 weights and AdamW state "
@@ -338,8 +335,7 @@ class EvalConfig:
     every: int = key(50, "Validate every this many steps; 0 = no periodic validation.", ge=0, safe=True)
     at_start: bool = key(True, "Also validate the initial weights at step 0 (the curve's first point, about "
                          "ln(vocab)); a race to a target gains nothing from it.", safe=True, neutral=True)
-    # The fixed set's windows stay in memory: 2^14 micro-batches of 16 × 2048 tokens are 2^29 tokens (8 GiB of ids),
-    # already more than a periodic validation is worth.
+    # The fixed set stays in memory: 2^14 micro-batches of 16 × 2048 tokens are 8 GiB of ids, past any use.
     batches: int = key(8, "Micro-batches (per the whole world) in the fixed validation set.", gt=0, le=2**14)
     seed: int = key(0, "Picks the validation windows; separate from run.seed so runs with different seeds are "
                     "measured on the same tokens.", ge=0, lt=SEED_LIMIT)
@@ -391,8 +387,7 @@ class LogConfig:
 class RuntimeConfig:
     """The device and its threads (nanopt/distributed/runtime.py)."""
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
-    # More threads than any host has cores (the largest hold a few hundred) only oversubscribe; a fixed bound, not
-    # this machine's count, so a config written here runs on a bigger host.
+    # More threads than any host has cores only oversubscribe; a fixed bound, so a config runs on a bigger host.
     threads: int = key(0, "CPU intra-op threads per rank; 0 = cores / local world size.", ge=0, le=1024)
     parallel: str = key("ddp", "How ranks share the model under torchrun: ddp (a replica per rank, gradients "
                         "all-reduced), fsdp (FSDP2: parameters, gradients and optimizer state sharded, gathered per "
@@ -431,8 +426,7 @@ class RuntimeConfig:
 class SampleConfig:
     """The samples printed at the end of a run."""
     prompt: str = key("Elementary, my dear", "The text each sample continues.")
-    # The samples decode as one batch, one token at a time, to be read: 2^10 of them, 2^16 tokens (a book chapter)
-    # each, already take hours; more allocate or decode until killed.
+    # The samples decode one token at a time, to be read: 2^10 of 2^16 tokens (a chapter) each already take hours.
     num_samples: int = key(2, "How many samples.", ge=0, le=2**10)
     max_new_tokens: int = key(120, "Tokens generated per sample.", ge=0, le=2**16)
     # Below 1e-4 sampling is greedy in effect, and near 0 logits / temperature overflow to inf (NaN probabilities).
@@ -559,9 +553,8 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)} 
 KEYS = {f"{s}.{f.name}": f.metadata for s, cls in SECTIONS.items() for f in fields(cls)}  # every key's rules
 SAFE_KEYS = frozenset(k for k, m in KEYS.items() if m["safe"])  # what resume_changes lets differ from a checkpoint
 NEUTRAL_KEYS = frozenset(k for k, m in KEYS.items() if m["neutral"])  # what does not split repeats in `nanopt runs`
-# A finished run is not trained again, so a re-run of its command may differ only in keys that change neither its
-# results nor what it measures or prints (the eval, sample and mfu sections): where it lives, how it checkpoints,
-# prepare's keys, and runtime.threads (a sweep sets it per machine). Any other change would be silently ignored.
+# A finished run is not trained again, so a re-run may differ only in keys that change neither its results nor what
+# it measures or prints (eval, sample, mfu): any other change would be silently ignored. A sweep sets the threads.
 RERUN_KEYS = frozenset({"runtime.threads"}
                        | {k for k in NEUTRAL_KEYS if k.split(".")[0] not in ("eval", "sample", "mfu")})
 RETIRED_KEYS = {"train.grad_accum_steps"}  # in older checkpoints' configs: skipped when read (plan.py derives it)
@@ -620,8 +613,7 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
     return out
 
 
-# A wrong value as an error message shows it: a YAML list of 100,000 numbers (or anchors nested into billions of
-# items) is a few of its items, not a paragraph of megabytes.
+# A wrong value as a message shows it: a few items of a YAML list of 100,000 (or of anchors nested into billions).
 _SHORT = reprlib.Repr()
 _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
 _SHORT.maxstring = _SHORT.maxother = 120
@@ -808,10 +800,9 @@ def _check_key(key: str, value: Any, meta: Optional[Mapping[str, Any]] = None) -
                           f"{_number(value)}.")
 
 
-# The one rule for keys that act only behind a switch: such a key set away from its default while its switch is off
-# would be ignored, so it is refused (validate), naming the switch. key -> (the switch's key, or several that each
-# turn it on, and what one must be: a choice of it, such as wsd, or else set: true, above 0, a list, not null). A
-# config that keeps presets for an optional feature (profile.*) states them as flags in a comment.
+# The one rule for keys that act only behind a switch: set away from its default while its switch is off, a key would
+# be ignored, so validate refuses it. key -> (the switch, or several that each turn it on; what one must be: a choice
+# of it such as wsd, else set: true, above 0, a list, not null).
 SWITCHES: dict[str, tuple[str, str]] = {
     "train.ema_start": ("train.ema_decay", "above 0"),
     "eval.weights": ("train.ema_decay", "above 0"),  # ema: no averaged weights are kept at 0
