@@ -728,8 +728,8 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
 
 
 def check_stages(stages: list[list[int]], key: str) -> list[tuple[int, int]]:
-    """A schedule's [START, VALUE] pairs -> [(start, value)]: starts rising from 0, values positive and, for the
-    batch, within train.global_batch_tokens' own rules; [] -> []. Raises ConfigError naming `key`."""
+    """A schedule's [START, VALUE] pairs -> [(start, value)], starts rising from 0, values positive (a batch's within
+    train.global_batch_tokens' rules), or ConfigError naming `key`."""
     starts = [stage[0] for stage in stages if len(stage) == 2]
     if stages and (len(starts) < len(stages) or starts[0] != 0 or starts != sorted(set(starts))
                    or any(v <= 0 for _, v in stages)):
@@ -841,9 +841,8 @@ def _shown(value: Any, sep: str = ",") -> str:
 
 
 def validate(cfg: Config, saved: bool = False) -> None:
-    """Checks that need no knowledge of the world size: every key's own rules, then each section's check(), then
-    the one rule for keys behind a switch (SWITCHES), except for a `saved` config (a checkpoint's, an export's):
-    what a run was trained with loads as written, and a key it ignored changed nothing."""
+    """Every key's own rules, each section's check(), then SWITCHES, except for a `saved` config (a checkpoint's, an
+    export's): it loads as written, and a key it ignored changed nothing. Nothing here needs the world size."""
     for name in KEYS:
         _check_key(name, _get(cfg, name))
     for name in SECTIONS:
@@ -859,23 +858,16 @@ def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None
     if cfg.runtime.parallel == "hsdp" and world_size > 1:
         cfg.runtime.hsdp_mesh(world_size, local_world_size or world_size)
     t = cfg.train
-    scheduled = bool(t.batch_schedule or t.seq_len_schedule)
     for start, batch, seq_len in t.stages():
-        tokens_per_micro_step = t.micro_batch_size * seq_len * world_size
-        if batch % tokens_per_micro_step == 0:
-            continue
-        if scheduled:
-            raise ConfigError(
-                f"the stage from {start} {t.schedule_unit} trains on {batch} tokens per step at seq_len {seq_len}: "
-                f"not a multiple of micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {seq_len} × "
-                f"{world_size} = {tokens_per_micro_step}. Change `train.batch_schedule` or `train.seq_len_schedule` "
-                f"so each stage's tokens divide into whole micro-batches, or `train.micro_batch_size`.")
-        valid = [tokens_per_micro_step * k for k in (1, 2, 4, 8)]
-        raise ConfigError(
-            f"`train.global_batch_tokens` ({t.global_batch_tokens}) must be a multiple of "
-            f"micro_batch_size × seq_len × world_size = {t.micro_batch_size} × {t.seq_len} × {world_size} "
-            f"= {tokens_per_micro_step}. Valid values include {', '.join(map(str, valid))}; "
-            f"or change `train.micro_batch_size`.")
+        if batch % (micro := t.micro_batch_size * seq_len * world_size):
+            what, fix = ((f"{batch} tokens per step (the stage from {start} {t.schedule_unit}, at seq_len {seq_len})",
+                          "`train.batch_schedule` or `train.seq_len_schedule`")
+                         if t.batch_schedule or t.seq_len_schedule else
+                         (f"`train.global_batch_tokens` ({batch})", f"`train.global_batch_tokens` (e.g. "
+                          f"{', '.join(str(micro * k) for k in (1, 2, 4, 8))})"))
+            raise ConfigError(f"{what} is not a multiple of micro_batch_size × seq_len × world_size = "
+                              f"{t.micro_batch_size} × {seq_len} × {world_size} = {micro}, so it is no whole number "
+                              f"of micro-batches. Change {fix} or `train.micro_batch_size`.")
     cfg.model.max_seq_len = cfg.model.max_seq_len or t.seq_len
     return cfg
 
@@ -892,9 +884,8 @@ def to_yaml(cfg: Config) -> str:
 
 
 def config_from_dict(data: Any, where: str) -> Config:
-    """Rebuild a Config from to_dict() output (a checkpoint's state.json, a saved config.yaml) with the same
-    conversions and checks as a YAML config, so a damaged file is one paragraph naming `where`, never a
-    model sized by an unchecked number."""
+    """A Config from to_dict() output (a checkpoint's state.json, a saved config.yaml), converted and checked as a
+    YAML config is: a damaged file is one paragraph naming `where`, never a model sized by an unchecked number."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the config is not a mapping of sections; the file is damaged.")
     cfg = Config()
@@ -927,10 +918,8 @@ def canonical(key: str, value: Any) -> Any:
 
 
 def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -> list[str]:
-    """Keys whose value differs from the checkpoint's config and that are neither allowed by
-    `checkpoint.allow_changes` nor free to differ: resume-safe (SAFE_KEYS) when the run goes on, RERUN_KEYS when
-    it is `finished` (rundirs.finished). Each as "key: old in the checkpoint, new now". The one rule for train,
-    sweep and Modal's sweep."""
+    """Each key that differs from the checkpoint's config and is neither in `checkpoint.allow_changes` nor free
+    (SAFE_KEYS while the run goes on, RERUN_KEYS once `finished`), as "key: old in the checkpoint, new now"."""
     before, now = ({f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
                    for data in (saved, cfg.to_dict()))
     before = {k: canonical(k, v) for k, v in before.items()}
