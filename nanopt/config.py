@@ -218,7 +218,7 @@ class TrainConfig:
     lr: float = key(3e-3, "Peak learning rate.", gt=0)
     min_lr_ratio: float = key(0.1, "The schedule's final lr as a fraction of train.lr.", ge=0, le=1)
     warmup_steps: int = key(20, "Linear warmup steps.", ge=0)
-    schedule: str = key("cosine", "The lr after warmup: cosine, wsd (warmup-stable-decay) or constant.",
+    schedule: str = key("cosine", "The lr after warmup (wsd: warmup-stable-decay).",
                         choices=("cosine", "wsd", "constant"))
     decay_fraction: float = key(0.2, "wsd only: the share of steps spent decaying.", gt=0, le=1)
     weight_decay: float = key(0.1, "AdamW weight decay (scalars never decay).", ge=0)
@@ -247,8 +247,7 @@ class TrainConfig:
                                           "train.global_batch_tokens throughout.", ge=0)
     seq_len_schedule: list[list[int]] = key([], "Sequence length by stage: [START, SEQ_LEN] pairs (`0:128,300:256`), "
                                             "each at most train.seq_len; [] = train.seq_len throughout.", ge=0)
-    schedule_unit: str = key("steps", "What a stage's START counts: optimizer steps or tokens.",
-                             choices=("steps", "tokens"))
+    schedule_unit: str = key("steps", "What a stage's START counts: steps or tokens.", choices=("steps", "tokens"))
     batch_lr_rule: str = key("sqrt", "While a batch schedule runs, lr x (stage batch / first stage's batch)^p: "
                              "sqrt (p = 1/2), linear (p = 1) or none.", choices=("sqrt", "linear", "none"))
     fp8: str = key("none", "FP8 matmuls in the blocks' Linears (torchao; H100 or newer, emulated on CPU): tensorwise "
@@ -346,8 +345,7 @@ class EvalConfig:
                     must=_a_directory("eval.core", "a CORE bundle"))
     tasks_every: int = key(0, "Score eval.tasks / eval.core every this many steps; 0 = only after the last step.",
                            ge=0, safe=True, neutral=True)
-    tasks_limit: int = key(100, "Documents (CORE: items) per task scored in training; 0 = all.", ge=0, safe=True,
-                           neutral=True)
+    tasks_limit: int = key(100, "Documents (CORE: items) per task in training; 0 = all.", ge=0, safe=True, neutral=True)
     tasks_path: str = key("", "A directory of local lm-eval task YAMLs for eval.tasks (the harness's include_path).",
                           safe=True, neutral=True, must=_a_directory("eval.tasks_path", "of task YAMLs"))
     weights: str = key("model", "The weights validation, the speedrun clock and the samples use: the model's, or "
@@ -450,7 +448,7 @@ class PrepareConfig:
     split: str = key("train", "The source split to read (datasets slice syntax allowed: train[:10%]).")
     text_field: str = key("text", "The column holding each document's text.", must=(
         str.strip, "`prepare.text_field` must name the column holding each document's text (e.g. text)."))
-    sample_by: str = key("", "text builder: what one document is; \"\" = its default.",
+    sample_by: str = key("", "text builder only: what one document is; \"\" = the builder's default.",
                          choices=("", "line", "paragraph", "document"))
     streaming: bool = key(True, "Read the source as a stream instead of downloading it first.")
     # The buffer's documents are held in memory: 2^20 of web text are GBs already.
@@ -517,8 +515,7 @@ class ScalingConfig:
                                   "centres its sizes (Chinchilla's ~20).", gt=0, le=1e6)
     batch_exponent: float = key(0.383, "Batch tokens ∝ (tokens / the config's tokens)^this (Power Lines, arXiv "
                                 "2505.13738); 0 keeps the config's batch.", ge=0, le=1)
-    lr_batch_exponent: float = key(0.5, "lr ∝ (batch / the config's batch)^this (0.5: square-root rule).", ge=0,
-                                   le=1)
+    lr_batch_exponent: float = key(0.5, "lr ∝ (batch / the config's batch)^this (0.5: square-root rule).", ge=0, le=1)
     weight_decay: str = key("timescale", "timescale: AdamW's 1/(lr × wd) stays the config's fraction of the run "
                             "(arXiv 2405.13698); fixed: the config's.", choices=("timescale", "fixed"))
 

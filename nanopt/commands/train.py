@@ -23,9 +23,8 @@ Launch several processes with torchrun, e.g. torchrun --standalone --nproc-per-n
 Re-running the same command on the same run directory resumes from its newest checkpoint.
 --debug (or NANOPT_DEBUG=1) shows Python tracebacks instead of one-paragraph errors.
 
-Exit status: 0 finished, 1 failed (a full disk: one paragraph naming the file and the free space; what was
-saved before it is kept, so free space and re-run to resume), 2 bad input, 3 loss became NaN/inf, 75 preempted by
-SIGTERM/SIGINT or past run.time_limit_s (a checkpoint was saved; resumable).
+Exit status: 0 finished, 1 failed (a full disk: what was saved is kept; free space and re-run to resume), 2 bad
+input, 3 loss became NaN/inf, 75 preempted by SIGTERM/SIGINT or run.time_limit_s (checkpointed; resumable).
 """
 
 
