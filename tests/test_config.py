@@ -74,80 +74,72 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 
 
 # Bad input on the command line or in a config file: exit 2, one paragraph naming the key and what is valid, nothing
-# written. Rows: (args, words the paragraph holds); "{tmp}" is the test's directory. Choices, bounds and `must` rules
-# are declared on each field (nanopt/config.py `key`) and one checker words them all.
+# written. Rows: (args, split at spaces, then the words the paragraph holds, by default the last argument's key);
+# "{tmp}" is the test's directory. Choices, bounds and `must` rules are declared on each field (config.py `key`).
 SCHEDULE = "`[[0, 8192], [300, 16384]]` in YAML, `0:8192,300:16384` on the command line"
-LLAMA3 = "--model.rope_scaling=llama3"
+LLAMA3 = "--model.rope_scaling=llama3 "
 HUGE = 2**64
-REFUSED = [
-    (["--train.max_step=5"], ["train.max_step"]), (["--trian.max_steps=5"], ["trian", "unknown section"]),
-    (["--train.learning_rate=0.1"], ["train.learning_rate", "unknown key"]),
-    (["--lr=0.1"], ["--lr=0.1", "--train.max_steps=50"]), (["stray"], ["stray"]),
-    (["--train.max_steps"], ["--train.max_steps", "no value"]),
-    (["--config", "configs/tiny.yaml", "--config=configs/tiny.yaml"], ["two config files"]),
-    (["--train.max_steps=five"], ["train.max_steps"]), (["--model.dim=wide"], ["model.dim", "integer"]),
-    (["--train.lr=fast"], ["train.lr", "number"]), (["--checkpoint.resume=maybe"], ["checkpoint.resume", "true or false"]),
-    (["--model.tie_embeddings=maybe"], ["model.tie_embeddings"]),
-    (["--train.max_steps=-3"], ["train.max_steps"]), (["--train.max_steps=-5"], ["train.max_steps", "positive"]),
-    (["--train.micro_batch_size=0"], ["train.micro_batch_size", "positive"]),
-    (["--checkpoint.keep=0"], ["checkpoint.keep", "positive"]),
-    (["--train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens", "zero or positive"]),
-    (["--train.precision=fp8"], ["`train.precision` is 'fp8'; valid values: bf16, bf16-pure, fp32. bf16: autocast"]),
-    (["--prepare.sample_by=word"], ["prepare.sample_by", 'valid values: line, paragraph, document, or "" (empty).']),
-    (["--model.attention=magic"], ["model.attention"]), (["--runtime.device=tpu"], ["runtime.device"]),
-    (["--model.mlp=gelu"], ["model.mlp"]), (["--optim.name=sgd"], ["optim.name"]),
-    (["--model.parametrization=µP"], ["model.parametrization"]), (["--mfu.hardware=h1000"], ["mfu.hardware"]),
-    (["--runtime.parallel=zero3"], ["runtime.parallel"]),
-    (["--model.n_kv_heads=3"], ["model.n_kv_heads"]), (["--model.dim=100"], ["model.dim"]),
-    (["--model.n_heads=3"], ["model.dim", "n_heads"]), (["--model.depth=6", "--model.dim=512"], ["model.depth"]),
-    (["--train.global_batch_tokens=1000"], ["train.global_batch_tokens"]),
-    (["--train.global_batch_tokens=100"], ["train.global_batch_tokens", "multiple"]),
-    (["--train.grad_accum_steps=2"], ["train.grad_accum_steps"]),
-    (["--model.logit_softcap=-1"], ["model.logit_softcap"]),
-    (["--optim.matrix_lr=0"], ["`optim.matrix_lr` must be positive (or null for train.lr), got 0.0."]),
-    (["--optim.muon_momentum=1.5"], ["optim.muon_momentum"]),
-    (["--train.beta2=1"], ["`train.beta2` must be in [0, 1), got 1.0."]),
-    (["--train.lr=nan"], ["train.lr"]), (["--train.lr=inf"], ["`train.lr` must be finite and positive, got inf."]),
-    (["--train.eps=nan"], ["`train.eps` must be zero or positive"]),  # was torch.optim.AdamW's ValueError traceback
-    (["--train.ema_decay=1"], ["train.ema_decay", "in [0, 1)"]),
-    (["--eval.weights=ema"], ["eval.weights", "train.ema_decay", "is 0"]),
-    (["--train.target_val_bpb=2", "--train.target_val_loss=1.5"], ["train.target_val_bpb"]),
-    (["--train.stop_at_target=true"], ["train.target_val_bpb"]),
-    (["--runtime.shard_group_size=2"], ["runtime.shard_group_size"]),  # under ddp: it would be ignored
-    (["--runtime.parallel=hsdp", "--runtime.shard_group_size=0"], ["runtime.shard_group_size"]),
-    (["--runtime.parallel=hsdp", "--runtime.device=xla"], ["runtime.device"]),
-    (["--runtime.parallel=fsdp", "--runtime.device=xla"], ["runtime.device"]),
+ROWS = [
+    ("--train.max_step=5",), ("--trian.max_steps=5", "trian", "unknown section"), ("stray", "stray"),
+    ("--train.learning_rate=0.1", "train.learning_rate", "unknown key"),
+    ("--lr=0.1", "--lr=0.1", "--train.max_steps=50"),
+    ("--train.max_steps", "--train.max_steps", "no value"),
+    ("--config configs/tiny.yaml --config=configs/tiny.yaml", "two config files"),
+    ("--model.dim=wide", "model.dim", "integer"), ("--train.lr=fast", "train.lr", "number"),
+    ("--checkpoint.resume=maybe", "checkpoint.resume", "true or false"),
+    ("--train.max_steps=five",), ("--model.tie_embeddings=maybe",), ("--train.max_steps=-3",),
+    ("--train.max_steps=-5", "train.max_steps", "positive"), ("--checkpoint.keep=0", "checkpoint.keep", "positive"),
+    ("--train.micro_batch_size=0", "train.micro_batch_size", "positive"),
+    ("--train.loss_chunk_tokens=-1", "train.loss_chunk_tokens", "zero or positive"),
+    ("--train.precision=fp8", "`train.precision` is 'fp8'; valid values: bf16, bf16-pure, fp32. bf16: autocast"),
+    ("--prepare.sample_by=word", "prepare.sample_by", 'valid values: line, paragraph, document, or "" (empty).'),
+    ("--model.attention=magic",), ("--runtime.device=tpu",), ("--model.mlp=gelu",), ("--optim.name=sgd",),
+    ("--model.parametrization=µP",), ("--mfu.hardware=h1000",), ("--runtime.parallel=zero3",),
+    ("--model.n_kv_heads=3",), ("--model.dim=100",), ("--model.n_heads=3", "model.dim", "n_heads"),
+    ("--model.depth=6 --model.dim=512", "model.depth"), ("--train.grad_accum_steps=2",),
+    ("--train.global_batch_tokens=1000",), ("--train.global_batch_tokens=100", "train.global_batch_tokens", "multiple"),
+    ("--model.logit_softcap=-1",), ("--optim.muon_momentum=1.5",), ("--train.lr=nan",),
+    ("--optim.matrix_lr=0", "`optim.matrix_lr` must be positive (or null for train.lr), got 0.0."),
+    ("--train.beta2=1", "`train.beta2` must be in [0, 1), got 1.0."),
+    ("--train.lr=inf", "`train.lr` must be finite and positive, got inf."),
+    ("--train.eps=nan", "`train.eps` must be zero or positive"),  # was torch.optim.AdamW's ValueError traceback
+    ("--train.ema_decay=1", "train.ema_decay", "in [0, 1)"),
+    ("--eval.weights=ema", "eval.weights", "train.ema_decay", "is 0"),
+    ("--train.target_val_bpb=2 --train.target_val_loss=1.5", "train.target_val_bpb"),
+    ("--train.stop_at_target=true", "train.target_val_bpb"),
+    ("--runtime.shard_group_size=2",),  # under ddp: it would be ignored
+    ("--runtime.parallel=hsdp --runtime.shard_group_size=0",), ("--runtime.parallel=hsdp --runtime.device=xla",),
+    ("--runtime.parallel=fsdp --runtime.device=xla",),
     # names and seeds that would escape the runs directory or overflow
-    (["--run.name=.."], ["one directory name"]), (["--run.name=."], ["one directory name"]),
-    (["--run.seed=-1"], ["`run.seed` must be in [0, 2^32), got -1."]), (["--run.seed=4294967296"], ["run.seed"]),
-    (["--eval.seed=99999999999999999999999"], ["`eval.seed` must be in [0, 2^32)"]),  # was an OverflowError
-    (["--prepare.shuffle_seed=-1"], ["`prepare.shuffle_seed` must be zero or positive"]),  # was numpy's ValueError
+    ("--run.name=..", "one directory name"), ("--run.name=.", "one directory name"), ("--run.seed=4294967296",),
+    ("--run.seed=-1", "`run.seed` must be in [0, 2^32), got -1."),
+    ("--eval.seed=99999999999999999999999", "`eval.seed` must be in [0, 2^32)"),  # was an OverflowError
+    ("--prepare.shuffle_seed=-1", "`prepare.shuffle_seed` must be zero or positive"),  # was numpy's ValueError
     # llama3 scaling; before: NaN or 0 "diverged" (exit 3), a low factor of 0 a ZeroDivisionError, the others ran
-    ([LLAMA3, "--model.rope_factor=nan"], ["`model.rope_factor` must be positive, got nan"]),
-    ([LLAMA3, "--model.rope_factor=0"], ["`model.rope_factor` must be positive"]),
-    ([LLAMA3, "--model.rope_low_freq_factor=0"], ["`model.rope_low_freq_factor` must be positive"]),
-    ([LLAMA3, "--model.rope_original_max_seq_len=0"], ["`model.rope_original_max_seq_len` must be positive"]),
-    ([LLAMA3, "--model.rope_low_freq_factor=4", "--model.rope_high_freq_factor=4"], ["must be above `model.rope_low_freq"]),
+    (LLAMA3 + "--model.rope_factor=nan", "`model.rope_factor` must be positive, got nan"),
+    (LLAMA3 + "--model.rope_factor=0", "`model.rope_factor` must be positive"),
+    (LLAMA3 + "--model.rope_low_freq_factor=0", "`model.rope_low_freq_factor` must be positive"),
+    (LLAMA3 + "--model.rope_original_max_seq_len=0", "`model.rope_original_max_seq_len` must be positive"),
+    (LLAMA3 + "--model.rope_low_freq_factor=4 --model.rope_high_freq_factor=4", "must be above `model.rope_low_freq"),
     # a schedule that is no list of rising pairs names both forms
-    *(([f"--train.batch_schedule={text}"], ["`train.batch_schedule` is ", SCHEDULE])
+    *((f"--train.batch_schedule={text}", "`train.batch_schedule` is ", SCHEDULE)
       for text in ("0:4096,3", "3:4096", "0:4096,0:8192", "0:0", "0:4096:5")),
-    (["--profile.enabled=true", "--profile.ranks="], ["`profile.ranks` is empty"]),
+    ("--profile.enabled=true --profile.ranks=", "`profile.ranks` is empty"),
     # A command-line byte that does not decode reaches Python as a lone surrogate; it was accepted, then the
     # tokenizer's UnicodeEncodeError ended the run with a traceback after training.
-    (["--sample.prompt=caf\udcff"], ["`sample.prompt` is 'caf\\udcff', which holds bytes that are no UTF-8"]),
+    ("--sample.prompt=caf\udcff", "`sample.prompt` is 'caf\\udcff', which holds bytes that are no UTF-8"),
     # Each key's `must` rule: a value the key cannot mean, refused naming the key and the fix.
-    (["--run.name=a/b"], ["`run.name` must be one directory name"]),
-    (["--train.init_from=weights.pt"], ["it takes `hf:DIR`"]),
-    (["--eval.core={tmp}/none"], ["`eval.core` is '{tmp}/none', which is not a directory"]),
-    (["--eval.tasks=hellaswag", "--eval.tasks_path={tmp}/none"],
-     ["which is not a directory. Give the directory (of task YAMLs)"]),
-    (["--checkpoint.allow_changes=train.lr,train.lrr"], ["names 'train.lrr', which is not a config key"]),
-    (["--checkpoint.allow_changes=train.lrr"], ["checkpoint.allow_changes", "train.lrr"]),
-    (["--prepare.dataset= "], ["`prepare.dataset` is empty"]), (["--prepare.text_field="], ["must name the column"]),
+    ("--run.name=a/b", "`run.name` must be one directory name"), ("--train.init_from=weights.pt", "it takes `hf:DIR`"),
+    ("--eval.core={tmp}/none", "`eval.core` is '{tmp}/none', which is not a directory"),
+    ("--eval.tasks=hellaswag --eval.tasks_path={tmp}/none",
+     "which is not a directory. Give the directory (of task YAMLs)"),
+    ("--checkpoint.allow_changes=train.lr,train.lrr", "names 'train.lrr', which is not a config key"),
+    ("--checkpoint.allow_changes=train.lrr", "checkpoint.allow_changes", "train.lrr"),
+    (["--prepare.dataset= "], "`prepare.dataset` is empty"), ("--prepare.text_field=", "must name the column"),
     # Every number is bounded by what exists (the bound's reason is a comment on its key); before, each of these
     # allocated until memory ran out, decoded for ever, was a traceback, or ended as "diverged ... lower the lr".
-    *(([*(["--profile.enabled=true"] if name.startswith("profile.") else []), f"--{name}={value}"],
-       [f"`{name}` must be {rule}"]) for name, value, rule in [
+    *((("--profile.enabled=true " if name.startswith("profile.") else "") + f"--{name}={value}",
+       f"`{name}` must be {rule}") for name, value, rule in [
         ("eval.batches", HUGE, "in (0, 16384]"), ("train.global_batch_tokens", HUGE, "in (0, 2^30]"),
         ("sample.max_new_tokens", HUGE, "in [0, 2^16]"), ("runtime.threads", HUGE, "in [0, 1024]"),
         ("model.max_seq_len", HUGE, "in [0, 2^22]"), ("train.seq_len", HUGE, "in (0, 2^22]"),
@@ -162,6 +154,8 @@ REFUSED = [
         ("train.batch_schedule", f"0:4096,3:{2**40}", "in (0, 2^30]"),  # a stage's batch: the batch's bound
         ("profile.ranks", f"0,{HUGE}", "below 2^63")]),  # a list's every number
 ]
+REFUSED = [(args if isinstance(args, list) else args.split(), words or [args.split()[-1][2:].split("=")[0]])
+           for args, *words in ROWS]
 # Config files (None: a directory at the name; "": no file), given positionally or with --config: the paragraph
 # names the file.
 YAML = [
@@ -169,7 +163,8 @@ YAML = [
     ("invalid.yaml", "train:\n  lr: [1, 2\n", ["not valid YAML", "line"], "--config"),
     ("unknown.yaml", "train:\n  max_stepz: 3\n", [], ""),
     ("key.yaml", "train:\n  learning_rate: 0.1\n", ["learning_rate"], "--config"),
-    ("section.yaml", "trainer:\n  max_steps: 3\n", [], ""), ("trian.yaml", "trian:\n  lr: 0.1\n", ["trian"], "--config"),
+    ("section.yaml", "trainer:\n  max_steps: 3\n", [], ""),
+    ("trian.yaml", "trian:\n  lr: 0.1\n", ["trian"], "--config"),
     ("list.yaml", "- 1\n- 2\n", [], ""), ("names.yaml", "- train\n- model\n", ["mapping"], "--config"),
     ("scalar_section.yaml", "train: 5\n", ["train"], "--config"),
     ("a_dir.yaml", None, ["cannot be read"], "--config"),

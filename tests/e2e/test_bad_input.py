@@ -207,8 +207,9 @@ def _shrink_moments(ckpt: Path) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run for every test here: checkpoints at steps 1 and 2."""
     run_dir = tmp_path_factory.mktemp("trained") / "run"
-    assert run([*ARGS, "--checkpoint.every=2", f"--run.dir={run_dir}"]) == 0
+    assert run([*ARGS, "--checkpoint.every=1", "--checkpoint.keep=2", f"--run.dir={run_dir}"]) == 0
     return run_dir
 
 
@@ -322,7 +323,7 @@ def _fifo_at_lock(f: dict[str, Path], run_dir: Path, tmp: Path) -> list[str]:
     return _train_on(f, tmp, run_dir=tmp / "run")
 
 
-# (case id, setup(files, run with two checkpoints, tmp) -> argv, where it runs, exit status, words its output must
+# (case id, setup(files, the trained run, tmp) -> argv, where it runs, exit status, words its output must
 # hold). Where: "here" is cli.run in this process under an alarm (a FIFO read blocked for ever); a real process under
 # a timeout, SIGTERM then having to end whatever blocks, for a boundary only a process has: the dispatcher's
 # paragraph as the one line on the terminal, and stdout on a full disk ("/dev/full").
@@ -390,22 +391,15 @@ def _process(case: str, argv: list[str], stdout: Path, env: dict[str, str]) -> t
     return proc.returncode, err, "" if str(stdout) == "/dev/full" else stdout.read_text()
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("two") / "run"
-    assert run([*ARGS, "--checkpoint.every=1", "--checkpoint.keep=2", f"--run.dir={run_dir}"]) == 0
-    return run_dir
-
-
 @pytest.mark.slow  # a few real processes; the rule's quick rows: tests/test_io.py, tests/test_cli.py
 @pytest.mark.parametrize("case, setup, where, code, words", FILESYSTEM, ids=[c[0] for c in FILESYSTEM])
 def test_a_path_that_is_not_what_nanopt_expects_is_one_paragraph_and_never_blocks(case, setup, where, code, words,
-                                                                                   files, two_checkpoints, tmp_path,
+                                                                                   files, trained, tmp_path,
                                                                                    monkeypatch, capsys):
     """Before: tracebacks (an --out through a dangling link or below a file, stdout on a full disk), an export that
     removed the old config.json and then failed, one "--- Logging error ---" block per console line, and a read of a
     FIFO that blocked for ever, which SIGTERM did not end."""
-    argv = setup(files, two_checkpoints, tmp_path)
+    argv = setup(files, trained, tmp_path)
     before = _snapshot(tmp_path)
     cache = {"NANOPT_CACHE": str(tmp_path / "cache")} if (tmp_path / "cache").exists() else {}  # else the session's
     if where == "here":
