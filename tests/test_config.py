@@ -40,7 +40,7 @@ def test_no_config_is_the_embedded_tiny_default():
     assert load_config(None) == load_config(configs_dir() / "tiny.yaml")
 
 
-def test_overrides_convert_types():
+def test_overrides_convert_types_and_integers_exactly():
     cfg = load_config(None, parse_overrides([
         "--train.max_steps=50", "--train.lr", "1e-3", "--model.tie_embeddings=false",
         "--run.name=abc", "--train.global_batch_tokens=16_384",
@@ -50,6 +50,10 @@ def test_overrides_convert_types():
     assert cfg.model.tie_embeddings is False
     assert cfg.run.name == "abc"
     assert cfg.train.global_batch_tokens == 16384
+    cfg = load_config(None, parse_overrides(["--run.seed=4294967295", "--train.max_steps=1_000", "--log.every=1e2"]))
+    assert (cfg.run.seed, cfg.train.max_steps, cfg.log.every) == (4294967295, 1000, 100)
+    big = load_config(None, parse_overrides(["--train.max_steps=9007199254740993"]))  # 2^53 + 1
+    assert big.train.max_steps == 9007199254740993
 
 
 @pytest.mark.parametrize("world, accum", [(1, 4), (2, 2)])
@@ -59,10 +63,15 @@ def test_the_plan_derives_accumulation_from_world_size(world, accum):
     assert build_plan(resolve(cfg, world).train, world).stages[0].accum == accum
 
 
-def test_a_checkpoint_config_from_before_the_plan_still_reads():
+def test_a_saved_config_from_before_the_plan_or_with_a_key_its_switch_ignored_still_loads():
+    """A checkpoint of configs/1b.yaml from before the switch rule holds profile.wait 5 with profiling off: eval,
+    export and resume read it as written (the key changed nothing), while the same key given now is refused."""
     saved = load_config(None).to_dict()
     saved["train"]["grad_accum_steps"] = 2  # older versions derived it into the config their checkpoints hold
     assert config_from_dict(saved, "state.json") == load_config(None)
+    saved["profile"]["wait"], saved["train"]["ema_start"] = 5, 7
+    cfg = config_from_dict(saved, "state.json")
+    assert (cfg.profile.wait, cfg.train.ema_start) == (5, 7)
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
@@ -231,10 +240,15 @@ def test_hsdp_refuses_shard_groups_that_do_not_tile_or_do_not_replicate(group, w
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
-def test_compile_is_accepted_under_fsdp_and_hsdp(parallel):
-    """Per-block compilation (train.compile_blocks) is built: issue 38's refusal of train.compile under fsdp is gone."""
+def test_fsdp_and_hsdp_accept_compile_init_from_and_task_scoring(parallel, tmp_path):
+    """Per-block compilation (train.compile_blocks) is built: issue 38's refusal of train.compile under fsdp is gone.
+    train.init_from loads into the shards and eval.tasks / eval.core score on every rank in lockstep under a sharded
+    model (tests/test_hf.py, tests/test_tasks.py), so neither is refused."""
     cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", "--train.compile=true"]))
     assert cfg.train.compile and cfg.runtime.parallel == parallel
+    cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", f"--train.init_from=hf:{tmp_path}",
+                                             "--eval.tasks=hellaswag", f"--eval.core={tmp_path}"]))
+    cfg.runtime.check(cfg)
 
 
 def test_hsdp_at_world_size_one_is_one_process_whatever_its_group_size():
@@ -289,22 +303,6 @@ def test_profile_ranks_all_is_null():  # and an empty list is refused: REFUSED
     assert cfg.profile.ranks is None and yaml.safe_load(to_yaml(cfg))["profile"]["ranks"] is None
 
 
-def test_integers_are_parsed_exactly():
-    cfg = load_config(None, parse_overrides(["--run.seed=4294967295", "--train.max_steps=1_000", "--log.every=1e2"]))
-    assert (cfg.run.seed, cfg.train.max_steps, cfg.log.every) == (4294967295, 1000, 100)
-    big = load_config(None, parse_overrides(["--train.max_steps=9007199254740993"]))  # 2^53 + 1
-    assert big.train.max_steps == 9007199254740993
-
-
-@pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
-def test_fsdp_and_hsdp_accept_init_from_and_task_scoring(parallel, tmp_path):
-    """train.init_from loads into the shards and eval.tasks / eval.core score on every rank in lockstep under a
-    sharded model (tests/test_hf.py, tests/test_tasks.py), so neither is refused."""
-    cfg = load_config(None, parse_overrides([f"--runtime.parallel={parallel}", f"--train.init_from=hf:{tmp_path}",
-                                             "--eval.tasks=hellaswag", f"--eval.core={tmp_path}"]))
-    cfg.runtime.check(cfg)
-
-
 def test_a_huge_wrong_value_is_shown_shortly_in_its_message(tmp_path):
     """Before, a YAML list of 100,000 numbers where a number goes made a one-line error of 300 KB."""
     (tmp_path / "big.yaml").write_text("train:\n  lr: [" + ", ".join(["0"] * 100_000) + "]\n")
@@ -343,12 +341,3 @@ def test_a_key_set_with_its_switch_off_is_refused_as_ignored_and_accepted_with_i
     load_config(None, parse_overrides([arg, *on]))  # the switch on: the key acts
     default = text.split(f"(`--{name}=")[1].split("`")[0]
     load_config(None, parse_overrides([arg, f"--{name}={default}"]))  # the advice followed: the key dropped
-
-
-def test_a_saved_config_with_a_key_its_switch_ignored_still_loads():
-    """A checkpoint of configs/1b.yaml from before the rule holds profile.wait 5 with profiling off: eval, export
-    and resume read it as written (the key changed nothing), while the same key given now is refused."""
-    data = load_config(None, []).to_dict()
-    data["profile"]["wait"], data["train"]["ema_start"] = 5, 7
-    cfg = config_from_dict(data, "state.json")
-    assert (cfg.profile.wait, cfg.train.ema_start) == (5, 7)
