@@ -1,10 +1,8 @@
 """Typed run configuration: YAML file + dotted CLI overrides -> validated, resolved Config.
 
-Every key's rules sit on its field (`key()`): a one-line doc, choices or bounds, whether a resume may change it
-(`safe`) and whether it changes results (`neutral`: it does not). validate(), SAFE_KEYS, NEUTRAL_KEYS and
-docs/configuration.md (`python scripts/config_docs.py --write`) derive from them; checks that relate several
-keys are each section's `check()`.
-"""
+Every key's rules sit on its field (`key()`); validate(), SAFE_KEYS, NEUTRAL_KEYS and docs/configuration.md
+(`python scripts/config_docs.py --write`) derive from them. Checks that relate several keys are each section's
+`check()`."""
 from __future__ import annotations
 
 import contextlib
@@ -144,8 +142,7 @@ class ModelConfig:
         return self.dim / self.mup_base_dim if self.parametrization == "mup" else 1.0
 
     def family_shape(self) -> dict[str, int]:
-        """The shape model.depth gives (docs/scaling.md); {} when depth is null. The MLP keeps Llama's 8/3 (a
-        SwiGLU of a 4x ReLU MLP's parameters; relu2 4x), rounded up to a multiple of the head width."""
+        """The shape model.depth gives (docs/scaling.md), {} without it; SwiGLU's 8/3 has a 4x ReLU MLP's parameters."""
         if self.depth is None:
             return {}
         hd = self.depth_head_dim
@@ -154,8 +151,8 @@ class ModelConfig:
         return {"n_layers": self.depth, "dim": dim, "n_heads": dim // hd, "ffn_dim": ffn}
 
     def apply_depth(self) -> None:
-        """Write family_shape() into the shape keys; a shape key set to something else (neither its default nor
-        the family's value) is refused, naming both keys. n_kv_heads left at its default becomes n_heads."""
+        """Write family_shape() into the shape keys, refusing one set to neither its default nor the family's value;
+        n_kv_heads left at its default becomes n_heads."""
         shape = self.family_shape()
         defaults = ModelConfig()
         clash = [f"`model.{k}` is {getattr(self, k)}, the family's {v}" for k, v in shape.items()
@@ -321,7 +318,7 @@ class OptimConfig:
 
 
 def _a_directory(key: str, what: str) -> tuple[Callable[[Any], bool], str]:
-    """A `must` rule for a directory checked before training, not found missing after the last step."""
+    """A `must` rule: a directory is checked before training, not found missing after the last step."""
     return (lambda v: not v or Path(v).is_dir(), f"`{key}` is {{value!r}}, which is not a directory. Give the "
             f"directory ({what}); `nanopt eval --make-tasks DIR` writes demo ones.")
 
@@ -396,7 +393,6 @@ class RuntimeConfig:
                                           ge=1, null="the ranks per node, torchrun's LOCAL_WORLD_SIZE")
 
     def check(self, cfg: Config) -> None:
-        """What the parallelism cannot do: each is refused before anything is built."""
         if self.parallel != "ddp" and self.device == "xla":
             raise ConfigError(f"`runtime.parallel` is {self.parallel} but `runtime.device` is xla: on XLA one process "
                               f"drives every chip through SPMD, a separate path that FSDP2 does not run on. Use "
@@ -756,13 +752,10 @@ def bounds_text(meta: Mapping[str, Any]) -> str:
     gt, ge, lt, le = (meta[b] for b in BOUNDS)
     if meta.get("zero") and (gt is not None or ge is not None):  # 0 (off) or a range above it
         return f"0 ({meta['zero']}) or {bounds_text({**meta, 'zero': ''})}"
-    low = gt if gt is not None else ge
-    high = lt if lt is not None else le
+    low, high = (gt if gt is not None else ge), (lt if lt is not None else le)
+    if high is None and low in (None, 0):
+        return "" if low is None else "positive" if gt is not None else "zero or positive"
     if high is None:
-        if low is None:
-            return ""
-        if low == 0:
-            return "positive" if gt is not None else "zero or positive"
         return f"{'>' if gt is not None else '>='} {_number(low)}"
     left = "(-inf" if low is None else f"{'(' if gt is not None else '['}{_number(low)}"
     return f"in {left}, {_number(high)}{')' if lt is not None else ']'}"

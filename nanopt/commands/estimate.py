@@ -69,15 +69,13 @@ def _parser() -> argparse.ArgumentParser:
                     "FLOPs, dense peaks; also given in the 6N and full-attention conventions). Extra "
                     "--section.key=value overrides apply to the config.")
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="number of devices (default: the config's mfu.devices, 1 unless it says more)")
+    parser.add_argument("--gpus", type=int, default=None, help="number of devices (default: mfu.devices)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
     parser.add_argument("--tokens", help="tokens to train at train.seq_len (25B, 2.5e10, 20x = per parameter); "
                                          "default: the config's stage plan, each stage at its own batch and seq_len")
     parser.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD; without it cost is null")
-    parser.add_argument("--shard-group-size", type=int, default=None,
-                        help="GPUs per hsdp shard group for the memory table (default: 8, one node, when --gpus is "
-                             "a larger multiple of it)")
+    parser.add_argument("--shard-group-size", type=int, default=None, help="GPUs per hsdp shard group for the "
+                        "memory table (default: 8, one node, when --gpus is a larger multiple of it)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
