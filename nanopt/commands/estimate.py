@@ -7,9 +7,6 @@ import argparse
 import json
 import math
 from dataclasses import asdict
-from typing import Any, Optional, Sequence
-
-import torch.nn as nn
 
 from nanopt.config import Config, load_config, parse_overrides, split_args
 from nanopt.distributed.hardware import PEAKS, matmul_precision, table_peak
@@ -17,33 +14,6 @@ from nanopt.distributed.memory import config_memory
 from nanopt.errors import ConfigError
 from nanopt.recipe.mfu import meta_model, param_counts, token_flops
 from nanopt.training.plan import build_plan
-
-
-def estimate(model: nn.Module, stages: Sequence[tuple[int, int]], hardware: str, gpus: int, mfu: float,
-             precision: str = "bf16", price_per_gpu_hour: Optional[float] = None,
-             causal_halving: bool = True) -> dict[str, Any]:
-    """Wall time, GPU-hours and cost to train `stages`, (tokens, seq_len) pairs, at a given MFU (6N + attention
-    FLOPs, which grow with seq_len: each stage's tokens at its own; the FLOPs per token reported are the mean)."""
-    counts = param_counts(model)
-    per_stage = [(n, token_flops(model, seq_len, causal_halving)) for n, seq_len in stages]
-    tokens = sum(n for n, _ in per_stage)
-    total_flops, full = sum(n * f.model for n, f in per_stage), sum(n * f.full_attention for n, f in per_stage)
-    six_n, peak = 6 * counts.n_6n, table_peak(hardware, precision)
-    hours = total_flops / (gpus * peak * mfu) / 3600
-    return {
-        "params": counts.total, "n_6n": counts.n_6n,
-        "flops_per_token": round(total_flops / tokens), "flops_per_token_6n": six_n,
-        "flops_per_token_full_attention": round(full / tokens),
-        "causal_halving": causal_halving, "seq_len": max(seq_len for n, seq_len in stages if n), "tokens": tokens,
-        "tokens_per_param": tokens / counts.total,
-        "total_flops": total_flops, "hardware": hardware, "precision": matmul_precision(precision),
-        # The same speed as MFU in the other conventions (the blog's 6N, nanochat's and torchtitan's full square).
-        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
-        "mfu_6n": mfu * six_n * tokens / total_flops, "mfu_full_attention": mfu * full / total_flops,
-        "hours": hours, "gpu_hours": hours * gpus, "price_per_gpu_hour": price_per_gpu_hour,
-        "cost_usd": None if price_per_gpu_hour is None else hours * gpus * price_per_gpu_hour,
-    }
-
 
 _SCALE = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -105,14 +75,33 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"`--shard-group-size {group}` must be a positive divisor of the {gpus} GPUs: hsdp shards "
                           f"each tensor over a group of that many and replicates it across the groups.")
     plan, model = build_plan(t, gpus), meta_model(cfg.model)
+    counts, mfu = param_counts(model), args.mfu
     stages, source = [(s.tokens, s.seq_len) for s in plan.stages], f"the config's plan: {t.max_steps:,} steps"
     if args.tokens is not None:
-        stages = [(parse_tokens(args.tokens, param_counts(model).total), t.seq_len)]
+        stages = [(parse_tokens(args.tokens, counts.total), t.seq_len)]
         source = f"--tokens {args.tokens}, all at seq {t.seq_len}"
-    r = estimate(model, stages, args.hardware, gpus, args.mfu, t.precision, price, cfg.mfu.causal_halving)
-    r["tokens_source"], r["gpus_source"] = source, "--gpus" if given else "mfu.devices"
-    # The stages as the plan has them, but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
-    r["stages"] = None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages]
+    # 6N + attention FLOPs, which grow with seq_len: each stage's tokens at its own (FLOPs per token: the mean)
+    per_stage = [(n, token_flops(model, seq_len, cfg.mfu.causal_halving)) for n, seq_len in stages]
+    tokens = sum(n for n, _ in per_stage)
+    total_flops, full = sum(n * f.model for n, f in per_stage), sum(n * f.full_attention for n, f in per_stage)
+    six_n, peak = 6 * counts.n_6n, table_peak(args.hardware, t.precision)
+    hours = total_flops / (gpus * peak * mfu) / 3600
+    r = {
+        "params": counts.total, "n_6n": counts.n_6n,
+        "flops_per_token": round(total_flops / tokens), "flops_per_token_6n": six_n,
+        "flops_per_token_full_attention": round(full / tokens), "causal_halving": cfg.mfu.causal_halving,
+        "seq_len": max(seq_len for n, seq_len in stages if n), "tokens": tokens,
+        "tokens_per_param": tokens / counts.total,
+        "total_flops": total_flops, "hardware": args.hardware, "precision": matmul_precision(t.precision),
+        # The same speed as MFU in the other conventions (the blog's 6N, nanochat's and torchtitan's full square).
+        "peak_flops_per_gpu": peak, "gpus": gpus, "mfu": mfu,
+        "mfu_6n": mfu * six_n * tokens / total_flops, "mfu_full_attention": mfu * full / total_flops,
+        "hours": hours, "gpu_hours": hours * gpus, "price_per_gpu_hour": price,
+        "cost_usd": None if price is None else hours * gpus * price,
+        "tokens_source": source, "gpus_source": "--gpus" if given else "mfu.devices",
+        # The plan's stages but for accum: on --gpus ranks it may not divide (`nanopt train` refuses that).
+        "stages": None if args.tokens else [{k: v for k, v in asdict(s).items() if k != "accum"} for s in plan.stages],
+    }
     capacity = PEAKS[args.hardware].memory_bytes  # per GPU under each parallelism (nanopt/distributed/memory.py)
     rows = [{**m.summary(), "fits": m.total <= capacity} for m in config_memory(cfg, model, gpus, group)]
     recomputed = config_memory(cfg, model, gpus, group, recompute=True)[0].activations
