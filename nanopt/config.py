@@ -402,8 +402,8 @@ class RuntimeConfig:
         """hsdp's (replicas, ranks per shard group) on `world_size` ranks, `local_world_size` per node. A group that
         does not divide the world cannot tile it; one the size of the world replicates nothing (that is fsdp)."""
         group = self.shard_group_size or local_world_size
-        named = (f"`runtime.shard_group_size` is {group}" if self.shard_group_size else
-                 f"`runtime.shard_group_size` is null, the ranks per node ({group})")
+        named = "`runtime.shard_group_size` is " + (f"{group}" if self.shard_group_size else
+                                                     f"null, the ranks per node ({group})")
         divisors = [d for d in range(1, world_size) if world_size % d == 0]
         fix = f"Set `--runtime.shard_group_size` to one of {', '.join(map(str, divisors))} (usually the GPUs per node)"
         if world_size % group:

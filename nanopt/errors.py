@@ -36,8 +36,7 @@ class TrainingError(RuntimeError):
 
 
 class DiskFull(OSError):
-    """No space left writing `path` (ENOSPC or a quota): a failure, not bad input (exit 1). Raised once the write
-    is undone (nanopt.io.disk_full builds it), so everything written before it is intact and a re-run resumes."""
+    """No space left writing `path` (ENOSPC, a quota): exit 1, raised once the write is undone (io.disk_full)."""
 
     def __init__(self, path: Path, free_bytes: Optional[int], device: str):
         super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -75,9 +74,8 @@ def causes(error: BaseException) -> Iterator[BaseException]:
 
 
 def path_problem(error: OSError) -> Optional[str]:
-    """An OSError about a path (a directory where a file belongs or the reverse, a link to nothing, permission
-    denied, a read-only disk) as one paragraph naming the path and the fix; None when it names no path. The one
-    place such errors are worded: the CLI turns each into exit 2 wherever a command met it."""
+    """An OSError about a path (a file where a directory belongs or the reverse, a link to nothing, permission
+    denied, a read-only disk) as the one paragraph naming the path and the fix (cli.run: exit 2); None without one."""
     if error.filename is None:
         return None
     path = Path(os.fsdecode(error.filename))
@@ -109,7 +107,6 @@ def debug_enabled() -> bool:
 
 
 def debug_traceback() -> None:
-    """Under `--debug` (NANOPT_DEBUG): the traceback of the error being handled, on stderr. The caller then prints
-    its paragraph and returns its own exit status, so --debug never turns bad input's 2 into an uncaught 1."""
+    """Under `--debug`: the handled error's traceback on stderr; the caller still prints and returns its status."""
     if debug_enabled():
         traceback.print_exc()

@@ -39,9 +39,8 @@ def endpoint() -> str:
 
 
 def unreachable(timeout_s: float = 5.0) -> Optional[str]:
-    """Why the hub's host, or the proxy in front of it, cannot be reached (its name does not resolve, the
-    connection is refused, no route), or None: it answers, or it is only slow (a timeout, which the libraries'
-    retries are for)."""
+    """Why the hub's host, or the proxy in front of it, cannot be reached (no such name, refused, no route), or None:
+    it answers, or it is only slow (a timeout, which the libraries' retries are for)."""
     url = urlsplit(endpoint())
     proxies = getproxies_environment()
     proxy, via = proxies.get(url.scheme) or proxies.get("all"), ""
@@ -59,9 +58,8 @@ def unreachable(timeout_s: float = 5.0) -> Optional[str]:
 
 
 def offline_unless_reachable() -> Optional[str]:
-    """Turn on the hub libraries' offline mode (HF_HUB_OFFLINE=1, HF_DATASETS_OFFLINE=1) when the hub cannot be
-    reached, before they are imported; say so in one INFO line. Returns why it cannot be reached, or None. Nothing is
-    probed where the user chose offline mode, and once per process."""
+    """Turn on the hub libraries' offline mode when the hub cannot be reached, before they load (one INFO line);
+    return why, or None. Probed once per process, and not where the user chose offline mode."""
     if "reason" not in _probe:
         _probe["reason"] = None if any(os.environ.get(k) for k in OFFLINE_ENV) else unreachable()
         if _probe["reason"]:

@@ -99,8 +99,8 @@ def damaged(path: Path, why: str, fix: str = "") -> ConfigError:
 
 
 def raw(path: Path) -> Optional[bytes]:
-    """The bytes of one of nanopt's files, None when nothing is at the name; ConfigError for what is no regular file
-    there (io's paragraph) or a link to nothing (which a reader taking it for absent would silently ignore)."""
+    """The bytes of one of nanopt's files, None when nothing is at the name; ConfigError for no regular file there
+    (io's paragraph) or a link to nothing (which a reader taking it for absent would silently ignore)."""
     try:
         return read_bytes(path)
     except FileNotFoundError as e:
@@ -110,8 +110,7 @@ def raw(path: Path) -> Optional[bytes]:
 
 
 def read(path: Path, shape: Field, fix: str = "") -> Any:
-    """The file at `path` (YAML by its suffix, else JSON) checked against `shape`: its value, None when nothing is
-    at the name, or ConfigError: damaged(), or what raw() refuses."""
+    """The file at `path` (YAML by its suffix, else JSON) checked against `shape`: its value, or None (raw())."""
     if (data := raw(path)) is None:
         return None
     value, why = parse(data, as_yaml=Path(path).suffix in (".yaml", ".yml"))
