@@ -42,8 +42,9 @@ def usage() -> str:
 
 
 def run(argv: list[str]) -> int:
-    # `--debug` anywhere (or NANOPT_DEBUG=1): tracebacks before the one-paragraph errors, for every subcommand.
-    debug = "--debug" in argv or debug_enabled()
+    # `--debug` anywhere (or NANOPT_DEBUG=1): tracebacks before the one-paragraph errors, for every subcommand; set
+    # for this command, as NANOPT_DEBUG, which the commands that catch their own errors (train) read.
+    debug = "--debug" in argv and not debug_enabled()
     argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
@@ -54,9 +55,8 @@ def run(argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     for key, value in COMMAND_ENV.get(name, {}).items():
         os.environ.setdefault(key, value)
-    previous = os.environ.get("NANOPT_DEBUG")
     if debug:
-        os.environ["NANOPT_DEBUG"] = "1"  # seen by commands that catch their own errors (train)
+        os.environ["NANOPT_DEBUG"] = "1"
     prefix = "nanopt" if name == "train" else f"nanopt {name}"  # the trainer's own paragraphs say "nanopt: "
     try:
         return int(importlib.import_module(f"nanopt.commands.{name}").main(rest) or 0)
@@ -72,10 +72,8 @@ def run(argv: list[str]) -> int:
         print(f"{prefix}: error: {full or path_problem(e)}", file=sys.stderr)
         return EXIT_FAILED if full else EXIT_BAD_INPUT
     finally:
-        if previous is None:
+        if debug:
             os.environ.pop("NANOPT_DEBUG", None)
-        else:
-            os.environ["NANOPT_DEBUG"] = previous
 
 
 def main(argv: Optional[list[str]] = None) -> NoReturn:
