@@ -35,9 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanopt estimate", allow_abbrev=False,
         usage="nanopt estimate [CONFIG | --config CONFIG] [options] [--section.key=value ...]",
-        description="Time, GPU-hours and cost to train a config at an assumed MFU (6N + causal attention "
-                    "FLOPs, dense peaks; also given in the 6N and full-attention conventions). Extra "
-                    "--section.key=value overrides apply to the config.")
+        description="Time, GPU-hours and cost to train a config at an assumed MFU (6N + causal attention FLOPs, "
+                    "dense peaks; also in the 6N and full-attention conventions), with --section.key=value overrides.")
     parser.add_argument("--hardware", default="h100-sxm", help=f"one of: {', '.join(PEAKS)} (default h100-sxm)")
     parser.add_argument("--gpus", type=int, default=None, help="number of devices (default: mfu.devices)")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed MFU, 0-1 (default 0.4)")
@@ -111,13 +110,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"  # decimal GB, as the spec sheets give memory
-
-
 def _text(cfg: Config, r: dict, stages: list[tuple[int, int]], given: bool) -> str:
     """The estimate as the terminal shows it."""
     t, memory, hours = cfg.train, r["memory"], r["hours"]
+    gb = lambda n: f"{n / 1e9:,.1f} GB"  # noqa: E731  decimal GB, as the spec sheets give memory
     at = f"at seq {r['seq_len']}" if len({seq for n, seq in stages if n}) == 1 else "averaged over the stages' seq_len"
     wall = (f"{hours:,.1f} h ({hours / 24:,.1f} days)" if hours >= 1 else
             f"{hours * 60:.1f} min" if hours * 60 >= 1 else f"{hours * 3600:.2f} s")
@@ -141,15 +137,15 @@ def _text(cfg: Config, r: dict, stages: list[tuple[int, int]], given: bool) -> s
         f"  GPU-hours      {r['gpu_hours']:,.{1 if r['gpu_hours'] >= 10 else 3}f}",
         f"  cost           {cost}",
         f"  memory per GPU (eager step at micro-batch {t.micro_batch_size} × seq {t.seq_len}, {t.precision}, "
-        f"{cfg.optim.name}; {_gb(memory['capacity_bytes'])} each; docs/mfu.md)",
+        f"{cfg.optim.name}; {gb(memory['capacity_bytes'])} each; docs/mfu.md)",
         f"    {'parallel':<14}{'params':>10}{'grads':>10}{'optimizer':>11}{'activations':>13}{'total':>11}  fits"]
     for m in memory["rows"]:
         name = m["parallel"] if m["parallel"] == "ddp" else f"{m['parallel']} over {m['shard_ranks']}"
         fits = f"yes ({100 * m['total'] / memory['capacity_bytes']:.0f}%)" if m["fits"] else "NO"
         mark = "  <- runtime.parallel" if m["parallel"] == memory["config_parallel"] else ""
-        lines.append(f"    {name:<14}" + "".join(f"{_gb(m[k]):>{w}}" for k, w in (
+        lines.append(f"    {name:<14}" + "".join(f"{gb(m[k]):>{w}}" for k, w in (
             ("params", 10), ("grads", 10), ("optimizer", 11), ("activations", 13), ("total", 11))) + f"  {fits}{mark}")
     if not t.recompute:
         lines.append(f"    activations with per-block recompute (--train.recompute=true): "
-                     f"{_gb(memory['activations_with_block_recompute'])}")
+                     f"{gb(memory['activations_with_block_recompute'])}")
     return "\n".join(lines)
