@@ -90,8 +90,7 @@ class RunConfig:
 @section()
 @dataclass
 class ModelConfig:
-    """The Llama. The speedrun options (docs/speedrun.md) are off by default, so the model stays the Llama that
-    `nanopt export` writes for transformers."""
+    """The Llama; the speedrun options (docs/speedrun.md) are off by default, so it is what `nanopt export` writes."""
     # Shards hold ids as uint32 at most (shards.token_dtype); widths and depth at 4-30x the largest models trained.
     vocab_size: int = key(257, "Vocabulary size; covers the tokenizer (byte: 256 bytes + BOS).", gt=0, le=2**32)
     dim: int = key(256, "Model width.", gt=0, le=2**16)
@@ -295,9 +294,8 @@ class TrainConfig:
 @section()
 @dataclass
 class OptimConfig:
-    """Which optimizer updates which kind of parameter (nanopt/recipe/optim.py; docs/speedrun.md). Kinds: matrix (the
-    hidden 2-D weights), embedding (token and value embeddings), head (an untied LM head), scalar (norm gains,
-    residual scalars); scalars never decay. train.schedule scales every kind's lr alike."""
+    """Which optimizer updates which kind of parameter (nanopt/recipe/optim.py): matrix (hidden 2-D weights),
+    embedding, head (an untied LM head), scalar (never decays). train.schedule scales every kind's lr alike."""
     name: str = key("adamw", "muon: Muon on the matrix kind, AdamW on the rest.", choices=("adamw", "muon"))
     matrix_lr: Optional[float] = key(None, "The matrix kind's lr.", gt=0, null="train.lr")
     embedding_lr: Optional[float] = key(None, "The embedding kind's lr.", gt=0, null="train.lr")
@@ -431,9 +429,8 @@ class SampleConfig:
 @section(safe=True, neutral=True)  # read by `nanopt prepare` only
 @dataclass
 class PrepareConfig:
-    """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (docs/data.md). Token
-    budgets fill val -> test -> train from the (shuffled) document stream; a split takes whole documents, the one
-    that crosses its budget is cut."""
+    """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (docs/data.md). Budgets fill
+    val -> test -> train from the (shuffled) document stream in whole documents, the one crossing a budget cut."""
     dataset: str = key("embedded", "embedded (the Shakespeare plays), a datasets builder for local files (json, "
                        "parquet, text with data_files), or a Hugging Face hub dataset name; all go through "
                        "load_dataset.", must=(str.strip, "`prepare.dataset` is empty; use embedded, json/parquet/text "
@@ -505,8 +502,7 @@ class ProfileConfig:
 @section(safe=True, neutral=True)  # read by `nanopt scaling plan` alone: a run computes the same with any of them
 @dataclass
 class ScalingConfig:
-    """How `nanopt scaling plan` sizes a ladder from this config, its reference point (nanopt/lab/scaling.py;
-    docs/scaling.md): the config's own batch, lr and weight decay are the tuned values the rules scale from."""
+    """How `nanopt scaling plan` sizes a ladder from this config's tuned batch, lr and wd (docs/scaling.md)."""
     tokens_per_param: float = key(20.0, "Tokens per parameter at a budget's predicted optimum, where the plan "
                                   "centres its sizes (Chinchilla's ~20).", gt=0, le=1e6)
     batch_exponent: float = key(0.383, "Batch tokens ∝ (tokens / the config's tokens)^this (Power Lines, arXiv "

@@ -22,10 +22,9 @@ KINDS = {int: "an integer", float: "a finite number", str: "a string", bool: "tr
 
 @dataclass(frozen=True)
 class Field:
-    """A value's shape. `kind` int, float (finite; an int is one too), str, bool, dict, list, or object (any value,
+    """A value's shape: `kind` int, float (finite; an int is one too), str, bool, dict, list, or object (any value,
     for `test` to judge). An object's `fields` are checked by name, other keys pass (a newer nanopt may add some);
-    `items` is the shape of each element of a list, or of each value of an object (a map). `what` says in words what
-    the value is where its kind and bound do not."""
+    `items` is each element's (or a map's each value's) shape; `what` says in words what the value is."""
     kind: type
     required: bool = False
     null: bool = False  # None is allowed too (an unreached target's figures are null)
