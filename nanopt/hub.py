@@ -1,11 +1,8 @@
 """The Hugging Face hub as this machine sees it: whether its first hop (the proxy httpx would use, else the hub's
 host) answers at all, offline mode when it does not, and the one paragraph naming the offline fix when something
-needed is not in the local cache. Torch-free.
-
-Why: the hub libraries retry a refused connection five times per file (1+2+4+8+8 s, huggingface_hub's http_backoff;
-no setting changes the count) before they look in their cache: a dead proxy cost 51 s per start. A host that does not
-resolve or refuses will not answer a second later as a busy one may, so offline mode is right for it. The libraries
-read HF_HUB_OFFLINE when imported, so offline_unless_reachable() runs before they load."""
+needed is not in the local cache. Torch-free. Why: the libraries retry a refused connection five times per file
+(1+2+4+8+8 s, whatever the settings) before they look in their cache, 51 s per start behind a dead proxy, and a host
+that does not resolve or refuses will not answer a second later as a busy one may."""
 from __future__ import annotations
 
 import errno
