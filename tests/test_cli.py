@@ -34,25 +34,23 @@ def test_help_lists_every_subcommand_and_each_answers_help(capsys):
         assert "usage" in capsys.readouterr().out.lower(), name
 
 
-def test_a_reader_that_left_ends_the_command_quietly():
-    """`nanopt runs | head`: the pipe's reader is gone before the output is written. No traceback, exit 1."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
+@pytest.mark.parametrize("stdout, said", [
+    ("a pipe whose reader left", ""),
+    ("/dev/full", "nanopt: error: the output could not be written to stdout (No space left on device).\n")])
+def test_a_stdout_that_cannot_be_written_ends_the_command_with_exit_1(stdout, said):
+    """`nanopt runs | head`: the reader left before the output was written: quietly. `nanopt runs > /dev/full`:
+    one line; before, an OSError traceback. (Every command: e2e/test_bad_input.py's table.)"""
+    if stdout == "/dev/full":
+        out = os.open(stdout, os.O_WRONLY)
+    else:
+        read_end, out = os.pipe()
+        os.close(read_end)
     try:
-        proc = subprocess.run([sys.executable, "-m", "nanopt.cli", "--help"], stdout=write_end,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=120)
-    finally:
-        os.close(write_end)
-    assert proc.returncode == 1 and proc.stderr == ""
-
-
-def test_a_stdout_on_a_full_disk_is_one_line_and_exit_1():
-    """`nanopt runs > /dev/full`: before, an OSError traceback. (Every command: e2e/test_bad_input.py's table.)"""
-    with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "nanopt.cli", "--help"], stdout=full, stderr=subprocess.PIPE,
+        proc = subprocess.run([sys.executable, "-m", "nanopt.cli", "--help"], stdout=out, stderr=subprocess.PIPE,
                               text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 1, proc.stderr
-    assert proc.stderr == "nanopt: error: the output could not be written to stdout (No space left on device).\n"
+    finally:
+        os.close(out)
+    assert proc.returncode == 1 and proc.stderr == said, proc.stderr
 
 
 # ---------------------------------------------------------------- the exit without the interpreter's teardown
