@@ -14,10 +14,6 @@ from nanopt.distributed import runtime
 from nanopt.main import run
 
 
-def _losses(run_dir) -> list[float]:
-    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-
-
 @pytest.mark.slow
 def test_tiny_run_learns_and_writes_a_complete_run_directory(tmp_path, corpus_dir, capsys, monkeypatch):
     """Also bf16 autocast on a CPU without bf16 hardware (its flags say AVX2 here, whatever this CPU
@@ -82,6 +78,7 @@ def test_pure_bf16_trains(tmp_path, corpus_dir, capsys, monkeypatch):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "(AMX, bf16 native" in summary["hardware"]
     assert load_config(tmp_path / "config.yaml").train.precision == "bf16-pure"  # never changed silently
-    assert _losses(tmp_path)[-1] < _losses(tmp_path)[0] - 1.0, _losses(tmp_path)
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert losses[-1] < losses[0] - 1.0, losses
     weights = load_file(str(tmp_path / "checkpoints" / "step_000012" / "model.safetensors"))
     assert weights["embed.weight"].dtype == torch.bfloat16
