@@ -29,44 +29,34 @@ ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 2, "log.
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, Path]:
-    """Broken configs and shard directories, each with exactly one thing wrong."""
+    """Shard directories (and paths for run.dir), each with exactly one thing wrong."""
     root = tmp_path_factory.mktemp("bad")
-    out: dict[str, Path] = {}
+    out: dict[str, Path] = {"root": root, "a_file": root / "a_file", "nonempty_run": root / "nonempty_run"}
     good_train = open_shard(corpus_dir / "train_000000.bin")[:20000]
     good_val = open_shard(corpus_dir / "val_000000.bin")[:5000]
 
-    def shard_dir(name: str) -> Path:
-        d = root / name
-        write_shard(d / "train_000000.bin", good_train, 257)
-        write_shard(d / "val_000000.bin", good_val, 257)
-        out[name] = d
-        return d
+    def train_shard(name: str) -> Path:
+        """The train shard of a good shard directory `name`, to break."""
+        write_shard(root / name / "train_000000.bin", good_train, 257)
+        write_shard(root / name / "val_000000.bin", good_val, 257)
+        out[name] = root / name
+        return root / name / "train_000000.bin"
 
-    shard_dir("good")
-    d = shard_dir("flipped")  # one token changed behind the checksum's back
-    raw = bytearray((d / "train_000000.bin").read_bytes())
+    train_shard("good")
+    raw = bytearray((shard := train_shard("flipped")).read_bytes())  # one token changed behind the checksum's back
     raw[HEADER_BYTES + 10] ^= 0x01
-    (d / "train_000000.bin").write_bytes(bytes(raw))
-    d = shard_dir("truncated")
-    (d / "train_000000.bin").write_bytes((d / "train_000000.bin").read_bytes()[:-7])
-    d = shard_dir("not_a_shard")
-    (d / "train_000000.bin").write_bytes(b"this is a text file, not tokens\n" * 10)
-    d = shard_dir("no_train")
-    (d / "train_000000.bin").unlink()
-    d = shard_dir("big_vocab")
-    write_shard(d / "train_000000.bin", np.asarray(good_train), 50000)
-    d = shard_dir("tiny")
-    write_shard(d / "train_000000.bin", good_train[:10], 257)
-    d = shard_dir("past_vocab")  # a checksum that holds, a header that understates the vocabulary
-    lying = np.asarray(good_train).astype(np.uint16) * 100
+    shard.write_bytes(bytes(raw))
+    (shard := train_shard("truncated")).write_bytes(shard.read_bytes()[:-7])
+    train_shard("not_a_shard").write_bytes(b"this is a text file, not tokens\n" * 10)
+    train_shard("no_train").unlink()
+    write_shard(train_shard("big_vocab"), np.asarray(good_train), 50000)
+    write_shard(train_shard("tiny"), good_train[:10], 257)
+    lying = np.asarray(good_train).astype(np.uint16) * 100  # a checksum that holds, a header that understates the vocab
     header = HEADER.pack(MAGIC, VERSION, 2, lying.size, 257, zlib.crc32(lying.tobytes()))
-    (d / "train_000000.bin").write_bytes(header.ljust(HEADER_BYTES, b"\0") + lying.tobytes())
-    (root / "a_file").write_text("not a directory")
-    out["a_file"] = root / "a_file"
-    (root / "nonempty_run").mkdir()
-    (root / "nonempty_run" / "notes.txt").write_text("someone's earlier run")
-    out["nonempty_run"] = root / "nonempty_run"
-    out["root"] = root
+    train_shard("past_vocab").write_bytes(header.ljust(HEADER_BYTES, b"\0") + lying.tobytes())
+    out["a_file"].write_text("not a directory")
+    out["nonempty_run"].mkdir()
+    (out["nonempty_run"] / "notes.txt").write_text("someone's earlier run")
     return out
 
 
@@ -179,7 +169,8 @@ SEALED_DAMAGE = [(case, damage, ["{ckpt}", *words, "earlier checkpoint"]) for ca
     # ended in a NotADirectoryError traceback from rmtree. A directory where a file goes: refused at the first save.
     *((name, lambda c, name=name: (c.parent / name).write_text("the user's notes"), [f"{{checkpoints}}/{name} is a "])
       for name in ("step_000003", ".tmp_step_000003")),
-    ("latest", lambda c: ((c.parent / "latest").unlink(), (c.parent / "latest").mkdir()), ["{checkpoints}/latest is a "]),
+    ("latest", lambda c: ((c.parent / "latest").unlink(), (c.parent / "latest").mkdir()),
+     ["{checkpoints}/latest is a "]),
 ]
 
 
