@@ -20,8 +20,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Te
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GQA without kernel support: each KV head repeated for the `groups` query heads it serves.
-    k/v: B Hkv Tk D -> B Hq Tk D (unchanged when Hkv == Hq)."""
+    """GQA without kernel support: k/v B Hkv Tk D -> B Hq Tk D."""
     groups = q.shape[1] // k.shape[1]
     if groups == 1:
         return k, v
@@ -39,8 +38,7 @@ def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int 
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """PyTorch's fused kernel (flash / memory-efficient on GPU, a fused C++ kernel on CPU); enable_gqa lets
-    it index KV heads directly instead of materialising repeated K/V."""
+    """PyTorch's fused kernel; enable_gqa indexes KV heads instead of repeating K/V."""
     gqa = q.shape[1] != k.shape[1]
     if causal_offset == 0 and q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -52,28 +50,24 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int =
 
 
 def sdpa_repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """sdpa with the K/V heads repeated to the query heads instead of enable_gqa: a fused kernel where
-    enable_gqa would get the math one (see choose). Costs the repeated K/V, B Hq T D each."""
+    """sdpa with K/V repeated instead of enable_gqa: a fused kernel where enable_gqa gets the math one (choose)."""
     return sdpa(q, *repeat_kv(q, k, v), causal_offset)
 
 
 def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """flash-attn 2 (CUDA only): B T H D, GQA natively. With Tq < Tk (decoding) its causal mask is aligned
-    bottom-right, i.e. the queries are the last Tq positions: the KV-cache case, so causal_offset is implied."""
+    """flash-attn 2 (CUDA only); its causal mask is aligned bottom-right, so decoding's causal_offset is implied."""
     from flash_attn import flash_attn_func  # imported lazily: the package exists only on CUDA hosts
 
     dtype = q.dtype
     if not (dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == dtype):
-        # Its kernels take one half type only. Training never gets here in fp32 (choose() keeps SDPA),
-        # but sampling at the end of a bf16-autocast run calls the model outside autocast with fp32 weights.
+        # Half types only: sampling after a bf16-autocast run calls it outside autocast with fp32 weights.
         q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
     return out.transpose(1, 2).to(dtype)
 
 
 def xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int = 0) -> torch.Tensor:
-    """torch_xla's Pallas flash attention (TPU only), or sdpa where the kernel does not apply (decoding with
-    a KV cache, a batch the device mesh does not divide). Lazy XLA drops the repeated K/V when unused."""
+    """torch_xla's Pallas flash attention (TPU only), or sdpa where the kernel does not apply."""
     out = xla.flash_attention(q, *repeat_kv(q, k, v), causal_offset)
     return sdpa(q, k, v, causal_offset) if out is None else out
 
@@ -96,15 +90,14 @@ def flash_unavailable_reason(device_type: str, precision: str = "bf16") -> Optio
 
 UNAVAILABLE_REASON = {"flash": flash_unavailable_reason, "xla_flash": xla.flash_unavailable_reason}
 
-# The GPUs (hardware.PEAKS keys) where bench/gpu_check.py measured flash-attn training faster than SDPA, each with its
-# results file: `attention: auto` picks flash-attn there only. Never measured yet (no flash-attn wheel for gpu_check's
-# torch); on an H100 SDPA runs cuDNN's kernel, at the 51.3% MFU of bench/results/gpu_check_h100_shipped.json.
+# GPUs (hardware.PEAKS keys -> results file) where bench/gpu_check.py measured flash-attn faster than SDPA: `auto`
+# picks it there only. None yet: on an H100 SDPA runs cuDNN's kernel (bench/results/gpu_check_h100_shipped.json).
 FLASH_MEASURED_FASTER: dict[str, str] = {}
 
 
 def choose(name: str, device_type: str, precision: str = "bf16", gpu: str = "") -> tuple[str, AttentionFn]:
-    """Resolve the configured backend for this device, precision and GPU (its name), logging any fallback and its
-    reason once. `auto` is flash-attn where it can run and is listed in FLASH_MEASURED_FASTER, else SDPA."""
+    """Resolve the configured backend for this device, precision and GPU, logging any fallback and its reason.
+    `auto` is flash-attn where it can run and is listed in FLASH_MEASURED_FASTER, else SDPA."""
     kernel = "flash" if name == "auto" else name
     reason = UNAVAILABLE_REASON[kernel](device_type, precision) if kernel in UNAVAILABLE_REASON else None
     if reason is None and name == "auto" and detect_hardware(gpu, None) not in FLASH_MEASURED_FASTER:

@@ -1,11 +1,6 @@
-"""FP8 training (train.fp8) through torchao's float8: the transformer blocks' Linears compute their matmuls in FP8
-with tensorwise or rowwise dynamic scaling (those of shapes that gain from it, train.fp8_filter); the embeddings, the
-LM head, norms and attention stay as they were.
-
-A converted Linear (torchao's Float8Linear) keeps its fp32 weight and its state_dict keys, so checkpoints of FP8 and
-bf16 runs load into each other and `nanopt export` writes ordinary weights. Dynamic scaling keeps no state, so a
-resume is as exact as without FP8. Whether a device runs FP8 natively, emulated (CPU: the numerics, no speed) or
-not at all is its backend's answer (runtime.py)."""
+"""FP8 training (train.fp8) through torchao's float8: the blocks' Linears (train.fp8_filter) compute their matmuls in
+FP8 with dynamic scaling; the rest stays. A Float8Linear keeps its weight and state_dict keys, so checkpoints load
+either way, and dynamic scaling keeps no state, so a resume is exact. Native, emulated or none: the backend's answer."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,10 +23,8 @@ DIM_MULTIPLE = 16
 
 
 def gains(recipe: str, in_features: int, out_features: int) -> bool:
-    """Whether FP8 pays for a Linear of this shape, by the thresholds torchao chose from its H100 measurements
-    (torchao.float8's per-recipe auto filter and its README's tables): below them the casts and scales cost more
-    than the faster matmul saves. By flops_share at the configs' seq_len, tensorwise covers 68.6% of configs/1b.yaml's
-    FLOPs (rowwise 39.2%) and 19.9% of speedrun-gpu's 768-wide model (rowwise none)."""
+    """Whether FP8 pays for a Linear of this shape, by torchao's per-recipe auto-filter thresholds (its H100
+    measurements): tensorwise covers 68.6% of configs/1b.yaml's FLOPs, rowwise 39.2%."""
     k, n = in_features, out_features
     if recipe == "tensorwise":
         return not (k <= 4096 and n <= 1024)
@@ -45,8 +38,7 @@ def converts(recipe: str, which: str, in_features: int, out_features: int) -> bo
 
 
 def module_filter(recipe: str, which: str) -> Callable[[nn.Module, str], bool]:
-    """torchao's module_filter_fn: a Linear inside a transformer block (model.layers) that train.fp8_filter
-    converts."""
+    """torchao's module_filter_fn: a block Linear that train.fp8_filter converts."""
     def keep(module: nn.Module, fqn: str) -> bool:
         return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
                 and converts(recipe, which, module.in_features, module.out_features))
@@ -54,8 +46,7 @@ def module_filter(recipe: str, which: str) -> Callable[[nn.Module, str], bool]:
 
 
 def flops_share(model: nn.Module, t: TrainConfig, seq_len: int, causal_halving: bool = True) -> float:
-    """The share of `model`'s FLOPs per token at `seq_len` (a stage's; the `mfu` convention) that run in FP8: 6 FLOPs
-    per weight of every Linear module_filter converts; 0 without FP8."""
+    """The share of `model`'s FLOPs per token at `seq_len` that run in FP8 (0 without FP8)."""
     if t.fp8 == "none":
         return 0.0
     keep = module_filter(t.fp8, t.fp8_filter)
@@ -64,8 +55,7 @@ def flops_share(model: nn.Module, t: TrainConfig, seq_len: int, causal_halving: 
 
 
 def _torchao_float8() -> ModuleType:
-    """torchao.float8 (the `fp8` extra), imported on first use. Its import logs a warning for each torchao C++
-    extension that does not load on this machine and one of torch's deprecations; float8 training uses none."""
+    """torchao.float8, imported on first use, quiet about C++ extensions float8 training does not use."""
     levels = {q: q.level for q in map(logging.getLogger, ("torchao", "torch.utils._pytree"))}
     for q in levels:
         q.setLevel(logging.ERROR)
@@ -81,8 +71,7 @@ def _torchao_float8() -> ModuleType:
 
 
 def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
-    """Swap the block Linears for torchao's Float8Linear in place, per train.fp8 and train.fp8_filter; returns how
-    many were swapped. Call before the optimizer is built and before torch.compile and DDP wrap the model."""
+    """Swap the block Linears for Float8Linear in place; returns how many. Before the optimizer, compile and DDP."""
     recipe = cfg.train.fp8
     if recipe == "none":
         return 0
@@ -106,7 +95,6 @@ def convert(model: nn.Module, cfg: Config, rt: Runtime) -> int:
 
 
 def _explain(cfg: Config, support: str, converted: int, device: str, share: float, seq_len: int) -> None:
-    """The log lines of a conversion: how much runs in FP8, and what would make this run slower than bf16."""
     t = cfg.train
     log.info("fp8: %d block Linears in FP8 (%s scaling, %s, filter %s), %.1f%% of the model's FLOPs at seq_len %d; "
              "embeddings and LM head stay in %s", converted, t.fp8, support, t.fp8_filter, 100 * share, seq_len,
@@ -124,8 +112,7 @@ def _explain(cfg: Config, support: str, converted: int, device: str, share: floa
 
 
 def summary(cfg: Config, seq_len: int) -> dict[str, Any]:
-    """summary.json's FP8 keys: the recipe, its filter and the share of the model's FLOPs in FP8 at the seq_len
-    of the run's last stage (0 without FP8)."""
+    """summary.json's FP8 keys, the share at the last stage's seq_len."""
     share = flops_share(meta_model(cfg.model), cfg.train, seq_len, cfg.mfu.causal_halving)
     return {"fp8": cfg.train.fp8, "fp8_filter": cfg.train.fp8_filter if cfg.train.fp8 != "none" else None,
             "fp8_matmul_flops_share": share}

@@ -1,7 +1,5 @@
-"""MFU: the formula (`mfu`), the FLOPs per token it divides, counted from the model's own modules (a meta-device
-model costs nothing, so adding a layer to model.py is the whole change), and the meter that feeds it the loop's
-timings. "Model" FLOPs are what the model needs whatever the implementation does, so MFU compares kernels, batch
-shapes and hardware; HFU adds what nanopt recomputes. The peaks are hardware.py's."""
+"""MFU: the formula, the FLOPs per token counted from the model's own modules (on the meta device), and the meter
+that feeds it the loop's timings. HFU adds what nanopt recomputes. The peaks are hardware.py's."""
 from __future__ import annotations
 
 import functools
@@ -23,29 +21,21 @@ log = logging.getLogger("nanopt")
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_device: Optional[float],
         devices: int) -> Optional[float]:
-    """Model FLOPs utilisation: achieved FLOP/s over (the dense peak per device × devices).
-
-    - flops_per_token, training (forward + backward), as token_flops counts it: 6N (a multiply-add per weight
-      forward, twice that backward; N is every weight a token passes through, the LM head included, lookups not)
-      plus attention's two T×T matmuls, causally halved (the masked half is skipped; `full_attention` counts the
-      square as PaLM, nanoGPT and torchtitan do). HFU is this formula fed `hardware`: plus the recomputation.
-    - tokens_per_s: every rank's tokens, every micro-step.
-    - peak_flops_per_device: the spec sheet's dense peak at the run's precision (FP8 matmuls count against the bf16
-      peak: "bf16-equivalent"); on a CPU, measured. An unknown device's is None, and so is its MFU: never a guess."""
+    """Achieved FLOP/s over (the dense peak per device × devices). flops_per_token: 6N (a multiply-add per weight
+    forward, twice that backward; lookups not counted) plus attention's two T×T matmuls, causally halved.
+    tokens_per_s: every rank's. An unknown device's peak is None, and so is its MFU: never a guess."""
     if peak_flops_per_device is None:
         return None
     return flops_per_token * tokens_per_s / (peak_flops_per_device * devices)
 
 
 def meta_model(cfg: ModelConfig) -> Llama:
-    """model.py's Llama on the meta device: every module and shape, no memory, no compute."""
     with torch.device("meta"):
         return Llama(cfg)
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """A model's parameters by what they do per token, read from its modules."""
     embedding: int  # nn.Embedding tables (the token embedding, value embeddings): gathers, no FLOPs
     lm_head: int  # the Linears outside the blocks (the output matmul): FLOPs per token even when tied
     block_matmuls: int  # the Linears inside model.layers
@@ -55,21 +45,18 @@ class ParamCounts:
 
     @property
     def n_6n(self) -> int:
-        """N of 6N: everything a token passes through once, the head in, the lookups out; with a tied head N is the
-        familiar parameter count (Llama-3.2-1B: 1,235,814,400)."""
+        """N of 6N: everything a token passes through, the head in, the lookups out."""
         return self.block_matmuls + self.norms + self.scalars + self.lm_head
 
 
 def attention_flops(module: nn.Module, seq_len: int, causal_halving: bool = True) -> int:
-    """Training FLOPs per token of the attention modules in `module` (model.Attention or a variant's: those with
-    n_heads and head_dim, d = their product): 2·T·d for the scores Q·Kᵀ and 2·T·d for P·V forward, twice that
-    backward: 12·T·d, halved when causal (causal kernels skip the masked half)."""
+    """Training FLOPs per token of the attention modules in `module` (those with n_heads and head_dim, d their
+    product): 2·T·d for Q·Kᵀ and 2·T·d for P·V forward, twice that backward: 12·T·d, halved when causal."""
     d = sum(m.n_heads * m.head_dim for m in module.modules() if hasattr(m, "n_heads") and hasattr(m, "head_dim"))
     return 12 * seq_len * d // (2 if causal_halving else 1)
 
 
 def param_counts(model: nn.Module) -> ParamCounts:
-    """Count a model's parameters by kind from its modules (model.layers holds the blocks)."""
     in_blocks = {id(p) for p in model.layers.parameters()}
     seen: set[int] = set()
     counts = dict.fromkeys(("embedding", "lm_head", "block_matmuls", "norms", "scalars"), 0)
@@ -100,10 +87,8 @@ class TokenFlops:
 
 def token_flops(model: nn.Module, seq_len: int, causal_halving: bool = True, micro_batch_size: int = 1,
                 loss_chunk_tokens: int = 0, recompute: bool = False) -> TokenFlops:
-    """Every FLOPs-per-token figure of `model` training at `seq_len` (micro-batches of micro_batch_size rows).
-    Recomputed (HFU only): the chunked loss runs the head forward again when a micro-batch holds more positions than
-    a chunk; train.recompute runs every block's forward again (2 per weight, and attention's forward, a third of it)
-    but its last residual-output Linear (MLP down): no backward needs that output, so the checkpoint stops before."""
+    """Every FLOPs-per-token figure at `seq_len`. Recomputed (HFU only): the head forward when the loss is chunked;
+    under train.recompute every block's forward but its last residual-output Linear, whose output no backward needs."""
     counts = param_counts(model)
     six_n = 6 * counts.n_6n
     full, attention = attention_flops(model, seq_len, False), attention_flops(model, seq_len, causal_halving)
@@ -119,8 +104,7 @@ CONVENTIONS = ("mfu", "mfu_6n", "mfu_full_attention", "hfu")  # TokenFlops' fiel
 
 
 class MFUMeter:
-    """Feeds mfu() each logging window: the world's tokens per step (every rank and micro-step) over the step's
-    seconds, per convention, against the per-device peak × devices; warm-up windows give nulls."""
+    """Feeds mfu() each logging window, per convention; warm-up windows give nulls."""
 
     def __init__(self, per_token: Callable[[int], TokenFlops], seq_len: int, tokens_per_step: int,
                  peak_flops: Optional[float], world_size: int, start_step: int = 0, warmup_steps: int = 1,
@@ -133,13 +117,11 @@ class MFUMeter:
         self.set_stage(tokens_per_step, seq_len)
 
     def set_stage(self, tokens_per_step: int, seq_len: int) -> None:
-        """From now on a step holds `tokens_per_step` tokens (the world's) in sequences of `seq_len`."""
         self.tokens_per_step, self.flops = tokens_per_step, self.per_token(seq_len)
 
     def update(self, step: int, window_steps: int, step_seconds: float) -> dict[str, Optional[float]]:
-        """MFU of the `window_steps` steps ending at `step`, `step_seconds` each; nulls for a window holding a warm-up
-        step (compilation, allocation, autotuning) and for a 0-step window: a session's or stage's first step (its
-        compile or recompile) timed alone, in neither the figure nor the summary."""
+        """MFU of the `window_steps` steps ending at `step`; nulls for a window holding a warm-up step and for a
+        0-step window (a first step's compile timed alone), in neither the figure nor the summary."""
         if window_steps < 1 or step - window_steps + 1 < self.first_counted_step or step_seconds <= 0:
             return dict.fromkeys((*CONVENTIONS, "tflops_per_device"))
         tokens_per_s, seconds, per_token = self.tokens_per_step / step_seconds, window_steps * step_seconds, \
@@ -151,7 +133,6 @@ class MFUMeter:
                 "tflops_per_device": tokens_per_s * self.flops.model / self.world_size / 1e12}
 
     def summary(self) -> dict[str, Any]:
-        """What every MFU figure of the run is relative to, and this session's MFU over its timed steps."""
         tokens, seconds = self.tokens_done, self.seconds_done
         mean = {name: mfu(done / tokens, tokens / seconds, self.peak_flops, self.world_size) if seconds else None
                 for name, done in zip(CONVENTIONS, self.flops_done)}
@@ -163,9 +144,8 @@ warn_once = functools.cache(log.warning)  # once per process and message
 
 
 def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
-    """(per-device peak FLOP/s or None, a description for the log): the `mfu.hardware` override, else on CPU a
-    peak measured now by every rank at once (sharing the cores as in training; the mean), else the detected
-    accelerator's table entry. An unknown accelerator gives None and one warning: MFU is then null, never a guess."""
+    """(per-device peak FLOP/s or None, its description): the `mfu.hardware` override, else on CPU measured by every
+    rank at once (the mean), else the detected accelerator's table entry; unknown: None and one warning."""
     precision, override, name = cfg.train.precision, cfg.mfu.hardware, rt.hardware_name()
     if override == "auto" and rt.backend.measures_peak:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -189,8 +169,7 @@ def run_peak(cfg: Config, rt: Runtime) -> tuple[Optional[float], str]:
 
 
 def meter_for_run(cfg: Config, rt: Runtime, start_step: int = 0) -> MFUMeter:
-    """The run's meter (measuring the CPU peak if needed), counting a meta-device twin of the run's model; logs
-    what MFU is relative to."""
+    """The run's meter, counting a meta-device twin of the model; logs what MFU is relative to."""
     t, halved = cfg.train, cfg.mfu.causal_halving
     per_token = functools.partial(token_flops, meta_model(cfg.model), causal_halving=halved,
                                   micro_batch_size=t.micro_batch_size, loss_chunk_tokens=t.loss_chunk_tokens,

@@ -21,8 +21,7 @@ from nanopt.recipe.attention import AttentionFn, sdpa
 # Loss chunk (positions) under torch.no_grad when train.loss_chunk_tokens is 0 (see Llama._chunked_loss).
 NO_GRAD_CHUNK_TOKENS = 8192
 
-# Attribute marking a Linear that writes into the residual stream (attention wo, MLP w2): init_weights
-# scales its std by 1/sqrt(2 * n_layers) so the residual variance does not grow with depth.
+# Marks a Linear writing into the residual stream: init_weights scales its std by 1/sqrt(2 * n_layers).
 RESIDUAL_OUT = "residual_out"
 
 
@@ -33,9 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 (as Llama does): bf16 variance loses too many bits. Under autocast the output is
-        # cast once, here, to the autocast dtype: the Linears after the norm (wq, wk, wv; w1, w3) would each
-        # cast it again, to the same bf16 values, and each keep its own copy for backward.
+        # In fp32, as Llama does. Under autocast cast once here: the Linears after it would each cast (and save) it.
         y = self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)
         if torch.is_autocast_enabled(y.device.type):
             return y.to(torch.get_autocast_dtype(y.device.type))
@@ -48,8 +45,7 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _RMSNormalize(torch.autograd.Function):
-    """RMS normalisation with a hand-written backward: 3 full-size kernels instead of autograd's 7, which halves
-    the norms' share of a small CPU step. With y = x * r, r = rsqrt(mean(x^2) + eps): dx = r * (g - y * mean(g * y))."""
+    """A hand-written backward, 3 kernels instead of autograd's 7: y = x * r, dx = r * (g - y * mean(g * y))."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,8 +62,7 @@ class _RMSNormalize(torch.autograd.Function):
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with Llama-3's long-context scaling when configured: high frequencies
-    kept, low ones divided by `rope_factor`, a smooth interpolation in between."""
+    """Inverse frequencies (head_dim/2,), with Llama-3's long-context scaling when configured."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     if cfg.rope_scaling == "llama3":
@@ -83,16 +78,14 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 def rope_tables(cfg: ModelConfig, seq_len: int,
                 device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin tables (seq_len, head_dim) in Hugging Face Llama's rotate-half layout; the sin table
-    carries rotate-half's sign, [-sin, sin], so apply_rope needs a roll, not a negate and a cat."""
+    """cos and signed sin tables (seq_len, head_dim), HF's rotate-half layout with its sign in sin: [-sin, sin]."""
     inv_freq = rope_frequencies(cfg).to(device)
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # T D/2
     return torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-freqs.sin(), freqs.sin()], dim=-1)  # T D each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half([x1, x2]) = [-x2, x1]: the roll swaps the halves and
-    the signed sin table (rope_tables) negates the first. x: B H T D, cos/sin: T D."""
+    """x * cos + rotate_half(x) * sin, a roll and the signed sin table. x: B H T D, cos/sin: T D."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin).to(x.dtype)
 
 
@@ -101,7 +94,6 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def residual_linear(in_features: int, out_features: int) -> nn.Linear:
-    """A bias-free Linear marked as a residual-stream output (init_weights scales its init by depth)."""
     lin = nn.Linear(in_features, out_features, bias=False)
     setattr(lin, RESIDUAL_OUT, True)
     return lin
@@ -117,8 +109,7 @@ class Attention(nn.Module):
         self.wo = residual_linear(cfg.n_heads * cfg.head_dim, cfg.dim)
         # qk_norm: None = off, else the eps of the per-head RMS norm of q and k.
         self.qk_norm_eps: Optional[float] = cfg.norm_eps if cfg.qk_norm else None
-        # value_embeddings: this layer's own token -> value table, added to v. Registered only when on, so
-        # a default model's state_dict (which hf.py exports) has no such key.
+        # Registered only when on, so a default state_dict (hf.py exports it) has no such key.
         self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim) if cfg.value_embeddings else None
         self.kernel = kernel
 
@@ -184,7 +175,6 @@ class Block(nn.Module):
         self.attention = Attention(cfg, kernel)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
-        # Registered only when on, like the value embedding, so a default state_dict is unchanged.
         self.residual_scalars: Optional[ResidualScalars] = ResidualScalars() if cfg.residual_scalars else None
 
     def forward(self, x: torch.Tensor, x0: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: torch.Tensor,
@@ -206,16 +196,12 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_head()
         cos, sin = rope_tables(cfg, cfg.max_seq_len or 2048, device=self.embed.weight.device)
-        # Computed once, not saved: they follow from the config.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # The loss's sequence chunk, bounding the live logits (_chunked_loss; 0 = never): a plain attribute.
         self.loss_chunk_tokens = loss_chunk_tokens
-        # The blocks a training forward calls in place of self.layers (None): train.compile_blocks's compiled ones
-        # under fsdp. A plain list, so state_dict keys, checkpoints, parameters() and the FSDP tree stay eager's.
+        # train.compile_blocks's compiled blocks for a training forward: a plain list, so state_dict keys stay.
         self.training_blocks: Optional[list[nn.Module]] = None
-        # train.recompute: a training forward keeps each block's input only and runs the block again in backward.
-        # A plain attribute like loss_chunk_tokens; evaluation and decoding keep no activations anyway.
+        # train.recompute: a training forward keeps each block's input only and runs it again in backward.
         self.recompute_blocks = False
 
     def tie_head(self) -> None:
@@ -230,9 +216,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every parameter by its module's type (_init_by_type), in module order, a tied head once (as
-        the embedding), and recompute the RoPE tables (meta buffers hold no data). A parameter no rule covers
-        raises, naming its module: after to_empty it would be uninitialised memory."""
+        """Initialise every parameter by its module's type (_init_by_type) and recompute the RoPE tables. A
+        parameter no rule covers raises, naming its module: it would be uninitialised memory."""
         done: set[int] = set()  # ids of initialised parameters; a tied head shares the embedding's
         for module in self.modules():
             if any(id(p) not in done for p in module.parameters(recurse=False)):
@@ -246,8 +231,7 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Unique parameters (a tied head is counted once); exclude_embedding leaves out every lookup table
-        (the token embedding and any value embeddings), as mfu.ParamCounts.embedding counts them."""
+        """Unique parameters; exclude_embedding leaves out every lookup table."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embedding:
             n -= sum(p.numel() for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
@@ -258,8 +242,7 @@ class Llama(nn.Module):
         T = idx.shape[1]
         cos, sin = self.rope_cos[start_pos : start_pos + T], self.rope_sin[start_pos : start_pos + T]  # T D each
         x = x0 = self.embed(idx)  # B T C; x0 stays the embedding (residual scalars re-read it every layer)
-        # A training forward (autograd on, no KV cache) may run compiled blocks; evaluation, scoring and decoding
-        # (no_grad, caches, a growing start_pos) run the eager ones, so they never compile shapes of their own.
+        # Only a training forward runs compiled blocks: evaluation and decoding never compile shapes of their own.
         training = caches is None and torch.is_grad_enabled()
         blocks = self.training_blocks if training and self.training_blocks is not None else self.layers
         for i, layer in enumerate(blocks):
@@ -276,8 +259,7 @@ class Llama(nn.Module):
         return soft_cap(self.lm_head(self.readout_input(h)), self.cfg.logit_softcap)
 
     def readout_input(self, h: torch.Tensor) -> torch.Tensor:
-        """h (B T C) × µP's output multiplier 1/width_mult: the head's update, Adam-sized per entry, sums over `dim`
-        aligned coordinates, so unscaled its logit change grows with width. sp: h itself, bit-identical."""
+        """h (B T C) × µP's output multiplier 1/width_mult (sp: h itself)."""
         return h if self.cfg.width_mult == 1.0 else h / self.cfg.width_mult
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
@@ -287,20 +269,17 @@ class Llama(nn.Module):
         return self.logits(h) if targets is None else self._chunked_loss(h, targets)  # B T V, or a scalar
 
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy without holding all B×T×V logits at once: each chunk's logits are recomputed in
-        backward, so peak memory is one chunk's (at vocab 128256, 16k tokens' fp32 logits are 8.4 GB)."""
+        """Mean cross-entropy holding one chunk's logits at a time, each recomputed in backward."""
         B, T, _ = h.shape
         h = self.readout_input(h)
         count = (targets != -100).sum().clamp(min=1)
         # Bound here: recompute (torch_xla's reentrant checkpoint on XLA) takes tensor arguments only.
         loss_sum = functools.partial(_chunk_loss_sum, softcap=self.cfg.logit_softcap)
-        # Without autograd (evaluation) chunks cost nothing, so the logits stay bounded even where training runs
-        # unchunked (the compiled GPU configs: 25 GB of logits per 170m micro-batch otherwise).
+        # Without autograd chunks cost nothing: evaluation stays bounded where training runs unchunked.
         chunk = self.loss_chunk_tokens if torch.is_grad_enabled() else self.loss_chunk_tokens or NO_GRAD_CHUNK_TOKENS
         if chunk <= 0 or B * T <= chunk:
             return loss_sum(h, targets, self.lm_head.weight) / count
-        # Chunks run along the sequence and span the whole batch, so with the batch sharded over devices
-        # (XLA SPMD) every chunk keeps every device busy.
+        # Chunks along the sequence span the batch: under XLA SPMD every chunk keeps every device busy.
         step = max(1, chunk // B)
         return sum(recompute(loss_sum, h[:, s : s + step], targets[:, s : s + step], self.lm_head.weight)
                    for s in range(0, T, step)) / count
@@ -312,8 +291,7 @@ class Llama(nn.Module):
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(logits / cap) in fp32 (bf16 tanh near ±cap would flatten differences), or logits as they
-    are when cap is 0 (off)."""
+    """cap * tanh(logits / cap) in fp32, or the logits when cap is 0 (off)."""
     return logits if cap <= 0 else cap * torch.tanh(logits.float() / cap)  # B T V, fp32 when capped
 
 
@@ -324,9 +302,8 @@ def _chunk_loss_sum(h: torch.Tensor, t: torch.Tensor, weight: torch.Tensor, soft
 
 
 def _init_by_type(module: nn.Module, cfg: ModelConfig, readout: bool = False) -> list[nn.Parameter]:
-    """Initialise one module's own parameters by its type; returns those it set (none: no rule). Under µP a hidden
-    Linear's std falls as 1/sqrt(width_mult) from init_std at the base width; embeddings and the `readout` (an
-    untied LM head, whose logits carry the 1/width_mult multiplier) keep init_std."""
+    """Initialise one module's own parameters by its type; returns those it set. Under µP a hidden Linear's std
+    falls as 1/sqrt(width_mult); embeddings and the `readout` keep init_std."""
     if isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, 0.0, cfg.init_std)
         return [module.weight]
@@ -348,9 +325,8 @@ def _init_by_type(module: nn.Module, cfg: ModelConfig, readout: bool = False) ->
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel: AttentionFn | None = None,
                 loss_chunk_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                 init_device: torch.device | str | None = None) -> Llama:
-    """A ready model: built on the meta device (no memory, no wasted init), materialised, initialised once.
-    `init_device` initialises elsewhere first (XLA: on the host, with the CPU RNG), then moves to `device`;
-    a `dtype` other than fp32 (bf16-pure) casts the parameters, not the RoPE tables."""
+    """A ready model: built on the meta device, materialised on `init_device` (XLA: the host), initialised once,
+    moved to `device`; a `dtype` (bf16-pure) casts the parameters, not the RoPE tables."""
     try:
         with torch.device("meta"):
             model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)

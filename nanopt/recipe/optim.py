@@ -1,6 +1,5 @@
-"""Optimizer parameter groups by kind (with µP's per-kind lr factor), the optimizers by name (adamw, muon), Muon's
-orthogonalisation batched and shared out across ranks, the learning-rate schedule as a multiplier (a pure function
-of step), and loading optimizer state."""
+"""Parameter groups by kind (with µP's lr factor), the optimizers (adamw, muon: batched, shared out across ranks),
+the lr schedule as a multiplier of the step, and loading optimizer state."""
 from __future__ import annotations
 
 import logging
@@ -19,20 +18,17 @@ from nanopt.distributed import xla
 
 log = logging.getLogger("nanopt")
 
-# Group order is fixed: the optimizer's state_dict indexes parameters by their position across groups,
-# so a stable order keeps checkpoints loadable.
+# A fixed group order: the optimizer's state_dict indexes parameters by position, so checkpoints stay loadable.
 KINDS = ("matrix", "embedding", "head", "scalar")
 # Every group names the torch optimizer that steps it, so a checkpoint says which update rule its state is for.
 ADAMW, MUON = "adamw", "muon"
-# Group keys of this run's config and device (the implementation flags), not of the training trajectory: a resume
-# takes them from the freshly built optimizer, never from the checkpoint.
+# Group keys of this run's config and device, not of the trajectory: a resume takes them from this run.
 RUN_KEYS = ("kind", "optimizer", "base_lr", "weight_decay", "fused", "foreach", "capturable", "differentiable")
 
 
 def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = None) -> tuple[float, float]:
-    """(base lr, weight decay) of one kind: optim.<kind>_lr and optim.<kind>_weight_decay, null meaning
-    train.lr and train.weight_decay. Scalars (gains, residual scalars) never decay: pulling a gain toward zero
-    shrinks the whole layer's output, which is not what weight decay is for."""
+    """(base lr, weight decay) of one kind: optim.<kind>_lr/_weight_decay, null meaning train.lr/weight_decay.
+    Scalars never decay: pulling a gain toward zero shrinks the whole layer's output."""
     optim = optim or OptimConfig()
     lr = getattr(optim, f"{kind}_lr")
     decay = 0.0 if kind == "scalar" else getattr(optim, f"{kind}_weight_decay")
@@ -40,11 +36,9 @@ def kind_hparams(kind: str, train: TrainConfig, optim: Optional[OptimConfig] = N
 
 
 def mup_lr_scale(kind: str, width_mult: float, optim: OptimConfig) -> float:
-    """µP's factor on a kind's base lr at width_mult m = dim / model.mup_base_dim (docs/scaling.md; 1.0 under sp):
-    only hidden matrices scale. AdamW: 1/m (Tensor Programs V: an update of lr per entry moves W x by ~lr × fan_in).
-    Muon's orthogonalised update has spectral norm ~1, so `original`'s sqrt(max(1, rows/cols)) already meets the
-    spectral condition ||dW|| ~ sqrt(fan_out/fan_in): 1; `match_rms_adamw`'s 0.2 sqrt(max(rows, cols)) grows as
-    sqrt(m): 1/sqrt(m)."""
+    """µP's factor on a hidden matrix's base lr at width_mult m (docs/scaling.md; 1.0 under sp). AdamW: 1/m (Tensor
+    Programs V). Muon `original` already meets the spectral condition: 1; `match_rms_adamw` grows as sqrt(m):
+    1/sqrt(m)."""
     if kind != "matrix" or width_mult == 1.0:
         return 1.0
     if optim.name == MUON:
@@ -53,8 +47,8 @@ def mup_lr_scale(kind: str, width_mult: float, optim: OptimConfig) -> float:
 
 
 def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConfig] = None) -> list[dict]:
-    """One group per non-empty kind, in KINDS order, with kind, base_lr, weight_decay and params; every trainable
-    parameter exactly once (a tied weight too). A µP model's (model.cfg.width_mult) lrs take mup_lr_scale."""
+    """One group per non-empty kind, in KINDS order (kind, base_lr, weight_decay, params); every trainable
+    parameter once, a tied weight too."""
     optim = optim or OptimConfig()
     width_mult = getattr(getattr(model, "cfg", None), "width_mult", 1.0)
     embedding_ids = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -63,8 +57,7 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
     by_kind: dict[str, list[nn.Parameter]] = {kind: [] for kind in KINDS}
     for p in model.parameters():  # a kind from where the parameter sits in the model, not from its name
         if p.requires_grad:
-            # ndim first, so no vector (a gain, a bias) ever decays; embedding before head: a tied head is the
-            # embedding matrix, one parameter.
+            # ndim first: no vector ever decays; embedding before head: a tied head is the embedding matrix.
             kind = ("scalar" if p.ndim < 2 else "embedding" if id(p) in embedding_ids else
                     "head" if id(p) in head_ids else "matrix")
             by_kind[kind].append(p)
@@ -80,10 +73,8 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
 def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, optim: Optional[OptimConfig] = None,
                     muon_batch_max_numel: Optional[int] = None, process_group: Optional[dist.ProcessGroup] = None,
                     muon_dtype: torch.dtype = torch.bfloat16) -> torch.optim.Optimizer:
-    """optim.name's optimizer over the kind groups, each at its base lr. adamw: AdamW on every kind. muon: Muon on
-    the matrix kind (the hidden 2-D weights it is made for), AdamW on the others, as one MuonWithAdamW, with
-    BatchedMuon's cut-off, Newton-Schulz dtype (the backend's reduced_dtype) and the ranks that share its
-    orthogonalisation (Runtime.process_group: None in one process)."""
+    """optim.name's optimizer over the kind groups. adamw: AdamW on every kind. muon: Muon on the matrix kind, AdamW
+    on the others, as one MuonWithAdamW; the ranks of `process_group` share Muon's orthogonalisation."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
@@ -97,7 +88,6 @@ def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, opti
         else:
             muon_type, extra = BatchedMuon, dict(batch_max_numel=muon_batch_max_numel, process_group=process_group,
                                                  ns_dtype=muon_dtype)
-        # Each group brings its own lr and weight decay; Muon scales the lr per matrix shape (adjust_lr_fn).
         muon = muon_type([dict(g, optimizer=MUON) for g in groups if g["kind"] == "matrix"],
                          momentum=optim.muon_momentum, nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
                          adjust_lr_fn=optim.muon_adjust_lr, **extra)
@@ -113,18 +103,11 @@ def _adamw(groups: list[dict], train: TrainConfig, device_kind: str) -> torch.op
 
 
 class BatchedMuon(torch.optim.Muon):
-    """torch's Muon (the same iteration, momentum, decay, per-shape lr, groups and state: checkpoints are
-    interchangeable) with one Newton-Schulz call per group of same-shaped matrices, batched. At the CPU speedrun's
-    width 128 the 21 matrices' 315 small matmuls were mostly call overhead; batched, the step is 2.25x as fast
-    (bench/muon_step.py, docs/results.md).
-
-    `batch_max_numel`: matrices above this many elements go one at a time (None: every shape batches); the device
-    backend's muon_batch_max_numel, since on 2 CPU cores a batched bf16 matmul of 170m's matrices ran 0.69x single ones.
-    `ns_dtype`: what Newton-Schulz computes in and its messages carry: torch's bf16, or fp32 where bf16 matmuls are
-    emulated (~45x slower on an AVX2 CPU; Backend.reduced_dtype); fp32 is the exact iteration bf16 approximates.
-    Across ranks (`process_group` of more than one rank, or FSDP2's DTensors) each rank orthogonalises only the
-    matrices it owns (OwnerSplit): ~1/world of the work. Momentum, decay and the update are elementwise, so each rank
-    runs them on its own rows: the buffers keep the parameter's layout, the per-shape lr reads the whole shape."""
+    """torch's Muon (same update and state: checkpoints are interchangeable) with one batched Newton-Schulz call per
+    group of same-shaped matrices: at the CPU speedrun's width the step is 2.25x as fast (bench/muon_step.py).
+    `batch_max_numel`: larger matrices go one at a time (None: all batch). `ns_dtype`: what Newton-Schulz computes
+    in (fp32 where bf16 is emulated). Across ranks each orthogonalises only the matrices it owns (OwnerSplit);
+    momentum, decay and the update are elementwise, on each rank's own rows."""
 
     def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None,
                  process_group: Optional[dist.ProcessGroup] = None, ns_dtype: torch.dtype = torch.bfloat16,
@@ -151,7 +134,6 @@ class BatchedMuon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, bufs = [], [], []  # of torch.Tensor
             self._init_group(group, params, grads, bufs)  # torch's: creates the momentum buffers, refuses complex
-            # Each buffer lerped toward its gradient in place; Newton-Schulz takes Nesterov's look-ahead or the buffer.
             local, grads, bufs = ([_local(t) for t in ts] for ts in (params, grads, bufs))  # this rank's rows
             torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
             updates = torch._foreach_lerp(grads, bufs, group["momentum"]) if group["nesterov"] else bufs
@@ -165,7 +147,6 @@ class BatchedMuon(torch.optim.Muon):
         return loss
 
     def orthogonalize(self, updates: list[torch.Tensor], group: dict[str, Any]) -> list[torch.Tensor]:
-        """Every update orthogonalised, in ns_dtype, one Newton-Schulz call per batch of same-shaped ones."""
         ortho = list(updates)
         for part in self.batches(updates):
             stacked = torch.stack([updates[i] for i in part]) if len(part) > 1 else updates[part[0]]  # N A B, or A B
@@ -177,8 +158,7 @@ class BatchedMuon(torch.optim.Muon):
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Newton-Schulz's quintic, as torch.optim.Muon runs it (in bf16 by default, on the wide orientation), on one
-    matrix or a batch: (N) A B -> (N) A B in `dtype`, each matrix's singular values pushed into a band around 1."""
+    """Newton-Schulz's quintic as torch.optim.Muon runs it, on one matrix or a batch: (N) A B -> (N) A B in `dtype`."""
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
     x = g.to(dtype)
@@ -193,9 +173,8 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 # ---------------------------------------------------------------- Muon's orthogonalisation shared out across ranks
 def owners(shapes: list[torch.Size], world: int) -> list[int]:
-    """The rank that orthogonalises each matrix: the least loaded so far, largest Newton-Schulz cost (multiply-adds)
-    first, the lowest rank on ties. Same-shaped matrices thus go round-robin, so a few shapes still split evenly and
-    each rank batches its share; every rank computes the same answer, so none has to be told."""
+    """The rank that orthogonalises each matrix: the least loaded so far, largest cost first, the lowest rank on
+    ties (same shapes go round-robin); every rank computes the same answer."""
     load = [0] * world
     out = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: -_ns_cost(shapes[i])):  # stable: ties keep their order
@@ -206,25 +185,21 @@ def owners(shapes: list[torch.Size], world: int) -> list[int]:
 
 
 def _ns_cost(shape: torch.Size) -> int:
-    """Multiply-adds of one Newton-Schulz iteration on the wide orientation R x C (R <= C): the Gram matrix
-    X X^T and the update's (..) X, R^2 C each, and the Gram matrix squared, R^3."""
+    """Multiply-adds of one Newton-Schulz iteration on R x C (R <= C): two R^2 C products and R^3."""
     r, c = sorted(shape[-2:])
     return r * r * (2 * c + r)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a DTensor (its local tensor itself: in-place ops write the DTensor), else `t`. DTensors
-    alone have to_local; asking isinstance would import torch.distributed.tensor, seconds only an fsdp run pays."""
+    """This rank's rows of a DTensor (in-place ops write the DTensor), else `t` (no import of DTensor's module)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
 class OwnerSplit:
-    """Muon's orthogonalisation shared out across the ranks of `group` (nanochat's and modded-nanogpt's owner
-    pattern): each matrix's owner rank (owners()) holds its whole momentum update, orthogonalises it with the other
-    same-shaped ones it owns (one batched Newton-Schulz) and sends every rank the rows it holds, one all_to_all.
-    Replicas (`sharded` false, DDP: whole, equal matrices) need no gather; Shard(0) rows (FSDP2's DTensors) first
-    travel to the owner, one all_to_all. Messages carry `dtype` (ns_dtype), which Newton-Schulz casts to anyway."""
+    """Muon's orthogonalisation shared out across `group` (nanochat's owner pattern): each matrix's owner
+    orthogonalises it with its other same-shaped ones and sends every rank its rows, one all_to_all. Shard(0) rows
+    (`sharded`: FSDP2's DTensors) first travel to the owner; replicas (DDP) need no gather."""
     group: dist.ProcessGroup
     rank: int
     world: int
@@ -235,9 +210,8 @@ class OwnerSplit:
     @classmethod
     def of(cls, params: list[torch.Tensor], process_group: Optional[dist.ProcessGroup],
            dtype: torch.dtype = torch.bfloat16) -> Optional[OwnerSplit]:
-        """The split for these parameters: over their mesh's Shard(0) dimension when they are DTensors (replicas
-        along another dimension, HSDP's, each split the same way), over `process_group` when it has more than one
-        rank, else None: one process orthogonalises them all."""
+        """Over the DTensors' mesh's Shard(0) dimension, else over `process_group` when it has more than one
+        rank, else None."""
         if any(hasattr(p, "to_local") for p in params):  # DTensors
             mesh, placements = params[0].device_mesh, params[0].placements
             dims = [d for d, p in enumerate(placements) if p.is_shard(0)]
@@ -254,8 +228,7 @@ class OwnerSplit:
                    params[0].device, dtype)
 
     def spans(self, rows: int) -> list[tuple[int, int]]:
-        """(start, stop) of a matrix's rows on each rank: torch.chunk's cut under Shard(0), as FSDP2 and DTensor cut
-        (the last ranks may hold fewer rows, or none), or all of them on every replica."""
+        """(start, stop) of a matrix's rows on each rank: torch.chunk's cut under Shard(0), all of them on replicas."""
         if not self.sharded:
             return [(0, rows)] * self.world
         size = -(-rows // self.world)
@@ -263,8 +236,7 @@ class OwnerSplit:
 
     def orthogonalize(self, muon: BatchedMuon, updates: list[torch.Tensor], shapes: list[torch.Size],
                       group: dict[str, Any]) -> list[torch.Tensor]:
-        """This rank's rows of every matrix's orthogonalised update (`updates`: its rows of each momentum update),
-        having orthogonalised only the matrices it owns."""
+        """This rank's rows of every orthogonalised update, having orthogonalised only the matrices it owns."""
         for t, shape in zip(updates, shapes):
             start, stop = self.spans(shape[0])[self.rank]
             if t.shape != (stop - start, *shape[1:]):
@@ -296,8 +268,7 @@ class OwnerSplit:
         return (stop - start) * shape[1]
 
     def _all_to_all(self, sent: list[list[torch.Tensor]], counts: list[list[int]]) -> list[list[torch.Tensor]]:
-        """sent[r] (in self.dtype, flattened one after another) to rank r, in one all_to_all; what each rank s sent
-        here, cut into counts[s]."""
+        """sent[r] to rank r in one all_to_all; what each rank s sent here, cut into counts[s]."""
         flat = [t.to(self.dtype).reshape(-1) for ts in sent for t in ts]
         send = torch.cat(flat) if flat else torch.empty(0, dtype=self.dtype, device=self.device)
         received = torch.empty(sum(map(sum, counts)), dtype=self.dtype, device=self.device)
@@ -307,19 +278,16 @@ class OwnerSplit:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon on the matrix group and AdamW on the others, stepped, scheduled and checkpointed as one optimizer: it
-    holds the very group dicts and state the two step, so param_groups is in KINDS order, state_dict() is one
-    optimizer's (each group's "optimizer" names its owner) and torch's load works, the two re-pointed after it."""
+    """Muon on the matrix group and AdamW on the others as one optimizer: it holds the very group dicts and state
+    the two step, so state_dict() and torch's load work, the two re-pointed after it."""
 
     def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
         self.optimizers = {MUON: muon, ADAMW: adamw}
-        # Muon holds only the matrix group, first in KINDS: concatenating keeps KINDS order. "capturable" is
-        # the flag XlaBackend.compile_step sets through `defaults` for AdamW's on-device step count; Muon ignores it.
+        # "capturable": XlaBackend.compile_step sets it through `defaults` for AdamW; Muon ignores it.
         super().__init__([*muon.param_groups, *adamw.param_groups], defaults={"capturable": False})
         self._share()
 
     def _share(self) -> None:
-        """Point each torch optimizer at its groups and the state here (after a load: at the loaded ones)."""
         for name, opt in self.optimizers.items():
             opt.param_groups = [g for g in self.param_groups if g.get("optimizer") == name]
             opt.state = self.state
@@ -335,9 +303,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
-    """Share of each group's base lr at optimizer step `step` (0-based): 1.0 at the peak, min_lr_ratio at the
-    floor. Linear warmup over warmup_steps, then cosine (half a cosine down to the floor at max_steps), wsd
-    (flat, then linear decay over the last decay_fraction of the steps) or constant."""
+    """Share of each group's base lr at step `step` (0-based): linear warmup, then cosine to min_lr_ratio at
+    max_steps, wsd (flat, then linear decay over the last decay_fraction) or constant."""
     floor = cfg.min_lr_ratio
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -358,10 +325,8 @@ def apply_schedule(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
 
 
 def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a saved state_dict into `optimizer` (build_optimizer's, same model). The trajectory (moments, step
-    counts, lr, betas, ...) comes from the checkpoint; RUN_KEYS (the implementation flags too) from this run, which
-    torch's load would take from the saved groups (and place the step counts by: fused and capturable AdamW read a
-    float32 tensor beside the parameter). Another optimizer's or other groups' state: ValueError."""
+    """Load a saved state_dict: the trajectory from the checkpoint, RUN_KEYS from this run (torch's load would take
+    the saved flags, and place the step counts by them). Another optimizer's or other groups' state: ValueError."""
     current = [{k: g[k] for k in RUN_KEYS if k in g} for g in optimizer.param_groups]
     saved_name, name = optimizer_name(state["param_groups"]), optimizer_name(optimizer.param_groups)
     if saved_name != name:  # torch would load AdamW moments as Muon momentum (or fail halfway) without a word
@@ -375,7 +340,6 @@ def load_state_dict(optimizer: torch.optim.Optimizer, state: dict) -> None:
                          "a new run (a new `run.dir`)")
     if saved_kinds != kinds:  # torch would only compare group sizes, and could load moments into wrong params
         raise ValueError(f"the saved optimizer has parameter groups {saved_kinds}, this model has {kinds}")
-    # e.g. a CUDA checkpoint's fused=True would fail on XLA, an XLA one's foreach on CPU
     groups = [dict(saved, **keys) for saved, keys in zip(state["param_groups"], current)]
     optimizer.load_state_dict({**state, "param_groups": groups})
 

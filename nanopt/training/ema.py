@@ -1,7 +1,5 @@
-"""The averaged weights (train.ema_decay): an exponential moving average of the parameters, kept in fp32 beside them
-on the device with each parameter's layout (a DTensor shard under fsdp, a replica under ddp), updated by one fused
-lerp after every optimizer step from train.ema_start, swapped into the model for evaluation and back, and saved
-whole by the checkpointer (its ema.safetensors) under any parallelism."""
+"""The averaged weights (train.ema_decay): an fp32 EMA of the parameters in each one's layout, one fused lerp per step
+from train.ema_start, swapped into the model for evaluation, saved whole by the checkpointer."""
 from __future__ import annotations
 
 import contextlib
@@ -14,9 +12,8 @@ from nanopt.distributed.parallel import local_tensor, whole
 
 
 class EMA:
-    """ema = decay × ema + (1 - decay) × weights after each optimizer step at or past `start`; at `start` it is the
-    weights themselves. Nothing is allocated before then. Its state_dict() is JSON; its tensors travel through
-    full_weights() (the checkpointer's ema.safetensors) and load_tensors() (its sharded reader)."""
+    """ema = decay × ema + (1 - decay) × weights after each step past `start` (at `start`: the weights; nothing
+    allocated before). state_dict() is JSON; the tensors travel through full_weights() and load_tensors()."""
 
     def __init__(self, model: torch.nn.Module, decay: float, start: int):
         if not 0 < decay < 1:
@@ -29,7 +26,6 @@ class EMA:
 
     @classmethod
     def for_config(cls, cfg: Config, model: torch.nn.Module) -> Optional["EMA"]:
-        """The run's EMA, or None when train.ema_decay is 0."""
         t = cfg.train
         return cls(model, t.ema_decay, t.ema_start) if t.ema_decay > 0 else None
 
@@ -39,14 +35,12 @@ class EMA:
 
     @torch.no_grad()
     def begin(self, step: int) -> None:
-        """At set-up (after a resume loaded its state): a run at or past ema_start with no average yet starts one."""
         if self.averaged is None and step >= self.start:
             self.averaged = [p.detach().to(torch.float32, copy=True) for p in self.params]
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        """After optimizer step number `step`. The parameters are read on each call (local_tensor): FSDP may
-        re-point a parameter's local shard at its first forward."""
+        """After step `step`; parameters read each call: FSDP may re-point a local shard at its first forward."""
         if self.averaged is None:
             self.begin(step)
             return
@@ -57,10 +51,9 @@ class EMA:
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[str]:
-        """The averaged weights in the model for the duration, the model's own back after; yields which weights the
-        model holds ("ema", or "model" before ema_start). In place, so the optimizer, DDP, compiled graphs and FSDP's
-        shards keep their tensors; an fp32 parameter trades values with its average through one scratch tensor
-        (no copy of the model), a bf16 one is kept aside while the average rounded to bf16 stands in."""
+        """The averaged weights in the model for the duration; yields "ema" (or "model" before ema_start). In place,
+        so optimizer, DDP, compiled graphs and FSDP keep their tensors; fp32 values trade through one scratch tensor,
+        a bf16 parameter is kept aside."""
         if self.averaged is None:
             yield "model"
             return
@@ -93,8 +86,7 @@ class EMA:
         return kept
 
     def _reshard(self) -> None:
-        """FSDP keeps a module's gathered weights after a forward without gradients (the root's, at least); they
-        would survive a swap and serve the next forward stale, so every FSDP module drops them."""
+        """FSDP keeps gathered weights after a no-grad forward; they would survive a swap stale, so all drop them."""
         for module in self.model.modules():
             if hasattr(module, "set_requires_gradient_sync") and hasattr(module, "reshard"):  # an FSDPModule
                 module.reshard()
@@ -104,8 +96,7 @@ class EMA:
         return {"decay": self.decay, "start": self.start, "started": self.started}
 
     def full_weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        """The average as whole fp32 CPU tensors by parameter name. Every rank calls it (a sharded average is
-        gathered one tensor at a time); ranks that do not write (keep=False) get {}."""
+        """The average as whole CPU tensors by name; every rank calls it, those with keep=False get {}."""
         out = {}
         for name, a in zip(self.names, self.averaged or []):
             gathered = whole(a)  # every rank takes part in a sharded average's gather
@@ -114,13 +105,11 @@ class EMA:
         return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The average by parameter name as it is kept (each rank's DTensor shards under fsdp), for a sharded save."""
         return dict(zip(self.names, self.averaged or []))
 
     @torch.no_grad()
     def load_tensors(self, fill: Callable[[dict[str, torch.Tensor]], None]) -> None:
-        """The average from fill(tensors), which fills each of the named fp32 tensors, laid out as its parameter,
-        in place (a sharded checkpoint's reader)."""
+        """The average from fill(tensors), which fills each named tensor in place (a sharded checkpoint's reader)."""
         tensors = {n: p.detach().to(torch.float32, copy=True) for n, p in zip(self.names, self.params)}
         fill(tensors)
         self.averaged = [tensors[n] for n in self.names]

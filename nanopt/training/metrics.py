@@ -1,6 +1,5 @@
-"""Where numbers go: the console (logging set-up, one line per logged step, a finished run's summary line),
-metrics.jsonl, TensorBoard, optional W&B; and the peak memory those lines report. Only rank 0's MetricsLogger
-writes; other ranks get a silent one."""
+"""Where numbers go: the console (logging, the step and summary lines), metrics.jsonl, TensorBoard, optional W&B;
+and the peak memory they report. Only rank 0's MetricsLogger writes."""
 from __future__ import annotations
 
 import json
@@ -19,8 +18,7 @@ log = logging.getLogger("nanopt")
 
 
 class _CurrentStdout(logging.StreamHandler):
-    """Writes to whatever sys.stdout is at the time of the record, not the one at setup: callers that
-    swap stdout (tests, notebooks, wrappers) would otherwise leave the handler on a closed stream."""
+    """Writes to sys.stdout as it is at each record: callers that swap it would leave the handler on a closed one."""
 
     @property
     def stream(self):  # type: ignore[override]
@@ -31,8 +29,7 @@ class _CurrentStdout(logging.StreamHandler):
         pass
 
     def handleError(self, record: logging.LogRecord) -> None:
-        """A stdout that takes no line (its disk full, its reader gone) is said once on stderr, not in one
-        "--- Logging error ---" block per line as logging's own handleError does; the run goes on."""
+        """A stdout that takes no line (disk full, reader gone) is said once on stderr, not once per line."""
         error = sys.exc_info()[1]
         if not isinstance(error, OSError):
             return super().handleError(record)  # a bad format: logging's block, which names the call
@@ -43,12 +40,10 @@ class _CurrentStdout(logging.StreamHandler):
 
 
 def _not_printed_below(record: logging.LogRecord) -> bool:
-    """False for a record a handler of its own logger's chain has printed already. huggingface_hub and datasets give
-    their package logger a stderr handler of their own and still pass each record up to ours: every hub retry line
-    came out twice. Each such line is printed once, by the library's handler."""
+    """False for a record a handler of its own logger's chain has printed already (huggingface_hub and datasets
+    have their own stderr handler and still propagate: every hub retry line came out twice)."""
     logger: Optional[logging.Logger] = logging.getLogger(record.name)
     while logger is not None and logger.parent is not None:  # up to the root, whose handler this filter sits on
-        # A NullHandler (many libraries add one to their package logger) prints nothing: it is no reason to skip.
         if any(record.levelno >= h.level and not isinstance(h, logging.NullHandler) for h in logger.handlers):
             return False
         logger = logger.parent if logger.propagate else None
@@ -71,10 +66,8 @@ def format_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes nothing until open(), which first trims metrics.jsonl past the step the run resumed from (trim).
-    metrics.jsonl is appended a whole record per write() on a descriptor that never follows a link (a link there is
-    ConfigError naming it), and a full disk is DiskFull that leaves every earlier line whole. tb/ is TensorBoard's
-    own: its event files are new names in it each session."""
+    """Writes nothing until open(), which trims metrics.jsonl past the resumed step. Each record is one append on a
+    descriptor that never follows a link; a full disk is DiskFull that leaves every earlier line whole."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, wandb_cfg: Optional[dict] = None):
         self.run_dir, self.enabled, self.tensorboard, self.wandb_cfg = run_dir, enabled, tensorboard, wandb_cfg
@@ -99,8 +92,8 @@ class MetricsLogger:
             self.wandb = _wandb_run(self.run_dir, self.wandb_cfg)
 
     def trim(self, step: int) -> None:
-        """Drop the records past `step`, which a run resumed from that checkpoint logs again (the lock held). A
-        line that does not parse is kept for the user, except a cut last line the next append would join."""
+        """Drop the records past `step`, which the resumed run logs again. A line that does not parse is kept,
+        except a cut last line the next append would join."""
         refuse_link(self.path)  # else a user's file it points to would be read, and its lines copied into the run
         if not self.path.is_file():
             return
@@ -119,7 +112,6 @@ class MetricsLogger:
         write_bytes(self.path, b"".join(line + b"\n" for line in kept))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        """Append one record {step, time, **values} to every sink."""
         if self.fd is None:
             return
         append_bytes(self.fd, json_line({"step": step, "time": time.time(), **values}), self.path)
@@ -150,7 +142,6 @@ def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:
     except ImportError:
         log.warning("log.wandb is on but the wandb package is not installed (pip install wandb); skipping W&B")
         return None
-    # WANDB_MODE=offline is honoured by wandb itself.
     return wandb.init(project=wandb_cfg["project"], name=wandb_cfg["name"], config=wandb_cfg["config"],
                       dir=str(run_dir), resume="allow")
 
@@ -160,10 +151,8 @@ def _gib(ns: Optional[list[int]]) -> Optional[list[float]]:
 
 
 def peak_memory(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dict[str, Any]:
-    """The busiest rank's peak memory (allocated; reserved where the device has a caching allocator) and which
-    rank that is, from Runtime.peak_memory_by_rank's bytes (every rank calls it: one small all_reduce): under fsdp
-    ranks differ (rank 0 holds a gathered checkpoint's CPU copy), so rank 0 alone would not say whether any device
-    is close to full."""
+    """The busiest rank's peak memory (allocated; reserved where the device caches) and which rank that is: under
+    fsdp ranks differ, so rank 0 alone would not say whether any device is close to full."""
     allocated, reserved = map(_gib, by_rank)  # GiB by rank, None where the device cannot tell
     busiest = None if allocated is None else allocated.index(max(allocated))
     return {"peak_memory_gib": None if busiest is None else allocated[busiest], "peak_memory_rank": busiest,
@@ -171,27 +160,21 @@ def peak_memory(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dic
 
 
 def peak_memory_per_rank(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dict[str, Any]:
-    """summary.json's peak memory of every rank over the whole session (GiB, rank order; null where unknown)."""
     allocated, reserved = map(_gib, by_rank)
     return {"peak_memory_gib_per_rank": allocated, "peak_reserved_gib_per_rank": reserved}
 
 
 def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ranks: int = 1) -> str:
-    """The human-scannable per-step line; `basis` labels MFU that is not plain ("bf16-equivalent" under FP8);
-    across `ranks` > 1 the memory is the busiest rank's, and the line names it."""
+    """The per-step line; `basis` labels MFU ("bf16-equivalent" under FP8); with `ranks` > 1 it names the busiest."""
     mfu = v.get("mfu")
     mfu_text = "  n/a" if mfu is None else f"{100 * mfu:4.1f}%" + (f" {basis}" if basis else "")
     parts = [f"step {step:>6}/{max_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
              f"{v['step_ms']:7.1f} ms/step", f"{v['tokens_per_s']:>9,.0f} tok/s", f"mfu {mfu_text}",
              f"eta {format_duration(v.get('eta_s', 0.0))}"]
-    if v.get("peak_memory_gib") is not None:  # peak_memory: None where the device cannot tell
-        # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
-        reserved = v.get("peak_reserved_gib")
-        memory = f"mem {v['peak_memory_gib']:.2f} GiB"
-        if ranks > 1 and v.get("peak_memory_rank") is not None:
-            memory += f" @rank {v['peak_memory_rank']}"
-        memory += "" if reserved is None else f" ({reserved:.2f} reserved)"
-        parts.insert(-1, memory)
+    if v.get("peak_memory_gib") is not None:  # reserved: what CUDA's caching allocator holds, what runs out
+        reserved, rank = v.get("peak_reserved_gib"), v.get("peak_memory_rank")
+        parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB" + (f" @rank {rank}" if ranks > 1 and rank is not None
+                         else "") + ("" if reserved is None else f" ({reserved:.2f} reserved)"))
     return " | ".join(parts)
 
 

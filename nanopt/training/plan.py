@@ -1,6 +1,5 @@
-"""The stage plan: train.batch_schedule and train.seq_len_schedule as a run of train.max_steps trains them, computed
-once from the config for a world size: each stage's steps, batch, seq_len, micro-steps, lr factor and tokens, and
-the totals. The loop, the loaders, the MFU meter, the XLA step and `nanopt estimate` read it. Torch-free."""
+"""The stage plan: train.batch_schedule and seq_len_schedule as a run of max_steps trains them, computed once for a
+world size. The loop, loaders, MFU meter, XLA step and `nanopt estimate` read it. Torch-free."""
 from __future__ import annotations
 
 import math
@@ -34,8 +33,7 @@ class Plan:
     unit: str  # train.schedule_unit
 
     def at(self, step: int, tokens_seen: int) -> Stage:
-        """Step `step`'s stage: the last whose start is <= the step (steps) or <= the tokens seen before it
-        (tokens). From the run's own counters, so a resume continues in the stage it was in."""
+        """Step `step`'s stage, from the run's counters (steps or tokens seen), so a resume continues in it."""
         where = step if self.unit == "steps" else tokens_seen
         return [s for s in self.stages if s.start <= where][-1]
 
@@ -45,9 +43,8 @@ class Plan:
 
 
 def build_plan(t: TrainConfig, world_size: int) -> Plan:
-    """The plan of config `t` on `world_size` ranks (resolve() checks each batch divides over them). A stage ends
-    where the next starts; in tokens, when the tokens seen reach it (whole steps: a start jumped past is skipped
-    with 0 steps); the last at max_steps."""
+    """The plan of `t` on `world_size` ranks. A stage ends where the next starts (in tokens: a start jumped past
+    gets 0 steps); the last at max_steps."""
     schedule = t.stages()
     first, power = schedule[0][1], LR_POWER[t.batch_lr_rule]
     stages, step, where = [], 0, 0  # `where`: steps or tokens done, in train.schedule_unit

@@ -1,6 +1,5 @@
-"""Training: train() sets up a Trainer (its __init__), whose train() is the loop that calls train_step, then
-finish(). In the loop each component (logger, evaluator, task scorer, checkpointer, profiler, stop signal)
-decides for itself whether it acts at this step."""
+"""Training: train() sets up a Trainer, whose train() loops over train_step, then finish(); each component
+decides for itself whether it acts at a step."""
 from __future__ import annotations
 
 import contextlib
@@ -45,10 +44,8 @@ log = logging.getLogger("nanopt")
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Batches, rt: Runtime,
                grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over this rank's micro-batches: (mean loss, grad norm), on device. Each loss is divided
-    by the micro-steps so the summed gradient is the mean; gradients are reduced across ranks only on the last
-    micro-step (parallel.accumulating: DDP's no_sync, FSDP's set_requires_gradient_sync). Nothing here waits for
-    the device."""
+    """One optimizer step over this rank's micro-batches: (mean loss, grad norm), on device, never waited for.
+    Gradients are reduced across ranks on the last micro-step only (parallel.accumulating)."""
     accum = len(micro_batches)
     loss_sum = torch.zeros((), device=rt.device)
     for i, (x, y) in enumerate(micro_batches):
@@ -61,10 +58,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
                 loss.backward()
         loss_sum += loss.detach()
     with profiling.label(profiling.OPTIMIZER):
-        if grad_clip > 0:
-            grad_norm = parallel.clip_grad_norm(model, grad_clip)  # the whole gradient's norm, sharded or not
-        else:
-            grad_norm = torch.zeros((), device=rt.device)
+        grad_norm = parallel.clip_grad_norm(model, grad_clip) if grad_clip > 0 else torch.zeros((), device=rt.device)
         optimizer.step()
         # Under DDP the gradients are views of its buckets (gradient_as_bucket_view): zeroing them in place keeps
         # them there. Set to None, the next no_sync micro-steps would allocate a second set beside the buckets
@@ -74,13 +68,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
 
 
 def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Run (or resume) training; returns summary.json's contents. A finished run is not trained further: its
-    summary is returned and nothing written. However the run ends, profiler, checkpointer (mirror copies),
-    logs and the run directory's lock are closed the same way."""
+    """Run (or resume) training; returns summary.json's contents (a finished run's, untouched). However the run
+    ends, checkpointer, logs and the run directory's lock are closed."""
     rundirs.refuse_inside_checkpoints(cfg.run_dir, "--run.dir")  # another run would prune this one away
     with contextlib.ExitStack() as closing:  # closed last to first: checkpointer, metrics, the lock
-        # The run directory's lock, taken by rank 0 for the whole torchrun (its ranks are one writer); every rank
-        # raises ConfigError naming the holder when another process writes the directory (a full disk: exit 1).
+        # Rank 0 locks the run directory for the whole torchrun; every rank raises when another process holds it.
         if (lock := rt.on_main(lambda: DirLock(cfg.run_dir).acquire(), (ConfigError, DiskFull))) is not None:
             closing.callback(lock.release)
         # checkpoint.resume=false asks for a fresh run: the checkpointer refuses a directory that is not empty.
@@ -97,12 +89,8 @@ def train(cfg: Config, rt: Runtime) -> dict[str, Any]:
 
 
 class Trainer:
-    """One session of a run: __init__ sets up (resumed from the newest checkpoint when there is one), train() loops,
-    finish() ends. What the loop holds: the model as it is saved, evaluated and sampled (`model`: sharded in place
-    under fsdp), the model the step calls (`train_model`: compiled, under DDP) and the step (`train_step`: one graph
-    on XLA); the optimizer and the averaged weights; the data (`plan`, `loader`); the run's counters (`state`); and
-    the components, each deciding for itself whether it acts at a step: `logger`, `evaluator` (with the speedrun
-    clock), `tasks`, `ckpt`, `stop` and `guard` (NaN/inf), and the profiler, open around the loop."""
+    """One session of a run: __init__ sets up (resumed from the newest checkpoint), train() loops, finish() ends.
+    `model` is what is saved, evaluated and sampled; `train_model` what the step calls (compiled, under DDP)."""
 
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger):
         t = cfg.train
@@ -113,16 +101,14 @@ class Trainer:
         np.random.seed(init_seed % 2**32)
         torch.manual_seed(init_seed)
         directory = data.data_dir(cfg, rt)
-        # One checksum pass per node (its ranks read the same files), and only over shards new since the last one;
-        # the node's other ranks wait for its verdict.
-        verify = rt.local_rank == 0
-        train_windows, val_windows = [data.open_split(directory, split, cfg, verify) for split in ("train", "val")]
+        # One checksum pass per node (its ranks read the same files); the others wait for its verdict.
+        train_windows, val_windows = [data.open_split(directory, split, cfg, rt.local_rank == 0)
+                                      for split in ("train", "val")]
         rt.barrier()
         self.tokenizer = get_tokenizer(cfg.data.tokenizer)
         self.plan = build_plan(t, rt.world_size)
         first = self.plan.stages[0]
-        # The training rows as data.packing cuts them (validation always reads windows, so val loss compares); each
-        # step asks for its own stage's rows. Packing's BOS index is cached by the shards' contents.
+        # Validation always reads windows, so val loss compares across data.packing.
         args = (t.micro_batch_size, rt.rank, rt.world_size, first.accum, data_seed)
         self.loader = data.Loader(train_windows, *args) if cfg.data.packing == "windows" else packing.PackedLoader(
             packing.Documents(train_windows.shards, self.tokenizer.bos_id, train_windows.infos), *args, t.seq_len,
@@ -172,9 +158,8 @@ class Trainer:
         self.started = time.perf_counter()  # this session's loop starts
 
     def train(self) -> dict[str, Any]:
-        """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal or the time limit
-        (checkpoint, Preempted); then finish(). A step: stage, lr, data, train_step, then the bookkeeping that
-        needs its result; training time (device work included) runs from the data to the logger's sync."""
+        """Steps until max_steps, the speedrun target (stop_at_target), or a stop signal (checkpoint, Preempted);
+        then finish(). Training time runs from the data to the logger's sync."""
         cfg, rt, state, t = self.cfg, self.rt, self.state, self.cfg.train
         with profiling.profiler(cfg, rt, state.step, self.metrics) as profiler:  # a no-op unless profile.enabled
             if state.step == 0 and self.evaluator.due(0):
@@ -241,10 +226,7 @@ class Trainer:
             "weights_sha256_per_rank": rt.gather_objects(weights_digest(self.model)),
             **peak_memory_per_rank(rt.peak_memory_by_rank()),
             **test_eval, **clock.summary(), "tasks_seconds": self.tasks.seconds if self.tasks.spec else None,
-            # What makes the run finished (rundirs.finished) when it ends before max_steps.
             "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and clock.reached,
-            # Which weights the final validation and test used, as swapped in (eval.weights=ema before the average
-            # started, or a run stopped at its target first: the model's).
             "eval_weights": evaluator.weights_name(),
         }
         if rt.is_main:
@@ -260,8 +242,8 @@ class Trainer:
         return summary
 
     def pause_follows(self, step: int) -> bool:
-        """Whether the evaluator or the checkpointer acts right after this step (the end of the run included):
-        the step's device work must then be waited for inside the training clock, or the pause is billed it."""
+        """Whether a pause (evaluation, scoring, checkpoint, the end) follows this step: its device work is then
+        waited for inside the training clock."""
         return (step >= self.cfg.train.max_steps or self.evaluator.due(step) or self.tasks.due(step)
                 or self.ckpt.should_save(step))
 
@@ -311,8 +293,8 @@ class RunState:
 
 
 class StepLogger:
-    """On the first step of a session, every `log.every` steps and the last: the one host sync of the
-    logging window (loss averaged over ranks, NaN check), then one console line and one metrics record."""
+    """On a session's first step, every `log.every` steps and the last: the window's one host sync, then one
+    console line and one metrics record."""
 
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, guard: faults.FiniteGuard,
                  start_step: int, plan: Plan):
@@ -320,14 +302,12 @@ class StepLogger:
         self.meter = mfu.meter_for_run(cfg, rt, start_step)  # every rank: on CPU it measures the peak once
         self.start_step = start_step
         self.stage: Optional[Stage] = None  # the stage the loop is in, None before a session's first step
-        # The speed window (tokens/s, MFU): when and after which step it opened. It opens at the end of the first
-        # step after a (re)start or a new stage, so that step's allocation and compilation are left out, and reopens
-        # after a pause (evaluation, checkpoint), which is then not billed to the steps after it.
+        # The speed window (when, after which step): opened after a session's or stage's first step (compilation
+        # left out) and again after a pause, which is then not billed to the steps after it.
         self.opened: Optional[tuple[float, int]] = None
 
     def enter(self, stage: Stage, step: int) -> None:
-        """A new stage (or a session's first): the meter counts its tokens and FLOPs; a fresh window, so none
-        spans two stages and a recompile for a new seq_len is left out like the first step's compilation."""
+        """A new stage: the meter counts its tokens and FLOPs, in a fresh window (a recompile left out)."""
         self.stage, self.opened = stage, None
         self.meter.set_stage(stage.batch_tokens, stage.seq_len)  # FLOPs/token at this seq_len too
         if self.rt.is_main and len(self.plan.stages) > 1:
@@ -338,10 +318,8 @@ class StepLogger:
         return step % self.cfg.log.every == 0 or step == self.cfg.train.max_steps or step == self.start_step + 1
 
     def end_step(self, step: int, loss: torch.Tensor, last_good: Optional[Path], pause: bool) -> Optional[float]:
-        """Where a step's device work is waited for, inside the training clock: on a logging step the window's one
-        host sync (NaN check, the loss averaged over ranks, returned); before a pause (`pause`: evaluation,
-        checkpoint, the end) a plain sync, so this step's queued work is billed to training, not to the pause.
-        None on other steps, which do not wait."""
+        """On a logging step the window's host sync (NaN check, the loss averaged over ranks, returned); before a
+        pause a plain sync, so the queued work is billed to training; None on other steps, which do not wait."""
         value = None
         if self.due(step):
             self.guard.check(step, last_good)
@@ -377,9 +355,8 @@ class StepLogger:
 
 
 class Validator:
-    """Validation every `eval.every` steps (and at step 0 unless eval.at_start is off, and at the end): loss, bpb,
-    best loss, speedrun clock. Of the averaged weights under eval.weights=ema (swapped in for the measurement; each
-    record says which)."""
+    """Validation every `eval.every` steps, at step 0 (eval.at_start) and at the end: loss, bpb, best loss, the
+    speedrun clock; of the averaged weights under eval.weights=ema."""
 
     def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, directory: Path, windows: data.TokenWindows,
                  tokenizer: Tokenizer, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
@@ -394,7 +371,7 @@ class Validator:
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every
-        if step == 0:  # before the first step: the initial weights, unless eval.at_start is off
+        if step == 0:
             return bool(every) and self.cfg.eval.at_start
         return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
 
@@ -409,7 +386,7 @@ class Validator:
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
 
     def test(self, step: int) -> dict[str, float]:
-        """The test split's loss and bpb after the final step ({} when off or when there are no test shards)."""
+        """The test split's loss and bpb ({} when off or without test shards)."""
         e = self.cfg.eval
         batches = split_batches(self.cfg, self.rt, self.directory, "test", e.batches) if e.test_at_end else None
         if batches is None:
@@ -418,11 +395,11 @@ class Validator:
         return {"test_loss": loss, "test_bpb": bpb}
 
     def weights_name(self) -> str:
-        """The name of the weights evaluations use now: "ema" once the average has started, else "model"."""
+        """"ema" once the average has started, else "model"."""
         return "ema" if self.ema is not None and self.ema.started else "model"
 
     def weights(self) -> contextlib.AbstractContextManager[str]:
-        """The weights evaluations use, in the model for the duration; yields their name ("model" or "ema")."""
+        """The weights evaluations use, in the model for the duration; yields their name."""
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext("model")
 
     def _measure(self, split: str, batches: Batches, step: int, **extra: Any) -> tuple[float, float]:
@@ -436,8 +413,7 @@ class Validator:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's bytes, in a fixed order (once, at the end of a run); of a sharded model,
-    over this rank's shards."""
+    """sha256 over every parameter's bytes (this rank's shards of a sharded model), in a fixed order."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -446,8 +422,7 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def step_model(model: torch.nn.Module, t: TrainConfig, rt: Runtime, plan: Plan) -> torch.nn.Module:
-    """The model train_step calls: compiled under train.compile, then wrapped for DDP where the run is (parallel.wrap);
-    the model itself stays what is saved, evaluated and sampled."""
+    """The model train_step calls: compiled under train.compile, then wrapped for DDP (parallel.wrap)."""
     return parallel.wrap(compiled(model, t, plan, rt.distributed) if t.compile else model, rt)
 
 
@@ -458,12 +433,9 @@ def ddp_split(t: TrainConfig) -> bool:
 
 
 def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = False) -> torch.nn.Module:
-    """torch.compile for train.compile: the model the train step calls. Unsharded (ddp, or one process), the whole
-    model; sharded (fsdp, hsdp), each block (compile_blocks) and the model itself is returned. Shapes are static
-    when a seq_len schedule is set: under dynamo's default a second sequence length recompiles the graph with T
-    dynamic, and every later stage then runs that slower dynamic-shape graph; static, each length gets its own
-    graph, once. Under DDP (`ddp`: the model will be wrapped), ddp_split chooses whether the graph is split at
-    DDP's buckets (the all-reduces overlap the backward)."""
+    """torch.compile for train.compile: the whole model, or each block when sharded (compile_blocks). Static shapes
+    under a seq_len schedule: dynamo would recompile a second length with T dynamic, and every later stage would run
+    that slower graph. Under DDP (`ddp`), ddp_split chooses whether the graph is split at DDP's buckets."""
     torch._dynamo.config.optimize_ddp = ddp_split(t)
     if ddp and not ddp_split(t) and t.compile_ddp_split is None and not parallel.is_sharded(model):
         log.info("compile: one graph under DDP, its all-reduces not overlapping the backward: train.fp8 is on, and "
@@ -472,9 +444,8 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = Fal
     lengths = {s.seq_len for s in plan.stages}
     static: dict[str, Any] = {}
     if len(lengths) > 1:
-        # One graph per length per compiled frame: dynamo's limit on them must not send a late stage to eager. Two
-        # per length for torch 2.9's frame around an FSDP-managed block (compile_blocks): its guards tell the first
-        # block, whose input is the embedding x0 itself, from the others.
+        # Dynamo's recompile limit must not send a late stage to eager: two graphs per length for torch 2.9's frame
+        # around an FSDP-managed block, whose guards tell the first block (input x0 itself) from the others.
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 2 * len(lengths))
         static = {"dynamic": False}
@@ -485,21 +456,15 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = Fal
 
 
 def compile_blocks(model: torch.nn.Module, **options: Any) -> None:
-    """A sharded model compiled per block (torch's guidance for FSDP2, torchtitan's apply_compile): FSDP2's hooks
-    around each block (all-gather, reshard, the gradient reduce-scatter) stay eager, as dynamo does not trace them,
-    so a whole-model graph would break at every block anyway; the blocks share one compiled code (dynamo guards on
-    their structure, not identity), so compile time does not grow with depth. Callables that only the training
-    forward uses (Llama.training_blocks), not compiled blocks in the module tree: those change the state_dict keys
-    (`_orig_mod.`) or compile every call, so validation, task scoring and KV-cache decoding would each compile
-    shapes of their own and hit dynamo's recompile limit; they run the eager blocks, as unsharded runs do."""
+    """A sharded model compiled per block (torchtitan's apply_compile): FSDP2's hooks around each block stay eager,
+    and the blocks share one compiled code. Kept in Llama.training_blocks, which only the training forward calls,
+    not in the module tree: the state_dict keys stay, and evaluation and decoding run the eager blocks."""
     model.training_blocks = [torch.compile(block, **options) for block in model.layers]
 
 
 def finished_summary(cfg: Config) -> Optional[dict[str, Any]]:
-    """The summary of this run when it is already finished (rundirs.finished), after checking that the
-    finished run is this config's: a re-run of its command changes nothing (and says so, and how to go on); a
-    change it would silently ignore (one that changes results or what the run measures: data, target, profiling,
-    tasks) is refused. On the main rank."""
+    """This run's summary when it is already finished (a re-run changes nothing and says how to go on); a config
+    change it would silently ignore is refused. On the main rank."""
     summary = rundirs.finished(cfg.run_dir, cfg.train.max_steps, cfg.train.stop_at_target)
     if summary is None:
         return None

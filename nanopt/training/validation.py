@@ -1,10 +1,5 @@
-"""Evaluation: the fixed validation/test sets, loss and bits per byte over them, and the speedrun clock.
-
-A split's evaluation set (data.eval_batches) is eval.batches × micro_batch_size windows chosen by eval.seed
-alone and dealt round-robin to ranks: the same tokens at every evaluation, in every run of the same shape, on
-any world size. bpb = total nats / ln 2 / UTF-8 bytes of the targets (special tokens 0), so it compares across
-tokenizers.
-"""
+"""Evaluation: loss and bits per byte over the fixed validation/test sets (data.eval_batches: the same windows on
+any world size), and the speedrun clock. bpb = nats / ln 2 / UTF-8 bytes of the targets, across tokenizers."""
 from __future__ import annotations
 
 import logging
@@ -65,17 +60,16 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
 
 
 def _forwards_short(model: torch.nn.Module, batches: int, rt: Runtime) -> int:
-    """How many forwards fewer than the busiest rank this one has. A sharded model's forward is a collective (each
-    block gathers its weights from the other ranks), and eval.batches need not divide over the ranks: a rank with
-    fewer batches runs that many one-token forwards, discarded, or the others would wait for it forever."""
+    """How many forwards fewer than the busiest rank this one has: a sharded model's forward is a collective, so a
+    rank with fewer batches runs that many discarded one-token forwards, or the others would wait forever."""
     if not parallel.is_sharded(model):
         return 0
     return max(rt.gather_objects(batches)) - batches
 
 
 class SpeedrunClock:
-    """The first evaluation at or below the run's target (train.target_val_loss, or target_val_bpb, which recipes
-    with different tokenizers can race to): its step, tokens and training seconds. Another target restarts it."""
+    """The first evaluation at or below train.target_val_loss (or target_val_bpb): its step, tokens and training
+    seconds. Another target restarts it."""
 
     def __init__(self, target: Optional[float], metric: str = "val_loss"):
         if metric not in ("val_loss", "val_bpb"):
@@ -108,8 +102,7 @@ class SpeedrunClock:
                      self.metric.replace("_", " "), self.target, step, train_seconds, f"{tokens:,}")
 
     def missed(self, steps: int, best_val_loss: Optional[float], best_val_bpb: Optional[float]) -> Optional[str]:
-        """The run's last word on a target set but not reached (None otherwise): the target and the best the run
-        came to, so a race that cannot reach its target does not end as quietly as one that did."""
+        """The run's last word on a target set but not reached (None otherwise): the target and the best it came to."""
         if self.target is None or self.reached:
             return None
         closest = "no evaluation ran" if best_val_loss is None else f"best val loss {best_val_loss:.4f}"
@@ -119,7 +112,6 @@ class SpeedrunClock:
                 f"summary.json says \"target_reached\": false")
 
     def summary(self) -> dict[str, Any]:
-        """summary.json fields (nulls when the target was set but not reached; none when no target)."""
         if self.target is None:
             return {}
         hit = self.hit or {}
