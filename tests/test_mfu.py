@@ -78,16 +78,6 @@ def test_tiny_config_by_hand_tied_and_untied():
     assert six_n(m) == 19_282_944
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_param_counts_match_the_built_model(tied):
-    m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, tie_embeddings=tied,
-                    max_seq_len=16)
-    model = build_model(m)
-    counts = counts_of(m)
-    assert counts.total == model.num_params()
-    assert counts.n_6n == model.num_params() - (0 if tied else model.embed.weight.numel())
-
-
 def test_flop_counter_agrees_and_backward_is_twice_forward():
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -135,7 +125,7 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
 # ---------------------------------------------------------------- peaks and detection
 
 
-def test_peak_table_holds_dense_spec_sheet_numbers():
+def test_peak_table_holds_dense_spec_sheet_numbers_and_memory():
     expected_bf16 = {"h100-sxm": 989.5, "h100-pcie": 756.5, "h100-nvl": 835.5, "h200": 989.5, "a100": 312.0,
                      "l4": 121.0, "b200": 2250.0, "tpu-v4": 275.0, "tpu-v5e": 197.0, "tpu-v5p": 459.0,
                      "tpu-v6e": 918.0}
@@ -143,69 +133,37 @@ def test_peak_table_holds_dense_spec_sheet_numbers():
         assert hardware.table_peak(key, "bf16") == pytest.approx(tflops * 1e12)
         assert hardware.PEAKS[key].source.startswith("https://")
     assert hardware.table_peak("h100-sxm", "fp32") == pytest.approx(494.7e12)  # fp32 runs use TF32 tensor cores
-    assert hardware.table_peak("a100", "fp32") == pytest.approx(156e12)
-    assert hardware.table_peak("tpu-v5e", "fp32") is None
+    assert hardware.table_peak("a100", "fp32") == pytest.approx(156e12) and hardware.table_peak("tpu-v5e", "fp32") is None
     assert hardware.table_peak("a100-40gb", "bf16") == hardware.table_peak("a100", "bf16")
-
-
-def test_peak_table_holds_each_devices_spec_sheet_memory():
     memory_gb = {"h100-sxm": 80, "h100-pcie": 80, "h100-nvl": 94, "h200": 141, "h200-nvl": 141, "a100": 80,
                  "a100-40gb": 40, "l4": 24, "b200": 180, "tpu-v4": 32, "tpu-v5e": 16, "tpu-v5p": 95, "tpu-v6e": 32}
     assert {key: peak.memory_gb for key, peak in hardware.PEAKS.items()} == memory_gb
     assert hardware.PEAKS["h100-sxm"].memory_bytes == 80 * 10**9  # GB as the sheet writes it, under 80 GiB
 
 
-@pytest.mark.parametrize("name, watts, key", [
-    ("NVIDIA H100 80GB HBM3", None, "h100-sxm"),
-    ("NVIDIA H100 PCIe", None, "h100-pcie"),
-    ("NVIDIA H100 NVL", None, "h100-nvl"),
-    ("NVIDIA H100", 700.0, "h100-sxm"),
-    ("NVIDIA H100", 350.0, "h100-pcie"),
-    ("NVIDIA H100", None, None),  # a bare name and no power limit: unknown, not a guess
-    ("NVIDIA H200", None, "h200"),
-    ("NVIDIA H200 NVL", None, "h200-nvl"),
-    ("NVIDIA GH200 480GB", None, None),
-    ("NVIDIA A100-SXM4-80GB", None, "a100"),
-    ("NVIDIA A100 80GB PCIe", None, "a100"),
-    ("NVIDIA A100-SXM4-40GB", None, "a100-40gb"),
-    ("NVIDIA A100-PCIE-40GB", None, "a100-40gb"),
-    ("NVIDIA L4", None, "l4"),
-    ("NVIDIA L40S", None, None),
-    ("NVIDIA B200", None, "b200"),
-    ("NVIDIA GB200", None, None),
-    ("NVIDIA GeForce RTX 4090", None, None),
-    ("TPU v4", None, "tpu-v4"),
-    ("TPU v5 lite", None, "tpu-v5e"),
-    ("TPU v5e", None, "tpu-v5e"),
-    ("TPU v5", None, "tpu-v5p"),
-    ("TPU v5p", None, "tpu-v5p"),
-    ("TPU v6 lite", None, "tpu-v6e"),
-    ("TPU v3", None, None),
+DETECTED = {  # name (, power limit) -> key; None: unknown, never a guess
+    "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie", "NVIDIA H100 NVL": "h100-nvl",
+    ("NVIDIA H100", 700.0): "h100-sxm", ("NVIDIA H100", 350.0): "h100-pcie", "NVIDIA H100": None,
+    "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA GH200 480GB": None, "NVIDIA A100-SXM4-80GB": "a100",
+    "NVIDIA A100 80GB PCIe": "a100", "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100-PCIE-40GB": "a100-40gb",
+    "NVIDIA L4": "l4", "NVIDIA L40S": None, "NVIDIA B200": "b200", "NVIDIA GB200": None, "NVIDIA GeForce RTX 4090": None,
+    "TPU v4": "tpu-v4", "TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5": "tpu-v5p", "TPU v5p": "tpu-v5p",
+    "TPU v6 lite": "tpu-v6e", "TPU v3": None,
     # torch_xla's accelerator types, as nanopt/distributed/xla.py reports them
-    ("TPU v4-8", None, "tpu-v4"), ("TPU v5litepod-16", None, "tpu-v5e"), ("TPU v5p-8", None, "tpu-v5p"),
-    ("TPU v6e-8", None, "tpu-v6e"), ("TPU", None, None),
-])
-def test_detect_hardware(name, watts, key):
-    assert hardware.detect_hardware(name, watts) == key
+    "TPU v4-8": "tpu-v4", "TPU v5litepod-16": "tpu-v5e", "TPU v5p-8": "tpu-v5p", "TPU v6e-8": "tpu-v6e", "TPU": None,
+}
 
 
-class NamedBackend(Backend):
-    """A device that reports a given accelerator name and power limit (the detection inputs); its tensors
-    live on the CPU. Only run_peak's table path is exercised with it."""
-
-    def __init__(self, name: str, watts=None):
-        super().__init__(torch.device("cpu"))
-        self._name, self._watts = name, watts
-
-    def hardware_name(self) -> str:
-        return self._name
-
-    def power_limit_watts(self):
-        return self._watts
+@pytest.mark.parametrize("name", DETECTED, ids=str)
+def test_detect_hardware(name):
+    assert hardware.detect_hardware(*(name if isinstance(name, tuple) else (name, None))) == DETECTED[name]
 
 
 def named_device(name: str, watts=None, world_size: int = 1) -> Runtime:
-    return Runtime("cuda", torch.device("cpu"), 0, 0, world_size, world_size, "bf16", NamedBackend(name, watts))
+    """A device that reports a given accelerator name and power limit; its tensors live on the CPU."""
+    backend = Backend(torch.device("cpu"))
+    backend.hardware_name, backend.power_limit_watts = (lambda: name), (lambda: watts)
+    return Runtime("cuda", torch.device("cpu"), 0, 0, world_size, world_size, "bf16", backend)
 
 
 def test_unknown_accelerator_gives_null_mfu_and_one_warning(caplog):
@@ -229,17 +187,13 @@ def test_power_limit_and_override_choose_the_peak():
     assert peak == pytest.approx(156e12) and "mfu.hardware" in where
 
 
-def test_bad_hardware_override_is_a_config_error():
     with pytest.raises(ConfigError, match="h100-sxm"):
         load_config(None, [("mfu.hardware", "z100")])
 
 
-def test_cpu_peak_is_measured():
-    peak = hardware.measure_matmul_flops(torch.float32, budget_s=0.05)
-    assert peak > 1e8  # any CPU that runs torch does a 256² fp32 matmul faster than 0.1 GFLOP/s
-
-
 def test_run_peak_on_cpu_is_measured_at_every_start(monkeypatch):
+    # any CPU that runs torch does a 256² fp32 matmul faster than 0.1 GFLOP/s
+    assert hardware.measure_matmul_flops(torch.float32, budget_s=0.05) > 1e8
     budgets = []
     monkeypatch.setattr(mfu, "measure_matmul_flops", lambda dtype, device, budget_s, sync: budgets.append(budget_s)
                         or 5e10)
@@ -250,8 +204,7 @@ def test_run_peak_on_cpu_is_measured_at_every_start(monkeypatch):
     assert peak == 5e10 and "MEASURED on" in where and budgets == [hardware.PEAK_BUDGET_S] * 2
 
 
-def test_every_rank_measures_the_cpu_peak_at_once_and_their_mean_is_the_peak(monkeypatch):
-    """Ranks share the cores as they will in training, so they measure together; one alone would read high."""
+def test_every_rank_measures_the_cpu_peak_at_once_and_their_mean_is_the_peak(monkeypatch):  # as in training
     rt = Runtime("cpu", torch.device("cpu"), 0, 0, 2, 2, "fp32")
     calls = []
     monkeypatch.setattr(rt, "barrier", lambda: calls.append("barrier"))
@@ -264,31 +217,15 @@ def test_every_rank_measures_the_cpu_peak_at_once_and_their_mean_is_the_peak(mon
 # ---------------------------------------------------------------- the meter
 
 
-class FakeClock:
-    """Per-device time: each micro-step (one micro-batch on one device) takes `micro_s` seconds."""
-
-    def __init__(self, micro_s: float):
-        self.micro_s = micro_s
-        self.now = 0.0
-
-    def train_step(self, accum: int) -> None:
-        self.now += accum * self.micro_s  # ranks run in parallel: world size adds no time
-
-
 def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
     micro_batch, seq = 4, 256
     m = load_config(REPO / "configs" / "tiny.yaml").model
     meter = mfu.MFUMeter(functools.partial(mfu.token_flops, mfu.meta_model(m)), seq,
                          tokens_per_step=micro_batch * seq * world * accum, peak_flops=1e12, world_size=world,
                          warmup_steps=2)
-    clock, out = FakeClock(micro_s), []
-    window_start, window_step = clock.now, 0
-    for step in range(1, steps + 1):
-        clock.train_step(accum)
-        if step % 3 == 0:  # log every 3 steps, like the loop: mean step time over the window
-            n = step - window_step
-            out.append(meter.update(step, n, (clock.now - window_start) / n))
-            window_start, window_step = clock.now, step
+    out = []
+    for step in range(3, steps + 1, 3):  # logged every 3 steps; a micro-step takes micro_s, ranks in parallel
+        out.append(meter.update(step, 3, accum * micro_s))
     return out
 
 
@@ -306,8 +243,7 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
     assert simulated_mfu(8, 4, micro_s=0.01)[1]["mfu"] == pytest.approx(2 * reference[1]["mfu"])
 
 
-def test_mfu_6n_leaves_out_attention_and_full_attention_counts_the_whole_square():
-    values = simulated_mfu(world=2, accum=2)[-1]
+    values = simulated_mfu(world=2, accum=2)[-1]  # 6N leaves out attention, full attention counts the square
     m = load_config(REPO / "configs" / "tiny.yaml").model
     assert values["mfu_6n"] / values["mfu"] == pytest.approx(six_n(m) / model_flops(m, 256))
     assert values["mfu_full_attention"] / values["mfu"] == \
@@ -320,9 +256,7 @@ def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention()
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"), start_step=0)
     meter.update(step=4, window_steps=2, step_seconds=131072 / 61694.726858213675)
     summary = meter.summary()
-    assert round(100 * summary["mfu"], 1) == 51.3
-    assert round(100 * summary["mfu_6n"], 1) == 46.2
-    assert round(100 * summary["mfu_full_attention"], 1) == 56.3
+    assert [round(100 * summary[k], 1) for k in ("mfu", "mfu_6n", "mfu_full_attention")] == [51.3, 46.2, 56.3]
     assert summary["mfu_basis"] is None and summary["flops_per_token_full_attention"] == 9_025_499_136
 
 
@@ -345,8 +279,7 @@ def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
 
 
 def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor_summary():
-    """The step that opens a window (a stage's first: its recompile) is logged with a window of 0 steps: MFU null,
-    and the summary's mean stays the counted windows' (a 25 s recompile once read "mfu 1.0%" and pulled the mean)."""
+    """A 25 s recompile once read "mfu 1.0%" and pulled the summary's mean."""
     cfg = load_config(REPO / "configs" / "1b.yaml")
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
     counted = meter.update(step=10, window_steps=5, step_seconds=2.0)
@@ -354,9 +287,7 @@ def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor
     recompile = meter.update(step=11, window_steps=0, step_seconds=25.0)
     assert counted["mfu"] > 0 and recompile["mfu"] is None and recompile["tflops_per_device"] is None
     assert meter.summary()["mfu"] == before == pytest.approx(counted["mfu"])
-
-
-def test_an_fp8_run_is_labelled_bf16_equivalent_against_the_dense_peak():
+    # An fp8 run is labelled bf16-equivalent, against the dense peak.
     cfg = load_config(REPO / "configs" / "1b.yaml", [("train.fp8", "tensorwise")])
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
     assert meter.basis == "bf16-equivalent" and meter.peak_flops == pytest.approx(989.5e12)  # not an FP8 peak
