@@ -133,7 +133,8 @@ def test_peak_table_holds_dense_spec_sheet_numbers_and_memory():
         assert hardware.table_peak(key, "bf16") == pytest.approx(tflops * 1e12)
         assert hardware.PEAKS[key].source.startswith("https://")
     assert hardware.table_peak("h100-sxm", "fp32") == pytest.approx(494.7e12)  # fp32 runs use TF32 tensor cores
-    assert hardware.table_peak("a100", "fp32") == pytest.approx(156e12) and hardware.table_peak("tpu-v5e", "fp32") is None
+    assert hardware.table_peak("a100", "fp32") == pytest.approx(156e12)
+    assert hardware.table_peak("tpu-v5e", "fp32") is None
     assert hardware.table_peak("a100-40gb", "bf16") == hardware.table_peak("a100", "bf16")
     memory_gb = {"h100-sxm": 80, "h100-pcie": 80, "h100-nvl": 94, "h200": 141, "h200-nvl": 141, "a100": 80,
                  "a100-40gb": 40, "l4": 24, "b200": 180, "tpu-v4": 32, "tpu-v5e": 16, "tpu-v5p": 95, "tpu-v6e": 32}
@@ -146,7 +147,8 @@ DETECTED = {  # name (, power limit) -> key; None: unknown, never a guess
     ("NVIDIA H100", 700.0): "h100-sxm", ("NVIDIA H100", 350.0): "h100-pcie", "NVIDIA H100": None,
     "NVIDIA H200": "h200", "NVIDIA H200 NVL": "h200-nvl", "NVIDIA GH200 480GB": None, "NVIDIA A100-SXM4-80GB": "a100",
     "NVIDIA A100 80GB PCIe": "a100", "NVIDIA A100-SXM4-40GB": "a100-40gb", "NVIDIA A100-PCIE-40GB": "a100-40gb",
-    "NVIDIA L4": "l4", "NVIDIA L40S": None, "NVIDIA B200": "b200", "NVIDIA GB200": None, "NVIDIA GeForce RTX 4090": None,
+    "NVIDIA L4": "l4", "NVIDIA L40S": None, "NVIDIA B200": "b200", "NVIDIA GB200": None,
+    "NVIDIA GeForce RTX 4090": None,
     "TPU v4": "tpu-v4", "TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5": "tpu-v5p", "TPU v5p": "tpu-v5p",
     "TPU v6 lite": "tpu-v6e", "TPU v3": None,
     # torch_xla's accelerator types, as nanopt/distributed/xla.py reports them
@@ -297,6 +299,13 @@ def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor
 # ---------------------------------------------------------------- the estimator
 
 
+def run_estimate(capsys, argv: list[str]):
+    """`nanopt estimate ARGV` (exit 0): its JSON under --json, else what it printed."""
+    assert cli.run(argv) == 0
+    out = capsys.readouterr().out
+    return json.loads(out) if "--json" in argv else out
+
+
 def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
     code = cli.run(["estimate", "--config", str(REPO / "configs" / "1b.yaml"), "--hardware", "h100-sxm",
                     "--gpus", "8", "--mfu", "0.4", "--price-per-gpu-hour", "3.0", "--json"])
@@ -321,22 +330,18 @@ def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
 def test_estimate_assumes_the_devices_the_config_is_sized_for_unless_told(capsys, config, devices):
     """Before, every config was estimated on 8 GPUs: configs/170m-1gpu.yaml's ~2.8 h on one H100 read 0.3 h."""
     path = str(REPO / "configs" / f"{config}.yaml")
-    assert cli.run(["estimate", path, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    got = run_estimate(capsys, ["estimate", path, "--json"])
     assert (got["gpus"], got["gpus_source"]) == (devices, "mfu.devices")
-    assert cli.run(["estimate", path]) == 0
-    out = capsys.readouterr().out
+    out = run_estimate(capsys, ["estimate", path])
     assert f": {devices} × NVIDIA H100 SXM" in out and f"devices        {devices} (the config's mfu.devices" in out
-    assert cli.run(["estimate", path, "--gpus", "2", "--json"]) == 0
-    given = json.loads(capsys.readouterr().out)
+    given = run_estimate(capsys, ["estimate", path, "--gpus", "2", "--json"])
     assert (given["gpus"], given["gpus_source"]) == (2, "--gpus")
     assert given["hours"] == pytest.approx(got["hours"] * devices / 2)
     assert given["gpu_hours"] == pytest.approx(got["gpu_hours"])
 
 
 def test_estimate_prints_the_three_conventions(capsys):
-    assert cli.run(["estimate", str(REPO / "configs" / "1b.yaml"), "--mfu", "0.5126"]) == 0
-    out = capsys.readouterr().out
+    out = run_estimate(capsys, ["estimate", str(REPO / "configs" / "1b.yaml"), "--mfu", "0.5126"])
     assert "51.3% MFU here = 46.2% in 6N alone (the blog) = 56.3% with full attention (nanochat, torchtitan)" in out
 
 
@@ -344,41 +349,35 @@ def test_estimate_trains_the_schedule_stage_by_stage(capsys):
     """configs/speedrun-gpu.yaml ramps its batch: 1,000 × 262,144 + 1,000 × 393,216 + 1,500 × 524,288 tokens,
     not 3,500 steps of the first batch (917,504,000)."""
     path = str(REPO / "configs" / "speedrun-gpu.yaml")
-    assert cli.run(["estimate", path]) == 0
-    out = capsys.readouterr().out
+    out = run_estimate(capsys, ["estimate", path])
     assert "tokens         1,441,792,000 (the config's plan: 3,500 steps;" in out
     for line in ("stage 1        from step 0: 1,000 steps × 262,144 tokens at seq 2048 = 262,144,000 tokens",
                  "stage 2        from step 1,000: 1,000 steps × 393,216 tokens at seq 2048 = 393,216,000 tokens",
                  "stage 3        from step 2,000: 1,500 steps × 524,288 tokens at seq 2048 = 786,432,000 tokens"):
         assert line in out
-    assert cli.run(["estimate", path, "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    got = run_estimate(capsys, ["estimate", path, "--json"])
     assert got["tokens"] == 1_441_792_000
     assert [(s["first_step"], s["steps"], s["batch_tokens"], s["seq_len"], s["tokens"]) for s in got["stages"]] == [
         (0, 1000, 262_144, 2048, 262_144_000), (1000, 1000, 393_216, 2048, 393_216_000),
         (2000, 1500, 524_288, 2048, 786_432_000)]
     # Attention's FLOPs per token follow each stage's seq_len: a shorter first stage costs less per token.
     short = ["--train.seq_len_schedule=0:512,1000:2048", "--json"]
-    assert cli.run(["estimate", path, *short]) == 0
-    mixed = json.loads(capsys.readouterr().out)
+    mixed = run_estimate(capsys, ["estimate", path, *short])
     m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
     assert mixed["total_flops"] == (262_144_000 * model_flops(m, 512)
                                     + (393_216_000 + 786_432_000) * model_flops(m, 2048))
     assert mixed["total_flops"] < got["total_flops"] and mixed["seq_len"] == 2048
     # --tokens: one stage at train.seq_len, and the report says so.
-    assert cli.run(["estimate", path, "--tokens", "1B", "--json"]) == 0
-    flat = json.loads(capsys.readouterr().out)
+    flat = run_estimate(capsys, ["estimate", path, "--tokens", "1B", "--json"])
     assert flat["tokens"] == 10**9 and flat["stages"] is None
     assert flat["tokens_source"] == "--tokens 1B, all at seq 2048"
 
 
 def test_estimate_tokens_flag_and_bad_input(capsys):
     args = ["estimate", str(REPO / "configs" / "tiny.yaml"), "--gpus", "1", "--json"]
-    assert cli.run(args + ["--tokens", "20x"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    got = run_estimate(capsys, args + ["--tokens", "20x"])
     assert got["tokens"] == 20 * 3_213_824 and got["cost_usd"] is None
-    assert cli.run(args + ["--tokens", "2.5B", "--train.seq_len=512"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    got = run_estimate(capsys, args + ["--tokens", "2.5B", "--train.seq_len=512"])
     assert got["tokens"] == 2_500_000_000 and got["seq_len"] == 512
     for bad in (["--hardware", "z100"], ["--mfu", "40"], ["--tokens", "lots"], ["--gpus", "0"],
                 ["--price-per-gpu-hour", "nan"], ["--price-per-gpu-hour", "inf"]):  # were "$nan", and Infinity in JSON
@@ -400,10 +399,12 @@ def test_hfu_counts_recomputation_on_top_of_mfu():
     assert meter.summary()["flops_per_token_hardware"] == hw
 
 
+EIGHT_B = str(REPO / "configs" / "8b.yaml")
+
+
 def test_estimate_shows_8b_fits_80gb_under_fsdp_on_8_and_not_under_ddp(capsys):
-    """configs/8b.yaml's recipe rests on this (nanopt/distributed/memory.py): ~193 GB per GPU replicated, ~71 GB sharded."""
-    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--json"]) == 0
-    got = json.loads(capsys.readouterr().out)
+    """configs/8b.yaml's recipe rests on this: ~193 GB per GPU replicated, ~71 GB sharded."""
+    got = run_estimate(capsys, ["estimate", EIGHT_B, "--json"])
     assert got["params"] == 8_030_261_248 and got["gpus"] == 8  # Llama-3-8B, on the config's 8 GPUs
     memory = got["memory"]
     assert memory["capacity_bytes"] == 80 * 10**9 and memory["config_parallel"] == "fsdp"
@@ -412,27 +413,24 @@ def test_estimate_shows_8b_fits_80gb_under_fsdp_on_8_and_not_under_ddp(capsys):
     assert rows["fsdp"]["fits"] and rows["fsdp"]["total"] < 80e9
     assert not rows["ddp"]["fits"] and rows["ddp"]["total"] > 2 * 80e9
     assert rows["ddp"]["optimizer"] == 8 * 8_030_261_248 == 8 * rows["fsdp"]["optimizer"]
-    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml")]) == 0
-    out = capsys.readouterr().out
+    out = run_estimate(capsys, ["estimate", EIGHT_B])
     assert "NO" in next(line for line in out.splitlines() if line.strip().startswith("ddp "))
     assert "yes (" in next(line for line in out.splitlines() if line.strip().startswith("fsdp over 8"))
     # With train.recompute on, the rows hold the recomputed activations and the what-if line is left out.
     assert "--train.recompute=true" in out
-    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--json", "--train.recompute=true"]) == 0
-    recomputed = {row["parallel"]: row for row in json.loads(capsys.readouterr().out)["memory"]["rows"]}
+    recomputed = run_estimate(capsys, ["estimate", EIGHT_B, "--json", "--train.recompute=true"])["memory"]["rows"]
+    recomputed = {row["parallel"]: row for row in recomputed}
     assert recomputed["fsdp"]["activations"] == memory["activations_with_block_recompute"]
     assert recomputed["fsdp"]["activations"] < rows["fsdp"]["activations"] / 4
-    assert cli.run(["estimate", str(REPO / "configs" / "8b.yaml"), "--train.recompute=true"]) == 0
-    assert "per-block recompute" not in capsys.readouterr().out
+    assert "per-block recompute" not in run_estimate(capsys, ["estimate", EIGHT_B, "--train.recompute=true"])
 
 
 def test_estimate_adds_an_hsdp_row_for_a_shard_group_and_refuses_one_that_does_not_divide(capsys):
     path = str(REPO / "configs" / "1b.yaml")
-    assert cli.run(["estimate", path, "--gpus", "16", "--json"]) == 0  # two nodes: one group of 8 per node
-    rows = json.loads(capsys.readouterr().out)["memory"]["rows"]
+    rows = run_estimate(capsys, ["estimate", path, "--gpus", "16", "--json"])["memory"]["rows"]  # 2 nodes of 8
     assert [(r["parallel"], r["shard_ranks"]) for r in rows] == [("ddp", 1), ("fsdp", 16), ("hsdp", 8)]
-    assert cli.run(["estimate", path, "--gpus", "16", "--shard-group-size", "4", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["memory"]["rows"][2]["shard_ranks"] == 4
+    rows = run_estimate(capsys, ["estimate", path, "--gpus", "16", "--shard-group-size", "4", "--json"])["memory"]
+    assert rows["rows"][2]["shard_ranks"] == 4
     assert cli.run(["estimate", path, "--gpus", "16", "--shard-group-size", "3"]) == 2
     assert "`--shard-group-size 3` must be a positive divisor of the 16 GPUs" in capsys.readouterr().err
 

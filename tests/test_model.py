@@ -401,7 +401,8 @@ def test_optimizer_kinds_of_the_option_parameters():
     kind = {id(p): g["kind"] for g in param_groups(model, TrainConfig()) for p in g["params"]}
     for name, p in model.named_parameters():
         want = ("embedding" if "value_embed" in name or name == "embed.weight" else
-                "scalar" if "residual_scalars" in name or p.ndim < 2 else "head" if name == "lm_head.weight" else "matrix")
+                "scalar" if "residual_scalars" in name or p.ndim < 2 else
+                "head" if name == "lm_head.weight" else "matrix")
         assert kind[id(p)] == want, name
     assert sum(1 for k in kind.values() if k == "embedding") == 1 + 2  # token + one value table per layer
 
