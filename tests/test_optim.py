@@ -72,15 +72,6 @@ def test_groups_are_kinds_in_a_fixed_order_with_every_param_once(tie):
     assert [x["kind"] for x in opt.param_groups] == [x["kind"] for x in groups]
 
 
-def test_apply_schedule_scales_each_groups_own_base_lr():
-    model = tiny()
-    opt = build_optimizer(model, TrainConfig(lr=1.0), "cpu")
-    opt.param_groups[0]["base_lr"] = 0.1  # a group with its own lr must not be overwritten by the others'
-    apply_schedule(opt, 0.5)
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
-    assert all(g["lr"] == pytest.approx(0.5) for g in opt.param_groups[1:])
-
-
 COSINE = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1, schedule="cosine")
 
 
@@ -99,10 +90,15 @@ def test_each_schedule_warms_up_then_follows_its_shape(cfg, want):
         assert all(a >= b for a, b in zip(values, values[1:]))
 
 
-def test_the_multiplier_is_the_schedule_relative_to_the_peak():
+def test_the_multiplier_is_the_schedule_relative_to_the_peak_and_scales_each_groups_own_base_lr():
     cfg = TrainConfig(lr=3.0, warmup_steps=5, max_steps=50, min_lr_ratio=0.2, schedule="cosine")
     assert lr_multiplier(4, cfg) == 1.0 and lr_multiplier(50, cfg) == pytest.approx(0.2)
     assert all(lr_at(s, cfg) == pytest.approx(3.0 * lr_multiplier(s, cfg)) for s in range(60))
+    opt = build_optimizer(tiny(), TrainConfig(lr=1.0), "cpu")
+    opt.param_groups[0]["base_lr"] = 0.1  # a group with its own lr must not be overwritten by the others'
+    apply_schedule(opt, 0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert all(g["lr"] == pytest.approx(0.5) for g in opt.param_groups[1:])
 
 
 # ---------------------------------------------------------------- resume
@@ -124,11 +120,6 @@ def saved(opt: torch.optim.Optimizer) -> dict:
     return torch.load(buf, weights_only=True)
 
 
-def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(p, q), name
-
-
 def test_a_kind_layout_checkpoint_round_trips_bit_identically():
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
     model = tiny(tie=False)
@@ -145,7 +136,8 @@ def test_a_kind_layout_checkpoint_round_trips_bit_identically():
     for opt_, model_ in ((opt, model), (resumed, resumed_model)):
         apply_schedule(opt_, lr_multiplier(3, cfg))
         step(model_, opt_, 3)
-    assert_same_params(model, resumed_model)
+    for (name, p), q in zip(model.named_parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_a_resume_takes_decay_base_lr_and_implementation_from_this_run():
@@ -163,14 +155,10 @@ def test_a_resume_takes_decay_base_lr_and_implementation_from_this_run():
     step(model, resumed, 1)  # the unfused path accepts the state the fused one saved
 
 
-def test_a_checkpoint_of_other_groups_is_refused():
+def test_a_checkpoint_of_other_groups_or_the_old_two_group_layout_is_refused():
     opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu")
-    tied = tiny(tie=True)
     with pytest.raises(ValueError, match="groups"):
-        load_state_dict(build_optimizer(tied, TrainConfig(), "cpu"), saved(opt))
-
-
-def test_a_checkpoint_of_the_old_two_group_layout_is_refused_in_one_sentence():
+        load_state_dict(build_optimizer(tiny(tie=True), TrainConfig(), "cpu"), saved(opt))
     model = tiny()
     params = list(model.parameters())  # what build_optimizer made before kinds: [>=2-D params, 1-D params]
     old = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
@@ -230,7 +218,23 @@ def step_with_random_grads(model: torch.nn.Module, opt: torch.optim.Optimizer) -
     return {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-# ---------------------------------------------------------------- which optimizer updates what, and how
+def stepped(shapes: list[tuple[int, int]], *makers, steps: int = 4) -> tuple[list, list[list], list, torch.Generator]:
+    """Each maker(params) over its own copy of the same random matrices, `steps` steps on the same Gaussian
+    gradients: (the start, each one's params, the optimizers, the generator)."""
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in shapes]
+    params = [[p.clone().requires_grad_() for p in start] for _ in makers]
+    opts = [make(ps) for make, ps in zip(makers, params)]
+    for _ in range(steps):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for ps, opt in zip(params, opts):
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            opt.step()
+    return start, params, opts, g
+
+
+ULP = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7  # the largest per-shape lr times bf16's relative step near 1
 
 
 def test_muon_orthogonalises_each_matrix_update_where_adamw_does_not():
@@ -256,26 +260,16 @@ def test_muon_orthogonalises_each_matrix_update_where_adamw_does_not():
 @pytest.mark.parametrize("nesterov,adjust,batch_max", [(True, "match_rms_adamw", 2**18), (False, "original", 2**18),
                                                        (True, None, 600)])
 def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adjust, batch_max):
-    """BatchedMuon (one Newton-Schulz per shape, batched; matrices above batch_max_numel one at a time, here
-    600 elements in the last case) against torch.optim.Muon (one per matrix): square, wide and tall matrices, 4
-    steps with weight decay. The iteration is bf16 in both; batched matmuls may round otherwise on another CPU, so
-    the bound is one bf16 ulp of the largest update, far below the updates themselves."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (8, 16)]
-    start = [torch.randn(s, generator=g) for s in shapes]
-    ref, mine = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    """BatchedMuon (matrices above batch_max_numel one at a time: 600 elements in the last case) against
+    torch.optim.Muon, 4 steps with weight decay, to one bf16 ulp of the largest update (batched matmuls may round
+    otherwise on another CPU)."""
     kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
-    torch_muon, batched = torch.optim.Muon(ref, **kw), BatchedMuon(mine, **kw, batch_max_numel=batch_max)
-    for _ in range(4):
-        grads = [torch.randn(s, generator=g) for s in shapes]
-        for params, opt in ((ref, torch_muon), (mine, batched)):
-            for p, grad in zip(params, grads):
-                p.grad = grad.clone()
-            opt.step()
-    ulp = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7  # the largest per-shape lr times bf16's relative step near 1
+    start, (ref, mine), (torch_muon, batched), _ = stepped(
+        [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (8, 16)], lambda ps: torch.optim.Muon(ps, **kw),
+        lambda ps: BatchedMuon(ps, **kw, batch_max_numel=batch_max))
     for a, b, s in zip(ref, mine, start):
-        assert (a - s).abs().max() > 100 * ulp  # the parameters did move
-        torch.testing.assert_close(b, a, rtol=0, atol=ulp)
+        assert (a - s).abs().max() > 100 * ULP  # the parameters did move
+        torch.testing.assert_close(b, a, rtol=0, atol=ULP)
         torch.testing.assert_close(batched.state[b]["momentum_buffer"], torch_muon.state[a]["momentum_buffer"])
     # The state_dicts are interchangeable: torch's Muon resumes from the batched one's.
     torch_muon.load_state_dict(batched.state_dict())
@@ -283,25 +277,14 @@ def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adju
 
 
 def test_fp32_newton_schulz_is_the_bf16_update_to_bf16s_rounding_and_reaches_the_optimizer():
-    """Where bf16 is emulated (an AVX2 CPU) the backend runs Newton-Schulz in fp32: the exact iteration bf16
-    approximates. After 4 steps with weight decay the parameters agree with bf16's to a few bf16 ulps of the
-    largest update (the bf16 iteration's own error), far below what they moved; the update itself is fp32."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(32, 32)] * 3 + [(64, 32), (32, 64)]
-    start = [torch.randn(s, generator=g) for s in shapes]
-    bf16, fp32 = ([p.clone().requires_grad_() for p in start] for _ in range(2))
+    """Where bf16 is emulated the backend runs Newton-Schulz in fp32: the exact iteration bf16 approximates, so
+    after 4 steps the parameters agree with bf16's to a few bf16 ulps, far below what they moved."""
     kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    opts = BatchedMuon(bf16, **kw), BatchedMuon(fp32, **kw, ns_dtype=torch.float32)
-    for _ in range(4):
-        grads = [torch.randn(s, generator=g) for s in shapes]
-        for params, opt in zip((bf16, fp32), opts):
-            for p, grad in zip(params, grads):
-                p.grad = grad.clone()
-            opt.step()
-    ulp = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7
+    start, (bf16, fp32), _, g = stepped([(32, 32)] * 3 + [(64, 32), (32, 64)], lambda ps: BatchedMuon(ps, **kw),
+                                        lambda ps: BatchedMuon(ps, **kw, ns_dtype=torch.float32))
     for a, b, s in zip(bf16, fp32, start):
-        assert (a - s).abs().max() > 100 * ulp
-        torch.testing.assert_close(b, a, rtol=0, atol=8 * ulp)
+        assert (a - s).abs().max() > 100 * ULP
+        torch.testing.assert_close(b, a, rtol=0, atol=8 * ULP)
     x = torch.randn(3, 32, 64, generator=g)
     assert optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32).dtype == torch.float32
     # BatchedMuon's iteration in fp32 differs from bf16's: the bf16 result is not just cast up.
@@ -312,8 +295,7 @@ def test_fp32_newton_schulz_is_the_bf16_update_to_bf16s_rounding_and_reaches_the
 
 
 def test_the_batch_cut_off_is_the_devices_and_reaches_the_optimizer():
-    """Which matrices share a Newton-Schulz call: every same-shaped one without a cut-off (CUDA's default), the
-    large ones alone above it (the CPU backend's, measured on 2 cores); train.py passes the backend's."""
+    """Every same-shaped matrix shares a Newton-Schulz call without a cut-off (CUDA's), large ones alone above it."""
     shapes = [(32, 32), (64, 32), (32, 32), (8, 16), (64, 32)]
     params = [torch.zeros(s, requires_grad=True) for s in shapes]
     assert BatchedMuon(params).batches(params) == [[0, 2], [1, 4], [3]]
@@ -384,12 +366,9 @@ def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str
                          ids=["fsdp2", "hsdp2x2", "fsdp2-fp32"])
 def test_muon_split_over_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_or_hsdp_shards(mesh_shape, dtype,
                                                                                            tmp_path):
-    """The owner split over 2 gloo ranks, or 4 as hsdp's 2 replicas of a 2-rank shard group (forked: no second torch
-    import), equals single-rank BatchedMuon after 3 steps, to one bf16 ulp of the largest update as above, for DDP
-    replicas (split over every rank) and for FSDP2's Shard(0) / hsdp's (Replicate(), Shard(0)) DTensors (the uneven
-    5- and 1-row matrices included); the momentum stays sharded like the param; each rank orthogonalised only the
-    matrices it owns, together each exactly once per step (hsdp: once per shard group, within which the split is
-    fsdp's). In fp32 (a CPU without bf16 hardware) the messages carry fp32 and the same holds."""
+    """The owner split over 2 forked gloo ranks (or hsdp's 2 x 2) equals one rank's BatchedMuon after 3 steps, to one
+    bf16 ulp, for DDP replicas and FSDP2/hsdp DTensors (uneven rows included); the momentum stays sharded like the
+    param; each rank orthogonalised only the matrices it owns, together each once per step (per shard group)."""
     import torch.distributed.fsdp  # noqa: F401 (here, not in each fork: seconds of import)
 
     world = math.prod(mesh_shape)
@@ -402,10 +381,9 @@ def test_muon_split_over_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_or_hs
         for p, s in zip(ref, SPLIT_SHAPES):
             p.grad = torch.randn(s, generator=g)
         opt.step()
-    ulp = 0.02 * 0.2 * 64 ** 0.5 * 2 ** -7
     for name in ("ddp", "fsdp"):
         for mine, want in zip(ranks[0][name], ref):
-            torch.testing.assert_close(mine, want.detach(), rtol=0, atol=ulp)
+            torch.testing.assert_close(mine, want.detach(), rtol=0, atol=ULP)
         for other in ranks[1:]:  # every rank the same
             assert all(torch.equal(a, b) for a, b in zip(ranks[0][name], other[name]))
     for mine, p in zip(ranks[0]["fsdp_momentum"], ref):
@@ -435,16 +413,13 @@ def test_embedding_head_and_scalars_go_to_adamw_with_their_own_lr_and_decay():
     model(idx[:, :-1], idx[:, 1:]).backward()
     opt.step()
 
-    def assert_adamw_first_step(name: str, lr: float, decay: float) -> None:
-        """AdamW's first step: decay p by lr * decay, then move it by lr * g / (|g| + eps)."""
+    # AdamW's first step: decay p by lr * decay, then move it by lr * g / (|g| + eps). Rows of unseen tokens have no
+    # grad: they only decay; scalars never decay.
+    for name, lr, decay in (("embed.weight", 0.03, 0.5), ("lm_head.weight", 0.004, 0.25), ("norm.weight", 0.005, 0)):
         p = dict(model.named_parameters())[name]
         expected = before[name] * (1 - lr * decay) - lr * p.grad / (p.grad.abs() + 1e-8)
         assert torch.allclose(p.detach(), expected, rtol=1e-4, atol=1e-7), name
-
-    assert_adamw_first_step("embed.weight", 0.03, 0.5)  # rows of unseen tokens have no grad: they only decay
     assert (model.embed.weight.grad.abs().sum(1) == 0).sum() >= 40
-    assert_adamw_first_step("lm_head.weight", 0.004, 0.25)
-    assert_adamw_first_step("norm.weight", 0.005, 0.0)  # scalars never decay
     assert all("momentum_buffer" in opt.state[p] for p in groups["matrix"]["params"])
     assert all("exp_avg" in opt.state[p] for g in opt.param_groups[1:] for p in g["params"])
 
@@ -480,10 +455,8 @@ def test_a_muon_state_dict_round_trips_and_another_optimizers_is_refused():
     resumed = build_optimizer(resumed_model, train, "cpu", muon)
     load_state_dict(resumed, state)
     assert resumed.optimizers["muon"].param_groups[0] is resumed.param_groups[0]  # re-shared after the load
-    for m, o in ((model, opt), (resumed_model, resumed)):
-        step_with_random_grads(m, o)
-    for p, q in zip(model.parameters(), resumed_model.parameters()):
-        assert torch.equal(p, q)
+    assert step_with_random_grads(model, opt).keys() == step_with_random_grads(resumed_model, resumed).keys()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
 
     adamw_model = copy.deepcopy(model)
     adamw = build_optimizer(adamw_model, train, "cpu")
