@@ -1,7 +1,6 @@
-"""bench/gpu_check.py --cpu-smoke: the GPU check's own code, run at toy size on CPU so that it cannot rot
-between the sessions that have a GPU (docs/results.md "GPU: one H100" has its figures). Some sections run through
-its main(argv) in this process, the others and the quick check as `python bench/gpu_check.py` beside it; the
-training runs it starts are processes of their own, as on a GPU."""
+"""bench/gpu_check.py --cpu-smoke: the GPU check's own code at toy size on CPU, so that it cannot rot between the
+sessions that have a GPU. Some sections run through its main(argv) here, the others and the quick check as
+`python bench/gpu_check.py` beside it."""
 from __future__ import annotations
 
 import importlib
@@ -18,25 +17,14 @@ import pytest
 import torch
 from conftest import BENCH, REPO, bench_module
 
-# Every full section a test below reads, in two checks side by side (the CI machine's 2 cores; each training run
-# has one thread): each section's training runs are most of the time. The 1b section's run is the fp8 section's
-# bf16 baseline (gpu_check runs it once), so the two share the check in a process of its own.
+# Every full section a test below reads, in two checks side by side (2 cores; each training run has one thread).
+# The 1b section's run is the fp8 section's bf16 baseline (run once), so the two share a process of their own.
 SMOKED_HERE = "env,attention,ddp,ranks2,sample,tasks,speedrun"
 SMOKED_APART = "fp8,1b"
 
 
 def load_gpu_check():
     return bench_module("gpu_check")
-
-
-def smoke(out: Path, *args: str) -> dict:
-    """`bench/gpu_check.py --cpu-smoke --out OUT ARGS` in this process: its exit code must be 0 and no section may
-    have failed; its JSON report. Its runs get one thread each (OMP_NUM_THREADS=1), as the CI machine's 2 cores
-    share them."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        rc = load_gpu_check().main(["--cpu-smoke", "--out", str(out), *args])
-    return read_result(out, rc)
 
 
 def read_result(out: Path, rc: Optional[int], log: str = "") -> dict:
@@ -46,9 +34,8 @@ def read_result(out: Path, rc: Optional[int], log: str = "") -> dict:
 
 
 def start(out: Path, *args: str) -> subprocess.Popen:
-    """The same as `python bench/gpu_check.py`, a process of its own that runs while this one smokes other sections
-    (the CI machine has 2 cores; each training run has one thread). Its output goes to OUT/stdout.txt and
-    OUT/stderr.txt, where no pipe can fill up while nobody reads it."""
+    """`python bench/gpu_check.py --cpu-smoke --out OUT ARGS`, beside this process; its output in OUT/stdout.txt and
+    OUT/stderr.txt, where no pipe can fill up unread."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
         return subprocess.Popen([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--out", str(out), *args],
@@ -57,7 +44,6 @@ def start(out: Path, *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, out: Path) -> tuple[dict, str]:
-    """A started check's JSON report (exit code 0, no section failed) and its standard output."""
     try:
         proc.wait(timeout=900)
     finally:
@@ -82,7 +68,10 @@ def full(tmp_path_factory, quick_started) -> tuple[dict, str]:
     here, apart = tmp_path_factory.mktemp("gpu_check"), tmp_path_factory.mktemp("gpu_check_apart")
     proc = start(apart, "--sections", SMOKED_APART)
     try:
-        result = smoke(here, "--sections", SMOKED_HERE)
+        with pytest.MonkeyPatch.context() as mp:  # its runs get one thread each, as the 2 cores share them
+            mp.setenv("OMP_NUM_THREADS", "1")
+            result = read_result(here, load_gpu_check().main(["--cpu-smoke", "--out", str(here), "--sections",
+                                                               SMOKED_HERE]))
     finally:
         other, _ = finish(proc, apart)
     assert set(SMOKED_APART.split(",")) <= set(other)
@@ -92,8 +81,7 @@ def full(tmp_path_factory, quick_started) -> tuple[dict, str]:
 
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(full):
-    # 170m is the same toy as 1b here: one training section keeps the code path alive. The resume section's four
-    # real runs would add ~15 s (tests/e2e/test_resume.py runs kill-and-resume on CPU); its comparison is tested below.
+    # 170m is the same toy as 1b here; the resume section's comparison is tested below on fake runs.
     result, report = full
     tasks = result["tasks"]
     assert tasks["requests"] == 4 * 40 and tasks["seconds"] > 0 and tasks["batched_vs_alone_max_abs"] < 0.05
@@ -145,7 +133,6 @@ def test_a_section_failed_when_a_run_in_it_failed_at_any_depth():
 
 
 def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rerun(tmp_path, monkeypatch):
-    """check_resume's bookkeeping on fake runs: which steps it compares, the differences, the digests."""
     gc = load_gpu_check()
     losses = {"resume-straight": 1.0, "resume-again": 1.0, "resume-killed": 1.25}
     calls = []
@@ -174,7 +161,6 @@ def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rer
 
 @pytest.mark.slow
 def test_cpu_smoke_of_the_gpu_speedrun_config(full):
-    """configs/speedrun-gpu.yaml at toy width: its speed row and a validation curve on real text that falls."""
     result, report = full
     run = result["speedrun"]
     assert run["speed"]["rc"] == 0 and run["speed"]["tokens_per_s"] > 0
@@ -186,18 +172,12 @@ def test_cpu_smoke_of_the_gpu_speedrun_config(full):
 # ---------------------------------------------------------------- --quick: the first device call's check
 
 
-def quick(started: tuple[subprocess.Popen, Path]) -> tuple[dict, Path]:
-    """`bench/gpu_check.py --quick --cpu-smoke`: exit code 0, its JSON report and its --out directory."""
-    proc, out = started
-    result, log = finish(proc, out)
-    assert log.rstrip().splitlines()[-1].startswith("gpu_check: ") and "## Goals" in log.split("## Sections")[-1]
-    return result, out  # the report ends the output, its goals last: a device call's reply shows its tail
-
-
 @pytest.mark.slow
 def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(quick_started):
-    gc = load_gpu_check()
-    result, out = quick(quick_started)
+    gc, (proc, out) = load_gpu_check(), quick_started
+    result, log = finish(proc, out)
+    # The report ends the output, its goals last: a device call's reply shows its tail.
+    assert log.rstrip().splitlines()[-1].startswith("gpu_check: ") and "## Goals" in log.split("## Sections")[-1]
     assert result["quick"] and [s for s in gc.gpu_quick.QUICK_SECTIONS if s not in result] == []
     assert not [s for s in gc.gpu_quick.QUICK_SECTIONS if "error" in result[s] or "skipped" in result[s]], result
     assert result["env"]["torchao"] == importlib.import_module("torchao").__version__ and "lm_eval" in result["env"]
@@ -311,7 +291,6 @@ def test_each_section_leaves_both_reports_before_the_next_starts(tmp_path):
 
 
 def test_a_failing_line_in_a_section_loses_none_of_the_others(monkeypatch):
-    """fsdp, fp8_ddp and fp8 run each line on its own: a line that raises is its error, the others their figures."""
     gc = load_gpu_check()
     q, device, size = gc.gpu_quick, torch.device("cpu"), gc.gpu_quick.sizes(True)
     calls = []
@@ -354,7 +333,7 @@ def test_the_two_parts_hold_every_section_once_and_each_fits_its_deadline():
 
 
 def documented_device_calls() -> list[dict]:
-    """The device calls docs/development.md prepares: each `run` call's command, its carry and timeout_s."""
+    """The device calls docs/development.md prepares: each one's command, carry and timeout_s."""
     text = (REPO / "docs" / "development.md").read_text().split("## When a GPU is available")[1]
     calls = [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, flags=re.S)]
     assert len(calls) == 2 and all(c["carry"] == [".whl"] for c in calls), calls
