@@ -1,9 +1,6 @@
-"""Every bench under bench/ runs: each at toy size, in this process where it can (its main(argv), so torch is not
-imported again), so a moved helper or a renamed key fails here and not in front of the next person who measures.
-The slow smokes, whose time goes to the training processes they start, run side by side, their main(argv) each in a
-fork of one other process (SMOKES). The benches measure nothing here; speed is never asserted. bench/gpu_check.py's
-own smokes: tests/test_gpu_check.py.
-"""
+"""Every bench under bench/ runs at toy size, in this process where it can (its main(argv)), so a moved helper or a
+renamed key fails here. The slow smokes run side by side, each main(argv) in a fork of one other process (SMOKES).
+Speed is never asserted. bench/gpu_check.py's own smokes: tests/test_gpu_check.py."""
 from __future__ import annotations
 
 import json
@@ -35,14 +32,19 @@ def run(name: str, argv: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
+def refused(name: str, argv: list[str], capsys) -> str:
+    """main(argv) of bench NAME, which must exit 2 (bad input); its standard error."""
+    with pytest.raises(SystemExit) as exit:
+        bench(name).main(argv)
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the slow smokes, side by side
 
 NANOGPT = PEERS / "nanoGPT" / "train.py"  # bench/vs_nanogpt.py's peer
-# The slow smokes' arguments (given each one's own directory), by bench: test_NAME_runs judges each. Their time is
-# the training processes they start, each one thread, which one after another would leave a core of the CI
-# machine's 2 idle: tests/bench_smokes.py runs them side by side, each main(argv) in a fork of one process, in this
-# order (the longest chain of processes first, then as this file's tests ask for them), while this process goes on
-# with the tests between them.
+# The slow smokes' arguments (given each one's directory), by bench: test_NAME_runs judges each. tests/bench_smokes.py
+# runs them side by side in this order (the longest chain of processes first), while this process goes on.
 SMOKES: dict[str, Callable[[Path], list[str]]] = {
     "vs_nanogpt": lambda d: ["--smoke", "--part", "step", "--json", str(d / "r.json")],
     "ablation": lambda d: ["--smoke", "--target-bpb", "100", "--json", str(d / "a.json")],
@@ -57,8 +59,8 @@ SMOKES: dict[str, Callable[[Path], list[str]]] = {
 
 
 class Smoke(NamedTuple):
-    out: str  # standard output
-    err: str  # standard error
+    out: str
+    err: str
     dir: Path  # where its --json went
 
 
@@ -93,8 +95,7 @@ class Smokes:
 
 @pytest.fixture(scope="module")
 def smokes(request, tmp_path_factory) -> Iterator[Smokes]:
-    """The slow smokes of this module's selected tests (test_NAME_runs for each NAME of SMOKES), all started when
-    the first of them runs: each test then waits for its own."""
+    """The slow smokes of this module's selected tests, all started when the first of them runs."""
     selected = {item.name for item in request.session.items if item.module is request.module}
     names = [n for n in SMOKES if f"test_{n}_runs" in selected and (n != "vs_nanogpt" or NANOGPT.is_file())]
     started = Smokes(names, tmp_path_factory.mktemp("smokes"))
@@ -133,9 +134,8 @@ def test_checkpoint_save_runs(tmp_path, capsys):
 
 @pytest.mark.slow  # a training process (SMOKES: side by side with the others): ~3.5 s alone on 2 quiet cores
 def test_ablation_runs(smokes):
-    """One whole `python -m nanopt.main` run (the recipe at toy width, a target it meets at its first evaluation:
-    step 1, since the recipe skips step 0's): the summary's keys the table reads; every variant's overrides are
-    checked against the config before it."""
+    """One whole run (the recipe at toy width, a target met at its first evaluation, step 1): the summary's keys
+    the table reads."""
     out, _, where = smokes.result("ablation")
     # Its seconds are the machine's (a loaded one takes longer to step 1): their cell's form, not their value.
     assert re.search(r"\n\| recipe \| 1 ± 0 \| \d+\.\d ± 0\.0 \| - \| `-` \|\n", out), out
@@ -145,8 +145,7 @@ def test_ablation_runs(smokes):
 
 
 def test_ablation_tests_each_variant_against_the_recipe_over_seeds():
-    """Welch's p over the seeds that reached the target: small for a clear difference, large for noise, "equal" for
-    the same constant (steps come in multiples of eval.every), n/a with fewer than two seeds reached."""
+    """Welch's p over the seeds that reached the target; "equal" for the same constant, n/a below two seeds."""
     rows = lambda *xs: [{"reached": x is not None, "steps": x} for x in xs]  # noqa: E731
     p_value = bench("ablation").p_value
     assert float(p_value(rows(100, 101, 99, 100), rows(140, 141, 139, 140), "steps")) < 0.001
@@ -155,28 +154,20 @@ def test_ablation_tests_each_variant_against_the_recipe_over_seeds():
     assert p_value(rows(140, None), rows(140, 140), "steps") == "n/a"
 
 
-def test_ablation_refuses_an_unknown_variant_naming_the_valid_ones(capsys):
-    with pytest.raises(SystemExit) as exit:
-        bench("ablation").main(["--target-bpb", "3", "--only", "recipe,bogus,adamw lr 2e-3 450 steps"])
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.count("\n") == 1, err  # one paragraph, before any run
+def test_ablation_refuses_an_unknown_variant_or_one_whose_override_does_not_load(capsys):
+    err = refused("ablation", ["--target-bpb", "3", "--only", "recipe,bogus,adamw lr 2e-3 450 steps"], capsys)
+    assert err.count("\n") == 1, err  # one paragraph, before any run
     assert "--only names 'bogus', which is not a variant" in err and "'adamw lr 2e-3 450 steps'" in err
     assert "'no qk_norm'" in err and "'relu2 mlp'" in err
-
-
-def test_ablation_refuses_a_variant_whose_override_does_not_load(capsys):
-    with pytest.raises(SystemExit) as exit:
-        bench("ablation").main(["--target-bpb", "3", "--variant", "typo=--model.dimm=8", "--only", "typo"])
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.startswith("bench/ablation.py: variant 'typo' (--model.dimm=8) does not load")
+    err = refused("ablation", ["--target-bpb", "3", "--variant", "typo=--model.dimm=8", "--only", "typo"], capsys)
+    assert err.startswith("bench/ablation.py: variant 'typo' (--model.dimm=8) does not load")
     assert "model.dimm" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.slow  # three training processes side by side (SMOKES): ~7 s alone on 2 quiet cores
 def test_averaging_runs(smokes, capsys):
-    """Three whole runs (cosine, constant, wsd at toy width, side by side), each scored as its last weights, their
-    EMA and the mean of its last 2 checkpoints; run again here with the same --json (one run at a time, a setting
-    the scores do not depend on), the seed is reused, nothing trains."""
+    """Three whole runs (cosine, constant, wsd), each scored as its last weights, EMA and LAWA 2; run again with the
+    same --json (and a setting the scores do not depend on), nothing trains."""
     out, _, where = smokes.result("averaging")
     kept = where / "avg.json"
     assert "3 arms x 1 seed(s), 4 steps, a checkpoint every 2, LAWA of the last 2 at toy size (--smoke), 3 runs at " \
@@ -218,26 +209,19 @@ def test_averaging_compares_each_claim_over_seeds():
     (["--config", str(REPO / "configs" / "tiny.yaml")], "tiny.yaml keeps no EMA (train.ema_decay is 0)"),
 ])
 def test_averaging_refuses_a_layout_or_config_it_cannot_average(argv, words, capsys):
-    with pytest.raises(SystemExit) as exit:
-        bench("averaging").main(argv)
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and err.startswith("bench/averaging.py: ") and words in err, err
-    assert err.count("\n") == 1, err
+    err = refused("averaging", argv, capsys)
+    assert err.startswith("bench/averaging.py: ") and words in err and err.count("\n") == 1, err
 
 
 def test_averaging_refuses_a_json_of_other_settings(tmp_path, capsys):
-    kept = tmp_path / "avg.json"
-    kept.write_text(json.dumps({"settings": {"steps": 80}, "scores": {}}))
-    with pytest.raises(SystemExit) as exit:
-        bench("averaging").main(["--json", str(kept)])
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and f"--json {kept} holds seeds of other settings" in err and err.count("\n") == 1
+    (kept := tmp_path / "avg.json").write_text(json.dumps({"settings": {"steps": 80}, "scores": {}}))
+    err = refused("averaging", ["--json", str(kept)], capsys)
+    assert f"--json {kept} holds seeds of other settings" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow  # a training process (SMOKES): ~3.5 s alone on 2 quiet cores
 def test_omp_policy_runs(smokes):
-    """One real training process; what it measures and each run's result go to stderr as they finish (the full
-    bench is 80 runs: it must not be silent for minutes)."""
+    """Each run's result goes to stderr as it finishes (the full bench is 80 runs: never silent for minutes)."""
     out = smokes.result("omp_policy")
     assert "1 runs of 3 steps" in out.out and "| nanogpt | 1 | quiet | " in out.out and "(1.00x) | PASSIVE |" in out.out
     assert out.err.startswith("measuring nanogpt shape, 1 rank(s), quiet: PASSIVE x 1 round(s)\n")
@@ -245,9 +229,8 @@ def test_omp_policy_runs(smokes):
 
 
 def test_omp_policy_refuses_an_unknown_shape(capsys):
-    with pytest.raises(SystemExit) as exit:
-        bench("omp_policy").main(["--shapes", "tiny,huge"])
-    assert exit.value.code == 2 and "--shapes names huge; the shapes are tiny, nanogpt." in capsys.readouterr().err
+    err = refused("omp_policy", ["--shapes", "tiny,huge"], capsys)
+    assert "--shapes names huge; the shapes are tiny, nanogpt." in err
 
 
 # nanochat's core_eval.py as bench/core_parity.py calls it, answered by nanopt.evals.core_benchmark: the harness (its adapters,
@@ -401,9 +384,7 @@ def test_sample_runs(capsys):
 
 
 def test_sweep_refuses_a_sweep_of_one(capsys):
-    with pytest.raises(SystemExit) as exit:
-        bench("sweep").main(["--runs", "1"])
-    assert exit.value.code == 2 and "a sweep is at least 2 runs" in capsys.readouterr().err
+    assert "a sweep is at least 2 runs" in refused("sweep", ["--runs", "1"], capsys)
 
 
 @pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side (SMOKES): ~4 s alone on 2 quiet cores
@@ -415,8 +396,7 @@ def test_sweep_runs(smokes):
 
 @pytest.mark.slow  # six toy training processes, 2 at a time (SMOKES): ~35 s on 2 loaded cores
 def test_mup_transfer_runs(smokes):
-    """Widths 32 and 64 at 2 lrs, sp and mup: 6 runs (mup at the base width is sp's run, the same bits), the table,
-    the moves of the best lr and the plot."""
+    """Widths 32 and 64 at 2 lrs, sp and mup: 6 runs (mup at the base width is sp's run), the table and plot."""
     out, err, where = smokes.result("mup_transfer")
     runs = json.loads((where / "m.json").read_text())["runs"]
     assert len(runs) == 6 and not any(k.startswith("mup 32 ") for k in runs)
@@ -428,8 +408,7 @@ def test_mup_transfer_runs(smokes):
 
 
 def test_mup_transfer_finds_the_best_lr_between_grid_points():
-    """A parabola in log2(lr) through the grid's best and its neighbours: its vertex; at the grid's edge or next to
-    a diverged run, the grid point itself."""
+    """A parabola's vertex through the grid's best and neighbours; at the edge or by a diverged run, the point."""
     best = bench("mup_transfer").best_log2_lr
     lrs = [2.0 ** e for e in range(-10, -4)]
     assert best(lrs, [(e + 7.3) ** 2 for e in range(-10, -4)]) == pytest.approx(-7.3)
@@ -446,9 +425,7 @@ def test_vs_hf_runs(capsys):
 
 @pytest.mark.slow  # `nanopt prepare`, nanoGPT and nanopt, each a real process (SMOKES): ~9 s alone on 2 quiet cores
 def test_vs_nanogpt_runs(smokes):
-    """The step-time part against the peer itself: nanoGPT's and nanopt's runs alternating, medians, the ratio. The
-    race part runs the same two commands to a target (its nanopt keys and summary: test_ablation_runs, same
-    recipe); `--smoke` without `--part` runs it too (~9 s more)."""
+    """The step-time part against the peer itself (the race part's keys: test_ablation_runs, same recipe)."""
     if not NANOGPT.is_file():
         pytest.skip(f"the peer is absent: no nanoGPT checkout at {NANOGPT.parent} (bench/vs_nanogpt.py's default)")
     out, _, where = smokes.result("vs_nanogpt")
@@ -458,7 +435,5 @@ def test_vs_nanogpt_runs(smokes):
 
 
 def test_vs_nanogpt_names_a_missing_peer(capsys, tmp_path):
-    with pytest.raises(SystemExit) as exit:
-        bench("vs_nanogpt").main(["--nanogpt", str(tmp_path), "--smoke"])
-    err = capsys.readouterr().err
-    assert exit.value.code == 2 and f"--nanogpt {tmp_path} has no train.py: point it at a nanoGPT checkout" in err
+    err = refused("vs_nanogpt", ["--nanogpt", str(tmp_path), "--smoke"], capsys)
+    assert f"--nanogpt {tmp_path} has no train.py: point it at a nanoGPT checkout" in err
