@@ -88,9 +88,8 @@ def test_fp8_share_of_the_1b_model_by_hand():
 
 
 def test_auto_keeps_the_shapes_torchao_measured_slower_and_agrees_with_torchaos_own_filter():
-    """speedrun-gpu's 768-wide blocks: only the up-projection (768 -> 3072) gains under tensorwise, a third of the
-    block FLOPs; rowwise converts none of them. The thresholds are torchao's (its per-recipe auto filter, chosen from
-    H100 measurements): checked against it on a grid of shapes, so a torchao that moves them fails here."""
+    """speedrun-gpu's 768-wide blocks: only the up-projection gains under tensorwise, rowwise none; the thresholds
+    checked against torchao's own auto filter on a grid, so a torchao that moves them fails here."""
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
@@ -108,33 +107,27 @@ def test_auto_keeps_the_shapes_torchao_measured_slower_and_agrees_with_torchaos_
                 assert fp8.converts(recipe, "auto", k, n) == theirs(linear, "layers.0.x"), (recipe, k, n)
 
 
-def test_a_model_too_small_to_gain_converts_nothing_and_says_how_to_force_it(caplog):
+def test_convert_warns_of_a_model_too_small_to_gain_and_of_eager_fp8_on_a_native_device(caplog):
     cfg = fp8_config()
     cfg.train.fp8_filter = "auto"
+    native = cpu(backend=type("Native", (Backend,), {"fp8": "native"})(torch.device("cpu")))
     with caplog.at_level("WARNING", logger="nanopt"):
-        assert fp8.convert(build_model(TOY), cfg, cpu()) == 0
+        assert fp8.convert(build_model(TOY), cfg, cpu()) == 0  # converts nothing, and says how to force it
     assert "no block Linear of this model is large enough" in caplog.text and "fp8_filter=all" in caplog.text
-
-
-def test_eager_fp8_on_a_native_device_warns_that_it_is_slower(caplog):
-    class Native(Backend):
-        fp8 = "native"
-
+    caplog.clear()
     with caplog.at_level("WARNING", logger="nanopt"):
-        assert fp8.convert(build_model(TOY), fp8_config(), cpu(backend=Native(torch.device("cpu")))) > 0
+        assert fp8.convert(build_model(TOY), fp8_config(), native) > 0
     assert "train.compile is false: eager FP8" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="nanopt"):
-        fp8.convert(build_model(TOY), fp8_config("tensorwise", "--train.compile=true"),
-                    cpu(backend=Native(torch.device("cpu"))))
+        fp8.convert(build_model(TOY), fp8_config("tensorwise", "--train.compile=true"), native)
     assert "eager FP8" not in caplog.text
 
 
 @pytest.mark.parametrize("keys", [{"train.micro_batch_size": 3, "train.seq_len": 30},
                                   {"train.seq_len_schedule": "0:16,2:30", "train.micro_batch_size": 1}])
 def test_a_micro_batch_that_fp8s_weight_gradient_cannot_take_is_refused_on_every_device(keys):
-    """torch._scaled_mm contracts the weight gradient over the micro-batch's tokens, in multiples of 16 only: the
-    config check refuses it before anything runs, on CPU too."""
+    """torch._scaled_mm contracts the weight gradient over the micro-batch's tokens, in multiples of 16 only."""
     with pytest.raises(ConfigError, match=r"`train.fp8` is 'tensorwise'.*not a multiple of 16.*train.micro_batch_size"):
         load_config(None, parse_overrides(small_overrides(**keys) + ["--train.fp8=tensorwise"]))
     load_config(None, parse_overrides(small_overrides(**keys)))  # fine without FP8
@@ -156,14 +149,11 @@ def test_emulated_fp8_is_close_to_the_plain_model_forward_and_backward():
 # ---------------------------------------------------------------- the device decides
 
 
-def test_a_device_without_fp8_is_a_config_error_naming_the_key_and_the_fix():
+def test_a_device_without_fp8_or_without_torchao_is_a_config_error_naming_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match=r"`train.fp8` is 'rowwise'.*--train.fp8=none"):
         fp8.convert(build_model(TOY), fp8_config("rowwise"), cpu(backend=Backend(torch.device("cpu"))))
     assert cpu().backend.fp8 == "emulated" and Backend.fp8 is None
     fp8.convert(build_model(TOY), fp8_config("none"), cpu(backend=Backend(torch.device("cpu"))))  # none: nothing asked
-
-
-def test_without_torchao_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # makes the import raise ImportError
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[fp8\]'"):
         fp8.convert(build_model(TOY), fp8_config(), cpu())
@@ -176,5 +166,5 @@ def test_emulation_warns_once_and_mfu_is_labelled_bf16_equivalent(tmp_path, caps
     assert out.count("fp8: emulated on cpu") == 1 and "mfu: bf16-equivalent" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["fp8"] == "tensorwise" and summary["mfu_basis"] == "bf16-equivalent"
-    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(meta_model(fp8_config().model), fp8_config().train,
-                                                                              32))
+    cfg = fp8_config()
+    assert summary["fp8_matmul_flops_share"] == pytest.approx(fp8.flops_share(meta_model(cfg.model), cfg.train, 32))
