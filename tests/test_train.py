@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nanopt.config import ModelConfig, TrainConfig, load_config, parse_overrides, to_yaml
 from nanopt.distributed import parallel, runtime
 from nanopt.errors import ConfigError
+from nanopt.main import run
 from nanopt.recipe.model import build_model
 from nanopt.training import train
 from nanopt.training.plan import build_plan
@@ -22,11 +23,9 @@ from nanopt.training.train import train_step
 
 
 def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
-    """One cadence rule per component: evaluation every eval.every steps, a periodic save every checkpoint.every
-    (the last step's of both come from finish()), and the step before any of them is timed to the end."""
+    """One cadence rule per component (the last step's come from finish()); the step before any is timed to the end."""
     from types import SimpleNamespace
 
-    from nanopt.config import parse_overrides
     from nanopt.evals.tasks import TaskSpec
     from nanopt.training.checkpoint import Checkpointer
     from nanopt.training.train import TaskScorer, Trainer, Validator
@@ -54,8 +53,7 @@ def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
 
 @pytest.mark.parametrize("stopped", [False, True])
 def test_a_finished_runs_rerun_with_a_changed_result_key_is_refused_naming_it_and_the_fixes(tmp_path, stopped):
-    """Before: "is finished; nothing to train", exit 0, though the new target (or corpus, profiling, tasks) was
-    never used. The paragraph names the key, old and new, and each way out."""
+    """Before: "is finished; nothing to train", exit 0, though the new target was never used."""
     cfg = load_config(None, parse_overrides([f"--run.dir={tmp_path}", "--train.target_val_loss=4.0",
                                              f"--train.stop_at_target={stopped}"]))
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
@@ -76,9 +74,7 @@ def test_a_finished_runs_rerun_with_a_changed_result_key_is_refused_naming_it_an
 
 
 def test_a_run_stopped_at_its_target_continues_as_its_advice_says(tmp_path, capsys):
-    """Before: "nothing to train (a longer run: raise train.max_steps ...)", and a raised max_steps was refused as
-    a finished run of another config. Both now name --train.stop_at_target=false, which does continue it."""
-    from nanopt.main import run
+    """Before: "nothing to train (a longer run: raise train.max_steps ...)", and a raised max_steps was refused."""
 
     args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 6, "eval.every": 2,
                                 "checkpoint.every": 2, "log.tensorboard": "false", "train.target_val_loss": 100.0,
@@ -96,9 +92,7 @@ def test_a_run_stopped_at_its_target_continues_as_its_advice_says(tmp_path, caps
 
 
 def test_the_loop_calls_the_step_one_call_below_train(tmp_path, monkeypatch):
-    """From train() to train_step the stack holds only the loop, Trainer.train (issue 51: there were five calls in
-    between, the last through a lambda), on every step."""
-    from nanopt.main import run
+    """From train() to train_step the stack holds only the loop, Trainer.train (issue 51: there were five)."""
 
     step, between = train.train_step, []
 
@@ -117,9 +111,8 @@ def test_the_loop_calls_the_step_one_call_below_train(tmp_path, monkeypatch):
 
 
 def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(caplog):
-    """train.compile_ddp_split is dynamo's optimize_ddp: by default split, but one graph when train.fp8 is on (FP8 +
-    compile + the split fails upstream), saying why; with several sequence lengths the model is compiled with static
-    shapes and room for a graph per length."""
+    """train.compile_ddp_split is dynamo's optimize_ddp: split by default, one graph under train.fp8, saying why;
+    several sequence lengths compile with static shapes and room for a graph per length."""
     # torch's own patch, not monkeypatch: pytest's undo deletes an attribute it did not find in the module's
     # __dict__, and a deleted torch._dynamo.config entry is gone for the session (every later DDP() raises).
     with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=8):
@@ -142,9 +135,8 @@ def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_st
 
 
 def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(monkeypatch):
-    """Under fsdp (a sharded model) the step calls the model itself, whose training forward runs one compiled
-    callable per block (Llama.training_blocks, each wrapping its FSDP-managed block so FSDP2's hooks run around the
-    graph); the module tree and state_dict keys stay the eager model's. Unsharded, the whole model is compiled."""
+    """Sharded, the training forward runs one compiled callable per block (Llama.training_blocks), the module tree and
+    state_dict keys the eager model's; unsharded, the whole model is compiled."""
     model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
     keys, t = list(model.state_dict()), TrainConfig()
     assert isinstance(train.compiled(model, t, build_plan(t, 1)), torch._dynamo.eval_frame.OptimizedModule)
@@ -156,9 +148,8 @@ def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(mo
 
 
 def test_compiled_blocks_share_one_graph_per_sequence_length_and_evaluation_adds_none():
-    """compile_blocks as compiled() calls it under a seq_len schedule (static shapes), with dynamo's eager backend
-    (the tracing without inductor's seconds): 3 blocks, 3 lengths (16 again at the end) -> 3 graphs, not 9 (compile
-    time does not grow with depth) and not a dynamic one; a no_grad forward (evaluation) compiles nothing."""
+    """3 blocks, 3 lengths (16 again at the end) -> 3 graphs, not 9 and not a dynamic one (dynamo's eager backend);
+    a no_grad forward (evaluation) compiles nothing."""
     model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -176,11 +167,9 @@ def test_compiled_blocks_share_one_graph_per_sequence_length_and_evaluation_adds
 
 
 def test_gradients_accumulate_in_ddp_buckets_not_beside_them(monkeypatch):
-    """gradient_as_bucket_view=True only saves memory if the gradients stay bucket views: zero_grad(set_to_none)
-    would free them each step, so the no_sync micro-steps allocated a second set (one tensor per parameter)
-    and the last micro-step copied it into the buckets (GPU review finding 1: 4.6 GiB and a 4.9 GB copy per
-    step at 1B). In-process DDP over gloo, world size 1, two micro-steps per step; built as train builds it, which
-    warns nothing (torch 2.13's FutureWarning on broadcast_buffers came once per rank in every DDP run)."""
+    """zero_grad(set_to_none) freed the bucket views each step, so the no_sync micro-steps allocated a second set
+    and the last copied it in (GPU review finding 1: 4.6 GiB and a 4.9 GB copy per step at 1B). DDP over gloo,
+    world size 1, built as train builds it, which warns nothing (torch 2.13's FutureWarning on broadcast_buffers)."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
