@@ -394,13 +394,20 @@ def toy_won(run_dir: Path, toy: str) -> list[str]:
     return lost
 
 
-def check(step: Step, where: str, cwd: Path, capfd, beside: Optional[Beside] = None) -> None:
+def check(step: Step, where: str, cwd: Path, capfd, factory, beside: Optional[Beside] = None) -> None:
     before = {name: (cwd / name).read_bytes() for name in step.same}
     if step.beside:
         code, out, err = beside.result(step)
+    elif step.doc in DONE:  # a shared step that ran already: a copy of its runs, its output
+        code, out, err = copy_runs(step, cwd)
     else:
         code = execute(shlex.split(step.run or step.doc) + shlex.split(step.toy))
         out, err = capfd.readouterr()
+        if step.doc in SHARED:
+            store = factory.mktemp("shared")
+            for run in step.summary:
+                shutil.copytree(cwd / run, store / run, symlinks=True)
+            DONE[step.doc] = store, (code, out, err)
     what = f"{where}: `{step.run or step.doc}` + `{step.toy}`"
     tail = (out + err)[-4000:]
     assert code == step.code, f"{what} exited {code}, the page says {step.code}:\n{tail}"
@@ -491,27 +498,25 @@ def write_user_files(cwd: Path, names: tuple[str, ...]) -> None:
         (cwd / name).write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
 
-SET_UP: dict[str, Path] = {}  # a setup step's command -> a directory holding the run directories it wrote
-SETUP_DOCS = {step.doc for page in WALKS.values() for step in page.setup}
+# Steps that read nothing a page wrote before them run once in the module (every page's setup steps, and the profiled
+# run of README.md and docs/profiling.md): a later page gets a copy of their runs as they were, and their output.
+SHARED = {step.doc for page in WALKS.values() for step in page.setup} | {PROFILED.doc}
+DONE: dict[str, tuple[Path, tuple[int, str, str]]] = {}  # a shared step -> a copy of its runs, its exit and output
 
 
-def keep_for_setup(step: Step, cwd: Path, store: Path) -> None:
-    """A page that runs another page's setup step leaves its runs for that page, as they are right after it."""
-    if step.doc in SETUP_DOCS and step.doc not in SET_UP:
-        for run in step.summary:
-            shutil.copytree(cwd / run, store / run, symlinks=True)
-        SET_UP[step.doc] = store
-
-
-def set_up(step: Step, cwd: Path, store: Path, capfd, monkeypatch) -> None:
-    if step.doc not in SET_UP:
-        (store / "configs").symlink_to(REPO / "configs")
-        monkeypatch.chdir(store)
-        check(step, "a setup step", store, capfd)
-        monkeypatch.chdir(cwd)
-        SET_UP[step.doc] = store
+def copy_runs(step: Step, cwd: Path) -> tuple[int, str, str]:
+    store, result = DONE[step.doc]
     for run in step.summary:
-        shutil.copytree(SET_UP[step.doc] / run, cwd / run, symlinks=True)
+        shutil.copytree(store / run, cwd / run, symlinks=True)
+    return result
+
+
+def set_up(step: Step, cwd: Path, factory, capfd, monkeypatch) -> None:
+    if step.doc not in DONE:
+        monkeypatch.chdir(store := clone_root(factory.mktemp("setup")))
+        check(step, "a setup step", store, capfd, factory)
+        monkeypatch.chdir(cwd)
+    copy_runs(step, cwd)
 
 
 @pytest.mark.slow
@@ -520,8 +525,7 @@ def test_page_walk(name: str, page_dir: Path, capfd, monkeypatch, tmp_path_facto
     page = WALKS[name]
     write_user_files(page_dir, page.user_files)
     for step in page.setup:
-        set_up(step, page_dir, tmp_path_factory.mktemp("setup"), capfd, monkeypatch)
+        set_up(step, page_dir, tmp_path_factory, capfd, monkeypatch)
     for step in page.steps:
         if not step.skip:
-            check(step, name, page_dir, capfd, beside_steps[name][1] if step.beside else None)
-            keep_for_setup(step, page_dir, tmp_path_factory.mktemp("setup"))
+            check(step, name, page_dir, capfd, tmp_path_factory, beside_steps[name][1] if step.beside else None)
