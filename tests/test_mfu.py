@@ -187,9 +187,7 @@ def test_power_limit_and_override_choose_the_peak():
     forced = load_config(None, [("mfu.hardware", "a100"), ("train.precision", "fp32")])
     peak, where = mfu.run_peak(forced, named_device("NVIDIA Z100 Hypothetical"))
     assert peak == pytest.approx(156e12) and "mfu.hardware" in where
-
-
-    with pytest.raises(ConfigError, match="h100-sxm"):
+    with pytest.raises(ConfigError, match="h100-sxm"):  # an unknown override
         load_config(None, [("mfu.hardware", "z100")])
 
 
@@ -231,7 +229,7 @@ def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12
     return out
 
 
-def test_grad_accumulation_and_world_size_do_not_change_mfu():
+def test_grad_accumulation_and_world_size_do_not_change_mfu_in_any_convention():
     reference = simulated_mfu(world=1, accum=1)
     assert reference[0]["mfu"] is None  # the window (1..3] holds the 2 warm-up steps
     expected = 4 * 256 / 0.02 * model_flops(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
@@ -243,8 +241,6 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
                 assert a[key] == b[key] if a[key] is None else a[key] == pytest.approx(b[key])
     # ... and a device twice as fast reports twice the MFU (the comparison above can fail).
     assert simulated_mfu(8, 4, micro_s=0.01)[1]["mfu"] == pytest.approx(2 * reference[1]["mfu"])
-
-
     values = simulated_mfu(world=2, accum=2)[-1]  # 6N leaves out attention, full attention counts the square
     m = load_config(REPO / "configs" / "tiny.yaml").model
     assert values["mfu_6n"] / values["mfu"] == pytest.approx(six_n(m) / model_flops(m, 256))
@@ -252,14 +248,17 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu():
         pytest.approx(model_flops(m, 256, causal_halving=False) / model_flops(m, 256))
 
 
-def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention():
-    """The measured H100 run (bench/results/gpu_check_h100_shipped.json) in the three conventions."""
+def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention(capsys):
+    """The measured H100 run (bench/results/gpu_check_h100_shipped.json) in the three conventions, as the meter
+    and `nanopt estimate` give them."""
     cfg = load_config(REPO / "configs" / "1b.yaml", [("train.global_batch_tokens", 131072)])
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"), start_step=0)
     meter.update(step=4, window_steps=2, step_seconds=131072 / 61694.726858213675)
     summary = meter.summary()
     assert [round(100 * summary[k], 1) for k in ("mfu", "mfu_6n", "mfu_full_attention")] == [51.3, 46.2, 56.3]
     assert summary["mfu_basis"] is None and summary["flops_per_token_full_attention"] == 9_025_499_136
+    out = run_estimate(capsys, ["estimate", str(REPO / "configs" / "1b.yaml"), "--mfu", "0.5126"])
+    assert "51.3% MFU here = 46.2% in 6N alone (the blog) = 56.3% with full attention (nanochat, torchtitan)" in out
 
 
 def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
@@ -338,11 +337,6 @@ def test_estimate_assumes_the_devices_the_config_is_sized_for_unless_told(capsys
     assert (given["gpus"], given["gpus_source"]) == (2, "--gpus")
     assert given["hours"] == pytest.approx(got["hours"] * devices / 2)
     assert given["gpu_hours"] == pytest.approx(got["gpu_hours"])
-
-
-def test_estimate_prints_the_three_conventions(capsys):
-    out = run_estimate(capsys, ["estimate", str(REPO / "configs" / "1b.yaml"), "--mfu", "0.5126"])
-    assert "51.3% MFU here = 46.2% in 6N alone (the blog) = 56.3% with full attention (nanochat, torchtitan)" in out
 
 
 def test_estimate_trains_the_schedule_stage_by_stage(capsys):
