@@ -48,24 +48,18 @@ def test_with_the_package_auto_picks_flash_only_on_a_gpu_where_gpu_check_measure
     assert choose("auto", "cuda", "bf16", "NVIDIA A100-SXM4-80GB") == ("sdpa", sdpa)  # another GPU: not measured
 
 
-def test_an_fp32_run_on_cuda_keeps_sdpa_because_flash_rejects_fp32(monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))
-    assert "fp16/bf16 only" in flash_unavailable_reason("cuda", "fp32")
-    kept = ("sdpa (K/V repeated)", attention.sdpa_repeat_kv)  # SDPA in the form that keeps a fused kernel (below)
-    with caplog.at_level(logging.INFO, logger="nanopt"):
-        assert choose("auto", "cuda", "fp32") == kept
-        assert choose("flash", "cuda", "fp32") == kept
-    assert "train.precision is fp32" in caplog.text
-
-
-def test_fp32_on_cuda_repeats_kv_heads_so_sdpa_keeps_a_fused_kernel(monkeypatch, caplog):
+@pytest.mark.parametrize("flash_attn", [type(sys)("flash_attn"), None], ids=["installed", "absent"])
+def test_fp32_on_cuda_keeps_sdpa_and_repeats_kv_heads_so_it_keeps_a_fused_kernel(flash_attn, monkeypatch, caplog):
     # bench/gpu_check.py on an H100 (torch 2.11): fp32 with enable_gqa -> MATH kernel, 8.1 GiB for one 1B layer's
     # scores; K/V repeated -> EFFICIENT_ATTENTION, 0.25 GiB. Elsewhere enable_gqa stays (no copies of K/V).
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn)
+    if flash_attn is not None:  # flash-attn rejects fp32
+        assert "fp16/bf16 only" in flash_unavailable_reason("cuda", "fp32")
     with caplog.at_level(logging.INFO, logger="nanopt"):
         for name in ("sdpa", "auto", "flash"):
             assert choose(name, "cuda", "fp32") == ("sdpa (K/V repeated)", attention.sdpa_repeat_kv)
     assert "fp32 or enable_gqa, not both" in caplog.text
+    assert flash_attn is None or "train.precision is fp32" in caplog.text
     for device, precision in (("cuda", "bf16"), ("cpu", "fp32"), ("cpu", "bf16")):
         assert choose("sdpa", device, precision) == ("sdpa", sdpa)
 
@@ -76,12 +70,9 @@ def test_sdpa_with_repeated_kv_heads_equals_sdpa_with_enable_gqa(kv_heads):
     g = torch.Generator().manual_seed(kv_heads)
     q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)  # B Hq T D
     k, v = (torch.randn(2, kv_heads, 16, 8, generator=g, requires_grad=True) for _ in range(2))  # B Hkv T D
-    out = attention.sdpa_repeat_kv(q, k, v)
-    ref = sdpa(q, k, v)
+    out, ref = attention.sdpa_repeat_kv(q, k, v), sdpa(q, k, v)
     torch.testing.assert_close(out, ref)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(*(torch.autograd.grad(o.square().sum(), (q, k, v)) for o in (out, ref))):
         torch.testing.assert_close(got, want)
 
 
@@ -95,19 +86,15 @@ def test_flash_matches_sdpa_on_cuda(kv_heads, tq, tk):
     """Same outputs as SDPA in bf16, for MHA, GQA, one-token decoding and a chunk of new tokens after a cache."""
     torch.manual_seed(0)
     q = torch.randn(2, 8, tq, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16)
-    offset = tk - tq
-    ref = sdpa(q.float(), k.float(), v.float(), offset)
-    out = attention.flash(q, k, v, offset)
+    k, v = (torch.randn(2, kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref, out = sdpa(q.float(), k.float(), v.float(), tk - tq), attention.flash(q, k, v, tk - tq)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_flash_wrapper_hands_flash_attn_one_half_dtype_and_returns_the_callers(monkeypatch):
-    """CPU twin of the flash path's layout and dtype handling: a stand-in flash_attn_func that enforces
-    flash-attn's input rules (B T H D, fp16/bf16 only, one dtype) and computes causal attention with SDPA.
-    The real kernel's numerics are the CUDA test above."""
+    """CPU twin of the flash path: a stand-in flash_attn_func enforcing flash-attn's input rules (B T H D, one half
+    dtype), computing with SDPA."""
     seen = []
 
     def flash_attn_func(q, k, v, causal):
