@@ -42,12 +42,9 @@ def test_the_average_starts_at_ema_start_as_the_weights_then_follows_the_decay()
     ema.update(4)  # 0.75 * 5
     assert all(torch.equal(a, torch.full_like(a, 3.75)) for a in ema.averaged)
     assert all(a.dtype == torch.float32 for a in ema.averaged)
-
-
-def test_a_resumed_run_at_or_past_ema_start_begins_from_its_weights():
-    model = _model()
+    # A resumed run at or past ema_start begins from its weights (ema_start 0: the initial weights), in a copy.
     ema = EMA(model, 0.9, start=0)
-    ema.begin(0)  # ema_start 0: the initial weights
+    ema.begin(0)
     assert ema.started and all(torch.equal(a, p) for a, p in zip(ema.averaged, model.parameters()))
     assert all(a.data_ptr() != p.data_ptr() for a, p in zip(ema.averaged, model.parameters()))
 
@@ -68,13 +65,7 @@ def test_swapping_in_and_back_is_exact_and_leaves_the_average_alone(dtype):
             assert torch.equal(p, a.to(dtype))
     assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own))
     assert all(torch.equal(a, b) for a, b in zip(ema.averaged, average))
-
-
-def test_before_ema_start_the_model_keeps_its_own_weights_and_says_so():
-    model = _model()
-    ema = EMA(model, 0.5, start=10)
-    own = [p.detach().clone() for p in model.parameters()]
-    with ema.swapped() as weights:
+    with EMA(model, 0.5, start=10).swapped() as weights:  # before ema_start the model keeps its own, and says so
         assert weights == "model"
     assert all(torch.equal(p, o) for p, o in zip(model.parameters(), own))
 
