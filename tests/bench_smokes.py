@@ -1,11 +1,8 @@
-"""Runs tests/test_bench.py's slow bench smokes side by side: each bench's main(argv) in a fork of this process,
-which imports torch and the benches once and runs no torch op before it forks. (Not forks of pytest's process: a fork
-of a process whose OpenMP threads have run hangs in its first parallel region.)
+"""Runs tests/test_bench.py's slow bench smokes side by side, each main(argv) in a fork of this process, which runs
+no torch op before it forks (a fork of a process whose OpenMP threads have run hangs: not forks of pytest's).
 
-`python tests/bench_smokes.py OUT '{"NAME": [ARG, ...], ...}'`: the benches in that order, AT_ONCE at a time; for each
-NAME, OUT/NAME/stdout.txt and OUT/NAME/stderr.txt as it runs, then OUT/NAME/rc, its exit code, once it has finished;
-this process exits when all have.
-"""
+`python tests/bench_smokes.py OUT '{"NAME": [ARG, ...], ...}'`: AT_ONCE at a time, in that order; OUT/NAME/stdout.txt
+and stderr.txt as each runs, then OUT/NAME/rc, its exit code."""
 from __future__ import annotations
 
 import importlib
@@ -17,14 +14,13 @@ from pathlib import Path
 from types import ModuleType
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-# Each smoke runs one to three single-threaded processes at a time: three smokes keep the CI machine's 2 cores busy
-# (more cores, more smokes), and the first ones finish early (all at once, each would take as long as all of them).
+# Each smoke runs one to three single-threaded processes: three smokes keep 2 cores busy, the first finishing early.
 AT_ONCE = max(3, os.cpu_count() or 1)
 
 
 def run(bench: ModuleType, argv: list[str], out: Path) -> int:
-    """In the fork: the bench's main(argv) with its output in OUT (the file descriptors too, for whatever its own
-    processes print there); the exit code `python bench/NAME.py ARGS` would have."""
+    """In the fork: main(argv) with its output (file descriptors too) in OUT; the exit code `python bench/NAME.py`
+    would have."""
     stdout, stderr = open(out / "stdout.txt", "w"), open(out / "stderr.txt", "w")
     os.dup2(stdout.fileno(), 1)
     os.dup2(stderr.fileno(), 2)
