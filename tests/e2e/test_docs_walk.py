@@ -1,25 +1,15 @@
 """The pages, walked: every command in a ```bash block of README.md and docs/*.md runs as its page writes it, in
-page order (a sweep from the walk's start, beside the steps before it: below), in a fresh directory of its own
-(runs/, data/, tasks/ and exported/ land in tmp), at toy size, and does what its page promises: its exit status,
-the files it writes, the lines it prints, the summary it leaves. A command that cannot run here (a GPU, Modal, a
-TPU, the network, a pip install) says why. A command on a page that WALKS lacks, or a step no longer on its page,
-fails test_every_page_command_is_walked (quick: nothing runs), so a page and the code cannot drift apart unseen.
+page order, in a fresh directory of its own, at toy size, and does what its page promises: its exit status, the
+files it writes, the lines it prints, the summary it leaves. A command that cannot run here (a GPU, Modal, a TPU,
+the network, a pip install) says why. A command a page has and WALKS lacks, or a step no longer on its page, fails
+test_every_page_command_is_walked (quick: nothing runs). Inline commands are walked where a page relies on them
+(`said`: the page's words); bench/ commands are left to tests/test_bench.py.
 
-Inline commands are walked where a page relies on them: the README's quick start says what re-running the main
-job does (`said` holds the page's words, checked in its prose). Untagged blocks are transcripts (`$ nanopt ...`
-with `...`), not walked; bench/ commands are left to tests/test_bench.py's smoke runs.
-
-How a step runs: `nanopt ...`, `python -m nanopt.main|nanopt.cli ...` and `python -c` in this process (a process
-each would pay torch's import again); torchrun as a real process. A sweep, whose runs are processes anyway, is a
-`beside` step: from the walk's start, the beside steps run one after another as `python -m nanopt.cli sweep ...`
-(torch-free) in their pages' directories, their runs training on the second core while the steps before them train
-here on one; such a step reads only configs/, no step before it reads what it writes, and it is checked at its place
-in its page.
-
-At toy size: the page's argv, then the step's `toy` flags appended; a later `--section.key=value` wins, which the
-walk checks in each run's config.yaml. Step counts stay the page's (150 steps of a 64-wide model take about 1.5 s),
-so checkpoint names, cadences and what later steps read are the page's; a run that nothing reads after it (no
-checkpoint name, no cadence, no later step) trains 20 (BRIEF)."""
+`nanopt ...`, `python -m nanopt.main|nanopt.cli ...` and `python -c` run in this process, torchrun as a process. A
+sweep is a `beside` step: from the walk's start, `python -m nanopt.cli sweep ...` in its page's directory, its runs
+training on the second core; it reads only configs/ and is checked at its place in its page. At toy size: the page's
+argv, then the step's `toy` flags (a later flag wins, checked in each run's config.yaml). Step counts stay the page's
+where anything reads them; a run that nothing reads after it trains 20 (BRIEF)."""
 from __future__ import annotations
 
 import json
