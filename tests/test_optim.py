@@ -36,21 +36,8 @@ def by_kind(groups: list[dict]) -> dict[str, dict]:
     return {g["kind"]: g for g in groups}
 
 
-def test_norm_gains_do_not_decay_and_tied_weights_appear_once():
-    model = tiny()
-    groups = param_groups(model, TrainConfig(weight_decay=0.1))
-    for g in groups:  # every matrix decays with 0.1, every vector not at all
-        assert all(p.dim() == 2 for p in g["params"]) or all(p.dim() == 1 for p in g["params"])
-        assert g["weight_decay"] == (0.1 if g["params"][0].dim() == 2 else 0.0)
-    assert len(by_kind(groups)["scalar"]["params"]) == 2 * 2 + 1  # two norms per layer + the final norm
-    ids = [id(p) for g in groups for p in g["params"]]
-    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
-    opt = build_optimizer(model, TrainConfig(), "cpu")
-    assert opt.defaults["betas"] == (0.9, 0.95)
-
-
 @pytest.mark.parametrize("tie", [True, False])
-def test_groups_are_kinds_in_a_fixed_order_with_every_param_once(tie):
+def test_groups_are_kinds_in_a_fixed_order_with_every_param_once_and_no_vector_decays(tie):
     model = tiny(tie)
     cfg = TrainConfig(lr=0.02, weight_decay=0.3)
     groups = param_groups(model, cfg)
@@ -63,13 +50,18 @@ def test_groups_are_kinds_in_a_fixed_order_with_every_param_once(tie):
     block_linears = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert {id(p) for p in g["matrix"]["params"]} == {id(p) for p in block_linears}
     assert len(g["matrix"]["params"]) == 7 * 2  # wq wk wv wo w1 w2 w3 per layer
+    assert len(g["scalar"]["params"]) == 2 * 2 + 1  # two norms per layer + the final norm
     ids = [id(p) for x in groups for p in x["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each exactly once
-    for x in groups:  # today every kind runs at the one lr; only scalars skip decay
-        assert x["base_lr"] == 0.02 and x["weight_decay"] == (0.0 if x["kind"] == "scalar" else 0.3)
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    for x in groups:  # today every kind runs at the one lr; only scalars (every vector) skip decay
+        assert all(p.dim() == 2 for p in x["params"]) or all(p.dim() == 1 for p in x["params"])
+        assert x["base_lr"] == 0.02 and x["weight_decay"] == (0.0 if x["params"][0].dim() == 1 else 0.3)
+        assert x["weight_decay"] == (0.0 if x["kind"] == "scalar" else 0.3)
     opt = build_optimizer(model, cfg, "cpu")
     assert [x["lr"] for x in opt.param_groups] == [0.02] * len(groups)
     assert [x["kind"] for x in opt.param_groups] == [x["kind"] for x in groups]
+    assert opt.defaults["betas"] == (0.9, 0.95)
 
 
 COSINE = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1, schedule="cosine")
