@@ -92,20 +92,16 @@ def test_mup_at_the_base_width_is_sp_exactly():
     assert lrs[0] == lrs[1]
 
 
-def test_sp_logits_are_the_head_of_the_hidden_states_unscaled():
+def test_mup_scales_the_logits_and_the_hidden_init_by_the_width_and_sp_does_not():
+    """4x the base width: logits = head(h) / 4; hidden matrices' std init_std / 2, the embedding's and an untied
+    head's init_std. sp's logits are the head of the hidden states, unscaled."""
     model = build_model(ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128,
                                     max_seq_len=8, mup_base_dim=16))  # a base dim sp ignores
     idx = torch.randint(0, 64, (2, 8))
     assert torch.equal(model(idx), model.lm_head(model.hidden(idx)))
-
-
-def test_mup_scales_the_logits_and_the_hidden_init_by_the_width():
-    """4x the base width: logits = head(h) / 4; hidden matrices' std init_std / 2, the embedding's and an untied
-    head's init_std."""
     cfg = ModelConfig(vocab_size=512, dim=256, n_layers=2, n_heads=8, n_kv_heads=8, ffn_dim=768, max_seq_len=8,
                       tie_embeddings=False, parametrization="mup", mup_base_dim=64)
-    model = build_model(cfg)
-    idx = torch.randint(0, 512, (2, 8))
+    model, idx = build_model(cfg), torch.randint(0, 512, (2, 8))
     torch.testing.assert_close(model(idx), model.lm_head(model.hidden(idx)) / 4)
     assert cfg.width_mult == 4.0
     assert model.layers[0].attention.wq.weight.std().item() == pytest.approx(cfg.init_std / 2, rel=0.05)
