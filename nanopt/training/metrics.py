@@ -171,10 +171,12 @@ def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ran
     parts = [f"step {step:>6}/{max_steps}", f"loss {v['loss']:.4f}", f"lr {v['lr']:.2e}",
              f"{v['step_ms']:7.1f} ms/step", f"{v['tokens_per_s']:>9,.0f} tok/s", f"mfu {mfu_text}",
              f"eta {format_duration(v.get('eta_s', 0.0))}"]
-    if v.get("peak_memory_gib") is not None:  # reserved: what CUDA's caching allocator holds, what runs out
-        reserved, rank = v.get("peak_reserved_gib"), v.get("peak_memory_rank")
-        parts.insert(-1, f"mem {v['peak_memory_gib']:.2f} GiB" + (f" @rank {rank}" if ranks > 1 and rank is not None
-                         else "") + ("" if reserved is None else f" ({reserved:.2f} reserved)"))
+    if v.get("peak_memory_gib") is not None:  # None where the device cannot tell
+        # CUDA adds what the caching allocator reserved: that, not the allocated peak, is what runs out.
+        reserved, memory = v.get("peak_reserved_gib"), f"mem {v['peak_memory_gib']:.2f} GiB"
+        if ranks > 1 and v.get("peak_memory_rank") is not None:
+            memory += f" @rank {v['peak_memory_rank']}"
+        parts.insert(-1, memory + ("" if reserved is None else f" ({reserved:.2f} reserved)"))
     return " | ".join(parts)
 
 
