@@ -136,14 +136,21 @@ class Gate(torch.nn.Module):  # a parameterised module type init_weights has no 
     (lambda m: setattr(m.layers[0].mlp.w1, "bias", torch.nn.Parameter(torch.empty(160))),
      r"layers\.0\.mlp\.w1\.bias \(Linear\)"),
 ], ids=["module-type", "linear-bias"])
-def test_init_raises_naming_a_parameter_without_a_rule(add, named, monkeypatch):
+def test_init_raises_naming_a_parameter_without_a_rule(add, named):
     model = build_model(small())
     add(model)
     with pytest.raises(TypeError, match=named):
         model.init_weights()
-    original = Block.__init__  # a bare parameter, e.g. a learned residual scale added later
-    monkeypatch.setattr(Block, "__init__", lambda self, *a, **k: (original(self, *a, **k), setattr(
-        self, "scale", torch.nn.Parameter(torch.ones(()))))[0])
+
+
+def test_build_model_raises_on_a_bare_parameter_without_a_rule(monkeypatch):
+    original = Block.__init__
+
+    def with_scalar(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.scale = torch.nn.Parameter(torch.ones(()))  # e.g. a learned residual scale added later
+
+    monkeypatch.setattr(Block, "__init__", with_scalar)
     with pytest.raises(TypeError, match=r"layers\.0\.scale \(Block\)"):
         build_model(small())
 
