@@ -25,7 +25,7 @@ ARGS = small_overrides(**{"train.fp8": "tensorwise", "train.fp8_filter": "all", 
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
 
 
@@ -36,9 +36,8 @@ def weights(run_dir: Path) -> bytes:
 @pytest.mark.slow
 def test_an_fp8_run_learns_resumes_bit_exactly_exports_plain_weights_compiles_and_keeps_ddp_replicas_identical(
         tmp_path):
-    """One fp8 run, the reference for all of it: a run killed in step 5 resumes to its bits, compiled it gives the
-    same losses, and its checkpoint is a plain model's (export writes ordinary weights, a bf16 run resumes it);
-    two ranks (a torchrun meanwhile) end with identical replicas."""
+    """One fp8 run, the reference for all of it: killed in step 5 it resumes to its bits, compiled it gives the same
+    losses, its checkpoint is a plain model's; two ranks (a torchrun meanwhile) end with identical replicas."""
     reference, resumed, compiled, ddp = (tmp_path / name for name in ("reference", "resumed", "compiled", "ddp"))
     ddp_finished = torchrun_started(2, [*ARGS, f"--run.dir={ddp}", "--train.max_steps=4"])
     assert run([*ARGS, f"--run.dir={reference}"]) == 0

@@ -59,9 +59,8 @@ def test_a_scheduled_run_counts_its_stages_and_resumes_mid_stage_bit_exactly(tmp
 @pytest.mark.slow
 def test_compiled_each_seq_len_is_one_static_graph_a_batch_change_none_and_a_recompile_no_mfu_figure(tmp_path,
                                                                                                   corpus_dir):
-    """micro_batch_size is fixed, so a batch change is shape-free. Three lengths (16, 32, then 8): under dynamo's
-    default the second recompiles with T dynamic and the third reuses that slower graph; static, each length is its
-    own graph, 3 x one length's. The first step of each stage, logged alone with its compile, has no MFU."""
+    """A batch change is shape-free (micro_batch_size is fixed); three lengths are three static graphs, 3 x one
+    length's (dynamo's default would reuse a slower dynamic one). Each stage's first step, alone, has no MFU."""
     counts = {}
     for name, seq_schedule in (("one", ""), ("three", "0:16,2:32,4:8")):
         torch._dynamo.reset()
