@@ -5,7 +5,7 @@ import argparse
 import sys
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 from nanopt.config import load_config, parse_overrides, split_args
 from nanopt.data.prepare import STATS, output_dir, prepare_with_retries, sample_documents, transient_errors
@@ -31,21 +31,19 @@ is kept, so run it again to resume), 2 bad input.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one paragraph and exit 2, like every other bad input
-        raise ConfigError(f"command line: {message}.")
-
-
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
     setup_logging(is_main=True)
-    p = _Parser(add_help=False, allow_abbrev=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     p.add_argument("--sample-documents", type=int)
     p.add_argument("--verify", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    args, rest = p.parse_known_args(argv)
+    try:
+        args, rest = p.parse_known_args(argv)
+    except argparse.ArgumentError as e:  # one paragraph and exit 2, like every other bad input
+        raise ConfigError(f"command line: {e}.") from None
     sample_n = args.sample_documents
     if sample_n is not None and sample_n <= 0:
         raise ConfigError(f"command line: `--sample-documents` takes a positive number of documents, got {sample_n}.")

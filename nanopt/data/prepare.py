@@ -8,6 +8,7 @@ never retried as a source failure is.
 """
 from __future__ import annotations
 
+import copy
 import glob
 import hashlib
 import itertools
@@ -315,7 +316,7 @@ class ShardWriter:
         # Intact shards after the lost one stay on disk, listed under "rebuild" until re-made and found identical.
         self.manifest["rebuild"] = entries[first:] + self.manifest.get("rebuild", [])
         self.manifest["shards"] = entries[:first]
-        self.state = json.loads(json.dumps(entries[first - 1]["after"])) if first else self._initial_state()
+        self.state = copy.deepcopy(entries[first - 1]["after"]) if first else self._initial_state()
         self.manifest["state"] = self.state
         write_json(self.out / shards.MANIFEST, self.manifest)
 
@@ -366,11 +367,8 @@ class ShardWriter:
     def _save_doclens(self) -> None:
         name = self.budgets[min(self.state["split_index"], len(self.budgets) - 1)][0]
         path = self.out / f".doclens-{name}.u32"
-        fd = open_append(path)
-        try:  # one write, cut back on a full disk: the file keeps the committed prefix the manifest names
-            append_bytes(fd, np.asarray(self.doclens, dtype=np.uint32).tobytes(), path)
-        finally:
-            os.close(fd)
+        with os.fdopen(open_append(path), "ab") as f:  # one write, cut back on a full disk: the committed prefix stays
+            append_bytes(f.fileno(), np.asarray(self.doclens, dtype=np.uint32).tobytes(), path)
         self.state["doclens"][name] += len(self.doclens)
         self.doclens = []
 
@@ -391,7 +389,7 @@ class ShardWriter:
             st["shard_index"] = st["split_tokens"] = 0
             if st["split_index"] == len(self.budgets):
                 st["complete"] = True
-        entry["after"] = json.loads(json.dumps(st))  # where to restart if a later shard is lost
+        entry["after"] = copy.deepcopy(st)  # where to restart if a later shard is lost
         self.manifest["shards"].append(entry)
         write_json(self.out / shards.MANIFEST, self.manifest)  # last: the commit point
 

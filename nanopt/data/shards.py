@@ -197,14 +197,13 @@ def split_paths(directory: Path, split: str) -> list[Path]:
 MANIFEST = "manifest.json"
 SPLITS = ("val", "test", "train")
 # The only names `nanopt prepare` gives shards: f"{split}_{index:06d}.bin" (seven digits only past index 999999).
-_SHARD_NAME = re.compile(rf"(?:{'|'.join(SPLITS)})_([0-9]{{6,}})\.bin")
+_SHARD_NAME = re.compile(rf"(?:{'|'.join(SPLITS)})_(?:[0-9]{{6}}|[1-9][0-9]{{6,}})\.bin")
 _NAME_FIX = "{split}_NNNNNN.bin"
 
 
 def is_shard_name(name: object) -> bool:
     """Exactly the names `nanopt prepare` writes shards under: no directory part, no `..`."""
-    m = _SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
-    return m is not None and f"{int(m[1]):06d}" == m[1]
+    return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None
 
 
 def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:

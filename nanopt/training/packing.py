@@ -6,6 +6,7 @@ every rank plans the same rows and reads tokens for its own: the rows do not dep
 shard's BOS positions are cached under io.cache_dir() (bos_index), so a start need not read every train token."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import struct
@@ -140,6 +141,11 @@ class Documents:
                 pos, start, take = pos + n, start + n, take - n
 
 
+@functools.lru_cache(maxsize=4)  # an epoch's order, drawn once per packer
+def _order(n: int, seed: int) -> np.ndarray:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+
+
 class Packer:
     """The plan: which documents fill each row, from their lengths alone. Documents enter the buffer in a seeded
     order per epoch; the buffer is a sorted list of (length, pull number, document), so the best fit is one
@@ -151,17 +157,13 @@ class Packer:
         self.epoch, self.cursor = 0, 0
         self.buffer: list[tuple[int, int, int]] = []
         self.rows, self.placed, self.cropped = 0, 0, orphans
-        self._order_epoch, self._order = -1, np.zeros(0, dtype=np.int64)
 
     def _next_document(self) -> tuple[int, int, int]:
         n = len(self.lengths)
         if self.cursor == n:
             self.epoch, self.cursor = self.epoch + 1, 0
             self.cropped += self.orphans  # each epoch passes over them once
-        if self._order_epoch != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._order, self._order_epoch = torch.randperm(n, generator=g).numpy(), self.epoch
-        doc, self.cursor = int(self._order[self.cursor]), self.cursor + 1
+        doc, self.cursor = int(_order(n, self.seed * 1_000_003 + self.epoch)[self.cursor]), self.cursor + 1
         return int(self.lengths[doc]), self.epoch * n + self.cursor - 1, doc
 
     def row(self, size: int) -> list[tuple[int, int]]:
