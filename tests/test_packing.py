@@ -70,7 +70,7 @@ def test_no_token_is_lost_silently_across_epochs(tmp_path):
     total = int(docs.lengths.sum())
     for _ in range(400):  # several epochs
         packer.row(25)
-        order = packing._order(len(docs), 3 * 1_000_003 + packer.epoch)  # seed 3's order of this epoch
+        order = packing._order(len(docs.lengths), 3 * 1_000_003 + packer.epoch)  # seed 3's order of this epoch
         pulled = packer.epoch * total + int(docs.lengths[order[: packer.cursor]].sum())
         buffered = sum(length for length, _, _ in packer.buffer)
         assert packer.placed + packer.cropped + buffered == pulled + 3 * (packer.epoch + 1)

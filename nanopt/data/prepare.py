@@ -387,8 +387,7 @@ class ShardWriter:
         if st["split_tokens"] == self._budget():  # never equal to None, the budget of "until the source ends"
             st["split_index"] += 1
             st["shard_index"] = st["split_tokens"] = 0
-            if st["split_index"] == len(self.budgets):
-                st["complete"] = True
+            st["complete"] = st["split_index"] == len(self.budgets)
         entry["after"] = copy.deepcopy(st)  # where to restart if a later shard is lost
         self.manifest["shards"].append(entry)
         write_json(self.out / shards.MANIFEST, self.manifest)  # last: the commit point

@@ -125,9 +125,6 @@ class Documents:
         self.lengths = np.diff(np.append(self.starts, self.offsets[-1]))
         self.orphans = int(self.starts[0])  # tokens before the first BOS: in no document
 
-    def __len__(self) -> int:
-        return len(self.starts)
-
     def fill(self, out: np.ndarray, pieces: list[tuple[int, int]]) -> None:
         """Write the (document, tokens from its start) pieces into `out` back to back."""
         pos = 0
@@ -211,14 +208,12 @@ class PackedLoader:
         """This rank's micro-batches (x, y) for the next step."""
         accum, seq_len = accum or self.accum, seq_len or self.seq_len
         rows = [self.packer.row(seq_len + 1) for _ in range(accum * self.world * self.micro_batch)]
-        out = []
-        for m in range(accum):
-            first = (m * self.world + self.rank) * self.micro_batch
-            block = np.empty((self.micro_batch, seq_len + 1), dtype=np.int64)
-            for b in range(self.micro_batch):
-                self.documents.fill(block[b], rows[first + b])
-            t = torch.from_numpy(block)
-            out.append((t[:, :-1], t[:, 1:]))
+        mine = [rows[(m * self.world + self.rank) * self.micro_batch + b]
+                for m in range(accum) for b in range(self.micro_batch)]
+        block = np.empty((len(mine), seq_len + 1), dtype=np.int64)
+        for row, pieces in zip(block, mine):
+            self.documents.fill(row, pieces)
+        out = [(t[:, :-1], t[:, 1:]) for t in torch.from_numpy(block).view(accum, self.micro_batch, seq_len + 1)]
         self.step += 1
         if not self.warned and self.rank == 0 and self.packer.cropped_share > CROP_WARNING_SHARE:
             self.warned = True
