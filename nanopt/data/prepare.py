@@ -216,14 +216,14 @@ def fingerprint(cfg: Config, tokenizer) -> dict[str, Any]:
     return out
 
 
-# A temp file nanopt.io.write_bytes writes on the way to NAME: `.NAME.<pid>.<thread>.tmp`, or `NAME.tmp` (older nanopt).
-_TEMP_FILE = re.compile(r"\.(?P<hidden>.+)\.[0-9]+\.[0-9]+\.tmp|(?P<plain>.+)\.tmp")
+# A shard NAME, or a temp file nanopt.io.write_bytes writes on the way to it: `.NAME.<pid>.<thread>.tmp`, or
+# `NAME.tmp` (older nanopt).
+_OURS = re.compile(rf"{shards.SHARD_NAME.pattern}(?:\.tmp)?|\.{shards.SHARD_NAME.pattern}\.[0-9]+\.[0-9]+\.tmp")
 
 
 def _remove_if_ours(path: Path) -> None:
     """Delete an uncommitted shard or temp file of prepare's; a user's similar names (train_000001.bin.bak) stay."""
-    m = _TEMP_FILE.fullmatch(path.name)
-    if shards.is_shard_name((m["hidden"] or m["plain"]) if m else path.name):
+    if _OURS.fullmatch(path.name):
         path.unlink(missing_ok=True)
     else:
         log.info("prepare: left %s alone: `nanopt prepare` does not write a file of that name", path)

@@ -197,13 +197,13 @@ def split_paths(directory: Path, split: str) -> list[Path]:
 MANIFEST = "manifest.json"
 SPLITS = ("val", "test", "train")
 # The only names `nanopt prepare` gives shards: f"{split}_{index:06d}.bin" (seven digits only past index 999999).
-_SHARD_NAME = re.compile(rf"(?:{'|'.join(SPLITS)})_(?:[0-9]{{6}}|[1-9][0-9]{{6,}})\.bin")
+SHARD_NAME = re.compile(rf"(?:{'|'.join(SPLITS)})_(?:[0-9]{{6}}|[1-9][0-9]{{6,}})\.bin")
 _NAME_FIX = "{split}_NNNNNN.bin"
 
 
 def is_shard_name(name: object) -> bool:
     """Exactly the names `nanopt prepare` writes shards under: no directory part, no `..`."""
-    return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None
+    return isinstance(name, str) and SHARD_NAME.fullmatch(name) is not None
 
 
 def shard_crc32(tokens: np.ndarray, vocab_size: int) -> int:
