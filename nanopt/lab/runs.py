@@ -83,14 +83,11 @@ class FinishedRun:
     def tasks(self) -> dict[str, tuple[float, bool]]:
         """Downstream scores at the run's last step, from evals.jsonl (training's and `nanopt eval`'s; the newest
         per task and metric): {"task:<task>/<metric>": (value, higher is better)}."""
-        out = {}
-        for r in read_records(self.dir / EVALS_FILE):
-            scores, task, better = r.get("scores"), r.get("task"), r.get("higher_is_better")
-            better = better if isinstance(better, dict) else {}
-            if r.get("step") == self.summary.get("steps") and isinstance(task, str) and isinstance(scores, dict):
-                out.update({f"{TASK_PREFIX}{task}/{metric}": (float(value), better.get(metric) is True)
-                            for metric, value in scores.items() if is_number(value)})
-        return out
+        return {f"{TASK_PREFIX}{r['task']}/{metric}": (float(value), isinstance(hib := r.get("higher_is_better"), dict)
+                                                       and hib.get(metric) is True)
+                for r in read_records(self.dir / EVALS_FILE) if r.get("step") == self.summary.get("steps")
+                and isinstance(r.get("task"), str) and isinstance(r.get("scores"), dict)
+                for metric, value in r["scores"].items() if is_number(value)}
 
     def figure(self, key: str) -> Any:
         """A summary figure, or a task score (TASK_PREFIX)."""
@@ -165,10 +162,9 @@ def split_repeats(runs: list[FinishedRun]) -> tuple[list[FinishedRun], list[Repe
     """Each (setting, init and data seed) once, the first by path kept, and the repeats: two copies counted as two
     seeds would halve the standard error and make any difference look significant."""
     keys = [(run.setting(), *map(format_value, run.seeds)) for run in runs]
-    first: dict[tuple, FinishedRun] = {}
-    for key, run in zip(keys, runs):
-        first.setdefault(key, run)
-    return list(first.values()), [Repeat(run, first[key]) for key, run in zip(keys, runs) if first[key] is not run]
+    first = dict(zip(keys[::-1], runs[::-1]))  # the last write of a key wins: the first run by path
+    pairs = list(zip(keys, runs))
+    return [r for k, r in pairs if first[k] is r], [Repeat(r, first[k]) for k, r in pairs if first[k] is not r]
 
 
 @dataclass
@@ -301,7 +297,7 @@ def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tupl
         out["reason"] = (f"n is too small to test: A has {len(a)} and B has {len(b)} run(s) with {metric}; "
                          f"Welch's t-test needs at least 2 per group (more seeds: nanopt sweep ... --seeds N)")
         return out
-    if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
+    if out["a"]["sd"] == out["b"]["sd"] == 0:
         out["reason"] = "no spread within either group (every run gave the same value): the t-test is undefined"
         return out
     one_sided = stats.ttest_ind(a, b, equal_var=False, alternative="less" if lower_is_better else "greater")
@@ -327,18 +323,6 @@ def seeds_needed(sd_a: float, sd_b: float, difference: float, alpha: float = REC
         if stats.nct.sf(stats.t.ppf(1 - alpha, df), df, abs(difference) / math.sqrt(va + vb)) >= power:
             return n
     return None
-
-
-def _power(a: list[float], b: list[float], effect: Optional[float]) -> dict[str, Any]:
-    """How many seeds per group a claim needs at p < 0.01 with 80% power, from the measured sds: for the observed
-    difference, and for `effect` (a difference the user names) when given."""
-    sd_a, sd_b = statistics.stdev(a), statistics.stdev(b)
-    observed = statistics.fmean(a) - statistics.fmean(b)
-    out = {"alpha": RECORD_ALPHA, "power": POWER, "sd_a": sd_a, "sd_b": sd_b, "observed_difference": observed,
-           "seeds_for_observed": seeds_needed(sd_a, sd_b, observed)}
-    if effect is not None:
-        out.update(difference=effect, seeds_for_difference=seeds_needed(sd_a, sd_b, effect))
-    return out
 
 
 def resolve(spec: str, groups: list[Group], root: Path) -> Group:
@@ -374,11 +358,9 @@ def _target(r: dict[str, Any]) -> str:
 def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
     """One row per run (named by its directory below DIR), fastest to target first, then by final val loss."""
     rows = [{**r.summary, **{k: v for k, (v, _) in r.tasks.items()}, "run": r.name} for r in runs]
-    reached = sorted((r for r in rows if r.get("train_seconds_to_target") is not None),
-                     key=lambda r: (_target(r), r["train_seconds_to_target"]))
-    rest = sorted((r for r in rows if r.get("train_seconds_to_target") is None),
-                  key=lambda r: (r.get("final_val_loss") is None, r.get("final_val_loss") or 0))
-    return reached + rest
+    return sorted(rows, key=lambda r: (0, _target(r), r["train_seconds_to_target"])
+                  if r.get("train_seconds_to_target") is not None
+                  else (1, r.get("final_val_loss") is None, r.get("final_val_loss") or 0))
 
 
 def check_test_options(alpha: float, effect: Optional[float]) -> None:
@@ -410,8 +392,13 @@ def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: s
                               f"Their numeric figures: {', '.join(present)}.")
         higher = any(r.tasks.get(metric, (None, False))[1] for r in a.runs + b.runs)
         comparison = welch(va, vb, metric, alpha, (a.name, b.name), not higher)
-        if len(va) >= 2 and len(vb) >= 2:
-            comparison["seeds"] = _power(va, vb, effect)
+        if len(va) >= 2 and len(vb) >= 2:  # the seeds per group a claim needs, for the observed difference and `effect`
+            sds, observed = (comparison["a"]["sd"], comparison["b"]["sd"]), comparison["difference"]
+            seeds = comparison["seeds"] = {"alpha": RECORD_ALPHA, "power": POWER, "sd_a": sds[0], "sd_b": sds[1],
+                                           "observed_difference": observed,
+                                           "seeds_for_observed": seeds_needed(*sds, observed)}
+            if effect is not None:
+                seeds.update(difference=effect, seeds_for_difference=seeds_needed(*sds, effect))
     return {"dir": str(root), "groups": [group_stats(g) for g in groups], "runs": leaderboard(runs),
             "comparison": comparison, "skipped": skipped,
             "warnings": list(dict.fromkeys(r.describe() for r in repeats))}  # each once
