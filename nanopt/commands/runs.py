@@ -3,6 +3,7 @@ against another, or the leaderboard (nanopt/lab/runs.py)."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from nanopt.errors import ConfigError
@@ -31,7 +32,11 @@ def main(argv: list[str]) -> int:
                    "show a difference of this size (in the metric's unit) at p < 0.01 with 80%% power")
     p.add_argument("--json", action="store_true", help="one JSON object (groups, runs, comparison) for tools")
     args = p.parse_args(argv)
-    experiments.check_test_options(args.alpha, args.effect)
+    if not 0 < args.alpha < 1:
+        raise ConfigError(f"--alpha {args.alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
+    if args.effect is not None and not (math.isfinite(args.effect) and args.effect > 0):
+        raise ConfigError(f"--effect {args.effect}: give the difference to detect as a finite number above 0, in the "
+                          f"metric's unit (e.g. --effect 0.01 for final_val_loss).")
     if not args.compare and (odd := next((f for f in ("metric", "alpha", "effect")
                                            if getattr(args, f) != p.get_default(f)), None)):
         raise ConfigError(f"--{odd} applies only with --compare A B; it would be ignored here. Drop it, or add "

@@ -75,13 +75,9 @@ def _delta(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def config_changes(a: FinishedRun, b: FinishedRun) -> list[dict[str, str]]:
     """Keys whose value differs, from the settings (seeds, names and paths left out) and the seeds themselves."""
-    sa, sb = dict(a.setting()), dict(b.setting())
-    keys = list(dict.fromkeys([*sa, *sb]))
-    for key in SEED_KEYS:
-        if a.config.get(key) != b.config.get(key):
-            sa[key], sb[key] = format_value(a.config.get(key)), format_value(b.config.get(key))
-            keys.append(key)
-    return [{"key": k, "a": sa.get(k, "-"), "b": sb.get(k, "-")} for k in keys if sa.get(k) != sb.get(k)]
+    sa, sb = ({**dict(r.setting()), **{k: format_value(r.config.get(k)) for k in SEED_KEYS}} for r in (a, b))
+    return [{"key": k, "a": sa.get(k, "-"), "b": sb.get(k, "-")} for k in dict.fromkeys([*sa, *sb])
+            if sa.get(k) != sb.get(k)]
 
 
 def _per_step(profile: dict[str, Any], total: Optional[float]) -> Optional[float]:
@@ -92,18 +88,15 @@ def _per_step(profile: dict[str, Any], total: Optional[float]) -> Optional[float
 def profile_parts(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
     """The profiled step and its shares (compute, data loader, host overhead: each share × mean step time),
     then the host time inside each label (forward, backward, ...), all in ms per step."""
-    rows = [{"key": "step_ms_mean", "label": "profiled step", "a_share": 1.0, "b_share": 1.0,
-             "a_ms": pa["step_ms_mean"], "b_ms": pb["step_ms_mean"]}]
-    shares = [k for k in pa if k.endswith("_share") and finite(pa[k]) is not None and finite(pb.get(k)) is not None]
-    for key in shares:
-        rows.append({"key": key, "label": key.removesuffix("_share").replace("_", " "),
-                     "a_share": pa[key], "b_share": pb[key],
-                     "a_ms": pa[key] * pa["step_ms_mean"], "b_ms": pb[key] * pb["step_ms_mean"]})
+    shares = [("step_ms_mean", "profiled step", 1.0, 1.0)] + [
+        (k, k.removesuffix("_share").replace("_", " "), pa[k], pb[k])
+        for k in pa if k.endswith("_share") and finite(pa[k]) is not None and finite(pb.get(k)) is not None]
+    rows = [{"key": key, "label": label, "a_share": a, "b_share": b,
+             "a_ms": a * pa["step_ms_mean"], "b_ms": b * pb["step_ms_mean"]} for key, label, a, b in shares]
     labels_a, labels_b = pa.get("label_ms") or {}, pb.get("label_ms") or {}
-    for key in dict.fromkeys([*labels_a, *labels_b]):
-        rows.append({"key": f"label_ms.{key}", "label": f"host time in {key.replace('_', ' ')}",
-                     "a_share": None, "b_share": None,
-                     "a_ms": _per_step(pa, labels_a.get(key)), "b_ms": _per_step(pb, labels_b.get(key))})
+    rows += [{"key": f"label_ms.{key}", "label": f"host time in {key.replace('_', ' ')}", "a_share": None,
+              "b_share": None, "a_ms": _per_step(pa, labels_a.get(key)), "b_ms": _per_step(pb, labels_b.get(key))}
+             for key in dict.fromkeys([*labels_a, *labels_b])]
     for row in rows:
         row["delta_ms"] = _delta(row["a_ms"], row["b_ms"])
     return rows

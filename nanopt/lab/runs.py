@@ -363,20 +363,11 @@ def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
                   else (1, r.get("final_val_loss") is None, r.get("final_val_loss") or 0))
 
 
-def check_test_options(alpha: float, effect: Optional[float]) -> None:
-    """ConfigError for a significance level outside (0, 1) or an effect size that is not a finite positive number."""
-    if not 0 < alpha < 1:
-        raise ConfigError(f"--alpha {alpha}: give a significance level between 0 and 1, e.g. 0.05 or 0.01.")
-    if effect is not None and not (math.isfinite(effect) and effect > 0):
-        raise ConfigError(f"--effect {effect}: give the difference to detect as a finite number above 0, in the "
-                          f"metric's unit (e.g. --effect 0.01 for final_val_loss).")
-
-
 def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
                 alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
     """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
-    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`)."""
-    check_test_options(alpha, effect)
+    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`, in (0, 1): the
+    CLI checks its flags)."""
     found, skipped = find_runs(root)
     runs, repeats = split_repeats(found)
     groups = group_runs(runs)
@@ -423,18 +414,18 @@ def to_json(report: dict[str, Any]) -> str:
     return json.dumps(clean(report), indent=2)
 
 
-def _spec(metric: str) -> str:
-    return GROUP_FIGURES[metric][1] if metric in GROUP_FIGURES else ".4g"
+def _figure(metric: str) -> tuple[str, str]:
+    """(label, format) of a figure: a task score is labelled by its key."""
+    return GROUP_FIGURES.get(metric, (metric, ".4g"))
 
 
 def _groups_text(summaries: list[dict[str, Any]]) -> str:
     rows = []
     for g in summaries:
         for i, (metric, s) in enumerate(g["stats"].items()):
-            spec = _spec(metric)
+            label, spec = _figure(metric)
             ci = "-" if s["ci95"] is None else f"[{format(s['ci95'][0], spec)}, {format(s['ci95'][1], spec)}]"
-            label = GROUP_FIGURES.get(metric, (metric.removeprefix(TASK_PREFIX),))[0]
-            rows.append((g["name"] if i == 0 else "", str(g["n"]) if i == 0 else "", label,
+            rows.append((g["name"] if i == 0 else "", str(g["n"]) if i == 0 else "", label.removeprefix(TASK_PREFIX),
                          str(s["n"]), format(s["mean"], spec), cell(s["sd"], spec), ci))
         if not g["stats"]:  # a group whose runs have none of the figures
             rows.append((g["name"], str(g["n"]), "-", "0", "-", "-", "-"))
@@ -447,9 +438,9 @@ def _spread_text(s: dict[str, Any]) -> list[str]:
     lines = [f"spread from {SOURCES[s['from']]}{fixed.get(s['from'], '')}"]
     parts = {k: s[k] for k in FIXED if k in s}
     for metric in dict.fromkeys(m for part in parts.values() for m in part["stats"]):
-        sds = [f"{SOURCES[k]} {cell(p['stats'][metric]['sd'], _spec(metric))} ({len(p['runs'])} runs, "
+        sds = [f"{SOURCES[k]} {cell(p['stats'][metric]['sd'], _figure(metric)[1])} ({len(p['runs'])} runs, "
                f"{FIXED[k].replace('_', ' ')} {p[FIXED[k]]})" for k, p in parts.items() if metric in p["stats"]]
-        lines.append(f"  {GROUP_FIGURES.get(metric, (metric,))[0]} sd: {'; '.join(sds)}")
+        lines.append(f"  {_figure(metric)[0]} sd: {'; '.join(sds)}")
     return lines
 
 
@@ -462,8 +453,7 @@ def _spread_lines(summaries: list[dict[str, Any]]) -> list[str]:
 
 
 def _comparison_text(c: dict[str, Any]) -> str:
-    spec = _spec(c["metric"])
-    label = GROUP_FIGURES.get(c["metric"], (c["metric"],))[0]
+    label, spec = _figure(c["metric"])
     better = "lower" if c["lower_is_better"] else "higher"
     lines = [f"A = {c['a']['name']}", f"B = {c['b']['name']}", f"{label} ({c['metric']}), {better} is better:"]
     for side, s in (("A", c["a"]), ("B", c["b"])):
