@@ -43,11 +43,6 @@ class Evaluator:
     sets: dict[int, Any] = field(default_factory=dict)  # batch count -> this rank's evaluation batches
     token_bytes: Optional[torch.Tensor] = None
 
-    def precision_for(self, cfg: Config) -> str:
-        """As asked, or as the run trained; fp32 where the runtime refused emulated bf16 (init_to_evaluate)."""
-        asked = cfg.train.precision if self.precision == "run" else self.precision
-        return "fp32" if asked == "bf16" and self.rt is not None and self.rt.precision == "fp32" else asked
-
     def start(self, cfg: Config) -> Runtime:
         if self.rt is None:
             self.rt = runtime.init_to_evaluate(self.device, self.precision, cfg.train.precision, cfg.runtime.threads)
@@ -74,11 +69,13 @@ class Evaluator:
         t0 = time.perf_counter()
         loss, bpb = evaluate(model, self.sets[batches_n], self.token_bytes, rt)
         seconds = time.perf_counter() - t0
+        precision = cfg.train.precision if self.precision == "run" else self.precision
+        precision = "fp32" if precision == "bf16" and rt.precision == "fp32" else precision  # emulated bf16 refused
         record = {"step": loaded.step, "time": time.time(), f"{split}_loss": loss, f"{split}_bpb": bpb,
                   "source": "nanopt eval", "checkpoint": str(ckpt), "weights": loaded.weights,
                   "weights_crc32": weights_crc32(ckpt, loaded.weights_file),
                   "eval_batches": batches_n, "eval_tokens": batches_n * cfg.train.micro_batch_size * cfg.train.seq_len,
-                  "world_size": rt.world_size, "precision": self.precision_for(cfg),
+                  "world_size": rt.world_size, "precision": precision,
                   **({"averaged_from": loaded.averaged_from} if loaded.averaged_from else {})}
         if rt.is_main:
             evals = loaded.run_dir / EVALS_FILE
