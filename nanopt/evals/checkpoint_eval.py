@@ -94,10 +94,9 @@ class Evaluator:
 def evaluate_checkpoint(path: str | Path, evaluator: Evaluator) -> dict[str, Any]:
     """The newest complete checkpoint of a run directory, or a checkpoint, evaluated once."""
     ckpt = find_checkpoint(path)
-    run_cfg = checkpoint_config(ckpt)
     setup_logging(int(os.environ.get("RANK", "0") or 0) == 0)
     try:
-        rt = evaluator.start(run_cfg)
+        rt = evaluator.start(checkpoint_config(ckpt))
         # Rank 0's pick for everyone: a checkpoint the run writes meanwhile must not split the ranks.
         record = evaluator.run(Path(rt.gather_objects(str(ckpt))[0]), verified=True)  # find_checkpoint verified it
         runtime.teardown(wait_for_peers=True)

@@ -1,7 +1,5 @@
-"""`nanopt compare`'s logic: where the difference between two finished runs comes from. Their config
-differences, speed (tokens/s, step time, MFU), time/steps/tokens to target and final loss, each with B - A;
-val loss at equal steps, tokens, FLOPs and seconds; when both were profiled, the step-time shares and the top
-ops in ms/step, matched by name."""
+"""`nanopt compare`'s logic: where the difference between two finished runs comes from (what it reports:
+nanopt/commands/compare.py's description)."""
 from __future__ import annotations
 
 import functools
@@ -69,7 +67,6 @@ def equal_budgets(a: FinishedRun, b: FinishedRun) -> list[dict[str, Any]]:
 
 
 def _delta(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    """B - A, None where a side is missing."""
     return None if a is None or b is None else b - a
 
 
@@ -105,8 +102,7 @@ def profile_parts(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]
 def top_ops(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
     """Each run's top ops by self time, matched by name, in ms and calls per profiled step; largest |B - A| first.
     An op in one run's top list only (below the other's, which is not zero) comes after the matched ones."""
-    ops_a = {op["name"]: op for op in pa.get("top_ops") or []}
-    ops_b = {op["name"]: op for op in pb.get("top_ops") or []}
+    ops_a, ops_b = ({op["name"]: op for op in p.get("top_ops") or []} for p in (pa, pb))
     rows = []
     for name in dict.fromkeys([*ops_a, *ops_b]):
         a, b = ops_a.get(name, {}), ops_b.get(name, {})  # _per_step(p, None) is None: not in that run's list
@@ -120,13 +116,11 @@ def top_ops(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
 def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
     """`nanopt compare`: config changes, figures with B - A and B / A, profile parts and top ops, notes."""
     fa, fb = figures(a), figures(b)
-    rows = []
     tasks = [(k, k.removeprefix(TASK_PREFIX), ".4f") for k in sorted({*a.tasks, *b.tasks})]
-    for key, label, _ in FIGURES + tasks:
-        a_value, b_value = fa.get(key), fb.get(key)
-        if a_value is not None or b_value is not None:
-            rows.append({"key": key, "label": label, "a": a_value, "b": b_value, "delta": _delta(a_value, b_value),
-                         "ratio": b_value / a_value if a_value and b_value is not None else None})
+    rows = [{"key": key, "label": label, "a": va, "b": vb, "delta": _delta(va, vb),
+             "ratio": vb / va if va and vb is not None else None}
+            for key, label, _ in FIGURES + tasks for va, vb in [(fa.get(key), fb.get(key))]
+            if va is not None or vb is not None]
     out: dict[str, Any] = {"a": str(a.dir), "b": str(b.dir), "config_changes": config_changes(a, b),
                            "figures": rows, "equal_budgets": equal_budgets(a, b), "profile": None, "notes": []}
     for key in HARDWARE_KEYS:

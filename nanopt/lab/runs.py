@@ -72,7 +72,6 @@ class FinishedRun:
 
     @cached_property
     def records(self) -> list[dict[str, Any]]:
-        """metrics.jsonl's records that carry an integer step."""
         return [r for r in read_metrics(self.dir) if is_int(r.get("step"))]
 
     @cached_property
@@ -188,10 +187,8 @@ def group_runs(runs: list[FinishedRun]) -> list[Group]:
     # Config keys in the config's order (run, model, data, train, optim, ...), as the first run wrote them.
     order = {k: i for i, k in enumerate(dict.fromkeys(k for r in kept for k in r.config))}
     keys = _differing(list(by_setting), order)
-    if len(keys) > NAME_KEYS:
-        names = _names_by_directory(by_setting, order)
-    else:
-        names = {s: _key_name("", {k: dict(s).get(k, MISSING) for k in keys}) or ("all", {}) for s in by_setting}
+    names = _names_by_directory(by_setting, order) if len(keys) > NAME_KEYS else {
+        s: _key_name("", {k: dict(s).get(k, MISSING) for k in keys}) or ("all", {}) for s in by_setting}
     return [Group(names[setting][0], members, names[setting][1], [r for r in repeats if r.first.setting() == setting])
             for setting, members in by_setting.items()]
 
@@ -365,9 +362,8 @@ def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
 
 def runs_report(root: Path, compare: Optional[tuple[str, str]] = None, metric: str = "final_val_loss",
                 alpha: float = 0.05, effect: Optional[float] = None) -> dict[str, Any]:
-    """`nanopt runs`: the finished runs below `root`, each (setting, seed) once: per-group statistics, the
-    leaderboard, and with `compare` whether group A beats group B on `metric` (Welch, at `alpha`, in (0, 1): the
-    CLI checks its flags)."""
+    """`nanopt runs` (which checks the flags' bounds): the finished runs below `root`, each (setting, seed) once:
+    per-group statistics, the leaderboard, and with `compare` whether group A beats B on `metric` at `alpha`."""
     found, skipped = find_runs(root)
     runs, repeats = split_repeats(found)
     groups = group_runs(runs)
