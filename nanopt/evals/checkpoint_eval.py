@@ -56,7 +56,6 @@ class Evaluator:
         loaded = load(ckpt, verified=verified, weights=self.weights)
         cfg, split = loaded.cfg, self.split
         rt = self.start(cfg)
-        model = loaded.model.to(rt.device)
         batches_n = self.batch_count(cfg)
         if batches_n not in self.sets:
             batches = split_batches(cfg, rt, data.data_dir(cfg, rt), split, batches_n)
@@ -67,7 +66,7 @@ class Evaluator:
         if self.token_bytes is None:
             self.token_bytes = token_bytes_table(get_tokenizer(cfg.data.tokenizer), cfg.model.vocab_size, rt.device)
         t0 = time.perf_counter()
-        loss, bpb = evaluate(model, self.sets[batches_n], self.token_bytes, rt)
+        loss, bpb = evaluate(loaded.model.to(rt.device), self.sets[batches_n], self.token_bytes, rt)
         seconds = time.perf_counter() - t0
         precision = cfg.train.precision if self.precision == "run" else self.precision
         precision = "fp32" if precision == "bf16" and rt.precision == "fp32" else precision  # emulated bf16 refused
@@ -123,9 +122,8 @@ def finished_at(run_dir: Path) -> Optional[int]:
 
 
 def _check_watch(run_dir: Path) -> None:
-    """A run's directory, or one a run is about to start in: empty, or holding only the lock a starting trainer
-    takes before it writes anything else (the watcher may start first; CI caught it in that moment), and maybe a
-    watcher's lease (_watch_lease names that watcher). The CLI's flag types keep the times finite."""
+    """A run's directory, or one a run is about to start in, holding only leases: the lock a starting trainer takes
+    first (the watcher may start before it writes anything else) and a watcher's (_watch_lease names that one)."""
     if (run_dir / STATE_FILE).is_file():
         raise ConfigError(f"{run_dir} is a checkpoint; --watch takes its run directory ({run_dir.parent.parent}).")
     starting = run_dir.is_dir() and all(is_lease(p.name) for p in run_dir.iterdir())
@@ -164,9 +162,8 @@ def watch_run(run_dir: Path, evaluator: Evaluator, interval: float = 30.0, timeo
                         count += 1
                 except Exception:
                     weights = (ckpt / MODEL_FILE).exists() or (ckpt / DCP_METADATA).exists()  # whole or sharded
-                    vanished = not (ckpt / STATE_FILE).exists() or not weights
-                    problem = "it was removed while being read (pruned by checkpoint.keep)" if vanished \
-                        else verify_checkpoint(ckpt)
+                    problem = verify_checkpoint(ckpt) if weights and (ckpt / STATE_FILE).exists() else \
+                        "it was removed while being read (pruned by checkpoint.keep)"
                     if problem is None:
                         raise  # not the checkpoint's fault: bad input or a bug, say so
                     print(f"skipped {ckpt}: {problem}", flush=True)  # the next checkpoint may be fine

@@ -89,7 +89,6 @@ class FinishedRun:
                 for metric, value in r["scores"].items() if is_number(value)}
 
     def figure(self, key: str) -> Any:
-        """A summary figure, or a task score (TASK_PREFIX)."""
         return self.tasks.get(key, (None,))[0] if key.startswith(TASK_PREFIX) else self.summary.get(key)
 
     @property
@@ -278,9 +277,8 @@ def group_stats(group: Group) -> dict[str, Any]:
 
 def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tuple[str, str] = ("A", "B"),
           lower_is_better: bool = True) -> dict[str, Any]:
-    """Is A better than B (a lower mean, or a higher one for a task score)? Welch's t-test (unequal variances),
-    one-sided, and the two-sided 95% interval of mean(A) - mean(B). `testable` is False, with the reason, where
-    the test cannot be done."""
+    """Is A better than B (a lower mean; a higher one for a task score)? Welch's one-sided t-test and the two-sided
+    95% interval of mean(A) - mean(B); `testable` False, with the reason, where the test cannot be done."""
     from scipy import stats  # heavy: see the module docstring
 
     out: dict[str, Any] = {
@@ -306,10 +304,9 @@ def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tupl
 
 def seeds_needed(sd_a: float, sd_b: float, difference: float, alpha: float = RECORD_ALPHA,
                  power: float = POWER) -> Optional[int]:
-    """Seeds per group for Welch's one-sided test at `alpha` to detect a true difference of means `difference`
-    with probability `power`, the per-seed standard deviations being sd_a and sd_b: the least n (both groups n)
-    whose power, from the noncentral t with Welch-Satterthwaite degrees of freedom, reaches `power`. None when
-    the difference is 0 or more than MAX_SEEDS would be needed."""
+    """The least n seeds per group at which Welch's one-sided test at `alpha` detects a true `difference` of means
+    with probability `power` (noncentral t, Welch-Satterthwaite df; per-seed sds sd_a, sd_b). None when the
+    difference is 0 or more than MAX_SEEDS would be needed."""
     from scipy import stats  # heavy: see the module docstring
 
     if difference == 0 or not (sd_a > 0 or sd_b > 0):
@@ -467,8 +464,8 @@ def _comparison_text(c: dict[str, Any]) -> str:
     if s := c.get("seeds"):
         needed = {n: f"{n} seeds per group" if n else f"more than {MAX_SEEDS:,} seeds per group (or no difference)"
                   for n in (s["seeds_for_observed"], s.get("seeds_for_difference"))}
-        lines += [f"  seeds to show a difference at p < {s['alpha']:g} with {s['power']:.0%} power (Welch, the measured "
-                  f"sds {format(s['sd_a'], spec)} and {format(s['sd_b'], spec)}):",
+        lines += [f"  seeds to show a difference at p < {s['alpha']:g} with {s['power']:.0%} power (Welch, the "
+                  f"measured sds {format(s['sd_a'], spec)} and {format(s['sd_b'], spec)}):",
                   f"    the observed {format(s['observed_difference'], spec)}: {needed[s['seeds_for_observed']]}"]
         if "difference" in s:
             lines.append(f"    a difference of {format(s['difference'], spec)}: {needed[s['seeds_for_difference']]}")
