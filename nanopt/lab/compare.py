@@ -144,22 +144,19 @@ def comparison(a: FinishedRun, b: FinishedRun) -> dict[str, Any]:
 def markdown(c: dict[str, Any]) -> str:
     spec = {**{r["key"]: ".4f" for r in c["figures"]}, **{key: s for key, _, s in FIGURES}}
     md = functools.partial(table, markdown=True)
-    lines = ["# nanopt compare", "", f"- A: `{c['a']}`", f"- B: `{c['b']}`", "", "## Config (B vs A)", ""]
-    if c["config_changes"]:
-        lines.append(md(["key", "A", "B"], [[f"`{ch['key']}`", ch["a"], ch["b"]] for ch in c["config_changes"]]))
-    else:
-        lines.append("The same setting and seed (only names, paths, checkpointing or sampling differ).")
-    lines += ["", "## Figures", ""]
-    lines.append(md(["figure", "A", "B", "Δ (B − A)", "B / A"], [
-        [r["label"], cell(r["a"], spec[r["key"]]), cell(r["b"], spec[r["key"]]),
-         cell(r["delta"], spec[r["key"]], sign=True), cell(r["ratio"], ".3f") + ("x" if r["ratio"] is not None else "")]
-        for r in c["figures"]]))
-    lines += ["", "## Val loss at equal budgets (the most both runs reached)", ""]
     budget_spec = {unit: fmt for unit, _, fmt in BUDGETS}
-    lines.append(md(["budget", "both reached", "A val loss", "B val loss", "Δ (B − A)"], [
-        [r["label"], cell(r["budget"], budget_spec[r["unit"]]), cell(r["a"], ".4f"), cell(r["b"], ".4f"),
-         cell(r["delta"], ".4f", sign=True)] for r in c["equal_budgets"]]))
-    lines += ["", "Linear between evaluations; FLOPs: tokens × FLOPs per token; seconds: logged step times summed."]
+    changes = md(["key", "A", "B"], [[f"`{ch['key']}`", ch["a"], ch["b"]] for ch in c["config_changes"]]) \
+        if c["config_changes"] else "The same setting and seed (only names, paths, checkpointing or sampling differ)."
+    lines = ["# nanopt compare", "", f"- A: `{c['a']}`", f"- B: `{c['b']}`", "", "## Config (B vs A)", "", changes,
+             "", "## Figures", "", md(["figure", "A", "B", "Δ (B − A)", "B / A"], [
+                 [r["label"], cell(r["a"], spec[r["key"]]), cell(r["b"], spec[r["key"]]),
+                  cell(r["delta"], spec[r["key"]], sign=True),
+                  cell(r["ratio"], ".3f") + ("x" if r["ratio"] is not None else "")] for r in c["figures"]]),
+             "", "## Val loss at equal budgets (the most both runs reached)", "",
+             md(["budget", "both reached", "A val loss", "B val loss", "Δ (B − A)"], [
+                 [r["label"], cell(r["budget"], budget_spec[r["unit"]]), cell(r["a"], ".4f"), cell(r["b"], ".4f"),
+                  cell(r["delta"], ".4f", sign=True)] for r in c["equal_budgets"]]),
+             "", "Linear between evaluations; FLOPs: tokens × FLOPs per token; seconds: logged step times summed."]
     p = c["profile"]
     if p:
         lines += ["", "## Profile: where a step's time goes (ms per profiled step)", ""]
@@ -168,11 +165,12 @@ def markdown(c: dict[str, Any]) -> str:
         lines += ["", md(["part", "A share", "B share", "A ms/step", "B ms/step", "Δ ms/step"], [
             [r["label"], cell(r["a_share"], ".1%"), cell(r["b_share"], ".1%"), cell(r["a_ms"], ".3f"),
              cell(r["b_ms"], ".3f"), cell(r["delta_ms"], ".3f", sign=True)] for r in p["parts"]])]
-        lines += ["", "## Top ops by self time (ms per profiled step, matched by name, largest |Δ| first)", ""]
-        lines.append(md(["op", "A ms/step", "B ms/step", "Δ ms/step", "A calls/step", "B calls/step"], [
-            [f"`{r['name']}`", cell(r["a_ms"], ".3f"), cell(r["b_ms"], ".3f"), cell(r["delta_ms"], ".3f", sign=True),
-             cell(r["a_calls"], ".1f"), cell(r["b_calls"], ".1f")] for r in p["top_ops"]]))
-        lines += ["", "`-`: the op is not in that run's top list (below it, not zero)."]
+        lines += ["", "## Top ops by self time (ms per profiled step, matched by name, largest |Δ| first)", "",
+                  md(["op", "A ms/step", "B ms/step", "Δ ms/step", "A calls/step", "B calls/step"], [
+                      [f"`{r['name']}`", cell(r["a_ms"], ".3f"), cell(r["b_ms"], ".3f"),
+                       cell(r["delta_ms"], ".3f", sign=True), cell(r["a_calls"], ".1f"), cell(r["b_calls"], ".1f")]
+                      for r in p["top_ops"]]),
+                  "", "`-`: the op is not in that run's top list (below it, not zero)."]
     if c["notes"]:
         lines += ["", "## Notes", "", *(f"- {note}." for note in c["notes"])]
     return "\n".join(lines)
