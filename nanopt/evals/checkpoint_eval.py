@@ -31,8 +31,7 @@ from nanopt.training.validation import evaluate, split_batches, token_bytes_tabl
 
 @dataclass
 class Evaluator:
-    """`nanopt eval`'s options, and the evaluator of a run's checkpoints on one split: the runtime starts with the
-    first checkpoint, the evaluation set is built once per batch count."""
+    """`nanopt eval`'s options and evaluator: the runtime starts with the first checkpoint; one set per batch count."""
 
     split: str = "val"
     batches: int = 0  # micro-batches in the evaluation set; 0: the run's eval.batches
@@ -114,8 +113,7 @@ def evaluated(run_dir: Path, split: str, weights: str = "model") -> set[tuple[in
 
 
 def finished_at(run_dir: Path) -> Optional[int]:
-    """The step the run finished at, or None before and while it trains (rundirs.finished with the run's own config:
-    a resumed run's earlier summary no longer counts)."""
+    """The step the run finished at, or None (rundirs.finished by its current config: a resumed run's is newer)."""
     train = (read_config(run_dir) or {}).get("train")
     summary = train and finished(run_dir, train["max_steps"], train.get("stop_at_target", False))
     return summary["steps"] if summary else None

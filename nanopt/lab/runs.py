@@ -1,6 +1,5 @@
-"""Many finished runs: found below a directory, grouped into settings that differ only in their seed, described
-(mean, sd, Student-t interval), tested against each other (Welch) and ranked; and the one table renderer.
-Torch-free; scipy.stats (0.7 s to import) is imported where needed, so the sweep driver starts at once."""
+"""Finished runs below a directory, grouped by setting over seeds, described, Welch-tested and ranked; the table
+renderer. Torch-free; scipy.stats (0.7 s to import) is imported where needed, so the sweep driver starts at once."""
 from __future__ import annotations
 
 import json
@@ -176,9 +175,8 @@ class Group:
 
 
 def group_runs(runs: list[FinishedRun]) -> list[Group]:
-    """Runs grouped by setting, in order of first appearance, repeats counted once (each group lists its own).
-    A group is named by the keys whose value differs between groups (`optim.name=muon`), or `all`; where more
-    than NAME_KEYS differ (runs of other configs beside a sweep), by directory (_names_by_directory)."""
+    """Runs grouped by setting, in order, repeats counted once (each group lists its own); named by the keys that
+    differ between groups (`optim.name=muon`), or `all`; where more than NAME_KEYS differ, _names_by_directory."""
     kept, repeats = split_repeats(runs)
     by_setting: dict[tuple, list[FinishedRun]] = {}
     for run in kept:
@@ -206,10 +204,9 @@ def _key_name(directory: str, values: dict[str, str]) -> Optional[tuple[str, dic
 
 def _names_by_directory(by_setting: dict[tuple, list[FinishedRun]],
                         order: dict[str, int]) -> dict[tuple, tuple[str, dict[str, str]]]:
-    """(name, values) per setting when the groups differ in too many keys to be named by them: the directory
-    below DIR holding a group's runs and the keys that differ between the groups there (`tiny-sweep/optim.name=
-    muon`: a sweep's points by their grid); the directory alone when it holds one setting; else (too many keys
-    there too) the group's first run's name. Each name once: a clash falls back to the first run's name."""
+    """(name, values) per setting: the directory holding a group's runs and the keys that differ between the groups
+    there (`tiny-sweep/optim.name=muon`: a sweep's points by their grid); the directory alone when it holds one
+    setting; else, or where two names clash, the group's first run's name."""
     where = {s: _directory(members) for s, members in by_setting.items()}
     names = {}
     for s, members in by_setting.items():
@@ -250,9 +247,9 @@ def figure_stats(runs: list[FinishedRun]) -> dict[str, dict[str, Any]]:
 
 
 def spread(runs: list[FinishedRun]) -> dict[str, Any]:
-    """Where a group's spread comes from: "init" (one data seed, `data_seed`), "data" (one `init_seed`), "both",
-    or None (one run). For "both": the most runs sharing a data seed (`init_only`) and the most sharing an init
-    seed (`data_only`), 2 or more, with their figures: a sweep of each, read together, says which source dominates."""
+    """Where a group's spread comes from: "init" (one `data_seed`), "data" (one `init_seed`), "both", or None (one
+    run). For "both", the most runs (2+) sharing a data seed (`init_only`) and an init seed (`data_only`), with
+    their figures: read together, they say which source dominates."""
     if len(runs) < 2:
         return {"from": None}
     out: dict[str, Any] = {"from": "both"}
