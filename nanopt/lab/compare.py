@@ -36,11 +36,10 @@ def figures(run: FinishedRun) -> dict[str, Optional[float]]:
     slow steps (a profiled window, a checkpoint write) do not move."""
     warmup = run.config.get("mfu.warmup_steps", 1)  # an integer: rundirs.CONFIG
     steps = [r for r in run.records if "loss" in r and r["step"] > warmup]
-    out = {key: finite(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED}
-    for key in SPEED:
-        values = [v for r in steps if (v := finite(r.get(key))) is not None]
-        out[key] = statistics.median(values) if values else None
-    return {**out, **{key: value for key, (value, _) in run.tasks.items()}}
+    speed = {key: [v for r in steps if (v := finite(r.get(key))) is not None] for key in SPEED}
+    return {**{key: finite(run.summary.get(key)) for key, _, _ in FIGURES if key not in SPEED},
+            **{key: statistics.median(values) if values else None for key, values in speed.items()},
+            **{key: value for key, (value, _) in run.tasks.items()}}
 
 
 def val_curve(run: FinishedRun, unit: str) -> tuple[list[float], list[float]]:

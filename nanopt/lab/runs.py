@@ -132,13 +132,10 @@ def find_runs(root: Path) -> tuple[list[FinishedRun], list[str]]:
     runs, skipped = [], []
     for path in walk_runs(root):
         name = path.relative_to(root).as_posix() if path != root else path.name
-        if not (path / SUMMARY_FILE).is_file():
-            skipped.append(f"{path}: not finished (no {SUMMARY_FILE})")
-            continue
         try:
             runs.append(load_run(path, name))
         except ConfigError as e:
-            skipped.append(str(e))
+            skipped.append(str(e) if (path / SUMMARY_FILE).is_file() else f"{path}: not finished (no {SUMMARY_FILE})")
     return runs, skipped
 
 
@@ -197,9 +194,8 @@ def _differing(settings: list[tuple], order: dict[str, int]) -> list[str]:
 
 
 def _key_name(directory: str, values: dict[str, str]) -> Optional[tuple[str, dict[str, str]]]:
-    if not values:
-        return None
-    return f"{directory}/" * bool(directory) + ",".join(f"{k}={v}" for k, v in values.items()), values
+    name = f"{directory}/" * bool(directory) + ",".join(f"{k}={v}" for k, v in values.items())
+    return (name, values) if values else None
 
 
 def _names_by_directory(by_setting: dict[tuple, list[FinishedRun]],
@@ -229,12 +225,10 @@ def describe(values: list[float]) -> dict[str, Any]:
     from scipy import stats  # heavy: see the module docstring
 
     n = len(values)
-    out: dict[str, Any] = {"n": n, "mean": statistics.fmean(values) if n else None, "sd": None, "ci95": None}
-    if n >= 2:
-        out["sd"] = statistics.stdev(values)
-        out["ci95"] = [out["mean"]] * 2 if out["sd"] == 0 else [  # scipy returns nan for a zero scale
-            float(v) for v in stats.t.interval(CONFIDENCE, n - 1, loc=out["mean"], scale=stats.sem(values))]
-    return out
+    mean, sd = statistics.fmean(values) if n else None, statistics.stdev(values) if n >= 2 else None
+    ci = None if sd is None else [mean] * 2 if sd == 0 else [  # scipy returns nan for a zero scale
+        float(v) for v in stats.t.interval(CONFIDENCE, n - 1, loc=mean, scale=stats.sem(values))]
+    return {"n": n, "mean": mean, "sd": sd, "ci95": ci}
 
 
 def values_of(runs: list[FinishedRun], metric: str) -> list[float]:
@@ -390,10 +384,9 @@ def table(header: tuple[str, ...] | list[str], rows: list, markdown: bool = Fals
     """Rows under a header: padded columns and a dashed rule, or Markdown."""
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    widths = [max(map(len, column)) for column in zip(header, *rows)]
+    return "\n".join("  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip()
+                     for row in [header, ["-" * w for w in widths], *rows])
 
 
 def cell(value: Any, spec: str, sign: bool = False) -> str:
