@@ -72,8 +72,8 @@ def _delta(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def config_changes(a: FinishedRun, b: FinishedRun) -> list[dict[str, str]]:
     """Keys whose value differs, from the settings (seeds, names and paths left out) and the seeds themselves."""
     sa, sb = ({**dict(r.setting()), **{k: format_value(r.config.get(k)) for k in SEED_KEYS}} for r in (a, b))
-    return [{"key": k, "a": sa.get(k, "-"), "b": sb.get(k, "-")} for k in dict.fromkeys([*sa, *sb])
-            if sa.get(k) != sb.get(k)]
+    return [{"key": k, "a": sa.get(k, "-"), "b": sb.get(k, "-")}  # the seeds last
+            for k in sorted(dict.fromkeys([*sa, *sb]), key=lambda k: k in SEED_KEYS) if sa.get(k) != sb.get(k)]
 
 
 def _per_step(profile: dict[str, Any], total: Optional[float]) -> Optional[float]:
