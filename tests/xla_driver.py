@@ -41,7 +41,7 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
     host_model = build_model(cfg.model, "cpu").eval()
     torch.manual_seed(cfg.run.seed)
     xla_model = build_model(cfg.model, rt.device, init_device=rt.backend.init_device).eval()
-    rt.mark_step()
+    rt.backend.mark_step()
     matches, compiles = [], []
     for prompt_len in (5, 9):  # both fall in the same length bucket
         prompt = torch.arange(3, 3 + 2 * prompt_len).view(2, prompt_len) % cfg.model.vocab_size

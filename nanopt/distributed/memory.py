@@ -61,8 +61,9 @@ class DeviceMemory:
 
 
 def _dtypes(precision: str) -> tuple[int, int]:
-    """(bytes of a stored weight, gradient and optimizer moment; bytes of a computed activation and of the weights
-    a matmul reads). bf16 keeps fp32 weights and computes in bf16 copies; bf16-pure stores bf16; fp32 both fp32."""
+    """(bytes of a stored weight, gradient, optimizer moment and of the residual stream (fp32 under bf16 autocast
+    too: embedding + bf16 block outputs); bytes of a computed activation and of the weights a matmul reads).
+    bf16 keeps fp32 weights and computes in bf16 copies; bf16-pure stores bf16; fp32 both fp32."""
     return {"bf16": (4, 2), "bf16-pure": (2, 2), "fp32": (4, 4)}[precision]
 
 
@@ -77,7 +78,7 @@ def activation_bytes_per_token(block: nn.Module, precision: str) -> int:
     - each other Linear that does not write the residual stream (SwiGLU's w1 and w3, relu2's w1): its output and the
       elementwise result made of it, 2·out·s (SwiGLU: w1, w3, silu and the product; relu2: the relu and its square);
     - scalar parameters (residual_scalars): the block input (x0 is shared)."""
-    s = _dtypes(precision)[1]
+    weight, s = _dtypes(precision)  # the residual stream is stored like the weights
     total, in_attention = 0, set()
     for m in block.modules():
         if hasattr(m, "n_heads") and hasattr(m, "head_dim"):  # model.Attention, or a variant's
@@ -91,7 +92,7 @@ def activation_bytes_per_token(block: nn.Module, precision: str) -> int:
         elif isinstance(m, nn.Linear) and id(m) not in in_attention and not getattr(m, RESIDUAL_OUT, False):
             total += 2 * s * m.out_features
     scalars = any(p.numel() == 1 for p in block.parameters())
-    return total + (_residual_bytes(precision) * _dim(block) if scalars else 0)
+    return total + (weight * _dim(block) if scalars else 0)
 
 
 def _dim(model: nn.Module) -> int:
@@ -99,18 +100,13 @@ def _dim(model: nn.Module) -> int:
     return next(m.in_features for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def _residual_bytes(precision: str) -> int:
-    """The residual stream's dtype: fp32 under bf16 autocast too (embedding + bf16 block outputs), bf16 in pure."""
-    return 2 if precision == "bf16-pure" else FP32
-
-
 def activation_bytes(model: nn.Module, t: Training) -> int:
     """Saved activations of one micro-batch: every block's (with recompute: every block's input, plus the largest
     block's activations while it is recomputed), the final norm, and the loss's logits over one chunk of positions:
     the logits in s, their fp32 log-softmax and its gradient (s + 8 bytes per position and vocabulary entry)."""
-    tokens, s, dim = t.micro_batch_size * t.seq_len, _dtypes(t.precision)[1], _dim(model)
+    tokens, (weight, s), dim = t.micro_batch_size * t.seq_len, _dtypes(t.precision), _dim(model)
     blocks = [activation_bytes_per_token(b, t.precision) * tokens for b in model.layers]
-    saved = len(blocks) * _residual_bytes(t.precision) * dim * tokens + max(blocks) if t.recompute else sum(blocks)
+    saved = len(blocks) * weight * dim * tokens + max(blocks) if t.recompute else sum(blocks)
     positions = min(t.loss_chunk_tokens, tokens) if t.loss_chunk_tokens > 0 else tokens
     return saved + (4 + s) * dim * tokens + (s + 8) * positions * model.lm_head.out_features
 

@@ -108,12 +108,9 @@ class CpuBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.isa, self.native_bf16 = cpu_isa()
-
-    @property
-    def muon_batch_max_numel(self) -> Optional[int]:  # type: ignore[override]
-        """bench/muon_step.py --cut-off (6 matrices, 2 cores): batched bf16 pays up to 384x384 on an AVX512-BF16
-        EPYC (2.6x at 128x128, 0.97x at 512x512); fp32 on an AVX2 EPYC up to ~128x344 (0.87-0.97x from 147k up)."""
-        return 3 * 2**16 if self.native_bf16 else 2**16
+        # bench/muon_step.py --cut-off (6 matrices, 2 cores): batched bf16 pays up to 384x384 on an AVX512-BF16
+        # EPYC (2.6x at 128x128, 0.97x at 512x512); fp32 on an AVX2 EPYC up to ~128x344 (0.87-0.97x from 147k up).
+        self.muon_batch_max_numel = 3 * 2**16 if self.native_bf16 else 2**16
 
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CpuBackend:
@@ -268,12 +265,6 @@ class Runtime:
         bf16 = self.precision == "bf16"
         return torch.autocast(device_type=self.kind, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
-    def batch_to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return self.backend.batch_to_device(t)
-
-    def mark_step(self) -> None:
-        self.backend.mark_step()
-
     def sync(self) -> None:
         self.backend.sync()
 
@@ -306,8 +297,6 @@ class Runtime:
         """Every rank's peak (allocated, reserved) bytes in rank order, each None where the device cannot tell:
         one all_reduce of 2 × world_size integers on the device, so call it at the log cadence, not per step."""
         mine = (self.backend.peak_memory_bytes(), self.backend.peak_reserved_bytes())
-        if not self.distributed:
-            return tuple(None if v is None else [v] for v in mine)  # type: ignore[return-value]
         table = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
         table[:, self.rank] = torch.tensor([-1 if v is None else v for v in mine], dtype=torch.int64)
         rows = self.all_reduce_sum(table).tolist()

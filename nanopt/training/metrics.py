@@ -20,13 +20,9 @@ log = logging.getLogger("nanopt")
 class _CurrentStdout(logging.StreamHandler):
     """Writes to sys.stdout as it is at each record: callers that swap it would leave the handler on a closed one."""
 
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout  # under the handler's lock (Handler.handle)
+        super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
         """A stdout that takes no line (disk full, reader gone) is said once on stderr, not once per line."""
@@ -98,17 +94,7 @@ class MetricsLogger:
         if not self.path.is_file():
             return
         lines = [line for line in self.path.read_bytes().splitlines() if line.strip()]
-        kept = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except ValueError:
-                if number < len(lines):
-                    kept.append(line)
-                continue
-            record_step = record.get("step") if isinstance(record, dict) else None
-            if not isinstance(record_step, int) or record_step <= step:
-                kept.append(line)
+        kept = [line for number, line in enumerate(lines, 1) if _kept(line, step, number == len(lines))]
         write_bytes(self.path, b"".join(line + b"\n" for line in kept))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
@@ -134,6 +120,15 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.finish()
         self.fd = self.writer = self.wandb = None
+
+
+def _kept(line: bytes, step: int, last: bool) -> bool:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return not last
+    record_step = record.get("step") if isinstance(record, dict) else None
+    return not isinstance(record_step, int) or record_step <= step
 
 
 def _wandb_run(run_dir: Path, wandb_cfg: dict) -> Any:
@@ -180,18 +175,11 @@ def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ran
     return " | ".join(parts)
 
 
-def summary_line(summary: dict[str, Any]) -> str:
-    """A finished run's summary.json in one line."""
-    parts = [f"{summary.get('steps')} steps"]
-    if isinstance(summary.get("tokens_seen"), int):
-        parts.append(f"{summary['tokens_seen']:,} tokens")
-    if isinstance(summary.get("train_seconds"), (int, float)):
-        parts.append(f"{format_duration(summary['train_seconds'])} of training")
-    for key in ("final_val_loss", "final_val_bpb"):
-        if isinstance(summary.get(key), (int, float)):
-            parts.append(f"{key} {summary[key]:.4f}")
-    if summary.get("stopped_at_target"):
-        parts.append(f"stopped at its target at step {summary.get('step_to_target')}")
-    elif summary.get("target_reached") is False:
-        parts.append("target not reached")
-    return "summary: " + ", ".join(parts)
+def summary_line(s: dict[str, Any]) -> str:
+    """A finished run's summary.json, as rundirs.finished read it (numbers or null), in one line."""
+    target = (f"stopped at its target at step {s.get('step_to_target')}" if s.get("stopped_at_target") else
+              s.get("target_reached") is False and "target not reached")
+    parts = [f"{s.get('steps')} steps", s.get("tokens_seen") is not None and f"{s['tokens_seen']:,} tokens",
+             s.get("train_seconds") is not None and f"{format_duration(s['train_seconds'])} of training",
+             *(f"{k} {s[k]:.4f}" for k in ("final_val_loss", "final_val_bpb") if s.get(k) is not None), target]
+    return "summary: " + ", ".join(p for p in parts if p)

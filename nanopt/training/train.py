@@ -227,7 +227,7 @@ class Trainer:
             **peak_memory_per_rank(rt.peak_memory_by_rank()),
             **test_eval, **clock.summary(), "tasks_seconds": self.tasks.seconds if self.tasks.spec else None,
             "stopped_at_target": state.step < cfg.train.max_steps and cfg.train.stop_at_target and clock.reached,
-            "eval_weights": evaluator.weights_name(),
+            "eval_weights": "ema" if evaluator.ema is not None and evaluator.ema.started else "model",
         }
         if rt.is_main:
             write_json(cfg.run_dir / rundirs.SUMMARY_FILE, summary)
@@ -371,17 +371,14 @@ class Validator:
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every
-        if step == 0:
-            return bool(every) and self.cfg.eval.at_start
-        return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
+        return bool(every) and (self.cfg.eval.at_start if step == 0 else
+                                step % every == 0 and step != self.cfg.train.max_steps)
 
     def run(self, state: RunState) -> None:
         val_loss, val_bpb = self._measure("val", self.batches, state.step, tokens_seen=state.tokens_seen,
                                           train_seconds=state.train_seconds)
-        if state.best_val_loss is None or val_loss < state.best_val_loss:
-            state.best_val_loss = val_loss
-        if state.best_val_bpb is None or val_bpb < state.best_val_bpb:
-            state.best_val_bpb = val_bpb
+        state.best_val_loss = min(val_loss if state.best_val_loss is None else state.best_val_loss, val_loss)
+        state.best_val_bpb = min(val_bpb if state.best_val_bpb is None else state.best_val_bpb, val_bpb)
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
 
@@ -393,10 +390,6 @@ class Validator:
             return {}
         loss, bpb = self._measure("test", batches, step)
         return {"test_loss": loss, "test_bpb": bpb}
-
-    def weights_name(self) -> str:
-        """"ema" once the average has started, else "model"."""
-        return "ema" if self.ema is not None and self.ema.started else "model"
 
     def weights(self) -> contextlib.AbstractContextManager[str]:
         """The weights evaluations use, in the model for the duration; yields their name."""

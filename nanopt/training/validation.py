@@ -41,14 +41,14 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
     short = _forwards_short(model, len(batches), rt)  # before any forward: the count exchange is a collective too
     totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # nats, tokens, bytes
     for x, y in batches:
-        x, y = rt.batch_to_device(x), rt.batch_to_device(y)
+        x, y = rt.backend.batch_to_device(x), rt.backend.batch_to_device(y)
         with rt.autocast():
             loss = model(x, y)
         n = y.numel()
         totals[0] += loss.double() * n
         totals[1] += n
         totals[2] += token_bytes[y].sum()
-        rt.mark_step()  # XLA: one graph per batch (the same one every time), not one growing graph
+        rt.backend.mark_step()  # XLA: one graph per batch (the same one every time), not one growing graph
     idle = torch.zeros(1, 1, dtype=torch.long, device=rt.device)  # B T: one token, its logits discarded
     for _ in range(short):
         with rt.autocast():
