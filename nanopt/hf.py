@@ -92,10 +92,8 @@ def check_exportable(m: ModelConfig) -> None:
 
 def _hf_name(name: str) -> str:
     """A plain Llama's weight under its Hugging Face name; KeyError for one it has no name for."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    _, i, rest = name.split(".", 2)
-    return f"model.layers.{i}.{_LAYER_NAMES[rest]}"
+    layer = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    return f"model.layers.{layer[1]}.{_LAYER_NAMES[layer[2]]}" if layer else _TOP_NAMES[name]
 
 
 def hf_config(m: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtype: str = "float32") -> dict[str, Any]:

@@ -434,14 +434,11 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = Fal
         log.info("compile: one graph under DDP, its all-reduces not overlapping the backward: train.fp8 is on, and "
                  "FP8 + compile + DDP's graph split fails upstream (pytorch/pytorch#158936); "
                  "--train.compile_ddp_split=true splits it anyway")
-    lengths = {s.seq_len for s in plan.stages}
-    static: dict[str, Any] = {}
-    if len(lengths) > 1:
-        # Dynamo's recompile limit must not send a late stage to eager: two graphs per length for torch 2.9's frame
-        # around an FSDP-managed block, whose guards tell the first block (input x0 itself) from the others.
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, 2 * len(lengths))
-        static = {"dynamic": False}
+    lengths = len({s.seq_len for s in plan.stages})
+    static: dict[str, Any] = {"dynamic": False} if lengths > 1 else {}
+    # Dynamo's recompile limit must not send a late stage to eager: two graphs per length for torch 2.9's frame
+    # around an FSDP-managed block, whose guards tell the first block (input x0 itself) from the others.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * lengths)
     if parallel.is_sharded(model):
         compile_blocks(model, **static)
         return model

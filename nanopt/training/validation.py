@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 
@@ -71,9 +71,7 @@ class SpeedrunClock:
     """The first evaluation at or below train.target_val_loss (or target_val_bpb): its step, tokens and training
     seconds. Another target restarts it."""
 
-    def __init__(self, target: Optional[float], metric: str = "val_loss"):
-        if metric not in ("val_loss", "val_bpb"):
-            raise ValueError(f"the speedrun clock measures val_loss or val_bpb, not {metric!r}")
+    def __init__(self, target: Optional[float], metric: Literal["val_loss", "val_bpb"] = "val_loss"):
         self.target, self.metric = target, metric
         self.hit: Optional[dict[str, Any]] = None
 
