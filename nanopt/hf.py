@@ -333,11 +333,8 @@ def _install(staging: Path, out: Path, force: bool) -> None:
     if taken and not force:
         raise ConfigError(f"{out} holds {', '.join(taken)}, which the export writes too (the tokenizer's files); "
                           f"export to a new directory, or add --force to replace them with the new export's.")
-    old = model_files(out)
-    (out / "config.json").unlink(missing_ok=True)
-    for name in old:
-        if name not in new:
-            (out / name).unlink(missing_ok=True)
+    for name in ["config.json", *(name for name in model_files(out) if name not in new)]:
+        (out / name).unlink(missing_ok=True)
     for name in new:
         os.replace(staging / name, out / name)
     fsync(out)

@@ -16,7 +16,6 @@ from nanopt.recipe.mfu import param_counts
 from nanopt.recipe.model import RESIDUAL_OUT
 from nanopt.training.plan import build_plan
 
-PARALLELISMS = ("ddp", "fsdp", "hsdp")
 # Blocks whose whole compute-dtype weights exist at once under fsdp: the one running and the next, whose all-gather
 # FSDP2 prefetches (forward and backward) so that communication overlaps compute.
 GATHERED_BLOCKS = 2
@@ -120,8 +119,6 @@ def device_memory(model: nn.Module, t: Training, parallel: str, shard_ranks: int
       blocks in the compute dtype, and the whole gradients of the head and one block before their reduce-scatter
       (fp32 for it). Gradient accumulation adds nothing: every micro-step reduce-scatters into the shards.
     Activations are per micro-batch and the same under every parallelism (each rank runs its own rows)."""
-    if parallel not in PARALLELISMS:
-        raise ValueError(f"parallel is one of {PARALLELISMS}, not {parallel!r}")
     counts, (weight, compute) = param_counts(model), _dtypes(t.precision)
     # AdamW: two moments per parameter, stored like the weights; Muon: one momentum buffer per block matrix instead.
     optimizer = weight * (2 * counts.total - (counts.block_matmuls if t.optimizer == "muon" else 0))

@@ -150,9 +150,7 @@ class CudaBackend(Backend):
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CudaBackend:
         torch.cuda.set_device(local_rank)
-        # TF32 for any fp32 matmul that remains: the MFU peaks assume tensor cores.
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: the MFU peaks assume tensor cores
         return cls(torch.device("cuda", local_rank))
 
     def __init__(self, device: torch.device) -> None:
