@@ -185,14 +185,13 @@ def load_hf_weights(model: Llama, directory: Path) -> None:
     if unknown := next((name for name in theirs if name not in names), None):
         raise ConfigError(f"{directory}: no nanopt name for Hugging Face weight {unknown!r}; only plain Llama "
                           f"weights can be imported.")
-    ours = {names[name]: t for name, t in theirs.items()}
-    if model.cfg.tie_embeddings:
-        ours.pop("lm_head.weight", None)  # transformers may store the tied head too; it is the embedding
+    tied = {"lm_head.weight"} if model.cfg.tie_embeddings else set()  # its weight is the embedding's
+    ours = {names[name]: t for name, t in theirs.items() if names[name] not in tied}  # transformers may store it too
     try:
         missing, unexpected = parallel.load_weights(model, ours)
     except RuntimeError as e:  # shape mismatch
         raise ConfigError(f"the weights in {directory} do not fit the model: {e}") from None
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_embeddings)]
+    missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise ConfigError(f"the weights in {directory} do not match a Llama of its config.json: missing "
                           f"{missing[:5]}, unexpected {unexpected[:5]}.")

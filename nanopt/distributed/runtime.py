@@ -5,7 +5,6 @@ XlaBackend), chosen once by init(): Runtime delegates instead of branching, so a
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ctypes.util
 import datetime
 import logging

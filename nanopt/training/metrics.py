@@ -153,8 +153,7 @@ def peak_memory(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dic
 
 
 def peak_memory_per_rank(by_rank: tuple[Optional[list[int]], Optional[list[int]]]) -> dict[str, Any]:
-    allocated, reserved = map(_gib, by_rank)
-    return {"peak_memory_gib_per_rank": allocated, "peak_reserved_gib_per_rank": reserved}
+    return dict(zip(("peak_memory_gib_per_rank", "peak_reserved_gib_per_rank"), map(_gib, by_rank)))
 
 
 def step_line(step: int, max_steps: int, v: dict[str, Any], basis: str = "", ranks: int = 1) -> str:

@@ -8,7 +8,6 @@ import hashlib
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -268,7 +267,7 @@ class Trainer:
         self.metrics.text("samples", "\n\n---\n\n".join(samples), self.state.step)
 
 
-@dataclass
+@dataclasses.dataclass
 class RunState:
     """The run's counters; saved in every checkpoint."""
 
@@ -299,8 +298,7 @@ class StepLogger:
     def __init__(self, cfg: Config, rt: Runtime, metrics: MetricsLogger, guard: faults.FiniteGuard,
                  start_step: int, plan: Plan):
         self.cfg, self.rt, self.metrics, self.guard, self.plan = cfg, rt, metrics, guard, plan
-        self.meter = mfu.meter_for_run(cfg, rt, start_step)  # every rank: on CPU it measures the peak once
-        self.start_step = start_step
+        self.start_step, self.meter = start_step, mfu.meter_for_run(cfg, rt, start_step)  # all ranks: CPU peak once
         self.stage: Optional[Stage] = None  # the stage the loop is in, None before a session's first step
         # The speed window (when, after which step): opened after a session's or stage's first step (compilation
         # left out) and again after a pause, which is then not billed to the steps after it.
@@ -361,11 +359,10 @@ class Validator:
     def __init__(self, cfg: Config, rt: Runtime, model: torch.nn.Module, directory: Path, windows: data.TokenWindows,
                  tokenizer: Tokenizer, metrics: MetricsLogger, clock: SpeedrunClock, ema: Optional[EMA] = None):
         self.cfg, self.rt, self.model, self.directory, self.metrics = cfg, rt, model, directory, metrics
+        self.clock, self.ema = clock, ema if cfg.eval.weights == "ema" else None
         self.batches = data.eval_batches(windows, cfg.train.micro_batch_size, cfg.eval.batches, rt.rank,
                                          rt.world_size, cfg.eval.seed)
         self.token_bytes = token_bytes_table(tokenizer, cfg.model.vocab_size, rt.device)
-        self.clock = clock
-        self.ema = ema if cfg.eval.weights == "ema" else None
         self.last: dict[str, float] = {}
         self.last_step: Optional[int] = None  # this session's last evaluation
 
@@ -386,10 +383,7 @@ class Validator:
         """The test split's loss and bpb ({} when off or without test shards)."""
         e = self.cfg.eval
         batches = split_batches(self.cfg, self.rt, self.directory, "test", e.batches) if e.test_at_end else None
-        if batches is None:
-            return {}
-        loss, bpb = self._measure("test", batches, step)
-        return {"test_loss": loss, "test_bpb": bpb}
+        return {} if batches is None else dict(zip(("test_loss", "test_bpb"), self._measure("test", batches, step)))
 
     def weights(self) -> contextlib.AbstractContextManager[str]:
         """The weights evaluations use, in the model for the duration; yields their name."""
