@@ -145,8 +145,7 @@ def every_parallelism(m: nn.Module, t: Training, devices: int,
     rows = [device_memory(m, t, "ddp")]
     if devices > 1:
         rows.append(device_memory(m, t, "fsdp", devices))
-    g = shard_group_size
-    if g is not None and 1 < g < devices and devices % g == 0:
+    if (g := shard_group_size) is not None and 1 < g < devices and devices % g == 0:
         rows.append(device_memory(m, t, "hsdp", g))
     return rows
 

@@ -149,7 +149,9 @@ class CudaBackend(Backend):
     @classmethod
     def start(cls, local_rank: int, local_world: int, threads: int, precision: str) -> CudaBackend:
         torch.cuda.set_device(local_rank)
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: the MFU peaks assume tensor cores
+        # TF32 for any fp32 matmul that remains: the MFU peaks assume tensor cores.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
         return cls(torch.device("cuda", local_rank))
 
     def __init__(self, device: torch.device) -> None:
@@ -294,6 +296,8 @@ class Runtime:
         """Every rank's peak (allocated, reserved) bytes in rank order, each None where the device cannot tell:
         one all_reduce of 2 × world_size integers on the device, so call it at the log cadence, not per step."""
         mine = (self.backend.peak_memory_bytes(), self.backend.peak_reserved_bytes())
+        if not self.distributed:  # no device work: on XLA a tensor here would be one more graph per log line
+            return tuple(None if v is None else [v] for v in mine)  # type: ignore[return-value]
         table = torch.zeros(2, self.world_size, dtype=torch.int64, device=self.device)
         table[:, self.rank] = torch.tensor([-1 if v is None else v for v in mine], dtype=torch.int64)
         rows = self.all_reduce_sum(table).tolist()

@@ -92,8 +92,7 @@ class MetricsLogger:
         if not self.path.is_file():
             return
         lines = [line for line in self.path.read_bytes().splitlines() if line.strip()]
-        kept = [line for number, line in enumerate(lines, 1) if _kept(line, step, number == len(lines))]
-        write_bytes(self.path, b"".join(line + b"\n" for line in kept))
+        write_bytes(self.path, b"".join(x + b"\n" for i, x in enumerate(lines, 1) if _kept(x, step, i == len(lines))))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if self.fd is None:

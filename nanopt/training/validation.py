@@ -62,9 +62,7 @@ def evaluate(model: torch.nn.Module, batches: Batches, token_bytes: torch.Tensor
 def _forwards_short(model: torch.nn.Module, batches: int, rt: Runtime) -> int:
     """How many forwards fewer than the busiest rank this one has: a sharded model's forward is a collective, so a
     rank with fewer batches runs that many discarded one-token forwards, or the others would wait forever."""
-    if not parallel.is_sharded(model):
-        return 0
-    return max(rt.gather_objects(batches)) - batches
+    return max(rt.gather_objects(batches)) - batches if parallel.is_sharded(model) else 0
 
 
 class SpeedrunClock:
