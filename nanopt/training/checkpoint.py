@@ -15,6 +15,7 @@ import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import takewhile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -31,8 +32,8 @@ from nanopt.errors import ConfigError, DiskFull, ShardError
 from nanopt.io import fsync, not_a_file, refuse_link, write_json, write_text, writing
 from nanopt.recipe import optim
 from nanopt.rundirs import (APPENDED_FILES, CHECKPOINTS_DIR, COMPLETE_FILE, CONFIG, CONFIG_FILE, DCP_DIR, DCP_METADATA,
-                            EMA_FILE, LATEST_FILE, MODEL_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE,
-                            checkpoint_path, is_lease, read_summary)
+                            EMA_FILE, LATEST_FILE, MODEL_FILE, RNG_FILE, STATE_FILE, STEP_DIR, SUMMARY_FILE, is_lease,
+                            read_summary)
 from nanopt.schema import Field, parse, problem, raw, read
 from nanopt.training.ema import EMA
 from nanopt.training.faults import fault_hook
@@ -68,13 +69,9 @@ def model_state(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Te
     """The whole weights as contiguous CPU tensors, a tied parameter once (named_parameters() lists it once; XLA
     tensors have no data_ptr to compare). Every rank calls it (sharded tensors are gathered); keep=False gets {}."""
     tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    out = {}
-    for name, t in model.state_dict().items():
-        if name not in tied:
-            whole = parallel.whole(t.detach())  # every rank takes part in a sharded tensor's gather
-            if keep:
-                out[name] = whole.to("cpu").contiguous()
-    return out
+    # Lazy, one tensor at a time; every rank takes part in each sharded tensor's gather, kept or not.
+    wholes = ((name, parallel.whole(t.detach())) for name, t in model.state_dict().items() if name not in tied)
+    return {name: whole.to("cpu").contiguous() for name, whole in wholes if keep}
 
 
 def weights_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -93,15 +90,6 @@ def _indexed(by_name: dict[str, Any]) -> dict[str, Any]:
     position = {name: i for i, name in enumerate(n for g in by_name["param_groups"] for n in g["params"])}
     return {"state": {position[name]: s for name, s in by_name["state"].items()},
             "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in by_name["param_groups"]]}
-
-
-def _flat(prefix: str, tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of nested dicts under the names DCP flattens them to ("optimizer.state.embed.weight.exp_avg")."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _flat(f"{prefix}.{key}", value)
-    elif isinstance(tree, torch.Tensor):
-        yield prefix, tree
 
 
 def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
@@ -193,8 +181,7 @@ def verify_shares(files: dict[str, dict[str, int]], world: int) -> list[set[str]
     shares: list[set[str]] = [set() for _ in range(world)]
     load = [0] * world
     for name in sorted(files, key=lambda n: (_writer(n, world) is None, -files[n]["bytes"])):
-        rank = _writer(name, world)
-        rank = load.index(min(load)) if rank is None else rank
+        rank = load.index(min(load)) if (rank := _writer(name, world)) is None else rank
         shares[rank].add(name)
         load[rank] += files[name]["bytes"]
     return shares
@@ -250,9 +237,7 @@ def newest_checkpoint(path: Path, newer_than: int = -1,
     for each newer one skipped; no older one is read (verifying reads every byte). `verify`: a resume's."""
     verify = verify or verify_checkpoint  # looked up now: a test may replace verify_checkpoint
     skipped: list[str] = []
-    for ckpt in reversed(checkpoint_dirs(path)):
-        if step_of(ckpt) <= newer_than:
-            break
+    for ckpt in takewhile(lambda c: step_of(c) > newer_than, reversed(checkpoint_dirs(path))):
         if (problem_ := verify(ckpt)) is None:
             return ckpt, skipped
         skipped.append(f"{ckpt.name}: {problem_}")
@@ -313,14 +298,12 @@ def _torch_save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
-def _temp_dir(ckpt_root: Path, step: int, fresh: bool) -> Path:
-    """Where checkpoint `step` is written before its rename; `fresh`: made anew (rank 0, before any rank writes)."""
-    tmp = ckpt_root / f".tmp_step_{step:06d}"
-    if fresh:
-        with writing(tmp):
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            _remove(tmp)
-            tmp.mkdir()
+def _temp_dir(ckpt_root: Path, step: int) -> Path:
+    """Where checkpoint `step` is written before its rename, made anew (rank 0, before any rank writes)."""
+    with writing(tmp := ckpt_root / f".tmp_step_{step:06d}"):
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+        tmp.mkdir()
     return tmp
 
 
@@ -331,7 +314,7 @@ def save(ckpt_root: Path, step: int, weights: dict[str, torch.Tensor], state: di
     `shards`: save_resumable's dcp/ entries (None: weights only); `rng`: every rank's (default: this process's);
     `averaged`: EMA.full_weights(). A full disk is DiskFull."""
     final = ckpt_root / f"step_{step:06d}"
-    tmp = _temp_dir(ckpt_root, step, fresh=shards is None)
+    tmp = _temp_dir(ckpt_root, step) if shards is None else ckpt_root / f".tmp_step_{step:06d}"  # save_resumable's
     files = dict(shards or {})
 
     def put(name: str, write: Callable[[Path], Any]) -> None:
@@ -376,8 +359,7 @@ def save_resumable(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer
 
     rngs = rt.gather_objects(rt.rng_state())
     started = ema is not None and ema.started
-    made = rt.on_main(lambda: _temp_dir(ckpt_root, step, True), (ConfigError, OSError))  # rank 0's failure: all's
-    tmp = made or _temp_dir(ckpt_root, step, False)
+    tmp = rt.on_main(lambda: _temp_dir(ckpt_root, step), (ConfigError, OSError)) or ckpt_root / f".tmp_step_{step:06d}"
     weights, optimizer_state = get_state_dict(model, optimizer)
     try:
         with writing(tmp / DCP_DIR):  # DCP raises one rank's failure on every rank
@@ -449,8 +431,8 @@ class Mirror:
         try:
             if self.fs.exists(remote):
                 self.fs.rm(remote, recursive=True)
-            names = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
-            for name in sorted(names, key=lambda n: n == COMPLETE_FILE):  # COMPLETE last
+            names = (p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+            for name in sorted(names, key=lambda n: (n == COMPLETE_FILE, n)):  # COMPLETE last
                 self.fs.makedirs(f"{remote}/{name}".rsplit("/", 1)[0], exist_ok=True)
                 self.fs.put_file(str(staging / name), f"{remote}/{name}")
             self.fs.pipe_file(f"{self.root}/{LATEST_FILE}", (staging.name + "\n").encode())
@@ -506,7 +488,7 @@ class Checkpointer:
         self.root = self.run_dir / CHECKPOINTS_DIR
         self.data = shards.identity(data_paths)
         self.mirror = Mirror(cfg.checkpoint.mirror, cfg.checkpoint.keep) if cfg.checkpoint.mirror else None
-        self.latest, self.last_saved_step = None, -1  # the newest good checkpoint of this run, and its step
+        self.latest: Optional[Path] = None  # the newest good checkpoint of this run
         if rt.is_main and self.mirror is not None:  # fail now, in one paragraph, rather than at the first checkpoint
             try:
                 self.mirror.fs.makedirs(self.mirror.root, exist_ok=True)
@@ -662,20 +644,20 @@ class Checkpointer:
                 log.warning("checkpoint has RNG states of %d rank(s), this run has %d: ranks beyond them take rank "
                             "0's", len(ranks), self.rt.world_size)
             self.rt.set_rng_state(ranks[self.rt.rank] if self.rt.rank < len(ranks) else ranks[0])
-        self.last_saved_step = saved["step"]
         return saved
 
     def _read_shards(self, ckpt: Path, state: dict[str, Any], fix: str) -> list[str]:
         """The checkpoint's dcp/ into `state` in place; the names of the tensors it lacks. Tensors of another shape
         are a config change (`fix`; DCP would load the overlap), a cut shard or metadata damage names the file."""
         from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         with _reading(ckpt, DCP_METADATA):
             metadata = FileSystemReader(str(ckpt / DCP_DIR)).read_metadata()
             saved, ends = metadata.state_dict_metadata, {}
             for info in (metadata.storage_data or {}).values():
                 ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        tensors = [(name, t) for key in state for name, t in _flat(key, state[key])]
+        tensors = [(name, t) for name, t in flatten_state_dict(state)[0].items() if isinstance(t, torch.Tensor)]
         if wrong := [f"{name} {tuple(saved[name].size)} in the checkpoint vs {tuple(t.shape)} here" for name, t in
                      tensors if name in saved and tuple(getattr(saved[name], "size", t.shape)) != tuple(t.shape)]:
             what = {"optimizer": "optimizer state", "ema": "averaged weights"}.get(wrong[0].split(".", 1)[0], "weights")
@@ -715,15 +697,15 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful], ema: Optional[EMA] = None) -> Path:
         """Every rank calls this; rank 0 queues the mirror's copy. Returns the checkpoint path."""
-        if step == self.last_saved_step:  # e.g. a preemption right after a periodic save
-            return checkpoint_path(self.run_dir, step)
+        if self.latest and step_of(self.latest) == step:  # e.g. a preemption right after a periodic save
+            return self.latest
         state = {**{name: c.state_dict() for name, c in states.items()}, "data": self.data,
                  "config": self.cfg.to_dict(), **({"ema": ema.state_dict()} if ema is not None else {})}
         final = save_resumable(self.root, step, model, optimizer, state, self.cfg.checkpoint.keep, self.rt, ema)
         if self.rt.is_main and self.mirror is not None:
             self.mirror.upload(final)
         self.rt.barrier()
-        self.latest, self.last_saved_step = final, step
+        self.latest = final
         return final
 
     def close(self) -> None:
