@@ -654,16 +654,16 @@ class Checkpointer:
 
         with _reading(ckpt, DCP_METADATA):
             metadata = FileSystemReader(str(ckpt / DCP_DIR)).read_metadata()
-            saved, ends = metadata.state_dict_metadata, {}
-            for info in (metadata.storage_data or {}).values():
-                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+            saved = metadata.state_dict_metadata
+            # Each shard file's end as its metadata places it: of a file's (file, end) pairs, sorted, the last wins.
+            ends = dict(sorted((i.relative_path, i.offset + i.length) for i in (metadata.storage_data or {}).values()))
         tensors = [(name, t) for name, t in flatten_state_dict(state)[0].items() if isinstance(t, torch.Tensor)]
         if wrong := [f"{name} {tuple(saved[name].size)} in the checkpoint vs {tuple(t.shape)} here" for name, t in
                      tensors if name in saved and tuple(getattr(saved[name], "size", t.shape)) != tuple(t.shape)]:
             what = {"optimizer": "optimizer state", "ema": "averaged weights"}.get(wrong[0].split(".", 1)[0], "weights")
             raise ConfigError(f"checkpoint {ckpt}'s {what} does not fit this run: it holds tensors of other shapes: "
                               f"{'; '.join(wrong[:3])}. {fix}")
-        for name, end in sorted(ends.items()):
+        for name, end in ends.items():
             if not (ckpt / DCP_DIR / name).is_file() or (ckpt / DCP_DIR / name).stat().st_size < end:
                 raise _damaged(ckpt, f"{DCP_DIR}/{name}", EOFError(f"shorter than the {end} bytes its metadata "
                                                                     f"places in it"))
