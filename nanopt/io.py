@@ -46,9 +46,8 @@ def is_disk_full(error: BaseException) -> bool:
 
 def _device_of(path: Path) -> str:
     """The mount holding `path`: "DEVICE (mounted at MOUNT)" as /proc/mounts has it."""
-    mount = Path(os.path.abspath(path))
-    while not os.path.ismount(mount) and mount != mount.parent:
-        mount = mount.parent
+    here = Path(os.path.abspath(path))
+    mount = next(p for p in (here, *here.parents) if os.path.ismount(p))  # / is one
     with contextlib.suppress(OSError):
         for fields in map(str.split, Path("/proc/mounts").read_text().splitlines()):
             if fields[1:2] == [str(mount)]:

@@ -207,8 +207,7 @@ class DirLock:
             self._thread.join()
             self._thread = None
             with contextlib.suppress(ConfigError):  # a link in its place is not ours to remove
-                held = self.holder()
-                if held is not None and held.token == self.token:
+                if (held := self.holder()) is not None and held.token == self.token:
                     self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "DirLock":

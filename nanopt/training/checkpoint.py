@@ -116,8 +116,7 @@ def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
 # ---------------------------------------------------------------- the format: verified, the newest complete one
 def step_of(ckpt: Path | str) -> Optional[int]:
     """step_000042 -> 42; None for any other name."""
-    match = STEP_DIR.match(Path(ckpt).name)
-    return int(match.group(1)) if match else None
+    return int(match.group(1)) if (match := STEP_DIR.match(Path(ckpt).name)) else None
 
 
 def checkpoint_dirs(path: Path) -> list[Path]:
