@@ -15,6 +15,7 @@ import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial, reduce
 from itertools import takewhile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
@@ -127,11 +128,8 @@ def checkpoint_dirs(path: Path) -> list[Path]:
 
 
 def crc32_of(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+    with open(path, "rb") as f:  # 16 MiB at a time
+        return reduce(lambda crc, chunk: zlib.crc32(chunk, crc), iter(partial(f.read, 1 << 24), b""), 0)
 
 
 def _own_file(path: Path, shape: Field, subject: str) -> tuple[Any, Optional[str]]:
