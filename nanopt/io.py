@@ -243,11 +243,8 @@ def json_line(record: dict[str, Any]) -> bytes:
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line (append_bytes), never through a link (ConfigError naming it)."""
-    fd = open_append(path)
-    try:
-        append_bytes(fd, json_line(record), path)
-    finally:
-        os.close(fd)
+    with os.fdopen(open_append(path), "ab") as f:
+        append_bytes(f.fileno(), json_line(record), path)
 
 
 def read_json(path: Path) -> Any:
