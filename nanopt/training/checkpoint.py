@@ -404,8 +404,7 @@ class Mirror:
     def upload(self, ckpt: Path) -> None:
         """Queue a copy of `ckpt`; returns at once."""
         staging = ckpt.parent / ".mirror-staging" / ckpt.name
-        shutil.rmtree(staging, ignore_errors=True)  # a snapshot left by a crash
-        staging.parent.mkdir(exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # a snapshot left by a crash; copytree makes its parent
         try:
             shutil.copytree(ckpt, staging, copy_function=os.link)
         except (OSError, shutil.Error):  # a filesystem without hard links
