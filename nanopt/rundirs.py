@@ -100,14 +100,12 @@ def read_config(run_dir: Path) -> Optional[dict[str, Any]]:
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file a run appends to; [] when there is none. A cut last line (being
     appended, or its writer killed) is left out; any other line that is no object is ConfigError naming it."""
-    lines = (raw(path) or b"").splitlines()
-    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
-    out = []
+    lines, out = (raw(path) or b"").rstrip().splitlines(), []  # rstrip: the last line is the last that is not blank
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         record, why = parse(line, f"line {number}")
-        if why is not None and number == last:
+        if why is not None and number == len(lines):
             continue  # cut short: being appended, or its writer was killed
         if why := why or problem(record, RECORD, f"line {number}"):
             raise damaged(path, why, RECORD_FIX)
