@@ -93,6 +93,16 @@ def _indexed(by_name: dict[str, Any]) -> dict[str, Any]:
             "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in by_name["param_groups"]]}
 
 
+def _flat(prefix: str, tree: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of nested dicts under the names DCP flattens them to ("optimizer.state.embed.weight.exp_avg"):
+    written out rather than taken from DCP's private _nested_dict module, which a torch release may move."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(f"{prefix}.{key}", value)
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
+
+
 def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
     """dcp.save of `state` into `path`, or dcp.load into it in place (tensors the files lack are left as they are);
     one process needs no process group. DCP's failures are the OSError a rank met (a full disk), or a RuntimeError."""
@@ -646,14 +656,13 @@ class Checkpointer:
         """The checkpoint's dcp/ into `state` in place; the names of the tensors it lacks. Tensors of another shape
         are a config change (`fix`; DCP would load the overlap), a cut shard or metadata damage names the file."""
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         with _reading(ckpt, DCP_METADATA):
             metadata = FileSystemReader(str(ckpt / DCP_DIR)).read_metadata()
             saved = metadata.state_dict_metadata
             # Each shard file's end as its metadata places it: of a file's (file, end) pairs, sorted, the last wins.
             ends = dict(sorted((i.relative_path, i.offset + i.length) for i in (metadata.storage_data or {}).values()))
-        tensors = [(name, t) for name, t in flatten_state_dict(state)[0].items() if isinstance(t, torch.Tensor)]
+        tensors = [(name, t) for key in state for name, t in _flat(key, state[key])]
         if wrong := [f"{name} {tuple(saved[name].size)} in the checkpoint vs {tuple(t.shape)} here" for name, t in
                      tensors if name in saved and tuple(getattr(saved[name], "size", t.shape)) != tuple(t.shape)]:
             what = {"optimizer": "optimizer state", "ema": "averaged weights"}.get(wrong[0].split(".", 1)[0], "weights")
