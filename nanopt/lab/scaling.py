@@ -72,43 +72,39 @@ def _vertex(x: np.ndarray, loss: np.ndarray) -> float:
 
 def _approach2(p: Points, budgets: list[np.ndarray]) -> dict[str, Any]:
     logc = np.log([np.mean(p.flops[g]) for g in budgets])
-    log_n = np.array([_vertex(np.log(p.params[g]), p.loss[g]) for g in budgets])
-    log_d = np.array([_vertex(np.log(p.tokens[g]), p.loss[g]) for g in budgets])
-    a, ln_kn = np.polyfit(logc, log_n, 1) if np.isfinite(log_n).all() else (math.nan, math.nan)
-    b, ln_kd = np.polyfit(logc, log_d, 1) if np.isfinite(log_d).all() else (math.nan, math.nan)
-    return {"a": a, "b": b, "ln_kn": ln_kn, "ln_kd": ln_kd, "budgets": np.exp(logc).tolist(),
-            "n_opt": np.exp(log_n).tolist(), "d_opt": np.exp(log_d).tolist()}
+    out: dict[str, Any] = {"budgets": np.exp(logc).tolist()}
+    for exponent, key, size in (("a", "n_opt", p.params), ("b", "d_opt", p.tokens)):
+        vertices = np.array([_vertex(np.log(size[g]), p.loss[g]) for g in budgets])
+        out[exponent] = np.polyfit(logc, vertices, 1)[0] if np.isfinite(vertices).all() else math.nan
+        out[key] = np.exp(vertices).tolist()
+    return out
+
+
+def _log_terms(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray) -> np.ndarray:
+    """ln of the law's terms A/N^α, B/D^β, E, stacked first; θ = (a, b, e, α, β) may hold columns (one row each)."""
+    a, b, e, alpha, beta = theta
+    return np.stack(np.broadcast_arrays(a - alpha * log_n, b - beta * log_d, e))
 
 
 def _huber_objective(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray,
                      log_l: np.ndarray) -> tuple[float, np.ndarray]:
     """Σ Huber(predicted ln L − observed ln L) and its gradient in θ = (a, b, e, α, β)."""
-    a, b, e, alpha, beta = theta
-    z = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])  # 3 × runs
+    z = _log_terms(theta, log_n, log_d)  # 3 × runs
     r = logsumexp(z, axis=0) - log_l
-    w = softmax(z, axis=0)  # d pred / d z
-    g = np.clip(r, -HUBER_DELTA, HUBER_DELTA)  # d Huber / d r
-    grad = np.array([(g * w[0]).sum(), (g * w[1]).sum(), (g * w[2]).sum(),
-                     -(g * w[0] * log_n).sum(), -(g * w[1] * log_d).sum()])
-    return float(huber(HUBER_DELTA, r).sum()), grad
+    gw = np.clip(r, -HUBER_DELTA, HUBER_DELTA) * softmax(z, axis=0)  # d Huber / d r × d pred / d z
+    return float(huber(HUBER_DELTA, r).sum()), np.array([*gw.sum(axis=1), -gw[0] @ log_n, -gw[1] @ log_d])
 
 
 def _approach3(p: Points, starts: Optional[np.ndarray] = None) -> np.ndarray:
     """θ = (a, b, e, α, β) minimising the Huber objective: the grid's best starts (or `starts`), each by L-BFGS."""
     log_n, log_d, log_l = np.log(p.params), np.log(p.tokens), np.log(p.loss)
-    if starts is None:
-        a, b, e, alpha, beta = (_GRID[:, i:i + 1] for i in range(5))  # grid × 1, broadcast over runs
-        z = np.stack(np.broadcast_arrays(a - alpha * log_n, b - beta * log_d, e))
-        r = logsumexp(z, axis=0) - log_l
+    if starts is None:  # every start at once: θ's entries as grid × 1 columns, broadcast over runs
+        r = logsumexp(_log_terms(_GRID.T[:, :, None], log_n, log_d), axis=0) - log_l
         starts = _GRID[np.argsort(huber(HUBER_DELTA, r).sum(axis=1))[:_REFINED_STARTS]]
-    best = None
-    for start in starts:
-        fit = minimize(_huber_objective, start, args=(log_n, log_d, log_l), jac=True, method="L-BFGS-B",
-                       # the objective is ~1e-6 at the optimum: scipy's default relative tolerances stop far short
-                       options={"ftol": 1e-15, "gtol": 1e-11, "maxiter": 5000})
-        if best is None or fit.fun < best.fun:
-            best = fit
-    return best.x
+    return min((minimize(_huber_objective, start, args=(log_n, log_d, log_l), jac=True, method="L-BFGS-B",
+                         # the objective is ~1e-6 at the optimum: scipy's default relative tolerances stop far short
+                         options={"ftol": 1e-15, "gtol": 1e-11, "maxiter": 5000}) for start in starts),
+               key=lambda fit: fit.fun).x
 
 
 def law(theta: np.ndarray) -> dict[str, float]:
@@ -146,17 +142,15 @@ def fit(p: Points, bootstrap: int = 200, seed: int = 0) -> dict[str, Any]:
     two = _approach2(p, budgets)
     theta = _approach3(p)
     rng = np.random.default_rng(seed)
-    draws: dict[str, list[float]] = {k: [] for k in (*LAW_KEYS, "a", "b")}
+    ends = np.cumsum([len(g) for g in budgets])
+    blocks = np.split(np.arange(ends[-1]), ends[:-1])  # a resample's budgets: the same sizes, in the same order
+    draws = []
     for _ in range(bootstrap):
-        ends = np.cumsum([len(g) for g in budgets])
         sample = p.take(np.concatenate([rng.choice(g, size=len(g)) for g in budgets]))
-        resampled = _approach2(sample, np.split(np.arange(ends[-1]), ends[:-1]))
-        draws["a"].append(resampled["a"])
-        draws["b"].append(resampled["b"])
-        for key, value in law(_approach3(sample, starts=theta[None, :])).items():  # refits start at the fit
-            draws[key].append(value)
+        resampled = _approach2(sample, blocks)  # refits of approach 3 start at the fit
+        draws.append({**law(_approach3(sample, starts=theta[None, :])), "a": resampled["a"], "b": resampled["b"]})
     fitted = {**law(theta), "a": two["a"], "b": two["b"]}
-    out: dict[str, Any] = {k: {"value": float(v), "ci": _interval(draws[k])} for k, v in fitted.items()}
+    out: dict[str, Any] = {k: {"value": float(v), "ci": _interval([d[k] for d in draws])} for k, v in fitted.items()}
     alpha, beta = fitted["alpha"], fitted["beta"]
     out["approach3_a"], out["approach3_b"] = beta / (alpha + beta), alpha / (alpha + beta)
     out["isoflop"] = {"budgets": two["budgets"], "params_opt": two["n_opt"], "tokens_opt": two["d_opt"]}
@@ -190,7 +184,7 @@ def from_csv(path: Path) -> Points:
             raise ConfigError(f"{path}, line {line}: params, {size} and loss must be positive numbers, not "
                               f"{','.join(row)!r}. {fix}")
         values.append((n, x if size == "tokens" else x / (6 * n), x if size == "flops" else 6 * n * x, loss))
-    return _checked(Points(*map(np.array, zip(*values))) if values else None, str(path), fix)
+    return _checked(values, str(path), fix)
 
 
 # Which parameters are N (`--params`), and the summary.json figure each is read from.
@@ -212,14 +206,15 @@ def from_runs(root: Path, metric: str = "final_val_bpb", params_key: str = "para
            f"or a CSV with --csv.")
     values = [(count(s, params_key), s["tokens_seen"], s["tokens_seen"] * s["flops_per_token"], s[metric])
               for s in usable]
-    return _checked(Points(*map(np.array, zip(*values))) if values else None,
-                    f"{root} ({len(usable)} of {len(runs)} finished runs have {', '.join(keys)})", fix)
+    return _checked(values, f"{root} ({len(usable)} of {len(runs)} finished runs have {', '.join(keys)})", fix)
 
 
-def _checked(p: Optional[Points], where: str, fix: str) -> Points:
-    """Enough points for both approaches: ≥ 2 budgets of ≥ 3 sizes, and ≥ 5 runs for the five-parameter law."""
-    sizes = [len(np.unique(p.params[g])) for g in p.budgets()] if p is not None else []
-    if p is None or len(sizes) < 2 or min(sizes) < 3 or len(p.loss) < 5:
+def _checked(values: list[tuple[float, ...]], where: str, fix: str) -> Points:
+    """Points from (N, D, C, L) rows, enough for both approaches: ≥ 2 budgets of ≥ 3 sizes, and ≥ 5 runs for the
+    five-parameter law."""
+    p = Points(*np.array(values, dtype=float).reshape(-1, 4).T)
+    sizes = [len(np.unique(p.params[g])) for g in p.budgets()]
+    if len(sizes) < 2 or min(sizes) < 3 or len(p.loss) < 5:
         raise ConfigError(f"{where}: {len(sizes)} compute budget(s) with {sizes or 'no'} distinct sizes; a fit needs "
                           f"at least 2 budgets with 3 or more model sizes each (runs within 5% of one budget's FLOPs "
                           f"share it). {fix}")

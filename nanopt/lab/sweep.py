@@ -190,8 +190,7 @@ def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: O
         return [Slot(f"cuda:{','.join(g)}", {"CUDA_VISIBLE_DEVICES": ",".join(g)}) for g in groups[:k]]
     if kind == "xla":
         return [Slot("xla")] * min(parallel or 1, runs or 1)
-    k = parallel or max(1, cores // THREADS_PER_CPU_RUN)
-    k = min(k, runs) if runs else k
+    k = min(parallel or max(1, cores // THREADS_PER_CPU_RUN), runs or sys.maxsize)
     n = threads or max(1, cores // (k * nproc))
     # Spinning idle OpenMP threads (train's default ACTIVE) steal the cores of the runs beside them: 1.4-10x
     # slower steps (docs/mfu.md). One thread per run never spins, so PASSIVE costs it nothing.
@@ -400,17 +399,15 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
               + (f", {len(slots)} at a time ({slots[0].label})" if slots else ""), file=out, flush=True)
         progress = Progress(jobs, out, len(slots))
         save()
-        free = list(range(len(slots)))
         try:
             while True:
                 if len(stop) > acted:  # no run starts after the first, so each running run is sent one SIGTERM
                     _stop_runs(jobs, progress, repeated=acted > 0)
                     acted = len(stop)
-                while free and pending and not stop:
-                    job, job.slot = pending.pop(0), free.pop(0)
+                while pending and not stop and (free := sorted(
+                        set(range(len(slots))) - {j.slot for j in jobs if j.status == "running"})):
+                    job, job.slot = pending.pop(0), free[0]
                     _start(job, config, overrides, nproc, slots[job.slot])
-                    if job.status != "running":
-                        free.append(job.slot)
                     save(job)
                 running = [j for j in jobs if j.status == "running"]
                 if not running and (not pending or stop):
@@ -418,7 +415,6 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
                 for j in running:
                     if j.proc is not None and j.proc.poll() is not None:
                         _ended(j)
-                        free.append(j.slot)
                         save(j)
                 progress.redraw()
                 time.sleep(poll_s)
@@ -454,21 +450,17 @@ def _jobs(root: Path, points: list[Point], configs: dict[str, Config], overrides
 def _report(jobs: list[Job], root: Path, out: IO[str], stopped: bool) -> int:
     """The final table (training seconds from summary.json, wall seconds of this session) and each failed run's
     log tail; the sweep's exit status."""
-    rows = []
-    for j in jobs:
-        s = summary_or_empty(j.dir)  # its figures: numbers or None (rundirs.SUMMARY)
-        status = f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status
-        rows.append((j.point.name, status, cell(s.get("steps"), ""), cell(s.get("final_val_loss"), ".4f"),
-                     cell(s.get("train_seconds"), ".1f"), cell(j.wall, ".1f")))
+    rows = [(j.point.name, f"{j.status} (exit {j.exit_code})" if j.status in ("failed", "interrupted") else j.status,
+             cell(s.get("steps"), ""), cell(s.get("final_val_loss"), ".4f"), cell(s.get("train_seconds"), ".1f"),
+             cell(j.wall, ".1f")) for j in jobs for s in [summary_or_empty(j.dir)]]  # figures: numbers or None
     print("\n" + table(("point", "status", "steps", "final val loss", "train (s)", "wall (s)"), rows), file=out)
     for j in jobs:
         if j.status == "failed":
             print(f"\n{j.point.name} failed with exit {j.exit_code}; last lines of {j.dir / LOG_FILE}:", file=out)
             print("\n".join("  " + line for line in rundirs.tail_lines(j.dir / LOG_FILE, 16384)[-10:]), file=out)
     print(f"\n{root / SWEEP_FILE} describes the sweep; `nanopt runs {root}` compares the runs.", file=out, flush=True)
-    if any(j.status == "failed" for j in jobs):
-        return 1
-    return EXIT_PREEMPTED if stopped or any(j.status in ("interrupted", "not started") for j in jobs) else 0
+    return 1 if any(j.status == "failed" for j in jobs) else EXIT_PREEMPTED if stopped or any(
+        j.status in ("interrupted", "not started") for j in jobs) else 0
 
 
 def _stop_runs(jobs: list[Job], progress: Progress, repeated: bool) -> None:
@@ -486,9 +478,8 @@ def _stop_runs(jobs: list[Job], progress: Progress, repeated: bool) -> None:
 def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, slot: Slot) -> None:
     job.dir.mkdir(parents=True, exist_ok=True)
     job.command = launch_command(config, job, overrides, nproc, slot)
-    env = {**os.environ, **slot.env}
-    if "OMP_WAIT_POLICY" in os.environ:  # the user's explicit choice wins over the sweep's default
-        env["OMP_WAIT_POLICY"] = os.environ["OMP_WAIT_POLICY"]
+    # The user's explicit OMP_WAIT_POLICY wins over the sweep's default.
+    env = {**os.environ, **{k: v for k, v in slot.env.items() if k != "OMP_WAIT_POLICY" or k not in os.environ}}
     job.log = open(open_append(job.dir / LOG_FILE), "ab")
     job.log.write(f"\n=== nanopt sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(job.command)}\n".encode())
     job.log.flush()
