@@ -3,7 +3,9 @@ RUNS_DIR | --csv FILE`: Chinchilla's approaches 2 and 3 fitted to it (nanopt/lab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Optional
@@ -17,13 +19,10 @@ from nanopt.lab import scaling, sweep
 
 
 def _flops(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a FLOP count; write e.g. 1e21")
-    return value
+    with contextlib.suppress(ValueError):
+        if 0 < (value := float(text)) < math.inf:
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not a FLOP count; write e.g. 1e21")
 
 
 def fit_main(argv: list[str]) -> int:

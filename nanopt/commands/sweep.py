@@ -59,6 +59,5 @@ def main(argv: list[str]) -> int:
     root = sweep.sweep_dir(args.dir, name, "--dir")
     meta = {"name": name, "config": config, "command": ["nanopt", "sweep", *argv],
             "set": dict(sweep.parse_set(s) for s in args.set), "points": str(args.points) if args.points else None,
-            "seeds": sorted({pt.seed for pt in points}),
-            "overrides": overrides}
+            "seeds": sorted({pt.seed for pt in points}), "overrides": overrides}
     return sweep.run_sweep(config, root, points, configs, overrides, args.nproc, args.parallel, meta)

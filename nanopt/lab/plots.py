@@ -152,12 +152,10 @@ def curves_png(run_dir: Path) -> Path:
         ax.set(xlabel=X_LABELS[x], ylabel="loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
-    mfu_x, mfu_y = series(records, "mfu", "steps")
-    panels = ((axes[1][0], mfu_x, [100 * v for v in mfu_y], "MFU (%)"),
-              (axes[1][1], *series(records, "tokens_per_s", "steps"), "tokens/s"),
-              (axes[1][2], *series(records, "lr", "steps"), "learning rate"))
-    for ax, xs, ys, name in panels:
-        _plot(ax, xs, ys, name, color="tab:green")
+    for ax, (metric, name, scale) in zip(axes[1], (("mfu", "MFU (%)", 100), ("tokens_per_s", "tokens/s", 1),
+                                                    ("lr", "learning rate", 1))):
+        xs, ys = series(records, metric, "steps")
+        _plot(ax, xs, [scale * v for v in ys], name, color="tab:green")
         ax.set(xlabel=X_LABELS["steps"], ylabel=name)
         ax.grid(alpha=0.3)
         if not xs:  # e.g. MFU on a device with no known peak: say so rather than leave a blank box

@@ -241,34 +241,27 @@ def point_state(run_dir: Path, cfg: Config) -> str:
     return "resume" if (Path(run_dir) / rundirs.CHECKPOINTS_DIR / rundirs.LATEST_FILE).exists() else "new"
 
 
-def resume_diff(run_dir: Path, cfg: Config, finished: bool = False) -> list[str]:
-    """The keys a resume (or re-run of a `finished` run) may not change (config.resume_changes) in which the run
-    directory's config.yaml differs from `cfg`, each as "key: old -> new"."""
-    saved = rundirs.read_config(run_dir)
-    if saved is None:
-        return []
-    # resume_changes is the rule (which keys count, checkpoint.allow_changes included); its lines start "key:".
-    keys = [line.split(":", 1)[0] for line in resume_changes(saved, cfg, finished)]
-    before, now = rundirs.flatten(saved), rundirs.flatten(cfg.to_dict())
-    return [f"{k}: {rundirs.format_value(before[k])} -> {rundirs.format_value(now[k])}" for k in keys]
-
-
 def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[str, str]:
     """Each point's state by name, from (name, run directory, config). Refuses when a directory ran another
-    config: skipping it would report another config's result under this sweep's name."""
+    config (keys a resume, or a re-run of a finished run, may not change: config.resume_changes, the rule):
+    skipping it would report another config's result under this sweep's name."""
     states: dict[str, str] = {}
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
         try:
             state = point_state(run_dir, cfg)
-            if diff := resume_diff(run_dir, cfg, finished=state == "done"):
-                changed[name] = diff
-            else:
-                states[name] = state
+            saved = rundirs.read_config(run_dir)
+            diff = [] if saved is None else resume_changes(saved, cfg, state == "done")  # lines "key: ..."
         except ConfigError as e:
             why = " ".join(str(e).split())  # one paragraph: a YAML error's own text spans lines
             raise ConfigError(f"grid point {name}: {why} The sweep cannot tell what this point ran or whether it is "
                               f"done: restore the file, or remove {run_dir} to run the point afresh.") from None
+        if diff:  # each changed key as "key: old -> new"
+            before, now = rundirs.flatten(saved), rundirs.flatten(cfg.to_dict())
+            changed[name] = [f"{k}: {rundirs.format_value(before[k])} -> {rundirs.format_value(now[k])}"
+                             for k in (line.split(":", 1)[0] for line in diff)]
+        else:
+            states[name] = state
     if not changed:
         return states
     which = "; ".join(f"{name} ({', '.join(diff)})" for name, diff in changed.items())
