@@ -128,11 +128,8 @@ def optimum(fit: dict[str, float], flops: float,
 
 
 def _interval(samples: Sequence[float], level: float = 0.95) -> Optional[list[float]]:
-    finite_samples = [s for s in samples if math.isfinite(s)]
-    if len(finite_samples) < 2:
-        return None
-    lo, hi = np.percentile(finite_samples, [50 * (1 - level), 50 * (1 + level)])
-    return [float(lo), float(hi)]
+    kept = [s for s in samples if math.isfinite(s)]
+    return np.percentile(kept, [50 * (1 - level), 50 * (1 + level)]).tolist() if len(kept) > 1 else None
 
 
 def fit(p: Points, bootstrap: int = 200, seed: int = 0) -> dict[str, Any]:
@@ -234,12 +231,10 @@ def report_text(out: dict[str, Any], predictions: Sequence[dict[str, float]] = (
     iso = out["isoflop"]
     lines += [f"  {c:16.4g} {n:12.4g} {d:12.4g} {d / n:13.1f}"
               for c, n, d in zip(iso["budgets"], iso["params_opt"], iso["tokens_opt"])]
-    for p in predictions:
-        lines.append(f"predict at {p['flops']:.4g} FLOPs: N_opt {p['params']:.4g}, D_opt {p['tokens']:.4g} "
-                     f"({p['tokens_per_param']:.1f} tokens/param), loss {p['loss']:.4f}")
-    for c in out.get("checks", []):
-        lines.append(f"held out {c['run']}: N {c['params']:,.0f}, D {c['tokens']:,}: predicted {c['predicted']:.4f}, "
-                     f"measured {c['actual']:.4f} ({100 * c['error']:+.2f}%)")
+    lines += [f"predict at {p['flops']:.4g} FLOPs: N_opt {p['params']:.4g}, D_opt {p['tokens']:.4g} "
+              f"({p['tokens_per_param']:.1f} tokens/param), loss {p['loss']:.4f}" for p in predictions]
+    lines += [f"held out {c['run']}: N {c['params']:,.0f}, D {c['tokens']:,}: predicted {c['predicted']:.4f}, "
+              f"measured {c['actual']:.4f} ({100 * c['error']:+.2f}%)" for c in out.get("checks", [])]
     return "\n".join(lines)
 
 
