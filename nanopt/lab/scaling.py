@@ -51,13 +51,11 @@ class Points:
     def budgets(self, rtol: float = 0.05) -> list[np.ndarray]:
         """Indices of the runs at each compute budget, smallest first; runs within rtol of a budget's first run share
         it (a planned grid's runs differ by their rounding to whole steps)."""
-        order = np.argsort(self.flops)
         groups: list[list[int]] = []
-        for i in order:
-            if groups and self.flops[i] <= self.flops[groups[-1][0]] * (1 + rtol):
-                groups[-1].append(int(i))
-            else:
-                groups.append([int(i)])
+        for i in map(int, np.argsort(self.flops)):
+            if not groups or self.flops[i] > self.flops[groups[-1][0]] * (1 + rtol):
+                groups.append([])
+            groups[-1].append(i)
         return [np.array(g) for g in groups]
 
 
@@ -350,8 +348,7 @@ def check(fit_out: dict[str, Any], run_dir: Path, metric: str, params_key: str =
     if not all(isinstance(s.get(k), (int, float)) for k in (PARAMS[params_key], "tokens_seen", metric)):
         raise ConfigError(f"{run_dir}: summary.json lacks {PARAMS[params_key]}, tokens_seen or {metric}; give a "
                           f"finished run of the ladder's config.")
-    law_fit = {k: fit_out[k]["value"] for k in LAW_KEYS}
     n = count(s, params_key)
-    predicted = predict_loss(law_fit, n, s["tokens_seen"])
+    predicted = predict_loss({k: fit_out[k]["value"] for k in LAW_KEYS}, n, s["tokens_seen"])
     return {"run": str(run_dir), "params": n, "tokens": s["tokens_seen"], "actual": s[metric],
             "predicted": predicted, "error": predicted / s[metric] - 1}

@@ -33,9 +33,6 @@ SWEEP_FILE = "sweep.json"
 LOG_FILE = "stdout.log"  # each run's stdout and stderr, appended across sessions
 # Keys the sweep sets itself for every point: where the run lives, what it is called, its seed.
 RESERVED = ("run.dir", "run.name", "run.seed")
-# 2 concurrent 1-thread runs did more tiny runs per hour on 2 cores than 1 run with 2 threads (docs/results.md
-# "Sweeps"): small models' ops parallelise badly within a process, independent runs perfectly.
-THREADS_PER_CPU_RUN = 1
 
 
 # ---------------------------------------------------------------- the grid
@@ -190,7 +187,9 @@ def place(kind: str, devices: list[str], cores: int, nproc: int = 1, parallel: O
         return [Slot(f"cuda:{','.join(g)}", {"CUDA_VISIBLE_DEVICES": ",".join(g)}) for g in groups[:k]]
     if kind == "xla":
         return [Slot("xla")] * min(parallel or 1, runs or 1)
-    k = min(parallel or max(1, cores // THREADS_PER_CPU_RUN), runs or sys.maxsize)
+    # One run per core: 2 concurrent 1-thread runs did more tiny runs per hour on 2 cores than 1 run with 2 threads
+    # (docs/results.md "Sweeps"): small models' ops parallelise badly within a process, independent runs perfectly.
+    k = min(parallel or cores, runs or sys.maxsize)
     n = threads or max(1, cores // (k * nproc))
     # Spinning idle OpenMP threads (train's default ACTIVE) steal the cores of the runs beside them: 1.4-10x
     # slower steps (docs/mfu.md). One thread per run never spins, so PASSIVE costs it nothing.
