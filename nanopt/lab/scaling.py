@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+from numpy.polynomial import Polynomial
 from scipy.optimize import minimize, minimize_scalar
 from scipy.special import huber, logsumexp, softmax
 
@@ -63,9 +64,8 @@ def _vertex(x: np.ndarray, loss: np.ndarray) -> float:
     """The x of the minimum of the least-squares parabola through (x, loss); nan when it opens downward."""
     if len(np.unique(x)) < 3:  # a bootstrap draw that kept fewer than three sizes has no parabola
         return math.nan
-    mid = x.mean()  # centred: ln N is ~20, and an uncentred fit is poorly conditioned
-    c2, c1, _ = np.polyfit(x - mid, loss, 2)
-    return mid - c1 / (2 * c2) if c2 > 0 else math.nan
+    parabola = Polynomial.fit(x, loss, 2)  # in a scaled window: ln N is ~20, and an unscaled fit is ill-conditioned
+    return float(parabola.deriv().roots()[0]) if parabola.coef[2] > 0 else math.nan
 
 
 def _approach2(p: Points, budgets: list[np.ndarray]) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def _approach2(p: Points, budgets: list[np.ndarray]) -> dict[str, Any]:
 
 
 def _log_terms(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray) -> np.ndarray:
-    """ln of the law's terms A/N^α, B/D^β, E, stacked first; θ = (a, b, e, α, β) may hold columns (one row each)."""
+    """ln of the law's terms A/N^α, B/D^β, E, stacked first; θ = (a, b, e, α, β) may hold columns."""
     a, b, e, alpha, beta = theta
     return np.stack(np.broadcast_arrays(a - alpha * log_n, b - beta * log_d, e))
 
@@ -245,8 +245,7 @@ def plot(p: Points, out: dict[str, Any], path: Path) -> Path:
         x = np.log(p.params[g])
         line, = ax.plot(p.params[g], p.loss[g], "o", label=f"{c:.2g} FLOPs")
         grid = np.linspace(x.min(), x.max(), 50)
-        ax.plot(np.exp(grid), np.polyval(np.polyfit(x - x.mean(), p.loss[g], 2), grid - x.mean()), "-",
-                color=line.get_color(), alpha=0.6)
+        ax.plot(np.exp(grid), Polynomial.fit(x, p.loss[g], 2)(grid), "-", color=line.get_color(), alpha=0.6)
     frontier = [optimum(law_fit, c) for c in np.geomspace(min(p.flops), max(p.flops), 30)]
     ax.plot([f["params"] for f in frontier], [f["loss"] for f in frontier], "k--", label="approach 3 optimum")
     ax.plot(out["isoflop"]["params_opt"], [predict_loss(law_fit, n, d) for n, d in

@@ -472,9 +472,8 @@ def _start(job: Job, config: Optional[str], overrides: list[str], nproc: int, sl
     job.command = launch_command(config, job, overrides, nproc, slot)
     # The user's explicit OMP_WAIT_POLICY wins over the sweep's default.
     env = {**os.environ, **{k: v for k, v in slot.env.items() if k != "OMP_WAIT_POLICY" or k not in os.environ}}
-    job.log = open(open_append(job.dir / LOG_FILE), "ab")
+    job.log = open(open_append(job.dir / LOG_FILE), "ab", buffering=0)  # unbuffered: the run writes here too
     job.log.write(f"\n=== nanopt sweep {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(job.command)}\n".encode())
-    job.log.flush()
     job.started, job.status = time.monotonic(), "running"
     try:
         # Its own session: the terminal's Ctrl-C goes to the sweep's process group only, and the sweep sends
@@ -491,8 +490,7 @@ def _ended(job: Job) -> None:
     """Its process ended: done (exit 0 and rundirs.finished), interrupted or failed (a damaged summary.json too,
     the reason at the end of its log, where the report looks)."""
     assert job.proc is not None and job.log is not None
-    job.exit_code = job.proc.returncode
-    job.wall = time.monotonic() - job.started
+    job.exit_code, job.wall = job.proc.returncode, time.monotonic() - job.started
     try:
         done = job.exit_code == 0 and rundirs.finished(job.dir, job.cfg.train.max_steps,
                                                         job.cfg.train.stop_at_target) is not None
