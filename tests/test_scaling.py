@@ -140,16 +140,12 @@ def test_too_few_runs_for_a_parabola_has_no_optimum():
 LADDER = Path(__file__).resolve().parent.parent / "configs" / "ladder-cpu.yaml"
 
 
-def at_depth(*overrides: tuple[str, str]):
-    return lambda depth: load_config(LADDER, [*overrides, *([] if depth is None else [("model.depth", str(depth))])])
-
-
 def test_the_plan_spends_each_budget_at_each_runs_own_flops_by_the_configs_rules():
-    ref = at_depth()(None).train
-    rungs = scaling.plan(at_depth(), [1e12, 4e12], 4)
+    ref = load_config(LADDER).train
+    rungs = scaling.plan(LADDER, [], [1e12, 4e12], 4)
     assert len(rungs) == 8 and len({r.name for r in rungs}) == 8
     for r in rungs:
-        model = meta_model(at_depth()(r.depth).model)
+        model = meta_model(load_config(LADDER, [("model.depth", str(r.depth))]).model)
         assert (r.params, r.flops_per_token) == (model.num_params(), token_flops(model, ref.seq_len).model)
         assert abs(r.tokens * r.flops_per_token - r.budget) <= r.batch_tokens * r.flops_per_token  # whole steps
         assert r.batch_tokens % (ref.micro_batch_size * ref.seq_len) == 0
@@ -163,7 +159,7 @@ def test_the_plan_spends_each_budget_at_each_runs_own_flops_by_the_configs_rules
         assert [r.depth for r in here] == list(range(here[0].depth, here[0].depth + 4))
         assert max(r.tokens / r.n_6n for r in here) > 20 > min(r.tokens / r.n_6n for r in here)
     # The rules are config keys: no batch scaling and a fixed weight decay keep the reference's values.
-    for r in scaling.plan(at_depth(("scaling.batch_exponent", "0"), ("scaling.weight_decay", "fixed")), [1e12], 3):
+    for r in scaling.plan(LADDER, [("scaling.batch_exponent", "0"), ("scaling.weight_decay", "fixed")], [1e12], 3):
         assert (r.batch_tokens, r.lr, r.weight_decay) == (ref.global_batch_tokens, ref.lr, ref.weight_decay)
 
 
@@ -175,7 +171,7 @@ def test_the_plan_command_prints_every_run_and_writes_a_ladder_the_sweep_reads(t
     assert "nanopt sweep" in out and "--points" in out and "--eval.batches=4" in out
     ladder = tmp_path / "ladder" / "ladder.yaml"
     points, configs = sweep.plan(str(LADDER), [], 1, ["--eval.batches=4"], 1, ladder)
-    rungs = scaling.plan(at_depth(), [1e12, 2e12], 3)
+    rungs = scaling.plan(LADDER, [], [1e12, 2e12], 3)
     assert [p.name for p in points] == [f"{r.name},seed=1337" for r in rungs]
     for p, r in zip(points, rungs):
         cfg = configs[p.name]

@@ -8,11 +8,10 @@ import json
 import math
 import shlex
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
-from nanopt.config import Config, load_config, parse_overrides, split_args
+from nanopt.config import parse_overrides, split_args
 from nanopt.errors import ConfigError
 from nanopt.io import write_text
 from nanopt.lab import scaling, sweep
@@ -82,12 +81,7 @@ def plan_main(argv: list[str]) -> int:
         raise ConfigError(f"--sizes {args.sizes}: the model sizes per budget; give 1 to 32 (3 or more to fit).")
     out = sweep.sweep_dir(args.out, f"{Path(config).stem if config else 'tiny'}-ladder", "--out")
     overrides = sweep.normal_overrides(raw)
-    base = parse_overrides(overrides)
-
-    def config_for(depth: Optional[int]) -> Config:
-        return load_config(config, base + ([] if depth is None else [(scaling.KNOB, str(depth))]))
-
-    rungs = scaling.plan(config_for, args.budgets, args.sizes)
+    rungs = scaling.plan(config, parse_overrides(overrides), args.budgets, args.sizes)
     ladder = out / "ladder.yaml"
     out.mkdir(parents=True, exist_ok=True)
     write_text(ladder, yaml.safe_dump(scaling.points_file(rungs), sort_keys=False))

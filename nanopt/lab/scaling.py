@@ -22,7 +22,7 @@ from numpy.polynomial import Polynomial
 from scipy.optimize import minimize, minimize_scalar
 from scipy.special import huber, logsumexp, softmax
 
-from nanopt.config import Config
+from nanopt.config import load_config
 from nanopt.errors import ConfigError
 from nanopt.io import read_text, write_bytes
 from nanopt.lab import plots
@@ -288,20 +288,20 @@ class Rung:
                 "train.warmup_steps": self.warmup_steps}
 
 
-def plan(config_for: Callable[[Optional[int]], Config], budgets: Sequence[float], sizes: int) -> list[Rung]:
+def plan(config: Optional[str | Path], overrides: list[tuple[str, str]], budgets: Sequence[float],
+         sizes: int) -> list[Rung]:
     """`sizes` depths per budget around the size the config's scaling.tokens_per_param predicts optimal there
     (D = r·N at C = F(N)·D, with F nanopt's FLOPs per token), each run's tokens from its budget at its own
     FLOPs per token, and its batch, lr, weight decay and warm-up by the config's transfer rules from the
-    config's own values (the reference run): docs/scaling.md. `config_for(depth)` is the config at a depth
-    (None: the reference)."""
-    ref = config_for(None)
+    config's own values with `overrides` (the reference run): docs/scaling.md."""
+    ref = load_config(config, overrides)
     t, rules = ref.train, ref.scaling
     unit = t.micro_batch_size * t.seq_len  # a batch is whole micro-batches
     ref_tokens = t.max_steps * t.global_batch_tokens
 
     @functools.cache
     def shape(depth: int) -> tuple[int, int, int]:  # (params, n_6n, flops per token), a meta model each
-        model = meta_model(config_for(depth).model)
+        model = meta_model(load_config(config, [*overrides, (KNOB, str(depth))]).model)
         counts = param_counts(model)
         return counts.total, counts.n_6n, token_flops(model, t.seq_len, ref.mfu.causal_halving).model
 
