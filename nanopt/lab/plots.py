@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -185,13 +186,13 @@ def plot_runs(paths: list[str | Path], out: Path, metric: str = "val_loss", x: s
                           f"--force to replace it.")
     runs = runs_to_plot(paths)
     per_run = [stepped_records(r) for r in runs]
-    if not any(series(records, metric, x)[0] for records in per_run):
+    lines = [series(records, metric, x) for records in per_run]
+    if not any(xs for xs, _ in lines):
         available = sorted({k for records in per_run for r in records for k, v in r.items()
                             if is_number(v) and k not in ("step", "time")})
         raise ConfigError(f"no run logged {metric!r}; pick --metric from: {', '.join(available) or '(none)'}.")
     fig, ax = figure(10, 6, margins=dict(left=0.08, right=0.98, bottom=0.09, top=0.94))
-    for records, label in zip(per_run, run_labels(runs)):
-        xs, ys = series(records, metric, x)
+    for (xs, ys), label in zip(lines, run_labels(runs)):
         _plot(ax, xs, ys, label, eval_line=len(xs) < 30)
     ax.set(xlabel=X_LABELS[x], ylabel=metric, title=f"{metric} against {x}")
     ax.grid(alpha=0.3)
@@ -208,11 +209,9 @@ def profile_png(summary: dict) -> bytes:
     """The step breakdown (one stacked bar of the three shares) above the top ops' self ms per step."""
     fig, (top, bottom) = figure(10, 6, 2, 1, height_ratios=(1, 4),
                                  margins=dict(left=0.36, right=0.97, bottom=0.09, top=0.86, hspace=0.6))
-    start = 0.0
-    for key, name, colour in _SHARES:
-        share = summary[key]
+    shares = [summary[key] for key, _, _ in _SHARES]
+    for (_, name, colour), share, start in zip(_SHARES, shares, itertools.accumulate(shares, initial=0.0)):
         top.barh([0], [100 * share], left=[100 * start], color=colour, label=f"{name} {100 * share:.1f}%")
-        start += share
     top.set(xlim=(0, 100), yticks=[], xlabel="% of profiled step time")
     top.set_title(f"steps {summary.get('first_step')}-{summary.get('last_step')}: {summary['step_ms_mean']:.1f} "
                   f"ms/step ({summary['mode']})", pad=28)

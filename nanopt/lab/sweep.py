@@ -386,8 +386,7 @@ def run_sweep(config: Optional[str], root: Path, points: list[Point], configs: d
         acted = 0
         previous = {s: signal.signal(s, lambda signum, frame: stop.append(signum))
                     for s in (signal.SIGTERM, signal.SIGINT)}
-        skipped = sum(j.status == "skipped" for j in jobs)
-        print(f"sweep {root}: {len(jobs)} runs, {skipped} already done, {len(pending)} to run"
+        print(f"sweep {root}: {len(jobs)} runs, {len(jobs) - len(pending)} already done, {len(pending)} to run"
               + (f", {len(slots)} at a time ({slots[0].label})" if slots else ""), file=out, flush=True)
         progress = Progress(jobs, out, len(slots))
         save()
