@@ -137,13 +137,12 @@ def fit(p: Points, bootstrap: int = 200, seed: int = 0) -> dict[str, Any]:
     two = _approach2(p, budgets)
     theta = _approach3(p)
     rng = np.random.default_rng(seed)
-    ends = np.cumsum([len(g) for g in budgets])
-    blocks = np.split(np.arange(ends[-1]), ends[:-1])  # a resample's budgets: the same sizes, in the same order
     draws = []
     for _ in range(bootstrap):
-        sample = p.take(np.concatenate([rng.choice(g, size=len(g)) for g in budgets]))
-        resampled = _approach2(sample, blocks)  # refits of approach 3 start at the fit
-        draws.append({**law(_approach3(sample, starts=theta[None, :])), "a": resampled["a"], "b": resampled["b"]})
+        groups = [rng.choice(g, size=len(g)) for g in budgets]  # within each budget, so each keeps a parabola
+        resampled = _approach2(p, groups)  # refits of approach 3 start at the fit
+        draws.append({**law(_approach3(p.take(np.concatenate(groups)), starts=theta[None, :])),
+                      "a": resampled["a"], "b": resampled["b"]})
     fitted = {**law(theta), "a": two["a"], "b": two["b"]}
     out: dict[str, Any] = {k: {"value": float(v), "ci": _interval([d[k] for d in draws])} for k, v in fitted.items()}
     alpha, beta = fitted["alpha"], fitted["beta"]
