@@ -67,15 +67,11 @@ def run_labels(runs: list[Path]) -> list[str]:
 def _seconds_axis(records: list[Record]) -> tuple[list[float], list[float]]:
     """(steps, training seconds at them): each logged step time times the steps since the previous log line.
     Not wall time, which would bill evaluations, checkpoints and the gap before a resume."""
-    steps, seconds, last_step, total = [0.0], [0.0], 0, 0.0
+    steps, seconds = [0.0], [0.0]
     for r in records:
-        step_ms = finite(r.get("step_ms"))
-        if step_ms is None or r["step"] <= last_step:
-            continue
-        total += (r["step"] - last_step) * step_ms / 1000
-        last_step = r["step"]
-        steps.append(float(last_step))
-        seconds.append(total)
+        if (step_ms := finite(r.get("step_ms"))) is not None and r["step"] > steps[-1]:
+            seconds.append(seconds[-1] + (r["step"] - steps[-1]) * step_ms / 1000)
+            steps.append(float(r["step"]))
     return steps, seconds
 
 
@@ -85,18 +81,15 @@ def series(records: list[Record], metric: str, x: str) -> tuple[list[float], lis
     at_steps, at_seconds = _seconds_axis(records)
     xs, ys = [], []
     for r in records:
-        value = finite(r.get(metric))
-        if value is None:
+        if (value := finite(r.get(metric))) is None:
             continue
-        step = r["step"]
         if x == "steps":
-            xs.append(float(step))
-        elif x == "tokens":
-            tokens = finite(r.get("tokens_seen"))  # test lines carry no tokens_seen
-            xs.append(tokens if tokens is not None else step * tokens_per_step)
+            xs.append(float(r["step"]))
+        elif x == "tokens":  # test lines carry no tokens_seen
+            xs.append(t if (t := finite(r.get("tokens_seen"))) is not None else r["step"] * tokens_per_step)
         else:  # eval records carry the training clock; step records give it summed from their step times
-            seconds = finite(r.get("train_seconds"))
-            xs.append(seconds if seconds is not None else float(np.interp(step, at_steps, at_seconds)))
+            xs.append(s if (s := finite(r.get("train_seconds"))) is not None
+                      else float(np.interp(r["step"], at_steps, at_seconds)))
         ys.append(value)
     return xs, ys
 
