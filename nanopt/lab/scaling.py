@@ -289,10 +289,9 @@ class Rung:
 
 def plan(config: Optional[str | Path], overrides: list[tuple[str, str]], budgets: Sequence[float],
          sizes: int) -> list[Rung]:
-    """`sizes` depths per budget around the size the config's scaling.tokens_per_param predicts optimal there
-    (D = r·N at C = F(N)·D, with F nanopt's FLOPs per token), each run's tokens from its budget at its own
-    FLOPs per token, and its batch, lr, weight decay and warm-up by the config's transfer rules from the
-    config's own values with `overrides` (the reference run): docs/scaling.md."""
+    """`sizes` depths per budget around the size scaling.tokens_per_param predicts optimal (D = r·N at C = F(N)·D, F
+    nanopt's FLOPs per token), each run's tokens from its budget at its own F, its batch, lr, weight decay and
+    warm-up by the transfer rules from the config's own values with `overrides` (the reference): docs/scaling.md."""
     ref = load_config(config, overrides)
     t, rules = ref.train, ref.scaling
     unit = t.micro_batch_size * t.seq_len  # a batch is whole micro-batches

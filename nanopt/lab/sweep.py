@@ -223,8 +223,7 @@ def visible_ids(count: int, visible: Optional[str]) -> list[str]:
 
 # ---------------------------------------------------------------- run directories
 def sweep_dir(given: Optional[str | Path], default: str, flag: str) -> Path:
-    """Where a sweep's runs go (`nanopt sweep --dir`, `nanopt scaling plan --out`): `given`, else runs/<default>;
-    never inside a run's checkpoints, which that run prunes as its own."""
+    """`given` (--dir, --out), else runs/<default>; never inside a run's checkpoints, which that run prunes."""
     root = Path(given or f"runs/{default}")
     rundirs.refuse_inside_checkpoints(root, flag)
     return root
@@ -241,9 +240,8 @@ def point_state(run_dir: Path, cfg: Config) -> str:
 
 
 def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[str, str]:
-    """Each point's state by name, from (name, run directory, config). Refuses when a directory ran another
-    config (keys a resume, or a re-run of a finished run, may not change: config.resume_changes, the rule):
-    skipping it would report another config's result under this sweep's name."""
+    """Each point's state by name, from (name, run directory, config). Refuses when a directory ran another config
+    (config.resume_changes' keys): skipping it would report another config's result under this sweep's name."""
     states: dict[str, str] = {}
     changed: dict[str, list[str]] = {}
     for name, run_dir, cfg in points:
