@@ -48,8 +48,7 @@ def fit_main(argv: list[str]) -> int:
                           "`nanopt scaling fit runs/ladder` or `nanopt scaling fit --csv points.csv`.")
     points = scaling.from_csv(args.csv) if args.csv else scaling.from_runs(args.runs_dir, args.metric, args.params)
     out = scaling.fit(points, bootstrap=args.bootstrap)
-    law = {k: out[k]["value"] for k in scaling.LAW_KEYS}
-    out["predictions"] = [scaling.optimum(law, c) for c in args.predict]
+    out["predictions"] = [scaling.optimum({k: out[k]["value"] for k in scaling.LAW_KEYS}, c) for c in args.predict]
     out["checks"] = [scaling.check(out, run, args.metric, args.params) for run in args.check]
     if args.plot:
         scaling.plot(points, out, args.plot)

@@ -310,10 +310,9 @@ def _die_with_parent() -> None:
 
 def launch_command(config: Optional[str], job: Job, overrides: list[str], nproc: int, slot: Slot) -> list[str]:
     """`python -m nanopt.main CONFIG ...`, or torchrun (--standalone: each run its own rendezvous)."""
-    launcher = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-                                  if nproc > 1 else [])]
-    return [*launcher, "-m", "nanopt.main", *([config] if config else []), *overrides, *job.point.overrides(),
-            f"--run.dir={job.dir}", f"--run.name={job.point.name}", *slot.overrides]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    return [sys.executable, *torchrun, "-m", "nanopt.main", *([config] if config else []), *overrides,
+            *job.point.overrides(), f"--run.dir={job.dir}", f"--run.name={job.point.name}", *slot.overrides]
 
 
 class Progress:
