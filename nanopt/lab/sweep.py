@@ -230,7 +230,7 @@ def sweep_dir(given: Optional[str | Path], default: str, flag: str) -> Path:
 
 
 def point_state(run_dir: Path, cfg: Config) -> str:
-    """done (rundirs.finished), resume (a checkpoint) or new; whose config it ran: resume_diff."""
+    """done (rundirs.finished), resume (a checkpoint) or new; whose config it ran: point_states."""
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"{run_dir} is a file, where the sweep keeps this point's run directory.")
     if rundirs.finished(run_dir, cfg.train.max_steps, cfg.train.stop_at_target) is not None:
