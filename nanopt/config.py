@@ -6,7 +6,6 @@ Every key's rules sit on its field (`key()`); validate(), SAFE_KEYS, NEUTRAL_KEY
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import operator
@@ -55,9 +54,8 @@ def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], ty
     """Class decorator (above @dataclass): `safe` and `neutral` for the fields that leave them None."""
     def apply(cls: type) -> type:
         for f in fields(cls):
-            meta = dict(f.metadata)
-            meta.update({k: v for k, v in (("safe", safe), ("neutral", neutral)) if meta[k] is None})
-            f.metadata = types.MappingProxyType(meta)
+            given = {k: v for k, v in f.metadata.items() if v is not None}
+            f.metadata = types.MappingProxyType({**f.metadata, "safe": safe, "neutral": neutral, **given})
         return cls
     return apply
 
@@ -540,6 +538,7 @@ class Config:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
 
 KEYS = {f"{s}.{f.name}": f.metadata for s, cls in SECTIONS.items() for f in fields(cls)}  # every key's rules
+TYPES = {f"{s}.{name}": t for s, cls in SECTIONS.items() for name, t in typing.get_type_hints(cls).items()}
 SAFE_KEYS = frozenset(k for k, m in KEYS.items() if m["safe"])  # what resume_changes lets differ from a checkpoint
 NEUTRAL_KEYS = frozenset(k for k, m in KEYS.items() if m["neutral"])  # what does not split repeats in `nanopt runs`
 # A finished run is not trained again, so a re-run may differ only in keys that change neither its results nor what
@@ -559,16 +558,18 @@ _BOOLS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no"
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _to_int(value: Any) -> Optional[int]:
+def _to_int(value: Any) -> int:
     if isinstance(value, str):
-        text = value.strip().replace("_", "")
+        text = value.replace("_", "")
         with contextlib.suppress(ValueError):
             return int(text)  # exactly: float() would round integers above 2^53 (seeds)
-        with contextlib.suppress(ValueError):
-            value = float(text)  # 1e6, 4096.0
-    if isinstance(value, int):
-        return value
-    return int(value) if isinstance(value, float) and value.is_integer() else None
+        value = float(text)  # 1e6, 4096.0
+    return int(value) if isinstance(value, float) and value.is_integer() else operator.index(value)
+
+
+# Each scalar type's converter; what it raises (TypeError, ValueError, KeyError, AttributeError) is a wrong value.
+_SCALARS: dict[type, Callable[[Any], Any]] = {bool: lambda v: v if isinstance(v, bool) else _BOOLS[v.lower()],
+                                              int: _to_int, float: float, str: lambda v: "" if v is None else str(v)}
 
 
 def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: str = ",") -> Any:
@@ -585,20 +586,14 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
             value = comma_list(value, sep)
         items = value if isinstance(value, list) else [value]
         return [_convert(item, typing.get_args(typ)[0], key, where, sep=":") for item in items]
-    out: Any = None
-    if typ is bool:
-        out = value if isinstance(value, bool) else _BOOLS.get(value.lower()) if isinstance(value, str) else None
-    elif typ is int and not isinstance(value, bool):
-        out = _to_int(value)
-    elif typ is float and not isinstance(value, bool):
-        with contextlib.suppress(TypeError, ValueError):
-            out = float(value)
-    elif typ is str and not isinstance(value, (dict, list)):
-        out = "" if value is None else str(value)
-        if any("\ud800" <= c <= "\udfff" for c in out):  # a command line's undecodable bytes, YAML's "\udcff"
-            raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
-    if out is None:
-        raise ConfigError(f"{where}: `{key}` must be {_KINDS[typ]}, got {_SHORT.repr(value)}.")
+    try:
+        if isinstance(value, (dict, list)) or isinstance(value, bool) and typ in (int, float):
+            raise TypeError
+        out = _SCALARS[typ](value)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        raise ConfigError(f"{where}: `{key}` must be {_KINDS[typ]}, got {_SHORT.repr(value)}.") from None
+    if typ is str and any("\ud800" <= c <= "\udfff" for c in out):  # undecodable command-line bytes, YAML's "\udcff"
+        raise ConfigError(f"{where}: `{key}` is {out!r}, which holds bytes that are no UTF-8 text; give text.")
     return out
 
 
@@ -608,30 +603,19 @@ _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
 _SHORT.maxstring = _SHORT.maxother = 120
 
 
-@functools.lru_cache(maxsize=None)  # `nanopt runs` converts every key of every run it reads
-def _declared(key: str) -> tuple[Any, str]:
-    """A known key's type and what null means for it (KeyError for an unknown one)."""
-    section_name, _, name = key.partition(".")
-    return typing.get_type_hints(SECTIONS[section_name])[name], KEYS[key]["null"]
-
-
 def _get(cfg: Config, key: str) -> Any:
-    section_name, _, name = key.partition(".")
-    return getattr(getattr(cfg, section_name), name)
+    return operator.attrgetter(key)(cfg)
 
 
 def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
     section_name, _, name = key.partition(".")
-    if not name or "." in name:
-        raise ConfigError(f"{where}: `{key}` is not a `section.key` name. Sections: {', '.join(SECTIONS)}.")
     if section_name not in SECTIONS:
         raise ConfigError(f"{where}: unknown section `{section_name}` (in `{key}`). "
                           f"Valid sections: {', '.join(SECTIONS)}.")
     if key not in KEYS:
         valid = ", ".join(f.name for f in fields(SECTIONS[section_name]))
         raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {valid}.")
-    typ, null = _declared(key)
-    setattr(getattr(cfg, section_name), name, _convert(value, typ, key, where, null))
+    setattr(getattr(cfg, section_name), name, _convert(value, TYPES[key], key, where, KEYS[key]["null"]))
 
 
 def _apply_sections(cfg: Config, data: dict[str, Any], where: str, saved: bool = False) -> None:
@@ -670,18 +654,14 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     """`--section.key=value` or `--section.key value` -> [(key, value)]."""
     out: list[tuple[str, str]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    rest = iter(args)
+    for arg in rest:
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ConfigError(f"command line: cannot read `{arg}`. Overrides look like `--train.max_steps=50`.")
         key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 == len(args) or args[i + 1].startswith("--"):
-                raise ConfigError(f"command line: `{arg}` has no value. Write `{arg}=VALUE`.")
-            i, value = i + 1, args[i + 1]
+        if not eq and ((value := next(rest, None)) is None or value.startswith("--")):
+            raise ConfigError(f"command line: `{arg}` has no value. Write `{arg}=VALUE`.")
         out.append((key, value))
-        i += 1
     return out
 
 
@@ -869,11 +849,10 @@ def to_yaml(cfg: Config) -> str:
     return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False)
 
 
-def config_from_dict(data: Any, where: str) -> Config:
-    """A Config from to_dict() output (a checkpoint's state.json, a saved config.yaml), converted and checked as a
-    YAML config is: a damaged file is one paragraph naming `where`, never a model sized by an unchecked number."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: the config is not a mapping of sections; the file is damaged.")
+def config_from_dict(data: dict[str, Any], where: str) -> Config:
+    """A Config from to_dict() output (a checkpoint's state.json, a saved config.yaml; their schemas make it a dict),
+    converted and checked as a YAML config is: a damaged file is one paragraph naming `where`, never a model sized by
+    an unchecked number."""
     cfg = Config()
     _apply_sections(cfg, data, where, saved=True)
     validate(cfg, saved=True)  # its messages name the key; the caller's context names the file
@@ -897,8 +876,7 @@ def canonical(key: str, value: Any) -> Any:
     """A saved config's value as this version holds it (a list that older versions wrote as a comma string), so
     comparing configs across versions compares values; the value as found when it does not convert."""
     try:
-        typ, null = _declared(key)
-        return _convert(value, typ, key, "", null)
+        return _convert(value, TYPES[key], key, "", KEYS[key]["null"])
     except (KeyError, ConfigError):
         return value
 
