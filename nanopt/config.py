@@ -263,15 +263,13 @@ class TrainConfig:
         if self.stop_at_target and not cfg.eval.every:
             raise ConfigError("`train.stop_at_target` needs periodic validation to notice the target: set "
                               "`eval.every` to a positive number of steps.")
-        for stage_start, length in check_stages(self.seq_len_schedule, "train.seq_len_schedule"):
-            if length > self.seq_len:
-                raise ConfigError(f"`train.seq_len_schedule` has {length} tokens from {stage_start}, longer than "
+        for start, _, seq_len in (stages := self.stages()):  # parses both schedules
+            if seq_len > self.seq_len:
+                raise ConfigError(f"`train.seq_len_schedule` has {seq_len} tokens from {start}, longer than "
                                   f"`train.seq_len` ({self.seq_len}), the model's context; raise train.seq_len.")
-        stages = self.stages()  # parses train.batch_schedule too
-        # FP8's weight-gradient matmul contracts over a micro-batch's tokens, which torch._scaled_mm takes only in
-        # multiples of 16: refused here, on every device, so a config that runs on CPU does not crash on the GPU.
-        for start, _, seq_len in stages if self.fp8 != "none" else []:
-            if self.micro_batch_size * seq_len % 16:
+            # FP8's weight-gradient matmul contracts over a micro-batch's tokens, which torch._scaled_mm takes only
+            # in multiples of 16: refused here, on every device, so a config that runs on CPU does not crash on GPU.
+            if self.fp8 != "none" and self.micro_batch_size * seq_len % 16:
                 where = f"from {start} {self.schedule_unit} " if len(stages) > 1 else ""
                 raise ConfigError(f"`train.fp8` is {self.fp8!r} but the stage {where}has micro_batch_size × seq_len "
                                   f"= {self.micro_batch_size} × {seq_len} = {self.micro_batch_size * seq_len} tokens "
@@ -884,9 +882,8 @@ def canonical(key: str, value: Any) -> Any:
 def resume_changes(saved: dict[str, Any], cfg: Config, finished: bool = False) -> list[str]:
     """Each key that differs from the checkpoint's config and is neither in `checkpoint.allow_changes` nor free
     (SAFE_KEYS while the run goes on, RERUN_KEYS once `finished`), as "key: old in the checkpoint, new now"."""
-    before, now = ({f"{s}.{k}": v for s, values in data.items() if isinstance(values, dict) for k, v in values.items()}
-                   for data in (saved, cfg.to_dict()))
-    before = {k: canonical(k, v) for k, v in before.items()}
+    before, now = ({f"{s}.{k}": canonical(f"{s}.{k}", v) for s, values in data.items() if isinstance(values, dict)
+                    for k, v in values.items()} for data in (saved, cfg.to_dict()))
     free = (RERUN_KEYS if finished else SAFE_KEYS) | set(cfg.checkpoint.allow_changes)
     # A key only one side knows is from another nanopt version.
     changed = sorted(k for k in before.keys() & now.keys() if before[k] != now[k] and k not in free)

@@ -6,6 +6,7 @@ silently (_check_rows). lm-eval (the `eval` extra, a second to import) is import
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -32,7 +33,6 @@ from nanopt.rundirs import EVALS_FILE, TB_DIR, evaluation_key, recorded
 from nanopt.training.checkpoint import weights_crc32
 
 log = logging.getLogger("nanopt")
-_LM: Optional[type] = None
 _MANAGERS: dict[Optional[str], Any] = {}
 
 
@@ -50,15 +50,11 @@ def _lm_eval() -> Any:
     return lm_eval
 
 
+@functools.cache
 def lm_class() -> type:
     """NanoptLM, registered with the harness as `nanopt` on first call (model="nanopt", model_args="path=runs/x")."""
-    global _LM
-    if _LM is None:
-        _LM = _define(_lm_eval())
-    return _LM
+    lm_eval = _lm_eval()
 
-
-def _define(lm_eval: Any) -> type:
     @lm_eval.api.registry.register_model("nanopt")
     class NanoptLM(lm_eval.api.model.TemplateLM):
         """path: a run, checkpoint or Hugging Face directory; or model + tokenizer (+ rt), as training passes them.
@@ -178,20 +174,15 @@ def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
     return manager
 
 
-def _self_contained(index: dict[str, Any], names: list[str]) -> bool:
-    """Whether every task and group member named is in `index` (the user's YAMLs); anything unexpected says no."""
-    seen, todo = set(), list(names)
-    while todo:
-        if not isinstance(name := todo.pop(), str):  # an inline task config (a dict: unhashable too)
-            return False
-        entry = index.get(name)
+def _self_contained(index: dict[str, Any], names: list[Any], above: frozenset[str] = frozenset()) -> bool:
+    """Whether every task and group member named is in `index` (the user's YAMLs); anything unexpected (an inline
+    task config, a group inside itself) says no."""
+    for name in names:
+        entry = index.get(name) if isinstance(name, str) and name not in above else None
         kind = getattr(getattr(entry, "kind", None), "name", None)
-        members = getattr(entry, "cfg", {}).get("task") if kind == "GROUP" else None
-        if name not in seen and kind != "TASK":
-            if not isinstance(members, list):
-                return False
-            todo.extend(members)
-        seen.add(name)
+        members = (entry.cfg or {}).get("task") if kind == "GROUP" else None
+        if kind != "TASK" and not (isinstance(members, list) and _self_contained(index, members, above | {name})):
+            return False
     return True
 
 
