@@ -605,19 +605,9 @@ def _get(cfg: Config, key: str) -> Any:
     return operator.attrgetter(key)(cfg)
 
 
-def _apply(cfg: Config, key: str, value: Any, where: str) -> None:
-    section_name, _, name = key.partition(".")
-    if section_name not in SECTIONS:
-        raise ConfigError(f"{where}: unknown section `{section_name}` (in `{key}`). "
-                          f"Valid sections: {', '.join(SECTIONS)}.")
-    if key not in KEYS:
-        valid = ", ".join(f.name for f in fields(SECTIONS[section_name]))
-        raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {valid}.")
-    setattr(getattr(cfg, section_name), name, _convert(value, TYPES[key], key, where, KEYS[key]["null"]))
-
-
 def _apply_sections(cfg: Config, data: dict[str, Any], where: str, saved: bool = False) -> None:
-    """A file's sections into `cfg`; a `saved` config's RETIRED_KEYS are skipped."""
+    """A file's sections (or an override as {section: {name: value}}) into `cfg`; a `saved` config's RETIRED_KEYS are
+    skipped."""
     for section_name, values in data.items():
         if section_name not in SECTIONS:
             raise ConfigError(f"{where}: unknown section `{section_name}`. Valid sections: {', '.join(SECTIONS)}.")
@@ -625,14 +615,16 @@ def _apply_sections(cfg: Config, data: dict[str, Any], where: str, saved: bool =
             raise ConfigError(f"{where}: section `{section_name}` must be a mapping of keys, got "
                               f"{_SHORT.repr(values)}.")
         for name, value in (values or {}).items():
-            if not (saved and f"{section_name}.{name}" in RETIRED_KEYS):
-                _apply(cfg, f"{section_name}.{name}", value, where)
+            if (key := f"{section_name}.{name}") in KEYS:
+                setattr(getattr(cfg, section_name), name, _convert(value, TYPES[key], key, where, KEYS[key]["null"]))
+            elif not (saved and key in RETIRED_KEYS):
+                valid = ", ".join(f.name for f in fields(SECTIONS[section_name]))
+                raise ConfigError(f"{where}: unknown key `{key}`. Valid keys in `{section_name}`: {valid}.")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
-        shipped = configs_dir() / f"{path}.yaml" if path.suffix == "" else None
-        if shipped is None or not shipped.exists():
+        if path.suffix or not (shipped := configs_dir() / f"{path}.yaml").exists():
             raise ConfigError(
                 f"config file {path} does not exist. Pass a YAML file such as configs/tiny.yaml "
                 f"(shipped configs: {', '.join(sorted(p.stem for p in configs_dir().glob('*.yaml')))}).")
@@ -689,7 +681,8 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     source = Path(path) if path is not None else configs_dir() / f"{DEFAULT_CONFIG}.yaml"
     _apply_sections(cfg, _read_yaml(source), f"config file {source}")
     for key, value in overrides or []:
-        _apply(cfg, key, value, "command line")
+        section_name, _, name = key.partition(".")
+        _apply_sections(cfg, {section_name: {name: value}}, "command line")
     validate(cfg)
     return cfg
 
