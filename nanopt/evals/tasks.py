@@ -286,12 +286,16 @@ def _check_rows(task: Any) -> None:
     """What lm-eval accepts silently in a task on local files (the harness's hub tasks are its own): a row without a
     field the templates use (datasets fills in null, rendered "None") and a gold outside its choices (a warning,
     scored wrong). ConfigError naming the row."""
+    import jinja2.meta  # comes with lm-eval
+
     config = task.config
     split = config.test_split if task.has_test_docs() else config.validation_split
-    files = _local_files(config.dataset_kwargs, split)
-    if not files:
+    if not (files := _local_files(config.dataset_kwargs, split)):
         return
-    used = _fields_used(task)
+    # The fields doc_to_text, doc_to_target and doc_to_choice read: a field's name, or a template's variables.
+    texts = [t for t in (config.doc_to_text, config.doc_to_target, config.doc_to_choice) if isinstance(t, str)]
+    used = {f for t in texts for f in {t} | jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(t))}
+    used &= set(getattr(task, "features", None) or [])
     for row, doc in enumerate(task.eval_docs, 1):
         missing = sorted(f for f in used if f in doc and doc[f] is None)
         if problem := f"it has no {', '.join(missing)}" if missing else _gold_problem(task, doc):
@@ -299,17 +303,6 @@ def _check_rows(task: Any) -> None:
                               f"split: {problem}. Every row needs the fields its YAML's doc_to_text, doc_to_target "
                               f"and doc_to_choice use, and a multiple-choice gold inside its choices; mend or "
                               f"remove that row.")
-
-
-def _fields_used(task: Any) -> set[str]:
-    """The data fields doc_to_text, doc_to_target and doc_to_choice read: a field's name, or a template's variables."""
-    import jinja2.meta
-
-    used: set[str] = set()
-    for value in (task.config.doc_to_text, task.config.doc_to_target, task.config.doc_to_choice):
-        if isinstance(value, str):
-            used |= {value} | jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(value))
-    return used & set(getattr(task, "features", None) or [])
 
 
 def _gold_problem(task: Any, doc: Any) -> Optional[str]:
