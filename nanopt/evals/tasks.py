@@ -358,15 +358,10 @@ def record_tasks(run_dir: Optional[Path], records: list[dict[str, Any]]) -> list
 
 def task_lines(records: list[dict[str, Any]]) -> list[str]:
     """One line per task: each metric with its stderr, or why its scoring failed."""
-    lines = []
-    for r in records:
-        if "error" in r:
-            lines.append(f"{r['task']} (step {r['step']}): not scored: {r['error']}")
-            continue
-        parts = [f"{m} {v:.4f}" + (f" ± {r['stderr'][m]:.4f}" if isinstance(r["stderr"].get(m), float) else "")
-                 for m, v in r["scores"].items()]
-        lines.append(f"{r['task']} (step {r['step']}, {r['samples']} docs): " + ", ".join(parts))
-    return lines
+    return [f"{r['task']} (step {r['step']}): not scored: {r['error']}" if "error" in r else
+            f"{r['task']} (step {r['step']}, {r['samples']} docs): " + ", ".join(
+                f"{m} {v:.4f}" + (f" ± {r['stderr'][m]:.4f}" if isinstance(r["stderr"].get(m), float) else "")
+                for m, v in r["scores"].items()) for r in records]
 
 
 @dataclass
