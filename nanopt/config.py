@@ -606,8 +606,7 @@ def _get(cfg: Config, key: str) -> Any:
 
 
 def _apply_sections(cfg: Config, data: dict[str, Any], where: str, saved: bool = False) -> None:
-    """A file's sections (or an override as {section: {name: value}}) into `cfg`; a `saved` config's RETIRED_KEYS are
-    skipped."""
+    """Sections ({section: {key: value}}: a file's, or one override) into `cfg`; a `saved` one skips RETIRED_KEYS."""
     for section_name, values in data.items():
         if section_name not in SECTIONS:
             raise ConfigError(f"{where}: unknown section `{section_name}`. Valid sections: {', '.join(SECTIONS)}.")
@@ -841,9 +840,8 @@ def to_yaml(cfg: Config) -> str:
 
 
 def config_from_dict(data: dict[str, Any], where: str) -> Config:
-    """A Config from to_dict() output (a checkpoint's state.json, a saved config.yaml; their schemas make it a dict),
-    converted and checked as a YAML config is: a damaged file is one paragraph naming `where`, never a model sized by
-    an unchecked number."""
+    """A Config from to_dict() output (state.json, a saved config.yaml: a dict by their schemas), converted and checked
+    as a YAML config is: a damaged file is one paragraph naming `where`, never a model sized by an unchecked number."""
     cfg = Config()
     _apply_sections(cfg, data, where, saved=True)
     validate(cfg, saved=True)  # its messages name the key; the caller's context names the file

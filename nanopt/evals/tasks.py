@@ -115,9 +115,8 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
         raise ConfigError(f"{path} has no tokenizer files and no nanopt config naming one; give tokenizer=NAME "
                           f"(a Hugging Face tokenizer directory or `byte`) in --model_args.")
     tok = get_tokenizer(name) if isinstance(name, str) else name
-    if rt is None:
-        rt = runtime.init_to_evaluate(device, precision, loaded.cfg.train.precision if loaded else "fp32",
-                                      loaded.cfg.runtime.threads if loaded else 0)
+    rt = rt or runtime.init_to_evaluate(device, precision, loaded.cfg.train.precision if loaded else "fp32",
+                                        loaded.cfg.runtime.threads if loaded else 0)
     return model.to(rt.device).eval(), tok, rt, loaded
 
 
@@ -146,9 +145,7 @@ def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
     with lm.rt.autocast():
         ids = generate(lm.model, torch.tensor([prompt], device=lm.rt.device), max_new, 0, stop=stop)[0, len(prompt):]
     text = lm.tok.decode([i for i in ids.tolist() if i != eos])
-    for s in until:
-        text = text.split(s)[0]
-    return text
+    return min((text.split(s)[0] for s in until), key=len, default=text)  # cut before the first stop string
 
 
 def _task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
