@@ -108,8 +108,7 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
         if not path:
             raise ConfigError("the nanopt harness model needs path=<run directory, checkpoint or Hugging Face "
                               "directory>, e.g. --model_args path=runs/speedrun.")
-        loaded = load(path, weights=weights)
-        model = loaded.model
+        model = (loaded := load(path, weights=weights)).model
     name = tokenizer if tokenizer is not None else (loaded.cfg.data.tokenizer if loaded else "byte")
     if not name:
         raise ConfigError(f"{path} has no tokenizer files and no nanopt config naming one; give tokenizer=NAME "
@@ -409,9 +408,7 @@ def score_model(model: Llama, tokenizer: Tokenizer, rt: Runtime, spec: TaskSpec,
     finally:
         model.train(was_training)
         rt.set_rng_state(rng)
-    for r in records:
-        r["seconds"] = time.perf_counter() - t0  # the whole scoring pass, outside any training clock
-    return records
+    return [{**r, "seconds": time.perf_counter() - t0} for r in records]  # the whole pass, outside any training clock
 
 
 class TaskScorer:
