@@ -122,14 +122,11 @@ def task_model(path: Optional[str], model: Optional[Llama] = None, tokenizer: Op
 def _rolling(lm: Any, utils: Any, texts: list[str]) -> list[float]:
     """Whole-text log-likelihoods: the harness's disjoint windows, each scored as one continuation, all batched."""
     max_len = lm.model.rope_cos.shape[0]
-    spans, windows = [], []
-    for text in texts:
-        pieces = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
-            token_list=lm.tok.encode(text), prefix_token=lm.prefix_token_id, max_seq_len=max_len, context_len=1)]
-        spans.append(len(pieces))
-        windows += pieces
-    scores = iter(continuation_scores(lm.model, windows, lm.rt, lm.batch_size))
-    return [sum(next(scores)[0] for _ in range(n)) for n in spans]
+    per_text = [[utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(
+        token_list=lm.tok.encode(text), prefix_token=lm.prefix_token_id, max_seq_len=max_len, context_len=1)]
+        for text in texts]
+    scores = iter(continuation_scores(lm.model, [w for ws in per_text for w in ws], lm.rt, lm.batch_size))
+    return [sum(next(scores)[0] for _ in ws) for ws in per_text]
 
 
 def _generate(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
