@@ -82,7 +82,7 @@ def measure(args: argparse.Namespace, cmd: str) -> None:
         t0 = time.perf_counter()
         docs = packing.Documents(maps, BOS)
         index_s = time.perf_counter() - t0
-        print(f"corpus  : {args.tokens:,} tokens in {len(paths)} shards, {len(docs):,} documents, mean "
+        print(f"corpus  : {args.tokens:,} tokens in {len(paths)} shards, {len(docs.lengths):,} documents, mean "
               f"{docs.lengths.mean():.0f} / median {np.median(docs.lengths):.0f} tokens; BOS index built in "
               f"{index_s:.2f} s ({args.tokens / index_s / 1e6:.0f}M tokens/s)")
         loader = packing.PackedLoader(docs, args.micro_batch, 0, 1, args.accum, 0, args.seq_len, args.buffer)
