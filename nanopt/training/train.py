@@ -374,8 +374,10 @@ class Validator:
     def run(self, state: RunState) -> None:
         val_loss, val_bpb = self._measure("val", self.batches, state.step, tokens_seen=state.tokens_seen,
                                           train_seconds=state.train_seconds)
-        state.best_val_loss = min(val_loss if state.best_val_loss is None else state.best_val_loss, val_loss)
-        state.best_val_bpb = min(val_bpb if state.best_val_bpb is None else state.best_val_bpb, val_bpb)
+        if state.best_val_loss is None or val_loss < state.best_val_loss:
+            state.best_val_loss = val_loss
+        if state.best_val_bpb is None or val_bpb < state.best_val_bpb:
+            state.best_val_bpb = val_bpb
         self.clock.observe(val_loss, val_bpb, state.step, state.tokens_seen, state.train_seconds, self.rt)
         self.last, self.last_step = {"val_loss": val_loss, "val_bpb": val_bpb}, state.step
 
@@ -383,7 +385,10 @@ class Validator:
         """The test split's loss and bpb ({} when off or without test shards)."""
         e = self.cfg.eval
         batches = split_batches(self.cfg, self.rt, self.directory, "test", e.batches) if e.test_at_end else None
-        return {} if batches is None else dict(zip(("test_loss", "test_bpb"), self._measure("test", batches, step)))
+        if batches is None:
+            return {}
+        loss, bpb = self._measure("test", batches, step)
+        return {"test_loss": loss, "test_bpb": bpb}
 
     def weights(self) -> contextlib.AbstractContextManager[str]:
         """The weights evaluations use, in the model for the duration; yields their name."""
