@@ -445,9 +445,12 @@ def compiled(model: torch.nn.Module, t: TrainConfig, plan: Plan, ddp: bool = Fal
 
 
 def compile_blocks(model: torch.nn.Module, **options: Any) -> None:
-    """A sharded model compiled per block (torchtitan's apply_compile): FSDP2's hooks around each block stay eager,
-    and the blocks share one compiled code. Kept in Llama.training_blocks, which only the training forward calls,
-    not in the module tree: the state_dict keys stay, and evaluation and decoding run the eager blocks."""
+    """A sharded model compiled per block (torchtitan's apply_compile). FSDP2's hooks around each block (all-gather,
+    reshard, the gradient reduce-scatter) are not traced by dynamo, so a whole-model graph would break at every
+    block anyway; the blocks share one compiled code (dynamo guards on structure, not identity), so compile time
+    does not grow with depth. Kept in Llama.training_blocks, which only the training forward calls, not in the
+    module tree: compiled modules there would rename the state_dict keys (`_orig_mod.`), and validation, task
+    scoring and KV-cache decoding would each compile shapes of their own and hit the recompile limit."""
     model.training_blocks = [torch.compile(block, **options) for block in model.layers]
 
 
