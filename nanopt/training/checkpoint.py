@@ -635,9 +635,8 @@ class Checkpointer:
                               f"no {', '.join(missing[:3])}. {fix}")
         if ema is not None:
             self._load_ema(ckpt, saved, ema)
-        packing = trained.data.packing
         for name, component in states.items():
-            if name == "loader" and packing != self.cfg.data.packing:
+            if name == "loader" and (packing := trained.data.packing) != self.cfg.data.packing:
                 # An allowed data.packing change: the other loader's position means nothing to this one.
                 log.warning("data.packing changed from %s to %s (checkpoint.allow_changes): the loader starts at "
                             "its first batch, not at the checkpoint's position", packing, self.cfg.data.packing)
@@ -696,8 +695,7 @@ class Checkpointer:
 
     def should_save(self, step: int) -> bool:
         """A periodic save after this step; not the last, which finish() saves after the final evaluation."""
-        every = self.cfg.checkpoint.every
-        return bool(every) and step % every == 0 and step != self.cfg.train.max_steps
+        return bool(every := self.cfg.checkpoint.every) and step % every == 0 and step != self.cfg.train.max_steps
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              states: dict[str, Stateful], ema: Optional[EMA] = None) -> Path:
