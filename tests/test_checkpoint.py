@@ -198,6 +198,12 @@ def _rank(rank: int, world: int, store: str) -> runtime.Runtime:
     return runtime.Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
 
 
+def _failing_fsync(real, code: int, why: str, fails: bool = True):
+    """fsync raising OSError(code, why) at a DCP shard file where `fails`, else the real one."""
+    return lambda path: (_ for _ in ()).throw(OSError(code, why, str(path))) \
+        if fails and Path(path).suffix == ".distcp" else real(path)
+
+
 def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
     """A 2-rank fsdp model: Checkpointer.save (every rank writes its DCP shards and fsyncs and sums its own),
     recording which files this rank read back; then a save where rank 1's fsync fails."""
@@ -210,9 +216,7 @@ def _seal_worker(rank: int, world: int, store: str, root: str) -> None:
     checkpoint.crc32_of = lambda path: read.append(Path(path).name) or real_crc32(path)
     ckpt.save(2, model, opt, {})
     (Path(root) / f"read{rank}.json").write_text(json.dumps(read))
-    real_fsync = checkpoint.fsync
-    checkpoint.fsync = lambda path: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error", str(path))) \
-        if rank == 1 and Path(path).suffix == ".distcp" else real_fsync(path)
+    checkpoint.fsync = _failing_fsync(checkpoint.fsync, errno.EIO, "I/O error", fails=rank == 1)
     try:
         ckpt.save(4, model, opt, {})
     except OSError as e:
@@ -383,12 +387,6 @@ def _full_torch_save(obj, f, *args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
 
-def _full_fsync(real):
-    def fsync(path):
-        if Path(path).suffix == ".distcp":
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path)
-    return fsync
 
 
 @pytest.mark.parametrize("where", ["rng.pt", "dcp/__0_0.distcp"])
@@ -403,7 +401,8 @@ def test_a_full_disk_in_a_save_is_disk_full_naming_the_file_and_leaves_no_temp_d
         save, full = lambda step: checkpoint.save(root, step, checkpoint.model_state(model), {}, keep=3), \
             (checkpoint.torch, "save", _full_torch_save)
     else:
-        save, full = lambda step: ckpt.save(step, model, opt, {}), (checkpoint, "fsync", _full_fsync(checkpoint.fsync))
+        save, full = lambda step: ckpt.save(step, model, opt, {}), \
+            (checkpoint, "fsync", _failing_fsync(checkpoint.fsync, errno.ENOSPC, "No space left on device"))
     save(2)
     monkeypatch.setattr(*full)
     with pytest.raises(DiskFull) as e:
