@@ -582,8 +582,7 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
 
 # A wrong value as a message shows it: a few items of a YAML list of 100,000 (or of anchors nested into billions).
 _SHORT = reprlib.Repr()
-_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
-_SHORT.maxstring = _SHORT.maxother = 120
+vars(_SHORT).update(maxlist=6, maxdict=6, maxtuple=6, maxstring=120, maxother=120)  # Repr(**limits) from Python 3.12
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -763,7 +762,6 @@ SWITCHES: dict[str, tuple[str, str]] = {
 
 
 def _refuse_ignored(cfg: Config) -> None:
-    """ConfigError for the first key of SWITCHES set away from its default while its switch is off."""
     for name, (switches, needs) in SWITCHES.items():
         value, default = _get(cfg, name), _get(Config(), name)
         on = any(_get(cfg, s) == needs if KEYS[s]["choices"] else bool(_get(cfg, s)) for s in switches.split())
