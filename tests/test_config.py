@@ -6,7 +6,7 @@ import operator
 import pytest
 import yaml
 
-from nanopt.config import (Config, ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
+from nanopt.config import (ConfigError, config_from_dict, configs_dir, load_config, parse_overrides, resolve,
                            resume_changes, to_yaml)
 from nanopt.main import run
 from nanopt.training.plan import build_plan
@@ -207,24 +207,9 @@ def test_bad_yaml_files_name_the_file(name, text, words, via, tmp_path, capsys):
         assert word in err, f"{word!r} missing from: {err}"
 
 
-def hsdp(group: str = "null") -> Config:
-    """hsdp with a batch that splits over 1, 2, 4, 6, 8 or 16 ranks."""
-    return load_config(None, parse_overrides(["--runtime.parallel=hsdp", f"--runtime.shard_group_size={group}",
-                                              "--train.global_batch_tokens=98304"]))
-
-
 @pytest.mark.parametrize("group, world, local, mesh", [
     ("2", 4, 4, (2, 2)), ("1", 2, 2, (2, 1)), ("null", 16, 8, (2, 8)), ("4", 16, 8, (4, 4)),
     ("null", 1, None, None), ("8", 1, None, None),  # one process: nothing sharded or replicated, as under fsdp
-])
-def test_hsdp_tiles_the_world_into_replicas_of_shard_groups(group, world, local, mesh):
-    """(replicas, ranks per shard group); null = the ranks per node (torchrun's LOCAL_WORLD_SIZE)."""
-    cfg = hsdp(group)
-    assert mesh is None or cfg.runtime.hsdp_mesh(world, local) == mesh
-    resolve(cfg, world, local)  # accepted
-
-
-@pytest.mark.parametrize("group, world, local, message", [
     ("3", 4, 4, "`runtime.shard_group_size` is 3, which does not divide the world of 4 ranks: hsdp cuts the ranks "
                 "into equal shard groups. Set `--runtime.shard_group_size` to one of 1, 2"),
     ("4", 4, 4, "`runtime.shard_group_size` is 4, the whole world of 4 ranks: one shard group and no replicas, "
@@ -232,10 +217,18 @@ def test_hsdp_tiles_the_world_into_replicas_of_shard_groups(group, world, local,
     ("null", 2, 2, "`runtime.shard_group_size` is null, the ranks per node (2), the whole world of 2 ranks"),
     ("null", 6, 4, "`runtime.shard_group_size` is null, the ranks per node (4), which does not divide the world of 6"),
 ])
-def test_hsdp_refuses_shard_groups_that_do_not_tile_or_do_not_replicate(group, world, local, message):
-    with pytest.raises(ConfigError) as e:
-        resolve(hsdp(group), world, local)
-    assert message in str(e.value)
+def test_hsdp_tiles_the_world_into_replicas_of_shard_groups_or_refuses_groups_that_do_not(group, world, local, mesh):
+    """(replicas, ranks per shard group), or the refusal of a group that does not tile the world or replicates
+    nothing; null = the ranks per node (torchrun's LOCAL_WORLD_SIZE). The batch splits over 1, 2, 4, 6, 8 or 16."""
+    cfg = load_config(None, parse_overrides(["--runtime.parallel=hsdp", f"--runtime.shard_group_size={group}",
+                                             "--train.global_batch_tokens=98304"]))
+    if isinstance(mesh, str):
+        with pytest.raises(ConfigError) as e:
+            resolve(cfg, world, local)
+        assert mesh in str(e.value)
+    else:
+        assert mesh is None or cfg.runtime.hsdp_mesh(world, local) == mesh
+        resolve(cfg, world, local)  # accepted
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "hsdp"])
