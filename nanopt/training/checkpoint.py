@@ -140,14 +140,14 @@ def crc32_of(path: Path) -> int:
         return reduce(lambda crc, chunk: zlib.crc32(chunk, crc), iter(partial(f.read, 1 << 24), b""), 0)
 
 
-def _own_file(path: Path, shape: Field, subject: str) -> tuple[Any, Optional[str]]:
-    """(the JSON file at `path`, None) when it is of `shape`, else (None, why): schema's reader, as a reason."""
+def _own_file(path: Path, shape: Field, subject: str, missing: str = "") -> tuple[Any, Optional[str]]:
+    """(the JSON file at `path`, None) when it is of `shape`, else (None, why; `missing` if absent): schema's reader."""
     try:
         data = raw(path)
     except ConfigError as e:  # a directory or a FIFO at the name (io), a link to nothing
         return None, str(e)
     if data is None:
-        return None, f"{subject} is missing"
+        return None, missing or f"{subject} is missing"
     value, why = parse(data, subject)
     if (why := why or problem(value, shape, subject)) and not why.startswith(subject):
         why = f"{subject}'s {why}"  # a field's problem: "its COMPLETE manifest's `files.rng.pt` is missing"
@@ -156,9 +156,8 @@ def _own_file(path: Path, shape: Field, subject: str) -> tuple[Any, Optional[str
 
 def _manifest(ckpt: Path) -> tuple[Optional[str], dict[str, Any]]:
     """(why COMPLETE is not a usable manifest, its file entries)."""
-    if not os.path.lexists(Path(ckpt) / COMPLETE_FILE):
-        return "it has no COMPLETE marker (its write was interrupted)", {}
-    manifest, why = _own_file(Path(ckpt) / COMPLETE_FILE, MANIFEST, f"its {COMPLETE_FILE} manifest")
+    manifest, why = _own_file(Path(ckpt) / COMPLETE_FILE, MANIFEST, f"its {COMPLETE_FILE} manifest",
+                              "it has no COMPLETE marker (its write was interrupted)")
     return why, manifest["files"] if manifest else {}
 
 
