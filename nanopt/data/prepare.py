@@ -88,8 +88,8 @@ def load_documents(p: PrepareConfig):
                 f"the local file paths, network access, and HF_TOKEN for gated datasets."
             ) from None
     if p.shuffle_buffer:  # an in-memory dataset is permuted whole; the buffer size has no meaning there
-        streamed = isinstance(ds, datasets.IterableDataset)
-        ds = ds.shuffle(seed=p.shuffle_seed, **({"buffer_size": p.shuffle_buffer} if streamed else {}))
+        ds = ds.shuffle(seed=p.shuffle_seed, **({"buffer_size": p.shuffle_buffer}
+                                                if isinstance(ds, datasets.IterableDataset) else {}))
     return _local_rows(ds, p) if p.dataset in LOCAL_BUILDERS else ds
 
 
@@ -143,8 +143,7 @@ def iter_texts(ds, text_field: str, start: int = 0) -> Iterator[str]:
         if text_field not in row:
             raise ConfigError(f"document {i} has no `{text_field}` field (its fields: {', '.join(row)}); "
                               f"set `prepare.text_field` to the column holding the text.")
-        text = row[text_field]
-        yield text if isinstance(text, str) else ("" if text is None else str(text))
+        yield text if isinstance(text := row[text_field], str) else ("" if text is None else str(text))
 
 
 def batched(texts: Iterable[str], size: int, first: int = 0) -> Iterator[tuple[int, list[str]]]:
@@ -239,7 +238,7 @@ class ShardWriter:
         self.out, self.budgets, self.shard_tokens, self.vocab_size = out, budgets, shard_tokens, vocab_size
         self.state: dict[str, Any] = self._initial_state()
         self.manifest: dict[str, Any] = {"fingerprint": fingerprint_, "shards": [], "state": self.state}
-        self.buffer: list[np.ndarray] = []
+        self.buffer: list[np.ndarray] = []  # the next shard's tokens, buffer_tokens of them
         self.buffer_tokens = 0
         self.doclens: list[int] = []  # lengths of documents finished since the last commit
         self.verified: Optional[dict[str, Any]] = None  # resume(verify=True): the committed shards read whole

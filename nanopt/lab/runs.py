@@ -2,6 +2,7 @@
 renderer. Torch-free; scipy.stats (0.7 s to import) is imported where needed, so the sweep driver starts at once."""
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -33,6 +34,11 @@ GROUP_FIGURES: dict[str, tuple[str, str]] = {
     "final_val_loss": ("final val loss", ".4f"),
     "final_val_bpb": ("final val bpb", ".4f"),
 }
+# The leaderboard's columns between a run's target and its hardware: header: (summary key, format).
+LEADERBOARD = {"to target (s)": ("train_seconds_to_target", ".1f"), "steps": ("step_to_target", "d"),
+               "tokens": ("tokens_to_target", ","), "final val": ("final_val_loss", ".4f"),
+               "val bpb": ("final_val_bpb", ".4f"), "test bpb": ("test_bpb", ".4f"),
+               "train (s)": ("train_seconds", ".1f"), "tokens seen": ("tokens_seen", ","), "params": ("params", ",")}
 # Where a group's spread comes from (spread()), as `nanopt runs` says it.
 SOURCES = {"init": "init only", "data": "data order only", "both": "both init and data order",
            "init_only": "init alone", "data_only": "data order alone"}
@@ -40,6 +46,7 @@ FIXED = {"init_only": "data_seed", "data_only": "init_seed"}  # the seed each pa
 CONFIDENCE = 0.95
 RECORD_ALPHA, POWER = 0.01, 0.8  # how many seeds: to show a difference at p < 0.01 four times in five
 MAX_SEEDS = 10_000
+TARGETS = (("target_val_bpb", "bpb"), ("target_val_loss", "nats"))  # the first a run has is its target
 TASK_PREFIX = "task:"  # downstream scores as figures: "task:<task>/<metric>" (evals.jsonl, harness.py)
 
 
@@ -280,12 +287,11 @@ def welch(a: list[float], b: list[float], metric: str, alpha: float, names: tupl
         "difference_ci95": None, "t": None, "df": None, "p": None, "testable": False, "a_beats_b": None,
     }
     if len(a) < 2 or len(b) < 2:
-        out["reason"] = (f"n is too small to test: A has {len(a)} and B has {len(b)} run(s) with {metric}; "
-                         f"Welch's t-test needs at least 2 per group (more seeds: nanopt sweep ... --seeds N)")
-        return out
+        return {**out, "reason": f"n is too small to test: A has {len(a)} and B has {len(b)} run(s) with {metric}; "
+                f"Welch's t-test needs at least 2 per group (more seeds: nanopt sweep ... --seeds N)"}
     if out["a"]["sd"] == out["b"]["sd"] == 0:
-        out["reason"] = "no spread within either group (every run gave the same value): the t-test is undefined"
-        return out
+        return {**out, "reason": "no spread within either group (every run gave the same value): the t-test is "
+                "undefined"}
     one_sided = stats.ttest_ind(a, b, equal_var=False, alternative="less" if lower_is_better else "greater")
     low, high = stats.ttest_ind(a, b, equal_var=False).confidence_interval(CONFIDENCE)
     out.update(t=float(one_sided.statistic), df=float(one_sided.df), p=float(one_sided.pvalue),
@@ -302,12 +308,15 @@ def seeds_needed(sd_a: float, sd_b: float, difference: float, alpha: float = REC
 
     if difference == 0 or not (sd_a > 0 or sd_b > 0):
         return None if difference == 0 else 2  # no spread: any difference shows (the t-test needs 2 a side)
-    for n in range(2, MAX_SEEDS + 1):
+
+    def enough(n: int) -> bool:
         va, vb = sd_a ** 2 / n, sd_b ** 2 / n
         df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (n - 1))
-        if stats.nct.sf(stats.t.ppf(1 - alpha, df), df, abs(difference) / math.sqrt(va + vb)) >= power:
-            return n
-    return None
+        return stats.nct.sf(stats.t.ppf(1 - alpha, df), df, abs(difference) / math.sqrt(va + vb)) >= power
+
+    # The power grows with n (a smaller standard error, more df): the least n by bisection, not one n at a time.
+    n = bisect.bisect_left(range(2, MAX_SEEDS + 1), True, key=enough) + 2
+    return n if n <= MAX_SEEDS else None
 
 
 def resolve(spec: str, groups: list[Group], root: Path) -> Group:
@@ -335,9 +344,7 @@ def resolve(spec: str, groups: list[Group], root: Path) -> Group:
 
 def _target(r: dict[str, Any]) -> str:
     """The run's target with its unit (runs may race to a loss or to bits per byte)."""
-    if r.get("target_val_bpb") is not None:
-        return f"{r['target_val_bpb']:.3f} bpb"
-    return "-" if r.get("target_val_loss") is None else f"{r['target_val_loss']:.3f} nats"
+    return next((f"{r[k]:.3f} {unit}" for k, unit in TARGETS if r.get(k) is not None), "-")
 
 
 def leaderboard(runs: list[FinishedRun]) -> list[dict[str, Any]]:
@@ -398,7 +405,6 @@ def to_json(report: dict[str, Any]) -> str:
 
 
 def _figure(metric: str) -> tuple[str, str]:
-    """(label, format) of a figure: a task score is labelled by its key."""
     return GROUP_FIGURES.get(metric, (metric, ".4g"))
 
 
@@ -439,8 +445,8 @@ def _comparison_text(c: dict[str, Any]) -> str:
     label, spec = _figure(c["metric"])
     better = "lower" if c["lower_is_better"] else "higher"
     lines = [f"A = {c['a']['name']}", f"B = {c['b']['name']}", f"{label} ({c['metric']}), {better} is better:"]
-    for side, s in (("A", c["a"]), ("B", c["b"])):
-        lines.append(f"  {side}: n={s['n']}, mean {cell(s['mean'], spec)}, sd {cell(s['sd'], spec)}")
+    lines += [f"  {side}: n={s['n']}, mean {cell(s['mean'], spec)}, sd {cell(s['sd'], spec)}"
+              for side, s in (("A", c["a"]), ("B", c["b"]))]
     if c["difference"] is not None:
         ci = "" if c["difference_ci95"] is None else \
             f", 95% CI [{format(c['difference_ci95'][0], spec)}, {format(c['difference_ci95'][1], spec)}] (Welch)"
@@ -464,16 +470,10 @@ def _comparison_text(c: dict[str, Any]) -> str:
 
 def _leaderboard_text(rows: list[dict[str, Any]]) -> str:
     tasks = sorted({k for r in rows for k in r if k.startswith(TASK_PREFIX)})
-    header = ("run", "target", "to target (s)", "steps", "tokens", "final val", "val bpb", "test bpb",
-              "train (s)", "tokens seen", "params", "hardware", *(k.removeprefix(TASK_PREFIX) for k in tasks))
-    return table(header, [(
-        r["run"], _target(r), cell(r.get("train_seconds_to_target"), ".1f"),
-        cell(r.get("step_to_target"), "d"), cell(r.get("tokens_to_target"), ","),
-        cell(r.get("final_val_loss"), ".4f"), cell(r.get("final_val_bpb"), ".4f"), cell(r.get("test_bpb"), ".4f"),
-        cell(r.get("train_seconds"), ".1f"), cell(r.get("tokens_seen"), ","), cell(r.get("params"), ","),
-        f"{r.get('world_size', '?')}x {r.get('hardware') or r.get('device') or '?'}",
-        *(cell(r.get(k), ".4f") for k in tasks),
-    ) for r in rows])
+    header = ("run", "target", *LEADERBOARD, "hardware", *(k.removeprefix(TASK_PREFIX) for k in tasks))
+    return table(header, [(r["run"], _target(r), *(cell(r.get(k), spec) for k, spec in LEADERBOARD.values()),
+                           f"{r.get('world_size', '?')}x {r.get('hardware') or r.get('device') or '?'}",
+                           *(cell(r.get(k), ".4f") for k in tasks)) for r in rows])
 
 
 def runs_text(report: dict[str, Any], per_run: bool = False) -> str:

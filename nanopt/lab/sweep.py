@@ -8,6 +8,7 @@ without a checkpoint"). DIR/sweep.json, rewritten on every change, holds the met
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -272,10 +273,9 @@ def point_states(points: list[tuple[str, Path, Config]], where: Path) -> dict[st
 
 
 def summary_or_empty(run_dir: Path) -> dict[str, Any]:
-    try:
+    with contextlib.suppress(ConfigError):
         return rundirs.read_summary(run_dir) or {}
-    except ConfigError:
-        return {}
+    return {}
 
 
 # ---------------------------------------------------------------- running
