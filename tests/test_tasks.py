@@ -72,7 +72,7 @@ def both(exported) -> tuple:
             HFLM(pretrained=str(exported), device="cpu", batch_size=3, dtype="float32"))
 
 
-def test_loglikelihoods_equal_the_harness_hf_model_request_by_request(both):
+def test_loglikelihoods_and_rolling_ones_equal_the_harness_hf_model_request_by_request(both):
     a, b = (lm.loglikelihood(instances("loglikelihood", PAIRS)) for lm in both)
     assert [g for _, g in a] == [g for _, g in b]
     assert max(abs(x - y) for (x, _), (y, _) in zip(a, b)) <= 1e-4
@@ -80,9 +80,6 @@ def test_loglikelihoods_equal_the_harness_hf_model_request_by_request(both):
     # Contexts past the 64-token context are cropped on the left like the harness crops them.
     (x, _), (y, _) = (lm.loglikelihood(instances("loglikelihood", [("word " * 80, " end")]))[0] for lm in both)
     assert abs(x - y) <= 1e-4
-
-
-def test_rolling_loglikelihoods_equal_the_harness_hf_model(both):
     texts = [(TEXT[:90],), (TEXT,), ("short",)]  # TEXT spans several 64-token windows
     a, b = (lm.loglikelihood_rolling(instances("loglikelihood_rolling", texts)) for lm in both)
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-3 and all(x < 0 for x in a)
@@ -144,13 +141,14 @@ def tiny_lm():
                                                     ffn_dim=32, max_seq_len=64)), tokenizer="byte", rt=CPU)
 
 
-@pytest.mark.slow  # lm-eval indexes its tasks for seconds
-def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path, tiny_lm):
-    lm = tiny_lm
+# lm-eval indexes its tasks for seconds, once per include path and process: task_dir's index also serves
+# e2e/test_tasks_during_training.py's unknown task.
+@pytest.mark.slow
+def test_unknown_task_and_missing_path_are_one_paragraph(tmp_path, task_dir, tiny_lm):
     with pytest.raises(ConfigError, match="unknown lm-eval task.*no_such_task"):
-        evaluate_tasks(lm, ["no_such_task"], include_path=str(tmp_path))
+        evaluate_tasks(tiny_lm, ["no_such_task"], include_path=str(task_dir))
     with pytest.raises(ConfigError, match="not a directory"):
-        evaluate_tasks(lm, ["x"], include_path=str(tmp_path / "missing"))
+        evaluate_tasks(tiny_lm, ["x"], include_path=str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="does not exist"):
         lm_class()(path=str(tmp_path / "nothing"))
 
