@@ -1,6 +1,6 @@
-"""Bad task and bundle input to `nanopt eval --tasks/--core` on a trained run, one row per damaged input at the one
-boundary: one paragraph naming the file (and the row), exit 2, no traceback, nothing recorded; a bundle reads only
-its own files; and each (checkpoint, task) is written once."""
+"""Bad task and bundle input to `nanopt eval --tasks/--core` on a trained run, one row per damaged input: one
+paragraph naming the file (and the row), exit 2, nothing recorded; a bundle reads only its own files; each (checkpoint,
+task) is written once."""
 from __future__ import annotations
 
 import json
@@ -34,10 +34,8 @@ def run_dir(tmp_path_factory) -> Path:
 def _row(line: int, old: str, new: str):
     """nanopt_mc.jsonl with `old` replaced by `new` in its line `line` (1-based) only."""
     def edit(text: str) -> str:
-        lines = text.split("\n")
-        assert old in lines[line - 1]
-        lines[line - 1] = lines[line - 1].replace(old, new, 1)
-        return "\n".join(lines)
+        assert old in (lines := text.split("\n"))[line - 1]
+        return "\n".join([*lines[:line - 1], lines[line - 1].replace(old, new, 1), *lines[line:]])
     return edit
 
 
@@ -56,8 +54,7 @@ BROKEN = {  # a copy of nanopt_mc reading damaged data (None: no data file) -> w
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> Path:
     """The generated tasks, a broken copy of nanopt_mc per BROKEN entry, a group holding one, and a CORE bundle."""
-    root = tmp_path_factory.mktemp("tasks")
-    make_tasks(root, TASK_TEXTS, n=12)
+    make_tasks(root := tmp_path_factory.mktemp("tasks"), TASK_TEXTS, n=12)
     good, spec = (root / "nanopt_mc.jsonl").read_text(), yaml.safe_load((root / "nanopt_mc.yaml").read_text())
     for name, (breaks, _) in BROKEN.items():
         data = {"data_files": {"test": str(root / f"{name}.jsonl")}}
@@ -74,10 +71,8 @@ def tasks(tmp_path_factory) -> Path:
 # One row per damaged input: (a change to a copy of the bundle (file, old, new) or None, the `nanopt eval`
 # arguments, words its one paragraph holds).
 DAMAGED = {
-    **{name: (None, f"{{run}} --tasks {name} --include-path {{tasks}} --limit 4", words)
-       for name, (_, words) in BROKEN.items()},
-    "bad_group": (None, "{run} --tasks bad_group --include-path {tasks} --limit 4",
-                  ["task bad_group", "bad_json.jsonl", "JSON parse error"]),
+    **{name: (None, f"{{run}} --tasks {name} --include-path {{tasks}} --limit 4", words) for name, (_, words) in
+       [*BROKEN.items(), ("bad_group", (None, ["task bad_group", "bad_json.jsonl", "JSON parse error"]))]},
     # A random baseline of 100 divided by zero (each value outside [0, 100): test_core.py's BAD table).
     "baseline 100": (("eval_meta_data.csv", "25.0", "100"), "{run} --core {bundle}",
                      ["eval_meta_data.csv:2", "nanopt_line_end", "'100'"]),
@@ -114,9 +109,8 @@ def test_damaged_task_input_is_one_paragraph_naming_the_file(case, tasks, run_di
 
 
 class _UnreachableHubTasks:
-    """lm-eval's TaskManager as it stands on a machine without network: it knows hellaswag (its index is local) and
-    loading it raises what datasets raises for a hub dataset that is not cached."""
-
+    """lm-eval's TaskManager without network: it knows hellaswag (its index is local); loading it raises what datasets
+    raises for a hub dataset that is not cached."""
     def __init__(self, include_path=None):
         cfg = {"task": "hellaswag", "dataset_path": "Rowan/hellaswag", "output_type": "multiple_choice"}
         self.task_index = {"hellaswag": SimpleNamespace(cfg=cfg, yaml_path=Path("hellaswag/hellaswag.yaml"))}
@@ -131,9 +125,9 @@ class _UnreachableHubTasks:
 
 def test_a_hub_task_without_network_is_one_paragraph_naming_the_offline_fix(unreachable_hub, run_dir, monkeypatch,
                                                                              capsys):
-    """`nanopt eval RUN --tasks hellaswag` offline, and a run with `eval.tasks: hellaswag` (the check before its
-    first step): one paragraph naming the task, its data, why and the offline fix, exit 2; offline mode was on
-    before lm-eval's task module loaded, so nothing waited on retries."""
+    """`nanopt eval RUN --tasks hellaswag` offline, and training's check before its first step (TaskScorer): one
+    paragraph naming the task, its data, why and the offline fix; offline mode was on before lm-eval's task module
+    loaded, so nothing waited on retries."""
     import lm_eval.tasks
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", _UnreachableHubTasks)
@@ -145,7 +139,7 @@ def test_a_hub_task_without_network_is_one_paragraph_naming_the_offline_fix(unre
         assert words in line, line
     assert harness._MANAGERS[None].offline_when_built == "1"
     assert not (run_dir / "evals.jsonl").exists()
-    with pytest.raises(ConfigError) as raised:  # what training checks before its first step (TaskScorer)
+    with pytest.raises(ConfigError) as raised:
         harness.check_tasks(harness.TaskSpec(["hellaswag"]))
     assert str(raised.value) == line.removeprefix("nanopt eval: error: ")
 
@@ -153,8 +147,7 @@ def test_a_hub_task_without_network_is_one_paragraph_naming_the_offline_fix(unre
 # ---------------------------------------------------------------- each (checkpoint, task) once
 def test_eval_core_needs_no_lm_eval_and_writes_each_checkpoint_task_once(tasks, run_dir, tmp_path, monkeypatch,
                                                                           capsys):
-    """CORE never uses lm-eval: `nanopt eval RUN --core DIR` loads and scores the model with lm_eval unimportable;
-    only --tasks asks for it (one paragraph, exit 2). The same evaluation again is not appended."""
+    """CORE never uses lm-eval (--tasks asks for it: one paragraph); the same evaluation again is not appended."""
     run, bundle = shutil.copytree(run_dir, tmp_path / "run"), str(tasks / "bundle")
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` (and lm_eval.anything) raises ImportError
