@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BOS
+from conftest import BOS, CPU, stub_runtime
 
 from nanopt.config import ModelConfig
 from nanopt.data.tokenizer import ByteTokenizer
-from nanopt.distributed.runtime import Runtime
 from nanopt.errors import ConfigError
 from nanopt.evals import core_benchmark as core, taskgen
 from nanopt.recipe.model import build_model
@@ -23,21 +22,13 @@ TEXTS = ["\n".join(f"Line {i} of text {t}: the wonderful quietness of evening se
          for t in range(3)]
 
 
-def rt(rank: int = 0, world: int = 1) -> Runtime:
-    return Runtime("cpu", torch.device("cpu"), rank, rank, world, world, "fp32")
-
-
 class Bigram(torch.nn.Module):
-    """Logits that depend on the current token only: row t of a V×V table. The length of rope_cos, as a Llama's,
-    is what the scorer crops to."""
-
-    def __init__(self, max_seq_len: int = 64):
+    """Logits that depend on the current token only: row t of a V×V table. The scorer crops to rope_cos's length."""
+    def __init__(self, max_seq_len: int = 64, logits: list[tuple[str, str, float]] = ()):  # (after, token, logit)
         super().__init__()
-        self.table = torch.zeros(257, 257)
-        self.rope_cos = torch.zeros(max_seq_len, 1)
-
-    def set(self, after: str, token: str, logit: float) -> None:
-        self.table[ord(after) if len(after) == 1 else BOS, ord(token)] = logit
+        self.table, self.rope_cos = torch.zeros(257, 257), torch.zeros(max_seq_len, 1)
+        for after, token, logit in logits:
+            self.table[ord(after) if len(after) == 1 else BOS, ord(token)] = logit
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:  # the scorer's forward: hidden states, then logits
         assert idx.shape[1] <= self.rope_cos.shape[0]
@@ -52,7 +43,7 @@ def task(kind: str, items: list[dict], delimiter: str = " ", shots: int = 0, bas
 
 
 def score(model: torch.nn.Module, tasks: list[core.CoreTask], batch_size: int = 8) -> dict:
-    return core.evaluate_core(model, ByteTokenizer(), tasks, rt(), batch_size=batch_size)
+    return core.evaluate_core(model, ByteTokenizer(), tasks, CPU, batch_size=batch_size)
 
 
 # --- prompts -------------------------------------------------------------------------------------------------------
@@ -99,15 +90,11 @@ SCORED = {  # kind -> (Bigram logits (after, token, logit), items, delimiter, wh
 @pytest.mark.parametrize("kind", list(SCORED))
 def test_each_task_type_is_answered_as_nanochat_answers_it(kind):
     logits, items, delimiter, right = SCORED[kind]
-    m = Bigram()
-    for after, token, logit in logits:
-        m.set(after, token, logit)
-    assert score(m, [task(kind, items, delimiter)])["examples"][f"t_{kind}"] == right
+    assert score(Bigram(logits=logits), [task(kind, items, delimiter)])["examples"][f"t_{kind}"] == right
 
 
 def test_centered_accuracy_and_core_arithmetic():
-    m = Bigram()
-    m.set("b", "c", 1.0)
+    m = Bigram(logits=[("b", "c", 1.0)])
     lm = task("language_modeling", [{"context": "b", "continuation": c} for c in "ccxx"], delimiter="")
     mc = dataclasses.replace(lm, label="mc4", type="multiple_choice", random_baseline=25.0, items=[
         {"query": "b", "choices": ["c", "x", "y", "z"], "gold": g} for g in (0, 0, 0, 1)])
@@ -125,14 +112,11 @@ def test_left_crop_to_the_model_context_shifts_the_scored_span():
     mc = task("multiple_choice", [{"query": "q", "choices": ["long answer", "other one"], "gold": 0}])
     # The answers themselves reach past the crop: scored from position 1, the first with a prediction.
     assert core.sequences(mc, 0, ByteTokenizer(), 5) == [(list(b"nswer"), 1), (list(b"r one"), 1)]
-    m = Bigram(max_seq_len=6)  # asserts every forward fits
-    m.set("h", "i", 1.0)
-    m.set("i", "j", 1.0)
+    m = Bigram(max_seq_len=6, logits=[("h", "i", 1.0), ("i", "j", 1.0)])  # asserts every forward fits
     assert score(m, [t])["examples"]["t_language_modeling"] == [True]
 
 
 # --- the bundle ----------------------------------------------------------------------------------------------------
-
 @pytest.fixture
 def bundle(tmp_path: Path) -> Path:
     return taskgen.write_bundle(tmp_path / "bundle", TEXTS, seed=3, n=12)
@@ -144,8 +128,7 @@ def test_write_then_read_round_trip_of_items_that_are_what_they_claim(bundle: Pa
         ("nanopt_line_end", "multiple_choice", 0, 25.0, 12), ("nanopt_line_start", "schema", 2, 50.0, 12),
         ("nanopt_word_end", "language_modeling", 2, 0.0, 12)]
     for t in tasks:
-        lines = (bundle / "eval_data" / f"{t.label}.jsonl").read_text().splitlines()
-        in_file = [json.loads(line) for line in lines]
+        in_file = [json.loads(line) for line in (bundle / "eval_data" / f"{t.label}.jsonl").read_text().splitlines()]
         random.Random(1337).shuffle(in_file)  # nanochat's base_eval shuffles every task so
         assert t.items == in_file and t.continuation_delimiter == ""
     again = taskgen.write_bundle(bundle.parent / "again", TEXTS, seed=3, n=12)  # the same texts and seed: same files
@@ -172,51 +155,40 @@ def test_batching_and_ranks_do_not_change_the_examples(bundle: Path):
     torch.manual_seed(0)
     model = build_model(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=96)).eval()
     tasks, tok = core.read_bundle(bundle, limit=8), ByteTokenizer()
-    one = core.evaluate_core(model, tok, tasks, rt(), batch_size=1)
-
-    class TwoRanks(Runtime):  # each rank's share, as gather_objects would bring it from two processes
-        def gather_objects(self, obj: object) -> list:
-            return [[core._score_task(model, tok, t, rt(r, 2), 8) for t in tasks] for r in (0, 1)]
-
-    two = core.evaluate_core(model, tok, tasks, TwoRanks("cpu", torch.device("cpu"), 0, 0, 2, 2, "fp32"))
-    assert core.evaluate_core(model, tok, tasks, rt(), batch_size=8) == one == two
-    assert sorted(core._score_task(model, tok, tasks[0], rt(1, 2), 8)) == [1, 3, 5, 7]
+    one = core.evaluate_core(model, tok, tasks, CPU, batch_size=1)
+    two_ranks = stub_runtime()  # each rank's share, as gather_objects would bring it from two processes
+    two_ranks.gather_objects = lambda obj: [[core._score_task(model, tok, t, stub_runtime(rank=r), 8) for t in tasks]
+                                            for r in (0, 1)]
+    assert core.evaluate_core(model, tok, tasks, CPU, batch_size=8) == one == core.evaluate_core(model, tok, tasks,
+                                                                                                 two_ranks)
+    assert sorted(core._score_task(model, tok, tasks[0], stub_runtime(rank=1), 8)) == [1, 3, 5, 7]
 
 
-def _edit(path: Path, old: str, new: str) -> None:
-    path.write_text(path.read_text().replace(old, new, 1))
-
-
-BAD = {  # what is broken -> (how, the file the message names)
+LINE_END, LINE_START, WORD_END = (f"eval_data/nanopt_{name}.jsonl" for name in ("line_end", "line_start", "word_end"))
+BAD = {  # what is broken -> (how: an edit (file, old, new) or a function of the bundle, what the message names)
     "no bundle": (lambda b: (b / "core.yaml").unlink(), "core.yaml"),
-    "a FIFO for a task file": (lambda b: (os.remove(b / "eval_data" / "nanopt_line_end.jsonl"),  # refused unread
-                                          os.mkfifo(b / "eval_data" / "nanopt_line_end.jsonl")), "named pipe"),
+    "a FIFO for a task file": (lambda b: (os.remove(b / LINE_END), os.mkfifo(b / LINE_END)), "named pipe"),  # unread
     "no task list": (lambda b: (b / "core.yaml").write_text("tasks: []\n"), "core.yaml"),
-    "task without a type": (lambda b: _edit(b / "core.yaml", "icl_task_type", "type"), "core.yaml"),
-    "unknown type": (lambda b: _edit(b / "core.yaml", "schema", "generative"), "core.yaml"),
+    "task without a type": (("core.yaml", "icl_task_type", "type"), "core.yaml"),
+    "unknown type": (("core.yaml", "schema", "generative"), "core.yaml"),
     "no baselines": (lambda b: (b / "eval_meta_data.csv").unlink(), "eval_meta_data.csv"),
-    "no baseline column": (lambda b: _edit(b / "eval_meta_data.csv", "Random baseline", "Chance"),
-                           "eval_meta_data.csv"),
-    "baseline not a number": (lambda b: _edit(b / "eval_meta_data.csv", "25.0", "a quarter"), "eval_meta_data.csv"),
-    "no row for a task": (lambda b: _edit(b / "eval_meta_data.csv", "nanopt_word_end", "other"), "eval_meta_data.csv"),
-    "no data file": (lambda b: (b / "eval_data" / "nanopt_line_start.jsonl").unlink(), "nanopt_line_start.jsonl"),
-    "line not JSON": (lambda b: _edit(b / "eval_data" / "nanopt_line_end.jsonl", "\n", "\n{oops\n"),
-                      "nanopt_line_end.jsonl:2"),
-    "item lacks a field": (lambda b: _edit(b / "eval_data" / "nanopt_word_end.jsonl", '"continuation"', '"cont"'),
-                           "nanopt_word_end.jsonl:1"),
-    "gold out of range": (lambda b: _edit(b / "eval_data" / "nanopt_line_start.jsonl", '"gold": ', '"gold": 9'),
-                          "nanopt_line_start.jsonl:1"),
-    "too few items for the shots": (lambda b: _edit(b / "core.yaml", "[2]", "[12]"), "core.yaml"),
-    "empty data file": (lambda b: (b / "eval_data" / "nanopt_word_end.jsonl").write_text("\n"),
-                        "nanopt_word_end.jsonl holds no items"),
+    "no baseline column": (("eval_meta_data.csv", "Random baseline", "Chance"), "eval_meta_data.csv"),
+    "baseline not a number": (("eval_meta_data.csv", "25.0", "a quarter"), "eval_meta_data.csv"),
+    "no row for a task": (("eval_meta_data.csv", "nanopt_word_end", "other"), "eval_meta_data.csv"),
+    "no data file": (lambda b: (b / LINE_START).unlink(), "nanopt_line_start.jsonl"),
+    "line not JSON": ((LINE_END, "\n", "\n{oops\n"), "nanopt_line_end.jsonl:2"),
+    "item lacks a field": ((WORD_END, '"continuation"', '"cont"'), "nanopt_word_end.jsonl:1"),
+    "gold out of range": ((LINE_START, '"gold": ', '"gold": 9'), "nanopt_line_start.jsonl:1"),
+    "too few items for the shots": (("core.yaml", "[2]", "[12]"), "core.yaml"),
+    "empty data file": (lambda b: (b / WORD_END).write_text("\n"), "nanopt_word_end.jsonl holds no items"),
     # A random baseline of 100 divided by zero; NaN, 150 and -10 gave a meaningless CORE.
-    **{f"baseline {v or 'empty'}": (lambda b, v=v: _edit(b / "eval_meta_data.csv", "50.0", v),
+    **{f"baseline {v or 'empty'}": (("eval_meta_data.csv", "50.0", v),
                                     f"eval_meta_data.csv:3: task nanopt_line_start's `Random baseline` is {v!r}")
        for v in ("100", "100.0", "nan", "150", "-10", "inf", "")},
     # A bundle names files inside itself: no way out of it, by `..` or an absolute path.
-    "dataset_uri out of the bundle": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "../../x.jsonl"),
+    "dataset_uri out of the bundle": (("core.yaml", "nanopt_line_end.jsonl", "../../x.jsonl"),
                                       "core.yaml: task nanopt_line_end's dataset_uri '../../x.jsonl' leaves"),
-    "absolute dataset_uri": (lambda b: _edit(b / "core.yaml", "nanopt_line_end.jsonl", "/etc/hostname"),
+    "absolute dataset_uri": (("core.yaml", "nanopt_line_end.jsonl", "/etc/hostname"),
                              "core.yaml: task nanopt_line_end's dataset_uri '/etc/hostname' leaves"),
 }
 
@@ -224,7 +196,10 @@ BAD = {  # what is broken -> (how, the file the message names)
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_bundle_raises_config_error_naming_the_file(bundle: Path, case: str):
     breaks, named = BAD[case]
-    breaks(bundle)
+    if callable(breaks):
+        breaks(bundle)
+    else:
+        (path := bundle / breaks[0]).write_text(path.read_text().replace(*breaks[1:], 1))
     with pytest.raises(ConfigError) as e:
         core.read_bundle(bundle)
     assert f"{named}" in str(e.value) and str(bundle) in str(e.value), str(e.value)
