@@ -1,6 +1,6 @@
 """data.packing: bos_bestfit (nanopt/training/packing.py): rows start at a BOS, every token is in a row or counted as
-cropped, the rows do not depend on the world size, the plan resumes bit-exactly in a loader, and the BOS index is
-cached. In a run: e2e/test_packed_run.py."""
+cropped, rows do not depend on the world size, the plan resumes bit-exactly, the BOS index is cached. In a run:
+e2e/test_packed_run.py."""
 from __future__ import annotations
 
 import errno
@@ -13,11 +13,10 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import BOS, small_overrides
+from conftest import BOS, train_short
 
 from nanopt.data import shards
 from nanopt.errors import ConfigError
-from nanopt.main import run
 from nanopt.training import packing
 
 pytestmark = pytest.mark.usefixtures("bos_cache")  # conftest: the BOS index cache is never the user's
@@ -32,8 +31,7 @@ def _corpus(tmp_path: Path, docs: int = 300, mean: float = 40, n_shards: int = 2
             for i, c in enumerate(np.array_split(stream, n_shards))]
 
 
-def _documents(tmp_path: Path, tokens) -> packing.Documents:
-    """One shard of these tokens, as documents."""
+def _documents(tmp_path: Path, tokens) -> packing.Documents:  # one shard of these tokens
     return packing.Documents([shards.open_shard(shards.write_shard(tmp_path / "train_000000.bin", tokens, 257))], BOS)
 
 
@@ -50,8 +48,7 @@ def test_every_row_starts_with_bos_and_holds_whole_documents_but_the_last(tmp_pa
     docs = packing.Documents(_corpus(tmp_path), BOS)
     packer, stream = packing.Packer(docs.lengths, buffer=50, seed=1), np.concatenate(docs.shards)
     for _ in range(200):
-        pieces, row = packer.row(33), np.empty(33, dtype=np.int64)
-        docs.fill(row, pieces)
+        docs.fill(row := np.empty(33, dtype=np.int64), pieces := packer.row(33))
         assert row[0] == BOS and (row == BOS).sum() == len(pieces)  # each piece starts at its document's BOS
         assert sum(take for _, take in pieces) == 33
         assert all(take == docs.lengths[d] for d, take in pieces[:-1])  # only the last piece may be cropped
@@ -66,8 +63,7 @@ def test_no_token_is_lost_silently_across_epochs(tmp_path):
     shards[0] = np.concatenate([[7, 8, 9], shards[0]])  # tokens before the first BOS: in no document
     docs = packing.Documents(shards, BOS)
     assert docs.orphans == 3
-    packer = packing.Packer(docs.lengths, buffer=20, seed=3, orphans=docs.orphans)
-    total = int(docs.lengths.sum())
+    packer, total = packing.Packer(docs.lengths, buffer=20, seed=3, orphans=docs.orphans), int(docs.lengths.sum())
     for _ in range(400):  # several epochs
         packer.row(25)
         order = packing._order(len(docs.lengths), 3 * 1_000_003 + packer.epoch)  # seed 3's order of this epoch
@@ -166,9 +162,8 @@ HEADER = packing.INDEX_HEADER.size
 
 def _with_checksum(positions: np.ndarray, raw: bytes, count: int | None = None) -> bytes:
     """A forged entry: `positions` under `raw`'s header fields (its BOS count unless `count`), checksum recomputed."""
-    fields = list(packing.INDEX_HEADER.unpack_from(raw))[:-1]
+    fields, body = list(packing.INDEX_HEADER.unpack_from(raw))[:-1], positions.astype("<u4").tobytes()
     fields[-1] = fields[-1] if count is None else count
-    body = positions.astype("<u4").tobytes()
     unsigned = packing.INDEX_HEADER.pack(*fields, 0)[:-4]
     return packing.INDEX_HEADER.pack(*fields, zlib.crc32(body, zlib.crc32(unsigned))) + body
 
@@ -203,8 +198,7 @@ def test_a_damaged_cache_entry_is_warned_once_rescanned_and_rewritten(tmp_path, 
     good = entry.read_bytes()
     entry.write_bytes(DAMAGE[damage](good, np.frombuffer(good[HEADER:], dtype="<u4")))
     with caplog.at_level(logging.WARNING, logger="nanopt"):
-        read = packing.Documents(arrays, BOS, _ids(arrays))
-    _expect_same(read, clean)
+        _expect_same(read := packing.Documents(arrays, BOS, _ids(arrays)), clean)
     assert _said(caplog, logging.WARNING, "") == [f"data: ignoring the damaged BOS index {entry}"]
     assert len(scans) == 3 and entry.read_bytes() == good  # rescanned and rewritten in the current format
     loaders = [packing.PackedLoader(d, 2, 0, 1, 1, 0, 15, 5) for d in (read, clean)]
@@ -232,13 +226,11 @@ def test_a_cache_that_cannot_be_written_costs_one_warning(tmp_path, monkeypatch,
 def test_a_packing_change_the_user_allows_resumes_a_sound_checkpoint(before, after, tmp_path, capsys):
     """Before: the other loader's state was restored into this one (KeyError 'plan'), reported as a loader entry
     "damaged or written by another nanopt version" with advice to move a sound checkpoint aside."""
-    args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 1, "checkpoint.every": 1,
-                                "log.tensorboard": "false", "data.packing": before}), f"--run.dir={tmp_path}"]
-    assert run(args) == 0
-    changed = [*args, "--train.max_steps=2", f"--data.packing={after}"]
-    assert run(changed) == 2  # refused, naming the way on
+    assert train_short(tmp_path, "--train.max_steps=1", "--checkpoint.every=1", f"--data.packing={before}") == 0
+    changed = ["--train.max_steps=2", "--checkpoint.every=1", f"--data.packing={after}"]
+    assert train_short(tmp_path, *changed) == 2  # refused, naming the way on
     assert "--checkpoint.allow_changes=KEY" in capsys.readouterr().err
-    assert run([*changed, "--checkpoint.allow_changes=data.packing"]) == 0
+    assert train_short(tmp_path, *changed, "--checkpoint.allow_changes=data.packing") == 0
     out = capsys.readouterr()
     assert "damaged" not in out.err + out.out
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2
