@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fork_ranks, hf_logits, hf_tokenizer, transformers_model
+from conftest import fork_ranks, hf_logits, hf_tokenizer, stub_runtime, transformers_model
 from safetensors.torch import load_file, save_file
 
 from nanopt.config import ModelConfig, load_config, parse_overrides
 from nanopt.distributed import parallel
-from nanopt.distributed.runtime import Runtime
 from nanopt.errors import ConfigError
 from nanopt.hf import export_model, init_from, load_hf
 from nanopt.recipe.model import build_model
@@ -48,8 +47,7 @@ def test_export_loads_in_transformers_with_matching_logits(name, tmp_path):
                                           "original_max_position_embeddings": cfg.rope_original_max_seq_len}
     idx = torch.randint(0, 101, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = model(idx)
-    theirs = hf_logits(tmp_path, idx)
+        ours, theirs = model(idx), hf_logits(tmp_path, idx)
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert ours.abs().max().item() > 0.5  # the logits carry signal, not all ~0
     if cfg.rope_scaling == "llama3":  # and the scaling is exercised: plain RoPE gives other logits
@@ -66,13 +64,11 @@ def test_transformers_saved_model_loads_into_nanopt_with_matching_logits(tied, t
 
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-    directory = transformers_model(tmp_path, tied, rope_parameters=rope)
-    model = load_model(directory)
+    model = load_model(directory := transformers_model(tmp_path, tied, rope_parameters=rope))
     assert not model.training and model.cfg.rope_scaling == "llama3" and model.cfg.tie_embeddings == tied
     idx = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours = model(idx)
-    assert (ours - hf_logits(directory, idx)).abs().max().item() <= 1e-4
+        assert (model(idx) - hf_logits(directory, idx)).abs().max().item() <= 1e-4
 
 
 def test_export_includes_hugging_face_tokenizer_files(tmp_path):
@@ -127,8 +123,7 @@ DAMAGED_HF = [
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("hf") / "hf"
-    export_model(build_model(INIT), out)
+    export_model(build_model(INIT), out := tmp_path_factory.mktemp("hf") / "hf")
     load_hf(out)  # whole, it loads
     return out
 
@@ -139,8 +134,7 @@ def test_a_damaged_hugging_face_directory_is_one_paragraph_naming_the_file(case,
     damage(shutil.copytree(exported, tmp_path / "hf"))
     with pytest.raises(ConfigError) as raised:
         load_hf(tmp_path / "hf")
-    for word in words:
-        assert word in str(raised.value), f"{word!r} missing from: {raised.value}"
+    assert all(word in str(raised.value) for word in words), raised.value
 
 
 # ---------------------------------------------------------------- train.init_from into a sharded model
@@ -152,9 +146,7 @@ def _init_from_worker(rank: int, world: int, store: str, exported: str, out: str
     from the export; saves the gathered weights."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    rt = Runtime(kind="cpu", device=torch.device("cpu"), rank=rank, local_rank=rank, world_size=world,
-                 local_world_size=world, precision="fp32")
-    got = {}
+    rt, got = stub_runtime("cpu", rank, world), {}
     for tie, args in ((True, ["--runtime.parallel=fsdp"]),
                       (False, ["--runtime.parallel=hsdp", "--runtime.shard_group_size=2"])):
         torch.manual_seed(rank)  # every rank different: whatever matches came from the files
