@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO
+from torch.utils.flop_counter import FlopCounterMode
 
 import nanopt.recipe.model
 from nanopt import cli
@@ -21,6 +22,8 @@ from nanopt.recipe.attention import eager
 from nanopt.recipe.model import Block, build_model, residual_linear
 
 # ---------------------------------------------------------------- FLOPs per token, by hand
+def shipped(name: str, *overrides: tuple[str, object]):
+    return load_config(REPO / "configs" / f"{name}.yaml", list(overrides))
 
 
 def counts_of(m: ModelConfig) -> mfu.ParamCounts:
@@ -28,16 +31,11 @@ def counts_of(m: ModelConfig) -> mfu.ParamCounts:
 
 
 def model_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
-    """6N + attention, read from a meta-device model of the config."""
     return mfu.token_flops(mfu.meta_model(m), seq_len, causal_halving).model
 
 
 def six_n(m: ModelConfig) -> int:
     return mfu.token_flops(mfu.meta_model(m), 1).six_n
-
-
-def attention_flops(m: ModelConfig, seq_len: int, causal_halving: bool = True) -> int:
-    return model_flops(m, seq_len, causal_halving) - six_n(m)
 
 
 def recompute_flops(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: int, seq_len: int = 1,
@@ -48,21 +46,36 @@ def recompute_flops(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: 
     return f.hardware - f.model
 
 
-def test_llama_3_2_1b_6n_is_six_times_its_parameter_count():
-    m = load_config(REPO / "configs" / "1b.yaml").model
+def counted(step) -> int:
+    """The FLOPs FlopCounterMode sees step() run."""
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def test_llama_3_2_1b_6n_is_six_times_its_parameter_count_and_hfu_counts_recomputation_on_top():
+    m = shipped("1b").model
     counts = counts_of(m)
     # Tied embeddings: the LM head matmul is counted, the lookup is not -> N is exactly the parameter count.
-    assert counts.total == 1_235_814_400
-    assert counts.n_6n == 1_235_814_400
+    assert counts.total == counts.n_6n == 1_235_814_400
     assert six_n(m) == 6 * 1_235_814_400
     # Attention at seq 4096: 12 · L · T · (n_heads · head_dim) = 12 · 16 · 4096 · 2048, halved when causal.
-    assert attention_flops(m, 4096, causal_halving=False) == 1_610_612_736
-    assert attention_flops(m, 4096, causal_halving=True) == 805_306_368
-    assert model_flops(m, 4096) == 7_414_886_400 + 805_306_368
+    assert model_flops(m, 4096, causal_halving=False) - six_n(m) == 1_610_612_736
+    assert model_flops(m, 4096, causal_halving=True) - six_n(m) == 805_306_368
+    assert (fpt := model_flops(m, 4096)) == 7_414_886_400 + 805_306_368
+    # 1b.yaml: micro-batch 4 × 4096 = 16,384 positions, chunks of 8192 -> the LM head forward runs twice.
+    hw = fpt + recompute_flops(m, 4 * 4096, 8192)
+    assert hw - fpt == 2 * 128_256 * 2048
+    assert recompute_flops(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
+    per_token = functools.partial(mfu.token_flops, mfu.meta_model(m), micro_batch_size=4, loss_chunk_tokens=8192)
+    meter = mfu.MFUMeter(per_token, 4096, tokens_per_step=2**20, peak_flops=989.4e12, world_size=8, warmup_steps=0)
+    out = meter.update(step=5, window_steps=1, step_seconds=2.5)
+    assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]
+    assert meter.summary()["flops_per_token_hardware"] == hw
 
 
 def test_tiny_config_by_hand_tied_and_untied():
-    m = load_config(REPO / "configs" / "tiny.yaml").model  # vocab 257, dim 256, 4 layers, 8/4 heads, ffn 768
+    m = shipped("tiny").model  # vocab 257, dim 256, 4 layers, 8/4 heads, ffn 768
     # Per layer: wq 256·256 + wk,wv 2·256·128 + wo 256·256 = 196,608; SwiGLU 3·256·768 = 589,824.
     blocks = 4 * (196_608 + 589_824)  # 3,145,728
     norms = 256 * (2 * 4 + 1)  # 2,304
@@ -79,8 +92,6 @@ def test_tiny_config_by_hand_tied_and_untied():
 
 
 def test_flop_counter_agrees_and_backward_is_twice_forward():
-    from torch.utils.flop_counter import FlopCounterMode
-
     m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
     torch.manual_seed(0)
     model = build_model(m)
@@ -88,12 +99,9 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     # FLOP formula); like every dense kernel it computes the full square, so compare with causal_halving=False.
     model.set_attention(eager)
     B, T = 3, 16
-    idx = torch.randint(0, m.vocab_size, (B, T))
-    with FlopCounterMode(display=False) as forward_counter:
-        loss = model(idx, idx)
-    with FlopCounterMode(display=False) as backward_counter:
-        loss.backward()
-    forward, backward = forward_counter.get_total_flops(), backward_counter.get_total_flops()
+    idx, losses = torch.randint(0, m.vocab_size, (B, T)), []
+    forward = counted(lambda: losses.append(model(idx, idx)))
+    backward = counted(lambda: losses[0].backward())
     norms = counts_of(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
     expected_training = (model_flops(m, T, causal_halving=False) - 6 * norms) * B * T
     assert forward == expected_training // 3
@@ -104,27 +112,22 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     # A chunked loss recomputes each chunk's logits in backward: HFU counts that work, MFU does not.
     model.zero_grad(set_to_none=True)
     model.loss_chunk_tokens = 16  # 48 positions -> 3 chunks
-    with FlopCounterMode(display=False) as chunked_counter:
-        model(idx, idx).backward()
+    chunked = counted(lambda: model(idx, idx).backward())
     extra = recompute_flops(m, B * T, 16)
     assert extra == 2 * m.vocab_size * m.dim
-    assert chunked_counter.get_total_flops() - (forward + backward) == extra * B * T
+    assert chunked - (forward + backward) == extra * B * T
 
     # train.recompute runs every block's forward again in backward: HFU counts it too (the counter leaves out the
     # blocks' norm gains, elementwise, as above).
     model.zero_grad(set_to_none=True)
     model.recompute_blocks = True
-    with FlopCounterMode(display=False) as recomputed_counter:
-        model(idx, idx).backward()
+    again = counted(lambda: model(idx, idx).backward()) - chunked
     blocks = recompute_flops(m, B * T, 16, T, blocks=True, causal_halving=False) - extra
     block_norms = norms - m.dim  # two per block; the final norm is not recomputed
-    again = recomputed_counter.get_total_flops() - chunked_counter.get_total_flops()
     assert again == (blocks - 2 * block_norms) * B * T
 
 
 # ---------------------------------------------------------------- peaks and detection
-
-
 def test_peak_table_holds_dense_spec_sheet_numbers_and_memory():
     expected_bf16 = {"h100-sxm": 989.5, "h100-pcie": 756.5, "h100-nvl": 835.5, "h200": 989.5, "a100": 312.0,
                      "l4": 121.0, "b200": 2250.0, "tpu-v4": 275.0, "tpu-v5e": 197.0, "tpu-v5p": 459.0,
@@ -215,11 +218,9 @@ def test_every_rank_measures_the_cpu_peak_at_once_and_their_mean_is_the_peak(mon
 
 
 # ---------------------------------------------------------------- the meter
-
-
 def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12) -> list:
     micro_batch, seq = 4, 256
-    m = load_config(REPO / "configs" / "tiny.yaml").model
+    m = shipped("tiny").model
     meter = mfu.MFUMeter(functools.partial(mfu.token_flops, mfu.meta_model(m)), seq,
                          tokens_per_step=micro_batch * seq * world * accum, peak_flops=1e12, world_size=world,
                          warmup_steps=2)
@@ -232,7 +233,7 @@ def simulated_mfu(world: int, accum: int, micro_s: float = 0.02, steps: int = 12
 def test_grad_accumulation_and_world_size_do_not_change_mfu_in_any_convention():
     reference = simulated_mfu(world=1, accum=1)
     assert reference[0]["mfu"] is None  # the window (1..3] holds the 2 warm-up steps
-    expected = 4 * 256 / 0.02 * model_flops(load_config(REPO / "configs" / "tiny.yaml").model, 256) / 1e12
+    expected = 4 * 256 / 0.02 * model_flops(shipped("tiny").model, 256) / 1e12
     assert reference[1]["mfu"] == pytest.approx(expected)
     for world, accum in [(1, 4), (8, 1), (8, 4), (64, 2)]:
         got = simulated_mfu(world, accum)
@@ -242,7 +243,7 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu_in_any_convention():
     # ... and a device twice as fast reports twice the MFU (the comparison above can fail).
     assert simulated_mfu(8, 4, micro_s=0.01)[1]["mfu"] == pytest.approx(2 * reference[1]["mfu"])
     values = simulated_mfu(world=2, accum=2)[-1]  # 6N leaves out attention, full attention counts the square
-    m = load_config(REPO / "configs" / "tiny.yaml").model
+    m = shipped("tiny").model
     assert values["mfu_6n"] / values["mfu"] == pytest.approx(six_n(m) / model_flops(m, 256))
     assert values["mfu_full_attention"] / values["mfu"] == \
         pytest.approx(model_flops(m, 256, causal_halving=False) / model_flops(m, 256))
@@ -251,7 +252,7 @@ def test_grad_accumulation_and_world_size_do_not_change_mfu_in_any_convention():
 def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention(capsys):
     """The measured H100 run (bench/results/gpu_check_h100_shipped.json) in the three conventions, as the meter
     and `nanopt estimate` give them."""
-    cfg = load_config(REPO / "configs" / "1b.yaml", [("train.global_batch_tokens", 131072)])
+    cfg = shipped("1b", ("train.global_batch_tokens", 131072))
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"), start_step=0)
     meter.update(step=4, window_steps=2, step_seconds=131072 / 61694.726858213675)
     summary = meter.summary()
@@ -262,7 +263,7 @@ def test_the_1b_run_at_51_3_percent_is_46_2_in_6n_and_56_3_with_full_attention(c
 
 
 def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
-    cfg = load_config(REPO / "configs" / "1b.yaml", [("train.loss_chunk_tokens", 8192)])
+    cfg = shipped("1b", ("train.loss_chunk_tokens", 8192))
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
     long_step = meter.update(step=10, window_steps=1, step_seconds=1.0)
     meter.set_stage(tokens_per_step=2**19, seq_len=1024)  # half the batch in sequences a quarter as long
@@ -281,7 +282,7 @@ def test_set_stage_recomputes_flops_per_token_and_tokens_per_step():
 
 def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor_summary():
     """A 25 s recompile once read "mfu 1.0%" and pulled the summary's mean."""
-    cfg = load_config(REPO / "configs" / "1b.yaml")
+    cfg = shipped("1b")
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
     counted = meter.update(step=10, window_steps=5, step_seconds=2.0)
     before = meter.summary()["mfu"]
@@ -289,15 +290,13 @@ def test_a_stages_first_step_timed_alone_is_a_warm_up_step_in_neither_figure_nor
     assert counted["mfu"] > 0 and recompile["mfu"] is None and recompile["tflops_per_device"] is None
     assert meter.summary()["mfu"] == before == pytest.approx(counted["mfu"])
     # An fp8 run is labelled bf16-equivalent, against the dense peak.
-    cfg = load_config(REPO / "configs" / "1b.yaml", [("train.fp8", "tensorwise")])
+    cfg = shipped("1b", ("train.fp8", "tensorwise"))
     meter = mfu.meter_for_run(cfg, named_device("NVIDIA H100 80GB HBM3"))
     assert meter.basis == "bf16-equivalent" and meter.peak_flops == pytest.approx(989.5e12)  # not an FP8 peak
     assert meter.summary()["mfu_basis"] == "bf16-equivalent"
 
 
 # ---------------------------------------------------------------- the estimator
-
-
 def run_estimate(capsys, argv: list[str]):
     """`nanopt estimate ARGV` (exit 0): its JSON under --json, else what it printed."""
     assert cli.run(argv) == 0
@@ -306,10 +305,8 @@ def run_estimate(capsys, argv: list[str]):
 
 
 def test_estimate_json_for_1b_on_8_h100_sxm_at_40_percent(capsys):
-    code = cli.run(["estimate", "--config", str(REPO / "configs" / "1b.yaml"), "--hardware", "h100-sxm",
-                    "--gpus", "8", "--mfu", "0.4", "--price-per-gpu-hour", "3.0", "--json"])
-    assert code == 0
-    got = json.loads(capsys.readouterr().out)
+    got = run_estimate(capsys, ["estimate", "--config", str(REPO / "configs" / "1b.yaml"), "--hardware", "h100-sxm",
+                                "--gpus", "8", "--mfu", "0.4", "--price-per-gpu-hour", "3.0", "--json"])
     # By hand: the config's budget is 23,570 steps × 2^20 tokens; 6N + causal attention at seq 4096.
     tokens = 23_570 * 1_048_576  # 24,714,936,320 ≈ 20 tokens per parameter
     flops_per_token = 6 * 1_235_814_400 + 6 * 16 * 4096 * 2048  # 8,220,192,768
@@ -357,7 +354,7 @@ def test_estimate_trains_the_schedule_stage_by_stage(capsys):
     # Attention's FLOPs per token follow each stage's seq_len: a shorter first stage costs less per token.
     short = ["--train.seq_len_schedule=0:512,1000:2048", "--json"]
     mixed = run_estimate(capsys, ["estimate", path, *short])
-    m = load_config(REPO / "configs" / "speedrun-gpu.yaml").model
+    m = shipped("speedrun-gpu").model
     assert mixed["total_flops"] == (262_144_000 * model_flops(m, 512)
                                     + (393_216_000 + 786_432_000) * model_flops(m, 2048))
     assert mixed["total_flops"] < got["total_flops"] and mixed["seq_len"] == 2048
@@ -377,20 +374,6 @@ def test_estimate_tokens_flag_and_bad_input(capsys):
                 ["--price-per-gpu-hour", "nan"], ["--price-per-gpu-hour", "inf"]):  # were "$nan", and Infinity in JSON
         assert cli.run(args + bad) == 2
         assert "error" in capsys.readouterr().err
-
-
-def test_hfu_counts_recomputation_on_top_of_mfu():
-    m = load_config(REPO / "configs" / "1b.yaml").model
-    fpt = model_flops(m, 4096)
-    # 1b.yaml: micro-batch 4 × 4096 = 16,384 positions, chunks of 8192 -> the LM head forward runs twice.
-    hw = fpt + recompute_flops(m, 4 * 4096, 8192)
-    assert hw - fpt == 2 * 128_256 * 2048
-    assert recompute_flops(m, 4 * 4096, 0) == 0  # chunking off: nothing recomputed
-    per_token = functools.partial(mfu.token_flops, mfu.meta_model(m), micro_batch_size=4, loss_chunk_tokens=8192)
-    meter = mfu.MFUMeter(per_token, 4096, tokens_per_step=2**20, peak_flops=989.4e12, world_size=8, warmup_steps=0)
-    out = meter.update(step=5, window_steps=1, step_seconds=2.5)
-    assert out["hfu"] == pytest.approx(out["mfu"] * hw / fpt) and out["hfu"] > out["mfu"]
-    assert meter.summary()["flops_per_token_hardware"] == hw
 
 
 EIGHT_B = str(REPO / "configs" / "8b.yaml")
@@ -430,8 +413,6 @@ def test_estimate_adds_an_hsdp_row_for_a_shard_group_and_refuses_one_that_does_n
 
 
 # ---------------------------------------------------------------- a variant only this test knows
-
-
 class GeluMLPWithAnExtraLinear(torch.nn.Module):
     """Another MLP, and an extra Linear per block: w2(gelu(extra(gelu(w1 x)))). Swapped into model.py's Block by
     monkeypatching model.MLP alone: FLOPs, counts, memory and MFU must follow with no other file touched."""
@@ -448,7 +429,6 @@ class GeluMLPWithAnExtraLinear(torch.nn.Module):
 
 def test_a_variant_defined_only_here_gets_its_flops_counts_memory_and_mfu(monkeypatch):
     from test_memory import _saved_bytes_per_token
-    from torch.utils.flop_counter import FlopCounterMode
 
     monkeypatch.setattr(nanopt.recipe.model, "MLP", GeluMLPWithAnExtraLinear)
     m = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
@@ -467,19 +447,16 @@ def test_a_variant_defined_only_here_gets_its_flops_counts_memory_and_mfu(monkey
     B, T = 3, 16
     idx = torch.randint(0, m.vocab_size, (B, T))
     flops = mfu.token_flops(model, T, causal_halving=False, micro_batch_size=B, loss_chunk_tokens=0)
-    with FlopCounterMode(display=False) as counter:
-        model(idx, idx).backward()
+    total = counted(lambda: model(idx, idx).backward())
     assert flops.full_attention == 6 * counts.n_6n + 12 * 2 * T * 32
-    assert counter.get_total_flops() == pytest.approx((flops.full_attention - 6 * counts.norms) * B * T, rel=0.01)
+    assert total == pytest.approx((flops.full_attention - 6 * counts.norms) * B * T, rel=0.01)
     # train.recompute: every block's forward again but its down projection w2 (HFU's convention, measured).
     model.zero_grad(set_to_none=True)
     model.recompute_blocks = True
-    with FlopCounterMode(display=False) as recomputed:
-        model(idx, idx).backward()
+    recomputed = counted(lambda: model(idx, idx).backward())
     again = mfu.token_flops(model, T, False, B, 0, recompute=True)
     assert again.hardware - again.model == 2 * 2 * (block - 48 * 32 + 2 * 32) + 12 * 2 * T * 32 // 3
-    assert recomputed.get_total_flops() - counter.get_total_flops() == (again.hardware - again.model
-                                                                          - 2 * 2 * 2 * 32) * B * T
+    assert recomputed - total == (again.hardware - again.model - 2 * 2 * 2 * 32) * B * T
 
     # Memory: parameters as counted, activations as autograd saves them in the variant's block.
     t = Training("fp32", "adamw", micro_batch_size=B, seq_len=T, loss_chunk_tokens=0)

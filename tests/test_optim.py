@@ -94,8 +94,6 @@ def test_the_multiplier_is_the_schedule_relative_to_the_peak_and_scales_each_gro
 
 
 # ---------------------------------------------------------------- resume
-
-
 def step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 50, (2, 9), generator=g)
@@ -162,16 +160,13 @@ def test_a_checkpoint_of_other_groups_or_the_old_two_group_layout_is_refused():
     assert not new.state  # nothing was loaded
 
 
-def test_adamw_on_xla_is_foreach_and_fused_elsewhere():
+@pytest.mark.parametrize("saved_flags", [{"fused": True}, {"capturable": True, "fused": False}],
+                         ids=["fused-cuda-or-cpu", "capturable-xla"])
+def test_adamw_is_foreach_on_xla_fused_elsewhere_and_a_resume_keeps_this_runs_flags(saved_flags):
     # torch picks foreach only on CUDA-like devices: left alone, AdamW on XLA traces its per-parameter loop.
     groups = build_optimizer(tiny(), TrainConfig(), "xla").param_groups
     assert all(g["foreach"] is True and not g["fused"] and not g["capturable"] for g in groups)
     assert all(g["fused"] is True for g in build_optimizer(tiny(), TrainConfig(), "cpu").param_groups)
-
-
-@pytest.mark.parametrize("saved_flags", [{"fused": True}, {"capturable": True, "fused": False}],
-                         ids=["fused-cuda-or-cpu", "capturable-xla"])
-def test_state_of_other_implementation_flags_loads_steps_and_keeps_this_runs_flags(saved_flags):
     # A resume on another device type: the trajectory from the checkpoint, the implementation from this run.
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
     model = tiny()
@@ -198,8 +193,6 @@ def test_state_of_other_implementation_flags_loads_steps_and_keeps_this_runs_fla
 
 
 # ---------------------------------------------------------------- optim.name=muon
-
-
 def step_with_random_grads(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """One optimizer step on Gaussian gradients (full rank, unlike a tiny batch's); returns each weight's change."""
     g = torch.Generator().manual_seed(1)
