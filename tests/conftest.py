@@ -157,8 +157,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # ---------------------------------------------------------------- short runs in this process
-
-
 SHORT_ARGS = small_overrides(**{"train.precision": "fp32", "train.max_steps": 4, "checkpoint.every": 2,
                                 "log.tensorboard": "false"})
 
@@ -174,8 +172,6 @@ TINY_CONFIG = str(REPO / "configs" / "tiny.yaml")
 CPU = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32")
 
 # ---------------------------------------------------------------- the opt-in model options
-
-
 OPTIONS_VOCAB = 61
 ALL_ON = dict(qk_norm=True, mlp="relu2", logit_softcap=2.0, value_embeddings=True, residual_scalars=True)
 
@@ -191,8 +187,6 @@ def options_model(seed: int = 0, **kw) -> Llama:
 
 
 # ---------------------------------------------------------------- a user's files, links and a full disk
-
-
 USERS = b'{"step": 1, "loss": 9.0, "mine": "a line of the user\'s own"}\nnot even JSON\n'
 
 
@@ -218,13 +212,6 @@ def one_paragraph(err: str) -> str:
     return err
 
 
-def fd_path(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
 def full_disk_for(monkeypatch, name: str, call: str = "write", when: Callable[[], bool] = lambda: True) -> None:
     """os.write (or os.fsync) raises ENOSPC for a file whose name holds `name` (its temp files too), as a full disk
     does; the first write still gets half of its bytes onto the disk (a short write), as at the disk's real end."""
@@ -234,7 +221,11 @@ def full_disk_for(monkeypatch, name: str, call: str = "write", when: Callable[[]
     cut = set()
 
     def full(fd: int, *args):
-        if name in Path(fd_path(fd)).name and when():
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        if name in Path(path).name and when():
             if call == "write" and fd not in cut:
                 cut.add(fd)
                 return real(fd, args[0][: max(1, len(args[0]) // 2)])
@@ -251,8 +242,6 @@ def dead_pid() -> int:
 
 
 # ---------------------------------------------------------------- run directories written by hand
-
-
 BAD_UTF8 = b"\xff\xfe\x80 not text"
 
 
@@ -325,8 +314,6 @@ def write_config_run(path: Path, seed: int, summary: dict, **changes: object) ->
 
 
 # ---------------------------------------------------------------- prepared data
-
-
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls watch; café naïve façade "
          "über — “quoted” 42 3.14 emoji 🦊 tabs\tand newlines").split(" ")
 
@@ -431,8 +418,6 @@ def scans(monkeypatch) -> list[int]:
 
 
 # ---------------------------------------------------------------- downstream tasks
-
-
 TASK_LINES = [f"{who}: {what} the {thing} of the {place}, said the {adj} {who2}."
               for who, what, thing, place, adj, who2 in
               zip(["Anne", "Ben", "Cass", "Dion", "Ede", "Finn"] * 8, ["Where is", "I saw", "Bring me", "Mind"] * 12,
@@ -458,8 +443,6 @@ def error_line(err: str, command: str = "eval") -> str:
 
 
 # ---------------------------------------------------------------- Hugging Face models
-
-
 def hf_logits(directory: Path, idx: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -500,8 +483,6 @@ def hf_tokenizer(directory: Path) -> Path:
 
 
 # ---------------------------------------------------------------- the profiler
-
-
 def resolved_small_config(*overrides: str):
     cfg = load_config(None, parse_overrides(small_overrides() + list(overrides)))
     return resolve(cfg, 1)
