@@ -41,7 +41,7 @@ def loss_and_grads(model, idx, targets, bf16: bool = False, saved: list | None =
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_shapes_loss_at_init_parameter_counts_and_init():
+def test_shapes_loss_at_init_parameter_counts_init_and_build_models_options():
     torch.manual_seed(0)
     model, idx = build_model(small()), torch.randint(0, 97, (3, 17))
     assert model(idx).shape == (3, 17, 97) and model(idx, torch.randint(0, 97, (3, 17))).shape == ()
@@ -60,6 +60,16 @@ def test_shapes_loss_at_init_parameter_counts_and_init():
     assert torch.all(model.layers[1].mlp_norm.weight == 1)
     # RoPE tables are real numbers again after meta materialisation.
     assert torch.allclose(model.rope_cos[0], torch.ones_like(model.rope_cos[0]))
+    model = build_model(small(), kernel=eager, loss_chunk_tokens=24, dtype=torch.bfloat16)  # a ready model
+    assert all(layer.attention.kernel is eager for layer in model.layers)
+    assert model.loss_chunk_tokens == 24
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # bf16-pure casts the parameters only: bf16 cos/sin tables would round every rotation (issue 16, finding 6).
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    torch.testing.assert_close(model.rope_cos, rope_tables(small(), model.rope_cos.shape[0])[0])
+    assert model.lm_head.weight is model.embed.weight
+    idx = torch.randint(0, 97, (2, 16))
+    assert model(idx, idx).dtype == torch.float32  # 32 tokens -> 2 chunks of the loss, summed in fp32
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -95,8 +105,14 @@ def test_evaluation_chunks_the_loss_even_when_training_does_not(monkeypatch):
     torch.testing.assert_close(eval_loss, train_loss.detach())
 
 
-def test_rmsnorm_under_autocast_casts_once_and_changes_no_value(monkeypatch):
+def test_rms_normalize_is_the_textbook_formula_and_under_autocast_casts_once_and_changes_no_value(monkeypatch):
     """One cast instead of three: the forward is bitwise the fp32-output norm's, the backward one bf16 rounding off."""
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: rms_normalize(t, 1e-5), (x,))  # the hand-written backward
+    x, g = torch.randn(4, 7, 32, requires_grad=True), torch.randn(4, 7, 32)
+    ref, out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), rms_normalize(x, 1e-5)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0])
     torch.manual_seed(0)
     model, idx = build_model(small()), torch.randint(0, 97, (2, 32))
     norm = model.layers[0].attention_norm
@@ -111,19 +127,6 @@ def test_rmsnorm_under_autocast_casts_once_and_changes_no_value(monkeypatch):
     assert torch.equal(loss, ref_loss)
     for g, r in zip(grads.values(), ref_grads.values()):
         assert (g - r).norm() <= 1e-2 * r.norm()
-
-
-def test_build_model_returns_a_ready_model():
-    model = build_model(small(), kernel=eager, loss_chunk_tokens=24, dtype=torch.bfloat16)
-    assert all(layer.attention.kernel is eager for layer in model.layers)
-    assert model.loss_chunk_tokens == 24
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    # bf16-pure casts the parameters only: bf16 cos/sin tables would round every rotation (issue 16, finding 6).
-    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
-    torch.testing.assert_close(model.rope_cos, rope_tables(small(), model.rope_cos.shape[0])[0])
-    assert model.lm_head.weight is model.embed.weight
-    idx = torch.randint(0, 97, (2, 16))
-    assert model(idx, idx).dtype == torch.float32  # 32 tokens -> 2 chunks of the loss, summed in fp32
 
 
 class Gate(torch.nn.Module):  # a parameterised module type init_weights has no rule for
@@ -162,22 +165,10 @@ def test_a_seed_reproduces_its_weights_and_another_seed_does_not(tie):
     assert list(first) == list(again) == list(other)
     for name in first:
         assert torch.equal(first[name], again[name]), name
-        if name.endswith("norm.weight"):  # gains start at one whatever the seed
-            assert torch.equal(first[name], other[name]), name
-        else:
-            assert not torch.equal(first[name], other[name]), name
+        assert torch.equal(first[name], other[name]) == name.endswith("norm.weight"), name  # gains start at one
     # Every matrix draws its own values: no two parameters (a tied head aside) share an initialisation.
     matrices = [w for n, w in first.items() if w.dim() == 2 and not (tie and n == "lm_head.weight")]
     assert len({(w.flatten()[0].item(), w.flatten()[-1].item()) for w in matrices}) == len(matrices)
-
-
-def test_rms_normalize_matches_the_textbook_formula_and_its_gradient():
-    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: rms_normalize(t, 1e-5), (x,))  # the hand-written backward
-    x, g = torch.randn(4, 7, 32, requires_grad=True), torch.randn(4, 7, 32)
-    ref, out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), rms_normalize(x, 1e-5)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0])
 
 
 def test_rope_is_hugging_faces_rotate_half_and_llama3_scaling_changes_only_low_frequencies():
@@ -366,8 +357,17 @@ def test_optimizer_kinds_of_the_option_parameters():
 
 
 # ---------------------------------------------------------------- training and decoding with all options on
-def test_a_few_adamw_steps_with_every_option_lower_the_loss():
-    model = options_model(**ALL_ON)
+def test_every_option_runs_under_bf16_autocast_and_in_pure_bf16_and_a_few_adamw_steps_lower_the_loss():
+    model, idx = options_model(**ALL_ON), tokens()  # mixed dtypes are where options break
+    fp32 = model(idx, idx).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+        assert model(idx).dtype == torch.float32  # capped logits come back in fp32
+    loss.backward()
+    assert abs(loss.item() - fp32) < 0.05
+    torch.manual_seed(0)
+    pure = build_model(options_config(**ALL_ON), dtype=torch.bfloat16)
+    assert abs(pure(idx, idx).item() - fp32) < 0.1
     model.loss_chunk_tokens = 16  # 48 positions: the chunked, recomputed loss path with the cap
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = tokens(2, 24, seed=3), tokens(2, 24, seed=4)
@@ -439,20 +439,6 @@ def test_export_refuses_each_option_naming_it(option, tmp_path):
     with pytest.raises(ConfigError, match=f"model.{option}=.*LlamaForCausalLM cannot represent.*--model.{option}="):
         export_model(model, tmp_path / "hf", tokenizer="")
     assert not (tmp_path / "hf").exists()  # refused before writing anything
-
-
-def test_every_option_runs_under_bf16_autocast_and_in_pure_bf16():  # mixed dtypes are where options break
-    model = options_model(**ALL_ON)
-    idx = tokens()
-    fp32 = model(idx, idx).item()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(idx, idx)
-        assert model(idx).dtype == torch.float32  # capped logits come back in fp32
-    loss.backward()
-    assert abs(loss.item() - fp32) < 0.05
-    torch.manual_seed(0)
-    pure = build_model(options_config(**ALL_ON), dtype=torch.bfloat16)
-    assert abs(pure(idx, idx).item() - fp32) < 0.1
 
 
 # ---------------------------------------------------------------- torch.compile gives eager's numbers
