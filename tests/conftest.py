@@ -114,19 +114,17 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-UNREACHABLE = "huggingface.co does not resolve: Name or service not known"
-
-
 @pytest.fixture
 def unreachable_hub(monkeypatch) -> str:
     """A machine without network as nanopt finds it: no offline switch or proxy set, and the hub's host does not
     resolve (hub.unreachable patched: no test reaches the network). Returns the reason the paragraphs name."""
+    reason = "huggingface.co does not resolve: Name or service not known"
     for name in hub.OFFLINE_ENV + hub.PROXY_ENV + ("HF_ENDPOINT",):
         monkeypatch.setenv(name, "")  # recorded, so the offline switch nanopt sets is undone after the test
         monkeypatch.delenv(name)
     monkeypatch.setattr(hub, "_probe", {})
-    monkeypatch.setattr(hub, "unreachable", lambda timeout_s=5.0: UNREACHABLE)
-    return UNREACHABLE
+    monkeypatch.setattr(hub, "unreachable", lambda timeout_s=5.0: reason)
+    return reason
 
 
 @pytest.fixture(scope="session")
@@ -300,8 +298,7 @@ def no_traceback(err: str) -> None:
 
 
 def write_config_run(path: Path, seed: int, summary: dict, **changes: object) -> Path:
-    """A finished run directory: config.yaml from a real Config with `changes` ("optim.name": "muon"), and
-    summary.json."""
+    """A finished run: config.yaml from a real Config with `changes` ("optim.name": "muon"), and summary.json."""
     cfg = Config()
     cfg.run.seed, cfg.run.name, cfg.run.dir = seed, path.name, str(path)
     for key, value in changes.items():
@@ -389,7 +386,7 @@ PREPARED_KEYS = dict(val_tokens=400, test_tokens=350, train_tokens=1800, shard_t
 
 @pytest.fixture
 def prepared(tmp_path, tokenizer_dir):
-    """(config, its output directory, the bytes of every shard) of one complete preparation, and a pristine copy."""
+    """(config, its output directory, the bytes of every shard, the stats) of one complete preparation."""
     dataset, files, _ = write_source(tmp_path / "src", "jsonl", PREPARE_DOCS)
     cfg = prepare_config(tmp_path, tokenizer_dir, dataset, files, "shards", **PREPARED_KEYS)
     stats = prepare.prepare(cfg, progress=False)

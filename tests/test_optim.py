@@ -359,13 +359,7 @@ def test_muon_split_over_ranks_steps_like_one_rank_as_replicas_and_as_fsdp_or_hs
     world = math.prod(mesh_shape)
     fork_ranks(_split_worker, world, (world, mesh_shape, str(tmp_path / "store"), str(tmp_path), dtype))
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
-    g = torch.Generator().manual_seed(0)
-    ref = [torch.randn(s, generator=g).requires_grad_() for s in SPLIT_SHAPES]
-    opt = BatchedMuon(ref, **SPLIT_KW, ns_dtype=dtype)
-    for _ in range(3):
-        for p, s in zip(ref, SPLIT_SHAPES):
-            p.grad = torch.randn(s, generator=g)
-        opt.step()
+    _, (ref,), (opt,), _ = stepped(SPLIT_SHAPES, lambda ps: BatchedMuon(ps, **SPLIT_KW, ns_dtype=dtype), steps=3)
     for name in ("ddp", "fsdp"):
         for mine, want in zip(ranks[0][name], ref):
             torch.testing.assert_close(mine, want.detach(), rtol=0, atol=ULP)
