@@ -46,7 +46,7 @@ def recompute_flops(m: ModelConfig, micro_batch_tokens: int, loss_chunk_tokens: 
     return f.hardware - f.model
 
 
-def counted(step) -> int:
+def flops_seen(step) -> int:
     """The FLOPs FlopCounterMode sees step() run."""
     with FlopCounterMode(display=False) as counter:
         step()
@@ -99,9 +99,10 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     # FLOP formula); like every dense kernel it computes the full square, so compare with causal_halving=False.
     model.set_attention(eager)
     B, T = 3, 16
-    idx, losses = torch.randint(0, m.vocab_size, (B, T)), []
-    forward = counted(lambda: losses.append(model(idx, idx)))
-    backward = counted(lambda: losses[0].backward())
+    idx = torch.randint(0, m.vocab_size, (B, T))
+    with FlopCounterMode(display=False) as forward_counter:
+        loss = model(idx, idx)
+    forward, backward = forward_counter.get_total_flops(), flops_seen(loss.backward)
     norms = counts_of(m).norms  # elementwise gains: in N by convention, not matmul FLOPs
     expected_training = (model_flops(m, T, causal_halving=False) - 6 * norms) * B * T
     assert forward == expected_training // 3
@@ -112,7 +113,7 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     # A chunked loss recomputes each chunk's logits in backward: HFU counts that work, MFU does not.
     model.zero_grad(set_to_none=True)
     model.loss_chunk_tokens = 16  # 48 positions -> 3 chunks
-    chunked = counted(lambda: model(idx, idx).backward())
+    chunked = flops_seen(lambda: model(idx, idx).backward())
     extra = recompute_flops(m, B * T, 16)
     assert extra == 2 * m.vocab_size * m.dim
     assert chunked - (forward + backward) == extra * B * T
@@ -121,7 +122,7 @@ def test_flop_counter_agrees_and_backward_is_twice_forward():
     # blocks' norm gains, elementwise, as above).
     model.zero_grad(set_to_none=True)
     model.recompute_blocks = True
-    again = counted(lambda: model(idx, idx).backward()) - chunked
+    again = flops_seen(lambda: model(idx, idx).backward()) - chunked
     blocks = recompute_flops(m, B * T, 16, T, blocks=True, causal_halving=False) - extra
     block_norms = norms - m.dim  # two per block; the final norm is not recomputed
     assert again == (blocks - 2 * block_norms) * B * T
@@ -447,13 +448,13 @@ def test_a_variant_defined_only_here_gets_its_flops_counts_memory_and_mfu(monkey
     B, T = 3, 16
     idx = torch.randint(0, m.vocab_size, (B, T))
     flops = mfu.token_flops(model, T, causal_halving=False, micro_batch_size=B, loss_chunk_tokens=0)
-    total = counted(lambda: model(idx, idx).backward())
+    total = flops_seen(lambda: model(idx, idx).backward())
     assert flops.full_attention == 6 * counts.n_6n + 12 * 2 * T * 32
     assert total == pytest.approx((flops.full_attention - 6 * counts.norms) * B * T, rel=0.01)
     # train.recompute: every block's forward again but its down projection w2 (HFU's convention, measured).
     model.zero_grad(set_to_none=True)
     model.recompute_blocks = True
-    recomputed = counted(lambda: model(idx, idx).backward())
+    recomputed = flops_seen(lambda: model(idx, idx).backward())
     again = mfu.token_flops(model, T, False, B, 0, recompute=True)
     assert again.hardware - again.model == 2 * 2 * (block - 48 * 32 + 2 * 32) + 12 * 2 * T * 32 // 3
     assert recomputed - total == (again.hardware - again.model - 2 * 2 * 2 * 32) * B * T
