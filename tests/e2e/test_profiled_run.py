@@ -12,9 +12,11 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, free_port, resolved_small_config, small_overrides, stub_runtime, torchrun, trace_files
+from conftest import (REPO, free_port, resolved_small_config, small_overrides, stub_runtime, torchrun_started,
+                      trace_files)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from nanopt.main import run
@@ -34,20 +36,25 @@ def test_off_is_a_nullcontext_and_leaves_no_trace(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory) -> tuple[Path, str]:
-    """(run directory, console output) of a 6-step run with the profiler on: the default 10/5/20 schedule shrinks to
-    wait 1, warmup 1, active 4 (steps 3-6)."""
-    run_dir, out = tmp_path_factory.mktemp("profiled"), io.StringIO()
-    with contextlib.redirect_stdout(out):  # nanopt logs to stdout
-        changes = {"run.dir": str(run_dir), "profile.enabled": "true", "profile.memory_snapshot": "true"}
+def profiled(request, tmp_path_factory) -> SimpleNamespace:
+    """A 6-step run with the profiler on (`dir`, its console output `out`): the default 10/5/20 schedule shrinks to
+    wait 1, warmup 1, active 4 (steps 3-6). Meanwhile, on the other core and only when
+    test_every_listed_rank_writes_its_own_trace is selected, a 3-step torchrun of 2 ranks with profile.ranks=all
+    (wait 1, warmup 1, active 1) in `ranks_dir`, `ranks` its CompletedProcess."""
+    run_dir, ranks_dir = tmp_path_factory.mktemp("profiled"), tmp_path_factory.mktemp("ranks")
+    ranks = any(item.name == "test_every_listed_rank_writes_its_own_trace" for item in request.session.items) and \
+        torchrun_started(2, small_overrides(**{"run.dir": str(ranks_dir), "profile.enabled": "true",
+                                               "profile.ranks": "all", "train.max_steps": 3}))
+    changes = {"run.dir": str(run_dir), "profile.enabled": "true", "profile.memory_snapshot": "true"}
+    with contextlib.redirect_stdout(io.StringIO()) as out:  # nanopt logs to stdout
         assert run(small_overrides(**changes)) == 0
-    return run_dir, out.getvalue()
+    return SimpleNamespace(dir=run_dir, out=out.getvalue(), ranks_dir=ranks_dir, ranks=ranks and ranks())
 
 
 @pytest.mark.slow
 def test_trace_is_chrome_json_in_the_plugin_layout(profiled):
-    [trace] = trace_files(profiled[0])
-    assert trace.parent == profiled[0] / "tb" / "plugins" / "profile" / "step_000003"
+    [trace] = trace_files(profiled.dir)
+    assert trace.parent == profiled.dir / "tb" / "plugins" / "profile" / "step_000003"
     assert re.fullmatch(re.escape(socket.gethostname()) + r"_0\.\d+\.pt\.trace\.json", trace.name)
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
@@ -57,7 +64,7 @@ def test_trace_is_chrome_json_in_the_plugin_layout(profiled):
 
 
 def test_summary_shares_add_up_and_go_to_the_console_and_tensorboard(profiled):
-    run_dir, output = profiled
+    run_dir, output = profiled.dir, profiled.out
     s = json.loads((run_dir / "profile_summary.json").read_text())
     assert (s["first_step"], s["last_step"], s["profiled_steps"]) == (3, 6, 4)
     assert s["schedule"] == {"wait": 1, "warmup": 1, "active": 4}
@@ -104,7 +111,7 @@ def test_tensorboard_profiler_plugin_serves_the_run(profiled):
             assert r.status == 200
             return json.loads(r.read())
 
-    with subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(profiled[0] / "tb"), "--host",
+    with subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(profiled.dir / "tb"), "--host",
                            "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, cwd=REPO) as server:
         try:
@@ -134,13 +141,12 @@ def test_tensorboard_profiler_plugin_serves_the_run(profiled):
 
 
 @pytest.mark.slow
-def test_every_listed_rank_writes_its_own_trace(tmp_path):
-    changes = {"run.dir": str(tmp_path), "profile.enabled": "true", "profile.ranks": "all", "train.max_steps": 3}
-    proc = torchrun(2, small_overrides(**changes))  # 3 steps: wait 1, warmup 1, active 1
+def test_every_listed_rank_writes_its_own_trace(profiled):
+    proc = profiled.ranks
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = sorted(re.sub(r"\.\d+\.pt\.trace\.json$", "", p.name) for p in trace_files(tmp_path))
+    names = sorted(re.sub(r"\.\d+\.pt\.trace\.json$", "", p.name) for p in trace_files(profiled.ranks_dir))
     assert names == [f"{socket.gethostname()}_{rank}" for rank in (0, 1)]
     for name in ("profile_summary.json", "profile_summary_rank1.json"):
-        s = json.loads((tmp_path / name).read_text())
+        s = json.loads((profiled.ranks_dir / name).read_text())
         assert sum((s["host_overhead_share"], s["data_loader_share"], s["compute_share"])) == pytest.approx(1.0)
     assert "host overhead" in proc.stdout
