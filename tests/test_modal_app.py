@@ -344,16 +344,16 @@ def test_sigint_is_forwarded_to_the_launched_process(tmp_path):
 
 
 # ---------------------------------------------------------------- the function body, locally
-def run_train_local(volume_dir: Path, config_path: Path, run_name: str, volume: Any = None,
+def run_train_local(volume_dir: Path, config_path: Path, run_name: str, volume: Any = None, ranks: int = 2,
                     **overrides: object) -> dict:
-    """train.local() on 2 CPU ranks with `volume_dir` as the Volume (`volume` its stand-in, a new mock if None);
-    overrides are `section.key: value`."""
+    """train.local() on `ranks` CPU ranks with `volume_dir` as the Volume (`volume` its stand-in, a new mock if
+    None); overrides are `section.key: value`."""
     with mock.patch.object(modal_app, "volume", volume or mock.MagicMock()), \
             mock.patch.object(modal_app, "VOLUME_PATH", str(volume_dir)):
-        _, cfg = modal_app.check_config(str(config_path), 2, run_name)  # where the run directory goes
+        _, cfg = modal_app.check_config(str(config_path), ranks, run_name)  # where the run directory goes
         cfg_yaml = to_yaml(load_config(config_path, parse_overrides(
             [f"--run.name={run_name}", f"--run.dir={cfg.run.dir}", *(f"--{k}={v}" for k, v in overrides.items())])))
-        return modal_app.train.local(cfg_yaml, run_name, 2)
+        return modal_app.train.local(cfg_yaml, run_name, ranks)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -453,29 +453,31 @@ def test_tensorboard_serves_the_runs_with_the_profiler_plugin(trained, tmp_path)
 
 @pytest.mark.slow
 def test_bad_data_under_torchrun_is_reported_not_retried(vol, capfd):
-    """Real torchrun (2 CPU ranks) on a config whose shards do not exist: torchrun exits 1, the workers
-    record 2, and the function returns the error instead of raising (which would make Modal retry)."""
+    """Real torchrun (one CPU rank: a worker's code is what decides) on a config whose shards do not exist: torchrun
+    exits 1, the worker records 2, and the function returns the error instead of raising (which would make Modal
+    retry)."""
     (vol.dir / "empty").mkdir(parents=True)
-    config_yaml, cfg = modal_app.check_config(str(config_file(vol.dir.parent)), 2, "no-data")
+    config_yaml, cfg = modal_app.check_config(str(config_file(vol.dir.parent)), 1, "no-data")
     config_yaml = config_yaml.replace("source: embedded", "source: empty")
     assert "source: empty" in config_yaml
-    result = modal_app.train.local(config_yaml, cfg.run.name, 2)
+    result = modal_app.train.local(config_yaml, cfg.run.name, 1)
     assert result["exit_code"] == 2 and "Not retried" in result["error"], result
     assert "train_*.bin" in capfd.readouterr().err  # nanopt's own one-paragraph error reached the log
 
 
 @pytest.mark.slow
 def test_a_crash_without_progress_is_reported_and_one_after_progress_is_retried(tmp_path, monkeypatch):
-    """Every rank SIGKILLs itself in step 3 (NANOPT_TEST_HOOK), like a CUDA OOM or an NCCL abort: torchrun
-    exits 1 and no worker records a code. With no checkpoint saved in the attempt, retrying would repeat the
-    crash: the result says so and `modal run` exits 1. With checkpoint.every=2 it saved step 2 first: retried."""
+    """The rank SIGKILLs itself in step 3 (NANOPT_TEST_HOOK), like a CUDA OOM or an NCCL abort: torchrun exits 1
+    and no worker records a code (one rank: with two, every rank dies alike). With no checkpoint saved in the
+    attempt, retrying would repeat the crash: the result says so and `modal run` exits 1. With checkpoint.every=2
+    it saved step 2 first: retried."""
     monkeypatch.setenv("NANOPT_TEST_HOOK", "kill-in-step:3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     volume_dir = tmp_path / "vol"
-    result = run_train_local(volume_dir, config_file(tmp_path), "crash")
+    result = run_train_local(volume_dir, config_file(tmp_path), "crash", ranks=1)
     assert result["exit_code"] == 1 and "without saving a newer checkpoint" in result["error"], result
     with pytest.raises(modal_app.RetryAttempt, match="newer checkpoint"):
-        run_train_local(volume_dir, config_file(tmp_path), "crash", **{"checkpoint.every": 2})
+        run_train_local(volume_dir, config_file(tmp_path), "crash", ranks=1, **{"checkpoint.every": 2})
     assert (volume_dir / "runs" / "crash" / "checkpoints" / "step_000002" / "COMPLETE").exists()
 
 
