@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -147,45 +148,53 @@ def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir / "evals.jsonl")]
 
 
-def _wait_for(condition, what: str, *procs: subprocess.Popen, timeout: float = 180) -> None:
-    """Until condition(); fails (with the process's stderr) when one of procs exits first, or at the timeout."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        for proc in procs:
-            if proc.poll() is not None:
-                pytest.fail(f"{proc.args[2:5]} exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def _signal_when(condition, sig: int, timeout: float = 180) -> tuple[threading.Event, dict]:
+    """Send this process `sig` from a thread once condition() is true (a dict: what the test asserts on, or None),
+    as a terminal's Ctrl-C or a preemption would; never after the returned event is set (the test moved on)."""
+    over, seen = threading.Event(), {}
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while not over.is_set() and time.monotonic() < deadline:
+            if (state := condition()) is not None:
+                seen.update(state)
+                os.kill(os.getpid(), sig)
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return over, seen
 
 
 @pytest.mark.slow
-def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path, capsys):
-    """The watcher beside a training process paused after step 4 until the watcher has caught up, preempted, then
-    resumed in this process: the evaluations happen while the run is still training, not after it."""
+def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path, capsys, monkeypatch):
+    """The watcher beside a training run (in this process) paused after step 4 until the watcher has caught up,
+    preempted, then resumed: the evaluations happen while the run is still training, not after it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()  # an empty directory: the watcher may start before the run does
-    watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch",
-                                "--interval", "0.2", "--timeout", "300"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch", "--interval", "0.2",
+                                "--timeout", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env=ENV)
     overrides = small_overrides(**{"run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10,
                                    "train.max_steps": 8})
-    trainer = subprocess.Popen([sys.executable, "-m", "nanopt.main", *overrides], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=REPO, env={**ENV, "NANOPT_TEST_HOOK": "pause:4"})
+    caught_up = lambda: {"summary": (run_dir / "summary.json").exists()} if _steps(run_dir) == [2, 4] and \
+        (run_dir / ".test_paused.rank0").exists() else None
     try:
-        _wait_for(lambda: _steps(run_dir) == [2, 4], "checkpoints 2 and 4 evaluated", trainer, watcher)
-        assert not (run_dir / "summary.json").exists()
-        trainer.send_signal(signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
-        assert trainer.wait(timeout=120) == 75, trainer.stderr.read()[-3000:]
-        trainer.communicate()
-        with contextlib.redirect_stdout(io.StringIO()) as log:  # a process of its own would pay torch's import again
+        over, seen = _signal_when(caught_up, signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
+        monkeypatch.setenv("NANOPT_TEST_HOOK", "pause:4")
+        with contextlib.redirect_stdout(io.StringIO()) as log:
+            code = main_run(overrides)
+        over.set()
+        assert seen == {"summary": False} and code == 75, (seen, code, log.getvalue()[-3000:])
+        monkeypatch.delenv("NANOPT_TEST_HOOK")
+        with contextlib.redirect_stdout(io.StringIO()) as log:
             assert main_run(overrides) == 0, log.getvalue()[-3000:]
         assert f"resuming from {run_dir / 'checkpoints' / 'step_000004'}" in log.getvalue()
         out, err = watcher.communicate(timeout=300)
     finally:
-        for proc in (trainer, watcher):
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.communicate()
     assert watcher.returncode == 0, err[-3000:]
     assert out.strip().splitlines()[-1] == "the run finished at step 8; 4 checkpoint(s) evaluated by this watcher"
     assert _steps(run_dir) == [2, 4, 6, 8]  # one line per checkpoint, in order, none twice
@@ -227,17 +236,12 @@ def test_watch_of_an_unfinished_run_stops_at_the_timeout_or_on_ctrl_c_with_one_l
     assert "--timeout 1 s passed before the run finished; 3 checkpoint(s) evaluated" in capsys.readouterr().out
     assert _steps(tmp_path / "timeout") == [2, 4, 6]
     run_dir = tmp_path / "ctrl-c"
-    watcher = subprocess.Popen([sys.executable, "-m", "nanopt.cli", "eval", str(run_dir), "--watch", "--interval", "0.2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+    over, _ = _signal_when(lambda: {} if len(_steps(run_dir)) == 3 else None, signal.SIGINT)
     try:
-        _wait_for(lambda: len(_steps(run_dir)) == 3, "the three checkpoints evaluated", watcher)
-        watcher.send_signal(signal.SIGINT)
-        out, err = watcher.communicate(timeout=60)
+        assert cli(["eval", str(run_dir), "--watch", "--interval", "0.2"]) == 0
     finally:
-        if watcher.poll() is None:
-            watcher.kill()
-            watcher.communicate()
-    assert watcher.returncode == 0, err[-3000:]
+        over.set()
+    out, err = capsys.readouterr()
     assert out.strip().splitlines()[-1] == "stopped (Ctrl-C); 3 checkpoint(s) evaluated by this watcher"
     assert "Traceback" not in err
 
