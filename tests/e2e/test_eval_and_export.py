@@ -7,12 +7,17 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 import torch
 import yaml
-from conftest import (ALL_ON, CPU, hf_logits, hf_tokenizer, one_paragraph, options_model, run_module, small_overrides,
+from conftest import (ALL_ON, CPU, REPO, hf_logits, hf_tokenizer, one_paragraph, options_model, small_overrides,
                       transformers_model)
 from safetensors import SafetensorError
 
@@ -83,19 +88,29 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
     assert records(trained_run, "evals.jsonl")[-1]["test_loss"] == pytest.approx(summary["test_loss"], abs=1e-6)
 
 
-@pytest.mark.slow
-def test_two_rank_eval_equals_one_rank_eval(trained_run):
-    proc = run_module(["torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli", "eval",
-                       str(trained_run), "--batches", "4"], env={"OMP_NUM_THREADS": "1",
-                                                                 "TRANSFORMERS_VERBOSITY": "error"})
-    # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception").
-    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
-    two = records(trained_run, "evals.jsonl")[-1]
-    one = evaluate_checkpoint(trained_run, Evaluator(batches=4))  # the same evaluation: not appended again
-    assert (one["world_size"], two["world_size"]) == (1, 2) and records(trained_run, "evals.jsonl")[-1] == two
-    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-9)
-    assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-9)
-    assert sum(r.get("world_size") == 2 for r in records(trained_run, "evals.jsonl")) == 1  # rank 0 alone appends
+@pytest.fixture(scope="module", autouse=True)
+def two_rank_eval(request) -> Iterator[SimpleNamespace | None]:
+    """When test_two_rank_eval_equals_one_rank_eval is selected: `nanopt eval --batches 4` under torchrun (2 ranks)
+    of a copy of trained_run (`dir`), started before this file's first test so that it runs beside them;
+    `finished()` waits for its CompletedProcess."""
+    if not any(item.name == "test_two_rank_eval_equals_one_rank_eval" for item in request.session.items):
+        yield None
+        return
+    run_dir = shutil.copytree(request.getfixturevalue("trained_run"), request.getfixturevalue("tmp_path_factory")
+                              .mktemp("copy") / "easy")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli",
+           "eval", str(run_dir), "--batches", "4"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+            cmd, stdout=out, stderr=err, text=True, cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}) as proc:
+
+        def finished() -> subprocess.CompletedProcess:
+            proc.wait(timeout=300)
+            out.seek(0), err.seek(0)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+        yield SimpleNamespace(dir=run_dir, finished=finished)
+        proc.kill()  # a no-op once it has exited
 
 
 # ---------------------------------------------------------------- the speedrun clock
@@ -295,3 +310,17 @@ def test_cli_export_and_init_from_refuse_options_with_exit_2(tmp_path, corpus_di
     assert train(tmp_path / "warm", **{"train.init_from": f"hf:{tmp_path / 'plain'}", "model.qk_norm": "true"}) == 2
     err = capsys.readouterr().err
     assert "model.qk_norm=true" in err and "--model.qk_norm=false" in err
+
+
+# Last: its torchrun, started with this file, ran beside the tests above.
+@pytest.mark.slow
+def test_two_rank_eval_equals_one_rank_eval(two_rank_eval):
+    proc, run_dir = two_rank_eval.finished(), two_rank_eval.dir
+    # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception").
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
+    two = records(run_dir, "evals.jsonl")[-1]
+    one = evaluate_checkpoint(run_dir, Evaluator(batches=4))  # the same evaluation: not appended again
+    assert (one["world_size"], two["world_size"]) == (1, 2) and records(run_dir, "evals.jsonl")[-1] == two
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-9)
+    assert two["val_bpb"] == pytest.approx(one["val_bpb"], rel=1e-9)
+    assert sum(r.get("world_size") == 2 for r in records(run_dir, "evals.jsonl")) == 1  # rank 0 alone appends

@@ -37,11 +37,11 @@ def _sessions(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_2x2_sweep_finishes_and_a_rerun_skips_it(tmp_path):
-    root = tmp_path / "sw"
-    # runtime.device=auto: the device is discovered as the runs will see it (CPU here)
-    first = _run(_sweep_cmd(root, "--set", "train.lr=1e-3,2e-3", "--seeds", "2", device="auto"), tmp_path)
-    assert first.returncode == 0, first.stdout + first.stderr
+def test_a_2x2_sweep_finishes_and_a_rerun_skips_it(sweeps):
+    started = sweeps["test_a_2x2_sweep_finishes_and_a_rerun_skips_it"]
+    root = started.root
+    code, out, err = started.ended()
+    assert code == 0, out + err
     dirs = sorted(p for p in root.iterdir() if p.is_dir())
     assert [d.name for d in dirs] == ["train.lr=1e-3,seed=1337", "train.lr=1e-3,seed=1338",
                                       "train.lr=2e-3,seed=1337", "train.lr=2e-3,seed=1338"]
@@ -56,11 +56,11 @@ def test_a_2x2_sweep_finishes_and_a_rerun_skips_it(tmp_path):
     assert meta["set"] == {"train.lr": ["1e-3", "2e-3"]} and meta["seeds"] == [1337, 1338]
     assert [p["status"] for p in meta["points"]] == ["done"] * 4
     assert meta["points"][0]["values"] == {"train.lr": "1e-3"} and meta["points"][0]["seed"] == 1337
-    assert "2 at a time (cpu: 1 thread)" in first.stdout  # 2 cores: 2 single-thread runs
-    assert "final val loss" in first.stdout and first.stdout.count("  done ") >= 4
+    assert "2 at a time (cpu: 1 thread)" in out  # 2 cores: 2 single-thread runs
+    assert "final val loss" in out and out.count("  done ") >= 4
 
     mtimes = {d: (d / "summary.json").stat().st_mtime_ns for d in dirs}
-    again = _run(_sweep_cmd(root, "--set", "train.lr=1e-3,2e-3", "--seeds", "2", device="auto"), tmp_path)
+    again = _run(started.cmd, root.parent)
     assert again.returncode == 0, again.stdout + again.stderr
     # Nothing to run: no device discovery (no "N at a time"), no training, each point skipped
     assert "4 already done, 0 to run\n" in again.stdout and again.stdout.count("skipped") == 4
@@ -99,6 +99,9 @@ def _paused_sweep(root: Path) -> list[str]:
 
 # test name -> (its sweep's command, the test hook, a session of its own)
 STARTED_TOGETHER = {
+    # runtime.device=auto: the device is discovered as the runs will see it (CPU here)
+    "test_a_2x2_sweep_finishes_and_a_rerun_skips_it":
+        (lambda root: _sweep_cmd(root, "--set", "train.lr=1e-3,2e-3", "--seeds", "2", device="auto"), "", False),
     "test_a_killed_sweep_resumes_and_does_not_redo_finished_runs": (_killed_sweep, "pause:3", True),
     "test_sigterm_stops_the_sweep_with_every_run_checkpointed": (_paused_sweep, "pause:3", False),
     "test_a_run_outlives_its_killed_sweep_only_to_checkpoint": (_paused_sweep, "pause:3", False),
@@ -110,7 +113,7 @@ STARTED_TOGETHER = {
 @pytest.fixture(scope="module")
 def sweeps(request, tmp_path_factory) -> Iterator[dict[str, Started]]:
     """The sweeps of the tests in STARTED_TOGETHER (those selected), all started when the first of those tests asks:
-    their runs (six, a process each, three of which then wait for a signal) start side by side on the 2 cores
+    their runs (ten, a process each, three of which then wait for a signal) start side by side on the 2 cores
     instead of one test after another, each test then acting on and asserting about its own sweep."""
     selected = {item.name for item in request.session.items if item.path == request.path}
     started = {}
