@@ -575,7 +575,7 @@ def test_entrypoint_exits_with_the_status_of_training_that_failed(remote_calls, 
 
 
 # ---------------------------------------------------------------- sweeps
-def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(vol, monkeypatch, capsys):
+def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(vol, remote_calls, capsys):
     """`modal run modal_app.py::sweep`: nanopt sweep's grid, each point its own training call on the Volume
     under runs/NAME/POINT; a point whose summary.json shows max_steps is not paid for again; a failed point is
     reported, the others finish, and the driver raises so that `modal run` exits 1."""
@@ -583,8 +583,7 @@ def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(vol, 
     for point, steps in (("optim.name=muon,seed=1337", max_steps), ("optim.name=adamw,seed=1338", max_steps - 1)):
         (vol.dir / "runs" / "s" / point).mkdir(parents=True)  # the second stopped early: run again (resumes)
         (vol.dir / "runs" / "s" / point / "summary.json").write_text(json.dumps({"steps": steps}))
-    train = mock.MagicMock(name="train")
-    monkeypatch.setattr(modal_app, "train", train)
+    train = remote_calls["train"]
     spawned = train.with_options.return_value.spawn
     spawned.return_value.get.side_effect = [{"exit_code": 0}, {"exit_code": 3, "error": "diverged"},
                                             {"exit_code": 0}]
@@ -605,9 +604,8 @@ def test_sweep_spawns_one_container_per_grid_point_and_skips_finished_ones(vol, 
     (dict(config="configs/tiny.yaml", sets="optim.nmae=adamw,muon"), "optim.nmae"),
     (dict(config="/home/me/my.yaml", sets="optim.name=adamw,muon"), "configs/ directory"),
     (dict(config="configs/tiny.yaml"), "nothing to sweep")])
-def test_sweep_rejects_a_bad_grid_before_any_container_starts(vol, monkeypatch, kwargs, words):
-    train = mock.MagicMock(name="train")
-    monkeypatch.setattr(modal_app, "train", train)
+def test_sweep_rejects_a_bad_grid_before_any_container_starts(vol, remote_calls, kwargs, words):
     with pytest.raises(modal_app.SweepError, match=words):
         modal_app.sweep.local(**kwargs)
-    assert not train.mock_calls
+    for fake in remote_calls.values():
+        assert not fake.mock_calls

@@ -76,6 +76,12 @@ def sweep(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def run_dir(sweep, tmp_path) -> Path:
+    """A copy of lr_low, for a test to change."""
+    return shutil.copytree(sweep / "lr_low", tmp_path / "run")
+
+
 # ---------------------------------------------------------------- curves.png
 def test_every_run_writes_its_curves_whose_axes_are_the_runs_own_numbers(sweep):
     for run_dir in (sweep / "lr_low", sweep / "lr_high"):
@@ -148,21 +154,18 @@ def _steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in records(run_dir / "evals.jsonl")]
 
 
-def _signal_when(condition, sig: int, timeout: float = 180) -> tuple[threading.Event, dict]:
-    """Send this process `sig` from a thread once condition() is true (a dict: what the test asserts on, or None),
-    as a terminal's Ctrl-C or a preemption would; never after the returned event is set (the test moved on)."""
-    over, seen = threading.Event(), {}
+def _signal_when(condition, sig: int) -> tuple[threading.Event, list]:
+    """Sends this process `sig` from a thread (as a terminal's Ctrl-C or a preemption would) once condition() returns
+    something other than None (kept in the returned list), unless the returned event is set first."""
+    over, seen = threading.Event(), []
 
-    def watch() -> None:
-        deadline = time.monotonic() + timeout
-        while not over.is_set() and time.monotonic() < deadline:
+    def wait() -> None:
+        while not over.wait(0.1):
             if (state := condition()) is not None:
-                seen.update(state)
-                os.kill(os.getpid(), sig)
-                return
-            time.sleep(0.1)
+                seen.append(state)
+                return os.kill(os.getpid(), sig)
 
-    threading.Thread(target=watch, daemon=True).start()
+    threading.Thread(target=wait, daemon=True).start()
     return over, seen
 
 
@@ -177,21 +180,21 @@ def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path, capsys
                                env=ENV)
     overrides = small_overrides(**{"run.dir": str(run_dir), "checkpoint.every": 2, "checkpoint.keep": 10,
                                    "train.max_steps": 8})
-    caught_up = lambda: {"summary": (run_dir / "summary.json").exists()} if _steps(run_dir) == [2, 4] and \
-        (run_dir / ".test_paused.rank0").exists() else None
+    # (summary.json there?, the watcher's exit code) once the paused run's checkpoints 2 and 4 are evaluated
+    caught_up = lambda: ((run_dir / "summary.json").exists(), watcher.poll()) if (
+        run_dir / ".test_paused.rank0").exists() and (_steps(run_dir) == [2, 4] or watcher.poll() is not None) else None
+    over, seen = _signal_when(caught_up, signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
     try:
-        over, seen = _signal_when(caught_up, signal.SIGTERM)  # preempted: checkpoint 4 is saved again, then exit 75
         monkeypatch.setenv("NANOPT_TEST_HOOK", "pause:4")
         with contextlib.redirect_stdout(io.StringIO()) as log:
-            code = main_run(overrides)
-        over.set()
-        assert seen == {"summary": False} and code == 75, (seen, code, log.getvalue()[-3000:])
+            assert main_run(overrides) == 75 and seen == [(False, None)], (seen, log.getvalue()[-3000:])
         monkeypatch.delenv("NANOPT_TEST_HOOK")
         with contextlib.redirect_stdout(io.StringIO()) as log:
             assert main_run(overrides) == 0, log.getvalue()[-3000:]
         assert f"resuming from {run_dir / 'checkpoints' / 'step_000004'}" in log.getvalue()
         out, err = watcher.communicate(timeout=300)
     finally:
+        over.set()
         if watcher.poll() is None:
             watcher.kill()
             watcher.communicate()
@@ -209,9 +212,7 @@ def test_watch_evaluates_each_checkpoint_of_a_training_run_once(tmp_path, capsys
     assert (run_dir / "evals.jsonl").read_bytes() == before
 
 
-def test_watch_skips_a_checkpoint_pruned_while_it_is_read(sweep, tmp_path, monkeypatch, capsys):
-    run_dir = tmp_path / "run"
-    shutil.copytree(sweep / "lr_low", run_dir)
+def test_watch_skips_a_checkpoint_pruned_while_it_is_read(run_dir, monkeypatch, capsys):
     listed = watch.checkpoint_dirs
 
     def listed_then_pruned(root: Path) -> list[Path]:
@@ -236,7 +237,7 @@ def test_watch_of_an_unfinished_run_stops_at_the_timeout_or_on_ctrl_c_with_one_l
     assert "--timeout 1 s passed before the run finished; 3 checkpoint(s) evaluated" in capsys.readouterr().out
     assert _steps(tmp_path / "timeout") == [2, 4, 6]
     run_dir = tmp_path / "ctrl-c"
-    over, _ = _signal_when(lambda: {} if len(_steps(run_dir)) == 3 else None, signal.SIGINT)
+    over, _ = _signal_when(lambda: True if len(_steps(run_dir)) == 3 else None, signal.SIGINT)
     try:
         assert cli(["eval", str(run_dir), "--watch", "--interval", "0.2"]) == 0
     finally:
@@ -263,11 +264,9 @@ def test_watch_refuses_what_is_not_a_run_directory(sweep, tmp_path, capsys):
     assert [p.name for p in starting.iterdir()] == ["lock.json"]  # the watcher's own lease is gone with it
 
 
-def test_a_second_watcher_is_refused_naming_the_first(sweep, tmp_path, capsys):
+def test_a_second_watcher_is_refused_naming_the_first(run_dir, capsys):
     """Two watchers of one run evaluated every checkpoint twice (12 lines for 6 steps): the watcher's lease
     beside the trainer's lets one watch; the second exits 2 naming it. A dead watcher's lease is taken over."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(sweep / "lr_low", run_dir)
     first = DirLock(run_dir, what="watched run", filename=WATCH_LOCK_FILE).acquire()  # a live watcher: this process
     try:
         assert cli(["eval", str(run_dir), "--watch", "--interval", "0.1"]) == 2
@@ -284,11 +283,9 @@ def test_a_second_watcher_is_refused_naming_the_first(sweep, tmp_path, capsys):
     assert _steps(run_dir) == [2, 4, 6] and not (run_dir / WATCH_LOCK_FILE).exists()
 
 
-def test_eval_appends_each_checkpoint_split_once(sweep, tmp_path, capsys):
+def test_eval_appends_each_checkpoint_split_once(run_dir, capsys):
     """`nanopt eval` of weights already evaluated the same way (split, batches, precision) adds no second line;
     another batch count is another evaluation."""
-    run_dir = tmp_path / "run"
-    shutil.copytree(sweep / "lr_low", run_dir)
     assert cli(["eval", str(run_dir)]) == 0
     assert cli(["eval", str(run_dir / "checkpoints" / "step_000006")]) == 0  # the same weights, named another way
     assert "already in" in capsys.readouterr().out.splitlines()[-1]
