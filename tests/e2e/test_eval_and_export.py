@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
@@ -89,27 +88,18 @@ def test_eval_checkpoint_is_deterministic_and_appends_to_its_own_file(trained_ru
 
 
 @pytest.fixture(scope="module", autouse=True)
-def two_rank_eval(request) -> Iterator[SimpleNamespace | None]:
-    """When test_two_rank_eval_equals_one_rank_eval is selected: `nanopt eval --batches 4` under torchrun (2 ranks)
-    of a copy of trained_run (`dir`), started before this file's first test so that it runs beside them;
-    `finished()` waits for its CompletedProcess."""
+def two_rank_eval(request) -> Iterator[SimpleNamespace]:
+    """When test_two_rank_eval_equals_one_rank_eval is selected, `nanopt eval --batches 4` under torchrun (2 ranks,
+    `proc`) of a copy of trained_run (`dir`), started before this file's first test so that it runs beside them."""
     if not any(item.name == "test_two_rank_eval_equals_one_rank_eval" for item in request.session.items):
-        yield None
-        return
+        return (yield None)
     run_dir = shutil.copytree(request.getfixturevalue("trained_run"), request.getfixturevalue("tmp_path_factory")
                               .mktemp("copy") / "easy")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "nanopt.cli",
-           "eval", str(run_dir), "--batches", "4"]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, subprocess.Popen(
-            cmd, stdout=out, stderr=err, text=True, cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}) as proc:
-
-        def finished() -> subprocess.CompletedProcess:
-            proc.wait(timeout=300)
-            out.seek(0), err.seek(0)
-            return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-
-        yield SimpleNamespace(dir=run_dir, finished=finished)
+    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                           "nanopt.cli", "eval", str(run_dir), "--batches", "4"], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # a few lines: no pipe fills up
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}) as proc:
+        yield SimpleNamespace(dir=run_dir, proc=proc)
         proc.kill()  # a no-op once it has exited
 
 
@@ -315,9 +305,9 @@ def test_cli_export_and_init_from_refuse_options_with_exit_2(tmp_path, corpus_di
 # Last: its torchrun, started with this file, ran beside the tests above.
 @pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(two_rank_eval):
-    proc, run_dir = two_rank_eval.finished(), two_rank_eval.dir
+    (out, err), run_dir = two_rank_eval.proc.communicate(timeout=300), two_rank_eval.dir
     # Both ends of stderr: CI once saw rank 0 abort at exit ("terminate called without an active exception").
-    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[:3000] + "\n...\n" + proc.stderr[-2000:]
+    assert two_rank_eval.proc.returncode == 0, out[-1000:] + err[:3000] + "\n...\n" + err[-2000:]
     two = records(run_dir, "evals.jsonl")[-1]
     one = evaluate_checkpoint(run_dir, Evaluator(batches=4))  # the same evaluation: not appended again
     assert (one["world_size"], two["world_size"]) == (1, 2) and records(run_dir, "evals.jsonl")[-1] == two
