@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from conftest import REPO, TASK_TEXTS, small_overrides, torchrun_started
@@ -141,23 +141,32 @@ def test_task_data_removed_during_the_run_costs_no_step(tmp_path, monkeypatch, c
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}  # what `offline` sets, for processes started before it
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_rank_runs(request, tmp_path_factory, task_dir) -> Iterator[dict[str, tuple[Path, Callable]]]:
+    """The ddp and the fsdp run of test_two_ranks_score_..., started before this file's first test when that test
+    is to run, so that they train beside the tests in this process: name -> (its run directory, what waits for it).
+    A run not waited for (a test's deadline passed first) is killed, not left running."""
+    wanted = any(item.path == request.path and item.originalname.startswith("test_two_ranks_")
+                 for item in request.session.items)
+    runs = {name: _two_ranks_losing_their_task_data(tmp_path_factory.mktemp(name), task_dir, **extra) for name, extra
+            in (("ddp", {}), ("fsdp", {"runtime.parallel": "fsdp", "train.precision": "fp32"}))} if wanted else {}
+    yield runs
+    for _, finished in runs.values():
+        with contextlib.suppress(Exception):
+            finished(timeout=0)
+
+
 @pytest.mark.slow
-def test_two_ranks_score_and_survive_a_scoring_failure_under_ddp_and_fsdp(tmp_path, task_dir):
+def test_two_ranks_score_and_survive_a_scoring_failure_under_ddp_and_fsdp(two_rank_runs, task_dir):
     """Under ddp the main rank scores alone while the other waits: CORE (which gathers over ranks when all of them
     score) must not wait for ranks that are not scoring, and a failing task must not leave them waiting. Under fsdp
     every rank scores (each forward gathers weights from both) and the main rank records: the task data removed
     during the run fails nanopt_mc on every rank alike, recorded once per scoring, and CORE goes on; its step-40
-    scores are those `nanopt eval` computes in one process from the step-40 checkpoint. The two runs go side by
-    side (a torchrun keeps about 1.4 of the 2 cores busy), each with a deadline: no hang."""
-    (ddp_dir, ddp_end), (run_dir, fsdp_end) = [_two_ranks_losing_their_task_data(
-        tmp_path / name, task_dir, **extra) for name, extra in (("ddp", {}), ("fsdp", {"runtime.parallel": "fsdp",
-                                                                                       "train.precision": "fp32"}))]
-    try:
-        for proc in [ddp_end(timeout=240), fsdp_end(timeout=240)]:  # each killed at its deadline
-            assert proc.returncode == 0, proc.stderr[-3000:]
-    finally:  # a run not waited for (the other's deadline passed first) is killed, not left running
-        with contextlib.suppress(Exception):
-            fsdp_end(timeout=0)
+    scores are those `nanopt eval` computes in one process from the step-40 checkpoint. Each run has a deadline: no
+    hang."""
+    (ddp_dir, ddp_end), (run_dir, fsdp_end) = two_rank_runs["ddp"], two_rank_runs["fsdp"]
+    for proc in [ddp_end(timeout=240), fsdp_end(timeout=240)]:  # each killed at its deadline
+        assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, records = evals(ddp_dir), evals(run_dir)
     for rows in (ddp, records):
         assert sorted((r["step"], r["task"]) for r in rows if "error" in r) == [(20, "nanopt_mc"), (40, "nanopt_mc")]
