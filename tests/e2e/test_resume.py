@@ -94,31 +94,70 @@ def train_started(run_dir: Path, hook: str, *extra: str) -> tuple[subprocess.Pop
     return proc, finished
 
 
-def wait_for(marker: Path, alive: Callable[[], bool] = lambda: True) -> bool:
-    """Whether the pause hook's `marker` appeared (while `alive`, within 120 s)."""
-    deadline = time.monotonic() + 120
+def wait_for(marker: Path, alive: Callable[[], bool] = lambda: True, timeout: float = 120) -> bool:
+    """Whether the pause hook's `marker` appeared (while `alive`, within `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
     while not marker.exists() and alive() and time.monotonic() < deadline:
         time.sleep(0.02)
     return marker.exists()
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Iterator[Callable[..., Any]]:
-    """Every KILLED run, each a process of its own, all started together the first time a test asks for one (on 2
-    cores they run beside this process's references). killed(name, run_dir) waits for that run and copies what it
-    left (a test resumes its own copy: two tests share kill-after-save:6), returning its process."""
-    dirs = {name: tmp_path_factory.mktemp("killed") for name in KILLED}
-    started = {name: train_started(dirs[name], hook, *extra) for name, (hook, extra) in KILLED.items()}
-    done: dict[str, subprocess.CompletedProcess] = {}
+def sigterm_once_paused(marker: Path, finished: Callable[..., Any], pid: Callable[[], int],
+                        alive: Callable[[], bool] = lambda: True) -> Callable[[], tuple[Any, bool]]:
+    """SIGTERM to pid() as soon as the pause hook's `marker` appears (a thread watches, however long a loaded machine
+    takes to get there); what this returns waits for the run: (its process, whether the marker appeared)."""
+    seen: list[bool] = []
+    over = threading.Event()
 
-    def copy(name: str, run_dir: Path) -> subprocess.CompletedProcess:
+    def send() -> None:
+        seen.append(wait_for(marker, lambda: alive() and not over.is_set(), math.inf))
+        if seen[0]:
+            os.kill(pid(), signal.SIGTERM)
+
+    (thread := threading.Thread(target=send, daemon=True)).start()
+
+    def done() -> tuple[Any, bool]:
+        proc = finished()
+        over.set()
+        thread.join()
+        return proc, seen[0]
+
+    return done
+
+
+# The torchruns of 2 ranks, by name: (extra arguments, torchrun's own, the hook).
+TORCHRUNS = {"fsdp-restart": (("--runtime.parallel=fsdp", "--train.grad_clip=0"), ["--standalone", "--max-restarts=1"],
+                              "kill-in-step:5:1"),
+             "one-rank-signalled": ((), None, "pause:3:1")}
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Iterator[Callable[..., Any]]:
+    """Every run of this file in processes of its own (KILLED, one SIGTERMed, TORCHRUNS), all started together the
+    first time a test asks for one: on 2 cores they run beside each other and this process's references; the paused
+    ones get their SIGTERM from a thread. started(name, run_dir) waits for that run and copies what it left (a test
+    resumes its own copy: two tests share kill-after-save:6), returning what its waiter returns (its process)."""
+    dirs = {name: tmp_path_factory.mktemp(name.split(":")[0]) for name in [*KILLED, "sigterm", *TORCHRUNS]}
+    waiting = {name: train_started(dirs[name], hook, *extra)[1] for name, (hook, extra) in KILLED.items()}
+    proc, finished = train_started(dirs["sigterm"], "pause:3")
+    waiting["sigterm"] = sigterm_once_paused(dirs["sigterm"] / ".test_paused.rank0", finished, lambda: proc.pid,
+                                             lambda: proc.poll() is None)
+    for name, (extra, launcher, hook) in TORCHRUNS.items():
+        waiting[name] = torchrun_started(2, [*ARGS, *extra, f"--run.dir={dirs[name]}"], extra=launcher,
+                                         env={"NANOPT_TEST_HOOK": hook})
+    marker = dirs["one-rank-signalled"] / ".test_paused.rank1"  # rank 1 only; torchrun and rank 0 hear nothing
+    waiting["one-rank-signalled"] = sigterm_once_paused(marker, waiting["one-rank-signalled"],
+                                                        lambda: int(marker.read_text()))
+    done: dict[str, Any] = {}
+
+    def copy(name: str, run_dir: Path) -> Any:
         if name not in done:
-            done[name] = started[name][1]()
+            done[name] = waiting[name]()
         shutil.copytree(dirs[name], run_dir, dirs_exist_ok=True)
         return done[name]
 
     yield copy
-    for name, (_, finished) in started.items():  # a run no selected test waited for
+    for name, finished in waiting.items():  # a run no selected test waited for
         if name not in done:
             finished()
 
@@ -173,13 +212,13 @@ def assert_same_as(reference: Path, run_dir: Path) -> None:
     ("muon-ema", False, 4),           # mid-step 5: the work since step 4 is lost and redone
 ])
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_is_bitwise_identical(killed, request, tmp_path, name, corrupt, resumes_from,
+def test_sigkill_anywhere_then_resume_is_bitwise_identical(started, request, tmp_path, name, corrupt, resumes_from,
                                                           capsys):
     """Weights, every logged loss and the optimizer's state (Muon's and AdamW's) end as in the uninterrupted run;
     with averaged weights, the average and every evaluation of it too."""
     muon = name == "muon-ema"
     reference = request.getfixturevalue("muon_ema_reference" if muon else "reference")
-    proc = killed(name, tmp_path)  # the killed run's lock is left behind
+    proc = started(name, tmp_path)  # the killed run's lock is left behind
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     if corrupt:
         data = bytearray((newest := step_dir(tmp_path, 6) / rundirs.MODEL_FILE).read_bytes())
@@ -204,12 +243,11 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(killed, request, tmp_
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_the_current_step_exits_75_and_says_resumable(tmp_path, reference):
+def test_sigterm_checkpoints_the_current_step_exits_75_and_says_resumable(started, tmp_path, reference):
     run_dir = tmp_path / "run"
-    proc, finished = train_started(run_dir, "pause:3")
-    assert wait_for(run_dir / ".test_paused.rank0", lambda: proc.poll() is None), "the run never reached step 3"
-    proc.send_signal(signal.SIGTERM)
-    stderr = finished().stderr
+    proc, paused = started("sigterm", run_dir)  # SIGTERMed once paused after step 3
+    assert paused, "the run never reached step 3"
+    stderr = proc.stderr
     assert proc.returncode == errors.EXIT_PREEMPTED == 75, stderr
     assert "received SIGTERM" in stderr and "resumable" in stderr and "step 3" in stderr
     # At once: step 3 (not a periodic save) is checkpointed and no further step is trained.
@@ -240,17 +278,14 @@ def test_time_limit_and_sigint_checkpoint_exit_75_and_resume(tmp_path, reference
 
 
 @pytest.mark.slow
-def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
+def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(started, tmp_path):
     """Rank 1 of 2 fsdp ranks is SIGKILLed in step 5; torchrun --max-restarts restarts both, which resume from the
     step-4 checkpoint (DCP's shards) and end byte for byte as the one-process run trained here meanwhile. Without
     gradient clipping (train.grad_clip=0): fsdp averages the ranks' gradients exactly (halving a sum is exact), but
     adds the shards' squares of the gradient norm in another order (tests/e2e/test_ddp.py)."""
     unclipped, killed = tmp_path / "unclipped", tmp_path / "killed"
-    finished = torchrun_started(2, [*ARGS, "--runtime.parallel=fsdp", "--train.grad_clip=0", f"--run.dir={killed}"],
-                                extra=["--standalone", "--max-restarts=1"],
-                                env={"NANOPT_TEST_HOOK": "kill-in-step:5:1"})
     assert train_here(unclipped, "--train.grad_clip=0") == 0
-    proc = finished()
+    proc = started("fsdp-restart", killed)
     log = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"  # seen to flake once: keep the evidence
     assert proc.returncode == 0, log
     assert "test hook kill-in-step:5: SIGKILL" in proc.stderr, log
@@ -259,15 +294,12 @@ def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, reference):
+def test_signal_to_one_rank_stops_every_rank_at_the_same_step(started, tmp_path, reference):
     """torchrun workers hear a signal at different moments: here only rank 1 gets SIGTERM, while paused
     after step 3. The all-reduced flag makes rank 0 stop after the same step; both save one checkpoint."""
     run_dir = tmp_path / "run"
-    finished = torchrun_started(2, [*ARGS, f"--run.dir={run_dir}"], env={"NANOPT_TEST_HOOK": "pause:3:1"})
-    marker = run_dir / ".test_paused.rank1"
-    assert wait_for(marker), "rank 1 never reached step 3"
-    os.kill(int(marker.read_text()), signal.SIGTERM)  # rank 1 only; torchrun and rank 0 hear nothing
-    proc = finished(60)
+    proc, paused = started("one-rank-signalled", run_dir)
+    assert paused, "rank 1 never reached step 3"
     log = proc.stdout + proc.stderr
     assert "preempted by SIGTERM after step 3" in log  # rank 1
     assert "preempted by a signal to another rank after step 3" in log  # rank 0, same step
