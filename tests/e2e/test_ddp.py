@@ -79,7 +79,7 @@ class Runs:
     is its CompletedProcess) and one-rank runs trained in this process; runs / name is a run's directory."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.started, self.done, self.codes = root, {}, {}, {}
+        self.root, self.started, self.done = root, {}, {}
 
     def __truediv__(self, name: str) -> Path:
         return self.root / name
@@ -93,8 +93,7 @@ class Runs:
         return self.done[name]
 
     def train(self, name: str, *args: str) -> int:
-        self.codes[name] = run([*args, f"--run.dir={self / name}"])
-        return self.codes[name]
+        return run([*args, f"--run.dir={self / name}"])
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +125,7 @@ def runs(tmp_path_factory, corpus_dir):
         runs.start("muon_fsdp_resumed", 2, [*FSDP_ARGS, MUON_ARG, FSDP], run_dir="muon_fsdp")  # the momentum's shards
         runs["compiled"]
         shutil.copytree(runs / "compiled", runs / "fsdp_first")
-        runs.train("fsdp_first", *FSDP_ARGS, "--runtime.parallel=ddp")  # 1 rank resumes it
+        assert runs.train("fsdp_first", *FSDP_ARGS, "--runtime.parallel=ddp") == 0  # 1 rank resumes it
         yield runs
     finally:
         for name in runs.started:  # a run no test waited for
@@ -185,7 +184,6 @@ def test_fsdp_trains_as_ddp_and_its_checkpoints_resume_across_parallelism_and_wo
     listed = json.loads((ckpt / "COMPLETE").read_text())["files"]
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(listed)
     assert "model.safetensors" in listed and not (ckpt / "optimizer.pt").exists()
-    assert runs.codes["fsdp_first"] == 0
     _resumed(runs["ddp_first"], "2 ranks x 2 accum")
     for other in ("fsdp_first", "ddp_first"):
         _assert_equals_reference(runs / "fsdp_reference", runs / other)

@@ -125,29 +125,24 @@ def sigterm_once_paused(marker: Path, finished: Callable[..., Any], pid: Callabl
     return done
 
 
-# The torchruns of 2 ranks, by name: (extra arguments, torchrun's own, the hook).
-TORCHRUNS = {"fsdp-restart": (("--runtime.parallel=fsdp", "--train.grad_clip=0"), ["--standalone", "--max-restarts=1"],
-                              "kill-in-step:5:1"),
-             "one-rank-signalled": ((), None, "pause:3:1")}
-
-
 @pytest.fixture(scope="module")
 def started(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Iterator[Callable[..., Any]]:
-    """Every run of this file in processes of its own (KILLED, one SIGTERMed, TORCHRUNS), all started together the
+    """Every run of this file in processes of its own (KILLED, one SIGTERMed, two torchruns), all started together the
     first time a test asks for one: on 2 cores they run beside each other and this process's references; the paused
     ones get their SIGTERM from a thread. started(name, run_dir) waits for that run and copies what it left (a test
     resumes its own copy: two tests share kill-after-save:6), returning what its waiter returns (its process)."""
-    dirs = {name: tmp_path_factory.mktemp(name.split(":")[0]) for name in [*KILLED, "sigterm", *TORCHRUNS]}
+    dirs = {name: tmp_path_factory.mktemp(name.split(":")[0]) for name in [*KILLED, "sigterm", "fsdp", "ranks"]}
     waiting = {name: train_started(dirs[name], hook, *extra)[1] for name, (hook, extra) in KILLED.items()}
     proc, finished = train_started(dirs["sigterm"], "pause:3")
     waiting["sigterm"] = sigterm_once_paused(dirs["sigterm"] / ".test_paused.rank0", finished, lambda: proc.pid,
                                              lambda: proc.poll() is None)
-    for name, (extra, launcher, hook) in TORCHRUNS.items():
-        waiting[name] = torchrun_started(2, [*ARGS, *extra, f"--run.dir={dirs[name]}"], extra=launcher,
-                                         env={"NANOPT_TEST_HOOK": hook})
-    marker = dirs["one-rank-signalled"] / ".test_paused.rank1"  # rank 1 only; torchrun and rank 0 hear nothing
-    waiting["one-rank-signalled"] = sigterm_once_paused(marker, waiting["one-rank-signalled"],
-                                                        lambda: int(marker.read_text()))
+    waiting["fsdp"] = torchrun_started(2, [*ARGS, "--runtime.parallel=fsdp", "--train.grad_clip=0",
+                                           f"--run.dir={dirs['fsdp']}"], extra=["--standalone", "--max-restarts=1"],
+                                       env={"NANOPT_TEST_HOOK": "kill-in-step:5:1"})
+    marker = dirs["ranks"] / ".test_paused.rank1"  # rank 1 only; torchrun and rank 0 hear nothing
+    waiting["ranks"] = sigterm_once_paused(marker, torchrun_started(2, [*ARGS, f"--run.dir={dirs['ranks']}"],
+                                                                    env={"NANOPT_TEST_HOOK": "pause:3:1"}),
+                                           lambda: int(marker.read_text()))
     done: dict[str, Any] = {}
 
     def copy(name: str, run_dir: Path) -> Any:
@@ -285,7 +280,7 @@ def test_fsdp_torchrun_restart_after_sigkill_resumes_bitwise(started, tmp_path):
     adds the shards' squares of the gradient norm in another order (tests/e2e/test_ddp.py)."""
     unclipped, killed = tmp_path / "unclipped", tmp_path / "killed"
     assert train_here(unclipped, "--train.grad_clip=0") == 0
-    proc = started("fsdp-restart", killed)
+    proc = started("fsdp", killed)
     log = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"  # seen to flake once: keep the evidence
     assert proc.returncode == 0, log
     assert "test hook kill-in-step:5: SIGKILL" in proc.stderr, log
@@ -298,7 +293,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(started, tmp_path,
     """torchrun workers hear a signal at different moments: here only rank 1 gets SIGTERM, while paused
     after step 3. The all-reduced flag makes rank 0 stop after the same step; both save one checkpoint."""
     run_dir = tmp_path / "run"
-    proc, paused = started("one-rank-signalled", run_dir)
+    proc, paused = started("ranks", run_dir)
     assert paused, "rank 1 never reached step 3"
     log = proc.stdout + proc.stderr
     assert "preempted by SIGTERM after step 3" in log  # rank 1
