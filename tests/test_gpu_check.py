@@ -1,9 +1,11 @@
 """bench/gpu_check.py --cpu-smoke: the GPU check's own code at toy size on CPU, so that it cannot rot between the
-sessions that have a GPU. Some sections run through its main(argv) here, the others and the quick check as
-`python bench/gpu_check.py` beside it."""
+sessions that have a GPU. Some full sections and the quick check run through its main(argv) here, the other full
+sections as `python bench/gpu_check.py` beside them."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -17,10 +19,14 @@ import pytest
 import torch
 from conftest import BENCH, REPO, bench_module
 
-# Every full section a test below reads, in two checks side by side (2 cores; each training run has one thread).
-# The 1b section's run is the fp8 section's bf16 baseline (run once), so the two share a process of their own.
-SMOKED_HERE = "env,attention,ddp,ranks2,sample,tasks,speedrun"
-SMOKED_APART = "fp8,1b"
+# Every full section a test below reads, in two checks side by side (2 cores; each training run has one thread):
+# SMOKED_HERE in this process, then the quick check, while SMOKED_APART runs in a process of its own. The 1b section's
+# run is the fp8 section's bf16 baseline (run once), so the two are in the same check.
+SMOKED_HERE = "env,attention,ddp,ranks2,sample,tasks"
+SMOKED_APART = "fp8,1b,speedrun"
+FULL_TESTS = ("test_cpu_smoke_runs_every_section_and_reports_what_it_measured",
+              "test_cpu_smoke_of_fp8_and_two_ranks_on_one_device", "test_cpu_smoke_of_the_gpu_speedrun_config")
+QUICK_TEST = "test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it"
 
 
 def load_gpu_check():
@@ -43,46 +49,58 @@ def start(out: Path, *args: str) -> subprocess.Popen:
                                 env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
 
 
-def finish(proc: subprocess.Popen, out: Path) -> tuple[dict, str]:
+def finish(proc: subprocess.Popen, out: Path) -> dict:
     try:
         proc.wait(timeout=900)
     finally:
         proc.kill()  # a no-op once it has exited
-    log = (out / "stdout.txt").read_text()
-    return read_result(out, proc.returncode, log[-3000:] + (out / "stderr.txt").read_text()[-3000:]), log
+    log = (out / "stdout.txt").read_text()[-3000:] + (out / "stderr.txt").read_text()[-3000:]
+    return read_result(out, proc.returncode, log)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """This process and its runs on one thread each, as the 2 cores are shared; torch's own count restored after."""
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def quick_started(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """The quick check's smoke, started before the full one's so that the two run side by side."""
-    out = tmp_path_factory.mktemp("gpu_quick")
-    proc = start(out, "--quick")
-    yield proc, out
-    proc.kill()
-
-
-@pytest.fixture(scope="module")
-def full(tmp_path_factory, quick_started) -> tuple[dict, str]:
-    """The full check's smoke of SMOKED_HERE in this process and of SMOKED_APART in a process of its own at the
-    same time: the sections of both in one JSON report, and both Markdown reports."""
-    here, apart = tmp_path_factory.mktemp("gpu_check"), tmp_path_factory.mktemp("gpu_check_apart")
-    proc = start(apart, "--sections", SMOKED_APART)
+def smokes(request, tmp_path_factory) -> dict:
+    """The smokes the selected tests read: the full check of SMOKED_APART in a process of its own while this one
+    runs that of SMOKED_HERE, then the quick check. "full": the sections of both full checks in one result, and both
+    Markdown reports; "quick": the quick check's result and standard output, its directory "quick_dir"."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    full = not selected.isdisjoint(FULL_TESTS)
+    here, apart, quick = (tmp_path_factory.mktemp(d) for d in ("gpu_check", "gpu_check_apart", "gpu_quick"))
+    proc, gc, out = start(apart, "--sections", SMOKED_APART) if full else None, load_gpu_check(), {"quick_dir": quick}
     try:
-        with pytest.MonkeyPatch.context() as mp:  # its runs get one thread each, as the 2 cores share them
-            mp.setenv("OMP_NUM_THREADS", "1")
-            result = read_result(here, load_gpu_check().main(["--cpu-smoke", "--out", str(here), "--sections",
-                                                               SMOKED_HERE]))
+        with one_thread():
+            if full:
+                out["full"] = read_result(here, gc.main(["--cpu-smoke", "--out", str(here), "--sections", SMOKED_HERE]))
+            if QUICK_TEST in selected:
+                with contextlib.redirect_stdout(io.StringIO()) as stdout:
+                    rc = gc.main(["--cpu-smoke", "--out", str(quick), "--quick"])
+                out["quick"] = read_result(quick, rc, stdout.getvalue()[-3000:]), stdout.getvalue()
     finally:
-        other, _ = finish(proc, apart)
-    assert set(SMOKED_APART.split(",")) <= set(other)
-    result.update({name: other[name] for name in SMOKED_APART.split(",")})
-    return result, (here / "gpu_check.md").read_text() + (apart / "gpu_check.md").read_text()
+        other = finish(proc, apart) if proc else {}
+    if full:
+        assert set(SMOKED_APART.split(",")) <= set(other)
+        out["full"].update({name: other[name] for name in SMOKED_APART.split(",")})
+        out["full"] = out["full"], (here / "gpu_check.md").read_text() + (apart / "gpu_check.md").read_text()
+    return out
 
 
 @pytest.mark.slow
-def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(full):
+def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(smokes):
     # 170m is the same toy as 1b here; the resume section's comparison is tested below on fake runs.
-    result, report = full
+    result, report = smokes["full"]
     tasks = result["tasks"]
     assert tasks["requests"] == 4 * 40 and tasks["seconds"] > 0 and tasks["batched_vs_alone_max_abs"] < 0.05
     assert result["env"]["torch"] == torch.__version__
@@ -110,8 +128,8 @@ def test_cpu_smoke_runs_every_section_and_reports_what_it_measured(full):
 
 
 @pytest.mark.slow
-def test_cpu_smoke_of_fp8_and_two_ranks_on_one_device(full):
-    result, report = full
+def test_cpu_smoke_of_fp8_and_two_ranks_on_one_device(smokes):
+    result, report = smokes["full"]
     ranks = result["ranks2"]
     assert ranks["two_ranks"]["rc_per_rank"] == [0, 0] and ranks["replicas_equal"]
     assert ranks["steps_compared"] == list(range(1, 11)) and ranks["max_abs_loss_diff"] < 1e-3
@@ -160,8 +178,8 @@ def test_resume_section_compares_the_resumed_run_with_the_straight_one_and_a_rer
 
 
 @pytest.mark.slow
-def test_cpu_smoke_of_the_gpu_speedrun_config(full):
-    result, report = full
+def test_cpu_smoke_of_the_gpu_speedrun_config(smokes):
+    result, report = smokes["full"]
     run = result["speedrun"]
     assert run["speed"]["rc"] == 0 and run["speed"]["tokens_per_s"] > 0
     curve = [loss for _, loss in run["curve"]["val_loss"]]
@@ -173,9 +191,8 @@ def test_cpu_smoke_of_the_gpu_speedrun_config(full):
 
 
 @pytest.mark.slow
-def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(quick_started):
-    gc, (proc, out) = load_gpu_check(), quick_started
-    result, log = finish(proc, out)
+def test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it(smokes):
+    gc, (result, log), out = load_gpu_check(), smokes["quick"], smokes["quick_dir"]
     # The report ends the output, its goals last: a device call's reply shows its tail.
     assert log.rstrip().splitlines()[-1].startswith("gpu_check: ") and "## Goals" in log.split("## Sections")[-1]
     assert result["quick"] and [s for s in gc.gpu_quick.QUICK_SECTIONS if s not in result] == []
