@@ -201,22 +201,24 @@ def test_averaging_compares_each_claim_over_seeds():
     assert lost["testable"] and lost["p"] > 0.5 and not lost["a_beats_b"] and lost["seeds_needed"] is None
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--steps", "160", "--every", "20", "--last", "9"], "--last '9': give distinct K from 2 to 8"),
-    (["--steps", "165", "--every", "20", "--last", "2,x"], "from 2 to 9, comma separated (a run of 165 steps"),
-    (["--every", "0"], "--every (0)"),
-    (["--parallel", "0"], "--parallel (0)"),
-    (["--config", str(REPO / "configs" / "tiny.yaml")], "tiny.yaml keeps no EMA (train.ema_decay is 0)"),
+@pytest.mark.parametrize("name, argv, words", [
+    ("averaging", ["--steps", "160", "--every", "20", "--last", "9"], "--last '9': give distinct K from 2 to 8"),
+    ("averaging", ["--steps", "165", "--every", "20", "--last", "2,x"],
+     "from 2 to 9, comma separated (a run of 165 steps"),
+    ("averaging", ["--every", "0"], "--every (0)"),
+    ("averaging", ["--parallel", "0"], "--parallel (0)"),
+    ("averaging", ["--config", str(REPO / "configs" / "tiny.yaml")], "tiny.yaml keeps no EMA (train.ema_decay is 0)"),
+    ("averaging", ["--json", "TMP/avg.json"], "--json TMP/avg.json holds seeds of other settings"),
+    ("omp_policy", ["--shapes", "tiny,huge"], "--shapes names huge; the shapes are tiny, nanogpt."),
+    ("sweep", ["--runs", "1"], "a sweep is at least 2 runs"),
+    ("vs_nanogpt", ["--nanogpt", "TMP", "--smoke"], "--nanogpt TMP has no train.py: point it at a nanoGPT checkout"),
 ])
-def test_averaging_refuses_a_layout_or_config_it_cannot_average(argv, words, capsys):
-    err = refused("averaging", argv, capsys)
-    assert err.startswith("bench/averaging.py: ") and words in err and err.count("\n") == 1, err
-
-
-def test_averaging_refuses_a_json_of_other_settings(tmp_path, capsys):
-    (kept := tmp_path / "avg.json").write_text(json.dumps({"settings": {"steps": 80}, "scores": {}}))
-    err = refused("averaging", ["--json", str(kept)], capsys)
-    assert f"--json {kept} holds seeds of other settings" in err and err.count("\n") == 1
+def test_a_bench_refuses_bad_input_in_one_paragraph(name, argv, words, tmp_path, capsys):
+    """TMP: this test's directory, where avg.json holds a run of other settings."""
+    (tmp_path / "avg.json").write_text(json.dumps({"settings": {"steps": 80}, "scores": {}}))
+    err = refused(name, [a.replace("TMP", str(tmp_path)) for a in argv], capsys)
+    assert err.startswith(f"bench/{name}.py: ") and words.replace("TMP", str(tmp_path)) in err, err
+    assert err.count("\n") == 1, err
 
 
 @pytest.mark.slow  # a training process (SMOKES): ~3.5 s alone on 2 quiet cores
@@ -226,11 +228,6 @@ def test_omp_policy_runs(smokes):
     assert "1 runs of 3 steps" in out.out and "| nanogpt | 1 | quiet | " in out.out and "(1.00x) | PASSIVE |" in out.out
     assert out.err.startswith("measuring nanogpt shape, 1 rank(s), quiet: PASSIVE x 1 round(s)\n")
     assert "[1/1] round 1: PASSIVE " in out.err and " ms/step (run " in out.err
-
-
-def test_omp_policy_refuses_an_unknown_shape(capsys):
-    err = refused("omp_policy", ["--shapes", "tiny,huge"], capsys)
-    assert "--shapes names huge; the shapes are tiny, nanogpt." in err
 
 
 # nanochat's core_eval.py as bench/core_parity.py calls it, answered by nanopt.evals.core_benchmark: the harness (its adapters,
@@ -383,10 +380,6 @@ def test_sample_runs(capsys):
     assert "batch 1, prompt 4 + 4 new tokens" in out and "speed-up of the KV cache: " in out
 
 
-def test_sweep_refuses_a_sweep_of_one(capsys):
-    assert "a sweep is at least 2 runs" in refused("sweep", ["--runs", "1"], capsys)
-
-
 @pytest.mark.slow  # one real `nanopt sweep` of two toy runs side by side (SMOKES): ~4 s alone on 2 quiet cores
 def test_sweep_runs(smokes):
     out = smokes.result("sweep")
@@ -432,8 +425,3 @@ def test_vs_nanogpt_runs(smokes):
     step = json.loads((where / "r.json").read_text())["step"]
     assert step["nanogpt_ms"] > 0 and step["nanopt_ms"] > 0 and len(step["rounds"]["nanopt"]) == 1
     assert "nanopt speed / nanoGPT speed = **" in out and "(removed at the end)" in out
-
-
-def test_vs_nanogpt_names_a_missing_peer(capsys, tmp_path):
-    err = refused("vs_nanogpt", ["--nanogpt", str(tmp_path), "--smoke"], capsys)
-    assert f"--nanogpt {tmp_path} has no train.py: point it at a nanoGPT checkout" in err

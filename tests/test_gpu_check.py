@@ -13,7 +13,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import pytest
 import torch
@@ -24,9 +24,6 @@ from conftest import BENCH, REPO, bench_module
 # run is the fp8 section's bf16 baseline (run once), so the two are in the same check.
 SMOKED_HERE = "env,attention,ddp,ranks2,sample,tasks"
 SMOKED_APART = "fp8,1b,speedrun"
-FULL_TESTS = ("test_cpu_smoke_runs_every_section_and_reports_what_it_measured",
-              "test_cpu_smoke_of_fp8_and_two_ranks_on_one_device", "test_cpu_smoke_of_the_gpu_speedrun_config")
-QUICK_TEST = "test_quick_cpu_smoke_runs_every_never_run_path_and_judges_it"
 
 
 def load_gpu_check():
@@ -49,48 +46,36 @@ def start(out: Path, *args: str) -> subprocess.Popen:
                                 env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
 
 
-def finish(proc: subprocess.Popen, out: Path) -> dict:
-    try:
-        proc.wait(timeout=900)
-    finally:
-        proc.kill()  # a no-op once it has exited
-    log = (out / "stdout.txt").read_text()[-3000:] + (out / "stderr.txt").read_text()[-3000:]
-    return read_result(out, proc.returncode, log)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """This process and its runs on one thread each, as the 2 cores are shared; torch's own count restored after."""
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def smokes(request, tmp_path_factory) -> dict:
     """The smokes the selected tests read: the full check of SMOKED_APART in a process of its own while this one
-    runs that of SMOKED_HERE, then the quick check. "full": the sections of both full checks in one result, and both
-    Markdown reports; "quick": the quick check's result and standard output, its directory "quick_dir"."""
-    selected = {item.name for item in request.session.items if item.module is request.module}
-    full = not selected.isdisjoint(FULL_TESTS)
+    runs that of SMOKED_HERE, then the quick check, on one thread each. "full": the sections of both full checks in
+    one result, and both Markdown reports; "quick": the quick check's result and standard output; "quick_dir"."""
+    selected = [item.name for item in request.session.items if item.module is request.module]
+    full = any(name.startswith("test_cpu_smoke_") for name in selected)
     here, apart, quick = (tmp_path_factory.mktemp(d) for d in ("gpu_check", "gpu_check_apart", "gpu_quick"))
     proc, gc, out = start(apart, "--sections", SMOKED_APART) if full else None, load_gpu_check(), {"quick_dir": quick}
+    threads = torch.get_num_threads()
     try:
-        with one_thread():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("OMP_NUM_THREADS", "1")
+            torch.set_num_threads(1)
             if full:
                 out["full"] = read_result(here, gc.main(["--cpu-smoke", "--out", str(here), "--sections", SMOKED_HERE]))
-            if QUICK_TEST in selected:
+            if any(name.startswith("test_quick_cpu_smoke_") for name in selected):
                 with contextlib.redirect_stdout(io.StringIO()) as stdout:
                     rc = gc.main(["--cpu-smoke", "--out", str(quick), "--quick"])
                 out["quick"] = read_result(quick, rc, stdout.getvalue()[-3000:]), stdout.getvalue()
     finally:
-        other = finish(proc, apart) if proc else {}
+        torch.set_num_threads(threads)
+        if proc:
+            try:
+                proc.wait(timeout=900)
+            finally:
+                proc.kill()  # a no-op once it has exited
     if full:
+        other = read_result(apart, proc.returncode, (apart / "stdout.txt").read_text()[-3000:] +
+                            (apart / "stderr.txt").read_text()[-3000:])
         assert set(SMOKED_APART.split(",")) <= set(other)
         out["full"].update({name: other[name] for name in SMOKED_APART.split(",")})
         out["full"] = out["full"], (here / "gpu_check.md").read_text() + (apart / "gpu_check.md").read_text()
