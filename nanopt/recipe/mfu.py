@@ -14,7 +14,7 @@ from nanopt.config import Config, ModelConfig
 from nanopt.distributed.hardware import (PEAK_BUDGET_S, PEAKS, detect_hardware, matmul_precision, measure_matmul_flops,
                                          table_peak)
 from nanopt.distributed.runtime import Runtime
-from nanopt.recipe.model import RESIDUAL_OUT, Llama
+from nanopt.recipe.model import RESIDUAL_OUT, Llama, meta_model  # meta_model: importers of mfu read FLOPs from it
 
 log = logging.getLogger("nanopt")
 
@@ -29,9 +29,6 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_device: Opti
     return flops_per_token * tokens_per_s / (peak_flops_per_device * devices)
 
 
-def meta_model(cfg: ModelConfig) -> Llama:
-    with torch.device("meta"):
-        return Llama(cfg)
 
 
 @dataclass(frozen=True)

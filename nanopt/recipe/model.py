@@ -195,9 +195,9 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_head()
-        cos, sin = rope_tables(cfg, cfg.max_seq_len or 2048, device=self.embed.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        rope_shape = (cfg.max_seq_len or 2048, cfg.head_dim)  # T D; init_weights computes them where they live
+        self.register_buffer("rope_cos", torch.empty(rope_shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(rope_shape), persistent=False)
         self.loss_chunk_tokens = loss_chunk_tokens
         # train.compile_blocks's compiled blocks for a training forward: a plain list, so state_dict keys stay.
         self.training_blocks: Optional[list[nn.Module]] = None
@@ -322,14 +322,20 @@ def _init_by_type(module: nn.Module, cfg: ModelConfig, readout: bool = False) ->
     return []
 
 
+def meta_model(cfg: ModelConfig, kernel: AttentionFn = sdpa, loss_chunk_tokens: int = 8192) -> Llama:
+    """The model's structure on the meta device, no parameter initialised (build_model's first step; FLOPs and
+    memory are read from it)."""
+    with torch.device("meta"), _SkipInit():
+        return Llama(cfg, kernel, loss_chunk_tokens)
+
+
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel: AttentionFn | None = None,
                 loss_chunk_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                 init_device: torch.device | str | None = None) -> Llama:
     """A ready model: built on the meta device, materialised on `init_device` (XLA: the host), initialised once,
     moved to `device`; a `dtype` (bf16-pure) casts the parameters, not the RoPE tables."""
     try:
-        with torch.device("meta"):
-            model = Llama(cfg, kernel or sdpa, loss_chunk_tokens)
+        model = meta_model(cfg, kernel or sdpa, loss_chunk_tokens)
         model.to_empty(device=init_device or device)
     except (RuntimeError, TypeError) as e:  # torch.OutOfMemoryError is a RuntimeError
         if not any(why in str(e) for why in _TOO_BIG):
@@ -345,6 +351,17 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", *, kernel:
         # bf16 would round every cos/sin entry by up to 2^-9; apply_rope rotates in fp32 and casts back.
         model.rope_cos, model.rope_sin = rope_tables(cfg, model.rope_cos.shape[0], device=model.rope_cos.device)
     return model
+
+
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """nn.init's calls in the modules' constructors skipped: init_weights initialises once, after to_empty. On the
+    meta device they would do nothing useful, and the first of them imports torch._dynamo (~1.5 s a process: torch's
+    meta kernels of random ops are dynamo-disabled functions)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 # What torch says when a tensor of the config's sizes cannot exist: no memory for it, or a size past int64.
