@@ -84,7 +84,8 @@ def test_the_share_counts_the_linears_converted_by_hand_and_auto_agrees_with_tor
     m = meta_model(cfg.model)
     # Every block Linear of Llama-3.2-1B (dims 2048, 512, 8192) runs in FP8: 6 x 973,078,528 of 8.22 GFLOP/token.
     assert param_counts(m).block_matmuls == 973_078_528
-    assert fp8.flops_share(m, TrainConfig(fp8="tensorwise", fp8_filter="all"), 4096) == pytest.approx(6 * 973_078_528 / 8_220_192_768)  # 71.0%
+    assert fp8.flops_share(m, TrainConfig(fp8="tensorwise", fp8_filter="all"), 4096) == pytest.approx(
+        6 * 973_078_528 / 8_220_192_768)  # 71.0%
     # auto: torchao's H100 thresholds keep wk and wv (2048 -> 512) in bf16, 3.4% of the block matmuls
     assert fp8.flops_share(m, TrainConfig(fp8="tensorwise"), 4096) == pytest.approx(
         6 * (973_078_528 - 16 * 2 * 2048 * 512) / 8_220_192_768)
