@@ -1,6 +1,5 @@
-"""Atomic writes and JSON lines (nanopt/io.py): a write replaces a link and never writes through its temp file, an
-append refuses a link, two writers never share a temp file, and a full disk leaves the old file and every earlier
-line whole."""
+"""Atomic writes and JSON lines (nanopt/io.py): links, two writers of one file, a full disk, and what is no regular
+file: each refused or survived without losing the old file or an earlier line."""
 from __future__ import annotations
 
 import json
@@ -16,7 +15,6 @@ from nanopt import io, rundirs
 from nanopt.errors import ConfigError, DiskFull
 
 
-# ---------------------------------------------------------------- links
 @pytest.mark.parametrize("dangling", [False, True])
 def test_evals_jsonl_as_a_link_is_never_appended_through(tmp_path, dangling):
     """Before: `nanopt eval`, `--core` and `--watch` appended to the user's file, or created one outside."""
@@ -27,24 +25,27 @@ def test_evals_jsonl_as_a_link_is_never_appended_through(tmp_path, dangling):
     assert (not mine.exists()) if dangling else mine.read_bytes() == USERS
 
 
-def test_an_atomic_write_replaces_a_link_and_never_writes_through_its_temp_file(tmp_path):
+def test_an_atomic_write_replaces_a_link_never_writes_through_its_temp_file_nor_onto_a_directory(tmp_path):
     """The rename replaces a link at the name; before, a link planted at the temp file's (predictable) name was
     followed, and the user's file overwritten."""
     mine = users_file(tmp_path)
-    summary = tmp_path / rundirs.SUMMARY_FILE
-    summary.symlink_to(mine)
+    (summary := tmp_path / rundirs.SUMMARY_FILE).symlink_to(mine)
     io.write_json(summary, {"steps": 4})
-    assert not summary.is_symlink() and json.loads(summary.read_text()) == {"steps": 4}
-    assert mine.read_bytes() == USERS
-    tmp = summary.with_name(f".{summary.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.symlink_to(mine)
+    assert not summary.is_symlink() and json.loads(summary.read_text()) == {"steps": 4} and mine.read_bytes() == USERS
+    summary.with_name(f".{summary.name}.{os.getpid()}.{threading.get_ident()}.tmp").symlink_to(mine)
     io.write_json(summary, {"steps": 5})
     assert json.loads(summary.read_text()) == {"steps": 5} and mine.read_bytes() == USERS
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside", rundirs.SUMMARY_FILE]
+    # Onto a directory: before, the rename failed with IsADirectoryError (a traceback, exit 1) once the work was done
+    # (a sweep with a directory at sweep.json, a run with one at summary.json after training).
+    (tmp_path / "outside" / "summary.json").mkdir()
+    (tmp_path / "outside" / "summary.json" / "kept").write_text("someone's")
+    with pytest.raises(ConfigError, match=r"summary\.json is a directory.*Move it aside"):
+        io.write_json(tmp_path / "outside" / "summary.json", {"steps": 1})
+    assert sorted(p.name for p in (tmp_path / "outside").rglob("*")) == ["kept", "mine.jsonl", "summary.json"]
 
 
-# ---------------------------------------------------------------- a full disk while saving
-def test_a_short_write_on_a_full_disk_is_cut_off_and_the_earlier_lines_stay_whole(tmp_path, monkeypatch):
+def test_a_full_disk_cuts_a_short_write_off_and_leaves_earlier_lines_and_the_old_file_whole(tmp_path, monkeypatch):
     """Before: the OSError escaped raw and half a line stayed, which the next append would have joined."""
     path = tmp_path / rundirs.EVALS_FILE
     io.append_jsonl(path, {"step": 1})
@@ -56,11 +57,18 @@ def test_a_short_write_on_a_full_disk_is_cut_off_and_the_earlier_lines_stay_whol
     assert path.read_bytes() == b'{"step": 1}\n'
     io.append_jsonl(path, {"step": 2})
     assert rundirs.read_records(path) == [{"step": 1}, {"step": 2}]
+    # An atomic write (io.write_bytes) that fails: the old content stays whole and its temp file is removed.
+    path = io.write_bytes(tmp_path / "state.json", b"old")
+    full_disk_for(monkeypatch, "state.json", call="fsync")
+    with pytest.raises(DiskFull, match="no space left") as e:  # an OSError still, naming the file and the free space
+        io.write_bytes(path, b"new")
+    assert isinstance(e.value, OSError) and str(path) in str(e.value) and "GiB free" in str(e.value)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [rundirs.EVALS_FILE,
+                                                                                         "state.json"]
 
 
-# ---------------------------------------------------------------- two writers, a failed write
 def test_concurrent_replacements_of_one_file_never_share_a_temp_file(tmp_path):
-    """Two writers of one file (a heartbeat and a takeover; a sweep's state) each write their own temp file."""
+    # two writers of one file: a heartbeat and a takeover; a sweep's state
     script = ("import sys\nfrom nanopt.io import write_text\n"
               "for i in range(300): write_text(sys.argv[1], sys.argv[2] * 5000)\n")
     procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "f"), c], cwd=REPO,
@@ -71,38 +79,8 @@ def test_concurrent_replacements_of_one_file_never_share_a_temp_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f"]
 
 
-def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
-    """io.write_bytes on a full disk: the old content stays whole and its temp file is removed."""
-    path = io.write_bytes(tmp_path / "state.json", b"old")
-
-    def full(fd: int) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(DiskFull, match="no space left") as e:  # an OSError still, naming the file and the free space
-        io.write_bytes(path, b"new")
-    assert isinstance(e.value, OSError) and str(path) in str(e.value) and "GiB free" in str(e.value)
-    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
-
-
-def test_an_atomic_write_onto_a_directory_is_refused_before_anything_is_written(tmp_path):
-    """Before, the rename failed with IsADirectoryError (a traceback, exit 1) once the work was done: a sweep with a
-    directory at sweep.json, a run with one at summary.json after training."""
-    (tmp_path / "summary.json").mkdir()
-    (tmp_path / "summary.json" / "kept").write_text("someone's")
-    with pytest.raises(ConfigError, match=r"summary\.json is a directory.*Move it aside"):
-        io.write_json(tmp_path / "summary.json", {"steps": 1})
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept", "summary.json"]
-
-
-# ---------------------------------------------------------------- one rule: what is no regular file is refused unread
-def _fifo(path):
-    os.mkfifo(path)
-    return path
-
-
-@pytest.mark.parametrize("make, kind", [
-    (_fifo, "is not a regular file but a named pipe (FIFO)"),
+@pytest.mark.parametrize("make, kind", [  # one rule: what is no regular file is refused unread
+    (lambda p: os.mkfifo(p) or p, "is not a regular file but a named pipe (FIFO)"),
     (lambda p: p.symlink_to("/dev/zero") or p, "is not a regular file but a device"),
     (lambda p: p.mkdir() or p, "is a directory"),
 ])
@@ -123,8 +101,5 @@ def test_every_open_refuses_what_is_not_a_regular_file_before_a_byte_moves(tmp_p
 def test_a_regular_file_reads_whole_and_blocking(tmp_path):
     path = io.write_bytes(tmp_path / "f", b"x" * 100_000)
     assert io.read_bytes(path) == b"x" * 100_000 and io.read_text(path) == "x" * 100_000
-    fd = io.open_read(path)
-    try:
-        assert os.get_blocking(fd)
-    finally:
-        os.close(fd)
+    assert os.get_blocking(fd := io.open_read(path))
+    os.close(fd)
