@@ -7,21 +7,19 @@ import sys
 import types
 import urllib.request
 from collections import namedtuple
-from typing import Callable
+from unittest.mock import Mock
 
 import pytest
 
 from nanopt.config import configs_dir, load_config, resolve
 from nanopt.distributed import xla
+from nanopt.recipe.attention import choose, sdpa
 from nanopt.training.plan import build_plan
 
 
 def test_xla_flash_off_xla_falls_back_to_sdpa_with_the_reason(caplog):
-    from nanopt.recipe.attention import choose, sdpa
-
     with caplog.at_level("WARNING", logger="nanopt"):
-        name, kernel = choose("xla_flash", "cpu")
-    assert (name, kernel) == ("sdpa", sdpa)
+        assert choose("xla_flash", "cpu") == ("sdpa", sdpa)
     assert "xla_flash requested but xla_flash needs `runtime.device: xla`" in caplog.text
 
 
@@ -33,10 +31,7 @@ def test_tpu_config_keeps_the_step_graph_to_a_few_micro_steps():
     assert "checkpoint.mirror" in (configs_dir() / "tpu-v6e.yaml").read_text()  # how a spot VM keeps its checkpoints
 
 
-# ---- TPU detection, peak memory and spot VMs: CPU twins with the device, tpu-info and the network faked
-
-
-@pytest.mark.parametrize("files, attached", [
+@pytest.mark.parametrize("files, attached", [  # CPU twins here: the device, tpu-info and the network faked
     ([], False), (["null", "vfio/vfio"], False),  # the VFIO control node alone is not a chip
     (["accel0"], True),  # v2 to v4
     (["vfio/vfio", "vfio/0", "vfio/1"], True),  # v5e, v5p, v6e
@@ -48,29 +43,20 @@ def test_a_tpu_is_seen_as_accel_or_vfio_chips(tmp_path, files, attached):
     assert xla.tpu_attached(tmp_path) is attached
 
 
-def refuses(error: Exception) -> Callable[[], int]:
-    def read() -> int:
-        raise error
-    return read
-
-
-def test_peak_memory_falls_back_to_tpu_info_keeps_the_highest_use_and_without_a_source_is_null(caplog):
-    spmd_refuses = refuses(RuntimeError("Invalid device SPMD:0"))
-    uses = iter([5 * 2**30, 9 * 2**30, 7 * 2**30])
-    peak = xla.PeakMemory([("PJRT memory info", spmd_refuses), ("tpu-info", lambda: next(uses))])
+def test_peak_memory_falls_back_to_tpu_infos_busiest_chip_and_keeps_the_highest_use(caplog, monkeypatch):
+    spmd_refuses = Mock(side_effect=RuntimeError("Invalid device SPMD:0"))
+    uses = Mock(side_effect=[5 * 2**30, 9 * 2**30, 7 * 2**30])
+    peak = xla.PeakMemory([("PJRT memory info", spmd_refuses), ("tpu-info", uses)])
     with caplog.at_level("WARNING", logger="nanopt"):
         assert [peak(), peak(), peak()] == [5 * 2**30, 9 * 2**30, 9 * 2**30]  # a peak, not the current use
     assert "unavailable" not in caplog.text
     peak = xla.PeakMemory([("PJRT memory info", spmd_refuses),
-                           ("tpu-info", refuses(ImportError("No module named 'tpu_info'")))])
+                           ("tpu-info", Mock(side_effect=ImportError("No module named 'tpu_info'")))])
     with caplog.at_level("WARNING", logger="nanopt"):
         assert [peak(), peak(), peak()] == [None, None, None]
     assert caplog.text.count("peak memory unavailable on this device") == 1  # one warning, saying why
     assert "SPMD:0" in caplog.text and "tpu_info" in caplog.text
-
-
-def test_tpu_info_hbm_is_the_busiest_chips_use(monkeypatch):
-    # tpu-info's API (tpu_info.device.get_local_chips, tpu_info.metrics.get_chip_usage -> Usage(device_id,
+    # tpu-info's hbm is the busiest chip's use. Its API (tpu_info.device.get_local_chips, tpu_info.metrics.get_chip_usage -> Usage(device_id,
     # memory_usage, total_memory, duty_cycle_pct)) faked: no TPU, no libtpu metrics server here.
     usage = namedtuple("Usage", "device_id memory_usage total_memory duty_cycle_pct")
     device = types.SimpleNamespace(get_local_chips=lambda: ("v6e", 4))
@@ -78,9 +64,8 @@ def test_tpu_info_hbm_is_the_busiest_chips_use(monkeypatch):
                                                                   for i in range(4)] if chip == "v6e" else [])
     package = types.ModuleType("tpu_info")
     package.device, package.metrics = device, metrics
-    monkeypatch.setitem(sys.modules, "tpu_info", package)
-    monkeypatch.setitem(sys.modules, "tpu_info.device", device)
-    monkeypatch.setitem(sys.modules, "tpu_info.metrics", metrics)
+    for name, module in (("tpu_info", package), ("tpu_info.device", device), ("tpu_info.metrics", metrics)):
+        monkeypatch.setitem(sys.modules, name, module)
     assert xla.tpu_info_hbm_bytes() == 11 * 2**30
     device.get_local_chips = lambda: (None, 0)
     with pytest.raises(RuntimeError, match="no TPU chip"):
@@ -94,12 +79,8 @@ def test_tpu_info_hbm_is_the_busiest_chips_use(monkeypatch):
     ({}, None),  # the metadata server did not answer: not on Google Cloud, or not in time
 ])
 def test_a_spot_or_preemptible_tpu_vm_without_a_mirror_is_warned(metadata, warned):
-    asked = []
-
-    def fetch(key: str) -> str | None:
-        asked.append(key)
-        return metadata.get(key)
-
+    asked: list[str] = []
+    fetch = lambda key: asked.append(key) or metadata.get(key)  # noqa: E731
     message = xla.preemption_warning("", fetch)
     assert message is None if warned is None else \
         message.startswith(f"this is {warned} TPU VM") and "--checkpoint.mirror=gs://" in message
