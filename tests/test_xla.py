@@ -56,8 +56,9 @@ def test_peak_memory_falls_back_to_tpu_infos_busiest_chip_and_keeps_the_highest_
         assert [peak(), peak(), peak()] == [None, None, None]
     assert caplog.text.count("peak memory unavailable on this device") == 1  # one warning, saying why
     assert "SPMD:0" in caplog.text and "tpu_info" in caplog.text
-    # tpu-info's hbm is the busiest chip's use. Its API (tpu_info.device.get_local_chips, tpu_info.metrics.get_chip_usage -> Usage(device_id,
-    # memory_usage, total_memory, duty_cycle_pct)) faked: no TPU, no libtpu metrics server here.
+    # tpu-info's hbm is the busiest chip's use. Its API (tpu_info.device.get_local_chips,
+    # tpu_info.metrics.get_chip_usage -> Usage(device_id, memory_usage, total_memory, duty_cycle_pct)) faked: no TPU,
+    # no libtpu metrics server here.
     usage = namedtuple("Usage", "device_id memory_usage total_memory duty_cycle_pct")
     device = types.SimpleNamespace(get_local_chips=lambda: ("v6e", 4))
     metrics = types.SimpleNamespace(get_chip_usage=lambda chip: [usage(i, (10 + i % 2) * 2**30, 32 * 2**30, 100.0)
