@@ -1,10 +1,11 @@
-"""The training loop's pieces (nanopt/training/train.py): each component decides when it acts, compiling follows the DDP split
-switch and the seq_len schedule, and DDP's gradients stay bucket views. Whole runs: e2e/test_training_run.py."""
+"""The training loop's pieces (nanopt/training/train.py): each component decides when it acts, compiling follows the
+DDP split switch and the seq_len schedule, and DDP's gradients stay bucket views. Whole runs: e2e/test_training_run.py."""
 from __future__ import annotations
 
 import json
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,26 +16,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nanopt.config import ModelConfig, TrainConfig, load_config, parse_overrides, to_yaml
 from nanopt.distributed import parallel, runtime
 from nanopt.errors import ConfigError
+from nanopt.evals.tasks import TaskSpec
 from nanopt.main import run
 from nanopt.recipe.model import build_model
 from nanopt.training import train
+from nanopt.training.checkpoint import Checkpointer
 from nanopt.training.plan import build_plan
-from nanopt.training.train import train_step
+from nanopt.training.train import TaskScorer, Trainer, Validator, train_step
+
+
+TINY = ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 def test_each_component_decides_when_it_acts_and_the_pause_asks_them():
     """One cadence rule per component (the last step's come from finish()); the step before any is timed to the end."""
-    from types import SimpleNamespace
-
-    from nanopt.evals.tasks import TaskSpec
-    from nanopt.training.checkpoint import Checkpointer
-    from nanopt.training.train import TaskScorer, Trainer, Validator
-
-    cfg = load_config(None, parse_overrides(small_overrides(
-        **{"train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3, "eval.tasks": "t",
-           "eval.tasks_every": 5})))
-    ckpt, evaluator = Checkpointer.__new__(Checkpointer), Validator.__new__(Validator)  # only their cadence
-    tasks = TaskScorer.__new__(TaskScorer)
+    cfg = load_config(None, parse_overrides(small_overrides(**{
+        "train.max_steps": 12, "eval.every": 4, "checkpoint.every": 3, "eval.tasks": "t", "eval.tasks_every": 5})))
+    ckpt, evaluator, tasks = (cls.__new__(cls) for cls in (Checkpointer, Validator, TaskScorer))  # only their cadence
     ckpt.cfg = evaluator.cfg = tasks.cfg = cfg
     tasks.spec = TaskSpec(["t"])
     steps = range(1, 13)
@@ -64,18 +62,29 @@ def test_a_finished_runs_rerun_with_a_changed_result_key_is_refused_naming_it_an
     with pytest.raises(ConfigError) as refused:
         train.finished_summary(cfg)
     text = str(refused.value)
-    assert f"{tmp_path} holds a finished run" in text
-    assert "train.target_val_loss: 4.0 in the checkpoint, 1.6 now" in text
-    assert "Set `run.name` (or `run.dir`)" in text and "run the config it used" in text
-    assert "`--checkpoint.allow_changes=KEY[,KEY...]`" in text
+    assert all(words in text for words in (
+        f"{tmp_path} holds a finished run", "train.target_val_loss: 4.0 in the checkpoint, 1.6 now",
+        "Set `run.name` (or `run.dir`)", "run the config it used", "`--checkpoint.allow_changes=KEY[,KEY...]`")), text
     # Stopped at its target, a larger max_steps would not train on: not offered; what does continue it is.
     assert ("A larger `train.max_steps` continues the run." in text) is not stopped
     assert ("`--train.stop_at_target=false` continues the run" in text) is stopped
 
 
-def test_a_run_stopped_at_its_target_continues_as_its_advice_says(tmp_path, capsys):
-    """Before: "nothing to train (a longer run: raise train.max_steps ...)", and a raised max_steps was refused."""
+def test_a_run_stopped_at_its_target_continues_as_its_advice_says_and_the_loop_calls_the_step(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """Before: "nothing to train (a longer run: raise train.max_steps ...)", and a raised max_steps was refused. From
+    train() to train_step the stack holds only the loop, Trainer.train (issue 51: there were five)."""
+    step, between = train.train_step, []
 
+    def recorded(*args):
+        frame, names = sys._getframe(1), []
+        while frame.f_code is not train.train.__code__:  # up to the module's train()
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        between.append(names)
+        return step(*args)
+
+    monkeypatch.setattr(train, "train_step", recorded)  # what the Trainer hands rt.backend.compile_step
     args = [*small_overrides(**{"train.precision": "fp32", "train.max_steps": 6, "eval.every": 2,
                                 "checkpoint.every": 2, "log.tensorboard": "false", "train.target_val_loss": 100.0,
                                 "train.stop_at_target": "true"}), f"--run.dir={tmp_path}"]
@@ -89,25 +98,7 @@ def test_a_run_stopped_at_its_target_continues_as_its_advice_says(tmp_path, caps
     assert run([*args, "--train.stop_at_target=false"]) == 0  # the advice, followed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 6 and not summary["stopped_at_target"]
-
-
-def test_the_loop_calls_the_step_one_call_below_train(tmp_path, monkeypatch):
-    """From train() to train_step the stack holds only the loop, Trainer.train (issue 51: there were five)."""
-
-    step, between = train.train_step, []
-
-    def recorded(*args):
-        frame, names = sys._getframe(1), []
-        while frame.f_code is not train.train.__code__:  # up to the module's train()
-            names.append(frame.f_code.co_name)
-            frame = frame.f_back
-        between.append(names)
-        return step(*args)
-
-    monkeypatch.setattr(train, "train_step", recorded)  # what the Trainer hands rt.backend.compile_step
-    args = small_overrides(**{"train.max_steps": 3, "log.tensorboard": "false", "eval.every": 0})
-    assert run([*args, f"--run.dir={tmp_path}"]) == 0
-    assert between == [["train"]] * 3
+    assert between == [["train"]] * 6  # one call per step trained, over the first run and the continued one
 
 
 def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_static_shapes(caplog):
@@ -115,29 +106,25 @@ def test_compile_follows_the_ddp_split_switch_and_a_seq_len_schedule_compiles_st
     several sequence lengths compile with static shapes and room for a graph per length."""
     # torch's own patch, not monkeypatch: pytest's undo deletes an attribute it did not find in the module's
     # __dict__, and a deleted torch._dynamo.config entry is gone for the session (every later DDP() raises).
+    model, schedule = torch.nn.Linear(4, 4), [[i, 8 * (i + 1)] for i in range(8)]
     with torch._dynamo.config.patch(optimize_ddp=True, recompile_limit=8):
-        model = torch.nn.Linear(4, 4)
-        t = TrainConfig(compile_ddp_split=False)
-        train.compiled(model, t, build_plan(t, 1))
-        assert torch._dynamo.config.optimize_ddp is False and torch._dynamo.config.recompile_limit == 8
-        t = TrainConfig(seq_len=64, seq_len_schedule=[[i, 8 * (i + 1)] for i in range(8)])
-        train.compiled(model, t, build_plan(t, 1))
-        assert torch._dynamo.config.optimize_ddp is True and torch._dynamo.config.recompile_limit == 16
-        t = TrainConfig(fp8="tensorwise")
-        with caplog.at_level("INFO", logger="nanopt"):
-            train.compiled(model, t, build_plan(t, 1), ddp=True)
-        assert torch._dynamo.config.optimize_ddp is False and "pytorch/pytorch#158936" in caplog.text
-        caplog.clear()
-        t = TrainConfig(fp8="tensorwise", compile_ddp_split=True)  # the split, asked for
-        with caplog.at_level("INFO", logger="nanopt"):
-            train.compiled(model, t, build_plan(t, 1), ddp=True)
-        assert torch._dynamo.config.optimize_ddp is True and "one graph" not in caplog.text
+        for t, ddp, split, limit, said, unsaid in [  # in order: recompile_limit stays what the row before left
+                (TrainConfig(compile_ddp_split=False), False, False, 8, "", None),
+                (TrainConfig(seq_len=64, seq_len_schedule=schedule), False, True, 16, "", None),
+                (TrainConfig(fp8="tensorwise"), True, False, 16, "pytorch/pytorch#158936", None),
+                (TrainConfig(fp8="tensorwise", compile_ddp_split=True), True, True, 16, "", "one graph")]:  # asked
+            caplog.clear()
+            with caplog.at_level("INFO", logger="nanopt"):
+                train.compiled(model, t, build_plan(t, 1), ddp=ddp)
+            assert torch._dynamo.config.optimize_ddp is split and torch._dynamo.config.recompile_limit == limit
+            assert said in caplog.text and (unsaid is None or unsaid not in caplog.text), caplog.text
 
 
-def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(monkeypatch):
+def test_a_sharded_model_is_compiled_per_block_one_graph_per_sequence_length_for_the_training_forward(monkeypatch):
     """Sharded, the training forward runs one compiled callable per block (Llama.training_blocks), the module tree and
-    state_dict keys the eager model's; unsharded, the whole model is compiled."""
-    model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    state_dict keys the eager model's; unsharded, the whole model is compiled. 3 blocks, 3 lengths (16 again at the
+    end) -> 3 graphs, not 9 and not a dynamic one (dynamo's eager backend); evaluation (no_grad) compiles nothing."""
+    model = build_model(TINY)
     keys, t = list(model.state_dict()), TrainConfig()
     assert isinstance(train.compiled(model, t, build_plan(t, 1)), torch._dynamo.eval_frame.OptimizedModule)
     assert model.training_blocks is None
@@ -145,12 +132,7 @@ def test_a_sharded_model_is_compiled_per_block_for_the_training_forward_alone(mo
     assert train.compiled(model, t, build_plan(t, 1)) is model
     assert [b._orig_mod for b in model.training_blocks] == list(model.layers)
     assert list(model.state_dict()) == keys
-
-
-def test_compiled_blocks_share_one_graph_per_sequence_length_and_evaluation_adds_none():
-    """3 blocks, 3 lengths (16 again at the end) -> 3 graphs, not 9 and not a dynamic one (dynamo's eager backend);
-    a no_grad forward (evaluation) compiles nothing."""
-    model = build_model(ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    model = build_model(TINY)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     train.compile_blocks(model, dynamic=False, backend="eager")
@@ -161,9 +143,6 @@ def test_compiled_blocks_share_one_graph_per_sequence_length_and_evaluation_adds
         model(x, x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
     torch._dynamo.reset()
-
-
-# ---------------------------------------------------------------- DDP
 
 
 def test_gradients_accumulate_in_ddp_buckets_not_beside_them(monkeypatch):
