@@ -1,5 +1,5 @@
 """The training loop's pieces (nanopt/training/train.py): each component decides when it acts, compiling follows the
-DDP split switch and the seq_len schedule, and DDP's gradients stay bucket views. Whole runs: e2e/test_training_run.py."""
+DDP split switch and the seq_len schedule, DDP's gradients stay bucket views. Whole runs: e2e/test_training_run.py."""
 from __future__ import annotations
 
 import json
