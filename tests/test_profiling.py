@@ -5,35 +5,29 @@ from __future__ import annotations
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import resolved_small_config, stub_runtime, trace_files
+from torch.autograd import DeviceType
 
 from nanopt.config import ConfigError
 from nanopt.training import profiling
 
-# ------------------------------------------------------------------ pure pieces
-
 
 def test_schedule_is_kept_when_it_fits_and_shrunk_to_the_run_otherwise():
-    assert profiling.fit_schedule(10, 5, 20, 100) == (10, 5, 20)
-    assert profiling.fit_schedule(10, 5, 20, 35) == (10, 5, 20)
     # A short run keeps one skipped step and one warmup step, and records the rest.
-    assert profiling.fit_schedule(10, 5, 20, 6) == (1, 1, 4)
+    assert [profiling.fit_schedule(10, 5, 20, n) for n in (100, 35, 6)] == [(10, 5, 20), (10, 5, 20), (1, 1, 4)]
     for steps in range(1, 40):
         wait, warmup, active = profiling.fit_schedule(10, 5, 20, steps)
         assert active >= 1 and wait + warmup + active <= steps
-    assert profiling.fit_schedule(10, 5, 20, 1) == (0, 0, 1)
-    assert profiling.fit_schedule(0, 0, 3, 2) == (0, 0, 2)
+    assert profiling.fit_schedule(10, 5, 20, 1) == (0, 0, 1) and profiling.fit_schedule(0, 0, 3, 2) == (0, 0, 2)
 
 
 def test_top_ops_leave_out_command_buffer_full_which_counts_its_kernels_twice():
     """An H100 profile's rows (bench/results/gpu_check_h100_shipped.json): "Command Buffer Full" was credited with
     the device time of kernels that aten::mm already counts, and the shares added up to 128%."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
 
     def op(name: str, device_us: float, device=DeviceType.CPU, annotation=False):
         return SimpleNamespace(key=name, device_type=device, is_user_annotation=annotation,
@@ -48,21 +42,14 @@ def test_top_ops_leave_out_command_buffer_full_which_counts_its_kernels_twice():
     assert sum(o["self_share"] for o in top) <= 1
 
 
-def test_bad_profile_keys_are_config_errors():
-    with pytest.raises(ConfigError, match="profile.ranks"):
-        resolved_small_config("--profile.ranks=first")
-    with pytest.raises(ConfigError, match="profile.active"):
-        resolved_small_config("--profile.active=0")
-    with pytest.raises(ConfigError, match="profile.wait"):
-        resolved_small_config("--profile.wait=-1")
-    with pytest.raises(ConfigError, match="profile.record_shape"):
-        resolved_small_config("--profile.record_shape=true")  # unknown key (typo) stays an error
+def test_bad_profile_keys_are_config_errors_and_an_unlisted_rank_and_xla_get_the_no_op_profiler(caplog):
+    for bad in ("--profile.ranks=first", "--profile.active=0", "--profile.wait=-1",
+                "--profile.record_shape=true"):  # the last: an unknown key (a typo) stays an error
+        with pytest.raises(ConfigError, match=bad[2:].split("=")[0]):
+            resolved_small_config(bad)
     cfg = resolved_small_config("--profile.enabled=true", "--profile.ranks=0,3")
     with pytest.raises(ConfigError, match="2 rank"):
         profiling.profiler(cfg, stub_runtime(world=2))
-
-
-def test_unlisted_rank_and_xla_get_the_no_op_profiler(caplog):
     cfg = resolved_small_config("--profile.enabled=true", "--profile.ranks=1")
     assert isinstance(profiling.profiler(cfg, stub_runtime(rank=0)), profiling.Off)
     assert isinstance(profiling.profiler(cfg, stub_runtime(rank=1)), profiling.Profile)
@@ -98,9 +85,7 @@ def test_a_window_cut_short_is_still_written_and_counts_only_whole_steps(tmp_pat
     assert len(steps) == 3 and steps[-1][0] <= tail["ts"]  # the range cut at stop() holds the tail
     assert s["step_ms_total"] == pytest.approx(sum(dur for _, dur in steps[:2]) / 1e3, rel=1e-3)
     assert sum((s["host_overhead_share"], s["data_loader_share"], s["compute_share"])) == pytest.approx(1.0)
-    assert len(trace_files(tmp_path)) == 1
-    assert not profiling._active
-    assert "USDT" not in capfd.readouterr().err
+    assert len(trace_files(tmp_path)) == 1 and not profiling._active and "USDT" not in capfd.readouterr().err
 
 
 def test_kineto_markers_are_dropped_and_everything_else_on_stderr_kept(tmp_path, capfd):
