@@ -26,7 +26,7 @@ def _rows(loader: data.Loader, steps: int, accum=None, seq_len=None) -> list[tup
     return rows
 
 
-def test_ranks_never_overlap_and_cover_the_same_set_as_one_rank(tmp_path):
+def test_ranks_never_overlap_the_loader_is_deterministic_and_its_state_resumes_the_exact_batches(tmp_path):
     w = _windows(tmp_path)
     one = data.Loader(w, micro_batch=4, rank=0, world=1, accum=4, seed=3)
     r0, r1 = (data.Loader(w, micro_batch=4, rank=r, world=2, accum=2, seed=3) for r in range(2))
@@ -34,10 +34,6 @@ def test_ranks_never_overlap_and_cover_the_same_set_as_one_rank(tmp_path):
         a, b, c = _rows(one, 1), _rows(r0, 1), _rows(r1, 1)
         assert not set(b) & set(c)
         assert sorted(a) == sorted(b + c)
-
-
-def test_loader_is_deterministic_and_seed_dependent_and_its_state_resumes_the_exact_batches(tmp_path):
-    w = _windows(tmp_path)
     a, b, c = (_rows(data.Loader(w, 4, 0, 1, 2, seed=seed), 3) for seed in (1, 1, 2))
     assert a == b and a != c
     want = _rows(data.Loader(w, 4, 0, 1, 2, seed=5), 40)  # 40 steps x 8 windows > 312 windows: past an epoch
@@ -46,8 +42,7 @@ def test_loader_is_deterministic_and_seed_dependent_and_its_state_resumes_the_ex
     resumed = data.Loader(w, 4, 0, 1, 2, seed=0)
     resumed.load_state_dict(first.state_dict())
     assert got + _rows(resumed, 23) == want
-    # A checkpoint from before the cursor resumes where it was.
-    resumed = data.Loader(w, 4, 0, 1, 2, seed=0)
+    resumed = data.Loader(w, 4, 0, 1, 2, seed=0)  # a checkpoint from before the cursor resumes where it was
     resumed.load_state_dict({"step": 5, "seed": 5, "world": 1, "accum": 2, "micro_batch": 4})
     assert _rows(resumed, 5) == want[5 * 8 : 10 * 8]
 
@@ -55,9 +50,8 @@ def test_loader_is_deterministic_and_seed_dependent_and_its_state_resumes_the_ex
 def test_windows_do_not_cross_shard_boundaries(tmp_path):
     w = _windows(tmp_path, n_tokens=100, seq_len=10, n_shards=2)
     assert len(w) == 2 * ((50 - 1) // 10)
-    for i in range(len(w)):
-        row = w.get(i)
-        assert len(row) == 11 and np.all(np.diff(row) == 1)  # contiguous ids: never spans two shards
+    for row in map(w.get, range(len(w))):  # contiguous ids: never spans two shards
+        assert len(row) == 11 and np.all(np.diff(row) == 1)
 
 
 def test_windows_without_a_schedule_are_the_old_formula_bit_for_bit(tmp_path):
@@ -74,7 +68,7 @@ def test_windows_without_a_schedule_are_the_old_formula_bit_for_bit(tmp_path):
                 assert torch.equal(x, torch.from_numpy(rows[:, :-1])) and torch.equal(y, torch.from_numpy(rows[:, 1:]))
 
 
-def test_a_batch_change_serves_more_rows_and_a_seq_len_change_a_new_grid(tmp_path):
+def test_a_batch_change_serves_more_rows_a_seq_len_change_a_new_grid_and_both_resume_mid_stage(tmp_path):
     loader = data.Loader(_windows(tmp_path, seq_len=32), 2, 0, 1, 2, seed=1)
     assert len(_rows(loader, 3, accum=2, seq_len=16)) == 12 and loader.sample == 12
     assert len(_rows(loader, 1, accum=5, seq_len=16)) == 10 and loader.sample == 22
@@ -85,12 +79,8 @@ def test_a_batch_change_serves_more_rows_and_a_seq_len_change_a_new_grid(tmp_pat
     perm = torch.randperm(len(grid), generator=torch.Generator().manual_seed(1 * 1_000_003))
     assert rows[0] == tuple(grid.get(int(perm[11]))[:-1])
     assert set(loader._grids) == {16, 32}
-
-
-def test_the_windows_loader_resumes_mid_stage_from_its_state(tmp_path):
-    w = _windows(tmp_path)
-    plan = [(2, 16)] * 3 + [(4, 16)] * 3 + [(2, 32)] * 40  # 40 steps of 32: past an epoch of that grid
-    straight, first, resumed = (data.Loader(w, 2, 0, 1, 2, seed=seed) for seed in (4, 4, 0))
+    plan = [(2, 16)] * 3 + [(4, 16)] * 3 + [(2, 32)] * 40  # resumed mid-stage; 40 steps of 32: past an epoch (156)
+    straight, first, resumed = (data.Loader(loader.windows, 2, 0, 1, 2, seed=seed) for seed in (4, 4, 0))
     want = [row for accum, seq in plan for row in _rows(straight, 1, accum, seq)]
     got = [row for accum, seq in plan[:8] for row in _rows(first, 1, accum, seq)]
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
