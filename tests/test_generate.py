@@ -2,6 +2,8 @@
 `nanopt sample` prints continuations of the prompt."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -37,14 +39,12 @@ def test_kv_cache_greedy_equals_full_recomputation(name, kernel):
     prompt = torch.randint(0, 61, (3, 7), generator=torch.Generator().manual_seed(1))
     cached = generate(model, prompt, 40, temperature=0.0, use_cache=True)
     full = generate(model, prompt, 40, temperature=0.0, use_cache=False)
-    assert cached.shape == (3, 47)
-    assert torch.equal(cached[:, :7], prompt)
-    assert torch.equal(cached, full)
+    assert cached.shape == (3, 47) and torch.equal(cached[:, :7], prompt) and torch.equal(cached, full)
     # The continuation is not degenerate (a constant stream would hide a broken cache).
     assert len(set(cached[:, 7:].flatten().tolist())) > 3
 
 
-def test_sampling_is_seeded_and_top_k_one_is_greedy():
+def test_sampling_is_seeded_top_k_one_is_greedy_and_sample_text_slides_past_the_context():
     model = small_model()
     prompt = torch.randint(0, 61, (2, 5), generator=torch.Generator().manual_seed(2))
 
@@ -54,35 +54,21 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy():
     assert torch.equal(run(7, temperature=1.0, top_k=10), run(7, temperature=1.0, top_k=10))
     assert not torch.equal(run(7, temperature=1.0), run(8, temperature=1.0))
     assert torch.equal(run(7, temperature=1.0, top_k=1), generate(model, prompt, 30, temperature=0.0))
-
-
-class LetterTokenizer:
-    """a..z as ids 0..25, no specials: decoded length == number of ids."""
-
-    name, vocab_size, bos_id, eos_id = "letters", 26, None, None
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) - 97 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(97 + i) for i in ids)
-
-
-def test_sample_text_slides_past_the_model_context():
+    # sample_text slides the window past the model's context
+    letters = SimpleNamespace(name="letters", vocab_size=26, bos_id=None, eos_id=None,  # decoded length == ids
+                              encode=lambda text: [ord(c) - 97 for c in text],
+                              decode=lambda ids: "".join(chr(97 + i) for i in ids))
     model = small_model(vocab=26, max_seq_len=16)
-    texts = sample_text(model, LetterTokenizer(), "elementarymydear", 2, 45, 0.9, 0, seed=3, device=torch.device("cpu"))
-    assert len(texts) == 2
-    for text in texts:
-        assert text.startswith("elementarymydear")  # the whole prompt is kept, even at the context limit
-        assert len(text) == 16 + 45
+    texts = sample_text(model, letters, "elementarymydear", 2, 45, 0.9, 0, seed=3, device=torch.device("cpu"))
+    assert len(texts) == 2  # the whole prompt is kept, even at the context limit
+    assert all(text.startswith("elementarymydear") and len(text) == 16 + 45 for text in texts), texts
 
 
 def test_sample_cli_prints_seeded_continuations(tmp_path, capsys):
     cfg = Config()
     cfg.model = ModelConfig(vocab_size=257, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64)
     cfg.train.seq_len = 64  # a checkpoint's config is validated like a YAML one: max_seq_len >= seq_len
-    model = build_model(cfg.model)
-    ckpt = checkpoint.save(tmp_path / "run" / "checkpoints", 3, checkpoint.model_state(model),
+    ckpt = checkpoint.save(tmp_path / "run" / "checkpoints", 3, checkpoint.model_state(build_model(cfg.model)),
                            {"config": cfg.to_dict()}, keep=1)
 
     def sample(*extra: str) -> str:
@@ -92,10 +78,8 @@ def test_sample_cli_prints_seeded_continuations(tmp_path, capsys):
         return capsys.readouterr().out
 
     first, again = sample("--seed", "5"), sample("--seed", "5")
-    assert first == again
+    assert first == again and sample("--seed", "6") != first and str(ckpt) in first
     assert first.count("Elementary, my dear") == 3  # the header line and two samples
-    assert sample("--seed", "6") != first
-    assert str(ckpt) in first
     # Each flag is bounded by its sample.* key's rules, and 0 samples or tokens asks for nothing.
     for flag, value, words in [("--max-new-tokens", "0", "positive"), ("--temperature", "1e-320", ">= 0.0001"),
                                ("--max-new-tokens", str(2**64), "[0, 2^16]"), ("-n", str(2**64), "[0, 1024]")]:
