@@ -19,9 +19,8 @@ BLOCK_MATRICES, BLOCK, ROOT = 36_864, 36_864 + 128, 6_400 + 64
 N = 4 * BLOCK + ROOT  # 154,432
 
 
-def test_ddp_holds_everything_whole_by_hand():
-    t = Training("fp32", "adamw", micro_batch_size=2, seq_len=16, loss_chunk_tokens=0)
-    m = device_memory(SMALL, t, "ddp")
+def test_ddp_holds_everything_whole_and_fsdp_divides_by_the_shard_ranks_by_hand():
+    m = device_memory(SMALL, Training("fp32", "adamw", micro_batch_size=2, seq_len=16, loss_chunk_tokens=0), "ddp")
     assert (m.params, m.grads, m.optimizer) == (4 * N, 4 * N, 8 * N)  # fp32 weights, gradients, two moments
     # bf16: fp32 weights plus autocast's bf16 copy of every matmul weight (the blocks' and the head's).
     bf16 = device_memory(SMALL, Training("bf16", "adamw", 2, 16, 0), "ddp")
@@ -31,11 +30,8 @@ def test_ddp_holds_everything_whole_by_hand():
     # Muon: one momentum buffer for the block matrices, AdamW's two for the rest.
     muon = device_memory(SMALL, Training("fp32", "muon", 2, 16, 0), "ddp")
     assert muon.optimizer == 4 * (4 * BLOCK_MATRICES) + 8 * (N - 4 * BLOCK_MATRICES)
-
-
-def test_fsdp_divides_by_the_shard_ranks_and_adds_what_is_whole_by_hand():
     t = Training("bf16", "adamw", micro_batch_size=2, seq_len=16, loss_chunk_tokens=0)
-    m = device_memory(SMALL, t, "fsdp", 4)
+    m = device_memory(SMALL, t, "fsdp", 4)  # fsdp divides by the shard ranks and adds what is whole
     # The fp32 shard, plus the root and two blocks (the running one, the prefetched next) gathered in bf16.
     assert m.params == 4 * N // 4 + 2 * (ROOT + 2 * BLOCK)
     # The shard, plus the head's whole bf16 gradient and one block's in bf16 and in fp32 for its reduce-scatter.
@@ -59,17 +55,19 @@ def test_activations_by_hand_with_and_without_recompute():
     loss = (4 + 2) * 64 * 32 + (2 + 8) * 8 * 100  # the final norm; 8 positions' logits, log-softmax, gradient
     assert activation_bytes(SMALL, t) == 4 * per_token * 32 + loss
     # Recompute keeps each block's fp32 input and one block's activations at a time.
-    recomputed = Training("bf16", "adamw", 2, 16, 8, recompute=True)
-    assert activation_bytes(SMALL, recomputed) == 4 * 4 * 64 * 32 + per_token * 32 + loss
+    recomputed = activation_bytes(SMALL, Training("bf16", "adamw", 2, 16, 8, recompute=True))
+    assert recomputed == 4 * 4 * 64 * 32 + per_token * 32 + loss
 
 
-def _saved_bytes_per_token(m: ModelConfig, precision: str, batch: int = 2, seq: int = 24) -> float:
-    """Bytes of every tensor autograd saves in one Block's forward (each storage once), less the weights and
-    their autocast copies and the RoPE tables: what activation_bytes_per_token models."""
+@pytest.mark.parametrize("precision, n_kv_heads", [("fp32", 4), ("bf16", 4), ("bf16", 2), ("bf16-pure", 2)])
+def test_the_activation_formula_is_what_autograd_saves(precision, n_kv_heads):
+    """Bytes of every tensor autograd saves in one Block's forward (each storage once), less the weights and their
+    autocast copies and the RoPE tables, within 2%: the formula leaves out the norms' per-row fp32 scale (4 bytes a row
+    each). fp32 with grouped-query attention is left out: on CUDA nanopt repeats K/V there (attention.choose), which
+    the formula follows."""
+    m = ModelConfig(vocab_size=100, dim=64, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=160)
     torch.manual_seed(0)
-    block = Block(m)
-    cos, sin = rope_tables(m, seq)
-    x = torch.randn(batch, seq, m.dim)
+    block, (cos, sin), x = Block(m), rope_tables(m, 24), torch.randn(2, 24, m.dim)  # B=2, T=24
     if precision == "bf16-pure":
         block, x = block.to(torch.bfloat16), x.to(torch.bfloat16)
     x.requires_grad_()
@@ -83,16 +81,7 @@ def _saved_bytes_per_token(m: ModelConfig, precision: str, batch: int = 2, seq: 
             saved[ptr] = t.untyped_storage().nbytes()
         return t
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
-    with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, x, cos, sin, None)  # x0: no residual scalars; idx: no value embeddings
-    return sum(saved.values()) / (batch * seq)
-
-
-@pytest.mark.parametrize("precision, n_kv_heads", [("fp32", 4), ("bf16", 4), ("bf16", 2), ("bf16-pure", 2)])
-def test_the_activation_formula_is_what_autograd_saves(precision, n_kv_heads):
-    """Within 2%: the formula leaves out the norms' per-row fp32 scale (4 bytes a row each). fp32 with grouped-query
-    attention is left out: on CUDA nanopt repeats K/V there (attention.choose), which the formula follows."""
-    m = ModelConfig(vocab_size=100, dim=64, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=160)
-    assert _saved_bytes_per_token(m, precision) == pytest.approx(activation_bytes_per_token(Block(m), precision),
-                                                                 rel=0.02)
+    assert sum(saved.values()) / (2 * 24) == pytest.approx(activation_bytes_per_token(Block(m), precision), 0.02)
