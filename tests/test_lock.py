@@ -17,8 +17,6 @@ from nanopt.errors import ConfigError, DiskFull
 from nanopt.io import write_json
 from nanopt.lock import LOCK_EXPIRES_ENV, LOCK_OWNER_ENV, DirLock
 
-
-# ---------------------------------------------------------------- a lock that a crash or a full disk left
 @pytest.mark.parametrize("dangling", [False, True])
 def test_a_lock_file_that_is_a_link_is_named_and_left_alone(tmp_path, dangling):
     """Before: the lease was read through the link ("cannot be read") or, dangling, "other processes keep taking it"."""
@@ -37,18 +35,15 @@ def test_a_full_disk_at_the_start_leaves_no_lock_and_the_next_start_takes_it(tmp
     full_disk_for(monkeypatch, rundirs.LOCK_FILE)
     with pytest.raises(DiskFull) as e:
         DirLock(tmp_path).acquire()
-    message = str(e.value)
-    assert str(tmp_path / rundirs.LOCK_FILE) in message and "no space left" in message and "GiB free" in message
-    assert isinstance(e.value, OSError) and e.value.errno == errno.ENOSPC
-    assert not (tmp_path / rundirs.LOCK_FILE).exists()
+    path = tmp_path / rundirs.LOCK_FILE
+    assert all(words in str(e.value) for words in (str(path), "no space left", "GiB free"))
+    assert isinstance(e.value, OSError) and e.value.errno == errno.ENOSPC and not path.exists()
     monkeypatch.undo()  # space freed
-    lock = DirLock(tmp_path).acquire()
-    assert lock.holder().token == lock.token
+    assert (lock := DirLock(tmp_path).acquire()).holder().token == lock.token
     lock.release()
 
 
-def _lease(**changes: object) -> str:
-    """A lease of another host's process, as DirLock writes it, with a fresh heartbeat."""
+def _lease(**changes: object) -> str:  # another host's process's, as DirLock writes it, with a fresh heartbeat
     return json.dumps({"host": "elsewhere", "pid": 1, "started": time.time(), "heartbeat": time.time(), "token": "t",
                        **changes})
 
