@@ -11,8 +11,8 @@ import pytest
 from nanopt.errors import ConfigError, path_problem
 from nanopt.evals.taskgen import BUNDLE_DIR, MAX_ITEM_BYTES, make_tasks, write_bundle
 
-NOUNS = ["king", "raven", "castle", "river", "lantern", "soldier", "garden", "letter", "storm", "bell"]
-VERBS = ["watches", "remembers", "follows", "forgets", "answers", "carries", "praises", "fears"]
+NOUNS = "king raven castle river lantern soldier garden letter storm bell".split()
+VERBS = "watches remembers follows forgets answers carries praises fears".split()
 PLACES = ["the northern hill", "a quiet harbour", "the old mill", "the market square", "a narrow bridge"]
 
 
@@ -90,11 +90,11 @@ def test_the_same_seed_gives_the_same_bytes_and_a_rerun_rewrites_its_own_output_
 def test_lm_eval_loads_the_tasks_offline(made):
     import lm_eval.tasks as lm_eval_tasks
 
-    tmp_path = made[0]
-    loaded = lm_eval_tasks.TaskManager(include_path=str(tmp_path), include_defaults=False).load(["nanopt_tasks"])
+    out = made[0]
+    loaded = lm_eval_tasks.TaskManager(include_path=str(out), include_defaults=False).load(["nanopt_tasks"])
     assert loaded["group_map"] == {"nanopt_tasks": ["nanopt_mc", "nanopt_rolling"]}
     mc, rolling = loaded["tasks"]["nanopt_mc"], loaded["tasks"]["nanopt_rolling"]
-    docs, items = list(mc.test_docs()), rows(tmp_path / "nanopt_mc.jsonl")
+    docs, items = list(mc.test_docs()), rows(out / "nanopt_mc.jsonl")
     assert len(docs) == N
     for doc, item in zip(docs, items):
         assert mc.doc_to_choice(doc) == item["choices"] and mc.doc_to_target(doc) == item["gold"]
@@ -103,9 +103,8 @@ def test_lm_eval_loads_the_tasks_offline(made):
     spaces = len(context) - len(context.rstrip(" "))  # the harness moves a context's trailing spaces on
     assert mc.instances[0].arguments in ((context, first), (context[:len(context) - spaces], context[-spaces:] + first))
     rolling.build_all_requests(limit=3)
-    first = rows(tmp_path / "nanopt_rolling.jsonl")[0]["text"]
     assert [i.request_type for i in rolling.instances] == ["loglikelihood_rolling"] * 3
-    assert rolling.instances[0].arguments == (first,)
+    assert rolling.instances[0].arguments == (rows(out / "nanopt_rolling.jsonl")[0]["text"],)
 
 
 @pytest.mark.slow
