@@ -59,15 +59,11 @@ def test_activations_by_hand_with_and_without_recompute():
     assert recomputed == 4 * 4 * 64 * 32 + per_token * 32 + loss
 
 
-@pytest.mark.parametrize("precision, n_kv_heads", [("fp32", 4), ("bf16", 4), ("bf16", 2), ("bf16-pure", 2)])
-def test_the_activation_formula_is_what_autograd_saves(precision, n_kv_heads):
-    """Bytes of every tensor autograd saves in one Block's forward (each storage once), less the weights and their
-    autocast copies and the RoPE tables, within 2%: the formula leaves out the norms' per-row fp32 scale (4 bytes a row
-    each). fp32 with grouped-query attention is left out: on CUDA nanopt repeats K/V there (attention.choose), which
-    the formula follows."""
-    m = ModelConfig(vocab_size=100, dim=64, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=160)
+def _saved_bytes_per_token(m: ModelConfig, precision: str, batch: int = 2, seq: int = 24) -> float:
+    """Bytes of every tensor autograd saves in one Block's forward (each storage once), less the weights and
+    their autocast copies and the RoPE tables: what activation_bytes_per_token models (test_mfu.py uses it too)."""
     torch.manual_seed(0)
-    block, (cos, sin), x = Block(m), rope_tables(m, 24), torch.randn(2, 24, m.dim)  # B=2, T=24
+    block, (cos, sin), x = Block(m), rope_tables(m, seq), torch.randn(batch, seq, m.dim)
     if precision == "bf16-pure":
         block, x = block.to(torch.bfloat16), x.to(torch.bfloat16)
     x.requires_grad_()
@@ -84,4 +80,12 @@ def test_the_activation_formula_is_what_autograd_saves(precision, n_kv_heads):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x, x, cos, sin, None)  # x0: no residual scalars; idx: no value embeddings
-    assert sum(saved.values()) / (2 * 24) == pytest.approx(activation_bytes_per_token(Block(m), precision), 0.02)
+    return sum(saved.values()) / (batch * seq)
+
+
+@pytest.mark.parametrize("precision, n_kv_heads", [("fp32", 4), ("bf16", 4), ("bf16", 2), ("bf16-pure", 2)])
+def test_the_activation_formula_is_what_autograd_saves(precision, n_kv_heads):
+    """Within 2%: the formula leaves out the norms' per-row fp32 scale (4 bytes a row each). fp32 with grouped-query
+    attention is left out: on CUDA nanopt repeats K/V there (attention.choose), which the formula follows."""
+    m = ModelConfig(vocab_size=100, dim=64, n_layers=1, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=160)
+    assert _saved_bytes_per_token(m, precision) == pytest.approx(activation_bytes_per_token(Block(m), precision), 0.02)
