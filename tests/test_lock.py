@@ -17,6 +17,7 @@ from nanopt.errors import ConfigError, DiskFull
 from nanopt.io import write_json
 from nanopt.lock import LOCK_EXPIRES_ENV, LOCK_OWNER_ENV, DirLock
 
+
 @pytest.mark.parametrize("dangling", [False, True])
 def test_a_lock_file_that_is_a_link_is_named_and_left_alone(tmp_path, dangling):
     """Before: the lease was read through the link ("cannot be read") or, dangling, "other processes keep taking it"."""
