@@ -148,10 +148,10 @@ WALKS: dict[str, Page] = {
              prints=("plot_val_bpb_steps.png",), files=("plot_val_bpb_steps.png",)),
         Step("nanopt eval runs/a --watch", run="nanopt eval runs/tiny-50 --watch", files=("runs/tiny-50/evals.jsonl",)),
         # Scaling laws
-        Step("nanopt scaling plan configs/ladder-cpu.yaml --budgets 1e12,2e12,4e12 --sizes 4 --out runs/ladder",
+        Step("nanopt scaling plan configs/ladder-cpu.yaml --budgets 5e11,1e12,2e12 --sizes 4 --out runs/ladder",
              prints=("budget", "nanopt sweep"), files=("runs/ladder/ladder.yaml",)),
         skip("nanopt sweep configs/ladder-cpu.yaml --points runs/ladder/ladder.yaml --dir runs/ladder", LADDER),
-        skip("nanopt scaling fit runs/ladder --predict 1.6e13 --plot fit.png", LADDER),
+        skip("nanopt scaling fit runs/ladder --predict 8e12 --plot fit.png", LADDER),
         # Evaluate, sample, export
         Step("nanopt eval runs/tiny --split test", prints=("test loss",), files=("runs/tiny/evals.jsonl",)),
         skip("nanopt eval runs/tiny --tasks hellaswag --limit 200", HUB),
