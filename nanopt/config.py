@@ -43,7 +43,8 @@ def key(default: Any, doc: str, *, choices: tuple[str, ...] = (), gt: Optional[f
     key (a one-word meaning such as `all` is also a spelling of null); `zero`: what 0 means outside the bounds (an
     off switch). `safe`: a resume may change it (not the state the next step computes from). `neutral`: it does not
     change results (`nanopt runs` groups runs differing only in these and the seed). None: the `section`'s default."""
-    meta = {name: value for name, value in locals().items() if name != "default"}  # every rule by its name
+    meta = dict(doc=doc, choices=choices, gt=gt, ge=ge, lt=lt, le=le, null=null, zero=zero, must=must, safe=safe,
+                neutral=neutral)
     if isinstance(default, list):  # a dataclass field takes a mutable default only through a factory
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -596,7 +597,8 @@ def _convert(value: Any, typ: Any, key: str, where: str, null: str = "", sep: st
 
 # A wrong value as a message shows it: a few items of a YAML list of 100,000 (or of anchors nested into billions).
 _SHORT = reprlib.Repr()
-vars(_SHORT).update(maxlist=6, maxdict=6, maxtuple=6, maxstring=120, maxother=120)  # Repr(**limits) from Python 3.12
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 6
+_SHORT.maxstring = _SHORT.maxother = 120
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -825,7 +827,10 @@ def resolve(cfg: Config, world_size: int, local_world_size: Optional[int] = None
     return cfg
 
 
-_Dumper = type("_Dumper", (yaml.SafeDumper,), {})  # lists on one line, as a config writes them: `[[0, 8192], ...]`
+class _Dumper(yaml.SafeDumper):
+    """Lists on one line, as a config writes them: `batch_schedule: [[0, 8192], [300, 16384]]`."""
+
+
 _Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
 
 

@@ -243,8 +243,8 @@ def _task_error(manager: Any, names: list[str], e: BaseException) -> ConfigError
             "`eval.tasks_path`), and a CORE bundle, tasks/core for `--core` (`eval.core`); docs/evaluation.md, "
             "Downstream tasks.", f"score it once (`nanopt eval RUN --tasks {', '.join(names)} --limit 1`)"))
     yamls = [str(p) for n in names if (p := getattr(manager.task_index.get(n), "yaml_path", None))]
-    files = ", ".join(dict.fromkeys(str(f) for c in configs for f in _local_files(c.get("dataset_kwargs")))) or \
-        "its data"
+    files = ", ".join(dict.fromkeys(str(f) for c in configs for f in _local_files(c.get("dataset_kwargs"))))
+    files = files or "its data"
     inner = e.__cause__ or e.__context__
     why = f"{type(e).__name__}: {e}"
     why += f" ({type(inner).__name__}: {inner})" if inner is not None and str(inner) not in why else ""

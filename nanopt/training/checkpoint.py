@@ -112,8 +112,10 @@ def _dcp(path: Path, state: dict[str, Any], save: bool) -> None:
     try:
         with warnings.catch_warnings():  # one process without a process group is a use, not an accident, here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            planner = {} if save else {"planner": dcp.DefaultLoadPlanner(allow_partial_load=True)}
-            (dcp.save if save else dcp.load)(state, checkpoint_id=str(path), **planner)
+            if save:
+                dcp.save(state, checkpoint_id=str(path))
+            else:
+                dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     except CheckpointException as e:
         first = next(iter(e.failures.values()), (None,))[0]
         if isinstance(first, OSError):  # a full disk on any rank is DiskFull on every rank (the caller's writing())
