@@ -223,9 +223,11 @@ def flops_per_token(cfg, seq_len: int) -> float:
 def make_step(model: torch.nn.Module, loss_fn, precision: str, device: torch.device):
     """The same step for both models: autocast forward, backward, clip 1.0, fused AdamW, zero_grad."""
     from nanopt.config import TrainConfig
+    from nanopt.distributed.runtime import Runtime
     from nanopt.recipe.optim import build_optimizer
 
-    opt = build_optimizer(model, TrainConfig(lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), device.type)
+    rt = Runtime(device.type, device, 0, 0, 1, 1, precision)  # one process on `device`
+    opt = build_optimizer(model, TrainConfig(lr=1e-4, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), rt)
 
     def step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):

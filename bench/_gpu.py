@@ -120,8 +120,7 @@ def time_train_step(cfg: Any, rt: Runtime, batches: list, steps: int) -> dict[st
     model = build_model(cfg.model, rt.device, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     converted = fp8.convert(model, cfg, rt)  # train.fp8, as train.Trainer converts: before optimizer, compile, DDP
     parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp/hsdp in a process group, as train.Trainer shards
-    optimizer = build_optimizer(model, cfg.train, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel,
-                                muon_dtype=rt.reduced_dtype(cfg.optim.muon_dtype))  # as train.Trainer builds it
+    optimizer = build_optimizer(model, cfg.train, rt, cfg.optim)  # as train.Trainer builds it
     plan = build_plan(cfg.train, rt.world_size)
     step_model = train.step_model(model, cfg.train, rt, plan)  # as train.Trainer builds it: compiled, then DDP
     step = rt.backend.compile_step(train.train_step, optimizer, shapes=len(plan.stages))

@@ -66,7 +66,7 @@ def worker(rank: int, world: int, ports: "mp.Queue", a: argparse.Namespace, out:
         fwd = torch.compile(model) if a.compile else model
         if distributed:
             fwd = DDP(fwd, gradient_as_bucket_view=True)
-        return model, fwd, build_optimizer(model, tcfg, "cpu")
+        return model, fwd, build_optimizer(model, tcfg, rt if distributed else single_rt)
 
     ddp_model, ddp_fwd, ddp_opt = build(True)
     single = build(False) if rank == 0 else None

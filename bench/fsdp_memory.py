@@ -78,7 +78,7 @@ def worker(rank: int, world: int, ports: "mp.Queue", a: argparse.Namespace, out:
         torch.manual_seed(0)  # the same initial weights for both
         model = build_model(cfg.model, rt.device)
         parallel.shard(model, cfg, rt)
-        optimizer = build_optimizer(model, t, "cpu", cfg.optim)
+        optimizer = build_optimizer(model, t, rt, cfg.optim)  # as train.Trainer builds it
         grads: list[int] = []
         optimizer.register_step_pre_hook(
             lambda opt, args, kwargs, g=grads: g.append(local_bytes(p.grad for p in opt_params(opt))))

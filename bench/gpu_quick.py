@@ -229,7 +229,8 @@ def time_muon(shapes: list[tuple[int, int]], device: torch.device, repeats: int,
         params = [p.clone().requires_grad_() for p in start]
         for p, grad in zip(params, grads):
             p.grad = grad
-        opt = torch.optim.Muon(params, **kw) if name == "torch" else BatchedMuon(params, **kw, batch_max_numel=limit)
+        opt = (torch.optim.Muon(params, **kw) if name == "torch" else  # bf16 Newton-Schulz, as torch's Muon's
+               BatchedMuon(params, **kw, batch_max_numel=limit, ns_dtype=torch.bfloat16))
         opt.step()  # warm-up: momentum buffers, kernels
         steps[name] = opt.step
     times: dict[str, list[float]] = {name: [] for name in steps}

@@ -121,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     params = {name: [p.clone().requires_grad_() for p in start] for name in names}
     cut_off = CpuBackend(torch.device("cpu")).muon_batch_max_numel  # as nanopt trains on this CPU
     opts = {"torch": torch.optim.Muon(params["torch"], **kw),
-            "batched_bf16": BatchedMuon(params["batched_bf16"], **kw, batch_max_numel=cut_off),
+            "batched_bf16": BatchedMuon(params["batched_bf16"], **kw, batch_max_numel=cut_off,
+                                        ns_dtype=torch.bfloat16),
             "batched_fp32": BatchedMuon(params["batched_fp32"], **kw, batch_max_numel=cut_off,
                                         ns_dtype=torch.float32),
             "adamw": torch.optim.AdamW(params["adamw"], lr=1e-3, weight_decay=0.0, fused=True)}

@@ -37,7 +37,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The SHORT_ARGS model (AdamW) and its optimizer after one step (moments to save)."""
     cfg = load_config(None, parse_overrides(SHORT_ARGS))
     model = build_model(cfg.model, "cpu")
-    opt = build_optimizer(model, cfg.train, "cpu", cfg.optim)
+    opt = build_optimizer(model, cfg.train, CPU, cfg.optim)
     x = torch.randint(0, model.cfg.vocab_size, (2, 8))
     model(x, x).backward()
     opt.step()

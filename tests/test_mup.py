@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU
 
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
 from nanopt.errors import ConfigError
@@ -28,7 +29,7 @@ def coordinates(cfg: ModelConfig, optimizer: str, steps: int = 4, lr: float = 1e
     model = build_model(cfg)
     x = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(1))
     idx, targets = x[:, :-1], x[:, 1:]  # B T each
-    opt = build_optimizer(model, TrainConfig(lr=lr, weight_decay=0.0), "cpu", OptimConfig(name=optimizer))
+    opt = build_optimizer(model, TrainConfig(lr=lr, weight_decay=0.0), CPU, OptimConfig(name=optimizer))
 
     seen: dict[str, torch.Tensor] = {}
     model.layers[-1].register_forward_hook(lambda m, i, out: seen.__setitem__("block", out.detach()))  # B T C
@@ -105,7 +106,7 @@ def test_mup_scales_only_the_hidden_matrices_lr(name, adjust, factor):
     train, optim = TrainConfig(lr=0.01), OptimConfig(name=name, muon_adjust_lr=adjust)
     lrs = {g["kind"]: g["base_lr"] for g in param_groups(model, train, optim)}
     assert lrs == {"matrix": pytest.approx(0.01 * factor), "embedding": 0.01, "head": 0.01, "scalar": 0.01}
-    opt = build_optimizer(model, train, "cpu", optim)
+    opt = build_optimizer(model, train, CPU, optim)
     assert {g["kind"]: g["lr"] for g in opt.param_groups} == lrs  # the schedule starts from these
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import fork_ranks
+from conftest import CPU, fork_ranks
 
 from nanopt.config import ModelConfig, OptimConfig, TrainConfig
-from nanopt.distributed.runtime import CpuBackend, CudaBackend
+from nanopt.distributed.runtime import CpuBackend, CudaBackend, Runtime
 from nanopt.recipe import optim as optim_module
 from nanopt.recipe.model import build_model
 from nanopt.recipe.optim import (BatchedMuon, MuonWithAdamW, apply_schedule, build_optimizer, kind_hparams,
@@ -30,6 +30,10 @@ def tiny(tie: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)
     return build_model(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                                    max_seq_len=16, tie_embeddings=tie))
+
+
+# The "xla" kind's optimizer flags without torch_xla: its parameters and backend are the CPU's.
+XLA = Runtime("xla", torch.device("cpu"), 0, 0, 1, 1, "fp32", backend=CpuBackend(torch.device("cpu")))
 
 
 def by_kind(groups: list[dict]) -> dict[str, dict]:
@@ -58,7 +62,7 @@ def test_groups_are_kinds_in_a_fixed_order_with_every_param_once_and_no_vector_d
         assert all(p.dim() == 2 for p in x["params"]) or all(p.dim() == 1 for p in x["params"])
         assert x["base_lr"] == 0.02 and x["weight_decay"] == (0.0 if x["params"][0].dim() == 1 else 0.3)
         assert x["weight_decay"] == (0.0 if x["kind"] == "scalar" else 0.3)
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, CPU)
     assert [x["lr"] for x in opt.param_groups] == [0.02] * len(groups)
     assert [x["kind"] for x in opt.param_groups] == [x["kind"] for x in groups]
     assert opt.defaults["betas"] == (0.9, 0.95)
@@ -86,7 +90,7 @@ def test_the_multiplier_is_the_schedule_relative_to_the_peak_and_scales_each_gro
     cfg = TrainConfig(lr=3.0, warmup_steps=5, max_steps=50, min_lr_ratio=0.2, schedule="cosine")
     assert lr_multiplier(4, cfg) == 1.0 and lr_multiplier(50, cfg) == pytest.approx(0.2)
     assert all(lr_at(s, cfg) == pytest.approx(3.0 * lr_multiplier(s, cfg)) for s in range(60))
-    opt = build_optimizer(tiny(), TrainConfig(lr=1.0), "cpu")
+    opt = build_optimizer(tiny(), TrainConfig(lr=1.0), CPU)
     opt.param_groups[0]["base_lr"] = 0.1  # a group with its own lr must not be overwritten by the others'
     apply_schedule(opt, 0.5)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
@@ -113,14 +117,14 @@ def saved(opt: torch.optim.Optimizer) -> dict:
 def test_a_kind_layout_checkpoint_round_trips_bit_identically():
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
     model = tiny(tie=False)
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, CPU)
     for s in range(3):
         apply_schedule(opt, lr_multiplier(s, cfg))
         step(model, opt, s)
     state = saved(opt)
 
     resumed_model = copy.deepcopy(model)
-    resumed = build_optimizer(resumed_model, cfg, "cpu")
+    resumed = build_optimizer(resumed_model, cfg, CPU)
     load_state_dict(resumed, state)
     assert [g["kind"] for g in resumed.param_groups] == ["matrix", "embedding", "head", "scalar"]
     for opt_, model_ in ((opt, model), (resumed, resumed_model)):
@@ -132,10 +136,10 @@ def test_a_kind_layout_checkpoint_round_trips_bit_identically():
 
 def test_a_resume_takes_decay_base_lr_and_implementation_from_this_run():
     model = tiny()
-    opt = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1), "cpu")  # fused
+    opt = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1), CPU)  # fused
     step(model, opt, 0)
     state = saved(opt)
-    resumed = build_optimizer(model, TrainConfig(lr=5e-3, weight_decay=0.05), "xla")  # not fused
+    resumed = build_optimizer(model, TrainConfig(lr=5e-3, weight_decay=0.05), XLA)  # not fused
     load_state_dict(resumed, state)
     for g in resumed.param_groups:
         assert g["base_lr"] == 5e-3 and g["lr"] == 1e-2  # the saved lr stays until apply_schedule
@@ -146,15 +150,15 @@ def test_a_resume_takes_decay_base_lr_and_implementation_from_this_run():
 
 
 def test_a_checkpoint_of_other_groups_or_the_old_two_group_layout_is_refused():
-    opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu")
+    opt = build_optimizer(tiny(tie=False), TrainConfig(), CPU)
     with pytest.raises(ValueError, match="groups"):
-        load_state_dict(build_optimizer(tiny(tie=True), TrainConfig(), "cpu"), saved(opt))
+        load_state_dict(build_optimizer(tiny(tie=True), TrainConfig(), CPU), saved(opt))
     model = tiny()
     params = list(model.parameters())  # what build_optimizer made before kinds: [>=2-D params, 1-D params]
     old = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
     step(model, old, 0)
-    new = build_optimizer(model, TrainConfig(), "cpu")
+    new = build_optimizer(model, TrainConfig(), CPU)
     with pytest.raises(ValueError, match="have no kind.*start a new run"):
         load_state_dict(new, saved(old))
     assert not new.state  # nothing was loaded
@@ -164,19 +168,19 @@ def test_a_checkpoint_of_other_groups_or_the_old_two_group_layout_is_refused():
                          ids=["fused-cuda-or-cpu", "capturable-xla"])
 def test_adamw_is_foreach_on_xla_fused_elsewhere_and_a_resume_keeps_this_runs_flags(saved_flags):
     # torch picks foreach only on CUDA-like devices: left alone, AdamW on XLA traces its per-parameter loop.
-    groups = build_optimizer(tiny(), TrainConfig(), "xla").param_groups
+    groups = build_optimizer(tiny(), TrainConfig(), XLA).param_groups
     assert all(g["foreach"] is True and not g["fused"] and not g["capturable"] for g in groups)
-    assert all(g["fused"] is True for g in build_optimizer(tiny(), TrainConfig(), "cpu").param_groups)
+    assert all(g["fused"] is True for g in build_optimizer(tiny(), TrainConfig(), CPU).param_groups)
     # A resume on another device type: the trajectory from the checkpoint, the implementation from this run.
     cfg = TrainConfig(lr=1e-2, weight_decay=0.1)
     model = tiny()
-    opt = build_optimizer(model, cfg, "cpu")
+    opt = build_optimizer(model, cfg, CPU)
     for s in range(3):
         step(model, opt, s)
     state = saved(opt)
     for g in state["param_groups"]:
         g.update(saved_flags)
-    for target in ("cpu", "xla"):  # fused here; the XLA backend's foreach (built on CPU params here)
+    for target in (CPU, XLA):  # fused here; the XLA backend's foreach (built on CPU params here)
         resumed_model = copy.deepcopy(model)
         resumed = build_optimizer(resumed_model, cfg, target)
         load_state_dict(resumed, copy.deepcopy(state))  # a step shares the loaded tensor
@@ -227,7 +231,7 @@ def test_muon_orthogonalises_each_matrix_update_where_adamw_does_not():
     spreads: dict[str, list[tuple[float, float]]] = {"muon": [], "adamw": []}
     for name in spreads:
         model = tiny(tie=False)
-        opt = build_optimizer(model, TrainConfig(lr=lr, weight_decay=0.0), "cpu",
+        opt = build_optimizer(model, TrainConfig(lr=lr, weight_decay=0.0), CPU,
                               OptimConfig(name=name, muon_momentum=0.0, muon_nesterov=False))
         changes = step_with_random_grads(model, opt)
         names = {id(p): n for n, p in model.named_parameters()}
@@ -251,7 +255,7 @@ def test_batched_muon_steps_like_torchs_muon_and_shares_its_state(nesterov, adju
     kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
     start, (ref, mine), (torch_muon, batched), _ = stepped(
         [(32, 32)] * 3 + [(64, 32)] * 2 + [(32, 64), (8, 16)], lambda ps: torch.optim.Muon(ps, **kw),
-        lambda ps: BatchedMuon(ps, **kw, batch_max_numel=batch_max))
+        lambda ps: BatchedMuon(ps, **kw, batch_max_numel=batch_max, ns_dtype=torch.bfloat16))
     for a, b, s in zip(ref, mine, start):
         assert (a - s).abs().max() > 100 * ULP  # the parameters did move
         torch.testing.assert_close(b, a, rtol=0, atol=ULP)
@@ -265,7 +269,8 @@ def test_fp32_newton_schulz_is_the_bf16_update_to_bf16s_rounding_and_reaches_the
     """Where bf16 is emulated the backend runs Newton-Schulz in fp32: the exact iteration bf16 approximates, so
     after 4 steps the parameters agree with bf16's to a few bf16 ulps, far below what they moved."""
     kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    start, (bf16, fp32), _, g = stepped([(32, 32)] * 3 + [(64, 32), (32, 64)], lambda ps: BatchedMuon(ps, **kw),
+    start, (bf16, fp32), _, g = stepped([(32, 32)] * 3 + [(64, 32), (32, 64)],
+                                        lambda ps: BatchedMuon(ps, **kw, ns_dtype=torch.bfloat16),
                                         lambda ps: BatchedMuon(ps, **kw, ns_dtype=torch.float32))
     for a, b, s in zip(bf16, fp32, start):
         assert (a - s).abs().max() > 100 * ULP
@@ -273,23 +278,27 @@ def test_fp32_newton_schulz_is_the_bf16_update_to_bf16s_rounding_and_reaches_the
     x = torch.randn(3, 32, 64, generator=g)
     assert optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32).dtype == torch.float32
     # BatchedMuon's iteration in fp32 differs from bf16's: the bf16 result is not just cast up.
-    assert not torch.equal(optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7).float(),
+    assert not torch.equal(optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.bfloat16).float(),
                            optim_module.orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32))
-    opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu", OptimConfig(name="muon"), muon_dtype=torch.float32)
-    assert opt.optimizers["muon"].ns_dtype == torch.float32
+    # optim.muon_dtype as the runtime reads it, for every caller: auto is the backend's.
+    for choice, want in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("auto", CPU.backend.reduced_dtype)):
+        opt = build_optimizer(tiny(tie=False), TrainConfig(), CPU, OptimConfig(name="muon", muon_dtype=choice))
+        assert opt.optimizers["muon"].ns_dtype == want, choice
 
 
 def test_the_batch_cut_off_is_the_devices_and_reaches_the_optimizer():
     """Every same-shaped matrix shares a Newton-Schulz call without a cut-off (CUDA's), large ones alone above it."""
     shapes = [(32, 32), (64, 32), (32, 32), (8, 16), (64, 32)]
     params = [torch.zeros(s, requires_grad=True) for s in shapes]
-    assert BatchedMuon(params).batches(params) == [[0, 2], [1, 4], [3]]
-    assert BatchedMuon(params, batch_max_numel=1024).batches(params) == [[0, 2], [1], [4], [3]]
+    assert BatchedMuon(params, ns_dtype=torch.float32).batches(params) == [[0, 2], [1, 4], [3]]
+    assert BatchedMuon(params, ns_dtype=torch.float32, batch_max_numel=1024).batches(params) == [[0, 2], [1], [4], [3]]
     cpu = CpuBackend(torch.device("cpu"))
     assert cpu.muon_batch_max_numel == (3 * 2**16 if cpu.native_bf16 else 2**16)  # bf16's cut-off, fp32's
     assert CudaBackend.muon_batch_max_numel is None
-    opt = build_optimizer(tiny(tie=False), TrainConfig(), "cpu", OptimConfig(name="muon"), muon_batch_max_numel=77)
-    assert opt.optimizers["muon"].batch_max_numel == 77
+    cpu.muon_batch_max_numel = 77  # the runtime's backend's, whatever it is
+    rt = Runtime("cpu", torch.device("cpu"), 0, 0, 1, 1, "fp32", backend=cpu)
+    opt = build_optimizer(tiny(tie=False), TrainConfig(), rt, OptimConfig(name="muon"))
+    assert opt.optimizers["muon"].batch_max_numel == 77 and opt.optimizers["muon"].process_group is None
 
 
 # ---------------------------------------------------------------- Muon shared out across ranks
@@ -308,7 +317,7 @@ def test_owners_spread_same_shaped_matrices_and_balance_the_newton_schulz_work()
 
 
 def _split_worker(rank: int, world: int, mesh_shape: tuple[int, ...], store: str, out: str,
-                  dtype: torch.dtype = torch.bfloat16) -> None:
+                  dtype: torch.dtype) -> None:
     """One gloo rank: three Muon steps of SPLIT_SHAPES split across the ranks as DDP replicas and as FSDP2 shards
     on `mesh_shape` ((world,): fsdp; (replicas, group): hsdp), the same gradients on every rank; saves the whole
     results and the matrices this rank orthogonalised."""
@@ -381,7 +390,7 @@ def test_embedding_head_and_scalars_go_to_adamw_with_their_own_lr_and_decay():
     optim = OptimConfig(name="muon", matrix_lr=0.02, embedding_lr=0.03, head_lr=0.004, scalar_lr=0.005,
                         matrix_weight_decay=0.0, embedding_weight_decay=0.5, head_weight_decay=0.25)
     model = tiny(tie=False)
-    opt = build_optimizer(model, TrainConfig(lr=1e-3, weight_decay=0.1), "cpu", optim)
+    opt = build_optimizer(model, TrainConfig(lr=1e-3, weight_decay=0.1), CPU, optim)
     assert isinstance(opt, MuonWithAdamW)
     groups = by_kind(opt.param_groups)
     assert [g["kind"] for g in opt.param_groups] == ["matrix", "embedding", "head", "scalar"]
@@ -410,7 +419,7 @@ def test_per_kind_keys_fall_back_to_train_and_the_schedule_scales_every_kind():
     assert kind_hparams("embedding", train, optim) == (1e-3, 0.0)
     assert kind_hparams("head", train, optim) == (1e-3, 0.1)
     assert kind_hparams("scalar", train, OptimConfig(scalar_lr=0.5)) == (0.5, 0.0)
-    optimizers = {name: build_optimizer(tiny(tie=False), train, "cpu",
+    optimizers = {name: build_optimizer(tiny(tie=False), train, CPU,
                                         OptimConfig(name=name, matrix_lr=0.02, head_lr=0.004))
                   for name in ("adamw", "muon")}
     for opt in optimizers.values():  # the per-kind keys shape the groups of either optimizer
@@ -425,22 +434,22 @@ def test_per_kind_keys_fall_back_to_train_and_the_schedule_scales_every_kind():
 def test_a_muon_state_dict_round_trips_and_another_optimizers_is_refused():
     train, muon = TrainConfig(lr=1e-2), OptimConfig(name="muon")
     model = tiny(tie=False)
-    opt = build_optimizer(model, train, "cpu", muon)
+    opt = build_optimizer(model, train, CPU, muon)
     step_with_random_grads(model, opt)
     state = saved(opt)
     assert [g["optimizer"] for g in state["param_groups"]] == ["muon", "adamw", "adamw", "adamw"]
 
     resumed_model = copy.deepcopy(model)
-    resumed = build_optimizer(resumed_model, train, "cpu", muon)
+    resumed = build_optimizer(resumed_model, train, CPU, muon)
     load_state_dict(resumed, state)
     assert resumed.optimizers["muon"].param_groups[0] is resumed.param_groups[0]  # re-shared after the load
     assert step_with_random_grads(model, opt).keys() == step_with_random_grads(resumed_model, resumed).keys()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
 
     adamw_model = copy.deepcopy(model)
-    adamw = build_optimizer(adamw_model, train, "cpu")
+    adamw = build_optimizer(adamw_model, train, CPU)
     with pytest.raises(ValueError, match="muon's and this run's optimizer is adamw.*--optim.name=muon"):
         load_state_dict(adamw, state)
     step_with_random_grads(adamw_model, adamw)
     with pytest.raises(ValueError, match="adamw's and this run's optimizer is muon.*--optim.name=adamw"):
-        load_state_dict(build_optimizer(model, train, "cpu", muon), saved(adamw))
+        load_state_dict(build_optimizer(model, train, CPU, muon), saved(adamw))

@@ -52,7 +52,7 @@ def train_and_sample(run_dir: str, overrides: list[str], sample: bool = True) ->
         matches.append(bool(torch.equal(on_xla, on_host)))
     out.update(sample_tokens=12, sample_compiles=compiles, sample_matches_cpu=matches)
     # The optimizer train() built, as build_optimizer builds it for this device.
-    optimizer = build_optimizer(xla_model, cfg.train, rt.kind, cfg.optim)
+    optimizer = build_optimizer(xla_model, cfg.train, rt, cfg.optim)
     out["adamw_foreach"] = all(g["foreach"] for g in optimizer.param_groups if g["optimizer"] == "adamw")
     return out
 

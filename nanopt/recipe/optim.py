@@ -15,6 +15,7 @@ from torch.optim._muon import _adjust_lr
 
 from nanopt.config import OptimConfig, TrainConfig
 from nanopt.distributed import xla
+from nanopt.distributed.runtime import Runtime
 
 log = logging.getLogger("nanopt")
 
@@ -70,28 +71,29 @@ def param_groups(model: nn.Module, train: TrainConfig, optim: Optional[OptimConf
     return groups
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig, device_kind: str, optim: Optional[OptimConfig] = None,
-                    muon_batch_max_numel: Optional[int] = None, process_group: Optional[dist.ProcessGroup] = None,
-                    muon_dtype: torch.dtype = torch.bfloat16) -> torch.optim.Optimizer:
-    """optim.name's optimizer over the kind groups. adamw: AdamW on every kind. muon: Muon on the matrix kind, AdamW
-    on the others, as one MuonWithAdamW; the ranks of `process_group` share Muon's orthogonalisation."""
+def build_optimizer(model: nn.Module, train: TrainConfig, rt: Runtime,
+                    optim: Optional[OptimConfig] = None) -> torch.optim.Optimizer:
+    """optim.name's optimizer over the kind groups, for rt's device. adamw: AdamW on every kind. muon: Muon on the
+    matrix kind, AdamW on the others, as one MuonWithAdamW; rt's ranks share Muon's orthogonalisation, at rt's
+    cut-off, in optim.muon_dtype as rt reads it (the device whole: a bf16 default had callers emulate it on AVX2)."""
     optim = optim or OptimConfig()
     groups = [dict(g, lr=g["base_lr"]) for g in param_groups(model, train, optim)]
     if optim.name == ADAMW:
-        return _adamw(groups, train, device_kind)
+        return _adamw(groups, train, rt.kind)
     if optim.name == MUON:
-        if device_kind == "xla":  # torch's per-matrix Muon: its XLA graphs were measured that way (tests/xla_jobs.py)
+        if rt.kind == "xla":  # torch's per-matrix Muon: its XLA graphs were measured that way (tests/xla_jobs.py)
             log.warning("optim.name=muon on XLA: torch_xla does not lower the addmm(beta, alpha) of Muon's "
                         "Newton-Schulz iteration and runs it on the host, so the train step is cut into ~2 graphs "
                         "per matrix (compiled once, then reused) and is slow; adamw keeps it one graph.")
             muon_type, extra = torch.optim.Muon, {}
         else:
-            muon_type, extra = BatchedMuon, dict(batch_max_numel=muon_batch_max_numel, process_group=process_group,
-                                                 ns_dtype=muon_dtype)
+            muon_type, extra = BatchedMuon, dict(batch_max_numel=rt.backend.muon_batch_max_numel,
+                                                 process_group=rt.process_group,
+                                                 ns_dtype=rt.reduced_dtype(optim.muon_dtype))
         muon = muon_type([dict(g, optimizer=MUON) for g in groups if g["kind"] == "matrix"],
                          momentum=optim.muon_momentum, nesterov=optim.muon_nesterov, ns_steps=optim.muon_ns_steps,
                          adjust_lr_fn=optim.muon_adjust_lr, **extra)
-        return MuonWithAdamW(muon, _adamw([g for g in groups if g["kind"] != "matrix"], train, device_kind))
+        return MuonWithAdamW(muon, _adamw([g for g in groups if g["kind"] != "matrix"], train, rt.kind))
     raise ValueError(f"unknown optimizer {optim.name!r}; expected {ADAMW!r} or {MUON!r}")
 
 
@@ -106,12 +108,11 @@ class BatchedMuon(torch.optim.Muon):
     """torch's Muon (same update and state: checkpoints are interchangeable) with one batched Newton-Schulz call per
     group of same-shaped matrices: at the CPU speedrun's width the step is 2.25x as fast (bench/muon_step.py).
     `batch_max_numel`: larger matrices go one at a time (None: all batch). `ns_dtype`: what Newton-Schulz computes
-    in (fp32 where bf16 is emulated). Across ranks each orthogonalises only the matrices it owns (OwnerSplit);
-    momentum, decay and the update are elementwise, on each rank's own rows."""
+    in, no default (the backend's: fp32 where bf16 is emulated). Across ranks each orthogonalises only the matrices
+    it owns (OwnerSplit); momentum, decay and the update are elementwise, on each rank's own rows."""
 
-    def __init__(self, params: Any, *args: Any, batch_max_numel: Optional[int] = None,
-                 process_group: Optional[dist.ProcessGroup] = None, ns_dtype: torch.dtype = torch.bfloat16,
-                 **kwargs: Any) -> None:
+    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype, batch_max_numel: Optional[int] = None,
+                 process_group: Optional[dist.ProcessGroup] = None, **kwargs: Any) -> None:
         super().__init__(params, *args, **kwargs)
         self.batch_max_numel, self.process_group, self.ns_dtype = batch_max_numel, process_group, ns_dtype
 
@@ -157,7 +158,7 @@ class BatchedMuon(torch.optim.Muon):
 
 
 def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  dtype: torch.dtype) -> torch.Tensor:
     """Newton-Schulz's quintic as torch.optim.Muon runs it, on one matrix or a batch: (N) A B -> (N) A B in `dtype`."""
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
@@ -205,11 +206,11 @@ class OwnerSplit:
     world: int
     sharded: bool
     device: torch.device  # where the matrices and the messages live
-    dtype: torch.dtype = torch.bfloat16  # what Newton-Schulz computes in and the messages carry
+    dtype: torch.dtype  # what Newton-Schulz computes in and the messages carry
 
     @classmethod
     def of(cls, params: list[torch.Tensor], process_group: Optional[dist.ProcessGroup],
-           dtype: torch.dtype = torch.bfloat16) -> Optional[OwnerSplit]:
+           dtype: torch.dtype) -> Optional[OwnerSplit]:
         """Over the DTensors' mesh's Shard(0) dimension, else over `process_group` when it has more than one
         rank, else None."""
         if any(hasattr(p, "to_local") for p in params):  # DTensors

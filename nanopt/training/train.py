@@ -118,9 +118,7 @@ class Trainer:
         model.recompute_blocks = t.recompute  # train.recompute: each block's activations again in backward
         fp8.convert(model, cfg, rt)  # train.fp8: block Linears in FP8, before the optimizer, compile and DDP see them
         parallel.shard(model, cfg, rt)  # runtime.parallel=fsdp: sharded in place, before the optimizer takes the params
-        self.model, self.optimizer = model, build_optimizer(
-            model, t, rt.kind, cfg.optim, rt.backend.muon_batch_max_numel, rt.process_group,
-            rt.reduced_dtype(cfg.optim.muon_dtype))
+        self.model, self.optimizer = model, build_optimizer(model, t, rt, cfg.optim)
         self.state, clock, self.ema = RunState(), SpeedrunClock.for_config(cfg), EMA.for_config(cfg, model)
         self.states = {"run_state": self.state, "loader": self.loader, "speedrun": clock}  # saved besides weights
         # Exact resume (checkpoint.py): refuses a changed config or data, skips damaged checkpoints.
