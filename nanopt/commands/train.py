@@ -52,9 +52,12 @@ def _run(argv: list[str]) -> int:
         path, rest = split_args(argv)
         cfg = load_config(path, parse_overrides(rest))
         run_dir = cfg.run_dir
+        # Checked against torchrun's world before the process group exists: every rank refuses alone, where one
+        # refusing after the rendezvous could leave a lagging peer to fail (exit 1) on its way out.
+        _, _, world, local_world = runtime.torchrun_world()
+        resolve(cfg, world, local_world)
         rt = runtime.init(cfg.runtime.device, cfg.train.precision, cfg.runtime.threads)
         rt.warn_if_checkpoints_perishable(cfg.checkpoint.mirror)
-        resolve(cfg, rt.world_size, rt.local_world_size)
         with faults.preemption_handlers():  # SIGTERM/SIGINT -> checkpoint, then Preempted
             train(cfg, rt)
         runtime.teardown(wait_for_peers=True)

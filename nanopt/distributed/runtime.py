@@ -329,6 +329,12 @@ def static_shapes(device: torch.device) -> bool:
     return torch.device(device).type == "xla"
 
 
+def torchrun_world() -> tuple[int, int, int, int]:
+    """(rank, local rank, world size, ranks per node) from torchrun's environment; one process without it."""
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    return rank, _env_int("LOCAL_RANK", 0), world, _env_int("LOCAL_WORLD_SIZE", world)
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name) or str(default)
     try:
@@ -348,8 +354,7 @@ def detect_kind(requested: str) -> str:
 
 def init(device: str = "auto", precision: str = "bf16", threads: int = 0) -> Runtime:
     """Read torchrun's environment, start the device's backend, and the process group when world > 1."""
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world)
+    rank, local_rank, world, local_world = torchrun_world()
     kind = detect_kind(device)
     if kind == "xla" and world > 1:  # multi-process XLA (torchrun, xmp.spawn) is not how nanopt runs it
         raise ConfigError(f"`runtime.device` is xla but this process is rank {rank} of {world} (launched by torchrun). "
