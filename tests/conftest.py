@@ -36,6 +36,9 @@ from nanopt.main import run
 from nanopt.recipe.model import Llama, build_model
 from nanopt.training import packing
 
+# One thread for the test process, as for the processes it starts (run_module: OMP_NUM_THREADS=1): on 2 cores the
+# other is the background torchruns'. An in-process run sets the count anew (runtime.threads; 0 = the cores).
+torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
 
 # Overrides that make a run take seconds on 2 cores: a 2-layer, 64-wide model on 32-token windows.

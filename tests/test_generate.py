@@ -14,8 +14,6 @@ from nanopt.recipe.attention import eager, sdpa
 from nanopt.recipe.model import build_model
 from nanopt.training import checkpoint
 
-torch.set_num_threads(1)
-
 CONFIGS = {
     "gqa-tied": dict(n_heads=4, n_kv_heads=2, tie_embeddings=True),
     "mqa-untied-llama3": dict(n_heads=4, n_kv_heads=1, tie_embeddings=False, rope_scaling="llama3",

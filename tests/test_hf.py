@@ -18,8 +18,6 @@ from nanopt.errors import ConfigError
 from nanopt.hf import export_model, init_from, load_hf
 from nanopt.recipe.model import build_model
 
-torch.set_num_threads(1)
-
 # ---------------------------------------------------------------- Hugging Face export / import
 
 PARITY = {
