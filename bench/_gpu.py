@@ -41,6 +41,13 @@ def model_config(path: Optional[str]) -> ModelConfig:
     return load_config(REPO / path, []).model
 
 
+def check_precision(device: torch.device) -> str:
+    """What the check computes in (train.precision, autocast), decided here for every section: bf16 where `device`
+    computes it natively (the GPUs it is for, AMX and AVX512-BF16 CPUs), else fp32: a CPU smoke checks the script
+    and measures nothing, and emulated bf16 is ~85x slower on an AVX2 CPU. The results and reports name it."""
+    return "bf16" if Runtime(device.type, device, 0, 0, 1, 1, "bf16").backend.native_bf16 else "fp32"
+
+
 def check_env(device: torch.device, smoke: bool) -> dict[str, Any]:
     """Versions (torchao and lm-eval included), the device, how nanopt names it, its peak and FP8 support, and a
     measured bf16 matmul."""
@@ -189,11 +196,11 @@ def cache_logit_diff(model: Any, ids: torch.Tensor, prompt_len: int) -> tuple[fl
 
 def check_tasks(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     """Scoring speed as the harness drives it: items x 4 (context, ending) loglikelihood requests of random ids,
-    contexts and endings of varied length around the given means, bf16 autocast; a few requests are re-scored
-    one by one, unbatched, to check the batching changed nothing."""
+    contexts and endings of varied length around the given means, bf16 autocast (check_precision); a few requests
+    are re-scored one by one, unbatched, to check the batching changed nothing."""
     cfg = model_config(spec["config"])
     model = build_model(cfg, device).eval()
-    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
+    rt = Runtime(device.type, device, 0, 0, 1, 1, check_precision(device))
     g = torch.Generator().manual_seed(0)
     requests = []
     for _ in range(spec["items"]):
@@ -209,8 +216,8 @@ def check_tasks(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     sync(device)
     seconds = time.perf_counter() - t0
     alone = [continuation_scores(model, [r], rt, 1)[0][0] for r in requests[:8]]
-    return {"items": spec["items"], "requests": len(requests), "batch": spec["batch"], "seconds": seconds,
-            "requests_per_s": len(requests) / seconds, "goal_s": 60,
+    return {"items": spec["items"], "requests": len(requests), "batch": spec["batch"], "precision": rt.precision,
+            "seconds": seconds, "requests_per_s": len(requests) / seconds, "goal_s": 60,
             "tokens": sum(len(c) + len(e) for c, e in requests),
             "batched_vs_alone_max_abs": max(abs(a - s[0]) for a, s in zip(alone, scores))}
 
@@ -310,7 +317,7 @@ def md_sample(r: dict[str, Any]) -> list[str]:
 
 
 def md_tasks(tasks: dict[str, Any]) -> list[str]:
-    return ["## Downstream scoring (HellaSwag-sized, nanopt.evals.scoring)", "",
+    return [f"## Downstream scoring (HellaSwag-sized, nanopt.evals.scoring, {tasks['precision']})", "",
             f"{tasks['items']:,} items x 4 = {tasks['requests']:,} requests ({tasks['tokens']:,} tokens), batch "
             f"{tasks['batch']}: **{tasks['seconds']:.1f} s** ({tasks['requests_per_s']:,.0f} requests/s; goal "
             f"< {tasks['goal_s']} s); batched vs one-by-one max |Δ| {tasks['batched_vs_alone_max_abs']:.1e}"]

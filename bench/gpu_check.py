@@ -28,6 +28,8 @@ Sections (docs/results.md "GPU: one H100"; issue 16's findings in brackets):
              rank of eight: global batch 131072 = 4 x 4096 x 8 micro-steps), in each --variants: tokens/s,
              MFU, peak allocated and reserved memory, the profiler's shares and top ops [2, 3, 7]
 Training data are synthetic shards written here (random tokens; nothing is downloaded), except fp8's loss gap.
+Everything computes in bf16 on the GPU; --cpu-smoke too where the CPU has bf16 hardware, in fp32 where it would
+emulate bf16 (_gpu.check_precision), and the JSON's `precision` and the reports say which.
 Each section runs on its own: one that fails is reported as failed and the rest go on. The fp8, ranks2 and sample
 sections, ddp's nanopt-path half and the top ops without "Command Buffer Full" rows have so far run only as
 --cpu-smoke: their GPU times above are estimates.
@@ -53,9 +55,9 @@ from typing import Any, Callable, Optional
 
 import gpu_quick
 from _common import parser
-from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_sample, check_tasks, free_port, md_env,
-                  md_sample, md_tasks, model_config, nanopt_run, peak_gib, process_group, random_batches, run_sections,
-                  section_failed, speed_of, time_train_step, write_shards)
+from _gpu import (QUIET, REPO, VARIANTS, WorldOfOne, _fmt, check_env, check_precision, check_sample, check_tasks,
+                  free_port, md_env, md_sample, md_tasks, model_config, nanopt_run, peak_gib, process_group,
+                  random_batches, run_sections, section_failed, speed_of, time_train_step, write_shards)
 
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
@@ -81,12 +83,13 @@ SMALL_170M = ["--config", "configs/170m-1gpu.yaml", "--model.n_layers=2", "--tra
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
-    """Shapes and step counts for each section: the configs' own on a GPU, toys for --cpu-smoke."""
+    """Shapes and step counts for each section: the configs' own on a GPU, toys for --cpu-smoke (in its
+    check_precision: fp32 where this CPU would emulate bf16)."""
     if not smoke:
         return {
             "attention": dict(B=1, T=4096, Hq=32, Hkv=8, D=64),  # configs/1b.yaml, one sequence
             "ddp_model": dict(config="configs/1b.yaml", micro=(1, 2048), accum=4, steps=5, overrides=[]),
-            "fp8": dict(variants=["compiled", "fp8"], loss_steps=200, models=["1b", "170m"], loss=[
+            "fp8": dict(variants=["compiled", "fp8"], loss_steps=200, models=["1b", "170m"], precision="bf16", loss=[
                 "--config", "configs/170m-1gpu.yaml", "--model.vocab_size=257", "--train.global_batch_tokens=32768",
                 "--train.warmup_steps=20"]),
             "sample": dict(config="configs/1b.yaml", batch=4, prompt=128, new=256),
@@ -103,14 +106,15 @@ def sizes(smoke: bool) -> dict[str, Any]:
             "steps": 12, "shard_tokens": 4_000_000,
             "tasks": dict(config="configs/1b.yaml", items=10042, context=70, ending=30, batch=64),
         }
+    precision = check_precision(torch.device("cpu"))
     toy = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
            "--model.ffn_dim=128", "--model.vocab_size=512", "--train.seq_len=64", "--train.micro_batch_size=2",
-           "--train.global_batch_tokens=256", "--runtime.threads=1",
+           "--train.global_batch_tokens=256", "--runtime.threads=1", f"--train.precision={precision}",
            "--train.fp8_filter=all"]  # toy Linears are below torchao's thresholds: FP8 variants convert them anyway
     return {
         "attention": dict(B=1, T=128, Hq=4, Hkv=2, D=16),
         "ddp_model": dict(config=None, micro=(2, 32), accum=4, steps=3, overrides=[*toy, "--train.compile=false"]),
-        "fp8": dict(variants=["eager", "fp8_eager"], loss_steps=20, models=["1b"],  # 170m is the same toy here
+        "fp8": dict(variants=["eager", "fp8_eager"], loss_steps=20, models=["1b"], precision=precision,  # 170m: 1b
                     loss=["--config", "configs/170m-1gpu.yaml", *toy, "--model.vocab_size=257"]),
         "sample": dict(config=None, batch=2, prompt=8, new=16),
         "speedrun": dict(speed=["--config", "configs/speedrun-gpu.yaml", "--data.packing=windows", *toy,
@@ -220,6 +224,7 @@ def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, An
     cfg = model_config(spec["config"])
     (b, t), accum = spec["micro"], spec["accum"]
     out: dict[str, Any] = {"model": spec["config"] or "toy", "params": None, "micro_batch": [b, t], "accum": accum}
+    bf16 = check_precision(device) == "bf16"  # autocast as training's, where the device computes bf16 natively
     for set_to_none in (True, False):
         torch.manual_seed(0)
         model = build_model(cfg, device)
@@ -234,7 +239,7 @@ def check_ddp_memory(device: torch.device, spec: dict[str, Any]) -> dict[str, An
             storages.clear()
             for i in range(accum):
                 with contextlib.nullcontext() if i == accum - 1 else ddp.no_sync():
-                    with torch.autocast(device.type, torch.bfloat16):
+                    with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                         loss = ddp(x[:, :-1], x[:, 1:])
                     loss.backward()
                 if i == 0:  # where the no_sync gradients live: DDP's bucket, or storages of their own
@@ -318,9 +323,10 @@ def train_run(name: str, args: list[str], work: Path, steps: int, shards: Path, 
 
 def check_fp8(spec: dict[str, Any], train_args: dict[str, list[str]], work: Path, steps: int, shards: Path,
               text: Path, timeout: float, done: Optional[dict[tuple, dict[str, Any]]] = None) -> dict[str, Any]:
-    """train.fp8 against bf16: each model's speed (check_train's runs of both variants) and the loss gap on text."""
+    """train.fp8 against bf16 (spec's precision: a CPU smoke's may be fp32): each model's speed (check_train's runs of
+    both variants) and the loss gap on text."""
     base, fp8 = spec["variants"]
-    out: dict[str, Any] = {"variants": spec["variants"], "models": spec["models"]}
+    out: dict[str, Any] = {"variants": spec["variants"], "models": spec["models"], "precision": spec["precision"]}
     for name in spec["models"]:
         runs = check_train(f"fp8-{name}", train_args[name], spec["variants"], work, steps, shards, timeout, done)
         speeds = [runs[v].get("tokens_per_s") for v in (base, fp8)]
@@ -345,7 +351,7 @@ def fp8_loss_gap(spec: dict[str, Any], work: Path, text: Path, timeout: float) -
                         "log_tail": res["log_tail"] if res["rc"] != 0 else ""}
         shutil.rmtree(run_dir, ignore_errors=True)
     vals = [out[v]["val_loss"] for v in spec["variants"]]
-    out["val_loss_gap"] = vals[1] - vals[0] if None not in vals else None  # FP8 minus bf16
+    out["val_loss_gap"] = vals[1] - vals[0] if None not in vals else None  # FP8 minus bf16 (or the smoke's fp32)
     return out
 
 
@@ -464,7 +470,8 @@ def check_resume(args: list[str], work: Path, shards: Path, timeout: float) -> d
 
 def markdown(results: dict[str, Any]) -> str:
     """The report: one part per section that ran, then each failed section's traceback."""
-    lines = [f"# nanopt GPU check, {results['date']}", "", f"command: `{results['command']}`", ""]
+    lines = [f"# nanopt GPU check, {results['date']}", "", f"command: `{results['command']}`", "",
+             f"precision: {results.get('precision', 'bf16')}", ""]
     for name, part in MARKDOWN.items():
         r = results.get(name)
         if isinstance(r, dict) and r and "error" not in r:
@@ -532,7 +539,7 @@ def md_resume(res: dict[str, Any]) -> list[str]:
 
 def md_fp8(r: dict[str, Any]) -> list[str]:
     base, fp8 = r["variants"]
-    lines = [f"## FP8 (train.fp8) against bf16: {fp8} vs {base}", "",
+    lines = [f"## FP8 (train.fp8) against {r['precision']}: {fp8} vs {base}", "",
              "The FP8 rows' MFU is bf16-equivalent: their FP8 matmuls are counted against the dense bf16 peak.", ""]
     for name in r["models"]:
         runs = {v: r[name][v] for v in r["variants"]}
@@ -678,7 +685,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "command": " ".join(["python", "bench/gpu_check.py",
                                                     *(argv if argv is not None else sys.argv[1:])]),
-                               "smoke": a.cpu_smoke, "quick": a.quick, "part": a.part, "deadline_s": a.deadline_s}
+                               "smoke": a.cpu_smoke, "quick": a.quick, "part": a.part, "deadline_s": a.deadline_s,
+                               "precision": check_precision(device)}  # what every section computed in
     report = gpu_quick.markdown if a.quick else markdown
     if a.quick:
         why = f"not in --part {a.part}" if a.part else "not in --sections"

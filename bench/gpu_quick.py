@@ -2,7 +2,8 @@
 that still exercises it, in two calls of at most 5 minutes each (`--part 1`, `--part 2`) on the lent H200 (a rental is
 15 minutes, its start included, at most 10 of them for one command). Offline: synthetic data, torchao and lm-eval
 from carried wheels; a section that cannot run says why and the rest go on. `--quick --cpu-smoke` runs the same
-sections at toy size on CPU (the test suite does).
+sections at toy size on CPU (the test suite does), in fp32 where the CPU would emulate bf16 (_gpu.check_precision:
+the fp8 section's baseline line is then `fp32`), as its report says.
 
 Sections, in the order they run: by what they decide, most first (PLAN below: each one's part and budget).
   env         versions (torch, CUDA, cuDNN, NCCL, torchao, lm-eval), the device, its peak and FP8 support
@@ -43,8 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _gpu import (LOGIT_TOLERANCE, QUIET, REPO, WorldOfOne, _fmt, check_env, check_sample, check_tasks, md_env,
-                  nanopt_run, process_group, random_batches, sample_check, sync, time_train_step)
+from _gpu import (LOGIT_TOLERANCE, QUIET, REPO, WorldOfOne, _fmt, check_env, check_precision, check_sample,
+                  check_tasks, md_env, nanopt_run, process_group, random_batches, sample_check, sync, time_train_step)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -90,7 +91,8 @@ MUON_MARGIN = 1.05  # batching loses at a shape only when slower than one at a t
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
-    """Each section's shapes: the smallest that exercise the GPU path, or toys for --cpu-smoke."""
+    """Each section's shapes: the smallest that exercise the GPU path, or toys for --cpu-smoke (in its
+    check_precision: fp32 where this CPU would emulate bf16)."""
     if not smoke:
         return {
             # 4 blocks: their FP8 share of the FLOPs is below the 16-block model's (the LM head stays in bf16), so
@@ -116,10 +118,11 @@ def sizes(smoke: bool) -> dict[str, Any]:
                              doc_tokens=(200, 4000)),
             "timeout": 300,
         }
-    toy_two = ["--config", "configs/speedrun-gpu.yaml", *TOY]
+    toy = [*TOY, f"--train.precision={check_precision(torch.device('cpu'))}"]
+    toy_two = ["--config", "configs/speedrun-gpu.yaml", *toy]
     return {
         # Eager on CPU (compiled it is the GPU's question); every block Linear, since a toy's are below the filter.
-        "fp8": dict(args=["--config", "configs/1b.yaml", *TOY, "--train.compile=false", "--train.fp8_filter=all"],
+        "fp8": dict(args=["--config", "configs/1b.yaml", *toy, "--train.compile=false", "--train.fp8_filter=all"],
                     micro=(2, 64), accum=1, steps=4),
         "muon": dict(configs={"toy": toy_two}, repeats=3),
         "decode": dict(args=toy_two, batch=2, prompt=8, new=8),
@@ -129,10 +132,10 @@ def sizes(smoke: bool) -> dict[str, Any]:
         "fp8_ddp": dict(args=[*toy_two, "--train.compile=false"], micro=(2, 32), accum=2, steps=2),
         # Eager on CPU: two more inductor compiles would add tens of seconds to the suite, and fsdp's per-block
         # compile is tested on 2 gloo ranks (tests/e2e/test_ddp.py).
-        "fsdp": dict(args=["--config", "configs/170m-1gpu.yaml", *TOY, "--train.compile=false"], micro=(2, 32),
+        "fsdp": dict(args=["--config", "configs/170m-1gpu.yaml", *toy, "--train.compile=false"], micro=(2, 32),
                      accum=2, steps=1),
         # One layer: the stages' shapes and recompiles are the check, and a second layer adds ~1 s to its two compiles.
-        "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", *TOY, "--model.n_layers=1",
+        "speedrun": dict(args=["--config", "configs/speedrun-gpu.yaml", *toy, "--model.n_layers=1",
                                "--data.packing=bos_bestfit",
                                "--train.batch_schedule=0:256,4:384,10:512",
                                "--train.seq_len_schedule=0:64,7:32,10:64"], vocab=512, tokens=60_000,
@@ -273,7 +276,7 @@ def check_decode_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, An
     if reason := skip_reason("torchao", CARRY):
         return {"skipped": reason}
     cfg = config([*spec["args"], "--train.fp8_filter=all"])
-    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
+    rt = Runtime(device.type, device, 0, 0, 1, 1, cfg.train.precision)
     out: dict[str, Any] = {}
     for recipe in ("tensorwise", "rowwise"):
         cfg.train.fp8 = recipe
@@ -308,7 +311,7 @@ def check_harness(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     cfg = config([*spec["args"], "--model.vocab_size=257"])
     model = build_model(cfg.model, device).eval()
-    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
+    rt = Runtime(device.type, device, 0, 0, 1, 1, cfg.train.precision)
     lm = lm_class()(model=model, tokenizer="byte", rt=rt, batch_size=16)
     rng = np.random.default_rng(0)
     words = ["the", "a", "model", "trains", "fast", "on", "one", "GPU", "and", "loss", "falls"]
@@ -351,7 +354,8 @@ def check_fp8_ddp(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
 
     def line(runtime: type, split: str) -> Callable[[], dict[str, Any]]:
         cfg = config([*fp8_args, f"--train.compile_ddp_split={split}"])
-        return lambda: time_train_step(cfg, runtime(device.type, device, 0, 0, 1, 1, "bf16"), batches, spec["steps"])
+        rt = runtime(device.type, device, 0, 0, 1, 1, cfg.train.precision)
+        return lambda: time_train_step(cfg, rt, batches, spec["steps"])
 
     with process_group(device):
         each_line(device, out, {"ddp_split": line(WorldOfOne, "true"), "ddp_one_graph": line(WorldOfOne, "false"),
@@ -464,14 +468,16 @@ def check_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
     if reason := skip_reason("torchao", CARRY):
         return {"skipped": reason}
     (b, t), accum = spec["micro"], spec["accum"]
+    base_name = config(spec["args"]).train.precision  # bf16; a CPU smoke's fp32 where bf16 is emulated
     cfgs = {name: config([*spec["args"], f"--train.fp8={recipe}"])
-            for name, recipe in (("bf16", "none"), ("tensorwise", "tensorwise"), ("rowwise", "rowwise"))}
-    batches = random_batches(cfgs["bf16"].model.vocab_size, (b, t), accum)
-    rt = Runtime(device.type, device, 0, 0, 1, 1, "bf16")
-    out: dict[str, Any] = {"args": spec["args"], "micro_batch": [b, t], "accum": accum, "steps": spec["steps"]}
+            for name, recipe in ((base_name, "none"), ("tensorwise", "tensorwise"), ("rowwise", "rowwise"))}
+    batches = random_batches(cfgs[base_name].model.vocab_size, (b, t), accum)
+    rt = Runtime(device.type, device, 0, 0, 1, 1, base_name)
+    out: dict[str, Any] = {"args": spec["args"], "micro_batch": [b, t], "accum": accum, "steps": spec["steps"],
+                           "precision": base_name}
     each_line(device, out, {name: (lambda c=c: time_train_step(c, rt, batches, spec["steps"]))
                             for name, c in cfgs.items()})
-    base = out["bf16"]
+    base = out[base_name]
     for name in ("tensorwise", "rowwise"):
         r, c = out[name], cfgs[name]
         r["fp8_flops_share"] = fp8.flops_share(meta_model(c.model), c.train, t, c.mfu.causal_halving)
@@ -482,9 +488,10 @@ def check_fp8(device: torch.device, spec: dict[str, Any]) -> dict[str, Any]:
                         "2026-11-23, older code", "source": str(SHIPPED.relative_to(REPO)),
                         **{k: ref.get(k) for k in ("step_ms", "tokens_per_s", "mfu")}}
     tw = out["tensorwise"]
-    out["goals"] = [goal(tw.get("speedup"), ">=", 1.15, f"bf16 / FP8 tensorwise step ms, {spec['args'][1]} width"),
-                    goal(tw.get("loss_gap"), "<=", 0.01, f"|FP8 tensorwise - bf16| loss after {spec['steps'] + 2} "
-                         "steps (nats)")]
+    out["goals"] = [goal(tw.get("speedup"), ">=", 1.15,
+                         f"{base_name} / FP8 tensorwise step ms, {spec['args'][1]} width"),
+                    goal(tw.get("loss_gap"), "<=", 0.01,
+                         f"|FP8 tensorwise - {base_name}| loss after {spec['steps'] + 2} steps (nats)")]
     return out
 
 
@@ -496,7 +503,8 @@ def markdown(results: dict[str, Any]) -> str:
     output)."""
     lines = [f"# nanopt quick GPU check, {results['date']}", "", f"command: `{results['command']}`", ""]
     if results.get("smoke"):
-        lines += ["CPU smoke: toy sizes that check the code paths; its figures and goals mean nothing.", ""]
+        lines += [f"CPU smoke in {results.get('precision', 'bf16')}: toy sizes that check the code paths; its "
+                  "figures and goals mean nothing.", ""]
     if isinstance(results.get("env"), dict) and "skipped" not in results["env"] and "error" not in results["env"]:
         lines += md_env(results["env"]) + [""]
     lines += ["## Sections", "", "| section | part | budget s | seconds | result |", "|---|---|---|---|---|"]
@@ -552,8 +560,9 @@ def _step(v: dict[str, Any]) -> str:
 
 
 SUMMARY: dict[str, Callable[[dict[str, Any]], str]] = {
-    "fp8": lambda r: each(r, ("bf16", "tensorwise", "rowwise"), lambda v: _step(v) + (
-        f", {v['speedup']:.3f}x bf16, {v['fp8_flops_share']:.0%} of FLOPs in FP8" if "speedup" in v else "")) + (
+    "fp8": lambda r: each(r, (r["precision"], "tensorwise", "rowwise"), lambda v: _step(v) + (
+        f", {v['speedup']:.3f}x {r['precision']}, {v['fp8_flops_share']:.0%} of FLOPs in FP8" if "speedup" in v
+        else "")) + (
         f"; reference only ({r['reference']['what']}): {r['reference']['step_ms']:,.0f} ms/step"),
     "fp8_ddp": lambda r: each(r, ("ddp_split", "ddp_one_graph", "unwrapped"), _step) + (
         f"; loss diff {', '.join(f'{k} {v:.1e}' for k, v in r['loss_diff'].items()) or 'n/a'}"),
