@@ -26,7 +26,7 @@ import _common as C
 import torch
 
 from nanopt import rundirs
-from nanopt.config import load_config
+from nanopt.config import load_config, parse_overrides
 from nanopt.distributed.runtime import CpuBackend
 from nanopt.recipe.model import build_model
 from nanopt.recipe.optim import BatchedMuon, orthogonalize, param_groups
@@ -43,8 +43,12 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="instead: whole `python -m nanopt.main` processes of --config with Muon (the backend's "
                         "Newton-Schulz dtype), Muon in bf16, and AdamW, alternating: median ms per training step")
     p.add_argument("--steps", type=int, default=40, help="--whole-step: steps per process (the first 10 are warm-up)")
-    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: --whole-step at toy width, 11 steps, once")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help=f"{C.SMOKE_HELP}: the config at toy width (its 7 matrices), "
+                   "one round; with --whole-step 11 steps per process")
+    a = p.parse_args(argv)
+    a.overrides = C.TOY_RECIPE if a.smoke else []  # bf16 emulated (AVX2): 21 matrices' Newton-Schulz take seconds
+    a.repeats, a.steps = (1, 11) if a.smoke else (a.repeats, a.steps)
+    return a
 
 
 WHOLE_STEP = {"muon (auto dtype)": [], "muon, bf16 Newton-Schulz": ["--optim.muon_dtype=bf16"],
@@ -94,9 +98,9 @@ def per_shape(repeats: int) -> None:
     print(f"\nThis CPU's muon_batch_max_numel is {limit:,}: shapes above it go one at a time.")
 
 
-def matrices(config: str) -> list[torch.Tensor]:
+def matrices(config: str, overrides: list[str]) -> list[torch.Tensor]:
     """The matrix kind's parameters (what Muon steps) of the config's model, detached copies."""
-    cfg = load_config(config)
+    cfg = load_config(config, parse_overrides(overrides))
     model = build_model(cfg.model)
     group = next(g for g in param_groups(model, cfg.train, cfg.optim) if g["kind"] == "matrix")
     return [p.detach().clone() for p in group["params"]]
@@ -107,11 +111,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     C.banner("Muon step: torch.optim.Muon vs BatchedMuon", {"config": a.config}, C.command(__file__, argv))
     if a.cut_off:
         return per_shape(a.repeats)
-    if a.smoke:
-        return whole_step(a.config, 1, 11, tuple(C.TOY_RECIPE))
     if a.whole_step:
-        return whole_step(a.config, a.repeats, a.steps)
-    start = matrices(a.config)
+        return whole_step(a.config, a.repeats, a.steps, tuple(a.overrides))
+    start = matrices(a.config, a.overrides)
     shapes = sorted({tuple(p.shape) for p in start})
     print(f"matrices: {len(start)} in {len(shapes)} shapes {shapes}\n")
     g = torch.Generator().manual_seed(0)

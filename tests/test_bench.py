@@ -334,8 +334,8 @@ def test_loss_memory_runs(smokes):
 
 
 def test_muon_step_runs(capsys):
-    out = run("muon_step", ["--repeats", "1"], capsys)
-    assert "matrices: 21 in 3 shapes" in out and "BatchedMuon (bf16) is **" in out
+    out = run("muon_step", ["--smoke"], capsys)  # C.TOY_RECIPE's one layer: q, k, v, o and SwiGLU's three
+    assert "matrices: 7 in 3 shapes" in out and "BatchedMuon (bf16) is **" in out
     for label in ("torch.optim.Muon (bf16)", "nanopt BatchedMuon, bf16", "nanopt BatchedMuon, fp32",
                   "torch AdamW (fused)"):
         assert f"| {label} | " in out, label
@@ -345,7 +345,7 @@ def test_muon_step_runs(capsys):
 @pytest.mark.slow
 def test_muon_step_whole_step_runs(capsys):
     """Three real training processes at toy width (Muon in the backend's dtype, in bf16, AdamW): a row each."""
-    out = run("muon_step", ["--smoke"], capsys)
+    out = run("muon_step", ["--smoke", "--whole-step"], capsys)
     for label in ("muon (auto dtype)", "muon, bf16 Newton-Schulz", "adamw"):
         assert re.search(rf"\| {re.escape(label)} \| \d+\.\d \| n/a \| \d+\.\d\dx \|", out), (label, out)
 
