@@ -99,11 +99,20 @@ def measure_matmul_flops(dtype: Any, device: Any = "cpu", budget_s: float = PEAK
                          sync: Callable[[], None] = lambda: None, n: int = 1024) -> float:
     """Best square-matmul FLOP/s seen within about `budget_s` seconds: the measured peak. A fixed size (1024: every
     core busy, ~10 ms a product on a CPU), not one picked from a first timing, which a busy machine skews toward
-    tiny sizes and a far too low peak. The fastest batch counts: interference only ever makes a batch slower."""
+    tiny sizes and a far too low peak; halved only while one product would outlast the budget (emulated bf16, AVX2:
+    11 CPU s a run at 1024). The fastest batch counts: interference only ever makes a batch slower."""
     import torch
 
     start = time.perf_counter()
     with torch.no_grad():
+        a = torch.randn(n // 4, n // 4, dtype=dtype, device=device)
+        for _ in range(2):  # a product at n/4 predicts one at n: the second timed, the first selects kernels
+            t0 = time.perf_counter()
+            a @ a
+            sync()
+        probe = time.perf_counter() - t0
+        while n > a.shape[0] and probe * (n / a.shape[0]) ** 3 > budget_s:
+            n //= 2
         a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
         out = a @ b  # warm-up: allocation, kernel selection
         sync()
