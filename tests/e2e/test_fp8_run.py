@@ -20,8 +20,10 @@ from nanopt.main import run
 pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
 
 STEPS = 8
-# One layer: every run here is about fp8's state, and the compiled one's graph compiles in about half the time.
+# One layer: every run here is about fp8's state, and the compiled one's graph compiles in about half the time. fp32:
+# emulated FP8 needs no bf16, which a CPU without bf16 hardware emulates ~85x slower (test_fp8.py's run is in bf16).
 ARGS = small_overrides(**{"train.fp8": "tensorwise", "train.fp8_filter": "all", "train.max_steps": STEPS,
+                          "train.precision": "fp32",
                           "checkpoint.every": 2, "log.tensorboard": "false", "model.n_layers": 1})
 
 
